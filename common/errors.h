@@ -1,0 +1,58 @@
+// The errors a run can end with. Each message names what was wrong and where (rank, operation, shape,
+// file and line) so the user can act on it without a debugger.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace ranklab {
+
+// Base of every error ranklab raises on purpose.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Bad arguments: an invalid world size, rank, root, group, shape or option.
+class UsageError : public Error {
+ public:
+  using Error::Error;
+};
+
+// An allocation that would take a rank past its device's memory capacity.
+class OutOfMemoryError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Ranks that disagree on a collective (operation, size, dtype, root, reduce op or group).
+class MismatchError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Every rank is waiting and nothing can wake any of them; the message lists each rank's pending operation.
+class DeadlockError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A profile file that cannot be used; the message names the file and line.
+class ProfileError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A lesson's own numerical check failed.
+class CheckFailedError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A backend failure (CUDA, cuBLAS, NCCL) naming the call, the error string, the rank and the device.
+class BackendError : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace ranklab

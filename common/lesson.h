@@ -1,0 +1,55 @@
+// Lessons and their registry. A lesson is one SPMD function; it registers itself with RANKLAB_LESSON
+// so that `ranklab list` and `ranklab run NAME` find it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/rank.h"
+
+namespace ranklab {
+
+// Every knob a lesson may read. The command line sets them (`ranklab run --help` lists them); each
+// lesson validates the ones it uses and names the option in its error.
+struct Options {
+  int world = 4;
+  std::int64_t batch = 32;
+  std::int64_t dim = 64;
+  int layers = 4;
+  int steps = 3;
+  double lr = 0.01;
+  std::string optimizer = "sgd";       // sgd | adamw
+  int micro_batches = 4;
+  std::string schedule = "1f1b";       // naive | gpipe | 1f1b
+  bool async_p2p = false;              // pipeline: isend/irecv instead of send/recv
+  bool overlap = false;                // data parallel: all-reduce gradients during backward
+  double bucket_mb = 25;               // data parallel: gradient bucket size
+  bool phantom = false;                // time the lesson at its size without numbers
+  std::string op = "all_reduce";       // benchmark: which collective
+  std::int64_t count = 100'000'000;    // benchmark: float32 elements
+  bool wrong_order = false;            // benchmark: barrier before synchronize
+  bool sweep = false;                  // benchmark: sizes from 8 B up
+  bool quiet = false;                  // fewer lines of output
+};
+
+using LessonFn = std::function<void(Rank&, const Options&)>;
+
+struct Lesson {
+  std::string name;
+  std::string summary;
+  LessonFn fn;
+};
+
+// Registers at static-initialisation time; returns true so it can initialise a namespace-scope bool.
+bool register_lesson(Lesson lesson);
+// Lessons in registration order of the tour (collectives first), then by name.
+std::vector<Lesson> lessons();
+// The lesson called `name`, or UsageError listing the ones there are.
+const Lesson& find_lesson(const std::string& name);
+
+#define RANKLAB_LESSON(name, summary, fn) \
+  static const bool ranklab_lesson_registered_##fn = ::ranklab::register_lesson({name, summary, fn})
+
+}  // namespace ranklab

@@ -1,0 +1,224 @@
+// Rank: everything an SPMD lesson can do, named after torch.distributed.
+//
+// A lesson is one function `void lesson(Rank& r, const Options& o)` that every rank runs. The same
+// function runs on the simulator (ranks are fibers, time is virtual) and on the real backend (ranks are
+// GPUs). The semantics follow CUDA + NCCL so that what a lesson teaches is true on GPUs:
+//
+//  - Each rank has a host clock and two streams, compute and communication. Compute ops are kernels on
+//    the compute stream; collectives run on the communication stream. Neither blocks the host.
+//  - A collective called with Async::No makes the compute stream wait for it (the host does not), as
+//    torch.distributed does with NCCL. With Async::Yes it returns a Work; `wait()` makes the compute
+//    stream wait. Reading a tensor whose async collective has not been waited on is an error (on a GPU
+//    it would be a silent race).
+//  - synchronize() moves the host to the end of its streams' work (torch.cuda.synchronize()).
+//    barrier() is a host rendezvous: it does not wait for device work. So barrier() before
+//    synchronize() measures too little, exactly as the lecture warns.
+//  - now() reads the host clock in microseconds.
+//
+// Ranks (root, src, dst) are global ranks, as in torch.distributed, also inside a sub-group.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/tensor.h"
+
+namespace ranklab {
+
+enum class ReduceOp { Sum, Avg, Max, Min, Prod };
+enum class Async { No, Yes };
+enum class Trans { No, Yes };
+
+const char* reduce_op_name(ReduceOp op);
+
+// A set of global ranks that communicate together. The default-constructed Group is the whole world.
+// Sub-groups come from Rank::new_group.
+class Group {
+ public:
+  Group() = default;  // the world
+  Group(int id, std::vector<int> ranks);
+
+  bool is_world() const { return info_ == nullptr; }
+  int id() const;  // 0 for the world
+  // The member ranks in order; for the world this needs its size.
+  std::vector<int> ranks(int world_size) const;
+  int size(int world_size) const;
+  // Position of `global_rank` inside the group, or -1 when it is not a member.
+  int index_of(int global_rank) const;
+  std::string str() const;  // "world" or "group 2 {0, 1}"
+
+ private:
+  struct Info {
+    int id;
+    std::vector<int> ranks;
+  };
+  std::shared_ptr<const Info> info_;
+};
+
+// An operation in flight. Async collectives return one; wait() makes the compute stream wait for it.
+// A Work from a synchronous call is already complete.
+class WorkState {
+ public:
+  virtual ~WorkState() = default;
+  virtual void wait() = 0;
+  virtual bool waited() const = 0;
+};
+
+class Work {
+ public:
+  Work() = default;
+  explicit Work(std::shared_ptr<WorkState> s) : state_(std::move(s)) {}
+  void wait() {
+    if (state_) state_->wait();
+  }
+  bool waited() const { return !state_ || state_->waited(); }
+
+ private:
+  std::shared_ptr<WorkState> state_;
+};
+
+// Hyper-parameters of AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019).
+struct AdamW {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.01f;
+};
+
+// The kinds of communication, shared by both backends and by the run report.
+enum class CommOp {
+  Broadcast,
+  Scatter,
+  Gather,
+  Reduce,
+  AllGather,
+  ReduceScatter,
+  AllReduce,
+  AllToAll,
+  Send,
+  Recv,
+  Barrier,
+};
+const char* comm_op_name(CommOp op);
+
+// One communication call as a rank made it. Both backends receive every collective through this one
+// record, which is also what the simulator compares across ranks to catch mismatches.
+struct CommCall {
+  CommOp op = CommOp::AllReduce;
+  Tensor input;   // what this rank contributes (undefined where the op takes none on this rank)
+  Tensor output;  // where this rank's result goes (may be the same tensor as input)
+  ReduceOp reduce = ReduceOp::Sum;
+  int peer = -1;  // root for rooted collectives, dst for send, src for recv (global ranks)
+  Group group;
+  Async async = Async::No;
+  std::string describe() const;  // "all_reduce(float32[4], Sum) on world"
+};
+
+class Rank {
+ public:
+  virtual ~Rank() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // ---- tensors --------------------------------------------------------------------------------------
+  virtual Tensor empty(const Shape& s) = 0;  // contents unspecified (the simulator fills them with NaN)
+  virtual Tensor zeros(const Shape& s) = 0;
+  virtual Tensor full(const Shape& s, float value) = 0;
+  // 0, 1, ..., numel-1 laid out in `s`, plus `start`.
+  virtual Tensor arange(const Shape& s, float start) = 0;
+  Tensor arange(std::int64_t n) { return arange(Shape{n}, 0.0f); }
+  // Normal(0, std^2) numbers from a counter-based generator: element i of seed s is the same number on
+  // every backend and every world size.
+  virtual Tensor randn(const Shape& s, std::uint64_t seed, float std) = 0;
+  Tensor randn(const Shape& s, std::uint64_t seed) { return randn(s, seed, 1.0f); }
+  virtual Tensor from_host(const Shape& s, const std::vector<float>& values) = 0;
+  // A tensor with a shape and no bytes: operations on it only advance time. Its memory is accounted.
+  virtual Tensor phantom(const Shape& s) = 0;
+  // Copies a tensor to the host (waits for the work that writes it).
+  virtual std::vector<float> to_host(const Tensor& t) = 0;
+
+  // ---- compute (kernels on the compute stream) ------------------------------------------------------
+  // op(a) @ op(b) for 2-D tensors, where op transposes when asked.
+  virtual Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
+  Tensor matmul(const Tensor& a, const Tensor& b) { return matmul(a, b, Trans::No, Trans::No); }
+  virtual Tensor relu(const Tensor& x) = 0;
+  // grad_out where x > 0, else 0: the backward of relu given its input x.
+  virtual Tensor relu_backward(const Tensor& grad_out, const Tensor& x) = 0;
+  virtual Tensor add(const Tensor& a, const Tensor& b) = 0;
+  virtual void add_(const Tensor& dst, const Tensor& src, float alpha) = 0;  // dst += alpha * src
+  virtual void scale_(const Tensor& t, float factor) = 0;
+  virtual void copy_(const Tensor& dst, const Tensor& src) = 0;
+  virtual Tensor sum(const Tensor& t) = 0;  // a scalar (shape [])
+  // A copy of `length` entries of `t` along `dim` starting at `start`.
+  virtual Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) = 0;
+  virtual Tensor cat(const std::vector<Tensor>& parts, int dim) = 0;
+  virtual void sgd_step(const Tensor& param, const Tensor& grad, float lr) = 0;
+  // One AdamW step; `m` and `v` are the moment buffers, `step` counts from 1.
+  virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                          const AdamW& h, int step) = 0;
+
+  // ---- communication --------------------------------------------------------------------------------
+  // Every backend implements this one entry; the named calls below build the record.
+  virtual Work communicate(const CommCall& call) = 0;
+
+  Work broadcast(const Tensor& t, int root, Async a = Async::No, Group g = {});
+  // `in` (significant on root only) is split along dim 0 into one piece per member.
+  Work scatter(const Tensor& out, const Tensor& in, int root, Async a = Async::No, Group g = {});
+  // Every member's `in` concatenated along dim 0 into `out` on root (ignored elsewhere).
+  Work gather(const Tensor& out, const Tensor& in, int root, Async a = Async::No, Group g = {});
+  Work reduce(const Tensor& t, int root, ReduceOp op, Async a = Async::No, Group g = {});
+  Work all_gather(const Tensor& out, const Tensor& in, Async a = Async::No, Group g = {});
+  Work reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, Async a = Async::No, Group g = {});
+  Work all_reduce(const Tensor& t, ReduceOp op, Async a = Async::No, Group g = {});
+  // `in` split along dim 0: piece i goes to member i, and `out` holds piece r of every member in order.
+  Work all_to_all(const Tensor& out, const Tensor& in, Async a = Async::No, Group g = {});
+  Work send(const Tensor& t, int dst, Async a = Async::No);
+  Work recv(const Tensor& t, int src, Async a = Async::No);
+  Work isend(const Tensor& t, int dst) { return send(t, dst, Async::Yes); }
+  Work irecv(const Tensor& t, int src) { return recv(t, src, Async::Yes); }
+  // A host rendezvous of the group's members. It does not wait for device work.
+  void barrier(Group g = {});
+
+  // Every rank of the world must call new_group with the same ranks in the same order, as in
+  // torch.distributed; a rank outside `ranks` gets a group it cannot use.
+  virtual Group new_group(const std::vector<int>& ranks) = 0;
+
+  // ---- time -----------------------------------------------------------------------------------------
+  virtual void synchronize() = 0;  // the host waits for both streams
+  virtual double now() = 0;        // host clock, microseconds since launch
+
+  // ---- memory ---------------------------------------------------------------------------------------
+  virtual std::int64_t memory_allocated() const = 0;  // bytes held by live tensors of this rank
+  virtual std::int64_t memory_peak() const = 0;
+  virtual std::int64_t memory_capacity() const = 0;  // the device's memory, from the profile
+
+  // ---- output and the run report --------------------------------------------------------------------
+  // A named span of host time in the report: `auto scope = r.region("forward");`.
+  class Region {
+   public:
+    Region(Rank* r, std::string name);
+    ~Region();
+    Region(const Region&) = delete;
+    Region& operator=(const Region&) = delete;
+
+   private:
+    Rank* rank_;
+  };
+  Region region(std::string name) { return Region(this, std::move(name)); }
+  virtual void region_begin(const std::string& name) = 0;
+  virtual void region_end() = 0;
+
+  // A line of the lesson's output (every rank may print; lines carry no rank prefix).
+  virtual void print(const std::string& line) = 0;
+  // Every rank of the world calls this together: prints `label rankI = [..]` for each rank in order.
+  // It is out of band: it costs no time and does not appear in the report's communication.
+  virtual void show(const std::string& label, const Tensor& t) = 0;
+  // Records a numerical check of the lesson; a failed check fails the run after it ends.
+  virtual void check(const std::string& what, bool passed, const std::string& detail) = 0;
+};
+
+}  // namespace ranklab

@@ -1,0 +1,104 @@
+// RunReport: what a run did and how long it took, filled by either backend, so the writers and
+// `compare` never care where a report came from.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/rank.h"
+
+namespace ranklab {
+
+// What a rank's timeline shows at a moment.
+enum class SpanKind { Compute, Comm, Idle };
+const char* span_kind_name(SpanKind k);
+
+// One interval on one rank's stream. Idle spans are the time a rank's communication stream spent
+// waiting for the other members of a collective to arrive: the bubble.
+struct Span {
+  int rank = 0;
+  SpanKind kind = SpanKind::Compute;
+  std::string name;  // kernel or collective name
+  double start_us = 0;
+  double end_us = 0;
+};
+
+// One collective as the group saw it (recorded once, by the group's first member).
+struct CollectiveRecord {
+  CommOp op = CommOp::AllReduce;
+  std::string group;            // "world" or "group 2 {0, 1}"
+  int group_size = 0;
+  std::int64_t bytes = 0;       // the size nccl-tests calls `size` (see docs/model.md)
+  std::string algorithm;        // "ring", ...
+  double start_us = 0;
+  double end_us = 0;
+  double algbw_gbps = 0;        // bytes / time
+  double busbw_gbps = 0;        // algbw times the op's bus factor (nccl-tests doc/PERFORMANCE.md)
+  double time_us() const { return end_us - start_us; }
+};
+
+struct RegionRecord {
+  int rank = 0;
+  std::string name;
+  double start_us = 0;
+  double end_us = 0;
+};
+
+struct CheckRecord {
+  int rank = 0;
+  std::string what;
+  bool passed = false;
+  std::string detail;
+};
+
+// Per-rank totals. Busy times are unions of spans on each stream; idle is the rest of the rank's time.
+struct RankSummary {
+  int rank = 0;
+  double end_us = 0;             // host clock when the rank finished
+  double compute_us = 0;         // compute-stream busy time
+  double comm_us = 0;            // communication-stream busy time (transfers, not waiting)
+  double comm_wait_us = 0;       // time collectives waited for late members
+  double exposed_comm_us = 0;    // communication not hidden under compute
+  double idle_us = 0;            // neither stream busy: the bubble
+  std::int64_t peak_bytes = 0;
+  std::int64_t capacity_bytes = 0;
+};
+
+struct LinkTraffic {
+  std::string link;              // "nvlink gpu0->gpu1"
+  std::string tier;              // "nvlink", "network", ...
+  std::int64_t bytes = 0;
+};
+
+struct RunReport {
+  std::string lesson;
+  std::string backend;           // "sim" or "cuda"
+  std::string profile;
+  int world = 0;
+  double makespan_us = 0;        // the latest rank's end
+  std::vector<RankSummary> ranks;
+  std::vector<Span> spans;
+  std::vector<CollectiveRecord> collectives;
+  std::vector<RegionRecord> regions;
+  std::vector<CheckRecord> checks;
+  std::vector<LinkTraffic> links;
+  std::vector<std::string> output;  // the lesson's printed lines, in order
+
+  bool all_checks_passed() const;
+  std::int64_t total_link_bytes() const;
+};
+
+// nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md of NVIDIA/nccl-tests).
+double bus_factor(CommOp op, int group_size);
+
+// Fills each RankSummary's busy/idle totals from the spans.
+void summarize_spans(RunReport& report);
+
+// The terminal summary: per-rank time split, collectives grouped by op and size, checks.
+std::string format_summary(const RunReport& report);
+
+// The whole report as JSON (schema in docs/report.md).
+std::string report_to_json(const RunReport& report);
+
+}  // namespace ranklab

@@ -1,0 +1,96 @@
+// Tensor: a shape, a dtype and a buffer that belongs to the backend that made it.
+//
+// Lessons never see the buffer: they hand tensors to the Rank that made them, which knows whether the
+// bytes live in host memory (the simulator) or on a GPU (the real backend). A *phantom* tensor has a
+// shape and no bytes at all, so a lesson can be timed at sizes no laptop could hold; every operation
+// accepts phantoms and only advances time, and their memory is still accounted.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace ranklab {
+
+// Element types. Numerics are float32 throughout; the enum exists so sizes and the compute model's peak
+// rate are looked up by type rather than assumed.
+enum class DType { Float32 };
+
+std::int64_t dtype_bytes(DType t);
+const char* dtype_name(DType t);
+
+// A shape of 0 to 4 dimensions (0 dimensions is a scalar of one element).
+class Shape {
+ public:
+  static constexpr int kMaxDims = 4;
+
+  Shape() = default;
+  Shape(std::initializer_list<std::int64_t> dims);
+  explicit Shape(const std::vector<std::int64_t>& dims);
+
+  int ndim() const { return ndim_; }
+  std::int64_t operator[](int i) const;
+  std::int64_t numel() const;
+  std::vector<std::int64_t> dims() const { return {dims_.begin(), dims_.begin() + ndim_}; }
+  // Replaces dimension `i` (used by slicing and concatenation).
+  Shape with_dim(int i, std::int64_t size) const;
+
+  bool operator==(const Shape& o) const;
+  bool operator!=(const Shape& o) const { return !(*this == o); }
+  std::string str() const;  // "[4, 8]"
+
+ private:
+  std::array<std::int64_t, kMaxDims> dims_{};
+  int ndim_ = 0;
+};
+
+// The bytes behind a tensor. Backends derive from it; its destructor returns the bytes to the owning
+// rank's memory account. `data()` is null for phantom tensors.
+class Storage {
+ public:
+  Storage(int owner_rank, std::int64_t bytes) : owner_rank_(owner_rank), bytes_(bytes) {}
+  virtual ~Storage() = default;
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  int owner_rank() const { return owner_rank_; }
+  std::int64_t bytes() const { return bytes_; }
+  virtual bool phantom() const = 0;
+
+ private:
+  int owner_rank_;
+  std::int64_t bytes_;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;  // an undefined tensor; using it in an operation is an error
+  Tensor(Shape shape, DType dtype, std::shared_ptr<Storage> storage)
+      : shape_(shape), dtype_(dtype), storage_(std::move(storage)) {}
+
+  bool defined() const { return storage_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  std::int64_t size(int dim) const { return shape_[dim]; }
+  int ndim() const { return shape_.ndim(); }
+  std::int64_t numel() const { return shape_.numel(); }
+  DType dtype() const { return dtype_; }
+  std::int64_t bytes() const { return numel() * dtype_bytes(dtype_); }
+  bool phantom() const { return storage_ && storage_->phantom(); }
+  int owner_rank() const { return storage_ ? storage_->owner_rank() : -1; }
+
+  // For backends: the buffer, down-cast by the backend that made it.
+  Storage* storage() const { return storage_.get(); }
+  // Two tensors that share storage are the same tensor for aliasing checks.
+  bool same_storage(const Tensor& o) const { return storage_ == o.storage_; }
+  std::string str() const;  // "float32[4, 8]" (with " phantom" when it has no bytes)
+
+ private:
+  Shape shape_;
+  DType dtype_ = DType::Float32;
+  std::shared_ptr<Storage> storage_;
+};
+
+}  // namespace ranklab
