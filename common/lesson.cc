@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "common/backend.h"
 #include "common/errors.h"
 
 namespace ranklab {
@@ -47,6 +48,13 @@ const Lesson& find_lesson(const std::string& name) {
   std::vector<std::string> names;
   for (const Lesson& l : lessons()) names.push_back(l.name);
   throw UsageError(fmt::format("no lesson called '{}'; the lessons are: {}", name, fmt::join(names, ", ")));
+}
+
+RunReport run_lesson(Backend& backend, const std::string& name, const Options& options) {
+  const Lesson& lesson = find_lesson(name);
+  RunReport report = backend.launch(options.world, [&](Rank& r) { lesson.fn(r, options); });
+  report.lesson = name;
+  return report;
 }
 
 }  // namespace ranklab

@@ -49,6 +49,11 @@ std::vector<Lesson> lessons();
 // The lesson called `name`, or UsageError listing the ones there are.
 const Lesson& find_lesson(const std::string& name);
 
+class Backend;
+struct RunReport;
+// Runs lesson `name` on `backend` with `options.world` ranks and names the lesson in the report.
+RunReport run_lesson(Backend& backend, const std::string& name, const Options& options);
+
 #define RANKLAB_LESSON(name, summary, fn) \
   static const bool ranklab_lesson_registered_##fn = ::ranklab::register_lesson({name, summary, fn})
 

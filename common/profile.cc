@@ -1,1 +1,340 @@
-// placeholder
+#include "common/profile.h"
+
+#include <fmt/format.h>
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <sstream>
+
+#include "common/errors.h"
+
+namespace ranklab {
+
+std::int64_t Profile::hbm_capacity_bytes() const {
+  // GiB, not GB: device memory comes in powers of two, and nvidia-smi reports MiB.
+  return static_cast<std::int64_t>(std::llround(gpu.hbm_capacity_gib * 1073741824.0));
+}
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// toml++ numbers lines from 1; a node it built itself (no text behind it) has line 0.
+int line_of(const toml::source_region& where) {
+  return where.begin.line > 0 ? static_cast<int>(where.begin.line) : 1;
+}
+
+[[noreturn]] void fail(const std::string& origin, int line, const std::string& message) {
+  throw ProfileError(fmt::format("{}:{}: {}", origin, line, message));
+}
+
+const char* type_name(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::table:
+      return "a table";
+    case toml::node_type::array:
+      return "an array";
+    case toml::node_type::string:
+      return "a string";
+    case toml::node_type::integer:
+      return "an integer";
+    case toml::node_type::floating_point:
+      return "a floating-point number";
+    case toml::node_type::boolean:
+      return "a boolean";
+    case toml::node_type::date:
+      return "a date";
+    case toml::node_type::time:
+      return "a time";
+    case toml::node_type::date_time:
+      return "a date-time";
+    case toml::node_type::none:
+      break;
+  }
+  return "nothing";
+}
+
+// Levenshtein distance, for "did you mean" on misspelt keys. Keys are short, so O(a*b) is nothing.
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      std::size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[b.size()];
+}
+
+// Reads one table of a profile: rejects keys it does not know (a misspelt key silently falling back to a
+// default would make a profile lie), and turns every type or range problem into "FILE:LINE: message".
+class TableReader {
+ public:
+  // `prefix` is "" for the top level and "gpu" for [gpu]; it qualifies key names in messages.
+  TableReader(const toml::table& table, std::string prefix, const std::string& origin,
+              std::vector<std::string> known)
+      : table_(table), prefix_(std::move(prefix)), origin_(origin), known_(std::move(known)) {
+    for (auto&& [key, node] : table_) {
+      std::string k(key.str());
+      if (std::find(known_.begin(), known_.end(), k) != known_.end()) continue;
+      std::string suggestion;
+      std::size_t best = 3;  // more edits than this is a different word, not a typo
+      for (const std::string& candidate : known_) {
+        std::size_t d = edit_distance(k, candidate);
+        if (d < best) {
+          best = d;
+          suggestion = fmt::format(" (did you mean '{}'?)", qualified(candidate));
+        }
+      }
+      int line = key.source().begin.line > 0 ? line_of(key.source()) : line_of(node.source());
+      fail(origin_, line,
+           fmt::format("unknown key '{}'{}; known keys of {}: {}", qualified(k), suggestion, where(),
+                       fmt::join(known_, ", ")));
+    }
+  }
+
+  std::string require_string(const std::string& key) {
+    const toml::node& n = require(key);
+    if (!n.is_string()) type_error(key, n, "a string");
+    std::string s = n.as_string()->get();
+    if (s.empty()) fail(origin_, line_of(n.source()), fmt::format("'{}' must not be empty", qualified(key)));
+    return s;
+  }
+
+  std::string optional_string(const std::string& key, const std::string& fallback) {
+    const toml::node* n = table_.get(key);
+    if (n == nullptr) return fallback;
+    if (!n->is_string()) type_error(key, *n, "a string");
+    return n->as_string()->get();
+  }
+
+  // A finite number; TOML integers are accepted where a float is expected, since `450` is as clear as
+  // `450.0` in a profile.
+  std::optional<double> number(const std::string& key, bool required) {
+    const toml::node* n = required ? &require(key) : table_.get(key);
+    if (n == nullptr) return std::nullopt;
+    double v = 0;
+    if (n->is_integer()) {
+      v = static_cast<double>(n->as_integer()->get());
+    } else if (n->is_floating_point()) {
+      v = n->as_floating_point()->get();
+    } else {
+      type_error(key, *n, "a number");
+    }
+    if (!std::isfinite(v))
+      fail(origin_, line_of(n->source()), fmt::format("'{}' must be finite", qualified(key)));
+    last_line_ = line_of(n->source());
+    return v;
+  }
+
+  double positive(const std::string& key) {
+    double v = *number(key, true);
+    if (v <= 0)
+      fail(origin_, last_line_, fmt::format("'{}' must be greater than 0, got {}", qualified(key), v));
+    return v;
+  }
+
+  double non_negative(const std::string& key) {
+    double v = *number(key, true);
+    if (v < 0) fail(origin_, last_line_, fmt::format("'{}' must not be negative, got {}", qualified(key), v));
+    return v;
+  }
+
+  // A fraction of a peak the hardware reaches: 0 would mean the work never finishes, above 1 is faster than
+  // the hardware can go.
+  double efficiency(const std::string& key, double fallback) {
+    std::optional<double> v = number(key, false);
+    if (!v) return fallback;
+    if (*v <= 0 || *v > 1) {
+      fail(origin_, last_line_, fmt::format("'{}' must be in (0, 1], got {}", qualified(key), *v));
+    }
+    return *v;
+  }
+
+  std::optional<int> count(const std::string& key, bool required) {
+    const toml::node* n = required ? &require(key) : table_.get(key);
+    if (n == nullptr) return std::nullopt;
+    if (!n->is_integer()) type_error(key, *n, "an integer");
+    std::int64_t v = n->as_integer()->get();
+    if (v < 1 || v > INT_MAX) {
+      fail(origin_, line_of(n->source()), fmt::format("'{}' must be at least 1, got {}", qualified(key), v));
+    }
+    return static_cast<int>(v);
+  }
+
+  const toml::table& table(const std::string& key) {
+    const toml::node& n = require(key);
+    if (!n.is_table()) type_error(key, n, "a table");
+    return *n.as_table();
+  }
+
+ private:
+  std::string qualified(const std::string& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
+  std::string where() const { return prefix_.empty() ? "the top level" : "[" + prefix_ + "]"; }
+
+  const toml::node& require(const std::string& key) {
+    const toml::node* n = table_.get(key);
+    if (n == nullptr) {
+      // The table header is where the missing line belongs.
+      fail(origin_, line_of(table_.source()), fmt::format("{} is missing '{}'", where(), key));
+    }
+    return *n;
+  }
+
+  [[noreturn]] void type_error(const std::string& key, const toml::node& n, const char* expected) {
+    fail(origin_, line_of(n.source()),
+         fmt::format("'{}' must be {}, got {}", qualified(key), expected, type_name(n)));
+  }
+
+  const toml::table& table_;
+  std::string prefix_;
+  const std::string& origin_;
+  std::vector<std::string> known_;
+  int last_line_ = 1;
+};
+
+LinkTier read_link(TableReader& top, const std::string& key, const std::string& origin) {
+  TableReader t(top.table(key), key, origin, {"name", "bandwidth_gbps", "latency_us"});
+  LinkTier link;
+  link.name = t.require_string("name");
+  link.bandwidth_gbps = t.positive("bandwidth_gbps");
+  link.latency_us = t.non_negative("latency_us");
+  return link;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ProfileError(fmt::format("cannot open profile file '{}': {}", path, std::strerror(errno)));
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw ProfileError(fmt::format("cannot read profile file '{}'", path));
+  return text.str();
+}
+
+bool is_file(const fs::path& p) {
+  std::error_code ec;  // an unreadable directory is "not found", not a crash
+  return fs::is_regular_file(p, ec);
+}
+
+}  // namespace
+
+Profile parse_profile(const std::string& text, const std::string& origin) {
+  toml::table root;
+  try {
+    root = toml::parse(text, origin);
+  } catch (const toml::parse_error& e) {
+    fail(origin, line_of(e.source()), std::string(e.description()));
+  }
+
+  TableReader top(root, "", origin,
+                  {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "intra_node",
+                   "inter_node"});
+  Profile p;
+  p.name = top.require_string("name");
+  p.description = top.optional_string("description", "");
+  p.gpus_per_node = *top.count("gpus_per_node", true);
+  p.nodes = top.count("nodes", false).value_or(1);
+  p.barrier_latency_us = top.non_negative("barrier_latency_us");
+
+  TableReader gpu(top.table("gpu"), "gpu", origin,
+                  {"name", "peak_tflops_fp32", "peak_tflops_tf32", "peak_tflops_bf16", "hbm_bandwidth_gbps",
+                   "hbm_capacity_gib", "launch_overhead_us", "compute_efficiency", "memory_efficiency"});
+  p.gpu.name = gpu.require_string("name");
+  p.gpu.peak_tflops_fp32 = gpu.positive("peak_tflops_fp32");
+  p.gpu.peak_tflops_tf32 = gpu.positive("peak_tflops_tf32");
+  p.gpu.peak_tflops_bf16 = gpu.positive("peak_tflops_bf16");
+  p.gpu.hbm_bandwidth_gbps = gpu.positive("hbm_bandwidth_gbps");
+  p.gpu.hbm_capacity_gib = gpu.positive("hbm_capacity_gib");
+  p.gpu.launch_overhead_us = gpu.non_negative("launch_overhead_us");
+  p.gpu.compute_efficiency = gpu.efficiency("compute_efficiency", 1.0);
+  p.gpu.memory_efficiency = gpu.efficiency("memory_efficiency", 1.0);
+
+  p.intra_node = read_link(top, "intra_node", origin);
+  p.inter_node = read_link(top, "inter_node", origin);
+  return p;
+}
+
+Profile load_profile_file(const std::string& path) {
+  Profile p = parse_profile(read_file(path), path);
+  p.source_file = path;
+  return p;
+}
+
+std::vector<std::string> profile_dirs() {
+  std::vector<std::string> dirs;
+  auto add = [&dirs](const std::string& d) {
+    if (!d.empty() && std::find(dirs.begin(), dirs.end(), d) == dirs.end()) dirs.push_back(d);
+  };
+  // The environment comes first so a user's own profile of the same name wins over the built-in one.
+  if (const char* env = std::getenv("RANKLAB_PROFILE_DIR")) {
+    std::string list(env);
+    std::size_t begin = 0;
+    while (begin <= list.size()) {
+      std::size_t end = list.find(':', begin);
+      if (end == std::string::npos) end = list.size();
+      add(list.substr(begin, end - begin));
+      begin = end + 1;
+    }
+  }
+#ifdef RANKLAB_PROFILE_DIR
+  add(RANKLAB_PROFILE_DIR);
+#endif
+  return dirs;
+}
+
+std::vector<std::string> list_profiles() {
+  std::vector<std::string> names;
+  for (const std::string& dir : profile_dirs()) {
+    std::error_code ec;
+    fs::directory_iterator it(dir, ec), end;
+    if (ec) continue;  // a directory that does not exist simply contributes nothing
+    for (; it != end; it.increment(ec)) {
+      if (ec) break;
+      const fs::path& p = it->path();
+      if (p.extension() == ".toml" && is_file(p)) names.push_back(p.stem().string());
+    }
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
+
+Profile load_profile(const std::string& name_or_path) {
+  if (is_file(name_or_path)) return load_profile_file(name_or_path);
+
+  // A bare name ("dgx-h100") or a file name ("dgx-h100.toml") is looked up in the profile directories; a
+  // path with a directory in it means that file and nothing else.
+  std::vector<std::string> dirs = profile_dirs();
+  bool has_dir = name_or_path.find('/') != std::string::npos;
+  if (!has_dir && !name_or_path.empty()) {
+    bool has_ext = fs::path(name_or_path).extension() == ".toml";
+    for (const std::string& dir : dirs) {
+      fs::path candidate = fs::path(dir) / (has_ext ? name_or_path : name_or_path + ".toml");
+      if (is_file(candidate)) return load_profile_file(candidate.string());
+    }
+  }
+
+  std::vector<std::string> available = list_profiles();
+  std::string known = available.empty() ? "none found" : fmt::format("{}", fmt::join(available, ", "));
+  if (has_dir) {
+    throw ProfileError(
+        fmt::format("no profile file '{}'; the built-in profiles are: {}", name_or_path, known));
+  }
+  throw ProfileError(fmt::format(
+      "no profile called '{}' (looked in {}); available profiles: {}", name_or_path,
+      dirs.empty() ? std::string("no directories") : fmt::format("{}", fmt::join(dirs, ", ")), known));
+}
+
+}  // namespace ranklab

@@ -89,10 +89,14 @@ struct RunReport {
   std::int64_t total_link_bytes() const;
 };
 
-// nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md of NVIDIA/nccl-tests).
+// nccl-tests' bus-bandwidth factor: busbw = algbw * factor (doc/PERFORMANCE.md of NVIDIA/nccl-tests, and
+// src/scatter.cu, src/gather.cu there for the two ops that page leaves out). Raises UsageError when
+// group_size < 1.
 double bus_factor(CommOp op, int group_size);
 
-// Fills each RankSummary's busy/idle totals from the spans.
+// Fills each RankSummary's busy/idle totals from the spans. Adds a RankSummary for every rank below
+// `world` or named by a span that has none (ranks end up sorted by rank). A rank's end_us is kept when the
+// backend set it and otherwise taken from its latest span; makespan_us likewise. O(n log n) in the spans.
 void summarize_spans(RunReport& report);
 
 // The terminal summary: per-rank time split, collectives grouped by op and size, checks.
@@ -100,5 +104,9 @@ std::string format_summary(const RunReport& report);
 
 // The whole report as JSON (schema in docs/report.md).
 std::string report_to_json(const RunReport& report);
+
+// Reads back what report_to_json wrote (the same schema version), so `compare` can load saved reports.
+// Raises UsageError for text that is not JSON, another schema version, or fields of the wrong type.
+RunReport report_from_json(const std::string& json);
 
 }  // namespace ranklab

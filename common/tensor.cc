@@ -72,4 +72,65 @@ std::string Tensor::str() const {
   return fmt::format("{}{}{}", dtype_name(dtype_), shape_.str(), phantom() ? " phantom" : "");
 }
 
+namespace {
+// Integers print without a decimal point, as the lecture writes them.
+std::string format_number(float x) {
+  if (x == static_cast<float>(static_cast<long long>(x)) && x > -1e9f && x < 1e9f) {
+    return fmt::format("{}", static_cast<long long>(x));
+  }
+  return fmt::format("{:.4g}", x);
+}
+
+// At most this many numbers per innermost row before the middle is elided.
+constexpr std::int64_t kMaxRowItems = 12;
+
+void append_row(std::string& out, const float* row, std::int64_t n) {
+  out += '[';
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (n > kMaxRowItems && i == kMaxRowItems / 2) {
+      out += "..., ";
+      i = n - kMaxRowItems / 2;
+    }
+    out += format_number(row[i]);
+    if (i + 1 < n) out += ", ";
+  }
+  out += ']';
+}
+
+void append_dims(std::string& out, const std::vector<std::int64_t>& dims, size_t d, const float* data) {
+  if (d + 1 == dims.size()) {
+    append_row(out, data, dims[d]);
+    return;
+  }
+  std::int64_t stride = 1;
+  for (size_t k = d + 1; k < dims.size(); ++k) stride *= dims[k];
+  out += '[';
+  for (std::int64_t i = 0; i < dims[d]; ++i) {
+    append_dims(out, dims, d + 1, data + i * stride);
+    if (i + 1 < dims[d]) out += ", ";
+  }
+  out += ']';
+}
+}  // namespace
+
+std::string format_values(const Shape& shape, const std::vector<float>& values) {
+  if (static_cast<std::int64_t>(values.size()) != shape.numel()) {
+    throw UsageError(fmt::format("format_values: {} values for shape {}", values.size(), shape.str()));
+  }
+  if (shape.ndim() == 0) return format_number(values[0]);
+  std::string out;
+  append_dims(out, shape.dims(), 0, values.data());
+  return out;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  while (bytes >= 1024.0 && u < 5) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
 }  // namespace ranklab

@@ -93,4 +93,9 @@ class Tensor {
   std::shared_ptr<Storage> storage_;
 };
 
+// Values in the lecture's notation: "[0, 1, 2, 3]", rows nested for 2-D and up, long runs elided.
+std::string format_values(const Shape& shape, const std::vector<float>& values);
+// "512 B", "4.00 MiB", "80.0 GiB".
+std::string format_bytes(double bytes);
+
 }  // namespace ranklab

@@ -1,1 +1,70 @@
-// placeholder
+#include "sim/sim_backend.h"
+
+#include <fmt/format.h>
+
+#include <boost/fiber/all.hpp>
+#include <thread>
+
+#include "common/errors.h"
+#include "sim/scheduler.h"
+#include "sim/sim_rank.h"
+#include "sim/world.h"
+
+namespace ranklab {
+
+SimBackend::SimBackend(SimConfig config) : config_(std::move(config)) {}
+
+namespace {
+
+RunReport run_fibers(const SimConfig& config, int world_size, const std::function<void(Rank&)>& fn) {
+  // Must come before any other fiber operation on this thread.
+  boost::fibers::use_scheduling_algorithm<sim::VirtualTimeScheduler>();
+  sim::SimWorld world(config, world_size);
+  std::vector<std::unique_ptr<sim::SimRank>> ranks;
+  ranks.reserve(world_size);
+  for (int r = 0; r < world_size; ++r) ranks.push_back(std::make_unique<sim::SimRank>(world, r));
+
+  std::vector<boost::fibers::fiber> fibers;
+  fibers.reserve(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    sim::SimRank* rank = ranks[r].get();
+    fibers.emplace_back(std::allocator_arg, boost::fibers::protected_fixedsize_stack(config.stack_bytes), [&world, rank, &fn] {
+      world.run_rank(rank->rank(), [&] {
+        fn(*rank);
+        rank->finish();
+      });
+    });
+    fibers.back().properties<sim::VirtualTimeProps>().rank = r;
+  }
+  for (auto& f : fibers) f.join();
+  world.rethrow_if_failed();
+  return world.finish_report();
+}
+
+}  // namespace
+
+RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
+  const Profile& p = config_.profile;
+  if (world < 1) throw UsageError(fmt::format("--world must be at least 1; got {}", world));
+  if (world > p.max_world()) {
+    throw UsageError(fmt::format(
+        "--world {} is more GPUs than profile '{}' has: {} per node x {} node(s) = {}; add nodes with --nodes {}",
+        world, p.name, p.gpus_per_node, p.nodes, p.max_world(), (world + p.gpus_per_node - 1) / p.gpus_per_node));
+  }
+  // The fibers run on a thread of their own, so every launch starts from a fresh fiber scheduler and
+  // leaves the caller's thread as it was.
+  RunReport report;
+  std::exception_ptr error;
+  std::thread runner([&] {
+    try {
+      report = run_fibers(config_, world, fn);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  runner.join();
+  if (error) std::rethrow_exception(error);
+  return report;
+}
+
+}  // namespace ranklab

@@ -1,1 +1,468 @@
-// placeholder
+#include "sim/world.h"
+
+#include <fmt/format.h>
+
+#include <boost/fiber/operations.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
+#include "common/errors.h"
+#include "sim/reduce.h"
+#include "sim/scheduler.h"
+
+namespace ranklab::sim {
+
+CommMember& CommOpState::member_of(int global_rank) {
+  for (CommMember& m : members) {
+    if (m.rank == global_rank) return m;
+  }
+  throw UsageError(fmt::format("rank {} is not a member of {}", global_rank, label));
+}
+
+SimWorld::SimWorld(const SimConfig& config, int world_size)
+    : config_(config), compute_(config.profile.gpu), network_(make_network_model(config.profile)) {
+  ranks_.reserve(world_size);
+  for (int r = 0; r < world_size; ++r) {
+    auto s = std::make_unique<RankState>();
+    s->memory = std::make_shared<MemoryAccount>();
+    s->memory->rank = r;
+    s->memory->capacity = config.profile.hbm_capacity_bytes();
+    ranks_.push_back(std::move(s));
+  }
+  groups_.emplace_back(world_size);  // group 0 is the world
+  for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
+  live_ = world_size;
+  report_.backend = "sim";
+  report_.profile = config.profile.name;
+  report_.world = world_size;
+}
+
+// ---- running ranks and failing runs ----------------------------------------------------------------
+
+void SimWorld::run_rank(int rank, const std::function<void()>& program) {
+  try {
+    program();
+  } catch (const RunAborted&) {
+    // another rank failed first; this one just unwinds
+  } catch (...) {
+    fail(std::current_exception());
+  }
+  RankState& s = state(rank);
+  s.finished = true;
+  --live_;
+  if (live_ > 0 && blocked_ == live_ && !aborted_) declare_deadlock();
+}
+
+void SimWorld::fail(std::exception_ptr error) {
+  if (!error_) error_ = error;
+  aborted_ = true;
+  wake_all();
+}
+
+void SimWorld::check_aborted() const {
+  if (aborted_) throw RunAborted{};
+}
+
+void SimWorld::rethrow_if_failed() const {
+  if (error_) std::rethrow_exception(error_);
+}
+
+void SimWorld::wake(int rank) {
+  RankState& s = state(rank);
+  if (!s.blocked) return;
+  s.blocked = false;
+  --blocked_;
+  s.wakeup.notify_one();
+}
+
+void SimWorld::wake_all() {
+  for (int r = 0; r < size(); ++r) wake(r);
+}
+
+void SimWorld::block_until(int rank, const std::function<bool()>& pred,
+                           const std::function<std::string()>& what) {
+  RankState& s = state(rank);
+  while (!pred()) {
+    check_aborted();
+    s.blocked = true;
+    s.waiting_for = what;
+    ++blocked_;
+    boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
+    if (blocked_ == live_) {
+      // This was the last rank that could run: nobody is left to wake anybody.
+      declare_deadlock();
+      throw RunAborted{};
+    }
+    std::unique_lock<boost::fibers::mutex> lock(s.mutex);
+    s.wakeup.wait(lock, [&] { return !s.blocked; });
+  }
+  check_aborted();
+}
+
+void SimWorld::declare_deadlock() {
+  std::string msg = "deadlock: every rank is waiting and none can make progress.\n";
+  for (int r = 0; r < size(); ++r) {
+    const RankState& s = state(r);
+    if (s.finished) {
+      msg += fmt::format("  rank {}: finished its program\n", r);
+    } else if (s.blocked && s.waiting_for) {
+      msg += fmt::format("  rank {}: {}\n", r, s.waiting_for());
+    } else {
+      msg += fmt::format("  rank {}: running\n", r);
+    }
+  }
+  fail(std::make_exception_ptr(DeadlockError(msg)));
+}
+
+void SimWorld::wait_executed(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by) {
+  block_until(
+      rank, [&] { return op->executed; },
+      [op, by, this] { return fmt::format("{} waits for {}: {}", by, op->label, why_pending(*op)); });
+}
+
+std::string SimWorld::why_pending(const CommOpState& op) const {
+  std::vector<std::string> reasons;
+  for (const CommMember& m : op.members) {
+    if (!m.arrived) {
+      reasons.push_back(fmt::format("rank {} has not called it", m.rank));
+      continue;
+    }
+    for (const auto& dep : m.deps) {
+      if (!dep->executed) {
+        reasons.push_back(fmt::format("rank {} must first finish {}", m.rank, dep->label));
+        break;
+      }
+    }
+  }
+  if (reasons.empty()) return "ready to run";
+  return fmt::format("{}", fmt::join(reasons, "; "));
+}
+
+// ---- groups ----------------------------------------------------------------------------------------
+
+const std::vector<int>& SimWorld::members(const Group& group) const {
+  const int id = group.id();
+  if (id < 0 || id >= static_cast<int>(groups_.size())) {
+    throw UsageError(fmt::format("{} was not made by new_group in this run", group.str()));
+  }
+  return groups_[id];
+}
+
+Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
+  check_aborted();
+  if (ranks.empty()) throw UsageError(fmt::format("rank {}: new_group: the group has no ranks", rank));
+  std::set<int> seen;
+  for (int r : ranks) {
+    if (r < 0 || r >= size()) {
+      throw UsageError(
+          fmt::format("rank {}: new_group({}): rank {} is outside the world of {}", rank, fmt::join(ranks, ", "), r, size()));
+    }
+    if (!seen.insert(r).second) {
+      throw UsageError(fmt::format("rank {}: new_group({}): rank {} appears twice", rank, fmt::join(ranks, ", "), r));
+    }
+  }
+  RankState& s = state(rank);
+  const int id = ++s.groups_created;
+  if (id < static_cast<int>(groups_.size())) {
+    if (groups_[id] != ranks) {
+      throw MismatchError(fmt::format(
+          "ranks disagree on new_group call #{}: an earlier rank created {{{}}}, rank {} asks for {{{}}}; "
+          "every rank must call new_group with the same ranks in the same order",
+          id, fmt::join(groups_[id], ", "), rank, fmt::join(ranks, ", ")));
+    }
+  } else {
+    groups_.push_back(ranks);
+  }
+  return Group(id, ranks);
+}
+
+// ---- posting communication -------------------------------------------------------------------------
+
+namespace {
+
+// What every member of a collective must agree on: the operation, the element count NCCL would be
+// given, the reduce op and root where they matter, and whether the tensors hold numbers.
+std::string signature(const CommCall& c) {
+  const Tensor& t = (c.op == CommOp::Scatter || c.op == CommOp::Recv || c.op == CommOp::ReduceScatter)
+                        ? c.output
+                        : c.input;
+  std::string s = fmt::format("{} {} {}", comm_op_name(c.op), t.numel(), dtype_name(t.dtype()));
+  if (c.op == CommOp::AllReduce || c.op == CommOp::Reduce || c.op == CommOp::ReduceScatter) {
+    s += fmt::format(" {}", reduce_op_name(c.reduce));
+  }
+  if (c.op == CommOp::Broadcast || c.op == CommOp::Reduce || c.op == CommOp::Scatter || c.op == CommOp::Gather) {
+    s += fmt::format(" root {}", c.peer);
+  }
+  if (t.phantom()) s += " phantom";
+  return s;
+}
+
+int stream_of(const CommCall& c) {
+  return (c.op == CommOp::Send || c.op == CommOp::Recv) ? c.peer : kCollectiveStream;
+}
+
+}  // namespace
+
+void SimWorld::check_agreement(const CommOpState& op, int arriving_rank) const {
+  const CommMember* first = nullptr;
+  for (const CommMember& m : op.members) {
+    if (m.arrived && m.rank != arriving_rank) {
+      first = &m;
+      break;
+    }
+  }
+  if (!first) return;
+  const CommMember* mine = nullptr;
+  for (const CommMember& m : op.members) {
+    if (m.rank == arriving_rank) mine = &m;
+  }
+  if (signature(first->call) == signature(mine->call)) return;
+  std::string msg = fmt::format("ranks disagree on {}:\n", op.label);
+  for (const CommMember& m : op.members) {
+    msg += m.arrived ? fmt::format("  rank {}: {}\n", m.rank, m.call.describe())
+                     : fmt::format("  rank {}: has not called it yet\n", m.rank);
+  }
+  throw MismatchError(msg);
+}
+
+std::shared_ptr<CommOpState> SimWorld::collective_op(int rank, const CommCall& call) {
+  const int gid = call.group.id();
+  const std::uint64_t seq = state(rank).collective_seq[gid]++;
+  auto key = std::make_pair(gid, seq);
+  auto it = open_collectives_.find(key);
+  if (it != open_collectives_.end()) return it->second;
+  auto op = std::make_shared<CommOpState>();
+  op->op = call.op;
+  op->group_id = gid;
+  op->seq = seq;
+  op->ranks = members(call.group);
+  op->label = fmt::format("collective #{} on {} ({})", seq, call.group.str(), comm_op_name(call.op));
+  op->members.resize(op->ranks.size());
+  for (size_t i = 0; i < op->ranks.size(); ++i) op->members[i].rank = op->ranks[i];
+  open_collectives_.emplace(key, op);
+  return op;
+}
+
+std::shared_ptr<CommOpState> SimWorld::p2p_op(int rank, const CommCall& call) {
+  const bool sending = call.op == CommOp::Send;
+  const int src = sending ? rank : call.peer, dst = sending ? call.peer : rank;
+  auto& queue = unmatched_p2p_[{src, dst}];
+  // The k-th send from src to dst pairs with the k-th receive at dst from src.
+  if (!queue.empty() && queue.front()->members[sending ? 0 : 1].arrived == false) {
+    auto op = queue.front();
+    queue.erase(queue.begin());
+    return op;
+  }
+  const std::uint64_t seq = p2p_created_[{src, dst}]++;
+  auto op = std::make_shared<CommOpState>();
+  op->op = CommOp::Send;
+  op->seq = seq;
+  op->ranks = {src, dst};
+  op->label = fmt::format("send/recv #{} from rank {} to rank {}", seq, src, dst);
+  op->members.resize(2);
+  op->members[0].rank = src;
+  op->members[1].rank = dst;
+  queue.push_back(op);
+  return op;
+}
+
+std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
+  const bool p2p = call.op == CommOp::Send || call.op == CommOp::Recv;
+  std::shared_ptr<CommOpState> op = p2p ? p2p_op(rank, call) : collective_op(rank, call);
+
+  RankState& s = state(rank);
+  CommMember& m = op->member_of(rank);
+  m.arrived = true;
+  m.call = call;
+  m.issue_ready_us = std::max(s.host_us, s.compute_us);
+  StreamState& stream = s.streams[stream_of(call)];
+  auto add_dep = [&](const std::shared_ptr<CommOpState>& dep) {
+    if (dep && dep != op && !dep->executed) {
+      m.deps.push_back(dep);
+      dep->dependents.push_back(op);
+    }
+  };
+  add_dep(stream.last);
+  for (const auto& sync_op : s.unfolded_sync) add_dep(sync_op);
+  stream.last = op;
+  ++op->arrived;
+  s.outstanding.push_back(op);
+
+  if (p2p) {
+    // Sender and receiver must agree on the size.
+    const CommMember& other = op->members[call.op == CommOp::Send ? 1 : 0];
+    if (other.arrived) {
+      const Tensor& sent = op->members[0].call.input;
+      const Tensor& into = op->members[1].call.output;
+      if (sent.numel() != into.numel() || sent.phantom() != into.phantom()) {
+        throw MismatchError(fmt::format("{}: rank {} sends {} but rank {} receives into {}", op->label,
+                                        op->ranks[0], sent.str(), op->ranks[1], into.str()));
+      }
+    }
+  } else {
+    check_agreement(*op, rank);
+    if (op->all_arrived()) open_collectives_.erase({op->group_id, op->seq});
+  }
+  try_execute(op);
+  return op;
+}
+
+// ---- executing -------------------------------------------------------------------------------------
+
+void SimWorld::try_execute(const std::shared_ptr<CommOpState>& first) {
+  std::vector<std::shared_ptr<CommOpState>> work{first};
+  while (!work.empty()) {
+    std::shared_ptr<CommOpState> op = work.back();
+    work.pop_back();
+    if (!op || op->executed || !op->all_arrived()) continue;
+    bool ready = true;
+    for (const CommMember& m : op->members) {
+      for (const auto& dep : m.deps) ready = ready && dep->executed;
+    }
+    if (!ready) continue;
+    execute(*op);
+    for (const auto& weak : op->dependents) work.push_back(weak.lock());
+    op->dependents.clear();
+  }
+}
+
+void SimWorld::execute(CommOpState& op) {
+  const int n = static_cast<int>(op.members.size());
+  double start_us = 0;
+  for (CommMember& m : op.members) {
+    m.ready_us = m.issue_ready_us;
+    for (const auto& dep : m.deps) m.ready_us = std::max(m.ready_us, dep->end_us);
+    start_us = std::max(start_us, m.ready_us);
+  }
+  const bool p2p = op.op == CommOp::Send;
+  const CommCall& lead = op.members[0].call;
+  std::int64_t bytes = 0;
+  CommCost cost;
+  if (p2p) {
+    bytes = lead.input.bytes();
+    cost = network_->point_to_point(op.ranks[0], op.ranks[1], bytes, start_us);
+  } else {
+    bytes = nccl_size_bytes(op);
+    cost = network_->collective(op.op, bytes, op.ranks, lead.peer, start_us);
+  }
+  op.start_us = start_us;
+  op.end_us = start_us + cost.duration_us;
+  op.executed = true;
+
+  run_numerics(op);
+
+  const std::string name = p2p ? "send/recv" : comm_op_name(op.op);
+  for (CommMember& m : op.members) {
+    RankState& s = state(m.rank);
+    StreamState& stream = s.streams[p2p ? (m.rank == op.ranks[0] ? op.ranks[1] : op.ranks[0]) : kCollectiveStream];
+    stream.end_us = std::max(stream.end_us, op.end_us);
+    add_span(m.rank, SpanKind::Idle, name, m.ready_us, op.start_us);
+    add_span(m.rank, SpanKind::Comm, name, op.start_us, op.end_us);
+  }
+  CollectiveRecord rec;
+  rec.op = op.op;
+  rec.group = p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : lead.group.str();
+  rec.group_size = n;
+  rec.bytes = bytes;
+  rec.algorithm = cost.algorithm;
+  rec.start_us = op.start_us;
+  rec.end_us = op.end_us;
+  const double t_us = op.end_us - op.start_us;
+  rec.algbw_gbps = t_us > 0 ? static_cast<double>(bytes) / (t_us * 1e3) : 0;
+  rec.busbw_gbps = rec.algbw_gbps * bus_factor(op.op, n);
+  report_.collectives.push_back(rec);
+
+  for (const CommMember& m : op.members) wake(m.rank);
+}
+
+// ---- host rendezvous: barrier and show -------------------------------------------------------------
+
+SimWorld::HostRendezvous& SimWorld::host_rendezvous(const std::string& key, int expected) {
+  HostRendezvous& h = host_rendezvous_[key];
+  h.expected = expected;
+  if (h.payload.empty()) h.payload.resize(size());
+  return h;
+}
+
+void SimWorld::barrier(int rank, const Group& group) {
+  const std::vector<int>& group_ranks = members(group);
+  RankState& s = state(rank);
+  const std::uint64_t seq = s.barrier_seq[group.id()]++;
+  const std::string key = fmt::format("barrier {} {}", group.id(), seq);
+  HostRendezvous& h = host_rendezvous(key, static_cast<int>(group_ranks.size()));
+  ++h.arrived;
+  h.latest_host_us = std::max(h.latest_host_us, s.host_us);
+  if (h.arrived == h.expected) {
+    for (int r : group_ranks) wake(r);
+  }
+  block_until(
+      rank, [&] { return h.arrived == h.expected; },
+      [&h, &group, seq] {
+        return fmt::format("barrier #{} on {}: {} of {} ranks have arrived", seq, group.str(), h.arrived, h.expected);
+      });
+  s.host_us = std::max(s.host_us, h.latest_host_us + profile().barrier_latency_us);
+}
+
+void SimWorld::show(int rank, const std::string& label, const std::string& values) {
+  RankState& s = state(rank);
+  const std::uint64_t seq = s.shows++;
+  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), size());
+  if (h.arrived == 0) h.label = label;
+  h.payload[rank] = values;
+  ++h.arrived;
+  if (h.arrived == h.expected) {
+    const std::string pad(h.label.size(), ' ');
+    for (int r = 0; r < size(); ++r) {
+      print(fmt::format("{} rank{} = {}", r == 0 ? h.label : pad, r, h.payload[r]));
+    }
+    for (int r = 0; r < size(); ++r) wake(r);
+  }
+  block_until(
+      rank, [&] { return h.arrived == h.expected; },
+      [&h, label] { return fmt::format("show(\"{}\"): {} of {} ranks have called it", label, h.arrived, h.expected); });
+}
+
+// ---- report ----------------------------------------------------------------------------------------
+
+void SimWorld::print(const std::string& line) {
+  report_.output.push_back(line);
+  if (config_.echo_output) {
+    std::fputs(line.c_str(), stdout);
+    std::fputc('\n', stdout);
+  }
+}
+
+void SimWorld::add_span(int rank, SpanKind kind, const std::string& name, double start_us, double end_us) {
+  if (end_us <= start_us) return;
+  report_.spans.push_back({rank, kind, name, start_us, end_us});
+}
+
+void SimWorld::add_region(int rank, const std::string& name, double start_us, double end_us) {
+  report_.regions.push_back({rank, name, start_us, end_us});
+}
+
+void SimWorld::add_check(int rank, const std::string& what, bool passed, const std::string& detail) {
+  report_.checks.push_back({rank, what, passed, detail});
+}
+
+RunReport SimWorld::finish_report() {
+  report_.ranks.clear();
+  report_.makespan_us = 0;
+  for (int r = 0; r < size(); ++r) {
+    const RankState& s = state(r);
+    RankSummary sum;
+    sum.rank = r;
+    sum.end_us = s.host_us;
+    sum.peak_bytes = s.memory->peak;
+    sum.capacity_bytes = s.memory->capacity;
+    report_.ranks.push_back(sum);
+    report_.makespan_us = std::max(report_.makespan_us, s.host_us);
+  }
+  report_.links = network_->link_traffic();
+  summarize_spans(report_);
+  return std::move(report_);
+}
+
+}  // namespace ranklab::sim

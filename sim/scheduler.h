@@ -1,0 +1,59 @@
+// VirtualTimeScheduler: a Boost.Fiber scheduling algorithm that runs the ready fiber with the smallest
+// virtual time first (ties broken by rank, then by arrival), so ranks issue communication in time order
+// and every run of a lesson interleaves its fibers the same way.
+#pragma once
+
+#include <boost/fiber/algo/algorithm.hpp>
+#include <boost/fiber/context.hpp>
+#include <boost/fiber/properties.hpp>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <set>
+#include <tuple>
+
+namespace ranklab::sim {
+
+class VirtualTimeProps : public boost::fibers::fiber_properties {
+ public:
+  explicit VirtualTimeProps(boost::fibers::context* ctx) : fiber_properties(ctx) {}
+  double time_us = 0;     // the fiber's host clock; only read while the fiber waits in the ready queue
+  int rank = -1;          // -1 for fibers that are not ranks (the launching fiber)
+
+ private:
+  friend class VirtualTimeScheduler;
+  bool queued_ = false;
+  std::uint64_t arrival_ = 0;
+};
+
+class VirtualTimeScheduler : public boost::fibers::algo::algorithm_with_properties<VirtualTimeProps> {
+ public:
+  VirtualTimeScheduler();
+  ~VirtualTimeScheduler() override;
+
+  void awakened(boost::fibers::context* ctx, VirtualTimeProps& props) noexcept override;
+  boost::fibers::context* pick_next() noexcept override;
+  bool has_ready_fibers() const noexcept override { return !ready_.empty(); }
+  void property_change(boost::fibers::context* ctx, VirtualTimeProps& props) noexcept override;
+  void suspend_until(std::chrono::steady_clock::time_point const& when) noexcept override;
+  void notify() noexcept override;
+
+  // The smallest virtual time among ready fibers (infinity when none is ready).
+  double min_ready_time_us() const;
+  // The scheduler installed on this thread, or null.
+  static VirtualTimeScheduler* current();
+
+ private:
+  using Key = std::tuple<double, int, std::uint64_t, boost::fibers::context*>;
+  static Key key_of(boost::fibers::context* ctx, const VirtualTimeProps& p) {
+    return {p.time_us, p.rank, p.arrival_, ctx};
+  }
+  std::set<Key> ready_;
+  std::uint64_t next_arrival_ = 0;
+  std::mutex mutex_;
+  std::condition_variable wakeup_;
+  bool flag_ = false;
+};
+
+}  // namespace ranklab::sim

@@ -1,0 +1,141 @@
+// SimWorld: the state every simulated rank shares — clocks, groups, the rendezvous of communication,
+// the execution of operations in dependency order, blocking and deadlock detection, and the report.
+//
+// How an operation runs: a rank *posts* its part (the host does not wait, as with NCCL); when every
+// member has posted and every operation it depends on has executed, the operation *executes*: its
+// numerics are done on the members' buffers, and its start (the latest member's ready time) and end
+// (start plus the network model's duration) become known. A rank blocks, in real time, only when it
+// needs such an outcome: a kernel after a synchronous collective, wait(), synchronize(), to_host(),
+// barrier(). When the last runnable rank blocks, nothing can wake anyone: that is a deadlock, reported
+// with every rank's pending operation.
+#pragma once
+
+#include <boost/fiber/condition_variable.hpp>
+#include <boost/fiber/mutex.hpp>
+#include <exception>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/profile.h"
+#include "common/report.h"
+#include "sim/comm_op.h"
+#include "sim/compute_model.h"
+#include "sim/network_model.h"
+#include "sim/sim_backend.h"
+#include "sim/storage.h"
+
+namespace ranklab::sim {
+
+// Thrown inside a rank's fiber to unwind it after another rank failed; never escapes launch().
+struct RunAborted {};
+
+// The key of a rank's communication streams: collectives share one; point-to-point traffic with each
+// peer has its own, as NCCL-backed torch.distributed gives each peer pair its own stream.
+constexpr int kCollectiveStream = -1;
+
+struct StreamState {
+  double end_us = 0;                        // when the last executed operation on it ended
+  std::shared_ptr<CommOpState> last;        // the last operation posted on it
+};
+
+struct RankState {
+  double host_us = 0;
+  double compute_us = 0;                    // when the compute stream's last kernel ends
+  std::map<int, StreamState> streams;
+  // Synchronous operations the compute stream must wait for before its next kernel.
+  std::vector<std::shared_ptr<CommOpState>> unfolded_sync;
+  // Everything this rank posted that has not executed (synchronize waits for all of it).
+  std::vector<std::shared_ptr<CommOpState>> outstanding;
+  std::shared_ptr<MemoryAccount> memory;
+  std::map<int, std::uint64_t> collective_seq;  // per group id
+  std::map<int, std::uint64_t> barrier_seq;     // per group id
+  int groups_created = 0;
+  std::uint64_t shows = 0;
+
+  // Blocking.
+  bool finished = false;
+  bool blocked = false;
+  std::function<std::string()> waiting_for;  // what it waits for, for deadlock reports
+  boost::fibers::mutex mutex;
+  boost::fibers::condition_variable wakeup;
+};
+
+class SimWorld {
+ public:
+  SimWorld(const SimConfig& config, int world_size);
+
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const Profile& profile() const { return config_.profile; }
+  const SimConfig& config() const { return config_; }
+  const ComputeModel& compute() const { return compute_; }
+  RankState& state(int rank) { return *ranks_[rank]; }
+
+  // Runs one rank's program in its fiber: catches what it throws and finishes the rank.
+  void run_rank(int rank, const std::function<void()>& program);
+
+  // Posting. The call has been validated for this rank alone; these check it against the other members.
+  std::shared_ptr<CommOpState> post(int rank, const CommCall& call);
+  void barrier(int rank, const Group& group);
+  void show(int rank, const std::string& label, const std::string& values);
+  Group new_group(int rank, const std::vector<int>& ranks);
+  // The members of `group` (global ranks); UsageError if the group is unknown.
+  const std::vector<int>& members(const Group& group) const;
+
+  // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
+  void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
+  // Blocks until `op` has executed.
+  void wait_executed(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by);
+  void check_aborted() const;
+  // Why `op` has not executed yet: the members that have not called it, or what they still wait for.
+  std::string why_pending(const CommOpState& op) const;
+
+  // Output and report.
+  void print(const std::string& line);
+  void add_span(int rank, SpanKind kind, const std::string& name, double start_us, double end_us);
+  void add_region(int rank, const std::string& name, double start_us, double end_us);
+  void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
+  // Rethrows the first error of the run, if any.
+  void rethrow_if_failed() const;
+  RunReport finish_report();
+
+ private:
+  void fail(std::exception_ptr error);
+  void wake(int rank);
+  void wake_all();
+  void declare_deadlock();
+  void try_execute(const std::shared_ptr<CommOpState>& op);
+  void execute(CommOpState& op);
+  std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
+  std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
+  void check_agreement(const CommOpState& op, int arriving_rank) const;
+
+  struct HostRendezvous {
+    int expected = 0;
+    int arrived = 0;
+    double latest_host_us = 0;
+    std::vector<std::string> payload;  // show(): each member's formatted values
+    std::string label;
+  };
+  HostRendezvous& host_rendezvous(const std::string& key, int expected);
+
+  SimConfig config_;
+  ComputeModel compute_;
+  std::unique_ptr<NetworkModel> network_;
+  std::vector<std::unique_ptr<RankState>> ranks_;
+  std::vector<std::vector<int>> groups_;  // id -> members; id 0 is the world
+  std::map<std::pair<int, std::uint64_t>, std::shared_ptr<CommOpState>> open_collectives_;
+  std::map<std::pair<int, int>, std::vector<std::shared_ptr<CommOpState>>> unmatched_p2p_;
+  std::map<std::pair<int, int>, std::uint64_t> p2p_created_;  // per (src, dst)
+  std::map<std::string, HostRendezvous> host_rendezvous_;
+  RunReport report_;
+
+  int live_ = 0;
+  int blocked_ = 0;
+  bool aborted_ = false;
+  std::exception_ptr error_;
+};
+
+}  // namespace ranklab::sim
