@@ -404,7 +404,7 @@ void SimRank::validate(const CommCall& call) const {
     throw UsageError(fmt::format("{} on {}: rank {} is not a member of the group", where(op), call.group.str(), rank_));
   }
   auto rooted = [&] {
-    if (call.group.index_of(call.peer) < 0) {
+    if (call.peer < 0 || call.peer >= world_.size() || call.group.index_of(call.peer) < 0) {
       throw UsageError(fmt::format("{}: root {} is not a member of {}", where(op), call.peer, call.group.str()));
     }
   };

@@ -1,0 +1,31 @@
+// Shared by the simulator tests: a quiet simulator on the dgx-h100 profile, and a way to run a
+// program on it and collect one value per rank.
+#pragma once
+
+#include <functional>
+#include <vector>
+
+#include "common/profile.h"
+#include "common/rank.h"
+#include "sim/sim_backend.h"
+
+namespace ranklab::testing {
+
+inline SimConfig quiet_config(int nodes = 1) {
+  SimConfig c;
+  c.profile = load_profile("dgx-h100");
+  c.profile.nodes = nodes;
+  c.echo_output = false;
+  return c;
+}
+
+// Runs `fn` on `world` ranks and returns what each rank put in its slot.
+template <typename T>
+std::vector<T> run_collect(int world, const std::function<T(Rank&)>& fn, int nodes = 1) {
+  SimBackend backend(quiet_config(nodes));
+  std::vector<T> out(world);
+  backend.launch(world, [&](Rank& r) { out[r.rank()] = fn(r); });
+  return out;
+}
+
+}  // namespace ranklab::testing

@@ -1,0 +1,318 @@
+// The simulator's clocks and its answers to bad programs: the lecture's synchronize/barrier lesson,
+// exact virtual times, determinism, deadlock, mismatch, exceptions, out-of-memory and bad arguments.
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+using testing::quiet_config;
+using testing::run_collect;
+
+// The message of what `fn` throws, or "" when it throws nothing.
+template <typename E>
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string run_error_message(int world, const std::function<void(Rank&)>& fn) {
+  SimBackend backend(quiet_config());
+  try {
+    backend.launch(world, fn);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// ---- clocks ----------------------------------------------------------------------------------------
+
+TEST(Clocks, BarrierBeforeSynchronizeMeasuresLessThanSynchronizeThenBarrier) {
+  // Rank 1 has more device work. Timed the right way, rank 0 sees the slowest rank's end; timed with
+  // the barrier first, rank 0's barrier passes before rank 1's kernels finish and it measures too little.
+  auto measure = [](bool right_order) {
+    return run_collect<double>(2, [&](Rank& r) {
+      Tensor a = r.phantom({4096, 4096});
+      r.synchronize();
+      r.barrier();
+      const double t0 = r.now();
+      for (int i = 0; i < (r.rank() == 1 ? 8 : 1); ++i) r.matmul(a, a);
+      if (right_order) {
+        r.synchronize();
+        r.barrier();
+      } else {
+        r.barrier();
+        r.synchronize();
+      }
+      return r.now() - t0;
+    });
+  };
+  const auto right = measure(true), wrong = measure(false);
+  EXPECT_LT(wrong[0], right[0]);
+  EXPECT_DOUBLE_EQ(right[0], right[1]);  // both ranks agree once they synchronize first
+}
+
+TEST(Clocks, WithoutSynchronizeOnlyTheLaunchIsTimed) {
+  auto times = run_collect<std::pair<double, double>>(2, [](Rank& r) {
+    Tensor t = r.phantom({256 << 20});  // 1 GiB
+    const double t0 = r.now();
+    r.all_reduce(t, ReduceOp::Sum);
+    const double launched = r.now() - t0;
+    r.synchronize();
+    return std::make_pair(launched, r.now() - t0);
+  });
+  const Profile p = quiet_config().profile;
+  EXPECT_DOUBLE_EQ(times[0].first, p.gpu.launch_overhead_us);
+  EXPECT_GT(times[0].second, 100 * times[0].first);
+}
+
+TEST(Clocks, AllReduceTimeIsTheAlphaBetaRingExactly) {
+  const int w = 4;
+  const std::int64_t count = 100'000'000;  // the lecture's 100M float32
+  auto times = run_collect<double>(w, [&](Rank& r) {
+    Tensor t = r.phantom({count});
+    r.synchronize();
+    r.barrier();
+    const double t0 = r.now();
+    r.all_reduce(t, ReduceOp::Sum);
+    r.synchronize();
+    return r.now() - t0;
+  });
+  const Profile p = quiet_config().profile;
+  const double bytes = 4.0 * count;
+  const double ring_us = 2.0 * (w - 1) * p.intra_node.latency_us +
+                         2.0 * (w - 1) / w * bytes / (p.intra_node.bandwidth_gbps * 1e3);
+  EXPECT_NEAR(times[0], p.gpu.launch_overhead_us + ring_us, 1e-6);
+}
+
+TEST(Clocks, AsyncCollectiveOverlapsCompute) {
+  // The same compute and communication take less time when the collective is async.
+  auto run = [](Async mode) {
+    return run_collect<double>(2, [&](Rank& r) {
+      Tensor grad = r.phantom({64 << 20});
+      Tensor a = r.phantom({4096, 4096});
+      Work w = r.all_reduce(grad, ReduceOp::Avg, mode);
+      for (int i = 0; i < 4; ++i) r.matmul(a, a);
+      w.wait();
+      r.synchronize();
+      return r.now();
+    })[0];
+  };
+  EXPECT_LT(run(Async::Yes), run(Async::No));
+}
+
+TEST(Clocks, ReportSplitsComputeCommAndIdle) {
+  SimBackend backend(quiet_config());
+  RunReport rep = backend.launch(2, [](Rank& r) {
+    Tensor a = r.phantom({2048, 2048});
+    if (r.rank() == 1) r.matmul(a, a);  // rank 0 waits for rank 1 at the all_reduce
+    Tensor g = r.phantom({1 << 20});
+    r.all_reduce(g, ReduceOp::Sum);
+    r.synchronize();
+  });
+  ASSERT_EQ(rep.ranks.size(), 2u);
+  EXPECT_EQ(rep.ranks[0].compute_us, 0);
+  EXPECT_GT(rep.ranks[1].compute_us, 0);
+  EXPECT_GT(rep.ranks[0].comm_wait_us, 0);  // the bubble: waiting for the late member
+  EXPECT_EQ(rep.ranks[1].comm_wait_us, 0);
+  EXPECT_DOUBLE_EQ(rep.ranks[0].comm_us, rep.ranks[1].comm_us);
+  ASSERT_EQ(rep.collectives.size(), 1u);
+  EXPECT_EQ(rep.collectives[0].bytes, 4 << 20);
+  // nccl-tests' all_reduce bus factor 2(n-1)/n is exactly 1 for two ranks.
+  EXPECT_DOUBLE_EQ(rep.collectives[0].busbw_gbps, rep.collectives[0].algbw_gbps);
+}
+
+// ---- determinism -----------------------------------------------------------------------------------
+
+TEST(Determinism, TwoRunsGiveIdenticalNumbersAndTimes) {
+  auto once = [] {
+    SimBackend backend(quiet_config());
+    Options o;
+    o.world = 4;
+    return run_lesson(backend, "collectives", o);
+  };
+  const RunReport a = once(), b = once();
+  EXPECT_EQ(a.output, b.output);
+  ASSERT_EQ(a.spans.size(), b.spans.size());
+  for (size_t i = 0; i < a.spans.size(); ++i) {
+    EXPECT_EQ(a.spans[i].rank, b.spans[i].rank);
+    EXPECT_EQ(a.spans[i].start_us, b.spans[i].start_us);
+    EXPECT_EQ(a.spans[i].end_us, b.spans[i].end_us);
+  }
+  EXPECT_EQ(a.makespan_us, b.makespan_us);
+  EXPECT_TRUE(a.all_checks_passed());
+}
+
+// ---- faults ----------------------------------------------------------------------------------------
+
+TEST(Faults, EveryRankInRecvIsADeadlockNamingEachRank) {
+  const std::string msg = run_error_message(3, [](Rank& r) {
+    Tensor t = r.zeros({2});
+    r.recv(t, (r.rank() + 1) % 3);
+    r.to_host(t);
+  });
+  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_NE(msg.find("rank " + std::to_string(rank) + ": to_host"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank " + std::to_string((rank + 1) % 3) + " has not called it"), std::string::npos) << msg;
+  }
+}
+
+TEST(Faults, ARankThatSkipsACollectiveIsNamed) {
+  const std::string msg = run_error_message(4, [](Rank& r) {
+    Tensor t = r.zeros({2});
+    if (r.rank() != 3) r.all_reduce(t, ReduceOp::Sum);
+    r.synchronize();
+  });
+  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 3 has not called it"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 3: finished its program"), std::string::npos) << msg;
+}
+
+TEST(Faults, BlockingSendsFacingEachOtherDeadlockAsOnNccl) {
+  const std::string msg = run_error_message(2, [](Rank& r) {
+    Tensor out = r.zeros({2}), in = r.zeros({2});
+    const int peer = 1 - r.rank();
+    r.send(out, peer);
+    r.recv(in, peer);
+    r.synchronize();
+  });
+  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("must first finish send/recv"), std::string::npos) << msg;
+}
+
+TEST(Faults, BarrierThatOneRankNeverReachesIsADeadlock) {
+  const std::string msg = run_error_message(2, [](Rank& r) {
+    if (r.rank() == 0) r.barrier();
+  });
+  EXPECT_NE(msg.find("barrier #0 on world: 1 of 2 ranks have arrived"), std::string::npos) << msg;
+}
+
+TEST(Faults, MismatchedSizesNameEveryRank) {
+  const std::string msg = run_error_message(3, [](Rank& r) {
+    Tensor t = r.zeros({r.rank() == 1 ? 8 : 4});
+    r.all_reduce(t, ReduceOp::Sum);
+    r.synchronize();
+  });
+  EXPECT_NE(msg.find("ranks disagree"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 0: all_reduce(float32[4], Sum)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 1: all_reduce(float32[8], Sum)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 2: has not called it yet"), std::string::npos) << msg;
+}
+
+TEST(Faults, MismatchedOperationRootAndReduceOp) {
+  EXPECT_NE(run_error_message(2, [](Rank& r) {
+              Tensor t = r.zeros({4});
+              r.rank() == 0 ? r.all_reduce(t, ReduceOp::Sum) : r.broadcast(t, 0);
+            }).find("ranks disagree"),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) {
+              Tensor t = r.zeros({4});
+              r.broadcast(t, r.rank());
+            }).find("root="),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) {
+              Tensor t = r.zeros({4});
+              r.all_reduce(t, r.rank() == 0 ? ReduceOp::Sum : ReduceOp::Max);
+            }).find("Max"),
+            std::string::npos);
+}
+
+TEST(Faults, SendAndRecvOfDifferentSizes) {
+  const std::string msg = run_error_message(2, [](Rank& r) {
+    if (r.rank() == 0) r.send(r.zeros({4}), 1);
+    if (r.rank() == 1) r.recv(r.zeros({5}), 0);
+  });
+  EXPECT_NE(msg.find("rank 0 sends float32[4] but rank 1 receives into float32[5]"), std::string::npos) << msg;
+}
+
+TEST(Faults, AnExceptionInOneRankEndsTheRunWithItsMessage) {
+  const std::string msg = run_error_message(4, [](Rank& r) {
+    Tensor t = r.zeros({4});
+    if (r.rank() == 2) throw std::runtime_error("rank 2 gave up");
+    r.all_reduce(t, ReduceOp::Sum);  // the others wait here for rank 2 and must be unwound
+    r.to_host(t);
+  });
+  EXPECT_EQ(msg, "rank 2 gave up");
+}
+
+TEST(Faults, OutOfMemoryNamesRankRequestAndCapacity) {
+  const std::string msg = run_error_message(2, [](Rank& r) {
+    std::vector<Tensor> held;
+    if (r.rank() == 1) {
+      for (int i = 0; i < 100; ++i) held.push_back(r.phantom({std::int64_t{1} << 30}));  // 4 GiB each
+    }
+  });
+  EXPECT_NE(msg.find("rank 1: phantom: out of memory allocating float32[1073741824] (4.00 GiB)"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("H100"), std::string::npos) << msg;
+}
+
+TEST(Faults, ReadingATensorBeforeWaitingOnItsAsyncCollective) {
+  const std::string msg = run_error_message(2, [](Rank& r) {
+    Tensor t = r.zeros({4});
+    Work w = r.all_reduce(t, ReduceOp::Sum, Async::Yes);
+    r.scale_(t, 2.0f);
+    w.wait();
+  });
+  EXPECT_NE(msg.find("not waited on"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("scale_"), std::string::npos) << msg;
+}
+
+TEST(Faults, BadArgumentsAreClearErrors) {
+  SimBackend backend(quiet_config());
+  EXPECT_NE(error_of<UsageError>([&] { backend.launch(0, [](Rank&) {}); }).find("--world"), std::string::npos);
+  EXPECT_NE(error_of<UsageError>([&] { backend.launch(9, [](Rank&) {}); }).find("--nodes 2"), std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) { r.broadcast(r.zeros({2}), 5); }).find("root 5 is not a member"),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) { r.send(r.zeros({2}), r.rank()); }).find("this rank itself"),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) { r.all_gather(r.zeros({3}), r.zeros({2})); })
+                .find("must have 2 times its first dimension"),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) { r.matmul(r.zeros({2, 3}), r.zeros({2, 3})); })
+                .find("inner dimensions differ"),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2,
+                              [](Rank& r) {
+                                Group g = r.new_group({0});
+                                r.all_reduce(r.zeros({1}), ReduceOp::Sum, Async::No, g);
+                              })
+                .find("rank 1 is not a member"),
+            std::string::npos);
+  EXPECT_NE(run_error_message(2, [](Rank& r) { r.new_group({r.rank()}); }).find("same ranks in the same order"),
+            std::string::npos);
+}
+
+TEST(Memory, AllocatedAndPeakFollowTensorLifetimes) {
+  auto got = run_collect<std::vector<std::int64_t>>(1, [](Rank& r) {
+    std::vector<std::int64_t> v;
+    {
+      Tensor a = r.zeros({256});
+      Tensor b = r.phantom({1024});
+      v.push_back(r.memory_allocated());
+    }
+    v.push_back(r.memory_allocated());
+    v.push_back(r.memory_peak());
+    v.push_back(r.memory_capacity());
+    return v;
+  });
+  EXPECT_EQ(got[0][0], 4 * (256 + 1024));
+  EXPECT_EQ(got[0][1], 0);
+  EXPECT_EQ(got[0][2], 4 * (256 + 1024));
+  EXPECT_EQ(got[0][3], quiet_config().profile.hbm_capacity_bytes());
+}
+
+}  // namespace
+}  // namespace ranklab
