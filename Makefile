@@ -26,7 +26,9 @@ bench: build
 	$(BUILD)/bench/ranklab_bench
 
 # The tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# scripts/asan.supp says why one sanitizer-internal report is suppressed.
 sanitize:
+	ASAN_OPTIONS=suppressions=$(CURDIR)/scripts/asan.supp UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	$(MAKE) test BUILD=build-asan CMAKE_FLAGS="-DCMAKE_BUILD_TYPE=Debug -DRANKLAB_SANITIZE=ON -DRANKLAB_BENCH=OFF -DRANKLAB_CUDA=OFF"
 
 format:

@@ -195,13 +195,17 @@ std::string human_bytes(double bytes) {
     bytes /= 1024;
     ++u;
   }
-  // Whole numbers (the usual power-of-two message sizes) print without a fraction.
+  // Whole numbers (the usual power-of-two message sizes) print without a fraction; others with three
+  // significant digits.
   if (bytes == std::floor(bytes)) return fmt::format("{:.0f} {}", bytes, units[u]);
-  return fmt::format("{:.2f} {}", bytes, units[u]);
+  int decimals = std::fabs(bytes) >= 100 ? 0 : std::fabs(bytes) >= 10 ? 1 : 2;
+  return fmt::format("{:.{}f} {}", bytes, decimals, units[u]);
 }
 
+// Small messages are all latency, so their bandwidth is far below 1 GB/s; MB/s keeps the digits visible.
 std::string human_bw(double gbps) {
-  return fmt::format("{:.1f} GB/s", gbps);
+  if (std::fabs(gbps) >= 1 || gbps == 0) return fmt::format("{:.1f} GB/s", gbps);
+  return fmt::format("{:.1f} MB/s", gbps * 1e3);
 }
 
 std::string memory_cell(double peak, double capacity) {

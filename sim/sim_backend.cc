@@ -16,6 +16,15 @@ SimBackend::SimBackend(SimConfig config) : config_(std::move(config)) {}
 
 namespace {
 
+#if defined(RANKLAB_SANITIZE)
+// AddressSanitizer does not see fiber switches: a stack that is unmapped and mapped again keeps stale
+// poison. Heap stacks are unpoisoned by the sanitizer's own allocator each time.
+using StackAllocator = boost::fibers::fixedsize_stack;
+#else
+// A guard page turns a fiber's stack overflow into a clean crash instead of silent corruption.
+using StackAllocator = boost::fibers::protected_fixedsize_stack;
+#endif
+
 RunReport run_fibers(const SimConfig& config, int world_size, const std::function<void(Rank&)>& fn) {
   // Must come before any other fiber operation on this thread.
   boost::fibers::use_scheduling_algorithm<sim::VirtualTimeScheduler>();
@@ -28,7 +37,7 @@ RunReport run_fibers(const SimConfig& config, int world_size, const std::functio
   fibers.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
     sim::SimRank* rank = ranks[r].get();
-    fibers.emplace_back(std::allocator_arg, boost::fibers::protected_fixedsize_stack(config.stack_bytes), [&world, rank, &fn] {
+    fibers.emplace_back(std::allocator_arg, StackAllocator(config.stack_bytes), [&world, rank, &fn] {
       world.run_rank(rank->rank(), [&] {
         fn(*rank);
         rank->finish();

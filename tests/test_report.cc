@@ -1,0 +1,444 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/report.h"
+
+namespace ranklab {
+namespace {
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+Span span(int rank, SpanKind kind, double start_us, double end_us, std::string name = "k") {
+  Span s;
+  s.rank = rank;
+  s.kind = kind;
+  s.name = std::move(name);
+  s.start_us = start_us;
+  s.end_us = end_us;
+  return s;
+}
+
+TEST(BusFactor, MatchesNcclTests) {
+  EXPECT_DOUBLE_EQ(bus_factor(CommOp::AllReduce, 4), 1.5);
+  EXPECT_DOUBLE_EQ(bus_factor(CommOp::AllReduce, 8), 1.75);
+  EXPECT_DOUBLE_EQ(bus_factor(CommOp::AllReduce, 1), 0.0);
+  for (CommOp op :
+       {CommOp::ReduceScatter, CommOp::AllGather, CommOp::AllToAll, CommOp::Scatter, CommOp::Gather}) {
+    SCOPED_TRACE(comm_op_name(op));
+    EXPECT_DOUBLE_EQ(bus_factor(op, 4), 0.75);
+    EXPECT_DOUBLE_EQ(bus_factor(op, 8), 0.875);
+  }
+  for (CommOp op : {CommOp::Broadcast, CommOp::Reduce, CommOp::Send, CommOp::Recv}) {
+    SCOPED_TRACE(comm_op_name(op));
+    EXPECT_DOUBLE_EQ(bus_factor(op, 8), 1.0);
+    EXPECT_DOUBLE_EQ(bus_factor(op, 2), 1.0);
+  }
+  EXPECT_DOUBLE_EQ(bus_factor(CommOp::Barrier, 8), 0.0);
+  EXPECT_THROW(bus_factor(CommOp::AllReduce, 0), UsageError);
+}
+
+TEST(SpanKind, Names) {
+  EXPECT_STREQ(span_kind_name(SpanKind::Compute), "compute");
+  EXPECT_STREQ(span_kind_name(SpanKind::Comm), "comm");
+  EXPECT_STREQ(span_kind_name(SpanKind::Idle), "idle");
+}
+
+TEST(RunReport, ChecksAndTraffic) {
+  RunReport r;
+  EXPECT_TRUE(r.all_checks_passed());  // nothing checked, nothing failed
+  EXPECT_EQ(r.total_link_bytes(), 0);
+  r.checks.push_back({0, "a", true, ""});
+  r.checks.push_back({1, "a", true, ""});
+  EXPECT_TRUE(r.all_checks_passed());
+  r.checks.push_back({1, "b", false, "off by one"});
+  EXPECT_FALSE(r.all_checks_passed());
+  r.links.push_back({"nvlink gpu0->gpu1", "nvlink", 1000});
+  r.links.push_back({"ib node0->node1", "network", std::int64_t{1} << 40});
+  EXPECT_EQ(r.total_link_bytes(), 1000 + (std::int64_t{1} << 40));
+}
+
+TEST(SummarizeSpans, OverlapsByHand) {
+  RunReport r;
+  r.world = 3;
+  // Rank 0 (end set by the backend to 50):
+  //   compute [0,10] [5,15] [20,30]        -> union [0,15] [20,30]          = 25
+  //   comm    [12,22] [25,40]              -> union                          = 25
+  //   compute ∩ comm: [12,15] [20,22] [25,30]                                = 10
+  //   exposed comm = 25 - 10 = 15; busy = 25 + 25 - 10 = 40; idle = 50 - 40 = 10
+  //   waits [40,45] [45,47]                                                   = 7
+  //   plus an empty span and a reversed one, which cover nothing.
+  // Rank 1 (end not set: taken from its latest span, 9):
+  //   compute [0,4]; comm [4,6]; wait [6,9] -> busy 6, exposed 2, idle 3, wait 3
+  // Rank 2: no spans at all.
+  r.spans = {
+      span(0, SpanKind::Comm, 25, 40),    span(0, SpanKind::Compute, 20, 30),
+      span(1, SpanKind::Idle, 6, 9),      span(0, SpanKind::Compute, 5, 15),
+      span(0, SpanKind::Idle, 40, 45),    span(0, SpanKind::Compute, 0, 10),
+      span(1, SpanKind::Comm, 4, 6),      span(0, SpanKind::Comm, 12, 22),
+      span(0, SpanKind::Idle, 45, 47),    span(1, SpanKind::Compute, 0, 4),
+      span(0, SpanKind::Compute, 33, 33), span(0, SpanKind::Comm, 48, 42),
+  };
+  // The backend filled rank 1's memory and rank 0's end, out of order; both must survive.
+  RankSummary r1;
+  r1.rank = 1;
+  r1.peak_bytes = 123;
+  r1.capacity_bytes = 1000;
+  RankSummary r0;
+  r0.rank = 0;
+  r0.end_us = 50;
+  r.ranks = {r1, r0};
+
+  summarize_spans(r);
+
+  ASSERT_EQ(r.ranks.size(), 3u);
+  const RankSummary& a = r.ranks[0];
+  EXPECT_EQ(a.rank, 0);
+  EXPECT_DOUBLE_EQ(a.end_us, 50);
+  EXPECT_DOUBLE_EQ(a.compute_us, 25);
+  EXPECT_DOUBLE_EQ(a.comm_us, 25);
+  EXPECT_DOUBLE_EQ(a.exposed_comm_us, 15);
+  EXPECT_DOUBLE_EQ(a.comm_wait_us, 7);
+  EXPECT_DOUBLE_EQ(a.idle_us, 10);
+
+  const RankSummary& b = r.ranks[1];
+  EXPECT_EQ(b.rank, 1);
+  EXPECT_DOUBLE_EQ(b.end_us, 9);
+  EXPECT_DOUBLE_EQ(b.compute_us, 4);
+  EXPECT_DOUBLE_EQ(b.comm_us, 2);
+  EXPECT_DOUBLE_EQ(b.exposed_comm_us, 2);
+  EXPECT_DOUBLE_EQ(b.comm_wait_us, 3);
+  EXPECT_DOUBLE_EQ(b.idle_us, 3);
+  EXPECT_EQ(b.peak_bytes, 123);
+  EXPECT_EQ(b.capacity_bytes, 1000);
+
+  const RankSummary& c = r.ranks[2];
+  EXPECT_EQ(c.rank, 2);
+  EXPECT_DOUBLE_EQ(c.end_us, 0);
+  EXPECT_DOUBLE_EQ(c.compute_us, 0);
+  EXPECT_DOUBLE_EQ(c.idle_us, 0);
+
+  EXPECT_DOUBLE_EQ(r.makespan_us, 50);  // was 0, so it is the latest end
+}
+
+TEST(SummarizeSpans, CommFullyHiddenAndNested) {
+  RunReport r;
+  r.world = 1;
+  // One long compute kernel hides two comm spans, one nested in the other: no exposed comm.
+  r.spans = {span(0, SpanKind::Compute, 0, 100), span(0, SpanKind::Comm, 10, 60),
+             span(0, SpanKind::Comm, 20, 30), span(0, SpanKind::Comm, 60, 90)};
+  r.makespan_us = 123;  // set by the backend: kept
+  summarize_spans(r);
+  ASSERT_EQ(r.ranks.size(), 1u);
+  EXPECT_DOUBLE_EQ(r.ranks[0].compute_us, 100);
+  EXPECT_DOUBLE_EQ(r.ranks[0].comm_us, 80);
+  EXPECT_DOUBLE_EQ(r.ranks[0].exposed_comm_us, 0);
+  EXPECT_DOUBLE_EQ(r.ranks[0].idle_us, 0);
+  EXPECT_DOUBLE_EQ(r.makespan_us, 123);
+}
+
+TEST(SummarizeSpans, RejectsNegativeRank) {
+  RunReport r;
+  r.spans = {span(-1, SpanKind::Compute, 0, 1)};
+  EXPECT_THROW(summarize_spans(r), UsageError);
+}
+
+TEST(SummarizeSpans, MillionsOfSpansStayFast) {
+  // Half-overlapping compute and comm, shuffled: an O(n^2) pass would not finish within the test timeout.
+  constexpr int kN = 1'000'000;
+  RunReport r;
+  r.world = 1;
+  r.spans.reserve(2 * kN);
+  for (int i = 0; i < kN; ++i) {
+    r.spans.push_back(span(0, SpanKind::Compute, 2.0 * i, 2.0 * i + 1));
+    r.spans.push_back(span(0, SpanKind::Comm, 2.0 * i + 0.5, 2.0 * i + 1.5));
+  }
+  std::shuffle(r.spans.begin(), r.spans.end(), std::mt19937(42));
+  summarize_spans(r);
+  const RankSummary& s = r.ranks.at(0);
+  EXPECT_NEAR(s.compute_us, kN, 1e-6);
+  EXPECT_NEAR(s.comm_us, kN, 1e-6);
+  EXPECT_NEAR(s.exposed_comm_us, 0.5 * kN, 1e-6);
+  EXPECT_DOUBLE_EQ(s.end_us, 2.0 * kN - 0.5);
+  EXPECT_NEAR(s.idle_us, (2.0 * kN - 0.5) - 1.5 * kN, 1e-6);
+}
+
+RunReport sample_report() {
+  RunReport r;
+  r.lesson = "data_parallel";
+  r.backend = "sim";
+  r.profile = "dgx-h100";
+  r.world = 2;
+  r.makespan_us = 1500.25;
+  RankSummary a;
+  a.rank = 0;
+  a.end_us = 1500.25;
+  a.compute_us = 800.5;
+  a.comm_us = 300.12;
+  a.comm_wait_us = 12.0625;
+  a.exposed_comm_us = 50.76;
+  a.idle_us = 649;
+  a.peak_bytes = std::int64_t{1} << 30;
+  a.capacity_bytes = std::int64_t{80} << 30;
+  RankSummary b = a;
+  b.rank = 1;
+  b.end_us = 1400.1;
+  b.idle_us = 0.1;
+  r.ranks = {a, b};
+  r.spans = {span(0, SpanKind::Compute, 0.1, 800.6, "matmul"),
+             span(1, SpanKind::Idle, 3, 4, "all_reduce wait"),
+             span(1, SpanKind::Comm, 4, 5, "all_reduce \"quoted\" \\ \u00e9")};
+  CollectiveRecord c;
+  c.op = CommOp::AllReduce;
+  c.group = "world";
+  c.group_size = 4;
+  c.bytes = std::int64_t{64} << 20;
+  c.algorithm = "ring";
+  c.start_us = 0;
+  c.end_us = 1000;
+  c.algbw_gbps = 67.108864;
+  c.busbw_gbps = 100.663296;
+  CollectiveRecord d = c;
+  d.start_us = 2000;
+  d.end_us = 5000;
+  CollectiveRecord e = c;
+  e.op = CommOp::AllToAll;
+  e.group = "group 2 {0, 1}";
+  e.group_size = 2;
+  e.bytes = 1536;
+  e.algorithm = "pairwise";
+  e.start_us = 10;
+  e.end_us = 10.5;
+  r.collectives = {c, d, e};
+  r.regions = {{0, "forward", 0, 700}, {1, "backward", 700, 1400.5}};
+  r.checks = {{0, "params equal single-device", true, ""},
+              {1, "params equal single-device", true, ""},
+              {0, "loss finite", true, ""},
+              {1, "loss finite", false, "loss is nan at step 3"}};
+  r.links = {{"nvlink gpu0->gpu1", "nvlink", 3 << 20},
+             {"nvlink gpu1->gpu0", "nvlink", 1 << 20},
+             {"ib node0->node1", "network", 512}};
+  r.output = {"step 0 loss 2.3", "line with \"quotes\" and a tab\t"};
+  return r;
+}
+
+TEST(ReportJson, RoundTripKeepsEveryField) {
+  RunReport r = sample_report();
+  std::string text = report_to_json(r);
+  // Fields come in declaration order, the version first, so a person reading the file sees it at once.
+  EXPECT_EQ(text.rfind("{\"schema_version\":1,\"lesson\":\"data_parallel\",", 0), 0u) << text.substr(0, 200);
+  RunReport back = report_from_json(text);
+
+  EXPECT_EQ(back.lesson, r.lesson);
+  EXPECT_EQ(back.backend, r.backend);
+  EXPECT_EQ(back.profile, r.profile);
+  EXPECT_EQ(back.world, r.world);
+  EXPECT_EQ(back.makespan_us, r.makespan_us);
+  ASSERT_EQ(back.ranks.size(), r.ranks.size());
+  for (std::size_t i = 0; i < r.ranks.size(); ++i) {
+    const RankSummary &x = r.ranks[i], &y = back.ranks[i];
+    EXPECT_EQ(y.rank, x.rank);
+    EXPECT_EQ(y.end_us, x.end_us);  // exact: doubles must survive the text form bit for bit
+    EXPECT_EQ(y.compute_us, x.compute_us);
+    EXPECT_EQ(y.comm_us, x.comm_us);
+    EXPECT_EQ(y.comm_wait_us, x.comm_wait_us);
+    EXPECT_EQ(y.exposed_comm_us, x.exposed_comm_us);
+    EXPECT_EQ(y.idle_us, x.idle_us);
+    EXPECT_EQ(y.peak_bytes, x.peak_bytes);
+    EXPECT_EQ(y.capacity_bytes, x.capacity_bytes);
+  }
+  ASSERT_EQ(back.spans.size(), r.spans.size());
+  for (std::size_t i = 0; i < r.spans.size(); ++i) {
+    EXPECT_EQ(back.spans[i].rank, r.spans[i].rank);
+    EXPECT_EQ(back.spans[i].kind, r.spans[i].kind);
+    EXPECT_EQ(back.spans[i].name, r.spans[i].name);
+    EXPECT_EQ(back.spans[i].start_us, r.spans[i].start_us);
+    EXPECT_EQ(back.spans[i].end_us, r.spans[i].end_us);
+  }
+  ASSERT_EQ(back.collectives.size(), r.collectives.size());
+  for (std::size_t i = 0; i < r.collectives.size(); ++i) {
+    const CollectiveRecord &x = r.collectives[i], &y = back.collectives[i];
+    EXPECT_EQ(y.op, x.op);
+    EXPECT_EQ(y.group, x.group);
+    EXPECT_EQ(y.group_size, x.group_size);
+    EXPECT_EQ(y.bytes, x.bytes);
+    EXPECT_EQ(y.algorithm, x.algorithm);
+    EXPECT_EQ(y.start_us, x.start_us);
+    EXPECT_EQ(y.end_us, x.end_us);
+    EXPECT_EQ(y.algbw_gbps, x.algbw_gbps);
+    EXPECT_EQ(y.busbw_gbps, x.busbw_gbps);
+  }
+  ASSERT_EQ(back.regions.size(), r.regions.size());
+  for (std::size_t i = 0; i < r.regions.size(); ++i) {
+    EXPECT_EQ(back.regions[i].rank, r.regions[i].rank);
+    EXPECT_EQ(back.regions[i].name, r.regions[i].name);
+    EXPECT_EQ(back.regions[i].start_us, r.regions[i].start_us);
+    EXPECT_EQ(back.regions[i].end_us, r.regions[i].end_us);
+  }
+  ASSERT_EQ(back.checks.size(), r.checks.size());
+  for (std::size_t i = 0; i < r.checks.size(); ++i) {
+    EXPECT_EQ(back.checks[i].rank, r.checks[i].rank);
+    EXPECT_EQ(back.checks[i].what, r.checks[i].what);
+    EXPECT_EQ(back.checks[i].passed, r.checks[i].passed);
+    EXPECT_EQ(back.checks[i].detail, r.checks[i].detail);
+  }
+  ASSERT_EQ(back.links.size(), r.links.size());
+  for (std::size_t i = 0; i < r.links.size(); ++i) {
+    EXPECT_EQ(back.links[i].link, r.links[i].link);
+    EXPECT_EQ(back.links[i].tier, r.links[i].tier);
+    EXPECT_EQ(back.links[i].bytes, r.links[i].bytes);
+  }
+  EXPECT_EQ(back.output, r.output);
+
+  // Writing what was read gives the same text: nothing was lost or reordered.
+  EXPECT_EQ(report_to_json(back), text);
+}
+
+TEST(ReportJson, EveryCommOpAndSpanKindRoundTrips) {
+  RunReport r;
+  for (int i = 0; i <= static_cast<int>(CommOp::Barrier); ++i) {
+    CollectiveRecord c;
+    c.op = static_cast<CommOp>(i);
+    r.collectives.push_back(c);
+  }
+  for (SpanKind k : {SpanKind::Compute, SpanKind::Comm, SpanKind::Idle}) r.spans.push_back(span(0, k, 0, 1));
+  RunReport back = report_from_json(report_to_json(r));
+  ASSERT_EQ(back.collectives.size(), r.collectives.size());
+  for (std::size_t i = 0; i < r.collectives.size(); ++i)
+    EXPECT_EQ(back.collectives[i].op, r.collectives[i].op);
+  ASSERT_EQ(back.spans.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) EXPECT_EQ(back.spans[i].kind, r.spans[i].kind);
+}
+
+TEST(ReportJson, RejectsWhatItCannotRead) {
+  auto message_of = [](const std::string& text) -> std::string {
+    try {
+      report_from_json(text);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  EXPECT_TRUE(contains(message_of("not json"), "not valid JSON"));
+  EXPECT_TRUE(contains(message_of("[1, 2]"), "expected an object"));
+  EXPECT_TRUE(contains(message_of(R"({"lesson": "x"})"), "schema_version"));
+  EXPECT_TRUE(contains(message_of(R"({"schema_version": 2})"), "schema_version 2"));
+  EXPECT_TRUE(contains(message_of(R"({"schema_version": 1, "world": "four"})"), "'world'"));
+  std::string msg = message_of(R"({"schema_version": 1, "collectives": [{}, {"op": "all_reduce_x"}]})");
+  EXPECT_TRUE(contains(msg, "collectives[1]")) << msg;
+  EXPECT_TRUE(contains(msg, "all_reduce_x")) << msg;
+  msg = message_of(R"({"schema_version": 1, "spans": [{"rank": 0, "kind": "busy"}]})");
+  EXPECT_TRUE(contains(msg, "spans[0]")) << msg;
+  msg = message_of(R"({"schema_version": 1, "spans": [{"rank": "zero", "kind": "comm"}]})");
+  EXPECT_TRUE(contains(msg, "spans[0]") && contains(msg, "'rank'")) << msg;
+  EXPECT_TRUE(contains(message_of(R"({"schema_version": 1, "ranks": {}})"), "'ranks' must be an array"));
+
+  // A minimal report: every missing field keeps its default.
+  RunReport r = report_from_json(R"({"schema_version": 1, "world": 4})");
+  EXPECT_EQ(r.world, 4);
+  EXPECT_TRUE(r.ranks.empty());
+}
+
+TEST(FormatSummary, ShowsTheNumbers) {
+  std::string s = format_summary(sample_report());
+  SCOPED_TRACE(s);
+  EXPECT_TRUE(contains(s, "data_parallel on sim (dgx-h100), 2 ranks: 1.50 ms"));
+  // Per-rank rows: end, compute, comm, exposed, wait, idle, memory.
+  EXPECT_TRUE(contains(s, "1.50 ms"));
+  EXPECT_TRUE(contains(s, "1.40 ms"));
+  EXPECT_TRUE(contains(s, "800.5 us"));
+  EXPECT_TRUE(contains(s, "300.1 us"));
+  EXPECT_TRUE(contains(s, "50.8 us"));
+  EXPECT_TRUE(contains(s, "12.1 us"));
+  EXPECT_TRUE(contains(s, "649.0 us"));
+  EXPECT_TRUE(contains(s, "1 GiB / 80 GiB (1%)"));
+  // The two 64 MiB all_reduces are one row: mean 2 ms; algbw = 64 MiB / 2 ms = 33.6 GB/s; busbw x 1.5.
+  EXPECT_TRUE(contains(s, "all_reduce"));
+  EXPECT_TRUE(contains(s, "64 MiB"));
+  EXPECT_TRUE(contains(s, "2.00 ms"));
+  EXPECT_TRUE(contains(s, "33.6 GB/s"));
+  EXPECT_TRUE(contains(s, "50.3 GB/s"));
+  // all_to_all of 1.5 KiB over 2 ranks in 0.5 us: algbw 3.1 GB/s, busbw half of it.
+  EXPECT_TRUE(contains(s, "1.50 KiB"));
+  EXPECT_TRUE(contains(s, "0.5 us"));
+  EXPECT_TRUE(contains(s, "3.1 GB/s"));
+  EXPECT_TRUE(contains(s, "1.5 GB/s"));
+  EXPECT_TRUE(contains(s, "pairwise"));
+  // Traffic by tier.
+  EXPECT_TRUE(contains(s, "nvlink 4 MiB"));
+  EXPECT_TRUE(contains(s, "network 512 B"));
+  // Checks aggregated across ranks.
+  EXPECT_TRUE(contains(s, "\u2713 params equal single-device (2 ranks)"));
+  EXPECT_TRUE(contains(s, "\u2717 loss finite (failed on 1 of 2 ranks: rank 1): loss is nan at step 3"));
+  EXPECT_TRUE(contains(s, "1 of 4 failed"));
+  EXPECT_FALSE(contains(s, "\u2713 loss finite"));
+}
+
+TEST(FormatSummary, SmallMessagesAndOddSizes) {
+  RunReport r;
+  r.world = 4;
+  CollectiveRecord c;
+  c.op = CommOp::AllReduce;
+  c.group_size = 4;
+  c.bytes = 16;
+  c.algorithm = "ring";
+  c.start_us = 10;
+  c.end_us = 13.6;
+  r.collectives = {c};
+  RankSummary s;
+  s.peak_bytes = 300 * 1024 + 512;  // 300.5 KiB: three significant digits
+  s.capacity_bytes = static_cast<std::int64_t>(79.6 * 1073741824.0);
+  r.ranks = {s};
+  std::string out = format_summary(r);
+  // 16 B in 3.6 us: algbw 4.4 MB/s, busbw 1.5x that.
+  EXPECT_TRUE(contains(out, "4.4 MB/s")) << out;
+  EXPECT_TRUE(contains(out, "6.7 MB/s")) << out;
+  EXPECT_TRUE(contains(out, "3.6 us")) << out;
+  EXPECT_TRUE(contains(out, "16 B")) << out;
+  EXPECT_TRUE(contains(out, "300 KiB / 79.6 GiB (0%)")) << out;
+}
+
+TEST(FormatSummary, CheckMadeByOneRank) {
+  RunReport r;
+  r.world = 2;
+  r.checks = {{1, "gathered rows in rank order", false, "row 3 holds rank 2's data"},
+              {0, "root sees the sum", true, ""}};
+  std::string s = format_summary(r);
+  EXPECT_TRUE(contains(s, "\u2717 gathered rows in rank order (rank 1): row 3 holds rank 2's data")) << s;
+  EXPECT_TRUE(contains(s, "\u2713 root sees the sum (rank 0)")) << s;
+  EXPECT_TRUE(contains(s, "1 of 2 failed")) << s;
+}
+
+TEST(FormatSummary, ManyRanksAreSummarisedNotListed) {
+  RunReport r;
+  r.lesson = "tour";
+  r.backend = "sim";
+  r.world = 20;
+  for (int i = 0; i < 20; ++i) {
+    RankSummary s;
+    s.rank = i;
+    s.end_us = i == 7 ? 900 : 100 + i;  // rank 7 is the straggler
+    s.compute_us = 10 * i;
+    r.ranks.push_back(s);
+  }
+  r.makespan_us = 900;
+  std::string s = format_summary(r);
+  SCOPED_TRACE(s);
+  EXPECT_TRUE(contains(s, "min"));
+  EXPECT_TRUE(contains(s, "mean"));
+  EXPECT_TRUE(contains(s, "max"));
+  EXPECT_TRUE(contains(s, "190.0 us"));  // the largest compute
+  EXPECT_TRUE(contains(s, "95.0 us"));   // the mean compute
+  EXPECT_TRUE(contains(s, "the last to finish is rank 7"));
+  EXPECT_FALSE(contains(s, "    19 "));  // no per-rank row
+  EXPECT_LT(std::count(s.begin(), s.end(), '\n'), 12);
+}
+
+}  // namespace
+}  // namespace ranklab
