@@ -34,6 +34,7 @@ struct CommOpState {
   std::vector<int> ranks;          // global ranks in group order (src, dst for point-to-point)
   std::vector<CommMember> members; // indexed like `ranks`
   int arrived = 0;
+  int first_arrived = -1;          // the rank every later member is checked against
   bool executed = false;
   double start_us = 0;
   double end_us = 0;

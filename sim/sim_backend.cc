@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "sim/scheduler.h"
 #include "sim/sim_rank.h"
+#include "sim/stack_pool.h"
 #include "sim/world.h"
 
 namespace ranklab {
@@ -19,10 +20,18 @@ namespace {
 #if defined(RANKLAB_SANITIZE)
 // AddressSanitizer does not see fiber switches: a stack that is unmapped and mapped again keeps stale
 // poison. Heap stacks are unpoisoned by the sanitizer's own allocator each time.
-using StackAllocator = boost::fibers::fixedsize_stack;
+struct Stacks {
+  Stacks(std::size_t, std::size_t bytes) : bytes(bytes) {}
+  boost::fibers::fixedsize_stack allocator() const { return boost::fibers::fixedsize_stack(bytes); }
+  std::size_t bytes;
+};
 #else
-// A guard page turns a fiber's stack overflow into a clean crash instead of silent corruption.
-using StackAllocator = boost::fibers::protected_fixedsize_stack;
+// One mapping for every stack, each with a guard page (see sim/stack_pool.h).
+struct Stacks {
+  Stacks(std::size_t count, std::size_t bytes) : pool(count, bytes) {}
+  sim::PooledStack allocator() { return sim::PooledStack(pool); }
+  sim::StackPool pool;
+};
 #endif
 
 RunReport run_fibers(const SimConfig& config, int world_size, const std::function<void(Rank&)>& fn) {
@@ -33,11 +42,12 @@ RunReport run_fibers(const SimConfig& config, int world_size, const std::functio
   ranks.reserve(world_size);
   for (int r = 0; r < world_size; ++r) ranks.push_back(std::make_unique<sim::SimRank>(world, r));
 
+  Stacks stacks(world_size, config.stack_bytes);  // outlives the fibers below
   std::vector<boost::fibers::fiber> fibers;
   fibers.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
     sim::SimRank* rank = ranks[r].get();
-    fibers.emplace_back(std::allocator_arg, StackAllocator(config.stack_bytes), [&world, rank, &fn] {
+    fibers.emplace_back(std::allocator_arg, stacks.allocator(), [&world, rank, &fn] {
       world.run_rank(rank->rank(), [&] {
         fn(*rank);
         rank->finish();

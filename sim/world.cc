@@ -15,6 +15,10 @@
 namespace ranklab::sim {
 
 CommMember& CommOpState::member_of(int global_rank) {
+  // World collectives list every rank in order, so the member of rank r is member r.
+  if (global_rank >= 0 && global_rank < static_cast<int>(members.size()) && members[global_rank].rank == global_rank) {
+    return members[global_rank];
+  }
   for (CommMember& m : members) {
     if (m.rank == global_rank) return m;
   }
@@ -205,20 +209,14 @@ int stream_of(const CommCall& c) {
 
 }  // namespace
 
-void SimWorld::check_agreement(const CommOpState& op, int arriving_rank) const {
-  const CommMember* first = nullptr;
-  for (const CommMember& m : op.members) {
-    if (m.arrived && m.rank != arriving_rank) {
-      first = &m;
-      break;
-    }
+void SimWorld::check_agreement(CommOpState& op, int arriving_rank) const {
+  // Every member is compared with the first one to arrive.
+  const CommMember& mine = op.member_of(arriving_rank);
+  if (op.first_arrived < 0) {
+    op.first_arrived = arriving_rank;
+    return;
   }
-  if (!first) return;
-  const CommMember* mine = nullptr;
-  for (const CommMember& m : op.members) {
-    if (m.rank == arriving_rank) mine = &m;
-  }
-  if (signature(first->call) == signature(mine->call)) return;
+  if (signature(op.member_of(op.first_arrived).call) == signature(mine.call)) return;
   std::string msg = fmt::format("ranks disagree on {}:\n", op.label);
   for (const CommMember& m : op.members) {
     msg += m.arrived ? fmt::format("  rank {}: {}\n", m.rank, m.call.describe())

@@ -110,7 +110,7 @@ class SimWorld {
   void execute(CommOpState& op);
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
-  void check_agreement(const CommOpState& op, int arriving_rank) const;
+  void check_agreement(CommOpState& op, int arriving_rank) const;
 
   struct HostRendezvous {
     int expected = 0;

@@ -1,0 +1,50 @@
+#include "sim/stack_pool.h"
+
+#include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <new>
+
+#include "common/errors.h"
+
+namespace ranklab::sim {
+
+StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes) : slots_(stacks) {
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  const std::size_t rounded = (stack_bytes + page - 1) / page * page;
+  slot_bytes_ = rounded + page;
+  mapped_bytes_ = slot_bytes_ * stacks;
+  // MAP_NORESERVE: untouched stack pages cost nothing, so a large world fits in a laptop's memory.
+  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    throw Error(fmt::format("cannot reserve {} fiber stacks of {} KiB ({} MiB of address space)", stacks,
+                            stack_bytes / 1024, mapped_bytes_ >> 20));
+  }
+  base_ = static_cast<char*>(p);
+  for (std::size_t i = 0; i < stacks; ++i) {
+    // The lowest page of each slot is the guard: stacks grow down into it.
+    if (mprotect(base_ + i * slot_bytes_, page, PROT_NONE) != 0) {
+      munmap(base_, mapped_bytes_);
+      throw Error(fmt::format("cannot protect the guard page of fiber stack {} (vm.max_map_count too low for {} "
+                              "ranks?)",
+                              i, stacks));
+    }
+  }
+}
+
+StackPool::~StackPool() {
+  if (base_) munmap(base_, mapped_bytes_);
+}
+
+boost::context::stack_context StackPool::take() {
+  if (next_ == slots_) throw std::bad_alloc();
+  boost::context::stack_context sc;
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  sc.size = slot_bytes_ - page;
+  sc.sp = base_ + (next_ + 1) * slot_bytes_;  // the top: stacks grow down
+  ++next_;
+  return sc;
+}
+
+}  // namespace ranklab::sim
