@@ -1,0 +1,158 @@
+// The simulator's compute ops against loops written here, and the roofline time of a kernel.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/errors.h"
+#include "common/random.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+using testing::quiet_config;
+using testing::run_collect;
+using Values = std::vector<float>;
+
+template <typename T>
+T on_one_rank(const std::function<T(Rank&)>& fn) {
+  return run_collect<T>(1, fn)[0];
+}
+
+TEST(Compute, MatmulWithEveryTransposeMatchesLoops) {
+  const int m = 5, k = 7, n = 3;
+  for (Trans ta : {Trans::No, Trans::Yes}) {
+    for (Trans tb : {Trans::No, Trans::Yes}) {
+      auto got = on_one_rank<std::pair<Values, Values>>([&](Rank& r) {
+        Tensor a = r.randn(ta == Trans::Yes ? Shape{k, m} : Shape{m, k}, 1);
+        Tensor b = r.randn(tb == Trans::Yes ? Shape{n, k} : Shape{k, n}, 2);
+        Values both = r.to_host(a), bv = r.to_host(b);
+        both.insert(both.end(), bv.begin(), bv.end());
+        return std::make_pair(r.to_host(r.matmul(a, b, ta, tb)), both);
+      });
+      const float* a = got.second.data();
+      const float* b = a + m * k;
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double want = 0;
+          for (int p = 0; p < k; ++p) {
+            const float av = ta == Trans::Yes ? a[p * m + i] : a[i * k + p];
+            const float bv = tb == Trans::Yes ? b[j * k + p] : b[p * n + j];
+            want += static_cast<double>(av) * bv;
+          }
+          EXPECT_NEAR(got.first[i * n + j], want, 1e-5) << "ta=" << (ta == Trans::Yes) << " tb=" << (tb == Trans::Yes);
+        }
+      }
+    }
+  }
+}
+
+TEST(Compute, ElementwiseOps) {
+  auto got = on_one_rank<std::vector<Values>>([](Rank& r) {
+    Tensor x = r.from_host({2, 3}, {-2, -1, 0, 1, 2, 3});
+    Tensor g = r.full({2, 3}, 10);
+    Tensor y = r.add(x, g);
+    r.add_(y, x, -2.0f);  // y = x + 10 - 2x = 10 - x
+    Tensor z = r.zeros({2, 3});
+    r.copy_(z, x);
+    r.scale_(z, 3.0f);
+    return std::vector<Values>{r.to_host(r.relu(x)), r.to_host(r.relu_backward(g, x)), r.to_host(y), r.to_host(z),
+                               r.to_host(r.sum(x))};
+  });
+  EXPECT_EQ(got[0], (Values{0, 0, 0, 1, 2, 3}));
+  EXPECT_EQ(got[1], (Values{0, 0, 0, 10, 10, 10}));  // relu's gradient is 0 at and below zero
+  EXPECT_EQ(got[2], (Values{12, 11, 10, 9, 8, 7}));
+  EXPECT_EQ(got[3], (Values{-6, -3, 0, 3, 6, 9}));
+  EXPECT_EQ(got[4], (Values{3}));
+}
+
+TEST(Compute, SliceAndCatAlongEachDimensionOf3D) {
+  for (int dim = 0; dim < 3; ++dim) {
+    auto got = on_one_rank<std::pair<Values, Values>>([&](Rank& r) {
+      Tensor x = r.arange({2, 3, 4}, 0.0f);
+      const std::int64_t len = x.size(dim);
+      Tensor a = r.slice(x, dim, 0, 1), b = r.slice(x, dim, 1, len - 1);
+      return std::make_pair(r.to_host(r.cat({a, b}, dim)), r.to_host(b));
+    });
+    Values all(24);
+    for (int i = 0; i < 24; ++i) all[i] = static_cast<float>(i);
+    EXPECT_EQ(got.first, all) << "cat(slice) along " << dim;
+    // The first element of the second slice is index 1 along `dim`: stride 12, 4 or 1.
+    const float first = dim == 0 ? 12.f : dim == 1 ? 4.f : 1.f;
+    EXPECT_EQ(got.second[0], first) << "slice along " << dim;
+  }
+}
+
+TEST(Compute, OptimizerStepsFollowTheirFormulas) {
+  AdamW h;
+  h.lr = 0.1f;
+  auto got = on_one_rank<std::pair<Values, Values>>([&](Rank& r) {
+    Tensor p = r.from_host({2}, {1.0f, -2.0f}), g = r.from_host({2}, {0.5f, 0.25f});
+    Tensor q = r.from_host({2}, {1.0f, -2.0f}), m = r.zeros({2}), v = r.zeros({2});
+    r.sgd_step(p, g, 0.1f);
+    r.adamw_step(q, g, m, v, h, 1);
+    r.adamw_step(q, g, m, v, h, 2);
+    return std::make_pair(r.to_host(p), r.to_host(q));
+  });
+  EXPECT_FLOAT_EQ(got.first[0], 1.0f - 0.1f * 0.5f);
+  EXPECT_FLOAT_EQ(got.first[1], -2.0f - 0.1f * 0.25f);
+  // AdamW by hand (Loshchilov & Hutter 2019, Algorithm 2) for two steps.
+  const float gv[2] = {0.5f, 0.25f};
+  for (int i = 0; i < 2; ++i) {
+    double p = i == 0 ? 1.0 : -2.0, m = 0, v = 0;
+    for (int t = 1; t <= 2; ++t) {
+      m = h.beta1 * m + (1 - h.beta1) * gv[i];
+      v = h.beta2 * v + (1 - h.beta2) * gv[i] * gv[i];
+      const double mh = m / (1 - std::pow(h.beta1, t)), vh = v / (1 - std::pow(h.beta2, t));
+      p -= h.lr * (mh / (std::sqrt(vh) + h.eps) + h.weight_decay * p);
+    }
+    EXPECT_NEAR(got.second[i], p, 1e-5);
+  }
+}
+
+TEST(Compute, RandnIsTheCounterBasedStream) {
+  auto got = on_one_rank<Values>([](Rank& r) { return r.to_host(r.randn({3, 2}, 99, 2.0f)); });
+  for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(got[i], 2.0f * normal_at(99, i));
+}
+
+TEST(Compute, KernelTimeIsTheRoofline) {
+  // A 4096^3 matmul is compute-bound and a 64M-element add is memory-bound on any current GPU.
+  const Profile p = quiet_config().profile;
+  auto got = on_one_rank<std::pair<double, double>>([](Rank& r) {
+    Tensor a = r.phantom({4096, 4096});
+    Tensor x = r.phantom({64 << 20});
+    r.synchronize();
+    double t0 = r.now();
+    r.matmul(a, a);
+    r.synchronize();
+    const double matmul_us = r.now() - t0;
+    t0 = r.now();
+    r.add(x, x);
+    r.synchronize();
+    return std::make_pair(matmul_us, r.now() - t0);
+  });
+  const double n = 4096;
+  const double matmul_us = std::max(2 * n * n * n / (p.gpu.peak_tflops_fp32 * 1e6 * p.gpu.compute_efficiency),
+                                    4 * 3 * n * n / (p.gpu.hbm_bandwidth_gbps * 1e3 * p.gpu.memory_efficiency));
+  const double add_us = 3 * 4.0 * (64 << 20) / (p.gpu.hbm_bandwidth_gbps * 1e3 * p.gpu.memory_efficiency);
+  EXPECT_NEAR(got.first, p.gpu.launch_overhead_us + matmul_us, 1e-6);
+  EXPECT_NEAR(got.second, p.gpu.launch_overhead_us + add_us, 1e-6);
+}
+
+TEST(Compute, PhantomsFlowThroughOpsWithoutValues) {
+  auto got = on_one_rank<std::string>([](Rank& r) {
+    Tensor a = r.phantom({8, 8});
+    Tensor b = r.relu(r.matmul(a, r.full({8, 8}, 1.0f)));
+    EXPECT_TRUE(b.phantom());
+    try {
+      r.to_host(b);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  });
+  EXPECT_NE(got.find("phantom"), std::string::npos) << got;
+}
+
+}  // namespace
+}  // namespace ranklab
