@@ -35,7 +35,9 @@ struct CommOpState {
   std::vector<CommMember> members; // indexed like `ranks`
   int arrived = 0;
   int first_arrived = -1;          // the rank every later member is checked against
-  bool executed = false;
+  bool executed = false;           // started: numerics done, start_us known
+  bool finished = false;           // ended: end_us is final
+  std::string algorithm;           // what the network model chose, "ring/simple"
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one; retried when this one executes.

@@ -13,9 +13,17 @@ VirtualTimeScheduler::~VirtualTimeScheduler() {
 
 VirtualTimeScheduler* VirtualTimeScheduler::current() { return installed; }
 
+void VirtualTimeProps::requeue(int new_rank, double new_time_us) {
+  rank = new_rank;
+  time_us = new_time_us;
+  if (installed) installed->property_change(ctx_, *this);
+}
+
 void VirtualTimeScheduler::awakened(boost::fibers::context* ctx, VirtualTimeProps& props) noexcept {
   props.arrival_ = next_arrival_++;
   props.queued_ = true;
+  props.queued_time_us_ = props.time_us;
+  props.queued_rank_ = props.rank;
   ready_.insert(key_of(ctx, props));
 }
 
@@ -32,13 +40,9 @@ void VirtualTimeScheduler::property_change(boost::fibers::context* ctx, VirtualT
   // A queued fiber whose clock changed must move to its new place; a running one is placed on its
   // next awakening.
   if (!props.queued_) return;
-  // The old key is gone from the props (the caller already changed time_us), so find it by context.
-  for (auto it = ready_.begin(); it != ready_.end(); ++it) {
-    if (std::get<3>(*it) == ctx) {
-      ready_.erase(it);
-      break;
-    }
-  }
+  ready_.erase(Key{props.queued_time_us_, props.queued_rank_, props.arrival_, ctx});
+  props.queued_time_us_ = props.time_us;
+  props.queued_rank_ = props.rank;
   ready_.insert(key_of(ctx, props));
 }
 

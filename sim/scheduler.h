@@ -18,13 +18,21 @@ namespace ranklab::sim {
 class VirtualTimeProps : public boost::fibers::fiber_properties {
  public:
   explicit VirtualTimeProps(boost::fibers::context* ctx) : fiber_properties(ctx) {}
-  double time_us = 0;     // the fiber's host clock; only read while the fiber waits in the ready queue
-  int rank = -1;          // -1 for fibers that are not ranks (the launching fiber)
+  // The fiber's host clock; only read while the fiber waits in the ready queue. Fibers that are not
+  // ranks (the launching fiber, Boost's dispatcher) stay at infinity: they run when no rank can.
+  double time_us = std::numeric_limits<double>::infinity();
+  int rank = -1;  // -1 for fibers that are not ranks
+
+  // Sets both and moves the fiber to its new place if it is waiting in the ready queue. (Boost's own
+  // notify() only reaches algorithms that queue fibers on Boost's intrusive ready list.)
+  void requeue(int new_rank, double new_time_us);
 
  private:
   friend class VirtualTimeScheduler;
   bool queued_ = false;
   std::uint64_t arrival_ = 0;
+  double queued_time_us_ = 0;  // the key it is queued under, to find it again after a change
+  int queued_rank_ = -1;
 };
 
 class VirtualTimeScheduler : public boost::fibers::algo::algorithm_with_properties<VirtualTimeProps> {

@@ -53,7 +53,7 @@ RunReport run_fibers(const SimConfig& config, int world_size, const std::functio
         rank->finish();
       });
     });
-    fibers.back().properties<sim::VirtualTimeProps>().rank = r;
+    fibers.back().properties<sim::VirtualTimeProps>().requeue(r, 0.0);
   }
   for (auto& f : fibers) f.join();
   world.rethrow_if_failed();

@@ -40,7 +40,7 @@ class SimWork : public WorkState {
   void wait() override {
     CommMember& m = op_->member_of(rank_);
     if (m.waited) return;
-    world_.wait_executed(rank_, op_, "wait()");
+    world_.wait_finished(rank_, op_, "wait()");
     m.waited = true;
     RankState& s = world_.state(rank_);
     s.compute_us = std::max(s.compute_us, op_->end_us);  // the compute stream waits for it
@@ -83,7 +83,7 @@ Tensor SimRank::allocate(const Shape& s, bool phantom, const char* op) {
 
 void SimRank::fold_sync_ops(const char* by) {
   for (const auto& op : s_.unfolded_sync) {
-    world_.wait_executed(rank_, op, fmt::format("{} (after a synchronous {})", by, comm_op_name(op->op)));
+    world_.wait_finished(rank_, op, fmt::format("{} (after a synchronous {})", by, comm_op_name(op->op)));
     s_.compute_us = std::max(s_.compute_us, op->end_us);
   }
   s_.unfolded_sync.clear();
@@ -110,15 +110,6 @@ void SimRank::launch_kernel(const char* name, double flops, double bytes) {
   const double start = std::max(s_.host_us, s_.compute_us);
   s_.compute_us = start + world_.compute().kernel_us(flops, bytes, DType::Float32);
   world_.add_span(rank_, SpanKind::Compute, name, start, s_.compute_us);
-}
-
-void SimRank::yield_to_earlier_ranks() {
-  // Communication is issued in virtual-time order: let ranks whose clocks are behind go first.
-  VirtualTimeScheduler* sched = VirtualTimeScheduler::current();
-  if (sched && sched->min_ready_time_us() < s_.host_us) {
-    boost::this_fiber::properties<VirtualTimeProps>().time_us = s_.host_us;
-    boost::this_fiber::yield();
-  }
 }
 
 // ---- tensors ---------------------------------------------------------------------------------------
@@ -486,7 +477,7 @@ Work SimRank::communicate(const CommCall& call) {
     return Work();
   }
   s_.host_us += world_.compute().launch_us();
-  yield_to_earlier_ranks();
+  world_.before_issue(rank_);
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
     s_.unfolded_sync.push_back(op);
@@ -504,7 +495,7 @@ void SimRank::synchronize() {
   world_.check_aborted();
   fold_sync_ops("synchronize()");
   for (const auto& op : s_.outstanding) {
-    world_.wait_executed(rank_, op, "synchronize()");
+    world_.wait_finished(rank_, op, "synchronize()");
     op->member_of(rank_).waited = true;  // the device is idle: nothing is in flight any more
   }
   s_.outstanding.clear();

@@ -71,7 +71,6 @@ class SimRank : public Rank {
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const char* name, double flops, double bytes);
   void validate(const CommCall& call) const;
-  void yield_to_earlier_ranks();
   std::string where(const char* op) const;
 
   SimWorld& world_;

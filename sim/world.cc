@@ -5,6 +5,7 @@
 #include <boost/fiber/operations.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <set>
 
@@ -26,7 +27,10 @@ CommMember& CommOpState::member_of(int global_rank) {
 }
 
 SimWorld::SimWorld(const SimConfig& config, int world_size)
-    : config_(config), compute_(config.profile.gpu), network_(make_network_model(config.profile)) {
+    : config_(config),
+      compute_(config.profile.gpu),
+      network_(make_network_model(config)),
+      engine_(network_->topology()) {
   ranks_.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
     auto s = std::make_unique<RankState>();
@@ -56,7 +60,10 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
   RankState& s = state(rank);
   s.finished = true;
   --live_;
-  if (live_ > 0 && blocked_ == live_ && !aborted_) declare_deadlock();
+  // The others may all be waiting for transfers only the engine can finish.
+  while (live_ > 0 && blocked_ == live_ && !aborted_) {
+    if (!advance_engine_one_event()) declare_deadlock();
+  }
 }
 
 void SimWorld::fail(std::exception_ptr error) {
@@ -94,13 +101,17 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
     s.waiting_for = what;
     ++blocked_;
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
-    if (blocked_ == live_) {
-      // This was the last rank that could run: nobody is left to wake anybody.
-      declare_deadlock();
-      throw RunAborted{};
+    // This was the last rank that could run: only the engine's next event can wake anybody.
+    while (blocked_ == live_ && !aborted_) {
+      if (!advance_engine_one_event()) {
+        declare_deadlock();
+        throw RunAborted{};
+      }
     }
-    std::unique_lock<boost::fibers::mutex> lock(s.mutex);
-    s.wakeup.wait(lock, [&] { return !s.blocked; });
+    if (s.blocked) {
+      std::unique_lock<boost::fibers::mutex> lock(s.mutex);
+      s.wakeup.wait(lock, [&] { return !s.blocked; });
+    }
   }
   check_aborted();
 }
@@ -120,9 +131,9 @@ void SimWorld::declare_deadlock() {
   fail(std::make_exception_ptr(DeadlockError(msg)));
 }
 
-void SimWorld::wait_executed(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by) {
+void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by) {
   block_until(
-      rank, [&] { return op->executed; },
+      rank, [&] { return op->finished; },
       [op, by, this] { return fmt::format("{} waits for {}: {}", by, op->label, why_pending(*op)); });
 }
 
@@ -134,7 +145,7 @@ std::string SimWorld::why_pending(const CommOpState& op) const {
       continue;
     }
     for (const auto& dep : m.deps) {
-      if (!dep->executed) {
+      if (!dep->finished) {
         reasons.push_back(fmt::format("rank {} must first finish {}", m.rank, dep->label));
         break;
       }
@@ -204,7 +215,7 @@ std::string signature(const CommCall& c) {
 }
 
 int stream_of(const CommCall& c) {
-  return (c.op == CommOp::Send || c.op == CommOp::Recv) ? c.peer : kCollectiveStream;
+  return (c.op == CommOp::Send || c.op == CommOp::Recv) ? c.peer : collective_stream(c.group.id());
 }
 
 }  // namespace
@@ -277,7 +288,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   m.issue_ready_us = std::max(s.host_us, s.compute_us);
   StreamState& stream = s.streams[stream_of(call)];
   auto add_dep = [&](const std::shared_ptr<CommOpState>& dep) {
-    if (dep && dep != op && !dep->executed) {
+    if (dep && dep != op && !dep->finished) {
       m.deps.push_back(dep);
       dep->dependents.push_back(op);
     }
@@ -317,62 +328,99 @@ void SimWorld::try_execute(const std::shared_ptr<CommOpState>& first) {
     if (!op || op->executed || !op->all_arrived()) continue;
     bool ready = true;
     for (const CommMember& m : op->members) {
-      for (const auto& dep : m.deps) ready = ready && dep->executed;
+      for (const auto& dep : m.deps) ready = ready && dep->finished;
     }
     if (!ready) continue;
-    execute(*op);
-    for (const auto& weak : op->dependents) work.push_back(weak.lock());
-    op->dependents.clear();
+    execute(op);
   }
 }
 
-void SimWorld::execute(CommOpState& op) {
-  const int n = static_cast<int>(op.members.size());
+void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended) {
+  for (const auto& op : ended) {
+    const bool p2p = op->op == CommOp::Send;
+    const std::string name = p2p ? "send/recv" : comm_op_name(op->op);
+    for (CommMember& m : op->members) {
+      RankState& s = state(m.rank);
+      const int stream = p2p ? (m.rank == op->ranks[0] ? op->ranks[1] : op->ranks[0]) : collective_stream(op->group_id);
+      s.streams[stream].end_us = std::max(s.streams[stream].end_us, op->end_us);
+      add_span(m.rank, SpanKind::Comm, name, op->start_us, op->end_us);
+    }
+    const int n = static_cast<int>(op->members.size());
+    CollectiveRecord rec;
+    rec.op = op->op;
+    rec.group = p2p ? fmt::format("rank {} -> rank {}", op->ranks[0], op->ranks[1]) : op->members[0].call.group.str();
+    rec.group_size = n;
+    rec.bytes = p2p ? op->members[0].call.input.bytes() : nccl_size_bytes(*op);
+    rec.algorithm = op->algorithm;
+    rec.start_us = op->start_us;
+    rec.end_us = op->end_us;
+    const double t_us = op->end_us - op->start_us;
+    rec.algbw_gbps = t_us > 0 ? static_cast<double>(rec.bytes) / (t_us * 1e3) : 0;
+    rec.busbw_gbps = rec.algbw_gbps * bus_factor(op->op, n);
+    report_.collectives.push_back(rec);
+    for (const CommMember& m : op->members) wake(m.rank);
+  }
+  // What waited for these can run now.
+  for (const auto& op : ended) {
+    std::vector<std::weak_ptr<CommOpState>> dependents;
+    dependents.swap(op->dependents);
+    for (const auto& weak : dependents) {
+      if (auto d = weak.lock()) try_execute(d);
+    }
+  }
+}
+
+void SimWorld::advance_engine(double t_us) {
+  while (true) {
+    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us);
+    if (ended.empty()) return;
+    on_finished(ended);  // may schedule more transfers at or before t_us
+  }
+}
+
+bool SimWorld::advance_engine_one_event() {
+  const double t = engine_.next_event_us();
+  if (!std::isfinite(t)) return false;
+  advance_engine(t);
+  return true;
+}
+
+void SimWorld::before_issue(int rank) {
+  RankState& s = state(rank);
+  VirtualTimeScheduler* sched = VirtualTimeScheduler::current();
+  const double issue_us = std::max(s.host_us, s.compute_us);
+  while (true) {
+    const double earliest_other = sched ? sched->min_ready_time_us() : INFINITY;
+    advance_engine(std::min(issue_us, earliest_other));
+    if (!sched || sched->min_ready_time_us() >= s.host_us) return;
+    // Ranks whose clocks are behind (some just woken by the engine) issue first.
+    boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
+    boost::this_fiber::yield();
+    check_aborted();
+  }
+}
+
+void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   double start_us = 0;
-  for (CommMember& m : op.members) {
+  for (CommMember& m : op->members) {
     m.ready_us = m.issue_ready_us;
     for (const auto& dep : m.deps) m.ready_us = std::max(m.ready_us, dep->end_us);
     start_us = std::max(start_us, m.ready_us);
   }
-  const bool p2p = op.op == CommOp::Send;
-  const CommCall& lead = op.members[0].call;
-  std::int64_t bytes = 0;
-  CommCost cost;
-  if (p2p) {
-    bytes = lead.input.bytes();
-    cost = network_->point_to_point(op.ranks[0], op.ranks[1], bytes, start_us);
-  } else {
-    bytes = nccl_size_bytes(op);
-    cost = network_->collective(op.op, bytes, op.ranks, lead.peer, start_us);
-  }
-  op.start_us = start_us;
-  op.end_us = start_us + cost.duration_us;
-  op.executed = true;
-
-  run_numerics(op);
-
-  const std::string name = p2p ? "send/recv" : comm_op_name(op.op);
-  for (CommMember& m : op.members) {
-    RankState& s = state(m.rank);
-    StreamState& stream = s.streams[p2p ? (m.rank == op.ranks[0] ? op.ranks[1] : op.ranks[0]) : kCollectiveStream];
-    stream.end_us = std::max(stream.end_us, op.end_us);
-    add_span(m.rank, SpanKind::Idle, name, m.ready_us, op.start_us);
-    add_span(m.rank, SpanKind::Comm, name, op.start_us, op.end_us);
-  }
-  CollectiveRecord rec;
-  rec.op = op.op;
-  rec.group = p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : lead.group.str();
-  rec.group_size = n;
-  rec.bytes = bytes;
-  rec.algorithm = cost.algorithm;
-  rec.start_us = op.start_us;
-  rec.end_us = op.end_us;
-  const double t_us = op.end_us - op.start_us;
-  rec.algbw_gbps = t_us > 0 ? static_cast<double>(bytes) / (t_us * 1e3) : 0;
-  rec.busbw_gbps = rec.algbw_gbps * bus_factor(op.op, n);
-  report_.collectives.push_back(rec);
-
-  for (const CommMember& m : op.members) wake(m.rank);
+  const bool p2p = op->op == CommOp::Send;
+  const CommCall& lead = op->members[0].call;
+  CommPlan plan = p2p ? network_->plan_p2p(op->ranks[0], op->ranks[1], lead.input.bytes())
+                      : network_->plan_collective(op->op, nccl_size_bytes(*op), op->ranks, lead.peer);
+  network_->record(plan);
+  op->algorithm = plan.name();
+  op->start_us = start_us;
+  op->executed = true;
+  run_numerics(*op);
+  const std::string name = p2p ? "send/recv" : comm_op_name(op->op);
+  for (const CommMember& m : op->members) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+  engine_.schedule(op, std::move(plan), start_us);
+  // A transfer that started late may already have ended.
+  on_finished(engine_.advance_to(engine_.now_us()));
 }
 
 // ---- host rendezvous: barrier and show -------------------------------------------------------------

@@ -2,12 +2,17 @@
 // the execution of operations in dependency order, blocking and deadlock detection, and the report.
 //
 // How an operation runs: a rank *posts* its part (the host does not wait, as with NCCL); when every
-// member has posted and every operation it depends on has executed, the operation *executes*: its
-// numerics are done on the members' buffers, and its start (the latest member's ready time) and end
-// (start plus the network model's duration) become known. A rank blocks, in real time, only when it
-// needs such an outcome: a kernel after a synchronous collective, wait(), synchronize(), to_host(),
-// barrier(). When the last runnable rank blocks, nothing can wake anyone: that is a deadlock, reported
-// with every rank's pending operation.
+// member has posted and every operation it depends on has finished, the operation *executes*: its
+// numerics are done on the members' buffers and its start (the latest member's ready time) is known.
+// Its transfer then runs in the TransferEngine, sharing links with whatever else is in flight, and the
+// operation *finishes* when the engine reaches its end. A rank blocks, in real time, only when it needs
+// such an outcome: a kernel after a synchronous collective, wait(), synchronize(), to_host(), barrier().
+//
+// Virtual time moves in two ways. Before a rank issues communication at its clock t, the engine is
+// brought up to t as long as no other runnable rank is behind t (so a transfer issued at t sees every
+// transfer started before t). When every live rank is blocked, the engine jumps to its next event. When
+// every rank is blocked and the engine has nothing in flight, nothing can wake anyone: that is a
+// deadlock, reported with every rank's pending operation.
 #pragma once
 
 #include <boost/fiber/condition_variable.hpp>
@@ -24,6 +29,7 @@
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
 #include "sim/network_model.h"
+#include "sim/transfer_engine.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
 
@@ -32,9 +38,11 @@ namespace ranklab::sim {
 // Thrown inside a rank's fiber to unwind it after another rank failed; never escapes launch().
 struct RunAborted {};
 
-// The key of a rank's communication streams: collectives share one; point-to-point traffic with each
-// peer has its own, as NCCL-backed torch.distributed gives each peer pair its own stream.
-constexpr int kCollectiveStream = -1;
+// The key of a rank's communication streams. Each group's collectives have their own stream (-1 - group
+// id), as each torch.distributed process group has its own NCCL communicator and stream, so collectives
+// of different groups can overlap; point-to-point traffic with each peer has its own stream (the peer's
+// rank), as NCCL-backed torch.distributed gives each peer pair its own.
+inline int collective_stream(int group_id) { return -1 - group_id; }
 
 struct StreamState {
   double end_us = 0;                        // when the last executed operation on it ended
@@ -86,8 +94,11 @@ class SimWorld {
 
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
-  // Blocks until `op` has executed.
-  void wait_executed(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by);
+  // Blocks until `op` has finished (its end time is final).
+  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by);
+  // Called before `rank` issues communication: lets ranks whose clocks are behind go first, and brings
+  // the transfer engine up to this rank's clock.
+  void before_issue(int rank);
   void check_aborted() const;
   // Why `op` has not executed yet: the members that have not called it, or what they still wait for.
   std::string why_pending(const CommOpState& op) const;
@@ -107,7 +118,12 @@ class SimWorld {
   void wake_all();
   void declare_deadlock();
   void try_execute(const std::shared_ptr<CommOpState>& op);
-  void execute(CommOpState& op);
+  void execute(const std::shared_ptr<CommOpState>& op);
+  // Records what finished in the engine and executes what waited for it.
+  void on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended);
+  void advance_engine(double t_us);
+  // Moves the engine to its next event; false when nothing is in flight.
+  bool advance_engine_one_event();
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
   void check_agreement(CommOpState& op, int arriving_rank) const;
@@ -124,6 +140,7 @@ class SimWorld {
   SimConfig config_;
   ComputeModel compute_;
   std::unique_ptr<NetworkModel> network_;
+  TransferEngine engine_;
   std::vector<std::unique_ptr<RankState>> ranks_;
   std::vector<std::vector<int>> groups_;  // id -> members; id 0 is the world
   std::map<std::pair<int, std::uint64_t>, std::shared_ptr<CommOpState>> open_collectives_;
