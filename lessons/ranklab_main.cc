@@ -3,19 +3,36 @@
 //   ranklab list                                  the lessons
 //   ranklab run LESSON [--world N] [--profile P]  run a lesson on the simulator (or --backend cuda)
 //   ranklab profiles                              the hardware profiles
+//   ranklab topo [--profile P] [--nodes N]        a profile's machine: links, tiers, bandwidths, latencies
+//   ranklab compare A.json B.json                 two reports of one run side by side (and compare.html)
+//   ranklab calibrate M.json --profile P -o F     fit a profile to a measured report
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <numeric>
+#include <sstream>
 
+#include "common/calibrate.h"
+#include "common/compare.h"
 #include "common/errors.h"
+#include "common/html_report.h"
 #include "common/lesson.h"
 #include "common/profile.h"
+#include "common/progress.h"
 #include "common/report.h"
+#include "common/trace_writer.h"
+#include "sim/network_model.h"
 #include "sim/sim_backend.h"
+#include "sim/topology.h"
+#include "sim/topology_print.h"
+#if defined(RANKLAB_HAVE_CUDA)
+#include "real/cuda_backend.h"
+#endif
 
 namespace ranklab {
 namespace {
@@ -40,14 +57,27 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_flag("--wrong-order", o.wrong_order, "benchmark: barrier before synchronize");
   run.add_flag("--sweep", o.sweep, "benchmark: sizes from 8 B up");
   run.add_flag("--quiet", o.quiet, "print less");
+  run.add_option("--algo", o.algo, "force NCCL's algorithm, as NCCL_ALGO: ring, tree, nvls, nvls_tree");
+  run.add_option("--proto", o.proto, "force NCCL's protocol, as NCCL_PROTO: ll, ll128, simple");
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile) {
-  if (name == "sim") return std::make_unique<SimBackend>(profile);
+std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o) {
+  if (name == "sim") {
+    SimConfig config{profile};
+    config.algorithm = o.algo;
+    config.protocol = o.proto;
+    return std::make_unique<SimBackend>(config);
+  }
   if (name == "cuda") {
+#if defined(RANKLAB_HAVE_CUDA)
+    CudaConfig config;
+    config.profile = profile;  // names the run in the report; the GPU's numbers are measured
+    return std::make_unique<CudaBackend>(config);
+#else
     throw UsageError(
         "this build of ranklab has no CUDA backend; configure with -DRANKLAB_CUDA=ON on a machine with nvcc and "
         "NCCL");
+#endif
   }
   throw UsageError(fmt::format("unknown backend '{}'; choose sim or cuda", name));
 }
@@ -58,25 +88,119 @@ void write_file(const std::filesystem::path& path, const std::string& text) {
   if (!f) throw UsageError(fmt::format("cannot write {}", path.string()));
 }
 
+// The simulator's choice of algorithm is a pure function of the profile, the forced choices and the call,
+// so a network model of its own answers lessons that print it (the benchmark's --sweep).
+Options with_algorithm_names(const Options& o, const std::string& backend_name, const Profile& profile) {
+  Options out = o;
+  if (backend_name != "sim") return out;
+  auto model = std::make_shared<sim::NetworkModel>(profile, sim::NetworkOptions{o.algo, o.proto});
+  out.comm_algorithm = [model](CommOp op, std::int64_t bytes, int world, int root) {
+    std::vector<int> ranks(world);
+    std::iota(ranks.begin(), ranks.end(), 0);
+    return model->plan_collective(op, bytes, ranks, root).name();
+  };
+  return out;
+}
+
+int topo_command(const std::string& profile_name, int nodes) {
+  Profile profile = load_profile(profile_name);
+  profile.nodes = nodes;
+  std::fputs(sim::format_topology(sim::Topology(profile)).c_str(), stdout);
+  return 0;
+}
+
 int run_command(const std::string& lesson, const std::string& backend_name, const std::string& profile_name,
                 int nodes, const std::string& report_dir, const Options& o) {
   Profile profile = load_profile(profile_name);
   profile.nodes = nodes;
   find_lesson(lesson);  // fail before launching when the name is wrong
-  std::unique_ptr<Backend> backend = make_backend(backend_name, profile);
-  RunReport report = run_lesson(*backend, lesson, o);
+  std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o);
+  RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
+  if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
+  record_run_config(report, profile, o);
   const std::string summary = format_summary(report);
   if (!o.quiet) std::fputs(("\n" + summary).c_str(), stdout);
   if (!report_dir.empty()) {
     std::filesystem::create_directories(report_dir);
     write_file(std::filesystem::path(report_dir) / "summary.txt", summary);
     write_file(std::filesystem::path(report_dir) / "report.json", report_to_json(report));
+    write_file(std::filesystem::path(report_dir) / "trace.json", report_to_trace_json(report));
+    write_file(std::filesystem::path(report_dir) / "report.html", report_to_html(report));
     std::printf("report written to %s/\n", report_dir.c_str());
   }
   if (!report.all_checks_passed()) {
     std::fprintf(stderr, "ranklab: %s: a check failed (see CHECK FAILED above)\n", lesson.c_str());
     return 2;
   }
+  return 0;
+}
+
+RunReport read_report(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) throw UsageError(fmt::format("cannot read report '{}'", path));
+  try {
+    return report_from_json(text.str());
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("{}: {}", path, e.what()));
+  }
+}
+
+int compare_command(const std::string& a, const std::string& b, const std::string& html_path) {
+  const Comparison c = compare_reports(read_report(a), read_report(b), a, b);
+  std::fputs(format_comparison(c).c_str(), stdout);
+  if (!html_path.empty()) {
+    write_file(html_path, comparison_to_html(c));
+    std::printf("comparison written to %s\n", html_path.c_str());
+  }
+  return 0;
+}
+
+// Fits `profile_name` to a measured report by simulating the measured run again (same lesson, options and
+// world), and writes the fitted profile as a copy of the original file with the fitted values changed.
+int calibrate_command(const std::string& measured_path, const std::string& profile_name,
+                      const std::string& out_path) {
+  const RunReport measured = read_report(measured_path);
+  if (measured.options.empty()) {
+    throw UsageError(
+        fmt::format("{} records no lesson options, so its run cannot be simulated again; write it with "
+                    "`ranklab run --report` of this version",
+                    measured_path));
+  }
+  const Options o = options_from_record(measured.options, measured.world);
+  find_lesson(measured.lesson);
+  Profile profile = load_profile(profile_name);
+  profile.nodes = std::max(1, (measured.world + profile.gpus_per_node - 1) / profile.gpus_per_node);
+  std::ifstream original_file(profile.source_file, std::ios::binary);
+  std::ostringstream original;
+  original << original_file.rdbuf();
+
+  int simulations = 0;
+  Progress progress("calibrate: simulating " + measured.lesson);
+  const Simulate simulate = [&](const Profile& p) {
+    progress.update(++simulations, "runs");
+    SimConfig config{p};
+    config.algorithm = o.algo;
+    config.protocol = o.proto;
+    config.echo_output = false;  // the lesson's lines were printed when it was measured
+    SimBackend sim(config);
+    return run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", p));
+  };
+  const Calibration c = calibrate(measured, profile, simulate);
+  progress.finish();
+
+  char date[16];
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  std::strftime(date, sizeof date, "%Y-%m-%d", &utc);
+  const std::string name = std::filesystem::path(out_path).stem().string();
+  write_file(out_path, fitted_profile_text(original.str(), c, name, measured_path, date));
+  std::printf("%s on %d ranks against profile '%s': ", measured.lesson.c_str(), measured.world,
+              profile.name.c_str());
+  std::fputs(format_calibration(c).c_str(), stdout);
+  std::printf("fitted profile written to %s\n", out_path.c_str());
   return 0;
 }
 
@@ -91,6 +215,12 @@ int main(int argc, char** argv) {
   CLI::App* list = app.add_subcommand("list", "list the lessons");
   CLI::App* profiles = app.add_subcommand("profiles", "list the hardware profiles");
 
+  CLI::App* topo = app.add_subcommand("topo", "print a profile's machine as the lecture's hierarchy of links");
+  std::string topo_profile = "dgx-h100";
+  int topo_nodes = 1;
+  topo->add_option("--profile", topo_profile, "hardware profile name or .toml file (see `ranklab profiles`)");
+  topo->add_option("--nodes", topo_nodes, "nodes of the profile")->check(CLI::PositiveNumber);
+
   CLI::App* run = app.add_subcommand("run", "run a lesson");
   std::string lesson, backend = "sim", profile = "dgx-h100", report_dir;
   int nodes = 1;
@@ -99,10 +229,33 @@ int main(int argc, char** argv) {
   run->add_option("--backend", backend, "sim or cuda")->check(CLI::IsMember({"sim", "cuda"}));
   run->add_option("--profile", profile, "hardware profile name or .toml file (see `ranklab profiles`)");
   run->add_option("--nodes", nodes, "nodes of the profile to use")->check(CLI::PositiveNumber);
-  run->add_option("--report", report_dir, "write summary.txt and report.json to this folder");
+  run->add_option("--report", report_dir,
+                  "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
   add_lesson_options(*run, options);
 
+  CLI::App* compare = app.add_subcommand("compare", "line up two reports of one run: simulated and measured");
+  std::string report_a, report_b, compare_html = "compare.html";
+  compare->add_option("a", report_a, "report.json of one run (A)")->required()->check(CLI::ExistingFile);
+  compare->add_option("b", report_b, "report.json of the other (B); ratios are B/A")
+      ->required()
+      ->check(CLI::ExistingFile);
+  compare->add_option("--html", compare_html, "write the comparison with its plot here (\"\" for none)");
+
+  CLI::App* calibrate = app.add_subcommand("calibrate", "fit a profile to a measured report");
+  std::string measured_path, calibrate_profile = "dgx-h100", fitted_path;
+  calibrate->add_option("measured", measured_path, "report.json of a measured run")
+      ->required()
+      ->check(CLI::ExistingFile);
+  calibrate->add_option("--profile", calibrate_profile, "the profile to start from (name or .toml file)");
+  calibrate->add_option("-o,--output", fitted_path, "where to write the fitted profile (.toml)")->required();
+
   CLI11_PARSE(app, argc, argv);
+#if defined(RANKLAB_HAVE_CUDA)
+  // Under mpirun or srun each process is one rank: the launcher says how many there are.
+  if (run->parsed() && backend == "cuda" && run->count("--world") == 0 && cuda_launcher_world() > 0) {
+    options.world = cuda_launcher_world();
+  }
+#endif
   try {
     if (list->parsed()) {
       for (const Lesson& l : lessons()) std::printf("  %-20s %s\n", l.name.c_str(), l.summary.c_str());
@@ -115,6 +268,9 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
+    if (topo->parsed()) return topo_command(topo_profile, topo_nodes);
+    if (compare->parsed()) return compare_command(report_a, report_b, compare_html);
+    if (calibrate->parsed()) return calibrate_command(measured_path, calibrate_profile, fitted_path);
     return run_command(lesson, backend, profile, nodes, report_dir, options);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
