@@ -61,7 +61,8 @@ void BM_OpenBlasSgemm(benchmark::State& state) {
   const int n = static_cast<int>(state.range(0));
   std::vector<float> a(n * n, 1.0f), b(n * n, 0.5f), c(n * n);
   for (auto _ : state) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f, c.data(), n);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a.data(), n, b.data(), n, 0.0f,
+                c.data(), n);
     benchmark::DoNotOptimize(c.data());
   }
   state.counters["GFLOP/s"] =

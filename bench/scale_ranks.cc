@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
       r.all_reduce(t, ranklab::ReduceOp::Sum);
       r.synchronize();
     });
-    const double wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double wall_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     rusage u{};
     getrusage(RUSAGE_SELF, &u);
     std::printf("%8d %12.1f %14.1f %14.1f\n", ranks, wall_ms, rep.makespan_us, u.ru_maxrss / 1024.0);

@@ -18,8 +18,8 @@ std::vector<Lesson>& registry() {
 
 // The order of the lecture; lessons not listed follow by name.
 int tour_position(const std::string& name) {
-  static const char* order[] = {"tour",           "collectives",     "benchmark",
-                                "data_parallel",  "tensor_parallel", "pipeline_parallel"};
+  static const char* order[] = {"tour",          "collectives",     "benchmark",
+                                "data_parallel", "tensor_parallel", "pipeline_parallel"};
   for (int i = 0; i < static_cast<int>(std::size(order)); ++i) {
     if (name == order[i]) return i;
   }

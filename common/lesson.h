@@ -20,18 +20,23 @@ struct Options {
   int layers = 4;
   int steps = 3;
   double lr = 0.01;
-  std::string optimizer = "sgd";       // sgd | adamw
+  std::string optimizer = "sgd";  // sgd | adamw
   int micro_batches = 4;
-  std::string schedule = "1f1b";       // naive | gpipe | 1f1b
-  bool async_p2p = false;              // pipeline: isend/irecv instead of send/recv
-  bool overlap = false;                // data parallel: all-reduce gradients during backward
-  double bucket_mb = 25;               // data parallel: gradient bucket size
-  bool phantom = false;                // time the lesson at its size without numbers
-  std::string op = "all_reduce";       // benchmark: which collective
-  std::int64_t count = 100'000'000;    // benchmark: float32 elements
-  bool wrong_order = false;            // benchmark: barrier before synchronize
-  bool sweep = false;                  // benchmark: sizes from 8 B up
-  bool quiet = false;                  // fewer lines of output
+  std::string schedule = "1f1b";     // naive | gpipe | 1f1b
+  bool async_p2p = false;            // pipeline: isend/irecv instead of send/recv
+  bool overlap = false;              // data parallel: all-reduce gradients during backward
+  double bucket_mb = 25;             // data parallel: gradient bucket size
+  bool phantom = false;              // time the lesson at its size without numbers
+  std::string op = "all_reduce";     // benchmark: which collective
+  std::int64_t count = 100'000'000;  // benchmark: float32 elements
+  bool wrong_order = false;          // benchmark: barrier before synchronize
+  bool sweep = false;                // benchmark: sizes from 8 B up
+  std::string algo{};                // force NCCL's algorithm, as NCCL_ALGO (simulator)
+  std::string proto{};               // force NCCL's protocol, as NCCL_PROTO (simulator)
+  // The algorithm/protocol the backend runs a collective of the whole world with ("ring/simple"), when it
+  // can say: the simulator can, NCCL does not report it. Unset: unknown.
+  std::function<std::string(CommOp op, std::int64_t bytes, int world, int root)> comm_algorithm{};
+  bool quiet = false;  // fewer lines of output
 };
 
 using LessonFn = std::function<void(Rank&, const Options&)>;

@@ -54,7 +54,9 @@ const char* comm_op_name(CommOp op) {
 
 Group::Group(int id, std::vector<int> ranks) : info_(std::make_shared<Info>(Info{id, std::move(ranks)})) {}
 
-int Group::id() const { return info_ ? info_->id : 0; }
+int Group::id() const {
+  return info_ ? info_->id : 0;
+}
 
 std::vector<int> Group::ranks(int world_size) const {
   if (info_) return info_->ranks;
@@ -63,7 +65,9 @@ std::vector<int> Group::ranks(int world_size) const {
   return all;
 }
 
-int Group::size(int world_size) const { return info_ ? static_cast<int>(info_->ranks.size()) : world_size; }
+int Group::size(int world_size) const {
+  return info_ ? static_cast<int>(info_->ranks.size()) : world_size;
+}
 
 int Group::index_of(int global_rank) const {
   if (!info_) return global_rank;
@@ -158,7 +162,11 @@ void Rank::barrier(Group g) {
   communicate(make_call(CommOp::Barrier, Tensor(), Tensor(), ReduceOp::Sum, -1, Async::No, std::move(g)));
 }
 
-Rank::Region::Region(Rank* r, std::string name) : rank_(r) { rank_->region_begin(name); }
-Rank::Region::~Region() { rank_->region_end(); }
+Rank::Region::Region(Rank* r, std::string name) : rank_(r) {
+  rank_->region_begin(name);
+}
+Rank::Region::~Region() {
+  rank_->region_end();
+}
 
 }  // namespace ranklab

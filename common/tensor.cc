@@ -65,7 +65,9 @@ bool Shape::operator==(const Shape& o) const {
   return true;
 }
 
-std::string Shape::str() const { return fmt::format("[{}]", fmt::join(dims(), ", ")); }
+std::string Shape::str() const {
+  return fmt::format("[{}]", fmt::join(dims(), ", "));
+}
 
 std::string Tensor::str() const {
   if (!defined()) return "undefined tensor";

@@ -15,29 +15,29 @@ struct CommOpState;
 
 // What one member brought to the operation.
 struct CommMember {
-  int rank = -1;             // global rank
+  int rank = -1;  // global rank
   bool arrived = false;
   CommCall call;
-  double issue_ready_us = 0; // host launch time and compute-stream time at issue
+  double issue_ready_us = 0;  // host launch time and compute-stream time at issue
   // Operations that must finish before this member's part can start: the previous operation on the
   // same stream, and synchronous operations the compute stream was still waiting for at issue.
   std::vector<std::shared_ptr<CommOpState>> deps;
-  bool waited = false;       // for async calls: wait() has been called
-  double ready_us = 0;       // when this member was ready (set at execution)
+  bool waited = false;  // for async calls: wait() has been called
+  double ready_us = 0;  // when this member was ready (set at execution)
 };
 
 struct CommOpState {
   CommOp op = CommOp::AllReduce;
-  std::string label;               // "collective #3 on world (all_reduce)", for messages
-  int group_id = 0;                // collectives: the group and the call's number in it
+  std::string label;  // "collective #3 on world (all_reduce)", for messages
+  int group_id = 0;   // collectives: the group and the call's number in it
   std::uint64_t seq = 0;
-  std::vector<int> ranks;          // global ranks in group order (src, dst for point-to-point)
-  std::vector<CommMember> members; // indexed like `ranks`
+  std::vector<int> ranks;           // global ranks in group order (src, dst for point-to-point)
+  std::vector<CommMember> members;  // indexed like `ranks`
   int arrived = 0;
-  int first_arrived = -1;          // the rank every later member is checked against
-  bool executed = false;           // started: numerics done, start_us known
-  bool finished = false;           // ended: end_us is final
-  std::string algorithm;           // what the network model chose, "ring/simple"
+  int first_arrived = -1;  // the rank every later member is checked against
+  bool executed = false;   // started: numerics done, start_us known
+  bool finished = false;   // ended: end_us is final
+  std::string algorithm;   // what the network model chose, "ring/simple"
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one; retried when this one executes.

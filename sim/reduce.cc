@@ -26,7 +26,8 @@ float combine(ReduceOp op, float a, float b) {
 }
 
 // Reduces `count` floats at `offset` of every member's input, in member order.
-std::vector<float> reduce_inputs(const CommOpState& op, ReduceOp rop, std::int64_t offset, std::int64_t count) {
+std::vector<float> reduce_inputs(const CommOpState& op, ReduceOp rop, std::int64_t offset,
+                                 std::int64_t count) {
   std::vector<float> acc(sim_data(op.members[0].call.input) + offset,
                          sim_data(op.members[0].call.input) + offset + count);
   for (size_t j = 1; j < op.members.size(); ++j) {
@@ -46,7 +47,8 @@ void write(const Tensor& t, std::int64_t offset, const float* src, std::int64_t 
 
 bool any_phantom(const CommOpState& op) {
   for (const CommMember& m : op.members) {
-    if ((m.call.input.defined() && m.call.input.phantom()) || (m.call.output.defined() && m.call.output.phantom()))
+    if ((m.call.input.defined() && m.call.input.phantom()) ||
+        (m.call.output.defined() && m.call.output.phantom()))
       return true;
   }
   return false;
@@ -110,14 +112,16 @@ void run_numerics(CommOpState& op) {
     case CommOp::ReduceScatter: {
       const std::int64_t chunk = op.members[0].call.output.numel();
       std::vector<std::vector<float>> parts;
-      for (int j = 0; j < n; ++j) parts.push_back(reduce_inputs(op, op.members[0].call.reduce, j * chunk, chunk));
+      for (int j = 0; j < n; ++j)
+        parts.push_back(reduce_inputs(op, op.members[0].call.reduce, j * chunk, chunk));
       for (int j = 0; j < n; ++j) write(op.members[j].call.output, 0, parts[j].data(), chunk);
       break;
     }
     case CommOp::AllGather: {
       const std::int64_t chunk = op.members[0].call.input.numel();
       std::vector<float> all(static_cast<size_t>(chunk * n));
-      for (int j = 0; j < n; ++j) std::memcpy(&all[j * chunk], sim_data(op.members[j].call.input), chunk * sizeof(float));
+      for (int j = 0; j < n; ++j)
+        std::memcpy(&all[j * chunk], sim_data(op.members[j].call.input), chunk * sizeof(float));
       for (const CommMember& m : op.members) write(m.call.output, 0, all.data(), chunk * n);
       break;
     }
@@ -131,7 +135,8 @@ void run_numerics(CommOpState& op) {
     case CommOp::Gather: {
       const std::int64_t chunk = op.members[0].call.input.numel();
       std::vector<float> all(static_cast<size_t>(chunk * n));
-      for (int j = 0; j < n; ++j) std::memcpy(&all[j * chunk], sim_data(op.members[j].call.input), chunk * sizeof(float));
+      for (int j = 0; j < n; ++j)
+        std::memcpy(&all[j * chunk], sim_data(op.members[j].call.input), chunk * sizeof(float));
       write(op.members[root_index()].call.output, 0, all.data(), chunk * n);
       break;
     }
@@ -139,7 +144,8 @@ void run_numerics(CommOpState& op) {
       // Piece i of member j's input becomes piece j of member i's output.
       const std::int64_t chunk = op.members[0].call.input.numel() / n;
       std::vector<std::vector<float>> inputs;
-      for (const CommMember& m : op.members) inputs.emplace_back(sim_data(m.call.input), sim_data(m.call.input) + chunk * n);
+      for (const CommMember& m : op.members)
+        inputs.emplace_back(sim_data(m.call.input), sim_data(m.call.input) + chunk * n);
       for (int i = 0; i < n; ++i) {
         for (int j = 0; j < n; ++j) write(op.members[i].call.output, j * chunk, &inputs[j][i * chunk], chunk);
       }

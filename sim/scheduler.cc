@@ -6,12 +6,16 @@ namespace {
 thread_local VirtualTimeScheduler* installed = nullptr;
 }
 
-VirtualTimeScheduler::VirtualTimeScheduler() { installed = this; }
+VirtualTimeScheduler::VirtualTimeScheduler() {
+  installed = this;
+}
 VirtualTimeScheduler::~VirtualTimeScheduler() {
   if (installed == this) installed = nullptr;
 }
 
-VirtualTimeScheduler* VirtualTimeScheduler::current() { return installed; }
+VirtualTimeScheduler* VirtualTimeScheduler::current() {
+  return installed;
+}
 
 void VirtualTimeProps::requeue(int new_rank, double new_time_us) {
   rank = new_rank;

@@ -66,9 +66,11 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
   const Profile& p = config_.profile;
   if (world < 1) throw UsageError(fmt::format("--world must be at least 1; got {}", world));
   if (world > p.max_world()) {
-    throw UsageError(fmt::format(
-        "--world {} is more GPUs than profile '{}' has: {} per node x {} node(s) = {}; add nodes with --nodes {}",
-        world, p.name, p.gpus_per_node, p.nodes, p.max_world(), (world + p.gpus_per_node - 1) / p.gpus_per_node));
+    throw UsageError(
+        fmt::format("--world {} is more GPUs than profile '{}' has: {} per node x {} node(s) = {}; add nodes "
+                    "with --nodes {}",
+                    world, p.name, p.gpus_per_node, p.nodes, p.max_world(),
+                    (world + p.gpus_per_node - 1) / p.gpus_per_node));
   }
   // The fibers run on a thread of their own, so every launch starts from a fresh fiber scheduler and
   // leaves the caller's thread as it was.

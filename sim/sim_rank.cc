@@ -21,7 +21,9 @@ using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::Ro
 using MatrixMap = Eigen::Map<RowMatrix>;
 using ArrayMap = Eigen::Map<Eigen::ArrayXf>;
 
-ArrayMap array(const Tensor& t) { return ArrayMap(sim_data(t), t.numel()); }
+ArrayMap array(const Tensor& t) {
+  return ArrayMap(sim_data(t), t.numel());
+}
 
 constexpr double kF = sizeof(float);  // bytes per element, for the cost model
 
@@ -57,7 +59,9 @@ class SimWork : public WorkState {
 
 // ---- checks and bookkeeping ------------------------------------------------------------------------
 
-std::string SimRank::where(const char* op) const { return fmt::format("rank {}: {}", rank_, op); }
+std::string SimRank::where(const char* op) const {
+  return fmt::format("rank {}: {}", rank_, op);
+}
 
 void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
   world_.check_aborted();
@@ -121,7 +125,9 @@ Tensor SimRank::empty(const Shape& s) {
   return t;
 }
 
-Tensor SimRank::zeros(const Shape& s) { return full(s, 0.0f); }
+Tensor SimRank::zeros(const Shape& s) {
+  return full(s, 0.0f);
+}
 
 Tensor SimRank::full(const Shape& s, float value) {
   Tensor t = allocate(s, false, "full");
@@ -157,7 +163,9 @@ Tensor SimRank::from_host(const Shape& s, const std::vector<float>& values) {
   return t;
 }
 
-Tensor SimRank::phantom(const Shape& s) { return allocate(s, true, "phantom"); }
+Tensor SimRank::phantom(const Shape& s) {
+  return allocate(s, true, "phantom");
+}
 
 std::vector<float> SimRank::to_host(const Tensor& t) {
   require(t, "to_host", "t");
@@ -182,13 +190,14 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
   const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
   if (k != kb) {
-    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where("matmul"), a.str(),
-                                 at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
+    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where("matmul"),
+                                 a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
   }
   Tensor c = allocate({m, n}, a.phantom() || b.phantom(), "matmul");
   before_kernel({&a, &b}, "matmul");
   if (!c.phantom()) {
-    MatrixMap A(sim_data(a), a.size(0), a.size(1)), B(sim_data(b), b.size(0), b.size(1)), C(sim_data(c), m, n);
+    MatrixMap A(sim_data(a), a.size(0), a.size(1)), B(sim_data(b), b.size(0), b.size(1)),
+        C(sim_data(c), m, n);
     if (!at && !bt) C.noalias() = A * B;
     if (at && !bt) C.noalias() = A.transpose() * B;
     if (!at && bt) C.noalias() = A * B.transpose();
@@ -200,7 +209,8 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
 
 namespace {
 void require_same_shape(const std::string& where, const Tensor& a, const Tensor& b) {
-  if (a.shape() != b.shape()) throw UsageError(fmt::format("{}: shapes differ: {} and {}", where, a.str(), b.str()));
+  if (a.shape() != b.shape())
+    throw UsageError(fmt::format("{}: shapes differ: {} and {}", where, a.str(), b.str()));
 }
 }  // namespace
 
@@ -295,8 +305,8 @@ Tensor SimRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t
     throw UsageError(fmt::format("{}: dimension {} is out of range for {}", where("slice"), dim, t.str()));
   }
   if (start < 0 || length < 0 || start + length > t.size(dim)) {
-    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of {} (size {})", where("slice"), start,
-                                 start + length, dim, t.str(), t.size(dim)));
+    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of {} (size {})", where("slice"),
+                                 start, start + length, dim, t.str(), t.size(dim)));
   }
   Tensor out = allocate(t.shape().with_dim(dim, length), t.phantom(), "slice");
   before_kernel({&t}, "slice");
@@ -326,8 +336,9 @@ Tensor SimRank::cat(const std::vector<Tensor>& parts, int dim) {
   for (size_t i = 0; i < parts.size(); ++i) {
     require(parts[i], "cat", "parts[i]");
     if (parts[i].shape().with_dim(dim, 0) != first.shape().with_dim(dim, 0)) {
-      throw UsageError(fmt::format("{}: parts[{}] is {} but parts[0] is {}; they may differ only in dimension {}",
-                                   where("cat"), i, parts[i].str(), first.str(), dim));
+      throw UsageError(
+          fmt::format("{}: parts[{}] is {} but parts[0] is {}; they may differ only in dimension {}",
+                      where("cat"), i, parts[i].str(), first.str(), dim));
     }
     total += parts[i].size(dim);
     phantom = phantom || parts[i].phantom();
@@ -362,8 +373,8 @@ void SimRank::sgd_step(const Tensor& param, const Tensor& grad, float lr) {
   launch_kernel("sgd_step", 2.0 * param.numel(), 3 * kF * param.numel());
 }
 
-void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamW& h,
-                         int step) {
+void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                         const AdamW& h, int step) {
   require(param, "adamw_step", "param");
   require(grad, "adamw_step", "grad");
   require(m, "adamw_step", "m");
@@ -392,11 +403,13 @@ void SimRank::validate(const CommCall& call) const {
   const std::vector<int>& members = world_.members(call.group);
   const int n = static_cast<int>(members.size());
   if (call.group.index_of(rank_) < 0) {
-    throw UsageError(fmt::format("{} on {}: rank {} is not a member of the group", where(op), call.group.str(), rank_));
+    throw UsageError(
+        fmt::format("{} on {}: rank {} is not a member of the group", where(op), call.group.str(), rank_));
   }
   auto rooted = [&] {
     if (call.peer < 0 || call.peer >= world_.size() || call.group.index_of(call.peer) < 0) {
-      throw UsageError(fmt::format("{}: root {} is not a member of {}", where(op), call.peer, call.group.str()));
+      throw UsageError(
+          fmt::format("{}: root {} is not a member of {}", where(op), call.peer, call.group.str()));
     }
   };
   // `big` must be `small` with dimension 0 multiplied by the group size.
@@ -446,11 +459,13 @@ void SimRank::validate(const CommCall& call) const {
     case CommOp::AllToAll:
       require(call.input, op, "in");
       require(call.output, op, "out");
-      if (call.input.shape() != call.output.shape() || call.input.ndim() == 0 || call.input.size(0) % n != 0) {
-        throw UsageError(fmt::format(
-            "{}: 'in' and 'out' must have the same shape with a first dimension divisible by the group size {}; "
-            "got {} and {}",
-            where(op), n, call.input.str(), call.output.str()));
+      if (call.input.shape() != call.output.shape() || call.input.ndim() == 0 ||
+          call.input.size(0) % n != 0) {
+        throw UsageError(
+            fmt::format("{}: 'in' and 'out' must have the same shape with a first dimension divisible by the "
+                        "group size {}; "
+                        "got {} and {}",
+                        where(op), n, call.input.str(), call.output.str()));
       }
       break;
     case CommOp::Send:
@@ -461,7 +476,8 @@ void SimRank::validate(const CommCall& call) const {
         throw UsageError(fmt::format("{}: {}={} is outside the world of {} ranks", where(op), role, call.peer,
                                      world_.size()));
       }
-      if (call.peer == rank_) throw UsageError(fmt::format("{}: {}={} is this rank itself", where(op), role, call.peer));
+      if (call.peer == rank_)
+        throw UsageError(fmt::format("{}: {}={} is this rank itself", where(op), role, call.peer));
       break;
     }
     case CommOp::Barrier:
@@ -509,7 +525,9 @@ double SimRank::now() {
   return s_.host_us;
 }
 
-void SimRank::region_begin(const std::string& name) { regions_.emplace_back(name, s_.host_us); }
+void SimRank::region_begin(const std::string& name) {
+  regions_.emplace_back(name, s_.host_us);
+}
 
 void SimRank::region_end() {
   if (regions_.empty()) throw UsageError(where("region_end") + ": no region is open");

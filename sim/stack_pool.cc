@@ -16,7 +16,8 @@ StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes) : slots_(stack
   slot_bytes_ = rounded + page;
   mapped_bytes_ = slot_bytes_ * stacks;
   // MAP_NORESERVE: untouched stack pages cost nothing, so a large world fits in a laptop's memory.
-  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
   if (p == MAP_FAILED) {
     throw Error(fmt::format("cannot reserve {} fiber stacks of {} KiB ({} MiB of address space)", stacks,
                             stack_bytes / 1024, mapped_bytes_ >> 20));
@@ -26,9 +27,10 @@ StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes) : slots_(stack
     // The lowest page of each slot is the guard: stacks grow down into it.
     if (mprotect(base_ + i * slot_bytes_, page, PROT_NONE) != 0) {
       munmap(base_, mapped_bytes_);
-      throw Error(fmt::format("cannot protect the guard page of fiber stack {} (vm.max_map_count too low for {} "
-                              "ranks?)",
-                              i, stacks));
+      throw Error(
+          fmt::format("cannot protect the guard page of fiber stack {} (vm.max_map_count too low for {} "
+                      "ranks?)",
+                      i, stacks));
     }
   }
 }

@@ -10,6 +10,8 @@ SimStorage::SimStorage(std::shared_ptr<MemoryAccount> account, std::int64_t nume
   account_->peak = std::max(account_->peak, account_->allocated);
 }
 
-SimStorage::~SimStorage() { account_->allocated -= bytes(); }
+SimStorage::~SimStorage() {
+  account_->allocated -= bytes();
+}
 
 }  // namespace ranklab::sim

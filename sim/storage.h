@@ -39,7 +39,11 @@ class SimStorage : public Storage {
   std::unique_ptr<float[]> data_;
 };
 
-inline SimStorage* sim_storage(const Tensor& t) { return static_cast<SimStorage*>(t.storage()); }
-inline float* sim_data(const Tensor& t) { return sim_storage(t)->data(); }
+inline SimStorage* sim_storage(const Tensor& t) {
+  return static_cast<SimStorage*>(t.storage());
+}
+inline float* sim_data(const Tensor& t) {
+  return sim_storage(t)->data();
+}
 
 }  // namespace ranklab::sim

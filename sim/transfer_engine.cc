@@ -127,7 +127,8 @@ double TransferEngine::next_flow_end_us() const {
   double soonest = kInf;
   for (size_t i = 0; i < running_.size(); ++i) {
     const double rate = rate_bytes_per_us_[i];
-    if (rate > 0) soonest = std::min(soonest, now_us_ + running_[i].transfer->left_bytes[running_[i].flow] / rate);
+    if (rate > 0)
+      soonest = std::min(soonest, now_us_ + running_[i].transfer->left_bytes[running_[i].flow] / rate);
   }
   return soonest;
 }
@@ -157,7 +158,8 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
       t->op->end_us = now_us_;
       t->op->finished = true;
       ended.push_back(t->op);
-      auto it = std::find_if(transfers_.begin(), transfers_.end(), [t](const auto& p) { return p.get() == t; });
+      auto it =
+          std::find_if(transfers_.begin(), transfers_.end(), [t](const auto& p) { return p.get() == t; });
       *it = std::move(transfers_.back());
       transfers_.pop_back();
     }

@@ -44,7 +44,7 @@ class TransferEngine {
     CommPlan plan;
     std::vector<double> left_bytes;  // per flow
     int flows_left = 0;
-    double flows_done_us = -1;       // when the last flow finished; then the latency runs
+    double flows_done_us = -1;  // when the last flow finished; then the latency runs
   };
   // One flow of one transfer in flight.
   struct Running {
@@ -62,12 +62,12 @@ class TransferEngine {
 
   const Topology& topo_;
   double now_us_ = 0;
-  std::vector<std::unique_ptr<Transfer>> transfers_;       // in flight (waiting, flowing or in latency)
-  std::multimap<double, Transfer*> starts_;                // future starts
-  std::multimap<double, Transfer*> tails_;                 // transfers whose flows are done: end time
+  std::vector<std::unique_ptr<Transfer>> transfers_;  // in flight (waiting, flowing or in latency)
+  std::multimap<double, Transfer*> starts_;           // future starts
+  std::multimap<double, Transfer*> tails_;            // transfers whose flows are done: end time
   std::vector<Running> running_;
-  std::vector<double> rate_bytes_per_us_;                  // per running flow
-  std::vector<std::shared_ptr<CommOpState>> ended_;        // finished but not yet handed out
+  std::vector<double> rate_bytes_per_us_;            // per running flow
+  std::vector<std::shared_ptr<CommOpState>> ended_;  // finished but not yet handed out
   long late_starts_ = 0;
 };
 

@@ -2,9 +2,8 @@
 
 #include <fmt/format.h>
 
-#include <boost/fiber/operations.hpp>
-
 #include <algorithm>
+#include <boost/fiber/operations.hpp>
 #include <cmath>
 #include <cstdio>
 #include <set>
@@ -17,7 +16,8 @@ namespace ranklab::sim {
 
 CommMember& CommOpState::member_of(int global_rank) {
   // World collectives list every rank in order, so the member of rank r is member r.
-  if (global_rank >= 0 && global_rank < static_cast<int>(members.size()) && members[global_rank].rank == global_rank) {
+  if (global_rank >= 0 && global_rank < static_cast<int>(members.size()) &&
+      members[global_rank].rank == global_rank) {
     return members[global_rank];
   }
   for (CommMember& m : members) {
@@ -171,11 +171,12 @@ Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
   std::set<int> seen;
   for (int r : ranks) {
     if (r < 0 || r >= size()) {
-      throw UsageError(
-          fmt::format("rank {}: new_group({}): rank {} is outside the world of {}", rank, fmt::join(ranks, ", "), r, size()));
+      throw UsageError(fmt::format("rank {}: new_group({}): rank {} is outside the world of {}", rank,
+                                   fmt::join(ranks, ", "), r, size()));
     }
     if (!seen.insert(r).second) {
-      throw UsageError(fmt::format("rank {}: new_group({}): rank {} appears twice", rank, fmt::join(ranks, ", "), r));
+      throw UsageError(
+          fmt::format("rank {}: new_group({}): rank {} appears twice", rank, fmt::join(ranks, ", "), r));
     }
   }
   RankState& s = state(rank);
@@ -200,14 +201,14 @@ namespace {
 // What every member of a collective must agree on: the operation, the element count NCCL would be
 // given, the reduce op and root where they matter, and whether the tensors hold numbers.
 std::string signature(const CommCall& c) {
-  const Tensor& t = (c.op == CommOp::Scatter || c.op == CommOp::Recv || c.op == CommOp::ReduceScatter)
-                        ? c.output
-                        : c.input;
+  const Tensor& t =
+      (c.op == CommOp::Scatter || c.op == CommOp::Recv || c.op == CommOp::ReduceScatter) ? c.output : c.input;
   std::string s = fmt::format("{} {} {}", comm_op_name(c.op), t.numel(), dtype_name(t.dtype()));
   if (c.op == CommOp::AllReduce || c.op == CommOp::Reduce || c.op == CommOp::ReduceScatter) {
     s += fmt::format(" {}", reduce_op_name(c.reduce));
   }
-  if (c.op == CommOp::Broadcast || c.op == CommOp::Reduce || c.op == CommOp::Scatter || c.op == CommOp::Gather) {
+  if (c.op == CommOp::Broadcast || c.op == CommOp::Reduce || c.op == CommOp::Scatter ||
+      c.op == CommOp::Gather) {
     s += fmt::format(" root {}", c.peer);
   }
   if (t.phantom()) s += " phantom";
@@ -341,14 +342,16 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     const std::string name = p2p ? "send/recv" : comm_op_name(op->op);
     for (CommMember& m : op->members) {
       RankState& s = state(m.rank);
-      const int stream = p2p ? (m.rank == op->ranks[0] ? op->ranks[1] : op->ranks[0]) : collective_stream(op->group_id);
+      const int stream =
+          p2p ? (m.rank == op->ranks[0] ? op->ranks[1] : op->ranks[0]) : collective_stream(op->group_id);
       s.streams[stream].end_us = std::max(s.streams[stream].end_us, op->end_us);
       add_span(m.rank, SpanKind::Comm, name, op->start_us, op->end_us);
     }
     const int n = static_cast<int>(op->members.size());
     CollectiveRecord rec;
     rec.op = op->op;
-    rec.group = p2p ? fmt::format("rank {} -> rank {}", op->ranks[0], op->ranks[1]) : op->members[0].call.group.str();
+    rec.group =
+        p2p ? fmt::format("rank {} -> rank {}", op->ranks[0], op->ranks[1]) : op->members[0].call.group.str();
     rec.group_size = n;
     rec.bytes = p2p ? op->members[0].call.input.bytes() : nccl_size_bytes(*op);
     rec.algorithm = op->algorithm;
@@ -446,7 +449,8 @@ void SimWorld::barrier(int rank, const Group& group) {
   block_until(
       rank, [&] { return h.arrived == h.expected; },
       [&h, &group, seq] {
-        return fmt::format("barrier #{} on {}: {} of {} ranks have arrived", seq, group.str(), h.arrived, h.expected);
+        return fmt::format("barrier #{} on {}: {} of {} ranks have arrived", seq, group.str(), h.arrived,
+                           h.expected);
       });
   s.host_us = std::max(s.host_us, h.latest_host_us + profile().barrier_latency_us);
 }
@@ -467,7 +471,9 @@ void SimWorld::show(int rank, const std::string& label, const std::string& value
   }
   block_until(
       rank, [&] { return h.arrived == h.expected; },
-      [&h, label] { return fmt::format("show(\"{}\"): {} of {} ranks have called it", label, h.arrived, h.expected); });
+      [&h, label] {
+        return fmt::format("show(\"{}\"): {} of {} ranks have called it", label, h.arrived, h.expected);
+      });
 }
 
 // ---- report ----------------------------------------------------------------------------------------

@@ -29,9 +29,9 @@
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
 #include "sim/network_model.h"
-#include "sim/transfer_engine.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
+#include "sim/transfer_engine.h"
 
 namespace ranklab::sim {
 
@@ -42,16 +42,18 @@ struct RunAborted {};
 // id), as each torch.distributed process group has its own NCCL communicator and stream, so collectives
 // of different groups can overlap; point-to-point traffic with each peer has its own stream (the peer's
 // rank), as NCCL-backed torch.distributed gives each peer pair its own.
-inline int collective_stream(int group_id) { return -1 - group_id; }
+inline int collective_stream(int group_id) {
+  return -1 - group_id;
+}
 
 struct StreamState {
-  double end_us = 0;                        // when the last executed operation on it ended
-  std::shared_ptr<CommOpState> last;        // the last operation posted on it
+  double end_us = 0;                  // when the last executed operation on it ended
+  std::shared_ptr<CommOpState> last;  // the last operation posted on it
 };
 
 struct RankState {
   double host_us = 0;
-  double compute_us = 0;                    // when the compute stream's last kernel ends
+  double compute_us = 0;  // when the compute stream's last kernel ends
   std::map<int, StreamState> streams;
   // Synchronous operations the compute stream must wait for before its next kernel.
   std::vector<std::shared_ptr<CommOpState>> unfolded_sync;

@@ -15,7 +15,9 @@ using testing::run_collect;
 using Values = std::vector<float>;
 
 // Small positive integers, so Prod stays exact in float32 for up to 8 ranks.
-float input_value(int rank, int i) { return static_cast<float>((rank * 7 + i * 3) % 5 + 1); }
+float input_value(int rank, int i) {
+  return static_cast<float>((rank * 7 + i * 3) % 5 + 1);
+}
 
 Values input_of(int rank, int n) {
   Values v(n);
@@ -162,7 +164,8 @@ TEST_P(DataMovement, ScatterFromRootOne) {
   });
   const Values all = input_of(root, w() * kChunk);
   for (int rank = 0; rank < w(); ++rank) {
-    expect_values(got[rank], Values(all.begin() + rank * kChunk, all.begin() + (rank + 1) * kChunk), "scatter");
+    expect_values(got[rank], Values(all.begin() + rank * kChunk, all.begin() + (rank + 1) * kChunk),
+                  "scatter");
   }
 }
 
@@ -214,7 +217,8 @@ TEST_P(DataMovement, SendRecvAroundARing) {
     }
     return r.to_host(from_prev);
   });
-  for (int rank = 0; rank < w(); ++rank) expect_values(got[rank], input_of((rank + w() - 1) % w(), 4), "ring");
+  for (int rank = 0; rank < w(); ++rank)
+    expect_values(got[rank], input_of((rank + w() - 1) % w(), 4), "ring");
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldMode, DataMovement,

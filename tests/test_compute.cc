@@ -40,7 +40,8 @@ TEST(Compute, MatmulWithEveryTransposeMatchesLoops) {
             const float bv = tb == Trans::Yes ? b[j * k + p] : b[p * n + j];
             want += static_cast<double>(av) * bv;
           }
-          EXPECT_NEAR(got.first[i * n + j], want, 1e-5) << "ta=" << (ta == Trans::Yes) << " tb=" << (tb == Trans::Yes);
+          EXPECT_NEAR(got.first[i * n + j], want, 1e-5)
+              << "ta=" << (ta == Trans::Yes) << " tb=" << (tb == Trans::Yes);
         }
       }
     }
@@ -56,8 +57,8 @@ TEST(Compute, ElementwiseOps) {
     Tensor z = r.zeros({2, 3});
     r.copy_(z, x);
     r.scale_(z, 3.0f);
-    return std::vector<Values>{r.to_host(r.relu(x)), r.to_host(r.relu_backward(g, x)), r.to_host(y), r.to_host(z),
-                               r.to_host(r.sum(x))};
+    return std::vector<Values>{r.to_host(r.relu(x)), r.to_host(r.relu_backward(g, x)), r.to_host(y),
+                               r.to_host(z), r.to_host(r.sum(x))};
   });
   EXPECT_EQ(got[0], (Values{0, 0, 0, 1, 2, 3}));
   EXPECT_EQ(got[1], (Values{0, 0, 0, 10, 10, 10}));  // relu's gradient is 0 at and below zero
@@ -132,8 +133,9 @@ TEST(Compute, KernelTimeIsTheRoofline) {
     return std::make_pair(matmul_us, r.now() - t0);
   });
   const double n = 4096;
-  const double matmul_us = std::max(2 * n * n * n / (p.gpu.peak_tflops_fp32 * 1e6 * p.gpu.compute_efficiency),
-                                    4 * 3 * n * n / (p.gpu.hbm_bandwidth_gbps * 1e3 * p.gpu.memory_efficiency));
+  const double matmul_us =
+      std::max(2 * n * n * n / (p.gpu.peak_tflops_fp32 * 1e6 * p.gpu.compute_efficiency),
+               4 * 3 * n * n / (p.gpu.hbm_bandwidth_gbps * 1e3 * p.gpu.memory_efficiency));
   const double add_us = 3 * 4.0 * (64 << 20) / (p.gpu.hbm_bandwidth_gbps * 1e3 * p.gpu.memory_efficiency);
   EXPECT_NEAR(got.first, p.gpu.launch_overhead_us + matmul_us, 1e-6);
   EXPECT_NEAR(got.second, p.gpu.launch_overhead_us + add_us, 1e-6);

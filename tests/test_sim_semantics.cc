@@ -172,7 +172,8 @@ TEST(Faults, EveryRankInRecvIsADeadlockNamingEachRank) {
   EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_NE(msg.find("rank " + std::to_string(rank) + ": to_host"), std::string::npos) << msg;
-    EXPECT_NE(msg.find("rank " + std::to_string((rank + 1) % 3) + " has not called it"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("rank " + std::to_string((rank + 1) % 3) + " has not called it"), std::string::npos)
+        << msg;
   }
 }
 
@@ -222,20 +223,26 @@ TEST(Faults, MismatchedSizesNameEveryRank) {
 }
 
 TEST(Faults, MismatchedOperationRootAndReduceOp) {
-  EXPECT_NE(run_error_message(2, [](Rank& r) {
-              Tensor t = r.zeros({4});
-              r.rank() == 0 ? r.all_reduce(t, ReduceOp::Sum) : r.broadcast(t, 0);
-            }).find("ranks disagree"),
+  EXPECT_NE(run_error_message(2,
+                              [](Rank& r) {
+                                Tensor t = r.zeros({4});
+                                r.rank() == 0 ? r.all_reduce(t, ReduceOp::Sum) : r.broadcast(t, 0);
+                              })
+                .find("ranks disagree"),
             std::string::npos);
-  EXPECT_NE(run_error_message(2, [](Rank& r) {
-              Tensor t = r.zeros({4});
-              r.broadcast(t, r.rank());
-            }).find("root="),
+  EXPECT_NE(run_error_message(2,
+                              [](Rank& r) {
+                                Tensor t = r.zeros({4});
+                                r.broadcast(t, r.rank());
+                              })
+                .find("root="),
             std::string::npos);
-  EXPECT_NE(run_error_message(2, [](Rank& r) {
-              Tensor t = r.zeros({4});
-              r.all_reduce(t, r.rank() == 0 ? ReduceOp::Sum : ReduceOp::Max);
-            }).find("Max"),
+  EXPECT_NE(run_error_message(2,
+                              [](Rank& r) {
+                                Tensor t = r.zeros({4});
+                                r.all_reduce(t, r.rank() == 0 ? ReduceOp::Sum : ReduceOp::Max);
+                              })
+                .find("Max"),
             std::string::npos);
 }
 
@@ -244,7 +251,8 @@ TEST(Faults, SendAndRecvOfDifferentSizes) {
     if (r.rank() == 0) r.send(r.zeros({4}), 1);
     if (r.rank() == 1) r.recv(r.zeros({5}), 0);
   });
-  EXPECT_NE(msg.find("rank 0 sends float32[4] but rank 1 receives into float32[5]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 0 sends float32[4] but rank 1 receives into float32[5]"), std::string::npos)
+      << msg;
 }
 
 TEST(Faults, AnExceptionInOneRankEndsTheRunWithItsMessage) {
@@ -264,7 +272,8 @@ TEST(Faults, OutOfMemoryNamesRankRequestAndCapacity) {
       for (int i = 0; i < 100; ++i) held.push_back(r.phantom({std::int64_t{1} << 30}));  // 4 GiB each
     }
   });
-  EXPECT_NE(msg.find("rank 1: phantom: out of memory allocating float32[1073741824] (4.00 GiB)"), std::string::npos)
+  EXPECT_NE(msg.find("rank 1: phantom: out of memory allocating float32[1073741824] (4.00 GiB)"),
+            std::string::npos)
       << msg;
   EXPECT_NE(msg.find("H100"), std::string::npos) << msg;
 }
@@ -282,16 +291,22 @@ TEST(Faults, ReadingATensorBeforeWaitingOnItsAsyncCollective) {
 
 TEST(Faults, BadArgumentsAreClearErrors) {
   SimBackend backend(quiet_config());
-  EXPECT_NE(error_of<UsageError>([&] { backend.launch(0, [](Rank&) {}); }).find("--world"), std::string::npos);
-  EXPECT_NE(error_of<UsageError>([&] { backend.launch(9, [](Rank&) {}); }).find("--nodes 2"), std::string::npos);
-  EXPECT_NE(run_error_message(2, [](Rank& r) { r.broadcast(r.zeros({2}), 5); }).find("root 5 is not a member"),
+  EXPECT_NE(error_of<UsageError>([&] { backend.launch(0, [](Rank&) {}); }).find("--world"),
             std::string::npos);
+  EXPECT_NE(error_of<UsageError>([&] { backend.launch(9, [](Rank&) {}); }).find("--nodes 2"),
+            std::string::npos);
+  EXPECT_NE(
+      run_error_message(2, [](Rank& r) { r.broadcast(r.zeros({2}), 5); }).find("root 5 is not a member"),
+      std::string::npos);
   EXPECT_NE(run_error_message(2, [](Rank& r) { r.send(r.zeros({2}), r.rank()); }).find("this rank itself"),
             std::string::npos);
   EXPECT_NE(run_error_message(2, [](Rank& r) { r.all_gather(r.zeros({3}), r.zeros({2})); })
                 .find("must have 2 times its first dimension"),
             std::string::npos);
-  EXPECT_NE(run_error_message(2, [](Rank& r) { r.matmul(r.zeros({2, 3}), r.zeros({2, 3})); })
+  EXPECT_NE(run_error_message(2,
+                              [](Rank& r) {
+                                r.matmul(r.zeros({2, 3}), r.zeros({2, 3}));
+                              })
                 .find("inner dimensions differ"),
             std::string::npos);
   EXPECT_NE(run_error_message(2,
@@ -301,8 +316,9 @@ TEST(Faults, BadArgumentsAreClearErrors) {
                               })
                 .find("rank 1 is not a member"),
             std::string::npos);
-  EXPECT_NE(run_error_message(2, [](Rank& r) { r.new_group({r.rank()}); }).find("same ranks in the same order"),
-            std::string::npos);
+  EXPECT_NE(
+      run_error_message(2, [](Rank& r) { r.new_group({r.rank()}); }).find("same ranks in the same order"),
+      std::string::npos);
 }
 
 TEST(Memory, AllocatedAndPeakFollowTensorLifetimes) {
