@@ -179,8 +179,6 @@ void summarize_spans(RunReport& report) {
 
 // ---- terminal summary -----------------------------------------------------------------------------------
 
-namespace {
-
 std::string human_time(double us) {
   double a = std::fabs(us);
   if (a < 1e3) return fmt::format("{:.1f} us", us);
@@ -207,6 +205,8 @@ std::string human_bw(double gbps) {
   if (std::fabs(gbps) >= 1 || gbps == 0) return fmt::format("{:.1f} GB/s", gbps);
   return fmt::format("{:.1f} MB/s", gbps * 1e3);
 }
+
+namespace {
 
 std::string memory_cell(double peak, double capacity) {
   if (capacity <= 0) return human_bytes(peak);
@@ -431,7 +431,8 @@ ordered_json to_json(const CheckRecord& c) {
 }
 
 ordered_json to_json(const LinkTraffic& l) {
-  return ordered_json{{"link", l.link}, {"tier", l.tier}, {"bytes", l.bytes}};
+  return ordered_json{
+      {"link", l.link}, {"tier", l.tier}, {"bytes", l.bytes}, {"bandwidth_gbps", l.bandwidth_gbps}};
 }
 
 template <class T>
@@ -524,6 +525,8 @@ std::string report_to_json(const RunReport& report) {
       {"backend", report.backend},
       {"profile", report.profile},
       {"world", report.world},
+      {"gpus_per_node", report.gpus_per_node},
+      {"options", report.options},
       {"makespan_us", report.makespan_us},
       {"ranks", array_of(report.ranks)},
       {"spans", array_of(report.spans)},
@@ -554,6 +557,8 @@ RunReport report_from_json(const std::string& text) {
   top.get(root, "backend", report.backend);
   top.get(root, "profile", report.profile);
   top.get(root, "world", report.world);
+  top.get(root, "gpus_per_node", report.gpus_per_node);
+  top.get(root, "options", report.options);
   top.get(root, "makespan_us", report.makespan_us);
 
   report.ranks = read_array<RankSummary>(root, "ranks", [](const json& e, auto reader) {
@@ -635,6 +640,7 @@ RunReport report_from_json(const std::string& text) {
     r.get(e, "link", l.link);
     r.get(e, "tier", l.tier);
     r.get(e, "bytes", l.bytes);
+    r.get(e, "bandwidth_gbps", l.bandwidth_gbps);
     return l;
   });
   top.get(root, "output", report.output);

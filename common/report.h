@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -27,14 +28,14 @@ struct Span {
 // One collective as the group saw it (recorded once, by the group's first member).
 struct CollectiveRecord {
   CommOp op = CommOp::AllReduce;
-  std::string group;            // "world" or "group 2 {0, 1}"
+  std::string group;  // "world" or "group 2 {0, 1}"
   int group_size = 0;
-  std::int64_t bytes = 0;       // the size nccl-tests calls `size` (see docs/model.md)
-  std::string algorithm;        // "ring", ...
+  std::int64_t bytes = 0;  // the size nccl-tests calls `size` (see docs/model.md)
+  std::string algorithm;   // "ring", ...
   double start_us = 0;
   double end_us = 0;
-  double algbw_gbps = 0;        // bytes / time
-  double busbw_gbps = 0;        // algbw times the op's bus factor (nccl-tests doc/PERFORMANCE.md)
+  double algbw_gbps = 0;  // bytes / time
+  double busbw_gbps = 0;  // algbw times the op's bus factor (nccl-tests doc/PERFORMANCE.md)
   double time_us() const { return end_us - start_us; }
 };
 
@@ -55,28 +56,33 @@ struct CheckRecord {
 // Per-rank totals. Busy times are unions of spans on each stream; idle is the rest of the rank's time.
 struct RankSummary {
   int rank = 0;
-  double end_us = 0;             // host clock when the rank finished
-  double compute_us = 0;         // compute-stream busy time
-  double comm_us = 0;            // communication-stream busy time (transfers, not waiting)
-  double comm_wait_us = 0;       // time collectives waited for late members
-  double exposed_comm_us = 0;    // communication not hidden under compute
-  double idle_us = 0;            // neither stream busy: the bubble
+  double end_us = 0;           // host clock when the rank finished
+  double compute_us = 0;       // compute-stream busy time
+  double comm_us = 0;          // communication-stream busy time (transfers, not waiting)
+  double comm_wait_us = 0;     // time collectives waited for late members
+  double exposed_comm_us = 0;  // communication not hidden under compute
+  double idle_us = 0;          // neither stream busy: the bubble
   std::int64_t peak_bytes = 0;
   std::int64_t capacity_bytes = 0;
 };
 
 struct LinkTraffic {
-  std::string link;              // "nvlink gpu0->gpu1"
-  std::string tier;              // "nvlink", "network", ...
+  std::string link;  // "nvlink gpu0->gpu1"
+  std::string tier;  // "nvlink", "network", ...
   std::int64_t bytes = 0;
+  double bandwidth_gbps = 0;  // the link's capacity per direction; 0 when unknown
 };
 
 struct RunReport {
   std::string lesson;
-  std::string backend;           // "sim" or "cuda"
+  std::string backend;  // "sim" or "cuda"
   std::string profile;
   int world = 0;
-  double makespan_us = 0;        // the latest rank's end
+  int gpus_per_node = 0;  // of the profile; 0 when unknown (the topology drawing groups by node)
+  // The lesson's options as the command line spells them (name -> value), so `compare` can refuse two
+  // reports of different configurations and `calibrate` can simulate the same run again.
+  std::map<std::string, std::string> options;
+  double makespan_us = 0;  // the latest rank's end
   std::vector<RankSummary> ranks;
   std::vector<Span> spans;
   std::vector<CollectiveRecord> collectives;
@@ -101,6 +107,12 @@ void summarize_spans(RunReport& report);
 
 // The terminal summary: per-rank time split, collectives grouped by op and size, checks.
 std::string format_summary(const RunReport& report);
+
+// The units the summary prints in, for the other writers: "12.5 us" / "3.20 ms" / "1.500 s", "64 MiB",
+// "447.4 GB/s" (MB/s below 1 GB/s).
+std::string human_time(double us);
+std::string human_bytes(double bytes);
+std::string human_bw(double gbps);
 
 // The whole report as JSON (schema in docs/report.md).
 std::string report_to_json(const RunReport& report);

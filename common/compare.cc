@@ -1,0 +1,488 @@
+#include "common/compare.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <set>
+#include <tuple>
+
+#include "common/errors.h"
+#include "common/html_report.h"
+
+namespace ranklab {
+
+// ---- the configuration a report records ------------------------------------------------------------------
+
+namespace {
+
+// Every option a lesson reads, under its command-line name. One list serves writing and reading, so the
+// two cannot drift apart; a new option in Options belongs here too.
+template <class F>
+void for_each_option(F&& f) {
+  f("batch", &Options::batch);
+  f("dim", &Options::dim);
+  f("layers", &Options::layers);
+  f("steps", &Options::steps);
+  f("lr", &Options::lr);
+  f("optimizer", &Options::optimizer);
+  f("micro-batches", &Options::micro_batches);
+  f("schedule", &Options::schedule);
+  f("async-p2p", &Options::async_p2p);
+  f("overlap", &Options::overlap);
+  f("bucket-mb", &Options::bucket_mb);
+  f("phantom", &Options::phantom);
+  f("op", &Options::op);
+  f("count", &Options::count);
+  f("wrong-order", &Options::wrong_order);
+  f("sweep", &Options::sweep);
+  f("algo", &Options::algo);
+  f("proto", &Options::proto);
+}
+
+template <class T>
+std::string option_text(const T& v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? "true" : "false";
+  } else {
+    return fmt::format("{}", v);  // shortest text that reads back as the same number
+  }
+}
+
+template <class T>
+bool parse_option(const std::string& text, T& out) {
+  if constexpr (std::is_same_v<T, bool>) {
+    if (text != "true" && text != "false") return false;
+    out = text == "true";
+    return true;
+  } else if constexpr (std::is_same_v<T, std::string>) {
+    out = text;
+    return true;
+  } else {
+    T v{};
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end != text.data() + text.size()) return false;
+    out = v;
+    return true;
+  }
+}
+
+}  // namespace
+
+std::map<std::string, std::string> options_record(const Options& options) {
+  std::map<std::string, std::string> record;
+  for_each_option([&](const char* name, auto member) { record[name] = option_text(options.*member); });
+  return record;
+}
+
+Options options_from_record(const std::map<std::string, std::string>& record, int world) {
+  Options o;
+  o.world = world;
+  o.quiet = true;
+  std::set<std::string> known;
+  for_each_option([&](const char* name, auto member) {
+    known.insert(name);
+    auto it = record.find(name);
+    if (it != record.end() && !parse_option(it->second, o.*member)) {
+      throw UsageError(
+          fmt::format("the report's option --{} has the value '{}', which does not parse", name, it->second));
+    }
+  });
+  for (const auto& [name, value] : record) {
+    if (!known.count(name)) {
+      throw UsageError(fmt::format(
+          "the report was run with an option this build does not know (--{} {}); it cannot be repeated here",
+          name, value));
+    }
+  }
+  return o;
+}
+
+void record_run_config(RunReport& report, const Profile& profile, const Options& options) {
+  report.gpus_per_node = profile.gpus_per_node;
+  report.options = options_record(options);
+  // A link's capacity by its tier, where the backend did not know it: what each GPU has of that kind of link.
+  for (LinkTraffic& l : report.links) {
+    if (l.bandwidth_gbps > 0) continue;
+    if (l.tier == "nvlink" && profile.has_nvlink) {
+      l.bandwidth_gbps = profile.nvlink.gpu_bandwidth_gbps();
+    } else if (l.tier == "pcie") {
+      l.bandwidth_gbps = profile.pcie.bandwidth_gbps;
+    } else if (l.tier == profile.fabric.kind || l.tier == "network" || l.tier == "nic") {
+      l.bandwidth_gbps = profile.nic.bandwidth_gbps;
+    }
+  }
+}
+
+// ---- comparing -------------------------------------------------------------------------------------------
+
+double geomean_error(const std::vector<double>& ratios) {
+  double sum = 0;
+  int n = 0;
+  for (double r : ratios) {
+    if (!(r > 0) || !std::isfinite(r)) continue;
+    sum += std::fabs(std::log(r));
+    ++n;
+  }
+  return n == 0 ? std::numeric_limits<double>::quiet_NaN() : std::exp(sum / n) - 1;
+}
+
+namespace {
+
+std::string source_of(const RunReport& r) {
+  if (r.profile.empty()) return r.backend.empty() ? "?" : r.backend;
+  return fmt::format("{}, {}", r.backend.empty() ? "?" : r.backend, r.profile);
+}
+
+void check_comparable(const RunReport& a, const RunReport& b, const std::string& an, const std::string& bn) {
+  if (a.lesson != b.lesson) {
+    throw UsageError(
+        fmt::format("cannot compare reports of different lessons: {} is lesson '{}' and {} is lesson '{}'",
+                    an, a.lesson, bn, b.lesson));
+  }
+  if (a.world != b.world) {
+    throw UsageError(fmt::format("cannot compare runs of different sizes: {} has {} ranks and {} has {}", an,
+                                 a.world, bn, b.world));
+  }
+  // Reports that predate the options record (or come from a writer without it) are compared on trust.
+  if (a.options.empty() || b.options.empty()) return;
+  // An option only one report has came from a build with more options than the other's; it is not a
+  // difference the other run could have shown.
+  std::vector<std::string> differences;
+  auto shown = [](const std::string& v) { return v.empty() ? std::string("\"\"") : v; };
+  for (const auto& [k, va] : a.options) {
+    auto ib = b.options.find(k);
+    if (ib != b.options.end() && ib->second != va) {
+      differences.push_back(
+          fmt::format("--{} {} in {} but {} in {}", k, shown(va), an, shown(ib->second), bn));
+    }
+  }
+  if (!differences.empty()) {
+    throw UsageError(fmt::format("cannot compare runs of different configurations of '{}': {}", a.lesson,
+                                 fmt::join(differences, "; ")));
+  }
+}
+
+// Groups items by key, each group in start order, so "the third `forward` of rank 2" means the same in both
+// reports however the backend ordered its records.
+template <class Key, class T, class KeyOf>
+std::map<Key, std::vector<const T*>> by_key(const std::vector<T>& items, KeyOf key_of) {
+  std::map<Key, std::vector<const T*>> out;
+  for (const T& item : items) out[key_of(item)].push_back(&item);
+  for (auto& [key, list] : out) {
+    std::stable_sort(list.begin(), list.end(),
+                     [](const T* x, const T* y) { return x->start_us < y->start_us; });
+  }
+  return out;
+}
+
+std::string collective_what(const CollectiveRecord& c) {
+  return fmt::format("{} {} on {}", comm_op_name(c.op), human_bytes(static_cast<double>(c.bytes)), c.group);
+}
+
+std::string percent(double error) {
+  if (!std::isfinite(error)) return "-";
+  return fmt::format("{:.1f}%", 100 * error);
+}
+
+std::string ellipsize(const std::string& s, std::size_t width) {
+  if (s.size() <= width) return s;
+  return s.substr(0, width - 3) + "...";
+}
+
+}  // namespace
+
+Comparison compare_reports(const RunReport& a, const RunReport& b, const std::string& a_name,
+                           const std::string& b_name) {
+  check_comparable(a, b, a_name, b_name);
+  Comparison c;
+  c.lesson = a.lesson;
+  c.world = a.world;
+  c.a_name = a_name;
+  c.b_name = b_name;
+  c.a_source = source_of(a);
+  c.b_source = source_of(b);
+  c.a_makespan_us = a.makespan_us;
+  c.b_makespan_us = b.makespan_us;
+
+  std::map<std::pair<ItemKind, std::string>, std::size_t> row_of;
+  std::vector<double> first_start_us;  // of each row's items in A, to order the rows by
+  auto row_for = [&](ItemKind kind, const std::string& what, double start_us) {
+    auto [it, inserted] = row_of.try_emplace({kind, what}, c.rows.size());
+    if (inserted) {
+      c.rows.push_back(ComparisonRow{kind, what});
+      first_start_us.push_back(start_us);
+    }
+    first_start_us[it->second] = std::min(first_start_us[it->second], start_us);
+    return it->second;
+  };
+  auto match = [&](ItemKind kind, const auto& list_a, const auto& list_b, auto what_of, auto label_of) {
+    for (const auto& [key, in_a] : list_a) {
+      auto it = list_b.find(key);
+      const std::size_t in_b = it == list_b.end() ? 0 : it->second.size();
+      const std::size_t both = std::min(in_a.size(), in_b);
+      c.only_in_a += static_cast<int>(in_a.size() - both);
+      c.only_in_b += static_cast<int>(in_b - both);
+      if (both == 0) continue;
+      const std::size_t row = row_for(kind, what_of(*in_a.front()), in_a.front()->start_us);
+      for (std::size_t k = 0; k < both; ++k) {
+        const double ta = in_a[k]->end_us - in_a[k]->start_us,
+                     tb = it->second[k]->end_us - it->second[k]->start_us;
+        c.items.push_back({kind, row, label_of(*in_a[k], k), ta, tb});
+      }
+    }
+    for (const auto& [key, in_b] : list_b) {
+      if (!list_a.count(key)) c.only_in_b += static_cast<int>(in_b.size());
+    }
+  };
+
+  using RegionKey = std::pair<int, std::string>;
+  auto region_key = [](const RegionRecord& g) { return RegionKey{g.rank, g.name}; };
+  match(
+      ItemKind::Region, by_key<RegionKey, RegionRecord>(a.regions, region_key),
+      by_key<RegionKey, RegionRecord>(b.regions, region_key), [](const RegionRecord& g) { return g.name; },
+      [](const RegionRecord& g, std::size_t k) {
+        return fmt::format("rank {} {} #{}", g.rank, g.name, k + 1);
+      });
+
+  using CollectiveKey = std::tuple<int, std::int64_t, std::string>;
+  auto collective_key = [](const CollectiveRecord& r) {
+    return CollectiveKey{static_cast<int>(r.op), r.bytes, r.group};
+  };
+  match(ItemKind::Collective, by_key<CollectiveKey, CollectiveRecord>(a.collectives, collective_key),
+        by_key<CollectiveKey, CollectiveRecord>(b.collectives, collective_key), collective_what,
+        [](const CollectiveRecord& r, std::size_t k) {
+          return fmt::format("{} #{}", collective_what(r), k + 1);
+        });
+
+  // Rows in order of first appearance in A, regions before collectives; items follow their rows.
+  std::vector<std::size_t> order(c.rows.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
+    return std::make_pair(static_cast<int>(c.rows[x].kind), first_start_us[x]) <
+           std::make_pair(static_cast<int>(c.rows[y].kind), first_start_us[y]);
+  });
+  std::vector<std::size_t> new_index(c.rows.size());
+  std::vector<ComparisonRow> rows;
+  for (std::size_t i = 0; i < order.size(); ++i) {
+    new_index[order[i]] = i;
+    rows.push_back(c.rows[order[i]]);
+  }
+  c.rows = std::move(rows);
+  for (ComparedItem& item : c.items) item.row = new_index[item.row];
+  std::stable_sort(c.items.begin(), c.items.end(),
+                   [](const ComparedItem& x, const ComparedItem& y) { return x.row < y.row; });
+
+  std::vector<std::vector<double>> row_ratios(c.rows.size());
+  std::vector<double> all, regions, collectives;
+  for (const ComparedItem& item : c.items) {
+    ComparisonRow& row = c.rows[item.row];
+    ++row.count;
+    row.a_us += item.a_us;
+    row.b_us += item.b_us;
+    if (!(item.a_us > 0 && item.b_us > 0)) continue;  // a zero-length item has no ratio to score
+    const double ratio = item.b_us / item.a_us;
+    row_ratios[item.row].push_back(ratio);
+    all.push_back(ratio);
+    (item.kind == ItemKind::Region ? regions : collectives).push_back(ratio);
+  }
+  for (std::size_t i = 0; i < c.rows.size(); ++i) c.rows[i].error = geomean_error(row_ratios[i]);
+  c.error = geomean_error(all);
+  c.region_error = geomean_error(regions);
+  c.collective_error = geomean_error(collectives);
+  c.scored = static_cast<int>(all.size());
+  return c;
+}
+
+std::string format_comparison(const Comparison& c) {
+  std::string out =
+      fmt::format("{}, {} rank{}\n", c.lesson.empty() ? "run" : c.lesson, c.world, c.world == 1 ? "" : "s");
+  const std::size_t name_width = std::max(c.a_name.size(), c.b_name.size());
+  out += fmt::format("  A: {:<{}}  ({}), makespan {}\n", c.a_name, name_width, c.a_source,
+                     human_time(c.a_makespan_us));
+  out += fmt::format("  B: {:<{}}  ({}), makespan {}", c.b_name, name_width, c.b_source,
+                     human_time(c.b_makespan_us));
+  if (c.a_makespan_us > 0) out += fmt::format(" (B/A {:.3f})", c.b_makespan_us / c.a_makespan_us);
+  out += "\n";
+
+  std::size_t what_width = 10;
+  for (const ComparisonRow& r : c.rows)
+    what_width = std::max(what_width, std::min<std::size_t>(r.what.size(), 44));
+  for (ItemKind kind : {ItemKind::Region, ItemKind::Collective}) {
+    bool header = false;
+    for (const ComparisonRow& r : c.rows) {
+      if (r.kind != kind) continue;
+      if (!header) {
+        out += fmt::format("\n  {:<{}} {:>6} {:>11} {:>11} {:>7} {:>7}\n",
+                           kind == ItemKind::Region ? "region" : "collective", what_width, "count",
+                           "A (mean)", "B (mean)", "B/A", "error");
+        header = true;
+      }
+      out += fmt::format("  {:<{}} {:>6} {:>11} {:>11} {:>7.3f} {:>7}\n", ellipsize(r.what, what_width),
+                         what_width, r.count, human_time(r.a_us / r.count), human_time(r.b_us / r.count),
+                         r.ratio(), percent(r.error));
+    }
+  }
+  out += fmt::format("\ngeometric-mean error: {} over {} matched item{} (regions {}, collectives {})\n",
+                     percent(c.error), c.scored, c.scored == 1 ? "" : "s", percent(c.region_error),
+                     percent(c.collective_error));
+  if (c.only_in_a > 0 || c.only_in_b > 0) {
+    out += fmt::format("  unmatched: {} item{} only in A, {} only in B\n", c.only_in_a,
+                       c.only_in_a == 1 ? "" : "s", c.only_in_b);
+  }
+  return out;
+}
+
+namespace {
+
+// A log-log plot of B's time against A's, one point per item, on a canvas: the diagonal is agreement, and
+// the dashed lines are 10% and 2x off it. Hovering a point names it.
+constexpr const char* kPlotScript = R"JS(
+(function () {
+  var D = JSON.parse(document.getElementById('compare-data').textContent);
+  var box = document.getElementById('plot');
+  var canvas = box.querySelector('canvas');
+  var tip = document.getElementById('tip');
+  var ctx = canvas.getContext('2d');
+  var css = getComputedStyle(document.documentElement);
+  var colours = [css.getPropertyValue('--compute').trim(), css.getPropertyValue('--comm').trim()];
+  var pts = D.points.filter(function (p) { return p[0] > 0 && p[1] > 0; });
+  var lo = Infinity, hi = -Infinity;
+  pts.forEach(function (p) { lo = Math.min(lo, p[0], p[1]); hi = Math.max(hi, p[0], p[1]); });
+  if (!isFinite(lo)) { lo = 1; hi = 10; }
+  var l0 = Math.floor(Math.log10(lo) * 4) / 4 - 0.1, l1 = Math.ceil(Math.log10(hi) * 4) / 4 + 0.1;
+  var M = 72, size = 0;
+  function sx(v) { return M + (Math.log10(v) - l0) / (l1 - l0) * (size - M - 16); }
+  function sy(v) { return size - M - (Math.log10(v) - l0) / (l1 - l0) * (size - M - 16); }
+  function label(us) {
+    return us >= 1e6 ? (us / 1e6) + ' s' : us >= 1e3 ? (us / 1e3) + ' ms' : us >= 1 ? us + ' us' : (us * 1e3) + ' ns';
+  }
+  function line(k, dash) {
+    ctx.setLineDash(dash);
+    ctx.beginPath();
+    ctx.moveTo(sx(Math.pow(10, l0)), sy(Math.pow(10, l0) * k));
+    ctx.lineTo(sx(Math.pow(10, l1)), sy(Math.pow(10, l1) * k));
+    ctx.stroke();
+    ctx.setLineDash([]);
+  }
+  function draw() {
+    var dpr = window.devicePixelRatio || 1;
+    size = Math.min(640, Math.max(320, box.clientWidth || 640));
+    canvas.width = size * dpr; canvas.height = size * dpr;
+    canvas.style.width = size + 'px'; canvas.style.height = size + 'px';
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, size, size);
+    ctx.font = '11px system-ui, sans-serif';
+    ctx.strokeStyle = '#e4e7eb'; ctx.fillStyle = '#5d6875';
+    for (var e = Math.ceil(l0); e <= Math.floor(l1); e++) {
+      var v = Math.pow(10, e);
+      ctx.beginPath(); ctx.moveTo(sx(v), 16); ctx.lineTo(sx(v), size - M); ctx.stroke();
+      ctx.beginPath(); ctx.moveTo(M, sy(v)); ctx.lineTo(size - 16, sy(v)); ctx.stroke();
+      ctx.textAlign = 'center'; ctx.fillText(label(v), sx(v), size - M + 14);
+      ctx.textAlign = 'right'; ctx.fillText(label(v), M - 6, sy(v) + 4);
+    }
+    ctx.textAlign = 'center';
+    ctx.fillText('A: ' + D.a, M + (size - M) / 2, size - 12);
+    ctx.save(); ctx.translate(12, (size - M) / 2); ctx.rotate(-Math.PI / 2); ctx.fillText('B: ' + D.b, 0, 0); ctx.restore();
+    ctx.save();
+    ctx.beginPath(); ctx.rect(M, 16, size - M - 16, size - M - 16); ctx.clip();
+    ctx.strokeStyle = '#1d232b'; line(1, []);
+    ctx.strokeStyle = '#9aa5b1'; line(1.1, [5, 4]); line(1 / 1.1, [5, 4]); line(2, [2, 4]); line(0.5, [2, 4]);
+    ctx.globalAlpha = pts.length > 2000 ? 0.35 : 0.75;
+    pts.forEach(function (p) {
+      ctx.fillStyle = colours[p[2]];
+      ctx.beginPath(); ctx.arc(sx(p[0]), sy(p[1]), 3, 0, 2 * Math.PI); ctx.fill();
+    });
+    ctx.globalAlpha = 1;
+    ctx.restore();
+    box.setAttribute('data-points', String(pts.length));
+  }
+  canvas.addEventListener('mousemove', function (e) {
+    var best = null, bd = 64;
+    pts.forEach(function (p) {
+      var dx = sx(p[0]) - e.offsetX, dy = sy(p[1]) - e.offsetY, d = dx * dx + dy * dy;
+      if (d < bd) { bd = d; best = p; }
+    });
+    if (!best) { tip.style.display = 'none'; return; }
+    tip.textContent = D.labels[best[3]] + '\nA ' + best[0].toFixed(3) + ' us, B ' + best[1].toFixed(3) +
+        ' us, B/A ' + (best[1] / best[0]).toFixed(3);
+    tip.style.display = 'block';
+    tip.style.left = (e.offsetX + 14) + 'px'; tip.style.top = (e.offsetY + 14) + 'px';
+  });
+  canvas.addEventListener('mouseleave', function () { tip.style.display = 'none'; });
+  window.addEventListener('resize', draw);
+  draw();
+  document.body.setAttribute('data-rendered', '1');
+})();
+)JS";
+
+}  // namespace
+
+std::string comparison_to_html(const Comparison& c) {
+  std::string out = html_page_start(fmt::format("ranklab compare: {}", c.lesson));
+  out += fmt::format("<h1>{}: {} against {}</h1>\n", html_escape(c.lesson.empty() ? "run" : c.lesson),
+                     html_escape(c.b_name), html_escape(c.a_name));
+  out += fmt::format(
+      "<p class=\"sub\">{} rank{}. A is {} ({}), makespan {}; B is {} ({}), makespan {}.</p>\n", c.world,
+      c.world == 1 ? "" : "s", html_escape(c.a_name), html_escape(c.a_source), human_time(c.a_makespan_us),
+      html_escape(c.b_name), html_escape(c.b_source), human_time(c.b_makespan_us));
+  out += fmt::format(
+      "<p id=\"error\" data-error=\"{}\"><b>Geometric-mean error {}</b> over {} matched items (regions {}, "
+      "collectives {}){}.</p>\n",
+      std::isfinite(c.error) ? fmt::format("{:.6f}", c.error) : "nan", percent(c.error), c.scored,
+      percent(c.region_error), percent(c.collective_error),
+      c.only_in_a + c.only_in_b > 0 ? fmt::format("; {} only in A, {} only in B", c.only_in_a, c.only_in_b)
+                                    : "");
+
+  // Points as [a_us, b_us, kind, label index].
+  std::string data =
+      fmt::format("{{\"a\":{},\"b\":{},\"points\":[", json_string(c.a_name), json_string(c.b_name));
+  for (std::size_t i = 0; i < c.items.size(); ++i) {
+    const ComparedItem& item = c.items[i];
+    data += fmt::format("{}[{},{},{},{}]", i ? "," : "", json_number(item.a_us), json_number(item.b_us),
+                        item.kind == ItemKind::Region ? 0 : 1, i);
+  }
+  data += "],\"labels\":[";
+  for (std::size_t i = 0; i < c.items.size(); ++i) {
+    if (i) data += ',';
+    data += json_string(c.items[i].label);
+  }
+  data += "]}";
+
+  out += "<h2>B against A, one point per item</h2>\n";
+  out +=
+      "<div class=\"legend\"><span style=\"--c:var(--compute)\">region</span><span "
+      "style=\"--c:var(--comm)\">collective</span><span style=\"--c:transparent\">solid: equal; dashed: 10% "
+      "apart; dotted: 2x apart</span></div>\n";
+  out +=
+      "<div id=\"plot\" data-points=\"0\" style=\"position:relative;max-width:660px\"><canvas></canvas><div "
+      "id=\"tip\"></div></div>\n";
+  out += "<script type=\"application/json\" id=\"compare-data\">" + script_json(data) + "</script>\n";
+  out += std::string("<script>") + kPlotScript + "</script>\n";
+
+  out +=
+      "<h2>By region and collective</h2>\n<div class=\"scroll\"><table id=\"rows\">\n<tr><th "
+      "class=\"l\">kind</th>"
+      "<th class=\"l\">what</th><th>count</th><th>A (mean)</th><th>B (mean)</th><th>B/A</th><th>error</th>"
+      "<th class=\"l\"></th></tr>\n";
+  for (const ComparisonRow& r : c.rows) {
+    // A bar from the middle: right for B slower, left for B faster, full width at 2x.
+    const double lr = r.ratio() > 0 ? std::clamp(std::log2(r.ratio()), -1.0, 1.0) : 0;
+    const double w = std::fabs(lr) * 50;
+    out += fmt::format(
+        "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{:.3f}</td>"
+        "<td>{}</td><td class=\"l\"><div class=\"bar\" style=\"width:160px;position:relative\"><i "
+        "style=\"position:absolute;left:{:.1f}%;width:{:.1f}%;background:{}\"></i><i "
+        "style=\"position:absolute;left:50%;width:1px;background:#1d232b\"></i></div></td></tr>\n",
+        r.kind == ItemKind::Region ? "region" : "collective", html_escape(r.what), r.count,
+        human_time(r.count ? r.a_us / r.count : 0), human_time(r.count ? r.b_us / r.count : 0), r.ratio(),
+        percent(r.error), lr < 0 ? 50 - w : 50.0, w, lr < 0 ? "var(--compute)" : "var(--comm)");
+  }
+  out += "</table></div>\n";
+  out += html_page_end();
+  return out;
+}
+
+}  // namespace ranklab

@@ -1,0 +1,945 @@
+#include "common/html_report.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/lesson.h"
+#include "common/trace_writer.h"
+
+namespace ranklab {
+
+// ---- shared pieces -------------------------------------------------------------------------------------
+
+std::string html_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+std::string script_json(std::string_view json) {
+  // '<' only ever appears inside JSON strings, where \u003c means the same character.
+  std::string out;
+  out.reserve(json.size());
+  for (char c : json) {
+    if (c == '<') {
+      out += "\\u003c";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string json_string(const std::string& text) {
+  return nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string json_number(double v) {
+  if (!std::isfinite(v)) return "0";
+  std::string s = fmt::format("{:.3f}", v);
+  s.erase(s.find_last_not_of('0') + 1);
+  if (s.back() == '.') s.pop_back();
+  return s == "-0" ? "0" : s;
+}
+
+namespace {
+
+// Colours shared by the stylesheet and the scripts: compute, communication, waiting for peers, idle.
+constexpr const char* kStyle = R"CSS(
+:root { --compute: #3b75af; --comm: #ef8a17; --wait: #c8383e; --idle: #f3d6d6; --region: #6a9f58;
+        --ink: #1d232b; --muted: #5d6875; --rule: #d9dee4; --panel: #f6f7f9; }
+* { box-sizing: border-box; }
+body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
+       sans-serif; color: var(--ink); background: #fff; }
+main { max-width: 1600px; margin: 0 auto; padding: 16px 24px 40px; }
+h1 { font-size: 20px; margin: 4px 0 2px; }
+h2 { font-size: 16px; margin: 26px 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--rule); }
+.sub { color: var(--muted); margin: 0 0 8px; }
+.ok { color: #23803a; font-weight: 600; }
+.bad { color: var(--wait); font-weight: 600; }
+table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
+th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid var(--rule); white-space: nowrap; }
+th { background: var(--panel); font-weight: 600; position: sticky; top: 0; }
+td.l, th.l { text-align: left; }
+.side { display: flex; flex-wrap: wrap; gap: 8px 28px; align-items: flex-start; }
+.side > div { min-width: 0; max-width: 100%; }
+.side > div:last-child { flex: 1 1 340px; }
+.config { display: flex; flex-wrap: wrap; gap: 6px; margin: 10px 0 4px; }
+.config div { background: var(--panel); border: 1px solid var(--rule); border-radius: 3px; padding: 1px 8px; }
+.config span { color: var(--muted); }
+.scroll { max-height: 420px; overflow: auto; }
+.wide { overflow-x: auto; }
+.legend { display: flex; flex-wrap: wrap; gap: 14px; margin: 4px 0 8px; color: var(--muted); }
+.legend span::before { content: ""; display: inline-block; width: 12px; height: 12px; margin-right: 5px;
+                       vertical-align: -2px; border-radius: 2px; background: var(--c); }
+.bar { display: flex; height: 12px; width: 240px; background: var(--panel); border-radius: 2px; overflow: hidden; }
+.bar i { display: block; height: 100%; }
+#timeline { position: relative; border: 1px solid var(--rule); border-radius: 4px; user-select: none; }
+#timeline canvas { display: block; width: 100%; cursor: grab; }
+#tip { position: absolute; pointer-events: none; background: rgba(29, 35, 43, 0.92); color: #fff;
+       padding: 4px 8px; border-radius: 4px; font-size: 12px; white-space: pre; display: none; z-index: 2; }
+#errors { background: #fde8e8; color: #8a1c1c; padding: 8px 24px; margin: 0; }
+#errors:empty { display: none; }
+svg text { font: 11px system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; fill: var(--ink); }
+pre { background: var(--panel); padding: 10px; overflow: auto; max-height: 480px; }
+details summary { cursor: pointer; color: var(--muted); }
+)CSS";
+
+// Catches every script error into #errors, where a person sees it and a test can count it.
+constexpr const char* kErrorCatcher = R"JS(
+window.addEventListener('error', function (e) {
+  var list = document.getElementById('errors');
+  var item = document.createElement('li');
+  item.textContent = 'script error: ' + e.message + ' (line ' + e.lineno + ')';
+  list.appendChild(item);
+  list.setAttribute('data-count', String(list.children.length));
+});
+)JS";
+
+}  // namespace
+
+std::string html_page_start(const std::string& title) {
+  return fmt::format(
+      "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+      "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>{}</title>\n"
+      "<style>{}</style>\n</head>\n<body>\n<ul id=\"errors\" data-count=\"0\"></ul>\n<script>{}</script>\n"
+      "<main>\n",
+      html_escape(title), kStyle, kErrorCatcher);
+}
+
+std::string html_page_end() {
+  return "</main>\n</body>\n</html>\n";
+}
+
+namespace {
+
+// ---- configuration ---------------------------------------------------------------------------------------
+
+// The configuration as a line of name/value pairs: short enough to leave the timeline on the first screen.
+void config_section(std::string& out, const RunReport& r) {
+  out += "<div id=\"config\" class=\"config\">\n";
+  auto row = [&out](const std::string& k, const std::string& v) {
+    out += fmt::format("<div><span>{}</span> {}</div>\n", html_escape(k), html_escape(v));
+  };
+  row("lesson", r.lesson.empty() ? "?" : r.lesson);
+  row("backend", r.backend.empty() ? "?" : r.backend);
+  row("profile", r.profile.empty() ? "?" : r.profile);
+  row("ranks", std::to_string(r.world));
+  if (r.gpus_per_node > 0) {
+    row("GPUs per node", std::to_string(r.gpus_per_node));
+    row("nodes", std::to_string((r.world + r.gpus_per_node - 1) / r.gpus_per_node));
+  }
+  row("makespan", human_time(r.makespan_us));
+  // The options a run changed say what it was; the rest are listed, folded, for completeness.
+  const std::map<std::string, std::string> defaults = options_record(Options{});
+  std::vector<std::pair<std::string, std::string>> unchanged;
+  for (const auto& [name, value] : r.options) {
+    auto it = defaults.find(name);
+    if (it != defaults.end() && it->second == value) {
+      unchanged.emplace_back(name, value);
+    } else {
+      row("--" + name, value);
+    }
+  }
+  out += "</div>\n";
+  if (!unchanged.empty()) {
+    out += fmt::format(
+        "<details class=\"sub\"><summary>{} option{} at {} default</summary><div class=\"config\">\n",
+        unchanged.size(), unchanged.size() == 1 ? "" : "s", unchanged.size() == 1 ? "its" : "their");
+    for (const auto& [name, value] : unchanged) row("--" + name, value);
+    out += "</div></details>\n";
+  }
+}
+
+// ---- topology --------------------------------------------------------------------------------------------
+
+// Layers of the drawing, top to bottom: the network's switches above the NICs, the GPUs, the NVSwitches
+// below them. Anything not recognised goes at the bottom, so a new kind of node is drawn, just not placed
+// cleverly.
+int layer_of(const std::string& kind) {
+  auto has = [&kind](const char* word) { return kind.find(word) != std::string::npos; };
+  if (has("spine") || has("core") || has("super")) return 0;
+  if (has("nvswitch") || has("nvs")) return 5;
+  if (has("leaf") || has("tor") || has("switch") || kind == "sw") return 1;
+  if (has("nic") || has("hca") || has("eth") || has("ib")) return 2;
+  if (has("pcie") || has("cpu") || has("host") || has("numa")) return 3;
+  if (has("gpu") || kind == "rank") return 4;
+  return 6;
+}
+
+struct TopoNode {
+  std::string name;
+  std::string kind;  // the name's leading letters: "gpu", "nvswitch", "nic", "leaf"
+  long index = -1;   // its trailing number
+  int layer = 6;
+  std::vector<int> neighbours;
+  double x = 0, y = 0;
+  int host = -1;  // the node (server) it belongs to, when known
+};
+
+struct TopoLink {
+  int from, to;
+  const LinkTraffic* traffic;
+};
+
+// "nvlink gpu0->gpu1" -> ("gpu0", "gpu1"); a name without an arrow is not drawn.
+bool link_ends(const std::string& link, std::string& a, std::string& b) {
+  const std::size_t arrow = link.find("->");
+  if (arrow == std::string::npos) return false;
+  std::string left = link.substr(0, arrow), right = link.substr(arrow + 2);
+  const std::size_t space = left.find_last_of(' ');
+  if (space != std::string::npos) left = left.substr(space + 1);
+  right = right.substr(0, right.find(' '));
+  a = left;
+  b = right;
+  return !a.empty() && !b.empty();
+}
+
+void split_name(const std::string& name, std::string& kind, long& index) {
+  std::size_t digits = name.find_last_not_of("0123456789");
+  digits = digits == std::string::npos ? 0 : digits + 1;
+  index = digits < name.size() ? std::stol(name.substr(digits, 9)) : -1;
+  kind = name.substr(0, digits);
+  while (!kind.empty() && (kind.back() == '_' || kind.back() == '-' || kind.back() == ':')) kind.pop_back();
+  std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char c) { return std::tolower(c); });
+}
+
+// Light grey-blue for an idle link through orange to dark red for the busiest: readable on white, and
+// the order is clear without a legend.
+std::string heat_colour(double f) {
+  f = std::clamp(std::isfinite(f) ? f : 0.0, 0.0, 1.0);
+  struct Rgb {
+    double r, g, b;
+  };
+  const Rgb stops[] = {{208, 215, 226}, {242, 165, 65}, {178, 24, 43}};
+  const double pos = f * 2;
+  const int i = std::min(1, static_cast<int>(pos));
+  const double t = pos - i;
+  const Rgb& a = stops[i];
+  const Rgb& b = stops[i + 1];
+  return fmt::format("#{:02x}{:02x}{:02x}", static_cast<int>(std::lround(a.r + (b.r - a.r) * t)),
+                     static_cast<int>(std::lround(a.g + (b.g - a.g) * t)),
+                     static_cast<int>(std::lround(a.b + (b.b - a.b) * t)));
+}
+
+void topology_section(std::string& out, const RunReport& r) {
+  std::vector<TopoNode> nodes;
+  std::map<std::string, int> by_name;
+  auto node = [&](const std::string& name) {
+    auto [it, inserted] = by_name.try_emplace(name, static_cast<int>(nodes.size()));
+    if (inserted) {
+      TopoNode n;
+      n.name = name;
+      split_name(name, n.kind, n.index);
+      n.layer = layer_of(n.kind);
+      nodes.push_back(n);
+    }
+    return it->second;
+  };
+  std::vector<TopoLink> links;
+  std::set<std::pair<int, int>> seen_pairs;
+  for (const LinkTraffic& l : r.links) {
+    std::string a, b;
+    if (!link_ends(l.link, a, b)) continue;
+    const int ia = node(a), ib = node(b);
+    if (ia == ib) continue;
+    links.push_back({ia, ib, &l});
+    if (seen_pairs.insert({std::min(ia, ib), std::max(ia, ib)}).second) {
+      nodes[ia].neighbours.push_back(ib);
+      nodes[ib].neighbours.push_back(ia);
+    }
+  }
+  // Every rank's GPU is drawn, carrying traffic or not, when links name GPUs that way (or name nothing).
+  const bool gpu_names = nodes.empty() || std::any_of(nodes.begin(), nodes.end(),
+                                                      [](const TopoNode& n) { return n.kind == "gpu"; });
+  if (gpu_names) {
+    for (int i = 0; i < r.world; ++i) node(fmt::format("gpu{}", i));
+  }
+  if (nodes.empty()) {
+    out += "<p class=\"sub\">The report names no links.</p>\n";
+    return;
+  }
+
+  // Which server each GPU is in, and each switch or NIC whose GPU neighbours are all in one server.
+  const int per_node = r.gpus_per_node;
+  for (TopoNode& n : nodes) {
+    if (n.layer == 4 && per_node > 0 && n.index >= 0) n.host = static_cast<int>(n.index / per_node);
+  }
+  for (TopoNode& n : nodes) {
+    if (n.layer == 4 || n.layer < 2) continue;
+    std::set<int> hosts;
+    for (int m : n.neighbours) {
+      if (nodes[m].host >= 0) hosts.insert(nodes[m].host);
+    }
+    if (hosts.size() == 1) n.host = *hosts.begin();
+  }
+
+  // Layers that hold nodes, in drawing order.
+  std::map<int, std::vector<int>> layers;
+  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) layers[nodes[i].layer].push_back(i);
+  std::size_t widest = 0;
+  for (const auto& [layer, members] : layers) widest = std::max(widest, members.size());
+  const double spacing = widest <= 16 ? 64 : widest <= 64 ? 34 : 14;
+  const bool labels = spacing >= 34;
+  const double box_w = std::min(spacing - 6, 56.0), box_h = 20, host_gap = spacing * 0.6;
+  const double margin = 40;
+
+  // The anchor layer is the GPUs (or the biggest layer): evenly spaced, with a gap between servers.
+  int anchor = layers.count(4) ? 4 : layers.begin()->first;
+  for (const auto& [layer, members] : layers) {
+    if (members.size() > layers[anchor].size() && !layers.count(4)) anchor = layer;
+  }
+  {
+    std::vector<int>& a = layers[anchor];
+    std::sort(a.begin(), a.end(), [&nodes](int x, int y) {
+      return std::tie(nodes[x].index, nodes[x].name) < std::tie(nodes[y].index, nodes[y].name);
+    });
+    double x = margin + box_w / 2;
+    int last_host = nodes[a.front()].host;
+    for (int i : a) {
+      if (nodes[i].host != last_host) x += host_gap;
+      last_host = nodes[i].host;
+      nodes[i].x = x;
+      x += spacing;
+    }
+  }
+  double width = 0;
+  for (int i : layers[anchor]) width = std::max(width, nodes[i].x + box_w / 2 + margin);
+  width = std::max(width, 720.0);
+
+  // Then the other layers, nearest the anchor first: each node goes above (or below) the mean of its
+  // placed neighbours, pushed apart just enough not to overlap (a barycentre layout).
+  std::vector<int> order;
+  for (const auto& [layer, members] : layers) order.push_back(layer);
+  std::sort(order.begin(), order.end(), [anchor](int a, int b) {
+    return std::abs(a - anchor) < std::abs(b - anchor) ||
+           (std::abs(a - anchor) == std::abs(b - anchor) && a < b);
+  });
+  std::set<int> placed_layers{anchor};
+  for (int layer : order) {
+    if (layer == anchor) continue;
+    std::vector<int>& members = layers[layer];
+    std::vector<double> want(nodes.size(), 0);
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      TopoNode& n = nodes[members[k]];
+      double sum = 0;
+      int count = 0;
+      for (int m : n.neighbours) {
+        if (placed_layers.count(nodes[m].layer)) {
+          sum += nodes[m].x;
+          ++count;
+        }
+      }
+      // Unconnected to anything placed: spread in name order across the width.
+      want[members[k]] = count > 0 ? sum / count : margin + (k + 0.5) * (width - 2 * margin) / members.size();
+    }
+    std::sort(members.begin(), members.end(), [&](int a, int b) {
+      return std::tie(want[a], nodes[a].index, nodes[a].name) <
+             std::tie(want[b], nodes[b].index, nodes[b].name);
+    });
+    const double gap = std::min(spacing, (width - 2 * margin) / std::max<std::size_t>(members.size(), 1));
+    double left = margin + box_w / 2;
+    for (int i : members) {
+      nodes[i].x = std::max(want[i], left);
+      left = nodes[i].x + gap;
+    }
+    double right = width - margin - box_w / 2;
+    for (auto it = members.rbegin(); it != members.rend(); ++it) {
+      nodes[*it].x = std::min(nodes[*it].x, right);
+      right = nodes[*it].x - gap;
+    }
+    placed_layers.insert(layer);
+  }
+  const double row_gap = 72, top = 30;
+  int row = 0;
+  for (const auto& [layer, members] : layers) {
+    for (int i : members) nodes[i].y = top + row * row_gap + box_h / 2;
+    ++row;
+  }
+  const double height = top + (row - 1) * row_gap + box_h + 70;
+
+  // Colour by utilisation when every link's capacity is known, else by bytes.
+  const bool by_util = r.makespan_us > 0 && !links.empty() &&
+                       std::all_of(links.begin(), links.end(),
+                                   [](const TopoLink& l) { return l.traffic->bandwidth_gbps > 0; });
+  auto value = [&](const LinkTraffic& t) {
+    return by_util ? static_cast<double>(t.bytes) / (t.bandwidth_gbps * 1e3 * r.makespan_us)
+                   : static_cast<double>(t.bytes);
+  };
+  double top_value = 0;
+  for (const TopoLink& l : links) top_value = std::max(top_value, value(*l.traffic));
+  // Utilisation has an absolute scale: a link busy 15% of the run should look cool, however busy the others.
+  const double scale_top = by_util ? std::max(top_value, 1.0) : top_value;
+
+  out += fmt::format(
+      "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
+      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-nodes=\"{}\" data-links=\"{}\">\n",
+      width, height, width, height, nodes.size(), links.size());
+
+  // Servers as dashed boxes behind their GPUs (and the switches and NICs that are theirs alone).
+  std::map<int, std::array<double, 4>> hosts;  // host -> x0, y0, x1, y1
+  for (const TopoNode& n : nodes) {
+    if (n.host < 0) continue;
+    auto [it, inserted] = hosts.try_emplace(n.host, std::array<double, 4>{n.x, n.y, n.x, n.y});
+    auto& b = it->second;
+    b = {std::min(b[0], n.x), std::min(b[1], n.y), std::max(b[2], n.x), std::max(b[3], n.y)};
+  }
+  if (hosts.size() > 1 || (hosts.size() == 1 && per_node > 0)) {
+    for (const auto& [host, b] : hosts) {
+      const double pad = 10;
+      out += fmt::format(
+          "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" rx=\"8\" fill=\"#f6f7f9\" "
+          "stroke=\"#9aa5b1\" stroke-dasharray=\"4 3\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
+          "fill=\"#5d6875\">node {}</text>\n",
+          b[0] - box_w / 2 - pad, b[1] - box_h / 2 - pad - 12, b[2] - b[0] + box_w + 2 * pad,
+          b[3] - b[1] + box_h + 2 * pad + 12, b[0] - box_w / 2 - pad + 4, b[1] - box_h / 2 - pad - 1, host);
+    }
+  }
+
+  // Links. Both directions of a pair are drawn, side by side, each coloured by its own traffic.
+  for (const TopoLink& l : links) {
+    const TopoNode& a = nodes[l.from];
+    const TopoNode& b = nodes[l.to];
+    const double f = scale_top > 0 ? value(*l.traffic) / scale_top : 0;
+    const double stroke = 1.2 + 3.3 * f;
+    const std::string colour = heat_colour(f);
+    std::string title = fmt::format("{} ({}): {}", l.traffic->link, l.traffic->tier,
+                                    human_bytes(static_cast<double>(l.traffic->bytes)));
+    if (l.traffic->bandwidth_gbps > 0 && r.makespan_us > 0) {
+      const double util =
+          static_cast<double>(l.traffic->bytes) / (l.traffic->bandwidth_gbps * 1e3 * r.makespan_us);
+      title += fmt::format(", {:.1f}% of {} over the run", 100 * util, human_bw(l.traffic->bandwidth_gbps));
+    }
+    std::string path;
+    if (a.layer == b.layer) {
+      // Same row: an arc, above the row going right and below it going left.
+      const double mid = (a.x + b.x) / 2, span = std::fabs(b.x - a.x);
+      const double lift = std::min(70.0, 14 + span * 0.18) * (b.x > a.x ? -1 : 1);
+      const double edge = box_h / 2 * (b.x > a.x ? -1 : 1);
+      path = fmt::format("M{:.1f} {:.1f} Q{:.1f} {:.1f} {:.1f} {:.1f}", a.x, a.y + edge, mid,
+                         a.y + edge + lift * 2, b.x, b.y + edge);
+    } else {
+      // Between rows: a straight line, nudged sideways so the two directions sit side by side.
+      const double dx = b.x - a.x, dy = b.y - a.y, len = std::max(1e-9, std::hypot(dx, dy));
+      const double off = 2.2, nx = -dy / len * off, ny = dx / len * off;
+      path = fmt::format("M{:.1f} {:.1f} L{:.1f} {:.1f}", a.x + nx, a.y + ny, b.x + nx, b.y + ny);
+    }
+    out += fmt::format(
+        "<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"{:.2f}\" stroke-linecap=\"round\" "
+        "data-link=\"{}\"><title>{}</title></path>\n",
+        path, colour, stroke, html_escape(l.traffic->link), html_escape(title));
+  }
+
+  for (const TopoNode& n : nodes) {
+    // Wide enough for its label where labels are drawn (switch names are longer than "gpu3").
+    const double w =
+        labels ? std::max(box_w, 6.4 * static_cast<double>(std::min<std::size_t>(n.name.size(), 9)) + 10)
+               : box_w;
+    const char* fill = n.layer == 4   ? "#dce8f5"
+                       : n.layer >= 5 ? "#e8e1f2"
+                       : n.layer == 2 ? "#e3f0df"
+                                      : "#fff3dc";
+    out += fmt::format(
+        "<g data-node=\"{}\"><title>{}</title><rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" "
+        "height=\"{:.1f}\" "
+        "rx=\"3\" fill=\"{}\" stroke=\"#52606d\"/>",
+        html_escape(n.name), html_escape(n.name), n.x - w / 2, n.y - box_h / 2, w, box_h, fill);
+    if (labels) {
+      out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>", n.x, n.y + 4,
+                         html_escape(n.name.size() > 9 ? n.name.substr(0, 8) + "\u2026" : n.name));
+    }
+    out += "</g>\n";
+  }
+
+  // The colour scale.
+  const double lx = margin, ly = height - 28;
+  out += "<defs><linearGradient id=\"heat\">";
+  for (int i = 0; i <= 4; ++i)
+    out += fmt::format("<stop offset=\"{}%\" stop-color=\"{}\"/>", i * 25, heat_colour(i / 4.0));
+  out += "</linearGradient></defs>\n";
+  const std::string top_label = by_util
+                                    ? fmt::format("{:.0f}% of capacity over the run (busiest link: {:.1f}%)",
+                                                  100 * scale_top, 100 * top_value)
+                                    : human_bytes(top_value);
+  out += fmt::format(
+      "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"160\" height=\"10\" fill=\"url(#heat)\"/>"
+      "<text x=\"{:.1f}\" y=\"{:.1f}\">0</text><text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>"
+      "<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#5d6875\">link colour: {}</text>\n",
+      lx, ly, lx, ly + 22, lx + 160, ly + 22, html_escape(top_label), lx + 176, ly + 9,
+      by_util ? "utilisation" : "bytes carried");
+  out += "</svg></div>\n";
+}
+
+void links_table(std::string& out, const RunReport& r) {
+  if (r.links.empty()) return;
+  // Per tier first, then the busiest links; a large world has too many to list them all at once.
+  std::vector<std::tuple<std::string, std::int64_t, int>> tiers;
+  for (const LinkTraffic& l : r.links) {
+    auto it =
+        std::find_if(tiers.begin(), tiers.end(), [&l](const auto& t) { return std::get<0>(t) == l.tier; });
+    if (it == tiers.end()) {
+      tiers.emplace_back(l.tier, l.bytes, 1);
+    } else {
+      std::get<1>(*it) += l.bytes;
+      ++std::get<2>(*it);
+    }
+  }
+  out += "<p class=\"sub\">";
+  for (std::size_t i = 0; i < tiers.size(); ++i) {
+    out += fmt::format("{}{}: {} over {} link{}", i ? "; " : "", html_escape(std::get<0>(tiers[i])),
+                       human_bytes(static_cast<double>(std::get<1>(tiers[i]))), std::get<2>(tiers[i]),
+                       std::get<2>(tiers[i]) == 1 ? "" : "s");
+  }
+  out += "</p>\n";
+  std::vector<const LinkTraffic*> sorted;
+  for (const LinkTraffic& l : r.links) sorted.push_back(&l);
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [](const LinkTraffic* a, const LinkTraffic* b) { return a->bytes > b->bytes; });
+  out += fmt::format("<details open><summary>links by traffic ({})</summary><div class=\"scroll\"><table>\n",
+                     sorted.size());
+  out +=
+      "<tr><th class=\"l\">link</th><th "
+      "class=\"l\">tier</th><th>bytes</th><th>capacity</th><th>utilisation</th></tr>\n";
+  for (const LinkTraffic* l : sorted) {
+    const bool known = l->bandwidth_gbps > 0 && r.makespan_us > 0;
+    out += fmt::format(
+        "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+        html_escape(l->link), html_escape(l->tier), human_bytes(static_cast<double>(l->bytes)),
+        l->bandwidth_gbps > 0 ? human_bw(l->bandwidth_gbps) : "?",
+        known ? fmt::format("{:.1f}%",
+                            100.0 * static_cast<double>(l->bytes) / (l->bandwidth_gbps * 1e3 * r.makespan_us))
+              : "?");
+  }
+  out += "</table></div></details>\n";
+}
+
+// ---- timeline --------------------------------------------------------------------------------------------
+
+// The spans as compact JSON for the page's script: per rank, flat arrays [start, end, name, ...] sorted by
+// start for compute (c), transfers (m), waits (w), idle (i) and regions (g); names are indices into one
+// table, since a training run repeats a handful of names thousands of times.
+std::string timeline_json(const RunReport& r) {
+  const std::vector<std::vector<TimeRange>> idle = idle_intervals(r);
+  const int n = std::max<int>(static_cast<int>(idle.size()), r.world);
+  struct Item {
+    double start, end;
+    int name;
+  };
+  std::vector<std::array<std::vector<Item>, 5>> rows(n);
+  std::map<std::string, int> name_index;
+  std::vector<const std::string*> names;
+  auto intern = [&](const std::string& s) {
+    auto [it, inserted] = name_index.try_emplace(s, static_cast<int>(names.size()));
+    if (inserted) names.push_back(&it->first);
+    return it->second;
+  };
+  for (const Span& s : r.spans) {
+    if (s.rank < 0 || s.rank >= n) continue;
+    const int band = s.kind == SpanKind::Compute ? 0 : s.kind == SpanKind::Comm ? 1 : 2;
+    rows[s.rank][band].push_back({s.start_us, s.end_us, intern(s.name)});
+  }
+  const int idle_name = intern("idle");
+  for (int i = 0; i < static_cast<int>(idle.size()); ++i) {
+    for (const TimeRange& t : idle[i]) rows[i][3].push_back({t.start_us, t.end_us, idle_name});
+  }
+  for (const RegionRecord& g : r.regions) {
+    if (g.rank >= 0 && g.rank < n) rows[g.rank][4].push_back({g.start_us, g.end_us, intern(g.name)});
+  }
+  std::string out = fmt::format("{{\"end\":{},\"rows\":[", json_number(r.makespan_us));
+  const char* keys[] = {"c", "m", "w", "i", "g"};
+  for (int i = 0; i < n; ++i) {
+    out += i ? ",{" : "{";
+    for (int b = 0; b < 5; ++b) {
+      std::vector<Item>& items = rows[i][b];
+      std::stable_sort(items.begin(), items.end(),
+                       [](const Item& x, const Item& y) { return x.start < y.start; });
+      out += fmt::format("{}\"{}\":[", b ? "," : "", keys[b]);
+      for (std::size_t k = 0; k < items.size(); ++k) {
+        out += fmt::format("{}{},{},{}", k ? "," : "", json_number(items[k].start), json_number(items[k].end),
+                           items[k].name);
+      }
+      out += "]";
+    }
+    out += "}";
+  }
+  out += "],\"names\":[";
+  for (std::size_t k = 0; k < names.size(); ++k) {
+    if (k) out += ',';
+    out += json_string(*names[k]);
+  }
+  out += "]}";
+  return out;
+}
+
+// Draws the timeline on a canvas: a row per rank with bands for regions, compute and communication over a
+// background that marks idle time. Spans narrower than a pixel are merged with their neighbours, so 8 ranks
+// of 100 steps draw as fast as 8 spans. Wheel zooms about the pointer, dragging pans, double-click resets.
+constexpr const char* kTimelineScript = R"JS(
+(function () {
+  var D = JSON.parse(document.getElementById('timeline-data').textContent);
+  var box = document.getElementById('timeline');
+  var canvas = box.querySelector('canvas');
+  var tip = document.getElementById('tip');
+  var ctx = canvas.getContext('2d');
+  var css = getComputedStyle(document.documentElement);
+  var colour = {};
+  ['compute', 'comm', 'wait', 'idle', 'region'].forEach(function (k) {
+    colour[k] = css.getPropertyValue('--' + k).trim();
+  });
+  var LABEL = 66, AXIS = 24, RIGHT = 8;
+  var n = D.rows.length;
+  var rowH = n <= 16 ? 30 : n <= 64 ? 14 : n <= 256 ? 6 : 3;
+  var hasRegions = D.rows.some(function (r) { return r.g.length > 0; });
+  var end = D.end > 0 ? D.end : 1;
+  D.rows.forEach(function (r) {
+    ['c', 'm', 'w', 'i', 'g'].forEach(function (k) {
+      var a = r[k], pm = new Float64Array(a.length / 3), best = -Infinity;
+      for (var j = 0; j < pm.length; j++) { best = Math.max(best, a[3 * j + 1]); pm[j] = best; end = Math.max(end, best); }
+      r[k + 'max'] = pm;  // running maximum of the ends, to find the first span a view can show
+    });
+  });
+  var t0 = 0, t1 = end, width = 0;
+
+  function bands(y) {
+    // [key, top, height] of each band of a row starting at y.
+    var h = rowH - 2, out = [];
+    if (rowH < 10) return [['c', y, h / 2], ['m', y + h / 2, h / 2], ['w', y + h / 2, h / 2]];
+    var g = hasRegions ? Math.max(3, Math.round(h * 0.18)) : 0;
+    var half = (h - g) / 2;
+    if (hasRegions) out.push(['g', y, g - 1]);
+    out.push(['c', y + g, half], ['m', y + g + half, half], ['w', y + g + half, half]);
+    return out;
+  }
+  function px(t) { return LABEL + (t - t0) / (t1 - t0) * (width - LABEL - RIGHT); }
+  function firstVisible(pm) {
+    var lo = 0, hi = pm.length;
+    while (lo < hi) { var mid = (lo + hi) >> 1; if (pm[mid] < t0) lo = mid + 1; else hi = mid; }
+    return lo;
+  }
+  function drawBand(a, pm, y, h, fill) {
+    ctx.fillStyle = fill;
+    var x0 = -1, x1 = -1, left = LABEL, right = width - RIGHT;
+    for (var j = firstVisible(pm); j < pm.length; j++) {
+      var s = a[3 * j], e = a[3 * j + 1];
+      if (s > t1) break;
+      if (e < t0) continue;
+      var a0 = Math.max(left, px(s)), a1 = Math.min(right, Math.max(px(e), px(s) + 1));
+      if (x1 >= 0 && a0 <= x1 + 0.5) { x1 = Math.max(x1, a1); continue; }
+      if (x1 >= 0) ctx.fillRect(x0, y, Math.max(1, x1 - x0), h);
+      x0 = a0; x1 = a1;
+    }
+    if (x1 >= 0) ctx.fillRect(x0, y, Math.max(1, x1 - x0), h);
+  }
+  function niceStep(span, pixels) {
+    var raw = span / Math.max(1, pixels / 110), p = Math.pow(10, Math.floor(Math.log10(raw)));
+    var m = raw / p;
+    return (m < 1.5 ? 1 : m < 3.5 ? 2 : m < 7.5 ? 5 : 10) * p;
+  }
+  function fmtTime(us, step) {
+    var unit = step >= 1e5 ? [1e6, ' s'] : step >= 100 ? [1e3, ' ms'] : [1, ' us'];
+    var v = us / unit[0], d = Math.max(0, Math.min(6, -Math.floor(Math.log10(step / unit[0]) + 1e-9)));
+    return v.toFixed(d) + unit[1];
+  }
+  function draw() {
+    var dpr = window.devicePixelRatio || 1;
+    width = box.clientWidth || 1000;
+    var height = AXIS + n * rowH + 4;
+    canvas.width = Math.round(width * dpr);
+    canvas.height = Math.round(height * dpr);
+    canvas.style.height = height + 'px';
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, height);
+    ctx.font = '11px system-ui, sans-serif';
+    ctx.textBaseline = 'middle';
+    var step = niceStep(t1 - t0, width - LABEL - RIGHT);
+    ctx.strokeStyle = '#e4e7eb';
+    ctx.fillStyle = '#5d6875';
+    ctx.textAlign = 'center';
+    for (var t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
+      var x = Math.round(px(t)) + 0.5;
+      ctx.beginPath(); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, height); ctx.stroke();
+      var text = fmtTime(t, step), half = ctx.measureText(text).width / 2;
+      ctx.fillText(text, Math.min(Math.max(x, LABEL + half), width - RIGHT - half), AXIS / 2);
+    }
+    var every = Math.max(1, Math.ceil(12 / rowH));
+    for (var r = 0; r < n; r++) {
+      var y = AXIS + r * rowH, row = D.rows[r];
+      ctx.textAlign = 'right';
+      ctx.fillStyle = '#1d232b';
+      if (r % every === 0) ctx.fillText('rank ' + r, LABEL - 8, y + rowH / 2);
+      drawBand(row.i, row.imax, y, rowH - 2, colour.idle);
+      bands(y).forEach(function (b) {
+        var key = b[0], fill = key === 'c' ? colour.compute : key === 'm' ? colour.comm : key === 'w' ? colour.wait : colour.region;
+        drawBand(row[key], row[key + 'max'], b[1], b[2], fill);
+      });
+    }
+    box.setAttribute('data-rows', String(n));
+    box.setAttribute('data-view', t0.toFixed(3) + ' ' + t1.toFixed(3));
+  }
+  function timeAt(x) { return t0 + (x - LABEL) / (width - LABEL - RIGHT) * (t1 - t0); }
+  function zoom(factor, x) {
+    var t = timeAt(x), span = Math.min(end * 1.05, Math.max(1e-3, (t1 - t0) * factor));
+    var f = (x - LABEL) / (width - LABEL - RIGHT);
+    t0 = Math.max(-end * 0.025, t - f * span); t1 = t0 + span;
+    draw();
+  }
+  function findSpan(a, pm, t) {
+    // The last span starting at or before t that still covers it; overlapping spans are rare and short.
+    var lo = 0, hi = pm.length;
+    while (lo < hi) { var mid = (lo + hi) >> 1; if (a[3 * mid] <= t) lo = mid + 1; else hi = mid; }
+    for (var j = lo - 1; j >= 0 && pm[j] >= t; j--) if (a[3 * j + 1] >= t) return j;
+    return -1;
+  }
+  var drag = null;
+  canvas.addEventListener('wheel', function (e) {
+    e.preventDefault();
+    zoom(Math.exp(e.deltaY * 0.0015), e.offsetX);
+  }, { passive: false });
+  canvas.addEventListener('mousedown', function (e) { drag = { x: e.clientX, t0: t0, t1: t1 }; canvas.style.cursor = 'grabbing'; });
+  window.addEventListener('mouseup', function () { drag = null; canvas.style.cursor = 'grab'; });
+  canvas.addEventListener('dblclick', function () { t0 = 0; t1 = end; draw(); });
+  canvas.addEventListener('mouseleave', function () { tip.style.display = 'none'; });
+  window.addEventListener('mousemove', function (e) {
+    if (!drag) return;
+    var dt = (e.clientX - drag.x) / (width - LABEL - RIGHT) * (drag.t1 - drag.t0);
+    t0 = drag.t0 - dt; t1 = drag.t1 - dt;
+    draw();
+  });
+  canvas.addEventListener('mousemove', function (e) {
+    if (drag) return;
+    var r = Math.floor((e.offsetY - AXIS) / rowH);
+    if (r < 0 || r >= n || e.offsetX < LABEL) { tip.style.display = 'none'; return; }
+    var t = timeAt(e.offsetX), row = D.rows[r], hit = null;
+    bands(AXIS + r * rowH).concat([['i', AXIS + r * rowH, rowH]]).some(function (b) {
+      if (e.offsetY < b[1] || e.offsetY > b[1] + b[2] + 1) return false;
+      var j = findSpan(row[b[0]], row[b[0] + 'max'], t);
+      if (j < 0) return false;
+      hit = [b[0], row[b[0]], j];
+      return true;
+    });
+    if (!hit) { tip.style.display = 'none'; return; }
+    var a = hit[1], j = hit[2], kind = { c: 'compute', m: 'comm', w: 'waiting for peers', i: 'idle', g: 'region' }[hit[0]];
+    var s = a[3 * j], d = a[3 * j + 1] - s;
+    tip.textContent = 'rank ' + r + ' \u00b7 ' + kind + '\n' + D.names[a[3 * j + 2]] + '\nstart ' + fmtTime(s, 1e-3) +
+        ', ' + fmtTime(d, Math.max(1e-3, d / 1000));
+    tip.style.display = 'block';
+    tip.style.left = Math.min(e.offsetX + 14, width - 240) + 'px';
+    tip.style.top = (e.offsetY + 14) + 'px';
+  });
+  window.addEventListener('resize', draw);
+  draw();
+  document.body.setAttribute('data-rendered', '1');
+})();
+)JS";
+
+void timeline_section(std::string& out, const RunReport& r) {
+  out += "<h2>Timeline</h2>\n";
+  out +=
+      "<div class=\"legend\"><span style=\"--c:var(--compute)\">compute</span>"
+      "<span style=\"--c:var(--comm)\">communication</span>"
+      "<span style=\"--c:var(--wait)\">waiting for peers</span>"
+      "<span style=\"--c:var(--idle)\">idle (neither stream busy)</span>"
+      "<span style=\"--c:var(--region)\">region</span>"
+      "<span style=\"--c:transparent\">wheel: zoom &middot; drag: pan &middot; double-click: whole "
+      "run</span></div>\n";
+  out += fmt::format(
+      "<div id=\"timeline\" data-rows=\"0\" data-ranks=\"{}\"><canvas></canvas><div "
+      "id=\"tip\"></div></div>\n",
+      std::max<int>(r.world, static_cast<int>(r.ranks.size())));
+  out += "<noscript><p class=\"sub\">The timeline needs JavaScript.</p></noscript>\n";
+  out += "<script type=\"application/json\" id=\"timeline-data\">" + script_json(timeline_json(r)) +
+         "</script>\n";
+  out += std::string("<script>") + kTimelineScript + "</script>\n";
+}
+
+// ---- tables ----------------------------------------------------------------------------------------------
+
+void collectives_section(std::string& out, const RunReport& r) {
+  out += "<h2>Collectives</h2>\n";
+  if (r.collectives.empty()) {
+    out += "<p class=\"sub\">No collectives.</p>\n";
+    return;
+  }
+  struct Row {
+    CommOp op;
+    std::int64_t bytes;
+    int group_size;
+    std::string algorithm;
+    int count = 0;
+    double total_us = 0, min_us = INFINITY, max_us = 0;
+  };
+  // Grouped as the terminal summary groups them, in order of first appearance.
+  std::vector<Row> rows;
+  std::map<std::tuple<int, std::int64_t, int, std::string>, std::size_t> index;
+  for (const CollectiveRecord& c : r.collectives) {
+    auto [it, inserted] = index.try_emplace(
+        std::make_tuple(static_cast<int>(c.op), c.bytes, c.group_size, c.algorithm), rows.size());
+    if (inserted) rows.push_back(Row{c.op, c.bytes, c.group_size, c.algorithm});
+    Row& row = rows[it->second];
+    ++row.count;
+    row.total_us += c.time_us();
+    row.min_us = std::min(row.min_us, c.time_us());
+    row.max_us = std::max(row.max_us, c.time_us());
+  }
+  out +=
+      "<div class=\"scroll\"><table id=\"collectives\">\n<tr><th "
+      "class=\"l\">operation</th><th>bytes</th><th>ranks</th>"
+      "<th class=\"l\">algorithm</th><th>count</th><th>mean time</th><th>min</th><th>max</th><th>total</th>"
+      "<th>algbw</th><th>busbw</th></tr>\n";
+  for (const Row& row : rows) {
+    const double mean_us = row.total_us / row.count;
+    const double algbw = mean_us > 0 ? static_cast<double>(row.bytes) / (mean_us * 1e3) : 0;
+    const double busbw = row.group_size >= 1 ? algbw * bus_factor(row.op, row.group_size) : 0;
+    out += fmt::format(
+        "<tr><td class=\"l\">{}</td><td>{}</td><td>{}</td><td "
+        "class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td>"
+        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+        comm_op_name(row.op), human_bytes(static_cast<double>(row.bytes)), row.group_size,
+        html_escape(row.algorithm), row.count, human_time(mean_us), human_time(row.min_us),
+        human_time(row.max_us), human_time(row.total_us), human_bw(algbw), human_bw(busbw));
+  }
+  out += "</table></div>\n";
+}
+
+void ranks_section(std::string& out, const RunReport& r) {
+  if (r.ranks.empty()) return;
+  double longest = 0;
+  for (const RankSummary& s : r.ranks) longest = std::max(longest, s.end_us);
+  out +=
+      "<h2>Time per rank</h2>\n<div class=\"legend\"><span style=\"--c:var(--compute)\">compute</span>"
+      "<span style=\"--c:var(--comm)\">exposed communication</span><span "
+      "style=\"--c:var(--idle)\">idle</span></div>\n";
+  out +=
+      "<div class=\"scroll\"><table id=\"ranks\">\n<tr><th>rank</th><th>end</th><th>compute</th><th>comm</th>"
+      "<th>exposed</th><th>comm wait</th><th>idle</th><th class=\"l\">split of the run</th></tr>\n";
+  for (const RankSummary& s : r.ranks) {
+    auto pct = [longest](double us) { return longest > 0 ? 100.0 * us / longest : 0.0; };
+    out += fmt::format(
+        "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td "
+        "class=\"l\"><div "
+        "class=\"bar\"><i style=\"width:{:.2f}%;background:var(--compute)\"></i><i "
+        "style=\"width:{:.2f}%;background:var(--comm)\"></i><i "
+        "style=\"width:{:.2f}%;background:var(--idle)\"></i>"
+        "</div></td></tr>\n",
+        s.rank, human_time(s.end_us), human_time(s.compute_us), human_time(s.comm_us),
+        human_time(s.exposed_comm_us), human_time(s.comm_wait_us), human_time(s.idle_us), pct(s.compute_us),
+        pct(s.exposed_comm_us), pct(s.idle_us));
+  }
+  out += "</table></div>\n";
+
+  out +=
+      "<h2>Memory per rank</h2>\n<div class=\"scroll\"><table id=\"memory\">\n<tr><th>rank</th><th>peak</th>"
+      "<th>capacity</th><th>used</th><th class=\"l\"></th></tr>\n";
+  for (const RankSummary& s : r.ranks) {
+    const double used =
+        s.capacity_bytes > 0 ? static_cast<double>(s.peak_bytes) / static_cast<double>(s.capacity_bytes) : 0;
+    out += fmt::format(
+        "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"l\"><div class=\"bar\"><i "
+        "style=\"width:{:.2f}%;background:{}\"></i></div></td></tr>\n",
+        s.rank, human_bytes(static_cast<double>(s.peak_bytes)),
+        s.capacity_bytes > 0 ? human_bytes(static_cast<double>(s.capacity_bytes)) : "?",
+        s.capacity_bytes > 0 ? fmt::format("{:.1f}%", 100 * used) : "?", std::min(100.0, 100 * used),
+        used > 0.9 ? "var(--wait)" : "var(--region)");
+  }
+  out += "</table></div>\n";
+}
+
+void checks_section(std::string& out, const RunReport& r) {
+  if (!r.checks.empty()) {
+    // Grouped by what they check, as the terminal summary does.
+    std::vector<std::pair<std::string, std::vector<const CheckRecord*>>> groups;
+    for (const CheckRecord& c : r.checks) {
+      auto it = std::find_if(groups.begin(), groups.end(), [&c](const auto& g) { return g.first == c.what; });
+      if (it == groups.end()) {
+        groups.push_back({c.what, {&c}});
+      } else {
+        it->second.push_back(&c);
+      }
+    }
+    out += "<h2>Checks</h2>\n<ul id=\"checks\">\n";
+    for (const auto& [what, list] : groups) {
+      std::vector<const CheckRecord*> failed;
+      for (const CheckRecord* c : list) {
+        if (!c->passed) failed.push_back(c);
+      }
+      if (failed.empty()) {
+        out += fmt::format("<li><span class=\"ok\">\u2713</span> {} ({} rank{})</li>\n", html_escape(what),
+                           list.size(), list.size() == 1 ? "" : "s");
+      } else {
+        out +=
+            fmt::format("<li><span class=\"bad\">\u2717</span> {} (failed on {} of {}; rank {}: {})</li>\n",
+                        html_escape(what), failed.size(), list.size(), failed.front()->rank,
+                        html_escape(failed.front()->detail));
+      }
+    }
+    out += "</ul>\n";
+  }
+  if (!r.output.empty()) {
+    out += fmt::format("<h2>Output</h2>\n<details><summary>{} line{} the lesson printed</summary><pre>",
+                       r.output.size(), r.output.size() == 1 ? "" : "s");
+    for (const std::string& line : r.output) out += html_escape(line) + "\n";
+    out += "</pre></details>\n";
+  }
+}
+
+}  // namespace
+
+std::string report_to_html(const RunReport& report) {
+  const std::string lesson = report.lesson.empty() ? "run" : report.lesson;
+  std::string out = html_page_start(fmt::format("ranklab: {} on {}", lesson, report.backend));
+  const std::size_t failed = std::count_if(report.checks.begin(), report.checks.end(),
+                                           [](const CheckRecord& c) { return !c.passed; });
+  out += fmt::format("<h1>{} on {}{}, {} rank{}: {}</h1>\n", html_escape(lesson), html_escape(report.backend),
+                     report.profile.empty() ? "" : " (" + html_escape(report.profile) + ")", report.world,
+                     report.world == 1 ? "" : "s", human_time(report.makespan_us));
+  if (!report.checks.empty()) {
+    out += failed == 0
+               ? "<p class=\"ok\">every check passed</p>\n"
+               : fmt::format("<p class=\"bad\">{} of {} checks failed</p>\n", failed, report.checks.size());
+  }
+  config_section(out, report);
+  timeline_section(out, report);
+  out += "<h2>Topology and traffic</h2>\n<div class=\"side\"><div>\n";
+  topology_section(out, report);
+  out += "</div><div>\n";
+  links_table(out, report);
+  out += "</div></div>\n";
+  collectives_section(out, report);
+  ranks_section(out, report);
+  checks_section(out, report);
+  out += html_page_end();
+  return out;
+}
+
+}  // namespace ranklab

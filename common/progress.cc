@@ -1,0 +1,59 @@
+#include "common/progress.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+namespace ranklab {
+
+namespace {
+// Ten updates a second reads as smooth and keeps the cost of printing far below the work's.
+constexpr std::chrono::milliseconds kInterval{100};
+}  // namespace
+
+std::string progress_line(const std::string& label, std::int64_t done, std::int64_t total,
+                          const std::string& detail) {
+  std::string line =
+      total > 0 ? fmt::format("[{}] {}/{}", label, done, total) : fmt::format("[{}] {}", label, done);
+  if (!detail.empty()) line += " " + detail;
+  return line;
+}
+
+Progress::Progress(std::string label, std::int64_t total, std::FILE* out)
+    : Progress(std::move(label), total, out, out != nullptr && isatty(fileno(out)) == 1) {}
+
+Progress::Progress(std::string label, std::int64_t total, std::FILE* out, bool enabled)
+    : label_(std::move(label)), total_(total), out_(out), enabled_(enabled && out != nullptr) {
+  // The first update waits one interval too: work that ends quickly never prints at all.
+  next_ = std::chrono::steady_clock::now() + kInterval;
+}
+
+Progress::~Progress() {
+  finish();
+}
+
+void Progress::update(std::int64_t done, const std::string& detail) {
+  if (!enabled_) return;
+  const auto now = std::chrono::steady_clock::now();
+  // The last unit always prints, so a known total ends on "n/n" rather than wherever the clock left it.
+  if (now < next_ && !(total_ > 0 && done >= total_ && shown_)) return;
+  next_ = now + kInterval;
+  const std::string line = progress_line(label_, done, total_, detail);
+  // Pad with blanks over whatever a longer earlier line left behind.
+  const std::size_t pad = width_ > line.size() ? width_ - line.size() : 0;
+  width_ = std::max(width_, line.size());
+  std::fprintf(out_, "\r%s%*s", line.c_str(), static_cast<int>(pad), "");
+  std::fflush(out_);
+  shown_ = true;
+}
+
+void Progress::finish() {
+  if (!shown_) return;
+  std::fprintf(out_, "\r%*s\r", static_cast<int>(width_), "");
+  std::fflush(out_);
+  shown_ = false;
+  width_ = 0;
+}
+
+}  // namespace ranklab

@@ -1,0 +1,185 @@
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "common/calibrate.h"
+#include "common/compare.h"
+#include "common/errors.h"
+#include "common/profile.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path);
+  std::ostringstream text;
+  text << f.rdbuf();
+  return text.str();
+}
+
+// A small training-shaped program on 16 ranks over two nodes, on phantom tensors: compute-bound matmuls,
+// memory-bound elementwise kernels, and collectives of several sizes inside a node and across nodes, each
+// phase a region.
+void workload(Rank& r) {
+  // Every rank makes both groups, in the same order, and uses its own node's.
+  const Group low = r.new_group({0, 1, 2, 3, 4, 5, 6, 7});
+  const Group high = r.new_group({8, 9, 10, 11, 12, 13, 14, 15});
+  const Group& node = r.rank() < 8 ? low : high;
+  for (int step = 0; step < 2; ++step) {
+    {
+      auto scope = r.region("compute");
+      Tensor a = r.phantom({1024, 1024}), b = r.phantom({1024, 1024});
+      Tensor c = r.matmul(a, b);
+      Tensor big = r.phantom({1 << 22});
+      Tensor y = r.relu(big);
+      r.scale_(y, 0.5f);
+      (void)c;
+      r.synchronize();
+    }
+    for (std::int64_t kib : {16, 256, 4096, 65536}) {
+      auto scope = r.region(fmt::format("comm {} KiB", kib));
+      Tensor t = r.phantom({kib * 256});
+      r.all_reduce(t, ReduceOp::Sum, Async::No, node);
+      r.all_reduce(t, ReduceOp::Sum);
+      r.synchronize();
+    }
+  }
+}
+
+SimConfig two_nodes(const Profile& p) {
+  SimConfig c;
+  c.profile = p;
+  c.profile.nodes = 2;
+  c.echo_output = false;
+  return c;
+}
+
+RunReport simulate(const Profile& p) {
+  SimBackend backend(two_nodes(p));
+  return backend.launch(16, workload);
+}
+
+TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
+  const Profile profile = load_profile("dgx-h100");
+  // The "measured" machine: slower links, more latency and less efficient kernels than the profile says.
+  Profile truth = profile;
+  truth.gpu.compute_efficiency = 0.5;
+  truth.gpu.memory_efficiency = 0.6;
+  truth.nvlink.efficiency = 0.55;
+  truth.nvlink.latency_us = 0.9;
+  truth.nic.efficiency = 0.7;
+  truth.nic.latency_us = 1.8;
+  const RunReport measured = simulate(truth);
+
+  const double before = compare_reports(simulate(profile), measured).error;
+  const Calibration c = calibrate(measured, profile, simulate);
+  EXPECT_GT(c.collectives, 0);
+  EXPECT_GT(c.kernels, 0);
+  EXPECT_LT(c.error_after, c.error_before);
+
+  // The fitted profile, written as a file, read back and simulated again, is close to the measurement.
+  const std::string text = fitted_profile_text(read_text(profile.source_file), c, "dgx-h100-fitted",
+                                               "measured.json", "2030-01-02");
+  Profile fitted = parse_profile(text, "fitted.toml");
+  EXPECT_EQ(fitted.name, "dgx-h100-fitted");
+  const double after = compare_reports(simulate(fitted), measured).error;
+  EXPECT_GT(before, 0.2) << "the perturbation should matter";
+  EXPECT_LT(after, before / 5) << format_calibration(c);
+  EXPECT_LT(after, 0.03) << format_calibration(c);
+
+  // The efficiencies are recovered (kernels and large messages pin them down).
+  EXPECT_NEAR(fitted.gpu.compute_efficiency, 0.5, 0.01) << format_calibration(c);
+  EXPECT_NEAR(fitted.gpu.memory_efficiency, 0.6, 0.01) << format_calibration(c);
+  EXPECT_NEAR(fitted.nvlink.efficiency, 0.55, 0.03) << format_calibration(c);
+  // Every value fitted says where it came from.
+  EXPECT_TRUE(contains(text, "Fitted by `ranklab calibrate` on 2030-01-02 to measured.json")) << text;
+  const std::string summary = format_calibration(c);
+  EXPECT_TRUE(contains(summary, "gpu.compute_efficiency")) << summary;
+}
+
+TEST(Calibrate, NothingToFitIsAnError) {
+  const Profile profile = load_profile("dgx-h100");
+  RunReport empty;
+  empty.lesson = "nothing";
+  EXPECT_THROW(calibrate(empty, profile, simulate), UsageError);
+  EXPECT_THROW(calibrate(simulate(profile), profile, Simulate()), UsageError);
+}
+
+TEST(FittedProfileText, ReplacesAddsAndRecords) {
+  const std::string original =
+      "# a profile\n"
+      "name = \"lab\"\n"
+      "description = \"the lab's machine\"\n"
+      "gpus_per_node = 2\n"
+      "barrier_latency_us = 5.0\n"
+      "\n"
+      "[gpu]\n"
+      "name = \"G\"\n"
+      "peak_tflops_fp32 = 10.0\n"
+      "peak_tflops_tf32 = 10.0\n"
+      "peak_tflops_bf16 = 10.0\n"
+      "hbm_bandwidth_gbps = 100.0\n"
+      "hbm_capacity_gib = 8.0\n"
+      "launch_overhead_us = 1.0\n"
+      "compute_efficiency = 0.9   # a guess\n"
+      "\n"
+      "[pcie]\n"
+      "generation = \"PCIe 4.0 x16\"\n"
+      "bandwidth_gbps = 31.5\n"
+      "latency_us = 1.0\n"
+      "\n"
+      "[nic]\n"
+      "name = \"N\"\n"
+      "count = 1\n"
+      "bandwidth_gbps = 12.5\n"
+      "latency_us = 2.0\n"
+      "\n"
+      "[fabric]\n"
+      "kind = \"roce\"\n"
+      "switch = \"S\"\n"
+      "switch_radix = 32\n"
+      "switch_latency_us = 0.5\n";
+  const Profile before = parse_profile(original, "lab.toml");
+  Calibration c;
+  c.profile = before;
+  c.collectives = 12;
+  c.kernels = 3;
+  c.error_before = 0.4;
+  c.error_after = 0.01;
+  c.fits = {{"gpu.compute_efficiency", 0.9, 0.61234, 0, 3, true, ""},
+            {"gpu.memory_efficiency", 1.0, 0.75, 0, 3, true, ""},
+            {"pcie.efficiency", 1.0, 0.8, 12, 0, true, ""},
+            {"pcie.latency_us", 1.0, 0.0, 12, 1, true, "fitted below 0 and set to 0"},
+            {"nic.efficiency", 1.0, 1.0, 0, 0, false, "no collective or kernel of the report depends on it"}};
+  const std::string text = fitted_profile_text(original, c, "lab-fitted", "runs/measured.json", "2030-01-02");
+  const Profile after = parse_profile(text, "lab-fitted.toml");
+  EXPECT_EQ(after.name, "lab-fitted");
+  EXPECT_EQ(after.description, "the lab's machine (calibrated on 2030-01-02 to runs/measured.json)");
+  EXPECT_DOUBLE_EQ(after.gpu.compute_efficiency, 0.6123);  // four significant digits
+  EXPECT_DOUBLE_EQ(after.gpu.memory_efficiency, 0.75);     // added to [gpu], where it was missing
+  EXPECT_DOUBLE_EQ(after.pcie.efficiency, 0.8);
+  EXPECT_DOUBLE_EQ(after.pcie.latency_us, 0.0);
+  EXPECT_DOUBLE_EQ(after.nic.efficiency, before.nic.efficiency);  // not fitted: untouched
+  EXPECT_DOUBLE_EQ(after.nic.latency_us, 2.0);
+  EXPECT_TRUE(contains(text,
+                       "# Fitted by `ranklab calibrate` on 2030-01-02 to runs/measured.json (3 kernels); was "
+                       "0.9.\ncompute_efficiency = 0.6123\n"))
+      << text;
+  EXPECT_TRUE(contains(
+      text, "(12 collectives and 1 kernel; fitted below 0 and set to 0); was 1.0.\nlatency_us = 0.0\n"))
+      << text;
+  EXPECT_TRUE(contains(text, "error went from 40.0% to 1.0%")) << text;
+  EXPECT_FALSE(contains(text, "# a guess"));   // the replaced line's own comment goes with it
+  EXPECT_TRUE(contains(text, "# a profile"));  // everything else stays
+}
+
+}  // namespace
+}  // namespace ranklab

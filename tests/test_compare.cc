@@ -1,0 +1,233 @@
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <string>
+
+#include "chromium.h"
+#include "common/compare.h"
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+CollectiveRecord collective(CommOp op, std::int64_t bytes, const std::string& group, double start_us,
+                            double end_us) {
+  CollectiveRecord c;
+  c.op = op;
+  c.bytes = bytes;
+  c.group = group;
+  c.group_size = 2;
+  c.start_us = start_us;
+  c.end_us = end_us;
+  return c;
+}
+
+RunReport report(const std::string& lesson, int world) {
+  RunReport r;
+  r.lesson = lesson;
+  r.world = world;
+  r.backend = "sim";
+  return r;
+}
+
+TEST(GeomeanError, ByHand) {
+  EXPECT_DOUBLE_EQ(geomean_error({1, 1, 1}), 0);
+  // |log 2| = |log 1/2|: twice as slow and twice as fast are the same error, 100%.
+  EXPECT_NEAR(geomean_error({2, 0.5}), 1.0, 1e-12);
+  EXPECT_NEAR(geomean_error({1.1}), 0.1, 1e-12);
+  // exp((log 1.21 + 0) / 2) - 1 = 1.1 - 1.
+  EXPECT_NEAR(geomean_error({1.21, 1}), 0.1, 1e-12);
+  EXPECT_TRUE(std::isnan(geomean_error({})));
+  EXPECT_NEAR(geomean_error({0, -1, NAN, 2}), 1.0, 1e-12);  // only the positive, finite ratio counts
+}
+
+TEST(Compare, MatchesByIdentityNotByOrder) {
+  RunReport a = report("data_parallel", 2), b = report("data_parallel", 2);
+  // A records rank 1 first; B records in time order. Rank 0's two `forward`s are 10 and 20 us in A.
+  a.regions = {{1, "forward", 0, 40}, {0, "forward", 50, 70}, {0, "forward", 0, 10}, {0, "backward", 10, 30}};
+  b.regions = {{0, "forward", 0, 11},
+               {0, "backward", 11, 33},
+               {0, "forward", 60, 82},
+               {1, "forward", 0, 44},
+               {1, "backward", 44, 50}};
+  a.collectives = {collective(CommOp::AllReduce, 1024, "world", 30, 40),
+                   collective(CommOp::AllReduce, 4096, "world", 70, 90),
+                   collective(CommOp::AllReduce, 1024, "world", 90, 100)};
+  b.collectives = {collective(CommOp::AllReduce, 1024, "world", 33, 53),
+                   collective(CommOp::AllReduce, 1024, "world", 90, 110),
+                   collective(CommOp::AllReduce, 4096, "world", 80, 80)};
+  const Comparison c = compare_reports(a, b, "sim.json", "gpu.json");
+  EXPECT_EQ(c.items.size(), 7u);
+  EXPECT_EQ(c.only_in_a, 0);
+  EXPECT_EQ(c.only_in_b, 1);  // rank 1's backward
+  // Rows: forward, backward, then the two collective sizes, in order of first appearance.
+  ASSERT_EQ(c.rows.size(), 4u);
+  EXPECT_EQ(c.rows[0].what, "forward");
+  EXPECT_EQ(c.rows[0].count, 3);
+  EXPECT_DOUBLE_EQ(c.rows[0].a_us, 10 + 20 + 40);
+  EXPECT_DOUBLE_EQ(c.rows[0].b_us, 11 + 22 + 44);
+  EXPECT_NEAR(c.rows[0].ratio(), 1.1, 1e-12);
+  EXPECT_NEAR(c.rows[0].error, 0.1, 1e-12);
+  EXPECT_EQ(c.rows[1].what, "backward");
+  EXPECT_EQ(c.rows[2].kind, ItemKind::Collective);
+  EXPECT_EQ(c.rows[2].what, "all_reduce 1 KiB on world");
+  EXPECT_DOUBLE_EQ(c.rows[2].ratio(), 2.0);
+  EXPECT_EQ(c.rows[3].what, "all_reduce 4 KiB on world");
+  // The zero-length 4 KiB all_reduce in B is matched but cannot be scored.
+  EXPECT_EQ(c.scored, 6);
+  EXPECT_NEAR(c.region_error, 0.1, 1e-12);
+  EXPECT_NEAR(c.collective_error, 1.0, 1e-12);
+  EXPECT_NEAR(c.error, std::exp((4 * std::log(1.1) + 2 * std::log(2.0)) / 6) - 1, 1e-12);
+
+  const std::string text = format_comparison(c);
+  EXPECT_TRUE(contains(text, "sim.json")) << text;
+  EXPECT_TRUE(contains(text, "geometric-mean error: ")) << text;
+  EXPECT_TRUE(contains(text, "1 only in B")) << text;
+
+  const std::string html = comparison_to_html(c);
+  EXPECT_TRUE(contains(html, "id=\"plot\""));
+  EXPECT_TRUE(contains(html, "id=\"compare-data\""));
+  EXPECT_TRUE(contains(html, "rank 0 forward #2"));
+
+  // In a browser the plot draws every scored item and raises no script error.
+  const std::string chromium = testing::find_chromium();
+  if (chromium.empty()) GTEST_SKIP() << "chromium is not installed (Debian: apt-get install chromium)";
+  const std::filesystem::path page =
+      std::filesystem::temp_directory_path() / fmt::format("ranklab-compare-{}.html", getpid());
+  std::ofstream(page) << html;
+  const std::string dom = testing::run_chromium(chromium, page, "--dump-dom");
+  std::filesystem::remove(page);
+  EXPECT_TRUE(contains(dom, "data-rendered=\"1\"")) << "the page's script did not finish";
+  EXPECT_TRUE(std::regex_search(dom, std::regex(R"(id="plot"[^>]*data-points="6")")));
+  EXPECT_TRUE(contains(dom, "<ul id=\"errors\" data-count=\"0\"></ul>"));
+}
+
+TEST(Compare, RefusesDifferentRuns) {
+  try {
+    compare_reports(report("collectives", 4), report("data_parallel", 4), "a.json", "b.json");
+    FAIL() << "different lessons were compared";
+  } catch (const UsageError& e) {
+    EXPECT_TRUE(contains(e.what(), "'collectives'")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "'data_parallel'")) << e.what();
+  }
+  try {
+    compare_reports(report("collectives", 4), report("collectives", 8), "a.json", "b.json");
+    FAIL() << "different world sizes were compared";
+  } catch (const UsageError& e) {
+    EXPECT_TRUE(contains(e.what(), "4 ranks")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "8")) << e.what();
+  }
+  RunReport a = report("data_parallel", 4), b = report("data_parallel", 4);
+  Options o;
+  a.options = options_record(o);
+  o.dim = 128;
+  b.options = options_record(o);
+  try {
+    compare_reports(a, b, "a.json", "b.json");
+    FAIL() << "different options were compared";
+  } catch (const UsageError& e) {
+    EXPECT_TRUE(contains(e.what(), "--dim 64 in a.json but 128 in b.json")) << e.what();
+  }
+  // A report without recorded options is compared on trust.
+  b.options.clear();
+  EXPECT_NO_THROW(compare_reports(a, b));
+}
+
+TEST(RunConfig, OptionsRoundTrip) {
+  Options o;
+  o.batch = 48;
+  o.lr = 0.003;
+  o.optimizer = "adamw";
+  o.overlap = true;
+  o.bucket_mb = 12.5;
+  o.count = 123456789012;
+  o.schedule = "gpipe";
+  const auto record = options_record(o);
+  EXPECT_EQ(record.at("lr"), "0.003");
+  EXPECT_EQ(record.at("overlap"), "true");
+  EXPECT_EQ(record.at("micro-batches"), "4");
+  EXPECT_FALSE(record.count("quiet"));
+  EXPECT_FALSE(record.count("world"));
+  const Options back = options_from_record(record, 8);
+  EXPECT_EQ(back.world, 8);
+  EXPECT_EQ(options_record(back), record);
+
+  auto bad = record;
+  bad["steps"] = "three";
+  EXPECT_THROW(options_from_record(bad, 8), UsageError);
+  auto unknown = record;
+  unknown["warp-speed"] = "9";
+  EXPECT_THROW(options_from_record(unknown, 8), UsageError);
+}
+
+TEST(RunConfig, RecordsWhatRunKnows) {
+  const Profile p = load_profile("dgx-h100");
+  RunReport r;
+  r.links = {{"gpu0->gpu1", "nvlink", 10},
+             {"gpu0->nic0", "pcie", 10},
+             {"nic0->leaf0", p.fabric.kind, 10},
+             {"x->y", "mystery", 10},
+             {"gpu1->gpu0", "nvlink", 10, 123}};
+  Options o;
+  o.steps = 7;
+  record_run_config(r, p, o);
+  EXPECT_EQ(r.gpus_per_node, p.gpus_per_node);
+  EXPECT_EQ(r.options.at("steps"), "7");
+  EXPECT_DOUBLE_EQ(r.links[0].bandwidth_gbps, p.nvlink.gpu_bandwidth_gbps());
+  EXPECT_DOUBLE_EQ(r.links[1].bandwidth_gbps, p.pcie.bandwidth_gbps);
+  EXPECT_DOUBLE_EQ(r.links[2].bandwidth_gbps, p.nic.bandwidth_gbps);
+  EXPECT_DOUBLE_EQ(r.links[3].bandwidth_gbps, 0);    // unknown stays unknown
+  EXPECT_DOUBLE_EQ(r.links[4].bandwidth_gbps, 123);  // what the backend knew is kept
+  // And all of it survives the JSON file.
+  const RunReport back = report_from_json(report_to_json(r));
+  EXPECT_EQ(back.options, r.options);
+  EXPECT_EQ(back.gpus_per_node, r.gpus_per_node);
+  EXPECT_DOUBLE_EQ(back.links[0].bandwidth_gbps, r.links[0].bandwidth_gbps);
+}
+
+// Large all_reduces and all_gathers inside a node, on phantom tensors (time without numbers).
+void bandwidth_bound(Rank& r) {
+  for (std::int64_t mib : {16, 64}) {
+    auto scope = r.region(fmt::format("{} MiB", mib));
+    Tensor t = r.phantom({mib << 18});
+    r.all_reduce(t, ReduceOp::Sum);
+    Tensor out = r.phantom({(mib << 18) * r.world_size()});
+    r.all_gather(out, t);
+    r.synchronize();
+  }
+}
+
+TEST(Compare, SlowerLinksShowInTheCollectives) {
+  SimConfig fast = testing::quiet_config();
+  SimConfig slow = fast;
+  slow.profile.nvlink.efficiency /= 2;
+  SimBackend fast_backend(fast), slow_backend(slow);
+  const RunReport a = fast_backend.launch(8, bandwidth_bound);
+  const RunReport b = slow_backend.launch(8, bandwidth_bound);
+  const Comparison c = compare_reports(a, b, "fast", "slow");
+  EXPECT_EQ(c.only_in_a, 0);
+  EXPECT_EQ(c.only_in_b, 0);
+  EXPECT_EQ(c.scored, 4 + 2 * 8);  // four collectives, two regions on each of 8 ranks
+  // Everything moved over NVLink at half the bandwidth: close to twice as slow, never more.
+  for (const ComparisonRow& row : c.rows) {
+    EXPECT_GT(row.ratio(), 1.3) << row.what;
+    EXPECT_LE(row.ratio(), 2.0 + 1e-9) << row.what;
+  }
+  EXPECT_GT(c.collective_error, 0.3);
+  // A report compared with itself agrees exactly.
+  EXPECT_DOUBLE_EQ(compare_reports(a, a).error, 0);
+}
+
+}  // namespace
+}  // namespace ranklab

@@ -1,0 +1,194 @@
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <string>
+
+#include "chromium.h"
+#include "common/html_report.h"
+#include "common/report.h"
+
+namespace ranklab {
+namespace {
+
+namespace fs = std::filesystem;
+
+bool contains(const std::string& haystack, const std::string& needle) {
+  return haystack.find(needle) != std::string::npos;
+}
+
+// A training-like run: `world` ranks, `steps` steps of forward and backward kernels, an all_reduce whose
+// members arrive at different times (waits), and idle gaps; links of a two-node machine with NVSwitches,
+// NICs and a leaf/spine fabric.
+RunReport training_report(int world, int steps) {
+  RunReport r;
+  r.lesson = "data_parallel";
+  r.backend = "sim";
+  r.profile = "dgx-h100";
+  r.world = world;
+  r.gpus_per_node = world / 2;
+  r.options = {{"steps", std::to_string(steps)}, {"dim", "1024"}};
+  const double step_us = 100;
+  for (int s = 0; s < steps; ++s) {
+    const double t0 = s * step_us;
+    for (int k = 0; k < world; ++k) {
+      const double skew = 3.0 * k;  // later ranks finish their backward later
+      r.spans.push_back({k, SpanKind::Compute, "matmul", t0, t0 + 20});
+      r.spans.push_back({k, SpanKind::Compute, "relu", t0 + 20, t0 + 25});
+      r.spans.push_back({k, SpanKind::Compute, "matmul", t0 + 25, t0 + 50 + skew});
+      const double arrive = t0 + 50 + skew, start = t0 + 50 + 3.0 * (world - 1);
+      if (start > arrive) r.spans.push_back({k, SpanKind::Idle, "all_reduce", arrive, start});
+      r.spans.push_back({k, SpanKind::Comm, "all_reduce", start, start + 30});
+      r.spans.push_back({k, SpanKind::Compute, "sgd_step", start + 30, start + 33});
+      r.regions.push_back({k, "step", t0, start + 33});
+    }
+    CollectiveRecord c;
+    c.op = CommOp::AllReduce;
+    c.group = "world";
+    c.group_size = world;
+    c.bytes = 64 << 20;
+    c.algorithm = "ring";
+    c.start_us = t0 + 50 + 3.0 * (world - 1);
+    c.end_us = c.start_us + 30;
+    c.algbw_gbps = static_cast<double>(c.bytes) / (30 * 1e3);
+    c.busbw_gbps = c.algbw_gbps * bus_factor(c.op, world);
+    r.collectives.push_back(c);
+  }
+  for (int k = 0; k < world; ++k) {
+    RankSummary s;
+    s.rank = k;
+    s.peak_bytes = (std::int64_t{10} + k) << 30;
+    s.capacity_bytes = std::int64_t{80} << 30;
+    r.ranks.push_back(s);
+    const int node = k / r.gpus_per_node;
+    r.links.push_back(
+        {fmt::format("gpu{}->nvswitch{}", k, node), "nvlink", (k + 1) * (std::int64_t{1} << 30), 450});
+    r.links.push_back(
+        {fmt::format("nvswitch{}->gpu{}", node, k), "nvlink", (k + 1) * (std::int64_t{1} << 29), 450});
+    r.links.push_back({fmt::format("gpu{}->nic{}", k, k), "pcie", std::int64_t{1} << 28, 63});
+    r.links.push_back(
+        {fmt::format("nic{}->leaf{}", k, k % r.gpus_per_node), "infiniband", std::int64_t{1} << 28, 50});
+  }
+  for (int leaf = 0; leaf < r.gpus_per_node; ++leaf) {
+    r.links.push_back({fmt::format("leaf{}->spine0", leaf), "infiniband", std::int64_t{1} << 27, 50});
+  }
+  r.checks = {{0, "loss decreases", true, ""}, {1, "params equal", false, "off by 1e-3"}};
+  r.output = {"step 0 loss 2.3", "<script>alert('not run')</script>"};
+  summarize_spans(r);
+  return r;
+}
+
+TEST(HtmlReport, EscapesWhatItEmbeds) {
+  EXPECT_EQ(html_escape("a<b>&\"c'"), "a&lt;b&gt;&amp;&quot;c&#39;");
+  EXPECT_EQ(script_json(R"({"x":"</script><!--"})"), R"({"x":"\u003c/script>\u003c!--"})");
+  EXPECT_EQ(json_number(1.5), "1.5");
+  EXPECT_EQ(json_number(2.0), "2");
+  EXPECT_EQ(json_number(0.0001), "0");
+  EXPECT_EQ(json_number(-0.0001), "0");
+  EXPECT_EQ(json_number(1.23456), "1.235");
+}
+
+TEST(HtmlReport, SelfContainedWithEverySection) {
+  const std::string html = report_to_html(training_report(8, 10));
+  for (const char* id :
+       {"id=\"config\"", "id=\"topology\"", "id=\"timeline\"", "id=\"timeline-data\"", "id=\"collectives\"",
+        "id=\"ranks\"", "id=\"memory\"", "id=\"checks\"", "id=\"errors\""}) {
+    EXPECT_TRUE(contains(html, id)) << id;
+  }
+  // Nothing is fetched: no external scripts, styles, fonts or images.
+  EXPECT_FALSE(std::regex_search(html, std::regex(R"(<script[^>]*\ssrc=)")));
+  EXPECT_FALSE(std::regex_search(html, std::regex(R"(<link\b)")));
+  EXPECT_FALSE(std::regex_search(html, std::regex(R"(@import|url\(\s*['"]?(https?:|//))")));
+  EXPECT_FALSE(std::regex_search(html, std::regex(R"(<img\b)")));
+  // The lesson's output is text, never markup.
+  EXPECT_FALSE(contains(html, "<script>alert"));
+  EXPECT_TRUE(contains(html, "&lt;script&gt;alert"));
+  // The configuration, the options and a failed check are there.
+  EXPECT_TRUE(contains(html, "--dim"));
+  EXPECT_TRUE(contains(html, "off by 1e-3"));
+  EXPECT_TRUE(contains(html, "1 of 2 checks failed"));
+}
+
+// The y of each node the topology drawing placed, by name.
+std::map<std::string, double> node_rows(const std::string& html) {
+  std::map<std::string, double> y;
+  const std::regex node(
+      R"re(<g data-node="([^"]+)"><title>[^<]*</title><rect x="[-0-9.]+" y="([-0-9.]+)")re");
+  for (auto it = std::sregex_iterator(html.begin(), html.end(), node); it != std::sregex_iterator(); ++it) {
+    y[(*it)[1]] = std::stod((*it)[2]);
+  }
+  return y;
+}
+
+TEST(HtmlReport, TopologyFromLinkNames) {
+  const std::string html = report_to_html(training_report(8, 1));
+  const auto y = node_rows(html);
+  // 8 GPUs, 2 NVSwitches, 8 NICs, 4 leaves, 1 spine.
+  EXPECT_EQ(y.size(), 23u);
+  // Spine on top, then leaves, NICs, GPUs, and the NVSwitches below the GPUs.
+  EXPECT_LT(y.at("spine0"), y.at("leaf0"));
+  EXPECT_LT(y.at("leaf0"), y.at("nic0"));
+  EXPECT_LT(y.at("nic0"), y.at("gpu0"));
+  EXPECT_LT(y.at("gpu0"), y.at("nvswitch0"));
+  EXPECT_DOUBLE_EQ(y.at("gpu0"), y.at("gpu7"));
+  // Every link is drawn, and both servers are boxed.
+  EXPECT_TRUE(contains(html, "data-links=\"36\""));
+  EXPECT_TRUE(contains(html, ">node 0</text>"));
+  EXPECT_TRUE(contains(html, ">node 1</text>"));
+  // Every capacity is known, so links are coloured by utilisation.
+  EXPECT_TRUE(contains(html, "link colour: utilisation"));
+}
+
+TEST(HtmlReport, TopologyOfDirectGpuLinks) {
+  // The simulator's first network model names links GPU to GPU, with tiers but no capacities.
+  RunReport r;
+  r.world = 4;
+  r.links = {{"gpu0->gpu1", "nvlink", 100},
+             {"gpu1->gpu2", "nvlink", 200},
+             {"gpu2->gpu3", "nvlink", 300},
+             {"gpu3->gpu0", "nvlink", 400},
+             {"gpu1->gpu0", "nvlink", 50}};
+  const std::string html = report_to_html(r);
+  EXPECT_EQ(node_rows(html).size(), 4u);
+  EXPECT_TRUE(contains(html, "data-links=\"5\""));
+  EXPECT_TRUE(contains(html, "link colour: bytes carried"));
+  // No link at all still draws the ranks' GPUs.
+  r.links.clear();
+  EXPECT_EQ(node_rows(report_to_html(r)).size(), 4u);
+}
+
+// ---- in a browser
+// ------------------------------------------------------------------------------------------
+
+TEST(HtmlReportInBrowser, RendersOneRowPerRankWithoutScriptErrors) {
+  const std::string chromium = testing::find_chromium();
+  if (chromium.empty()) GTEST_SKIP() << "chromium is not installed (Debian: apt-get install chromium)";
+  const fs::path page = fs::temp_directory_path() / fmt::format("ranklab-report-{}.html", getpid());
+  {
+    std::ofstream f(page);
+    f << report_to_html(training_report(8, 100));  // thousands of spans per rank
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string dom = testing::run_chromium(chromium, page, "--dump-dom");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fs::remove(page);
+  ASSERT_FALSE(dom.empty()) << "chromium printed nothing";
+  EXPECT_TRUE(contains(dom, "data-rendered=\"1\"")) << "the page's script did not finish";
+  EXPECT_TRUE(std::regex_search(dom, std::regex(R"(id="timeline"[^>]*data-rows="8")"))) << "one row per rank";
+  std::smatch errors;
+  ASSERT_TRUE(
+      std::regex_search(dom, errors, std::regex(R"re(<ul id="errors" data-count="(\d+)">(.*?)</ul>)re")));
+  EXPECT_EQ(errors[1], "0") << errors[2];
+  EXPECT_LT(seconds, 20);
+}
+
+}  // namespace
+}  // namespace ranklab

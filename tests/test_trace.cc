@@ -1,0 +1,192 @@
+#include <gtest/gtest.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/report.h"
+#include "common/trace_writer.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+using nlohmann::json;
+
+Span span(int rank, SpanKind kind, double start_us, double end_us, std::string name = "k") {
+  return Span{rank, kind, std::move(name), start_us, end_us};
+}
+
+// Two ranks: overlapping kernels on rank 0 (they need two lanes), a wait then a transfer, a send from rank 0
+// to rank 1, regions, and idle gaps.
+RunReport small_report() {
+  RunReport r;
+  r.lesson = "hand";
+  r.backend = "sim";
+  r.profile = "dgx-h100";
+  r.world = 2;
+  r.spans = {
+      span(0, SpanKind::Compute, 0, 10, "matmul"),
+      span(0, SpanKind::Compute, 5, 12, "relu"),
+      span(0, SpanKind::Idle, 12, 14, "all_reduce"),
+      span(0, SpanKind::Comm, 14, 20, "all_reduce"),
+      span(1, SpanKind::Compute, 0, 14, "matmul"),
+      span(1, SpanKind::Comm, 14, 20, "all_reduce"),
+      span(0, SpanKind::Comm, 25, 30, "send/recv"),
+      span(1, SpanKind::Comm, 25, 30, "send/recv"),
+      span(1, SpanKind::Compute, 30, 31, "a \"quoted\"\nname"),
+  };
+  CollectiveRecord ar;
+  ar.op = CommOp::AllReduce;
+  ar.group = "world";
+  ar.group_size = 2;
+  ar.bytes = 1024;
+  ar.start_us = 14;
+  ar.end_us = 20;
+  CollectiveRecord p2p;
+  p2p.op = CommOp::Send;
+  p2p.group = "rank 0 -> rank 1";
+  p2p.group_size = 2;
+  p2p.bytes = 4096;
+  p2p.start_us = 25;
+  p2p.end_us = 30;
+  r.collectives = {ar, p2p};
+  r.regions = {{0, "step", 0, 30}, {0, "forward", 0, 12}, {1, "step", 0, 31}};
+  r.ranks = {RankSummary{0, 32}, RankSummary{1, 31}};
+  summarize_spans(r);
+  return r;
+}
+
+TEST(IdleIntervals, GapsBetweenBusySpans) {
+  const RunReport r = small_report();
+  const auto idle = idle_intervals(r);
+  ASSERT_EQ(idle.size(), 2u);
+  // Rank 0 is busy [0,12] (compute), [14,20] and [25,30] (comm); the wait [12,14] is idle; it ends at 32.
+  ASSERT_EQ(idle[0].size(), 3u);
+  EXPECT_DOUBLE_EQ(idle[0][0].start_us, 12);
+  EXPECT_DOUBLE_EQ(idle[0][0].end_us, 14);
+  EXPECT_DOUBLE_EQ(idle[0][1].start_us, 20);
+  EXPECT_DOUBLE_EQ(idle[0][1].end_us, 25);
+  EXPECT_DOUBLE_EQ(idle[0][2].start_us, 30);
+  EXPECT_DOUBLE_EQ(idle[0][2].end_us, 32);
+  // The total is what the summary calls idle.
+  for (int rank = 0; rank < 2; ++rank) {
+    double total = 0;
+    for (const TimeRange& t : idle[rank]) total += t.end_us - t.start_us;
+    EXPECT_DOUBLE_EQ(total, r.ranks[rank].idle_us) << "rank " << rank;
+  }
+}
+
+struct Slice {
+  double ts, dur;
+  std::string name, cat;
+};
+
+TEST(Trace, ProcessesTracksSlicesAndFlows) {
+  const RunReport r = small_report();
+  const json trace = json::parse(report_to_trace_json(r));
+  ASSERT_TRUE(trace.contains("traceEvents"));
+  EXPECT_EQ(trace["otherData"]["lesson"], "hand");
+
+  std::map<int, std::string> processes;
+  std::map<std::pair<int, int>, std::string> threads;
+  std::map<std::pair<int, int>, std::vector<Slice>> slices;
+  std::map<int, std::vector<json>> flows;
+  for (const json& e : trace["traceEvents"]) {
+    const std::string ph = e["ph"];
+    const int pid = e["pid"], tid = e["tid"];
+    if (ph == "M" && e["name"] == "process_name") processes[pid] = e["args"]["name"];
+    if (ph == "M" && e["name"] == "thread_name") threads[{pid, tid}] = e["args"]["name"];
+    if (ph == "X") slices[{pid, tid}].push_back({e["ts"], e["dur"], e["name"], e["cat"]});
+    if (ph == "s" || ph == "f") flows[e["id"]].push_back(e);
+  }
+  EXPECT_EQ(processes, (std::map<int, std::string>{{0, "rank 0"}, {1, "rank 1"}}));
+
+  std::set<std::string> rank0_tracks;
+  for (const auto& [key, name] : threads) {
+    if (key.first == 0) rank0_tracks.insert(name);
+  }
+  // The two overlapping kernels of rank 0 take two compute lanes; the nested regions two region lanes.
+  EXPECT_EQ(rank0_tracks,
+            (std::set<std::string>{"compute", "compute 2", "comm", "idle", "regions", "regions 2"}));
+
+  // No two slices of one lane overlap, so every viewer draws them as they are.
+  std::size_t count = 0;
+  double idle0 = 0;
+  for (auto& [key, list] : slices) {
+    std::sort(list.begin(), list.end(), [](const Slice& a, const Slice& b) { return a.ts < b.ts; });
+    for (std::size_t i = 1; i < list.size(); ++i)
+      EXPECT_LE(list[i - 1].ts + list[i - 1].dur, list[i].ts + 1e-9);
+    for (const Slice& s : list) {
+      if (key.first == 0 && s.cat == "idle") idle0 += s.dur;
+    }
+    count += list.size();
+  }
+  // 9 spans, 3 regions, and the idle gaps: rank 0 has 3, rank 1 [20,25] and none after its end at 31.
+  EXPECT_EQ(count, 9u + 3u + 3u + 1u);
+  EXPECT_DOUBLE_EQ(idle0, r.ranks[0].idle_us);
+
+  // The wait is on the comm track, named for what it waited for.
+  bool wait_found = false;
+  for (const auto& [key, list] : slices) {
+    for (const Slice& s : list) wait_found = wait_found || (s.cat == "wait" && s.name == "wait all_reduce");
+  }
+  EXPECT_TRUE(wait_found);
+
+  // One arrow, from rank 0's send to rank 1's receive, each end inside a comm slice of its rank.
+  ASSERT_EQ(flows.size(), 1u);
+  const std::vector<json>& arrow = flows.begin()->second;
+  ASSERT_EQ(arrow.size(), 2u);
+  EXPECT_EQ(arrow[0]["ph"], "s");
+  EXPECT_EQ(arrow[0]["pid"], 0);
+  EXPECT_EQ(arrow[1]["ph"], "f");
+  EXPECT_EQ(arrow[1]["pid"], 1);
+  EXPECT_EQ(arrow[1]["bp"], "e");
+  for (const json& end : arrow) {
+    const std::vector<Slice>& lane = slices[{end["pid"].get<int>(), end["tid"].get<int>()}];
+    const double ts = end["ts"];
+    EXPECT_TRUE(std::any_of(lane.begin(), lane.end(), [ts](const Slice& s) {
+      return s.cat == "comm" && s.ts <= ts && ts <= s.ts + s.dur;
+    })) << end.dump();
+  }
+}
+
+TEST(Trace, EmptyReportIsValidJson) {
+  const json trace = json::parse(report_to_trace_json(RunReport{}));
+  EXPECT_TRUE(trace["traceEvents"].is_array());
+}
+
+// A pipeline's pattern: each rank computes, then hands its activations to the next one.
+void relay(Rank& r) {
+  Tensor x = r.phantom({256, 256});
+  for (int step = 0; step < 3; ++step) {
+    if (r.rank() > 0) r.recv(x, r.rank() - 1);
+    x = r.relu(r.matmul(x, x));
+    if (r.rank() + 1 < r.world_size()) r.send(x, r.rank() + 1);
+  }
+  r.synchronize();
+}
+
+TEST(Trace, SimulatedSendsHaveArrows) {
+  SimBackend backend(testing::quiet_config());
+  const RunReport r = backend.launch(4, relay);
+  const json trace = json::parse(report_to_trace_json(r));
+  std::set<int> pids;
+  std::map<int, std::pair<int, int>> arrows;  // id -> (from rank, to rank)
+  for (const json& e : trace["traceEvents"]) {
+    pids.insert(e["pid"].get<int>());
+    if (e["ph"] == "s") arrows[e["id"]].first = e["pid"];
+    if (e["ph"] == "f") arrows[e["id"]].second = e["pid"];
+  }
+  EXPECT_EQ(pids, (std::set<int>{0, 1, 2, 3}));
+  int p2p = 0;
+  for (const CollectiveRecord& c : r.collectives) p2p += c.op == CommOp::Send;
+  EXPECT_EQ(p2p, 3 * 3);
+  ASSERT_EQ(arrows.size(), static_cast<std::size_t>(p2p));
+  for (const auto& [id, ends] : arrows) EXPECT_EQ(ends.second, ends.first + 1) << "arrow " << id;
+}
+
+}  // namespace
+}  // namespace ranklab
