@@ -32,8 +32,20 @@ int line_of(const toml::source_region& where) {
   return where.begin.line > 0 ? static_cast<int>(where.begin.line) : 1;
 }
 
+// "FILE:LINE" of a node. A profile built on a base profile mixes nodes of two files, so the file comes from
+// the node itself when toml++ recorded it, and from `origin` otherwise.
+std::string location(const toml::source_region& where, const std::string& origin) {
+  const std::string& file = where.path && !where.path->empty() ? *where.path : origin;
+  return fmt::format("{}:{}", file, line_of(where));
+}
+
 [[noreturn]] void fail(const std::string& origin, int line, const std::string& message) {
   throw ProfileError(fmt::format("{}:{}: {}", origin, line, message));
+}
+
+[[noreturn]] void fail_at(const toml::source_region& where, const std::string& origin,
+                          const std::string& message) {
+  throw ProfileError(fmt::format("{}: {}", location(where, origin), message));
 }
 
 const char* type_name(const toml::node& n) {
@@ -98,18 +110,19 @@ class TableReader {
           suggestion = fmt::format(" (did you mean '{}'?)", qualified(candidate));
         }
       }
-      int line = key.source().begin.line > 0 ? line_of(key.source()) : line_of(node.source());
-      fail(origin_, line,
-           fmt::format("unknown key '{}'{}; known keys of {}: {}", qualified(k), suggestion, where(),
-                       fmt::join(known_, ", ")));
+      fail_at(key.source().begin.line > 0 ? key.source() : node.source(), origin_,
+              fmt::format("unknown key '{}'{}; known keys of {}: {}", qualified(k), suggestion, where(),
+                          fmt::join(known_, ", ")));
     }
   }
+
+  bool has(const std::string& key) const { return table_.get(key) != nullptr; }
 
   std::string require_string(const std::string& key) {
     const toml::node& n = require(key);
     if (!n.is_string()) type_error(key, n, "a string");
     std::string s = n.as_string()->get();
-    if (s.empty()) fail(origin_, line_of(n.source()), fmt::format("'{}' must not be empty", qualified(key)));
+    if (s.empty()) fail_at(n.source(), origin_, fmt::format("'{}' must not be empty", qualified(key)));
     return s;
   }
 
@@ -118,6 +131,23 @@ class TableReader {
     if (n == nullptr) return fallback;
     if (!n->is_string()) type_error(key, *n, "a string");
     return n->as_string()->get();
+  }
+
+  // A string that must be one of `choices`.
+  std::string choice(const std::string& key, const std::vector<std::string>& choices) {
+    std::string s = require_string(key);
+    if (std::find(choices.begin(), choices.end(), s) == choices.end()) {
+      fail_at(at(key), origin_,
+              fmt::format("'{}' must be one of {}, got \"{}\"", qualified(key), fmt::join(choices, ", "), s));
+    }
+    return s;
+  }
+
+  bool boolean(const std::string& key, bool fallback) {
+    const toml::node* n = table_.get(key);
+    if (n == nullptr) return fallback;
+    if (!n->is_boolean()) type_error(key, *n, "a boolean (true or false)");
+    return n->as_boolean()->get();
   }
 
   // A finite number; TOML integers are accepted where a float is expected, since `450` is as clear as
@@ -133,23 +163,31 @@ class TableReader {
     } else {
       type_error(key, *n, "a number");
     }
-    if (!std::isfinite(v))
-      fail(origin_, line_of(n->source()), fmt::format("'{}' must be finite", qualified(key)));
-    last_line_ = line_of(n->source());
+    if (!std::isfinite(v)) fail_at(n->source(), origin_, fmt::format("'{}' must be finite", qualified(key)));
     return v;
   }
 
   double positive(const std::string& key) {
     double v = *number(key, true);
     if (v <= 0)
-      fail(origin_, last_line_, fmt::format("'{}' must be greater than 0, got {}", qualified(key), v));
+      fail_at(at(key), origin_, fmt::format("'{}' must be greater than 0, got {}", qualified(key), v));
     return v;
   }
 
   double non_negative(const std::string& key) {
     double v = *number(key, true);
-    if (v < 0) fail(origin_, last_line_, fmt::format("'{}' must not be negative, got {}", qualified(key), v));
+    if (v < 0) fail_at(at(key), origin_, fmt::format("'{}' must not be negative, got {}", qualified(key), v));
     return v;
+  }
+
+  // At least `minimum`, or `fallback` when absent.
+  double at_least(const std::string& key, double minimum, double fallback) {
+    std::optional<double> v = number(key, false);
+    if (!v) return fallback;
+    if (*v < minimum) {
+      fail_at(at(key), origin_, fmt::format("'{}' must be at least {}, got {}", qualified(key), minimum, *v));
+    }
+    return *v;
   }
 
   // A fraction of a peak the hardware reaches: 0 would mean the work never finishes, above 1 is faster than
@@ -158,18 +196,19 @@ class TableReader {
     std::optional<double> v = number(key, false);
     if (!v) return fallback;
     if (*v <= 0 || *v > 1) {
-      fail(origin_, last_line_, fmt::format("'{}' must be in (0, 1], got {}", qualified(key), *v));
+      fail_at(at(key), origin_, fmt::format("'{}' must be in (0, 1], got {}", qualified(key), *v));
     }
     return *v;
   }
 
-  std::optional<int> count(const std::string& key, bool required) {
+  std::optional<int> count(const std::string& key, bool required, int minimum = 1) {
     const toml::node* n = required ? &require(key) : table_.get(key);
     if (n == nullptr) return std::nullopt;
     if (!n->is_integer()) type_error(key, *n, "an integer");
     std::int64_t v = n->as_integer()->get();
-    if (v < 1 || v > INT_MAX) {
-      fail(origin_, line_of(n->source()), fmt::format("'{}' must be at least 1, got {}", qualified(key), v));
+    if (v < minimum || v > INT_MAX) {
+      fail_at(n->source(), origin_,
+              fmt::format("'{}' must be at least {}, got {}", qualified(key), minimum, v));
     }
     return static_cast<int>(v);
   }
@@ -180,39 +219,42 @@ class TableReader {
     return *n.as_table();
   }
 
- private:
+  const toml::table* optional_table(const std::string& key) {
+    const toml::node* n = table_.get(key);
+    if (n == nullptr) return nullptr;
+    if (!n->is_table()) type_error(key, *n, "a table");
+    return n->as_table();
+  }
+
+  // Where `key` is written (the table's header when it is absent): for errors that involve two fields.
+  const toml::source_region& at(const std::string& key) const {
+    const toml::node* n = table_.get(key);
+    return n != nullptr ? n->source() : table_.source();
+  }
   std::string qualified(const std::string& key) const { return prefix_.empty() ? key : prefix_ + "." + key; }
+
+ private:
   std::string where() const { return prefix_.empty() ? "the top level" : "[" + prefix_ + "]"; }
 
   const toml::node& require(const std::string& key) {
     const toml::node* n = table_.get(key);
     if (n == nullptr) {
       // The table header is where the missing line belongs.
-      fail(origin_, line_of(table_.source()), fmt::format("{} is missing '{}'", where(), key));
+      fail_at(table_.source(), origin_, fmt::format("{} is missing '{}'", where(), key));
     }
     return *n;
   }
 
   [[noreturn]] void type_error(const std::string& key, const toml::node& n, const char* expected) {
-    fail(origin_, line_of(n.source()),
-         fmt::format("'{}' must be {}, got {}", qualified(key), expected, type_name(n)));
+    fail_at(n.source(), origin_,
+            fmt::format("'{}' must be {}, got {}", qualified(key), expected, type_name(n)));
   }
 
   const toml::table& table_;
   std::string prefix_;
   const std::string& origin_;
   std::vector<std::string> known_;
-  int last_line_ = 1;
 };
-
-LinkTier read_link(TableReader& top, const std::string& key, const std::string& origin) {
-  TableReader t(top.table(key), key, origin, {"name", "bandwidth_gbps", "latency_us"});
-  LinkTier link;
-  link.name = t.require_string("name");
-  link.bandwidth_gbps = t.positive("bandwidth_gbps");
-  link.latency_us = t.non_negative("latency_us");
-  return link;
-}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -228,19 +270,61 @@ bool is_file(const fs::path& p) {
   return fs::is_regular_file(p, ec);
 }
 
-}  // namespace
-
-Profile parse_profile(const std::string& text, const std::string& origin) {
-  toml::table root;
+toml::table parse_toml(const std::string& text, const std::string& origin) {
   try {
-    root = toml::parse(text, origin);
+    return toml::parse(text, origin);
   } catch (const toml::parse_error& e) {
     fail(origin, line_of(e.source()), std::string(e.description()));
   }
+}
 
+// Moves every key of `from` into `into`; tables present in both are merged key by key, so a profile built
+// on a base changes exactly the keys it writes. Moving (not copying) keeps each node's file and line.
+void overlay(toml::table& into, toml::table&& from) {
+  for (auto&& [key, node] : from) {
+    toml::table* existing = into.get_as<toml::table>(key.str());
+    if (existing != nullptr && node.is_table()) {
+      overlay(*existing, std::move(*node.as_table()));
+    } else {
+      into.insert_or_assign(key, std::move(node));
+    }
+  }
+}
+
+std::optional<std::string> find_profile_file(const std::string& name_or_path, const std::string& first_dir);
+
+// The profile's table with its base, if it names one, merged underneath.
+toml::table resolve(const std::string& text, const std::string& origin, const std::string& dir, int depth) {
+  toml::table root = parse_toml(text, origin);
+  const toml::node* base = root.get("base");
+  if (base == nullptr) return root;
+  if (!base->is_string())
+    fail_at(base->source(), origin, fmt::format("'base' must be a string, got {}", type_name(*base)));
+  const std::string base_name = base->as_string()->get();
+  if (depth >= 8) {
+    fail_at(base->source(), origin,
+            fmt::format("'base = \"{}\"': profiles are based on each other more than 8 deep (a cycle?)",
+                        base_name));
+  }
+  if (root.get("name") == nullptr) {
+    fail_at(root.source(), origin, "a profile with a 'base' must still set its own 'name'");
+  }
+  std::optional<std::string> path = find_profile_file(base_name, dir);
+  if (!path) {
+    fail_at(base->source(), origin,
+            fmt::format("'base = \"{}\"': no such profile (available: {})", base_name,
+                        fmt::join(list_profiles(), ", ")));
+  }
+  toml::table merged = resolve(read_file(*path), *path, fs::path(*path).parent_path().string(), depth + 1);
+  root.erase("base");
+  overlay(merged, std::move(root));
+  return merged;
+}
+
+Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader top(root, "", origin,
-                  {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "intra_node",
-                   "inter_node"});
+                  {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "nvlink",
+                   "pcie", "nic", "fabric"});
   Profile p;
   p.name = top.require_string("name");
   p.description = top.optional_string("description", "");
@@ -261,13 +345,89 @@ Profile parse_profile(const std::string& text, const std::string& origin) {
   p.gpu.compute_efficiency = gpu.efficiency("compute_efficiency", 1.0);
   p.gpu.memory_efficiency = gpu.efficiency("memory_efficiency", 1.0);
 
-  p.intra_node = read_link(top, "intra_node", origin);
-  p.inter_node = read_link(top, "inter_node", origin);
+  if (const toml::table* t = top.optional_table("nvlink")) {
+    TableReader nv(
+        *t, "nvlink", origin,
+        {"generation", "links_per_gpu", "link_bandwidth_gbps", "efficiency", "latency_us", "switch", "nvls"});
+    p.has_nvlink = true;
+    p.nvlink.generation = nv.require_string("generation");
+    p.nvlink.links_per_gpu = *nv.count("links_per_gpu", true);
+    p.nvlink.link_bandwidth_gbps = nv.positive("link_bandwidth_gbps");
+    p.nvlink.efficiency = nv.efficiency("efficiency", 1.0);
+    p.nvlink.latency_us = nv.non_negative("latency_us");
+    p.nvlink.switch_name = nv.require_string("switch");
+    p.nvlink.nvls = nv.boolean("nvls", false);
+  }
+
+  TableReader pcie(top.table("pcie"), "pcie", origin,
+                   {"generation", "bandwidth_gbps", "efficiency", "latency_us", "gpus_per_switch"});
+  p.pcie.generation = pcie.require_string("generation");
+  p.pcie.bandwidth_gbps = pcie.positive("bandwidth_gbps");
+  p.pcie.efficiency = pcie.efficiency("efficiency", 1.0);
+  p.pcie.latency_us = pcie.non_negative("latency_us");
+  p.pcie.gpus_per_switch = pcie.count("gpus_per_switch", false).value_or(1);
+
+  TableReader nic(top.table("nic"), "nic", origin,
+                  {"name", "count", "bandwidth_gbps", "efficiency", "latency_us"});
+  p.nic.name = nic.require_string("name");
+  p.nic.count = *nic.count("count", true);
+  p.nic.bandwidth_gbps = nic.positive("bandwidth_gbps");
+  p.nic.efficiency = nic.efficiency("efficiency", 1.0);
+  p.nic.latency_us = nic.non_negative("latency_us");
+
+  TableReader fabric(top.table("fabric"), "fabric", origin,
+                     {"kind", "switch", "switch_radix", "switch_latency_us", "oversubscription"});
+  p.fabric.kind = fabric.choice("kind", {"infiniband", "roce"});
+  p.fabric.switch_name = fabric.require_string("switch");
+  p.fabric.switch_radix = *fabric.count("switch_radix", true, 2);
+  p.fabric.switch_latency_us = fabric.non_negative("switch_latency_us");
+  p.fabric.oversubscription = fabric.at_least("oversubscription", 1.0, 1.0);
+
+  // Counts that must fit together: the topology gives every PCIe switch and every NIC the same number of
+  // GPUs, which is what the built-in machines do and what keeps rails symmetric.
+  if (p.gpus_per_node % p.pcie.gpus_per_switch != 0) {
+    fail_at(
+        pcie.at("gpus_per_switch"), origin,
+        fmt::format("'pcie.gpus_per_switch' = {} does not divide gpus_per_node = {}: every PCIe switch must "
+                    "hold the same number of GPUs",
+                    p.pcie.gpus_per_switch, p.gpus_per_node));
+  }
+  if (p.gpus_per_node % p.nic.count != 0) {
+    fail_at(nic.at("count"), origin,
+            fmt::format("'nic.count' = {} does not divide gpus_per_node = {}: every NIC must serve the same "
+                        "number of GPUs (at most one NIC per GPU)",
+                        p.nic.count, p.gpus_per_node));
+  }
+  if (p.has_nvlink && p.nvlink.nvls && p.gpus_per_node < 2) {
+    fail_at(root.source(), origin, "'nvlink.nvls' needs at least 2 GPUs per node");
+  }
   return p;
 }
 
+// A profile file: `name_or_path` itself when it is an existing file, else NAME or NAME.toml in
+// `first_dir` (when given) and then in each profile directory. A path with a directory in it means that
+// file and nothing else.
+std::optional<std::string> find_profile_file(const std::string& name_or_path, const std::string& first_dir) {
+  if (is_file(name_or_path)) return name_or_path;
+  if (name_or_path.empty() || name_or_path.find('/') != std::string::npos) return std::nullopt;
+  const bool has_ext = fs::path(name_or_path).extension() == ".toml";
+  std::vector<std::string> dirs = profile_dirs();
+  if (!first_dir.empty()) dirs.insert(dirs.begin(), first_dir);
+  for (const std::string& dir : dirs) {
+    fs::path candidate = fs::path(dir) / (has_ext ? name_or_path : name_or_path + ".toml");
+    if (is_file(candidate)) return candidate.string();
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+Profile parse_profile(const std::string& text, const std::string& origin) {
+  return read_profile(resolve(text, origin, "", 0), origin);
+}
+
 Profile load_profile_file(const std::string& path) {
-  Profile p = parse_profile(read_file(path), path);
+  Profile p = read_profile(resolve(read_file(path), path, fs::path(path).parent_path().string(), 0), path);
   p.source_file = path;
   return p;
 }
@@ -312,19 +472,11 @@ std::vector<std::string> list_profiles() {
 }
 
 Profile load_profile(const std::string& name_or_path) {
-  if (is_file(name_or_path)) return load_profile_file(name_or_path);
-
   // A bare name ("dgx-h100") or a file name ("dgx-h100.toml") is looked up in the profile directories; a
   // path with a directory in it means that file and nothing else.
-  std::vector<std::string> dirs = profile_dirs();
-  bool has_dir = name_or_path.find('/') != std::string::npos;
-  if (!has_dir && !name_or_path.empty()) {
-    bool has_ext = fs::path(name_or_path).extension() == ".toml";
-    for (const std::string& dir : dirs) {
-      fs::path candidate = fs::path(dir) / (has_ext ? name_or_path : name_or_path + ".toml");
-      if (is_file(candidate)) return load_profile_file(candidate.string());
-    }
-  }
+  if (std::optional<std::string> path = find_profile_file(name_or_path, "")) return load_profile_file(*path);
+  const std::vector<std::string> dirs = profile_dirs();
+  const bool has_dir = name_or_path.find('/') != std::string::npos;
 
   std::vector<std::string> available = list_profiles();
   std::string known = available.empty() ? "none found" : fmt::format("{}", fmt::join(available, ", "));

@@ -1,5 +1,6 @@
-// Profile: the hardware a run is timed on — a GPU model and the links between GPUs — read from a TOML
-// file in profiles/. Every number in a profile file carries its source in a comment beside it.
+// Profile: the hardware a run is timed on — a GPU model, the node around it (NVLink and NVSwitch, PCIe,
+// NICs) and the fabric between nodes — read from a TOML file in profiles/. Every number in a profile
+// file carries its source in a comment beside it.
 //
 // Units are in the field names: `_gbps` is gigabytes (1e9 bytes) per second, the unit NCCL and
 // nccl-tests report in; `_us` is microseconds; `_tflops` is 1e12 floating-point operations per second.
@@ -13,41 +14,81 @@ namespace ranklab {
 
 struct GpuModel {
   std::string name;
-  double peak_tflops_fp32 = 0;     // dense, without tensor cores
-  double peak_tflops_tf32 = 0;     // dense tensor-core TF32
-  double peak_tflops_bf16 = 0;     // dense tensor-core BF16
-  double hbm_bandwidth_gbps = 0;   // HBM bandwidth
-  double hbm_capacity_gib = 0;     // device memory
-  double launch_overhead_us = 0;   // host time to launch one kernel
+  double peak_tflops_fp32 = 0;    // dense, without tensor cores
+  double peak_tflops_tf32 = 0;    // dense tensor-core TF32
+  double peak_tflops_bf16 = 0;    // dense tensor-core BF16
+  double hbm_bandwidth_gbps = 0;  // HBM bandwidth
+  double hbm_capacity_gib = 0;    // device memory
+  double launch_overhead_us = 0;  // host time to launch one kernel
   // Fraction of peak FLOP/s and HBM bandwidth a well-shaped kernel reaches (the roofline's ceiling).
   double compute_efficiency = 1.0;
   double memory_efficiency = 1.0;
 };
 
-// One tier of links: NVLink inside a node, or the network between nodes.
-struct LinkTier {
-  std::string name;                // "nvlink", "infiniband", "roce", "pcie"
-  double bandwidth_gbps = 0;       // per GPU, per direction
-  double latency_us = 0;           // per hop/step
+// The NVLink ports of each GPU, all wired to the node's NVSwitch fabric, so any two GPUs of a node (an
+// NVLink domain) talk at the full per-GPU rate. A node without NVLink has no [nvlink] table.
+struct NvlinkSpec {
+  std::string generation;          // "NVLink 4"
+  int links_per_gpu = 0;           // NVLink links (ports) per GPU
+  double link_bandwidth_gbps = 0;  // one link, one direction: the line rate
+  double efficiency = 1.0;         // fraction of the line rate NCCL's transfers sustain
+  double latency_us = 0;           // one hop: GPU to switch, or switch to GPU
+  std::string switch_name;         // "NVSwitch (3rd generation)"
+  bool nvls = false;               // the switch reduces in the network (NVLink SHARP, NCCL's NVLS)
+  double gpu_bandwidth_gbps() const { return links_per_gpu * link_bandwidth_gbps; }
+};
+
+// Each GPU's PCIe link to a PCIe switch; the NICs hang off the same switches, and switches meet at the
+// CPU's root complex. Without NVLink, GPUs of a node talk over PCIe.
+struct PcieSpec {
+  std::string generation;     // "PCIe 5.0 x16"
+  double bandwidth_gbps = 0;  // one x16 link, one direction: the line rate
+  double efficiency = 1.0;    // fraction of the line rate NCCL's transfers sustain
+  double latency_us = 0;      // one hop
+  int gpus_per_switch = 1;    // GPUs behind one PCIe switch
+};
+
+// The network adapters of a node. NIC k serves GPUs [k * g, (k + 1) * g) with g = gpus_per_node / count,
+// and is the node's port on rail k of the fabric.
+struct NicSpec {
+  std::string name;           // "ConnectX-7 NDR 400 Gb/s"
+  int count = 1;              // per node
+  double bandwidth_gbps = 0;  // one NIC, one direction: the line rate
+  double efficiency = 1.0;    // fraction of the line rate NCCL's transfers sustain
+  double latency_us = 0;      // the adapter and its cable
+};
+
+// The network between nodes: a rail-optimised fat tree. NIC k of every node connects to a leaf switch
+// of rail k; leaves connect to spine switches, so traffic stays on its rail unless it changes rails.
+struct FabricSpec {
+  std::string kind;               // "infiniband" or "roce"
+  std::string switch_name;        // "Quantum-2 QM9700"
+  int switch_radix = 2;           // ports per switch
+  double switch_latency_us = 0;   // port to port
+  double oversubscription = 1.0;  // leaf downlink : uplink bandwidth (1 = non-blocking)
 };
 
 struct Profile {
   std::string name;
   std::string description;
-  std::string source_file;         // where it was read from ("" for built-in defaults)
+  std::string source_file;  // where it was read from ("" for profiles parsed from text)
   GpuModel gpu;
-  int gpus_per_node = 1;
-  int nodes = 1;                   // how many nodes the run may use (--nodes)
-  LinkTier intra_node;             // between GPUs of one node
-  LinkTier inter_node;             // between nodes
-  double barrier_latency_us = 0;   // host rendezvous cost of barrier()
+  int gpus_per_node = 1;    // a node is one NVLink domain (72 GPUs for GB200 NVL72)
+  int nodes = 1;            // how many nodes the run may use (--nodes)
+  bool has_nvlink = false;  // false: no [nvlink] table, GPUs of a node talk over PCIe
+  NvlinkSpec nvlink;
+  PcieSpec pcie;
+  NicSpec nic;
+  FabricSpec fabric;
+  double barrier_latency_us = 0;  // host rendezvous cost of barrier()
 
   int max_world() const { return gpus_per_node * nodes; }
   std::int64_t hbm_capacity_bytes() const;
 };
 
-// Parses a profile file. Errors (syntax, unknown key, missing field, a value out of range) raise
-// ProfileError naming the file and line.
+// Parses a profile file. Errors (syntax, unknown key, missing field, a value out of range, counts that do
+// not fit together) raise ProfileError naming the file and line. A profile may start from another one
+// (`base = "dgx-h100"`) and change only what differs; errors then name the file the value came from.
 Profile load_profile_file(const std::string& path);
 // Parses profile text; `origin` names it in errors.
 Profile parse_profile(const std::string& text, const std::string& origin);

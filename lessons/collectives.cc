@@ -18,7 +18,8 @@ namespace {
 // Records whether `t` holds exactly `want` on every rank (the values are small integers, so exact).
 void expect(Rank& r, const std::string& what, const Tensor& t, const std::vector<float>& want) {
   const std::vector<float> got = r.to_host(t);
-  r.check(what, got == want, got == want ? "" : fmt::format("rank {} has {}", r.rank(), format_values(t.shape(), got)));
+  r.check(what, got == want,
+          got == want ? "" : fmt::format("rank {} has {}", r.rank(), format_values(t.shape(), got)));
 }
 
 std::vector<float> iota(int n, float start) {
@@ -38,7 +39,8 @@ void collectives(Rank& r, const Options& o) {
   const int w = r.world_size(), me = r.rank();
   (void)o;
   if (me == 0) {
-    r.print(fmt::format("Collectives on {} ranks. Each rank is one GPU; every line below is one rank's tensor.", w));
+    r.print(fmt::format(
+        "Collectives on {} ranks. Each rank is one GPU; every line below is one rank's tensor.", w));
   }
 
   // Broadcast: rank 0's tensor is copied to every rank.
@@ -76,7 +78,8 @@ void collectives(Rank& r, const Options& o) {
   }
 
   // Reduce: like gather, but the pieces are combined instead of concatenated.
-  heading(r, "reduce(root=0, Sum)", "Like gather, but the pieces are summed (or max, min, product) on rank 0.");
+  heading(r, "reduce(root=0, Sum)",
+          "Like gather, but the pieces are summed (or max, min, product) on rank 0.");
   {
     Tensor t = r.full({1}, static_cast<float>(me));
     r.show("  Input:  ", t);
@@ -88,7 +91,8 @@ void collectives(Rank& r, const Options& o) {
   }
 
   // All-gather: gather, with the result on every rank.
-  heading(r, "all_gather", "Gather with the result on every rank: how sharded parameters are put back together.");
+  heading(r, "all_gather",
+          "Gather with the result on every rank: how sharded parameters are put back together.");
   const std::vector<float> gathered = iota(w, 0);
   {
     Tensor in = r.full({1}, static_cast<float>(me));
@@ -100,7 +104,8 @@ void collectives(Rank& r, const Options& o) {
   }
 
   // Reduce-scatter: reduce component i over ranks and leave it on rank i.
-  heading(r, "reduce_scatter(Sum)", "Component i is summed over ranks and lands on rank i: how gradients are sharded.");
+  heading(r, "reduce_scatter(Sum)",
+          "Component i is summed over ranks and lands on rank i: how gradients are sharded.");
   // Rank i holds [i, i+1, ..., i+w-1], as in the lecture; component j sums to sum_i (i + j).
   std::vector<float> summed(w);
   for (int j = 0; j < w; ++j) summed[j] = static_cast<float>(w * j + w * (w - 1) / 2);
@@ -134,7 +139,8 @@ void collectives(Rank& r, const Options& o) {
   }
 
   // All-to-all: piece j of rank i goes to rank j; with equal pieces it transposes the rank x piece matrix.
-  heading(r, "all_to_all", "Piece j of rank i goes to rank j: a transpose across ranks, as MoE routing needs.");
+  heading(r, "all_to_all",
+          "Piece j of rank i goes to rank j: a transpose across ranks, as MoE routing needs.");
   {
     Tensor in = r.arange({w}, static_cast<float>(me * w));
     Tensor out = r.zeros({w});
@@ -165,7 +171,9 @@ void collectives(Rank& r, const Options& o) {
       default:
         want = static_cast<float>(w + 1) / 2;
     }
-    if (me == 0) r.print(fmt::format("  all_reduce({}) of rank+1 = {}", reduce_op_name(op), format_values({1}, r.to_host(t))));
+    if (me == 0)
+      r.print(fmt::format("  all_reduce({}) of rank+1 = {}", reduce_op_name(op),
+                          format_values({1}, r.to_host(t))));
     expect(r, fmt::format("all_reduce({}) of rank+1", reduce_op_name(op)), t, {want});
   }
 

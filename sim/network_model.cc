@@ -4,107 +4,305 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
+#include <limits>
+#include <numeric>
+
+#include "common/errors.h"
+#include "sim/nccl_tuning.h"
+#include "sim/sim_backend.h"
 
 namespace ranklab::sim {
 
-const LinkTier& AlphaBetaRingModel::tier_between(int a, int b) const {
-  const int per_node = profile_.gpus_per_node;
-  return a / per_node == b / per_node ? profile_.intra_node : profile_.inter_node;
+namespace {
+
+// NCCL's order of algorithms and protocols: on equal predicted times the first one wins, as in NCCL's
+// selection loop.
+constexpr Algorithm kAlgorithms[] = {Algorithm::Tree,     Algorithm::Ring,   Algorithm::Nvls,
+                                     Algorithm::NvlsTree, Algorithm::Direct, Algorithm::Pairwise};
+constexpr Protocol kProtocols[] = {Protocol::LL, Protocol::LL128, Protocol::Simple};
+
+std::uint64_t shape_key(CommOp op, Algorithm a, int root) {
+  return (static_cast<std::uint64_t>(op) << 48) | (static_cast<std::uint64_t>(a) << 40) |
+         static_cast<std::uint32_t>(root + 1);
 }
 
-void AlphaBetaRingModel::count(int src, int dst, double bytes) {
-  link_bytes_[(static_cast<std::uint64_t>(src) << 32) | static_cast<std::uint32_t>(dst)] += bytes;
+bool rooted(CommOp op) {
+  return op == CommOp::Broadcast || op == CommOp::Reduce || op == CommOp::Scatter || op == CommOp::Gather;
 }
 
-CommCost AlphaBetaRingModel::collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks,
-                                        int root, double /*start_us*/) {
-  const int n = static_cast<int>(ranks.size());
-  if (n <= 1) return {0.0, "local"};
+// Grouped point-to-point (scatter, gather, all_to_all, send/recv) picks its protocol per message the way
+// NCCL's p2p path does: LL up to NCCL_P2P_LL_THRESHOLD, Simple above.
+Protocol p2p_protocol(double per_peer_bytes) {
+  return per_peer_bytes <= kP2pLlThresholdBytes ? Protocol::LL : Protocol::Simple;
+}
 
-  // The ring runs at its slowest hop.
-  double bw_gbps = INFINITY, alpha_us = 0;
-  for (int i = 0; i < n; ++i) {
-    const LinkTier& t = tier_between(ranks[i], ranks[(i + 1) % n]);
-    bw_gbps = std::min(bw_gbps, t.bandwidth_gbps);
-    alpha_us = std::max(alpha_us, t.latency_us);
+}  // namespace
+
+NetworkModel::NetworkModel(const Profile& profile, NetworkOptions options)
+    : topo_(profile), options_(std::move(options)) {
+  if (!options_.algorithm.empty() && !parse_algorithm(options_.algorithm)) {
+    throw UsageError(
+        fmt::format("unknown algorithm '{}'; NCCL's are ring, tree, nvls and nvls_tree", options_.algorithm));
   }
+  if (!options_.protocol.empty() && !parse_protocol(options_.protocol)) {
+    throw UsageError(
+        fmt::format("unknown protocol '{}'; NCCL's are ll, ll128 and simple", options_.protocol));
+  }
+}
+
+std::size_t NetworkModel::RanksHash::operator()(const std::vector<int>& v) const {
+  // FNV-1a over the ranks.
+  std::uint64_t h = 1469598103934665603ull;
+  for (int r : v) {
+    h ^= static_cast<std::uint32_t>(r);
+    h *= 1099511628211ull;
+  }
+  return static_cast<std::size_t>(h);
+}
+
+NetworkModel::GroupEntry& NetworkModel::group(const std::vector<int>& ranks) {
+  auto it = groups_.find(ranks);
+  if (it != groups_.end()) return it->second;
+  GroupEntry e;
+  e.layout = layout_group(topo_, ranks);
+  return groups_.emplace(ranks, std::move(e)).first->second;
+}
+
+const NetworkModel::Shape& NetworkModel::shape(GroupEntry& g, CommOp op, Algorithm a, int root) {
+  const std::uint64_t key = shape_key(op, a, rooted(op) ? root : -1);
+  auto it = g.shapes.find(key);
+  if (it != g.shapes.end()) return it->second;
+  Shape s;
+  s.unit = unit_plan(topo_, g.layout, op, a, root);
+  s.unit_us = transfer_us(topo_, s.unit);
+  return g.shapes.emplace(key, std::move(s)).first->second;
+}
+
+double NetworkModel::occupancy(CommOp op, const Candidate& c, const GroupShape& g, double bytes) const {
+  double f = nccl_bandwidth_factor(op, c.algorithm, c.protocol, g);
+  if (c.algorithm == Algorithm::Tree) f *= nccl_tree_correction(c.protocol, bytes);
+  return f;
+}
+
+std::vector<Candidate> NetworkModel::candidates(CommOp op, std::int64_t bytes, const std::vector<int>& ranks,
+                                                int root) {
+  std::vector<Candidate> out = latencies(op, bytes, ranks);
+  if (out.front().algorithm == Algorithm::Local) return out;
+  GroupEntry& g = group(ranks);
+  for (Candidate& c : out) c.transfer_us = transfer_of(g, op, c, bytes, root);
+  return out;
+}
+
+std::vector<Candidate> NetworkModel::latencies(CommOp op, std::int64_t bytes, const std::vector<int>& ranks) {
+  std::vector<Candidate> out;
+  if (ranks.size() <= 1 || bytes <= 0) {
+    out.push_back({Algorithm::Local, Protocol::Simple, 0, 0});
+    return out;
+  }
+  const GroupShape& gs = group(ranks).layout.shape;
   const double s = static_cast<double>(bytes);
-  const double share = s * (n - 1) / n;  // what each rank sends in one pass of the ring
-  double steps = n - 1, sent_per_rank = share;
-  std::string algorithm = "ring";
-  switch (op) {
-    case CommOp::AllReduce:  // reduce-scatter then all-gather: two passes
-      steps = 2.0 * (n - 1);
-      sent_per_rank = 2 * share;
-      break;
-    case CommOp::AllGather:
-    case CommOp::ReduceScatter:
-    case CommOp::AllToAll:
-      break;
-    case CommOp::Broadcast:
-    case CommOp::Reduce:
-      // A pipelined chain from (or to) the root: every hop but the last carries the whole message.
-      sent_per_rank = s;
-      algorithm = "chain";
-      break;
-    case CommOp::Scatter:
-    case CommOp::Gather:
-      // The root's own link carries every other member's piece.
-      algorithm = "direct";
-      break;
-    case CommOp::Send:
-    case CommOp::Recv:
-    case CommOp::Barrier:
-      break;
-  }
-  const double duration_us = steps * alpha_us + sent_per_rank / (bw_gbps * 1e3);
-
-  // Traffic: which directed links carry the bytes.
-  if (op == CommOp::Scatter || op == CommOp::Gather) {
-    const double piece = s / n;
-    for (int r : ranks) {
-      if (r == root) continue;
-      op == CommOp::Scatter ? count(root, r, piece) : count(r, root, piece);
+  const double per_peer = s / static_cast<double>(ranks.size());
+  for (Algorithm a : kAlgorithms) {
+    for (Protocol p : kProtocols) {
+      if (!nccl_supports(op, a, p, gs)) continue;
+      if ((a == Algorithm::Direct || a == Algorithm::Pairwise) && p != p2p_protocol(per_peer)) continue;
+      out.push_back({a, p, nccl_latency_us(op, a, p, gs, s), 0});
     }
-  } else if (op == CommOp::AllToAll) {
-    const double piece = s / n / n;  // each rank's input is s/n, split n ways
-    for (int a : ranks)
-      for (int b : ranks)
-        if (a != b) count(a, b, piece);
-  } else if (op == CommOp::Broadcast || op == CommOp::Reduce) {
-    // The chain starts (broadcast) or ends (reduce) at the root.
-    const int at = static_cast<int>(std::find(ranks.begin(), ranks.end(), root) - ranks.begin());
-    for (int k = 0; k + 1 < n; ++k) {
-      const int a = ranks[(at + k) % n], b = ranks[(at + k + 1) % n];
-      op == CommOp::Broadcast ? count(a, b, s) : count(b, a, s);
-    }
-  } else {
-    for (int i = 0; i < n; ++i) count(ranks[i], ranks[(i + 1) % n], sent_per_rank);
   }
-  return {duration_us, algorithm};
-}
-
-CommCost AlphaBetaRingModel::point_to_point(int src, int dst, std::int64_t bytes, double /*start_us*/) {
-  const LinkTier& t = tier_between(src, dst);
-  count(src, dst, static_cast<double>(bytes));
-  return {t.latency_us + static_cast<double>(bytes) / (t.bandwidth_gbps * 1e3), "p2p"};
-}
-
-std::vector<LinkTraffic> AlphaBetaRingModel::link_traffic() const {
-  std::map<std::uint64_t, double> sorted(link_bytes_.begin(), link_bytes_.end());
-  std::vector<LinkTraffic> out;
-  out.reserve(sorted.size());
-  for (const auto& [key, bytes] : sorted) {
-    const int src = static_cast<int>(key >> 32), dst = static_cast<int>(key & 0xffffffffu);
-    const LinkTier& t = tier_between(src, dst);
-    out.push_back({fmt::format("gpu{}->gpu{}", src, dst), t.name, static_cast<std::int64_t>(std::llround(bytes))});
+  if (out.empty()) {
+    throw UsageError(fmt::format("{} over {} ranks has no algorithm on {}", comm_op_name(op), ranks.size(),
+                                 topo_.profile().name));
   }
   return out;
 }
 
+double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root) {
+  const double s = static_cast<double>(bytes);
+  return s * shape(g, op, c.algorithm, root).unit_us / occupancy(op, c, g.layout.shape, s);
+}
+
+CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t bytes) const {
+  CommPlan plan;
+  plan.algorithm = c.algorithm;
+  plan.protocol = c.protocol;
+  plan.latency_us = c.latency_us;
+  plan.transfer_us = c.transfer_us;
+  plan.links = s.unit.links;
+  plan.flows = s.unit.flows;
+  const double b = static_cast<double>(bytes);
+  // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly.
+  const double occupy = c.transfer_us > 0 && s.unit_us > 0 ? c.transfer_us / (b * s.unit_us) : 1.0;
+  for (Flow& f : plan.flows) {
+    f.payload_bytes *= b;
+    f.bytes = f.payload_bytes * occupy;
+  }
+  return plan;
+}
+
+CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks,
+                                       int root) {
+  std::vector<Candidate> all = latencies(op, bytes, ranks);
+  if (all.front().algorithm == Algorithm::Local) return CommPlan{};
+  // NCCL_ALGO / NCCL_PROTO: keep the forced ones when this call can use them at all.
+  const std::optional<Algorithm> forced_a = parse_algorithm(options_.algorithm);
+  const std::optional<Protocol> forced_p = parse_protocol(options_.protocol);
+  auto allowed = [&](const Candidate& c, bool check_a, bool check_p) {
+    return (!check_a || !forced_a || c.algorithm == *forced_a) &&
+           (!check_p || !forced_p || c.protocol == *forced_p);
+  };
+  const bool check_a =
+      std::any_of(all.begin(), all.end(), [&](const Candidate& c) { return allowed(c, true, false); });
+  const bool check_p =
+      std::any_of(all.begin(), all.end(), [&](const Candidate& c) { return allowed(c, check_a, true); });
+  std::erase_if(all, [&](const Candidate& c) { return !allowed(c, check_a, check_p); });
+  // The least latency + transfer, the first of equals in NCCL's order. Candidates are looked at by
+  // latency, so one whose latency alone exceeds the best time so far is never built: at thousands of
+  // ranks that skips the ring, whose latency grows with every rank.
+  std::vector<std::size_t> by_latency(all.size());
+  std::iota(by_latency.begin(), by_latency.end(), 0);
+  std::stable_sort(by_latency.begin(), by_latency.end(),
+                   [&](std::size_t a, std::size_t b) { return all[a].latency_us < all[b].latency_us; });
+  GroupEntry& g = group(ranks);
+  std::size_t best = all.size();
+  for (std::size_t i : by_latency) {
+    if (best < all.size() && all[i].latency_us > all[best].time_us()) break;
+    all[i].transfer_us = transfer_of(g, op, all[i], bytes, root);
+    if (best == all.size() || all[i].time_us() < all[best].time_us() ||
+        (all[i].time_us() == all[best].time_us() && i < best)) {
+      best = i;
+    }
+  }
+  return scaled(shape(g, op, all[best].algorithm, root), all[best], bytes);
+}
+
+CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
+  if (src == dst || bytes <= 0) return CommPlan{};
+  CommPlan plan = p2p_plan(topo_, src, dst);
+  GroupShape gs;
+  gs.ranks = 2;
+  gs.nodes = topo_.node_of(src) == topo_.node_of(dst) ? 1 : 2;
+  gs.ranks_per_node = gs.nodes == 1 ? 2 : 1;
+  gs.nvlink = topo_.has_nvlink();
+  if (gs.nodes > 1)
+    gs.net_extra_us = (topo_.switch_hops(src, dst) - 1) * topo_.profile().fabric.switch_latency_us;
+  const double b = static_cast<double>(bytes);
+  Protocol p = p2p_protocol(b);
+  if (std::optional<Protocol> forced = parse_protocol(options_.protocol)) {
+    if (nccl_supports(CommOp::AllReduce, Algorithm::Ring, *forced, gs)) p = *forced;
+  }
+  plan.protocol = p;
+  plan.latency_us = nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b);
+  const double occupy = 1.0 / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
+  for (Flow& f : plan.flows) {
+    f.payload_bytes *= b;
+    f.bytes = f.payload_bytes * occupy;
+  }
+  plan.transfer_us = transfer_us(topo_, plan);
+  return plan;
+}
+
+void NetworkModel::record(const CommPlan& plan) {
+  if (plan.flows.empty()) return;
+  if (link_bytes_.empty()) link_bytes_.assign(topo_.link_count(), 0.0);
+  for (const Flow& f : plan.flows) {
+    for (LinkId l : plan.path(f)) link_bytes_[l] += f.payload_bytes;
+  }
+}
+
+std::vector<LinkTraffic> NetworkModel::link_traffic() const {
+  std::vector<LinkTraffic> out;
+  for (std::size_t l = 0; l < link_bytes_.size(); ++l) {
+    if (link_bytes_[l] <= 0) continue;
+    const LinkId id = static_cast<LinkId>(l);
+    LinkTraffic t;
+    t.link = topo_.link_name(id);
+    t.tier = tier_name(topo_.tier(id));
+    t.bytes = static_cast<std::int64_t>(std::llround(link_bytes_[l]));
+    t.bandwidth_gbps = topo_.line_rate_gbps(id);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+CommCost NetworkModel::collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root,
+                                  double /*start_us*/) {
+  const CommPlan plan = plan_collective(op, bytes, ranks, root);
+  record(plan);
+  return {duration_us(plan), plan.name()};
+}
+
+CommCost NetworkModel::point_to_point(int src, int dst, std::int64_t bytes, double /*start_us*/) {
+  const CommPlan plan = plan_p2p(src, dst, bytes);
+  record(plan);
+  return {duration_us(plan), plan.name()};
+}
+
+PlanFlows plan_flows(const Topology& topo, const std::vector<const CommPlan*>& plans) {
+  PlanFlows out;
+  std::unordered_map<LinkId, std::uint32_t> index;
+  std::vector<std::uint32_t> path;
+  for (const CommPlan* plan : plans) {
+    out.first_flow.push_back(out.network.flows());
+    for (const Flow& f : plan->flows) {
+      path.clear();
+      for (LinkId l : plan->path(f)) {
+        auto [it, added] = index.try_emplace(l, 0);
+        if (added) {
+          it->second = out.network.add_link(topo.capacity_gbps(l));
+          out.link_of.push_back(l);
+        }
+        path.push_back(it->second);
+      }
+      out.network.add_flow(path);
+      out.bytes.push_back(f.bytes);
+    }
+  }
+  return out;
+}
+
+double transfer_us(const Topology& topo, const CommPlan& plan) {
+  if (plan.flows.empty()) return 0;
+  if (plan.flows.size() == 1) {
+    const Flow& f = plan.flows[0];
+    double slowest_gbps = std::numeric_limits<double>::infinity();
+    for (LinkId l : plan.path(f)) slowest_gbps = std::min(slowest_gbps, topo.capacity_gbps(l));
+    return f.length == 0 ? 0 : f.bytes / (slowest_gbps * 1e3);
+  }
+  // The busiest link's time: the bytes all flows put on it over its capacity. Every algorithm here loads
+  // its links so that the busiest one stays busy to the end under max-min sharing, so this is exactly the
+  // plan's fluid finish time (fluid_finish_us; tests/test_network_model.cc checks they agree) at a
+  // fraction of its cost. Scratch space per thread: the simulator runs every rank on one thread.
+  thread_local std::vector<double> load;
+  thread_local std::vector<LinkId> touched;
+  if (load.size() < topo.link_count()) load.assign(topo.link_count(), 0.0);
+  touched.clear();
+  for (const Flow& f : plan.flows) {
+    for (LinkId l : plan.path(f)) {
+      if (load[l] == 0) touched.push_back(l);
+      load[l] += f.bytes;
+    }
+  }
+  double busiest_us = 0;
+  for (LinkId l : touched) {
+    busiest_us = std::max(busiest_us, load[l] / (topo.capacity_gbps(l) * 1e3));
+    load[l] = 0;
+  }
+  return busiest_us;
+}
+
+double fluid_transfer_us(const Topology& topo, const CommPlan& plan) {
+  if (plan.flows.empty()) return 0;
+  const PlanFlows pf = plan_flows(topo, {&plan});
+  const std::vector<double> finish = fluid_finish_us(pf.network, pf.bytes);
+  return *std::max_element(finish.begin(), finish.end());
+}
+
 std::unique_ptr<NetworkModel> make_network_model(const Profile& profile) {
-  return std::make_unique<AlphaBetaRingModel>(profile);
+  return std::make_unique<NetworkModel>(profile);
+}
+
+std::unique_ptr<NetworkModel> make_network_model(const SimConfig& config) {
+  return std::make_unique<NetworkModel>(config.profile, NetworkOptions{config.algorithm, config.protocol});
 }
 
 }  // namespace ranklab::sim

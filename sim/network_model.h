@@ -1,13 +1,17 @@
 // NetworkModel: how long communication takes and which links carry its bytes.
 //
-// The simulator asks the model for each collective once every member has launched it and its start
-// time is known. This model is the alpha-beta ring of Thakur, Rabenseifner & Gropp ("Optimization of
-// Collective Communication Operations in MPICH", IJHPCA 2005): a collective over n ranks is a ring of
-// n-1 (or 2(n-1) for all_reduce) steps, each paying the tier's latency alpha and moving its share of the
-// bytes at the tier's bandwidth beta. A group that spans nodes runs at the slower tier.
+// The simulator asks the model for each operation once every member has launched it. The model answers in
+// two steps, as NCCL itself works:
+//   1. plan: choose the algorithm and protocol the way NCCL does (the least predicted latency + transfer
+//      time, or the ones NCCL_ALGO / NCCL_PROTO force: --algo, --proto), and split the operation into
+//      flows over the topology's links (sim/algorithms.h);
+//   2. time: the plan's latency plus the time its flows take sharing the links max-min fairly
+//      (sim/max_min.h). CommCost gives the time with the machine to itself; the engine, which knows what
+//      else is in flight, can share the links between plans instead.
+// Every payload byte a plan moves is counted on each link it crosses (record()); the RunReport gets the
+// totals per link (and so per tier: NVLink, PCIe, network).
 //
-// The interface is the seam for richer models (topology, algorithm choice, bandwidth sharing): the
-// simulator only needs an end time for a transfer that starts at a known time, plus per-link bytes.
+// docs/model.md explains a time from end to end, with every reference.
 #pragma once
 
 #include <cstdint>
@@ -19,41 +23,111 @@
 #include "common/profile.h"
 #include "common/rank.h"
 #include "common/report.h"
+#include "sim/algorithms.h"
+#include "sim/comm_plan.h"
+#include "sim/max_min.h"
+#include "sim/topology.h"
+
+namespace ranklab {
+struct SimConfig;
+}
 
 namespace ranklab::sim {
 
 struct CommCost {
   double duration_us = 0;
-  std::string algorithm;
+  std::string algorithm;  // "ring/simple", "nvls/simple", ...
+};
+
+// What NCCL_ALGO and NCCL_PROTO would force; "" lets the model choose. An algorithm or protocol that an
+// operation cannot use on this topology is ignored for it, as NCCL falls back when a forced choice is
+// unavailable.
+struct NetworkOptions {
+  std::string algorithm;  // ring, tree, nvls, nvls_tree
+  std::string protocol;   // ll, ll128, simple
+};
+
+// One (algorithm, protocol) NCCL could run, with its predicted time for a message size.
+struct Candidate {
+  Algorithm algorithm = Algorithm::Ring;
+  Protocol protocol = Protocol::Simple;
+  double latency_us = 0;
+  double transfer_us = 0;
+  double time_us() const { return latency_us + transfer_us; }
 };
 
 class NetworkModel {
  public:
-  virtual ~NetworkModel() = default;
-  // A collective `op` over `ranks` (global ranks, in group order) whose nccl-tests size is `bytes`.
-  virtual CommCost collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root,
-                              double start_us) = 0;
-  virtual CommCost point_to_point(int src, int dst, std::int64_t bytes, double start_us) = 0;
-  // Bytes carried by each directed link so far.
-  virtual std::vector<LinkTraffic> link_traffic() const = 0;
-};
+  NetworkModel(const Profile& profile, NetworkOptions options = {});
 
-class AlphaBetaRingModel : public NetworkModel {
- public:
-  explicit AlphaBetaRingModel(const Profile& profile) : profile_(profile) {}
+  const Topology& topology() const { return topo_; }
+  const NetworkOptions& options() const { return options_; }
+
+  // ---- plans ----------------------------------------------------------------------------------------
+  // A collective `op` over `ranks` (global ranks, in group order) whose nccl-tests size is `bytes`; `root`
+  // is a global rank for the rooted collectives. Cheap after the first call for a group: the shape of
+  // every algorithm is kept per group, and a plan is that shape scaled.
+  CommPlan plan_collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root);
+  // A send from `src` to `dst` along the path between them.
+  CommPlan plan_p2p(int src, int dst, std::int64_t bytes);
+  // Every (algorithm, protocol) NCCL could use for this call, with its time, in NCCL's order; the plan
+  // takes the fastest (the first of equals) among those the options allow.
+  std::vector<Candidate> candidates(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root);
+
+  // ---- traffic --------------------------------------------------------------------------------------
+  // Counts a plan's payload on every link it crosses.
+  void record(const CommPlan& plan);
+  // Bytes carried by each directed link so far (links that carried none are left out), in link order.
+  std::vector<LinkTraffic> link_traffic() const;
+
+  // ---- the simulator's calls: plan, record, and the time alone on the machine -------------------------
   CommCost collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root,
-                      double start_us) override;
-  CommCost point_to_point(int src, int dst, std::int64_t bytes, double start_us) override;
-  std::vector<LinkTraffic> link_traffic() const override;
+                      double start_us);
+  CommCost point_to_point(int src, int dst, std::int64_t bytes, double start_us);
 
  private:
-  const LinkTier& tier_between(int a, int b) const;
-  void count(int src, int dst, double bytes);
+  struct Shape {
+    CommPlan unit;       // flows for a one-byte message
+    double unit_us = 0;  // their time alone, at Simple's efficiency
+  };
+  struct GroupEntry {
+    GroupLayout layout;
+    std::unordered_map<std::uint64_t, Shape> shapes;  // by (op, algorithm, root)
+  };
+  struct RanksHash {
+    std::size_t operator()(const std::vector<int>& v) const;
+  };
+  GroupEntry& group(const std::vector<int>& ranks);
+  const Shape& shape(GroupEntry& g, CommOp op, Algorithm a, int root);
+  CommPlan scaled(const Shape& s, const Candidate& c, std::int64_t bytes) const;
+  double occupancy(CommOp op, const Candidate& c, const GroupShape& g, double bytes) const;
+  // The candidates with their latencies only (transfer 0): cheap, no flows built.
+  std::vector<Candidate> latencies(CommOp op, std::int64_t bytes, const std::vector<int>& ranks);
+  double transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root);
 
-  Profile profile_;
-  std::unordered_map<std::uint64_t, double> link_bytes_;  // key: src << 32 | dst
+  Topology topo_;
+  NetworkOptions options_;
+  std::unordered_map<std::vector<int>, GroupEntry, RanksHash> groups_;
+  std::vector<double> link_bytes_;  // by LinkId, allocated at the first record
 };
 
+// The time a plan's flows take alone on the topology's links: the busiest link's bytes over its capacity.
+// For the plans of sim/algorithms.h this equals fluid_transfer_us, at a fraction of the cost.
+double transfer_us(const Topology& topo, const CommPlan& plan);
+// The same by simulating max-min sharing until the last flow finishes (sim/max_min.h).
+double fluid_transfer_us(const Topology& topo, const CommPlan& plan);
+
+// The flows of several plans as one FlowNetwork for the rate solver: flow i of plan p is flow
+// first_flow[p] + i; links are renumbered densely, with the topology's capacities.
+struct PlanFlows {
+  FlowNetwork network;
+  std::vector<int> first_flow;  // per plan
+  std::vector<LinkId> link_of;  // network link -> topology link
+  std::vector<double> bytes;    // per flow: what occupies the links
+};
+PlanFlows plan_flows(const Topology& topo, const std::vector<const CommPlan*>& plans);
+
 std::unique_ptr<NetworkModel> make_network_model(const Profile& profile);
+std::unique_ptr<NetworkModel> make_network_model(const SimConfig& config);
 
 }  // namespace ranklab::sim

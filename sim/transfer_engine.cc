@@ -13,6 +13,8 @@ namespace {
 constexpr double kInf = std::numeric_limits<double>::infinity();
 // A flow within this fraction of its bytes of done is done, so that flows that tie end together.
 constexpr double kDoneFraction = 1e-9;
+// Relative resolution of the clock below which remaining time counts as none.
+constexpr double kTimeResolution = 1e-12;
 }  // namespace
 
 void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, double start_us) {
@@ -105,7 +107,11 @@ void TransferEngine::retire_done_flows() {
   for (size_t i = 0; i < running_.size();) {
     Transfer* t = running_[i].transfer;
     const int f = running_[i].flow;
-    if (t->left_bytes[f] <= t->plan.flows[f].bytes * kDoneFraction) {
+    // Done when within rounding of its bytes, or when what is left would take less time than the clock
+    // can resolve (otherwise `now + left / rate` rounds back to `now` and time stops moving).
+    const double left_us = rate_bytes_per_us_[i] > 0 ? t->left_bytes[f] / rate_bytes_per_us_[i] : INFINITY;
+    if (t->left_bytes[f] <= t->plan.flows[f].bytes * kDoneFraction ||
+        left_us <= kTimeResolution * std::max(1.0, now_us_)) {
       t->left_bytes[f] = 0;
       running_[i] = running_.back();
       running_.pop_back();

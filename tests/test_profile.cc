@@ -36,15 +36,35 @@ const std::vector<std::string> kGood = {
     R"(compute_efficiency = 0.5)",        // 14
     R"(memory_efficiency = 0.75)",        // 15
     R"()",                                // 16
-    R"([intra_node])",                    // 17
-    R"(name = "nvlink")",                 // 18
-    R"(bandwidth_gbps = 100.0)",          // 19
-    R"(latency_us = 1.0)",                // 20
-    R"()",                                // 21
-    R"([inter_node])",                    // 22
-    R"(name = "infiniband")",             // 23
-    R"(bandwidth_gbps = 25.0)",           // 24
-    R"(latency_us = 3.0)",                // 25
+    R"([nvlink])",                        // 17
+    R"(generation = "NVLink 4")",         // 18
+    R"(links_per_gpu = 4)",               // 19
+    R"(link_bandwidth_gbps = 25.0)",      // 20
+    R"(efficiency = 0.8)",                // 21
+    R"(latency_us = 0.3)",                // 22
+    R"(switch = "NVSwitch")",             // 23
+    R"(nvls = true)",                     // 24
+    R"()",                                // 25
+    R"([pcie])",                          // 26
+    R"(generation = "PCIe 4.0 x16")",     // 27
+    R"(bandwidth_gbps = 31.5)",           // 28
+    R"(efficiency = 0.75)",               // 29
+    R"(latency_us = 0.5)",                // 30
+    R"(gpus_per_switch = 2)",             // 31
+    R"()",                                // 32
+    R"([nic])",                           // 33
+    R"(name = "ConnectX")",               // 34
+    R"(count = 2)",                       // 35
+    R"(bandwidth_gbps = 25.0)",           // 36
+    R"(efficiency = 0.9)",                // 37
+    R"(latency_us = 0.6)",                // 38
+    R"()",                                // 39
+    R"([fabric])",                        // 40
+    R"(kind = "infiniband")",             // 41
+    R"(switch = "QM")",                   // 42
+    R"(switch_radix = 8)",                // 43
+    R"(switch_latency_us = 0.1)",         // 44
+    R"(oversubscription = 2)",            // 45
 };
 
 std::string join(const std::vector<std::string>& lines) {
@@ -116,10 +136,11 @@ class ProfileTest : public ::testing::Test {
 
 TEST_F(ProfileTest, EveryBuiltInProfileLoads) {
   std::vector<std::string> names = list_profiles();
-  ASSERT_GE(names.size(), 2u);
   EXPECT_TRUE(std::is_sorted(names.begin(), names.end()));
-  EXPECT_NE(std::find(names.begin(), names.end(), "dgx-h100"), names.end());
-  EXPECT_NE(std::find(names.begin(), names.end(), "pcie-4gpu"), names.end());
+  for (const char* want :
+       {"dgx-a100", "dgx-h100", "dgx-h100-roce", "dgx-h200", "dgx-b200", "gb200-nvl72", "pcie-4gpu"}) {
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  }
   for (const std::string& name : names) {
     SCOPED_TRACE(name);
     Profile p = load_profile(name);
@@ -127,9 +148,12 @@ TEST_F(ProfileTest, EveryBuiltInProfileLoads) {
     EXPECT_FALSE(p.description.empty());
     EXPECT_EQ(fs::path(p.source_file).filename(), name + ".toml");
     EXPECT_GT(p.gpu.peak_tflops_bf16, p.gpu.peak_tflops_fp32);
-    EXPECT_GT(p.intra_node.bandwidth_gbps, p.inter_node.bandwidth_gbps);
+    // The hierarchy of the lecture: a GPU's link inside the node is faster than its share of the network.
+    const double intra_gbps = p.has_nvlink ? p.nvlink.gpu_bandwidth_gbps() : p.pcie.bandwidth_gbps;
+    EXPECT_GT(intra_gbps, p.nic.bandwidth_gbps * p.nic.count / p.gpus_per_node);
+    EXPECT_EQ(p.gpus_per_node % p.nic.count, 0);
+    EXPECT_EQ(p.gpus_per_node % p.pcie.gpus_per_switch, 0);
     EXPECT_EQ(p.nodes, 1);
-    EXPECT_GE(p.gpus_per_node, 1);
   }
 }
 
@@ -139,11 +163,36 @@ TEST_F(ProfileTest, DgxH100Numbers) {
   EXPECT_EQ(p.max_world(), 8);
   EXPECT_DOUBLE_EQ(p.gpu.peak_tflops_bf16, 989.4);
   EXPECT_DOUBLE_EQ(p.gpu.hbm_bandwidth_gbps, 3350.0);
-  EXPECT_EQ(p.intra_node.name, "nvlink");
-  EXPECT_DOUBLE_EQ(p.intra_node.bandwidth_gbps, 450.0);
-  EXPECT_EQ(p.inter_node.name, "infiniband");
-  EXPECT_DOUBLE_EQ(p.inter_node.bandwidth_gbps, 50.0);
+  ASSERT_TRUE(p.has_nvlink);
+  EXPECT_EQ(p.nvlink.links_per_gpu, 18);
+  EXPECT_DOUBLE_EQ(p.nvlink.gpu_bandwidth_gbps(), 450.0);
+  EXPECT_DOUBLE_EQ(p.nvlink.efficiency, 0.824);
+  EXPECT_TRUE(p.nvlink.nvls);
+  EXPECT_EQ(p.nic.count, 8);
+  EXPECT_DOUBLE_EQ(p.nic.bandwidth_gbps, 50.0);
+  EXPECT_EQ(p.fabric.kind, "infiniband");
+  EXPECT_EQ(p.fabric.switch_radix, 64);
   EXPECT_EQ(p.hbm_capacity_bytes(), std::llround(79.6 * 1073741824.0));
+}
+
+TEST_F(ProfileTest, ProfilesBuiltOnABase) {
+  // dgx-h200 changes the GPU of dgx-h100; dgx-h100-roce its NICs and fabric. The rest comes from the base.
+  const Profile h100 = load_profile("dgx-h100");
+  const Profile h200 = load_profile("dgx-h200");
+  EXPECT_EQ(h200.name, "dgx-h200");
+  EXPECT_DOUBLE_EQ(h200.gpu.hbm_bandwidth_gbps, 4800.0);
+  EXPECT_DOUBLE_EQ(h200.gpu.launch_overhead_us, h100.gpu.launch_overhead_us);
+  EXPECT_DOUBLE_EQ(h200.nvlink.gpu_bandwidth_gbps(), 450.0);
+  const Profile roce = load_profile("dgx-h100-roce");
+  EXPECT_EQ(roce.fabric.kind, "roce");
+  EXPECT_LT(roce.nic.efficiency, h100.nic.efficiency);
+  EXPECT_DOUBLE_EQ(roce.nic.bandwidth_gbps, h100.nic.bandwidth_gbps);
+  EXPECT_EQ(roce.gpu.name, h100.gpu.name);
+
+  Profile nvl72 = load_profile("gb200-nvl72");
+  EXPECT_EQ(nvl72.gpus_per_node, 72);
+  EXPECT_FALSE(load_profile("pcie-4gpu").has_nvlink);
+  EXPECT_FALSE(load_profile("dgx-a100").nvlink.nvls);
 }
 
 TEST_F(ProfileTest, ParsesEveryField) {
@@ -164,25 +213,54 @@ TEST_F(ProfileTest, ParsesEveryField) {
   EXPECT_DOUBLE_EQ(p.gpu.launch_overhead_us, 3.0);
   EXPECT_DOUBLE_EQ(p.gpu.compute_efficiency, 0.5);
   EXPECT_DOUBLE_EQ(p.gpu.memory_efficiency, 0.75);
-  EXPECT_EQ(p.intra_node.name, "nvlink");
-  EXPECT_DOUBLE_EQ(p.intra_node.bandwidth_gbps, 100.0);
-  EXPECT_DOUBLE_EQ(p.intra_node.latency_us, 1.0);
-  EXPECT_EQ(p.inter_node.name, "infiniband");
-  EXPECT_DOUBLE_EQ(p.inter_node.bandwidth_gbps, 25.0);
-  EXPECT_DOUBLE_EQ(p.inter_node.latency_us, 3.0);
+  EXPECT_TRUE(p.has_nvlink);
+  EXPECT_EQ(p.nvlink.generation, "NVLink 4");
+  EXPECT_EQ(p.nvlink.links_per_gpu, 4);
+  EXPECT_DOUBLE_EQ(p.nvlink.link_bandwidth_gbps, 25.0);
+  EXPECT_DOUBLE_EQ(p.nvlink.gpu_bandwidth_gbps(), 100.0);
+  EXPECT_DOUBLE_EQ(p.nvlink.efficiency, 0.8);
+  EXPECT_DOUBLE_EQ(p.nvlink.latency_us, 0.3);
+  EXPECT_EQ(p.nvlink.switch_name, "NVSwitch");
+  EXPECT_TRUE(p.nvlink.nvls);
+  EXPECT_EQ(p.pcie.generation, "PCIe 4.0 x16");
+  EXPECT_DOUBLE_EQ(p.pcie.bandwidth_gbps, 31.5);
+  EXPECT_DOUBLE_EQ(p.pcie.efficiency, 0.75);
+  EXPECT_DOUBLE_EQ(p.pcie.latency_us, 0.5);
+  EXPECT_EQ(p.pcie.gpus_per_switch, 2);
+  EXPECT_EQ(p.nic.name, "ConnectX");
+  EXPECT_EQ(p.nic.count, 2);
+  EXPECT_DOUBLE_EQ(p.nic.bandwidth_gbps, 25.0);
+  EXPECT_DOUBLE_EQ(p.nic.efficiency, 0.9);
+  EXPECT_DOUBLE_EQ(p.nic.latency_us, 0.6);
+  EXPECT_EQ(p.fabric.kind, "infiniband");
+  EXPECT_EQ(p.fabric.switch_name, "QM");
+  EXPECT_EQ(p.fabric.switch_radix, 8);
+  EXPECT_DOUBLE_EQ(p.fabric.switch_latency_us, 0.1);
+  EXPECT_DOUBLE_EQ(p.fabric.oversubscription, 2.0);
 }
 
 TEST_F(ProfileTest, OptionalFields) {
-  // Efficiencies default to 1; description to ""; nodes to 1 but a file may set it.
-  std::vector<std::string> lines = without_lines(14, 15);
+  // Efficiencies default to 1; description to ""; nodes to 1 but a file may set it; gpus_per_switch to 1;
+  // oversubscription to 1; nvls to false; no [nvlink] table means no NVLink.
+  std::vector<std::string> lines = kGood;
+  for (int line : {45, 37, 31, 29, 24, 21, 15, 14}) lines.erase(lines.begin() + (line - 1));
   lines.erase(lines.begin() + 1);  // description
   lines.insert(lines.begin() + 1, "nodes = 3");
   Profile p = parse_profile(join(lines), "inline");
   EXPECT_DOUBLE_EQ(p.gpu.compute_efficiency, 1.0);
   EXPECT_DOUBLE_EQ(p.gpu.memory_efficiency, 1.0);
+  EXPECT_DOUBLE_EQ(p.nvlink.efficiency, 1.0);
+  EXPECT_FALSE(p.nvlink.nvls);
+  EXPECT_DOUBLE_EQ(p.pcie.efficiency, 1.0);
+  EXPECT_EQ(p.pcie.gpus_per_switch, 1);
+  EXPECT_DOUBLE_EQ(p.nic.efficiency, 1.0);
+  EXPECT_DOUBLE_EQ(p.fabric.oversubscription, 1.0);
   EXPECT_EQ(p.description, "");
   EXPECT_EQ(p.nodes, 3);
   EXPECT_EQ(p.max_world(), 12);
+
+  Profile no_nvlink = parse_profile(join(without_lines(17, 25)), "inline");
+  EXPECT_FALSE(no_nvlink.has_nvlink);
 }
 
 TEST_F(ProfileTest, SyntaxErrorNamesFileAndLine) {
@@ -213,15 +291,15 @@ TEST_F(ProfileTest, UnknownTopLevelKeyAndTable) {
 
   std::vector<std::string> lines = kGood;
   lines.push_back("");
-  lines.push_back("[network]");  // line 27
+  lines.push_back("[network]");  // line 47
   lines.push_back("name = \"x\"");
   msg = error_of(lines);
-  EXPECT_EQ(msg.rfind(at(27), 0), 0u) << msg;
+  EXPECT_EQ(msg.rfind(at(47), 0), 0u) << msg;
   EXPECT_NE(msg.find("unknown key 'network'"), std::string::npos) << msg;
 
-  msg = error_of(with_line(20, "latency = 1.0"));
-  EXPECT_EQ(msg.rfind(at(20), 0), 0u) << msg;
-  EXPECT_NE(msg.find("unknown key 'intra_node.latency'"), std::string::npos) << msg;
+  msg = error_of(with_line(22, "latency = 1.0"));
+  EXPECT_EQ(msg.rfind(at(22), 0), 0u) << msg;
+  EXPECT_NE(msg.find("unknown key 'nvlink.latency'"), std::string::npos) << msg;
 }
 
 TEST_F(ProfileTest, MissingFieldNamesTheTableHeader) {
@@ -229,24 +307,28 @@ TEST_F(ProfileTest, MissingFieldNamesTheTableHeader) {
   EXPECT_EQ(msg.rfind(at(6), 0), 0u) << msg;
   EXPECT_NE(msg.find("[gpu] is missing 'hbm_bandwidth_gbps'"), std::string::npos) << msg;
 
-  msg = error_of(without_lines(24, 24));
-  EXPECT_EQ(msg.rfind(at(22), 0), 0u) << msg;
-  EXPECT_NE(msg.find("[inter_node] is missing 'bandwidth_gbps'"), std::string::npos) << msg;
+  msg = error_of(without_lines(36, 36));
+  EXPECT_EQ(msg.rfind(at(33), 0), 0u) << msg;
+  EXPECT_NE(msg.find("[nic] is missing 'bandwidth_gbps'"), std::string::npos) << msg;
+
+  msg = error_of(without_lines(20, 20));
+  EXPECT_EQ(msg.rfind(at(17), 0), 0u) << msg;
+  EXPECT_NE(msg.find("[nvlink] is missing 'link_bandwidth_gbps'"), std::string::npos) << msg;
 }
 
 TEST_F(ProfileTest, MissingTopLevelFieldOrTable) {
-  std::string msg = error_of(without_lines(21, 25));
+  std::string msg = error_of(without_lines(39, 45));
   EXPECT_EQ(msg.rfind(at(1), 0), 0u) << msg;
-  EXPECT_NE(msg.find("missing 'inter_node'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("missing 'fabric'"), std::string::npos) << msg;
 
   msg = error_of(without_lines(1, 1));
   EXPECT_NE(msg.find("missing 'name'"), std::string::npos) << msg;
 }
 
 TEST_F(ProfileTest, WrongTypes) {
-  std::string msg = error_of(with_line(19, R"(bandwidth_gbps = "fast")"));
-  EXPECT_EQ(msg.rfind(at(19), 0), 0u) << msg;
-  EXPECT_NE(msg.find("'intra_node.bandwidth_gbps' must be a number, got a string"), std::string::npos) << msg;
+  std::string msg = error_of(with_line(28, R"(bandwidth_gbps = "fast")"));
+  EXPECT_EQ(msg.rfind(at(28), 0), 0u) << msg;
+  EXPECT_NE(msg.find("'pcie.bandwidth_gbps' must be a number, got a string"), std::string::npos) << msg;
 
   msg = error_of(with_line(3, "gpus_per_node = 2.5"));
   EXPECT_EQ(msg.rfind(at(3), 0), 0u) << msg;
@@ -255,6 +337,10 @@ TEST_F(ProfileTest, WrongTypes) {
   msg = error_of(with_line(7, "name = 7"));
   EXPECT_EQ(msg.rfind(at(7), 0), 0u) << msg;
   EXPECT_NE(msg.find("'gpu.name' must be a string"), std::string::npos) << msg;
+
+  msg = error_of(with_line(24, "nvls = 1"));
+  EXPECT_EQ(msg.rfind(at(24), 0), 0u) << msg;
+  EXPECT_NE(msg.find("'nvlink.nvls' must be a boolean"), std::string::npos) << msg;
 
   msg = error_of(with_line(6, "gpu = 3"));    // the [gpu] keys that follow now belong to the top level
   EXPECT_EQ(msg.rfind(at(7), 0), 0u) << msg;  // first complaint: the stray key 'name' again at the top
@@ -267,18 +353,25 @@ TEST_F(ProfileTest, ValuesOutOfRange) {
     std::string expect;
   };
   const std::vector<Case> cases = {
-      {24, "bandwidth_gbps = -25.0", "'inter_node.bandwidth_gbps' must be greater than 0, got -25"},
-      {19, "bandwidth_gbps = 0", "'intra_node.bandwidth_gbps' must be greater than 0"},
+      {36, "bandwidth_gbps = -25.0", "'nic.bandwidth_gbps' must be greater than 0, got -25"},
+      {20, "link_bandwidth_gbps = 0", "'nvlink.link_bandwidth_gbps' must be greater than 0"},
+      {28, "bandwidth_gbps = -1", "'pcie.bandwidth_gbps' must be greater than 0, got -1"},
       {12, "hbm_capacity_gib = 0", "'gpu.hbm_capacity_gib' must be greater than 0"},
       {8, "peak_tflops_fp32 = -1", "'gpu.peak_tflops_fp32' must be greater than 0"},
       {11, "hbm_bandwidth_gbps = 0.0", "'gpu.hbm_bandwidth_gbps' must be greater than 0"},
       {14, "compute_efficiency = 1.5", "'gpu.compute_efficiency' must be in (0, 1], got 1.5"},
       {15, "memory_efficiency = 0", "'gpu.memory_efficiency' must be in (0, 1]"},
+      {21, "efficiency = 1.2", "'nvlink.efficiency' must be in (0, 1], got 1.2"},
       {3, "gpus_per_node = 0", "'gpus_per_node' must be at least 1, got 0"},
-      {20, "latency_us = -1", "'intra_node.latency_us' must not be negative"},
+      {19, "links_per_gpu = 0", "'nvlink.links_per_gpu' must be at least 1, got 0"},
+      {22, "latency_us = -1", "'nvlink.latency_us' must not be negative"},
+      {44, "switch_latency_us = -0.1", "'fabric.switch_latency_us' must not be negative"},
+      {43, "switch_radix = 1", "'fabric.switch_radix' must be at least 2, got 1"},
+      {45, "oversubscription = 0.5", "'fabric.oversubscription' must be at least 1, got 0.5"},
+      {41, R"(kind = "ethernet")", "'fabric.kind' must be one of infiniband, roce, got \"ethernet\""},
       {13, "launch_overhead_us = -0.5", "'gpu.launch_overhead_us' must not be negative"},
       {8, "peak_tflops_fp32 = nan", "'gpu.peak_tflops_fp32' must be finite"},
-      {18, R"(name = "")", "'intra_node.name' must not be empty"},
+      {34, R"(name = "")", "'nic.name' must not be empty"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.text);
@@ -288,6 +381,71 @@ TEST_F(ProfileTest, ValuesOutOfRange) {
   }
   // Efficiency exactly 1 is allowed: the hardware's peak.
   EXPECT_NO_THROW(parse_profile(join(with_line(14, "compute_efficiency = 1")), "inline"));
+}
+
+TEST_F(ProfileTest, InconsistentGpuCounts) {
+  // 4 GPUs cannot be spread evenly over 3 NICs or behind PCIe switches of 3.
+  std::string msg = error_of(with_line(35, "count = 3"));
+  EXPECT_EQ(msg.rfind(at(35), 0), 0u) << msg;
+  EXPECT_NE(msg.find("'nic.count' = 3 does not divide gpus_per_node = 4"), std::string::npos) << msg;
+
+  msg = error_of(with_line(35, "count = 8"));  // more NICs than GPUs
+  EXPECT_EQ(msg.rfind(at(35), 0), 0u) << msg;
+  EXPECT_NE(msg.find("'nic.count' = 8 does not divide gpus_per_node = 4"), std::string::npos) << msg;
+
+  msg = error_of(with_line(31, "gpus_per_switch = 3"));
+  EXPECT_EQ(msg.rfind(at(31), 0), 0u) << msg;
+  EXPECT_NE(msg.find("'pcie.gpus_per_switch' = 3 does not divide gpus_per_node = 4"), std::string::npos)
+      << msg;
+
+  // Changing gpus_per_node instead reports the line of the count it no longer fits.
+  msg = error_of(with_line(3, "gpus_per_node = 5"));
+  EXPECT_EQ(msg.rfind(at(31), 0), 0u) << msg;
+  EXPECT_NE(msg.find("does not divide gpus_per_node = 5"), std::string::npos) << msg;
+}
+
+TEST_F(ProfileTest, BaseProfileErrorsNameTheirOwnFile) {
+  write("base.toml", join(kGood));
+  // A child that changes one number.
+  std::string child = write("child.toml", "base = \"base\"\nname = \"child\"\n\n[nic]\nefficiency = 0.5\n");
+  Profile p = load_profile_file(child);
+  EXPECT_EQ(p.name, "child");
+  EXPECT_EQ(p.source_file, child);
+  EXPECT_DOUBLE_EQ(p.nic.efficiency, 0.5);
+  EXPECT_DOUBLE_EQ(p.nic.bandwidth_gbps, 25.0);  // from the base
+  EXPECT_EQ(p.gpu.name, "g");
+
+  // An error in the child names the child's file and line; one in the base, the base's.
+  std::string bad_child = write("bad_child.toml", "base = \"base\"\nname = \"c\"\n[nic]\nefficency = 0.5\n");
+  try {
+    load_profile_file(bad_child);
+    ADD_FAILURE() << "no ProfileError";
+  } catch (const ProfileError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(bad_child + ":4: ", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("did you mean 'nic.efficiency'"), std::string::npos) << e.what();
+  }
+  write("bad_base.toml", join(with_line(36, "bandwidth_gbps = -25.0")));
+  std::string on_bad_base = write("on_bad_base.toml", "base = \"bad_base\"\nname = \"c\"\n");
+  try {
+    load_profile_file(on_bad_base);
+    ADD_FAILURE() << "no ProfileError";
+  } catch (const ProfileError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind((dir_ / "bad_base.toml").string() + ":36: ", 0), 0u) << e.what();
+  }
+  // A child must name itself, and its base must exist.
+  std::string unnamed = write("unnamed.toml", "base = \"base\"\n");
+  EXPECT_THROW(load_profile_file(unnamed), ProfileError);
+  std::string orphan = write("orphan.toml", "name = \"o\"\nbase = \"no-such-base\"\n");
+  try {
+    load_profile_file(orphan);
+    ADD_FAILURE() << "no ProfileError";
+  } catch (const ProfileError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(orphan + ":2: ", 0), 0u) << e.what();
+    EXPECT_NE(std::string(e.what()).find("no such profile"), std::string::npos) << e.what();
+  }
+  // A base that is (indirectly) itself.
+  std::string loop = write("loop.toml", "name = \"loop\"\nbase = \"loop\"\n");
+  EXPECT_THROW(load_profile_file(loop), ProfileError);
 }
 
 TEST_F(ProfileTest, ParseProfileUsesTheOriginInMessages) {

@@ -1,0 +1,290 @@
+// benchmark: timing collectives the way the lecture does, and the bandwidths nccl-tests reports.
+//
+// The lecture times an all_reduce and a reduce_scatter of 100M float32 on 4 GPUs: a warm-up call,
+// synchronize() then barrier() so that every rank starts the clock together, the timed call, and
+// synchronize() again. From the duration it computes a bandwidth. This lesson does the same and prints
+// nccl-tests' two figures (doc/PERFORMANCE.md of NVIDIA/nccl-tests):
+//   algbw = size / time
+//   busbw = algbw x the operation's bus factor (2(W-1)/W for all_reduce, (W-1)/W for reduce_scatter)
+// next to the lecture's own formula, whose code and text disagree (docs/lessons/benchmark.md).
+//
+//   --wrong-order  barrier() before synchronize(): the ranks no longer start together
+//   --sweep        an nccl-tests table of --op from 8 B to 16 GiB, with the algorithm the backend chose
+//
+// It first checks its own numerics on a small all_reduce of real numbers; the timed calls use phantom
+// tensors (shapes without numbers), so 16 GiB costs no memory on the machine running the simulator.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/rank.h"
+#include "common/report.h"
+
+namespace ranklab {
+namespace {
+
+constexpr std::int64_t kFloat = 4;  // bytes of a float32
+
+// Decimal units, as the lecture ("400 MB") and nccl-tests (GB/s = 1e9 bytes per second) count.
+std::string bytes_str(double b) {
+  if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
+  if (b >= 1e6) return fmt::format("{:.1f} MB", b / 1e6);
+  if (b >= 1e3) return fmt::format("{:.1f} KB", b / 1e3);
+  return fmt::format("{:.0f} B", b);
+}
+
+std::string algorithm_of(const Options& o, CommOp op, std::int64_t bytes, int world, int root) {
+  return o.comm_algorithm ? o.comm_algorithm(op, bytes, world, root) : std::string("-");
+}
+
+CommOp parse_op(const std::string& name) {
+  for (CommOp op : {CommOp::AllReduce, CommOp::ReduceScatter, CommOp::AllGather, CommOp::Broadcast,
+                    CommOp::Reduce, CommOp::AllToAll, CommOp::Scatter, CommOp::Gather}) {
+    if (name == comm_op_name(op)) return op;
+  }
+  throw UsageError(fmt::format(
+      "--op {}: the benchmark times all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to_all, "
+      "scatter or gather",
+      name));
+}
+
+bool reduces(CommOp op) {
+  return op == CommOp::AllReduce || op == CommOp::ReduceScatter || op == CommOp::Reduce;
+}
+bool rooted(CommOp op) {
+  return op == CommOp::Broadcast || op == CommOp::Reduce || op == CommOp::Scatter || op == CommOp::Gather;
+}
+// Operations whose buffer is split into one piece per rank: nccl-tests' size must be a multiple of W floats.
+bool split(CommOp op) {
+  return op == CommOp::AllGather || op == CommOp::ReduceScatter || op == CommOp::AllToAll ||
+         op == CommOp::Scatter || op == CommOp::Gather;
+}
+
+// One call of `op` whose nccl-tests size is `count` float32 in total (phantom tensors), made again each
+// time it is called. Root 0 for the rooted operations.
+std::function<void()> make_call(Rank& r, CommOp op, std::int64_t count) {
+  const int w = r.world_size();
+  const std::int64_t piece = count / w;
+  const bool root = r.rank() == 0;
+  switch (op) {
+    case CommOp::AllReduce: {
+      Tensor t = r.phantom({count});
+      return [&r, t] { r.all_reduce(t, ReduceOp::Sum); };
+    }
+    case CommOp::Broadcast: {
+      Tensor t = r.phantom({count});
+      return [&r, t] { r.broadcast(t, 0); };
+    }
+    case CommOp::Reduce: {
+      Tensor t = r.phantom({count});
+      return [&r, t] { r.reduce(t, 0, ReduceOp::Sum); };
+    }
+    case CommOp::AllGather: {
+      Tensor in = r.phantom({piece}), out = r.phantom({piece * w});
+      return [&r, in, out] { r.all_gather(out, in); };
+    }
+    case CommOp::ReduceScatter: {
+      Tensor in = r.phantom({piece * w}), out = r.phantom({piece});
+      return [&r, in, out] { r.reduce_scatter(out, in, ReduceOp::Sum); };
+    }
+    case CommOp::AllToAll: {
+      Tensor in = r.phantom({piece * w}), out = r.phantom({piece * w});
+      return [&r, in, out] { r.all_to_all(out, in); };
+    }
+    case CommOp::Scatter: {
+      Tensor in = root ? r.phantom({piece * w}) : Tensor(), out = r.phantom({piece});
+      return [&r, in, out] { r.scatter(out, in, 0); };
+    }
+    case CommOp::Gather: {
+      Tensor in = r.phantom({piece}), out = root ? r.phantom({piece * w}) : Tensor();
+      return [&r, in, out] { r.gather(out, in, 0); };
+    }
+    default:
+      break;
+  }
+  throw UsageError(fmt::format("the benchmark does not time {}", comm_op_name(op)));
+}
+
+// The lecture's measurement: a warm-up, `before` (extra device work that differs between ranks), the
+// fence, the timed call, synchronize(). The right fence is synchronize() then barrier(): every rank's
+// device is idle and every rank has arrived before anyone starts the clock. The wrong one, barrier() then
+// synchronize(), lets each rank start its clock when its own device is idle, which is not when the
+// others are ready.
+double measure_us(Rank& r, const std::function<void()>& call, const std::function<void()>& before,
+                  bool wrong_order) {
+  call();  // warm-up: NCCL sets up its connections on the first call
+  before();
+  if (wrong_order) {
+    r.barrier();
+    r.synchronize();
+  } else {
+    r.synchronize();
+    r.barrier();
+  }
+  const double t0 = r.now();
+  call();
+  r.synchronize();
+  return r.now() - t0;
+}
+
+void check_numerics(Rank& r) {
+  // Rank i holds [i, i+1, ..., i+1023]; element j of the sum is W*j + W(W-1)/2, exact in float32.
+  const int w = r.world_size(), n = 1024;
+  Tensor t = r.arange({n}, static_cast<float>(r.rank()));
+  r.all_reduce(t, ReduceOp::Sum);
+  const std::vector<float> got = r.to_host(t);
+  int wrong = -1;
+  for (int j = 0; j < n && wrong < 0; ++j) {
+    if (got[j] != static_cast<float>(w * j + w * (w - 1) / 2)) wrong = j;
+  }
+  r.check("a small all_reduce of real numbers gives every rank the elementwise sum", wrong < 0,
+          wrong < 0 ? ""
+                    : fmt::format("rank {} element {}: {} instead of {}", r.rank(), wrong, got[wrong],
+                                  w * wrong + w * (w - 1) / 2));
+  if (r.rank() == 0) {
+    r.print(fmt::format("Numerics: a 1024-element all_reduce of real numbers is checked on every rank ({}).",
+                        wrong < 0 ? "the sum, exactly" : "WRONG, see the checks"));
+  }
+}
+
+// Rank r has r GEMMs of 2048 x 2048 to finish first: the uneven work real ranks have when a
+// measurement starts (data loading, a longer backward), which the fence must absorb.
+std::function<void()> uneven_work(Rank& r) {
+  Tensor a = r.phantom({2048, 2048});
+  return [&r, a] {
+    for (int i = 0; i < r.rank(); ++i) r.matmul(a, a);
+  };
+}
+
+void lecture(Rank& r, const Options& o) {
+  const int w = r.world_size();
+  const bool me = r.rank() == 0;
+  if (o.count < w) {
+    throw UsageError(
+        fmt::format("--count {}: the benchmark needs at least one element per rank ({})", o.count, w));
+  }
+  const std::int64_t count = o.count / w * w;  // reduce_scatter gives every rank the same share
+  const double size = static_cast<double>(count * kFloat);
+  if (me) {
+    r.print(fmt::format(
+        "Timing all_reduce and reduce_scatter of {} float32 ({}) on {} ranks, as the lecture does:", count,
+        bytes_str(size), w));
+    r.print(fmt::format(
+        "a warm-up call, rank r does r GEMMs (uneven work), {}, the timed call, synchronize().",
+        o.wrong_order ? "barrier() then synchronize() [--wrong-order]" : "synchronize() then barrier()"));
+  }
+  const std::function<void()> before = uneven_work(r);
+
+  struct Result {
+    CommOp op;
+    double size_bytes, time_us;
+  };
+  std::vector<Result> results;
+  for (CommOp op : {CommOp::AllReduce, CommOp::ReduceScatter}) {
+    // all_reduce: a tensor of `count` floats on every rank. reduce_scatter: the lecture gives every rank a
+    // W x count input and a count output; nccl-tests' size is the whole input.
+    const std::int64_t total = op == CommOp::AllReduce ? count : count * w;
+    const double t_us = measure_us(r, make_call(r, op, total), before, o.wrong_order);
+    results.push_back({op, static_cast<double>(total * kFloat), t_us});
+  }
+  for (const Result& x : results) {
+    if (!me) break;
+    const double algbw = x.size_bytes / (x.time_us * 1e3);  // GB/s: 1e9 bytes per second
+    const double factor = bus_factor(x.op, w);
+    const double busbw = algbw * factor;
+    const bool ar = x.op == CommOp::AllReduce;
+    r.print("");
+    r.print(
+        fmt::format("{} of {}{} [{}]", comm_op_name(x.op), bytes_str(x.size_bytes),
+                    ar ? "" : fmt::format(" in (W x {} per rank), {} out", bytes_str(size), bytes_str(size)),
+                    algorithm_of(o, x.op, static_cast<std::int64_t>(x.size_bytes), w, -1)));
+    r.print(fmt::format("  duration {:.3f} ms", x.time_us / 1e3));
+    auto row = [&](const std::string& what, double gbps, const char* note) {
+      r.print(fmt::format("  {:<52} = {:7.1f} GB/s  {}", what, gbps, note));
+    };
+    row("algbw = size / duration", algbw, "");
+    row(fmt::format("busbw = algbw x {}", ar ? "2(W-1)/W" : "(W-1)/W"), busbw, "(nccl-tests)");
+    row(fmt::format("the lecture's code: {}size x (W-1) / (W x duration)", ar ? "2 x " : ""), busbw,
+        "(the same)");
+    row("the lecture's text: divides by W once more", busbw / w, "(not a bandwidth)");
+  }
+  if (o.wrong_order) {
+    // Every rank's own measurement, side by side (show() is out of band: it costs no time).
+    if (me) r.print("");
+    for (const Result& x : results) {
+      r.show(fmt::format("{} measured (ms) by", comm_op_name(x.op)),
+             r.from_host({1}, {static_cast<float>(x.time_us / 1e3)}));
+    }
+    if (!me) return;
+    r.print("");
+    r.print(
+        "With barrier() before synchronize() the barrier passes while devices are still busy, so each rank");
+    r.print(
+        "starts its clock when its own GPU is done: rank 0 also times the wait for the slower ranks, and "
+        "the");
+    r.print("ranks disagree. synchronize() then barrier() gives every rank the collective's own time.");
+  } else if (me) {
+    r.print("");
+    r.print(
+        "Per byte of size, all_reduce moves 2(W-1)/W over each rank's link and reduce_scatter (W-1)/W: twice "
+        "the");
+    r.print(
+        "data, in about twice the time per byte. The bus factor undoes exactly that, so the two busbw "
+        "agree.");
+  }
+}
+
+void sweep(Rank& r, const Options& o) {
+  const int w = r.world_size();
+  const CommOp op = parse_op(o.op);
+  const bool me = r.rank() == 0;
+  if (me) {
+    r.print(
+        fmt::format("# ranklab benchmark --sweep: {} on {} ranks, float32, sizes 8 B to 16 GiB (nccl-tests' "
+                    "-b 8 -e 16G -f 2)",
+                    comm_op_name(op), w));
+    r.print(
+        "# one warm-up and one timed call per size; time from synchronize() + barrier() to synchronize()");
+    r.print("#");
+    r.print(fmt::format("# {:>12} {:>13} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8}  {}", "size", "count", "type",
+                        "redop", "root", "time", "algbw", "busbw", "algorithm"));
+    r.print(fmt::format("# {:>12} {:>13} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8}", "(B)", "(elements)", "", "",
+                        "", "(us)", "(GB/s)", "(GB/s)"));
+  }
+  const std::function<void()> nothing = [] {};
+  for (int log = 3; log <= 34; ++log) {
+    const std::int64_t size = std::int64_t{1} << log;
+    std::int64_t count = size / kFloat;
+    if (split(op)) count = count / w * w;
+    if (count == 0) continue;  // fewer floats than ranks: nothing to split
+    const std::int64_t bytes = count * kFloat;
+    const double t_us = measure_us(r, make_call(r, op, count), nothing, false);
+    if (!me) continue;
+    const double algbw = t_us > 0 ? static_cast<double>(bytes) / (t_us * 1e3) : 0;
+    r.print(fmt::format("  {:>12} {:>13} {:>9} {:>6} {:>5} {:>10.2f} {:>8.2f} {:>8.2f}  {}", bytes, count,
+                        "float", reduces(op) ? "sum" : "none", rooted(op) ? 0 : -1, t_us, algbw,
+                        algbw * bus_factor(op, w), algorithm_of(o, op, bytes, w, rooted(op) ? 0 : -1)));
+  }
+}
+
+void benchmark(Rank& r, const Options& o) {
+  check_numerics(r);
+  if (o.sweep) {
+    sweep(r, o);
+  } else {
+    lecture(r, o);
+  }
+}
+
+}  // namespace
+
+RANKLAB_LESSON("benchmark",
+               "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table",
+               benchmark);
+
+}  // namespace ranklab

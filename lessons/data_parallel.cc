@@ -1,0 +1,242 @@
+// Data parallelism, as the lecture writes DDP: every rank holds the whole model and trains on its own slice
+// of the batch; one all_reduce(Avg) of every gradient, between backward and the optimizer step, gives every
+// rank the gradient of the whole batch, so the copies of the model stay identical.
+//
+//   ranklab run data_parallel --world 4
+//   ranklab run data_parallel --world 4 --overlap --bucket-mb 0.01
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "lessons/mlp.h"
+
+namespace ranklab {
+namespace {
+
+// --overlap: DDP's trick. Backward produces the gradients from the last layer to the first; each one can
+// be all-reduced while the layers before it are still in backward. Small tensors make poor transfers, so
+// gradients are packed into buckets of about --bucket-mb (DDP's bucket_cap_mb) and each full bucket is
+// all-reduced asynchronously. Before the optimizer step, wait() for every bucket.
+class GradBuckets {
+ public:
+  GradBuckets(Rank& r, double bucket_mb, mlp::Traffic& traffic)
+      : r_(r), cap_bytes_(bucket_mb * 1024 * 1024), traffic_(traffic) {}
+
+  // `layer`'s gradient, just produced by backward.
+  void add(std::vector<Tensor>& grads, int layer) {
+    filling_.push_back(layer);
+    filling_bytes_ += grads[layer].bytes();
+    if (filling_bytes_ >= cap_bytes_) launch(grads);
+  }
+
+  // All-reduces what is left in the bucket being filled.
+  void launch(std::vector<Tensor>& grads) {
+    if (filling_.empty()) return;
+    Bucket b{filling_, {}, {}};
+    if (filling_.size() == 1) {
+      b.flat = grads[filling_[0]];  // one gradient: reduce it in place, no copy
+    } else {
+      std::vector<Tensor> parts;  // the lesson's gradients are all dim x dim: stack them along rows
+      for (int l : filling_) parts.push_back(grads[l]);
+      b.flat = r_.cat(parts, 0);
+    }
+    b.work = r_.all_reduce(b.flat, ReduceOp::Avg, Async::Yes);
+    traffic_.add(b.flat);
+    buckets_.push_back(std::move(b));
+    filling_.clear();
+    filling_bytes_ = 0;
+  }
+
+  // Waits for every bucket and puts the averaged gradients back where the optimizer finds them.
+  void wait(std::vector<Tensor>& grads) {
+    for (Bucket& b : buckets_) {
+      b.work.wait();
+      if (b.layers.size() == 1) continue;
+      std::int64_t row = 0;
+      for (int l : b.layers) {
+        const std::int64_t rows = grads[l].size(0);
+        grads[l] = r_.slice(b.flat, 0, row, rows);
+        row += rows;
+      }
+    }
+    buckets_.clear();
+  }
+
+ private:
+  struct Bucket {
+    std::vector<int> layers;
+    Tensor flat;
+    Work work;
+  };
+  Rank& r_;
+  double cap_bytes_;
+  mlp::Traffic& traffic_;
+  std::vector<int> filling_;
+  double filling_bytes_ = 0;
+  std::vector<Bucket> buckets_;
+};
+
+void data_parallel(Rank& r, const Options& o) {
+  mlp::validate(o, "data_parallel");
+  const int world = r.world_size(), rank = r.rank();
+  // The lecture's constraints: every rank needs at least one sample, and equal slices need a batch that is
+  // a multiple of the world size (otherwise the batch would be padded).
+  if (o.batch < world) {
+    throw UsageError(fmt::format(
+        "data_parallel: --batch {} is smaller than --world {}: every rank needs at least one sample", o.batch,
+        world));
+  }
+  if (o.batch % world != 0) {
+    throw UsageError(fmt::format(
+        "data_parallel: --batch {} is not divisible by --world {}: the ranks would get unequal slices; use a "
+        "multiple of {} such as {} or {}",
+        o.batch, world, world, o.batch / world * world, (o.batch / world + 1) * world));
+  }
+  const std::int64_t local = o.batch / world;  // the lecture's local_batch_size
+  const int layers = o.layers;
+
+  mlp::Memory plan;  // every rank holds the same: the whole model, and activations of its own samples
+  plan.params = layers * mlp::f32_bytes(o.dim * o.dim);
+  plan.grads = plan.params;
+  plan.optimizer = mlp::optimizer_bytes(o, plan.params);
+  plan.activations = (layers + 1) * mlp::f32_bytes(local * o.dim);
+  if (rank == 0) {
+    r.print(fmt::format(
+        "data_parallel: {} ranks; {}; {} samples per rank{}", world, mlp::describe(o), local,
+        o.overlap ? fmt::format("; gradients all-reduced during backward in buckets of {} MiB", o.bucket_mb)
+                  : ""));
+    r.print("memory per rank (every rank holds the whole model):");
+    if (!mlp::print_memory_plan(r, "every rank", plan)) {
+      r.print(
+          "  data parallelism keeps the whole model, its gradients and optimizer state on every rank, "
+          "so more ranks do not help; tensor_parallel and pipeline_parallel split the model across ranks");
+    }
+  }
+
+  // The same seeds on every rank make the same weights, which is what the lecture's broadcast of rank 0's
+  // weights would do. The data is another matter: each rank makes only its own samples.
+  std::vector<Tensor> w;
+  for (int l = 0; l < layers; ++l) w.push_back(mlp::make_weight(r, o, l));
+  mlp::Optimizer opt(r, o, w);
+  Tensor x = mlp::make_samples(r, o, rank * local, local);
+  // This rank's loss is the mean over its samples; all_reduce(Avg) of the gradients then averages the
+  // ranks' means, which is the mean over the whole batch.
+  Tensor dloss = mlp::loss_grad(r, o, {local, o.dim}, local);
+  mlp::StreamClock clock(r);
+  mlp::PeakMemory peak_memory(r);
+  std::unique_ptr<mlp::Reference> ref;
+  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
+  mlp::Diff worst;
+  mlp::Traffic traffic;
+  double step_us = 0, exposed_us = 0;
+
+  for (int step = 1; step <= o.steps; ++step) {
+    r.synchronize();  // synchronize, then barrier: otherwise the start time would be too early
+    r.barrier();
+    const double t0 = r.now();
+    traffic = {};
+
+    // Forward on this rank's samples, keeping each layer's output for the backward.
+    std::vector<Tensor> acts{x};
+    for (int l = 0; l < layers; ++l) acts.push_back(mlp::forward_layer(r, acts[l], w[l]));
+    Tensor out_sum = mlp::output_sum(r, acts.back());
+
+    // Backward, from the last layer to the first.
+    std::vector<Tensor> grads(layers);
+    GradBuckets buckets(r, o.bucket_mb, traffic);
+    Tensor dy = dloss;
+    for (int l = layers - 1; l >= 0; --l) {
+      mlp::LayerGrads g = mlp::backward_layer(r, acts[l], acts[l + 1], w[l], dy, l > 0);
+      grads[l] = g.w;
+      dy = g.x;
+      if (o.overlap) buckets.add(grads, l);  // starts its all_reduce while backward goes on
+    }
+    peak_memory.sample();  // every gradient and every activation
+    acts.clear();
+    dy = Tensor();
+    buckets.launch(grads);
+    const double t_backward = clock.at();
+
+    // The one line that makes it data parallel.
+    if (o.overlap) {
+      buckets.wait(grads);
+    } else {
+      for (Tensor& g : grads) {
+        r.all_reduce(g, ReduceOp::Avg);
+        traffic.add(g);
+      }
+    }
+    const double t_reduced = clock.at();
+    opt.step(grads);
+    r.synchronize();
+    const double t1 = r.now();
+    step_us = t1 - t0;
+    exposed_us = t_reduced - t_backward;
+
+    // The check against one device (after the timed step, so it does not count in it).
+    std::string line = fmt::format("step {}/{}  time {}  communication after backward {}", step, o.steps,
+                                   mlp::format_time(step_us), mlp::format_time(exposed_us));
+    if (ref) {
+      auto scope = r.region("reference");
+      ref->step();
+      const double mine = r.to_host(out_sum)[0] / static_cast<double>(local);
+      Tensor loss = r.from_host({1}, {static_cast<float>(mine)});
+      r.all_reduce(loss, ReduceOp::Avg);  // to print the loss of the whole batch
+      const double loss_all = r.to_host(loss)[0];
+      mlp::Diff d = mlp::compare(loss_all, ref->loss());
+      d.merge(mlp::compare_layers(r, *ref, grads, w, 0, 0, o.dim));
+      worst.merge(d);
+      mlp::check_step(r, "data_parallel", step, "loss, gradients and weights", d);
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, ref->loss(),
+                          d.ok() ? "ok" : "DIFFERENT");
+    }
+    if (rank == 0 && !o.quiet) r.print(line);
+  }
+
+  // Every rank's statistics to rank 0, after the training so it does not disturb the timing.
+  auto scope = r.region("report");
+  std::vector<float> stats = {static_cast<float>(peak_memory.bytes()), static_cast<float>(worst.relative())};
+  if (!o.phantom) {
+    std::vector<std::vector<float>> host;
+    for (const Tensor& t : w) host.push_back(r.to_host(t));
+    for (float f : mlp::fingerprint(host)) stats.push_back(f);
+  }
+  auto all = mlp::gather_to_root(r, stats);
+  if (rank != 0) return;
+  double peak = 0, rel = 0;
+  bool identical = true;
+  for (const auto& s : all) {
+    peak = std::max<double>(peak, s[0]);
+    rel = std::max<double>(rel, s[1]);
+    identical = identical && std::equal(s.begin() + 2, s.end(), all[0].begin() + 2);
+  }
+  r.print(fmt::format("last step: {} ({} of it communication after backward, not hidden by compute)",
+                      mlp::format_time(step_us), mlp::format_time(exposed_us)));
+  r.print(fmt::format("communication per rank per step: {} all_reduce call{}, {} in all", traffic.calls,
+                      traffic.calls == 1 ? "" : "s", mlp::format_bytes(traffic.bytes)));
+  r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
+  if (o.phantom) {
+    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
+    return;
+  }
+  r.check("data_parallel: the weights are identical on every rank", identical,
+          identical ? "the same bits on every rank" : "the ranks' weights differ");
+  r.print(fmt::format("weights identical on every rank ({} of them): {}", world, identical ? "yes" : "NO"));
+  r.print(fmt::format(
+      "equal to one device over the full batch after every step: {} (largest relative difference {:.2e}, "
+      "tolerance {:.0e})",
+      rel <= mlp::Diff::kTolerance ? "yes" : "NO", rel, mlp::Diff::kTolerance));
+}
+
+}  // namespace
+
+RANKLAB_LESSON("data_parallel",
+               "split the batch, all_reduce(Avg) the gradients; --overlap hides it in backward",
+               data_parallel);
+
+}  // namespace ranklab

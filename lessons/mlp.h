@@ -1,0 +1,207 @@
+// The model that data_parallel, tensor_parallel and pipeline_parallel train, and everything they share:
+// making the numbers, the layer's forward and backward written by hand, the optimizer, the one-device
+// reference each lesson is checked against, and the small pieces of bookkeeping behind their output.
+//
+// The model is the lecture's deep MLP: `layers` linear layers of dim x dim, each followed by relu, no bias:
+//
+//     x[l+1] = relu(x[l] @ W[l])          loss = sum(x[layers]) / batch
+//
+// The lecture's loss is the sum of the output. Dividing it by the batch makes it a mean over samples, and
+// that is what makes the lecture's all_reduce(Avg) of gradients exact: the average over W ranks of each
+// rank's mean over its B/W samples is the mean over all B samples, which is one device's loss.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/lesson.h"
+#include "common/rank.h"
+
+namespace ranklab::mlp {
+
+// ---- options --------------------------------------------------------------------------------------------
+
+// The checks every lesson shares (positive sizes, a known optimizer); throws UsageError naming the option.
+void validate(const Options& o, const std::string& lesson);
+
+// "4 layers of 64 x 64, batch 32, sgd lr 0.01, 3 steps"
+std::string describe(const Options& o);
+
+// ---- the numbers ------------------------------------------------------------------------------------------
+// Every number is a pure function of a seed (Rank::randn is counter-based), so any rank can make any part
+// of the data or the model without the others, and the one-device reference makes the same numbers.
+// With --phantom these return phantom tensors: shapes and bytes, no numbers.
+
+// Samples [first, first + count) of the batch, one row each. Sample i has its own seed, like a file a data
+// loader reads, so a rank makes only the samples it trains on.
+Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t count);
+// Layer `layer`'s weight, dim x dim, normal with He's standard deviation sqrt(2 / dim), which keeps the
+// size of the activations steady through relu layers.
+Tensor make_weight(Rank& r, const Options& o, int layer);
+
+// ---- one layer, forward and backward by hand --------------------------------------------------------------
+
+// y = relu(x @ w)
+Tensor forward_layer(Rank& r, const Tensor& x, const Tensor& w);
+
+struct LayerGrads {
+  Tensor w;  // d loss / d w
+  Tensor x;  // d loss / d x (undefined when not asked for)
+};
+// The backward of y = relu(x @ w), given dy = d loss / d y:
+//   dz = dy where y > 0, else 0        (relu's output is positive exactly where its input is, so the
+//                                        layer keeps only x and y for the backward, not z)
+//   dw = x^T @ dz                      dx = dz @ w^T
+LayerGrads backward_layer(Rank& r, const Tensor& x, const Tensor& y, const Tensor& w, const Tensor& dy,
+                          bool want_dx);
+
+// sum(y), a scalar; the lessons divide by the batch on the host when they print it.
+Tensor output_sum(Rank& r, const Tensor& y);
+// d loss / d y, of shape `s`, when the loss is a mean over `batch` samples: 1 / batch everywhere.
+Tensor loss_grad(Rank& r, const Options& o, const Shape& s, std::int64_t batch);
+// A tensor to receive into: empty, or phantom with --phantom.
+Tensor buffer(Rank& r, const Options& o, const Shape& s);
+
+// ---- the optimizer ----------------------------------------------------------------------------------------
+
+// SGD or AdamW over a list of parameters (whole weights or shards). AdamW's two moment buffers are the
+// optimizer state the memory table counts; they are allocated at once, so running out of memory happens
+// before training rather than in the middle of a step.
+class Optimizer {
+ public:
+  Optimizer(Rank& r, const Options& o, std::vector<Tensor> params);
+  void step(const std::vector<Tensor>& grads);
+
+ private:
+  Rank& r_;
+  std::vector<Tensor> params_, m_, v_;
+  bool adamw_;
+  AdamW hyper_;
+  int t_ = 0;
+};
+
+// ---- the one-device reference -----------------------------------------------------------------------------
+
+// Training the same model over the full batch on one device, in plain C++ on the host. It costs the lesson
+// no simulated time and no device memory (so neither the timeline nor the memory table is disturbed), and
+// it shares no code with the lessons' forward and backward, so a wrong backward fails the check too.
+// Sums are taken in double precision: the reference is more exact than float32, and the check's tolerance
+// measures how far the distributed float32 training strays from it.
+class Reference {
+ public:
+  explicit Reference(const Options& o);
+  void step();  // one step on the full batch: loss, gradients, then the optimizer
+
+  std::int64_t dim() const { return o_.dim; }
+  double loss() const { return loss_; }  // of the last step, before its update
+  // Row-major dim x dim values: the gradient of the last step, and the weight after it.
+  const std::vector<float>& grad(int layer) const { return grads_[layer]; }
+  const std::vector<float>& weight(int layer) const { return weights_[layer]; }
+
+ private:
+  Options o_;
+  std::vector<float> x_;  // the batch, row-major batch x dim
+  std::vector<std::vector<float>> weights_, grads_, m_, v_;
+  double loss_ = 0;
+  int t_ = 0;
+};
+
+// Columns [first, first + count) of a row-major rows x cols matrix.
+std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::int64_t cols,
+                           std::int64_t first, std::int64_t count);
+
+// How far a tensor is from the reference: float32 tolerance, relative to the largest reference value.
+struct Diff {
+  static constexpr double kTolerance = 1e-4;
+  double max_abs = 0;  // the largest |got - want|
+  double scale = 0;    // the largest |want|
+  double relative() const { return max_abs / (scale > 1e-30 ? scale : 1.0); }
+  bool ok() const { return relative() <= kTolerance; }
+  void merge(const Diff& d);
+};
+Diff compare(const std::vector<float>& got, const std::vector<float>& want);
+Diff compare(double got, double want);
+// After a step: this rank's gradients and weights of layers first_layer, first_layer + 1, ... against the
+// reference's, or against their columns [first_col, first_col + cols) when the rank holds a column slice.
+Diff compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& grads,
+                    const std::vector<Tensor>& weights, int first_layer, std::int64_t first_col,
+                    std::int64_t cols);
+// Records the check of one step ("<lesson> step <n>: <what> equal one device's") with its difference.
+void check_step(Rank& r, const std::string& lesson, int step, const std::string& what, const Diff& d,
+                const std::string& where = "");
+
+// A hash of tensors' bytes, as four 16-bit pieces (exact in float32, so a float tensor can carry them to
+// another rank): equal hashes mean, with overwhelming probability, the same bits.
+std::vector<float> fingerprint(const std::vector<std::vector<float>>& tensors);
+
+// ---- bookkeeping for the output ---------------------------------------------------------------------------
+
+// Where the time goes, without events: a one-element marker tensor gets a tiny kernel on the compute
+// stream, and reading it back makes the host wait until the stream has reached that point (to_host waits
+// for the compute stream, not for communication still in flight). So `at()` is the time the compute
+// stream got there, while asynchronous communication keeps running. Each call costs the host a kernel
+// launch and a wait, and the stream then idles while the host launches the next kernel.
+class StreamClock {
+ public:
+  explicit StreamClock(Rank& r);
+  double at();
+
+ private:
+  Rank& r_;
+  Tensor marker_;
+};
+
+// This lesson's peak memory. The device's high-water mark (Rank::memory_peak) covers the whole run, so
+// when a lesson runs after others (the tour) the mark may be theirs; then the lesson reports the most it
+// was seen holding at the points where it calls sample().
+class PeakMemory {
+ public:
+  explicit PeakMemory(Rank& r) : r_(r), before_(r.memory_peak()) {}
+  void sample() { seen_ = std::max(seen_, r_.memory_allocated()); }
+  std::int64_t bytes() const { return r_.memory_peak() > before_ ? r_.memory_peak() : seen_; }
+
+ private:
+  Rank& r_;
+  std::int64_t before_, seen_ = 0;
+};
+
+// The bytes a rank hands to communication, counted as the lesson calls it.
+struct Traffic {
+  int calls = 0;
+  std::int64_t bytes = 0;
+  void add(const Tensor& t) {
+    ++calls;
+    bytes += t.bytes();
+  }
+};
+
+// What a rank holds, by kind, in bytes.
+struct Memory {
+  std::int64_t params = 0, grads = 0, optimizer = 0, activations = 0;
+  std::int64_t total() const { return params + grads + optimizer + activations; }
+};
+// "params 64.0 KiB  grads 64.0 KiB  optimizer 0 B  activations 40.0 KiB  total 168.0 KiB"
+std::string format_memory(const Memory& m);
+// The bytes of a float32 tensor of `n` elements.
+inline std::int64_t f32_bytes(std::int64_t n) {
+  return 4 * n;
+}
+// Optimizer state for `param_bytes` of parameters: AdamW keeps two moments, SGD nothing.
+std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes);
+
+// "1.5 KiB", "3.0 GiB"
+std::string format_bytes(double bytes);
+// "12.3 us", "4.56 ms", "1.23 s"
+std::string format_time(double us);
+
+// Every rank's `mine` (the same length on every rank), gathered to rank 0 with one gather; other ranks
+// get an empty result. It is real communication: the lessons call it after their timed steps.
+std::vector<std::vector<float>> gather_to_root(Rank& r, const std::vector<float>& mine);
+
+// Prints what a rank will hold and how much of its device that is; when it is more than the device
+// holds, says so and returns false. The lesson then goes on, and the device runs out of memory.
+bool print_memory_plan(Rank& r, const std::string& who, const Memory& m);
+
+}  // namespace ranklab::mlp

@@ -1,0 +1,361 @@
+// Pipeline parallelism, as the lecture writes it: the layers are split across ranks, rank s holding layers
+// [s * layers/W, (s+1) * layers/W). Activations go forward from stage to stage with send/recv, and their
+// gradients come back the same way. While one stage works the others wait: the pipeline bubble.
+// Micro-batches shrink it, and the schedule decides the order in which a stage runs them:
+//
+//   naive   the whole batch as one micro-batch: forward through every stage, then backward
+//   gpipe   the forwards of all micro-batches, then all the backwards
+//   1f1b    after a short warm-up, one forward then one backward: the same bubble as gpipe, but a stage
+//           keeps the activations of at most (stages - stage) micro-batches instead of all of them
+//
+//   ranklab run pipeline_parallel --world 4 --schedule gpipe --micro-batches 8
+//   ranklab run pipeline_parallel --world 4 --schedule 1f1b --micro-batches 8 --async-p2p
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "lessons/mlp.h"
+
+namespace ranklab {
+namespace {
+
+// ---- the schedule -----------------------------------------------------------------------------------------
+
+struct Task {
+  bool forward;
+  int mb;  // the micro-batch
+};
+
+// The order in which stage `stage` of `stages` runs the forward and backward of `m` micro-batches.
+std::vector<Task> schedule(const std::string& name, int stage, int stages, int m) {
+  std::vector<Task> order;
+  if (name != "1f1b") {  // naive (m = 1) and gpipe: every forward, then every backward
+    for (int k = 0; k < m; ++k) order.push_back({true, k});
+    for (int k = 0; k < m; ++k) order.push_back({false, k});
+    return order;
+  }
+  // 1f1b: stage s runs (stages - s - 1) forwards before its first backward, which is how many the stages
+  // after it need to fill the pipeline; from then on every forward is followed by a backward, which frees
+  // a micro-batch's activations as soon as the next one is made.
+  const int warmup = std::min(stages - stage - 1, m);
+  for (int k = 0; k < warmup; ++k) order.push_back({true, k});
+  for (int k = warmup; k < m; ++k) {
+    order.push_back({true, k});
+    order.push_back({false, k - warmup});
+  }
+  for (int k = m - warmup; k < m; ++k) order.push_back({false, k});
+  return order;
+}
+
+// How many micro-batches' activations a stage keeps alive at once under a schedule.
+int max_alive(const std::string& name, int stage, int stages, int m) {
+  return name == "1f1b" ? std::min(stages - stage, m) : m;
+}
+
+// ---- one stage: its layers, and the activations of the micro-batches in flight ---------------------------
+
+struct Stage {
+  Rank& r;
+  std::vector<Tensor> w, grads;           // this stage's layers only; gradients add up over micro-batches
+  std::vector<std::vector<Tensor>> acts;  // per micro-batch: the stage's input and each layer's output
+  int alive = 0, most_alive = 0;
+
+  Tensor forward(int k, const Tensor& x) {
+    std::vector<Tensor>& a = acts[k];
+    a.push_back(x);
+    for (size_t l = 0; l < w.size(); ++l) a.push_back(mlp::forward_layer(r, a[l], w[l]));
+    most_alive = std::max(most_alive, ++alive);
+    return a.back();
+  }
+
+  Tensor backward(int k, Tensor dy) {
+    std::vector<Tensor>& a = acts[k];
+    for (int l = static_cast<int>(w.size()) - 1; l >= 0; --l) {
+      // The first stage's first layer could skip its input gradient: nobody needs it. Computing it keeps
+      // every stage's work the same, which is what the bubble formula assumes.
+      mlp::LayerGrads g = mlp::backward_layer(r, a[l], a[l + 1], w[l], dy, true);
+      r.add_(grads[l], g.w, 1.0f);
+      dy = g.x;
+    }
+    a.clear();  // this micro-batch's activations are no longer needed
+    --alive;
+    return dy;
+  }
+};
+
+// ---- what rank 0 prints after the last step ---------------------------------------------------------------
+
+// `times[s]` holds (start, end) of each task of rank s, in its schedule's order, from the step's start.
+void print_gantt(Rank& r, const std::string& sched, int m, const std::vector<std::vector<float>>& times,
+                 double window) {
+  const int width = 96, stages = static_cast<int>(times.size());
+  r.print(
+      fmt::format("the schedule, {} per column: the digit k is the forward of micro-batch k, the letter "
+                  "(a = 0, b = 1, ...) its backward, '.' a rank not computing: the bubble",
+                  mlp::format_time(window / width)));
+  for (int s = 0; s < stages; ++s) {
+    std::string row(width, '.');
+    std::vector<Task> order = schedule(sched, s, stages, m);
+    for (size_t i = 0; i < order.size(); ++i) {
+      const int c0 =
+          std::clamp(static_cast<int>(std::lround(times[s][2 * i] / window * width)), 0, width - 1);
+      const int c1 =
+          std::clamp(static_cast<int>(std::lround(times[s][2 * i + 1] / window * width)), c0 + 1, width);
+      const char c = static_cast<char>((order[i].forward ? '0' : 'a') + order[i].mb % 10);
+      std::fill(row.begin() + c0, row.begin() + c1, c);
+    }
+    r.print(fmt::format("  rank {:<3}|{}|", s, row));
+  }
+  r.print(fmt::format("  {:<8}0{:>{}}", "", mlp::format_time(window), width));
+}
+
+void pipeline_parallel(Rank& r, const Options& o) {
+  mlp::validate(o, "pipeline_parallel");
+  const int stages = r.world_size(), stage = r.rank();
+  const std::string& sched = o.schedule;
+  if (sched != "naive" && sched != "gpipe" && sched != "1f1b") {
+    throw UsageError(
+        fmt::format("pipeline_parallel: --schedule must be naive, gpipe or 1f1b (got '{}')", sched));
+  }
+  if (o.layers % stages != 0) {
+    throw UsageError(
+        fmt::format("pipeline_parallel: --layers {} is not divisible by --world {}: each stage holds "
+                    "layers/world layers; use a multiple of {} such as {}",
+                    o.layers, stages, stages, (o.layers / stages + 1) * stages));
+  }
+  const int m = sched == "naive" ? 1 : o.micro_batches;
+  if (m < 1) {
+    throw UsageError(fmt::format("pipeline_parallel: --micro-batches must be at least 1 (got {})", m));
+  }
+  if (o.batch % m != 0) {
+    throw UsageError(
+        fmt::format("pipeline_parallel: --micro-batches {} does not divide --batch {}: micro-batches must be "
+                    "equal; use a divisor of {}",
+                    m, o.batch, o.batch));
+  }
+  const int per = o.layers / stages, first = stage * per;  // the lecture's local_num_layers
+  const std::int64_t mb = o.batch / m;                     // samples per micro-batch
+  const bool first_stage = stage == 0, last_stage = stage == stages - 1;
+
+  auto plan_of = [&](int s) {  // what stage s holds at most
+    mlp::Memory p;
+    p.params = per * mlp::f32_bytes(o.dim * o.dim);
+    p.grads = p.params;
+    p.optimizer = mlp::optimizer_bytes(o, p.params);
+    p.activations = max_alive(sched, s, stages, m) * (per + 1) * mlp::f32_bytes(mb * o.dim);
+    return p;
+  };
+  if (first_stage) {
+    r.print(
+        fmt::format("pipeline_parallel: {} stages of {} layer{}; {}; schedule {}, {} micro-batch{} of {}, "
+                    "{} send/recv",
+                    stages, per, per == 1 ? "" : "s", mlp::describe(o), sched, m, m == 1 ? "" : "es", mb,
+                    o.async_p2p ? "asynchronous (isend/irecv)" : "blocking"));
+    r.print(
+        "memory per stage (a stage holds its layers, and the activations of the micro-batches in flight):");
+    bool fits = true;
+    for (int s = 0; s < stages; ++s) {
+      if (stages > 8 && s == 4) r.print(fmt::format("  ... ({} more stages)", stages - 8));
+      if (stages > 8 && s >= 4 && s < stages - 4) continue;
+      fits = mlp::print_memory_plan(r, fmt::format("stage {}", s), plan_of(s)) && fits;
+    }
+    if (!fits) {
+      r.print(
+          "  each stage holds layers/world layers: more stages shrink it, and 1f1b keeps fewer "
+          "micro-batches' activations than gpipe");
+    }
+  }
+
+  Stage st{r, {}, {}, {}};
+  for (int l = first; l < first + per; ++l) {
+    st.w.push_back(mlp::make_weight(r, o, l));
+    st.grads.push_back(o.phantom ? r.phantom({o.dim, o.dim}) : r.zeros({o.dim, o.dim}));
+  }
+  mlp::Optimizer opt(r, o, st.w);
+  std::vector<Tensor> inputs;  // the first stage makes the micro-batches; the others receive them
+  if (first_stage) {
+    for (int k = 0; k < m; ++k) inputs.push_back(mlp::make_samples(r, o, k * mb, mb));
+  }
+  Tensor dloss;  // the last stage starts the backward: d loss / d output
+  if (last_stage) dloss = mlp::loss_grad(r, o, {mb, o.dim}, o.batch);
+  const std::vector<Task> order = schedule(sched, stage, stages, m);
+  mlp::StreamClock clock(r);
+  mlp::PeakMemory peak_memory(r);
+  std::unique_ptr<mlp::Reference> ref;
+  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
+  mlp::Diff worst;
+  mlp::Traffic traffic;
+  std::vector<float> times;  // (start, end) of each task of the last step, from the step's start
+
+  for (int step = 1; step <= o.steps; ++step) {
+    for (Tensor& g : st.grads) r.scale_(g, 0.0f);
+    r.synchronize();
+    r.barrier();
+    const double t0 = r.now();
+    traffic = {};
+    times.clear();
+    st.acts.assign(m, {});
+    std::vector<Tensor> sums;           // the last stage: each micro-batch's output sum, for the loss
+    std::vector<Work> sent_forward(m);  // an isend's tensor may not be touched until its Work is waited on
+    std::vector<std::pair<Work, Tensor>> sent_backward;  // and must live until then
+
+    // The lecture's send and recv; --async-p2p uses isend/irecv instead. A blocking send holds the compute
+    // stream until the next stage has taken the tensor; an isend lets this stage go on computing.
+    auto send = [&](const Tensor& t, int to) -> Work {
+      traffic.add(t);
+      return o.async_p2p ? r.isend(t, to) : r.send(t, to);
+    };
+    // A task's input: the micro-batch, or the activation from the stage before (forward); the loss
+    // gradient, or the gradient from the stage after (backward). An irecv's Work is waited on just before
+    // the task reads the tensor.
+    struct Input {
+      Tensor t;
+      Work arrived;
+    };
+    auto receive = [&](const Task& t) -> Input {
+      if (t.forward ? first_stage : last_stage) return {t.forward ? inputs[t.mb] : dloss, Work()};
+      const int from = t.forward ? stage - 1 : stage + 1;
+      Input in{mlp::buffer(r, o, {mb, o.dim}), Work()};
+      traffic.add(in.t);
+      if (o.async_p2p) {
+        in.arrived = r.irecv(in.t, from);
+      } else {
+        r.recv(in.t, from);  // the compute stream waits for it, the host does not
+      }
+      return in;
+    };
+
+    r.region_begin("schedule");  // marks the schedule on the report's timeline
+    Input in = receive(order[0]);
+    for (size_t i = 0; i < order.size(); ++i) {
+      const Task& t = order[i];
+      const bool more = i + 1 < order.size();
+      in.arrived.wait();
+      // With irecv, the next task's input can be on its way while this task computes: post its receive
+      // now. Not from a forward to a backward, though: that gradient comes only after this forward's
+      // activation has reached the next stage, and posting its receive first would make the two
+      // neighbours wait for each other (see below).
+      const bool early = o.async_p2p && more && !(t.forward && !order[i + 1].forward);
+      Input next;
+      if (early) next = receive(order[i + 1]);
+
+      const double start = clock.at();
+      Tensor out;
+      if (t.forward) {
+        out = st.forward(t.mb, in.t);
+        if (last_stage) sums.push_back(mlp::output_sum(r, out));
+      } else {
+        sent_forward[t.mb].wait();  // the backward reads the activation this stage sent forward
+        out = st.backward(t.mb, in.t);
+      }
+      const double end = clock.at();
+      peak_memory.sample();
+      times.push_back(static_cast<float>(start - t0));
+      times.push_back(static_cast<float>(end - t0));
+
+      // Hand the result on and take the next task's input. The order of the two matters: a send waits for
+      // the matching recv, and the sends and recvs between two ranks run in order, so two neighbours that
+      // both send first would wait for each other forever. After a forward, send first; after a backward,
+      // receive first. (1f1b is where it bites: swap the two and run it.)
+      if (t.forward) {
+        if (!last_stage) sent_forward[t.mb] = send(out, stage + 1);
+        if (more && !early) next = receive(order[i + 1]);
+      } else {
+        if (more && !early) next = receive(order[i + 1]);
+        if (!first_stage) sent_backward.emplace_back(send(out, stage - 1), out);
+      }
+      in = next;
+    }
+    for (auto& [work, tensor] : sent_backward) work.wait();
+    r.region_end();
+    opt.step(st.grads);
+    r.synchronize();
+    const double step_us = r.now() - t0;
+
+    if (!ref) continue;
+    auto scope = r.region("reference");
+    ref->step();
+    mlp::Diff d = mlp::compare_layers(r, *ref, st.grads, st.w, first, 0, o.dim);
+    double loss = 0;
+    if (last_stage) {
+      for (const Tensor& s : sums) loss += r.to_host(s)[0];
+      loss /= static_cast<double>(o.batch);
+      d.merge(mlp::compare(loss, ref->loss()));
+    }
+    worst.merge(d);
+    mlp::check_step(r, "pipeline_parallel", step, "every stage's gradients and weights, and the loss,", d,
+                    fmt::format("stage {}{}: ", stage, last_stage ? " (with the loss)" : ""));
+    if (last_stage && !o.quiet) {
+      r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
+                          mlp::format_time(step_us), loss, ref->loss(), d.ok() ? "ok" : "DIFFERENT"));
+    }
+  }
+
+  auto scope = r.region("report");
+  const int bound = max_alive(sched, stage, stages, m);
+  if (sched == "1f1b") {  // at most p - stage, so never more than p, however many micro-batches
+    r.check("pipeline_parallel 1f1b: a stage keeps the activations of at most p micro-batches",
+            st.most_alive <= bound,
+            fmt::format("stage {}: at most {} alive at once; the schedule allows p - stage = {} (p = {})",
+                        stage, st.most_alive, bound, stages));
+  }
+  // Every stage's times and statistics to rank 0, which measures the bubble and draws the schedule.
+  const size_t n = times.size();
+  std::vector<float> stats = times;
+  stats.push_back(static_cast<float>(st.most_alive));
+  stats.push_back(static_cast<float>(peak_memory.bytes()));
+  stats.push_back(static_cast<float>(worst.relative()));
+  auto all = mlp::gather_to_root(r, stats);
+  if (!first_stage) return;
+
+  double window = 0, bubble_sum = 0, rel = 0;  // every rank's clock starts the step at the same barrier
+  for (const auto& s : all) window = std::max<double>(window, s[n - 1]);
+  std::vector<std::vector<float>> task_times;
+  r.print(
+      "per rank, over the last step's schedule (the report below splits 'waiting' into communication "
+      "and idle):");
+  for (int s = 0; s < stages; ++s) {
+    const std::vector<float>& v = all[s];
+    double busy = 0;
+    for (size_t i = 0; i < n; i += 2) busy += v[i + 1] - v[i];
+    bubble_sum += 1.0 - busy / window;
+    rel = std::max<double>(rel, v[n + 2]);
+    task_times.emplace_back(v.begin(), v.begin() + n);
+    if (o.quiet && s > 0) continue;
+    r.print(
+        fmt::format("  rank {:<3} compute {:>10}  waiting {:>10}  bubble {:5.1f}%  activations of at most "
+                    "{} micro-batch{} alive  peak memory {}",
+                    s, mlp::format_time(busy), mlp::format_time(window - busy), 100 * (1.0 - busy / window),
+                    static_cast<int>(v[n]), v[n] == 1 ? "" : "es", mlp::format_bytes(v[n + 1])));
+  }
+  r.print(
+      fmt::format("bubble fraction {:.4f} measured (mean over ranks); (p-1)/(m+p-1) = {}/{} = {:.4f} "
+                  "for uniform stages and free communication",
+                  bubble_sum / stages, stages - 1, m + stages - 1, (stages - 1.0) / (m + stages - 1.0)));
+  r.print(
+      fmt::format("communication per rank per step: up to {} in {} send/recv calls (only activations and "
+                  "their gradients cross stages)",
+                  mlp::format_bytes(traffic.bytes), traffic.calls));
+  if (!o.quiet) print_gantt(r, sched, m, task_times, window);
+  if (o.phantom) {
+    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
+    return;
+  }
+  r.print(
+      fmt::format("equal to one device over the full batch after every step (each stage's layers): {} "
+                  "(largest relative difference {:.2e}, tolerance {:.0e})",
+                  rel <= mlp::Diff::kTolerance ? "yes" : "NO", rel, mlp::Diff::kTolerance));
+}
+
+}  // namespace
+
+RANKLAB_LESSON("pipeline_parallel", "split the layers into stages: send/recv, micro-batches, the bubble",
+               pipeline_parallel);
+
+}  // namespace ranklab

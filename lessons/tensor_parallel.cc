@@ -1,0 +1,178 @@
+// Tensor parallelism, as the lecture writes it: every weight is split by columns, so a rank holds
+// dim x dim/W of each layer, and every rank sees the whole batch. A rank's columns give it its part of each
+// layer's output; relu works on each part alone, but the next layer needs all of it, so every layer ends
+// with an all_gather. The backward mirrors it: where the forward all-gathers, the backward reduce-scatters.
+//
+//   ranklab run tensor_parallel --world 4
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "lessons/mlp.h"
+
+namespace ranklab {
+namespace {
+
+// The collectives put the ranks' pieces one after another along dimension 0 (rows), and the lesson's
+// pieces are column blocks; these two helpers do the rearranging, as the lecture's torch.cat(..., dim=1).
+
+// [batch, dim/W] on every rank -> [batch, dim]: every rank's columns side by side.
+Tensor all_gather_columns(Rank& r, const Options& o, const Tensor& part, mlp::Traffic& traffic) {
+  const int world = r.world_size();
+  const std::int64_t rows = part.size(0);
+  Tensor stacked = mlp::buffer(r, o, {world * rows, part.size(1)});
+  r.all_gather(stacked, part);
+  traffic.add(stacked);
+  if (world == 1) return stacked;
+  std::vector<Tensor> blocks;
+  for (int i = 0; i < world; ++i) blocks.push_back(r.slice(stacked, 0, i * rows, rows));
+  return r.cat(blocks, 1);
+}
+
+// [batch, dim] on every rank -> [batch, dim/W]: the sum over ranks of column block `rank`.
+Tensor reduce_scatter_columns(Rank& r, const Options& o, const Tensor& whole, mlp::Traffic& traffic) {
+  const int world = r.world_size();
+  const std::int64_t cols = whole.size(1) / world;
+  Tensor stacked = whole;
+  if (world > 1) {
+    std::vector<Tensor> blocks;
+    for (int i = 0; i < world; ++i) blocks.push_back(r.slice(whole, 1, i * cols, cols));
+    stacked = r.cat(blocks, 0);
+  }
+  Tensor mine = mlp::buffer(r, o, {whole.size(0), cols});
+  r.reduce_scatter(mine, stacked, ReduceOp::Sum);
+  traffic.add(stacked);
+  return mine;
+}
+
+void tensor_parallel(Rank& r, const Options& o) {
+  mlp::validate(o, "tensor_parallel");
+  const int world = r.world_size(), rank = r.rank();
+  if (o.dim % world != 0) {
+    throw UsageError(fmt::format(
+        "tensor_parallel: --dim {} is not divisible by --world {}: each rank holds dim/world columns of "
+        "every weight; use a multiple of {} such as {}",
+        o.dim, world, world, (o.dim / world + 1) * world));
+  }
+  const std::int64_t cols = o.dim / world, first_col = rank * cols;  // the lecture's local_num_dim
+  const int layers = o.layers;
+
+  mlp::Memory plan;  // a slice of every weight; the activations are not split here (see the docs)
+  plan.params = layers * mlp::f32_bytes(o.dim * cols);
+  plan.grads = plan.params;
+  plan.optimizer = mlp::optimizer_bytes(o, plan.params);
+  plan.activations = (layers + 1) * mlp::f32_bytes(o.batch * o.dim) + layers * mlp::f32_bytes(o.batch * cols);
+  if (rank == 0) {
+    r.print(fmt::format("tensor_parallel: {} ranks; {}; every weight split into {} column blocks of {} x {}",
+                        world, mlp::describe(o), world, o.dim, cols));
+    r.print("memory per rank (every rank holds 1/world of every weight and the whole batch's activations):");
+    if (!mlp::print_memory_plan(r, "every rank", plan)) {
+      r.print(
+          "  each rank holds 1/world of every weight: more ranks shrink it; the activations are not split "
+          "here");
+    }
+  }
+
+  // Each rank keeps only its columns. Making the whole layer and slicing it keeps the numbers those of
+  // one device; a real framework would read only its slice from a checkpoint.
+  std::vector<Tensor> w;
+  for (int l = 0; l < layers; ++l) {
+    w.push_back(o.phantom ? r.phantom({o.dim, cols})
+                          : r.slice(mlp::make_weight(r, o, l), 1, first_col, cols));
+  }
+  mlp::Optimizer opt(r, o, w);
+  Tensor x = mlp::make_samples(r, o, 0, o.batch);  // every rank holds the whole batch
+  // d loss / d (this rank's columns of the output)
+  Tensor dloss = mlp::loss_grad(r, o, {o.batch, cols}, o.batch);
+  std::unique_ptr<mlp::Reference> ref;
+  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
+  mlp::PeakMemory peak_memory(r);
+  mlp::Diff worst;
+  mlp::Traffic traffic;
+  double step_us = 0;
+
+  for (int step = 1; step <= o.steps; ++step) {
+    r.synchronize();
+    r.barrier();
+    const double t0 = r.now();
+    traffic = {};
+
+    // Forward: my columns of each layer's output, then everyone's, for the next layer.
+    std::vector<Tensor> xs{x};  // each layer's whole input
+    std::vector<Tensor> hs;     // each layer's output, my columns
+    for (int l = 0; l < layers; ++l) {
+      hs.push_back(mlp::forward_layer(r, xs[l], w[l]));  // [batch, dim/W]
+      xs.push_back(all_gather_columns(r, o, hs[l], traffic));
+    }
+    Tensor out_sum = mlp::output_sum(r, xs.back());  // every rank has the whole output
+
+    // Backward. My columns' gradient needs only my columns of the output gradient; the input's gradient
+    // is a sum over every rank's columns (dh @ w^T), so it is reduced, and scattered: each rank needs only
+    // the columns its own previous layer produced.
+    std::vector<Tensor> grads(layers);
+    Tensor dh = dloss;
+    for (int l = layers - 1; l >= 0; --l) {
+      mlp::LayerGrads g = mlp::backward_layer(r, xs[l], hs[l], w[l], dh, l > 0);
+      grads[l] = g.w;  // x^T @ dz: exact, no communication
+      if (l > 0) dh = reduce_scatter_columns(r, o, g.x, traffic);
+    }
+    peak_memory.sample();  // every gradient and every activation
+    xs.clear();
+    hs.clear();
+    dh = Tensor();
+    opt.step(grads);
+    r.synchronize();
+    step_us = r.now() - t0;
+
+    std::string line = fmt::format("step {}/{}  time {}", step, o.steps, mlp::format_time(step_us));
+    if (ref) {
+      auto scope = r.region("reference");
+      ref->step();
+      const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
+      mlp::Diff d = mlp::compare(loss, ref->loss());
+      d.merge(mlp::compare_layers(r, *ref, grads, w, 0, first_col, cols));
+      worst.merge(d);
+      mlp::check_step(r, "tensor_parallel", step, "loss, gradients and weight columns", d);
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, ref->loss(),
+                          d.ok() ? "ok" : "DIFFERENT");
+    }
+    if (rank == 0 && !o.quiet) r.print(line);
+  }
+
+  auto scope = r.region("report");
+  auto all =
+      mlp::gather_to_root(r, {static_cast<float>(peak_memory.bytes()), static_cast<float>(worst.relative())});
+  if (rank != 0) return;
+  double peak = 0, rel = 0;
+  for (const auto& s : all) {
+    peak = std::max<double>(peak, s[0]);
+    rel = std::max<double>(rel, s[1]);
+  }
+  r.print(fmt::format("last step: {}", mlp::format_time(step_us)));
+  r.print(fmt::format(
+      "communication per rank per step: {} collectives, {} in all ({} all_gather in the forward, {} "
+      "reduce_scatter in the backward: one per layer, where data parallelism needs one all_reduce per "
+      "step)",
+      traffic.calls, mlp::format_bytes(traffic.bytes), layers, layers - 1));
+  r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
+  if (o.phantom) {
+    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
+    return;
+  }
+  r.print(fmt::format(
+      "equal to one device over the full batch after every step (each rank's columns of the gradients and "
+      "weights): {} (largest relative difference {:.2e}, tolerance {:.0e})",
+      rel <= mlp::Diff::kTolerance ? "yes" : "NO", rel, mlp::Diff::kTolerance));
+}
+
+}  // namespace
+
+RANKLAB_LESSON("tensor_parallel",
+               "split every weight by columns: all_gather forward, reduce_scatter backward", tensor_parallel);
+
+}  // namespace ranklab

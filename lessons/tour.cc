@@ -1,0 +1,180 @@
+// The tour: the lecture in one run. Collectives, then measuring them, then the three ways of splitting
+// training across ranks, then why they exist: a model that does not fit one device.
+//
+//   ranklab run tour --world 4        (what `make demo` runs)
+#include <fmt/format.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+
+namespace ranklab {
+namespace {
+
+// Runs one lesson inside the tour, with a heading and a short explanation, on every rank.
+void section(Rank& r, const std::string& lesson, const Options& o, const std::vector<std::string>& text) {
+  r.synchronize();  // the sections follow each other; none overlaps the one before
+  r.barrier();
+  if (r.rank() == 0) {
+    r.print("");
+    r.print(fmt::format("==== {} ====", lesson));
+    for (const std::string& line : text) r.print(line);
+    r.print("");
+  }
+  for (const Lesson& l : lessons()) {
+    if (l.name != lesson) continue;
+    l.fn(r, o);
+    return;
+  }
+  if (r.rank() == 0) r.print(fmt::format("(this build has no lesson '{}': skipped)", lesson));
+}
+
+// The smallest multiple of `w` that is at least `n`.
+std::int64_t multiple_of(std::int64_t n, std::int64_t w) {
+  return (n + w - 1) / w * w;
+}
+
+void tour(Rank& r, const Options& given) {
+  const int w = r.world_size();
+  // Sizes every lesson accepts at this world size: the batch, the dimension and the layers are multiples
+  // of it.
+  Options o = given;
+  o.batch = multiple_of(32, 4 * w);  // and of 4, for the pipeline's four micro-batches
+  o.dim = multiple_of(64, w);
+  o.layers = static_cast<int>(multiple_of(4, w));
+  o.steps = 3;
+  o.micro_batches = 4;
+  o.phantom = false;
+  o.overlap = false;
+  o.count = 1'000'000;  // the benchmark's collective: 4 MB
+  o.sweep = false;
+  o.wrong_order = false;
+
+  if (r.rank() == 0) {
+    r.print(
+        fmt::format("The tour: {} ranks, one program (SPMD). Every lesson below is a short file in lessons/; "
+                    "docs/lessons/ explains each.",
+                    w));
+  }
+  section(
+      r, "collectives", o,
+      {"The primitives. Every rank runs the same program on its own data; a collective is a call every rank "
+       "makes, and what each one gets back is defined by all of them."});
+  section(r, "benchmark", o,
+          {"Measuring a collective: synchronize first, then barrier, then read the clock; the other order "
+           "measures too little. Bandwidth is bytes over time, and the bus bandwidth compares algorithms "
+           "fairly."});
+  section(
+      r, "data_parallel", o,
+      {"Data parallelism: every rank holds the whole model and trains on batch/world samples. One "
+       "all_reduce(Avg) of the gradients after backward makes every rank take the same step, so the result "
+       "is one device's training over the whole batch, which the lesson checks after every step."});
+  Options big = o;  // a model large enough for the gradients' all_reduce to take time
+  big.phantom = true;
+  big.dim = multiple_of(8192, w);
+  big.layers = 8;
+  big.batch = multiple_of(1024, w);
+  big.steps = 1;
+  big.quiet = true;
+  big.bucket_mb = 25;
+  section(
+      r, "data_parallel", big,
+      {fmt::format("The same with {} layers of {} x {} (phantom tensors: shapes and time, no numbers), first "
+                   "with the all_reduce after backward...",
+                   big.layers, big.dim, big.dim)});
+  big.overlap = true;
+  section(
+      r, "data_parallel", big,
+      {"...then with --overlap: each bucket of gradients is all-reduced while backward computes the layers "
+       "before it. Compare the communication left after backward."});
+  section(
+      r, "tensor_parallel", o,
+      {"Tensor parallelism: every weight is split by columns. Each layer's output is all-gathered in the "
+       "forward and its gradient reduce-scattered in the backward: communication at every layer, which is "
+       "why it stays inside a node's fast links."});
+  Options pipe = o;
+  pipe.schedule = "gpipe";
+  pipe.quiet = true;
+  section(
+      r, "pipeline_parallel", pipe,
+      {"Pipeline parallelism: the layers are split into stages that pass activations forward and gradients "
+       "back with send/recv. First on real numbers, checked against one device..."});
+  // At the sizes above a task is as short as launching its kernels; the bubble needs tasks that compute.
+  pipe.phantom = true;
+  pipe.quiet = false;
+  pipe.steps = 1;
+  pipe.dim = multiple_of(4096, w);
+  pipe.layers = static_cast<int>(multiple_of(8, w));
+  pipe.micro_batches = 8;
+  pipe.batch = 1024;
+  section(
+      r, "pipeline_parallel", pipe,
+      {fmt::format("...then timed at {} layers of {} x {} (phantom tensors). GPipe runs every micro-batch's "
+                   "forward, then every backward; the dots in the chart are the bubble, (p-1)/(m+p-1) of "
+                   "the time when stages are uniform and communication is free.",
+                   pipe.layers, pipe.dim, pipe.dim)});
+  pipe.schedule = "1f1b";
+  section(
+      r, "pipeline_parallel", pipe,
+      {"1F1B: the same bubble, but once the pipeline is full a stage alternates forward and backward, so it "
+       "keeps at most p micro-batches of activations instead of all m."});
+
+  // Why the strategies exist: a model that does not fit one device.
+  r.synchronize();
+  r.barrier();
+  if (w == 1) {
+    if (r.rank() == 0) r.print("\n(with --world 2 or more the tour ends by growing a model past one device)");
+    return;
+  }
+  Options huge = o;
+  huge.phantom = true;
+  huge.optimizer = "adamw";
+  huge.steps = 1;
+  huge.quiet = true;
+  huge.batch = multiple_of(64, 4 * w);
+  huge.micro_batches = 4;
+  huge.dim = multiple_of(8192, w);
+  // AdamW holds four floats per parameter (weight, gradient, two moments): enough layers for 1.2 devices.
+  const double per_layer = 16.0 * static_cast<double>(huge.dim) * static_cast<double>(huge.dim);
+  const double layers = std::ceil(1.2 * static_cast<double>(r.memory_capacity()) / per_layer);
+  huge.layers = static_cast<int>(multiple_of(static_cast<std::int64_t>(layers), w));
+  if (r.rank() == 0) {
+    r.print("");
+    r.print("==== a model larger than one device ====");
+    r.print(
+        fmt::format("{} layers of {} x {} with AdamW need {:.0f} GiB for weights, gradients and optimizer "
+                    "state; one device holds {:.0f} GiB.",
+                    huge.layers, huge.dim, huge.dim, per_layer * huge.layers / (1u << 30),
+                    static_cast<double>(r.memory_capacity()) / (1u << 30)));
+  }
+  try {
+    section(r, "data_parallel", huge, {"Data parallelism keeps all of it on every rank:"});
+  } catch (const OutOfMemoryError& e) {
+    if (r.rank() == 0) {
+      r.print("out of memory, as expected:");
+      r.print(e.what());
+    }
+  }
+  section(r, "tensor_parallel", huge,
+          {fmt::format("Tensor parallelism keeps 1/{} of every weight on each rank:", w)});
+  section(r, "pipeline_parallel", huge,
+          {fmt::format("Pipeline parallelism keeps 1/{} of the layers on each rank:", w)});
+  r.synchronize();
+  r.barrier();
+  if (r.rank() == 0) {
+    r.print("");
+    r.print(
+        "The end of the tour. The report below shows each rank's compute, communication and idle time, the "
+        "collectives and the traffic on every link; `ranklab run NAME --help` lists each lesson's options.");
+  }
+}
+
+}  // namespace
+
+RANKLAB_LESSON("tour",
+               "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour);
+
+}  // namespace ranklab

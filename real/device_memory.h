@@ -1,0 +1,84 @@
+// Device tensors of the real backend and the memory account they are charged to.
+//
+// Allocation is stream-ordered (cudaMallocAsync / cudaFreeAsync on the compute stream) from the device's
+// default memory pool, which keeps freed blocks for reuse. Why not cudaMalloc and cudaFree: cudaFree waits
+// for the whole device, so a rank that drops a tensor while its collective waits for a peer would block
+// its host, and a peer waiting for that host at a barrier would never arrive: a deadlock made by the
+// allocator. Stream order is also what makes reuse safe: every use of a buffer, on either stream, is
+// ordered before later work on the compute stream (see cuda_rank.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/rank.h"
+#include "common/tensor.h"
+
+namespace ranklab {
+
+// One rank's bytes: what its live tensors hold against the device's capacity.
+class DeviceAccount {
+ public:
+  // `device_label` names the device in messages ("NVIDIA H200 (GPU 0)").
+  DeviceAccount(int rank, int device, std::string device_label, cudaStream_t stream,
+                std::int64_t capacity_bytes);
+  int rank() const { return rank_; }
+  int device() const { return device_; }
+  std::int64_t in_use() const;
+  std::int64_t peak() const;
+  std::int64_t capacity() const { return capacity_; }
+
+  // Device memory for a tensor of `shape` (null for zero bytes). Past the capacity, or when the device
+  // refuses, raises OutOfMemoryError in the simulator's words; `op` names the call that allocated.
+  float* allocate(const Shape& shape, DType dtype, const char* op);
+  void release(float* ptr, std::int64_t bytes);
+  // Makes the compute stream wait for `event` (an async Work's wait()); nothing once the run is over.
+  void compute_waits_for(cudaEvent_t event);
+  // The rank's streams are gone: later frees (a tensor that outlived its run) wait for the device.
+  void close();
+
+ private:
+  int rank_;
+  int device_;
+  std::string device_label_;
+  cudaStream_t stream_;
+  std::int64_t capacity_;
+  mutable std::mutex mutex_;
+  std::int64_t in_use_ = 0;
+  std::int64_t peak_ = 0;
+  bool open_ = true;
+};
+
+// An asynchronous collective or point-to-point call, shared by its Work, the tensors it uses and the
+// rank: until wait() on the Work (or synchronize()), touching those tensors is a UsageError, as in the
+// simulator. Dropping the Work does not count as waiting.
+struct AsyncOp {
+  std::string label;  // the call's description, for the error
+  bool waited = false;
+};
+
+class CudaStorage : public Storage {
+ public:
+  CudaStorage(std::shared_ptr<DeviceAccount> account, const Shape& shape, DType dtype, bool phantom,
+              const char* op);
+  ~CudaStorage() override;
+  bool phantom() const override { return phantom_; }
+  float* data() const { return data_; }
+
+  void add_pending(std::shared_ptr<AsyncOp> op) { pending_.push_back(std::move(op)); }
+  // The first asynchronous call on this tensor that has not been waited on, or null. Forgets the others.
+  const AsyncOp* unwaited();
+
+ private:
+  std::shared_ptr<DeviceAccount> account_;
+  float* data_ = nullptr;
+  bool phantom_;
+  std::vector<std::shared_ptr<AsyncOp>> pending_;
+};
+
+}  // namespace ranklab

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The real backend's check on a GPU machine, in one command:
+#   1. builds ranklab with the CUDA backend (RANKLAB_CUDA=ON, so a missing nvcc or NCCL fails loudly);
+#   2. runs every test (the GPU tests run one at a time, so their timings do not share the device);
+#   3. runs every lesson on the GPUs at the largest world this machine allows, and on the simulator with
+#      the profile matching the GPU, and writes both reports as JSON.
+#
+#   scripts/gpu-check.sh OUT_DIR [BUILD_DIR]
+#
+# OUT_DIR receives tests.log, lessons.log, cuda.json and sim.json (one report per lesson, keyed by its
+# name), summary.txt (one line per lesson: status and makespan on each backend) and cli.log (the command
+# line's own `--backend cuda` run). Needs no network. JOBS sets the build's parallelism (default 16).
+set -uo pipefail
+
+out=${1:?usage: scripts/gpu-check.sh OUT_DIR [BUILD_DIR]}
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${2:-$root/build-gpu}
+jobs=${JOBS:-16}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+status=0
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "GPUs"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+else
+  echo "nvidia-smi not found; the CUDA runtime decides below"
+fi
+
+step "configure and build ($build, -j$jobs)"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DRANKLAB_CUDA=ON -DRANKLAB_BENCH=OFF || exit 1
+cmake --build "$build" -j"$jobs" || exit 1
+
+step "tests"
+(
+  cd "$build" || exit 1
+  rc=0
+  # CPU tests in parallel, then the GPU ones alone.
+  ctest --output-on-failure -j"$jobs" -E '^CudaBackend' || rc=1
+  ctest --output-on-failure -j1 -R '^CudaBackend' || rc=1
+  exit $rc
+) 2>&1 | tee "$out/tests.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: TESTS FAILED"; status=1; }
+
+step "every lesson on the GPUs and on the simulator"
+"$build/real/ranklab_gpu_check" "$out" 2>&1 | tee "$out/lessons.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: LESSONS FAILED"; status=1; }
+
+step "the command line on the GPUs"
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$gpus" -ge 1 ] || gpus=1
+"$build/lessons/ranklab" run collectives --backend cuda --world "$gpus" 2>&1 | tee "$out/cli.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE COMMAND LINE'S CUDA RUN FAILED"; status=1; }
+
+step "result"
+cat "$out/summary.txt" 2>/dev/null
+if [ "$status" -eq 0 ]; then
+  echo "gpu-check: all passed; reports in $out"
+else
+  echo "gpu-check: FAILED (see above)"
+fi
+exit "$status"

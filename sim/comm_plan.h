@@ -1,0 +1,68 @@
+// CommPlan: what one communication operation moves where, apart from how long it takes. An operation is
+// an algorithm and a protocol (as NCCL picks them), a fixed latency, and a set of flows that run at the
+// same time, each a path of directed links and the bytes it pushes through them.
+//
+// Time follows from the flows and the links' capacities: alone on the machine an operation takes its
+// latency plus the time its flows need when they share links max-min fairly (sim/max_min.h); with other
+// operations in flight they share the links with those too. Keeping the plan separate from the time is
+// what lets the simulator's engine re-share bandwidth whenever a transfer starts or ends.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "sim/topology.h"
+
+namespace ranklab::sim {
+
+// NCCL's algorithms (NCCL_ALGO names them the same way), plus the patterns NCCL runs as grouped
+// point-to-point operations.
+enum class Algorithm {
+  Ring,      // a ring through every member; NCCL's default for bandwidth
+  Tree,      // double binary tree across nodes, a chain inside each node (all_reduce)
+  Nvls,      // in-switch reduction and multicast of NVSwitch (NVLink SHARP), inside one NVLink domain
+  NvlsTree,  // NVLS inside each node, a double binary tree across nodes: the hierarchical form
+  Direct,    // root to every member or back (scatter, gather), or one sender to one receiver (send/recv)
+  Pairwise,  // every member to every other (all_to_all)
+  Local,     // a group of one: nothing moves
+};
+// NCCL's protocols (NCCL_PROTO): LL sends 8-byte lines of data and flag, LL128 128-byte lines with 8 bytes
+// of flag, Simple large chunks behind a memory fence. Lower latency, lower bandwidth, in that order.
+enum class Protocol { LL, LL128, Simple };
+
+const char* algorithm_name(
+    Algorithm a);                       // "ring", "tree", "nvls", "nvls_tree", "direct", "pairwise", "local"
+const char* protocol_name(Protocol p);  // "ll", "ll128", "simple"
+// Case-insensitive, accepting NCCL's spellings too ("Ring", "NVLSTree", "LL128"); nullopt if unknown.
+std::optional<Algorithm> parse_algorithm(const std::string& name);
+std::optional<Protocol> parse_protocol(const std::string& name);
+
+struct Flow {
+  std::uint32_t first = 0;  // the path is CommPlan::links[first, first + length)
+  std::uint32_t length = 0;
+  double bytes = 0;          // what occupies the links: the payload over the protocol's efficiency
+  double payload_bytes = 0;  // the data itself: what the per-link byte counters record
+};
+
+struct CommPlan {
+  Algorithm algorithm = Algorithm::Local;
+  Protocol protocol = Protocol::Simple;
+  double latency_us = 0;      // NCCL's per-algorithm and per-step latencies (sim/nccl_tuning.h)
+  double transfer_us = 0;     // the flows alone on the machine, sharing links max-min fairly
+  std::vector<LinkId> links;  // every flow's path, back to back
+  std::vector<Flow> flows;
+
+  std::span<const LinkId> path(const Flow& f) const { return {links.data() + f.first, f.length}; }
+  void add_flow(std::span<const LinkId> path, double payload_bytes, double bytes);
+  std::string name() const;  // "ring/simple"
+};
+
+// Latency plus transfer: how long the operation takes with the machine to itself.
+inline double duration_us(const CommPlan& plan) {
+  return plan.latency_us + plan.transfer_us;
+}
+
+}  // namespace ranklab::sim

@@ -1,0 +1,178 @@
+// The modelled machine: links, their names, tiers and capacities, paths between GPUs, the size of the
+// fat tree, and the double binary trees NCCL builds across nodes.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/profile.h"
+#include "sim/algorithms.h"
+#include "sim/topology.h"
+
+namespace ranklab::sim {
+namespace {
+
+Profile profile(const std::string& name, int nodes = 1) {
+  Profile p = load_profile(name);
+  p.nodes = nodes;
+  return p;
+}
+
+std::vector<LinkId> path(const Topology& t, int src, int dst) {
+  std::vector<LinkId> out;
+  t.append_path(src, dst, out);
+  return out;
+}
+
+std::vector<std::string> names(const Topology& t, const std::vector<LinkId>& links) {
+  std::vector<std::string> out;
+  for (LinkId l : links) out.push_back(t.link_name(l));
+  return out;
+}
+
+TEST(Topology, OneDgxH100) {
+  const Topology t(profile("dgx-h100"));
+  EXPECT_EQ(t.gpus(), 8);
+  EXPECT_TRUE(t.has_nvlink());
+  EXPECT_TRUE(t.nvls());
+  EXPECT_FALSE(t.has_fabric());
+  // NVLink up and down per GPU, PCIe up and down per GPU, switch to CPU and back, NIC to switch and back.
+  EXPECT_EQ(t.link_count(), 8u * 2 + 8 * 2 + 8 * 2 + 8 * 2);
+
+  const LinkInfo up = t.link(t.gpu_to_nvswitch(3));
+  EXPECT_EQ(up.name, "gpu3->nvswitch0");
+  EXPECT_EQ(up.tier, Tier::NVLink);
+  EXPECT_DOUBLE_EQ(up.line_rate_gbps, 450.0);
+  EXPECT_DOUBLE_EQ(up.capacity_gbps, 450.0 * 0.824);
+  EXPECT_DOUBLE_EQ(up.latency_us, 0.3);
+  EXPECT_EQ(t.link_name(t.nvswitch_to_gpu(5)), "nvswitch0->gpu5");
+  EXPECT_STREQ(tier_name(Tier::Network), "network");
+
+  // Inside a node every pair goes GPU -> NVSwitch -> GPU.
+  EXPECT_EQ(names(t, path(t, 2, 6)), (std::vector<std::string>{"gpu2->nvswitch0", "nvswitch0->gpu6"}));
+  EXPECT_TRUE(path(t, 4, 4).empty());
+  EXPECT_DOUBLE_EQ(t.path_latency_us(path(t, 2, 6)), 0.6);
+
+  // Every link has a distinct name.
+  std::set<std::string> all;
+  for (LinkId l = 0; l < t.link_count(); ++l) all.insert(t.link_name(l));
+  EXPECT_EQ(all.size(), t.link_count());
+}
+
+TEST(Topology, PcieWorkstationHasNoNvlink) {
+  const Topology t(profile("pcie-4gpu", 2));
+  EXPECT_FALSE(t.has_nvlink());
+  EXPECT_EQ(t.nics_per_node(), 1);
+  EXPECT_EQ(t.nic_of(3), 0);
+  EXPECT_EQ(t.nic_of(5), 1);
+  // One PCIe switch holds all four cards: GPU -> switch -> GPU.
+  const std::vector<LinkId> p = path(t, 0, 3);
+  EXPECT_EQ(names(t, p), (std::vector<std::string>{"gpu0->pcie0", "pcie0->gpu3"}));
+  for (LinkId l : p) {
+    EXPECT_EQ(t.tier(l), Tier::PCIe);
+    EXPECT_DOUBLE_EQ(t.capacity_gbps(l), 31.5 * 0.76);
+  }
+  // Between nodes through the one NIC of each and a shared leaf.
+  EXPECT_EQ(names(t, path(t, 2, 7)), (std::vector<std::string>{"gpu2->pcie0", "pcie0->nic0", "nic0->leaf0",
+                                                               "leaf0->nic1", "nic1->pcie1", "pcie1->gpu7"}));
+}
+
+TEST(Topology, PathsBetweenNodesStayOnTheirRail) {
+  const Topology t(profile("dgx-h100", 4));
+  EXPECT_EQ(t.gpus(), 32);
+  ASSERT_TRUE(t.has_fabric());
+  EXPECT_EQ(t.nodes_per_leaf(), 4);  // one leaf per rail holds all four nodes
+  EXPECT_EQ(t.leaves(), 8);
+  EXPECT_EQ(t.fabric_tiers(), 2);
+  // GPU 3 of node 0 to GPU 3 of node 2: rail 3, one leaf.
+  const std::vector<LinkId> same_rail = path(t, 3, 19);
+  EXPECT_EQ(names(t, same_rail),
+            (std::vector<std::string>{"gpu3->pcie3", "pcie3->nic3", "nic3->leaf3", "leaf3->nic19",
+                                      "nic19->pcie19", "pcie19->gpu19"}));
+  EXPECT_EQ(t.switch_hops(3, 19), 1);
+  // Changing rails means going through a spine.
+  const std::vector<LinkId> cross = path(t, 3, 20);
+  ASSERT_EQ(cross.size(), 8u);
+  EXPECT_EQ(t.link_name(cross[3]).rfind("leaf3->spine", 0), 0u);
+  EXPECT_EQ(t.link_name(cross[5]), "leaf4->nic20");
+  EXPECT_EQ(t.switch_hops(3, 20), 3);
+  EXPECT_EQ(t.tier(cross[2]), Tier::Network);
+  EXPECT_EQ(t.tier(cross[1]), Tier::PCIe);
+  EXPECT_DOUBLE_EQ(t.capacity_gbps(cross[2]), 50.0 * 0.94);
+  // The hardware latency: PCIe hops, the NIC, the leaf, a spine and back.
+  EXPECT_NEAR(t.path_latency_us(cross), 4 * 0.5 + 2 * 0.6 + 3 * 0.13, 1e-12);
+}
+
+TEST(Topology, FatTreeSizedForTheCluster) {
+  // 128 DGX H100: 32 nodes per 64-port leaf, 4 leaves per rail, 32 leaves, 16 spines of 64 ports.
+  const Topology t(profile("dgx-h100", 128));
+  EXPECT_EQ(t.nodes_per_leaf(), 32);
+  EXPECT_EQ(t.leaves(), 32);
+  EXPECT_EQ(t.spines(), 16);
+  EXPECT_EQ(t.uplinks_per_leaf(), 32);
+  EXPECT_EQ(t.fabric_tiers(), 2);
+  // Each leaf's 32 uplinks of 50 GB/s are spread over 16 spines: 100 GB/s per leaf-spine link.
+  std::vector<LinkId> p = path(t, 0, 1023);  // node 0 rail 0 to node 127 rail 7
+  ASSERT_EQ(p.size(), 8u);
+  EXPECT_DOUBLE_EQ(t.link(p[3]).line_rate_gbps, 100.0);
+  EXPECT_EQ(t.link_name(p[2]), "nic0->leaf0");
+  EXPECT_EQ(t.link_name(p[5]), "leaf31->nic1023");
+
+  // 2,048 nodes need more leaves than a spine has ports: the spine links stand for a core tier too.
+  const Topology big(profile("dgx-h100", 2048));
+  EXPECT_EQ(big.gpus(), 16384);
+  EXPECT_EQ(big.fabric_tiers(), 3);
+  EXPECT_EQ(big.switch_hops(0, 16383), 5);
+  // Nothing per GPU is stored: the last link has a name like any other.
+  EXPECT_EQ(big.link_name(static_cast<LinkId>(big.link_count() - 1)).rfind("spine", 0), 0u);
+}
+
+TEST(Topology, OversubscribedLeaves) {
+  Profile p = profile("dgx-h100", 64);
+  p.fabric.oversubscription = 3;  // 48 ports down, 16 up
+  const Topology t(p);
+  EXPECT_EQ(t.nodes_per_leaf(), 48);
+  EXPECT_EQ(t.uplinks_per_leaf(), 16);
+}
+
+TEST(Topology, Nvl72IsOneNvlinkDomain) {
+  const Topology t(profile("gb200-nvl72"));
+  EXPECT_EQ(t.gpus(), 72);
+  EXPECT_EQ(names(t, path(t, 0, 71)), (std::vector<std::string>{"gpu0->nvswitch0", "nvswitch0->gpu71"}));
+  EXPECT_DOUBLE_EQ(t.link(t.gpu_to_nvswitch(0)).line_rate_gbps, 900.0);
+}
+
+TEST(Topology, DoubleBinaryTree) {
+  for (int count = 1; count <= 64; ++count) {
+    SCOPED_TRACE(count);
+    for (int tree = 0; tree < 2; ++tree) {
+      // One root, and every index reaches it without a cycle.
+      int roots = 0;
+      for (int k = 0; k < count; ++k) {
+        int hops = 0;
+        for (int at = k; dtree_parent(at, count, tree) >= 0; at = dtree_parent(at, count, tree)) {
+          ASSERT_LT(dtree_parent(at, count, tree), count);
+          ASSERT_LT(++hops, count);
+        }
+        roots += dtree_parent(k, count, tree) < 0;
+      }
+      EXPECT_EQ(roots, 1);
+    }
+    if (count % 2 == 0 && count > 2) {
+      // Every index is a leaf in exactly one of the two trees, so every node sends and receives
+      // about the same amount in total: the point of two trees.
+      std::vector<int> children[2] = {std::vector<int>(count), std::vector<int>(count)};
+      for (int tree = 0; tree < 2; ++tree) {
+        for (int k = 0; k < count; ++k) {
+          const int p = dtree_parent(k, count, tree);
+          if (p >= 0) ++children[tree][p];
+        }
+      }
+      for (int k = 0; k < count; ++k) EXPECT_EQ((children[0][k] == 0) + (children[1][k] == 0), 1) << k;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ranklab::sim
