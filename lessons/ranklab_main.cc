@@ -75,7 +75,8 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& pr
     return std::make_unique<CudaBackend>(config);
 #else
     throw UsageError(
-        "this build of ranklab has no CUDA backend; configure with -DRANKLAB_CUDA=ON on a machine with nvcc and "
+        "this build of ranklab has no CUDA backend; configure with -DRANKLAB_CUDA=ON on a machine with nvcc "
+        "and "
         "NCCL");
 #endif
   }
@@ -215,7 +216,8 @@ int main(int argc, char** argv) {
   CLI::App* list = app.add_subcommand("list", "list the lessons");
   CLI::App* profiles = app.add_subcommand("profiles", "list the hardware profiles");
 
-  CLI::App* topo = app.add_subcommand("topo", "print a profile's machine as the lecture's hierarchy of links");
+  CLI::App* topo =
+      app.add_subcommand("topo", "print a profile's machine as the lecture's hierarchy of links");
   std::string topo_profile = "dgx-h100";
   int topo_nodes = 1;
   topo->add_option("--profile", topo_profile, "hardware profile name or .toml file (see `ranklab profiles`)");
