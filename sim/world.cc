@@ -361,6 +361,7 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     rec.algbw_gbps = t_us > 0 ? static_cast<double>(rec.bytes) / (t_us * 1e3) : 0;
     rec.busbw_gbps = rec.algbw_gbps * bus_factor(op->op, n);
     report_.collectives.push_back(rec);
+    if (size() >= 256) progress_.update(++finished_ops_, fmt::format("operations, {} ranks", size()));
     for (const CommMember& m : op->members) wake(m.rank);
   }
   // What waited for these can run now.
@@ -512,6 +513,7 @@ RunReport SimWorld::finish_report() {
     report_.ranks.push_back(sum);
     report_.makespan_us = std::max(report_.makespan_us, s.host_us);
   }
+  progress_.finish();
   report_.links = network_->link_traffic();
   summarize_spans(report_);
   return std::move(report_);

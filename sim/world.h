@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/profile.h"
+#include "common/progress.h"
 #include "common/report.h"
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
@@ -150,6 +151,9 @@ class SimWorld {
   std::map<std::pair<int, int>, std::uint64_t> p2p_created_;  // per (src, dst)
   std::map<std::string, HostRendezvous> host_rendezvous_;
   RunReport report_;
+  // A large world's run shows its communication finishing on stderr (a terminal only).
+  Progress progress_{"simulating", 0};
+  std::int64_t finished_ops_ = 0;
 
   int live_ = 0;
   int blocked_ = 0;
