@@ -107,7 +107,7 @@ void tour(Rank& r, const Options& given) {
   pipe.quiet = false;
   pipe.steps = 1;
   pipe.dim = multiple_of(4096, w);
-  pipe.layers = static_cast<int>(multiple_of(8, w));
+  pipe.layers = 4 * w;  // four layers a stage: tasks long against the transfers between them
   pipe.micro_batches = 8;
   pipe.batch = 1024;
   section(

@@ -362,7 +362,14 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     rec.busbw_gbps = rec.algbw_gbps * bus_factor(op->op, n);
     report_.collectives.push_back(rec);
     if (size() >= 256) progress_.update(++finished_ops_, fmt::format("operations, {} ranks", size()));
-    for (const CommMember& m : op->members) wake(m.rank);
+    for (CommMember& m : op->members) {
+      // A finished operation needs neither its dependencies nor its buffers: letting go of them frees
+      // the tensors it moved (and the chain of earlier operations each one would otherwise keep alive).
+      m.deps.clear();
+      m.call.input = Tensor();
+      m.call.output = Tensor();
+      wake(m.rank);
+    }
   }
   // What waited for these can run now.
   for (const auto& op : ended) {

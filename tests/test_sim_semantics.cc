@@ -342,3 +342,25 @@ TEST(Memory, AllocatedAndPeakFollowTensorLifetimes) {
 
 }  // namespace
 }  // namespace ranklab
+
+namespace ranklab {
+namespace {
+
+TEST(Memory, CommunicatedTensorsAreFreedOnceTheirOperationsFinish) {
+  auto left = testing::run_collect<std::int64_t>(2, [](Rank& r) {
+    for (int i = 0; i < 8; ++i) {
+      Tensor t = r.phantom({16 << 20});
+      if (r.rank() == 0) r.send(t, 1);
+      if (r.rank() == 1) r.recv(t, 0);
+      Tensor g = r.phantom({1 << 20});
+      r.all_reduce(g, ReduceOp::Sum, Async::Yes).wait();
+    }
+    r.synchronize();
+    return r.memory_allocated();
+  });
+  EXPECT_EQ(left[0], 0);
+  EXPECT_EQ(left[1], 0);
+}
+
+}  // namespace
+}  // namespace ranklab
