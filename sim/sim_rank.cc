@@ -9,6 +9,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/comm_checks.h"
 #include "common/errors.h"
 #include "common/random.h"
 #include "sim/scheduler.h"
@@ -399,90 +400,9 @@ void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& 
 // ---- communication ---------------------------------------------------------------------------------
 
 void SimRank::validate(const CommCall& call) const {
-  const char* op = comm_op_name(call.op);
-  const std::vector<int>& members = world_.members(call.group);
-  const int n = static_cast<int>(members.size());
-  if (call.group.index_of(rank_) < 0) {
-    throw UsageError(
-        fmt::format("{} on {}: rank {} is not a member of the group", where(op), call.group.str(), rank_));
-  }
-  auto rooted = [&] {
-    if (call.peer < 0 || call.peer >= world_.size() || call.group.index_of(call.peer) < 0) {
-      throw UsageError(
-          fmt::format("{}: root {} is not a member of {}", where(op), call.peer, call.group.str()));
-    }
-  };
-  // `big` must be `small` with dimension 0 multiplied by the group size.
-  auto stacked = [&](const Tensor& big, const char* big_name, const Tensor& small, const char* small_name) {
-    if (small.ndim() == 0 || big.shape() != small.shape().with_dim(0, small.size(0) * n)) {
-      throw UsageError(fmt::format(
-          "{}: '{}' is {} so '{}' must have {} times its first dimension (the group has {} ranks); got {}",
-          where(op), small_name, small.str(), big_name, n, n, big.str()));
-    }
-  };
-  const bool root = call.peer == rank_;
-  switch (call.op) {
-    case CommOp::AllReduce:
-      require(call.output, op, "tensor");
-      break;
-    case CommOp::Broadcast:
-    case CommOp::Reduce:
-      require(call.output, op, "tensor");
-      rooted();
-      break;
-    case CommOp::AllGather:
-      require(call.input, op, "in");
-      require(call.output, op, "out");
-      stacked(call.output, "out", call.input, "in");
-      break;
-    case CommOp::ReduceScatter:
-      require(call.input, op, "in");
-      require(call.output, op, "out");
-      stacked(call.input, "in", call.output, "out");
-      break;
-    case CommOp::Scatter:
-      rooted();
-      require(call.output, op, "out");
-      if (root) {
-        require(call.input, op, "in");
-        stacked(call.input, "in", call.output, "out");
-      }
-      break;
-    case CommOp::Gather:
-      rooted();
-      require(call.input, op, "in");
-      if (root) {
-        require(call.output, op, "out");
-        stacked(call.output, "out", call.input, "in");
-      }
-      break;
-    case CommOp::AllToAll:
-      require(call.input, op, "in");
-      require(call.output, op, "out");
-      if (call.input.shape() != call.output.shape() || call.input.ndim() == 0 ||
-          call.input.size(0) % n != 0) {
-        throw UsageError(
-            fmt::format("{}: 'in' and 'out' must have the same shape with a first dimension divisible by the "
-                        "group size {}; "
-                        "got {} and {}",
-                        where(op), n, call.input.str(), call.output.str()));
-      }
-      break;
-    case CommOp::Send:
-    case CommOp::Recv: {
-      require(call.op == CommOp::Send ? call.input : call.output, op, "tensor");
-      const char* role = call.op == CommOp::Send ? "dst" : "src";
-      if (call.peer < 0 || call.peer >= world_.size()) {
-        throw UsageError(fmt::format("{}: {}={} is outside the world of {} ranks", where(op), role, call.peer,
-                                     world_.size()));
-      }
-      if (call.peer == rank_)
-        throw UsageError(fmt::format("{}: {}={} is this rank itself", where(op), role, call.peer));
-      break;
-    }
-    case CommOp::Barrier:
-      break;
-  }
+  world_.members(call.group);  // a group this run never made is an error of its own
+  check_comm_call(call, rank_, world_.size(),
+                  [&](const Tensor& t, const char* arg) { require(t, comm_op_name(call.op), arg); });
 }
 
 Work SimRank::communicate(const CommCall& call) {
