@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "common/tensor.h"
+#include "common/training.h"
 
 namespace ranklab {
 
@@ -64,6 +65,22 @@ class WorkState {
   virtual ~WorkState() = default;
   virtual void wait() = 0;
   virtual bool waited() const = 0;
+};
+
+// A recorded point on a rank's compute stream; see Rank::record_event.
+class EventState {
+ public:
+  virtual ~EventState() = default;
+};
+class Event {
+ public:
+  Event() = default;
+  explicit Event(std::shared_ptr<EventState> s) : state_(std::move(s)) {}
+  bool defined() const { return state_ != nullptr; }
+  EventState* state() const { return state_.get(); }
+
+ private:
+  std::shared_ptr<EventState> state_;
 };
 
 class Work {
@@ -125,41 +142,131 @@ class Rank {
   virtual int world_size() const = 0;
 
   // ---- tensors --------------------------------------------------------------------------------------
-  virtual Tensor empty(const Shape& s) = 0;  // contents unspecified (the simulator fills them with NaN)
-  virtual Tensor zeros(const Shape& s) = 0;
-  virtual Tensor full(const Shape& s, float value) = 0;
+  // Factories take the element type last; without it they make float32 tensors.
+  virtual Tensor empty(const Shape& s, DType dtype) = 0;  // contents unspecified (the simulator: NaN)
+  virtual Tensor zeros(const Shape& s, DType dtype) = 0;
+  virtual Tensor full(const Shape& s, float value, DType dtype) = 0;
+  Tensor empty(const Shape& s) { return empty(s, DType::Float32); }
+  Tensor zeros(const Shape& s) { return zeros(s, DType::Float32); }
+  Tensor full(const Shape& s, float value) { return full(s, value, DType::Float32); }
   // 0, 1, ..., numel-1 laid out in `s`, plus `start`.
   virtual Tensor arange(const Shape& s, float start) = 0;
   Tensor arange(std::int64_t n) { return arange(Shape{n}, 0.0f); }
   // Normal(0, std^2) numbers from a counter-based generator: element i of seed s is the same number on
-  // every backend and every world size.
-  virtual Tensor randn(const Shape& s, std::uint64_t seed, float std) = 0;
-  Tensor randn(const Shape& s, std::uint64_t seed) { return randn(s, seed, 1.0f); }
-  virtual Tensor from_host(const Shape& s, const std::vector<float>& values) = 0;
+  // every backend and every world size (then rounded to `dtype`).
+  virtual Tensor randn(const Shape& s, std::uint64_t seed, float std, DType dtype) = 0;
+  Tensor randn(const Shape& s, std::uint64_t seed, float std) { return randn(s, seed, std, DType::Float32); }
+  Tensor randn(const Shape& s, std::uint64_t seed) { return randn(s, seed, 1.0f, DType::Float32); }
+  // The part [start, start + length) along `dim` of randn(full, seed, std, dtype), made without making
+  // the rest: a rank creates only its own shard of a seeded weight, and the shards of all ranks put
+  // together are exactly the whole tensor.
+  virtual Tensor randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length,
+                             std::uint64_t seed, float std, DType dtype) = 0;
+  virtual Tensor from_host(const Shape& s, const std::vector<float>& values, DType dtype) = 0;
+  Tensor from_host(const Shape& s, const std::vector<float>& values) {
+    return from_host(s, values, DType::Float32);
+  }
   // A tensor with a shape and no bytes: operations on it only advance time. Its memory is accounted.
-  virtual Tensor phantom(const Shape& s) = 0;
-  // Copies a tensor to the host (waits for the work that writes it).
+  virtual Tensor phantom(const Shape& s, DType dtype) = 0;
+  Tensor phantom(const Shape& s) { return phantom(s, DType::Float32); }
+  // Copies a tensor to the host as floats (waits for the work that writes it).
   virtual std::vector<float> to_host(const Tensor& t) = 0;
 
   // ---- compute (kernels on the compute stream) ------------------------------------------------------
-  // op(a) @ op(b) for 2-D tensors, where op transposes when asked.
+  // Unless said otherwise, a kernel's inputs share one dtype and its output has that dtype; arithmetic
+  // is done in float32 and the result rounded to the output's type, as GPU kernels do.
+  //
+  // op(a) @ op(b) for 2-D tensors, where op transposes when asked. 16-bit inputs run on tensor cores
+  // with float32 accumulation (cuBLAS's CUBLAS_COMPUTE_32F), and the product is rounded once.
   virtual Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
   Tensor matmul(const Tensor& a, const Tensor& b) { return matmul(a, b, Trans::No, Trans::No); }
   virtual Tensor relu(const Tensor& x) = 0;
   // grad_out where x > 0, else 0: the backward of relu given its input x.
   virtual Tensor relu_backward(const Tensor& grad_out, const Tensor& x) = 0;
   virtual Tensor add(const Tensor& a, const Tensor& b) = 0;
-  virtual void add_(const Tensor& dst, const Tensor& src, float alpha) = 0;  // dst += alpha * src
+  // dst += alpha * src. `src` may have another dtype than `dst` (a bf16 gradient into a float32 one).
+  virtual void add_(const Tensor& dst, const Tensor& src, float alpha) = 0;
   virtual void scale_(const Tensor& t, float factor) = 0;
+  // dst = src, converting to dst's dtype (float32 master weights into their bf16 copy, and back).
   virtual void copy_(const Tensor& dst, const Tensor& src) = 0;
+  // A new tensor of `dtype` with t's values.
+  virtual Tensor cast(const Tensor& t, DType dtype) = 0;
   virtual Tensor sum(const Tensor& t) = 0;  // a scalar (shape [])
   // A copy of `length` entries of `t` along `dim` starting at `start`.
   virtual Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) = 0;
   virtual Tensor cat(const std::vector<Tensor>& parts, int dim) = 0;
   virtual void sgd_step(const Tensor& param, const Tensor& grad, float lr) = 0;
-  // One AdamW step; `m` and `v` are the moment buffers, `step` counts from 1.
+  // One AdamW step; `m` and `v` are the moment buffers, `step` counts from 1. Param, grad and moments
+  // are float32 (mixed precision keeps the optimizer in float32).
   virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                           const AdamW& h, int step) = 0;
+
+  // ---- transformer kernels ----------------------------------------------------------------------------
+  // Activations are 2-D, one row per token, rows in sequence-major order: row = position * batch + sample
+  // (Megatron-LM's [s, b, h] layout), so a contiguous block of rows is a contiguous block of positions —
+  // what sequence parallelism shards and what a pipeline stage receives.
+
+  // x + bias broadcast over rows, in place: x [rows, cols], bias [cols].
+  virtual void add_bias_(const Tensor& x, const Tensor& bias) = 0;
+  // Column sums of x [rows, cols] as a float32 [cols] tensor: the gradient of a bias.
+  virtual Tensor sum_rows(const Tensor& x) = 0;
+
+  // Layer normalisation over each row (Ba, Kiros & Hinton 2016): y = (x - mean) * rstd * gamma + beta,
+  // rstd = 1 / sqrt(var + eps). gamma and beta are [cols]; mean and rstd are float32 [rows], kept for
+  // the backward.
+  struct LayerNormOut {
+    Tensor y, mean, rstd;
+  };
+  virtual LayerNormOut layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) = 0;
+  struct LayerNormGrads {
+    Tensor dx;             // like x
+    Tensor dgamma, dbeta;  // float32 [cols]
+  };
+  virtual LayerNormGrads layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                            const Tensor& mean, const Tensor& rstd) = 0;
+
+  // GELU, tanh approximation as GPT-2 uses it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+  virtual Tensor gelu(const Tensor& x) = 0;
+  virtual Tensor gelu_backward(const Tensor& dy, const Tensor& x) = 0;
+
+  // Scaled dot-product attention computed FlashAttention-style (Dao et al. 2022): one pass over keys
+  // with an online softmax, never materialising the seq x seq scores, so its memory is O(seq).
+  //   qkv  [seq * batch, heads * 3 * head_dim]: per head, its q, k and v columns side by side (Megatron's
+  //        interleaved layout, so the heads of one tensor-parallel rank are one contiguous block);
+  //   out  [seq * batch, heads * head_dim], column = head * head_dim + d;
+  //   lse  float32 [batch, heads, seq]: each query's log-sum-exp of scaled scores, for the backward.
+  // Scores are scaled by 1 / sqrt(head_dim); `causal` masks keys after the query's position.
+  struct AttentionOut {
+    Tensor out, lse;
+  };
+  virtual AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) = 0;
+  // d qkv (like qkv) from d out, recomputing the probabilities from lse (FlashAttention's backward).
+  virtual Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                    const Tensor& lse, std::int64_t batch, int heads, bool causal) = 0;
+
+  // Embedding lookup, vocabulary-parallel (Megatron's VocabParallelEmbedding): `table` holds rows
+  // [vocab_start, vocab_start + table rows) of the vocabulary; `ids` is a float32 [rows] tensor of token
+  // ids (exact up to 2^24). Rows whose id falls outside this shard are zero, so a sum over the shards
+  // (an all_reduce) gives the full lookup. Output has table's dtype.
+  virtual Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) = 0;
+  // dtable[id - vocab_start] += dy[row] for every row whose id is in the shard. dtable is float32.
+  virtual void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                                   std::int64_t vocab_start) = 0;
+
+  // Cross-entropy over a vocabulary split across ranks (Megatron's vocab-parallel cross-entropy), in three
+  // kernels with an all_reduce between each: logits [rows, shard] hold the columns [vocab_start,
+  // vocab_start + shard) of the full logits; targets is a float32 [rows] tensor of token ids.
+  //   row_max:        float32 [rows], the largest logit of each row in this shard (all_reduce Max);
+  //   softmax_stats:  float32 [rows, 2]: sum of exp(logit - max) over the shard, and the target's logit
+  //                   when the target is in the shard, else 0 (all_reduce Sum);
+  //   cross_entropy_loss: float32 scalar, sum over rows of log(sum exp) + max - target logit;
+  //   cross_entropy_backward: d logits = scale * (softmax - onehot(target)), logits' dtype.
+  virtual Tensor row_max(const Tensor& logits) = 0;
+  virtual Tensor softmax_stats(const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                               std::int64_t vocab_start) = 0;
+  virtual Tensor cross_entropy_loss(const Tensor& row_max, const Tensor& stats) = 0;
+  virtual Tensor cross_entropy_backward(const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                        const Tensor& targets, std::int64_t vocab_start, float scale) = 0;
 
   // ---- communication --------------------------------------------------------------------------------
   // Every backend implements this one entry; the named calls below build the record.
@@ -180,6 +287,15 @@ class Rank {
   Work recv(const Tensor& t, int src, Async a = Async::No);
   Work isend(const Tensor& t, int dst) { return send(t, dst, Async::Yes); }
   Work irecv(const Tensor& t, int src) { return recv(t, src, Async::Yes); }
+  // Point-to-point operations posted together (torch.distributed.batch_isend_irecv; NCCL runs them in
+  // one ncclGroupStart/End), so two ranks that each send to the other first cannot deadlock. One Work
+  // per operation, in order.
+  struct P2POp {
+    CommOp op = CommOp::Send;  // Send or Recv
+    Tensor tensor;
+    int peer = -1;  // global rank
+  };
+  virtual std::vector<Work> batch_isend_irecv(const std::vector<P2POp>& ops) = 0;
   // A host rendezvous of the group's members. It does not wait for device work.
   void barrier(Group g = {});
 
@@ -190,11 +306,19 @@ class Rank {
   // ---- time -----------------------------------------------------------------------------------------
   virtual void synchronize() = 0;  // the host waits for both streams
   virtual double now() = 0;        // host clock, microseconds since launch
+  // A marker on the compute stream (cudaEventRecord): it completes when the kernels launched before it
+  // have. Recording does not block the host, so a lesson can time its phases without synchronising.
+  virtual Event record_event() = 0;
+  // Device time from `start` to `end` in microseconds (cudaEventElapsedTime); the host waits for `end`
+  // to complete (cudaEventSynchronize).
+  virtual double elapsed_us(const Event& start, const Event& end) = 0;
 
   // ---- memory ---------------------------------------------------------------------------------------
   virtual std::int64_t memory_allocated() const = 0;  // bytes held by live tensors of this rank
   virtual std::int64_t memory_peak() const = 0;
   virtual std::int64_t memory_capacity() const = 0;  // the device's memory, from the profile
+  // Starts the peak over again from what is allocated now (torch.cuda.reset_peak_memory_stats).
+  virtual void reset_peak_memory() = 0;
 
   // ---- output and the run report --------------------------------------------------------------------
   // A named span of host time in the report: `auto scope = r.region("forward");`.
@@ -219,6 +343,9 @@ class Rank {
   virtual void show(const std::string& label, const Tensor& t) = 0;
   // Records a numerical check of the lesson; a failed check fails the run after it ends.
   virtual void check(const std::string& what, bool passed, const std::string& detail) = 0;
+  // A training lesson's figures for the step it timed (the report's `training` object). Rank 0 calls it;
+  // a later call replaces an earlier one.
+  virtual void report_training(const TrainingStats& stats) = 0;
 };
 
 }  // namespace ranklab

@@ -15,9 +15,12 @@
 
 namespace ranklab {
 
-// Element types. Numerics are float32 throughout; the enum exists so sizes and the compute model's peak
-// rate are looked up by type rather than assumed.
-enum class DType { Float32 };
+// Element types. Float32 is what the lessons compute in; BFloat16 and Float16 are the 16-bit types mixed
+// precision trains in (weights, activations and GEMMs in 16 bits; master weights, optimizer state and
+// usually the gradient reduction in float32). The simulator keeps every value as a float but rounds a
+// 16-bit tensor's values to its type after every kernel that writes it (round to nearest even), so its
+// numbers are the ones a GPU holds; memory is accounted at the type's size.
+enum class DType { Float32, BFloat16, Float16 };
 
 std::int64_t dtype_bytes(DType t);
 const char* dtype_name(DType t);

@@ -1,0 +1,37 @@
+// TrainingStats: what a training lesson measured over one step, as the run report's `training` object
+// carries it. The lesson computes it (it alone knows the model's FLOPs and its parallel layout) and hands
+// it to Rank::report_training; both backends put it in the report unchanged.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace ranklab {
+
+struct TrainingStats {
+  std::string model;   // "gpt3-175b" or "custom"
+  std::string layout;  // "tp 8 (seq-parallel) x pp 8 (interleave 2) x dp 24, zero 1, recompute none"
+  std::int64_t tokens_per_step = 0;
+  int micro_batches = 0;  // per pipeline, per step
+  double step_time_us = 0;
+  // Model FLOPs per step: what the model needs (6 N tokens plus attention), whatever the run recomputes.
+  double model_flops = 0;
+  // Hardware FLOPs per step: what the GPUs execute, recomputation included.
+  double hardware_flops = 0;
+  double model_tflops_per_gpu = 0;
+  double hardware_tflops_per_gpu = 0;
+  double mfu = 0;                      // model FLOP/s per GPU over the dtype's dense peak
+  double bubble_fraction = 0;          // measured: pipeline idle time over step time
+  double bubble_fraction_formula = 0;  // (p - 1) / (v m)
+  // Communication the compute stream waited for, per parallel dimension ("tp", "sp", "pp", "dp").
+  std::map<std::string, double> exposed_comm_us;
+  // Peak memory of the rank that reports, and its parts at that peak.
+  std::int64_t peak_memory_bytes = 0;
+  std::int64_t weights_bytes = 0;
+  std::int64_t grads_bytes = 0;
+  std::int64_t optimizer_bytes = 0;
+  std::int64_t activations_bytes = 0;
+};
+
+}  // namespace ranklab
