@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,7 @@ struct RunReport {
   std::vector<CheckRecord> checks;
   std::vector<LinkTraffic> links;
   std::vector<std::string> output;  // the lesson's printed lines, in order
+  std::optional<TrainingStats> training;
 
   bool all_checks_passed() const;
   std::int64_t total_link_bytes() const;

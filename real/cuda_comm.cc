@@ -38,8 +38,8 @@ ncclRedOp_t nccl_op(ReduceOp op) {
 // memory is freed in compute-stream order, and must not be reused while NCCL still reads or writes it.
 class CudaWork : public WorkState {
  public:
-  CudaWork(std::shared_ptr<DeviceAccount> account, std::shared_ptr<Event> done, std::shared_ptr<AsyncOp> op,
-           std::vector<Tensor> keep)
+  CudaWork(std::shared_ptr<DeviceAccount> account, std::shared_ptr<CudaEvent> done,
+           std::shared_ptr<AsyncOp> op, std::vector<Tensor> keep)
       : account_(std::move(account)), done_(std::move(done)), op_(std::move(op)), keep_(std::move(keep)) {}
   ~CudaWork() override {
     // Dropped without wait(): the compute stream still waits, so later work cannot reuse the memory under
@@ -62,7 +62,7 @@ class CudaWork : public WorkState {
 
  private:
   std::shared_ptr<DeviceAccount> account_;
-  std::shared_ptr<Event> done_;
+  std::shared_ptr<CudaEvent> done_;
   std::shared_ptr<AsyncOp> op_;
   std::vector<Tensor> keep_;
   bool ordered_ = false;  // the compute stream already waits for it
@@ -267,7 +267,7 @@ Work CudaRank::communicate(const CommCall& call) {
   const int interval = timeline_.begin(comm_);
   launch_nccl(call, r);
   timeline_.end(interval, comm_);
-  auto done = std::make_shared<Event>(/*timing=*/false);
+  auto done = std::make_shared<CudaEvent>(/*timing=*/false);
   RANKLAB_CUDA(cudaEventRecord(done->get(), comm_));
   const std::string what = call.describe();
   watchdog_.track(what, done);

@@ -110,6 +110,27 @@ std::string serialize(const RankLog& log) {
     w.put(l.time_us);
     w.put(l.text);
   }
+  w.put<std::uint8_t>(log.training.has_value());
+  if (log.training) {
+    const TrainingStats& t = *log.training;
+    w.put(t.model);
+    w.put(t.layout);
+    w.put(t.tokens_per_step);
+    w.put<std::int32_t>(t.micro_batches);
+    for (double x : {t.step_time_us, t.model_flops, t.hardware_flops, t.model_tflops_per_gpu,
+                     t.hardware_tflops_per_gpu, t.mfu, t.bubble_fraction, t.bubble_fraction_formula}) {
+      w.put(x);
+    }
+    w.put<std::uint64_t>(t.exposed_comm_us.size());
+    for (const auto& [dim, us] : t.exposed_comm_us) {
+      w.put(dim);
+      w.put(us);
+    }
+    for (std::int64_t b :
+         {t.peak_memory_bytes, t.weights_bytes, t.grads_bytes, t.optimizer_bytes, t.activations_bytes}) {
+      w.put(b);
+    }
+  }
   return w.take();
 }
 
@@ -167,6 +188,26 @@ RankLog deserialize(const std::string& bytes) {
     l.time_us = r.get<double>();
     l.text = r.get_string();
     log.output.push_back(std::move(l));
+  }
+  if (r.get<std::uint8_t>() != 0) {
+    TrainingStats t;
+    t.model = r.get_string();
+    t.layout = r.get_string();
+    t.tokens_per_step = r.get<std::int64_t>();
+    t.micro_batches = r.get<std::int32_t>();
+    for (double* x : {&t.step_time_us, &t.model_flops, &t.hardware_flops, &t.model_tflops_per_gpu,
+                      &t.hardware_tflops_per_gpu, &t.mfu, &t.bubble_fraction, &t.bubble_fraction_formula}) {
+      *x = r.get<double>();
+    }
+    for (auto n = r.get<std::uint64_t>(); n > 0; --n) {
+      std::string dim = r.get_string();
+      t.exposed_comm_us[std::move(dim)] = r.get<double>();
+    }
+    for (std::int64_t* b :
+         {&t.peak_memory_bytes, &t.weights_bytes, &t.grads_bytes, &t.optimizer_bytes, &t.activations_bytes}) {
+      *b = r.get<std::int64_t>();
+    }
+    log.training = std::move(t);
   }
   if (!r.done()) throw BackendError("a rank's log arrived with bytes to spare");
   return log;
@@ -233,6 +274,8 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
       }
     }
     report.regions.insert(report.regions.end(), l->regions.begin(), l->regions.end());
+    // Rank 0 reports the training figures; should another rank do so too, the lowest rank's win.
+    if (l->training && !report.training) report.training = l->training;
     report.checks.insert(report.checks.end(), l->checks.begin(), l->checks.end());
     for (const TimedLine& t : l->output) lines.emplace_back(l->rank, &t);
   }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,6 +50,7 @@ struct RankLog {
   std::vector<RegionRecord> regions;
   std::vector<CheckRecord> checks;
   std::vector<TimedLine> output;
+  std::optional<TrainingStats> training;  // what Rank::report_training last handed this rank
 };
 
 // Bytes that travel between processes, and back.
@@ -58,7 +60,8 @@ RankLog deserialize(const std::string& bytes);
 
 // The run's report from every rank's log (in any order). Fills spans (compute, comm and idle),
 // collectives, regions, checks, output, per-rank summaries and GPUs per node (the most ranks one host
-// ran); `backend` and `profile` name the run.
+// ran), and the training figures of the lowest rank that reported them; `backend` and `profile` name the
+// run.
 RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& backend,
                           const std::string& profile);
 

@@ -10,11 +10,11 @@
 
 namespace ranklab {
 
-Event::Event(bool timing) {
+CudaEvent::CudaEvent(bool timing) {
   RANKLAB_CUDA(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
 }
 
-Event::~Event() {
+CudaEvent::~CudaEvent() {
   // Destroying an event that is still pending is allowed: CUDA releases it once it completes.
   if (event_) cudaEventDestroy(event_);
 }
@@ -28,7 +28,7 @@ void Watchdog::check_abort() const {
   }
 }
 
-void Watchdog::track(std::string what, std::shared_ptr<Event> done) {
+void Watchdog::track(std::string what, std::shared_ptr<CudaEvent> done) {
   // Forget what has finished, so the queue holds only what is really in flight.
   while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().done->get()) == cudaSuccess) {
     in_flight_.pop_front();

@@ -20,13 +20,14 @@
 
 namespace ranklab {
 
-// A CUDA event owned by whoever holds the pointer (an async Work and the watchdog may share one).
-class Event {
+// A CUDA event owned by whoever holds the pointer (an async Work and the watchdog may share one). Not
+// ranklab::Event, which is the lessons' handle on a point of the compute stream (common/rank.h).
+class CudaEvent {
  public:
-  explicit Event(bool timing);
-  ~Event();
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
+  explicit CudaEvent(bool timing);
+  ~CudaEvent();
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
   cudaEvent_t get() const { return event_; }
 
  private:
@@ -42,7 +43,7 @@ class Watchdog {
   // The communicators whose asynchronous errors each wait checks.
   void watch(std::vector<ncclComm_t> comms) { comms_ = std::move(comms); }
   // An operation now queued on the device, named in the message if a wait times out behind it.
-  void track(std::string what, std::shared_ptr<Event> done);
+  void track(std::string what, std::shared_ptr<CudaEvent> done);
   // The host waits for `event`; `why` names the wait in errors ("synchronize()").
   void wait_event(cudaEvent_t event, const std::string& why);
   // Polls `comm` until it leaves ncclInProgress (a non-blocking communicator's call is finishing).
@@ -61,7 +62,7 @@ class Watchdog {
   Clock::time_point last_error_check_{};
   struct InFlight {
     std::string what;
-    std::shared_ptr<Event> done;
+    std::shared_ptr<CudaEvent> done;
     Clock::time_point issued;
   };
   std::deque<InFlight> in_flight_;

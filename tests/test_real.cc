@@ -147,6 +147,36 @@ TEST(RankLog, SerializationRoundTrips) {
   EXPECT_THROW(deserialize("garbage!"), BackendError);
 }
 
+TEST(RankLog, TrainingFiguresTravelAndReachTheReport) {
+  RankLog l0 = sample_log(0, 100), l1 = sample_log(1, 100);
+  EXPECT_FALSE(deserialize(serialize(l0)).training.has_value());
+  TrainingStats t;
+  t.model = "custom";
+  t.layout = "tp 2 x dp 1";
+  t.tokens_per_step = 4096;
+  t.micro_batches = 4;
+  t.step_time_us = 1234.5;
+  t.mfu = 0.42;
+  t.exposed_comm_us = {{"tp", 10.0}, {"dp", 2.5}};
+  t.peak_memory_bytes = 1 << 20;
+  t.activations_bytes = 1 << 10;
+  l0.training = t;
+  const RankLog back = deserialize(serialize(l0));
+  ASSERT_TRUE(back.training.has_value());
+  EXPECT_EQ(back.training->layout, "tp 2 x dp 1");
+  EXPECT_EQ(back.training->tokens_per_step, 4096);
+  EXPECT_EQ(back.training->micro_batches, 4);
+  EXPECT_DOUBLE_EQ(back.training->step_time_us, 1234.5);
+  EXPECT_DOUBLE_EQ(back.training->mfu, 0.42);
+  EXPECT_EQ(back.training->exposed_comm_us, t.exposed_comm_us);
+  EXPECT_EQ(back.training->peak_memory_bytes, 1 << 20);
+  EXPECT_EQ(back.training->activations_bytes, 1 << 10);
+  const RunReport r = assemble_report({l1, back}, "cuda", "dgx-h100");
+  ASSERT_TRUE(r.training.has_value());
+  EXPECT_EQ(r.training->model, "custom");
+  EXPECT_FALSE(assemble_report({l1}, "cuda", "dgx-h100").training.has_value());
+}
+
 TEST(RankLog, AssemblySplitsALateMembersWaitFromTheTransfer) {
   // Rank 0 reaches the all-reduce at 100 us, rank 1 at 250 us, both finish at 300 us: the transfer took
   // 50 us and rank 0 idled 150 us waiting for rank 1.
