@@ -34,6 +34,19 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
+// NCCL's element type for a tensor's dtype: a 16-bit collective moves (and reduces) 16-bit values.
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::BFloat16:
+      return ncclBfloat16;
+    case DType::Float16:
+      return ncclFloat16;
+    case DType::Float32:
+      break;
+  }
+  return ncclFloat32;
+}
+
 // An asynchronous call in flight. It keeps its tensors alive until the compute stream waits for it: their
 // memory is freed in compute-stream order, and must not be reused while NCCL still reads or writes it.
 class CudaWork : public WorkState {
@@ -88,6 +101,11 @@ struct CudaRank::Resolved {
 void CudaRank::validate(const CommCall& call) const {
   check_comm_call(call, rank_, world_,
                   [&](const Tensor& t, const char* arg) { require(t, comm_op_name(call.op), arg); });
+  // NCCL takes one element type per call, for input and output alike.
+  if (call.input.defined() && call.output.defined() && call.input.dtype() != call.output.dtype()) {
+    throw UsageError(fmt::format("{}: 'in' is {} but 'out' is {}; they must share a dtype",
+                                 where(comm_op_name(call.op)), call.input.str(), call.output.str()));
+  }
   // NCCL's sends and receives of one group run at once: in place they would overwrite what is unsent.
   if (call.op == CommOp::AllToAll && call.group.size(world_) > 1 && call.input.same_storage(call.output)) {
     throw UsageError(
@@ -135,39 +153,42 @@ void CudaRank::settle(ncclResult_t r, ncclComm_t comm, const char* what) {
 void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
   ncclComm_t comm = r.comm;
   auto ptr = [](const Tensor& t) {
-    return t.defined() ? static_cast<CudaStorage*>(t.storage())->data() : nullptr;
+    return static_cast<char*>(t.defined() ? static_cast<CudaStorage*>(t.storage())->data() : nullptr);
   };
-  float* in = ptr(call.input);
-  float* out = ptr(call.output);
+  char* in = ptr(call.input);
+  char* out = ptr(call.output);
   const ncclRedOp_t op = nccl_op(call.reduce);
+  const Tensor& any = call.output.defined() ? call.output : call.input;
+  const ncclDataType_t type = nccl_type(any.dtype());
+  // Offsets into the buffers are in bytes: chunk i of `count` elements starts at i * count * elem.
+  const auto elem = static_cast<size_t>(dtype_bytes(any.dtype()));
   switch (call.op) {
     case CommOp::AllReduce: {
       const auto count = static_cast<size_t>(call.output.numel());
-      settle(RANKLAB_NCCL(ncclAllReduce(out, out, count, ncclFloat32, op, comm, comm_), comm), comm,
+      settle(RANKLAB_NCCL(ncclAllReduce(out, out, count, type, op, comm, comm_), comm), comm,
              "ncclAllReduce");
       break;
     }
     case CommOp::Broadcast: {
       const auto count = static_cast<size_t>(call.output.numel());
-      settle(RANKLAB_NCCL(ncclBroadcast(out, out, count, ncclFloat32, r.peer, comm, comm_), comm), comm,
+      settle(RANKLAB_NCCL(ncclBroadcast(out, out, count, type, r.peer, comm, comm_), comm), comm,
              "ncclBroadcast");
       break;
     }
     case CommOp::Reduce: {
       const auto count = static_cast<size_t>(call.output.numel());
-      settle(RANKLAB_NCCL(ncclReduce(out, out, count, ncclFloat32, op, r.peer, comm, comm_), comm), comm,
+      settle(RANKLAB_NCCL(ncclReduce(out, out, count, type, op, r.peer, comm, comm_), comm), comm,
              "ncclReduce");
       break;
     }
     case CommOp::AllGather: {
       const auto count = static_cast<size_t>(call.input.numel());
-      settle(RANKLAB_NCCL(ncclAllGather(in, out, count, ncclFloat32, comm, comm_), comm), comm,
-             "ncclAllGather");
+      settle(RANKLAB_NCCL(ncclAllGather(in, out, count, type, comm, comm_), comm), comm, "ncclAllGather");
       break;
     }
     case CommOp::ReduceScatter: {
       const auto count = static_cast<size_t>(call.output.numel());
-      settle(RANKLAB_NCCL(ncclReduceScatter(in, out, count, ncclFloat32, op, comm, comm_), comm), comm,
+      settle(RANKLAB_NCCL(ncclReduceScatter(in, out, count, type, op, comm, comm_), comm), comm,
              "ncclReduceScatter");
       break;
     }
@@ -176,21 +197,21 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
       RANKLAB_NCCL(ncclGroupStart(), comm);
       if (r.is_root()) {
         for (int i = 0; i < r.size; ++i) {
-          RANKLAB_NCCL(ncclSend(in + count * static_cast<size_t>(i), count, ncclFloat32, i, comm, comm_),
+          RANKLAB_NCCL(ncclSend(in + count * elem * static_cast<size_t>(i), count, type, i, comm, comm_),
                        comm);
         }
       }
-      RANKLAB_NCCL(ncclRecv(out, count, ncclFloat32, r.peer, comm, comm_), comm);
+      RANKLAB_NCCL(ncclRecv(out, count, type, r.peer, comm, comm_), comm);
       settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (scatter)");
       break;
     }
     case CommOp::Gather: {
       const auto count = static_cast<size_t>(call.input.numel());
       RANKLAB_NCCL(ncclGroupStart(), comm);
-      RANKLAB_NCCL(ncclSend(in, count, ncclFloat32, r.peer, comm, comm_), comm);
+      RANKLAB_NCCL(ncclSend(in, count, type, r.peer, comm, comm_), comm);
       if (r.is_root()) {
         for (int i = 0; i < r.size; ++i) {
-          RANKLAB_NCCL(ncclRecv(out + count * static_cast<size_t>(i), count, ncclFloat32, i, comm, comm_),
+          RANKLAB_NCCL(ncclRecv(out + count * elem * static_cast<size_t>(i), count, type, i, comm, comm_),
                        comm);
         }
       }
@@ -201,8 +222,8 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
       const auto count = static_cast<size_t>(call.input.numel() / r.size);
       RANKLAB_NCCL(ncclGroupStart(), comm);
       for (int i = 0; i < r.size; ++i) {
-        RANKLAB_NCCL(ncclSend(in + count * static_cast<size_t>(i), count, ncclFloat32, i, comm, comm_), comm);
-        RANKLAB_NCCL(ncclRecv(out + count * static_cast<size_t>(i), count, ncclFloat32, i, comm, comm_),
+        RANKLAB_NCCL(ncclSend(in + count * elem * static_cast<size_t>(i), count, type, i, comm, comm_), comm);
+        RANKLAB_NCCL(ncclRecv(out + count * elem * static_cast<size_t>(i), count, type, i, comm, comm_),
                      comm);
       }
       settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (all_to_all)");
@@ -211,14 +232,14 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
     case CommOp::Send: {
       const auto count = static_cast<size_t>(call.input.numel());
       RANKLAB_NCCL(ncclGroupStart(), comm);
-      RANKLAB_NCCL(ncclSend(in, count, ncclFloat32, r.peer, comm, comm_), comm);
+      RANKLAB_NCCL(ncclSend(in, count, type, r.peer, comm, comm_), comm);
       settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (send)");
       break;
     }
     case CommOp::Recv: {
       const auto count = static_cast<size_t>(call.output.numel());
       RANKLAB_NCCL(ncclGroupStart(), comm);
-      RANKLAB_NCCL(ncclRecv(out, count, ncclFloat32, r.peer, comm, comm_), comm);
+      RANKLAB_NCCL(ncclRecv(out, count, type, r.peer, comm, comm_), comm);
       settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (recv)");
       break;
     }
@@ -227,17 +248,8 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
   }
 }
 
-Work CudaRank::communicate(const CommCall& call) {
-  watchdog_.check_abort();
-  validate(call);
-  if (call.op == CommOp::Barrier) {
-    // A host rendezvous, deliberately blind to the device (see cuda_rank.h).
-    host_->barrier(call.group.is_world() ? 0 : call.group.id());
-    return Work();
-  }
-  const Resolved r = resolve(call);
-
-  // What the report calls this operation, matched across its members by key.
+// What the report calls this operation, matched across its members by key. Counts the call.
+CommTiming CudaRank::timing_of(const CommCall& call, const Resolved& r) {
   CommTiming timing;
   timing.op = call.op;
   timing.group_size = r.size;
@@ -246,7 +258,8 @@ Work CudaRank::communicate(const CommCall& call) {
   std::int64_t elements = std::max(in, out);
   if (call.op == CommOp::Scatter) elements = out * r.size;
   if (call.op == CommOp::Gather) elements = in * r.size;
-  timing.bytes = elements * static_cast<std::int64_t>(sizeof(float));
+  const Tensor& any = call.output.defined() ? call.output : call.input;
+  timing.bytes = elements * dtype_bytes(any.dtype());
   if (call.op == CommOp::Send) {
     timing.key = fmt::format("p2p {}->{} #{}", rank_, r.peer, sends_to_[r.peer]++);
     timing.group = fmt::format("p2p {}->{}", rank_, r.peer);
@@ -260,6 +273,31 @@ Work CudaRank::communicate(const CommCall& call) {
     timing.key = fmt::format("g{}#{}", r.group_id, group_calls_[r.group_id]++);
     timing.record_owner = r.index == 0;
   }
+  return timing;
+}
+
+// The Work of an asynchronous call that ends with `done`: its tensors are off limits until it is waited on.
+Work CudaRank::async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& done) {
+  std::vector<Tensor> keep;
+  for (const Tensor* t : {&call.input, &call.output}) {
+    if (t->defined()) keep.push_back(*t);
+  }
+  auto op = std::make_shared<AsyncOp>(AsyncOp{call.describe(), false});
+  for (const Tensor& t : keep) static_cast<CudaStorage*>(t.storage())->add_pending(op);
+  outstanding_.push_back(op);
+  return Work(std::make_shared<CudaWork>(account_, done, op, std::move(keep)));
+}
+
+Work CudaRank::communicate(const CommCall& call) {
+  watchdog_.check_abort();
+  validate(call);
+  if (call.op == CommOp::Barrier) {
+    // A host rendezvous, deliberately blind to the device (see cuda_rank.h).
+    host_->barrier(call.group.is_world() ? 0 : call.group.id());
+    return Work();
+  }
+  const Resolved r = resolve(call);
+  CommTiming timing = timing_of(call, r);
 
   // The communication stream starts after every kernel issued so far on the compute stream.
   RANKLAB_CUDA(cudaEventRecord(issue_, compute_));
@@ -269,22 +307,71 @@ Work CudaRank::communicate(const CommCall& call) {
   timeline_.end(interval, comm_);
   auto done = std::make_shared<CudaEvent>(/*timing=*/false);
   RANKLAB_CUDA(cudaEventRecord(done->get(), comm_));
-  const std::string what = call.describe();
-  watchdog_.track(what, done);
+  watchdog_.track(call.describe(), done);
   if (interval >= 0) comm_timings_.push_back(TimedComm{std::move(timing), interval});
 
   if (call.async == Async::No) {
     RANKLAB_CUDA(cudaStreamWaitEvent(compute_, done->get(), 0));
     return Work();
   }
-  std::vector<Tensor> keep;
-  for (const Tensor* t : {&call.input, &call.output}) {
-    if (t->defined()) keep.push_back(*t);
+  return async_work(call, done);
+}
+
+// torch.distributed.batch_isend_irecv: every send and receive inside one ncclGroupStart/End, so NCCL posts
+// them together and two ranks that both send first still meet. They share one end event and one timed
+// interval, and each gets its own Work, as each has its own tensor.
+std::vector<Work> CudaRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  watchdog_.check_abort();
+  const char* op_name = "batch_isend_irecv";
+  std::vector<CommCall> calls;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& o = ops[i];
+    if (o.op != CommOp::Send && o.op != CommOp::Recv) {
+      throw UsageError(fmt::format("{}: ops[{}] is {}; only send and recv can be batched", where(op_name), i,
+                                   comm_op_name(o.op)));
+    }
+    CommCall c;
+    c.op = o.op;
+    (o.op == CommOp::Send ? c.input : c.output) = o.tensor;
+    c.peer = o.peer;
+    c.async = Async::Yes;
+    validate(c);  // all of them before any is posted
+    calls.push_back(std::move(c));
   }
-  auto op = std::make_shared<AsyncOp>(AsyncOp{what, false});
-  for (const Tensor& t : keep) static_cast<CudaStorage*>(t.storage())->add_pending(op);
-  outstanding_.push_back(op);
-  return Work(std::make_shared<CudaWork>(account_, done, op, std::move(keep)));
+  if (calls.empty()) return {};
+  std::vector<CommTiming> timings;
+  for (const CommCall& c : calls) timings.push_back(timing_of(c, resolve(c)));
+  ncclComm_t comm = comms_.world();  // point-to-point calls name global ranks
+
+  RANKLAB_CUDA(cudaEventRecord(issue_, compute_));
+  RANKLAB_CUDA(cudaStreamWaitEvent(comm_, issue_, 0));
+  const int interval = timeline_.begin(comm_);
+  RANKLAB_NCCL(ncclGroupStart(), comm);
+  for (const CommCall& c : calls) {
+    const bool send = c.op == CommOp::Send;
+    const Tensor& t = send ? c.input : c.output;
+    void* p = static_cast<CudaStorage*>(t.storage())->data();
+    const auto count = static_cast<size_t>(t.numel());
+    const ncclDataType_t type = nccl_type(t.dtype());
+    if (send) {
+      RANKLAB_NCCL(ncclSend(p, count, type, c.peer, comm, comm_), comm);
+    } else {
+      RANKLAB_NCCL(ncclRecv(p, count, type, c.peer, comm, comm_), comm);
+    }
+  }
+  settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (batch_isend_irecv)");
+  timeline_.end(interval, comm_);
+  auto done = std::make_shared<CudaEvent>(/*timing=*/false);
+  RANKLAB_CUDA(cudaEventRecord(done->get(), comm_));
+  watchdog_.track(
+      fmt::format("batch_isend_irecv of {} operations, the first {}", calls.size(), calls.front().describe()),
+      done);
+  std::vector<Work> works;
+  for (size_t i = 0; i < calls.size(); ++i) {
+    if (interval >= 0) comm_timings_.push_back(TimedComm{std::move(timings[i]), interval});
+    works.push_back(async_work(calls[i], done));
+  }
+  return works;
 }
 
 Group CudaRank::new_group(const std::vector<int>& ranks) {

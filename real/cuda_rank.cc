@@ -12,6 +12,7 @@
 
 #include "common/errors.h"
 #include "real/cuda_check.h"
+#include "real/half_convert.h"
 #include "real/kernels.h"
 
 namespace ranklab {
@@ -186,7 +187,7 @@ std::string CudaRank::where(const char* op) const {
   return fmt::format("rank {}: {}", rank_, op);
 }
 
-float* CudaRank::require(const Tensor& t, const char* op, const char* arg) const {
+void* CudaRank::require(const Tensor& t, const char* op, const char* arg) const {
   watchdog_.check_abort();
   if (!t.defined()) throw UsageError(fmt::format("{}: '{}' is an undefined tensor", where(op), arg));
   auto* s = dynamic_cast<CudaStorage*>(t.storage());
@@ -195,6 +196,14 @@ float* CudaRank::require(const Tensor& t, const char* op, const char* arg) const
                                  where(op), arg, t.str(), t.owner_rank()));
   }
   return s->data();
+}
+
+float* CudaRank::require_f32(const Tensor& t, const char* op, const char* arg) const {
+  void* p = require(t, op, arg);
+  if (t.dtype() != DType::Float32) {
+    throw UsageError(fmt::format("{}: '{}' is {}; it must be float32", where(op), arg, t.str()));
+  }
+  return static_cast<float*>(p);
 }
 
 void CudaRank::before_kernel(std::initializer_list<const Tensor*> tensors, const char* op) {
@@ -214,6 +223,14 @@ void CudaRank::require_same_shape(const Tensor& a, const Tensor& b, const char* 
   }
 }
 
+// A kernel's inputs share one dtype (common/rank.h): mixing them is a lesson's mistake, not a conversion.
+void CudaRank::require_same_dtype(const Tensor& a, const Tensor& b, const char* op) const {
+  if (a.dtype() != b.dtype()) {
+    throw UsageError(fmt::format("{}: dtypes differ: {} and {}; convert one with cast() first", where(op),
+                                 a.str(), b.str()));
+  }
+}
+
 // An in-place op on a real tensor cannot take its values from a phantom (the simulator's rule; here
 // both hold bytes, but a lesson that mixes them is wrong on the simulator).
 void CudaRank::require_same_kind(const Tensor& dst, const Tensor& src, const char* op) const {
@@ -223,9 +240,23 @@ void CudaRank::require_same_kind(const Tensor& dst, const Tensor& src, const cha
   }
 }
 
-Tensor CudaRank::allocate(const Shape& s, bool phantom, const char* op) {
+void CudaRank::require_ndim(const Tensor& t, int ndim, const char* op, const char* arg) const {
+  if (t.ndim() != ndim) {
+    throw UsageError(fmt::format("{}: '{}' must be {}-D; got {}", where(op), arg, ndim, t.str()));
+  }
+}
+
+void CudaRank::require_shape(const Tensor& t, const Shape& s, const char* op, const char* arg,
+                             const char* why) const {
+  if (t.shape() != s) {
+    throw UsageError(
+        fmt::format("{}: '{}' is {}; expected shape {} ({})", where(op), arg, t.str(), s.str(), why));
+  }
+}
+
+Tensor CudaRank::allocate(const Shape& s, DType dtype, bool phantom, const char* op) {
   watchdog_.check_abort();
-  return Tensor(s, DType::Float32, std::make_shared<CudaStorage>(account_, s, DType::Float32, phantom, op));
+  return Tensor(s, dtype, std::make_shared<CudaStorage>(account_, s, dtype, phantom, op));
 }
 
 template <typename Launch>
@@ -239,52 +270,77 @@ void CudaRank::kernel(const char* name, Launch&& launch) {
 // ---- tensors -------------------------------------------------------------------------------------------
 
 // Uninitialised, as cudaMalloc leaves it (the simulator fills NaN; no lesson may read it either way).
-Tensor CudaRank::empty(const Shape& s) {
-  return allocate(s, false, "empty");
+Tensor CudaRank::empty(const Shape& s, DType dtype) {
+  return allocate(s, dtype, false, "empty");
 }
 
-Tensor CudaRank::zeros(const Shape& s) {
-  Tensor t = allocate(s, false, "zeros");
-  float* p = require(t, "zeros", "out");
+Tensor CudaRank::zeros(const Shape& s, DType dtype) {
+  Tensor t = allocate(s, dtype, false, "zeros");
+  void* p = require(t, "zeros", "out");
+  // All-zero bytes are +0 in float32, bfloat16 and float16 alike.
   kernel("fill", [&] {
     if (p) RANKLAB_CUDA(cudaMemsetAsync(p, 0, static_cast<size_t>(t.bytes()), compute_));
   });
   return t;
 }
 
-Tensor CudaRank::full(const Shape& s, float value) {
-  Tensor t = allocate(s, false, "full");
-  float* p = require(t, "full", "out");
-  kernel("fill", [&] { kernels::fill(p, t.numel(), value, compute_); });
+Tensor CudaRank::full(const Shape& s, float value, DType dtype) {
+  Tensor t = allocate(s, dtype, false, "full");
+  void* p = require(t, "full", "out");
+  kernel("fill", [&] { kernels::fill(p, dtype, t.numel(), value, compute_); });
   return t;
 }
 
 Tensor CudaRank::arange(const Shape& s, float start) {
-  Tensor t = allocate(s, false, "arange");
-  float* p = require(t, "arange", "out");
+  Tensor t = allocate(s, DType::Float32, false, "arange");
+  float* p = require_f32(t, "arange", "out");
   kernel("arange", [&] { kernels::arange(p, t.numel(), start, compute_); });
   return t;
 }
 
-Tensor CudaRank::randn(const Shape& s, std::uint64_t seed, float std) {
-  Tensor t = allocate(s, false, "randn");
-  float* p = require(t, "randn", "out");
-  kernel("randn", [&] { kernels::randn(p, t.numel(), seed, std, compute_); });
+Tensor CudaRank::randn(const Shape& s, std::uint64_t seed, float std, DType dtype) {
+  Tensor t = allocate(s, dtype, false, "randn");
+  void* p = require(t, "randn", "out");
+  const std::int64_t n = t.numel();
+  kernel("randn", [&] { kernels::randn_slice(p, dtype, 1, n, 1, 0, n, seed, std, compute_); });
   return t;
 }
 
-Tensor CudaRank::from_host(const Shape& s, const std::vector<float>& values) {
+Tensor CudaRank::randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length,
+                             std::uint64_t seed, float std, DType dtype) {
+  if (dim < 0 || dim >= full.ndim()) {
+    throw UsageError(
+        fmt::format("{}: dimension {} is out of range for shape {}", where("randn_slice"), dim, full.str()));
+  }
+  if (start < 0 || length < 0 || start + length > full[dim]) {
+    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
+                                 where("randn_slice"), start, start + length, dim, full.str(), full[dim]));
+  }
+  Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
+  void* p = require(t, "randn_slice", "out");
+  const Layout l = layout_along(full, dim);
+  // Each element draws the number of its index in the full tensor, so the slices of all ranks put
+  // together are randn(full) exactly, and no rank makes more than its own part.
+  kernel("randn", [&] {
+    kernels::randn_slice(p, dtype, l.outer, l.size, l.inner, start, length, seed, std, compute_);
+  });
+  return t;
+}
+
+Tensor CudaRank::from_host(const Shape& s, const std::vector<float>& values, DType dtype) {
   if (static_cast<std::int64_t>(values.size()) != s.numel()) {
     throw UsageError(fmt::format("{}: {} values do not fill shape {} ({} elements)", where("from_host"),
                                  values.size(), s.str(), s.numel()));
   }
-  Tensor t = allocate(s, false, "from_host");
-  float* p = require(t, "from_host", "out");
-  // From pageable memory CUDA stages the values before returning, so `values` may go away after this.
+  Tensor t = allocate(s, dtype, false, "from_host");
+  void* p = require(t, "from_host", "out");
+  // 16-bit values are rounded on the host, so only their bytes cross the bus.
+  std::vector<unsigned char> bytes(static_cast<size_t>(t.bytes()));
+  encode_values(dtype, values.data(), t.numel(), bytes.data());
+  // From pageable memory CUDA stages the bytes before returning, so `bytes` may go away after this.
   kernel("copy_h2d", [&] {
     if (p) {
-      RANKLAB_CUDA(cudaMemcpyAsync(p, values.data(), static_cast<size_t>(t.bytes()), cudaMemcpyHostToDevice,
-                                   compute_));
+      RANKLAB_CUDA(cudaMemcpyAsync(p, bytes.data(), bytes.size(), cudaMemcpyHostToDevice, compute_));
     }
   });
   return t;
@@ -293,37 +349,55 @@ Tensor CudaRank::from_host(const Shape& s, const std::vector<float>& values) {
 // A phantom tensor is a simulator idea (a shape without bytes). Here it is real, uninitialised device
 // memory, so a lesson's phantom mode runs and is timed for real, and fails with OutOfMemoryError where
 // the GPU cannot hold it.
-Tensor CudaRank::phantom(const Shape& s) {
-  return allocate(s, true, "phantom");
+Tensor CudaRank::phantom(const Shape& s, DType dtype) {
+  return allocate(s, dtype, true, "phantom");
 }
 
 std::vector<float> CudaRank::to_host(const Tensor& t) {
-  float* p = require(t, "to_host", "t");
+  void* p = require(t, "to_host", "t");
   if (t.phantom()) {
     throw UsageError(fmt::format("{}: {} has a shape but no values (phantom tensors only advance time)",
                                  where("to_host"), t.str()));
   }
   before_kernel({&t}, "to_host");
-  std::vector<float> values(static_cast<size_t>(t.numel()));
+  std::vector<unsigned char> bytes(static_cast<size_t>(t.bytes()));
   // Wait through the watchdog first, so a stuck collective upstream becomes an error, not a hang.
   RANKLAB_CUDA(cudaEventRecord(sync_compute_, compute_));
   watchdog_.wait_event(sync_compute_, "to_host");
   if (p) {
-    RANKLAB_CUDA(
-        cudaMemcpyAsync(values.data(), p, static_cast<size_t>(t.bytes()), cudaMemcpyDeviceToHost, compute_));
+    RANKLAB_CUDA(cudaMemcpyAsync(bytes.data(), p, bytes.size(), cudaMemcpyDeviceToHost, compute_));
     RANKLAB_CUDA(cudaStreamSynchronize(compute_));
   }
+  std::vector<float> values(static_cast<size_t>(t.numel()));
+  decode_values(t.dtype(), bytes.data(), t.numel(), values.data());
   return values;
 }
 
 // ---- compute -------------------------------------------------------------------------------------------
 
+namespace {
+
+cudaDataType_t cublas_type(DType t) {
+  switch (t) {
+    case DType::BFloat16:
+      return CUDA_R_16BF;
+    case DType::Float16:
+      return CUDA_R_16F;
+    case DType::Float32:
+      break;
+  }
+  return CUDA_R_32F;
+}
+
+}  // namespace
+
 Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const float* pa = require(a, "matmul", "a");
-  const float* pb = require(b, "matmul", "b");
+  const void* pa = require(a, "matmul", "a");
+  const void* pb = require(b, "matmul", "b");
   if (a.ndim() != 2 || b.ndim() != 2) {
     throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where("matmul"), a.str(), b.str()));
   }
+  require_same_dtype(a, b, "matmul");
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
   const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
@@ -331,8 +405,9 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
     throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where("matmul"),
                                  a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
   }
-  Tensor c = allocate(Shape{m, n}, a.phantom() || b.phantom(), "matmul");
-  float* pc = require(c, "matmul", "out");
+  const DType dtype = a.dtype();
+  Tensor c = allocate(Shape{m, n}, dtype, a.phantom() || b.phantom(), "matmul");
+  void* pc = require(c, "matmul", "out");
   before_kernel({&a, &b}, "matmul");
   if (m == 0 || n == 0) return c;
   kernel("matmul", [&] {
@@ -343,88 +418,119 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
     // cuBLAS is column-major and ours are row-major: a row-major X is a column-major X^T, so compute
     // C^T = op(B)^T op(A)^T, which cuBLAS sees as op(B) times op(A) on the same buffers.
     const float one = 1.0f, zero = 0.0f;
-    RANKLAB_CUBLAS(cublasSgemm(
-        cublas_, bt ? CUBLAS_OP_T : CUBLAS_OP_N, at ? CUBLAS_OP_T : CUBLAS_OP_N, as_int(n, "n"),
-        as_int(m, "m"), as_int(k, "k"), &one, pb, as_int(std::max<std::int64_t>(1, b.size(1)), "ldb"), pa,
-        as_int(std::max<std::int64_t>(1, a.size(1)), "lda"), &zero, pc, as_int(n, "ldc")));
+    const cublasOperation_t opb = bt ? CUBLAS_OP_T : CUBLAS_OP_N, opa = at ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const int ldb = as_int(std::max<std::int64_t>(1, b.size(1)), "ldb");
+    const int lda = as_int(std::max<std::int64_t>(1, a.size(1)), "lda");
+    if (dtype == DType::Float32) {
+      RANKLAB_CUBLAS(cublasSgemm(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one,
+                                 static_cast<const float*>(pb), ldb, static_cast<const float*>(pa), lda,
+                                 &zero, static_cast<float*>(pc), as_int(n, "ldc")));
+    } else {
+      // 16-bit inputs on tensor cores, float32 accumulation and float scalars; the product is rounded once,
+      // to the output's 16-bit type.
+      const cudaDataType_t type = cublas_type(dtype);
+      RANKLAB_CUBLAS(cublasGemmEx(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one, pb,
+                                  type, ldb, pa, type, lda, &zero, pc, type, as_int(n, "ldc"),
+                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    }
   });
   return c;
 }
 
 Tensor CudaRank::relu(const Tensor& x) {
-  const float* px = require(x, "relu", "x");
-  Tensor y = allocate(x.shape(), x.phantom(), "relu");
-  float* py = require(y, "relu", "out");
+  const void* px = require(x, "relu", "x");
+  Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), "relu");
+  void* py = require(y, "relu", "out");
   before_kernel({&x}, "relu");
-  kernel("relu", [&] { kernels::relu(py, px, x.numel(), compute_); });
+  kernel("relu", [&] { kernels::relu(py, px, x.dtype(), x.numel(), compute_); });
   return y;
 }
 
 Tensor CudaRank::relu_backward(const Tensor& grad_out, const Tensor& x) {
-  const float* pg = require(grad_out, "relu_backward", "grad_out");
-  const float* px = require(x, "relu_backward", "x");
+  const void* pg = require(grad_out, "relu_backward", "grad_out");
+  const void* px = require(x, "relu_backward", "x");
   require_same_shape(grad_out, x, "relu_backward");
-  Tensor g = allocate(x.shape(), x.phantom() || grad_out.phantom(), "relu_backward");
-  float* po = require(g, "relu_backward", "out");
+  require_same_dtype(grad_out, x, "relu_backward");
+  Tensor g = allocate(x.shape(), x.dtype(), x.phantom() || grad_out.phantom(), "relu_backward");
+  void* po = require(g, "relu_backward", "out");
   before_kernel({&grad_out, &x}, "relu_backward");
-  kernel("relu_backward", [&] { kernels::relu_backward(po, pg, px, x.numel(), compute_); });
+  kernel("relu_backward", [&] { kernels::relu_backward(po, pg, px, x.dtype(), x.numel(), compute_); });
   return g;
 }
 
 Tensor CudaRank::add(const Tensor& a, const Tensor& b) {
-  const float* pa = require(a, "add", "a");
-  const float* pb = require(b, "add", "b");
+  const void* pa = require(a, "add", "a");
+  const void* pb = require(b, "add", "b");
   require_same_shape(a, b, "add");
-  Tensor c = allocate(a.shape(), a.phantom() || b.phantom(), "add");
-  float* pc = require(c, "add", "out");
+  require_same_dtype(a, b, "add");
+  Tensor c = allocate(a.shape(), a.dtype(), a.phantom() || b.phantom(), "add");
+  void* pc = require(c, "add", "out");
   before_kernel({&a, &b}, "add");
-  kernel("add", [&] { kernels::add(pc, pa, pb, a.numel(), compute_); });
+  kernel("add", [&] { kernels::add(pc, pa, pb, a.dtype(), a.numel(), compute_); });
   return c;
 }
 
 void CudaRank::add_(const Tensor& dst, const Tensor& src, float alpha) {
-  float* pd = require(dst, "add_", "dst");
-  const float* ps = require(src, "add_", "src");
+  void* pd = require(dst, "add_", "dst");
+  const void* ps = require(src, "add_", "src");
   require_same_shape(dst, src, "add_");
   require_same_kind(dst, src, "add_");
   before_kernel({&dst, &src}, "add_");
-  kernel("add_", [&] { kernels::axpy(pd, ps, alpha, dst.numel(), compute_); });
+  kernel("add_", [&] { kernels::axpy(pd, dst.dtype(), ps, src.dtype(), alpha, dst.numel(), compute_); });
 }
 
 void CudaRank::scale_(const Tensor& t, float factor) {
-  float* p = require(t, "scale_", "t");
+  void* p = require(t, "scale_", "t");
   before_kernel({&t}, "scale_");
-  kernel("scale_", [&] { kernels::scale(p, factor, t.numel(), compute_); });
+  kernel("scale_", [&] { kernels::scale(p, t.dtype(), factor, t.numel(), compute_); });
 }
 
 void CudaRank::copy_(const Tensor& dst, const Tensor& src) {
-  float* pd = require(dst, "copy_", "dst");
-  const float* ps = require(src, "copy_", "src");
+  void* pd = require(dst, "copy_", "dst");
+  const void* ps = require(src, "copy_", "src");
   if (dst.numel() != src.numel()) {
     throw UsageError(fmt::format("{}: {} and {} differ in size", where("copy_"), dst.str(), src.str()));
   }
   require_same_kind(dst, src, "copy_");
   before_kernel({&dst, &src}, "copy_");
   kernel("copy", [&] {
-    if (pd && pd != ps) {
+    if (dst.dtype() != src.dtype()) {
+      kernels::convert(pd, dst.dtype(), ps, src.dtype(), dst.numel(), compute_);
+    } else if (pd && pd != ps) {
       RANKLAB_CUDA(
           cudaMemcpyAsync(pd, ps, static_cast<size_t>(dst.bytes()), cudaMemcpyDeviceToDevice, compute_));
     }
   });
 }
 
+Tensor CudaRank::cast(const Tensor& t, DType dtype) {
+  const void* p = require(t, "cast", "t");
+  Tensor out = allocate(t.shape(), dtype, t.phantom(), "cast");
+  void* po = require(out, "cast", "out");
+  before_kernel({&t}, "cast");
+  kernel("cast", [&] {
+    if (dtype != t.dtype()) {
+      kernels::convert(po, dtype, p, t.dtype(), t.numel(), compute_);
+    } else if (po) {
+      RANKLAB_CUDA(
+          cudaMemcpyAsync(po, p, static_cast<size_t>(t.bytes()), cudaMemcpyDeviceToDevice, compute_));
+    }
+  });
+  return out;
+}
+
 Tensor CudaRank::sum(const Tensor& t) {
-  const float* p = require(t, "sum", "t");
-  Tensor out = allocate(Shape{}, t.phantom(), "sum");
-  float* po = require(out, "sum", "out");
+  const void* p = require(t, "sum", "t");
+  Tensor out = allocate(Shape{}, t.dtype(), t.phantom(), "sum");
+  void* po = require(out, "sum", "out");
   before_kernel({&t}, "sum");
   // Accumulated in double, like the simulator, so results agree to float rounding.
-  kernel("sum", [&] { kernels::sum(po, p, t.numel(), sum_scratch_, compute_); });
+  kernel("sum", [&] { kernels::sum(po, p, t.dtype(), t.numel(), sum_scratch_, compute_); });
   return out;
 }
 
 Tensor CudaRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) {
-  const float* p = require(t, "slice", "t");
+  const void* p = require(t, "slice", "t");
   if (dim < 0 || dim >= t.ndim()) {
     throw UsageError(fmt::format("{}: dimension {} is out of range for {}", where("slice"), dim, t.str()));
   }
@@ -432,21 +538,22 @@ Tensor CudaRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_
     throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of {} (size {})", where("slice"),
                                  start, start + length, dim, t.str(), t.size(dim)));
   }
-  Tensor out = allocate(t.shape().with_dim(dim, length), t.phantom(), "slice");
-  float* po = require(out, "slice", "out");
+  Tensor out = allocate(t.shape().with_dim(dim, length), t.dtype(), t.phantom(), "slice");
+  void* po = require(out, "slice", "out");
   before_kernel({&t}, "slice");
   const Layout l = layout_along(t.shape(), dim);
-  const size_t row_bytes = static_cast<size_t>(length * l.inner) * sizeof(float);
+  const auto elem = static_cast<size_t>(dtype_bytes(t.dtype()));
+  const size_t row_bytes = static_cast<size_t>(length * l.inner) * elem;
   kernel("slice", [&] {
     if (out.numel() == 0) return;
-    const float* src = p + start * l.inner;
+    const char* src = static_cast<const char*>(p) + static_cast<size_t>(start * l.inner) * elem;
     if (l.outer == 1) {
       RANKLAB_CUDA(cudaMemcpyAsync(po, src, row_bytes, cudaMemcpyDeviceToDevice, compute_));
     } else {
-      // One strided copy: `outer` rows of `length * inner` floats, `size * inner` floats apart in the source.
-      RANKLAB_CUDA(cudaMemcpy2DAsync(po, row_bytes, src,
-                                     static_cast<size_t>(l.size * l.inner) * sizeof(float), row_bytes,
-                                     static_cast<size_t>(l.outer), cudaMemcpyDeviceToDevice, compute_));
+      // One strided copy: `outer` rows of `length * inner` elements, `size * inner` apart in the source.
+      RANKLAB_CUDA(cudaMemcpy2DAsync(po, row_bytes, src, static_cast<size_t>(l.size * l.inner) * elem,
+                                     row_bytes, static_cast<size_t>(l.outer), cudaMemcpyDeviceToDevice,
+                                     compute_));
     }
   });
   return out;
@@ -459,34 +566,39 @@ Tensor CudaRank::cat(const std::vector<Tensor>& parts, int dim) {
   if (dim < 0 || dim >= first.ndim()) {
     throw UsageError(fmt::format("{}: dimension {} is out of range for {}", where("cat"), dim, first.str()));
   }
-  std::vector<const float*> ptrs;
+  std::vector<const char*> ptrs;
   std::int64_t total = 0;
   bool phantom = false;
   for (size_t i = 0; i < parts.size(); ++i) {
-    ptrs.push_back(require(parts[i], "cat", "parts[i]"));
+    ptrs.push_back(static_cast<const char*>(require(parts[i], "cat", "parts[i]")));
     if (parts[i].shape().with_dim(dim, 0) != first.shape().with_dim(dim, 0)) {
       throw UsageError(
           fmt::format("{}: parts[{}] is {} but parts[0] is {}; they may differ only in dimension {}",
                       where("cat"), i, parts[i].str(), first.str(), dim));
     }
+    if (parts[i].dtype() != first.dtype()) {
+      throw UsageError(fmt::format("{}: parts[{}] is {} but parts[0] is {}; they must share a dtype",
+                                   where("cat"), i, parts[i].str(), first.str()));
+    }
     total += parts[i].size(dim);
     phantom = phantom || parts[i].phantom();
   }
-  Tensor out = allocate(first.shape().with_dim(dim, total), phantom, "cat");
-  float* po = require(out, "cat", "out");
+  Tensor out = allocate(first.shape().with_dim(dim, total), first.dtype(), phantom, "cat");
+  char* po = static_cast<char*>(require(out, "cat", "out"));
   for (const Tensor& part : parts) before_kernel({&part}, "cat");
   const Layout lo = layout_along(out.shape(), dim);
+  const auto elem = static_cast<size_t>(dtype_bytes(first.dtype()));
   kernel("cat", [&] {
     std::int64_t offset = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
       const std::int64_t len = parts[i].size(dim);
-      const size_t row_bytes = static_cast<size_t>(len * lo.inner) * sizeof(float);
+      const size_t row_bytes = static_cast<size_t>(len * lo.inner) * elem;
       if (row_bytes > 0 && lo.outer > 0) {
-        float* dst = po + offset * lo.inner;
+        char* dst = po + static_cast<size_t>(offset * lo.inner) * elem;
         if (lo.outer == 1) {
           RANKLAB_CUDA(cudaMemcpyAsync(dst, ptrs[i], row_bytes, cudaMemcpyDeviceToDevice, compute_));
         } else {
-          RANKLAB_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(total * lo.inner) * sizeof(float), ptrs[i],
+          RANKLAB_CUDA(cudaMemcpy2DAsync(dst, static_cast<size_t>(total * lo.inner) * elem, ptrs[i],
                                          row_bytes, row_bytes, static_cast<size_t>(lo.outer),
                                          cudaMemcpyDeviceToDevice, compute_));
         }
@@ -498,20 +610,22 @@ Tensor CudaRank::cat(const std::vector<Tensor>& parts, int dim) {
 }
 
 void CudaRank::sgd_step(const Tensor& param, const Tensor& grad, float lr) {
-  float* pp = require(param, "sgd_step", "param");
-  const float* pg = require(grad, "sgd_step", "grad");
+  void* pp = require(param, "sgd_step", "param");
+  const void* pg = require(grad, "sgd_step", "grad");
   require_same_shape(param, grad, "sgd_step");
   require_same_kind(param, grad, "sgd_step");
   before_kernel({&param, &grad}, "sgd_step");
-  kernel("sgd_step", [&] { kernels::sgd_step(pp, pg, lr, param.numel(), compute_); });
+  kernel("sgd_step",
+         [&] { kernels::sgd_step(pp, param.dtype(), pg, grad.dtype(), lr, param.numel(), compute_); });
 }
 
 void CudaRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                           const AdamW& h, int step) {
-  float* pp = require(param, "adamw_step", "param");
-  const float* pg = require(grad, "adamw_step", "grad");
-  float* pm = require(m, "adamw_step", "m");
-  float* pv = require(v, "adamw_step", "v");
+  // Mixed precision keeps the optimizer in float32 (common/rank.h).
+  float* pp = require_f32(param, "adamw_step", "param");
+  const float* pg = require_f32(grad, "adamw_step", "grad");
+  float* pm = require_f32(m, "adamw_step", "m");
+  float* pv = require_f32(v, "adamw_step", "v");
   require_same_shape(param, grad, "adamw_step");
   require_same_shape(param, m, "adamw_step");
   require_same_shape(param, v, "adamw_step");
@@ -525,6 +639,284 @@ void CudaRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor&
     kernels::adamw_step(pp, pg, pm, pv, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay, c1, c2, param.numel(),
                         compute_);
   });
+}
+
+// ---- transformer kernels -------------------------------------------------------------------------------
+
+void CudaRank::add_bias_(const Tensor& x, const Tensor& bias) {
+  const char* op = "add_bias_";
+  void* px = require(x, op, "x");
+  const void* pb = require(bias, op, "bias");
+  require_ndim(x, 2, op, "x");
+  require_shape(bias, Shape{x.size(1)}, op, "bias", "the columns of x");
+  require_same_dtype(x, bias, op);
+  require_same_kind(x, bias, op);
+  before_kernel({&x, &bias}, op);
+  kernel(op, [&] { kernels::add_bias(px, pb, x.dtype(), x.size(0), x.size(1), compute_); });
+}
+
+Tensor CudaRank::sum_rows(const Tensor& x) {
+  const char* op = "sum_rows";
+  const void* px = require(x, op, "x");
+  require_ndim(x, 2, op, "x");
+  Tensor out = allocate(Shape{x.size(1)}, DType::Float32, x.phantom(), op);
+  float* po = require_f32(out, op, "out");
+  before_kernel({&x}, op);
+  kernel(op, [&] { kernels::sum_rows(po, px, x.dtype(), x.size(0), x.size(1), compute_); });
+  return out;
+}
+
+Rank::LayerNormOut CudaRank::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
+  const char* op = "layernorm";
+  const void* px = require(x, op, "x");
+  const void* pg = require(gamma, op, "gamma");
+  const void* pb = require(beta, op, "beta");
+  require_ndim(x, 2, op, "x");
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  require_shape(gamma, Shape{cols}, op, "gamma", "the columns of x");
+  require_shape(beta, Shape{cols}, op, "beta", "the columns of x");
+  // The parameters may be x's dtype or float32 (kept in float32 by mixed precision); the two agree.
+  require_same_dtype(gamma, beta, op);
+  if (gamma.dtype() != x.dtype() && gamma.dtype() != DType::Float32) {
+    throw UsageError(fmt::format("{}: gamma and beta are {}; they must be {} like x, or float32", where(op),
+                                 gamma.str(), dtype_name(x.dtype())));
+  }
+  const bool ph = x.phantom() || gamma.phantom() || beta.phantom();
+  LayerNormOut out{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{rows}, DType::Float32, ph, op),
+                   allocate(Shape{rows}, DType::Float32, ph, op)};
+  void* py = require(out.y, op, "y");
+  float* pm = require_f32(out.mean, op, "mean");
+  float* pr = require_f32(out.rstd, op, "rstd");
+  before_kernel({&x, &gamma, &beta}, op);
+  kernel(op, [&] {
+    kernels::layernorm(py, pm, pr, px, x.dtype(), pg, pb, gamma.dtype(), rows, cols, eps, compute_);
+  });
+  return out;
+}
+
+Rank::LayerNormGrads CudaRank::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                                  const Tensor& mean, const Tensor& rstd) {
+  const char* op = "layernorm_backward";
+  const void* pdy = require(dy, op, "dy");
+  const void* px = require(x, op, "x");
+  const void* pg = require(gamma, op, "gamma");
+  const float* pm = require_f32(mean, op, "mean");
+  const float* pr = require_f32(rstd, op, "rstd");
+  require_ndim(x, 2, op, "x");
+  require_same_shape(dy, x, op);
+  require_same_dtype(dy, x, op);
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  require_shape(gamma, Shape{cols}, op, "gamma", "the columns of x");
+  if (gamma.dtype() != x.dtype() && gamma.dtype() != DType::Float32) {
+    throw UsageError(fmt::format("{}: gamma is {}; it must be {} like x, or float32", where(op), gamma.str(),
+                                 dtype_name(x.dtype())));
+  }
+  require_shape(mean, Shape{rows}, op, "mean", "the rows of x");
+  require_shape(rstd, Shape{rows}, op, "rstd", "the rows of x");
+  const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || mean.phantom() || rstd.phantom();
+  LayerNormGrads g{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{cols}, DType::Float32, ph, op),
+                   allocate(Shape{cols}, DType::Float32, ph, op)};
+  void* pdx = require(g.dx, op, "dx");
+  float* pdg = require_f32(g.dgamma, op, "dgamma");
+  float* pdb = require_f32(g.dbeta, op, "dbeta");
+  before_kernel({&dy, &x, &gamma, &mean, &rstd}, op);
+  kernel(op, [&] {
+    kernels::layernorm_backward(pdx, pdg, pdb, pdy, px, x.dtype(), pg, gamma.dtype(), pm, pr, rows, cols,
+                                compute_);
+  });
+  return g;
+}
+
+Tensor CudaRank::gelu(const Tensor& x) {
+  const void* px = require(x, "gelu", "x");
+  Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), "gelu");
+  void* py = require(y, "gelu", "out");
+  before_kernel({&x}, "gelu");
+  kernel("gelu", [&] { kernels::gelu(py, px, x.dtype(), x.numel(), compute_); });
+  return y;
+}
+
+Tensor CudaRank::gelu_backward(const Tensor& dy, const Tensor& x) {
+  const char* op = "gelu_backward";
+  const void* pdy = require(dy, op, "dy");
+  const void* px = require(x, op, "x");
+  require_same_shape(dy, x, op);
+  require_same_dtype(dy, x, op);
+  Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), op);
+  void* pdx = require(dx, op, "out");
+  before_kernel({&dy, &x}, op);
+  kernel(op, [&] { kernels::gelu_backward(pdx, pdy, px, x.dtype(), x.numel(), compute_); });
+  return dx;
+}
+
+kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, std::int64_t batch, int heads,
+                                                  bool causal, const char* op) const {
+  require_ndim(qkv, 2, op, "qkv");
+  if (batch < 1 || heads < 1) {
+    throw UsageError(fmt::format("{}: batch ({}) and heads ({}) must be positive", where(op), batch, heads));
+  }
+  const std::int64_t rows = qkv.size(0), cols = qkv.size(1);
+  if (rows % batch != 0 || cols % (3 * static_cast<std::int64_t>(heads)) != 0 || cols == 0) {
+    throw UsageError(fmt::format(
+        "{}: qkv is {}; it must be [seq * batch, heads * 3 * head_dim] with batch {} and heads {}", where(op),
+        qkv.str(), batch, heads));
+  }
+  kernels::AttentionShape a;
+  a.batch = batch;
+  a.seq = rows / batch;
+  a.heads = heads;
+  a.causal = causal;
+  const std::int64_t head_dim = cols / (3 * static_cast<std::int64_t>(heads));
+  if (head_dim > kernels::kMaxHeadDim) {
+    throw UsageError(
+        fmt::format("{}: head_dim {} (from qkv {} and {} heads) is more than the {} the kernel takes",
+                    where(op), head_dim, qkv.str(), heads, kernels::kMaxHeadDim));
+  }
+  a.head_dim = static_cast<int>(head_dim);
+  return a;
+}
+
+Rank::AttentionOut CudaRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) {
+  const char* op = "attention";
+  const void* pq = require(qkv, op, "qkv");
+  const kernels::AttentionShape a = attention_shape(qkv, batch, heads, causal, op);
+  AttentionOut out{allocate(Shape{qkv.size(0), static_cast<std::int64_t>(heads) * a.head_dim}, qkv.dtype(),
+                            qkv.phantom(), op),
+                   allocate(Shape{batch, heads, a.seq}, DType::Float32, qkv.phantom(), op)};
+  void* po = require(out.out, op, "out");
+  float* pl = require_f32(out.lse, op, "lse");
+  before_kernel({&qkv}, op);
+  kernel(op, [&] { kernels::attention(po, pl, pq, qkv.dtype(), a, compute_); });
+  return out;
+}
+
+Tensor CudaRank::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                    const Tensor& lse, std::int64_t batch, int heads, bool causal) {
+  const char* op = "attention_backward";
+  const void* pdo = require(dout, op, "dout");
+  const void* pq = require(qkv, op, "qkv");
+  const void* po = require(out, op, "out");
+  const float* pl = require_f32(lse, op, "lse");
+  const kernels::AttentionShape a = attention_shape(qkv, batch, heads, causal, op);
+  const Shape out_shape{qkv.size(0), static_cast<std::int64_t>(heads) * a.head_dim};
+  require_shape(out, out_shape, op, "out", "attention's output for qkv");
+  require_shape(dout, out_shape, op, "dout", "attention's output for qkv");
+  require_same_dtype(dout, qkv, op);
+  require_same_dtype(out, qkv, op);
+  require_shape(lse, Shape{batch, heads, a.seq}, op, "lse", "[batch, heads, seq]");
+  const bool ph = dout.phantom() || qkv.phantom() || out.phantom() || lse.phantom();
+  Tensor dqkv = allocate(qkv.shape(), qkv.dtype(), ph, op);
+  void* pd = require(dqkv, op, "dqkv");
+  // Each query's dout . out, which both backward kernels need: scratch, freed in stream order after them.
+  Tensor delta = allocate(Shape{batch, heads, a.seq}, DType::Float32, ph, op);
+  float* pdelta = require_f32(delta, op, "delta");
+  before_kernel({&dout, &qkv, &out, &lse}, op);
+  kernel(op, [&] { kernels::attention_backward(pd, pdelta, pdo, pq, po, pl, qkv.dtype(), a, compute_); });
+  return dqkv;
+}
+
+Tensor CudaRank::embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) {
+  const char* op = "embedding";
+  const float* pi = require_f32(ids, op, "ids");
+  const void* pt = require(table, op, "table");
+  require_ndim(ids, 1, op, "ids");
+  require_ndim(table, 2, op, "table");
+  if (vocab_start < 0)
+    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
+  const std::int64_t rows = ids.size(0), cols = table.size(1);
+  Tensor out = allocate(Shape{rows, cols}, table.dtype(), ids.phantom() || table.phantom(), op);
+  void* po = require(out, op, "out");
+  before_kernel({&ids, &table}, op);
+  kernel(op, [&] {
+    kernels::embedding(po, pi, pt, table.dtype(), rows, cols, table.size(0), vocab_start, compute_);
+  });
+  return out;
+}
+
+void CudaRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                                   std::int64_t vocab_start) {
+  const char* op = "embedding_backward_";
+  float* pt = require_f32(dtable, op, "dtable");
+  const void* pdy = require(dy, op, "dy");
+  const float* pi = require_f32(ids, op, "ids");
+  require_ndim(dtable, 2, op, "dtable");
+  require_ndim(ids, 1, op, "ids");
+  require_shape(dy, Shape{ids.size(0), dtable.size(1)}, op, "dy", "[ids, columns of dtable]");
+  if (vocab_start < 0)
+    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
+  require_same_kind(dtable, dy, op);
+  before_kernel({&dtable, &dy, &ids}, op);
+  kernel(op, [&] {
+    kernels::embedding_backward(pt, pdy, dy.dtype(), pi, ids.size(0), dtable.size(1), dtable.size(0),
+                                vocab_start, compute_);
+  });
+}
+
+Tensor CudaRank::row_max(const Tensor& logits) {
+  const char* op = "row_max";
+  const void* pl = require(logits, op, "logits");
+  require_ndim(logits, 2, op, "logits");
+  Tensor out = allocate(Shape{logits.size(0)}, DType::Float32, logits.phantom(), op);
+  float* po = require_f32(out, op, "out");
+  before_kernel({&logits}, op);
+  kernel(op, [&] { kernels::row_max(po, pl, logits.dtype(), logits.size(0), logits.size(1), compute_); });
+  return out;
+}
+
+Tensor CudaRank::softmax_stats(const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                               std::int64_t vocab_start) {
+  const char* op = "softmax_stats";
+  const void* pl = require(logits, op, "logits");
+  const float* pm = require_f32(row_max, op, "row_max");
+  const float* pt = require_f32(targets, op, "targets");
+  require_ndim(logits, 2, op, "logits");
+  const std::int64_t rows = logits.size(0);
+  require_shape(row_max, Shape{rows}, op, "row_max", "the rows of logits");
+  require_shape(targets, Shape{rows}, op, "targets", "the rows of logits");
+  Tensor out = allocate(Shape{rows, 2}, DType::Float32,
+                        logits.phantom() || row_max.phantom() || targets.phantom(), op);
+  float* po = require_f32(out, op, "out");
+  before_kernel({&logits, &row_max, &targets}, op);
+  kernel(op, [&] {
+    kernels::softmax_stats(po, pl, logits.dtype(), pm, pt, rows, logits.size(1), vocab_start, compute_);
+  });
+  return out;
+}
+
+Tensor CudaRank::cross_entropy_loss(const Tensor& row_max, const Tensor& stats) {
+  const char* op = "cross_entropy_loss";
+  const float* pm = require_f32(row_max, op, "row_max");
+  const float* ps = require_f32(stats, op, "stats");
+  require_ndim(row_max, 1, op, "row_max");
+  require_shape(stats, Shape{row_max.size(0), 2}, op, "stats", "[rows of row_max, 2]");
+  Tensor out = allocate(Shape{}, DType::Float32, row_max.phantom() || stats.phantom(), op);
+  float* po = require_f32(out, op, "out");
+  before_kernel({&row_max, &stats}, op);
+  kernel(op, [&] { kernels::cross_entropy_loss(po, pm, ps, row_max.size(0), compute_); });
+  return out;
+}
+
+Tensor CudaRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                        const Tensor& targets, std::int64_t vocab_start, float scale) {
+  const char* op = "cross_entropy_backward";
+  const void* pl = require(logits, op, "logits");
+  const float* pm = require_f32(row_max, op, "row_max");
+  const float* ps = require_f32(stats, op, "stats");
+  const float* pt = require_f32(targets, op, "targets");
+  require_ndim(logits, 2, op, "logits");
+  const std::int64_t rows = logits.size(0);
+  require_shape(row_max, Shape{rows}, op, "row_max", "the rows of logits");
+  require_shape(stats, Shape{rows, 2}, op, "stats", "[rows of logits, 2]");
+  require_shape(targets, Shape{rows}, op, "targets", "the rows of logits");
+  const bool ph = logits.phantom() || row_max.phantom() || stats.phantom() || targets.phantom();
+  Tensor out = allocate(logits.shape(), logits.dtype(), ph, op);
+  void* po = require(out, op, "out");
+  before_kernel({&logits, &row_max, &stats, &targets}, op);
+  kernel(op, [&] {
+    kernels::cross_entropy_backward(po, pl, logits.dtype(), pm, ps, pt, rows, logits.size(1), vocab_start,
+                                    scale, compute_);
+  });
+  return out;
 }
 
 // ---- time ----------------------------------------------------------------------------------------------
@@ -543,6 +935,45 @@ void CudaRank::synchronize() {
 double CudaRank::now() {
   watchdog_.check_abort();
   return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - origin_).count();
+}
+
+namespace {
+
+// A lesson's Event on this backend: a timing CUDA event and the rank that recorded it.
+class CudaEventState : public EventState {
+ public:
+  explicit CudaEventState(int rank) : rank(rank), event(/*timing=*/true) {}
+  const int rank;
+  const CudaEvent event;
+};
+
+}  // namespace
+
+Event CudaRank::record_event() {
+  watchdog_.check_abort();
+  auto state = std::make_shared<CudaEventState>(rank_);
+  RANKLAB_CUDA(cudaEventRecord(state->event.get(), compute_));
+  return Event(std::move(state));
+}
+
+double CudaRank::elapsed_us(const Event& start, const Event& end) {
+  auto mine = [&](const Event& e, const char* arg) {
+    auto* s = dynamic_cast<CudaEventState*>(e.state());
+    if (s == nullptr || s->rank != rank_) {
+      throw UsageError(fmt::format("{}: '{}' is {}; pass an Event this rank's record_event() returned",
+                                   where("elapsed_us"), arg,
+                                   e.defined() ? "another rank's or backend's event" : "an undefined event"));
+    }
+    return s->event.get();
+  };
+  cudaEvent_t s = mine(start, "start"), e = mine(end, "end");
+  // cudaEventSynchronize in effect, through the watchdog, so a stuck collective before `end` becomes an
+  // error instead of a hang. Both events: one recorded after `end` would not be complete yet.
+  watchdog_.wait_event(e, "elapsed_us");
+  watchdog_.wait_event(s, "elapsed_us");
+  float ms = 0;
+  RANKLAB_CUDA(cudaEventElapsedTime(&ms, s, e));
+  return static_cast<double>(ms) * 1000.0;
 }
 
 // ---- output --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@
 #include "real/cuda_backend.h"
 #include "real/device_memory.h"
 #include "real/host_comm.h"
+#include "real/kernels.h"
 #include "real/nccl_comm.h"
 #include "real/rank_log.h"
 #include "real/timeline.h"
@@ -61,15 +62,26 @@ class CudaRank : public Rank {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
 
-  Tensor empty(const Shape& s) override;
-  Tensor zeros(const Shape& s) override;
-  Tensor full(const Shape& s, float value) override;
+  // The factories without a dtype (Rank's float32 overloads) stay visible next to these overrides.
+  using Rank::arange;
+  using Rank::empty;
+  using Rank::from_host;
+  using Rank::full;
+  using Rank::phantom;
+  using Rank::randn;
+  using Rank::zeros;
+  Tensor empty(const Shape& s, DType dtype) override;
+  Tensor zeros(const Shape& s, DType dtype) override;
+  Tensor full(const Shape& s, float value, DType dtype) override;
   Tensor arange(const Shape& s, float start) override;
-  Tensor randn(const Shape& s, std::uint64_t seed, float std) override;
-  Tensor from_host(const Shape& s, const std::vector<float>& values) override;
-  Tensor phantom(const Shape& s) override;
+  Tensor randn(const Shape& s, std::uint64_t seed, float std, DType dtype) override;
+  Tensor randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length, std::uint64_t seed,
+                     float std, DType dtype) override;
+  Tensor from_host(const Shape& s, const std::vector<float>& values, DType dtype) override;
+  Tensor phantom(const Shape& s, DType dtype) override;
   std::vector<float> to_host(const Tensor& t) override;
 
+  using Rank::matmul;
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
@@ -77,6 +89,7 @@ class CudaRank : public Rank {
   void add_(const Tensor& dst, const Tensor& src, float alpha) override;
   void scale_(const Tensor& t, float factor) override;
   void copy_(const Tensor& dst, const Tensor& src) override;
+  Tensor cast(const Tensor& t, DType dtype) override;
   Tensor sum(const Tensor& t) override;
   Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) override;
   Tensor cat(const std::vector<Tensor>& parts, int dim) override;
@@ -84,21 +97,46 @@ class CudaRank : public Rank {
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamW& h,
                   int step) override;
 
+  void add_bias_(const Tensor& x, const Tensor& bias) override;
+  Tensor sum_rows(const Tensor& x) override;
+  LayerNormOut layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) override;
+  LayerNormGrads layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                    const Tensor& mean, const Tensor& rstd) override;
+  Tensor gelu(const Tensor& x) override;
+  Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
+  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) override;
+  Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                            std::int64_t batch, int heads, bool causal) override;
+  Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
+  void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                           std::int64_t vocab_start) override;
+  Tensor row_max(const Tensor& logits) override;
+  Tensor softmax_stats(const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                       std::int64_t vocab_start) override;
+  Tensor cross_entropy_loss(const Tensor& row_max, const Tensor& stats) override;
+  Tensor cross_entropy_backward(const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                const Tensor& targets, std::int64_t vocab_start, float scale) override;
+
   Work communicate(const CommCall& call) override;
+  std::vector<Work> batch_isend_irecv(const std::vector<P2POp>& ops) override;
   Group new_group(const std::vector<int>& ranks) override;
 
   void synchronize() override;
   double now() override;
+  Event record_event() override;
+  double elapsed_us(const Event& start, const Event& end) override;
 
   std::int64_t memory_allocated() const override { return account_->in_use(); }
   std::int64_t memory_peak() const override { return account_->peak(); }
   std::int64_t memory_capacity() const override { return account_->capacity(); }
+  void reset_peak_memory() override { account_->reset_peak(); }
 
   void region_begin(const std::string& name) override;
   void region_end() override;
   void print(const std::string& line) override;
   void show(const std::string& label, const Tensor& t) override;
   void check(const std::string& what, bool passed, const std::string& detail) override;
+  void report_training(const TrainingStats& stats) override { log_.training = stats; }
 
  private:
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
@@ -109,12 +147,21 @@ class CudaRank : public Rank {
   // Argument checks, in the simulator's words.
   std::string where(const char* op) const;  // "rank 1: matmul"
   // The tensor's device buffer, after checking it is defined and this rank's.
-  float* require(const Tensor& t, const char* op, const char* arg) const;
+  void* require(const Tensor& t, const char* op, const char* arg) const;
+  // require(), plus: the tensor is float32 (statistics, ids, optimizer state).
+  float* require_f32(const Tensor& t, const char* op, const char* arg) const;
   // Raises when a kernel would touch a tensor an unwaited asynchronous call still uses.
   void before_kernel(std::initializer_list<const Tensor*> tensors, const char* op);
   void require_same_shape(const Tensor& a, const Tensor& b, const char* op) const;
+  void require_same_dtype(const Tensor& a, const Tensor& b, const char* op) const;
   void require_same_kind(const Tensor& dst, const Tensor& src, const char* op) const;
-  Tensor allocate(const Shape& s, bool phantom, const char* op);
+  void require_ndim(const Tensor& t, int ndim, const char* op, const char* arg) const;
+  // `t` has shape `s`; `why` says where the expected shape comes from ("the columns of x").
+  void require_shape(const Tensor& t, const Shape& s, const char* op, const char* arg, const char* why) const;
+  Tensor allocate(const Shape& s, DType dtype, bool phantom, const char* op);
+  // An attention call's sizes from qkv [seq * batch, heads * 3 * head_dim], checked.
+  kernels::AttentionShape attention_shape(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                                          const char* op) const;
   // Runs `launch` on the compute stream between a timed pair of events named `name`.
   template <typename Launch>
   void kernel(const char* name, Launch&& launch);
@@ -122,6 +169,8 @@ class CudaRank : public Rank {
   void validate(const CommCall& call) const;
   Resolved resolve(const CommCall& call) const;
   void launch_nccl(const CommCall& call, const Resolved& r);
+  CommTiming timing_of(const CommCall& call, const Resolved& r);
+  Work async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& done);
   void settle(ncclResult_t r, ncclComm_t comm, const char* what);
 
   int rank_;

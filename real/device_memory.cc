@@ -27,7 +27,7 @@ std::int64_t DeviceAccount::peak() const {
   return peak_;
 }
 
-float* DeviceAccount::allocate(const Shape& shape, DType dtype, const char* op) {
+void* DeviceAccount::allocate(const Shape& shape, DType dtype, const char* op) {
   const std::int64_t bytes = shape.numel() * dtype_bytes(dtype);
   std::lock_guard<std::mutex> lock(mutex_);
   // The simulator's words, with this device in place of the profile's.
@@ -49,10 +49,10 @@ float* DeviceAccount::allocate(const Shape& shape, DType dtype, const char* op) 
   cuda_check(e, "cudaMallocAsync");
   in_use_ += bytes;
   peak_ = std::max(peak_, in_use_);
-  return static_cast<float*>(ptr);
+  return ptr;
 }
 
-void DeviceAccount::release(float* ptr, std::int64_t bytes) {
+void DeviceAccount::release(void* ptr, std::int64_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   in_use_ -= bytes;
   if (ptr == nullptr) return;
@@ -63,6 +63,11 @@ void DeviceAccount::release(float* ptr, std::int64_t bytes) {
     cudaSetDevice(device_);
     cudaFree(ptr);
   }
+}
+
+void DeviceAccount::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  peak_ = in_use_;
 }
 
 void DeviceAccount::compute_waits_for(cudaEvent_t event) {

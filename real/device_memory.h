@@ -35,8 +35,10 @@ class DeviceAccount {
 
   // Device memory for a tensor of `shape` (null for zero bytes). Past the capacity, or when the device
   // refuses, raises OutOfMemoryError in the simulator's words; `op` names the call that allocated.
-  float* allocate(const Shape& shape, DType dtype, const char* op);
-  void release(float* ptr, std::int64_t bytes);
+  void* allocate(const Shape& shape, DType dtype, const char* op);
+  void release(void* ptr, std::int64_t bytes);
+  // Starts the peak over from what is in use now (Rank::reset_peak_memory).
+  void reset_peak();
   // Makes the compute stream wait for `event` (an async Work's wait()); nothing once the run is over.
   void compute_waits_for(cudaEvent_t event);
   // The rank's streams are gone: later frees (a tensor that outlived its run) wait for the device.
@@ -68,7 +70,7 @@ class CudaStorage : public Storage {
               const char* op);
   ~CudaStorage() override;
   bool phantom() const override { return phantom_; }
-  float* data() const { return data_; }
+  void* data() const { return data_; }
 
   void add_pending(std::shared_ptr<AsyncOp> op) { pending_.push_back(std::move(op)); }
   // The first asynchronous call on this tensor that has not been waited on, or null. Forgets the others.
@@ -76,7 +78,7 @@ class CudaStorage : public Storage {
 
  private:
   std::shared_ptr<DeviceAccount> account_;
-  float* data_ = nullptr;
+  void* data_ = nullptr;
   bool phantom_;
   std::vector<std::shared_ptr<AsyncOp>> pending_;
 };

@@ -1,8 +1,19 @@
-// The real backend's elementwise, reduction and optimizer kernels. One file, so CI compiles one
-// translation unit per GPU architecture.
+// The real backend's elementwise, reduction, optimizer and transformer kernels. One file, so CI compiles
+// one translation unit per GPU architecture.
 //
-// Every kernel is a grid-stride loop (each thread handles elements i, i + stride, ...), which keeps the
-// launch shape independent of the tensor's size and the indices in 64 bits.
+// Elementwise kernels are grid-stride loops (each thread handles elements i, i + stride, ...), which keeps
+// the launch shape independent of the tensor's size and the indices in 64 bits. Row kernels (layer norm,
+// softmax statistics) give each row one block. Every kernel reads its element type, computes in float32
+// and rounds once when it stores, as the simulator models a GPU; reductions run in a fixed order, so
+// results do not depend on timing (only embedding_backward_ adds with atomics).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+#include "common/errors.h"
 #include "common/random.h"
 #include "real/cuda_check.h"
 #include "real/kernels.h"
@@ -20,6 +31,14 @@ unsigned blocks_for(std::int64_t n) {
   return static_cast<unsigned>(wanted < 65536 ? wanted : 65536);
 }
 
+// One block per row (or per attention query): CUDA takes up to 2^31 - 1 blocks in x.
+unsigned row_blocks(std::int64_t rows, const char* kernel) {
+  if (rows > 2147483647) {
+    throw UsageError(std::string(kernel) + ": more than 2^31 - 1 rows in one launch");
+  }
+  return static_cast<unsigned>(rows);
+}
+
 __device__ inline std::int64_t first_index() {
   return static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
@@ -27,42 +46,185 @@ __device__ inline std::int64_t stride() {
   return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
 }
 
-__global__ void fill_kernel(float* out, std::int64_t n, float value) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = value;
+// ---- element types -------------------------------------------------------------------------------------
+
+__device__ inline float to_f(float x) {
+  return x;
+}
+__device__ inline float to_f(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+__device__ inline float to_f(__half x) {
+  return __half2float(x);
+}
+
+// Float to T, round to nearest even (what the simulator's rounding of a 16-bit tensor models).
+template <typename T>
+__device__ inline T from_f(float x);
+template <>
+__device__ inline float from_f<float>(float x) {
+  return x;
+}
+template <>
+__device__ inline __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+template <>
+__device__ inline __half from_f<__half>(float x) {
+  return __float2half_rn(x);
+}
+
+// An operand whose dtype is not the kernel's own (the source of a mixed-precision add_ or copy_, layer
+// norm's parameters): one warp-uniform switch per load instead of a template per pair of types.
+struct AnyIn {
+  const void* p;
+  DType t;
+  __device__ float operator[](std::int64_t i) const {
+    switch (t) {
+      case DType::BFloat16:
+        return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+      case DType::Float16:
+        return __half2float(static_cast<const __half*>(p)[i]);
+      case DType::Float32:
+        break;
+    }
+    return static_cast<const float*>(p)[i];
+  }
+};
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls fn(Tag<T>{}) with T the element type of `t`.
+template <typename Fn>
+void dispatch(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::Float32:
+      fn(Tag<float>{});
+      return;
+    case DType::BFloat16:
+      fn(Tag<__nv_bfloat16>{});
+      return;
+    case DType::Float16:
+      fn(Tag<__half>{});
+      return;
+  }
+}
+
+void check_launch(const char* kernel) {
+  cuda_check(cudaGetLastError(), kernel);
+}
+
+// ---- block reductions ----------------------------------------------------------------------------------
+
+// Reduces `value` over the block (blockDim.x a multiple of 32) with `op` and returns the result to every
+// thread. `scratch` holds 32 floats of shared memory. The order is fixed: within warps by shuffles, then
+// warp 0's result combined with warp 1's, 2's, ... in turn. Every thread of the block must call it.
+template <typename Op>
+__device__ float block_reduce(float value, Op op, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  __syncthreads();  // an earlier reduction's readers are done with scratch
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x / 32] = value;
+  __syncthreads();
+  float r = scratch[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / 32); ++w) r = op(r, scratch[w]);
+  return r;
+}
+
+struct Add {
+  __device__ float operator()(float a, float b) const { return a + b; }
+};
+struct Max {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+__device__ float block_sum_f(float v, float* scratch) {
+  return block_reduce(v, Add{}, scratch);
+}
+__device__ float block_max_f(float v, float* scratch) {
+  return block_reduce(v, Max{}, scratch);
+}
+
+// Sums `value` over a block of kThreads in double; the result is valid in thread 0.
+__device__ double block_sum_d(double value) {
+  __shared__ double partial[kThreads];
+  partial[threadIdx.x] = value;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  return partial[0];
+}
+
+// ---- elementwise ---------------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void fill_kernel(T* out, std::int64_t n, float value) {
+  const T v = from_f<T>(value);
+  for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = v;
 }
 
 __global__ void arange_kernel(float* out, std::int64_t n, float start) {
   for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = static_cast<float>(i) + start;
 }
 
-__global__ void randn_kernel(float* out, std::int64_t n, std::uint64_t seed, float std) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) {
-    out[i] = std * normal_at(seed, static_cast<std::uint64_t>(i));
+template <typename T>
+__global__ void randn_slice_kernel(T* out, std::int64_t n, std::int64_t size, std::int64_t inner,
+                                   std::int64_t start, std::int64_t length, std::uint64_t seed, float std) {
+  for (std::int64_t e = first_index(); e < n; e += stride()) {
+    // Element e of the slice [outer, length, inner] is element (o, start + j, i) of the full tensor.
+    const std::int64_t i = e % inner;
+    const std::int64_t j = (e / inner) % length;
+    const std::int64_t o = e / (inner * length);
+    const std::int64_t full = (o * size + start + j) * inner + i;
+    out[e] = from_f<T>(std * normal_at(seed, static_cast<std::uint64_t>(full)));
   }
 }
 
-__global__ void relu_kernel(float* out, const float* x, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = x[i] > 0.0f ? x[i] : 0.0f;
+template <typename T>
+__global__ void relu_kernel(T* out, const T* x, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const float v = to_f(x[i]);
+    out[i] = from_f<T>(v > 0.0f ? v : 0.0f);
+  }
 }
 
-__global__ void relu_backward_kernel(float* out, const float* grad_out, const float* x, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = x[i] > 0.0f ? grad_out[i] : 0.0f;
+template <typename T>
+__global__ void relu_backward_kernel(T* out, const T* grad_out, const T* x, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    out[i] = to_f(x[i]) > 0.0f ? grad_out[i] : from_f<T>(0.0f);
+  }
 }
 
-__global__ void add_kernel(float* out, const float* a, const float* b, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = a[i] + b[i];
+template <typename T>
+__global__ void add_kernel(T* out, const T* a, const T* b, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
 }
 
-__global__ void axpy_kernel(float* dst, const float* src, float alpha, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) dst[i] += alpha * src[i];
+template <typename T>
+__global__ void axpy_kernel(T* dst, AnyIn src, float alpha, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride())
+    dst[i] = from_f<T>(to_f(dst[i]) + alpha * src[i]);
 }
 
-__global__ void scale_kernel(float* t, float factor, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) t[i] *= factor;
+template <typename T>
+__global__ void convert_kernel(T* dst, AnyIn src, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) dst[i] = from_f<T>(src[i]);
 }
 
-__global__ void sgd_kernel(float* param, const float* grad, float lr, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) param[i] -= lr * grad[i];
+template <typename T>
+__global__ void scale_kernel(T* t, float factor, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) t[i] = from_f<T>(to_f(t[i]) * factor);
+}
+
+template <typename T>
+__global__ void sgd_kernel(T* param, AnyIn grad, float lr, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride())
+    param[i] = from_f<T>(to_f(param[i]) - lr * grad[i]);
 }
 
 // Loshchilov & Hutter's AdamW: the decay is applied to the weights, not folded into the gradient.
@@ -81,43 +243,464 @@ __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v
   }
 }
 
-// Sums `value` over the block; the result is valid in thread 0.
-__device__ double block_sum(double value) {
-  __shared__ double partial[kThreads];
-  partial[threadIdx.x] = value;
-  __syncthreads();
-  for (int half = kThreads / 2; half > 0; half /= 2) {
-    if (static_cast<int>(threadIdx.x) < half) partial[threadIdx.x] += partial[threadIdx.x + half];
-    __syncthreads();
+// GELU's tanh approximation and its derivative, in float32.
+constexpr float kSqrt2OverPi = 0.7978845608028654f;
+constexpr float kGeluCoeff = 0.044715f;
+
+template <typename T>
+__global__ void gelu_kernel(T* y, const T* x, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const float v = to_f(x[i]);
+    const float u = kSqrt2OverPi * (v + kGeluCoeff * v * v * v);
+    y[i] = from_f<T>(0.5f * v * (1.0f + tanhf(u)));
   }
-  return partial[0];
 }
 
+// d/dx [0.5 x (1 + tanh u)] = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) u', u' = sqrt(2/pi) (1 + 3c x^2).
+template <typename T>
+__global__ void gelu_backward_kernel(T* dx, const T* dy, const T* x, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const float v = to_f(x[i]);
+    const float u = kSqrt2OverPi * (v + kGeluCoeff * v * v * v);
+    const float th = tanhf(u);
+    const float du = kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v * v);
+    const float grad = 0.5f * (1.0f + th) + 0.5f * v * (1.0f - th * th) * du;
+    dx[i] = from_f<T>(to_f(dy[i]) * grad);
+  }
+}
+
+template <typename T>
+__global__ void add_bias_kernel(T* x, const T* bias, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t i = first_index(); i < n; i += stride())
+    x[i] = from_f<T>(to_f(x[i]) + to_f(bias[i % cols]));
+}
+
+// ---- sums ----------------------------------------------------------------------------------------------
+
 // Pass one: each block sums its grid-stride share into scratch[block]. Pass two: one block sums those.
-// Both orders are fixed, so the result does not depend on timing (atomics would).
-__global__ void sum_partial_kernel(double* scratch, const float* x, std::int64_t n) {
+template <typename T>
+__global__ void sum_partial_kernel(double* scratch, const T* x, std::int64_t n) {
   double acc = 0;
-  for (std::int64_t i = first_index(); i < n; i += stride()) acc += x[i];
-  const double total = block_sum(acc);
+  for (std::int64_t i = first_index(); i < n; i += stride()) acc += to_f(x[i]);
+  const double total = block_sum_d(acc);
   if (threadIdx.x == 0) scratch[blockIdx.x] = total;
 }
 
-__global__ void sum_final_kernel(float* out, const double* scratch, int parts) {
+template <typename T>
+__global__ void sum_final_kernel(T* out, const double* scratch, int parts) {
   double acc = 0;
   for (int i = threadIdx.x; i < parts; i += blockDim.x) acc += scratch[i];
-  const double total = block_sum(acc);
+  const double total = block_sum_d(acc);
+  if (threadIdx.x == 0) out[0] = from_f<T>(static_cast<float>(total));
+}
+
+// Column reductions over rows: a block of 32 x 8 threads owns 32 adjacent columns (coalesced reads of a
+// row); its 8 thread rows stride down the rows and meet in shared memory, in a fixed order.
+constexpr int kColTile = 32;
+constexpr int kRowLanes = 8;
+
+unsigned column_blocks(std::int64_t cols) {
+  return static_cast<unsigned>((cols + kColTile - 1) / kColTile);
+}
+
+template <typename T>
+__global__ void sum_rows_kernel(float* out, const T* x, std::int64_t rows, std::int64_t cols) {
+  __shared__ float part[kRowLanes][kColTile];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  float acc = 0;
+  if (c < cols) {
+    for (std::int64_t r = threadIdx.y; r < rows; r += kRowLanes) acc += to_f(x[r * cols + c]);
+  }
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float total = part[0][threadIdx.x];
+    for (int k = 1; k < kRowLanes; ++k) total += part[k][threadIdx.x];
+    out[c] = total;
+  }
+}
+
+// ---- layer norm ----------------------------------------------------------------------------------------
+
+// One block per row: the mean, then the variance about it (two passes: no cancellation from E[x^2] -
+// E[x]^2), biased as in Ba et al. and PyTorch.
+template <typename T>
+__global__ void layernorm_kernel(T* y, float* mean_out, float* rstd_out, const T* x, AnyIn gamma, AnyIn beta,
+                                 std::int64_t cols, float eps) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  float s = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += to_f(xr[c]);
+  const float mean = block_sum_f(s, scratch) / static_cast<float>(cols);
+  float sq = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float d = to_f(xr[c]) - mean;
+    sq += d * d;
+  }
+  const float var = block_sum_f(sq, scratch) / static_cast<float>(cols);
+  const float rstd = 1.0f / sqrtf(var + eps);
+  T* yr = y + row * cols;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    yr[c] = from_f<T>((to_f(xr[c]) - mean) * rstd * gamma[c] + beta[c]);
+  }
+  if (threadIdx.x == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// dx = rstd (g - mean(g) - xhat mean(g xhat)), with g = dy gamma and xhat = (x - mean) rstd.
+template <typename T>
+__global__ void layernorm_dx_kernel(T* dx, const T* dy, const T* x, AnyIn gamma, const float* mean,
+                                    const float* rstd, std::int64_t cols) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  const T* dyr = dy + row * cols;
+  const float mu = mean[row], rs = rstd[row];
+  float sg = 0, sgx = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = to_f(dyr[c]) * gamma[c];
+    sg += g;
+    sgx += g * (to_f(xr[c]) - mu) * rs;
+  }
+  const float mean_g = block_sum_f(sg, scratch) / static_cast<float>(cols);
+  const float mean_gx = block_sum_f(sgx, scratch) / static_cast<float>(cols);
+  T* dxr = dx + row * cols;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    const float g = to_f(dyr[c]) * gamma[c];
+    const float xhat = (to_f(xr[c]) - mu) * rs;
+    dxr[c] = from_f<T>(rs * (g - mean_g - xhat * mean_gx));
+  }
+}
+
+// dgamma[c] = sum_r dy xhat, dbeta[c] = sum_r dy: column reductions as in sum_rows.
+template <typename T>
+__global__ void layernorm_dparams_kernel(float* dgamma, float* dbeta, const T* dy, const T* x,
+                                         const float* mean, const float* rstd, std::int64_t rows,
+                                         std::int64_t cols) {
+  __shared__ float pg[kRowLanes][kColTile];
+  __shared__ float pb[kRowLanes][kColTile];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  float ag = 0, ab = 0;
+  if (c < cols) {
+    for (std::int64_t r = threadIdx.y; r < rows; r += kRowLanes) {
+      const float d = to_f(dy[r * cols + c]);
+      ag += d * (to_f(x[r * cols + c]) - mean[r]) * rstd[r];
+      ab += d;
+    }
+  }
+  pg[threadIdx.y][threadIdx.x] = ag;
+  pb[threadIdx.y][threadIdx.x] = ab;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float g = pg[0][threadIdx.x], b = pb[0][threadIdx.x];
+    for (int k = 1; k < kRowLanes; ++k) {
+      g += pg[k][threadIdx.x];
+      b += pb[k][threadIdx.x];
+    }
+    dgamma[c] = g;
+    dbeta[c] = b;
+  }
+}
+
+// ---- attention -----------------------------------------------------------------------------------------
+
+// One block per (sample, head, query or key position); the block's threads first take one key (or query)
+// each of a tile of kAttnTile, computing its dot products over head_dim, then one or more of head_dim's
+// columns each, accumulating over the tile. Each thread keeps at most kMaxHeadDim / kAttnTile columns.
+constexpr int kAttnTile = 128;
+constexpr int kDimsPerThread = kMaxHeadDim / kAttnTile;
+
+struct AttnIndex {
+  std::int64_t b, pos;
+  int h;
+};
+// Block ids run over (sample, head, position), position fastest.
+__device__ inline AttnIndex attn_index(const AttentionShape& a) {
+  const std::int64_t id = blockIdx.x;
+  AttnIndex ix;
+  ix.pos = id % a.seq;
+  ix.h = static_cast<int>((id / a.seq) % a.heads);
+  ix.b = id / (a.seq * a.heads);
+  return ix;
+}
+
+// Where a token's q (part 0), k (1) or v (2) of head h starts in qkv, and its row of out.
+template <typename T>
+__device__ inline const T* qkv_at(const T* qkv, const AttentionShape& a, std::int64_t pos, std::int64_t b,
+                                  int h, int part) {
+  const std::int64_t row = pos * a.batch + b;
+  return qkv + row * (static_cast<std::int64_t>(a.heads) * 3 * a.head_dim) +
+         (static_cast<std::int64_t>(h) * 3 + part) * a.head_dim;
+}
+template <typename T>
+__device__ inline std::int64_t out_offset(const AttentionShape& a, std::int64_t pos, std::int64_t b, int h) {
+  return (pos * a.batch + b) * (static_cast<std::int64_t>(a.heads) * a.head_dim) +
+         static_cast<std::int64_t>(h) * a.head_dim;
+}
+
+// Dot product of a float vector in shared memory with a row of T.
+template <typename T>
+__device__ inline float dot(const float* s, const T* row, int n) {
+  float acc = 0;
+  for (int d = 0; d < n; ++d) acc += s[d] * to_f(row[d]);
+  return acc;
+}
+
+// Forward: the online softmax of Milakov & Gimelshein (2018) as FlashAttention uses it. Per tile of keys:
+// scores, the tile's max, rescale what was accumulated by exp(old max - new max), add exp(score - max) v.
+template <typename T>
+__global__ void attention_kernel(T* out, float* lse, const T* qkv, AttentionShape a, float scale) {
+  extern __shared__ float smem[];
+  float* q = smem;                 // [head_dim]
+  float* p = q + a.head_dim;       // [kAttnTile]
+  float* scratch = p + kAttnTile;  // [32]
+  const AttnIndex ix = attn_index(a);
+  const int tid = threadIdx.x;
+  const T* qrow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 0);
+  for (int d = tid; d < a.head_dim; d += blockDim.x) q[d] = to_f(qrow[d]);
+  __syncthreads();
+  const std::int64_t keys = a.causal ? ix.pos + 1 : a.seq;
+  float m = -INFINITY, l = 0;
+  float acc[kDimsPerThread];
+  for (float& x : acc) x = 0;
+  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
+    const std::int64_t j = j0 + tid;
+    float s = -INFINITY;
+    if (j < keys) s = dot(q, qkv_at(qkv, a, j, ix.b, ix.h, 1), a.head_dim) * scale;
+    // Every tile holds at least one key, so the max is finite from the first tile on.
+    const float new_m = fmaxf(m, block_max_f(s, scratch));
+    const float e = j < keys ? expf(s - new_m) : 0.0f;
+    p[tid] = e;
+    const float tile_sum = block_sum_f(e, scratch);  // its barriers also publish p
+    const float correction = expf(m - new_m);        // 0 on the first tile (m = -inf)
+    l = l * correction + tile_sum;
+    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
+    for (int k = 0; k < kDimsPerThread; ++k) {
+      const int d = tid + k * kAttnTile;
+      if (d >= a.head_dim) break;
+      float x = acc[k] * correction;
+      for (int t = 0; t < n; ++t) x += p[t] * to_f(qkv_at(qkv, a, j0 + t, ix.b, ix.h, 2)[d]);
+      acc[k] = x;
+    }
+    m = new_m;
+    __syncthreads();  // p is rewritten by the next tile
+  }
+  T* orow = out + out_offset<T>(a, ix.pos, ix.b, ix.h);
+  for (int k = 0; k < kDimsPerThread; ++k) {
+    const int d = tid + k * kAttnTile;
+    if (d < a.head_dim) orow[d] = from_f<T>(acc[k] / l);
+  }
+  if (tid == 0) lse[(ix.b * a.heads + ix.h) * a.seq + ix.pos] = m + logf(l);
+}
+
+// Backward (Dao et al. 2022, Algorithm 4, without the tiling of queries): with P = exp(scale q.k - lse),
+// dP = dout . v, delta = dout . out and dS = P (dP - delta):
+//   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij dout_i.
+// Two kernels, so every sum has one owner and no atomics: one block per query for dq (it also writes
+// delta), then one block per key for dk and dv.
+template <typename T>
+__global__ void attention_dq_kernel(T* dqkv, float* delta_out, const T* dout, const T* qkv, const T* out,
+                                    const float* lse, AttentionShape a, float scale) {
+  extern __shared__ float smem[];
+  float* q = smem;                  // [head_dim]
+  float* go = q + a.head_dim;       // [head_dim]: d out of this query
+  float* ds = go + a.head_dim;      // [kAttnTile]
+  float* scratch = ds + kAttnTile;  // [32]
+  const AttnIndex ix = attn_index(a);
+  const int tid = threadIdx.x;
+  const T* qrow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 0);
+  const std::int64_t o = out_offset<T>(a, ix.pos, ix.b, ix.h);
+  float part = 0;
+  for (int d = tid; d < a.head_dim; d += blockDim.x) {
+    q[d] = to_f(qrow[d]);
+    go[d] = to_f(dout[o + d]);
+    part += go[d] * to_f(out[o + d]);
+  }
+  const float delta = block_sum_f(part, scratch);  // its barriers also publish q and go
+  const std::int64_t stat = (ix.b * a.heads + ix.h) * a.seq + ix.pos;
+  if (tid == 0) delta_out[stat] = delta;
+  const float lse_i = lse[stat];
+  const std::int64_t keys = a.causal ? ix.pos + 1 : a.seq;
+  float acc[kDimsPerThread];
+  for (float& x : acc) x = 0;
+  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
+    const std::int64_t j = j0 + tid;
+    float dsj = 0;
+    if (j < keys) {
+      const float pj = expf(dot(q, qkv_at(qkv, a, j, ix.b, ix.h, 1), a.head_dim) * scale - lse_i);
+      const float dpj = dot(go, qkv_at(qkv, a, j, ix.b, ix.h, 2), a.head_dim);
+      dsj = pj * (dpj - delta);
+    }
+    ds[tid] = dsj;
+    __syncthreads();
+    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
+    for (int k = 0; k < kDimsPerThread; ++k) {
+      const int d = tid + k * kAttnTile;
+      if (d >= a.head_dim) break;
+      for (int t = 0; t < n; ++t) acc[k] += ds[t] * to_f(qkv_at(qkv, a, j0 + t, ix.b, ix.h, 1)[d]);
+    }
+    __syncthreads();
+  }
+  T* dq = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, ix.pos, ix.b, ix.h, 0));
+  for (int k = 0; k < kDimsPerThread; ++k) {
+    const int d = tid + k * kAttnTile;
+    if (d < a.head_dim) dq[d] = from_f<T>(scale * acc[k]);
+  }
+}
+
+template <typename T>
+__global__ void attention_dkv_kernel(T* dqkv, const float* delta, const T* dout, const T* qkv,
+                                     const float* lse, AttentionShape a, float scale) {
+  extern __shared__ float smem[];
+  float* kv = smem;                    // [head_dim]: this key
+  float* vv = kv + a.head_dim;         // [head_dim]: its value
+  float* p = vv + a.head_dim;          // [kAttnTile]
+  float* ds = p + kAttnTile;           // [kAttnTile]
+  const AttnIndex ix = attn_index(a);  // ix.pos is the key's position here
+  const int tid = threadIdx.x;
+  const T* krow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 1);
+  const T* vrow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 2);
+  for (int d = tid; d < a.head_dim; d += blockDim.x) {
+    kv[d] = to_f(krow[d]);
+    vv[d] = to_f(vrow[d]);
+  }
+  __syncthreads();
+  const std::int64_t stats = (ix.b * a.heads + ix.h) * a.seq;
+  // Under the causal mask only queries at or after the key see it.
+  const std::int64_t first = a.causal ? ix.pos : 0;
+  float acc_k[kDimsPerThread], acc_v[kDimsPerThread];
+  for (int k = 0; k < kDimsPerThread; ++k) acc_k[k] = acc_v[k] = 0;
+  for (std::int64_t i0 = first; i0 < a.seq; i0 += kAttnTile) {
+    const std::int64_t i = i0 + tid;
+    float pi = 0, dsi = 0;
+    if (i < a.seq) {
+      pi = expf(dot(kv, qkv_at(qkv, a, i, ix.b, ix.h, 0), a.head_dim) * scale - lse[stats + i]);
+      const float dpi = dot(vv, dout + out_offset<T>(a, i, ix.b, ix.h), a.head_dim);
+      dsi = pi * (dpi - delta[stats + i]);
+    }
+    p[tid] = pi;
+    ds[tid] = dsi;
+    __syncthreads();
+    const int n = static_cast<int>(a.seq - i0 < kAttnTile ? a.seq - i0 : kAttnTile);
+    for (int k = 0; k < kDimsPerThread; ++k) {
+      const int d = tid + k * kAttnTile;
+      if (d >= a.head_dim) break;
+      for (int t = 0; t < n; ++t) {
+        acc_v[k] += p[t] * to_f(dout[out_offset<T>(a, i0 + t, ix.b, ix.h) + d]);
+        acc_k[k] += ds[t] * to_f(qkv_at(qkv, a, i0 + t, ix.b, ix.h, 0)[d]);
+      }
+    }
+    __syncthreads();
+  }
+  T* dk = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, ix.pos, ix.b, ix.h, 1));
+  T* dv = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, ix.pos, ix.b, ix.h, 2));
+  for (int k = 0; k < kDimsPerThread; ++k) {
+    const int d = tid + k * kAttnTile;
+    if (d < a.head_dim) {
+      dk[d] = from_f<T>(scale * acc_k[k]);
+      dv[d] = from_f<T>(acc_v[k]);
+    }
+  }
+}
+
+// ---- embedding -----------------------------------------------------------------------------------------
+
+// The row of this shard that token id `id` (a float holding an integer) selects, or -1 when it is not here.
+__device__ inline std::int64_t shard_row(float id, std::int64_t shard_rows, std::int64_t vocab_start) {
+  if (!(id >= 0.0f) || id >= 9.0e18f) return -1;  // negative, NaN or beyond int64
+  const std::int64_t local = static_cast<std::int64_t>(id) - vocab_start;
+  return local >= 0 && local < shard_rows ? local : -1;
+}
+
+template <typename T>
+__global__ void embedding_kernel(T* out, const float* ids, const T* table, std::int64_t rows,
+                                 std::int64_t cols, std::int64_t shard_rows, std::int64_t vocab_start) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t e = first_index(); e < n; e += stride()) {
+    const std::int64_t r = e / cols, c = e % cols;
+    const std::int64_t local = shard_row(ids[r], shard_rows, vocab_start);
+    out[e] = local >= 0 ? table[local * cols + c] : from_f<T>(0.0f);
+  }
+}
+
+// Several rows may hold the same id, so the adds into one table row race: atomics, in float32.
+template <typename T>
+__global__ void embedding_backward_kernel(float* dtable, const T* dy, const float* ids, std::int64_t rows,
+                                          std::int64_t cols, std::int64_t shard_rows,
+                                          std::int64_t vocab_start) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t e = first_index(); e < n; e += stride()) {
+    const std::int64_t r = e / cols, c = e % cols;
+    const std::int64_t local = shard_row(ids[r], shard_rows, vocab_start);
+    if (local >= 0) atomicAdd(dtable + local * cols + c, to_f(dy[e]));
+  }
+}
+
+// ---- vocabulary-parallel cross-entropy -----------------------------------------------------------------
+
+template <typename T>
+__global__ void row_max_kernel(float* out, const T* logits, std::int64_t cols) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  float m = -INFINITY;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, to_f(logits[row * cols + c]));
+  m = block_max_f(m, scratch);
+  if (threadIdx.x == 0) out[row] = m;
+}
+
+template <typename T>
+__global__ void softmax_stats_kernel(float* out, const T* logits, const float* row_max, const float* targets,
+                                     std::int64_t cols, std::int64_t vocab_start) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const float m = row_max[row];
+  float s = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) s += expf(to_f(logits[row * cols + c]) - m);
+  s = block_sum_f(s, scratch);
+  if (threadIdx.x == 0) {
+    const std::int64_t local = shard_row(targets[row], cols, vocab_start);
+    out[2 * row] = s;
+    out[2 * row + 1] = local >= 0 ? to_f(logits[row * cols + local]) : 0.0f;
+  }
+}
+
+__global__ void cross_entropy_loss_kernel(float* out, const float* row_max, const float* stats,
+                                          std::int64_t rows) {
+  double acc = 0;
+  for (std::int64_t r = threadIdx.x; r < rows; r += blockDim.x) {
+    acc += static_cast<double>(logf(stats[2 * r]) + row_max[r] - stats[2 * r + 1]);
+  }
+  const double total = block_sum_d(acc);
   if (threadIdx.x == 0) out[0] = static_cast<float>(total);
 }
 
-void check_launch(const char* kernel) {
-  cuda_check(cudaGetLastError(), kernel);
+template <typename T>
+__global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const float* row_max,
+                                              const float* stats, const float* targets, std::int64_t rows,
+                                              std::int64_t cols, std::int64_t vocab_start, float scale) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t e = first_index(); e < n; e += stride()) {
+    const std::int64_t r = e / cols, c = e % cols;
+    const float softmax = expf(to_f(logits[e]) - row_max[r]) / stats[2 * r];
+    const float onehot = shard_row(targets[r], cols, vocab_start) == c ? 1.0f : 0.0f;
+    dlogits[e] = from_f<T>(scale * (softmax - onehot));
+  }
 }
 
 }  // namespace
 
-void fill(float* out, std::int64_t n, float value, cudaStream_t s) {
+// ---- launches ------------------------------------------------------------------------------------------
+
+void fill(void* out, DType t, std::int64_t n, float value, cudaStream_t s) {
   if (n == 0) return;
-  fill_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, n, value);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    fill_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(out), n, value);
+  });
   check_launch("fill kernel launch");
 }
 
@@ -127,45 +710,81 @@ void arange(float* out, std::int64_t n, float start, cudaStream_t s) {
   check_launch("arange kernel launch");
 }
 
-void randn(float* out, std::int64_t n, std::uint64_t seed, float std, cudaStream_t s) {
+void randn_slice(void* out, DType t, std::int64_t outer, std::int64_t size, std::int64_t inner,
+                 std::int64_t start, std::int64_t length, std::uint64_t seed, float std, cudaStream_t s) {
+  const std::int64_t n = outer * length * inner;
   if (n == 0) return;
-  randn_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, n, seed, std);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    randn_slice_kernel<T>
+        <<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(out), n, size, inner, start, length, seed, std);
+  });
   check_launch("randn kernel launch");
 }
 
-void relu(float* out, const float* x, std::int64_t n, cudaStream_t s) {
+void relu(void* out, const void* x, DType t, std::int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  relu_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, x, n);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    relu_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(out), static_cast<const T*>(x), n);
+  });
   check_launch("relu kernel launch");
 }
 
-void relu_backward(float* out, const float* grad_out, const float* x, std::int64_t n, cudaStream_t s) {
+void relu_backward(void* out, const void* grad_out, const void* x, DType t, std::int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  relu_backward_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, grad_out, x, n);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    relu_backward_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(
+        static_cast<T*>(out), static_cast<const T*>(grad_out), static_cast<const T*>(x), n);
+  });
   check_launch("relu_backward kernel launch");
 }
 
-void add(float* out, const float* a, const float* b, std::int64_t n, cudaStream_t s) {
+void add(void* out, const void* a, const void* b, DType t, std::int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  add_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, a, b, n);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    add_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(out), static_cast<const T*>(a),
+                                                     static_cast<const T*>(b), n);
+  });
   check_launch("add kernel launch");
 }
 
-void axpy(float* dst, const float* src, float alpha, std::int64_t n, cudaStream_t s) {
+void axpy(void* dst, DType dst_t, const void* src, DType src_t, float alpha, std::int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  axpy_kernel<<<blocks_for(n), kThreads, 0, s>>>(dst, src, alpha, n);
+  dispatch(dst_t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    axpy_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(dst), AnyIn{src, src_t}, alpha, n);
+  });
   check_launch("add_ kernel launch");
 }
 
-void scale(float* t, float factor, std::int64_t n, cudaStream_t s) {
+void convert(void* dst, DType dst_t, const void* src, DType src_t, std::int64_t n, cudaStream_t s) {
   if (n == 0) return;
-  scale_kernel<<<blocks_for(n), kThreads, 0, s>>>(t, factor, n);
+  dispatch(dst_t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    convert_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(dst), AnyIn{src, src_t}, n);
+  });
+  check_launch("convert kernel launch");
+}
+
+void scale(void* t, DType dt, float factor, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(dt, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    scale_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(t), factor, n);
+  });
   check_launch("scale_ kernel launch");
 }
 
-void sgd_step(float* param, const float* grad, float lr, std::int64_t n, cudaStream_t s) {
+void sgd_step(void* param, DType param_t, const void* grad, DType grad_t, float lr, std::int64_t n,
+              cudaStream_t s) {
   if (n == 0) return;
-  sgd_kernel<<<blocks_for(n), kThreads, 0, s>>>(param, grad, lr, n);
+  dispatch(param_t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    sgd_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(param), AnyIn{grad, grad_t}, lr, n);
+  });
   check_launch("sgd_step kernel launch");
 }
 
@@ -178,11 +797,182 @@ void adamw_step(float* param, const float* grad, float* m, float* v, float lr, f
   check_launch("adamw_step kernel launch");
 }
 
-void sum(float* out, const float* x, std::int64_t n, double* scratch, cudaStream_t s) {
-  sum_partial_kernel<<<kSumBlocks, kThreads, 0, s>>>(scratch, x, n);
+void sum(void* out, const void* x, DType t, std::int64_t n, double* scratch, cudaStream_t s) {
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    sum_partial_kernel<T><<<kSumBlocks, kThreads, 0, s>>>(scratch, static_cast<const T*>(x), n);
+    check_launch("sum kernel launch");
+    sum_final_kernel<T><<<1, kThreads, 0, s>>>(static_cast<T*>(out), scratch, kSumBlocks);
+  });
   check_launch("sum kernel launch");
-  sum_final_kernel<<<1, kThreads, 0, s>>>(out, scratch, kSumBlocks);
-  check_launch("sum kernel launch");
+}
+
+void add_bias(void* x, const void* bias, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  const std::int64_t n = rows * cols;
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    add_bias_kernel<T>
+        <<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(x), static_cast<const T*>(bias), rows, cols);
+  });
+  check_launch("add_bias_ kernel launch");
+}
+
+void sum_rows(float* out, const void* x, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (cols == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    sum_rows_kernel<T>
+        <<<column_blocks(cols), dim3(kColTile, kRowLanes), 0, s>>>(out, static_cast<const T*>(x), rows, cols);
+  });
+  check_launch("sum_rows kernel launch");
+}
+
+void layernorm(void* y, float* mean, float* rstd, const void* x, DType t, const void* gamma, const void* beta,
+               DType param_t, std::int64_t rows, std::int64_t cols, float eps, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    layernorm_kernel<T><<<row_blocks(rows, "layernorm"), kThreads, 0, s>>>(
+        static_cast<T*>(y), mean, rstd, static_cast<const T*>(x), AnyIn{gamma, param_t}, AnyIn{beta, param_t},
+        cols, eps);
+  });
+  check_launch("layernorm kernel launch");
+}
+
+void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x, DType t,
+                        const void* gamma, DType param_t, const float* mean, const float* rstd,
+                        std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (cols == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rows > 0) {
+      layernorm_dx_kernel<T><<<row_blocks(rows, "layernorm_backward"), kThreads, 0, s>>>(
+          static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x), AnyIn{gamma, param_t},
+          mean, rstd, cols);
+      check_launch("layernorm_backward kernel launch");
+    }
+    layernorm_dparams_kernel<T><<<column_blocks(cols), dim3(kColTile, kRowLanes), 0, s>>>(
+        dgamma, dbeta, static_cast<const T*>(dy), static_cast<const T*>(x), mean, rstd, rows, cols);
+  });
+  check_launch("layernorm_backward kernel launch");
+}
+
+void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    gelu_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(y), static_cast<const T*>(x), n);
+  });
+  check_launch("gelu kernel launch");
+}
+
+void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    gelu_backward_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(dx), static_cast<const T*>(dy),
+                                                               static_cast<const T*>(x), n);
+  });
+  check_launch("gelu_backward kernel launch");
+}
+
+void attention(void* out, float* lse, const void* qkv, DType t, const AttentionShape& a, cudaStream_t s) {
+  const std::int64_t blocks = a.batch * a.heads * a.seq;
+  if (blocks == 0 || a.head_dim == 0) return;
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
+  const size_t shared = sizeof(float) * (static_cast<size_t>(a.head_dim) + kAttnTile + 32);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    attention_kernel<T><<<row_blocks(blocks, "attention"), kAttnTile, shared, s>>>(
+        static_cast<T*>(out), lse, static_cast<const T*>(qkv), a, scale);
+  });
+  check_launch("attention kernel launch");
+}
+
+void attention_backward(void* dqkv, float* delta, const void* dout, const void* qkv, const void* out,
+                        const float* lse, DType t, const AttentionShape& a, cudaStream_t s) {
+  const std::int64_t blocks = a.batch * a.heads * a.seq;
+  if (blocks == 0 || a.head_dim == 0) return;
+  const float scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
+  const size_t shared = sizeof(float) * (2 * static_cast<size_t>(a.head_dim) + 2 * kAttnTile + 32);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const unsigned grid = row_blocks(blocks, "attention_backward");
+    attention_dq_kernel<T><<<grid, kAttnTile, shared, s>>>(
+        static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv),
+        static_cast<const T*>(out), lse, a, scale);
+    check_launch("attention_backward kernel launch");
+    attention_dkv_kernel<T><<<grid, kAttnTile, shared, s>>>(
+        static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv), lse, a, scale);
+  });
+  check_launch("attention_backward kernel launch");
+}
+
+void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,
+               std::int64_t shard_rows, std::int64_t vocab_start, cudaStream_t s) {
+  const std::int64_t n = rows * cols;
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    embedding_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(
+        static_cast<T*>(out), ids, static_cast<const T*>(table), rows, cols, shard_rows, vocab_start);
+  });
+  check_launch("embedding kernel launch");
+}
+
+void embedding_backward(float* dtable, const void* dy, DType t, const float* ids, std::int64_t rows,
+                        std::int64_t cols, std::int64_t shard_rows, std::int64_t vocab_start,
+                        cudaStream_t s) {
+  const std::int64_t n = rows * cols;
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    embedding_backward_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(dtable, static_cast<const T*>(dy), ids,
+                                                                    rows, cols, shard_rows, vocab_start);
+  });
+  check_launch("embedding_backward_ kernel launch");
+}
+
+void row_max(float* out, const void* logits, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (rows == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    row_max_kernel<T>
+        <<<row_blocks(rows, "row_max"), kThreads, 0, s>>>(out, static_cast<const T*>(logits), cols);
+  });
+  check_launch("row_max kernel launch");
+}
+
+void softmax_stats(float* out, const void* logits, DType t, const float* row_max, const float* targets,
+                   std::int64_t rows, std::int64_t cols, std::int64_t vocab_start, cudaStream_t s) {
+  if (rows == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    softmax_stats_kernel<T><<<row_blocks(rows, "softmax_stats"), kThreads, 0, s>>>(
+        out, static_cast<const T*>(logits), row_max, targets, cols, vocab_start);
+  });
+  check_launch("softmax_stats kernel launch");
+}
+
+void cross_entropy_loss(float* out, const float* row_max, const float* stats, std::int64_t rows,
+                        cudaStream_t s) {
+  cross_entropy_loss_kernel<<<1, kThreads, 0, s>>>(out, row_max, stats, rows);
+  check_launch("cross_entropy_loss kernel launch");
+}
+
+void cross_entropy_backward(void* dlogits, const void* logits, DType t, const float* row_max,
+                            const float* stats, const float* targets, std::int64_t rows, std::int64_t cols,
+                            std::int64_t vocab_start, float scale, cudaStream_t s) {
+  const std::int64_t n = rows * cols;
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    cross_entropy_backward_kernel<T>
+        <<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(dlogits), static_cast<const T*>(logits), row_max,
+                                            stats, targets, rows, cols, vocab_start, scale);
+  });
+  check_launch("cross_entropy_backward kernel launch");
 }
 
 }  // namespace ranklab::kernels

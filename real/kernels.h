@@ -1,6 +1,8 @@
 // The real backend's own CUDA kernels: everything a lesson computes that is not a matrix product (cuBLAS
 // does those). Each launches on the given stream and returns at once; sizes are element counts.
 //
+// Tensors travel as untyped pointers with their DType: each kernel is a template over the element type
+// (float, __nv_bfloat16, __half), instantiated in kernels.cu, and computes in float32 whatever it stores.
 // Plain declarations, so the C++ side of the backend needs no CUDA compiler: only kernels.cu does.
 #pragma once
 
@@ -8,26 +10,77 @@
 
 #include <cstdint>
 
+#include "common/tensor.h"
+
 namespace ranklab::kernels {
 
-void fill(float* out, std::int64_t n, float value, cudaStream_t s);
+void fill(void* out, DType t, std::int64_t n, float value, cudaStream_t s);
 void arange(float* out, std::int64_t n, float start, cudaStream_t s);
-// out[i] = std * normal_at(seed, i): the counter-based generator of common/random.h, as the simulator.
-void randn(float* out, std::int64_t n, std::uint64_t seed, float std, cudaStream_t s);
-void relu(float* out, const float* x, std::int64_t n, cudaStream_t s);
-void relu_backward(float* out, const float* grad_out, const float* x, std::int64_t n, cudaStream_t s);
-void add(float* out, const float* a, const float* b, std::int64_t n, cudaStream_t s);
-void axpy(float* dst, const float* src, float alpha, std::int64_t n, cudaStream_t s);  // dst += alpha src
-void scale(float* t, float factor, std::int64_t n, cudaStream_t s);
-void sgd_step(float* param, const float* grad, float lr, std::int64_t n, cudaStream_t s);
-// AdamW with the bias corrections 1 - beta^t computed by the caller.
+// The part [start, start + length) along one dimension of the seeded normal tensor that, seen as
+// [outer, size, inner], has element e = std * normal_at(seed, e) (common/random.h, as the simulator).
+// randn of a whole tensor is the slice outer = inner = 1, start = 0, length = size = numel.
+void randn_slice(void* out, DType t, std::int64_t outer, std::int64_t size, std::int64_t inner,
+                 std::int64_t start, std::int64_t length, std::uint64_t seed, float std, cudaStream_t s);
+void relu(void* out, const void* x, DType t, std::int64_t n, cudaStream_t s);
+void relu_backward(void* out, const void* grad_out, const void* x, DType t, std::int64_t n, cudaStream_t s);
+void add(void* out, const void* a, const void* b, DType t, std::int64_t n, cudaStream_t s);
+// dst += alpha src; src may have another dtype than dst.
+void axpy(void* dst, DType dst_t, const void* src, DType src_t, float alpha, std::int64_t n, cudaStream_t s);
+// dst = src converted to dst's dtype (round to nearest even).
+void convert(void* dst, DType dst_t, const void* src, DType src_t, std::int64_t n, cudaStream_t s);
+void scale(void* t, DType dt, float factor, std::int64_t n, cudaStream_t s);
+void sgd_step(void* param, DType param_t, const void* grad, DType grad_t, float lr, std::int64_t n,
+              cudaStream_t s);
+// AdamW with the bias corrections 1 - beta^t computed by the caller. Float32 throughout.
 void adamw_step(float* param, const float* grad, float* m, float* v, float lr, float beta1, float beta2,
                 float eps, float weight_decay, float bias_correction1, float bias_correction2, std::int64_t n,
                 cudaStream_t s);
 
 // Scratch doubles sum() needs: one partial per block of the first pass.
 constexpr int kSumBlocks = 256;
-// out[0] = the sum of x[0..n), accumulated in double in a fixed order, so it is deterministic.
-void sum(float* out, const float* x, std::int64_t n, double* scratch, cudaStream_t s);
+// out[0] = the sum of x[0..n), accumulated in double in a fixed order, so it is deterministic; out has
+// x's dtype.
+void sum(void* out, const void* x, DType t, std::int64_t n, double* scratch, cudaStream_t s);
+
+// ---- transformer kernels (see common/rank.h for the layouts) -------------------------------------------
+
+// x[r, c] += bias[c]; both of dtype t.
+void add_bias(void* x, const void* bias, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+// out[c] = sum over rows of x[r, c], float32.
+void sum_rows(float* out, const void* x, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+// y = (x - mean) rstd gamma + beta per row; gamma and beta have dtype param_t.
+void layernorm(void* y, float* mean, float* rstd, const void* x, DType t, const void* gamma, const void* beta,
+               DType param_t, std::int64_t rows, std::int64_t cols, float eps, cudaStream_t s);
+void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x, DType t,
+                        const void* gamma, DType param_t, const float* mean, const float* rstd,
+                        std::int64_t rows, std::int64_t cols, cudaStream_t s);
+void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
+void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
+
+// The largest head_dim the attention kernels take.
+constexpr int kMaxHeadDim = 512;
+struct AttentionShape {
+  std::int64_t seq = 0, batch = 0;
+  int heads = 0, head_dim = 0;
+  bool causal = false;
+};
+void attention(void* out, float* lse, const void* qkv, DType t, const AttentionShape& a, cudaStream_t s);
+// `delta` is float32 scratch of batch * heads * seq: each query's sum of d out * out.
+void attention_backward(void* dqkv, float* delta, const void* dout, const void* qkv, const void* out,
+                        const float* lse, DType t, const AttentionShape& a, cudaStream_t s);
+
+void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,
+               std::int64_t shard_rows, std::int64_t vocab_start, cudaStream_t s);
+void embedding_backward(float* dtable, const void* dy, DType t, const float* ids, std::int64_t rows,
+                        std::int64_t cols, std::int64_t shard_rows, std::int64_t vocab_start, cudaStream_t s);
+
+void row_max(float* out, const void* logits, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+void softmax_stats(float* out, const void* logits, DType t, const float* row_max, const float* targets,
+                   std::int64_t rows, std::int64_t cols, std::int64_t vocab_start, cudaStream_t s);
+void cross_entropy_loss(float* out, const float* row_max, const float* stats, std::int64_t rows,
+                        cudaStream_t s);
+void cross_entropy_backward(void* dlogits, const void* logits, DType t, const float* row_max,
+                            const float* stats, const float* targets, std::int64_t rows, std::int64_t cols,
+                            std::int64_t vocab_start, float scale, cudaStream_t s);
 
 }  // namespace ranklab::kernels
