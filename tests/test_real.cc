@@ -2,6 +2,7 @@
 // report) is tested everywhere; everything that needs a GPU skips itself where none is visible, and on a
 // GPU checks every collective, every compute op and every lesson against the simulator's numbers for the
 // same seeds, at the largest world the machine allows.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "common/lesson.h"
 #include "common/profile.h"
 #include "common/report.h"
+#include "real/half_convert.h"
 #include "real/host_comm.h"
 #include "real/rank_log.h"
 #include "sim_fixture.h"
@@ -535,6 +537,442 @@ TEST(CudaBackend, ReportHoldsCollectivesSpansAndMemory) {
   EXPECT_GT(report.ranks[0].capacity_bytes, report.ranks[0].peak_bytes);
   EXPECT_GT(report.makespan_us, 0);
   EXPECT_EQ(static_cast<int>(report.checks.size()), w);
+}
+
+// ---- 16-bit tensors and the transformer kernels, against host references ------------------------------
+
+// Runs `fn` on one GPU.
+void on_gpu(const std::function<void(Rank&)>& fn) {
+  CudaBackend cuda(quiet_cuda());
+  cuda.launch(1, fn);
+}
+
+// What the GPU holds for x in `t`: x rounded to nearest even.
+float rounded(float x, DType t) {
+  if (t == DType::BFloat16) return bf16_bits_to_float(float_to_bf16_bits(x));
+  if (t == DType::Float16) return fp16_bits_to_float(float_to_fp16_bits(x));
+  return x;
+}
+std::vector<float> rounded(std::vector<float> v, DType t) {
+  for (float& x : v) x = rounded(x, t);
+  return v;
+}
+
+void expect_near_all(const std::vector<float>& got, const std::vector<double>& want, double rel, double abs,
+                     const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], abs + rel * std::abs(want[i])) << what << ", element " << i;
+  }
+}
+
+// A relative tolerance for one rounding to `t` plus float32 arithmetic.
+double tolerance(DType t) {
+  return t == DType::BFloat16 ? 1.6e-2 : t == DType::Float16 ? 2e-3 : 1e-4;
+}
+
+constexpr DType kAllTypes[] = {DType::Float32, DType::BFloat16, DType::Float16};
+
+TEST(CudaBackend, SixteenBitTensorsHoldRoundedValues) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    const std::vector<float> v = {0.1f, -1.2345f, 3.0e4f, 1.0e-5f, 70000.0f, -0.0f};
+    for (DType t : kAllTypes) {
+      const std::string name = dtype_name(t);
+      Tensor x = r.from_host({2, 3}, v, t);
+      EXPECT_EQ(x.dtype(), t);
+      EXPECT_EQ(x.bytes(), 6 * dtype_bytes(t));
+      EXPECT_EQ(r.to_host(x), rounded(v, t)) << name;
+      EXPECT_EQ(r.to_host(r.full({3}, 0.1f, t)), rounded(std::vector<float>(3, 0.1f), t)) << name;
+      EXPECT_EQ(r.to_host(r.zeros({3}, t)), std::vector<float>(3, 0.0f)) << name;
+      // The same draws as float32, rounded once.
+      EXPECT_EQ(r.to_host(r.randn({257}, 5, 0.5f, t)), rounded(r.to_host(r.randn({257}, 5, 0.5f)), t))
+          << name;
+      // cast and copy_ convert; add_ takes a source of another dtype.
+      Tensor f = r.from_host({2, 3}, v);
+      EXPECT_EQ(r.to_host(r.cast(f, t)), rounded(v, t)) << name;
+      EXPECT_EQ(r.to_host(r.cast(r.cast(f, t), DType::Float32)), rounded(v, t)) << name;
+      Tensor dst = r.zeros({2, 3}, t);
+      r.copy_(dst, f);
+      EXPECT_EQ(r.to_host(dst), rounded(v, t)) << name;
+      Tensor acc = r.full({2, 3}, 1.0f);
+      r.add_(acc, r.cast(f, t), 2.0f);
+      std::vector<float> want(6);
+      for (size_t i = 0; i < 6; ++i) want[i] = 1.0f + 2.0f * rounded(v[i], t);
+      EXPECT_EQ(r.to_host(acc), want) << name;
+      Tensor p = r.phantom({4, 4}, t);
+      EXPECT_EQ(p.bytes(), 16 * dtype_bytes(t));
+    }
+  });
+}
+
+TEST(CudaBackend, SeededSlicesPutTogetherAreTheWholeTensor) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    const Shape full{4, 6, 5};
+    for (DType t : {DType::Float32, DType::BFloat16}) {
+      const std::vector<float> whole = r.to_host(r.randn(full, 11, 0.02f, t));
+      for (int dim = 0; dim < 3; ++dim) {
+        std::vector<Tensor> parts;
+        for (std::int64_t s = 0; s < full[dim]; s += 2) {
+          parts.push_back(
+              r.randn_slice(full, dim, s, std::min<std::int64_t>(2, full[dim] - s), 11, 0.02f, t));
+        }
+        EXPECT_EQ(r.to_host(r.cat(parts, dim)), whole) << dtype_name(t) << " along " << dim;
+      }
+    }
+    EXPECT_THROW(r.randn_slice(full, 1, 5, 2, 11, 1.0f, DType::Float32), UsageError);
+    EXPECT_THROW(r.randn_slice(full, 3, 0, 1, 11, 1.0f, DType::Float32), UsageError);
+  });
+}
+
+TEST(CudaBackend, SixteenBitMatmulAccumulatesInFloat32) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    const std::int64_t m = 33, k = 70, n = 17;
+    for (DType t : {DType::BFloat16, DType::Float16}) {
+      Tensor a = r.randn({m, k}, 1, 1.0f, t), b = r.randn({k, n}, 2, 1.0f, t),
+             bt = r.randn({n, k}, 3, 1.0f, t);
+      const auto ha = r.to_host(a), hb = r.to_host(b), hbt = r.to_host(bt);
+      Tensor c = r.matmul(a, b), ct = r.matmul(a, bt, Trans::No, Trans::Yes);
+      EXPECT_EQ(c.dtype(), t);
+      std::vector<double> want(m * n), want_t(m * n);
+      for (std::int64_t i = 0; i < m; ++i) {
+        for (std::int64_t j = 0; j < n; ++j) {
+          double s = 0, st = 0;
+          for (std::int64_t p = 0; p < k; ++p) {
+            s += static_cast<double>(ha[i * k + p]) * hb[p * n + j];
+            st += static_cast<double>(ha[i * k + p]) * hbt[j * k + p];
+          }
+          want[i * n + j] = s;
+          want_t[i * n + j] = st;
+        }
+      }
+      // One rounding of a sum of 70 products of unit normals (|c| ~ 8).
+      expect_near_all(r.to_host(c), want, tolerance(t), 1e-2, std::string("matmul ") + dtype_name(t));
+      expect_near_all(r.to_host(ct), want_t, tolerance(t), 1e-2, std::string("matmul T ") + dtype_name(t));
+    }
+    EXPECT_THROW(r.matmul(r.zeros({2, 2}), r.zeros({2, 2}, DType::BFloat16)), UsageError);
+  });
+}
+
+TEST(CudaBackend, BiasLayerNormAndGeluMatchHostReferences) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    const std::int64_t rows = 7, cols = 300;
+    for (DType t : kAllTypes) {
+      const std::string name = dtype_name(t);
+      const double tol = tolerance(t);
+      Tensor x = r.randn({rows, cols}, 21, 2.0f, t), bias = r.randn({cols}, 22, 1.0f, t);
+      const auto hx = r.to_host(x), hbias = r.to_host(bias);
+      // add_bias_ and sum_rows.
+      Tensor xb = r.cast(x, t);
+      r.add_bias_(xb, bias);
+      std::vector<double> want(rows * cols), col_sums(cols, 0.0);
+      for (std::int64_t i = 0; i < rows * cols; ++i) {
+        want[i] = rounded(hx[i] + hbias[i % cols], t);
+        col_sums[i % cols] += hx[i];
+      }
+      expect_near_all(r.to_host(xb), want, 0, 0, "add_bias_ " + name);
+      Tensor sums = r.sum_rows(x);
+      EXPECT_EQ(sums.dtype(), DType::Float32);
+      expect_near_all(r.to_host(sums), col_sums, 1e-5, 1e-4, "sum_rows " + name);
+
+      // Layer norm, with gamma and beta of x's dtype.
+      Tensor gamma = r.randn({cols}, 23, 1.0f, t), beta = r.randn({cols}, 24, 1.0f, t);
+      const auto hg = r.to_host(gamma), hb = r.to_host(beta);
+      const float eps = 1e-5f;
+      auto ln = r.layernorm(x, gamma, beta, eps);
+      Tensor dy = r.randn({rows, cols}, 25, 1.0f, t);
+      const auto hdy = r.to_host(dy);
+      auto grads = r.layernorm_backward(dy, x, gamma, ln.mean, ln.rstd);
+      std::vector<double> y(rows * cols), mean(rows), rstd(rows), dx(rows * cols), dg(cols, 0.0),
+          db(cols, 0.0);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        double s = 0, sq = 0;
+        for (std::int64_t c = 0; c < cols; ++c) s += hx[i * cols + c];
+        mean[i] = s / cols;
+        for (std::int64_t c = 0; c < cols; ++c) sq += std::pow(hx[i * cols + c] - mean[i], 2);
+        rstd[i] = 1.0 / std::sqrt(sq / cols + eps);
+        double mg = 0, mgx = 0;
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double xhat = (hx[i * cols + c] - mean[i]) * rstd[i];
+          y[i * cols + c] = xhat * hg[c] + hb[c];
+          const double g = hdy[i * cols + c] * hg[c];
+          mg += g / cols;
+          mgx += g * xhat / cols;
+          dg[c] += hdy[i * cols + c] * xhat;
+          db[c] += hdy[i * cols + c];
+        }
+        for (std::int64_t c = 0; c < cols; ++c) {
+          const double xhat = (hx[i * cols + c] - mean[i]) * rstd[i];
+          dx[i * cols + c] = rstd[i] * (hdy[i * cols + c] * hg[c] - mg - xhat * mgx);
+        }
+      }
+      expect_near_all(r.to_host(ln.mean), mean, 1e-5, 1e-5, "layernorm mean " + name);
+      expect_near_all(r.to_host(ln.rstd), rstd, 1e-4, 1e-5, "layernorm rstd " + name);
+      expect_near_all(r.to_host(ln.y), y, tol, 1e-3, "layernorm y " + name);
+      expect_near_all(r.to_host(grads.dx), dx, tol, 2e-3, "layernorm dx " + name);
+      expect_near_all(r.to_host(grads.dgamma), dg, 1e-4, 1e-3, "layernorm dgamma " + name);
+      expect_near_all(r.to_host(grads.dbeta), db, 1e-4, 1e-3, "layernorm dbeta " + name);
+
+      // GELU, tanh approximation.
+      Tensor gy = r.gelu(x), gdx = r.gelu_backward(dy, x);
+      std::vector<double> wy(rows * cols), wdx(rows * cols);
+      for (std::int64_t i = 0; i < rows * cols; ++i) {
+        const double v = hx[i], k = std::sqrt(2.0 / 3.14159265358979323846),
+                     u = k * (v + 0.044715 * v * v * v);
+        const double th = std::tanh(u);
+        wy[i] = 0.5 * v * (1 + th);
+        wdx[i] = hdy[i] * (0.5 * (1 + th) + 0.5 * v * (1 - th * th) * k * (1 + 3 * 0.044715 * v * v));
+      }
+      expect_near_all(r.to_host(gy), wy, tol, 1e-4, "gelu " + name);
+      expect_near_all(r.to_host(gdx), wdx, tol, 1e-4, "gelu_backward " + name);
+    }
+    // float32 parameters with 16-bit activations, as mixed precision keeps them.
+    Tensor x = r.randn({3, 64}, 31, 1.0f, DType::BFloat16);
+    auto ln = r.layernorm(x, r.full({64}, 1.0f), r.zeros({64}), 1e-5f);
+    EXPECT_EQ(ln.y.dtype(), DType::BFloat16);
+    EXPECT_THROW(r.layernorm(x, r.full({63}, 1.0f), r.zeros({63}), 1e-5f), UsageError);
+  });
+}
+
+// Attention on the host, in double: out, lse and the gradient of qkv for d out.
+struct AttentionRef {
+  std::vector<double> out, lse, dqkv;
+};
+AttentionRef attention_ref(const std::vector<float>& qkv, const std::vector<float>& dout, std::int64_t seq,
+                           std::int64_t batch, int heads, int d, bool causal) {
+  const std::int64_t ld = static_cast<std::int64_t>(heads) * 3 * d, od = static_cast<std::int64_t>(heads) * d;
+  AttentionRef r{std::vector<double>(seq * batch * od), std::vector<double>(batch * heads * seq),
+                 std::vector<double>(qkv.size(), 0.0)};
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto at = [&](std::int64_t pos, std::int64_t b, int h, int part, int k) {
+    return (pos * batch + b) * ld + (static_cast<std::int64_t>(h) * 3 + part) * d + k;
+  };
+  for (std::int64_t b = 0; b < batch; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      std::vector<std::vector<double>> p(seq, std::vector<double>(seq, 0.0));
+      for (std::int64_t i = 0; i < seq; ++i) {
+        const std::int64_t keys = causal ? i + 1 : seq;
+        double mx = -1e300;
+        std::vector<double> s(keys);
+        for (std::int64_t j = 0; j < keys; ++j) {
+          double dot = 0;
+          for (int k = 0; k < d; ++k)
+            dot += static_cast<double>(qkv[at(i, b, h, 0, k)]) * qkv[at(j, b, h, 1, k)];
+          s[j] = dot * scale;
+          mx = std::max(mx, s[j]);
+        }
+        double sum = 0;
+        for (std::int64_t j = 0; j < keys; ++j) sum += std::exp(s[j] - mx);
+        r.lse[(b * heads + h) * seq + i] = mx + std::log(sum);
+        for (std::int64_t j = 0; j < keys; ++j) p[i][j] = std::exp(s[j] - mx) / sum;
+        for (int k = 0; k < d; ++k) {
+          double o = 0;
+          for (std::int64_t j = 0; j < keys; ++j) o += p[i][j] * qkv[at(j, b, h, 2, k)];
+          r.out[(i * batch + b) * od + h * d + k] = o;
+        }
+      }
+      // dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(P dP)), dQ = scale dS K, dK = scale dS^T Q.
+      for (std::int64_t i = 0; i < seq; ++i) {
+        std::vector<double> dp(seq, 0.0);
+        double rowsum = 0;
+        for (std::int64_t j = 0; j < seq; ++j) {
+          for (int k = 0; k < d; ++k)
+            dp[j] += dout[(i * batch + b) * od + h * d + k] * qkv[at(j, b, h, 2, k)];
+          rowsum += p[i][j] * dp[j];
+        }
+        for (std::int64_t j = 0; j < seq; ++j) {
+          const double ds = p[i][j] * (dp[j] - rowsum);
+          for (int k = 0; k < d; ++k) {
+            r.dqkv[at(j, b, h, 2, k)] += p[i][j] * dout[(i * batch + b) * od + h * d + k];
+            r.dqkv[at(i, b, h, 0, k)] += scale * ds * qkv[at(j, b, h, 1, k)];
+            r.dqkv[at(j, b, h, 1, k)] += scale * ds * qkv[at(i, b, h, 0, k)];
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+TEST(CudaBackend, AttentionMatchesAHostReference) {
+  REQUIRE_GPU();
+  struct Case {
+    std::int64_t seq, batch;
+    int heads, head_dim;
+  };
+  // Small; more keys than one tile (128); a head_dim over the block's 128 threads.
+  const Case cases[] = {{5, 2, 3, 8}, {150, 1, 1, 16}, {6, 2, 1, 130}};
+  on_gpu([&](Rank& r) {
+    for (const Case& c : cases) {
+      for (bool causal : {false, true}) {
+        for (DType t : {DType::Float32, DType::BFloat16}) {
+          const std::string what =
+              fmt::format("attention seq {} batch {} heads {} head_dim {}{} {}", c.seq, c.batch, c.heads,
+                          c.head_dim, causal ? " causal" : "", dtype_name(t));
+          const std::int64_t rows = c.seq * c.batch;
+          Tensor qkv = r.randn({rows, static_cast<std::int64_t>(c.heads) * 3 * c.head_dim}, 41, 1.0f, t);
+          Tensor dout = r.randn({rows, static_cast<std::int64_t>(c.heads) * c.head_dim}, 42, 1.0f, t);
+          auto fwd = r.attention(qkv, c.batch, c.heads, causal);
+          Tensor dqkv = r.attention_backward(dout, qkv, fwd.out, fwd.lse, c.batch, c.heads, causal);
+          const AttentionRef want =
+              attention_ref(r.to_host(qkv), r.to_host(dout), c.seq, c.batch, c.heads, c.head_dim, causal);
+          EXPECT_EQ(fwd.lse.shape(), (Shape{c.batch, c.heads, c.seq})) << what;
+          const double tol = t == DType::Float32 ? 1e-4 : 3e-2;
+          expect_near_all(r.to_host(fwd.out), want.out, tol, tol, what + " out");
+          expect_near_all(r.to_host(fwd.lse), want.lse, 1e-4, 1e-4, what + " lse");
+          // The backward recomputes from the rounded out, so 16-bit gradients carry that rounding too.
+          expect_near_all(r.to_host(dqkv), want.dqkv, tol, 2 * tol, what + " dqkv");
+        }
+      }
+    }
+    EXPECT_THROW(r.attention(r.zeros({10, 3 * 2 * 4}), 3, 2, true), UsageError);  // 10 rows, batch 3
+    EXPECT_THROW(r.attention(r.zeros({10, 20}), 2, 3, true), UsageError);         // 20 not 3 * heads * d
+  });
+}
+
+TEST(CudaBackend, VocabParallelEmbeddingAndCrossEntropyMatchHostReferences) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    const std::int64_t vocab = 10, cols = 4, rows = 6, half = vocab / 2;
+    const std::vector<float> ids = {0, 7, 3, 7, 9, 5};
+    Tensor tids = r.from_host({rows}, ids);
+    for (DType t : {DType::Float32, DType::BFloat16}) {
+      const std::string name = dtype_name(t);
+      Tensor table = r.randn({vocab, cols}, 51, 1.0f, t);
+      const auto ht = r.to_host(table);
+      // Two shards of the table on one rank: their lookups sum to the full lookup.
+      Tensor lo = r.slice(table, 0, 0, half), hi = r.slice(table, 0, half, half);
+      Tensor sum = r.cast(r.embedding(tids, lo, 0), DType::Float32);
+      r.add_(sum, r.embedding(tids, hi, half), 1.0f);
+      std::vector<double> want(rows * cols);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        for (std::int64_t c = 0; c < cols; ++c)
+          want[i * cols + c] = ht[static_cast<std::int64_t>(ids[i]) * cols + c];
+      }
+      expect_near_all(r.to_host(sum), want, 0, 0, "embedding " + name);
+      // Backward into the upper shard: rows with ids 7 (twice), 9 and 5 land there.
+      Tensor dy = r.randn({rows, cols}, 52, 1.0f, t);
+      const auto hdy = r.to_host(dy);
+      Tensor dtable = r.zeros({half, cols});
+      r.embedding_backward_(dtable, dy, tids, half);
+      std::vector<double> dwant(half * cols, 0.0);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        const auto local = static_cast<std::int64_t>(ids[i]) - half;
+        if (local < 0) continue;
+        for (std::int64_t c = 0; c < cols; ++c) dwant[local * cols + c] += hdy[i * cols + c];
+      }
+      expect_near_all(r.to_host(dtable), dwant, 1e-6, 1e-6, "embedding_backward_ " + name);
+
+      // Cross-entropy with the vocabulary in two shards, the all_reduces done by hand.
+      Tensor logits = r.randn({rows, vocab}, 53, 3.0f, t);
+      const auto hl = r.to_host(logits);
+      Tensor l0 = r.slice(logits, 1, 0, half), l1 = r.slice(logits, 1, half, half);
+      const auto m0 = r.to_host(r.row_max(l0)), m1 = r.to_host(r.row_max(l1));
+      std::vector<float> mx(rows);
+      for (std::int64_t i = 0; i < rows; ++i) mx[i] = std::max(m0[i], m1[i]);
+      Tensor tmax = r.from_host({rows}, mx);
+      Tensor stats = r.softmax_stats(l0, tmax, tids, 0);
+      r.add_(stats, r.softmax_stats(l1, tmax, tids, half), 1.0f);
+      Tensor loss = r.cross_entropy_loss(tmax, stats);
+      const float scale = 1.0f / rows;
+      Tensor d0 = r.cross_entropy_backward(l0, tmax, stats, tids, 0, scale);
+      Tensor d1 = r.cross_entropy_backward(l1, tmax, stats, tids, half, scale);
+      EXPECT_EQ(d0.dtype(), t);
+      double total = 0;
+      std::vector<double> dwant0(rows * half), dwant1(rows * half);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        double m = -1e300, s = 0;
+        for (std::int64_t c = 0; c < vocab; ++c) m = std::max<double>(m, hl[i * vocab + c]);
+        for (std::int64_t c = 0; c < vocab; ++c) s += std::exp(hl[i * vocab + c] - m);
+        const auto target = static_cast<std::int64_t>(ids[i]);
+        total += std::log(s) + m - hl[i * vocab + target];
+        for (std::int64_t c = 0; c < vocab; ++c) {
+          const double g = scale * (std::exp(hl[i * vocab + c] - m) / s - (c == target ? 1.0 : 0.0));
+          (c < half ? dwant0 : dwant1)[i * half + c % half] = g;
+        }
+      }
+      expect_near_all(r.to_host(loss), {total}, 1e-5, 1e-4, "cross_entropy_loss " + name);
+      expect_near_all(r.to_host(d0), dwant0, tolerance(t), 1e-4, "cross_entropy_backward shard 0 " + name);
+      expect_near_all(r.to_host(d1), dwant1, tolerance(t), 1e-4, "cross_entropy_backward shard 1 " + name);
+    }
+    EXPECT_THROW(r.embedding(r.from_host({2}, {0, 1}, DType::BFloat16), r.zeros({4, 2}), 0), UsageError);
+  });
+}
+
+TEST(CudaBackend, EventsTimeTheComputeStream) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    Tensor x = r.randn({2048, 2048}, 1, 0.01f);
+    Event start = r.record_event();
+    for (int i = 0; i < 5; ++i) x = r.matmul(x, x);
+    Event end = r.record_event();
+    const double us = r.elapsed_us(start, end);
+    EXPECT_GT(us, 0.0);
+    EXPECT_LT(us, 60e6);
+    EXPECT_GE(r.elapsed_us(start, start), 0.0);
+    EXPECT_THROW(r.elapsed_us(Event(), end), UsageError);
+  });
+}
+
+TEST(CudaBackend, PeakMemoryStartsOverOnReset) {
+  REQUIRE_GPU();
+  on_gpu([](Rank& r) {
+    Tensor keep = r.zeros({1024}, DType::BFloat16);
+    { Tensor big = r.zeros({1 << 20}); }
+    EXPECT_GE(r.memory_peak(), (4 << 20) + 2048);
+    r.reset_peak_memory();
+    EXPECT_EQ(r.memory_peak(), r.memory_allocated());
+    EXPECT_EQ(r.memory_allocated(), 2048);
+  });
+}
+
+TEST(CudaBackend, TrainingFiguresReachTheReport) {
+  REQUIRE_GPU();
+  CudaBackend cuda(quiet_cuda());
+  const RunReport report = cuda.launch(1, [](Rank& r) {
+    TrainingStats s;
+    s.model = "custom";
+    s.step_time_us = 10;
+    r.report_training(s);
+    s.step_time_us = 20;  // a later call replaces an earlier one
+    r.report_training(s);
+  });
+  ASSERT_TRUE(report.training.has_value());
+  EXPECT_EQ(report.training->step_time_us, 20);
+}
+
+TEST(CudaBackend, SixteenBitCollectivesAndBatchedPointToPoint) {
+  REQUIRE_GPU();
+  const int w = gpu_world(2);
+  CudaBackend cuda(quiet_cuda());
+  std::vector<std::vector<float>> sums(w), got(w);
+  const RunReport report = cuda.launch(w, [&](Rank& r) {
+    Tensor t = r.full({1000}, 0.5f + r.rank(), DType::BFloat16);
+    r.all_reduce(t, ReduceOp::Sum);
+    sums[r.rank()] = r.to_host(t);
+    if (w < 2) return;
+    // Both ranks send first: only the grouped posting lets them meet.
+    const int peer = 1 - r.rank();
+    Tensor out = r.full({64}, 10.0f * r.rank(), DType::Float16), in = r.zeros({64}, DType::Float16);
+    std::vector<Work> works = r.batch_isend_irecv({{CommOp::Send, out, peer}, {CommOp::Recv, in, peer}});
+    EXPECT_EQ(works.size(), 2u);
+    EXPECT_THROW(r.to_host(in), UsageError);  // not waited on yet
+    for (Work& wk : works) wk.wait();
+    got[r.rank()] = r.to_host(in);
+  });
+  float want = 0;
+  for (int i = 0; i < w; ++i) want += 0.5f + i;
+  for (int i = 0; i < w; ++i) EXPECT_EQ(sums[i], std::vector<float>(1000, want)) << "rank " << i;
+  auto reduce = std::find_if(report.collectives.begin(), report.collectives.end(),
+                             [](const CollectiveRecord& c) { return c.op == CommOp::AllReduce; });
+  ASSERT_NE(reduce, report.collectives.end());
+  EXPECT_EQ(reduce->bytes, 2000);  // 1000 bfloat16 values
+  if (w < 2) GTEST_SKIP() << "batch_isend_irecv needs two GPUs";
+  EXPECT_EQ(got[0], std::vector<float>(64, 10.0f));
+  EXPECT_EQ(got[1], std::vector<float>(64, 0.0f));
 }
 
 TEST(CudaBackend, WatchdogTurnsAStuckCollectiveIntoAnError) {
