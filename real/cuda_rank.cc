@@ -675,12 +675,9 @@ Rank::LayerNormOut CudaRank::layernorm(const Tensor& x, const Tensor& gamma, con
   const std::int64_t rows = x.size(0), cols = x.size(1);
   require_shape(gamma, Shape{cols}, op, "gamma", "the columns of x");
   require_shape(beta, Shape{cols}, op, "beta", "the columns of x");
-  // The parameters may be x's dtype or float32 (kept in float32 by mixed precision); the two agree.
-  require_same_dtype(gamma, beta, op);
-  if (gamma.dtype() != x.dtype() && gamma.dtype() != DType::Float32) {
-    throw UsageError(fmt::format("{}: gamma and beta are {}; they must be {} like x, or float32", where(op),
-                                 gamma.str(), dtype_name(x.dtype())));
-  }
+  require_same_dtype(x, gamma, op);
+  require_same_dtype(x, beta, op);
+  if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(op), eps));
   const bool ph = x.phantom() || gamma.phantom() || beta.phantom();
   LayerNormOut out{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{rows}, DType::Float32, ph, op),
                    allocate(Shape{rows}, DType::Float32, ph, op)};
@@ -707,10 +704,7 @@ Rank::LayerNormGrads CudaRank::layernorm_backward(const Tensor& dy, const Tensor
   require_same_dtype(dy, x, op);
   const std::int64_t rows = x.size(0), cols = x.size(1);
   require_shape(gamma, Shape{cols}, op, "gamma", "the columns of x");
-  if (gamma.dtype() != x.dtype() && gamma.dtype() != DType::Float32) {
-    throw UsageError(fmt::format("{}: gamma is {}; it must be {} like x, or float32", where(op), gamma.str(),
-                                 dtype_name(x.dtype())));
-  }
+  require_same_dtype(x, gamma, op);
   require_shape(mean, Shape{rows}, op, "mean", "the rows of x");
   require_shape(rstd, Shape{rows}, op, "rstd", "the rows of x");
   const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || mean.phantom() || rstd.phantom();
@@ -845,6 +839,7 @@ void CudaRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const
   if (vocab_start < 0)
     throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
   require_same_kind(dtable, dy, op);
+  require_same_kind(dtable, ids, op);
   before_kernel({&dtable, &dy, &ids}, op);
   kernel(op, [&] {
     kernels::embedding_backward(pt, pdy, dy.dtype(), pi, ids.size(0), dtable.size(1), dtable.size(0),
@@ -870,6 +865,8 @@ Tensor CudaRank::softmax_stats(const Tensor& logits, const Tensor& row_max, cons
   const float* pm = require_f32(row_max, op, "row_max");
   const float* pt = require_f32(targets, op, "targets");
   require_ndim(logits, 2, op, "logits");
+  if (vocab_start < 0)
+    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
   const std::int64_t rows = logits.size(0);
   require_shape(row_max, Shape{rows}, op, "row_max", "the rows of logits");
   require_shape(targets, Shape{rows}, op, "targets", "the rows of logits");
@@ -904,6 +901,8 @@ Tensor CudaRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_
   const float* ps = require_f32(stats, op, "stats");
   const float* pt = require_f32(targets, op, "targets");
   require_ndim(logits, 2, op, "logits");
+  if (vocab_start < 0)
+    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
   const std::int64_t rows = logits.size(0);
   require_shape(row_max, Shape{rows}, op, "row_max", "the rows of logits");
   require_shape(stats, Shape{rows, 2}, op, "stats", "[rows of logits, 2]");

@@ -48,7 +48,8 @@ void sum(void* out, const void* x, DType t, std::int64_t n, double* scratch, cud
 void add_bias(void* x, const void* bias, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 // out[c] = sum over rows of x[r, c], float32.
 void sum_rows(float* out, const void* x, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s);
-// y = (x - mean) rstd gamma + beta per row; gamma and beta have dtype param_t.
+// y = (x - mean) rstd gamma + beta per row; gamma and beta have dtype param_t (the interface asks for
+// x's dtype; the kernel reads any).
 void layernorm(void* y, float* mean, float* rstd, const void* x, DType t, const void* gamma, const void* beta,
                DType param_t, std::int64_t rows, std::int64_t cols, float eps, cudaStream_t s);
 void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x, DType t,

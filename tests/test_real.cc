@@ -729,11 +729,11 @@ TEST(CudaBackend, BiasLayerNormAndGeluMatchHostReferences) {
       expect_near_all(r.to_host(gy), wy, tol, 1e-4, "gelu " + name);
       expect_near_all(r.to_host(gdx), wdx, tol, 1e-4, "gelu_backward " + name);
     }
-    // float32 parameters with 16-bit activations, as mixed precision keeps them.
+    // The parameters share x's dtype, as every kernel's inputs do.
     Tensor x = r.randn({3, 64}, 31, 1.0f, DType::BFloat16);
-    auto ln = r.layernorm(x, r.full({64}, 1.0f), r.zeros({64}), 1e-5f);
-    EXPECT_EQ(ln.y.dtype(), DType::BFloat16);
-    EXPECT_THROW(r.layernorm(x, r.full({63}, 1.0f), r.zeros({63}), 1e-5f), UsageError);
+    EXPECT_THROW(r.layernorm(x, r.full({64}, 1.0f), r.zeros({64}), 1e-5f), UsageError);
+    EXPECT_THROW(r.layernorm(x, r.full({63}, 1.0f, DType::BFloat16), r.zeros({63}, DType::BFloat16), 1e-5f),
+                 UsageError);
   });
 }
 
