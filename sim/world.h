@@ -111,6 +111,7 @@ class SimWorld {
   void add_span(int rank, SpanKind kind, const std::string& name, double start_us, double end_us);
   void add_region(int rank, const std::string& name, double start_us, double end_us);
   void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
+  void set_training(const TrainingStats& stats) { report_.training = stats; }
   // Rethrows the first error of the run, if any.
   void rethrow_if_failed() const;
   RunReport finish_report();
