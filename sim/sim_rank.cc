@@ -1109,10 +1109,15 @@ std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
                                    where("batch_isend_irecv"), i, comm_op_name(ops[i].op)));
     }
   }
-  // Each is posted asynchronously, in order: posting never blocks, so two ranks that both send first
-  // and then receive cannot deadlock (NCCL's ncclGroupStart/End gives the same guarantee).
+  // Each is posted asynchronously, in order, as one group: none waits for another on its stream, so two
+  // ranks that both send first and then receive cannot deadlock (NCCL's ncclGroupStart/End).
   std::vector<Work> works;
   works.reserve(ops.size());
+  struct GroupScope {
+    RankState& s;
+    ~GroupScope() { s.p2p_group = 0; }
+  } scope{s_};
+  s_.p2p_group = ++s_.p2p_groups_posted;
   for (const P2POp& p : ops) {
     works.push_back(p.op == CommOp::Send ? send(p.tensor, p.peer, Async::Yes)
                                          : recv(p.tensor, p.peer, Async::Yes));
