@@ -10,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "common/dtype_round.h"
 #include "real/half_convert.h"
 
 namespace ranklab {
@@ -94,6 +95,18 @@ TEST(HalfConvert, RandomFloatsRoundToTheNearest) {
   // Small magnitudes, where float16 is subnormal.
   std::uniform_real_distribution<float> tiny(-1e-4f, 1e-4f);
   for (int i = 0; i < 100000; ++i) expect_nearest(float_to_fp16_bits, fp16_bits_to_float, tiny(gen));
+}
+
+// The simulator rounds with common/dtype_round.h; both backends must hold the same numbers.
+TEST(HalfConvert, AgreesWithTheSimulatorsRounding) {
+  std::mt19937 gen(11);
+  std::uniform_int_distribution<std::uint32_t> any;
+  for (int i = 0; i < 200000; ++i) {
+    const float x = f_of(any(gen));
+    if (std::isnan(x)) continue;
+    EXPECT_EQ(bf16_bits_to_float(float_to_bf16_bits(x)), round_to_bfloat16(x)) << x;
+    EXPECT_EQ(fp16_bits_to_float(float_to_fp16_bits(x)), round_to_float16(x)) << x;
+  }
 }
 
 TEST(HalfConvert, EncodeAndDecodeWholeBuffers) {
