@@ -90,8 +90,9 @@ struct RunReport {
   std::vector<RegionRecord> regions;
   std::vector<CheckRecord> checks;
   std::vector<LinkTraffic> links;
-  std::vector<std::string> output;        // the lesson's printed lines, in order
-  std::optional<TrainingStats> training;  // a training lesson's step figures (Rank::report_training)
+  std::vector<std::string> output;  // the lesson's printed lines, in order
+  // What a training lesson reported for its timed step (Rank::report_training); empty otherwise.
+  std::optional<TrainingStats> training;
 
   bool all_checks_passed() const;
   std::int64_t total_link_bytes() const;
