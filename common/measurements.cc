@@ -15,6 +15,8 @@
 
 namespace ranklab {
 
+const char* const kInPlaceGroup = "world, in place";
+
 const char* measurement_format_name(MeasurementFormat f) {
   switch (f) {
     case MeasurementFormat::Report:
@@ -337,8 +339,8 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
     }
     append_collective(r, *op, row.bytes, world, row.time_us);
     if (std::isfinite(row.in_place_us)) {
-      r.regions.push_back({0, fmt::format("in-place {} {}", comm_op_name(*op), row.bytes),
-                           r.makespan_us - row.time_us, r.makespan_us - row.time_us + row.in_place_us});
+      append_collective(r, *op, row.bytes, world, row.in_place_us);
+      r.collectives.back().group = kInPlaceGroup;
     }
   }
   return r;

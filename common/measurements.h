@@ -21,6 +21,10 @@
 
 namespace ranklab {
 
+// The group name of a collective run in place (output buffer = input buffer), as nccl-tests' second set
+// of columns measures it.
+extern const char* const kInPlaceGroup;
+
 enum class MeasurementFormat { Report, NcclTests, Csv, Kineto };
 const char* measurement_format_name(MeasurementFormat f);
 
@@ -33,8 +37,8 @@ MeasurementFormat detect_measurement_format(const std::string& text, const std::
 std::optional<CommOp> comm_op_from_text(const std::string& text);
 
 // nccl-tests output. `op` when known; otherwise inferred as above (UsageError when it cannot be).
-// The report has one collective per size (out-of-place time; the in-place time is kept in a region
-// "in-place <op> <bytes>" on rank 0), world and GPU from the "# Using devices" lines.
+// The report has one collective per size and placement, in the order nccl-tests ran them: out-of-place on
+// group "world", then in-place on group kInPlaceGroup; world and GPU come from the "# Using devices" lines.
 RunReport read_nccl_tests(const std::string& text, const std::string& origin, std::optional<CommOp> op);
 
 // `op,bytes,ranks,time_us` with a header line; op is a ranklab name (all_reduce) or an nccl-tests one

@@ -14,9 +14,16 @@ namespace {
 struct Step {
   CommOp op;
   std::int64_t bytes;
-  bool in_place_region;  // time this one inside a region named `region`
-  std::string region;
 };
+
+std::vector<const CollectiveRecord*> in_start_order(const RunReport& r) {
+  std::vector<const CollectiveRecord*> order;
+  for (const CollectiveRecord& c : r.collectives) order.push_back(&c);
+  std::stable_sort(order.begin(), order.end(), [](const CollectiveRecord* a, const CollectiveRecord* b) {
+    return a->start_us < b->start_us;
+  });
+  return order;
+}
 
 // The element type whose size divides the buffer, so the replay moves exactly the measured bytes; a size
 // no element divides is rounded up to whole float32 elements (label_as_replay restores the label).
@@ -85,66 +92,40 @@ void run_step(Rank& r, const Step& s) {
 }  // namespace
 
 std::function<void(Rank&)> replay_program(const RunReport& measured) {
-  std::vector<const CollectiveRecord*> order;
-  for (const CollectiveRecord& c : measured.collectives) {
-    if (c.group_size != measured.world) {
+  auto steps = std::make_shared<std::vector<Step>>();
+  for (const CollectiveRecord* c : in_start_order(measured)) {
+    if (c->group_size != measured.world) {
       throw UsageError(fmt::format(
           "replaying {}: a {} of {} ranks in a run of {}; only collectives of the whole world can be "
           "replayed — simulate the program that made the measurement and compare its report instead",
-          measured.lesson, comm_op_name(c.op), c.group_size, measured.world));
+          measured.lesson, comm_op_name(c->op), c->group_size, measured.world));
     }
-    order.push_back(&c);
-  }
-  std::stable_sort(order.begin(), order.end(), [](const CollectiveRecord* a, const CollectiveRecord* b) {
-    return a->start_us < b->start_us;
-  });
-  auto steps = std::make_shared<std::vector<Step>>();
-  for (const CollectiveRecord* c : order) {
-    steps->push_back({c->op, c->bytes, false, ""});
-    const std::string in_place = fmt::format("in-place {} {}", comm_op_name(c->op), c->bytes);
-    const bool measured_in_place = std::any_of(measured.regions.begin(), measured.regions.end(),
-                                               [&](const RegionRecord& g) { return g.name == in_place; });
-    if (measured_in_place) steps->push_back({c->op, c->bytes, true, in_place});
+    steps->push_back({c->op, c->bytes});
   }
   return [steps](Rank& r) {
     for (const Step& s : *steps) {
-      r.synchronize();
-      if (s.in_place_region) r.region_begin(s.region);
       run_step(r, s);
       r.synchronize();
-      if (s.in_place_region) r.region_end();
     }
   };
 }
 
 void label_as_replay(RunReport& replayed, const RunReport& measured) {
   replayed.lesson = measured.lesson;
-  // The replay's collectives, in order, are the measured ones in start order (in-place repeats are inside
-  // regions and recorded as collectives too: those are the even-numbered ones after each measured one).
-  std::vector<const CollectiveRecord*> order;
-  for (const CollectiveRecord& c : measured.collectives) order.push_back(&c);
-  std::stable_sort(order.begin(), order.end(), [](const CollectiveRecord* a, const CollectiveRecord* b) {
-    return a->start_us < b->start_us;
-  });
-  std::vector<CollectiveRecord*> replay;
-  for (CollectiveRecord& c : replayed.collectives) replay.push_back(&c);
-  std::stable_sort(replay.begin(), replay.end(), [](const CollectiveRecord* a, const CollectiveRecord* b) {
-    return a->start_us < b->start_us;
-  });
-  // Drop the in-place repeats from the collectives: the regions carry their times.
-  std::vector<CollectiveRecord> kept;
-  std::size_t next = 0;
-  for (CollectiveRecord* c : replay) {
-    const bool inside_region =
-        std::any_of(replayed.regions.begin(), replayed.regions.end(), [&](const RegionRecord& g) {
-          return g.rank == 0 && g.start_us <= c->start_us && c->end_us <= g.end_us;
-        });
-    if (inside_region) continue;
-    if (next < order.size() && c->op == order[next]->op) c->bytes = order[next]->bytes;
-    ++next;
-    kept.push_back(*c);
+  // The replay ran the measured collectives one at a time in the measured order: the k-th it recorded is
+  // the k-th measured, whose size (before rounding to whole elements) and group name it takes.
+  const std::vector<const CollectiveRecord*> want = in_start_order(measured);
+  std::stable_sort(
+      replayed.collectives.begin(), replayed.collectives.end(),
+      [](const CollectiveRecord& a, const CollectiveRecord& b) { return a.start_us < b.start_us; });
+  if (replayed.collectives.size() != want.size()) {
+    throw UsageError(fmt::format("replaying {}: {} collectives measured but {} replayed", measured.lesson,
+                                 want.size(), replayed.collectives.size()));
   }
-  replayed.collectives = std::move(kept);
+  for (std::size_t k = 0; k < want.size(); ++k) {
+    replayed.collectives[k].bytes = want[k]->bytes;
+    replayed.collectives[k].group = want[k]->group;
+  }
 }
 
 }  // namespace ranklab

@@ -2,8 +2,7 @@
 // simulator to predict what was measured (`ranklab compare nccl-tests.log`), the GPUs to measure it anew.
 //
 // Each collective runs alone, in the measured order, on phantom tensors of the measured size, with
-// synchronize() after it, as nccl-tests times one operation at a time. A measured in-place time (a region
-// "in-place <op> <bytes>" from read_nccl_tests) is replayed as the same collective timed inside that region.
+// synchronize() after it, as nccl-tests times one operation at a time.
 #pragma once
 
 #include <functional>
@@ -18,7 +17,8 @@ namespace ranklab {
 std::function<void(Rank&)> replay_program(const RunReport& measured);
 
 // The report of running replay_program(measured), made comparable with `measured`: the same lesson name,
-// and each collective labelled with the measured size when the replay had to round it to whole elements.
+// and each collective labelled as its measured counterpart (its group name, such as an in-place run's, and
+// its size where the replay had to round it to whole elements).
 void label_as_replay(RunReport& replayed, const RunReport& measured);
 
 }  // namespace ranklab

@@ -75,15 +75,17 @@ TEST(NcclTests, ReadsEveryRowWithWorldAndGpu) {
   EXPECT_EQ(r.profile, "NVIDIA H100 80GB HBM3");
   EXPECT_EQ(r.backend, "measured");
   EXPECT_EQ(r.lesson, "nccl-tests all_reduce");
-  ASSERT_EQ(r.collectives.size(), 3u);
-  EXPECT_EQ(r.collectives[1].bytes, 1048576);
-  EXPECT_DOUBLE_EQ(r.collectives[1].time_us(), 30.25);
-  EXPECT_EQ(r.collectives[2].group_size, 8);
-  EXPECT_NEAR(r.collectives[2].busbw_gbps, 1073741824 / 5012.3e3 * 1.75, 1e-9);
-  // The in-place time is kept too.
-  ASSERT_EQ(r.regions.size(), 3u);
-  EXPECT_EQ(r.regions[2].name, "in-place all_reduce 1073741824");
-  EXPECT_NEAR(r.regions[2].end_us - r.regions[2].start_us, 5001.2, 1e-6);
+  // Out-of-place, then in-place, for each size.
+  ASSERT_EQ(r.collectives.size(), 6u);
+  EXPECT_EQ(r.collectives[2].bytes, 1048576);
+  EXPECT_EQ(r.collectives[2].group, "world");
+  EXPECT_DOUBLE_EQ(r.collectives[2].time_us(), 30.25);
+  EXPECT_EQ(r.collectives[4].group_size, 8);
+  EXPECT_NEAR(r.collectives[4].busbw_gbps, 1073741824 / 5012.3e3 * 1.75, 1e-9);
+  EXPECT_EQ(r.collectives[5].group, kInPlaceGroup);
+  EXPECT_EQ(r.collectives[5].bytes, 1073741824);
+  EXPECT_NEAR(r.collectives[5].time_us(), 5001.2, 1e-6);
+  EXPECT_GE(r.collectives[5].start_us, r.collectives[4].end_us);
 }
 
 TEST(NcclTests, InfersTheCollective) {
@@ -126,8 +128,9 @@ TEST(NcclTests, OlderLayoutWithoutRootAndWithoutValidation) {
        "23.35    "
        "N/A\n";
   const RunReport r = read_nccl_tests(s, "old.log", CommOp::AllReduce);
-  ASSERT_EQ(r.collectives.size(), 1u);
+  ASSERT_EQ(r.collectives.size(), 2u);
   EXPECT_DOUBLE_EQ(r.collectives[0].time_us(), 45.10);
+  EXPECT_DOUBLE_EQ(r.collectives[1].time_us(), 44.90);
   EXPECT_EQ(r.world, 2);
 }
 
