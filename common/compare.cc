@@ -6,6 +6,7 @@
 #include <charconv>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <set>
 #include <tuple>
 
@@ -218,7 +219,8 @@ Comparison compare_reports(const RunReport& a, const RunReport& b, const std::st
     first_start_us[it->second] = std::min(first_start_us[it->second], start_us);
     return it->second;
   };
-  auto match = [&](ItemKind kind, const auto& list_a, const auto& list_b, auto what_of, auto label_of) {
+  auto match = [&](ItemKind kind, const auto& list_a, const auto& list_b, auto what_of, auto label_of,
+                   auto describe_row) {
     for (const auto& [key, in_a] : list_a) {
       auto it = list_b.find(key);
       const std::size_t in_b = it == list_b.end() ? 0 : it->second.size();
@@ -227,6 +229,7 @@ Comparison compare_reports(const RunReport& a, const RunReport& b, const std::st
       c.only_in_b += static_cast<int>(in_b - both);
       if (both == 0) continue;
       const std::size_t row = row_for(kind, what_of(*in_a.front()), in_a.front()->start_us);
+      describe_row(c.rows[row], *in_a.front());
       for (std::size_t k = 0; k < both; ++k) {
         const double ta = in_a[k]->end_us - in_a[k]->start_us,
                      tb = it->second[k]->end_us - it->second[k]->start_us;
@@ -245,17 +248,24 @@ Comparison compare_reports(const RunReport& a, const RunReport& b, const std::st
       by_key<RegionKey, RegionRecord>(b.regions, region_key), [](const RegionRecord& g) { return g.name; },
       [](const RegionRecord& g, std::size_t k) {
         return fmt::format("rank {} {} #{}", g.rank, g.name, k + 1);
-      });
+      },
+      [](ComparisonRow&, const RegionRecord&) {});
 
   using CollectiveKey = std::tuple<int, std::int64_t, std::string>;
   auto collective_key = [](const CollectiveRecord& r) {
     return CollectiveKey{static_cast<int>(r.op), r.bytes, r.group};
   };
-  match(ItemKind::Collective, by_key<CollectiveKey, CollectiveRecord>(a.collectives, collective_key),
-        by_key<CollectiveKey, CollectiveRecord>(b.collectives, collective_key), collective_what,
-        [](const CollectiveRecord& r, std::size_t k) {
-          return fmt::format("{} #{}", collective_what(r), k + 1);
-        });
+  match(
+      ItemKind::Collective, by_key<CollectiveKey, CollectiveRecord>(a.collectives, collective_key),
+      by_key<CollectiveKey, CollectiveRecord>(b.collectives, collective_key), collective_what,
+      [](const CollectiveRecord& r, std::size_t k) {
+        return fmt::format("{} #{}", collective_what(r), k + 1);
+      },
+      [](ComparisonRow& row, const CollectiveRecord& r) {
+        row.op = r.op;
+        row.bytes = r.bytes;
+        row.group_size = r.group_size;
+      });
 
   // Rows in order of first appearance in A, regions before collectives; items follow their rows.
   std::vector<std::size_t> order(c.rows.size());
@@ -294,6 +304,22 @@ Comparison compare_reports(const RunReport& a, const RunReport& b, const std::st
   c.collective_error = geomean_error(collectives);
   c.scored = static_cast<int>(all.size());
   return c;
+}
+
+namespace {
+double busbw_gbps(const ComparisonRow& r, double total_us) {
+  if (r.kind != ItemKind::Collective || r.count == 0 || !(total_us > 0) || r.group_size < 1) return 0;
+  // nccl-tests: algbw = size / time, busbw = algbw * the op's bus factor (doc/PERFORMANCE.md).
+  const double mean_us = total_us / r.count;
+  return static_cast<double>(r.bytes) / (mean_us * 1e3) * bus_factor(r.op, r.group_size);
+}
+}  // namespace
+
+double ComparisonRow::a_busbw_gbps() const {
+  return busbw_gbps(*this, a_us);
+}
+double ComparisonRow::b_busbw_gbps() const {
+  return busbw_gbps(*this, b_us);
 }
 
 std::string format_comparison(const Comparison& c) {
@@ -418,6 +444,80 @@ constexpr const char* kPlotScript = R"JS(
 })();
 )JS";
 
+// Bus bandwidth against size, log-log: a line per (collective, group) for A (solid) and B (dashed), drawn
+// as SVG so it needs no script. Where the lines part is where the model and the machine disagree.
+void busbw_section(std::string& out, const Comparison& c) {
+  struct Point {
+    double bytes, a, b;
+  };
+  std::map<std::string, std::vector<Point>> series;
+  for (const ComparisonRow& r : c.rows) {
+    if (r.kind != ItemKind::Collective || r.bytes <= 0) continue;
+    const std::string group = r.what.substr(r.what.find(" on ") + 4);
+    const double a = r.a_busbw_gbps(), b = r.b_busbw_gbps();
+    if (a > 0 && b > 0)
+      series[fmt::format("{} on {}", comm_op_name(r.op), group)].push_back({double(r.bytes), a, b});
+  }
+  std::size_t points = 0;
+  double x0 = INFINITY, x1 = 0, y0 = INFINITY, y1 = 0;
+  for (auto& [name, pts] : series) {
+    std::sort(pts.begin(), pts.end(), [](const Point& p, const Point& q) { return p.bytes < q.bytes; });
+    for (const Point& p : pts) {
+      x0 = std::min(x0, p.bytes), x1 = std::max(x1, p.bytes);
+      y0 = std::min({y0, p.a, p.b}), y1 = std::max({y1, p.a, p.b});
+      ++points;
+    }
+  }
+  if (points < 2) return;
+  const double lx0 = std::floor(std::log10(x0)), lx1 = std::max(lx0 + 1, std::ceil(std::log10(x1)));
+  const double ly0 = std::floor(std::log10(y0)), ly1 = std::max(ly0 + 1, std::ceil(std::log10(y1)));
+  const double W = 640, H = 360, L = 64, R = 16, T = 12, B = 44;
+  auto sx = [&](double v) { return L + (std::log10(v) - lx0) / (lx1 - lx0) * (W - L - R); };
+  auto sy = [&](double v) { return H - B - (std::log10(v) - ly0) / (ly1 - ly0) * (H - T - B); };
+  out += "<h2>Bus bandwidth against size</h2>\n";
+  out +=
+      fmt::format("<svg id=\"busbw\" data-points=\"{}\" viewBox=\"0 0 {} {}\" width=\"{}\" height=\"{}\">\n",
+                  points, W, H, W, H);
+  for (double e = lx0; e <= lx1; ++e) {
+    const double v = std::pow(10, e);
+    out += fmt::format(
+        "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" stroke=\"#e4e7eb\"/><text x=\"{0:.1f}\" "
+        "y=\"{3}\" text-anchor=\"middle\">{4}</text>\n",
+        sx(v), T, H - B, H - B + 14, html_escape(human_bytes(v)));
+  }
+  for (double e = ly0; e <= ly1; ++e) {
+    const double v = std::pow(10, e);
+    out += fmt::format(
+        "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" stroke=\"#e4e7eb\"/><text x=\"{3}\" "
+        "y=\"{4:.1f}\" text-anchor=\"end\">{5}</text>\n",
+        L, W - R, sy(v), L - 6, sy(v) + 4, html_escape(human_bw(v)));
+  }
+  out += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">size (nccl-tests' size)</text>\n",
+                     (L + W) / 2, H - 6);
+  const char* colours[] = {"#3b75af", "#ef8a17", "#6a9f58", "#c8383e", "#8e6bb8", "#5d6875"};
+  std::size_t k = 0;
+  std::string legend;
+  for (const auto& [name, pts] : series) {
+    const char* colour = colours[k++ % 6];
+    for (int side = 0; side < 2; ++side) {
+      std::string path;
+      for (const Point& p : pts) {
+        path +=
+            fmt::format("{}{:.1f},{:.1f}", path.empty() ? "M" : " L", sx(p.bytes), sy(side == 0 ? p.a : p.b));
+      }
+      out += fmt::format(
+          "<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{}><title>{} ({})</title></path>\n",
+          path, colour, side == 0 ? "" : " stroke-dasharray=\"6 4\"", html_escape(name),
+          side == 0 ? "A" : "B");
+    }
+    legend += fmt::format("<span style=\"--c:{}\">{}</span>", colour, html_escape(name));
+  }
+  out += "</svg>\n";
+  out += fmt::format(
+      "<div class=\"legend\">{}<span style=\"--c:transparent\">solid: A ({}); dashed: B ({})</span></div>\n",
+      legend, html_escape(c.a_name), html_escape(c.b_name));
+}
+
 }  // namespace
 
 std::string comparison_to_html(const Comparison& c) {
@@ -461,6 +561,8 @@ std::string comparison_to_html(const Comparison& c) {
       "id=\"tip\"></div></div>\n";
   out += "<script type=\"application/json\" id=\"compare-data\">" + script_json(data) + "</script>\n";
   out += std::string("<script>") + kPlotScript + "</script>\n";
+
+  busbw_section(out, c);
 
   out +=
       "<h2>By region and collective</h2>\n<div class=\"scroll\"><table id=\"rows\">\n<tr><th "

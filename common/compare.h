@@ -50,7 +50,14 @@ struct ComparisonRow {
   double a_us = 0;   // total time in A
   double b_us = 0;   // total time in B
   double error = 0;  // geometric-mean error of its items (NaN when none could be scored)
+  // Collective rows: what every item of the row moved, for bus bandwidth (nccl-tests' busbw).
+  CommOp op = CommOp::AllReduce;
+  std::int64_t bytes = 0;
+  int group_size = 0;
   double ratio() const { return a_us > 0 ? b_us / a_us : 0; }
+  // Mean bus bandwidth of the row's items in A and in B, GB/s (0 for regions).
+  double a_busbw_gbps() const;
+  double b_busbw_gbps() const;
 };
 
 struct Comparison {
@@ -80,7 +87,8 @@ double geomean_error(const std::vector<double>& ratios);
 
 // The terminal table.
 std::string format_comparison(const Comparison& c);
-// compare.html: the table and a log-log plot of B against A, one point per item.
+// compare.html: the table, a log-log plot of B against A (one point per item), and bus bandwidth against
+// size for A and B (log-log, one line per collective and group), as nccl-tests users read a sweep.
 std::string comparison_to_html(const Comparison& c);
 
 }  // namespace ranklab

@@ -105,6 +105,12 @@ td.l, th.l { text-align: left; }
                        vertical-align: -2px; border-radius: 2px; background: var(--c); }
 .bar { display: flex; height: 12px; width: 240px; background: var(--panel); border-radius: 2px; overflow: hidden; }
 .bar i { display: block; height: 100%; }
+.cards { display: flex; flex-wrap: wrap; gap: 10px; margin: 8px 0; }
+.cards > div { background: var(--panel); border: 1px solid var(--rule); border-radius: 4px; padding: 6px 12px;
+               min-width: 150px; }
+.cards b { display: block; font-size: 18px; font-variant-numeric: tabular-nums; }
+.cards span { color: var(--muted); font-size: 12px; }
+#training .bar { width: 100%; max-width: 720px; height: 16px; }
 #timeline { position: relative; border: 1px solid var(--rule); border-radius: 4px; user-select: none; }
 #timeline canvas { display: block; width: 100%; cursor: grab; }
 #tip { position: absolute; pointer-events: none; background: rgba(29, 35, 43, 0.92); color: #fff;
@@ -544,6 +550,57 @@ void links_table(std::string& out, const RunReport& r) {
   out += "</table></div></details>\n";
 }
 
+// ---- training
+// -----------------------------------------------------------------------------------------------
+
+// A training lesson's step in figures, above the timeline: what a reader asks first (how long, how
+// efficient, where the time and the memory go).
+void training_section(std::string& out, const RunReport& r) {
+  if (!r.training) return;
+  const TrainingStats& t = *r.training;
+  out += "<section id=\"training\">\n<h2>Training step</h2>\n";
+  if (!t.layout.empty() || !t.model.empty()) {
+    out += fmt::format("<p class=\"sub\">{}{}{}</p>\n", html_escape(t.model),
+                       t.model.empty() || t.layout.empty() ? "" : ": ", html_escape(t.layout));
+  }
+  out += "<div class=\"cards\">\n";
+  auto card = [&out](const std::string& value, const std::string& label) {
+    out += fmt::format("<div><b>{}</b><span>{}</span></div>\n", html_escape(value), html_escape(label));
+  };
+  card(human_time(t.step_time_us), fmt::format("step, {} tokens", t.tokens_per_step));
+  card(fmt::format("{:.1f}%", 100 * t.mfu), "MFU (model FLOPs / dense peak)");
+  card(fmt::format("{:.1f}", t.model_tflops_per_gpu), "model TFLOP/s per GPU");
+  card(fmt::format("{:.1f}", t.hardware_tflops_per_gpu), "hardware TFLOP/s per GPU (with recompute)");
+  card(fmt::format("{:.1f}% / {:.1f}%", 100 * t.bubble_fraction, 100 * t.bubble_fraction_formula),
+       fmt::format("bubble: measured / (p-1)/(v m), m = {}", t.micro_batches));
+  for (const auto& [dim, us] : t.exposed_comm_us) card(human_time(us), "exposed " + dim + " communication");
+  out += "</div>\n";
+  // Memory of the reporting rank by part, against the device's capacity when the report knows it.
+  std::int64_t capacity = 0;
+  for (const RankSummary& s : r.ranks) capacity = std::max(capacity, s.capacity_bytes);
+  const double whole = static_cast<double>(std::max<std::int64_t>(capacity, t.peak_memory_bytes));
+  const std::pair<const char*, std::int64_t> parts[] = {{"weights", t.weights_bytes},
+                                                        {"grads", t.grads_bytes},
+                                                        {"optimizer", t.optimizer_bytes},
+                                                        {"activations", t.activations_bytes}};
+  const char* colours[] = {"var(--compute)", "var(--comm)", "var(--region)", "var(--wait)"};
+  out += fmt::format("<p>peak memory {}{}</p>\n<div class=\"bar\">",
+                     human_bytes(static_cast<double>(t.peak_memory_bytes)),
+                     capacity > 0 ? fmt::format(" of {}", human_bytes(static_cast<double>(capacity))) : "");
+  for (int i = 0; i < 4; ++i) {
+    if (whole <= 0 || parts[i].second <= 0) continue;
+    out += fmt::format("<i title=\"{} {}\" style=\"width:{:.2f}%;background:{}\"></i>", parts[i].first,
+                       human_bytes(static_cast<double>(parts[i].second)),
+                       100 * static_cast<double>(parts[i].second) / whole, colours[i]);
+  }
+  out += "</div>\n<div class=\"legend\">";
+  for (int i = 0; i < 4; ++i) {
+    out += fmt::format("<span style=\"--c:{}\">{} {}</span>", colours[i], parts[i].first,
+                       human_bytes(static_cast<double>(parts[i].second)));
+  }
+  out += "</div>\n</section>\n";
+}
+
 // ---- timeline --------------------------------------------------------------------------------------------
 
 // The spans as compact JSON for the page's script: per rank, flat arrays [start, end, name, ...] sorted by
@@ -929,6 +986,7 @@ std::string report_to_html(const RunReport& report) {
                : fmt::format("<p class=\"bad\">{} of {} checks failed</p>\n", failed, report.checks.size());
   }
   config_section(out, report);
+  training_section(out, report);
   timeline_section(out, report);
   out += "<h2>Topology and traffic</h2>\n<div class=\"side\"><div>\n";
   topology_section(out, report);

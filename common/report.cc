@@ -360,6 +360,33 @@ void format_traffic(std::string& out, const std::vector<LinkTraffic>& links) {
 
 }  // namespace
 
+std::string format_training(const TrainingStats& t) {
+  std::string out = fmt::format("training step{}{}: {}\n", t.model.empty() ? "" : " of " + t.model,
+                                t.layout.empty() ? "" : ", " + t.layout, human_time(t.step_time_us));
+  out += fmt::format("  {:<24}{} tokens in {} micro-batch{} per pipeline\n", "work", t.tokens_per_step,
+                     t.micro_batches, t.micro_batches == 1 ? "" : "es");
+  out += fmt::format("  {:<24}{:.4g} PFLOP per step; {:.1f} TFLOP/s per GPU; MFU {:.1f}%\n", "model FLOPs",
+                     t.model_flops / 1e15, t.model_tflops_per_gpu, 100 * t.mfu);
+  out += fmt::format("  {:<24}{:.4g} PFLOP per step; {:.1f} TFLOP/s per GPU (recomputation included)\n",
+                     "hardware FLOPs", t.hardware_flops / 1e15, t.hardware_tflops_per_gpu);
+  out += fmt::format("  {:<24}{:.1f}% measured, {:.1f}% by (p - 1) / (v m)\n", "pipeline bubble",
+                     100 * t.bubble_fraction, 100 * t.bubble_fraction_formula);
+  if (!t.exposed_comm_us.empty()) {
+    std::string parts;
+    for (const auto& [dim, us] : t.exposed_comm_us) {
+      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", dim, human_time(us));
+    }
+    out += fmt::format("  {:<24}{}\n", "exposed communication", parts);
+  }
+  out += fmt::format("  {:<24}{} = weights {} + grads {} + optimizer {} + activations {}\n", "peak memory",
+                     human_bytes(static_cast<double>(t.peak_memory_bytes)),
+                     human_bytes(static_cast<double>(t.weights_bytes)),
+                     human_bytes(static_cast<double>(t.grads_bytes)),
+                     human_bytes(static_cast<double>(t.optimizer_bytes)),
+                     human_bytes(static_cast<double>(t.activations_bytes)));
+  return out;
+}
+
 std::string format_summary(const RunReport& report) {
   std::string out;
   int world = report.world > 0 ? report.world : static_cast<int>(report.ranks.size());
@@ -367,6 +394,10 @@ std::string format_summary(const RunReport& report) {
                      report.backend.empty() ? "?" : report.backend,
                      report.profile.empty() ? "" : fmt::format(" ({})", report.profile), world,
                      world == 1 ? "" : "s", human_time(report.makespan_us));
+  if (report.training) {
+    out += "\n";
+    out += format_training(*report.training);
+  }
   if (!report.ranks.empty()) {
     out += "\n";
     format_ranks(out, report.ranks);
@@ -433,6 +464,35 @@ ordered_json to_json(const CheckRecord& c) {
 ordered_json to_json(const LinkTraffic& l) {
   return ordered_json{
       {"link", l.link}, {"tier", l.tier}, {"bytes", l.bytes}, {"bandwidth_gbps", l.bandwidth_gbps}};
+}
+
+// TrainingStats as JSON, written and read from this one list of its fields.
+template <class Stats, class Visit>
+void training_fields(Stats& t, Visit&& v) {
+  v("model", t.model);
+  v("layout", t.layout);
+  v("tokens_per_step", t.tokens_per_step);
+  v("micro_batches", t.micro_batches);
+  v("step_time_us", t.step_time_us);
+  v("model_flops", t.model_flops);
+  v("hardware_flops", t.hardware_flops);
+  v("model_tflops_per_gpu", t.model_tflops_per_gpu);
+  v("hardware_tflops_per_gpu", t.hardware_tflops_per_gpu);
+  v("mfu", t.mfu);
+  v("bubble_fraction", t.bubble_fraction);
+  v("bubble_fraction_formula", t.bubble_fraction_formula);
+  v("exposed_comm_us", t.exposed_comm_us);
+  v("peak_memory_bytes", t.peak_memory_bytes);
+  v("weights_bytes", t.weights_bytes);
+  v("grads_bytes", t.grads_bytes);
+  v("optimizer_bytes", t.optimizer_bytes);
+  v("activations_bytes", t.activations_bytes);
+}
+
+ordered_json to_json(const TrainingStats& t) {
+  ordered_json j = ordered_json::object();
+  training_fields(t, [&j](const char* key, const auto& value) { j[key] = value; });
+  return j;
 }
 
 template <class T>
@@ -536,6 +596,7 @@ std::string report_to_json(const RunReport& report) {
       {"links", array_of(report.links)},
       {"output", report.output},
   };
+  if (report.training) j["training"] = to_json(*report.training);
   // A lesson's printed output may hold bytes that are not UTF-8; replace them rather than fail the write.
   return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
@@ -644,6 +705,13 @@ RunReport report_from_json(const std::string& text) {
     return l;
   });
   top.get(root, "output", report.output);
+  if (auto it = root.find("training"); it != root.end() && !it->is_null()) {
+    Reader r("training");
+    check_object(*it, r);
+    TrainingStats t;
+    training_fields(t, [&](const char* key, auto& value) { r.get(*it, key, value); });
+    report.training = t;
+  }
   return report;
 }
 

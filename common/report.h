@@ -108,7 +108,12 @@ double bus_factor(CommOp op, int group_size);
 // backend set it and otherwise taken from its latest span; makespan_us likewise. O(n log n) in the spans.
 void summarize_spans(RunReport& report);
 
-// The terminal summary: per-rank time split, collectives grouped by op and size, checks.
+// The training figures as the terminal prints them: step time, FLOPs and MFU, bubble, exposed
+// communication per dimension, and the memory of the reporting rank by part.
+std::string format_training(const TrainingStats& t);
+
+// The terminal summary: the training figures when there are any, per-rank time split, collectives grouped
+// by op and size, checks.
 std::string format_summary(const RunReport& report);
 
 // The units the summary prints in, for the other writers: "12.5 us" / "3.20 ms" / "1.500 s", "64 MiB",

@@ -4,17 +4,19 @@
 //   ranklab run LESSON [--world N] [--profile P]  run a lesson on the simulator (or --backend cuda)
 //   ranklab profiles                              the hardware profiles
 //   ranklab topo [--profile P] [--nodes N]        a profile's machine: links, tiers, bandwidths, latencies
-//   ranklab compare A.json B.json                 two reports of one run side by side (and compare.html)
-//   ranklab calibrate M.json --profile P -o F     fit a profile to a measured report
+//   ranklab compare MEASURED [SIMULATED]          measured against simulated, side by side (and compare.html)
+//   ranklab calibrate MEASURED --profile P -o F   fit a profile to a measurement
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "common/calibrate.h"
@@ -22,8 +24,10 @@
 #include "common/errors.h"
 #include "common/html_report.h"
 #include "common/lesson.h"
+#include "common/measurements.h"
 #include "common/profile.h"
 #include "common/progress.h"
+#include "common/replay.h"
 #include "common/report.h"
 #include "common/trace_writer.h"
 #include "sim/network_model.h"
@@ -148,8 +152,92 @@ RunReport read_report(const std::string& path) {
   }
 }
 
-int compare_command(const std::string& a, const std::string& b, const std::string& html_path) {
-  const Comparison c = compare_reports(read_report(a), read_report(b), a, b);
+// The profile a measurement is simulated with: the one asked for; else the profile its report names; else
+// the one whose GPU the measurement names (nccl-tests prints each device's name). Says which, and why.
+Profile measurement_profile(const RunReport& measured, const std::string& asked) {
+  std::string name = asked, why = "as asked with --profile";
+  if (name.empty() && !measured.profile.empty()) {
+    const std::vector<std::string> known = list_profiles();
+    if (std::find(known.begin(), known.end(), measured.profile) != known.end()) {
+      name = measured.profile;
+      why = "the profile the measured report names";
+    } else {
+      for (const std::string& candidate : known) {
+        const Profile p = load_profile(candidate);
+        // "NVIDIA H100 80GB HBM3" against the profile's "H100 SXM5 80GB": the model number decides.
+        const std::string model = p.gpu.name.substr(0, p.gpu.name.find(' '));
+        if (!model.empty() && measured.profile.find(model) != std::string::npos) {
+          name = candidate;
+          why = fmt::format("its GPU, {}, is the {} of this profile", measured.profile, p.gpu.name);
+          break;
+        }
+      }
+    }
+  }
+  if (name.empty()) {
+    throw UsageError(fmt::format(
+        "the measurement does not say which GPUs it ran on{}; name the profile to "
+        "simulate with --profile (see `ranklab profiles`)",
+        measured.profile.empty() ? "" : fmt::format(" in a way ranklab knows ('{}')", measured.profile)));
+  }
+  Profile profile = load_profile(name);
+  profile.nodes = std::max(1, (measured.world + profile.gpus_per_node - 1) / profile.gpus_per_node);
+  std::printf("simulating with profile '%s' (%s), %d node%s\n", profile.name.c_str(), why.c_str(),
+              profile.nodes, profile.nodes == 1 ? "" : "s");
+  return profile;
+}
+
+// The measured collectives run again on the simulator with `profile`.
+RunReport simulate_measured(const RunReport& measured, const Profile& profile) {
+  SimConfig config{profile};
+  config.echo_output = false;
+  SimBackend sim(config);
+  RunReport simulated = sim.launch(measured.world, replay_program(measured));
+  label_as_replay(simulated, measured);
+  simulated.profile = profile.name;
+  return simulated;
+}
+
+std::optional<CommOp> op_named(const std::string& name) {
+  if (name.empty()) return std::nullopt;
+  for (int i = 0; i < static_cast<int>(CommOp::Barrier); ++i) {
+    if (name == comm_op_name(static_cast<CommOp>(i))) return static_cast<CommOp>(i);
+  }
+  throw UsageError(
+      fmt::format("--op {}: not a collective (all_reduce, all_gather, reduce_scatter, all_to_all, "
+                  "broadcast, reduce, gather, scatter, send)",
+                  name));
+}
+
+// `files`: a measurement (one file, or one profiler trace per rank), then optionally the simulated report to
+// hold it against; without one, the measured collectives are simulated here.
+int compare_command(std::vector<std::string> files, const std::string& profile_name, const std::string& op,
+                    const std::string& html_path) {
+  std::string simulated_path;
+  if (files.size() >= 2) {
+    std::ifstream last(files.back(), std::ios::binary);
+    std::ostringstream text;
+    text << last.rdbuf();
+    if (detect_measurement_format(text.str(), files.back()) == MeasurementFormat::Report) {
+      simulated_path = files.back();
+      files.pop_back();
+    }
+  }
+  const RunReport measured = read_measurements(files, op_named(op));
+  const std::string measured_name = files.size() == 1 ? files[0] : fmt::format("{} traces", files.size());
+  RunReport simulated;
+  std::string simulated_name = simulated_path;
+  if (!simulated_path.empty()) {
+    simulated = read_report(simulated_path);
+  } else {
+    if (measured.backend == "sim") {
+      throw UsageError(
+          fmt::format("{} is already simulated; give a measured report beside it", measured_name));
+    }
+    simulated = simulate_measured(measured, measurement_profile(measured, profile_name));
+    simulated_name = fmt::format("simulated ({})", simulated.profile);
+  }
+  const Comparison c = compare_reports(measured, simulated, measured_name, simulated_name);
   std::fputs(format_comparison(c).c_str(), stdout);
   if (!html_path.empty()) {
     write_file(html_path, comparison_to_html(c));
@@ -160,19 +248,25 @@ int compare_command(const std::string& a, const std::string& b, const std::strin
 
 // Fits `profile_name` to a measured report by simulating the measured run again (same lesson, options and
 // world), and writes the fitted profile as a copy of the original file with the fitted values changed.
-int calibrate_command(const std::string& measured_path, const std::string& profile_name,
-                      const std::string& out_path) {
-  const RunReport measured = read_report(measured_path);
-  if (measured.options.empty()) {
+int calibrate_command(const std::vector<std::string>& measured_paths, const std::string& profile_name,
+                      const std::string& op, const std::string& out_path) {
+  const RunReport measured = read_measurements(measured_paths, op_named(op));
+  const std::string measured_path =
+      measured_paths.size() == 1 ? measured_paths[0] : fmt::format("{} traces", measured_paths.size());
+  // A ranklab report is simulated again as the lesson it ran; anything else as its collectives, replayed.
+  const bool lesson_run = measured.backend == "cuda" || measured.backend == "sim";
+  if (lesson_run && measured.options.empty()) {
     throw UsageError(
         fmt::format("{} records no lesson options, so its run cannot be simulated again; write it with "
                     "`ranklab run --report` of this version",
                     measured_path));
   }
-  const Options o = options_from_record(measured.options, measured.world);
-  find_lesson(measured.lesson);
-  Profile profile = load_profile(profile_name);
-  profile.nodes = std::max(1, (measured.world + profile.gpus_per_node - 1) / profile.gpus_per_node);
+  Options o;
+  if (lesson_run) {
+    o = options_from_record(measured.options, measured.world);
+    find_lesson(measured.lesson);
+  }
+  Profile profile = measurement_profile(measured, profile_name);
   std::ifstream original_file(profile.source_file, std::ios::binary);
   std::ostringstream original;
   original << original_file.rdbuf();
@@ -181,6 +275,7 @@ int calibrate_command(const std::string& measured_path, const std::string& profi
   Progress progress("calibrate: simulating " + measured.lesson);
   const Simulate simulate = [&](const Profile& p) {
     progress.update(++simulations, "runs");
+    if (!lesson_run) return simulate_measured(measured, p);
     SimConfig config{p};
     config.algorithm = o.algo;
     config.protocol = o.proto;
@@ -235,20 +330,40 @@ int main(int argc, char** argv) {
                   "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
   add_lesson_options(*run, options);
 
-  CLI::App* compare = app.add_subcommand("compare", "line up two reports of one run: simulated and measured");
-  std::string report_a, report_b, compare_html = "compare.html";
-  compare->add_option("a", report_a, "report.json of one run (A)")->required()->check(CLI::ExistingFile);
-  compare->add_option("b", report_b, "report.json of the other (B); ratios are B/A")
+  CLI::App* compare = app.add_subcommand(
+      "compare",
+      "a measurement against the simulator: a report.json, nccl-tests output, profiler traces or CSV");
+  std::vector<std::string> compare_files;
+  std::string compare_html = "compare.html", compare_profile, compare_op;
+  compare
+      ->add_option(
+          "files", compare_files,
+          "MEASURED [SIMULATED]: report.json, an nccl-tests log, a CSV (op,bytes,ranks,time_us) or one "
+          "PyTorch profiler trace per rank; then optionally the simulated report.json (without it, the "
+          "measured collectives are simulated with --profile)")
       ->required()
       ->check(CLI::ExistingFile);
+  compare->add_option(
+      "--profile", compare_profile,
+      "the profile to simulate with (default: the one the measurement names or whose GPU it names)");
+  compare->add_option("--op", compare_op,
+                      "the collective an nccl-tests log measured, when it cannot be told");
   compare->add_option("--html", compare_html, "write the comparison with its plot here (\"\" for none)");
 
-  CLI::App* calibrate = app.add_subcommand("calibrate", "fit a profile to a measured report");
-  std::string measured_path, calibrate_profile = "dgx-h100", fitted_path;
-  calibrate->add_option("measured", measured_path, "report.json of a measured run")
+  CLI::App* calibrate = app.add_subcommand("calibrate", "fit a profile to a measurement");
+  std::vector<std::string> measured_paths;
+  std::string calibrate_profile, calibrate_op, fitted_path;
+  calibrate
+      ->add_option(
+          "measured", measured_paths,
+          "report.json of a measured run, an nccl-tests log, a CSV, or profiler traces (one per rank)")
       ->required()
       ->check(CLI::ExistingFile);
-  calibrate->add_option("--profile", calibrate_profile, "the profile to start from (name or .toml file)");
+  calibrate->add_option(
+      "--profile", calibrate_profile,
+      "the profile to start from (default: the one the measurement names or whose GPU it names)");
+  calibrate->add_option("--op", calibrate_op,
+                        "the collective an nccl-tests log measured, when it cannot be told");
   calibrate->add_option("-o,--output", fitted_path, "where to write the fitted profile (.toml)")->required();
 
   CLI11_PARSE(app, argc, argv);
@@ -271,8 +386,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (topo->parsed()) return topo_command(topo_profile, topo_nodes);
-    if (compare->parsed()) return compare_command(report_a, report_b, compare_html);
-    if (calibrate->parsed()) return calibrate_command(measured_path, calibrate_profile, fitted_path);
+    if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
+    if (calibrate->parsed()) {
+      return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
+    }
     return run_command(lesson, backend, profile, nodes, report_dir, options);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());

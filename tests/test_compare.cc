@@ -208,6 +208,35 @@ void bandwidth_bound(Rank& r) {
   }
 }
 
+TEST(Compare, BusBandwidthPerCollectiveRow) {
+  RunReport a = report("benchmark", 8), b = report("benchmark", 8);
+  // 1 GiB in 5 ms and 8 MiB in 100 us against half and twice those times.
+  a.collectives = {collective(CommOp::AllReduce, 1 << 30, "world", 0, 5000),
+                   collective(CommOp::AllReduce, 8 << 20, "world", 5000, 5100)};
+  b.collectives = {collective(CommOp::AllReduce, 1 << 30, "world", 0, 2500),
+                   collective(CommOp::AllReduce, 8 << 20, "world", 2500, 2700)};
+  for (auto* r : {&a, &b}) {
+    for (CollectiveRecord& c : r->collectives) c.group_size = 8;
+  }
+  const Comparison c = compare_reports(a, b);
+  ASSERT_EQ(c.rows.size(), 2u);
+  EXPECT_EQ(c.rows[0].bytes, 1 << 30);
+  // nccl-tests' busbw: size / time * 2 (n - 1) / n.
+  EXPECT_DOUBLE_EQ(c.rows[0].a_busbw_gbps(), (1 << 30) / 5000e3 * 1.75);
+  EXPECT_DOUBLE_EQ(c.rows[0].b_busbw_gbps(), (1 << 30) / 2500e3 * 1.75);
+  EXPECT_DOUBLE_EQ(c.rows[1].b_busbw_gbps(), (8 << 20) / 200e3 * 1.75);
+  const std::string html = comparison_to_html(c);
+  EXPECT_NE(html.find("id=\"busbw\" data-points=\"2\""), std::string::npos);
+  EXPECT_NE(html.find("all_reduce on world (A)"), std::string::npos);
+  EXPECT_NE(html.find("all_reduce on world (B)"), std::string::npos);
+  // Regions have no bus bandwidth.
+  ComparisonRow region;
+  region.kind = ItemKind::Region;
+  region.count = 1;
+  region.a_us = 10;
+  EXPECT_EQ(region.a_busbw_gbps(), 0);
+}
+
 TEST(Compare, SlowerLinksShowInTheCollectives) {
   SimConfig fast = testing::quiet_config();
   SimConfig slow = fast;

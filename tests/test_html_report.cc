@@ -117,6 +117,32 @@ TEST(HtmlReport, SelfContainedWithEverySection) {
   EXPECT_TRUE(contains(html, "1 of 2 checks failed"));
 }
 
+TEST(HtmlReport, TrainingStepAboveTheTimeline) {
+  RunReport r = training_report(8, 10);
+  EXPECT_FALSE(contains(report_to_html(r), "id=\"training\""));  // only for training lessons
+  TrainingStats t;
+  t.model = "gpt3-175b";
+  t.layout = "tp 8 x pp 8";
+  t.step_time_us = 2e6;
+  t.mfu = 0.42;
+  t.bubble_fraction = 0.1;
+  t.bubble_fraction_formula = 0.09;
+  t.micro_batches = 8;
+  t.exposed_comm_us = {{"tp", 1000}};
+  t.peak_memory_bytes = 1 << 30;
+  t.weights_bytes = 1 << 28;
+  t.activations_bytes = 3 << 28;
+  r.training = t;
+  const std::string html = report_to_html(r);
+  const auto training = html.find("id=\"training\""), timeline = html.find("id=\"timeline\"");
+  ASSERT_NE(training, std::string::npos);
+  EXPECT_LT(training, timeline);
+  EXPECT_TRUE(contains(html, "42.0%"));
+  EXPECT_TRUE(contains(html, "10.0% / 9.0%"));
+  EXPECT_TRUE(contains(html, "exposed tp communication"));
+  EXPECT_TRUE(contains(html, "activations 768 MiB"));
+}
+
 // The y of each node the topology drawing placed, by name.
 std::map<std::string, double> node_rows(const std::string& html) {
   std::map<std::string, double> y;

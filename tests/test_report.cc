@@ -345,6 +345,94 @@ TEST(ReportJson, RejectsWhatItCannotRead) {
   EXPECT_TRUE(r.ranks.empty());
 }
 
+TrainingStats sample_training() {
+  TrainingStats t;
+  t.model = "gpt3-175b";
+  t.layout = "tp 8 x pp 8 (interleave 2) x dp 24, zero 1";
+  t.tokens_per_step = 3'145'728;
+  t.micro_batches = 64;
+  t.step_time_us = 12.5e6;
+  t.model_flops = 3.3e18;
+  t.hardware_flops = 4.4e18;
+  t.model_tflops_per_gpu = 171.9;
+  t.hardware_tflops_per_gpu = 229.2;
+  t.mfu = 0.551;
+  t.bubble_fraction = 0.061;
+  t.bubble_fraction_formula = 0.0547;
+  t.exposed_comm_us = {{"dp", 1250.0}, {"pp", 310.5}, {"tp", 80000.0}};
+  t.peak_memory_bytes = 60'000'000'000;
+  t.weights_bytes = 12'000'000'000;
+  t.grads_bytes = 8'000'000'000;
+  t.optimizer_bytes = 4'000'000'000;
+  t.activations_bytes = 36'000'000'000;
+  return t;
+}
+
+TEST(ReportJson, TrainingRoundTripsAndIsOptional) {
+  RunReport r;
+  r.world = 2;
+  EXPECT_EQ(report_to_json(r).find("\"training\""), std::string::npos);  // absent when not trained
+  EXPECT_FALSE(report_from_json(report_to_json(r)).training.has_value());
+
+  r.training = sample_training();
+  const RunReport back = report_from_json(report_to_json(r));
+  ASSERT_TRUE(back.training.has_value());
+  const TrainingStats& t = *back.training;
+  const TrainingStats want = sample_training();
+  EXPECT_EQ(t.model, want.model);
+  EXPECT_EQ(t.layout, want.layout);
+  EXPECT_EQ(t.tokens_per_step, want.tokens_per_step);
+  EXPECT_EQ(t.micro_batches, want.micro_batches);
+  EXPECT_EQ(t.step_time_us, want.step_time_us);
+  EXPECT_EQ(t.model_flops, want.model_flops);
+  EXPECT_EQ(t.hardware_flops, want.hardware_flops);
+  EXPECT_EQ(t.model_tflops_per_gpu, want.model_tflops_per_gpu);
+  EXPECT_EQ(t.hardware_tflops_per_gpu, want.hardware_tflops_per_gpu);
+  EXPECT_EQ(t.mfu, want.mfu);
+  EXPECT_EQ(t.bubble_fraction, want.bubble_fraction);
+  EXPECT_EQ(t.bubble_fraction_formula, want.bubble_fraction_formula);
+  EXPECT_EQ(t.exposed_comm_us, want.exposed_comm_us);
+  EXPECT_EQ(t.peak_memory_bytes, want.peak_memory_bytes);
+  EXPECT_EQ(t.weights_bytes, want.weights_bytes);
+  EXPECT_EQ(t.grads_bytes, want.grads_bytes);
+  EXPECT_EQ(t.optimizer_bytes, want.optimizer_bytes);
+  EXPECT_EQ(t.activations_bytes, want.activations_bytes);
+}
+
+TEST(ReportJson, TrainingOfTheWrongShapeIsNamed) {
+  auto message_of = [](const std::string& text) -> std::string {
+    try {
+      report_from_json(text);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  std::string msg = message_of(R"({"schema_version": 1, "training": [1]})");
+  EXPECT_TRUE(contains(msg, "training") && contains(msg, "expected an object")) << msg;
+  msg = message_of(R"({"schema_version": 1, "training": {"mfu": "high"}})");
+  EXPECT_TRUE(contains(msg, "training") && contains(msg, "'mfu'")) << msg;
+  msg = message_of(R"({"schema_version": 1, "training": {"exposed_comm_us": {"tp": "x"}}})");
+  EXPECT_TRUE(contains(msg, "'exposed_comm_us'")) << msg;
+}
+
+TEST(FormatSummary, TrainingFiguresComeFirst) {
+  RunReport r;
+  r.lesson = "gpt";
+  r.world = 1536;
+  r.training = sample_training();
+  const std::string s = format_summary(r);
+  EXPECT_TRUE(contains(s, "training step of gpt3-175b, tp 8 x pp 8 (interleave 2) x dp 24, zero 1: 12.500 s"))
+      << s;
+  EXPECT_TRUE(contains(s, "MFU 55.1%")) << s;
+  EXPECT_TRUE(contains(s, "171.9 TFLOP/s per GPU")) << s;
+  EXPECT_TRUE(contains(s, "6.1% measured, 5.5% by (p - 1) / (v m)")) << s;
+  EXPECT_TRUE(contains(s, "dp 1.25 ms, pp 310.5 us, tp 80.00 ms")) << s;
+  EXPECT_TRUE(contains(s, "3145728 tokens in 64 micro-batches")) << s;
+  EXPECT_TRUE(contains(s, "activations")) << s;
+  EXPECT_FALSE(contains(format_summary(RunReport{}), "training step")) << "only when a lesson reported one";
+}
+
 TEST(FormatSummary, ShowsTheNumbers) {
   std::string s = format_summary(sample_report());
   SCOPED_TRACE(s);

@@ -1,0 +1,84 @@
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/compare.h"
+#include "common/errors.h"
+#include "common/measurements.h"
+#include "common/replay.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+// The simulated time of one collective run the way a lesson would run it.
+double direct_us(CommOp op, std::int64_t bytes, int world) {
+  SimBackend sim(testing::quiet_config());
+  RunReport r = sim.launch(world, [&](Rank& rank) {
+    const std::int64_t n = bytes / 4;
+    if (op == CommOp::AllReduce) {
+      Tensor t = rank.phantom({n});
+      rank.all_reduce(t, ReduceOp::Sum);
+    } else {
+      Tensor out = rank.phantom({n}), in = rank.phantom({n / world});
+      rank.all_gather(out, in);
+    }
+    rank.synchronize();
+  });
+  return r.collectives.at(0).time_us();
+}
+
+TEST(Replay, SimulatesTheMeasuredCollectivesOneAtATime) {
+  const RunReport measured = read_measurement_csv(
+      "op,bytes,ranks,time_us\nall_reduce,1073741824,8,5000\nall_gather,67108864,8,400\nall_reduce,1024,8,"
+      "20\n",
+      "m.csv");
+  SimBackend sim(testing::quiet_config());
+  RunReport replayed = sim.launch(8, replay_program(measured));
+  label_as_replay(replayed, measured);
+  ASSERT_EQ(replayed.collectives.size(), 3u);
+  EXPECT_EQ(replayed.lesson, measured.lesson);
+  EXPECT_EQ(replayed.collectives[0].op, CommOp::AllReduce);
+  EXPECT_EQ(replayed.collectives[0].bytes, 1073741824);
+  EXPECT_EQ(replayed.collectives[1].op, CommOp::AllGather);
+  EXPECT_EQ(replayed.collectives[1].bytes, 67108864);
+  // Each runs alone: its time is what it takes by itself (to the rounding of end - start, as the second
+  // starts at a later absolute time than the direct run's).
+  EXPECT_DOUBLE_EQ(replayed.collectives[0].time_us(), direct_us(CommOp::AllReduce, 1073741824, 8));
+  const double alone_us = direct_us(CommOp::AllGather, 67108864, 8);
+  EXPECT_NEAR(replayed.collectives[1].time_us(), alone_us, 1e-12 * replayed.collectives[1].end_us);
+  // And compare lines them up one to one.
+  const Comparison c = compare_reports(measured, replayed);
+  EXPECT_EQ(c.scored, 3);
+  EXPECT_EQ(c.only_in_a + c.only_in_b, 0);
+}
+
+TEST(Replay, KeepsTheMeasuredLabels) {
+  // An in-place row and a size no float32 buffer has: the replay's records carry the measured labels.
+  RunReport measured =
+      read_measurement_csv("op,bytes,ranks,time_us\nall_reduce,6,2,20\nall_reduce,4096,2,25\n", "m.csv");
+  measured.collectives[1].group = kInPlaceGroup;
+  SimBackend sim(testing::quiet_config());
+  RunReport replayed = sim.launch(2, replay_program(measured));
+  label_as_replay(replayed, measured);
+  ASSERT_EQ(replayed.collectives.size(), 2u);
+  EXPECT_EQ(replayed.collectives[0].bytes, 6);
+  EXPECT_EQ(replayed.collectives[1].group, kInPlaceGroup);
+  EXPECT_EQ(compare_reports(measured, replayed).scored, 2);
+}
+
+TEST(Replay, RefusesWhatItCannotRebuild) {
+  RunReport measured = read_measurement_csv("op,bytes,ranks,time_us\nall_reduce,4096,8,20\n", "m.csv");
+  measured.collectives[0].group_size = 4;
+  measured.collectives[0].group = "group of 4";
+  try {
+    replay_program(measured);
+    FAIL() << "expected an error";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce of 4 ranks in a run of 8"), std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ranklab
