@@ -503,6 +503,9 @@ void SimWorld::print(const std::string& line) {
   if (config_.echo_output) {
     std::fputs(line.c_str(), stdout);
     std::fputc('\n', stdout);
+    // A run that aborts (out of memory in a huge world, a fiber stack overflow) must not lose what it
+    // printed; stdout is block-buffered when it is a file or a pipe.
+    std::fflush(stdout);
   }
 }
 
