@@ -178,7 +178,8 @@ void TransferEngine::retire_done_flows() {
   std::vector<std::pair<std::size_t, std::uint32_t>> pending;
   for (std::uint32_t id : done) pending.emplace_back(position_[id], id);
   std::make_heap(pending.begin(), pending.end(), std::greater<>());
-  std::vector<char> is_done(running_.size(), 0);
+  std::vector<char>& is_done = retiring_;  // all zero between calls
+  is_done.resize(running_.size(), 0);
   for (std::uint32_t id : done) is_done[id] = 1;
   while (!pending.empty()) {
     std::pop_heap(pending.begin(), pending.end(), std::greater<>());

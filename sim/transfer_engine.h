@@ -93,6 +93,7 @@ class TransferEngine {
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
   std::vector<std::uint32_t> order_;
   std::vector<std::size_t> position_;                 // per flow id: where it is in order_
+  std::vector<char> retiring_;                        // per flow id: scratch of retire_done_flows
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
