@@ -306,10 +306,12 @@ std::vector<std::vector<float>> gather_to_root(Rank& r, const std::vector<float>
   const auto n = static_cast<std::int64_t>(mine.size());
   const int w = r.world_size();
   Tensor in = r.from_host({n}, mine);
-  Tensor out = r.zeros({n * w});  // significant on rank 0 only; the same shape everywhere keeps it simple
+  // Only rank 0 receives, so only rank 0 holds W x n: the other ranks' memory does not grow with the world.
+  const bool root = r.rank() == 0;
+  Tensor out = root ? r.zeros({n * w}) : Tensor();
   r.gather(out, in, 0);
   std::vector<std::vector<float>> all;
-  if (r.rank() != 0) return all;
+  if (!root) return all;
   std::vector<float> flat = r.to_host(out);
   for (int i = 0; i < w; ++i) all.emplace_back(flat.begin() + i * n, flat.begin() + (i + 1) * n);
   return all;
