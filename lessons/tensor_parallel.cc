@@ -79,13 +79,9 @@ void tensor_parallel(Rank& r, const Options& o) {
     }
   }
 
-  // Each rank keeps only its columns. Making the whole layer and slicing it keeps the numbers those of
-  // one device; a real framework would read only its slice from a checkpoint.
+  // Each rank makes only its columns, with the numbers those columns of one device's weights hold.
   std::vector<Tensor> w;
-  for (int l = 0; l < layers; ++l) {
-    w.push_back(o.phantom ? r.phantom({o.dim, cols})
-                          : r.slice(mlp::make_weight(r, o, l), 1, first_col, cols));
-  }
+  for (int l = 0; l < layers; ++l) w.push_back(mlp::make_weight_columns(r, o, l, first_col, cols));
   mlp::Optimizer opt(r, o, w);
   Tensor x = mlp::make_samples(r, o, 0, o.batch);  // every rank holds the whole batch
   // d loss / d (this rank's columns of the output), transposed
