@@ -61,6 +61,19 @@ Tensor make_weight(Rank& r, const Options& o, int layer) {
   return r.randn({o.dim, o.dim}, kWeightSeed + layer, weight_std(o.dim));
 }
 
+Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols) {
+  if (o.phantom) return r.phantom({o.dim, cols});
+  const float std = weight_std(o.dim);
+  std::vector<float> v(o.dim * cols);
+  for (std::int64_t i = 0; i < o.dim; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      v[i * cols + j] =
+          std * normal_at(kWeightSeed + layer, static_cast<std::uint64_t>(i * o.dim + first_col + j));
+    }
+  }
+  return r.from_host({o.dim, cols}, v);
+}
+
 // ---- one layer --------------------------------------------------------------------------------------------
 
 Tensor forward_layer(Rank& r, const Tensor& x, const Tensor& w) {

@@ -41,6 +41,10 @@ Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t 
 // Layer `layer`'s weight, dim x dim, normal with He's standard deviation sqrt(2 / dim), which keeps the
 // size of the activations steady through relu layers.
 Tensor make_weight(Rank& r, const Options& o, int layer);
+// Columns [first_col, first_col + cols) of layer `layer`'s weight, dim x cols, with the same numbers as
+// those columns of make_weight's; only the slice is made (on the host, then copied to the device), as a
+// framework reads only its shard from a checkpoint.
+Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols);
 
 // ---- one layer, forward and backward by hand --------------------------------------------------------------
 
