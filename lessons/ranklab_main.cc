@@ -76,6 +76,8 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& pr
 #if defined(RANKLAB_HAVE_CUDA)
     CudaConfig config;
     config.profile = profile;  // names the run in the report; the GPU's numbers are measured
+    config.algorithm = o.algo;
+    config.protocol = o.proto;
     return std::make_unique<CudaBackend>(config);
 #else
     throw UsageError(
@@ -161,17 +163,9 @@ Profile measurement_profile(const RunReport& measured, const std::string& asked)
     if (std::find(known.begin(), known.end(), measured.profile) != known.end()) {
       name = measured.profile;
       why = "the profile the measured report names";
-    } else {
-      for (const std::string& candidate : known) {
-        const Profile p = load_profile(candidate);
-        // "NVIDIA H100 80GB HBM3" against the profile's "H100 SXM5 80GB": the model number decides.
-        const std::string model = p.gpu.name.substr(0, p.gpu.name.find(' '));
-        if (!model.empty() && measured.profile.find(model) != std::string::npos) {
-          name = candidate;
-          why = fmt::format("its GPU, {}, is the {} of this profile", measured.profile, p.gpu.name);
-          break;
-        }
-      }
+    } else if (!(name = profile_for_gpu(measured.profile)).empty()) {
+      why = fmt::format("its GPU, {}, is the {} of this profile", measured.profile,
+                        load_profile(name).gpu.name);
     }
   }
   if (name.empty()) {
@@ -371,6 +365,21 @@ int main(int argc, char** argv) {
   // Under mpirun or srun each process is one rank: the launcher says how many there are.
   if (run->parsed() && backend == "cuda" && run->count("--world") == 0 && cuda_launcher_world() > 0) {
     options.world = cuda_launcher_world();
+  }
+  // On GPUs the profile only names what the run is to be compared with: by default the one of this GPU.
+  if (run->parsed() && backend == "cuda" && run->count("--profile") == 0) {
+    const std::string gpu = cuda_device_name();
+    const std::string found = gpu.empty() ? "" : profile_for_gpu(gpu);
+    if (!found.empty()) {
+      profile = found;
+      std::printf("ranklab: running on %s; the report names profile '%s', whose GPU it is\n", gpu.c_str(),
+                  found.c_str());
+    } else {
+      std::printf(
+          "ranklab: running on %s, which no profile describes; the report names '%s' (choose one with "
+          "--profile)\n",
+          gpu.empty() ? "an unknown GPU" : gpu.c_str(), profile.c_str());
+    }
   }
 #endif
   try {
