@@ -449,6 +449,13 @@ std::vector<std::string> profile_dirs() {
       begin = end + 1;
     }
   }
+  // An installed ranklab keeps its profiles in <prefix>/share/ranklab/profiles beside <prefix>/bin.
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path installed = exe.parent_path().parent_path() / "share" / "ranklab" / "profiles";
+    if (fs::is_directory(installed, ec)) add(installed.string());
+  }
 #ifdef RANKLAB_PROFILE_DIR
   add(RANKLAB_PROFILE_DIR);
 #endif

@@ -100,7 +100,8 @@ std::vector<std::string> list_profiles();
 // nccl-tests print it): among the profiles whose GPU name shares a model number with it (a word with a
 // digit: H100), the one sharing the most words (SXM4, PCIe, 80GB), the first by name on a tie; "" when none.
 std::string profile_for_gpu(const std::string& device_name);
-// The directories searched: $RANKLAB_PROFILE_DIR, then the source tree's profiles/.
+// The directories searched: $RANKLAB_PROFILE_DIR, then an installed ranklab's share/ranklab/profiles
+// (beside the running executable's bin/), then the source tree's profiles/.
 std::vector<std::string> profile_dirs();
 
 }  // namespace ranklab
