@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= 2
 CMAKE_FLAGS ?=
 
-.PHONY: demo test build setup bench sanitize format clean
+.PHONY: demo test build setup bench sanitize format clean install
 
 setup:
 	@scripts/setup.sh
@@ -21,6 +21,11 @@ demo: build
 # Builds, then runs every test.
 test: build
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+
+# Installs bin/ranklab and its profiles under PREFIX.
+PREFIX ?= /usr/local
+install: build
+	cmake --install $(BUILD) --prefix $(PREFIX)
 
 bench: build
 	$(BUILD)/bench/ranklab_bench

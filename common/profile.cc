@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <sstream>
 
 #include "common/errors.h"
@@ -448,6 +449,13 @@ std::vector<std::string> profile_dirs() {
       begin = end + 1;
     }
   }
+  // An installed ranklab keeps its profiles in <prefix>/share/ranklab/profiles beside <prefix>/bin.
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const fs::path installed = exe.parent_path().parent_path() / "share" / "ranklab" / "profiles";
+    if (fs::is_directory(installed, ec)) add(installed.string());
+  }
 #ifdef RANKLAB_PROFILE_DIR
   add(RANKLAB_PROFILE_DIR);
 #endif
@@ -469,6 +477,45 @@ std::vector<std::string> list_profiles() {
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   return names;
+}
+
+namespace {
+// The upper-cased words of a GPU's name: "A100-SXM4-80GB" is A100, SXM4, 80GB.
+std::set<std::string> name_words(const std::string& name) {
+  std::set<std::string> out;
+  std::string word;
+  for (char c : name + " ") {
+    if (std::isalnum(static_cast<unsigned char>(c))) {
+      word += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    } else if (!word.empty()) {
+      out.insert(word);
+      word.clear();
+    }
+  }
+  return out;
+}
+}  // namespace
+
+std::string profile_for_gpu(const std::string& device_name) {
+  const std::set<std::string> device = name_words(device_name);
+  std::string best;
+  std::size_t best_score = 0;
+  for (const std::string& name : list_profiles()) {
+    // Shared words count (SXM4, PCIe, 80GB) once a model number (a word with a digit: H100) is shared.
+    std::size_t score = 0;
+    bool model = false;
+    for (const std::string& w : name_words(load_profile(name).gpu.name)) {
+      if (!device.count(w)) continue;
+      ++score;
+      model = model || std::any_of(w.begin(), w.end(),
+                                   [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+    }
+    if (model && score > best_score) {
+      best = name;
+      best_score = score;
+    }
+  }
+  return best;
 }
 
 Profile load_profile(const std::string& name_or_path) {

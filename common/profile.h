@@ -96,7 +96,12 @@ Profile parse_profile(const std::string& text, const std::string& origin);
 Profile load_profile(const std::string& name_or_path);
 // Names of the profiles found in the profile directories.
 std::vector<std::string> list_profiles();
-// The directories searched: $RANKLAB_PROFILE_DIR, then the source tree's profiles/.
+// The profile whose GPU a device name describes ("NVIDIA H100 80GB HBM3", as nvidia-smi, CUDA and
+// nccl-tests print it): among the profiles whose GPU name shares a model number with it (a word with a
+// digit: H100), the one sharing the most words (SXM4, PCIe, 80GB), the first by name on a tie; "" when none.
+std::string profile_for_gpu(const std::string& device_name);
+// The directories searched: $RANKLAB_PROFILE_DIR, then an installed ranklab's share/ranklab/profiles
+// (beside the running executable's bin/), then the source tree's profiles/.
 std::vector<std::string> profile_dirs();
 
 }  // namespace ranklab

@@ -76,6 +76,8 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& pr
 #if defined(RANKLAB_HAVE_CUDA)
     CudaConfig config;
     config.profile = profile;  // names the run in the report; the GPU's numbers are measured
+    config.algorithm = o.algo;
+    config.protocol = o.proto;
     return std::make_unique<CudaBackend>(config);
 #else
     throw UsageError(
@@ -161,17 +163,9 @@ Profile measurement_profile(const RunReport& measured, const std::string& asked)
     if (std::find(known.begin(), known.end(), measured.profile) != known.end()) {
       name = measured.profile;
       why = "the profile the measured report names";
-    } else {
-      for (const std::string& candidate : known) {
-        const Profile p = load_profile(candidate);
-        // "NVIDIA H100 80GB HBM3" against the profile's "H100 SXM5 80GB": the model number decides.
-        const std::string model = p.gpu.name.substr(0, p.gpu.name.find(' '));
-        if (!model.empty() && measured.profile.find(model) != std::string::npos) {
-          name = candidate;
-          why = fmt::format("its GPU, {}, is the {} of this profile", measured.profile, p.gpu.name);
-          break;
-        }
-      }
+    } else if (!(name = profile_for_gpu(measured.profile)).empty()) {
+      why = fmt::format("its GPU, {}, is the {} of this profile", measured.profile,
+                        load_profile(name).gpu.name);
     }
   }
   if (name.empty()) {
@@ -187,10 +181,27 @@ Profile measurement_profile(const RunReport& measured, const std::string& asked)
   return profile;
 }
 
-// The measured collectives run again on the simulator with `profile`.
+// A measurement simulated again with `profile`: a ranklab report as the lesson it ran, with its options
+// (so lesson regions and kernels are compared too); anything else as its collectives, replayed.
 RunReport simulate_measured(const RunReport& measured, const Profile& profile) {
   SimConfig config{profile};
-  config.echo_output = false;
+  config.echo_output = false;  // the lesson's lines were printed when it was measured
+  if (measured.backend == "cuda" || measured.backend == "sim") {
+    if (measured.options.empty()) {
+      throw UsageError(
+          fmt::format("the report of {} records no lesson options, so its run cannot be simulated "
+                      "again; write it with `ranklab run --report` of this version",
+                      measured.lesson));
+    }
+    const Options o = options_from_record(measured.options, measured.world);
+    find_lesson(measured.lesson);
+    config.algorithm = o.algo;
+    config.protocol = o.proto;
+    SimBackend sim(config);
+    RunReport simulated = run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", profile));
+    record_run_config(simulated, profile, o);
+    return simulated;
+  }
   SimBackend sim(config);
   RunReport simulated = sim.launch(measured.world, replay_program(measured));
   label_as_replay(simulated, measured);
@@ -253,19 +264,6 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
   const RunReport measured = read_measurements(measured_paths, op_named(op));
   const std::string measured_path =
       measured_paths.size() == 1 ? measured_paths[0] : fmt::format("{} traces", measured_paths.size());
-  // A ranklab report is simulated again as the lesson it ran; anything else as its collectives, replayed.
-  const bool lesson_run = measured.backend == "cuda" || measured.backend == "sim";
-  if (lesson_run && measured.options.empty()) {
-    throw UsageError(
-        fmt::format("{} records no lesson options, so its run cannot be simulated again; write it with "
-                    "`ranklab run --report` of this version",
-                    measured_path));
-  }
-  Options o;
-  if (lesson_run) {
-    o = options_from_record(measured.options, measured.world);
-    find_lesson(measured.lesson);
-  }
   Profile profile = measurement_profile(measured, profile_name);
   std::ifstream original_file(profile.source_file, std::ios::binary);
   std::ostringstream original;
@@ -275,13 +273,7 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
   Progress progress("calibrate: simulating " + measured.lesson);
   const Simulate simulate = [&](const Profile& p) {
     progress.update(++simulations, "runs");
-    if (!lesson_run) return simulate_measured(measured, p);
-    SimConfig config{p};
-    config.algorithm = o.algo;
-    config.protocol = o.proto;
-    config.echo_output = false;  // the lesson's lines were printed when it was measured
-    SimBackend sim(config);
-    return run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", p));
+    return simulate_measured(measured, p);
   };
   const Calibration c = calibrate(measured, profile, simulate);
   progress.finish();
@@ -372,6 +364,21 @@ int main(int argc, char** argv) {
   if (run->parsed() && backend == "cuda" && run->count("--world") == 0 && cuda_launcher_world() > 0) {
     options.world = cuda_launcher_world();
   }
+  // On GPUs the profile only names what the run is to be compared with: by default the one of this GPU.
+  if (run->parsed() && backend == "cuda" && run->count("--profile") == 0) {
+    const std::string gpu = cuda_device_name();
+    const std::string found = gpu.empty() ? "" : profile_for_gpu(gpu);
+    if (!found.empty()) {
+      profile = found;
+      std::printf("ranklab: running on %s; the report names profile '%s', whose GPU it is\n", gpu.c_str(),
+                  found.c_str());
+    } else {
+      std::printf(
+          "ranklab: running on %s, which no profile describes; the report names '%s' (choose one with "
+          "--profile)\n",
+          gpu.empty() ? "an unknown GPU" : gpu.c_str(), profile.c_str());
+    }
+  }
 #endif
   try {
     if (list->parsed()) {
@@ -383,6 +390,8 @@ int main(int argc, char** argv) {
         const Profile p = load_profile(name);
         std::printf("  %-16s %s\n", name.c_str(), p.description.c_str());
       }
+      // Where they came from, first match first ($RANKLAB_PROFILE_DIR adds directories in front).
+      std::printf("\nsearched, in order: %s\n", fmt::format("{}", fmt::join(profile_dirs(), ", ")).c_str());
       return 0;
     }
     if (topo->parsed()) return topo_command(topo_profile, topo_nodes);

@@ -207,6 +207,11 @@ RunReport launch_mpi(const CudaConfig& config, const LaunchEnv& env, int world,
 CudaBackend::CudaBackend(CudaConfig config) : config_(std::move(config)) {}
 
 RunReport CudaBackend::launch(int world, const std::function<void(Rank&)>& fn) {
+  // NCCL reads these when a communicator is created, so they are set before any is (in every process of
+  // a job, each of which runs this).
+  const std::string algo = nccl_algo_env(config_.algorithm), proto = nccl_proto_env(config_.protocol);
+  if (!algo.empty()) setenv("NCCL_ALGO", algo.c_str(), 1);
+  if (!proto.empty()) setenv("NCCL_PROTO", proto.c_str(), 1);
   const LaunchEnv env = detect_launch_env();
   if (env.under_launcher()) return launch_mpi(config_, env, world, fn);
   return launch_threads(config_, world, fn);

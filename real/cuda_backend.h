@@ -30,6 +30,10 @@ struct CudaConfig {
   int max_timed_ops_per_rank = 200'000;
   // Print the lesson's lines as they come (they are in the report either way), as the simulator does.
   bool echo_output = true;
+  // Force NCCL's algorithm and protocol ("" = NCCL chooses), in the simulator's names (--algo, --proto):
+  // they become NCCL_ALGO and NCCL_PROTO before the communicators are created.
+  std::string algorithm{};
+  std::string protocol{};
 };
 
 // GPUs this process sees (CUDA_VISIBLE_DEVICES applies); 0 where there is no driver or device.

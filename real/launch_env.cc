@@ -106,4 +106,33 @@ int pick_device(int local_rank, int local_size, int device_count, bool one_devic
       device_count == 1 ? "" : "es", device_count, device_count));
 }
 
+namespace {
+std::string nccl_name(const std::string& ours, const char* what,
+                      std::initializer_list<std::pair<const char*, const char*>> names) {
+  if (ours.empty()) return "";
+  std::vector<std::string> known;
+  for (const auto& [mine, nccls] : names) {
+    if (ours == mine) return nccls;
+    known.emplace_back(mine);
+  }
+  throw UsageError(fmt::format("--{} {}: NCCL has no such {}; choose one of {}", what, ours, what,
+                               fmt::join(known, ", ")));
+}
+}  // namespace
+
+std::string nccl_algo_env(const std::string& algo) {
+  return nccl_name(algo, "algo",
+                   {{"ring", "Ring"},
+                    {"tree", "Tree"},
+                    {"nvls", "NVLS"},
+                    {"nvls_tree", "NVLSTree"},
+                    {"collnet_direct", "CollnetDirect"},
+                    {"collnet_chain", "CollnetChain"},
+                    {"pat", "PAT"}});
+}
+
+std::string nccl_proto_env(const std::string& proto) {
+  return nccl_name(proto, "proto", {{"simple", "Simple"}, {"ll", "LL"}, {"ll128", "LL128"}});
+}
+
 }  // namespace ranklab

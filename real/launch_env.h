@@ -40,4 +40,11 @@ LaunchEnv detect_launch_env();
 int pick_device(int local_rank, int local_size, int device_count, bool one_device_per_process_bound,
                 const std::string& host);
 
+// NCCL's name for ranklab's algorithm and protocol names (--algo, --proto), as NCCL_ALGO and NCCL_PROTO
+// take them (NCCL's docs, "Environment Variables"): ring -> Ring, tree -> Tree, nvls -> NVLS,
+// nvls_tree -> NVLSTree, collnet_direct -> CollnetDirect, collnet_chain -> CollnetChain, pat -> PAT;
+// simple -> Simple, ll -> LL, ll128 -> LL128. "" maps to "" (NCCL chooses). UsageError for anything else.
+std::string nccl_algo_env(const std::string& algo);
+std::string nccl_proto_env(const std::string& proto);
+
 }  // namespace ranklab

@@ -3,7 +3,9 @@
 #   1. builds ranklab with the CUDA backend (RANKLAB_CUDA=ON, so a missing nvcc or NCCL fails loudly);
 #   2. runs every test (the GPU tests run one at a time, so their timings do not share the device);
 #   3. runs every lesson on the GPUs at the largest world this machine allows, and on the simulator with
-#      the profile matching the GPU, and writes both reports as JSON.
+#      the profile matching the GPU, and writes both reports as JSON;
+#   4. runs the benchmark sweep on the GPUs with --report and compares it with the simulator
+#      (`ranklab compare`: the same lesson simulated with the GPU's profile), text and compare.html.
 #
 #   scripts/gpu-check.sh OUT_DIR [BUILD_DIR]
 #
@@ -53,6 +55,15 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$gpus" -ge 1 ] || gpus=1
 "$build/lessons/ranklab" run collectives --backend cuda --world "$gpus" 2>&1 | tee "$out/cli.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE COMMAND LINE'S CUDA RUN FAILED"; status=1; }
+
+step "the benchmark sweep on the GPUs, compared with the simulator"
+mkdir -p "$out/sweep"
+"$build/lessons/ranklab" run benchmark --backend cuda --world "$gpus" --sweep --quiet --report "$out/sweep" \
+  2>&1 | tee "$out/sweep.log"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE SWEEP FAILED"; status=1; }
+(cd "$out" && "$build/lessons/ranklab" compare sweep/report.json --html compare-sweep.html) 2>&1 |
+  tee "$out/compare-sweep.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: COMPARE FAILED"; status=1; }
 
 step "result"
 cat "$out/summary.txt" 2>/dev/null

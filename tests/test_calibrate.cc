@@ -8,7 +8,9 @@
 #include "common/calibrate.h"
 #include "common/compare.h"
 #include "common/errors.h"
+#include "common/measurements.h"
 #include "common/profile.h"
+#include "common/replay.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -103,6 +105,65 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
   EXPECT_TRUE(contains(text, "Fitted by `ranklab calibrate` on 2030-01-02 to measured.json")) << text;
   const std::string summary = format_calibration(c);
   EXPECT_TRUE(contains(summary, "gpu.compute_efficiency")) << summary;
+}
+
+// nccl-tests' all_reduce_perf output for a sweep simulated on `p`: the layout its src/common.cu prints,
+// times with two decimals as it rounds them.
+std::string nccl_tests_log(const Profile& p, int world) {
+  RunReport sweep;
+  sweep.world = world;
+  for (std::int64_t bytes = 1 << 20; bytes <= std::int64_t{1} << 30; bytes *= 4) {
+    CollectiveRecord c;
+    c.op = CommOp::AllReduce;
+    c.group = "world";
+    c.group_size = world;
+    c.bytes = bytes;
+    c.start_us = static_cast<double>(sweep.collectives.size());
+    sweep.collectives.push_back(c);
+  }
+  SimConfig config;
+  config.profile = p;
+  config.echo_output = false;
+  SimBackend sim(config);
+  const RunReport r = sim.launch(world, replay_program(sweep));
+  std::string log = "# nThread 1 nGpus 8 minBytes 1048576 maxBytes 1073741824 step: 4(factor)\n#\n";
+  log +=
+      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw "
+      "  "
+      "busbw #wrong\n";
+  for (const CollectiveRecord& c : r.collectives) {
+    const double t = c.time_us(), algbw = c.bytes / (t * 1e3), busbw = algbw * bus_factor(c.op, world);
+    log += fmt::format(
+        "{:12} {:13} {:>9} {:>7} {:7} {:8.2f} {:7.2f} {:7.2f} {:6} {:8.2f} {:7.2f} {:7.2f} {:6}\n", c.bytes,
+        c.bytes / 4, "float", "sum", -1, t, algbw, busbw, 0, t, algbw, busbw, 0);
+  }
+  return log;
+}
+
+TEST(Calibrate, FromNcclTestsOutput) {
+  // A measured sweep from a machine whose NVLink sustains less than the profile says: calibrating the
+  // profile to the log recovers it, replaying the log's collectives on the simulator.
+  const Profile profile = load_profile("dgx-a100");
+  Profile truth = profile;
+  truth.nvlink.efficiency = 0.62;
+  const RunReport measured = read_nccl_tests(nccl_tests_log(truth, 8), "all_reduce_perf.log", std::nullopt);
+  ASSERT_EQ(measured.world, 8);
+  const Simulate replay = [&](const Profile& p) {
+    SimConfig config;
+    config.profile = p;
+    config.echo_output = false;
+    SimBackend sim(config);
+    RunReport r = sim.launch(measured.world, replay_program(measured));
+    label_as_replay(r, measured);
+    return r;
+  };
+  const Calibration c = calibrate(measured, profile, replay);
+  EXPECT_GT(c.error_before, 0.1) << format_calibration(c);
+  EXPECT_LT(c.error_after, 0.02) << format_calibration(c);
+  const ParameterFit* nvlink = c.find("nvlink.efficiency");
+  ASSERT_NE(nvlink, nullptr);
+  EXPECT_TRUE(nvlink->fitted);
+  EXPECT_NEAR(nvlink->after, 0.62, 0.02 * 0.62) << format_calibration(c);
 }
 
 TEST(Calibrate, NothingToFitIsAnError) {

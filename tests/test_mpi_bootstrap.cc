@@ -25,6 +25,25 @@ EnvLookup fake(std::map<std::string, std::string> vars) {
   };
 }
 
+TEST(NcclChoice, NamesAsNcclTakesThem) {
+  EXPECT_EQ(nccl_algo_env(""), "");
+  EXPECT_EQ(nccl_algo_env("ring"), "Ring");
+  EXPECT_EQ(nccl_algo_env("tree"), "Tree");
+  EXPECT_EQ(nccl_algo_env("nvls"), "NVLS");
+  EXPECT_EQ(nccl_algo_env("nvls_tree"), "NVLSTree");
+  EXPECT_EQ(nccl_proto_env("simple"), "Simple");
+  EXPECT_EQ(nccl_proto_env("ll"), "LL");
+  EXPECT_EQ(nccl_proto_env("ll128"), "LL128");
+  try {
+    nccl_algo_env("rings");
+    FAIL() << "expected an error";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("--algo rings"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("nvls_tree"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(nccl_proto_env("LL"), UsageError);
+}
+
 TEST(LaunchEnv, AloneIsNoLauncher) {
   const LaunchEnv e = detect_launch_env(fake({}));
   EXPECT_FALSE(e.under_launcher());

@@ -508,3 +508,21 @@ TEST_F(ProfileTest, EnvironmentDirectoriesComeFirst) {
 
 }  // namespace
 }  // namespace ranklab
+
+namespace ranklab {
+namespace {
+
+TEST(ProfileForGpu, NamesAsDevicesReportThem) {
+  // As nvidia-smi, the CUDA runtime and nccl-tests print them.
+  EXPECT_EQ(profile_for_gpu("NVIDIA H100 80GB HBM3"), "dgx-h100");
+  EXPECT_EQ(profile_for_gpu("NVIDIA A100-SXM4-80GB"), "dgx-a100");
+  EXPECT_EQ(profile_for_gpu("NVIDIA A100 80GB PCIe"), "pcie-4gpu");
+  EXPECT_EQ(profile_for_gpu("NVIDIA H200"), "dgx-h200");
+  EXPECT_EQ(profile_for_gpu("NVIDIA B200"), "dgx-b200");
+  EXPECT_EQ(profile_for_gpu("NVIDIA GB200"), "gb200-nvl72");
+  EXPECT_EQ(profile_for_gpu("Tesla V100-SXM2-32GB"), "");
+  EXPECT_EQ(profile_for_gpu(""), "");
+}
+
+}  // namespace
+}  // namespace ranklab
