@@ -44,6 +44,11 @@ GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks) {
   s.nvlink = topo.has_nvlink();
   s.nvls = topo.nvls();
   s.channels = g.channels;
+  const Profile& prof = topo.profile();
+  s.sm = gpu_sm(prof.gpu.name);
+  s.intra_gbps = prof.has_nvlink ? prof.nvlink.gpu_bandwidth_gbps() * prof.nvlink.efficiency
+                                 : prof.pcie.bandwidth_gbps * prof.pcie.efficiency;
+  s.nics = g.channels;
   if (s.nodes > 1) {
     // Latency of the fabric beyond the first switch: nodes under different leaves go through spines.
     std::set<int> leaf_groups;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace ranklab::sim {
 
@@ -10,6 +11,8 @@ namespace {
 int index_of(Protocol p) {
   return static_cast<int>(p);
 }  // LL, LL128, Simple: NCCL's order
+
+// Every constant below is from NVIDIA/nccl v2.21.5-1 (see nccl_tuning.h for the files).
 
 // baseLat of src/graph/tuning.cc: the fixed cost of a kernel, per algorithm, for LL, LL128 and Simple.
 // NVLS and NVLSTree have none beyond their per-hop latencies.
@@ -25,7 +28,7 @@ struct HwLatency {
   double tree[3], ring[3], nvls_simple, nvls_tree_simple;
 };
 constexpr HwLatency kHwLatencyUs[3] = {
-    /* NVLink */ {{0.6, 1.25, 28}, {0.6, 1.9, 3.4}, 23, 23},
+    /* NVLink */ {{0.6, 1.25, 28}, {0.6, 1.9, 3.4}, 25, 25},
     /* PCI    */ {{1.0, 1.9, 28}, {1.0, 2.5, 5.7}, 0, 0},
     /* NET    */ {{5.0, 8.5, 28}, {2.7, 4.0, 14.0}, 18, 14},
 };
@@ -119,8 +122,10 @@ double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, 
                         : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? n - 1
                                                                                    : n;
       if (op == CommOp::Broadcast || op == CommOp::Reduce) {
-        // A pipelined chain: every hop pays one step (tuning.cc, the not-sameChannels branch).
-        return base_us + steps * (nodes > 1 ? hw_latency_us(kNet, a, p) : intra_us);
+        // A pipelined chain. NCCL's ring graphs on NVSwitch nodes and rail-aligned fabrics search with
+        // sameChannels set, and tuning.cc then charges one step: hwLat of the hop kind (the network's
+        // across nodes, without the fabric's latency).
+        return base_us + (nodes > 1 ? hw_latency_us(kNet, a, p) : intra_us);
       }
       const int inter_steps = op == CommOp::AllReduce ? (nodes > 1 ? 2 * nodes : 0)
                               : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? nodes - 1
@@ -153,14 +158,14 @@ double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, 
 
 double nccl_bandwidth_factor(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
   // The refinements of ncclTopoTuneModel, as ratios to Simple on a ring.
+  (void)op;
   switch (a) {
     case Algorithm::Ring:
     case Algorithm::Direct:
     case Algorithm::Pairwise:
       if (p == Protocol::LL) {
-        // Half of every LL line is flag, and the receiver polls: a quarter of the bandwidth for reductions
-        // and across nodes, a third otherwise.
-        return (g.nodes > 1 || op == CommOp::AllReduce || op == CommOp::Reduce) ? 1.0 / 4.0 : 1.0 / 3.0;
+        // Half of every LL line is flag: busBw * .5, then at most llMaxBw (nccl_bus_bw_cap).
+        return 0.5;
       }
       if (p == Protocol::LL128) {
         // 120 of 128 bytes are data; less with one GPU per node, where the NIC and the GPU share a path.
@@ -196,6 +201,216 @@ double nccl_tree_correction(Protocol p, double bytes) {
   const int log_size = units >= 1 ? static_cast<int>(std::floor(std::log2(units))) : 0;
   if (log_size >= 23) return 1.0;
   return kFactor[index_of(p)][log_size];
+}
+
+}  // namespace ranklab::sim
+
+namespace ranklab::sim {
+
+namespace {
+
+// src/include/device.h of 2.21.5.
+constexpr int kSteps = 8;                   // NCCL_STEPS: buffer slots per connection
+constexpr int kSimpleMaxThreads = 512;      // NCCL_SIMPLE_MAX_NTHREADS
+constexpr int kLlMaxThreads = 512;          // NCCL_LL_MAX_NTHREADS
+constexpr int kLl128MaxThreads = 640;       // NCCL_LL128_MAX_NTHREADS
+constexpr int kMaxThreads = 640;            // NCCL_MAX_NTHREADS (NVLS, NVLSTree)
+constexpr int kLlThreadThreshold = 8;       // NCCL_LL_THREAD_THRESHOLD (x nRanks for the ring)
+constexpr int kLl128ThreadThreshold = 8;    // NCCL_LL128_THREAD_THRESHOLD
+constexpr int kSimpleThreadThreshold = 64;  // NCCL_SIMPLE_THREAD_THRESHOLD
+constexpr int kWarp = 32;
+// Buffer sizes per protocol (DEFAULT_LL_BUFFSIZE, DEFAULT_LL128_BUFFSIZE, DEFAULT_BUFFSIZE of init.cc).
+constexpr double kLlBuffBytes = 8.0 * kLlMaxThreads * kSteps * 16;         // 512 KiB
+constexpr double kLl128BuffBytes = 120.0 * kLl128MaxThreads * kSteps * 8;  // 4,800 KiB
+constexpr double kSimpleBuffBytes = 4.0 * 1024 * 1024;
+constexpr int kRingChunkSteps = kSteps / 2;     // ALLREDUCE_CHUNKSTEPS (and all_gather, reduce_scatter)
+constexpr double kNvlsChunkBytes = 128 * 1024;  // NCCL_NVLS_CHUNKSIZE
+constexpr int kMaxChannels = 32;                // MAXCHANNELS
+
+// llMaxBws, perChMaxRingLL128Bws and perChMaxTreeBws of tuning.cc: [Volta, Ampere, Hopper][N1, N2, N4].
+// Across nodes the LL row is the CPU's (Intel, row 0); ranklab assumes Intel hosts.
+constexpr double kLlMaxBw[3][3] = {{39.0, 39.0, 20.4}, {87.7, 22.5, 19.0}, {141.0, 45.0, 35.0}};
+constexpr double kPerChRingLl128Bw[3][3] = {{20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 36.7}};
+constexpr double kPerChTreeBw[3][3] = {{26.5, 18.5, 10.0}, {24.0, 23.6, 17.8}, {38.7, 41.4, 36.0}};
+
+// The speed arrays of src/graph/search.cc the ring graph search walks down, GB/s per channel.
+constexpr double kSpeedIntra[] = {40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0};
+constexpr double kSm90SpeedIntra[] = {60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0};
+
+int cc_index(int sm) {
+  return sm >= 90 ? 2 : sm >= 80 ? 1 : 0;
+}
+int node_index(int nodes) {
+  return nodes <= 2 ? nodes - 1 : 2;
+}
+
+struct RingGraph {
+  int channels = 1;  // graph->nChannels after search.cc's duplication
+  double bw = 0;     // graph->bwIntra per channel
+};
+
+// The ring graph inside a node: the fastest speed a GPU's links can carry at least once, as many channels
+// of it as fit (at most MAXCHANNELS/2), then duplicated when the speed is at least 25 GB/s.
+RingGraph ring_graph(const GroupShape& g) {
+  RingGraph r;
+  const double total = std::max(g.intra_gbps, 1e-9);
+  const double* speeds = g.sm >= 90 ? kSm90SpeedIntra : kSpeedIntra;
+  const int n =
+      g.sm >= 90 ? static_cast<int>(std::size(kSm90SpeedIntra)) : static_cast<int>(std::size(kSpeedIntra));
+  int i = 0;
+  while (i < n - 1 && speeds[i] > total) ++i;
+  const double speed = speeds[i];
+  const int found = std::clamp(static_cast<int>(std::floor(total / speed + 1e-9)), 1, kMaxChannels / 2);
+  r.channels = found;
+  r.bw = speed;
+  if (speed >= 25.0) {
+    const int dup = std::min(found * 2, kMaxChannels / 2);
+    r.bw = speed / ((dup + found - 1) / found);
+    r.channels = dup;
+  }
+  return r;
+}
+
+}  // namespace
+
+int gpu_sm(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("B200") || has("B300") || has("GB200") || has("Blackwell")) return 100;
+  if (has("H100") || has("H200") || has("H20") || has("H800") || has("GH200")) return 90;
+  if (has("V100")) return 70;
+  return 80;
+}
+
+int nccl_coll_channels(const GroupShape& g) {
+  if (g.nodes > 1) {
+    // One ring per NIC across nodes, duplicated in the search (NIC speeds are at least 25 GB/s) and again
+    // in ncclTopoPostset.
+    return std::min(kMaxChannels, 4 * std::max(1, g.nics));
+  }
+  return std::min(kMaxChannels, 2 * ring_graph(g).channels);
+}
+
+double nccl_ring_graph_bw(const GroupShape& g) {
+  const RingGraph r = ring_graph(g);
+  return r.channels * r.bw;
+}
+
+double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g) {
+  const double n = g.ranks;
+  switch (a) {
+    case Algorithm::Ring:
+      return op == CommOp::AllReduce                                    ? 2 * (n - 1) / n
+             : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? (n - 1) / n
+                                                                        : 1.0;
+    case Algorithm::Tree:
+      return 2.0;
+    case Algorithm::Nvls:
+    case Algorithm::NvlsTree:
+      return 6.0 / 5.0;
+    default:
+      return 1.0;
+  }
+}
+
+double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
+  (void)op;
+  const double inf = std::numeric_limits<double>::infinity();
+  const int ci = cc_index(g.sm), ni = node_index(g.nodes);
+  const int graph_channels = std::max(1, nccl_coll_channels(g) / 2);
+  // llMaxBw: the LL row is the GPU's on one node, the CPU's (Intel assumed) across nodes.
+  const double ll_max = kLlMaxBw[g.nodes == 1 ? ci : 0][ni];
+  if (a == Algorithm::Ring) {
+    if (p == Protocol::LL) return ll_max;
+    if (p == Protocol::LL128) return graph_channels * kPerChRingLl128Bw[ci][ni];
+    return inf;
+  }
+  if (a == Algorithm::Tree) {
+    double cap = graph_channels * kPerChTreeBw[ci][ni] * 0.92;
+    if (p == Protocol::LL) cap = std::min(cap, ll_max);
+    return cap;
+  }
+  return inf;
+}
+
+LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
+  LaunchShape l;
+  const bool nvls = a == Algorithm::Nvls || a == Algorithm::NvlsTree;
+  int nc = nvls ? kNvlsChannels : nccl_coll_channels(g);
+  // comm->maxThreads (ncclTopoTuneModel): Simple rings get 256 threads when the graph is no faster than
+  // PCIe (PCI_BW, 12 GB/s), else 512; LL 512; LL128 640; NVLS 640.
+  int nt = nvls                                                      ? kMaxThreads
+           : p == Protocol::LL                                       ? kLlMaxThreads
+           : p == Protocol::LL128                                    ? kLl128MaxThreads
+           : (a == Algorithm::Ring && nccl_ring_graph_bw(g) <= 12.0) ? 256
+                                                                     : kSimpleMaxThreads;
+  double threshold = p == Protocol::LL      ? kLlThreadThreshold
+                     : p == Protocol::LL128 ? kLl128ThreadThreshold
+                                            : kSimpleThreadThreshold;
+  if (a == Algorithm::Ring && p == Protocol::LL) threshold *= g.ranks;
+  if (!nvls) {
+    // getChannnelThreadInfo: fewer channels, then fewer threads, until each thread has its share of work.
+    while (bytes < static_cast<double>(nc) * nt * threshold && nc >= 2) --nc;
+    while (bytes < static_cast<double>(nc) * nt * threshold && nt % 128 == 0) nt /= 2;
+  }
+  if (p == Protocol::Simple && a == Algorithm::Ring) nt += kWarp;
+  if (p == Protocol::Simple && a == Algorithm::Tree) nt += 4 * kWarp;
+  if (nt / kWarp < 3) nt = 3 * kWarp;
+  l.channels = nc;
+  l.threads = nt;
+
+  // computeCollChunkInfo: the chunk each channel moves per step.
+  const double buff = p == Protocol::LL      ? kLlBuffBytes
+                      : p == Protocol::LL128 ? kLl128BuffBytes
+                                             : kSimpleBuffBytes;
+  const double step = buff / kSteps;
+  const int chunk_steps = (p == Protocol::Simple && a == Algorithm::Ring) ? kRingChunkSteps : 1;
+  double chunk = step * chunk_steps;
+  if (p == Protocol::LL) chunk /= 2;
+  if (p == Protocol::LL128) chunk = std::floor(chunk / 16) * 15;  // NCCL_LL128_LINEELEMS, DATAELEMS
+  const int heads = nvls ? std::max(1, g.ranks_per_node) : 1;
+  const double concurrent = static_cast<double>(nc) * heads;
+  if (a == Algorithm::Nvls) {
+    chunk = std::min(chunk, kNvlsChunkBytes);
+    if (bytes < 64 * concurrent * chunk && chunk > 65536) chunk = 65536;
+    if (bytes < 8 * concurrent * chunk && chunk > 32768) chunk = 32768;
+    if (bytes < 2 * concurrent * chunk && chunk > 16384) chunk = 16384;
+  } else if (a == Algorithm::NvlsTree) {
+    chunk = kNvlsChunkBytes;
+    if (g.nodes >= 4) chunk = std::min(chunk, 65536.0);  // NCCL_NVLSTREE_MAX_CHUNKSIZE default
+    if (bytes < 32 * concurrent * chunk && chunk > 262144) chunk = 262144;
+    if (bytes < 16 * concurrent * chunk && chunk > 131072) chunk = 131072;
+    if (bytes < 4 * concurrent * chunk && chunk > 65536) chunk = 65536;
+    if (bytes < 1 * concurrent * chunk && chunk > 32768) chunk = 32768;
+  }
+  l.chunk_bytes = chunk;
+  // computeCollSteps: the ring moves nRanks chunks per loop (one per rank), NVLS one per head.
+  const double per_loop = a == Algorithm::Ring ? concurrent * g.ranks * chunk : concurrent * chunk;
+  l.chunks = std::max(1.0, std::ceil(bytes / per_loop));
+  // Pipeline stages a chunk passes through before the next can use them, from the kernels' structure
+  // (src/device/all_reduce.h): NVLS all_reduce scatters into the switch buffer, reduces and multicasts
+  // there, and gathers out (3); all_gather and reduce_scatter have one copy stage besides the switch (2);
+  // NVLSTree adds a tree step up and down per tree level. Rings and trees run every step on every rank at
+  // once, so NCCL's per-step latencies already hold their fill.
+  if (a == Algorithm::Nvls) l.depth = op == CommOp::AllReduce ? 3 : 2;
+  if (a == Algorithm::NvlsTree) l.depth = 3 + 2 * log2i(g.nodes);
+  return l;
+}
+
+double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l) {
+  (void)op;
+  (void)p;
+  double f = 1.0;
+  if (a == Algorithm::Ring || a == Algorithm::Tree) {
+    // Bandwidth follows the channels used. ncclTopoGetAlgoTime scales it by nChannels / comm->nChannels;
+    // but comm->nChannels is the graph's channels duplicated once more on the same paths (connect.cc), so
+    // the graph's channels (half of them) already carry the full bandwidth, each its bwIntra. ranklab
+    // scales by the graph's channels: full bandwidth down to comm->nChannels / 2 channels, then in
+    // proportion (docs/model.md; docs/validation.md checks it against small-message times).
+    const double graph_channels = std::max(1, nccl_coll_channels(g) / 2);
+    f *= std::max(1.0, graph_channels / l.channels);
+  }
+  f *= (l.chunks + l.depth - 1) / l.chunks;
+  return f;
 }
 
 }  // namespace ranklab::sim

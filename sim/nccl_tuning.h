@@ -1,12 +1,26 @@
 // NCCL's tuning model: which algorithms and protocols a collective may use, what each costs in latency,
-// and what fraction of a link's bandwidth each protocol delivers. The constants and formulas are those of
-// src/graph/tuning.cc of NVIDIA/nccl (the version with NVLS and NVLSTree, NCCL 2.19-2.21), cited one by
-// one in nccl_tuning.cc; ranklab's own part is only how they are applied to flows over links.
+// what fraction of a link's bandwidth each protocol delivers, how many channels and threads a call gets
+// and how its chunks flow through the pipeline.
+//
+// ONE RELEASE: every constant and formula here is ported from NVIDIA/nccl at tag v2.21.5-1 (NCCL 2.21.5):
+//   src/graph/tuning.cc   baseLat, hwLat, llMaxBws, perChMaxRingLL128Bws, perChMaxTreeBws, the protocol
+//                         refinements of ncclTopoTuneModel, treeCorrectionFactor, ncclTopoGetAlgoTime,
+//                         getNetOverhead, NCCL_NTHREADS defaults, threadThresholds
+//   src/enqueue.cc        getChannnelThreadInfo (channels and threads by size), computeCollChunkInfo
+//                         (chunk sizes per algorithm and protocol), computeCollSteps (steps per chunk)
+//   src/include/device.h  NCCL_STEPS, NCCL_*_MAX_NTHREADS, NCCL_*_THREAD_THRESHOLD, buffer sizes
+//   src/graph/search.cc   the speed arrays and channel duplication that give comm->nChannels
+//   src/graph/connect.cc  the second duplication of channels (ncclTopoPostset)
+//   src/transport/nvls.cc NCCL_NVLS_NCHANNELS (16) and NCCL_NVLS_CHUNKSIZE (128 KiB)
+// nccl_tuning.cc cites each one where it is used. ranklab's own part is how they are applied to flows
+// over links, and the pipeline depth of NVLS (the stages of its kernel), both said where they are used.
 //
 // NCCL picks, for each call, the (algorithm, protocol) with the least predicted time, latency + bytes /
 // bandwidth; ranklab predicts the bandwidth part from the flows of the plan on the modelled links instead
-// of from NCCL's per-channel bandwidth table, and keeps NCCL's latencies.
+// of from NCCL's per-channel bandwidth table, and keeps NCCL's latencies and its caps.
 #pragma once
+
+#include <string>
 
 #include "common/rank.h"
 #include "sim/comm_plan.h"
@@ -23,7 +37,44 @@ struct GroupShape {
   bool uniform = true;      // every node holds the same number of members
   int channels = 1;         // parallel rings or trees the plan uses
   double net_extra_us = 0;  // fabric latency beyond one switch hop, added to each network step
+  int sm = 80;              // compute capability x 10 of the GPUs (70, 80, 90, 100)
+  double intra_gbps = 0;    // what NCCL sustains from one GPU into the node: NVLink (or PCIe), per direction
+  int nics = 1;             // NICs every node's members reach (several nodes)
 };
+
+// The compute capability (x 10) of a GPU by its name: A100 80, H100/H200/H20/H800 90, B200/GB200 100.
+int gpu_sm(const std::string& gpu_name);
+
+// comm->nChannels of NCCL for a group: the ring graph's channels, duplicated twice (search.cc, connect.cc).
+int nccl_coll_channels(const GroupShape& g);
+// The ring graph's bus bandwidth in NCCL's model (graph nChannels x bwIntra), GB/s.
+double nccl_ring_graph_bw(const GroupShape& g);
+// comm->nvlsChannels: NCCL_NVLS_NCHANNELS, 16.
+constexpr int kNvlsChannels = 16;
+
+// What NCCL launches for one call: channels (blocks), threads per block, the chunk size each channel moves
+// per step, and how many chunks each channel handles one after another (loops of the pipeline).
+struct LaunchShape {
+  int channels = 1;
+  int threads = 0;
+  double chunk_bytes = 0;
+  double chunks = 1;  // per channel, in sequence (at least 1)
+  int depth = 1;      // pipeline stages a chunk passes through; the first chunk fills them
+};
+// getChannnelThreadInfo and computeCollChunkInfo of src/enqueue.cc for a call of `bytes` (nccl-tests size)
+// that runs (a, p).
+LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
+
+// The fraction of the full-channel transfer time that the launch adds: comm->nChannels / channels for
+// rings and trees (NCCL scales bandwidth with the channels used, ncclTopoGetAlgoTime), times the pipeline's
+// fill and drain (chunks + depth - 1) / chunks.
+double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l);
+
+// NCCL's per-protocol bandwidth ceilings (llMaxBw, perChMaxRingLL128Bw, perChMaxTreeBw x channels), as bus
+// bandwidth in GB/s; infinity where none applies.
+double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
+// Bus bytes per byte of nccl-tests size in NCCL's conversion (ring nsteps / nRanks, tree 2, NVLS 6/5).
+double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g);
 
 // Whether NCCL would run `op` with algorithm `a` and protocol `p` on this group.
 bool nccl_supports(CommOp op, Algorithm a, Protocol p, const GroupShape& g);

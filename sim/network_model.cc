@@ -89,7 +89,7 @@ std::vector<Candidate> NetworkModel::candidates(CommOp op, std::int64_t bytes, c
   std::vector<Candidate> out = latencies(op, bytes, ranks);
   if (out.front().algorithm == Algorithm::Local) return out;
   GroupEntry& g = group(ranks);
-  for (Candidate& c : out) c.transfer_us = transfer_of(g, op, c, bytes, root);
+  for (Candidate& c : out) c.transfer_us = transfer_of(g, op, c, bytes, root, true);
   return out;
 }
 
@@ -116,9 +116,18 @@ std::vector<Candidate> NetworkModel::latencies(CommOp op, std::int64_t bytes, co
   return out;
 }
 
-double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root) {
+double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root,
+                                 bool launch) {
   const double s = static_cast<double>(bytes);
-  return s * shape(g, op, c.algorithm, root).unit_us / occupancy(op, c, g.layout.shape, s);
+  const GroupShape& gs = g.layout.shape;
+  double us = s * shape(g, op, c.algorithm, root).unit_us / occupancy(op, c, gs, s);
+  const double cap_gbps = nccl_bus_bw_cap(op, c.algorithm, c.protocol, gs);
+  if (std::isfinite(cap_gbps)) us = std::max(us, s * nccl_bus_factor(op, c.algorithm, gs) / (cap_gbps * 1e3));
+  if (launch) {
+    const LaunchShape l = nccl_launch(op, c.algorithm, c.protocol, gs, s);
+    us *= nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, l);
+  }
+  return us;
 }
 
 CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t bytes) const {
@@ -166,13 +175,15 @@ CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std:
   std::size_t best = all.size();
   for (std::size_t i : by_latency) {
     if (best < all.size() && all[i].latency_us > all[best].time_us()) break;
-    all[i].transfer_us = transfer_of(g, op, all[i], bytes, root);
+    all[i].transfer_us = transfer_of(g, op, all[i], bytes, root, false);
     if (best == all.size() || all[i].time_us() < all[best].time_us() ||
         (all[i].time_us() == all[best].time_us() && i < best)) {
       best = i;
     }
   }
-  return scaled(shape(g, op, all[best].algorithm, root), all[best], bytes);
+  Candidate chosen = all[best];
+  chosen.transfer_us = transfer_of(g, op, chosen, bytes, root, true);
+  return scaled(shape(g, op, chosen.algorithm, root), chosen, bytes);
 }
 
 CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
