@@ -456,6 +456,10 @@ std::vector<std::string> profile_dirs() {
     const fs::path installed = exe.parent_path().parent_path() / "share" / "ranklab" / "profiles";
     if (fs::is_directory(installed, ec)) add(installed.string());
   }
+#ifdef RANKLAB_INSTALLED_PROFILE_DIR
+  // Where `cmake --install` puts them by default, for programs of one's own linked with ranklab::sim.
+  if (fs::is_directory(RANKLAB_INSTALLED_PROFILE_DIR, ec)) add(RANKLAB_INSTALLED_PROFILE_DIR);
+#endif
 #ifdef RANKLAB_PROFILE_DIR
   add(RANKLAB_PROFILE_DIR);
 #endif

@@ -1,11 +1,12 @@
 // ranklab: the command line. The one place that brings lessons and backends together.
 //
-//   ranklab list                                  the lessons
+//   ranklab list                                  the lessons (--load LIB.so adds lessons built elsewhere)
 //   ranklab run LESSON [--world N] [--profile P]  run a lesson on the simulator (or --backend cuda)
 //   ranklab profiles                              the hardware profiles
 //   ranklab topo [--profile P] [--nodes N]        a profile's machine: links, tiers, bandwidths, latencies
 //   ranklab compare MEASURED [SIMULATED]          measured against simulated, side by side (and compare.html)
 //   ranklab calibrate MEASURED --profile P -o F   fit a profile to a measurement
+#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
@@ -292,6 +293,25 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
   return 0;
 }
 
+// Loads lesson libraries built outside the tree (examples/my_lesson): each registers its lessons when it is
+// loaded, with the executable's registry, whose symbols it resolves against.
+void load_lessons(const std::vector<std::string>& libraries) {
+  for (const std::string& path : libraries) {
+    const std::size_t before = lessons().size();
+    // A bare name would be searched for on the library path; a lesson library is a file the user names.
+    const std::string file = path.find('/') == std::string::npos ? "./" + path : path;
+    if (dlopen(file.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      throw UsageError(fmt::format("--load {}: {}", path, dlerror()));
+    }
+    if (lessons().size() == before) {
+      throw UsageError(
+          fmt::format("--load {}: the library registers no lesson (RANKLAB_LESSON in a .cc file "
+                      "of the library registers one; see docs/writing-a-lesson.md)",
+                      path));
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ranklab
 
@@ -300,6 +320,11 @@ int main(int argc, char** argv) {
   CLI::App app{"ranklab: distributed training from collectives to pipelines, simulated or on GPUs"};
   app.require_subcommand(1);
 
+  std::vector<std::string> lesson_libraries;
+  app.add_option("--load", lesson_libraries,
+                 "a lesson library built outside the tree (.so) whose lessons `list` and `run` then know; "
+                 "repeat for several")
+      ->check(CLI::ExistingFile);
   CLI::App* list = app.add_subcommand("list", "list the lessons");
   CLI::App* profiles = app.add_subcommand("profiles", "list the hardware profiles");
 
@@ -381,6 +406,7 @@ int main(int argc, char** argv) {
   }
 #endif
   try {
+    load_lessons(lesson_libraries);
     if (list->parsed()) {
       for (const Lesson& l : lessons()) std::printf("  %-20s %s\n", l.name.c_str(), l.summary.c_str());
       return 0;
