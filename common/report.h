@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,8 @@ struct RunReport {
   std::vector<CheckRecord> checks;
   std::vector<LinkTraffic> links;
   std::vector<std::string> output;  // the lesson's printed lines, in order
+  // What a training lesson reported for its timed step (Rank::report_training); empty otherwise.
+  std::optional<TrainingStats> training;
 
   bool all_checks_passed() const;
   std::int64_t total_link_bytes() const;

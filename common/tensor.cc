@@ -10,6 +10,9 @@ std::int64_t dtype_bytes(DType t) {
   switch (t) {
     case DType::Float32:
       return 4;
+    case DType::BFloat16:
+    case DType::Float16:
+      return 2;
   }
   return 4;
 }
@@ -18,6 +21,10 @@ const char* dtype_name(DType t) {
   switch (t) {
     case DType::Float32:
       return "float32";
+    case DType::BFloat16:
+      return "bfloat16";
+    case DType::Float16:
+      return "float16";
   }
   return "?";
 }

@@ -16,10 +16,19 @@ class ComputeModel {
 
   // Device time of a kernel doing `flops` operations and moving `bytes` to and from HBM.
   double kernel_us(double flops, double bytes, DType dtype) const;
+  // op(a) [m, k] @ op(b) [k, n] with inputs and output of `dtype`.
+  double gemm_us(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const;
+  // Fused attention (FlashAttention-style) over `batch` sequences of `seq` tokens, `heads` heads of
+  // `head_dim`; the backward when `backward`.
+  double attention_us(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
+                      bool causal, bool backward, DType dtype) const;
+  // A memory-bound kernel moving `bytes` to and from HBM.
+  double memory_us(double bytes) const;
   // Host time to launch one kernel.
   double launch_us() const { return gpu_.launch_overhead_us; }
 
  private:
+  double peak_tflops(DType dtype) const;
   GpuModel gpu_;
 };
 

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/dtype_round.h"
 #include "sim/storage.h"
 
 namespace ranklab::sim {
@@ -41,8 +42,15 @@ std::vector<float> reduce_inputs(const CommOpState& op, ReduceOp rop, std::int64
   return acc;
 }
 
+// A 16-bit output holds the reduced values rounded to its type, as NCCL's bf16/fp16 reductions write them.
 void write(const Tensor& t, std::int64_t offset, const float* src, std::int64_t count) {
-  std::memmove(sim_data(t) + offset, src, static_cast<size_t>(count) * sizeof(float));
+  float* dst = sim_data(t) + offset;
+  std::memmove(dst, src, static_cast<size_t>(count) * sizeof(float));
+  if (t.dtype() == DType::BFloat16) {
+    for (std::int64_t i = 0; i < count; ++i) dst[i] = round_to_bfloat16(dst[i]);
+  } else if (t.dtype() == DType::Float16) {
+    for (std::int64_t i = 0; i < count; ++i) dst[i] = round_to_float16(dst[i]);
+  }
 }
 
 bool any_phantom(const CommOpState& op) {

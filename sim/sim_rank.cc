@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "common/comm_checks.h"
+#include "common/dtype_round.h"
 #include "common/errors.h"
 #include "common/random.h"
 #include "sim/scheduler.h"
@@ -26,7 +27,55 @@ ArrayMap array(const Tensor& t) {
   return ArrayMap(sim_data(t), t.numel());
 }
 
-constexpr double kF = sizeof(float);  // bytes per element, for the cost model
+constexpr double kF = sizeof(float);  // bytes per element of a float32 tensor, for the cost model
+
+double bytes_of(const Tensor& t) {
+  return static_cast<double>(t.bytes());
+}
+
+// Rounds a real tensor's values to its dtype after a kernel wrote them (a no-op for float32).
+void round_to_dtype(const Tensor& t) {
+  if (t.phantom()) return;
+  float* d = sim_data(t);
+  const std::int64_t n = t.numel();
+  if (t.dtype() == DType::BFloat16) {
+    for (std::int64_t i = 0; i < n; ++i) d[i] = round_to_bfloat16(d[i]);
+  } else if (t.dtype() == DType::Float16) {
+    for (std::int64_t i = 0; i < n; ++i) d[i] = round_to_float16(d[i]);
+  }
+}
+
+float round_value(float x, DType dtype) {
+  switch (dtype) {
+    case DType::BFloat16:
+      return round_to_bfloat16(x);
+    case DType::Float16:
+      return round_to_float16(x);
+    case DType::Float32:
+      break;
+  }
+  return x;
+}
+
+// Kernel names for the timeline, made once: a phantom step launches millions of kernels.
+const std::string kFill = "fill", kArange = "arange", kRandn = "randn", kCopyH2D = "copy_h2d",
+                  kMatmul = "matmul", kRelu = "relu", kReluBackward = "relu_backward", kAdd = "add",
+                  kAddInPlace = "add_", kScale = "scale_", kCopy = "copy", kCast = "cast", kSum = "sum",
+                  kSlice = "slice", kCat = "cat", kSgd = "sgd_step", kAdamw = "adamw_step",
+                  kAddBias = "add_bias_", kSumRows = "sum_rows", kLayernorm = "layernorm",
+                  kLayernormBackward = "layernorm_backward", kGelu = "gelu", kGeluBackward = "gelu_backward",
+                  kAttention = "attention", kAttentionBackward = "attention_backward",
+                  kEmbedding = "embedding", kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
+                  kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
+                  kCrossEntropyBackward = "cross_entropy_backward";
+
+// A point on a rank's compute stream: when the kernels launched before it end.
+class SimEvent : public EventState {
+ public:
+  SimEvent(int rank, double time_us) : rank(rank), time_us(time_us) {}
+  int rank;
+  double time_us;
+};
 
 // Splits a shape around `dim` into [outer, dim, inner] so slicing and concatenation are block copies.
 void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {
@@ -73,17 +122,38 @@ void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
   }
 }
 
-Tensor SimRank::allocate(const Shape& s, bool phantom, const char* op) {
+void SimRank::require_dtype(const Tensor& t, DType dtype, const char* op, const char* arg) const {
+  if (t.dtype() != dtype) {
+    throw UsageError(
+        fmt::format("{}: '{}' is {}; it must be {}", where(op), arg, t.str(), dtype_name(dtype)));
+  }
+}
+
+void SimRank::require_same_dtype(const Tensor& a, const Tensor& b, const char* op) const {
+  if (a.dtype() != b.dtype()) {
+    throw UsageError(
+        fmt::format("{}: dtypes differ: {} and {}; cast one first", where(op), a.str(), b.str()));
+  }
+}
+
+void SimRank::require_shape(const Tensor& t, const Shape& want, const char* op, const char* arg) const {
+  if (t.shape() != want) {
+    throw UsageError(fmt::format("{}: '{}' is {}; expected shape {}", where(op), arg, t.str(), want.str()));
+  }
+}
+
+Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* op) {
   world_.check_aborted();
   MemoryAccount& m = *s_.memory;
-  const std::int64_t bytes = s.numel() * dtype_bytes(DType::Float32);
+  const std::int64_t bytes = s.numel() * dtype_bytes(dtype);
   if (m.allocated + bytes > m.capacity) {
     throw OutOfMemoryError(fmt::format(
-        "{}: out of memory allocating float32{} ({}): {} already in use of the {} of a {} ({})", where(op),
-        s.str(), format_bytes(static_cast<double>(bytes)), format_bytes(static_cast<double>(m.allocated)),
-        format_bytes(static_cast<double>(m.capacity)), world_.profile().gpu.name, world_.profile().name));
+        "{}: out of memory allocating {}{} ({}): {} already in use of the {} of a {} ({})", where(op),
+        dtype_name(dtype), s.str(), format_bytes(static_cast<double>(bytes)),
+        format_bytes(static_cast<double>(m.allocated)), format_bytes(static_cast<double>(m.capacity)),
+        world_.profile().gpu.name, world_.profile().name));
   }
-  return Tensor(s, DType::Float32, std::make_shared<SimStorage>(s_.memory, s.numel(), phantom));
+  return Tensor(s, dtype, std::make_shared<SimStorage>(s_.memory, s.numel(), dtype, phantom));
 }
 
 void SimRank::fold_sync_ops(const char* by) {
@@ -110,62 +180,97 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
   fold_sync_ops(op);
 }
 
-void SimRank::launch_kernel(const char* name, double flops, double bytes) {
+void SimRank::launch_kernel(const std::string& name, double flops, double bytes, DType dtype) {
+  launch_kernel_us(name, world_.compute().kernel_us(flops, bytes, dtype));
+}
+
+void SimRank::launch_kernel_us(const std::string& name, double device_us) {
   s_.host_us += world_.compute().launch_us();
   const double start = std::max(s_.host_us, s_.compute_us);
-  s_.compute_us = start + world_.compute().kernel_us(flops, bytes, DType::Float32);
+  s_.compute_us = start + device_us;
   world_.add_span(rank_, SpanKind::Compute, name, start, s_.compute_us);
 }
 
 // ---- tensors ---------------------------------------------------------------------------------------
 
-Tensor SimRank::empty(const Shape& s) {
-  Tensor t = allocate(s, false, "empty");
+Tensor SimRank::empty(const Shape& s, DType dtype) {
+  Tensor t = allocate(s, dtype, false, "empty");
   // NaN makes a read of never-written memory visible in every result it touches.
   array(t).setConstant(std::numeric_limits<float>::quiet_NaN());
   return t;
 }
 
-Tensor SimRank::zeros(const Shape& s) {
-  return full(s, 0.0f);
+Tensor SimRank::zeros(const Shape& s, DType dtype) {
+  return full(s, 0.0f, dtype);
 }
 
-Tensor SimRank::full(const Shape& s, float value) {
-  Tensor t = allocate(s, false, "full");
-  array(t).setConstant(value);
-  launch_kernel("fill", 0, kF * s.numel());
+Tensor SimRank::full(const Shape& s, float value, DType dtype) {
+  Tensor t = allocate(s, dtype, false, "full");
+  array(t).setConstant(round_value(value, dtype));
+  launch_kernel(kFill, 0, bytes_of(t), dtype);
   return t;
 }
 
 Tensor SimRank::arange(const Shape& s, float start) {
-  Tensor t = allocate(s, false, "arange");
+  Tensor t = allocate(s, DType::Float32, false, "arange");
   float* d = sim_data(t);
   for (std::int64_t i = 0; i < s.numel(); ++i) d[i] = start + static_cast<float>(i);
-  launch_kernel("arange", 0, kF * s.numel());
+  launch_kernel(kArange, 0, kF * s.numel());
   return t;
 }
 
-Tensor SimRank::randn(const Shape& s, std::uint64_t seed, float std) {
-  Tensor t = allocate(s, false, "randn");
+Tensor SimRank::randn(const Shape& s, std::uint64_t seed, float std, DType dtype) {
+  Tensor t = allocate(s, dtype, false, "randn");
   float* d = sim_data(t);
   for (std::int64_t i = 0; i < s.numel(); ++i) d[i] = std * normal_at(seed, static_cast<std::uint64_t>(i));
-  launch_kernel("randn", 0, kF * s.numel());
+  round_to_dtype(t);
+  launch_kernel(kRandn, 0, bytes_of(t), dtype);
   return t;
 }
 
-Tensor SimRank::from_host(const Shape& s, const std::vector<float>& values) {
+Tensor SimRank::randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length,
+                            std::uint64_t seed, float std, DType dtype) {
+  world_.check_aborted();
+  if (dim < 0 || dim >= full.ndim()) {
+    throw UsageError(
+        fmt::format("{}: dimension {} is out of range for shape {}", where("randn_slice"), dim, full.str()));
+  }
+  if (start < 0 || length < 0 || start + length > full[dim]) {
+    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
+                                 where("randn_slice"), start, start + length, dim, full.str(), full[dim]));
+  }
+  Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
+  std::int64_t outer, inner;
+  split_at(full, dim, outer, inner);
+  float* d = sim_data(t);
+  // Element (o, j, i) of the slice is element (o, start + j, i) of the full tensor.
+  for (std::int64_t o = 0; o < outer; ++o) {
+    for (std::int64_t j = 0; j < length; ++j) {
+      const std::int64_t src = (o * full[dim] + start + j) * inner, dst = (o * length + j) * inner;
+      for (std::int64_t i = 0; i < inner; ++i) {
+        d[dst + i] = std * normal_at(seed, static_cast<std::uint64_t>(src + i));
+      }
+    }
+  }
+  round_to_dtype(t);
+  launch_kernel(kRandn, 0, bytes_of(t), dtype);  // only the shard is generated
+  return t;
+}
+
+Tensor SimRank::from_host(const Shape& s, const std::vector<float>& values, DType dtype) {
   if (static_cast<std::int64_t>(values.size()) != s.numel()) {
     throw UsageError(fmt::format("{}: {} values do not fill shape {} ({} elements)", where("from_host"),
                                  values.size(), s.str(), s.numel()));
   }
-  Tensor t = allocate(s, false, "from_host");
+  Tensor t = allocate(s, dtype, false, "from_host");
   std::copy(values.begin(), values.end(), sim_data(t));
-  launch_kernel("copy_h2d", 0, kF * s.numel());
+  round_to_dtype(t);
+  launch_kernel(kCopyH2D, 0, bytes_of(t), dtype);
   return t;
 }
 
-Tensor SimRank::phantom(const Shape& s) {
-  return allocate(s, true, "phantom");
+Tensor SimRank::phantom(const Shape& s, DType dtype) {
+  return allocate(s, dtype, true, "phantom");
 }
 
 std::vector<float> SimRank::to_host(const Tensor& t) {
@@ -187,6 +292,7 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   if (a.ndim() != 2 || b.ndim() != 2) {
     throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where("matmul"), a.str(), b.str()));
   }
+  require_same_dtype(a, b, "matmul");
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
   const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
@@ -194,17 +300,20 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
     throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where("matmul"),
                                  a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
   }
-  Tensor c = allocate({m, n}, a.phantom() || b.phantom(), "matmul");
+  Tensor c = allocate({m, n}, a.dtype(), a.phantom() || b.phantom(), "matmul");
   before_kernel({&a, &b}, "matmul");
   if (!c.phantom()) {
+    // 16-bit inputs are already rounded; the float32 product stands for the tensor cores' float32
+    // accumulation, and the output is rounded once.
     MatrixMap A(sim_data(a), a.size(0), a.size(1)), B(sim_data(b), b.size(0), b.size(1)),
         C(sim_data(c), m, n);
     if (!at && !bt) C.noalias() = A * B;
     if (at && !bt) C.noalias() = A.transpose() * B;
     if (!at && bt) C.noalias() = A * B.transpose();
     if (at && bt) C.noalias() = A.transpose() * B.transpose();
+    round_to_dtype(c);
   }
-  launch_kernel("matmul", 2.0 * m * n * k, kF * (m * k + k * n + m * n));
+  launch_kernel_us(kMatmul, world_.compute().gemm_us(m, n, k, a.dtype()));
   return c;
 }
 
@@ -217,10 +326,10 @@ void require_same_shape(const std::string& where, const Tensor& a, const Tensor&
 
 Tensor SimRank::relu(const Tensor& x) {
   require(x, "relu", "x");
-  Tensor y = allocate(x.shape(), x.phantom(), "relu");
+  Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), "relu");
   before_kernel({&x}, "relu");
   if (!y.phantom()) array(y) = array(x).max(0.0f);
-  launch_kernel("relu", x.numel(), 2 * kF * x.numel());
+  launch_kernel(kRelu, x.numel(), 2 * bytes_of(x), x.dtype());
   return y;
 }
 
@@ -228,10 +337,11 @@ Tensor SimRank::relu_backward(const Tensor& grad_out, const Tensor& x) {
   require(grad_out, "relu_backward", "grad_out");
   require(x, "relu_backward", "x");
   require_same_shape(where("relu_backward"), grad_out, x);
-  Tensor g = allocate(x.shape(), x.phantom() || grad_out.phantom(), "relu_backward");
+  require_same_dtype(grad_out, x, "relu_backward");
+  Tensor g = allocate(x.shape(), x.dtype(), x.phantom() || grad_out.phantom(), "relu_backward");
   before_kernel({&grad_out, &x}, "relu_backward");
   if (!g.phantom()) array(g) = (array(x) > 0.0f).select(array(grad_out), 0.0f);
-  launch_kernel("relu_backward", x.numel(), 3 * kF * x.numel());
+  launch_kernel(kReluBackward, x.numel(), 3 * bytes_of(x), x.dtype());
   return g;
 }
 
@@ -239,10 +349,14 @@ Tensor SimRank::add(const Tensor& a, const Tensor& b) {
   require(a, "add", "a");
   require(b, "add", "b");
   require_same_shape(where("add"), a, b);
-  Tensor c = allocate(a.shape(), a.phantom() || b.phantom(), "add");
+  require_same_dtype(a, b, "add");
+  Tensor c = allocate(a.shape(), a.dtype(), a.phantom() || b.phantom(), "add");
   before_kernel({&a, &b}, "add");
-  if (!c.phantom()) array(c) = array(a) + array(b);
-  launch_kernel("add", a.numel(), 3 * kF * a.numel());
+  if (!c.phantom()) {
+    array(c) = array(a) + array(b);
+    round_to_dtype(c);
+  }
+  launch_kernel(kAdd, a.numel(), 3 * bytes_of(a), a.dtype());
   return c;
 }
 
@@ -262,15 +376,22 @@ void SimRank::add_(const Tensor& dst, const Tensor& src, float alpha) {
   require_same_shape(where("add_"), dst, src);
   require_same_kind(where("add_"), dst, src);
   before_kernel({&dst, &src}, "add_");
-  if (!dst.phantom()) array(dst) += alpha * array(src);
-  launch_kernel("add_", 2.0 * dst.numel(), 3 * kF * dst.numel());
+  if (!dst.phantom()) {
+    array(dst) += alpha * array(src);
+    round_to_dtype(dst);
+  }
+  // Reads dst and src, writes dst.
+  launch_kernel(kAddInPlace, 2.0 * dst.numel(), 2 * bytes_of(dst) + bytes_of(src), dst.dtype());
 }
 
 void SimRank::scale_(const Tensor& t, float factor) {
   require(t, "scale_", "t");
   before_kernel({&t}, "scale_");
-  if (!t.phantom()) array(t) *= factor;
-  launch_kernel("scale_", t.numel(), 2 * kF * t.numel());
+  if (!t.phantom()) {
+    array(t) *= factor;
+    round_to_dtype(t);
+  }
+  launch_kernel(kScale, t.numel(), 2 * bytes_of(t), t.dtype());
 }
 
 void SimRank::copy_(const Tensor& dst, const Tensor& src) {
@@ -281,22 +402,37 @@ void SimRank::copy_(const Tensor& dst, const Tensor& src) {
   }
   require_same_kind(where("copy_"), dst, src);
   before_kernel({&dst, &src}, "copy_");
-  if (!dst.phantom()) array(dst) = array(src);
-  launch_kernel("copy", 0, 2 * kF * dst.numel());
+  if (!dst.phantom()) {
+    array(dst) = array(src);
+    round_to_dtype(dst);
+  }
+  launch_kernel(kCopy, 0, bytes_of(dst) + bytes_of(src), dst.dtype());
+}
+
+Tensor SimRank::cast(const Tensor& t, DType dtype) {
+  require(t, "cast", "t");
+  Tensor out = allocate(t.shape(), dtype, t.phantom(), "cast");
+  before_kernel({&t}, "cast");
+  if (!out.phantom()) {
+    array(out) = array(t);
+    round_to_dtype(out);
+  }
+  launch_kernel_us(kCast, world_.compute().memory_us(bytes_of(t) + bytes_of(out)));
+  return out;
 }
 
 Tensor SimRank::sum(const Tensor& t) {
   require(t, "sum", "t");
-  Tensor out = allocate(Shape{}, t.phantom(), "sum");
+  Tensor out = allocate(Shape{}, t.dtype(), t.phantom(), "sum");
   before_kernel({&t}, "sum");
   if (!out.phantom()) {
     // Accumulate in double so the result does not depend on how the sum is split across kernels.
     double acc = 0;
     const float* d = sim_data(t);
     for (std::int64_t i = 0; i < t.numel(); ++i) acc += d[i];
-    sim_data(out)[0] = static_cast<float>(acc);
+    sim_data(out)[0] = round_value(static_cast<float>(acc), t.dtype());
   }
-  launch_kernel("sum", t.numel(), kF * t.numel());
+  launch_kernel(kSum, t.numel(), bytes_of(t), t.dtype());
   return out;
 }
 
@@ -309,7 +445,7 @@ Tensor SimRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t
     throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of {} (size {})", where("slice"),
                                  start, start + length, dim, t.str(), t.size(dim)));
   }
-  Tensor out = allocate(t.shape().with_dim(dim, length), t.phantom(), "slice");
+  Tensor out = allocate(t.shape().with_dim(dim, length), t.dtype(), t.phantom(), "slice");
   before_kernel({&t}, "slice");
   if (!out.phantom()) {
     std::int64_t outer, inner;
@@ -321,7 +457,7 @@ Tensor SimRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t
                   static_cast<size_t>(length * inner) * sizeof(float));
     }
   }
-  launch_kernel("slice", 0, 2 * kF * out.numel());
+  launch_kernel(kSlice, 0, 2 * bytes_of(out), out.dtype());
   return out;
 }
 
@@ -341,10 +477,11 @@ Tensor SimRank::cat(const std::vector<Tensor>& parts, int dim) {
           fmt::format("{}: parts[{}] is {} but parts[0] is {}; they may differ only in dimension {}",
                       where("cat"), i, parts[i].str(), first.str(), dim));
     }
+    require_same_dtype(first, parts[i], "cat");
     total += parts[i].size(dim);
     phantom = phantom || parts[i].phantom();
   }
-  Tensor out = allocate(first.shape().with_dim(dim, total), phantom, "cat");
+  Tensor out = allocate(first.shape().with_dim(dim, total), first.dtype(), phantom, "cat");
   for (const Tensor& p : parts) before_kernel({&p}, "cat");
   if (!out.phantom()) {
     std::int64_t outer, inner;
@@ -360,7 +497,7 @@ Tensor SimRank::cat(const std::vector<Tensor>& parts, int dim) {
       offset += len;
     }
   }
-  launch_kernel("cat", 0, 2 * kF * out.numel());
+  launch_kernel(kCat, 0, 2 * bytes_of(out), out.dtype());
   return out;
 }
 
@@ -370,8 +507,11 @@ void SimRank::sgd_step(const Tensor& param, const Tensor& grad, float lr) {
   require_same_shape(where("sgd_step"), param, grad);
   require_same_kind(where("sgd_step"), param, grad);
   before_kernel({&param, &grad}, "sgd_step");
-  if (!param.phantom()) array(param) -= lr * array(grad);
-  launch_kernel("sgd_step", 2.0 * param.numel(), 3 * kF * param.numel());
+  if (!param.phantom()) {
+    array(param) -= lr * array(grad);
+    round_to_dtype(param);
+  }
+  launch_kernel(kSgd, 2.0 * param.numel(), 2 * bytes_of(param) + bytes_of(grad), param.dtype());
 }
 
 void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
@@ -384,6 +524,10 @@ void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& 
   require_same_shape(where("adamw_step"), param, m);
   require_same_shape(where("adamw_step"), param, v);
   require_same_kind(where("adamw_step"), param, grad);
+  require_dtype(param, DType::Float32, "adamw_step", "param");
+  require_dtype(grad, DType::Float32, "adamw_step", "grad");
+  require_dtype(m, DType::Float32, "adamw_step", "m");
+  require_dtype(v, DType::Float32, "adamw_step", "v");
   if (step < 1) throw UsageError(fmt::format("{}: step counts from 1; got {}", where("adamw_step"), step));
   before_kernel({&param, &grad, &m, &v}, "adamw_step");
   if (!param.phantom()) {
@@ -394,7 +538,534 @@ void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& 
     const float c2 = 1 - std::pow(h.beta2, static_cast<float>(step));
     p -= h.lr * ((mm / c1) / ((vv / c2).sqrt() + h.eps) + h.weight_decay * p);
   }
-  launch_kernel("adamw_step", 12.0 * param.numel(), 7 * kF * param.numel());
+  launch_kernel(kAdamw, 12.0 * param.numel(), 7 * kF * param.numel());
+}
+
+// ---- transformer kernels ---------------------------------------------------------------------------
+
+namespace {
+const float* cdata(const Tensor& t) {
+  return sim_data(t);
+}
+// A token id stored as a float, as an integer; ids are exact up to 2^24.
+std::int64_t id_at(const float* ids, std::int64_t row) {
+  return static_cast<std::int64_t>(ids[row]);
+}
+}  // namespace
+
+void SimRank::add_bias_(const Tensor& x, const Tensor& bias) {
+  require(x, "add_bias_", "x");
+  require(bias, "add_bias_", "bias");
+  if (x.ndim() != 2) {
+    throw UsageError(fmt::format("{}: 'x' must be 2-D [rows, cols]; got {}", where("add_bias_"), x.str()));
+  }
+  require_shape(bias, Shape{x.size(1)}, "add_bias_", "bias");
+  require_same_dtype(x, bias, "add_bias_");
+  require_same_kind(where("add_bias_"), x, bias);
+  before_kernel({&x, &bias}, "add_bias_");
+  if (!x.phantom()) {
+    MatrixMap X(sim_data(x), x.size(0), x.size(1));
+    X.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(cdata(bias), x.size(1));
+    round_to_dtype(x);
+  }
+  launch_kernel_us(kAddBias, world_.compute().memory_us(2 * bytes_of(x) + bytes_of(bias)));
+}
+
+Tensor SimRank::sum_rows(const Tensor& x) {
+  require(x, "sum_rows", "x");
+  if (x.ndim() != 2) {
+    throw UsageError(fmt::format("{}: 'x' must be 2-D [rows, cols]; got {}", where("sum_rows"), x.str()));
+  }
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  Tensor out = allocate(Shape{cols}, DType::Float32, x.phantom(), "sum_rows");
+  before_kernel({&x}, "sum_rows");
+  if (!out.phantom()) {
+    std::vector<double> acc(static_cast<size_t>(cols), 0.0);
+    const float* d = cdata(x);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t c = 0; c < cols; ++c) acc[c] += d[r * cols + c];
+    }
+    for (std::int64_t c = 0; c < cols; ++c) sim_data(out)[c] = static_cast<float>(acc[c]);
+  }
+  launch_kernel_us(kSumRows, world_.compute().memory_us(bytes_of(x) + bytes_of(out)));
+  return out;
+}
+
+Rank::LayerNormOut SimRank::layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
+  const char* op = "layernorm";
+  require(x, op, "x");
+  require(gamma, op, "gamma");
+  require(beta, op, "beta");
+  if (x.ndim() != 2)
+    throw UsageError(fmt::format("{}: 'x' must be 2-D [rows, cols]; got {}", where(op), x.str()));
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  require_shape(gamma, Shape{cols}, op, "gamma");
+  require_shape(beta, Shape{cols}, op, "beta");
+  require_same_dtype(x, gamma, op);
+  require_same_dtype(x, beta, op);
+  if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(op), eps));
+  const bool ph = x.phantom() || gamma.phantom() || beta.phantom();
+  LayerNormOut o;
+  o.y = allocate(x.shape(), x.dtype(), ph, op);
+  o.mean = allocate(Shape{rows}, DType::Float32, ph, op);
+  o.rstd = allocate(Shape{rows}, DType::Float32, ph, op);
+  before_kernel({&x, &gamma, &beta}, op);
+  if (!ph) {
+    const float *X = cdata(x), *G = cdata(gamma), *B = cdata(beta);
+    float *Y = sim_data(o.y), *M = sim_data(o.mean), *R = sim_data(o.rstd);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* xr = X + r * cols;
+      double s = 0;
+      for (std::int64_t c = 0; c < cols; ++c) s += xr[c];
+      const double mean = s / static_cast<double>(cols);
+      double ss = 0;
+      for (std::int64_t c = 0; c < cols; ++c) ss += (xr[c] - mean) * (xr[c] - mean);
+      const double var = ss / static_cast<double>(cols);  // biased, as torch.nn.LayerNorm
+      const float rstd = static_cast<float>(1.0 / std::sqrt(var + eps));
+      M[r] = static_cast<float>(mean);
+      R[r] = rstd;
+      for (std::int64_t c = 0; c < cols; ++c) Y[r * cols + c] = (xr[c] - M[r]) * rstd * G[c] + B[c];
+    }
+    round_to_dtype(o.y);
+  }
+  // Reads x, gamma and beta, writes y, mean and rstd.
+  launch_kernel_us(kLayernorm,
+                   world_.compute().memory_us(bytes_of(x) + bytes_of(gamma) + bytes_of(beta) + bytes_of(o.y) +
+                                              bytes_of(o.mean) + bytes_of(o.rstd)));
+  return o;
+}
+
+Rank::LayerNormGrads SimRank::layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                                 const Tensor& mean, const Tensor& rstd) {
+  const char* op = "layernorm_backward";
+  require(dy, op, "dy");
+  require(x, op, "x");
+  require(gamma, op, "gamma");
+  require(mean, op, "mean");
+  require(rstd, op, "rstd");
+  if (x.ndim() != 2)
+    throw UsageError(fmt::format("{}: 'x' must be 2-D [rows, cols]; got {}", where(op), x.str()));
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  require_shape(dy, x.shape(), op, "dy");
+  require_shape(gamma, Shape{cols}, op, "gamma");
+  require_shape(mean, Shape{rows}, op, "mean");
+  require_shape(rstd, Shape{rows}, op, "rstd");
+  require_same_dtype(x, dy, op);
+  require_same_dtype(x, gamma, op);
+  require_dtype(mean, DType::Float32, op, "mean");
+  require_dtype(rstd, DType::Float32, op, "rstd");
+  const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || mean.phantom() || rstd.phantom();
+  LayerNormGrads g;
+  g.dx = allocate(x.shape(), x.dtype(), ph, op);
+  g.dgamma = allocate(Shape{cols}, DType::Float32, ph, op);
+  g.dbeta = allocate(Shape{cols}, DType::Float32, ph, op);
+  before_kernel({&dy, &x, &gamma, &mean, &rstd}, op);
+  if (!ph) {
+    const float *DY = cdata(dy), *X = cdata(x), *G = cdata(gamma), *M = cdata(mean), *R = cdata(rstd);
+    float* DX = sim_data(g.dx);
+    std::vector<double> dgamma(static_cast<size_t>(cols), 0.0), dbeta(static_cast<size_t>(cols), 0.0);
+    std::vector<float> xhat(static_cast<size_t>(cols));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      // dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dxhat = dy gamma.
+      double sum_dxhat = 0, sum_dxhat_xhat = 0;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::int64_t i = r * cols + c;
+        xhat[c] = (X[i] - M[r]) * R[r];
+        const double dxhat = static_cast<double>(DY[i]) * G[c];
+        sum_dxhat += dxhat;
+        sum_dxhat_xhat += dxhat * xhat[c];
+        dgamma[c] += static_cast<double>(DY[i]) * xhat[c];
+        dbeta[c] += DY[i];
+      }
+      const double n = static_cast<double>(cols);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::int64_t i = r * cols + c;
+        const double dxhat = static_cast<double>(DY[i]) * G[c];
+        DX[i] = static_cast<float>(R[r] * (dxhat - sum_dxhat / n - xhat[c] * sum_dxhat_xhat / n));
+      }
+    }
+    for (std::int64_t c = 0; c < cols; ++c) {
+      sim_data(g.dgamma)[c] = static_cast<float>(dgamma[c]);
+      sim_data(g.dbeta)[c] = static_cast<float>(dbeta[c]);
+    }
+    round_to_dtype(g.dx);
+  }
+  launch_kernel_us(
+      kLayernormBackward,
+      world_.compute().memory_us(bytes_of(dy) + bytes_of(x) + bytes_of(gamma) + bytes_of(mean) +
+                                 bytes_of(rstd) + bytes_of(g.dx) + bytes_of(g.dgamma) + bytes_of(g.dbeta)));
+  return g;
+}
+
+namespace {
+constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluA = 0.044715f;            // GPT-2's constant (Hendrycks & Gimpel 2016)
+}  // namespace
+
+Tensor SimRank::gelu(const Tensor& x) {
+  require(x, "gelu", "x");
+  Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), "gelu");
+  before_kernel({&x}, "gelu");
+  if (!y.phantom()) {
+    const float* X = cdata(x);
+    float* Y = sim_data(y);
+    for (std::int64_t i = 0; i < x.numel(); ++i) {
+      const float v = X[i];
+      Y[i] = 0.5f * v * (1.0f + std::tanh(kGeluC * (v + kGeluA * v * v * v)));
+    }
+    round_to_dtype(y);
+  }
+  launch_kernel_us(kGelu, world_.compute().memory_us(bytes_of(x) + bytes_of(y)));
+  return y;
+}
+
+Tensor SimRank::gelu_backward(const Tensor& dy, const Tensor& x) {
+  require(dy, "gelu_backward", "dy");
+  require(x, "gelu_backward", "x");
+  require_same_shape(where("gelu_backward"), dy, x);
+  require_same_dtype(dy, x, "gelu_backward");
+  Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), "gelu_backward");
+  before_kernel({&dy, &x}, "gelu_backward");
+  if (!dx.phantom()) {
+    const float *X = cdata(x), *DY = cdata(dy);
+    float* DX = sim_data(dx);
+    for (std::int64_t i = 0; i < x.numel(); ++i) {
+      const float v = X[i];
+      const float t = std::tanh(kGeluC * (v + kGeluA * v * v * v));
+      const float d = 0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * kGeluC * (1.0f + 3.0f * kGeluA * v * v);
+      DX[i] = DY[i] * d;
+    }
+    round_to_dtype(dx);
+  }
+  launch_kernel_us(kGeluBackward, world_.compute().memory_us(bytes_of(dy) + bytes_of(x) + bytes_of(dx)));
+  return dx;
+}
+
+namespace {
+// The shape of an attention call, from qkv [seq * batch, heads * 3 * head_dim].
+struct AttnDims {
+  std::int64_t seq, batch, heads, head_dim, width;  // width: heads * 3 * head_dim
+  // Column of element d of head h's q (part 0), k (1) or v (2).
+  std::int64_t col(std::int64_t h, int part, std::int64_t d) const { return (h * 3 + part) * head_dim + d; }
+  std::int64_t row(std::int64_t pos, std::int64_t b) const { return pos * batch + b; }
+};
+}  // namespace
+
+Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) {
+  const char* op = "attention";
+  require(qkv, op, "qkv");
+  if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
+      qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {
+    throw UsageError(
+        fmt::format("{}: qkv must be [seq * batch, heads * 3 * head_dim]; got {} with batch {} and {} heads",
+                    where(op), qkv.str(), batch, heads));
+  }
+  const AttnDims a{qkv.size(0) / batch, batch, heads, qkv.size(1) / (3 * heads), qkv.size(1)};
+  AttentionOut o;
+  o.out = allocate(Shape{qkv.size(0), a.heads * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
+  o.lse = allocate(Shape{batch, heads, a.seq}, DType::Float32, qkv.phantom(), op);
+  before_kernel({&qkv}, op);
+  if (!qkv.phantom()) {
+    const float* QKV = cdata(qkv);
+    float *OUT = sim_data(o.out), *LSE = sim_data(o.lse);
+    const std::int64_t out_w = a.heads * a.head_dim;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(a.head_dim));
+    std::vector<float> s(static_cast<size_t>(a.seq));
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t i = 0; i < a.seq; ++i) {
+          const float* q = QKV + a.row(i, b) * a.width + a.col(h, 0, 0);
+          const std::int64_t keys = causal ? i + 1 : a.seq;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float* k = QKV + a.row(j, b) * a.width + a.col(h, 1, 0);
+            float dot = 0;
+            for (std::int64_t d = 0; d < a.head_dim; ++d) dot += q[d] * k[d];
+            s[j] = dot * scale;
+            mx = std::max(mx, s[j]);
+          }
+          float l = 0;
+          for (std::int64_t j = 0; j < keys; ++j) l += std::exp(s[j] - mx);
+          const float lse = mx + std::log(l);
+          LSE[(b * heads + h) * a.seq + i] = lse;
+          float* out = OUT + a.row(i, b) * out_w + h * a.head_dim;
+          for (std::int64_t d = 0; d < a.head_dim; ++d) out[d] = 0;
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float p = std::exp(s[j] - lse);
+            const float* v = QKV + a.row(j, b) * a.width + a.col(h, 2, 0);
+            for (std::int64_t d = 0; d < a.head_dim; ++d) out[d] += p * v[d];
+          }
+        }
+      }
+    }
+    round_to_dtype(o.out);
+  }
+  launch_kernel_us(
+      kAttention, world_.compute().attention_us(batch, a.seq, heads, a.head_dim, causal, false, qkv.dtype()));
+  return o;
+}
+
+Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                   const Tensor& lse, std::int64_t batch, int heads, bool causal) {
+  const char* op = "attention_backward";
+  require(dout, op, "dout");
+  require(qkv, op, "qkv");
+  require(out, op, "out");
+  require(lse, op, "lse");
+  if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
+      qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {
+    throw UsageError(
+        fmt::format("{}: qkv must be [seq * batch, heads * 3 * head_dim]; got {} with batch {} and {} heads",
+                    where(op), qkv.str(), batch, heads));
+  }
+  const AttnDims a{qkv.size(0) / batch, batch, heads, qkv.size(1) / (3 * heads), qkv.size(1)};
+  const std::int64_t out_w = a.heads * a.head_dim;
+  require_shape(out, Shape{qkv.size(0), out_w}, op, "out");
+  require_shape(dout, Shape{qkv.size(0), out_w}, op, "dout");
+  require_shape(lse, Shape{batch, heads, a.seq}, op, "lse");
+  require_same_dtype(qkv, out, op);
+  require_same_dtype(qkv, dout, op);
+  require_dtype(lse, DType::Float32, op, "lse");
+  const bool ph = dout.phantom() || qkv.phantom() || out.phantom() || lse.phantom();
+  Tensor dqkv = allocate(qkv.shape(), qkv.dtype(), ph, op);
+  before_kernel({&dout, &qkv, &out, &lse}, op);
+  if (!ph) {
+    const float *QKV = cdata(qkv), *OUT = cdata(out), *DOUT = cdata(dout), *LSE = cdata(lse);
+    float* DQKV = sim_data(dqkv);
+    std::fill(DQKV, DQKV + dqkv.numel(), 0.0f);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(a.head_dim));
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t i = 0; i < a.seq; ++i) {
+          const float* q = QKV + a.row(i, b) * a.width + a.col(h, 0, 0);
+          const float* o_i = OUT + a.row(i, b) * out_w + h * a.head_dim;
+          const float* do_i = DOUT + a.row(i, b) * out_w + h * a.head_dim;
+          float* dq = DQKV + a.row(i, b) * a.width + a.col(h, 0, 0);
+          const float lse_i = LSE[(b * heads + h) * a.seq + i];
+          float delta = 0;  // D_i = dout_i . out_i (FlashAttention-2, Algorithm 2)
+          for (std::int64_t d = 0; d < a.head_dim; ++d) delta += do_i[d] * o_i[d];
+          const std::int64_t keys = causal ? i + 1 : a.seq;
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float* k = QKV + a.row(j, b) * a.width + a.col(h, 1, 0);
+            const float* v = QKV + a.row(j, b) * a.width + a.col(h, 2, 0);
+            float* dk = DQKV + a.row(j, b) * a.width + a.col(h, 1, 0);
+            float* dv = DQKV + a.row(j, b) * a.width + a.col(h, 2, 0);
+            float dot = 0, dp = 0;
+            for (std::int64_t d = 0; d < a.head_dim; ++d) {
+              dot += q[d] * k[d];
+              dp += do_i[d] * v[d];
+            }
+            const float p = std::exp(dot * scale - lse_i);
+            const float ds = p * (dp - delta) * scale;
+            for (std::int64_t d = 0; d < a.head_dim; ++d) {
+              dv[d] += p * do_i[d];
+              dq[d] += ds * k[d];
+              dk[d] += ds * q[d];
+            }
+          }
+        }
+      }
+    }
+    round_to_dtype(dqkv);
+  }
+  launch_kernel_us(kAttentionBackward,
+                   world_.compute().attention_us(batch, a.seq, heads, a.head_dim, causal, true, qkv.dtype()));
+  return dqkv;
+}
+
+namespace {
+// Token ids must be non-negative integers (a float holds them exactly up to 2^24).
+void check_ids(const std::string& where, const Tensor& ids) {
+  const float* d = sim_data(ids);
+  for (std::int64_t i = 0; i < ids.numel(); ++i) {
+    if (!(d[i] >= 0) || d[i] != std::floor(d[i]) || d[i] > 16777216.0f) {
+      throw UsageError(
+          fmt::format("{}: id {} at row {} is not a token id (an integer in [0, 2^24])", where, d[i], i));
+    }
+  }
+}
+}  // namespace
+
+Tensor SimRank::embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) {
+  const char* op = "embedding";
+  require(ids, op, "ids");
+  require(table, op, "table");
+  if (ids.ndim() != 1 || table.ndim() != 2 || vocab_start < 0) {
+    throw UsageError(
+        fmt::format("{}: needs ids [rows], table [vocab rows, dim] and vocab_start >= 0; got {}, {}, {}",
+                    where(op), ids.str(), table.str(), vocab_start));
+  }
+  require_dtype(ids, DType::Float32, op, "ids");
+  const std::int64_t rows = ids.size(0), vrows = table.size(0), dim = table.size(1);
+  Tensor out = allocate(Shape{rows, dim}, table.dtype(), ids.phantom() || table.phantom(), op);
+  before_kernel({&ids, &table}, op);
+  if (!out.phantom()) {
+    check_ids(where(op), ids);
+    const float *I = cdata(ids), *T = cdata(table);
+    float* O = sim_data(out);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t local = id_at(I, r) - vocab_start;
+      for (std::int64_t c = 0; c < dim; ++c)
+        O[r * dim + c] = local >= 0 && local < vrows ? T[local * dim + c] : 0.0f;
+    }
+  }
+  // Reads the ids and one table row per token, writes the output.
+  launch_kernel_us(kEmbedding, world_.compute().memory_us(bytes_of(ids) + 2 * bytes_of(out)));
+  return out;
+}
+
+void SimRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                                  std::int64_t vocab_start) {
+  const char* op = "embedding_backward_";
+  require(dtable, op, "dtable");
+  require(dy, op, "dy");
+  require(ids, op, "ids");
+  if (ids.ndim() != 1 || dtable.ndim() != 2 || vocab_start < 0) {
+    throw UsageError(
+        fmt::format("{}: needs ids [rows], dtable [vocab rows, dim] and vocab_start >= 0; got {}, {}, {}",
+                    where(op), ids.str(), dtable.str(), vocab_start));
+  }
+  require_shape(dy, Shape{ids.size(0), dtable.size(1)}, op, "dy");
+  require_dtype(dtable, DType::Float32, op, "dtable");
+  require_dtype(ids, DType::Float32, op, "ids");
+  require_same_kind(where(op), dtable, dy);
+  require_same_kind(where(op), dtable, ids);
+  before_kernel({&dtable, &dy, &ids}, op);
+  const std::int64_t rows = ids.size(0), vrows = dtable.size(0), dim = dtable.size(1);
+  if (!dtable.phantom()) {
+    check_ids(where(op), ids);
+    const float *I = cdata(ids), *DY = cdata(dy);
+    float* DT = sim_data(dtable);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t local = id_at(I, r) - vocab_start;
+      if (local < 0 || local >= vrows) continue;
+      for (std::int64_t c = 0; c < dim; ++c) DT[local * dim + c] += DY[r * dim + c];
+    }
+  }
+  // Reads the ids and dy, and reads and writes one float32 table row per token.
+  launch_kernel_us(kEmbeddingBackward, world_.compute().memory_us(bytes_of(ids) + bytes_of(dy) +
+                                                                  2 * kF * static_cast<double>(rows * dim)));
+}
+
+Tensor SimRank::row_max(const Tensor& logits) {
+  require(logits, "row_max", "logits");
+  if (logits.ndim() != 2) {
+    throw UsageError(
+        fmt::format("{}: 'logits' must be 2-D [rows, vocab shard]; got {}", where("row_max"), logits.str()));
+  }
+  const std::int64_t rows = logits.size(0), cols = logits.size(1);
+  Tensor out = allocate(Shape{rows}, DType::Float32, logits.phantom(), "row_max");
+  before_kernel({&logits}, "row_max");
+  if (!out.phantom()) {
+    const float* L = cdata(logits);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (std::int64_t c = 0; c < cols; ++c) mx = std::max(mx, L[r * cols + c]);
+      sim_data(out)[r] = mx;
+    }
+  }
+  launch_kernel_us(kRowMax, world_.compute().memory_us(bytes_of(logits) + bytes_of(out)));
+  return out;
+}
+
+Tensor SimRank::softmax_stats(const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                              std::int64_t vocab_start) {
+  const char* op = "softmax_stats";
+  require(logits, op, "logits");
+  require(row_max, op, "row_max");
+  require(targets, op, "targets");
+  if (logits.ndim() != 2 || vocab_start < 0) {
+    throw UsageError(fmt::format("{}: needs logits [rows, vocab shard] and vocab_start >= 0; got {}, {}",
+                                 where(op), logits.str(), vocab_start));
+  }
+  const std::int64_t rows = logits.size(0), cols = logits.size(1);
+  require_shape(row_max, Shape{rows}, op, "row_max");
+  require_shape(targets, Shape{rows}, op, "targets");
+  require_dtype(row_max, DType::Float32, op, "row_max");
+  require_dtype(targets, DType::Float32, op, "targets");
+  const bool ph = logits.phantom() || row_max.phantom() || targets.phantom();
+  Tensor out = allocate(Shape{rows, 2}, DType::Float32, ph, op);
+  before_kernel({&logits, &row_max, &targets}, op);
+  if (!ph) {
+    check_ids(where(op), targets);
+    const float *L = cdata(logits), *M = cdata(row_max), *T = cdata(targets);
+    float* O = sim_data(out);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float s = 0;
+      for (std::int64_t c = 0; c < cols; ++c) s += std::exp(L[r * cols + c] - M[r]);
+      const std::int64_t local = id_at(T, r) - vocab_start;
+      O[2 * r] = s;
+      O[2 * r + 1] = local >= 0 && local < cols ? L[r * cols + local] : 0.0f;
+    }
+  }
+  launch_kernel_us(kSoftmaxStats, world_.compute().memory_us(bytes_of(logits) + bytes_of(row_max) +
+                                                             bytes_of(targets) + bytes_of(out)));
+  return out;
+}
+
+Tensor SimRank::cross_entropy_loss(const Tensor& row_max, const Tensor& stats) {
+  const char* op = "cross_entropy_loss";
+  require(row_max, op, "row_max");
+  require(stats, op, "stats");
+  if (row_max.ndim() != 1) {
+    throw UsageError(fmt::format("{}: 'row_max' must be [rows]; got {}", where(op), row_max.str()));
+  }
+  const std::int64_t rows = row_max.size(0);
+  require_shape(stats, Shape{rows, 2}, op, "stats");
+  require_dtype(row_max, DType::Float32, op, "row_max");
+  require_dtype(stats, DType::Float32, op, "stats");
+  const bool ph = row_max.phantom() || stats.phantom();
+  Tensor out = allocate(Shape{}, DType::Float32, ph, op);
+  before_kernel({&row_max, &stats}, op);
+  if (!ph) {
+    const float *M = cdata(row_max), *S = cdata(stats);
+    double loss = 0;
+    for (std::int64_t r = 0; r < rows; ++r)
+      loss += std::log(static_cast<double>(S[2 * r])) + M[r] - S[2 * r + 1];
+    sim_data(out)[0] = static_cast<float>(loss);
+  }
+  launch_kernel_us(kCrossEntropyLoss, world_.compute().memory_us(bytes_of(row_max) + bytes_of(stats) + kF));
+  return out;
+}
+
+Tensor SimRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                       const Tensor& targets, std::int64_t vocab_start, float scale) {
+  const char* op = "cross_entropy_backward";
+  require(logits, op, "logits");
+  require(row_max, op, "row_max");
+  require(stats, op, "stats");
+  require(targets, op, "targets");
+  if (logits.ndim() != 2 || vocab_start < 0) {
+    throw UsageError(fmt::format("{}: needs logits [rows, vocab shard] and vocab_start >= 0; got {}, {}",
+                                 where(op), logits.str(), vocab_start));
+  }
+  const std::int64_t rows = logits.size(0), cols = logits.size(1);
+  require_shape(row_max, Shape{rows}, op, "row_max");
+  require_shape(stats, Shape{rows, 2}, op, "stats");
+  require_shape(targets, Shape{rows}, op, "targets");
+  require_dtype(row_max, DType::Float32, op, "row_max");
+  require_dtype(stats, DType::Float32, op, "stats");
+  require_dtype(targets, DType::Float32, op, "targets");
+  const bool ph = logits.phantom() || row_max.phantom() || stats.phantom() || targets.phantom();
+  Tensor d = allocate(logits.shape(), logits.dtype(), ph, op);
+  before_kernel({&logits, &row_max, &stats, &targets}, op);
+  if (!ph) {
+    check_ids(where(op), targets);
+    const float *L = cdata(logits), *M = cdata(row_max), *S = cdata(stats), *T = cdata(targets);
+    float* D = sim_data(d);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t local = id_at(T, r) - vocab_start;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const float p = std::exp(L[r * cols + c] - M[r]) / S[2 * r];
+        D[r * cols + c] = scale * (p - (c == local ? 1.0f : 0.0f));
+      }
+    }
+    round_to_dtype(d);
+  }
+  launch_kernel_us(kCrossEntropyBackward,
+                   world_.compute().memory_us(bytes_of(logits) + bytes_of(row_max) + bytes_of(stats) +
+                                              bytes_of(targets) + bytes_of(d)));
+  return d;
 }
 
 // ---- communication ---------------------------------------------------------------------------------
@@ -403,6 +1074,10 @@ void SimRank::validate(const CommCall& call) const {
   world_.members(call.group);  // a group this run never made is an error of its own
   check_comm_call(call, rank_, world_.size(),
                   [&](const Tensor& t, const char* arg) { require(t, comm_op_name(call.op), arg); });
+  if (call.input.defined() && call.output.defined() && call.input.dtype() != call.output.dtype()) {
+    throw UsageError(fmt::format("{}: 'in' is {} but 'out' is {}; communication does not convert dtypes",
+                                 where(comm_op_name(call.op)), call.input.str(), call.output.str()));
+  }
 }
 
 Work SimRank::communicate(const CommCall& call) {
@@ -425,6 +1100,31 @@ Work SimRank::communicate(const CommCall& call) {
   return Work(std::make_shared<SimWork>(world_, rank_, op));
 }
 
+std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
+  world_.check_aborted();
+  // Every operation is checked before any is posted, so a bad one leaves nothing half issued.
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].op != CommOp::Send && ops[i].op != CommOp::Recv) {
+      throw UsageError(fmt::format("{}: ops[{}] is {}; only send and recv can be batched",
+                                   where("batch_isend_irecv"), i, comm_op_name(ops[i].op)));
+    }
+  }
+  // Each is posted asynchronously, in order, as one group: none waits for another on its stream, so two
+  // ranks that both send first and then receive cannot deadlock (NCCL's ncclGroupStart/End).
+  std::vector<Work> works;
+  works.reserve(ops.size());
+  struct GroupScope {
+    RankState& s;
+    ~GroupScope() { s.p2p_group = 0; }
+  } scope{s_};
+  s_.p2p_group = ++s_.p2p_groups_posted;
+  for (const P2POp& p : ops) {
+    works.push_back(p.op == CommOp::Send ? send(p.tensor, p.peer, Async::Yes)
+                                         : recv(p.tensor, p.peer, Async::Yes));
+  }
+  return works;
+}
+
 // ---- time, regions, output -------------------------------------------------------------------------
 
 void SimRank::synchronize() {
@@ -443,6 +1143,35 @@ void SimRank::synchronize() {
 double SimRank::now() {
   world_.check_aborted();
   return s_.host_us;
+}
+
+Event SimRank::record_event() {
+  world_.check_aborted();
+  // The stream reaches the marker when its earlier kernels (and any synchronous collective it waits
+  // for) are done, and not before the host enqueues it.
+  fold_sync_ops("record_event");
+  return Event(std::make_shared<SimEvent>(rank_, std::max(s_.host_us, s_.compute_us)));
+}
+
+double SimRank::elapsed_us(const Event& start, const Event& end) {
+  world_.check_aborted();
+  const SimEvent* e[2] = {nullptr, nullptr};
+  const Event* ev[2] = {&start, &end};
+  const char* names[2] = {"start", "end"};
+  for (int i = 0; i < 2; ++i) {
+    if (!ev[i]->defined()) {
+      throw UsageError(fmt::format("{}: '{}' is an undefined event; make it with record_event()",
+                                   where("elapsed_us"), names[i]));
+    }
+    e[i] = dynamic_cast<const SimEvent*>(ev[i]->state());
+    if (e[i] == nullptr || e[i]->rank != rank_) {
+      throw UsageError(
+          fmt::format("{}: '{}' was recorded by {}; a rank can only time its own events", where("elapsed_us"),
+                      names[i], e[i] ? fmt::format("rank {}", e[i]->rank) : std::string("another backend")));
+    }
+  }
+  s_.host_us = std::max(s_.host_us, e[1]->time_us);  // cudaEventSynchronize on `end`
+  return e[1]->time_us - e[0]->time_us;
 }
 
 void SimRank::region_begin(const std::string& name) {

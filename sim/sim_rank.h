@@ -18,13 +18,21 @@ class SimRank : public Rank {
   int rank() const override { return rank_; }
   int world_size() const override { return world_.size(); }
 
-  Tensor empty(const Shape& s) override;
-  Tensor zeros(const Shape& s) override;
-  Tensor full(const Shape& s, float value) override;
+  using Rank::empty;
+  using Rank::from_host;
+  using Rank::full;
+  using Rank::phantom;
+  using Rank::randn;
+  using Rank::zeros;
+  Tensor empty(const Shape& s, DType dtype) override;
+  Tensor zeros(const Shape& s, DType dtype) override;
+  Tensor full(const Shape& s, float value, DType dtype) override;
   Tensor arange(const Shape& s, float start) override;
-  Tensor randn(const Shape& s, std::uint64_t seed, float std) override;
-  Tensor from_host(const Shape& s, const std::vector<float>& values) override;
-  Tensor phantom(const Shape& s) override;
+  Tensor randn(const Shape& s, std::uint64_t seed, float std, DType dtype) override;
+  Tensor randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length, std::uint64_t seed,
+                     float std, DType dtype) override;
+  Tensor from_host(const Shape& s, const std::vector<float>& values, DType dtype) override;
+  Tensor phantom(const Shape& s, DType dtype) override;
   std::vector<float> to_host(const Tensor& t) override;
 
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
@@ -34,6 +42,7 @@ class SimRank : public Rank {
   void add_(const Tensor& dst, const Tensor& src, float alpha) override;
   void scale_(const Tensor& t, float factor) override;
   void copy_(const Tensor& dst, const Tensor& src) override;
+  Tensor cast(const Tensor& t, DType dtype) override;
   Tensor sum(const Tensor& t) override;
   Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) override;
   Tensor cat(const std::vector<Tensor>& parts, int dim) override;
@@ -41,21 +50,46 @@ class SimRank : public Rank {
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamW& h,
                   int step) override;
 
+  void add_bias_(const Tensor& x, const Tensor& bias) override;
+  Tensor sum_rows(const Tensor& x) override;
+  LayerNormOut layernorm(const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) override;
+  LayerNormGrads layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                    const Tensor& mean, const Tensor& rstd) override;
+  Tensor gelu(const Tensor& x) override;
+  Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
+  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) override;
+  Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                            std::int64_t batch, int heads, bool causal) override;
+  Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
+  void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                           std::int64_t vocab_start) override;
+  Tensor row_max(const Tensor& logits) override;
+  Tensor softmax_stats(const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                       std::int64_t vocab_start) override;
+  Tensor cross_entropy_loss(const Tensor& row_max, const Tensor& stats) override;
+  Tensor cross_entropy_backward(const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                const Tensor& targets, std::int64_t vocab_start, float scale) override;
+
   Work communicate(const CommCall& call) override;
+  std::vector<Work> batch_isend_irecv(const std::vector<P2POp>& ops) override;
   Group new_group(const std::vector<int>& ranks) override { return world_.new_group(rank_, ranks); }
 
   void synchronize() override;
   double now() override;
+  Event record_event() override;
+  double elapsed_us(const Event& start, const Event& end) override;
 
   std::int64_t memory_allocated() const override { return s_.memory->allocated; }
   std::int64_t memory_peak() const override { return s_.memory->peak; }
   std::int64_t memory_capacity() const override { return s_.memory->capacity; }
+  void reset_peak_memory() override { s_.memory->peak = s_.memory->allocated; }
 
   void region_begin(const std::string& name) override;
   void region_end() override;
   void print(const std::string& line) override { world_.print(line); }
   void show(const std::string& label, const Tensor& t) override;
   void check(const std::string& what, bool passed, const std::string& detail) override;
+  void report_training(const TrainingStats& stats) override { world_.set_training(stats); }
 
   // Waits for everything the rank posted; called when its program returns.
   void finish();
@@ -63,13 +97,20 @@ class SimRank : public Rank {
  private:
   // Entry checks shared by every operation.
   void require(const Tensor& t, const char* op, const char* arg) const;
-  Tensor allocate(const Shape& s, bool phantom, const char* op);
+  // `t` must have `dtype` (kernels whose arguments have a fixed type: statistics, ids, moments).
+  void require_dtype(const Tensor& t, DType dtype, const char* op, const char* arg) const;
+  // `a` and `b` must share a dtype.
+  void require_same_dtype(const Tensor& a, const Tensor& b, const char* op) const;
+  // `t` must have the shape `want`.
+  void require_shape(const Tensor& t, const Shape& want, const char* op, const char* arg) const;
+  Tensor allocate(const Shape& s, DType dtype, bool phantom, const char* op);
   // Before a kernel touches `tensors`: the compute stream waits for synchronous communication, and an
   // async operation on one of them that was not waited on is an error.
   void before_kernel(std::initializer_list<const Tensor*> tensors, const char* op);
   void fold_sync_ops(const char* by);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
-  void launch_kernel(const char* name, double flops, double bytes);
+  void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
+  void launch_kernel_us(const std::string& name, double device_us);
   void validate(const CommCall& call) const;
   std::string where(const char* op) const;
 

@@ -2,8 +2,8 @@
 
 namespace ranklab::sim {
 
-SimStorage::SimStorage(std::shared_ptr<MemoryAccount> account, std::int64_t numel, bool phantom)
-    : Storage(account->rank, numel * static_cast<std::int64_t>(sizeof(float))), account_(std::move(account)) {
+SimStorage::SimStorage(std::shared_ptr<MemoryAccount> account, std::int64_t numel, DType dtype, bool phantom)
+    : Storage(account->rank, numel * dtype_bytes(dtype)), account_(std::move(account)) {
   // Even an empty tensor gets a buffer, so that "no buffer" always means phantom.
   if (!phantom) data_.reset(new float[numel > 0 ? numel : 1]);
   account_->allocated += bytes();

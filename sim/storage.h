@@ -23,8 +23,9 @@ struct MemoryAccount {
 
 class SimStorage : public Storage {
  public:
-  // numel floats, or none for a phantom.
-  SimStorage(std::shared_ptr<MemoryAccount> account, std::int64_t numel, bool phantom);
+  // numel floats, or none for a phantom; the account is charged numel elements of `dtype` (the
+  // simulator holds 16-bit values as floats, but the device holds them in 2 bytes).
+  SimStorage(std::shared_ptr<MemoryAccount> account, std::int64_t numel, DType dtype, bool phantom);
   ~SimStorage() override;
 
   bool phantom() const override { return data_ == nullptr; }

@@ -294,7 +294,15 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
       dep->dependents.push_back(op);
     }
   };
-  add_dep(stream.last);
+  if (s.p2p_group != 0) {
+    if (stream.group != s.p2p_group) {
+      stream.group = s.p2p_group;
+      stream.before_group = stream.last;
+    }
+    add_dep(stream.before_group);
+  } else {
+    add_dep(stream.last);
+  }
   for (const auto& sync_op : s.unfolded_sync) add_dep(sync_op);
   stream.last = op;
   ++op->arrived;

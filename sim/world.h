@@ -50,6 +50,10 @@ inline int collective_stream(int group_id) {
 struct StreamState {
   double end_us = 0;                  // when the last executed operation on it ended
   std::shared_ptr<CommOpState> last;  // the last operation posted on it
+  // Operations posted together (batch_isend_irecv) do not wait for each other, as in one NCCL group: each
+  // waits for what the stream held before the group.
+  std::uint64_t group = 0;
+  std::shared_ptr<CommOpState> before_group;
 };
 
 struct RankState {
@@ -64,6 +68,8 @@ struct RankState {
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
   int groups_created = 0;
+  std::uint64_t p2p_group = 0;  // nonzero while a batch of point-to-point operations is being posted
+  std::uint64_t p2p_groups_posted = 0;
   std::uint64_t shows = 0;
 
   // Blocking.
@@ -111,6 +117,7 @@ class SimWorld {
   void add_span(int rank, SpanKind kind, const std::string& name, double start_us, double end_us);
   void add_region(int rank, const std::string& name, double start_us, double end_us);
   void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
+  void set_training(const TrainingStats& stats) { report_.training = stats; }
   // Rethrows the first error of the run, if any.
   void rethrow_if_failed() const;
   RunReport finish_report();

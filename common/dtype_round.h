@@ -1,0 +1,73 @@
+// Rounding a float to the 16-bit floating-point types, with the result kept as a float.
+//
+// Why: the simulator keeps every value as a float but must hold the numbers a GPU holds, so after a
+// kernel writes a bfloat16 or float16 tensor each value is rounded to the nearest value of that type,
+// ties to even (IEEE 754-2008 roundTiesToEven, which is what __float2bfloat16_rn and __float2half_rn do).
+// Integer arithmetic on the bits makes the result independent of the floating-point environment and
+// usable in CUDA code (RANKLAB_HD, as in common/random.h).
+//
+// bfloat16: 1 sign, 8 exponent, 7 mantissa bits (float32's exponent range, so only the mantissa is cut).
+// float16 (IEEE binary16): 1 sign, 5 exponent, 10 mantissa bits; largest finite 65504, smallest normal
+// 2^-14, subnormals down to 2^-24; values from 65520 up round to infinity.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define RANKLAB_HD __host__ __device__
+#else
+#define RANKLAB_HD
+#endif
+
+namespace ranklab {
+
+RANKLAB_HD inline std::uint32_t float_bits(float x) {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+RANKLAB_HD inline float bits_float(std::uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+RANKLAB_HD inline float round_to_bfloat16(float x) {
+  std::uint32_t u = float_bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bits_float(u | 0x00400000u);  // NaN stays a (quiet) NaN
+  // Add just under half of the 16 dropped bits, plus the kept lowest bit, so exact halves go to even. A
+  // carry out of the mantissa bumps the exponent, and past the largest finite value that gives infinity.
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return bits_float(u & 0xFFFF0000u);
+}
+
+RANKLAB_HD inline float round_to_float16(float x) {
+  const std::uint32_t u = float_bits(x);
+  const std::uint32_t sign = u & 0x80000000u;
+  const std::uint32_t abs_bits = u & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return bits_float(u | 0x00400000u);  // NaN
+  // 65520 = 65504 + half a step (2^5 / 2): the tie goes to the even neighbour, 2^16, which overflows.
+  if (abs_bits >= 0x477FF000u) return bits_float(sign | 0x7F800000u);  // 0x477FF000 is 65520.0f
+  const int exponent = static_cast<int>(abs_bits >> 23) - 127;
+  if (exponent >= -14) {
+    // Normal float16: keep 10 of float32's 23 mantissa bits.
+    std::uint32_t r = abs_bits + 0xFFFu + ((abs_bits >> 13) & 1u);
+    return bits_float(sign | (r & 0xFFFFE000u));
+  }
+  // Subnormal float16: a multiple of 2^-24. With the implicit bit, |x| = m * 2^(exponent - 23), which is
+  // m / 2^shift units of 2^-24 with shift = -(exponent + 1) >= 14.
+  if (abs_bits < 0x00800000u) return bits_float(sign);  // float32 subnormals are far below 2^-25
+  const std::uint32_t m = (abs_bits & 0x007FFFFFu) | 0x00800000u;
+  const int shift = -(exponent + 1);
+  if (shift > 25) return bits_float(sign);  // below 2^-25: rounds to zero
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  // q <= 1024 units of 2^-24 is exact in a float (1024 units is the smallest normal, 2^-14).
+  const float v = static_cast<float>(q) * 5.9604644775390625e-08f;  // 2^-24
+  return bits_float(sign | float_bits(v));
+}
+
+}  // namespace ranklab
