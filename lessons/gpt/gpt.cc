@@ -39,16 +39,19 @@ using parallel::Param;
 // a few. bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) and every activation and weight
 // copy is rounded to it, so a gradient is good to a few percent and Adam's update, which divides by the
 // gradient's size, can flip sign where a gradient is near zero. float16 has 11 bits. Gradients: largest
-// error over the largest value, per tensor. Weights: the error of the step's update, relative to the update
-// (root of summed squares). Loss: relative.
+// error over the largest value, per tensor (a bias gradient sums a column of 16-bit values that mostly
+// cancel, so its error is large against its largest element: 14% at bf16 on the tiny model). Weights: the
+// error of the step's update relative to the update, root of summed squares over the rank's parameters.
+// Loss: relative. The bounds are about twice what the tiny model shows on one device; every deliberate
+// bug of --break is off by 50% or more.
 struct Tolerance {
   double loss, grad, weight;
 };
 Tolerance tolerance(DType d) {
   switch (d) {
-    case DType::Float32: return {1e-5, 1e-4, 1e-3};
-    case DType::Float16: return {2e-3, 2e-2, 0.1};
-    case DType::BFloat16: return {1e-2, 6e-2, 0.3};
+    case DType::Float32: return {1e-5, 1e-3, 2e-3};
+    case DType::Float16: return {1e-3, 5e-2, 0.2};
+    case DType::BFloat16: return {2e-3, 0.25, 0.3};
   }
   return {0, 0, 0};
 }
@@ -206,6 +209,12 @@ void gpt_lesson(Rank& r, const Options& o) {
     if (!ref) continue;
     // ---- the check against one device ----------------------------------------------------------------------
     auto scope = r.region("check");
+    // Weight updates are compared over all of the rank's parameters together: Adam divides by the
+    // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
+    // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
+    // are few; a wrong shard or a skipped update moves all of them.
+    double step_num = 0, step_den = 0, most_num = -1;
+    std::string most_where;
     for (const gpt::Model::Named& n : model.named_params()) {
       const Param& p = *n.p;
       const std::int64_t cols = p.local.numel() / p.rows;
@@ -232,12 +241,20 @@ void gpt_lesson(Rank& r, const Options& o) {
         if (is_grad) {
           worst_grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}", where, err, scale, rel));
         } else {
-          worst_weight.merge(rel, fmt::format("{}; |got - want| {:.3e} over |update| {:.3e} = {:.3e}", where, std::sqrt(num), std::sqrt(den), rel));
+          step_num += num, step_den += den;
+          if (num > most_num) {
+            most_num = num;
+            most_where = where;
+          }
         }
       };
       compare(p.grad, c.zero >= 2, true);
       compare(p.master, c.zero >= 1, false);
     }
+    const double wrel = std::sqrt(step_num / std::max(step_den, 1e-60));
+    worst_weight.merge(wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
+                                         "parameters; most of it at {}",
+                                         step, std::sqrt(step_num), std::sqrt(step_den), wrel, most_where));
     if (model.has_head()) {
       Tensor total = r.cast(model.loss_sum, DType::Float32);
       r.all_reduce(total, ReduceOp::Sum, Async::No, groups.dp);
