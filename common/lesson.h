@@ -51,9 +51,9 @@ struct Options {
   int interleave = 1;
   int zero = 0;
   bool seq_parallel = false;
-  std::string recompute = "none";     // none | selective | full
-  std::string order = "tp-dp-pp";     // process-group layout, innermost first
-  std::string dtype = "bf16";         // bf16 | fp16 | fp32
+  std::string recompute = "none";  // none | selective | full
+  std::string order = "tp-dp-pp";  // process-group layout, innermost first
+  std::string dtype = "bf16";      // bf16 | fp16 | fp32
   std::string grad_reduce_dtype = "fp32";
   std::string broken{};  // a deliberate bug the tests use to see the lesson's check fail
   // The hardware, from the profile, for MFU and for saying whether a tp group fits in a node (0: unknown).

@@ -77,8 +77,10 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_option("--recompute", o.recompute, "gpt: activation recomputation: none, selective or full");
   run.add_option("--order", o.order, "gpt: process-group layout, innermost first (tp-dp-pp)");
   run.add_option("--dtype", o.dtype, "gpt: bf16, fp16 or fp32 weights and activations");
-  run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype, "gpt: dtype of the data-parallel gradient reduction");
-  run.add_option("--break", o.broken, "gpt: a deliberate bug, to see the check fail (dp-sum, no-reduce-scatter, no-sp-grad-sync)")
+  run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
+                 "gpt: dtype of the data-parallel gradient reduction");
+  run.add_option("--break", o.broken,
+                 "gpt: a deliberate bug, to see the check fail (dp-sum, no-reduce-scatter, no-sp-grad-sync)")
       ->group("");
 }
 

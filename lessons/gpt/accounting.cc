@@ -100,12 +100,15 @@ std::string memory_advice(const Config& c, const MemoryPlan& p) {
   if (largest == p.activations) {
     if (c.recompute != Recompute::Full) ways.push_back("--recompute full (keeps only each block's input)");
     if (c.micro_batch > 1) ways.push_back("a smaller --micro-batch");
-    if (!c.seq_parallel && c.tp > 1) ways.push_back("--seq-parallel (activations between the pairs split by tp)");
+    if (!c.seq_parallel && c.tp > 1)
+      ways.push_back("--seq-parallel (activations between the pairs split by tp)");
     ways.push_back("more --tp or --pp");
   } else {
     if (c.zero < 3 && c.dp > 1) {
       ways.push_back(fmt::format("--zero {} (shards {} over the {} data-parallel ranks)", c.zero + 1,
-                                 c.zero == 0 ? "the optimizer state" : c.zero == 1 ? "the gradients" : "the weights",
+                                 c.zero == 0   ? "the optimizer state"
+                                 : c.zero == 1 ? "the gradients"
+                                               : "the weights",
                                  c.dp));
     }
     ways.push_back("more --tp or --pp (each rank holds fewer layers or less of each)");

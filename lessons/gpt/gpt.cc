@@ -49,21 +49,26 @@ struct Tolerance {
 };
 Tolerance tolerance(DType d) {
   switch (d) {
-    case DType::Float32: return {1e-5, 1e-3, 2e-3};
-    case DType::Float16: return {1e-3, 5e-2, 0.2};
-    case DType::BFloat16: return {2e-3, 0.25, 0.3};
+    case DType::Float32:
+      return {1e-5, 1e-3, 2e-3};
+    case DType::Float16:
+      return {1e-3, 5e-2, 0.2};
+    case DType::BFloat16:
+      return {2e-3, 0.25, 0.3};
   }
   return {0, 0, 0};
 }
 
 // Rows [first, first + rows) of a rank's tensor-parallel part of a full reference tensor.
-std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first, std::int64_t rows) {
+std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
+                               std::int64_t rows) {
   const Shape& f = p.spec.full;
   const std::int64_t cols = f.ndim() == 2 ? p.local[1] : 1, full_cols = f.ndim() == 2 ? f[1] : 1;
   const std::int64_t row0 = p.spec.tp_dim == 0 ? p.tp_start : 0, col0 = p.spec.tp_dim == 1 ? p.tp_start : 0;
   std::vector<double> out(rows * cols);
   for (std::int64_t i = 0; i < rows; ++i)
-    for (std::int64_t j = 0; j < cols; ++j) out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
+    for (std::int64_t j = 0; j < cols; ++j)
+      out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
   return out;
 }
 
@@ -78,8 +83,10 @@ struct Worst {
 
 void gpt_lesson(Rank& r, const Options& o) {
   const Config c = gpt::config_from(o, r.world_size());
-  if (!c.broken.empty() && c.broken != "dp-sum" && c.broken != "no-reduce-scatter" && c.broken != "no-sp-grad-sync") {
-    throw UsageError(fmt::format("gpt: --break must be dp-sum, no-reduce-scatter or no-sp-grad-sync (got '{}')", c.broken));
+  if (!c.broken.empty() && c.broken != "dp-sum" && c.broken != "no-reduce-scatter" &&
+      c.broken != "no-sp-grad-sync") {
+    throw UsageError(fmt::format(
+        "gpt: --break must be dp-sum, no-reduce-scatter or no-sp-grad-sync (got '{}')", c.broken));
   }
   const bool root = r.rank() == 0;
   const std::int64_t m = c.micro_batches();
@@ -96,36 +103,41 @@ void gpt_lesson(Rank& r, const Options& o) {
   }
   if (root) {
     const double n = static_cast<double>(gpt::parameter_count(c));
-    r.print(fmt::format("gpt{}: {}; {:.3g}B parameters", c.model == "custom" ? "" : " " + c.model, c.shape(), n / 1e9));
-    r.print(fmt::format("  global batch {} x seq {} = {} tokens per step; micro-batch {}: m = {} micro-batches per "
-                        "pipeline; {} steps of AdamW lr {}",
-                        c.global_batch, c.seq, c.tokens_per_step(), c.micro_batch, m, c.steps, c.lr));
+    r.print(fmt::format("gpt{}: {}; {:.3g}B parameters", c.model == "custom" ? "" : " " + c.model, c.shape(),
+                        n / 1e9));
+    r.print(fmt::format(
+        "  global batch {} x seq {} = {} tokens per step; micro-batch {}: m = {} micro-batches per "
+        "pipeline; {} steps of AdamW lr {}",
+        c.global_batch, c.seq, c.tokens_per_step(), c.micro_batch, m, c.steps, c.lr));
     r.print(fmt::format("layout: {} on {} ranks", c.layout(), r.world_size()));
     if (!o.quiet) {
       for (const std::string& line : parallel::describe_groups(layout, o.gpus_per_node)) r.print(line);
     }
-    r.print(fmt::format("FLOPs per step: model 72 B s L h^2 (1 + s/(6h) + V/(12hL)) = {:.4g} PFLOP; hardware "
-                        "(with recompute {}) {:.4g} PFLOP",
-                        flops.model / 1e15, gpt::recompute_name(c.recompute), flops.hardware / 1e15));
-    r.print(fmt::format("memory per rank, estimated before allocating (device {}):", format_bytes(r.memory_capacity())));
+    r.print(
+        fmt::format("FLOPs per step: model 72 B s L h^2 (1 + s/(6h) + V/(12hL)) = {:.4g} PFLOP; hardware "
+                    "(with recompute {}) {:.4g} PFLOP",
+                    flops.model / 1e15, gpt::recompute_name(c.recompute), flops.hardware / 1e15));
+    r.print(fmt::format("memory per rank, estimated before allocating (device {}):",
+                        format_bytes(r.memory_capacity())));
     for (int s = 0; s < c.pp; ++s) {
       if (c.pp > 4 && s == 2) r.print(fmt::format("  ... ({} more stages)", c.pp - 4));
       if (c.pp > 4 && s >= 2 && s < c.pp - 2) continue;
       const gpt::MemoryPlan& p = plans[s];
-      r.print(fmt::format("  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}  activations {:>10} "
-                          "({} micro-batch{} alive)  total {:>10}",
-                          s, format_bytes(p.weights), format_bytes(p.grads), format_bytes(p.optimizer),
-                          format_bytes(p.activations), p.most_alive, p.most_alive == 1 ? "" : "es",
-                          format_bytes(p.total())));
+      r.print(fmt::format(
+          "  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}  activations {:>10} "
+          "({} micro-batch{} alive)  total {:>10}",
+          s, format_bytes(p.weights), format_bytes(p.grads), format_bytes(p.optimizer),
+          format_bytes(p.activations), p.most_alive, p.most_alive == 1 ? "" : "es", format_bytes(p.total())));
     }
   }
   const gpt::MemoryPlan& worst = plans[worst_stage];
   if (worst.total() > r.memory_capacity()) {
-    throw OutOfMemoryError(fmt::format(
-        "gpt: out of memory: pipeline stage {} needs {} per GPU and the device holds {}; the largest part is {}. "
-        "To fit: {}",
-        worst_stage, format_bytes(worst.total()), format_bytes(r.memory_capacity()), worst.largest(),
-        gpt::memory_advice(c, worst)));
+    throw OutOfMemoryError(
+        fmt::format("gpt: out of memory: pipeline stage {} needs {} per GPU and the device holds {}; the "
+                    "largest part is {}. "
+                    "To fit: {}",
+                    worst_stage, format_bytes(worst.total()), format_bytes(r.memory_capacity()),
+                    worst.largest(), gpt::memory_advice(c, worst)));
   }
 
   // ---- the ranks' groups, the model, the schedule --------------------------------------------------------
@@ -178,13 +190,9 @@ void gpt_lesson(Rank& r, const Options& o) {
       auto region = r.region("step");
       auto forward = [&](const parallel::Task& t, const Tensor& in) {
         auto scope = r.region("forward");
-        const bool measure = step == 1 && t.mb == 0;
-        const std::int64_t before = r.memory_allocated();
         Tensor out = model.forward(t, in);
-        if (measure) {
-          stash_measured[t.chunk] =
-              r.memory_allocated() - before - (out.defined() ? out.bytes() : 0) + (in.defined() ? in.bytes() : 0);
-        }
+        // (The tensors themselves: memory_allocated() would also see a send finishing meanwhile.)
+        if (step == 1 && t.mb == 0) stash_measured[t.chunk] = model.kept_bytes(t.chunk, t.mb);
         return out;
       };
       auto backward = [&](const parallel::Task& t, const Tensor& dout) {
@@ -207,7 +215,8 @@ void gpt_lesson(Rank& r, const Options& o) {
     }
 
     if (!ref) continue;
-    // ---- the check against one device ----------------------------------------------------------------------
+    // ---- the check against one device
+    // ----------------------------------------------------------------------
     auto scope = r.region("check");
     // Weight updates are compared over all of the rank's parameters together: Adam divides by the
     // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
@@ -223,11 +232,13 @@ void gpt_lesson(Rank& r, const Options& o) {
         const std::int64_t rows = sharded ? dp.shard_valid_rows(p) : p.rows;
         std::vector<float> got = r.to_host(t);
         got.resize(rows * cols);
-        const std::vector<double> want =
-            local_part(is_grad ? ref->grad(step, n.kind, n.layer) : ref->weight(step, n.kind, n.layer), p, first, rows);
+        const std::vector<double> want = local_part(
+            is_grad ? ref->grad(step, n.kind, n.layer) : ref->weight(step, n.kind, n.layer), p, first, rows);
         double err = 0, scale = 0, num = 0, den = 0;
         std::int64_t at = 0;
-        const std::vector<double> before = is_grad ? std::vector<double>() : local_part(ref->weight(step - 1, n.kind, n.layer), p, first, rows);
+        const std::vector<double> before =
+            is_grad ? std::vector<double>()
+                    : local_part(ref->weight(step - 1, n.kind, n.layer), p, first, rows);
         for (size_t i = 0; i < want.size(); ++i) {
           const double d = std::fabs(got[i] - want[i]);
           if (!(d <= err)) err = d, at = static_cast<std::int64_t>(i);
@@ -235,11 +246,14 @@ void gpt_lesson(Rank& r, const Options& o) {
           if (!is_grad) num += d * d, den += (want[i] - before[i]) * (want[i] - before[i]);
         }
         const double rel = is_grad ? err / std::max(scale, 1e-30) : std::sqrt(num / std::max(den, 1e-60));
-        const std::string where = fmt::format("rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
-                                              r.rank(), me.tp, me.dp, me.pp, p.spec.name, is_grad ? "gradient" : "weight", at,
-                                              first, first + rows, want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
+        const std::string where = fmt::format(
+            "rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
+            r.rank(), me.tp, me.dp, me.pp, p.spec.name, is_grad ? "gradient" : "weight", at, first,
+            first + rows, want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
         if (is_grad) {
-          worst_grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}", where, err, scale, rel));
+          worst_grad.merge(
+              rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}", where,
+                               err, scale, rel));
         } else {
           step_num += num, step_den += den;
           if (num > most_num) {
@@ -252,45 +266,52 @@ void gpt_lesson(Rank& r, const Options& o) {
       compare(p.master, c.zero >= 1, false);
     }
     const double wrel = std::sqrt(step_num / std::max(step_den, 1e-60));
-    worst_weight.merge(wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
-                                         "parameters; most of it at {}",
-                                         step, std::sqrt(step_num), std::sqrt(step_den), wrel, most_where));
+    worst_weight.merge(
+        wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
+                          "parameters; most of it at {}",
+                          step, std::sqrt(step_num), std::sqrt(step_den), wrel, most_where));
     if (model.has_head()) {
       Tensor total = r.cast(model.loss_sum, DType::Float32);
       r.all_reduce(total, ReduceOp::Sum, Async::No, groups.dp);
       const double loss = r.to_host(total)[0] / static_cast<double>(c.tokens_per_step());
       const double want = ref->loss(step), rel = std::fabs(loss - want) / std::fabs(want);
       losses.push_back(loss);
-      worst_loss.merge(rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, loss, want, rel));
+      worst_loss.merge(
+          rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, loss, want, rel));
     }
   }
 
   // ---- what the run allocated against the plan ------------------------------------------------------------
-  r.check("gpt: the parameters (and data) take what the memory plan says",
-          model_bytes == mine.fixed() + data_bytes,
-          fmt::format("rank {} stage {}: allocated {} bytes, planned {} (weights {} + grads {} + optimizer {} + data {})",
-                      r.rank(), me.pp, model_bytes, mine.fixed() + data_bytes, mine.weights, mine.grads, mine.optimizer,
-                      data_bytes));
+  r.check(
+      "gpt: the parameters (and data) take what the memory plan says",
+      model_bytes == mine.fixed() + data_bytes,
+      fmt::format(
+          "rank {} stage {}: allocated {} bytes, planned {} (weights {} + grads {} + optimizer {} + data {})",
+          r.rank(), me.pp, model_bytes, mine.fixed() + data_bytes, mine.weights, mine.grads, mine.optimizer,
+          data_bytes));
   for (int k = 0; k < c.v; ++k) {
     const int vs = k * c.pp + me.pp;
     const std::int64_t want = gpt::stash_bytes(c, c.layers_per_chunk(), vs == 0, vs == c.pp * c.v - 1);
     r.check("gpt: a micro-batch keeps for backward what the memory plan says", stash_measured[k] == want,
-            fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k, stash_measured[k], want));
+            fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k, stash_measured[k],
+                        want));
   }
   if (ref) {
     const std::string who = fmt::format(" ({})", c.layout());
     r.check("gpt: every step's gradients equal one device's" + who, worst_grad.rel <= tol.grad,
             fmt::format("{} (tolerance {:.0e} for {})", worst_grad.detail, tol.grad, dtype_name(c.dtype)));
-    r.check("gpt: every step's weight updates equal one device's" + who, worst_weight.rel <= tol.weight,
-            fmt::format("{} (tolerance {:.0e} for {})", worst_weight.detail, tol.weight, dtype_name(c.dtype)));
+    r.check(
+        "gpt: every step's weight updates equal one device's" + who, worst_weight.rel <= tol.weight,
+        fmt::format("{} (tolerance {:.0e} for {})", worst_weight.detail, tol.weight, dtype_name(c.dtype)));
     if (model.has_head()) {
       r.check("gpt: every step's loss equals one device's" + who, worst_loss.rel <= tol.loss,
               fmt::format("{} (tolerance {:.0e} for {})", worst_loss.detail, tol.loss, dtype_name(c.dtype)));
     }
   }
 
-  // ---- the figures, gathered to rank 0 ----------------------------------------------------------------------
-  // Means over ranks: exposed communication per dimension, the pipeline's busy and idle time.
+  // ---- the figures, gathered to rank 0
+  // ---------------------------------------------------------------------- Means over ranks: exposed
+  // communication per dimension, the pipeline's busy and idle time.
   const int w = r.world_size();
   std::vector<float> sums(parallel::kDims + 2);
   for (int d = 0; d < parallel::kDims; ++d) sums[d] = static_cast<float>(exposed_us[d]);
@@ -341,7 +362,8 @@ void gpt_lesson(Rank& r, const Options& o) {
   r.report_training(st);
 
   for (int s = 0; s < c.steps && ref; ++s) {
-    r.print(fmt::format("step {}/{}  loss {:.6f} (one device {:.6f})", s + 1, c.steps, mx[2 * c.pp + s], ref->loss(s + 1)));
+    r.print(fmt::format("step {}/{}  loss {:.6f} (one device {:.6f})", s + 1, c.steps, mx[2 * c.pp + s],
+                        ref->loss(s + 1)));
   }
   r.print(fmt::format("step time {} (the last step, events on rank 0's compute stream); {:.0f} tokens/s",
                       human_time(step_us), c.tokens_per_step() / (step_us * 1e-6)));
@@ -351,36 +373,40 @@ void gpt_lesson(Rank& r, const Options& o) {
                                                     peak_tflops, dtype_name(c.dtype))
                                       : std::string("unknown (no peak for this device)")));
   if (c.pp > 1) {
-    r.print(fmt::format("  pipeline bubble: idle {:.1f}% of the compute time measured (mean over ranks); (p-1)/(v m) = "
-                        "{}/({} x {}) = {:.1f}% for uniform stages and free communication",
-                        100 * bubble, c.pp - 1, c.v, m, 100 * formula));
+    r.print(fmt::format(
+        "  pipeline bubble: idle {:.1f}% of the compute time measured (mean over ranks); (p-1)/(v m) = "
+        "{}/({} x {}) = {:.1f}% for uniform stages and free communication",
+        100 * bubble, c.pp - 1, c.v, m, 100 * formula));
   }
-  r.print(fmt::format("  exposed communication (the compute stream waiting, mean per rank): tp {}  sp {}  pp {} "
-                      "(receives include the bubble)  dp {}",
-                      human_time(avg[0]), human_time(avg[1]), human_time(avg[2]), human_time(avg[3])));
+  r.print(
+      fmt::format("  exposed communication (the compute stream waiting, mean per rank): tp {}  sp {}  pp {} "
+                  "(receives include the bubble)  dp {}",
+                  human_time(avg[0]), human_time(avg[1]), human_time(avg[2]), human_time(avg[3])));
   r.print("  peak memory per stage, measured (planned):");
   for (int s = 0; s < c.pp; ++s) {
     if (c.pp > 4 && s == 2) r.print(fmt::format("    ... ({} more stages)", c.pp - 4));
     if (c.pp > 4 && s >= 2 && s < c.pp - 2) continue;
-    r.print(fmt::format("    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, activations {}", s,
-                        format_bytes(mx[s]), format_bytes(plans[s].total()), format_bytes(plans[s].weights),
-                        format_bytes(plans[s].grads), format_bytes(plans[s].optimizer),
-                        format_bytes(mx[s] - plans[s].fixed())));
+    r.print(fmt::format("    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, activations {}",
+                        s, format_bytes(mx[s]), format_bytes(plans[s].total()),
+                        format_bytes(plans[s].weights), format_bytes(plans[s].grads),
+                        format_bytes(plans[s].optimizer), format_bytes(mx[s] - plans[s].fixed())));
   }
   if (!ref) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;
   }
   const bool ok = mx[nmax - 3] <= tol.grad && mx[nmax - 2] <= tol.weight && mx[nmax - 1] <= tol.loss;
-  r.print(fmt::format("equal to one device (double precision) after every step: {} (largest relative differences: "
-                      "gradients {:.2e}, weight updates {:.2e}, loss {:.2e}; tolerances for {}: {:.0e}, {:.0e}, {:.0e})",
-                      ok ? "yes" : "NO", mx[nmax - 3], mx[nmax - 2], mx[nmax - 1], dtype_name(c.dtype), tol.grad,
-                      tol.weight, tol.loss));
+  r.print(fmt::format(
+      "equal to one device (double precision) after every step: {} (largest relative differences: "
+      "gradients {:.2e}, weight updates {:.2e}, loss {:.2e}; tolerances for {}: {:.0e}, {:.0e}, {:.0e})",
+      ok ? "yes" : "NO", mx[nmax - 3], mx[nmax - 2], mx[nmax - 1], dtype_name(c.dtype), tol.grad, tol.weight,
+      tol.loss));
 }
 
 }  // namespace
 
-RANKLAB_LESSON("gpt", "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and recompute",
+RANKLAB_LESSON("gpt",
+               "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and recompute",
                gpt_lesson);
 
 }  // namespace ranklab

@@ -20,9 +20,9 @@ std::string layer_name(int layer, const char* what) {
 }  // namespace
 
 ParamSpec block_spec(const Config& c, int layer, BlockParam which) {
-  static const char* names[kBlockParams] = {"ln1 gamma", "ln1 beta", "qkv weight", "qkv bias",
-                                            "proj weight", "proj bias", "ln2 gamma", "ln2 beta",
-                                            "fc1 weight", "fc1 bias", "fc2 weight", "fc2 bias"};
+  static const char* names[kBlockParams] = {"ln1 gamma",   "ln1 beta",  "qkv weight", "qkv bias",
+                                            "proj weight", "proj bias", "ln2 gamma",  "ln2 beta",
+                                            "fc1 weight",  "fc1 bias",  "fc2 weight", "fc2 bias"};
   const std::int64_t h = c.hidden;
   // GPT-2 scales the layers that write into the residual stream by 1/sqrt(2 L), so that the stream's size
   // does not grow with depth.
@@ -37,17 +37,56 @@ ParamSpec block_spec(const Config& c, int layer, BlockParam which) {
     s.value = value;
   };
   switch (which) {
-    case kLn1G: case kLn2G: norm(1.0f); break;
-    case kLn1B: case kLn2B: norm(0.0f); break;
-    case kQkvW: s.full = Shape{h, 3 * h}; s.tp_dim = 1; s.std = kStd; break;
-    case kQkvB: s.full = Shape{3 * h}; s.tp_dim = 0; s.decay = false; break;
-    case kProjW: s.full = Shape{h, h}; s.tp_dim = 0; s.std = residual_std; break;
-    case kProjB: s.full = Shape{h}; s.decay = false; s.sp_partial = true; break;
-    case kFc1W: s.full = Shape{h, 4 * h}; s.tp_dim = 1; s.std = kStd; break;
-    case kFc1B: s.full = Shape{4 * h}; s.tp_dim = 0; s.decay = false; break;
-    case kFc2W: s.full = Shape{4 * h, h}; s.tp_dim = 0; s.std = residual_std; break;
-    case kFc2B: s.full = Shape{h}; s.decay = false; s.sp_partial = true; break;
-    default: break;
+    case kLn1G:
+    case kLn2G:
+      norm(1.0f);
+      break;
+    case kLn1B:
+    case kLn2B:
+      norm(0.0f);
+      break;
+    case kQkvW:
+      s.full = Shape{h, 3 * h};
+      s.tp_dim = 1;
+      s.std = kStd;
+      break;
+    case kQkvB:
+      s.full = Shape{3 * h};
+      s.tp_dim = 0;
+      s.decay = false;
+      break;
+    case kProjW:
+      s.full = Shape{h, h};
+      s.tp_dim = 0;
+      s.std = residual_std;
+      break;
+    case kProjB:
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    case kFc1W:
+      s.full = Shape{h, 4 * h};
+      s.tp_dim = 1;
+      s.std = kStd;
+      break;
+    case kFc1B:
+      s.full = Shape{4 * h};
+      s.tp_dim = 0;
+      s.decay = false;
+      break;
+    case kFc2W:
+      s.full = Shape{4 * h, h};
+      s.tp_dim = 0;
+      s.std = residual_std;
+      break;
+    case kFc2B:
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    default:
+      break;
   }
   return s;
 }
@@ -57,11 +96,34 @@ ParamSpec other_spec(const Config& c, OtherParam which) {
   ParamSpec s;
   s.seed = kSeed + 1'000'000 + which;
   switch (which) {
-    case kWte: s.name = "word embedding"; s.full = Shape{c.vocab, h}; s.tp_dim = 0; s.std = kStd; s.tied = true; break;
-    case kWpe: s.name = "position embedding"; s.full = Shape{c.seq, h}; s.std = kStd / 2; s.sp_partial = true; break;
-    case kLnfG: s.name = "final ln gamma"; s.full = Shape{h}; s.value = 1; s.decay = false; s.sp_partial = true; break;
-    case kLnfB: s.name = "final ln beta"; s.full = Shape{h}; s.decay = false; s.sp_partial = true; break;
-    default: break;
+    case kWte:
+      s.name = "word embedding";
+      s.full = Shape{c.vocab, h};
+      s.tp_dim = 0;
+      s.std = kStd;
+      s.tied = true;
+      break;
+    case kWpe:
+      s.name = "position embedding";
+      s.full = Shape{c.seq, h};
+      s.std = kStd / 2;
+      s.sp_partial = true;
+      break;
+    case kLnfG:
+      s.name = "final ln gamma";
+      s.full = Shape{h};
+      s.value = 1;
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    case kLnfB:
+      s.name = "final ln beta";
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    default:
+      break;
   }
   return s;
 }
@@ -82,20 +144,19 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
   const std::int64_t h = c.hidden, hl = h / c.tp, heads = c.heads / c.tp;
   std::int64_t block = lr * h * dt;  // x, the block's input: all that full recomputation keeps
   if (c.recompute != Recompute::Full) {
-    block += 4 * lr * 4                  // layernorm means and reciprocal deviations, float32
-             + 3 * lr * h * dt           // y1, x1, y2 (local rows: 1/tp of them with sequence parallelism)
-             + r * 3 * hl * dt           // qkv
-             + 2 * r * 4 * hl * dt;      // fc1's output u and gelu(u)
+    block += 4 * lr * 4              // layernorm means and reciprocal deviations, float32
+             + 3 * lr * h * dt       // y1, x1, y2 (local rows: 1/tp of them with sequence parallelism)
+             + r * 3 * hl * dt       // qkv
+             + 2 * r * 4 * hl * dt;  // fc1's output u and gelu(u)
     if (c.recompute == Recompute::None) block += r * hl * dt + 4 * r * heads;  // attention out and lse
   }
   std::int64_t total = layers * block;
   if (head) {
-    total += 2 * lr * h * dt + 2 * lr * 4          // x, y, mean, rstd of the final layernorm
+    total += 2 * lr * h * dt + 2 * lr * 4              // x, y, mean, rstd of the final layernorm
              + r * (c.vocab / c.tp) * dt + 3 * r * 4;  // logits, row max, softmax statistics
   }
   return total;
 }
-
 
 Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
              parallel::DataParallel& dp)
@@ -142,7 +203,8 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
     if (c.phantom) return r.phantom({rows}, DType::Float32);
     std::vector<float> v(rows);
     for (std::int64_t pos = 0; pos < c.seq; ++pos) {
-      for (std::int64_t s = 0; s < mb; ++s) v[pos * mb + s] = static_cast<float>(token(c, first_sample + s, pos + shift));
+      for (std::int64_t s = 0; s < mb; ++s)
+        v[pos * mb + s] = static_cast<float>(token(c, first_sample + s, pos + shift));
     }
     return r.from_host({rows}, v);
   };
@@ -163,6 +225,21 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
 
 bool Model::has_head() const {
   return chunks_.back().head;
+}
+
+std::int64_t Model::kept_bytes(int chunk, int mb) const {
+  const Stash& st = stash_[chunk][mb];
+  std::int64_t n = 0;
+  auto add = [&](const Tensor& t) { n += t.defined() ? t.bytes() : 0; };
+  for (const BlockActs& a : st.blocks) {
+    for (const Tensor* t : {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.x1, &a.mean2,
+                            &a.rstd2, &a.y2, &a.u, &a.g}) {
+      add(*t);
+    }
+  }
+  const HeadActs& h = st.head;
+  for (const Tensor* t : {&h.x, &h.mean, &h.rstd, &h.y, &h.logits, &h.row_max, &h.stats}) add(*t);
+  return n;
 }
 
 void Model::start_step() {
@@ -204,7 +281,8 @@ Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
   return w;
 }
 
-// ---- one block ----------------------------------------------------------------------------------------------
+// ---- one block
+// ----------------------------------------------------------------------------------------------
 
 Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all) {
   Rank& r = r_;
@@ -252,7 +330,8 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   parallel::LinearGrads fc1 = parallel::linear_backward(r, tp_.enter(a.y2), w[kFc1W], du, true, true);
   dp_.add_grad(b.p[kFc1W], fc1.dw);
   dp_.add_grad(b.p[kFc1B], fc1.db);
-  Rank::LayerNormGrads ln2 = r.layernorm_backward(tp_.enter_backward(fc1.dx), a.x1, w[kLn2G], a.mean2, a.rstd2);
+  Rank::LayerNormGrads ln2 =
+      r.layernorm_backward(tp_.enter_backward(fc1.dx), a.x1, w[kLn2G], a.mean2, a.rstd2);
   dp_.add_grad(b.p[kLn2G], ln2.dgamma);
   dp_.add_grad(b.p[kLn2B], ln2.dbeta);
   const Tensor dx1 = r.add(dx2, ln2.dx);
@@ -266,13 +345,15 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   parallel::LinearGrads qkv = parallel::linear_backward(r, tp_.enter(a.y1), w[kQkvW], dqkv, true, true);
   dp_.add_grad(b.p[kQkvW], qkv.dw);
   dp_.add_grad(b.p[kQkvB], qkv.db);
-  Rank::LayerNormGrads ln1 = r.layernorm_backward(tp_.enter_backward(qkv.dx), a.x, w[kLn1G], a.mean1, a.rstd1);
+  Rank::LayerNormGrads ln1 =
+      r.layernorm_backward(tp_.enter_backward(qkv.dx), a.x, w[kLn1G], a.mean1, a.rstd1);
   dp_.add_grad(b.p[kLn1G], ln1.dgamma);
   dp_.add_grad(b.p[kLn1B], ln1.dbeta);
   return r.add(dx1, ln1.dx);
 }
 
-// ---- the embedding and the output layer ---------------------------------------------------------------------
+// ---- the embedding and the output layer
+// ---------------------------------------------------------------------
 
 Tensor Model::embed_forward(int mb) {
   parallel::DataParallel::Gathered wte = dp_.gather(wte_), wpe = dp_.gather(wpe_);
@@ -305,7 +386,8 @@ void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
     r_.all_reduce(h.row_max, ReduceOp::Max, Async::No, tp_.group);
     tp_.exposed.after(parallel::Dim::Tp, e);
   }
-  h.stats = tp_.all_reduce(r_.softmax_stats(h.logits, h.row_max, targets_[mb], vocab_start_), parallel::Dim::Tp);
+  h.stats =
+      tp_.all_reduce(r_.softmax_stats(h.logits, h.row_max, targets_[mb], vocab_start_), parallel::Dim::Tp);
   r_.add_(loss_sum, r_.cross_entropy_loss(h.row_max, h.stats), 1.0f);
 }
 
@@ -331,7 +413,8 @@ Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
   return ln.dx;
 }
 
-// ---- a pipeline task: one micro-batch through one chunk -------------------------------------------------------
+// ---- a pipeline task: one micro-batch through one chunk
+// -------------------------------------------------------
 
 Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
   Chunk& ch = chunks_[t.chunk];

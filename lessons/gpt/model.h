@@ -26,7 +26,21 @@
 namespace ranklab::gpt {
 
 // The parameters of a block, in this order.
-enum BlockParam { kLn1G, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2G, kLn2B, kFc1W, kFc1B, kFc2W, kFc2B, kBlockParams };
+enum BlockParam {
+  kLn1G,
+  kLn1B,
+  kQkvW,
+  kQkvB,
+  kProjW,
+  kProjB,
+  kLn2G,
+  kLn2B,
+  kFc1W,
+  kFc1B,
+  kFc2W,
+  kFc2B,
+  kBlockParams
+};
 // Their initial values and how tensor parallelism splits them. qkv's columns are per head (q, k, v of head
 // 0, then of head 1, ...), so a column block is whole heads.
 parallel::ParamSpec block_spec(const Config& c, int layer, BlockParam which);
@@ -62,6 +76,8 @@ class Model {
   std::vector<Named> named_params();
 
   bool has_head() const;
+  // The bytes of what a chunk keeps for the backward of a micro-batch after its forward.
+  std::int64_t kept_bytes(int chunk, int mb) const;
   // Sum over this step's micro-batches of the loss summed over their tokens (float32 scalar, last stage).
   Tensor loss_sum;
   void start_step();

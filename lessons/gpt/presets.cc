@@ -19,7 +19,8 @@ const std::vector<Preset>& presets() {
   // (128 sequences, 1M tokens) is a choice of this preset, not of the source.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
-      {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Medium, 0.5M tokens)"},
+      {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
+       "Brown et al. 2020, Table 2.1 (GPT-3 Medium, 0.5M tokens)"},
       {"gpt3-1.3b", 24, 2048, 16, 2048, 51200, 512, "Brown et al. 2020, Table 2.1 (GPT-3 XL, 1M tokens)"},
       {"gpt3-2.7b", 32, 2560, 32, 2048, 51200, 512, "Brown et al. 2020, Table 2.1 (GPT-3 2.7B, 1M tokens)"},
       {"gpt3-6.7b", 32, 4096, 32, 2048, 51200, 1024, "Brown et al. 2020, Table 2.1 (GPT-3 6.7B, 2M tokens)"},
@@ -38,7 +39,8 @@ const Preset& find_preset(const std::string& name) {
     if (p.name == name) return p;
     names.push_back(p.name);
   }
-  throw UsageError(fmt::format("--model: no preset called '{}'; the presets are: {}", name, fmt::join(names, ", ")));
+  throw UsageError(
+      fmt::format("--model: no preset called '{}'; the presets are: {}", name, fmt::join(names, ", ")));
 }
 
 }  // namespace ranklab::gpt

@@ -24,8 +24,8 @@ Vec mm(const Vec& x, const Vec& w, std::int64_t n, std::int64_t m, std::int64_t 
   return y;
 }
 // dw[m, k] += x^T dy ; dx[n, m] = dy w^T
-void mm_backward(const Vec& x, const Vec& w, const Vec& dy, std::int64_t n, std::int64_t m, std::int64_t k, Vec& dw,
-                 Vec* dx) {
+void mm_backward(const Vec& x, const Vec& w, const Vec& dy, std::int64_t n, std::int64_t m, std::int64_t k,
+                 Vec& dw, Vec* dx) {
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < m; ++j) {
       const double a = x[i * m + j];
@@ -106,14 +106,17 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
   const int count = static_cast<int>(L * kBlockParams + kOtherParams);
   std::vector<parallel::ParamSpec> specs(count);
   for (int l = 0; l < L; ++l)
-    for (int k = 0; k < kBlockParams; ++k) specs[l * kBlockParams + k] = block_spec(c_, l, static_cast<BlockParam>(k));
-  for (int k = 0; k < kOtherParams; ++k) specs[L * kBlockParams + k] = other_spec(c_, static_cast<OtherParam>(k));
+    for (int k = 0; k < kBlockParams; ++k)
+      specs[l * kBlockParams + k] = block_spec(c_, l, static_cast<BlockParam>(k));
+  for (int k = 0; k < kOtherParams; ++k)
+    specs[L * kBlockParams + k] = other_spec(c_, static_cast<OtherParam>(k));
   std::vector<Vec> w(count), m(count), v(count);
   for (int i = 0; i < count; ++i) {
     const std::int64_t size = specs[i].full.numel();
     w[i].resize(size);
     for (std::int64_t e = 0; e < size; ++e) {
-      w[i][e] = specs[i].std > 0 ? static_cast<double>(specs[i].std * normal_at(specs[i].seed, e)) : specs[i].value;
+      w[i][e] =
+          specs[i].std > 0 ? static_cast<double>(specs[i].std * normal_at(specs[i].seed, e)) : specs[i].value;
     }
     m[i].assign(size, 0.0);
     v[i].assign(size, 0.0);
@@ -141,7 +144,8 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
     // ---- forward
     Vec x(n * h);
     for (std::int64_t i = 0; i < n; ++i)
-      for (std::int64_t j = 0; j < h; ++j) x[i * h + j] = w[other + kWte][tok[i] * h + j] + w[other + kWpe][(i % S) * h + j];
+      for (std::int64_t j = 0; j < h; ++j)
+        x[i * h + j] = w[other + kWte][tok[i] * h + j] + w[other + kWpe][(i % S) * h + j];
     std::vector<Acts> acts(L);
     const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
     for (int l = 0; l < L; ++l) {
@@ -155,9 +159,15 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       for (std::int64_t b = 0; b < B; ++b) {
         for (std::int64_t hh = 0; hh < H; ++hh) {
           Vec& p = a.probs[b * H + hh];
-          auto q = [&](std::int64_t s, std::int64_t d) { return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + d]; };
-          auto k = [&](std::int64_t s, std::int64_t d) { return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + hd + d]; };
-          auto vv = [&](std::int64_t s, std::int64_t d) { return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + 2 * hd + d]; };
+          auto q = [&](std::int64_t s, std::int64_t d) {
+            return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + d];
+          };
+          auto k = [&](std::int64_t s, std::int64_t d) {
+            return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + hd + d];
+          };
+          auto vv = [&](std::int64_t s, std::int64_t d) {
+            return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + 2 * hd + d];
+          };
           for (std::int64_t i = 0; i < S; ++i) {
             double mx = -1e300;
             for (std::int64_t j = 0; j <= i; ++j) {
@@ -207,7 +217,8 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       for (std::int64_t t = 0; t < V; ++t) sum += std::exp(dlog[i * V + t] - mx);
       loss += std::log(sum) + mx - dlog[i * V + tgt[i]];
       for (std::int64_t t = 0; t < V; ++t) {
-        dlog[i * V + t] = (std::exp(dlog[i * V + t] - mx) / sum - (t == tgt[i] ? 1.0 : 0.0)) / static_cast<double>(n);
+        dlog[i * V + t] =
+            (std::exp(dlog[i * V + t] - mx) / sum - (t == tgt[i] ? 1.0 : 0.0)) / static_cast<double>(n);
       }
     }
     loss_.push_back(loss / static_cast<double>(n));
@@ -247,7 +258,9 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       for (std::int64_t b = 0; b < B; ++b) {
         for (std::int64_t hh = 0; hh < H; ++hh) {
           const Vec& p = a.probs[b * H + hh];
-          auto col = [&](std::int64_t s, int part, std::int64_t d) { return (b * S + s) * 3 * h + hh * 3 * hd + part * hd + d; };
+          auto col = [&](std::int64_t s, int part, std::int64_t d) {
+            return (b * S + s) * 3 * h + hh * 3 * hd + part * hd + d;
+          };
           for (std::int64_t i = 0; i < S; ++i) {
             Vec dp(i + 1);
             double dot = 0;

@@ -120,29 +120,30 @@ std::string some_groups(int count, F ranks_of) {
 
 std::vector<std::string> describe_groups(const Layout& l, int gpus_per_node) {
   std::vector<std::string> out;
-  out.push_back(fmt::format("process groups, order {} (innermost first): rank = position in the order's "
-                            "dimensions, the first varying fastest",
-                            l.order));
+  out.push_back(
+      fmt::format("process groups, order {} (innermost first): rank = position in the order's "
+                  "dimensions, the first varying fastest",
+                  l.order));
   out.push_back(fmt::format("  tp:{}", some_groups(l.pp * l.dp, [&](int i) {
-                  std::vector<int> v;
-                  for (int t = 0; t < l.tp; ++t) v.push_back(l.rank_of(t, i % l.dp, i / l.dp));
-                  return v;
-                })));
+                              std::vector<int> v;
+                              for (int t = 0; t < l.tp; ++t) v.push_back(l.rank_of(t, i % l.dp, i / l.dp));
+                              return v;
+                            })));
   out.push_back(fmt::format("  dp:{}", some_groups(l.pp * l.tp, [&](int i) {
-                  std::vector<int> v;
-                  for (int d = 0; d < l.dp; ++d) v.push_back(l.rank_of(i % l.tp, d, i / l.tp));
-                  return v;
-                })));
+                              std::vector<int> v;
+                              for (int d = 0; d < l.dp; ++d) v.push_back(l.rank_of(i % l.tp, d, i / l.tp));
+                              return v;
+                            })));
   out.push_back(fmt::format("  pp:{}", some_groups(l.dp * l.tp, [&](int i) {
-                  std::vector<int> v;
-                  for (int p = 0; p < l.pp; ++p) v.push_back(l.rank_of(i % l.tp, i / l.tp, p));
-                  return v;
-                })));
+                              std::vector<int> v;
+                              for (int p = 0; p < l.pp; ++p) v.push_back(l.rank_of(i % l.tp, i / l.tp, p));
+                              return v;
+                            })));
   if (gpus_per_node > 0) {
     const int a = l.rank_of(0, 0, 0), b = l.rank_of(l.tp - 1, 0, 0);
     const bool inside = a / gpus_per_node == b / gpus_per_node;
-    out.push_back(fmt::format("  a tp group {} one node ({} GPUs per node){}", inside ? "fits in" : "spans more than",
-                              gpus_per_node,
+    out.push_back(fmt::format("  a tp group {} one node ({} GPUs per node){}",
+                              inside ? "fits in" : "spans more than", gpus_per_node,
                               inside ? "" : ": its all-reduces cross the network; put tp first in --order"));
   }
   return out;

@@ -8,8 +8,7 @@ std::vector<Task> schedule(int pp, int stage, int v, int m) {
   const int total = m * v;
   // Warm-up: enough forwards that the rank after this one never waits for one. With chunks, a micro-batch
   // comes back to this rank after going around all pp ranks, so the warm-up grows by pp per extra chunk.
-  const int warmup =
-      std::min(total, v == 1 ? pp - stage - 1 : (pp - stage - 1) * 2 + (v - 1) * pp);
+  const int warmup = std::min(total, v == 1 ? pp - stage - 1 : (pp - stage - 1) * 2 + (v - 1) * pp);
   // The k-th forward of this rank: micro-batches go through the chunks in groups of pp.
   auto task = [&](int k, bool forward) {
     const int in_group = k % (pp * v);
@@ -70,8 +69,10 @@ void Pipeline::run(const Shape& act, DType dtype, const Fn& forward, const Fn& b
   };
 
   Incoming in;
-  std::vector<Work> sends;  // the previous transition's send, waited one task later
-  std::vector<Tensor> sent;
+  // Sends are waited on only at the end: a send completes when its receiver posts the receive, which in the
+  // interleaved schedule can be several tasks later, and a rank that waited for it earlier would stop
+  // posting the receives its neighbours' sends need. The operation keeps the tensor until it has gone.
+  std::vector<Work> sends;
   if (pp_ > 1 && needs_input(order_[0])) {
     std::vector<Work> w = post(nullptr, nullptr, &order_[0], in);
     in.work = w.back();
@@ -88,22 +89,12 @@ void Pipeline::run(const Shape& act, DType dtype, const Fn& forward, const Fn& b
                            : backward(t, needs_input(t) ? in.t : Tensor());
     if (timed) task_events_.push_back(r_.record_event());
     in = {};
-    for (Work& w : sends) {
-      const Event e = exposed_.before();
-      w.wait();
-      exposed_.after(Dim::Pp, e);
-    }
-    sends.clear();
-    sent.clear();
     if (pp_ == 1) continue;
     const bool more = i + 1 < order_.size();
     const Task* upcoming = more && needs_input(order_[i + 1]) ? &order_[i + 1] : nullptr;
     const bool send = sends_output(t);
     std::vector<Work> w = post(send ? &out : nullptr, &t, upcoming, in);
-    if (send) {
-      sends.push_back(w.front());
-      sent.push_back(out);
-    }
+    if (send) sends.push_back(w.front());
     if (upcoming != nullptr) in.work = w.back();
   }
   for (Work& w : sends) {

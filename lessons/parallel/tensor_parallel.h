@@ -44,9 +44,9 @@ struct TensorParallel {
   // g, backward: the output gradient as the row-parallel layer needs it (SP: gathered).
   Tensor leave_backward(const Tensor& dy);
 
-  Tensor all_reduce(const Tensor& t, Dim d);  // in place, returns t
-  Tensor all_gather(const Tensor& local);     // along rows
-  Tensor reduce_scatter(const Tensor& whole); // along rows
+  Tensor all_reduce(const Tensor& t, Dim d);   // in place, returns t
+  Tensor all_gather(const Tensor& local);      // along rows
+  Tensor reduce_scatter(const Tensor& whole);  // along rows
 };
 
 // A linear layer y = x @ w (+ b) and its backward, the same whether w is a column block or a row block:

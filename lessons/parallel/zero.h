@@ -34,21 +34,21 @@
 namespace ranklab::parallel {
 
 struct ParamSpec {
-  std::string name;     // "layer 3 qkv weight"
-  Shape full;           // the whole parameter, as one device holds it
-  int tp_dim = -1;      // the dimension tensor parallelism splits, or -1: every tp rank holds all of it
-  bool decay = true;    // AdamW's weight decay applies (not to biases and norms)
+  std::string name;         // "layer 3 qkv weight"
+  Shape full;               // the whole parameter, as one device holds it
+  int tp_dim = -1;          // the dimension tensor parallelism splits, or -1: every tp rank holds all of it
+  bool decay = true;        // AdamW's weight decay applies (not to biases and norms)
   bool sp_partial = false;  // with sequence parallelism a tp rank's gradient covers its own tokens only
   bool tied = false;        // the word embedding: the output layer shares it
   std::uint64_t seed = 0;
-  float std = 0;    // normal(0, std) from `seed` when std > 0, else the constant `value`
+  float std = 0;  // normal(0, std) from `seed` when std > 0, else the constant `value`
   float value = 0;
 };
 
 struct Param {
   ParamSpec spec;
-  Shape local;               // this tp rank's part
-  std::int64_t tp_start = 0; // where it starts along spec.tp_dim
+  Shape local;                // this tp rank's part
+  std::int64_t tp_start = 0;  // where it starts along spec.tp_dim
   std::int64_t rows = 0, rows_padded = 0, shard_rows = 0;
   Tensor copy;    // compute dtype: the local part (zero 3: this rank's shard)
   Tensor master;  // float32: the local part (zero >= 1: the shard)
@@ -58,8 +58,8 @@ struct Param {
 
 struct ZeroConfig {
   int stage = 0;
-  DType dtype = DType::BFloat16;         // weights and activations
-  DType reduce_dtype = DType::Float32;   // the gradient reduction
+  DType dtype = DType::BFloat16;        // weights and activations
+  DType reduce_dtype = DType::Float32;  // the gradient reduction
   bool phantom = false;
   int tp_rank = 0, tp_size = 1, dp_rank = 0, dp_size = 1;
   Group tp, dp, embedding;
