@@ -5,6 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
 
 #include "common/errors.h"
 #include "common/random.h"
@@ -55,6 +59,19 @@ Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t 
 Tensor make_weight(Rank& r, const Options& o, int layer) {
   if (o.phantom) return r.phantom({o.dim, o.dim});
   return r.randn({o.dim, o.dim}, kWeightSeed + layer, weight_std(o.dim));
+}
+
+Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols) {
+  if (o.phantom) return r.phantom({o.dim, cols});
+  const float std = weight_std(o.dim);
+  std::vector<float> v(o.dim * cols);
+  for (std::int64_t i = 0; i < o.dim; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      v[i * cols + j] =
+          std * normal_at(kWeightSeed + layer, static_cast<std::uint64_t>(i * o.dim + first_col + j));
+    }
+  }
+  return r.from_host({o.dim, cols}, v);
 }
 
 // ---- one layer --------------------------------------------------------------------------------------------
@@ -129,9 +146,27 @@ Matrix matmul(const Matrix& a, const Matrix& b, std::int64_t n, std::int64_t k, 
   }
   return c;
 }
+
+// The training itself: the model's weights, gradients and optimizer state, as one device holds them.
+class Training {
+ public:
+  explicit Training(const Options& o);
+  void step();
+  double loss() const { return loss_; }
+  const std::vector<std::vector<float>>& grads() const { return grads_; }
+  const std::vector<std::vector<float>>& weights() const { return weights_; }
+
+ private:
+  Options o_;
+  Matrix x_;  // the batch, row-major batch x dim
+  std::vector<Matrix> weights_, grads_, m_, v_;
+  double loss_ = 0;
+  int t_ = 0;
+};
+
 }  // namespace
 
-Reference::Reference(const Options& o) : o_(o) {
+Training::Training(const Options& o) : o_(o) {
   const std::int64_t d = o.dim;
   const float std = weight_std(d);
   for (int l = 0; l < o.layers; ++l) {
@@ -149,7 +184,7 @@ Reference::Reference(const Options& o) : o_(o) {
   x_ = std::move(x);
 }
 
-void Reference::step() {
+void Training::step() {
   const std::int64_t b = o_.batch, d = o_.dim;
   // Forward, keeping every layer's output.
   std::vector<Matrix> acts{x_};
@@ -192,6 +227,102 @@ void Reference::step() {
       w[i] = static_cast<float>(p - lr * m_hat / (std::sqrt(v_hat) + h.eps));
     }
   }
+}
+
+struct Reference::Result {
+  double loss = 0;
+  std::vector<std::vector<float>> grads, weights;
+};
+
+// One training for every rank's reference. Step k's result is kept until every rank that shares the
+// training has taken it; a rank keeps the result of its last step for as long as it needs it.
+struct Reference::Shared {
+  explicit Shared(const Options& o) : training(o) {
+    auto r = std::make_shared<Result>();
+    r->grads = training.grads();
+    r->weights = training.weights();
+    initial = std::move(r);
+  }
+
+  // One reference fewer waits for result k: it took it, or it is gone.
+  void release_one(size_t k) {
+    if (--waiting[k] > 0) return;
+    results[k].reset();
+  }
+
+  std::shared_ptr<const Result> take(int step) {
+    std::lock_guard<std::mutex> lock(mu);
+    while (static_cast<int>(results.size()) < step) {
+      training.step();
+      auto r = std::make_shared<Result>();
+      r->loss = training.loss();
+      r->grads = training.grads();
+      r->weights = training.weights();
+      results.push_back(std::move(r));
+      waiting.push_back(users);
+    }
+    std::shared_ptr<const Result> r = results[step - 1];
+    if (!r) throw std::logic_error("the one-device reference was asked for a step it no longer keeps");
+    release_one(step - 1);
+    return r;
+  }
+
+  std::mutex mu;
+  Training training;
+  std::shared_ptr<const Result> initial;
+  std::vector<std::shared_ptr<const Result>> results;  // results[k - 1]: after step k, until all took it
+  std::vector<int> waiting;                            // how many references have yet to take each one
+  int users = 0;                                       // the references sharing this training
+};
+
+namespace {
+// The trainings in use, by the options that decide the numbers. A run's ranks all make their reference
+// before its first step, so they find each other here; when the last one is gone, so is the training.
+std::shared_ptr<Reference::Shared> shared_training(const Options& o) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<Reference::Shared>> trainings;
+  const std::string key =
+      fmt::format("batch {} dim {} layers {} {} lr {:a}", o.batch, o.dim, o.layers, o.optimizer, o.lr);
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto it = trainings.begin(); it != trainings.end();) {
+    it = it->second.expired() ? trainings.erase(it) : std::next(it);
+  }
+  std::shared_ptr<Reference::Shared> s = trainings[key].lock();
+  if (s) {
+    std::lock_guard<std::mutex> inner(s->mu);
+    if (s->results.empty()) {  // one that comes after a step was taken (the next lesson) trains anew
+      ++s->users;
+      return s;
+    }
+  }
+  s = std::make_shared<Reference::Shared>(o);
+  s->users = 1;
+  trainings[key] = s;
+  return s;
+}
+}  // namespace
+
+Reference::Reference(const Options& o) : dim_(o.dim), shared_(shared_training(o)), now_(shared_->initial) {}
+
+Reference::~Reference() {
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  --shared_->users;
+  // The results of the steps this reference did not take need one taker fewer.
+  for (size_t k = t_; k < shared_->results.size(); ++k) shared_->release_one(k);
+}
+
+void Reference::step() {
+  now_ = shared_->take(++t_);
+}
+
+double Reference::loss() const {
+  return now_->loss;
+}
+const std::vector<float>& Reference::grad(int layer) const {
+  return now_->grads[layer];
+}
+const std::vector<float>& Reference::weight(int layer) const {
+  return now_->weights[layer];
 }
 
 std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::int64_t cols,
@@ -306,10 +437,12 @@ std::vector<std::vector<float>> gather_to_root(Rank& r, const std::vector<float>
   const auto n = static_cast<std::int64_t>(mine.size());
   const int w = r.world_size();
   Tensor in = r.from_host({n}, mine);
-  Tensor out = r.zeros({n * w});  // significant on rank 0 only; the same shape everywhere keeps it simple
+  // Only rank 0 receives, so only rank 0 holds W x n: the other ranks' memory does not grow with the world.
+  const bool root = r.rank() == 0;
+  Tensor out = root ? r.zeros({n * w}) : Tensor();
   r.gather(out, in, 0);
   std::vector<std::vector<float>> all;
-  if (r.rank() != 0) return all;
+  if (!root) return all;
   std::vector<float> flat = r.to_host(out);
   for (int i = 0; i < w; ++i) all.emplace_back(flat.begin() + i * n, flat.begin() + (i + 1) * n);
   return all;

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,10 @@ Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t 
 // Layer `layer`'s weight, dim x dim, normal with He's standard deviation sqrt(2 / dim), which keeps the
 // size of the activations steady through relu layers.
 Tensor make_weight(Rank& r, const Options& o, int layer);
+// Columns [first_col, first_col + cols) of layer `layer`'s weight, dim x cols, with the same numbers as
+// those columns of make_weight's; only the slice is made (on the host, then copied to the device), as a
+// framework reads only its shard from a checkpoint.
+Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols);
 
 // ---- one layer, forward and backward by hand --------------------------------------------------------------
 
@@ -89,22 +94,32 @@ class Optimizer {
 // it shares no code with the lessons' forward and backward, so a wrong backward fails the check too.
 // Sums are taken in double precision: the reference is more exact than float32, and the check's tolerance
 // measures how far the distributed float32 training strays from it.
+//
+// Every rank of a run checks itself against the same reference, so it is computed once per run, not once
+// per rank: the ranks' Reference objects made with the same options share one training, and each step's
+// results are kept until no rank needs them. The sharing is safe across threads (the CUDA backend runs one
+// thread per GPU).
 class Reference {
  public:
   explicit Reference(const Options& o);
+  ~Reference();
+  Reference(const Reference&) = delete;
+  Reference& operator=(const Reference&) = delete;
   void step();  // one step on the full batch: loss, gradients, then the optimizer
 
-  std::int64_t dim() const { return o_.dim; }
-  double loss() const { return loss_; }  // of the last step, before its update
+  std::int64_t dim() const { return dim_; }
+  double loss() const;  // of the last step, before its update
   // Row-major dim x dim values: the gradient of the last step, and the weight after it.
-  const std::vector<float>& grad(int layer) const { return grads_[layer]; }
-  const std::vector<float>& weight(int layer) const { return weights_[layer]; }
+  const std::vector<float>& grad(int layer) const;
+  const std::vector<float>& weight(int layer) const;
+
+  struct Shared;  // the one training all ranks' references read
+  struct Result;  // one step's loss, gradients and weights
 
  private:
-  Options o_;
-  std::vector<float> x_;  // the batch, row-major batch x dim
-  std::vector<std::vector<float>> weights_, grads_, m_, v_;
-  double loss_ = 0;
+  std::int64_t dim_;
+  std::shared_ptr<Shared> shared_;
+  std::shared_ptr<const Result> now_;  // the state after this rank's last step()
   int t_ = 0;
 };
 

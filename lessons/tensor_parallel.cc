@@ -18,35 +18,36 @@
 namespace ranklab {
 namespace {
 
-// The collectives put the ranks' pieces one after another along dimension 0 (rows), and the lesson's
-// pieces are column blocks; these two helpers do the rearranging, as the lecture's torch.cat(..., dim=1).
+// The collectives put the ranks' pieces one after another along dimension 0, and a rank's piece of each
+// layer's output is a block of columns. The lecture rearranges them with torch.cat(..., dim=1), which costs
+// every rank W slices and a cat at every layer. Here the activations are kept transposed instead, one row
+// per feature and one column per sample: a rank's columns of the output are then a block of rows, the
+// all_gather's stacking along dimension 0 is exactly the whole output, and the reduce_scatter's split along
+// dimension 0 hands each rank exactly its block. The products are the same, written for the transposes:
+//
+//   h^T  = relu(w^T @ x^T)          [dim/W, batch]   (w: [dim, dim/W], this rank's columns)
+//   dw   = x^T @ dz                 = (x^T) @ (dz^T)^T                 [dim, dim/W]
+//   dx^T = w @ dz^T                 [dim, batch], a partial sum over ranks, reduced and scattered
 
-// [batch, dim/W] on every rank -> [batch, dim]: every rank's columns side by side.
-Tensor all_gather_columns(Rank& r, const Options& o, const Tensor& part, mlp::Traffic& traffic) {
-  const int world = r.world_size();
-  const std::int64_t rows = part.size(0);
-  Tensor stacked = mlp::buffer(r, o, {world * rows, part.size(1)});
-  r.all_gather(stacked, part);
-  traffic.add(stacked);
-  if (world == 1) return stacked;
-  std::vector<Tensor> blocks;
-  for (int i = 0; i < world; ++i) blocks.push_back(r.slice(stacked, 0, i * rows, rows));
-  return r.cat(blocks, 1);
+// h^T = relu(w^T @ x^T) for this rank's columns; `x_rows` says whether x is held as [batch, dim] (the
+// samples as made) rather than transposed.
+Tensor forward_columns(Rank& r, const Tensor& x, bool x_rows, const Tensor& w) {
+  return r.relu(r.matmul(w, x, Trans::Yes, x_rows ? Trans::Yes : Trans::No));
 }
 
-// [batch, dim] on every rank -> [batch, dim/W]: the sum over ranks of column block `rank`.
+// [dim/W, batch] on every rank -> [dim, batch]: every rank's columns of the output, transposed.
+Tensor all_gather_columns(Rank& r, const Options& o, const Tensor& part, mlp::Traffic& traffic) {
+  Tensor whole = mlp::buffer(r, o, {r.world_size() * part.size(0), part.size(1)});
+  r.all_gather(whole, part);
+  traffic.add(whole);
+  return whole;
+}
+
+// [dim, batch] partial sums on every rank -> [dim/W, batch]: the sum over ranks of this rank's block.
 Tensor reduce_scatter_columns(Rank& r, const Options& o, const Tensor& whole, mlp::Traffic& traffic) {
-  const int world = r.world_size();
-  const std::int64_t cols = whole.size(1) / world;
-  Tensor stacked = whole;
-  if (world > 1) {
-    std::vector<Tensor> blocks;
-    for (int i = 0; i < world; ++i) blocks.push_back(r.slice(whole, 1, i * cols, cols));
-    stacked = r.cat(blocks, 0);
-  }
-  Tensor mine = mlp::buffer(r, o, {whole.size(0), cols});
-  r.reduce_scatter(mine, stacked, ReduceOp::Sum);
-  traffic.add(stacked);
+  Tensor mine = mlp::buffer(r, o, {whole.size(0) / r.world_size(), whole.size(1)});
+  r.reduce_scatter(mine, whole, ReduceOp::Sum);
+  traffic.add(whole);
   return mine;
 }
 
@@ -78,17 +79,13 @@ void tensor_parallel(Rank& r, const Options& o) {
     }
   }
 
-  // Each rank keeps only its columns. Making the whole layer and slicing it keeps the numbers those of
-  // one device; a real framework would read only its slice from a checkpoint.
+  // Each rank makes only its columns, with the numbers those columns of one device's weights hold.
   std::vector<Tensor> w;
-  for (int l = 0; l < layers; ++l) {
-    w.push_back(o.phantom ? r.phantom({o.dim, cols})
-                          : r.slice(mlp::make_weight(r, o, l), 1, first_col, cols));
-  }
+  for (int l = 0; l < layers; ++l) w.push_back(mlp::make_weight_columns(r, o, l, first_col, cols));
   mlp::Optimizer opt(r, o, w);
   Tensor x = mlp::make_samples(r, o, 0, o.batch);  // every rank holds the whole batch
-  // d loss / d (this rank's columns of the output)
-  Tensor dloss = mlp::loss_grad(r, o, {o.batch, cols}, o.batch);
+  // d loss / d (this rank's columns of the output), transposed
+  Tensor dloss = mlp::loss_grad(r, o, {cols, o.batch}, o.batch);
   std::unique_ptr<mlp::Reference> ref;
   if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
   mlp::PeakMemory peak_memory(r);
@@ -103,23 +100,23 @@ void tensor_parallel(Rank& r, const Options& o) {
     traffic = {};
 
     // Forward: my columns of each layer's output, then everyone's, for the next layer.
-    std::vector<Tensor> xs{x};  // each layer's whole input
-    std::vector<Tensor> hs;     // each layer's output, my columns
+    std::vector<Tensor> xs{x};  // each layer's whole input: the samples, then transposed outputs
+    std::vector<Tensor> hs;     // each layer's output, my columns, transposed
     for (int l = 0; l < layers; ++l) {
-      hs.push_back(mlp::forward_layer(r, xs[l], w[l]));  // [batch, dim/W]
-      xs.push_back(all_gather_columns(r, o, hs[l], traffic));
+      hs.push_back(forward_columns(r, xs[l], l == 0, w[l]));   // [dim/W, batch]
+      xs.push_back(all_gather_columns(r, o, hs[l], traffic));  // [dim, batch]
     }
     Tensor out_sum = mlp::output_sum(r, xs.back());  // every rank has the whole output
 
     // Backward. My columns' gradient needs only my columns of the output gradient; the input's gradient
-    // is a sum over every rank's columns (dh @ w^T), so it is reduced, and scattered: each rank needs only
+    // is a sum over every rank's columns (dz @ w^T), so it is reduced, and scattered: each rank needs only
     // the columns its own previous layer produced.
     std::vector<Tensor> grads(layers);
     Tensor dh = dloss;
     for (int l = layers - 1; l >= 0; --l) {
-      mlp::LayerGrads g = mlp::backward_layer(r, xs[l], hs[l], w[l], dh, l > 0);
-      grads[l] = g.w;  // x^T @ dz: exact, no communication
-      if (l > 0) dh = reduce_scatter_columns(r, o, g.x, traffic);
+      Tensor dz = r.relu_backward(dh, hs[l]);                                       // [dim/W, batch]
+      grads[l] = r.matmul(xs[l], dz, l == 0 ? Trans::Yes : Trans::No, Trans::Yes);  // local, exact
+      if (l > 0) dh = reduce_scatter_columns(r, o, r.matmul(w[l], dz), traffic);
     }
     peak_memory.sample();  // every gradient and every activation
     xs.clear();

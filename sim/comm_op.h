@@ -40,8 +40,10 @@ struct CommOpState {
   std::string algorithm;   // what the network model chose, "ring/simple"
   double start_us = 0;
   double end_us = 0;
-  // Operations whose members depend on this one; retried when this one executes.
+  // Operations whose members depend on this one, once per dependency; each is told once when this one
+  // finishes, so running everything costs the number of dependencies, not members x dependencies.
   std::vector<std::weak_ptr<CommOpState>> dependents;
+  int unfinished_deps = 0;  // the members' dependencies (counted per member) that have not finished
 
   CommMember& member_of(int global_rank);
   bool all_arrived() const { return arrived == static_cast<int>(members.size()); }

@@ -4,16 +4,26 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "common/errors.h"
 
 namespace ranklab::sim {
 
-StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes) : slots_(stacks) {
+namespace {
+// The canary: this many bytes of this pattern at the bottom of an unguarded stack.
+constexpr std::size_t kCanaryBytes = 64;
+constexpr unsigned char kCanary = 0xA5;
+}  // namespace
+
+StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes)
+    : guarded_(stacks <= kGuardedStacks), slots_(stacks) {
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
   const std::size_t rounded = (stack_bytes + page - 1) / page * page;
-  slot_bytes_ = rounded + page;
+  slot_bytes_ = rounded + (guarded_ ? page : 0);
   mapped_bytes_ = slot_bytes_ * stacks;
   // MAP_NORESERVE: untouched stack pages cost nothing, so a large world fits in a laptop's memory.
   void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
@@ -23,7 +33,7 @@ StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes) : slots_(stack
                             stack_bytes / 1024, mapped_bytes_ >> 20));
   }
   base_ = static_cast<char*>(p);
-  for (std::size_t i = 0; i < stacks; ++i) {
+  for (std::size_t i = 0; guarded_ && i < stacks; ++i) {
     // The lowest page of each slot is the guard: stacks grow down into it.
     if (mprotect(base_ + i * slot_bytes_, page, PROT_NONE) != 0) {
       munmap(base_, mapped_bytes_);
@@ -43,10 +53,25 @@ boost::context::stack_context StackPool::take() {
   if (next_ == slots_) throw std::bad_alloc();
   boost::context::stack_context sc;
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
-  sc.size = slot_bytes_ - page;
+  sc.size = slot_bytes_ - (guarded_ ? page : 0);
   sc.sp = base_ + (next_ + 1) * slot_bytes_;  // the top: stacks grow down
+  if (!guarded_) std::memset(base_ + next_ * slot_bytes_, kCanary, kCanaryBytes);
   ++next_;
   return sc;
+}
+
+void StackPool::give_back(const boost::context::stack_context& sc) const noexcept {
+  if (guarded_) return;
+  const auto* bottom = static_cast<const unsigned char*>(sc.sp) - sc.size;
+  for (std::size_t i = 0; i < kCanaryBytes; ++i) {
+    if (bottom[i] == kCanary) continue;
+    std::fflush(stdout);
+    std::fprintf(stderr,
+                 "ranklab: a simulated rank overflowed its %zu KiB fiber stack; the run cannot go on (with "
+                 "at most %zu ranks, stacks have guard pages and the overflow faults where it happens)\n",
+                 sc.size / 1024, kGuardedStacks);
+    std::abort();
+  }
 }
 
 }  // namespace ranklab::sim

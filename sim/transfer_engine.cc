@@ -2,10 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
-#include <unordered_map>
-
-#include "sim/max_min.h"
 
 namespace ranklab::sim {
 
@@ -17,14 +15,35 @@ constexpr double kDoneFraction = 1e-9;
 constexpr double kTimeResolution = 1e-12;
 }  // namespace
 
+void TransferEngine::push(std::vector<Due>& heap, Due d) const {
+  heap.push_back(d);
+  std::push_heap(heap.begin(), heap.end(), std::greater<>());
+}
+
+void TransferEngine::drop_stale(std::vector<Due>& heap) const {
+  while (!heap.empty()) {
+    const Due& d = heap.front();
+    const Running& r = running_[d.flow];
+    if (r.transfer != nullptr && r.version == d.version) return;
+    std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+    heap.pop_back();
+  }
+}
+
+double TransferEngine::left_now(const Running& r) const {
+  return std::max(0.0, r.left_bytes - r.rate_bytes_per_us * (now_us_ - r.since_us));
+}
+
 void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, double start_us) {
   auto t = std::make_unique<Transfer>();
   t->op = std::move(op);
   t->plan = std::move(plan);
-  t->left_bytes.reserve(t->plan.flows.size());
-  for (const Flow& f : t->plan.flows) t->left_bytes.push_back(f.bytes);
+  t->start_bytes.reserve(t->plan.flows.size());
+  for (const Flow& f : t->plan.flows) t->start_bytes.push_back(f.bytes);
   Transfer* raw = t.get();
+  slot_of_[raw] = transfers_.size();
   transfers_.push_back(std::move(t));
+  ++in_flight_;
   if (start_us >= now_us_) {
     starts_.emplace(start_us, raw);
     return;
@@ -33,110 +52,158 @@ void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, do
   ++late_starts_;
   TransferEngine alone(topo_);
   alone.now_us_ = start_us;
-  alone.transfers_.push_back(std::make_unique<Transfer>(*raw));
-  Transfer* copy = alone.transfers_.back().get();
-  alone.begin_flows(copy);
+  alone.schedule(raw->op, raw->plan, start_us);
   alone.advance_to(now_us_);
   if (raw->op->finished) {
     // It ended in the past, alone (the copy shares the operation); nobody has seen its end yet.
     ended_.push_back(raw->op);
-    transfers_.pop_back();
+    end_transfer(raw);
     return;
   }
-  raw->left_bytes = copy->left_bytes;
-  raw->flows_left = copy->flows_left;
-  raw->flows_done_us = copy->flows_done_us;
-  if (raw->flows_left == 0) {
-    tails_.emplace(raw->flows_done_us + raw->plan.latency_us, raw);
+  const Transfer& copy = *alone.transfers_.front();
+  if (copy.flows_left == 0) {
+    raw->flows_done_us = copy.flows_done_us;
+    tails_.emplace(copy.flows_done_us + raw->plan.latency_us, raw);
     return;
   }
-  for (int f = 0; f < static_cast<int>(raw->plan.flows.size()); ++f) {
-    if (raw->left_bytes[f] > 0) running_.push_back({raw, f});
+  std::vector<double> left(raw->plan.flows.size(), 0.0);
+  for (const Running& r : alone.running_) {
+    if (r.transfer != nullptr) left[r.flow] = alone.left_now(r);
+  }
+  for (int f = 0; f < static_cast<int>(left.size()); ++f) {
+    if (left[f] > 0) add_flow(raw, f, left[f]);
   }
   reshare();
+}
+
+void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
+  path_.clear();
+  for (LinkId link : t->plan.path(t->plan.flows[flow])) {
+    auto [it, added] = link_ids_.emplace(link, 0);
+    if (added) it->second = net_.add_link(topo_.capacity_gbps(link));
+    path_.push_back(it->second);
+  }
+  const std::uint32_t id = net_.add_flow(path_);
+  if (id >= running_.size()) running_.resize(id + 1);
+  Running& r = running_[id];
+  r.transfer = t;
+  r.flow = flow;
+  r.left_bytes = left_bytes;
+  r.rate_bytes_per_us = 0;
+  r.since_us = now_us_;
+  r.end_us = kInf;
+  ++r.version;
+  ++t->flows_left;
+  // Flows retire in the order the engine has always used: that of a list of running flows, appended to
+  // at the end and closed up by moving its last entry into the gap (see retire_done_flows).
+  if (id >= position_.size()) position_.resize(id + 1);
+  position_[id] = order_.size();
+  order_.push_back(id);
 }
 
 void TransferEngine::begin_flows(Transfer* t) {
   t->flows_left = 0;
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
     const Flow& flow = t->plan.flows[f];
-    if (flow.bytes <= 0 || flow.length == 0) {
-      t->left_bytes[f] = 0;  // nothing to move, or nothing to cross: done at once
-      continue;
-    }
-    running_.push_back({t, f});
-    ++t->flows_left;
+    if (flow.bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
+    add_flow(t, f, t->start_bytes[f]);
   }
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;
     tails_.emplace(now_us_ + t->plan.latency_us, t);
   }
-  reshare();
+}
+
+void TransferEngine::end_flow(std::uint32_t id) {
+  Running& r = running_[id];
+  net_.remove_flow(id);
+  r.transfer = nullptr;
+  ++r.version;
+  const std::size_t at = position_[id];
+  const std::uint32_t last = order_.back();
+  order_[at] = last;
+  position_[last] = at;
+  order_.pop_back();
 }
 
 void TransferEngine::reshare() {
-  rate_bytes_per_us_.assign(running_.size(), 0);
-  if (running_.empty()) return;
-  // Renumber the links in use densely for the solver.
-  FlowNetwork net;
-  std::unordered_map<LinkId, std::uint32_t> local;
-  std::vector<std::uint32_t> path;
-  for (const Running& r : running_) {
-    path.clear();
-    for (LinkId link : r.transfer->plan.path(r.transfer->plan.flows[r.flow])) {
-      auto [it, added] = local.emplace(link, 0);
-      if (added) it->second = net.add_link(topo_.capacity_gbps(link));
-      path.push_back(it->second);
+  for (SharingNetwork::FlowId id : net_.solve()) {
+    Running& r = running_[id];
+    r.left_bytes = left_now(r);
+    r.since_us = now_us_;
+    r.rate_bytes_per_us = net_.rate_gbps(id) * 1e3;  // GB/s -> B/us
+    ++r.version;
+    if (!(r.rate_bytes_per_us > 0)) {
+      r.end_us = kInf;
+      continue;
     }
-    net.add_flow(path);
-  }
-  const std::vector<double> rates_gbps = max_min_rates(net);
-  for (size_t i = 0; i < running_.size(); ++i) rate_bytes_per_us_[i] = rates_gbps[i] * 1e3;  // GB/s -> B/us
-}
-
-void TransferEngine::progress(double dt_us) {
-  if (dt_us <= 0) return;
-  for (size_t i = 0; i < running_.size(); ++i) {
-    double& left = running_[i].transfer->left_bytes[running_[i].flow];
-    left = std::max(0.0, left - rate_bytes_per_us_[i] * dt_us);
+    r.end_us = now_us_ + r.left_bytes / r.rate_bytes_per_us;
+    // Done once within kDoneFraction of its bytes, or when the time left is below the clock's resolution
+    // (otherwise `now + left / rate` rounds back to `now` and time stops moving).
+    const double bytes = r.transfer->plan.flows[r.flow].bytes;
+    const double done_us = std::min(r.end_us - bytes * kDoneFraction / r.rate_bytes_per_us,
+                                    r.end_us - kTimeResolution * std::max(1.0, r.end_us));
+    push(ends_, {r.end_us, id, r.version});
+    push(retires_, {done_us, id, r.version});
   }
 }
 
 void TransferEngine::retire_done_flows() {
-  bool changed = false;
-  for (size_t i = 0; i < running_.size();) {
-    Transfer* t = running_[i].transfer;
-    const int f = running_[i].flow;
-    // Done when within rounding of its bytes, or when what is left would take less time than the clock
-    // can resolve (otherwise `now + left / rate` rounds back to `now` and time stops moving).
-    const double left_us = rate_bytes_per_us_[i] > 0 ? t->left_bytes[f] / rate_bytes_per_us_[i] : INFINITY;
-    if (t->left_bytes[f] <= t->plan.flows[f].bytes * kDoneFraction ||
-        left_us <= kTimeResolution * std::max(1.0, now_us_)) {
-      t->left_bytes[f] = 0;
-      running_[i] = running_.back();
-      running_.pop_back();
-      rate_bytes_per_us_[i] = rate_bytes_per_us_.back();
-      rate_bytes_per_us_.pop_back();
-      changed = true;
-      if (--t->flows_left == 0) {
-        t->flows_done_us = now_us_;
-        tails_.emplace(now_us_ + t->plan.latency_us, t);
+  // The flows that count as done now, and those that looked close but are not (rounding): they are due
+  // again at their end.
+  std::vector<std::uint32_t> done;
+  std::vector<Due> again;
+  drop_stale(retires_);
+  while (!retires_.empty() && retires_.front().at_us <= now_us_) {
+    const Due d = retires_.front();
+    std::pop_heap(retires_.begin(), retires_.end(), std::greater<>());
+    retires_.pop_back();
+    const Running& r = running_[d.flow];
+    if (r.transfer != nullptr && r.version == d.version) {
+      const double left = left_now(r);
+      const double left_us = r.rate_bytes_per_us > 0 ? left / r.rate_bytes_per_us : kInf;
+      if (left <= r.transfer->plan.flows[r.flow].bytes * kDoneFraction ||
+          left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
+        done.push_back(d.flow);
+      } else {
+        again.push_back({r.end_us, d.flow, d.version});
       }
-    } else {
-      ++i;
+    }
+    drop_stale(retires_);
+  }
+  for (const Due& d : again) push(retires_, d);
+  if (done.empty()) return;
+  // Retire them in the order of the running list: lowest position first; the entry moved into a gap is
+  // looked at next.
+  std::vector<std::pair<std::size_t, std::uint32_t>> pending;
+  for (std::uint32_t id : done) pending.emplace_back(position_[id], id);
+  std::make_heap(pending.begin(), pending.end(), std::greater<>());
+  std::vector<char>& is_done = retiring_;  // all zero between calls
+  is_done.resize(running_.size(), 0);
+  for (std::uint32_t id : done) is_done[id] = 1;
+  while (!pending.empty()) {
+    std::pop_heap(pending.begin(), pending.end(), std::greater<>());
+    const auto [at, id] = pending.back();
+    pending.pop_back();
+    if (!is_done[id] || position_[id] != at) continue;  // moved: its new entry comes up instead
+    is_done[id] = 0;
+    Transfer* t = running_[id].transfer;
+    const std::uint32_t moved = order_.back();
+    end_flow(id);
+    if (moved != id && is_done[moved]) {
+      pending.emplace_back(at, moved);
+      std::push_heap(pending.begin(), pending.end(), std::greater<>());
+    }
+    if (--t->flows_left == 0) {
+      t->flows_done_us = now_us_;
+      tails_.emplace(now_us_ + t->plan.latency_us, t);
     }
   }
-  if (changed) reshare();
 }
 
 double TransferEngine::next_flow_end_us() const {
-  double soonest = kInf;
-  for (size_t i = 0; i < running_.size(); ++i) {
-    const double rate = rate_bytes_per_us_[i];
-    if (rate > 0)
-      soonest = std::min(soonest, now_us_ + running_[i].transfer->left_bytes[running_[i].flow] / rate);
-  }
-  return soonest;
+  drop_stale(ends_);
+  return ends_.empty() ? kInf : ends_.front().at_us;
 }
 
 double TransferEngine::next_event_us() const {
@@ -147,6 +214,17 @@ double TransferEngine::next_event_us() const {
   return t;
 }
 
+void TransferEngine::end_transfer(Transfer* t) {
+  const std::size_t at = slot_of_.at(t);
+  slot_of_.erase(t);
+  if (at + 1 != transfers_.size()) {
+    slot_of_[transfers_.back().get()] = at;
+    transfers_[at] = std::move(transfers_.back());
+  }
+  transfers_.pop_back();
+  --in_flight_;
+}
+
 std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us) {
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.swap(ended_);
@@ -155,30 +233,33 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
     if (!starts_.empty()) event = std::min(event, starts_.begin()->first);
     if (!tails_.empty()) event = std::min(event, tails_.begin()->first);
     if (event > t_us) break;
-    progress(event - now_us_);
     now_us_ = std::max(now_us_, event);
     retire_done_flows();
-    while (!tails_.empty() && tails_.begin()->first <= now_us_) {
-      Transfer* t = tails_.begin()->second;
-      tails_.erase(tails_.begin());
-      t->op->end_us = now_us_;
-      t->op->finished = true;
-      ended.push_back(t->op);
-      auto it =
-          std::find_if(transfers_.begin(), transfers_.end(), [t](const auto& p) { return p.get() == t; });
-      *it = std::move(transfers_.back());
-      transfers_.pop_back();
+    // Everything else due now, then one sharing for all of it.
+    while (true) {
+      bool any = false;
+      while (!tails_.empty() && tails_.begin()->first <= now_us_) {
+        Transfer* t = tails_.begin()->second;
+        tails_.erase(tails_.begin());
+        t->op->end_us = now_us_;
+        t->op->finished = true;
+        ended.push_back(t->op);
+        end_transfer(t);
+        any = true;
+      }
+      while (!starts_.empty() && starts_.begin()->first <= now_us_) {
+        Transfer* t = starts_.begin()->second;
+        starts_.erase(starts_.begin());
+        begin_flows(t);
+        any = true;
+      }
+      if (!any) break;
     }
-    while (!starts_.empty() && starts_.begin()->first <= now_us_) {
-      Transfer* t = starts_.begin()->second;
-      starts_.erase(starts_.begin());
-      begin_flows(t);
-    }
+    reshare();
   }
-  if (t_us > now_us_ && std::isfinite(t_us)) {
-    progress(t_us - now_us_);
-    now_us_ = t_us;
-  }
+  // Before the next event nothing changes rate: the clock moves, and the flows' bytes are brought up to
+  // date when their rates next change.
+  if (t_us > now_us_ && std::isfinite(t_us)) now_us_ = t_us;
   return ended;
 }
 

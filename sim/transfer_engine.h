@@ -2,11 +2,16 @@
 //
 // Each operation the simulator executes becomes a transfer: its plan's flows start at the operation's
 // start time and share every link they cross max-min fairly with every other flow in flight at that
-// moment (sim/max_min.h); when its last flow is done, the plan's latency follows, and then the operation
-// has ended. Whenever a flow starts or finishes, the rates of all flows are shared again, so an end time
-// is provisional until the engine reaches it. The simulator moves the engine forward only to times that
-// no rank can issue work before (sim/world.cc), so a transfer that starts at t sees every transfer that
-// started before t.
+// moment (sim/sharing.h); when its last flow is done, the plan's latency follows, and then the operation
+// has ended. Whenever flows start or finish, the rates of the flows they share links with are shared
+// again, so an end time is provisional until the engine reaches it. The simulator moves the engine forward
+// only to times that no rank can issue work before (sim/world.cc), so a transfer that starts at t sees
+// every transfer that started before t.
+//
+// Time is event-driven: events are flow ends, transfer starts and latency tails, each in a heap. Moving to
+// a time before the next event moves the clock only (the simulator does that before every rank's every
+// communication call, so it must cost nothing). A flow's remaining bytes are brought up to date only when
+// its rate changes; all changes at one timestamp are shared again once.
 //
 // A transfer whose start lies before the engine's present (possible when a host rendezvous wakes a rank
 // whose clock is behind) is progressed alone up to the present and then joins the others: its contention
@@ -15,10 +20,12 @@
 
 #include <map>
 #include <memory>
+#include <unordered_map>
 #include <vector>
 
 #include "sim/comm_op.h"
 #include "sim/comm_plan.h"
+#include "sim/sharing.h"
 #include "sim/topology.h"
 
 namespace ranklab::sim {
@@ -35,38 +42,65 @@ class TransferEngine {
   // Processes every start and end up to `t_us` and moves the present there (never backwards). Returns the
   // operations that ended, with end_us set and finished true, in the order they ended.
   std::vector<std::shared_ptr<CommOpState>> advance_to(double t_us);
-  bool idle() const { return transfers_.empty(); }
+  bool idle() const { return in_flight_ == 0 && ended_.empty(); }
   long late_starts() const { return late_starts_; }
 
  private:
   struct Transfer {
     std::shared_ptr<CommOpState> op;
     CommPlan plan;
-    std::vector<double> left_bytes;  // per flow
+    std::vector<double> start_bytes;  // per flow: what it has left to move when it starts
     int flows_left = 0;
     double flows_done_us = -1;  // when the last flow finished; then the latency runs
   };
-  // One flow of one transfer in flight.
+  // One flow in flight, indexed by its id in the sharing network.
   struct Running {
-    Transfer* transfer;
-    int flow;
+    Transfer* transfer = nullptr;  // null: the id is free
+    int flow = 0;
+    double left_bytes = 0;  // at since_us
+    double rate_bytes_per_us = 0;
+    double since_us = 0;
+    double end_us = 0;  // when it ends at its current rate
+    std::uint32_t version = 0;
+  };
+  // A heap entry: stale when the flow's version has moved on.
+  struct Due {
+    double at_us;
+    std::uint32_t flow, version;
+    bool operator>(const Due& o) const { return at_us > o.at_us || (at_us == o.at_us && flow > o.flow); }
   };
 
   void begin_flows(Transfer* t);
+  void add_flow(Transfer* t, int flow, double left_bytes);
+  void end_flow(std::uint32_t id);
+  // Shares the links again where flows started or ended, and updates the flows whose rates changed.
   void reshare();
-  // Moves every running flow forward by `dt_us` at its current rate.
-  void progress(double dt_us);
-  // Retires flows with nothing left; a transfer with no flow left starts its latency tail.
+  // Retires flows that are done at the present; a transfer with no flow left starts its latency tail.
   void retire_done_flows();
   double next_flow_end_us() const;
+  // A flow's bytes left at the present.
+  double left_now(const Running& r) const;
+  void push(std::vector<Due>& heap, Due d) const;
+  void drop_stale(std::vector<Due>& heap) const;
+  void end_transfer(Transfer* t);
 
   const Topology& topo_;
   double now_us_ = 0;
-  std::vector<std::unique_ptr<Transfer>> transfers_;  // in flight (waiting, flowing or in latency)
-  std::multimap<double, Transfer*> starts_;           // future starts
-  std::multimap<double, Transfer*> tails_;            // transfers whose flows are done: end time
+  SharingNetwork net_;
+  std::unordered_map<LinkId, std::uint32_t> link_ids_;  // topology link -> sharing network link
+  std::vector<std::uint32_t> path_;                     // scratch
   std::vector<Running> running_;
-  std::vector<double> rate_bytes_per_us_;            // per running flow
+  // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
+  std::vector<std::uint32_t> order_;
+  std::vector<std::size_t> position_;                 // per flow id: where it is in order_
+  std::vector<char> retiring_;                        // per flow id: scratch of retire_done_flows
+  std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
+  std::unordered_map<Transfer*, std::size_t> slot_of_;
+  int in_flight_ = 0;
+  std::multimap<double, Transfer*> starts_;  // future starts
+  std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
+  // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).
+  mutable std::vector<Due> ends_, retires_;
   std::vector<std::shared_ptr<CommOpState>> ended_;  // finished but not yet handed out
   long late_starts_ = 0;
 };

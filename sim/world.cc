@@ -219,6 +219,12 @@ int stream_of(const CommCall& c) {
   return (c.op == CommOp::Send || c.op == CommOp::Recv) ? c.peer : collective_stream(c.group.id());
 }
 
+// The stream `op` runs on for member `rank`.
+int stream_of(const CommOpState& op, int rank) {
+  if (op.op != CommOp::Send) return collective_stream(op.group_id);
+  return rank == op.ranks[0] ? op.ranks[1] : op.ranks[0];
+}
+
 }  // namespace
 
 void SimWorld::check_agreement(CommOpState& op, int arriving_rank) const {
@@ -287,11 +293,13 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   m.arrived = true;
   m.call = call;
   m.issue_ready_us = std::max(s.host_us, s.compute_us);
-  StreamState& stream = s.streams[stream_of(call)];
+  const int stream_id = stream_of(call);
+  StreamState& stream = s.streams[stream_id];
   auto add_dep = [&](const std::shared_ptr<CommOpState>& dep) {
     if (dep && dep != op && !dep->finished) {
       m.deps.push_back(dep);
       dep->dependents.push_back(op);
+      ++op->unfinished_deps;
     }
   };
   if (s.p2p_group != 0) {
@@ -303,7 +311,13 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   } else {
     add_dep(stream.last);
   }
-  for (const auto& sync_op : s.unfolded_sync) add_dep(sync_op);
+  for (const auto& sync_op : s.unfolded_sync) {
+    // One on this stream ends no later than the stream's last operation, which is a dependency already:
+    // leaving it out changes no time, and keeps back-to-back synchronous collectives from each depending
+    // on all the earlier ones.
+    if (sync_op != stream.last && stream_of(*sync_op, rank) == stream_id) continue;
+    add_dep(sync_op);
+  }
   stream.last = op;
   ++op->arrived;
   s.outstanding.push_back(op);
@@ -329,22 +343,20 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
 
 // ---- executing -------------------------------------------------------------------------------------
 
-void SimWorld::try_execute(const std::shared_ptr<CommOpState>& first) {
-  std::vector<std::shared_ptr<CommOpState>> work{first};
-  while (!work.empty()) {
-    std::shared_ptr<CommOpState> op = work.back();
-    work.pop_back();
-    if (!op || op->executed || !op->all_arrived()) continue;
-    bool ready = true;
-    for (const CommMember& m : op->members) {
-      for (const auto& dep : m.deps) ready = ready && dep->finished;
-    }
-    if (!ready) continue;
-    execute(op);
-  }
+void SimWorld::try_execute(const std::shared_ptr<CommOpState>& op) {
+  if (op->executed || !op->all_arrived() || op->unfinished_deps > 0) return;
+  execute(op);
 }
 
 void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended) {
+  // Every operation that waited for these has one unfinished dependency less per edge. All of them are
+  // counted before any dependent runs, so what runs, and in what order, is as if each dependent looked
+  // at all its dependencies.
+  for (const auto& op : ended) {
+    for (const auto& weak : op->dependents) {
+      if (auto d = weak.lock()) --d->unfinished_deps;
+    }
+  }
   for (const auto& op : ended) {
     const bool p2p = op->op == CommOp::Send;
     const std::string name = p2p ? "send/recv" : comm_op_name(op->op);
@@ -499,6 +511,9 @@ void SimWorld::print(const std::string& line) {
   if (config_.echo_output) {
     std::fputs(line.c_str(), stdout);
     std::fputc('\n', stdout);
+    // A run that aborts (out of memory in a huge world, a fiber stack overflow) must not lose what it
+    // printed; stdout is block-buffered when it is a file or a pipe.
+    std::fflush(stdout);
   }
 }
 

@@ -150,5 +150,30 @@ TEST(DataParallel, AModelLargerThanOneDeviceRunsOutOfMemoryOnEveryWorldSize) {
   }
 }
 
+// A world of 1,024 ranks, overlapping all_reduces sharing links: two runs give the same report, to the
+// bit, whatever order the fibers happened to run in.
+TEST(DataParallel, TwoRunsOf1024RanksGiveIdenticalReports) {
+  Options o;
+  o.world = 1024;
+  o.phantom = true;
+  o.dim = 1024;
+  o.layers = 4;
+  o.batch = 8 * 1024;
+  o.steps = 2;
+  o.overlap = true;
+  o.quiet = true;
+  auto once = [&] {
+    SimConfig c = testing::quiet_config();
+    c.profile = load_profile("dgx-h100");
+    c.profile.nodes = 128;
+    c.echo_output = false;
+    SimBackend backend(c);
+    return report_to_json(run_lesson(backend, "data_parallel", o));
+  };
+  const std::string a = once(), b = once();
+  EXPECT_GT(a.size(), 1000u);
+  EXPECT_EQ(a, b);
+}
+
 }  // namespace
 }  // namespace ranklab

@@ -1,0 +1,185 @@
+// scale_lessons: how the simulator's wall time and memory grow with the world, on whole training steps.
+//
+// Each case runs in a child process of its own, so the peak resident memory printed is that run's alone.
+// Cases (phantom tensors, dgx-h100 nodes of 8 GPUs, W = the world size):
+//   dp        data_parallel --dim 8192 --layers 16 --batch 8W          (synchronous all_reduce)
+//   dp-overlap  the same with --overlap
+//   tp        tensor_parallel --dim 16384 --layers 16 --batch 1024
+//   pp        pipeline_parallel --dim 8192 --layers W --micro-batches 8
+//   benchmark benchmark --count 100000000
+//   sends     every rank posts isend to the next rank and irecv from the previous one, W transfers in
+//             flight at once, then waits for them all
+//   allreduce one 1 GiB all_reduce
+//
+//   build/bench/ranklab_scale_lessons [case ...] -- 512 1024 4096
+// Without cases, every case runs; without sizes, 512 and 1024.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/lesson.h"
+#include "common/profile.h"
+#include "common/rank.h"
+#include "sim/sim_backend.h"
+
+namespace {
+
+using namespace ranklab;
+
+SimConfig config_for(int world) {
+  SimConfig c;
+  c.profile = load_profile("dgx-h100");
+  c.profile.nodes = (world + c.profile.gpus_per_node - 1) / c.profile.gpus_per_node;
+  c.echo_output = false;
+  return c;
+}
+
+RunReport run_lesson_case(const std::string& lesson, Options o, int world) {
+  o.world = world;
+  o.phantom = true;
+  o.quiet = true;
+  SimBackend backend(config_for(world));
+  return run_lesson(backend, lesson, o);
+}
+
+// What each case runs; returns the run's makespan in microseconds.
+const std::map<std::string, std::function<double(int)>>& cases() {
+  static const std::map<std::string, std::function<double(int)>> all = {
+      {"dp",
+       [](int w) {
+         Options o;
+         o.dim = 8192;
+         o.layers = 16;
+         o.batch = 8 * static_cast<std::int64_t>(w);
+         return run_lesson_case("data_parallel", o, w).makespan_us;
+       }},
+      {"dp-overlap",
+       [](int w) {
+         Options o;
+         o.dim = 8192;
+         o.layers = 16;
+         o.batch = 8 * static_cast<std::int64_t>(w);
+         o.overlap = true;
+         return run_lesson_case("data_parallel", o, w).makespan_us;
+       }},
+      {"tp",
+       [](int w) {
+         Options o;
+         o.dim = 16384;
+         o.layers = 16;
+         o.batch = 1024;
+         return run_lesson_case("tensor_parallel", o, w).makespan_us;
+       }},
+      {"pp",
+       [](int w) {
+         Options o;
+         o.dim = 8192;
+         o.layers = w;
+         o.micro_batches = 8;
+         return run_lesson_case("pipeline_parallel", o, w).makespan_us;
+       }},
+      {"benchmark", [](int w) { return run_lesson_case("benchmark", Options{}, w).makespan_us; }},
+      {"sends",
+       [](int w) {
+         SimBackend backend(config_for(w));
+         return backend
+             .launch(w,
+                     [](Rank& r) {
+                       const int n = r.world_size(), me = r.rank();
+                       Tensor out = r.phantom({1 << 20}), in = r.phantom({1 << 20});
+                       Work s = r.send(out, (me + 1) % n, Async::Yes);
+                       Work v = r.recv(in, (me + n - 1) % n, Async::Yes);
+                       s.wait();
+                       v.wait();
+                       r.synchronize();
+                     })
+             .makespan_us;
+       }},
+      {"allreduce",
+       [](int w) {
+         SimBackend backend(config_for(w));
+         return backend
+             .launch(w,
+                     [](Rank& r) {
+                       Tensor t = r.phantom({std::int64_t{1} << 28});
+                       r.all_reduce(t, ReduceOp::Sum);
+                       r.synchronize();
+                     })
+             .makespan_us;
+       }},
+  };
+  return all;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::string> names;
+  std::vector<int> worlds;
+  bool sizes = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--") == 0) {
+      sizes = true;
+    } else if (sizes) {
+      worlds.push_back(std::atoi(argv[i]));
+    } else {
+      if (!cases().contains(argv[i])) {
+        std::fprintf(stderr, "unknown case '%s'; cases:", argv[i]);
+        for (const auto& [name, fn] : cases()) std::fprintf(stderr, " %s", name.c_str());
+        std::fprintf(stderr, "\n");
+        return 1;
+      }
+      names.push_back(argv[i]);
+    }
+  }
+  if (names.empty()) {
+    for (const auto& [name, fn] : cases()) names.push_back(name);
+  }
+  if (worlds.empty()) worlds = {512, 1024};
+  // CPU time is printed next to wall time: on a machine shared with other work it is the steadier one.
+  std::printf("%-11s %8s %10s %10s %14s %12s\n", "case", "ranks", "wall s", "cpu s", "virtual us",
+              "peak RSS MiB");
+  std::fflush(stdout);
+  for (const std::string& name : names) {
+    for (int w : worlds) {
+      int pipe_fd[2];
+      if (pipe(pipe_fd) != 0) return 1;
+      const auto t0 = std::chrono::steady_clock::now();
+      const pid_t child = fork();
+      if (child == 0) {
+        close(pipe_fd[0]);
+        double makespan_us = -1;
+        try {
+          makespan_us = cases().at(name)(w);
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "%s at %d ranks: %s\n", name.c_str(), w, e.what());
+        }
+        if (write(pipe_fd[1], &makespan_us, sizeof makespan_us) != sizeof makespan_us) _exit(1);
+        _exit(makespan_us < 0 ? 1 : 0);
+      }
+      close(pipe_fd[1]);
+      double makespan_us = -1;
+      if (read(pipe_fd[0], &makespan_us, sizeof makespan_us) != sizeof makespan_us) makespan_us = -1;
+      close(pipe_fd[0]);
+      int status = 0;
+      rusage usage{};
+      wait4(child, &status, 0, &usage);
+      const double wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double cpu_s = static_cast<double>(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) +
+                           static_cast<double>(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6;
+      std::printf("%-11s %8d %10.2f %10.2f %14.1f %12.1f%s\n", name.c_str(), w, wall_s, cpu_s, makespan_us,
+                  usage.ru_maxrss / 1024.0, status == 0 ? "" : "  (failed)");
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,194 @@
+#include "sim/sharing.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/errors.h"
+
+namespace ranklab::sim {
+
+std::uint32_t SharingNetwork::add_link(double capacity_gbps) {
+  if (!(capacity_gbps > 0) || !std::isfinite(capacity_gbps)) {
+    throw UsageError(
+        fmt::format("a link's capacity must be a positive number of GB/s, got {}", capacity_gbps));
+  }
+  links_.emplace_back();
+  links_.back().capacity_gbps = capacity_gbps;
+  return static_cast<std::uint32_t>(links_.size() - 1);
+}
+
+void SharingNetwork::mark_dirty(std::uint32_t link) {
+  if (links_[link].dirty) return;
+  links_[link].dirty = true;
+  dirty_.push_back(link);
+}
+
+SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> path) {
+  for (std::uint32_t l : path) {
+    if (l >= links_.size()) throw UsageError(fmt::format("flow over link {}, which does not exist", l));
+  }
+  FlowId id;
+  if (!free_flows_.empty()) {
+    id = free_flows_.back();
+    free_flows_.pop_back();
+  } else {
+    id = static_cast<FlowId>(flows_.size());
+    flows_.emplace_back();
+  }
+  FlowRec& f = flows_[id];
+  f.path.assign(path.begin(), path.end());
+  f.slot.resize(path.size());
+  f.live = true;
+  f.rate_gbps = 0;
+  ++live_flows_;
+  for (size_t i = 0; i < path.size(); ++i) {
+    Link& link = links_[path[i]];
+    f.slot[i] = static_cast<std::uint32_t>(link.flows.size());
+    link.flows.push_back(id);
+    mark_dirty(path[i]);
+  }
+  if (path.empty()) unlinked_new_.push_back(id);
+  return id;
+}
+
+void SharingNetwork::remove_flow(FlowId id) {
+  FlowRec& f = flows_[id];
+  if (!f.live) throw UsageError(fmt::format("flow {} is not in the network", id));
+  for (size_t i = 0; i < f.path.size(); ++i) {
+    Link& link = links_[f.path[i]];
+    const std::uint32_t slot = f.slot[i];
+    const FlowId moved = link.flows.back();
+    link.flows[slot] = moved;
+    link.flows.pop_back();
+    if (moved != id) {
+      // The moved flow's record of where it sits on this link.
+      FlowRec& m = flows_[moved];
+      for (size_t j = 0; j < m.path.size(); ++j) {
+        if (m.path[j] == f.path[i]) {
+          m.slot[j] = slot;
+          break;
+        }
+      }
+    }
+    mark_dirty(f.path[i]);
+  }
+  std::erase(unlinked_new_, id);
+  f.live = false;
+  f.path.clear();
+  f.slot.clear();
+  --live_flows_;
+  free_flows_.push_back(id);
+}
+
+const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
+  changed_.clear();
+  component_links_.clear();
+  ++visit_;
+  // Every link and flow connected to a changed link, through flows that cross links.
+  std::vector<std::uint32_t> stack;
+  for (std::uint32_t l : dirty_) {
+    links_[l].dirty = false;
+    if (links_[l].visit == visit_) continue;
+    links_[l].visit = visit_;
+    stack.push_back(l);
+    while (!stack.empty()) {
+      const std::uint32_t at = stack.back();
+      stack.pop_back();
+      component_links_.push_back(at);
+      for (FlowId f : links_[at].flows) {
+        FlowRec& flow = flows_[f];
+        if (flow.visit == visit_) continue;
+        flow.visit = visit_;
+        changed_.push_back(f);
+        for (std::uint32_t m : flow.path) {
+          if (links_[m].visit == visit_) continue;
+          links_[m].visit = visit_;
+          stack.push_back(m);
+        }
+      }
+    }
+  }
+  dirty_.clear();
+  fill();
+  for (FlowId f : unlinked_new_) {
+    flows_[f].rate_gbps = std::numeric_limits<double>::infinity();
+    changed_.push_back(f);
+  }
+  unlinked_new_.clear();
+  return changed_;
+}
+
+void SharingNetwork::fill() {
+  // A min-heap of the links' fair shares (remaining / unfixed); an entry whose version is not its link's
+  // current one is stale and skipped.
+  struct Entry {
+    double share;
+    std::uint32_t link, version;
+    bool operator>(const Entry& o) const { return share > o.share || (share == o.share && link > o.link); }
+  };
+  std::vector<Entry> heap;
+  heap.reserve(component_links_.size());
+  for (std::uint32_t l : component_links_) {
+    Link& link = links_[l];
+    link.remaining_gbps = link.capacity_gbps;
+    link.unfixed = static_cast<std::uint32_t>(link.flows.size());
+    ++link.version;
+    if (link.unfixed > 0) heap.push_back({link.remaining_gbps / link.unfixed, l, link.version});
+  }
+  for (FlowId f : changed_) flows_[f].fixed = false;
+  std::make_heap(heap.begin(), heap.end(), std::greater<>());
+
+  auto pop = [&] {
+    std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+    const Entry e = heap.back();
+    heap.pop_back();
+    return e;
+  };
+  auto valid = [&](const Entry& e) { return links_[e.link].version == e.version; };
+  std::vector<std::uint32_t> full, touched;
+  while (true) {
+    while (!heap.empty() && !valid(heap.front())) pop();
+    if (heap.empty()) break;
+    // Every flow still unfixed gets this much from its most contended link; every link at that share
+    // (within the same relative tolerance as max_min_rates) is full.
+    const double level = std::max(heap.front().share, 0.0);
+    full.clear();
+    while (!heap.empty() && (!valid(heap.front()) || heap.front().share <= level * (1 + 1e-12))) {
+      const Entry e = pop();
+      if (!valid(e)) continue;
+      ++links_[e.link].version;
+      full.push_back(e.link);
+    }
+    touched.clear();
+    for (std::uint32_t l : full) {
+      for (FlowId f : links_[l].flows) {
+        FlowRec& flow = flows_[f];
+        if (flow.fixed) continue;
+        flow.fixed = true;
+        flow.rate_gbps = level;
+        for (std::uint32_t m : flow.path) {
+          Link& link = links_[m];
+          link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
+          --link.unfixed;
+          touched.push_back(m);
+        }
+      }
+    }
+    for (std::uint32_t m : touched) {
+      Link& link = links_[m];
+      if (link.visit != visit_) continue;  // already re-queued this level
+      link.visit = visit_ - 1;
+      ++link.version;
+      if (link.unfixed > 0) {
+        heap.push_back({link.remaining_gbps / link.unfixed, m, link.version});
+        std::push_heap(heap.begin(), heap.end(), std::greater<>());
+      }
+    }
+    for (std::uint32_t m : touched) links_[m].visit = visit_;
+  }
+}
+
+}  // namespace ranklab::sim

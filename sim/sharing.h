@@ -1,0 +1,80 @@
+// SharingNetwork: max-min fair rates (sim/max_min.h) kept up to date as flows come and go.
+//
+// Why: the transfer engine changes the set of flows in flight at every start and end. Solving the whole
+// network again each time costs the size of everything in flight, so a run with T concurrent transfers
+// costs T^2; a training step of W ranks, W^2. A flow's max-min rate depends only on the flows it is
+// connected to through shared links, so a change needs only its connected component solved again. This
+// is SimGrid's lmm solver's "selective update" (Casanova et al., "Versatile, scalable, and accurate
+// simulation of distributed applications and platforms", JPDC 2014): modified constraints are marked, and
+// only the variables and constraints reachable from them are recomputed. The algorithm on a component is
+// the same progressive filling as max_min_rates (Bertsekas & Gallager, "Data Networks", 2nd ed., 6.5.2),
+// with the contended links in a heap instead of scanned at every level.
+//
+// Links and flows keep their ids for as long as they exist, so the engine need not renumber anything.
+// max_min_rates stays the reference: tests compare the two on random flow sets. They agree exactly except
+// where two components' bottleneck shares differ by less than the solvers' tie tolerance (1e-12 relative):
+// the full solver then fixes both at one level, the incremental one each at its own.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace ranklab::sim {
+
+class SharingNetwork {
+ public:
+  using FlowId = std::uint32_t;
+
+  // Adds a link of `capacity_gbps` (GB/s) and returns its id: 0, 1, 2, ...
+  std::uint32_t add_link(double capacity_gbps);
+  int links() const { return static_cast<int>(links_.size()); }
+
+  // Adds a flow over `links` (ids from add_link, none twice) and returns its id; ids of removed flows are
+  // reused. Its rate is known after the next solve(). A flow over no link is not limited: +infinity.
+  FlowId add_flow(std::span<const std::uint32_t> links);
+  void remove_flow(FlowId flow);
+  // The flow's rate in GB/s as of the last solve().
+  double rate_gbps(FlowId flow) const { return flows_[flow].rate_gbps; }
+  int flows() const { return live_flows_; }
+
+  // Shares the links again where flows were added or removed since the last call. Returns the flows whose
+  // rates were computed again (every flow of a touched component, new flows included), each once.
+  const std::vector<FlowId>& solve();
+
+ private:
+  struct Link {
+    double capacity_gbps = 0;
+    std::vector<FlowId> flows;  // the flows crossing it, in no particular order
+    // Solver scratch, meaningful during solve() only.
+    double remaining_gbps = 0;
+    std::uint32_t unfixed = 0;
+    std::uint32_t version = 0;  // heap entries with an older version are stale
+    std::uint32_t visit = 0;    // the solve() that put this link in its component
+    bool dirty = false;
+  };
+  struct FlowRec {
+    std::vector<std::uint32_t> path;
+    std::vector<std::uint32_t> slot;  // where it sits in each path link's `flows`
+    double rate_gbps = 0;
+    std::uint32_t visit = 0;
+    bool live = false;
+    bool fixed = false;
+  };
+
+  void mark_dirty(std::uint32_t link);
+  // Progressive filling over the links in `component_links_` and the flows in `changed_`.
+  void fill();
+
+  std::vector<Link> links_;
+  std::vector<FlowRec> flows_;
+  std::vector<FlowId> free_flows_;
+  int live_flows_ = 0;
+  std::vector<std::uint32_t> dirty_;
+  std::vector<FlowId> unlinked_new_;  // added flows over no link: solved trivially
+  std::uint32_t visit_ = 0;
+  std::vector<std::uint32_t> component_links_;
+  std::vector<FlowId> changed_;
+};
+
+}  // namespace ranklab::sim

@@ -1,0 +1,142 @@
+// The incremental max-min solver (sim/sharing.h) against the full one (sim/max_min.h): the hand-solved
+// cases, and thousands of random flow sets built up and torn down one flow at a time.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <random>
+#include <vector>
+
+#include "sim/max_min.h"
+#include "sim/sharing.h"
+
+namespace ranklab::sim {
+namespace {
+
+using Path = std::vector<std::uint32_t>;
+
+// Adds `paths` as flows, solves, and returns their rates in order.
+std::vector<double> rates_of(SharingNetwork& net, const std::vector<Path>& paths) {
+  std::vector<SharingNetwork::FlowId> ids;
+  for (const Path& p : paths) ids.push_back(net.add_flow(p));
+  net.solve();
+  std::vector<double> r;
+  for (auto id : ids) r.push_back(net.rate_gbps(id));
+  return r;
+}
+
+TEST(Sharing, TwoFlowsOnOneLinkGetHalfEach) {
+  SharingNetwork net;
+  const std::uint32_t l = net.add_link(100);
+  EXPECT_EQ(rates_of(net, {{l}, {l}}), (std::vector<double>{50, 50}));
+}
+
+TEST(Sharing, AFlowHeldBackElsewhereLeavesTheRestToOthers) {
+  SharingNetwork net;
+  const std::uint32_t narrow = net.add_link(10), wide = net.add_link(100);
+  const std::vector<double> r = rates_of(net, {{narrow, wide}, {wide}});
+  EXPECT_DOUBLE_EQ(r[0], 10);
+  EXPECT_DOUBLE_EQ(r[1], 90);
+}
+
+TEST(Sharing, TheTextbookExample) {
+  SharingNetwork net;
+  const std::uint32_t a = net.add_link(1), b = net.add_link(2);
+  EXPECT_EQ(rates_of(net, {{a, b}, {a}, {b}}), (std::vector<double>{0.5, 0.5, 1.5}));
+}
+
+TEST(Sharing, ALinklessFlowIsNotLimited) {
+  SharingNetwork net;
+  net.add_link(90);
+  EXPECT_EQ(rates_of(net, {{}}), (std::vector<double>{std::numeric_limits<double>::infinity()}));
+}
+
+TEST(Sharing, RemovingAFlowGivesItsShareBackAndTouchesOnlyItsComponent) {
+  SharingNetwork net;
+  const std::uint32_t a = net.add_link(90), b = net.add_link(40);
+  const auto f0 = net.add_flow(Path{a}), f1 = net.add_flow(Path{a}), f2 = net.add_flow(Path{a});
+  const auto g = net.add_flow(Path{b});
+  net.solve();
+  EXPECT_EQ(net.rate_gbps(f0), 30);
+  EXPECT_EQ(net.rate_gbps(g), 40);
+  net.remove_flow(f1);
+  const std::vector<SharingNetwork::FlowId> changed = net.solve();
+  EXPECT_EQ(net.rate_gbps(f0), 45);
+  EXPECT_EQ(net.rate_gbps(f2), 45);
+  // Link b shares nothing with link a: its flow was not solved again.
+  EXPECT_EQ(changed.size(), 2u);
+  for (auto id : changed) EXPECT_NE(id, g);
+  // Nothing changed: nothing to solve.
+  EXPECT_TRUE(net.solve().empty());
+}
+
+// The full solver's answer for the live flows, in the order of `live`.
+std::vector<double> reference(const std::vector<double>& capacity, const std::vector<Path>& live) {
+  FlowNetwork full;
+  for (double c : capacity) full.add_link(c);
+  for (const Path& p : live) full.add_flow(p);
+  return max_min_rates(full);
+}
+
+// Random networks, random flows arriving and leaving; after every change the incremental rates must equal
+// the full solver's. Capacities are often small integers, so exact ties between links (and between
+// components) are common, which is where a solver that fixes links level by level could go wrong.
+TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
+  std::mt19937_64 rng(12345);
+  int compared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int links = 2 + static_cast<int>(rng() % 24);
+    const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
+    std::vector<double> capacity;
+    SharingNetwork net;
+    for (int l = 0; l < links; ++l) {
+      const double c = rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
+                                 : std::uniform_real_distribution<double>(0.5, 400)(rng);
+      capacity.push_back(c);
+      net.add_link(c);
+    }
+    std::map<SharingNetwork::FlowId, Path> live;
+    const int changes = 10 + static_cast<int>(rng() % 40);
+    for (int step = 0; step < changes; ++step) {
+      // Several changes may come between solves, as when flows start and end at the same moment.
+      const int batch = 1 + static_cast<int>(rng() % 3);
+      for (int b = 0; b < batch; ++b) {
+        if (!live.empty() && rng() % 3 == 0) {
+          auto it = live.begin();
+          std::advance(it, static_cast<long>(rng() % live.size()));
+          net.remove_flow(it->first);
+          live.erase(it);
+        } else {
+          Path p;
+          const int len = static_cast<int>(rng() % (max_path + 1));  // 0: a flow over no link
+          while (static_cast<int>(p.size()) < len) {
+            const auto l = static_cast<std::uint32_t>(rng() % links);
+            if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
+          }
+          live[net.add_flow(p)] = p;
+        }
+      }
+      net.solve();
+      std::vector<Path> paths;
+      for (const auto& [id, p] : live) paths.push_back(p);
+      const std::vector<double> want = reference(capacity, paths);
+      int i = 0;
+      for (const auto& [id, p] : live) {
+        const double got = net.rate_gbps(id);
+        if (std::isinf(want[i])) {
+          EXPECT_TRUE(std::isinf(got)) << "trial " << trial << " step " << step;
+        } else {
+          // Equal up to the solvers' tie tolerance (see sim/sharing.h).
+          EXPECT_NEAR(got, want[i], 1e-12 * want[i] + 1e-300) << "trial " << trial << " step " << step;
+        }
+        ++i;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 10000);
+}
+
+}  // namespace
+}  // namespace ranklab::sim
