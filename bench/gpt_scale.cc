@@ -1,7 +1,7 @@
 // gpt_scale: the wall time and memory of simulating one GPT training step at scale, phantom tensors.
 //
 //   build/bench/ranklab_gpt_scale            GPT-3 175B on 1,536 A100s (tp 8, pp 8, interleaved), then
-//                                            3,072 A100s with pp 64
+//                                            the 1T model on 3,072 A100s with pp 64
 //   build/bench/ranklab_gpt_scale 1536       only the first
 //
 // Each case prints the simulated step time and MFU (what the run answers) and the simulator's own cost:
@@ -22,6 +22,9 @@
 namespace {
 
 struct Case {
+  std::string model;
+  int layers, hidden, heads;
+  std::int64_t global_batch;
   int world, tp, pp, interleave, zero;
   bool seq_parallel;
   std::string recompute;
@@ -30,13 +33,13 @@ struct Case {
 void run(const Case& k) {
   using namespace ranklab;
   Options o;
-  o.model = "gpt3-175b";
-  o.layers = 96;  // Brown et al. 2020, Table 2.1
-  o.hidden = 12288;
-  o.heads = 96;
+  o.model = k.model;
+  o.layers = k.layers;
+  o.hidden = k.hidden;
+  o.heads = k.heads;
   o.seq = 2048;
   o.vocab = 51200;
-  o.global_batch = 1536;
+  o.global_batch = k.global_batch;
   o.micro_batch = 1;
   o.world = k.world;
   o.tp = k.tp;
@@ -75,8 +78,12 @@ void run(const Case& k) {
 
 int main(int argc, char** argv) {
   std::vector<Case> cases = {
-      {1536, 8, 8, 2, 1, true, "none"},
-      {3072, 8, 64, 1, 1, true, "none"},
+      // GPT-3 175B (Brown et al. 2020) as Megatron-LM trained it on 1,536 A100s.
+      {"gpt3-175b", 96, 12288, 96, 1536, 1536, 8, 8, 2, 1, true, "none"},
+      // Megatron-LM's 1T model (Narayanan et al. 2021, Table 1) on 3,072 A100s with pp 64; a global batch
+      // of 384 (m = 64 micro-batches per pipeline) instead of 3,072, which keeps the simulation's own memory
+      // within this machine.
+      {"megatron-1t", 128, 25600, 160, 384, 3072, 8, 64, 1, 1, true, "none"},
   };
   if (argc > 1) {
     const int world = std::atoi(argv[1]);

@@ -36,14 +36,15 @@ using parallel::Param;
 
 // How close to the double-precision reference a run must come, per dtype. float32 keeps about 7 digits;
 // the sums of a step (over tokens, features and micro-batches, in another order than the reference's) lose
-// a few. bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) and every activation and weight
-// copy is rounded to it, so a gradient is good to a few percent and Adam's update, which divides by the
-// gradient's size, can flip sign where a gradient is near zero. float16 has 11 bits. Gradients: largest
-// error over the largest value, per tensor (a bias gradient sums a column of 16-bit values that mostly
-// cancel, so its error is large against its largest element: 14% at bf16 on the tiny model). Weights: the
-// error of the step's update relative to the update, root of summed squares over the rank's parameters.
-// Loss: relative. The bounds are about twice what the tiny model shows on one device; every deliberate
-// bug of --break is off by 50% or more.
+// a few, and a bias gradient, a column sum that mostly cancels, loses more (4e-4 of its largest element
+// with 8 layers on one device). bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) and every
+// activation and weight copy is rounded to it, so a gradient is good to a few percent and Adam's update,
+// which divides by the gradient's size, can flip sign where a gradient is near zero. float16 has 11 bits.
+// Gradients: largest error over the largest value, per tensor (a bias gradient sums a column of 16-bit values
+// that mostly cancel, so its error is large against its largest element: 14% at bf16 on the tiny model).
+// Weights: the error of the step's update relative to the update, root of summed squares over the rank's
+// parameters. Loss: relative. The bounds are about twice what the tiny model shows on one device; every
+// deliberate bug of --break is off by 50% or more.
 struct Tolerance {
   double loss, grad, weight;
 };

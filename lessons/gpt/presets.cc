@@ -27,6 +27,8 @@ const std::vector<Preset>& presets() {
       {"gpt3-13b", 40, 5120, 40, 2048, 51200, 1024, "Brown et al. 2020, Table 2.1 (GPT-3 13B, 2M tokens)"},
       {"gpt3-175b", 96, 12288, 96, 2048, 51200, 1536,
        "Brown et al. 2020, Table 2.1 (GPT-3 175B; 3.2M tokens there, 1536 sequences as Megatron-LM's runs)"},
+      {"megatron-1t", 128, 25600, 160, 2048, 51200, 3072,
+       "Narayanan et al. 2021, Table 1 (the 1T model: 3,072 GPUs with tp 8, pp 64)"},
       {"llama3-8b", 32, 4096, 32, 8192, 128256, 128,
        "Meta Llama 3 model card; shape only (GPT block, not RMSNorm/SwiGLU/GQA)"},
   };
