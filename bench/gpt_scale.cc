@@ -64,10 +64,10 @@ void run(const Case& k) {
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   std::printf(
-      "%5d ranks  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %8.2f s  MFU %5.1f%%  "
+      "%-11s %5d ranks  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %8.2f s  MFU %5.1f%%  "
       "bubble %5.1f%% (formula %4.1f%%)  peak %6.1f GiB  |  wall %6.1f s  peak RSS %6.0f MiB\n",
-      k.world, k.tp, k.pp, k.interleave, k.world / (k.tp * k.pp), k.zero, k.seq_parallel ? " sp" : "",
-      k.recompute.c_str(), rep.training ? rep.training->step_time_us / 1e6 : 0.0,
+      k.model.c_str(), k.world, k.tp, k.pp, k.interleave, k.world / (k.tp * k.pp), k.zero,
+      k.seq_parallel ? " sp" : "", k.recompute.c_str(), rep.training ? rep.training->step_time_us / 1e6 : 0.0,
       rep.training ? 100 * rep.training->mfu : 0.0, rep.training ? 100 * rep.training->bubble_fraction : 0.0,
       rep.training ? 100 * rep.training->bubble_fraction_formula : 0.0,
       rep.training ? rep.training->peak_memory_bytes / 1073741824.0 : 0.0, wall, u.ru_maxrss / 1024.0);

@@ -178,6 +178,9 @@ void gpt_lesson(Rank& r, const Options& o) {
   std::array<double, parallel::kDims> exposed_us{};
   parallel::PipelineTimes ptimes;
   std::int64_t peak = 0;
+  // The ranks of data-parallel replica 0 time their tasks and communication waits: the replicas run the
+  // same schedule on the same layout, and timing one of them costs the simulation 1/dp of the events.
+  const bool measures = me.dp == 0;
   for (int step = 1; step <= c.steps; ++step) {
     const bool timed = step == c.steps;
     if (step > 1) dp.zero_grads(params);
@@ -185,7 +188,7 @@ void gpt_lesson(Rank& r, const Options& o) {
     r.synchronize();
     r.barrier();
     r.reset_peak_memory();
-    exposed.enable(timed);
+    exposed.enable(timed && measures);
     const Event start = r.record_event();
     {
       auto region = r.region("step");
@@ -200,7 +203,7 @@ void gpt_lesson(Rank& r, const Options& o) {
         auto scope = r.region("backward");
         return model.backward(t, dout);
       };
-      pipe.run(Shape{c.local_rows(), c.hidden}, c.dtype, forward, backward, timed);
+      pipe.run(Shape{c.local_rows(), c.hidden}, c.dtype, forward, backward, timed && measures);
       auto scope = r.region("optimizer");
       dp.finish(params);
       dp.step(params, hyper, step);
@@ -310,34 +313,38 @@ void gpt_lesson(Rank& r, const Options& o) {
     }
   }
 
-  // ---- the figures, gathered to rank 0
-  // ---------------------------------------------------------------------- Means over ranks: exposed
-  // communication per dimension, the pipeline's busy and idle time.
+  // ---- the figures, gathered to rank 0 --------------------------------------------------------------------
+  // Means over the ranks of replica 0: exposed communication per dimension, the pipeline's busy and idle
+  // time.
   const int w = r.world_size();
   std::vector<float> sums(parallel::kDims + 2);
   for (int d = 0; d < parallel::kDims; ++d) sums[d] = static_cast<float>(exposed_us[d]);
   sums[parallel::kDims] = static_cast<float>(ptimes.busy_us);
   sums[parallel::kDims + 1] = static_cast<float>(ptimes.window_us);
   Tensor mean = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
-  r.all_reduce(mean, ReduceOp::Avg);
+  r.all_reduce(mean, ReduceOp::Sum);
   // Maxima: each stage's peak and its planned total (from the rank with tp 0, dp 0 of the stage), the
   // losses, the worst differences.
-  const int nmax = 2 * c.pp + c.steps + 3;
+  const int nmax = 2 * c.pp + c.steps + 4;
   std::vector<float> maxes(nmax, 0.0f);
   if (me.tp == 0 && me.dp == 0) {
     maxes[me.pp] = static_cast<float>(peak);
     maxes[c.pp + me.pp] = static_cast<float>(r.memory_allocated());
     for (size_t i = 0; i < losses.size(); ++i) maxes[2 * c.pp + i] = static_cast<float>(losses[i]);
   }
+  // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
+  maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
   maxes[nmax - 3] = static_cast<float>(worst_grad.rel);
   maxes[nmax - 2] = static_cast<float>(worst_weight.rel);
   maxes[nmax - 1] = static_cast<float>(worst_loss.rel);
   Tensor most = r.from_host({nmax}, maxes);
   r.all_reduce(most, ReduceOp::Max);
-  const std::vector<float> avg = r.to_host(mean), mx = r.to_host(most);
+  std::vector<float> avg = r.to_host(mean);
+  for (float& a : avg) a /= static_cast<float>(c.tp * c.pp);  // the ranks of replica 0
+  const std::vector<float> mx = r.to_host(most);
   if (!root) return;
 
-  const double busy = avg[parallel::kDims], window = avg[parallel::kDims + 1];
+  const double busy = avg[parallel::kDims], window = mx[nmax - 4];
   const double bubble = busy > 0 ? (window - busy) / busy : 0;
   const double formula = (c.pp - 1.0) / (c.v * static_cast<double>(m));
   const double peak_tflops = c.dtype == DType::Float32 ? o.peak_tflops_fp32 : o.peak_tflops_16bit;
@@ -374,15 +381,16 @@ void gpt_lesson(Rank& r, const Options& o) {
                                                     peak_tflops, dtype_name(c.dtype))
                                       : std::string("unknown (no peak for this device)")));
   if (c.pp > 1) {
-    r.print(fmt::format(
-        "  pipeline bubble: idle {:.1f}% of the compute time measured (mean over ranks); (p-1)/(v m) = "
-        "{}/({} x {}) = {:.1f}% for uniform stages and free communication",
-        100 * bubble, c.pp - 1, c.v, m, 100 * formula));
+    r.print(
+        fmt::format("  pipeline bubble: idle {:.1f}% of the compute time measured (the schedule's span over "
+                    "the mean busy time of replica 0's ranks); (p-1)/(v m) = "
+                    "{}/({} x {}) = {:.1f}% for uniform stages and free communication",
+                    100 * bubble, c.pp - 1, c.v, m, 100 * formula));
   }
-  r.print(
-      fmt::format("  exposed communication (the compute stream waiting, mean per rank): tp {}  sp {}  pp {} "
-                  "(receives include the bubble)  dp {}",
-                  human_time(avg[0]), human_time(avg[1]), human_time(avg[2]), human_time(avg[3])));
+  r.print(fmt::format(
+      "  exposed communication (the compute stream waiting, mean per rank of replica 0): tp {}  sp {}  pp {} "
+      "(receives include the bubble)  dp {}",
+      human_time(avg[0]), human_time(avg[1]), human_time(avg[2]), human_time(avg[3])));
   r.print("  peak memory per stage, measured (planned):");
   for (int s = 0; s < c.pp; ++s) {
     if (c.pp > 4 && s == 2) r.print(fmt::format("    ... ({} more stages)", c.pp - 4));
