@@ -5,8 +5,10 @@
 //   build/bench/ranklab_gpt_scale 1536       only the first
 //
 // Each case prints the simulated step time and MFU (what the run answers) and the simulator's own cost:
-// wall seconds and the process's peak resident memory.
+// wall and CPU seconds and the peak resident memory of a process that runs only that case.
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -63,14 +65,16 @@ void run(const Case& k) {
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
+  const double cpu =
+      u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
   std::printf(
       "%-11s %5d ranks  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %8.2f s  MFU %5.1f%%  "
-      "bubble %5.1f%% (formula %4.1f%%)  peak %6.1f GiB  |  wall %6.1f s  peak RSS %6.0f MiB\n",
+      "bubble %5.1f%% (formula %4.1f%%)  peak %6.1f GiB  |  wall %6.1f s  CPU %6.1f s  peak RSS %6.0f MiB\n",
       k.model.c_str(), k.world, k.tp, k.pp, k.interleave, k.world / (k.tp * k.pp), k.zero,
       k.seq_parallel ? " sp" : "", k.recompute.c_str(), rep.training ? rep.training->step_time_us / 1e6 : 0.0,
       rep.training ? 100 * rep.training->mfu : 0.0, rep.training ? 100 * rep.training->bubble_fraction : 0.0,
       rep.training ? 100 * rep.training->bubble_fraction_formula : 0.0,
-      rep.training ? rep.training->peak_memory_bytes / 1073741824.0 : 0.0, wall, u.ru_maxrss / 1024.0);
+      rep.training ? rep.training->peak_memory_bytes / 1073741824.0 : 0.0, wall, cpu, u.ru_maxrss / 1024.0);
   std::fflush(stdout);
 }
 
@@ -89,6 +93,15 @@ int main(int argc, char** argv) {
     const int world = std::atoi(argv[1]);
     std::erase_if(cases, [&](const Case& k) { return k.world != world; });
   }
-  for (const Case& k : cases) run(k);
+  // Each case in a process of its own, so that its peak memory is its own.
+  for (const Case& k : cases) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      run(k);
+      std::_Exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+  }
   return 0;
 }

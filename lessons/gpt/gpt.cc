@@ -303,13 +303,13 @@ void gpt_lesson(Rank& r, const Options& o) {
   if (ref) {
     const std::string who = fmt::format(" ({})", c.layout());
     r.check("gpt: every step's gradients equal one device's" + who, worst_grad.rel <= tol.grad,
-            fmt::format("{} (tolerance {:.0e} for {})", worst_grad.detail, tol.grad, dtype_name(c.dtype)));
+            fmt::format("{} (tolerance {:.2g} for {})", worst_grad.detail, tol.grad, dtype_name(c.dtype)));
     r.check(
         "gpt: every step's weight updates equal one device's" + who, worst_weight.rel <= tol.weight,
-        fmt::format("{} (tolerance {:.0e} for {})", worst_weight.detail, tol.weight, dtype_name(c.dtype)));
+        fmt::format("{} (tolerance {:.2g} for {})", worst_weight.detail, tol.weight, dtype_name(c.dtype)));
     if (model.has_head()) {
       r.check("gpt: every step's loss equals one device's" + who, worst_loss.rel <= tol.loss,
-              fmt::format("{} (tolerance {:.0e} for {})", worst_loss.detail, tol.loss, dtype_name(c.dtype)));
+              fmt::format("{} (tolerance {:.2g} for {})", worst_loss.detail, tol.loss, dtype_name(c.dtype)));
     }
   }
 
@@ -323,14 +323,13 @@ void gpt_lesson(Rank& r, const Options& o) {
   sums[parallel::kDims + 1] = static_cast<float>(ptimes.window_us);
   Tensor mean = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
   r.all_reduce(mean, ReduceOp::Sum);
-  // Maxima: each stage's peak and its planned total (from the rank with tp 0, dp 0 of the stage), the
-  // losses, the worst differences.
-  const int nmax = 2 * c.pp + c.steps + 4;
+  // Maxima: each stage's peak (from the rank with tp 0, dp 0 of the stage), the losses, the pipeline's
+  // window, the worst differences.
+  const int nmax = c.pp + c.steps + 4;
   std::vector<float> maxes(nmax, 0.0f);
   if (me.tp == 0 && me.dp == 0) {
     maxes[me.pp] = static_cast<float>(peak);
-    maxes[c.pp + me.pp] = static_cast<float>(r.memory_allocated());
-    for (size_t i = 0; i < losses.size(); ++i) maxes[2 * c.pp + i] = static_cast<float>(losses[i]);
+    for (size_t i = 0; i < losses.size(); ++i) maxes[c.pp + i] = static_cast<float>(losses[i]);
   }
   // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
   maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
@@ -370,7 +369,7 @@ void gpt_lesson(Rank& r, const Options& o) {
   r.report_training(st);
 
   for (int s = 0; s < c.steps && ref; ++s) {
-    r.print(fmt::format("step {}/{}  loss {:.6f} (one device {:.6f})", s + 1, c.steps, mx[2 * c.pp + s],
+    r.print(fmt::format("step {}/{}  loss {:.6f} (one device {:.6f})", s + 1, c.steps, mx[c.pp + s],
                         ref->loss(s + 1)));
   }
   r.print(fmt::format("step time {} (the last step, events on rank 0's compute stream); {:.0f} tokens/s",
@@ -407,7 +406,7 @@ void gpt_lesson(Rank& r, const Options& o) {
   const bool ok = mx[nmax - 3] <= tol.grad && mx[nmax - 2] <= tol.weight && mx[nmax - 1] <= tol.loss;
   r.print(fmt::format(
       "equal to one device (double precision) after every step: {} (largest relative differences: "
-      "gradients {:.2e}, weight updates {:.2e}, loss {:.2e}; tolerances for {}: {:.0e}, {:.0e}, {:.0e})",
+      "gradients {:.2e}, weight updates {:.2e}, loss {:.2e}; tolerances for {}: {:.2g}, {:.2g}, {:.2g})",
       ok ? "yes" : "NO", mx[nmax - 3], mx[nmax - 2], mx[nmax - 1], dtype_name(c.dtype), tol.grad, tol.weight,
       tol.loss));
 }
