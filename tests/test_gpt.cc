@@ -11,6 +11,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/parallel/groups.h"
 #include "lessons/parallel/pipeline.h"
 #include "sim_fixture.h"
 
@@ -114,6 +115,26 @@ TEST(Gpt, DeeperPipelineInterleaved) {
   o.dtype = "fp32";
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
+TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
+  Options o = tiny();
+  o.world = 8;
+  o.tp = 2;
+  o.pp = 2;
+  o.order = "dp-pp-tp";  // tp outermost: ranks 0 and 4 form a tp group
+  o.dtype = "fp32";
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+
+  parallel::Layout megatron{8, 1, 2, "tp-dp-pp"}, across{8, 1, 2, "dp-tp-pp"};
+  EXPECT_EQ(megatron.rank_of(7, 1, 0), 15);
+  EXPECT_EQ(across.rank_of(7, 1, 0), 15);
+  EXPECT_EQ(across.rank_of(1, 0, 0), 2);
+  const std::vector<std::string> a = parallel::describe_groups(megatron, 8),
+                                 b = parallel::describe_groups(across, 8);
+  EXPECT_NE(a.back().find("fits in one node"), std::string::npos) << a.back();
+  EXPECT_NE(b.back().find("spans more than one node"), std::string::npos) << b.back();
 }
 
 // ---- a broken variant fails the lesson's own check
