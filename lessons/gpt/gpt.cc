@@ -104,8 +104,11 @@ void gpt_lesson(Rank& r, const Options& o) {
   }
   if (root) {
     const double n = static_cast<double>(gpt::parameter_count(c));
-    r.print(fmt::format("gpt{}: {}; {:.3g}B parameters", c.model == "custom" ? "" : " " + c.model, c.shape(),
-                        n / 1e9));
+    const std::string count = n >= 1e9   ? fmt::format("{:.3g}B", n / 1e9)
+                              : n >= 1e6 ? fmt::format("{:.3g}M", n / 1e6)
+                                         : fmt::format("{:.0f}", n);
+    r.print(
+        fmt::format("gpt{}: {}; {} parameters", c.model == "custom" ? "" : " " + c.model, c.shape(), count));
     r.print(fmt::format(
         "  global batch {} x seq {} = {} tokens per step; micro-batch {}: m = {} micro-batches per "
         "pipeline; {} steps of AdamW lr {}",
@@ -252,7 +255,7 @@ void gpt_lesson(Rank& r, const Options& o) {
         const double rel = is_grad ? err / std::max(scale, 1e-30) : std::sqrt(num / std::max(den, 1e-60));
         const std::string where = fmt::format(
             "rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
-            r.rank(), me.tp, me.dp, me.pp, p.spec.name, is_grad ? "gradient" : "weight", at, first,
+            r.rank(), me.tp, me.dp, me.pp, p.spec.name, is_grad ? "gradient" : "value", at, first,
             first + rows, want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
         if (is_grad) {
           worst_grad.merge(
