@@ -6,7 +6,7 @@
 //   dp-overlap  the same with --overlap
 //   tp        tensor_parallel --dim 16384 --layers 16 --batch 1024
 //   pp        pipeline_parallel --dim 8192 --layers W --micro-batches 8
-//   benchmark benchmark --count 100000000
+//   benchmark benchmark --count 1048576 (the reduce_scatter's W x count input fits a device at 4,096)
 //   sends     every rank posts isend to the next rank and irecv from the previous one, W transfers in
 //             flight at once, then waits for them all
 //   allreduce one 1 GiB all_reduce
@@ -87,7 +87,13 @@ const std::map<std::string, std::function<double(int)>>& cases() {
          o.micro_batches = 8;
          return run_lesson_case("pipeline_parallel", o, w).makespan_us;
        }},
-      {"benchmark", [](int w) { return run_lesson_case("benchmark", Options{}, w).makespan_us; }},
+      {"benchmark",
+       [](int w) {
+         // 4 MiB: reduce_scatter's input is W x count per rank, which must fit a device at 4,096 ranks.
+         Options o;
+         o.count = std::int64_t{1} << 20;
+         return run_lesson_case("benchmark", o, w).makespan_us;
+       }},
       {"sends",
        [](int w) {
          SimBackend backend(config_for(w));

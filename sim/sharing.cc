@@ -88,7 +88,8 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   component_links_.clear();
   ++visit_;
   // Every link and flow connected to a changed link, through flows that cross links.
-  std::vector<std::uint32_t> stack;
+  std::vector<std::uint32_t>& stack = stack_;
+  stack.clear();
   for (std::uint32_t l : dirty_) {
     links_[l].dirty = false;
     if (links_[l].visit == visit_) continue;
@@ -124,12 +125,9 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
 void SharingNetwork::fill() {
   // A min-heap of the links' fair shares (remaining / unfixed); an entry whose version is not its link's
   // current one is stale and skipped.
-  struct Entry {
-    double share;
-    std::uint32_t link, version;
-    bool operator>(const Entry& o) const { return share > o.share || (share == o.share && link > o.link); }
-  };
-  std::vector<Entry> heap;
+  using Entry = ShareEntry;
+  std::vector<Entry>& heap = heap_;
+  heap.clear();
   heap.reserve(component_links_.size());
   for (std::uint32_t l : component_links_) {
     Link& link = links_[l];
@@ -148,7 +146,8 @@ void SharingNetwork::fill() {
     return e;
   };
   auto valid = [&](const Entry& e) { return links_[e.link].version == e.version; };
-  std::vector<std::uint32_t> full, touched;
+  std::vector<std::uint32_t>& full = full_;
+  std::vector<std::uint32_t>& touched = touched_;
   while (true) {
     while (!heap.empty() && !valid(heap.front())) pop();
     if (heap.empty()) break;

@@ -75,6 +75,16 @@ class SharingNetwork {
   std::uint32_t visit_ = 0;
   std::vector<std::uint32_t> component_links_;
   std::vector<FlowId> changed_;
+  // Scratch of solve() and fill(), kept between calls so that a solve allocates nothing.
+  struct ShareEntry {
+    double share;
+    std::uint32_t link, version;
+    bool operator>(const ShareEntry& o) const {
+      return share > o.share || (share == o.share && link > o.link);
+    }
+  };
+  std::vector<ShareEntry> heap_;
+  std::vector<std::uint32_t> stack_, full_, touched_;
 };
 
 }  // namespace ranklab::sim

@@ -151,8 +151,10 @@ void TransferEngine::reshare() {
 void TransferEngine::retire_done_flows() {
   // The flows that count as done now, and those that looked close but are not (rounding): they are due
   // again at their end.
-  std::vector<std::uint32_t> done;
-  std::vector<Due> again;
+  std::vector<std::uint32_t>& done = done_;
+  std::vector<Due>& again = again_;
+  done.clear();
+  again.clear();
   drop_stale(retires_);
   while (!retires_.empty() && retires_.front().at_us <= now_us_) {
     const Due d = retires_.front();
@@ -175,7 +177,8 @@ void TransferEngine::retire_done_flows() {
   if (done.empty()) return;
   // Retire them in the order of the running list: lowest position first; the entry moved into a gap is
   // looked at next.
-  std::vector<std::pair<std::size_t, std::uint32_t>> pending;
+  std::vector<std::pair<std::size_t, std::uint32_t>>& pending = pending_;
+  pending.clear();
   for (std::uint32_t id : done) pending.emplace_back(position_[id], id);
   std::make_heap(pending.begin(), pending.end(), std::greater<>());
   std::vector<char>& is_done = retiring_;  // all zero between calls

@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "sim/comm_op.h"
@@ -92,8 +93,12 @@ class TransferEngine {
   std::vector<Running> running_;
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
   std::vector<std::uint32_t> order_;
-  std::vector<std::size_t> position_;                 // per flow id: where it is in order_
-  std::vector<char> retiring_;                        // per flow id: scratch of retire_done_flows
+  std::vector<std::size_t> position_;  // per flow id: where it is in order_
+  std::vector<char> retiring_;         // per flow id: scratch of retire_done_flows
+  // More scratch of retire_done_flows, kept so that it allocates nothing.
+  std::vector<std::uint32_t> done_;
+  std::vector<Due> again_;
+  std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
