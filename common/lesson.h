@@ -37,6 +37,28 @@ struct Options {
   // can say: the simulator can, NCCL does not report it. Unset: unknown.
   std::function<std::string(CommOp op, std::int64_t bytes, int world, int root)> comm_algorithm{};
   bool quiet = false;  // fewer lines of output
+
+  // The gpt lesson: the model's shape (--layers above is shared), its parallel layout and precision.
+  std::string model{};  // the preset that filled the shape ("gpt3-175b"), or empty
+  std::int64_t hidden = 64;
+  int heads = 4;
+  int seq = 16;
+  std::int64_t vocab = 128;
+  std::int64_t global_batch = 8;
+  std::int64_t micro_batch = 2;
+  int tp = 1, pp = 1;
+  int dp = 0;  // 0: world / (tp pp)
+  int interleave = 1;
+  int zero = 0;
+  bool seq_parallel = false;
+  std::string recompute = "none";  // none | selective | full
+  std::string order = "tp-dp-pp";  // process-group layout, innermost first
+  std::string dtype = "bf16";      // bf16 | fp16 | fp32
+  std::string grad_reduce_dtype = "fp32";
+  std::string broken{};  // a deliberate bug the tests use to see the lesson's check fail
+  // The hardware, from the profile, for MFU and for saying whether a tp group fits in a node (0: unknown).
+  double peak_tflops_16bit = 0, peak_tflops_fp32 = 0;
+  int gpus_per_node = 0;
 };
 
 using LessonFn = std::function<void(Rank&, const Options&)>;

@@ -334,8 +334,26 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.barrier_latency_us = top.non_negative("barrier_latency_us");
 
   TableReader gpu(top.table("gpu"), "gpu", origin,
-                  {"name", "peak_tflops_fp32", "peak_tflops_tf32", "peak_tflops_bf16", "hbm_bandwidth_gbps",
-                   "hbm_capacity_gib", "launch_overhead_us", "compute_efficiency", "memory_efficiency"});
+                  {"name",
+                   "peak_tflops_fp32",
+                   "peak_tflops_tf32",
+                   "peak_tflops_bf16",
+                   "hbm_bandwidth_gbps",
+                   "hbm_capacity_gib",
+                   "launch_overhead_us",
+                   "compute_efficiency",
+                   "memory_efficiency",
+                   "peak_tflops_fp16",
+                   "sm_count",
+                   "gemm_tile_m",
+                   "gemm_tile_n",
+                   "gemm_k_overhead",
+                   "gemm_mamf_tflops",
+                   "gemm_mamf_m",
+                   "gemm_mamf_n",
+                   "gemm_mamf_k",
+                   "attention_fwd_efficiency",
+                   "attention_bwd_efficiency"});
   p.gpu.name = gpu.require_string("name");
   p.gpu.peak_tflops_fp32 = gpu.positive("peak_tflops_fp32");
   p.gpu.peak_tflops_tf32 = gpu.positive("peak_tflops_tf32");
@@ -345,6 +363,29 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.gpu.launch_overhead_us = gpu.non_negative("launch_overhead_us");
   p.gpu.compute_efficiency = gpu.efficiency("compute_efficiency", 1.0);
   p.gpu.memory_efficiency = gpu.efficiency("memory_efficiency", 1.0);
+  p.gpu.peak_tflops_fp16 =
+      gpu.has("peak_tflops_fp16") ? gpu.positive("peak_tflops_fp16") : p.gpu.peak_tflops_bf16;
+  p.gpu.sm_count = gpu.count("sm_count", false).value_or(0);
+  p.gpu.gemm_tile_m = gpu.count("gemm_tile_m", false).value_or(p.gpu.gemm_tile_m);
+  p.gpu.gemm_tile_n = gpu.count("gemm_tile_n", false).value_or(p.gpu.gemm_tile_n);
+  p.gpu.gemm_k_overhead = gpu.at_least("gemm_k_overhead", 0, 0);
+  p.gpu.gemm_mamf_tflops = gpu.at_least("gemm_mamf_tflops", 0, 0);
+  p.gpu.gemm_mamf_m = gpu.count("gemm_mamf_m", false).value_or(0);
+  p.gpu.gemm_mamf_n = gpu.count("gemm_mamf_n", false).value_or(0);
+  p.gpu.gemm_mamf_k = gpu.count("gemm_mamf_k", false).value_or(0);
+  if (p.gpu.gemm_mamf_tflops > 0 &&
+      (p.gpu.gemm_mamf_m == 0 || p.gpu.gemm_mamf_n == 0 || p.gpu.gemm_mamf_k == 0)) {
+    fail_at(gpu.at("gemm_mamf_tflops"), origin,
+            "'gpu.gemm_mamf_tflops' needs the shape it was measured at: gemm_mamf_m, gemm_mamf_n and "
+            "gemm_mamf_k");
+  }
+  if (p.gpu.gemm_mamf_tflops > p.gpu.peak_tflops_bf16) {
+    fail_at(gpu.at("gemm_mamf_tflops"), origin,
+            fmt::format("'gpu.gemm_mamf_tflops' ({}) is above peak_tflops_bf16 ({})", p.gpu.gemm_mamf_tflops,
+                        p.gpu.peak_tflops_bf16));
+  }
+  p.gpu.attention_fwd_efficiency = gpu.efficiency("attention_fwd_efficiency", 0);
+  p.gpu.attention_bwd_efficiency = gpu.efficiency("attention_bwd_efficiency", 0);
 
   if (const toml::table* t = top.optional_table("nvlink")) {
     TableReader nv(

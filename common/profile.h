@@ -17,12 +17,24 @@ struct GpuModel {
   double peak_tflops_fp32 = 0;    // dense, without tensor cores
   double peak_tflops_tf32 = 0;    // dense tensor-core TF32
   double peak_tflops_bf16 = 0;    // dense tensor-core BF16
+  double peak_tflops_fp16 = 0;    // dense tensor-core FP16 (FP32 accumulate); 0 in a file means as BF16
   double hbm_bandwidth_gbps = 0;  // HBM bandwidth
   double hbm_capacity_gib = 0;    // device memory
   double launch_overhead_us = 0;  // host time to launch one kernel
   // Fraction of peak FLOP/s and HBM bandwidth a well-shaped kernel reaches (the roofline's ceiling).
   double compute_efficiency = 1.0;
   double memory_efficiency = 1.0;
+  // The 16-bit GEMM model (docs/model.md, "Compute"). Without sm_count and a measured GEMM, 16-bit GEMMs
+  // use the roofline with compute_efficiency.
+  int sm_count = 0;       // streaming multiprocessors
+  int gemm_tile_m = 128;  // output tile one SM computes (the model also tries it transposed)
+  int gemm_tile_n = 256;
+  double gemm_k_overhead = 0;   // a tile's pipeline fill and drain, in elements of k
+  double gemm_mamf_tflops = 0;  // a measured large 16-bit GEMM: its TFLOP/s and its shape
+  int gemm_mamf_m = 0, gemm_mamf_n = 0, gemm_mamf_k = 0;
+  // Fused attention's throughput as a fraction of the 16-bit peak; 0 means compute_efficiency.
+  double attention_fwd_efficiency = 0;
+  double attention_bwd_efficiency = 0;
 };
 
 // The NVLink ports of each GPU, all wired to the node's NVSwitch fabric, so any two GPUs of a node (an

@@ -29,7 +29,18 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
-Shape::Shape(std::initializer_list<std::int64_t> dims) : Shape(std::vector<std::int64_t>(dims)) {}
+// Filled in place rather than through a vector: kernels make shapes on every launch.
+Shape::Shape(std::initializer_list<std::int64_t> dims) {
+  if (dims.size() > static_cast<size_t>(kMaxDims)) {
+    throw UsageError(fmt::format("a tensor has at most {} dimensions; got {}", kMaxDims, dims.size()));
+  }
+  int i = 0;
+  for (std::int64_t d : dims) {
+    if (d < 0) throw UsageError(fmt::format("dimension {} of a shape is negative ({})", i, d));
+    dims_[i++] = d;
+  }
+  ndim_ = i;
+}
 
 Shape::Shape(const std::vector<std::int64_t>& dims) {
   if (dims.size() > static_cast<size_t>(kMaxDims)) {
@@ -59,9 +70,10 @@ std::int64_t Shape::numel() const {
 
 Shape Shape::with_dim(int i, std::int64_t size) const {
   (void)(*this)[i];  // range check
-  std::vector<std::int64_t> d = dims();
-  d[i] = size;
-  return Shape(d);
+  if (size < 0) throw UsageError(fmt::format("dimension {} of a shape is negative ({})", i, size));
+  Shape out = *this;
+  out.dims_[i] = size;
+  return out;
 }
 
 bool Shape::operator==(const Shape& o) const {

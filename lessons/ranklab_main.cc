@@ -31,6 +31,7 @@
 #include "common/replay.h"
 #include "common/report.h"
 #include "common/trace_writer.h"
+#include "lessons/gpt/presets.h"
 #include "sim/network_model.h"
 #include "sim/sim_backend.h"
 #include "sim/topology.h"
@@ -64,6 +65,45 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_flag("--quiet", o.quiet, "print less");
   run.add_option("--algo", o.algo, "force NCCL's algorithm, as NCCL_ALGO: ring, tree, nvls, nvls_tree");
   run.add_option("--proto", o.proto, "force NCCL's protocol, as NCCL_PROTO: ll, ll128, simple");
+  // The gpt lesson.
+  run.add_option("--model", o.model, "gpt: a preset that fills the shape flags (gpt3-175b, llama3-8b, ...)");
+  run.add_option("--hidden", o.hidden, "gpt: model width");
+  run.add_option("--heads", o.heads, "gpt: attention heads");
+  run.add_option("--seq", o.seq, "gpt: sequence length");
+  run.add_option("--vocab", o.vocab, "gpt: vocabulary size");
+  run.add_option("--global-batch", o.global_batch, "gpt: sequences per step");
+  run.add_option("--micro-batch", o.micro_batch, "gpt: sequences per micro-batch");
+  run.add_option("--tp", o.tp, "gpt: tensor-parallel size");
+  run.add_option("--pp", o.pp, "gpt: pipeline-parallel size");
+  run.add_option("--dp", o.dp, "gpt: data-parallel size (default world / (tp pp))");
+  run.add_option("--interleave", o.interleave, "gpt: model chunks per pipeline rank (interleaved 1F1B)");
+  run.add_option("--zero", o.zero, "gpt: ZeRO stage 0, 1, 2 or 3");
+  run.add_flag("--seq-parallel", o.seq_parallel, "gpt: sequence parallelism with tensor parallelism");
+  run.add_option("--recompute", o.recompute, "gpt: activation recomputation: none, selective or full");
+  run.add_option("--order", o.order, "gpt: process-group layout, innermost first (tp-dp-pp)");
+  run.add_option("--dtype", o.dtype, "gpt: bf16, fp16 or fp32 weights and activations");
+  run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
+                 "gpt: dtype of the data-parallel gradient reduction");
+  run.add_option("--break", o.broken,
+                 "gpt: a deliberate bug, to see the check fail (dp-sum, no-reduce-scatter, no-sp-grad-sync)")
+      ->group("");
+}
+
+// --model fills the shape flags the command line left out; the gpt lesson starts from AdamW's usual 1e-3.
+void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options& o) {
+  if (lesson != "gpt") return;
+  if (!o.model.empty()) {
+    const gpt::Preset& p = gpt::find_preset(o.model);
+    if (run.count("--layers") == 0) o.layers = p.layers;
+    if (run.count("--hidden") == 0) o.hidden = p.hidden;
+    if (run.count("--heads") == 0) o.heads = p.heads;
+    if (run.count("--seq") == 0) o.seq = p.seq;
+    if (run.count("--vocab") == 0) o.vocab = p.vocab;
+    if (run.count("--global-batch") == 0) o.global_batch = p.global_batch;
+    if (run.count("--micro-batch") == 0) o.micro_batch = 1;
+  }
+  if (run.count("--layers") == 0 && o.model.empty()) o.layers = 2;
+  if (run.count("--lr") == 0) o.lr = 1e-3;
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o) {
@@ -118,10 +158,14 @@ int topo_command(const std::string& profile_name, int nodes) {
 }
 
 int run_command(const std::string& lesson, const std::string& backend_name, const std::string& profile_name,
-                int nodes, const std::string& report_dir, const Options& o) {
+                int nodes, const std::string& report_dir, const Options& options) {
   Profile profile = load_profile(profile_name);
   profile.nodes = nodes;
   find_lesson(lesson);  // fail before launching when the name is wrong
+  Options o = options;
+  o.peak_tflops_16bit = profile.gpu.peak_tflops_bf16;
+  o.peak_tflops_fp32 = profile.gpu.peak_tflops_fp32;
+  o.gpus_per_node = profile.gpus_per_node;
   std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o);
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
@@ -425,6 +469,7 @@ int main(int argc, char** argv) {
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
+    apply_gpt_defaults(*run, lesson, options);
     return run_command(lesson, backend, profile, nodes, report_dir, options);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());

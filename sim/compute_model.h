@@ -1,6 +1,9 @@
 // ComputeModel: how long a kernel takes on the profile's GPU. A roofline: a kernel is bound either by
 // arithmetic (flops / peak) or by memory traffic (bytes / HBM bandwidth), whichever is slower
-// (Williams, Waterman & Patterson, "Roofline", CACM 2009).
+// (Williams, Waterman & Patterson, "Roofline", CACM 2009). A 16-bit GEMM's arithmetic rate depends on its
+// shape (output tiles, waves of tiles over the SMs, k), scaled so that it reproduces a measured large GEMM;
+// fused attention runs at a measured fraction of the 16-bit peak. docs/model.md ("Compute") has the
+// formulas and the source of every constant.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +15,8 @@ namespace ranklab::sim {
 
 class ComputeModel {
  public:
-  explicit ComputeModel(const GpuModel& gpu) : gpu_(gpu) {}
+  // UsageError when the profile's measured GEMM is faster than the model's shape factors allow.
+  explicit ComputeModel(const GpuModel& gpu);
 
   // Device time of a kernel doing `flops` operations and moving `bytes` to and from HBM.
   double kernel_us(double flops, double bytes, DType dtype) const;
@@ -27,9 +31,19 @@ class ComputeModel {
   // Host time to launch one kernel.
   double launch_us() const { return gpu_.launch_overhead_us; }
 
+  // The factors of a 16-bit GEMM's rate, each in (0, 1]: the output tiles' fill of their last partial tile
+  // times the last wave's fill of the SMs (for the better of the two tile orientations), k / (k + k0), and
+  // the ceiling that makes the model reproduce the profile's measured GEMM. Exposed for tests and docs.
+  double gemm_quantization(std::int64_t m, std::int64_t n) const;
+  double gemm_k_efficiency(std::int64_t k) const;
+  double gemm_ceiling() const { return gemm_ceiling_; }
+  // Whether 16-bit GEMMs use the shape model (the profile has sm_count and a measured GEMM).
+  bool gemm_shape_model() const { return gemm_ceiling_ > 0; }
+
  private:
   double peak_tflops(DType dtype) const;
   GpuModel gpu_;
+  double gemm_ceiling_ = 0;
 };
 
 }  // namespace ranklab::sim

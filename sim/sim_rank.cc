@@ -317,12 +317,10 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   return c;
 }
 
-namespace {
-void require_same_shape(const std::string& where, const Tensor& a, const Tensor& b) {
+void SimRank::require_same_shape(const char* op, const Tensor& a, const Tensor& b) const {
   if (a.shape() != b.shape())
-    throw UsageError(fmt::format("{}: shapes differ: {} and {}", where, a.str(), b.str()));
+    throw UsageError(fmt::format("{}: shapes differ: {} and {}", where(op), a.str(), b.str()));
 }
-}  // namespace
 
 Tensor SimRank::relu(const Tensor& x) {
   require(x, "relu", "x");
@@ -336,7 +334,7 @@ Tensor SimRank::relu(const Tensor& x) {
 Tensor SimRank::relu_backward(const Tensor& grad_out, const Tensor& x) {
   require(grad_out, "relu_backward", "grad_out");
   require(x, "relu_backward", "x");
-  require_same_shape(where("relu_backward"), grad_out, x);
+  require_same_shape("relu_backward", grad_out, x);
   require_same_dtype(grad_out, x, "relu_backward");
   Tensor g = allocate(x.shape(), x.dtype(), x.phantom() || grad_out.phantom(), "relu_backward");
   before_kernel({&grad_out, &x}, "relu_backward");
@@ -348,7 +346,7 @@ Tensor SimRank::relu_backward(const Tensor& grad_out, const Tensor& x) {
 Tensor SimRank::add(const Tensor& a, const Tensor& b) {
   require(a, "add", "a");
   require(b, "add", "b");
-  require_same_shape(where("add"), a, b);
+  require_same_shape("add", a, b);
   require_same_dtype(a, b, "add");
   Tensor c = allocate(a.shape(), a.dtype(), a.phantom() || b.phantom(), "add");
   before_kernel({&a, &b}, "add");
@@ -360,21 +358,18 @@ Tensor SimRank::add(const Tensor& a, const Tensor& b) {
   return c;
 }
 
-namespace {
-// An in-place op on a real tensor cannot take its values from a phantom.
-void require_same_kind(const std::string& where, const Tensor& dst, const Tensor& src) {
+void SimRank::require_same_kind(const char* op, const Tensor& dst, const Tensor& src) const {
   if (!dst.phantom() && src.phantom()) {
-    throw UsageError(fmt::format("{}: writes phantom {} into real {}; make both phantom or both real", where,
-                                 src.str(), dst.str()));
+    throw UsageError(fmt::format("{}: writes phantom {} into real {}; make both phantom or both real",
+                                 where(op), src.str(), dst.str()));
   }
 }
-}  // namespace
 
 void SimRank::add_(const Tensor& dst, const Tensor& src, float alpha) {
   require(dst, "add_", "dst");
   require(src, "add_", "src");
-  require_same_shape(where("add_"), dst, src);
-  require_same_kind(where("add_"), dst, src);
+  require_same_shape("add_", dst, src);
+  require_same_kind("add_", dst, src);
   before_kernel({&dst, &src}, "add_");
   if (!dst.phantom()) {
     array(dst) += alpha * array(src);
@@ -400,7 +395,7 @@ void SimRank::copy_(const Tensor& dst, const Tensor& src) {
   if (dst.numel() != src.numel()) {
     throw UsageError(fmt::format("{}: {} and {} differ in size", where("copy_"), dst.str(), src.str()));
   }
-  require_same_kind(where("copy_"), dst, src);
+  require_same_kind("copy_", dst, src);
   before_kernel({&dst, &src}, "copy_");
   if (!dst.phantom()) {
     array(dst) = array(src);
@@ -504,8 +499,8 @@ Tensor SimRank::cat(const std::vector<Tensor>& parts, int dim) {
 void SimRank::sgd_step(const Tensor& param, const Tensor& grad, float lr) {
   require(param, "sgd_step", "param");
   require(grad, "sgd_step", "grad");
-  require_same_shape(where("sgd_step"), param, grad);
-  require_same_kind(where("sgd_step"), param, grad);
+  require_same_shape("sgd_step", param, grad);
+  require_same_kind("sgd_step", param, grad);
   before_kernel({&param, &grad}, "sgd_step");
   if (!param.phantom()) {
     array(param) -= lr * array(grad);
@@ -520,10 +515,10 @@ void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& 
   require(grad, "adamw_step", "grad");
   require(m, "adamw_step", "m");
   require(v, "adamw_step", "v");
-  require_same_shape(where("adamw_step"), param, grad);
-  require_same_shape(where("adamw_step"), param, m);
-  require_same_shape(where("adamw_step"), param, v);
-  require_same_kind(where("adamw_step"), param, grad);
+  require_same_shape("adamw_step", param, grad);
+  require_same_shape("adamw_step", param, m);
+  require_same_shape("adamw_step", param, v);
+  require_same_kind("adamw_step", param, grad);
   require_dtype(param, DType::Float32, "adamw_step", "param");
   require_dtype(grad, DType::Float32, "adamw_step", "grad");
   require_dtype(m, DType::Float32, "adamw_step", "m");
@@ -561,7 +556,7 @@ void SimRank::add_bias_(const Tensor& x, const Tensor& bias) {
   }
   require_shape(bias, Shape{x.size(1)}, "add_bias_", "bias");
   require_same_dtype(x, bias, "add_bias_");
-  require_same_kind(where("add_bias_"), x, bias);
+  require_same_kind("add_bias_", x, bias);
   before_kernel({&x, &bias}, "add_bias_");
   if (!x.phantom()) {
     MatrixMap X(sim_data(x), x.size(0), x.size(1));
@@ -722,7 +717,7 @@ Tensor SimRank::gelu(const Tensor& x) {
 Tensor SimRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   require(dy, "gelu_backward", "dy");
   require(x, "gelu_backward", "x");
-  require_same_shape(where("gelu_backward"), dy, x);
+  require_same_shape("gelu_backward", dy, x);
   require_same_dtype(dy, x, "gelu_backward");
   Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), "gelu_backward");
   before_kernel({&dy, &x}, "gelu_backward");
@@ -928,8 +923,8 @@ void SimRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const 
   require_shape(dy, Shape{ids.size(0), dtable.size(1)}, op, "dy");
   require_dtype(dtable, DType::Float32, op, "dtable");
   require_dtype(ids, DType::Float32, op, "ids");
-  require_same_kind(where(op), dtable, dy);
-  require_same_kind(where(op), dtable, ids);
+  require_same_kind(op, dtable, dy);
+  require_same_kind(op, dtable, ids);
   before_kernel({&dtable, &dy, &ids}, op);
   const std::int64_t rows = ids.size(0), vrows = dtable.size(0), dim = dtable.size(1);
   if (!dtable.phantom()) {

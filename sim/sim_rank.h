@@ -101,6 +101,10 @@ class SimRank : public Rank {
   void require_dtype(const Tensor& t, DType dtype, const char* op, const char* arg) const;
   // `a` and `b` must share a dtype.
   void require_same_dtype(const Tensor& a, const Tensor& b, const char* op) const;
+  // Shape and phantom checks that format their message only when they fail (kernels run millions of times).
+  void require_same_shape(const char* op, const Tensor& a, const Tensor& b) const;
+  // An in-place op on a real tensor cannot take its values from a phantom.
+  void require_same_kind(const char* op, const Tensor& dst, const Tensor& src) const;
   // `t` must have the shape `want`.
   void require_shape(const Tensor& t, const Shape& want, const char* op, const char* arg) const;
   Tensor allocate(const Shape& s, DType dtype, bool phantom, const char* op);

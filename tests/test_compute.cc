@@ -1,10 +1,14 @@
 // The simulator's compute ops against loops written here, and the roofline time of a kernel.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 
 #include "common/errors.h"
+#include "common/profile.h"
 #include "common/random.h"
+#include "sim/compute_model.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -154,6 +158,107 @@ TEST(Compute, PhantomsFlowThroughOpsWithoutValues) {
     return std::string();
   });
   EXPECT_NE(got.find("phantom"), std::string::npos) << got;
+}
+
+// ---- the 16-bit GEMM and attention model (docs/model.md, "Compute") --------------------------------------
+
+sim::ComputeModel h100_model() {
+  return sim::ComputeModel(quiet_config().profile.gpu);  // dgx-h100
+}
+
+TEST(ComputeModel, Float32GemmKeepsTheRoofline) {
+  const sim::ComputeModel model = h100_model();
+  const double m = 1000, n = 3000, k = 500;
+  const double want =
+      std::max(2 * m * n * k / (67.0 * 1e6 * 0.7), 4 * (m * k + k * n + m * n) / (3350.0 * 1e3 * 0.8));
+  EXPECT_EQ(model.gemm_us(1000, 3000, 500, DType::Float32), want);
+}
+
+TEST(ComputeModel, Bf16GemmOfA8192CubeByHand) {
+  // H100: ceiling from the measured 794.5 TFLOPS at 2048 x 2048 x 13312, where 128 tiles of 128x256 fill
+  // 128 of the 132 SMs and k / (k + 256) = 13312 / 13568.
+  const double ceiling = (794.5 / 989.4) / ((128.0 / 132) * (13312.0 / 13568));
+  // 8192^3: 64 x 32 = 2048 tiles in 16 waves of 132 (2112 slots); k / (k + 256) = 8192 / 8448.
+  const double rate = 989.4 * 1e6 * ceiling * (2048.0 / 2112) * (8192.0 / 8448);
+  const double want = 2.0 * 8192 * 8192 * 8192 / rate;
+  const sim::ComputeModel model = h100_model();
+  EXPECT_NEAR(model.gemm_ceiling(), ceiling, 1e-12);
+  EXPECT_NEAR(model.gemm_us(8192, 8192, 8192, DType::BFloat16), want, 1e-9 * want);
+  EXPECT_NEAR(model.gemm_us(8192, 8192, 8192, DType::Float16), want, 1e-9 * want);  // same peak on H100
+}
+
+TEST(ComputeModel, OneTileMoreThanAFullWaveCostsTwoWaves) {
+  const sim::ComputeModel model = h100_model();
+  // 1536 x 2816 is 12 x 11 = 132 tiles of 128x256: one full wave on 132 SMs. 2432 x 1792 is 19 x 7 = 133.
+  const double one_wave = model.gemm_us(1536, 2816, 8192, DType::BFloat16);
+  const double two_waves = model.gemm_us(2432, 1792, 8192, DType::BFloat16);
+  EXPECT_NEAR(two_waves / one_wave, 2.0, 1e-9);
+  EXPECT_DOUBLE_EQ(model.gemm_quantization(1536, 2816), 1.0);
+  EXPECT_NEAR(model.gemm_quantization(2432, 1792), 133.0 / 264, 1e-12);
+}
+
+TEST(ComputeModel, SmallKAndSmallNAreLessEfficient) {
+  const sim::ComputeModel model = h100_model();
+  double previous_tflops = 0;
+  for (std::int64_t k = 64; k <= 16384; k *= 2) {
+    const double tflops = 2.0 * 8192 * 8192 * k / model.gemm_us(8192, 8192, k, DType::BFloat16) / 1e6;
+    EXPECT_GT(tflops, previous_tflops) << "k = " << k;
+    EXPECT_GT(model.gemm_k_efficiency(k), model.gemm_k_efficiency(k / 2));
+    previous_tflops = tflops;
+  }
+  // A 64-row GEMM fills half of every 128-row tile.
+  EXPECT_LT(model.gemm_quantization(64, 32768), 0.51);
+}
+
+TEST(ComputeModel, Bf16GemmIsMuchFasterThanFloat32) {
+  const sim::ComputeModel model = h100_model();
+  EXPECT_LT(model.gemm_us(8192, 8192, 8192, DType::BFloat16) * 8,
+            model.gemm_us(8192, 8192, 8192, DType::Float32));
+}
+
+TEST(ComputeModel, EveryShippedProfileReproducesItsMeasuredGemm) {
+  for (const std::string& name : list_profiles()) {
+    const GpuModel gpu = load_profile(name).gpu;
+    ASSERT_GT(gpu.sm_count, 0) << name;
+    const sim::ComputeModel model(gpu);
+    EXPECT_GT(model.gemm_ceiling(), 0.5) << name;
+    EXPECT_LE(model.gemm_ceiling(), 1.0) << name;
+    const double m = gpu.gemm_mamf_m, n = gpu.gemm_mamf_n, k = gpu.gemm_mamf_k;
+    const double tflops = 2 * m * n * k /
+                          model.gemm_us(gpu.gemm_mamf_m, gpu.gemm_mamf_n, gpu.gemm_mamf_k, DType::BFloat16) /
+                          1e6;
+    EXPECT_NEAR(tflops, gpu.gemm_mamf_tflops, 1e-6 * gpu.gemm_mamf_tflops) << name;
+  }
+}
+
+TEST(ComputeModel, CausalAttentionByHandAndQuadraticInSequence) {
+  const sim::ComputeModel model = h100_model();
+  // 4 b s^2 d h / 2 forward at FlashAttention-3's 75% of 989.4 TFLOPS; backward 2.5x at 65%.
+  const double flops = 4.0 * 2 * 2048 * 2048 * 64 * 16 / 2;
+  EXPECT_DOUBLE_EQ(model.attention_us(2, 2048, 16, 64, true, false, DType::BFloat16),
+                   flops / (989.4e6 * 0.75));
+  EXPECT_DOUBLE_EQ(model.attention_us(2, 2048, 16, 64, true, true, DType::BFloat16),
+                   2.5 * flops / (989.4e6 * 0.65));
+  EXPECT_DOUBLE_EQ(model.attention_us(2, 2048, 16, 64, false, false, DType::BFloat16),
+                   2 * flops / (989.4e6 * 0.75));
+  const double s4k = model.attention_us(1, 4096, 32, 128, true, false, DType::BFloat16);
+  const double s8k = model.attention_us(1, 8192, 32, 128, true, false, DType::BFloat16);
+  EXPECT_DOUBLE_EQ(s8k / s4k, 4.0);
+}
+
+TEST(ComputeModel, MemoryBoundKernelsRunAtHbmBandwidth) {
+  const sim::ComputeModel model = h100_model();
+  EXPECT_DOUBLE_EQ(model.memory_us(3350.0 * 0.8 * 1e3), 1.0);  // a microsecond's worth of bytes
+  // A bf16 layernorm of 4096 x 4096 moves half the bytes of a float32 one.
+  const double bf16 = run_collect<double>(1, [](Rank& r) {
+    Tensor x = r.phantom({4096, 4096}, DType::BFloat16), g = r.phantom({4096}, DType::BFloat16);
+    r.synchronize();
+    Event a = r.record_event();
+    r.layernorm(x, g, g, 1e-5f);
+    return r.elapsed_us(a, r.record_event());
+  })[0];
+  const double bytes = 2.0 * 4096 * 4096 * 2 + 2 * 4096 * 2 + 2 * 4096 * 4;
+  EXPECT_NEAR(bf16, model.launch_us() + bytes / (3350.0 * 0.8 * 1e3), 1e-9);
 }
 
 }  // namespace

@@ -1,0 +1,107 @@
+// gpt_scale: the wall time and memory of simulating one GPT training step at scale, phantom tensors.
+//
+//   build/bench/ranklab_gpt_scale            GPT-3 175B on 1,536 A100s (tp 8, pp 8, interleaved), then
+//                                            the 1T model on 3,072 A100s with pp 64
+//   build/bench/ranklab_gpt_scale 1536       only the first
+//
+// Each case prints the simulated step time and MFU (what the run answers) and the simulator's own cost:
+// wall and CPU seconds and the peak resident memory of a process that runs only that case.
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "common/lesson.h"
+#include "common/profile.h"
+#include "common/report.h"
+#include "sim/sim_backend.h"
+
+namespace {
+
+struct Case {
+  std::string model;
+  int layers, hidden, heads;
+  std::int64_t global_batch;
+  int world, tp, pp, interleave, zero;
+  bool seq_parallel;
+  std::string recompute;
+};
+
+void run(const Case& k) {
+  using namespace ranklab;
+  Options o;
+  o.model = k.model;
+  o.layers = k.layers;
+  o.hidden = k.hidden;
+  o.heads = k.heads;
+  o.seq = 2048;
+  o.vocab = 51200;
+  o.global_batch = k.global_batch;
+  o.micro_batch = 1;
+  o.world = k.world;
+  o.tp = k.tp;
+  o.pp = k.pp;
+  o.interleave = k.interleave;
+  o.zero = k.zero;
+  o.seq_parallel = k.seq_parallel;
+  o.recompute = k.recompute;
+  o.steps = 1;
+  o.phantom = true;
+  o.quiet = true;
+  SimConfig c;
+  c.profile = load_profile("dgx-a100");
+  c.profile.nodes = k.world / c.profile.gpus_per_node;
+  c.echo_output = false;
+  o.peak_tflops_16bit = c.profile.gpu.peak_tflops_bf16;
+  o.gpus_per_node = c.profile.gpus_per_node;
+  SimBackend backend(c);
+  const auto t0 = std::chrono::steady_clock::now();
+  const RunReport rep = run_lesson(backend, "gpt", o);
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  const double cpu =
+      u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
+  std::printf(
+      "%-11s %5d ranks  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %8.2f s  MFU %5.1f%%  "
+      "bubble %5.1f%% (formula %4.1f%%)  peak %6.1f GiB  |  wall %6.1f s  CPU %6.1f s  peak RSS %6.0f MiB\n",
+      k.model.c_str(), k.world, k.tp, k.pp, k.interleave, k.world / (k.tp * k.pp), k.zero,
+      k.seq_parallel ? " sp" : "", k.recompute.c_str(), rep.training ? rep.training->step_time_us / 1e6 : 0.0,
+      rep.training ? 100 * rep.training->mfu : 0.0, rep.training ? 100 * rep.training->bubble_fraction : 0.0,
+      rep.training ? 100 * rep.training->bubble_fraction_formula : 0.0,
+      rep.training ? rep.training->peak_memory_bytes / 1073741824.0 : 0.0, wall, cpu, u.ru_maxrss / 1024.0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<Case> cases = {
+      // GPT-3 175B (Brown et al. 2020) as Megatron-LM trained it on 1,536 A100s.
+      {"gpt3-175b", 96, 12288, 96, 1536, 1536, 8, 8, 2, 1, true, "none"},
+      // Megatron-LM's 1T model (Narayanan et al. 2021, Table 1) on 3,072 A100s with pp 64; a global batch
+      // of 384 (m = 64 micro-batches per pipeline) instead of 3,072, which keeps the simulation's own memory
+      // within this machine.
+      {"megatron-1t", 128, 25600, 160, 384, 3072, 8, 64, 1, 1, true, "none"},
+  };
+  if (argc > 1) {
+    const int world = std::atoi(argv[1]);
+    std::erase_if(cases, [&](const Case& k) { return k.world != world; });
+  }
+  // Each case in a process of its own, so that its peak memory is its own.
+  for (const Case& k : cases) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      run(k);
+      std::_Exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+  }
+  return 0;
+}

@@ -1,0 +1,119 @@
+#include "lessons/gpt/accounting.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "common/tensor.h"
+#include "lessons/gpt/model.h"
+#include "lessons/parallel/pipeline.h"
+#include "lessons/parallel/zero.h"
+
+namespace ranklab::gpt {
+
+Flops step_flops(const Config& c) {
+  const double B = static_cast<double>(c.global_batch), s = c.seq, L = c.layers, h = c.hidden,
+               V = static_cast<double>(c.vocab);
+  Flops f;
+  f.model = 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L));
+  f.hardware = f.model;
+  if (c.recompute == Recompute::Full) f.hardware += B * s * L * h * h * (24 + 4 * s / h);
+  if (c.recompute == Recompute::Selective) f.hardware += 4.0 * B * s * s * h * L;
+  return f;
+}
+
+std::string MemoryPlan::largest() const {
+  const std::pair<std::int64_t, const char*> parts[] = {
+      {weights, "weights (16-bit copies and float32 masters)"},
+      {grads, "gradients (float32)"},
+      {optimizer, "optimizer state (Adam's m and v, float32)"},
+      {activations, "activations"}};
+  const auto* big = std::max_element(std::begin(parts), std::end(parts),
+                                     [](const auto& a, const auto& b) { return a.first < b.first; });
+  return fmt::format("{} {}", big->second, format_bytes(static_cast<double>(big->first)));
+}
+
+MemoryPlan memory_plan(const Config& c, int stage) {
+  MemoryPlan p;
+  parallel::ZeroConfig z;
+  z.stage = c.zero;
+  z.dtype = c.dtype;
+  z.tp_size = c.tp;
+  z.dp_size = c.dp;
+  auto add = [&](const parallel::ParamSpec& s) {
+    const parallel::DataParallel::Bytes b = parallel::DataParallel::bytes(s, z);
+    p.weights += b.weights;
+    p.grads += b.grads;
+    p.optimizer += b.optimizer;
+  };
+  const int lpc = c.layers_per_chunk();
+  bool embedding = false, head = false;
+  std::vector<std::int64_t> stash(c.v);
+  for (int k = 0; k < c.v; ++k) {
+    const int vs = k * c.pp + stage;
+    const bool e = vs == 0, hd = vs == c.pp * c.v - 1;
+    embedding = embedding || e;
+    head = head || hd;
+    for (int i = 0; i < lpc; ++i)
+      for (int q = 0; q < kBlockParams; ++q) add(block_spec(c, vs * lpc + i, static_cast<BlockParam>(q)));
+    stash[k] = stash_bytes(c, lpc, e, hd);
+  }
+  if (embedding || head) add(other_spec(c, kWte));
+  if (embedding) add(other_spec(c, kWpe));
+  if (head) {
+    add(other_spec(c, kLnfG));
+    add(other_spec(c, kLnfB));
+  }
+  // The most activations alive at once, walking this rank's schedule.
+  const std::vector<parallel::Task> order =
+      parallel::schedule(c.pp, stage, c.v, static_cast<int>(c.micro_batches()));
+  std::int64_t alive = 0;
+  std::vector<int> count(c.v, 0);
+  for (const parallel::Task& t : order) {
+    alive += (t.forward ? 1 : -1) * stash[t.chunk];
+    count[t.chunk] += t.forward ? 1 : -1;
+    if (alive > p.stash) {
+      p.stash = alive;
+      p.most_alive = *std::max_element(count.begin(), count.end());
+    }
+  }
+  // The data: token ids and targets of every micro-batch, the positions, the loss.
+  const std::int64_t m = c.micro_batches(), r = c.rows(), lr = c.local_rows();
+  std::int64_t data = (embedding ? m * r * 4 + lr * 4 : 0) + (head ? m * r * 4 + 4 : 0);
+  // Temporaries of one task: a block's whole forward (what recomputation rebuilds) and its gradients of the
+  // widest layer; the output layer's logits' gradient and the embedding's; zero 3's gathered weights.
+  const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
+  Config none = c;
+  none.recompute = Recompute::None;
+  std::int64_t block = stash_bytes(none, 1, false, false) + 3 * r * 4 * hl * dt + 4 * h * hl * (dt + 4);
+  std::int64_t out = head ? r * (c.vocab / c.tp) * dt + (c.vocab / c.tp) * h * (dt + 8) + 2 * r * h * dt : 0;
+  std::int64_t emb = embedding ? (c.zero >= 2 ? (c.vocab / c.tp) * h * 8 : 0) + 2 * r * h * dt : 0;
+  p.transient = std::max({block, out, emb}) + (c.zero == 3 ? 2 * 12 * h * hl * dt : 0);
+  p.activations = p.stash + data + p.transient;
+  return p;
+}
+
+std::string memory_advice(const Config& c, const MemoryPlan& p) {
+  std::vector<std::string> ways;
+  const std::int64_t largest = std::max({p.weights, p.grads, p.optimizer, p.activations});
+  if (largest == p.activations) {
+    if (c.recompute != Recompute::Full) ways.push_back("--recompute full (keeps only each block's input)");
+    if (c.micro_batch > 1) ways.push_back("a smaller --micro-batch");
+    if (!c.seq_parallel && c.tp > 1)
+      ways.push_back("--seq-parallel (activations between the pairs split by tp)");
+    ways.push_back("more --tp or --pp");
+  } else {
+    if (c.zero < 3 && c.dp > 1) {
+      ways.push_back(fmt::format("--zero {} (shards {} over the {} data-parallel ranks)", c.zero + 1,
+                                 c.zero == 0   ? "the optimizer state"
+                                 : c.zero == 1 ? "the gradients"
+                                               : "the weights",
+                                 c.dp));
+    }
+    ways.push_back("more --tp or --pp (each rank holds fewer layers or less of each)");
+  }
+  return fmt::format("{}", fmt::join(ways, "; or "));
+}
+
+}  // namespace ranklab::gpt

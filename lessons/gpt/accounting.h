@@ -1,0 +1,49 @@
+// What a GPT step costs: its FLOPs, and the memory of each pipeline stage, computed from the configuration
+// before anything is allocated.
+//
+// FLOPs (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+// Megatron-LM", section 5.1). A block's forward multiplies [tokens, h] by h x 3h, h x h, h x 4h and 4h x h
+// (24 B s h^2 FLOPs for B sequences of s tokens) and does attention's two s x s products per head
+// (4 B s^2 h); the output layer is 2 B s h V. Backward costs twice the forward. So per step
+//
+//     model FLOPs = 72 B s L h^2 (1 + s / (6 h) + V / (12 h L))
+//
+// which is 6 N tokens plus attention (N ~ 12 L h^2 + V h). Attention is counted whole (s^2), not causal
+// (s^2 / 2), as the paper does. Hardware FLOPs add what recomputation runs again: a block's forward for
+// --recompute full, the attention core (4 B s^2 h per layer) for selective.
+//
+// Memory per rank: parameters at 2 + 4 bytes (16-bit copy, float32 master), float32 gradients, Adam's two
+// float32 moments, each sharded as ZeRO says (parallel/zero.h); activations: what each micro-batch keeps
+// for its backward (model.h, stash_bytes) times the most micro-batches the schedule keeps alive, the data,
+// and the largest temporaries of one task.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "lessons/gpt/config.h"
+
+namespace ranklab::gpt {
+
+struct Flops {
+  double model = 0, hardware = 0;
+};
+Flops step_flops(const Config& c);
+
+struct MemoryPlan {
+  std::int64_t weights = 0, grads = 0, optimizer = 0, activations = 0;
+  std::int64_t stash = 0;      // activations kept for backward at the schedule's most
+  std::int64_t transient = 0;  // the largest temporaries of one task (part of activations)
+  int most_alive = 0;          // micro-batches alive at once on the chunk that keeps the most
+  std::int64_t total() const { return weights + grads + optimizer + activations; }
+  std::int64_t fixed() const { return weights + grads + optimizer; }
+  // "optimizer state (Adam m, v) 12.0 GiB"
+  std::string largest() const;
+};
+// The plan of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
+MemoryPlan memory_plan(const Config& c, int stage);
+
+// What would make a plan that does not fit smaller, starting with its largest part.
+std::string memory_advice(const Config& c, const MemoryPlan& p);
+
+}  // namespace ranklab::gpt

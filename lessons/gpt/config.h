@@ -1,0 +1,47 @@
+// The GPT lesson's configuration: the model's shape, the parallel layout and the precision, read from
+// Options and checked, with every error naming the option and saying what would fix it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/lesson.h"
+#include "common/tensor.h"
+
+namespace ranklab::gpt {
+
+enum class Recompute { None, Selective, Full };
+const char* recompute_name(Recompute r);
+
+struct Config {
+  std::string model = "custom";
+  int layers = 2, hidden = 64, heads = 4, seq = 16;
+  std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
+  int tp = 1, pp = 1, dp = 1, v = 1;  // v: model chunks per pipeline rank (--interleave)
+  int zero = 0;
+  bool seq_parallel = false;
+  Recompute recompute = Recompute::None;
+  DType dtype = DType::BFloat16, reduce_dtype = DType::Float32;
+  std::string order = "tp-dp-pp";
+  bool phantom = false;
+  int steps = 3;
+  double lr = 1e-3;
+  std::string broken;
+
+  std::int64_t micro_batches() const { return global_batch / (micro_batch * dp); }  // m, per pipeline
+  int layers_per_chunk() const { return layers / (pp * v); }
+  int head_dim() const { return hidden / heads; }
+  std::int64_t rows() const { return seq * micro_batch; }  // tokens of a micro-batch
+  // Rows a rank holds between tensor-parallel pairs: all of them, or 1/tp with sequence parallelism.
+  std::int64_t local_rows() const { return seq_parallel ? rows() / tp : rows(); }
+  std::int64_t tokens_per_step() const { return global_batch * seq; }
+  // "tp 8 (seq-parallel) x pp 8 (interleave 2) x dp 24, zero 1, recompute none, bf16"
+  std::string layout() const;
+  // "96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200"
+  std::string shape() const;
+};
+
+// Reads and checks the options against a world of `world` ranks; throws UsageError.
+Config config_from(const Options& o, int world);
+
+}  // namespace ranklab::gpt

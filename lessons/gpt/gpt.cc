@@ -1,0 +1,423 @@
+// The GPT lesson: a GPT decoder trained with every parallelism Megatron-LM combines, each a switch.
+//
+//   ranklab run gpt --world 8 --tp 2 --pp 2 --zero 1                      tiny, checked against one device
+//   ranklab run gpt --model gpt3-175b --profile dgx-a100 --nodes 192 --world 1536 --tp 8 --pp 8
+//       --interleave 2 --micro-batch 1 --phantom                           what a 175B step costs
+//
+// What each rank does in a step: its pipeline schedule of forward and backward tasks (parallel/pipeline.h),
+// each task one micro-batch through one model chunk (model.h) whose blocks split every matmul pair over the
+// tp group (parallel/tensor_parallel.h); then the data-parallel gradient reduction and the optimizer as the
+// ZeRO stage says (parallel/zero.h). With real numbers, every step's loss, gradients and weights are checked
+// against a one-device double-precision reference (reference.h).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "lessons/gpt/accounting.h"
+#include "lessons/gpt/config.h"
+#include "lessons/gpt/model.h"
+#include "lessons/gpt/reference.h"
+#include "lessons/parallel/groups.h"
+#include "lessons/parallel/pipeline.h"
+#include "lessons/parallel/zero.h"
+
+namespace ranklab {
+namespace {
+
+using gpt::Config;
+using parallel::Param;
+
+// How close to the double-precision reference a run must come, per dtype. float32 keeps about 7 digits;
+// the sums of a step (over tokens, features and micro-batches, in another order than the reference's) lose
+// a few, and a bias gradient, a column sum that mostly cancels, loses more (4e-4 of its largest element
+// with 8 layers on one device). bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) and every
+// activation and weight copy is rounded to it, so a gradient is good to a few percent and Adam's update,
+// which divides by the gradient's size, can flip sign where a gradient is near zero. float16 has 11 bits.
+// Gradients: largest error over the largest value, per tensor (a bias gradient sums a column of 16-bit values
+// that mostly cancel, so its error is large against its largest element: 14% at bf16 on the tiny model).
+// Weights: the error of the step's update relative to the update, root of summed squares over the rank's
+// parameters. Loss: relative. The bounds are about twice what the tiny model shows on one device; every
+// deliberate bug of --break is off by 50% or more.
+struct Tolerance {
+  double loss, grad, weight;
+};
+Tolerance tolerance(DType d) {
+  switch (d) {
+    case DType::Float32:
+      return {1e-5, 1e-3, 2e-3};
+    case DType::Float16:
+      return {1e-3, 5e-2, 0.2};
+    case DType::BFloat16:
+      return {2e-3, 0.25, 0.3};
+  }
+  return {0, 0, 0};
+}
+
+// Rows [first, first + rows) of a rank's tensor-parallel part of a full reference tensor.
+std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
+                               std::int64_t rows) {
+  const Shape& f = p.spec.full;
+  const std::int64_t cols = f.ndim() == 2 ? p.local[1] : 1, full_cols = f.ndim() == 2 ? f[1] : 1;
+  const std::int64_t row0 = p.spec.tp_dim == 0 ? p.tp_start : 0, col0 = p.spec.tp_dim == 1 ? p.tp_start : 0;
+  std::vector<double> out(rows * cols);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j)
+      out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
+  return out;
+}
+
+// The worst comparison of a kind, with what to print about it.
+struct Worst {
+  double rel = 0;
+  std::string detail = "every tensor equal";
+  void merge(double r, const std::string& d) {
+    if (!(r <= rel)) rel = r, detail = d;  // NaN wins
+  }
+};
+
+void gpt_lesson(Rank& r, const Options& o) {
+  const Config c = gpt::config_from(o, r.world_size());
+  if (!c.broken.empty() && c.broken != "dp-sum" && c.broken != "no-reduce-scatter" &&
+      c.broken != "no-sp-grad-sync") {
+    throw UsageError(fmt::format(
+        "gpt: --break must be dp-sum, no-reduce-scatter or no-sp-grad-sync (got '{}')", c.broken));
+  }
+  const bool root = r.rank() == 0;
+  const std::int64_t m = c.micro_batches();
+  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order};
+  const gpt::Flops flops = gpt::step_flops(c);
+  const Tolerance tol = tolerance(c.dtype);
+
+  // ---- the plan, before anything is allocated ------------------------------------------------------------
+  std::vector<gpt::MemoryPlan> plans;
+  int worst_stage = 0;
+  for (int s = 0; s < c.pp; ++s) {
+    plans.push_back(gpt::memory_plan(c, s));
+    if (plans[s].total() > plans[worst_stage].total()) worst_stage = s;
+  }
+  if (root) {
+    const double n = static_cast<double>(gpt::parameter_count(c));
+    const std::string count = n >= 1e9   ? fmt::format("{:.3g}B", n / 1e9)
+                              : n >= 1e6 ? fmt::format("{:.3g}M", n / 1e6)
+                                         : fmt::format("{:.0f}", n);
+    r.print(
+        fmt::format("gpt{}: {}; {} parameters", c.model == "custom" ? "" : " " + c.model, c.shape(), count));
+    r.print(fmt::format(
+        "  global batch {} x seq {} = {} tokens per step; micro-batch {}: m = {} micro-batches per "
+        "pipeline; {} steps of AdamW lr {}",
+        c.global_batch, c.seq, c.tokens_per_step(), c.micro_batch, m, c.steps, c.lr));
+    r.print(fmt::format("layout: {} on {} ranks", c.layout(), r.world_size()));
+    if (!o.quiet) {
+      for (const std::string& line : parallel::describe_groups(layout, o.gpus_per_node)) r.print(line);
+    }
+    r.print(
+        fmt::format("FLOPs per step: model 72 B s L h^2 (1 + s/(6h) + V/(12hL)) = {:.4g} PFLOP; hardware "
+                    "(with recompute {}) {:.4g} PFLOP",
+                    flops.model / 1e15, gpt::recompute_name(c.recompute), flops.hardware / 1e15));
+    r.print(fmt::format("memory per rank, estimated before allocating (device {}):",
+                        format_bytes(r.memory_capacity())));
+    for (int s = 0; s < c.pp; ++s) {
+      if (c.pp > 4 && s == 2) r.print(fmt::format("  ... ({} more stages)", c.pp - 4));
+      if (c.pp > 4 && s >= 2 && s < c.pp - 2) continue;
+      const gpt::MemoryPlan& p = plans[s];
+      r.print(fmt::format(
+          "  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}  activations {:>10} "
+          "({} micro-batch{} alive)  total {:>10}",
+          s, format_bytes(p.weights), format_bytes(p.grads), format_bytes(p.optimizer),
+          format_bytes(p.activations), p.most_alive, p.most_alive == 1 ? "" : "es", format_bytes(p.total())));
+    }
+  }
+  const gpt::MemoryPlan& worst = plans[worst_stage];
+  if (worst.total() > r.memory_capacity()) {
+    throw OutOfMemoryError(
+        fmt::format("gpt: out of memory: pipeline stage {} needs {} per GPU and the device holds {}; the "
+                    "largest part is {}. "
+                    "To fit: {}",
+                    worst_stage, format_bytes(worst.total()), format_bytes(r.memory_capacity()),
+                    worst.largest(), gpt::memory_advice(c, worst)));
+  }
+
+  // ---- the ranks' groups, the model, the schedule --------------------------------------------------------
+  const parallel::Groups groups = parallel::make_groups(r, layout);
+  const parallel::Layout::Coord me = groups.me;
+  parallel::ExposedComm exposed(r);
+  parallel::TensorParallel tp{r, groups.tp, c.tp, c.seq_parallel, c.phantom, exposed};
+  parallel::ZeroConfig zc;
+  zc.stage = c.zero;
+  zc.dtype = c.dtype;
+  zc.reduce_dtype = c.reduce_dtype;
+  zc.phantom = c.phantom;
+  zc.tp_rank = me.tp, zc.tp_size = c.tp, zc.dp_rank = me.dp, zc.dp_size = c.dp;
+  zc.tp = groups.tp, zc.dp = groups.dp, zc.embedding = groups.embedding;
+  zc.seq_parallel = c.seq_parallel;
+  zc.embedding_group = c.pp > 1;
+  zc.broken = c.broken;
+  parallel::DataParallel dp(r, zc, exposed);
+  const std::int64_t before_model = r.memory_allocated();
+  gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp);
+  const std::int64_t model_bytes = r.memory_allocated() - before_model;
+  std::vector<Param*> params = model.params();
+  parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(m), c.phantom, exposed);
+  std::shared_ptr<const gpt::Reference> ref;
+  if (!c.phantom) ref = gpt::Reference::get(c);
+
+  // What the run allocates against the plan: the parameters (and data) exactly, and what one micro-batch
+  // keeps for its backward.
+  const gpt::MemoryPlan& mine = plans[me.pp];
+  const std::int64_t data_bytes = mine.activations - mine.stash - mine.transient;
+  std::vector<std::int64_t> stash_measured(c.v, -1);
+  const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};
+
+  Worst worst_grad, worst_weight, worst_loss;
+  std::vector<double> losses;
+  double step_us = 0;
+  std::array<double, parallel::kDims> exposed_us{};
+  parallel::PipelineTimes ptimes;
+  std::int64_t peak = 0;
+  // The ranks of data-parallel replica 0 time their tasks and communication waits: the replicas run the
+  // same schedule on the same layout, and timing one of them costs the simulation 1/dp of the events.
+  const bool measures = me.dp == 0;
+  for (int step = 1; step <= c.steps; ++step) {
+    const bool timed = step == c.steps;
+    if (step > 1) dp.zero_grads(params);
+    model.start_step();
+    r.synchronize();
+    r.barrier();
+    r.reset_peak_memory();
+    exposed.enable(timed && measures);
+    const Event start = r.record_event();
+    {
+      auto region = r.region("step");
+      auto forward = [&](const parallel::Task& t, const Tensor& in) {
+        auto scope = r.region("forward");
+        Tensor out = model.forward(t, in);
+        // (The tensors themselves: memory_allocated() would also see a send finishing meanwhile.)
+        if (step == 1 && t.mb == 0) stash_measured[t.chunk] = model.kept_bytes(t.chunk, t.mb);
+        return out;
+      };
+      auto backward = [&](const parallel::Task& t, const Tensor& dout) {
+        auto scope = r.region("backward");
+        return model.backward(t, dout);
+      };
+      pipe.run(Shape{c.local_rows(), c.hidden}, c.dtype, forward, backward, timed && measures);
+      auto scope = r.region("optimizer");
+      dp.finish(params);
+      dp.step(params, hyper, step);
+    }
+    const Event end = r.record_event();
+    r.synchronize();
+    if (timed) {
+      step_us = r.elapsed_us(start, end);
+      exposed_us = exposed.totals();
+      ptimes = pipe.times();
+      peak = r.memory_peak();
+      exposed.enable(false);
+    }
+
+    if (!ref) continue;
+    // ---- the check against one device
+    // ----------------------------------------------------------------------
+    auto scope = r.region("check");
+    // Weight updates are compared over all of the rank's parameters together: Adam divides by the
+    // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
+    // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
+    // are few; a wrong shard or a skipped update moves all of them.
+    double step_num = 0, step_den = 0, most_num = -1;
+    std::string most_where;
+    for (const gpt::Model::Named& n : model.named_params()) {
+      const Param& p = *n.p;
+      const std::int64_t cols = p.local.numel() / p.rows;
+      auto compare = [&](const Tensor& t, bool sharded, bool is_grad) {
+        const std::int64_t first = sharded ? dp.shard_first_row(p) : 0;
+        const std::int64_t rows = sharded ? dp.shard_valid_rows(p) : p.rows;
+        std::vector<float> got = r.to_host(t);
+        got.resize(rows * cols);
+        const std::vector<double> want = local_part(
+            is_grad ? ref->grad(step, n.kind, n.layer) : ref->weight(step, n.kind, n.layer), p, first, rows);
+        double err = 0, scale = 0, num = 0, den = 0;
+        std::int64_t at = 0;
+        const std::vector<double> before =
+            is_grad ? std::vector<double>()
+                    : local_part(ref->weight(step - 1, n.kind, n.layer), p, first, rows);
+        for (size_t i = 0; i < want.size(); ++i) {
+          const double d = std::fabs(got[i] - want[i]);
+          if (!(d <= err)) err = d, at = static_cast<std::int64_t>(i);
+          scale = std::max(scale, std::fabs(want[i]));
+          if (!is_grad) num += d * d, den += (want[i] - before[i]) * (want[i] - before[i]);
+        }
+        const double rel = is_grad ? err / std::max(scale, 1e-30) : std::sqrt(num / std::max(den, 1e-60));
+        const std::string where = fmt::format(
+            "rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
+            r.rank(), me.tp, me.dp, me.pp, p.spec.name, is_grad ? "gradient" : "value", at, first,
+            first + rows, want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
+        if (is_grad) {
+          worst_grad.merge(
+              rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}", where,
+                               err, scale, rel));
+        } else {
+          step_num += num, step_den += den;
+          if (num > most_num) {
+            most_num = num;
+            most_where = where;
+          }
+        }
+      };
+      compare(p.grad, c.zero >= 2, true);
+      compare(p.master, c.zero >= 1, false);
+    }
+    const double wrel = std::sqrt(step_num / std::max(step_den, 1e-60));
+    worst_weight.merge(
+        wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
+                          "parameters; most of it at {}",
+                          step, std::sqrt(step_num), std::sqrt(step_den), wrel, most_where));
+    if (model.has_head()) {
+      Tensor total = r.cast(model.loss_sum, DType::Float32);
+      r.all_reduce(total, ReduceOp::Sum, Async::No, groups.dp);
+      const double loss = r.to_host(total)[0] / static_cast<double>(c.tokens_per_step());
+      const double want = ref->loss(step), rel = std::fabs(loss - want) / std::fabs(want);
+      losses.push_back(loss);
+      worst_loss.merge(
+          rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, loss, want, rel));
+    }
+  }
+
+  // ---- what the run allocated against the plan ------------------------------------------------------------
+  r.check(
+      "gpt: the parameters (and data) take what the memory plan says",
+      model_bytes == mine.fixed() + data_bytes,
+      fmt::format(
+          "rank {} stage {}: allocated {} bytes, planned {} (weights {} + grads {} + optimizer {} + data {})",
+          r.rank(), me.pp, model_bytes, mine.fixed() + data_bytes, mine.weights, mine.grads, mine.optimizer,
+          data_bytes));
+  for (int k = 0; k < c.v; ++k) {
+    const int vs = k * c.pp + me.pp;
+    const std::int64_t want = gpt::stash_bytes(c, c.layers_per_chunk(), vs == 0, vs == c.pp * c.v - 1);
+    r.check("gpt: a micro-batch keeps for backward what the memory plan says", stash_measured[k] == want,
+            fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k, stash_measured[k],
+                        want));
+  }
+  if (ref) {
+    const std::string who = fmt::format(" ({})", c.layout());
+    r.check("gpt: every step's gradients equal one device's" + who, worst_grad.rel <= tol.grad,
+            fmt::format("{} (tolerance {:.2g} for {})", worst_grad.detail, tol.grad, dtype_name(c.dtype)));
+    r.check(
+        "gpt: every step's weight updates equal one device's" + who, worst_weight.rel <= tol.weight,
+        fmt::format("{} (tolerance {:.2g} for {})", worst_weight.detail, tol.weight, dtype_name(c.dtype)));
+    if (model.has_head()) {
+      r.check("gpt: every step's loss equals one device's" + who, worst_loss.rel <= tol.loss,
+              fmt::format("{} (tolerance {:.2g} for {})", worst_loss.detail, tol.loss, dtype_name(c.dtype)));
+    }
+  }
+
+  // ---- the figures, gathered to rank 0 --------------------------------------------------------------------
+  // Means over the ranks of replica 0: exposed communication per dimension, the pipeline's busy and idle
+  // time.
+  const int w = r.world_size();
+  std::vector<float> sums(parallel::kDims + 2);
+  for (int d = 0; d < parallel::kDims; ++d) sums[d] = static_cast<float>(exposed_us[d]);
+  sums[parallel::kDims] = static_cast<float>(ptimes.busy_us);
+  sums[parallel::kDims + 1] = static_cast<float>(ptimes.window_us);
+  Tensor mean = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
+  r.all_reduce(mean, ReduceOp::Sum);
+  // Maxima: each stage's peak (from the rank with tp 0, dp 0 of the stage), the losses, the pipeline's
+  // window, the worst differences.
+  const int nmax = c.pp + c.steps + 4;
+  std::vector<float> maxes(nmax, 0.0f);
+  if (me.tp == 0 && me.dp == 0) {
+    maxes[me.pp] = static_cast<float>(peak);
+    for (size_t i = 0; i < losses.size(); ++i) maxes[c.pp + i] = static_cast<float>(losses[i]);
+  }
+  // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
+  maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
+  maxes[nmax - 3] = static_cast<float>(worst_grad.rel);
+  maxes[nmax - 2] = static_cast<float>(worst_weight.rel);
+  maxes[nmax - 1] = static_cast<float>(worst_loss.rel);
+  Tensor most = r.from_host({nmax}, maxes);
+  r.all_reduce(most, ReduceOp::Max);
+  std::vector<float> avg = r.to_host(mean);
+  for (float& a : avg) a /= static_cast<float>(c.tp * c.pp);  // the ranks of replica 0
+  const std::vector<float> mx = r.to_host(most);
+  if (!root) return;
+
+  const double busy = avg[parallel::kDims], window = mx[nmax - 4];
+  const double bubble = busy > 0 ? (window - busy) / busy : 0;
+  const double formula = (c.pp - 1.0) / (c.v * static_cast<double>(m));
+  const double peak_tflops = c.dtype == DType::Float32 ? o.peak_tflops_fp32 : o.peak_tflops_16bit;
+  TrainingStats st;
+  st.model = c.model;
+  st.layout = c.layout();
+  st.tokens_per_step = c.tokens_per_step();
+  st.micro_batches = static_cast<int>(m);
+  st.step_time_us = step_us;
+  st.model_flops = flops.model;
+  st.hardware_flops = flops.hardware;
+  st.model_tflops_per_gpu = flops.model / (step_us * 1e-6) / w / 1e12;
+  st.hardware_tflops_per_gpu = flops.hardware / (step_us * 1e-6) / w / 1e12;
+  st.mfu = peak_tflops > 0 ? st.model_tflops_per_gpu / peak_tflops : 0;
+  st.bubble_fraction = bubble;
+  st.bubble_fraction_formula = formula;
+  for (int d = 0; d < parallel::kDims; ++d) st.exposed_comm_us[parallel::kDimNames[d]] = avg[d];
+  st.peak_memory_bytes = peak;
+  st.weights_bytes = plans[0].weights;
+  st.grads_bytes = plans[0].grads;
+  st.optimizer_bytes = plans[0].optimizer;
+  st.activations_bytes = peak - plans[0].fixed();
+  r.report_training(st);
+
+  for (int s = 0; s < c.steps && ref; ++s) {
+    r.print(fmt::format("step {}/{}  loss {:.6f} (one device {:.6f})", s + 1, c.steps, mx[c.pp + s],
+                        ref->loss(s + 1)));
+  }
+  r.print(fmt::format("step time {} (the last step, events on rank 0's compute stream); {:.0f} tokens/s",
+                      human_time(step_us), c.tokens_per_step() / (step_us * 1e-6)));
+  r.print(fmt::format("  model {:.1f} TFLOP/s per GPU, hardware {:.1f}; MFU {}", st.model_tflops_per_gpu,
+                      st.hardware_tflops_per_gpu,
+                      peak_tflops > 0 ? fmt::format("{:.1f}% of {:.0f} TFLOP/s ({} dense peak)", 100 * st.mfu,
+                                                    peak_tflops, dtype_name(c.dtype))
+                                      : std::string("unknown (no peak for this device)")));
+  if (c.pp > 1) {
+    r.print(
+        fmt::format("  pipeline bubble: idle {:.1f}% of the compute time measured (the schedule's span over "
+                    "the mean busy time of replica 0's ranks); (p-1)/(v m) = "
+                    "{}/({} x {}) = {:.1f}% for uniform stages and free communication",
+                    100 * bubble, c.pp - 1, c.v, m, 100 * formula));
+  }
+  r.print(fmt::format(
+      "  exposed communication (the compute stream waiting, mean per rank of replica 0): tp {}  sp {}  pp {} "
+      "(receives include the bubble)  dp {}",
+      human_time(avg[0]), human_time(avg[1]), human_time(avg[2]), human_time(avg[3])));
+  r.print("  peak memory per stage, measured (planned):");
+  for (int s = 0; s < c.pp; ++s) {
+    if (c.pp > 4 && s == 2) r.print(fmt::format("    ... ({} more stages)", c.pp - 4));
+    if (c.pp > 4 && s >= 2 && s < c.pp - 2) continue;
+    r.print(fmt::format("    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, activations {}",
+                        s, format_bytes(mx[s]), format_bytes(plans[s].total()),
+                        format_bytes(plans[s].weights), format_bytes(plans[s].grads),
+                        format_bytes(plans[s].optimizer), format_bytes(mx[s] - plans[s].fixed())));
+  }
+  if (!ref) {
+    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
+    return;
+  }
+  const bool ok = mx[nmax - 3] <= tol.grad && mx[nmax - 2] <= tol.weight && mx[nmax - 1] <= tol.loss;
+  r.print(fmt::format(
+      "equal to one device (double precision) after every step: {} (largest relative differences: "
+      "gradients {:.2e}, weight updates {:.2e}, loss {:.2e}; tolerances for {}: {:.2g}, {:.2g}, {:.2g})",
+      ok ? "yes" : "NO", mx[nmax - 3], mx[nmax - 2], mx[nmax - 1], dtype_name(c.dtype), tol.grad, tol.weight,
+      tol.loss));
+}
+
+}  // namespace
+
+RANKLAB_LESSON("gpt",
+               "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and recompute",
+               gpt_lesson);
+
+}  // namespace ranklab

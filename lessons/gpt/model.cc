@@ -1,0 +1,466 @@
+#include "lessons/gpt/model.h"
+
+#include <cmath>
+#include <string>
+
+#include "common/random.h"
+
+namespace ranklab::gpt {
+
+using parallel::Param;
+using parallel::ParamSpec;
+
+namespace {
+constexpr std::uint64_t kSeed = 0x67707400;  // "gpt"
+constexpr float kStd = 0.02f;                // GPT-2's initialisation
+constexpr float kEps = 1e-5f;                // layernorm
+std::string layer_name(int layer, const char* what) {
+  return "layer " + std::to_string(layer) + " " + what;
+}
+}  // namespace
+
+ParamSpec block_spec(const Config& c, int layer, BlockParam which) {
+  static const char* names[kBlockParams] = {"ln1 gamma",   "ln1 beta",  "qkv weight", "qkv bias",
+                                            "proj weight", "proj bias", "ln2 gamma",  "ln2 beta",
+                                            "fc1 weight",  "fc1 bias",  "fc2 weight", "fc2 bias"};
+  const std::int64_t h = c.hidden;
+  // GPT-2 scales the layers that write into the residual stream by 1/sqrt(2 L), so that the stream's size
+  // does not grow with depth.
+  const float residual_std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
+  ParamSpec s;
+  s.name = layer_name(layer, names[which]);
+  s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + which;
+  auto norm = [&](float value) {
+    s.full = Shape{h};
+    s.decay = false;
+    s.sp_partial = true;
+    s.value = value;
+  };
+  switch (which) {
+    case kLn1G:
+    case kLn2G:
+      norm(1.0f);
+      break;
+    case kLn1B:
+    case kLn2B:
+      norm(0.0f);
+      break;
+    case kQkvW:
+      s.full = Shape{h, 3 * h};
+      s.tp_dim = 1;
+      s.std = kStd;
+      break;
+    case kQkvB:
+      s.full = Shape{3 * h};
+      s.tp_dim = 0;
+      s.decay = false;
+      break;
+    case kProjW:
+      s.full = Shape{h, h};
+      s.tp_dim = 0;
+      s.std = residual_std;
+      break;
+    case kProjB:
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    case kFc1W:
+      s.full = Shape{h, 4 * h};
+      s.tp_dim = 1;
+      s.std = kStd;
+      break;
+    case kFc1B:
+      s.full = Shape{4 * h};
+      s.tp_dim = 0;
+      s.decay = false;
+      break;
+    case kFc2W:
+      s.full = Shape{4 * h, h};
+      s.tp_dim = 0;
+      s.std = residual_std;
+      break;
+    case kFc2B:
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    default:
+      break;
+  }
+  return s;
+}
+
+ParamSpec other_spec(const Config& c, OtherParam which) {
+  const std::int64_t h = c.hidden;
+  ParamSpec s;
+  s.seed = kSeed + 1'000'000 + which;
+  switch (which) {
+    case kWte:
+      s.name = "word embedding";
+      s.full = Shape{c.vocab, h};
+      s.tp_dim = 0;
+      s.std = kStd;
+      s.tied = true;
+      break;
+    case kWpe:
+      s.name = "position embedding";
+      s.full = Shape{c.seq, h};
+      s.std = kStd / 2;
+      s.sp_partial = true;
+      break;
+    case kLnfG:
+      s.name = "final ln gamma";
+      s.full = Shape{h};
+      s.value = 1;
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    case kLnfB:
+      s.name = "final ln beta";
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      break;
+    default:
+      break;
+  }
+  return s;
+}
+
+std::int64_t parameter_count(const Config& c) {
+  const std::int64_t h = c.hidden;
+  return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h;
+}
+
+std::int64_t token(const Config& c, std::int64_t sample, std::int64_t pos) {
+  const std::uint64_t z = mix64(0x746f6b656e73ull ^ (static_cast<std::uint64_t>(sample) * (c.seq + 1) + pos));
+  return static_cast<std::int64_t>(z % static_cast<std::uint64_t>(c.vocab));
+}
+
+std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head) {
+  (void)embedding;  // the embedding's output is the first block's input; the token ids are data
+  const std::int64_t dt = dtype_bytes(c.dtype), r = c.rows(), lr = c.local_rows();
+  const std::int64_t h = c.hidden, hl = h / c.tp, heads = c.heads / c.tp;
+  std::int64_t block = lr * h * dt;  // x, the block's input: all that full recomputation keeps
+  if (c.recompute != Recompute::Full) {
+    block += 4 * lr * 4              // layernorm means and reciprocal deviations, float32
+             + 3 * lr * h * dt       // y1, x1, y2 (local rows: 1/tp of them with sequence parallelism)
+             + r * 3 * hl * dt       // qkv
+             + 2 * r * 4 * hl * dt;  // fc1's output u and gelu(u)
+    if (c.recompute == Recompute::None) block += r * hl * dt + 4 * r * heads;  // attention out and lse
+  }
+  std::int64_t total = layers * block;
+  if (head) {
+    total += 2 * lr * h * dt + 2 * lr * 4              // x, y, mean, rstd of the final layernorm
+             + r * (c.vocab / c.tp) * dt + 3 * r * 4;  // logits, row max, softmax statistics
+  }
+  return total;
+}
+
+Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
+             parallel::DataParallel& dp)
+    : r_(r), c_(c), tp_rank_(tp_rank), dp_rank_(dp_rank), pp_rank_(pp_rank), tp_(tp), dp_(dp) {
+  const int lpc = c.layers_per_chunk();
+  bool embedding = false, head = false;
+  for (int k = 0; k < c.v; ++k) {
+    const int virtual_stage = k * c.pp + pp_rank;  // rank p holds chunks p, p + pp, p + 2 pp, ...
+    Chunk ch;
+    ch.embedding = virtual_stage == 0;
+    ch.head = virtual_stage == c.pp * c.v - 1;
+    embedding = embedding || ch.embedding;
+    head = head || ch.head;
+    ch.blocks.resize(lpc);
+    for (int i = 0; i < lpc; ++i) {
+      Block& b = ch.blocks[i];
+      b.layer = virtual_stage * lpc + i;
+      for (int k2 = 0; k2 < kBlockParams; ++k2) {
+        b.p[k2].spec = block_spec(c, b.layer, static_cast<BlockParam>(k2));
+        dp.init(b.p[k2]);
+      }
+    }
+    chunks_.push_back(std::move(ch));
+  }
+  if (embedding || head) {
+    wte_.spec = other_spec(c, kWte);
+    dp.init(wte_);
+  }
+  if (embedding) {
+    wpe_.spec = other_spec(c, kWpe);
+    dp.init(wpe_);
+  }
+  if (head) {
+    lnf_g_.spec = other_spec(c, kLnfG);
+    lnf_b_.spec = other_spec(c, kLnfB);
+    dp.init(lnf_g_);
+    dp.init(lnf_b_);
+  }
+  vocab_start_ = tp_rank * (c.vocab / c.tp);
+
+  // The data: this data-parallel rank's samples, one micro-batch after another; rows sequence-major.
+  const std::int64_t m = c.micro_batches(), mb = c.micro_batch, rows = c.rows();
+  auto make = [&](std::int64_t first_sample, int shift) {
+    if (c.phantom) return r.phantom({rows}, DType::Float32);
+    std::vector<float> v(rows);
+    for (std::int64_t pos = 0; pos < c.seq; ++pos) {
+      for (std::int64_t s = 0; s < mb; ++s)
+        v[pos * mb + s] = static_cast<float>(token(c, first_sample + s, pos + shift));
+    }
+    return r.from_host({rows}, v);
+  };
+  const std::int64_t first = dp_rank * (c.global_batch / c.dp);
+  for (std::int64_t k = 0; k < m; ++k) {
+    if (embedding) ids_.push_back(make(first + k * mb, 0));
+    if (head) targets_.push_back(make(first + k * mb, 1));
+  }
+  if (embedding) {  // the positions of this rank's rows (its part of the sequence with --seq-parallel)
+    const std::int64_t lr = c.local_rows(), start = tp_rank * lr * (c.seq_parallel ? 1 : 0);
+    std::vector<float> v(lr);
+    for (std::int64_t i = 0; i < lr; ++i) v[i] = static_cast<float>((start + i) / mb);
+    pos_ids_.push_back(c.phantom ? r.phantom({lr}, DType::Float32) : r.from_host({lr}, v));
+  }
+  if (head) loss_sum = c.phantom ? r.phantom({}, DType::Float32) : r.zeros({}, DType::Float32);
+  stash_.assign(c.v, std::vector<Stash>(m));
+}
+
+bool Model::has_head() const {
+  return chunks_.back().head;
+}
+
+std::int64_t Model::kept_bytes(int chunk, int mb) const {
+  const Stash& st = stash_[chunk][mb];
+  std::int64_t n = 0;
+  auto add = [&](const Tensor& t) { n += t.defined() ? t.bytes() : 0; };
+  for (const BlockActs& a : st.blocks) {
+    for (const Tensor* t : {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.x1, &a.mean2,
+                            &a.rstd2, &a.y2, &a.u, &a.g}) {
+      add(*t);
+    }
+  }
+  const HeadActs& h = st.head;
+  for (const Tensor* t : {&h.x, &h.mean, &h.rstd, &h.y, &h.logits, &h.row_max, &h.stats}) add(*t);
+  return n;
+}
+
+void Model::start_step() {
+  if (loss_sum.defined()) r_.scale_(loss_sum, 0.0f);
+}
+
+std::vector<Param*> Model::params() {
+  std::vector<Param*> out;
+  for (const Named& n : named_params()) out.push_back(n.p);
+  return out;
+}
+
+std::vector<Model::Named> Model::named_params() {
+  std::vector<Named> out;
+  for (Chunk& ch : chunks_) {
+    for (Block& b : ch.blocks) {
+      for (int k = 0; k < kBlockParams; ++k) out.push_back({k, b.layer, &b.p[k]});
+    }
+  }
+  if (wte_.master.defined()) out.push_back({int{kBlockParams} + kWte, -1, &wte_});
+  if (wpe_.master.defined()) out.push_back({int{kBlockParams} + kWpe, -1, &wpe_});
+  if (lnf_g_.master.defined()) {
+    out.push_back({int{kBlockParams} + kLnfG, -1, &lnf_g_});
+    out.push_back({int{kBlockParams} + kLnfB, -1, &lnf_b_});
+  }
+  return out;
+}
+
+std::vector<parallel::DataParallel::Gathered> Model::gather(Block& b) {
+  std::vector<parallel::DataParallel::Gathered> g;
+  g.reserve(kBlockParams);
+  for (Param& p : b.p) g.push_back(dp_.gather(p));
+  return g;
+}
+
+Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
+  Weights w;
+  for (int k = 0; k < kBlockParams; ++k) w[k] = dp_.get(g[k]);
+  return w;
+}
+
+// ---- one block
+// ----------------------------------------------------------------------------------------------
+
+Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all) {
+  Rank& r = r_;
+  a.x = x;
+  // Attention: layernorm on this rank's tokens; f; qkv for this rank's heads; attention; proj's partial
+  // sum; g; bias and residual.
+  Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
+  Tensor qkv = parallel::linear(r, tp_.enter(ln1.y), w[kQkvW], w[kQkvB]);
+  Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true);
+  Tensor p = tp_.leave(r.matmul(att.out, w[kProjW]));
+  r.add_bias_(p, w[kProjB]);
+  Tensor x1 = r.add(x, p);
+  // MLP: the same shape of computation with fc1 (column-parallel, 4h) and fc2 (row-parallel).
+  Rank::LayerNormOut ln2 = r.layernorm(x1, w[kLn2G], w[kLn2B], kEps);
+  Tensor u = parallel::linear(r, tp_.enter(ln2.y), w[kFc1W], w[kFc1B]);
+  Tensor g = r.gelu(u);
+  Tensor o = tp_.leave(r.matmul(g, w[kFc2W]));
+  r.add_bias_(o, w[kFc2B]);
+  Tensor x2 = r.add(x1, o);
+  if (keep_all || c_.recompute != Recompute::Full) {
+    a.mean1 = ln1.mean, a.rstd1 = ln1.rstd, a.y1 = ln1.y, a.qkv = qkv;
+    a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.y2 = ln2.y, a.u = u, a.g = g;
+    // Selective recomputation drops the attention core's output: backward recomputes it from qkv.
+    if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse;
+  }
+  return x2;
+}
+
+Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2) {
+  Rank& r = r_;
+  if (c_.recompute == Recompute::Full) {
+    BlockActs again;
+    block_forward(w, a.x, again, true);  // the forward once more, its communication included
+    a = std::move(again);
+  } else if (c_.recompute == Recompute::Selective) {
+    Rank::AttentionOut att = r.attention(a.qkv, c_.micro_batch, c_.heads / c_.tp, true);
+    a.out = att.out, a.lse = att.lse;
+  }
+  // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
+  dp_.add_grad(b.p[kFc2B], r.sum_rows(dx2));
+  const Tensor dy = tp_.leave_backward(dx2);
+  parallel::LinearGrads fc2 = parallel::linear_backward(r, a.g, w[kFc2W], dy, false, true);
+  dp_.add_grad(b.p[kFc2W], fc2.dw);
+  const Tensor du = r.gelu_backward(fc2.dx, a.u);
+  parallel::LinearGrads fc1 = parallel::linear_backward(r, tp_.enter(a.y2), w[kFc1W], du, true, true);
+  dp_.add_grad(b.p[kFc1W], fc1.dw);
+  dp_.add_grad(b.p[kFc1B], fc1.db);
+  Rank::LayerNormGrads ln2 =
+      r.layernorm_backward(tp_.enter_backward(fc1.dx), a.x1, w[kLn2G], a.mean2, a.rstd2);
+  dp_.add_grad(b.p[kLn2G], ln2.dgamma);
+  dp_.add_grad(b.p[kLn2B], ln2.dbeta);
+  const Tensor dx1 = r.add(dx2, ln2.dx);
+  // Attention backward.
+  dp_.add_grad(b.p[kProjB], r.sum_rows(dx1));
+  const Tensor dproj = tp_.leave_backward(dx1);
+  parallel::LinearGrads proj = parallel::linear_backward(r, a.out, w[kProjW], dproj, false, true);
+  dp_.add_grad(b.p[kProjW], proj.dw);
+  const Tensor dqkv =
+      r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp, true);
+  parallel::LinearGrads qkv = parallel::linear_backward(r, tp_.enter(a.y1), w[kQkvW], dqkv, true, true);
+  dp_.add_grad(b.p[kQkvW], qkv.dw);
+  dp_.add_grad(b.p[kQkvB], qkv.db);
+  Rank::LayerNormGrads ln1 =
+      r.layernorm_backward(tp_.enter_backward(qkv.dx), a.x, w[kLn1G], a.mean1, a.rstd1);
+  dp_.add_grad(b.p[kLn1G], ln1.dgamma);
+  dp_.add_grad(b.p[kLn1B], ln1.dbeta);
+  return r.add(dx1, ln1.dx);
+}
+
+// ---- the embedding and the output layer
+// ---------------------------------------------------------------------
+
+Tensor Model::embed_forward(int mb) {
+  parallel::DataParallel::Gathered wte = dp_.gather(wte_), wpe = dp_.gather(wpe_);
+  // Each tp rank looks up the tokens in its part of the vocabulary (zeros elsewhere); g adds the parts
+  // (and with sequence parallelism leaves each rank its tokens).
+  Tensor tok = tp_.leave(r_.embedding(ids_[mb], dp_.get(wte), vocab_start_));
+  return r_.add(tok, r_.embedding(pos_ids_[0], dp_.get(wpe), 0));
+}
+
+void Model::embed_backward(int mb, const Tensor& dx, bool last) {
+  Tensor dwpe = dp_.embedding_grad_target(wpe_);
+  r_.embedding_backward_(dwpe, dx, pos_ids_[0], 0);
+  dp_.embedding_grad_done(wpe_, dwpe);
+  Tensor dwte = dp_.embedding_grad_target(wte_);
+  r_.embedding_backward_(dwte, tp_.leave_backward(dx), ids_[mb], vocab_start_);
+  dp_.embedding_grad_done(wte_, dwte);
+  if (last) dp_.bucket_ready({&wte_, &wpe_});
+}
+
+void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
+  parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), b = dp_.gather(lnf_b_), wte = dp_.gather(wte_);
+  Rank::LayerNormOut ln = r_.layernorm(x, dp_.get(g), dp_.get(b), kEps);
+  h.x = x, h.mean = ln.mean, h.rstd = ln.rstd, h.y = ln.y;
+  // Logits for this rank's part of the vocabulary; the softmax needs every part's max and sum of
+  // exponentials: two small all-reduces instead of gathering [tokens, vocab].
+  h.logits = r_.matmul(tp_.enter(ln.y), dp_.get(wte), Trans::No, Trans::Yes);
+  h.row_max = r_.row_max(h.logits);
+  if (c_.tp > 1) {
+    const Event e = tp_.exposed.before();
+    r_.all_reduce(h.row_max, ReduceOp::Max, Async::No, tp_.group);
+    tp_.exposed.after(parallel::Dim::Tp, e);
+  }
+  h.stats =
+      tp_.all_reduce(r_.softmax_stats(h.logits, h.row_max, targets_[mb], vocab_start_), parallel::Dim::Tp);
+  r_.add_(loss_sum, r_.cross_entropy_loss(h.row_max, h.stats), 1.0f);
+}
+
+Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
+  parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), wte = dp_.gather(wte_);
+  // The loss is the mean over the step's tokens of this pipeline; averaging over dp makes it the global mean.
+  const float scale = 1.0f / static_cast<float>(c_.micro_batches() * c_.rows());
+  Tensor dlogits = r_.cross_entropy_backward(h.logits, h.row_max, h.stats, targets_[mb], vocab_start_, scale);
+  h.logits = Tensor();
+  const Tensor w = dp_.get(wte);
+  dp_.add_grad(wte_, r_.matmul(dlogits, tp_.enter(h.y), Trans::Yes, Trans::No));
+  Tensor dy = tp_.enter_backward(r_.matmul(dlogits, w));
+  Rank::LayerNormGrads ln = r_.layernorm_backward(dy, h.x, dp_.get(g), h.mean, h.rstd);
+  dp_.add_grad(lnf_g_, ln.dgamma);
+  dp_.add_grad(lnf_b_, ln.dbeta);
+  if (last) {
+    if (chunks_.front().embedding) {
+      dp_.bucket_ready({&lnf_g_, &lnf_b_});  // the embedding's backward adds to wte later in this task
+    } else {
+      dp_.bucket_ready({&lnf_g_, &lnf_b_, &wte_});
+    }
+  }
+  return ln.dx;
+}
+
+// ---- a pipeline task: one micro-batch through one chunk
+// -------------------------------------------------------
+
+Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
+  Chunk& ch = chunks_[t.chunk];
+  Stash& st = stash_[t.chunk][t.mb];
+  const int n = static_cast<int>(ch.blocks.size());
+  st.blocks.assign(n, {});
+  Tensor x = ch.embedding ? embed_forward(t.mb) : in;
+  // zero 3: the next block's weights are gathered while this one computes.
+  std::vector<parallel::DataParallel::Gathered> next = gather(ch.blocks[0]);
+  for (int i = 0; i < n; ++i) {
+    std::vector<parallel::DataParallel::Gathered> cur = std::move(next);
+    if (i + 1 < n) next = gather(ch.blocks[i + 1]);
+    x = block_forward(get(cur), x, st.blocks[i], false);
+  }
+  if (ch.head) {
+    head_forward(t.mb, x, st.head);
+    return Tensor();
+  }
+  return x;
+}
+
+Tensor Model::backward(const parallel::Task& t, const Tensor& dout) {
+  dp_.drain();  // the reductions the previous backward task started
+  Chunk& ch = chunks_[t.chunk];
+  Stash& st = stash_[t.chunk][t.mb];
+  const bool last = t.mb == c_.micro_batches() - 1;  // the chunk's last backward of the step
+  const int n = static_cast<int>(ch.blocks.size());
+  Tensor dx = ch.head ? head_backward(t.mb, st.head, last) : dout;
+  st.head = {};
+  std::vector<parallel::DataParallel::Gathered> next = gather(ch.blocks[n - 1]);
+  for (int i = n - 1; i >= 0; --i) {
+    std::vector<parallel::DataParallel::Gathered> cur = std::move(next);
+    if (i > 0) next = gather(ch.blocks[i - 1]);
+    dx = block_backward(ch.blocks[i], get(cur), st.blocks[i], dx);
+    st.blocks[i] = {};
+    if (last) {
+      std::vector<Param*> ps;
+      for (Param& p : ch.blocks[i].p) ps.push_back(&p);
+      dp_.bucket_ready(ps);
+    }
+  }
+  if (ch.embedding) {
+    embed_backward(t.mb, dx, last);
+    return Tensor();
+  }
+  return dx;
+}
+
+}  // namespace ranklab::gpt

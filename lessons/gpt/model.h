@@ -1,0 +1,128 @@
+// The GPT decoder (Radford et al. 2019; Brown et al. 2020), forward and backward written out on the Rank
+// interface, with tensor (and sequence) parallelism inside each block and a model chunk per pipeline task:
+//
+//   x = wte[tokens] + wpe[positions]                       embedding (vocabulary split across tp)
+//   for each block:
+//     x = x + proj(attention(qkv(layernorm1(x))))          column-parallel qkv, row-parallel proj
+//     x = x + fc2(gelu(fc1(layernorm2(x))))                column-parallel fc1 (4h), row-parallel fc2
+//   logits = layernorm_f(x) @ wte^T                        the output layer shares the embedding
+//   loss = mean cross-entropy of the next token
+//
+// Activations are [tokens, features] with tokens in sequence-major order (row = position * batch + sample).
+// Weights and activations are in the compute dtype (bf16 by default); layernorm statistics, the loss and
+// every gradient the optimizer sees are float32.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "common/rank.h"
+#include "lessons/gpt/config.h"
+#include "lessons/parallel/pipeline.h"
+#include "lessons/parallel/tensor_parallel.h"
+#include "lessons/parallel/zero.h"
+
+namespace ranklab::gpt {
+
+// The parameters of a block, in this order.
+enum BlockParam {
+  kLn1G,
+  kLn1B,
+  kQkvW,
+  kQkvB,
+  kProjW,
+  kProjB,
+  kLn2G,
+  kLn2B,
+  kFc1W,
+  kFc1B,
+  kFc2W,
+  kFc2B,
+  kBlockParams
+};
+// Their initial values and how tensor parallelism splits them. qkv's columns are per head (q, k, v of head
+// 0, then of head 1, ...), so a column block is whole heads.
+parallel::ParamSpec block_spec(const Config& c, int layer, BlockParam which);
+enum OtherParam { kWte, kWpe, kLnfG, kLnfB, kOtherParams };
+parallel::ParamSpec other_spec(const Config& c, OtherParam which);
+// The number of parameters of the model (the word embedding counted once).
+std::int64_t parameter_count(const Config& c);
+
+// The training data: token `pos` of sample `sample` (each sample has seq + 1 tokens; the targets are the
+// inputs shifted by one). A pure function, so any rank makes the samples it trains on.
+std::int64_t token(const Config& c, std::int64_t sample, std::int64_t pos);
+
+// The bytes a model chunk keeps per micro-batch for its backward (the pre-flight estimate and the check of
+// what the run allocates both use it).
+std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head);
+
+class Model {
+ public:
+  Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
+        parallel::DataParallel& dp);
+
+  Tensor forward(const parallel::Task& t, const Tensor& in);
+  Tensor backward(const parallel::Task& t, const Tensor& dout);
+
+  std::vector<parallel::Param*> params();
+  // Parameters for the check against the reference: (kind, layer) and the parameter; layer -1 for the
+  // embedding and final layernorm.
+  struct Named {
+    int kind;  // BlockParam, or kBlockParams + OtherParam
+    int layer;
+    parallel::Param* p;
+  };
+  std::vector<Named> named_params();
+
+  bool has_head() const;
+  // The bytes of what a chunk keeps for the backward of a micro-batch after its forward.
+  std::int64_t kept_bytes(int chunk, int mb) const;
+  // Sum over this step's micro-batches of the loss summed over their tokens (float32 scalar, last stage).
+  Tensor loss_sum;
+  void start_step();
+
+ private:
+  struct Block {
+    int layer = 0;
+    std::array<parallel::Param, kBlockParams> p;
+  };
+  struct Chunk {
+    std::vector<Block> blocks;
+    bool embedding = false, head = false;
+  };
+  // What a block keeps for its backward. Full recompute keeps only x; selective drops the attention core.
+  struct BlockActs {
+    Tensor x, mean1, rstd1, y1, qkv, out, lse, x1, mean2, rstd2, y2, u, g;
+  };
+  struct HeadActs {
+    Tensor x, mean, rstd, y, logits, row_max, stats;
+  };
+  struct Stash {
+    std::vector<BlockActs> blocks;
+    HeadActs head;
+  };
+  using Weights = std::array<Tensor, kBlockParams>;
+
+  Tensor block_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full);
+  Tensor block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2);
+  Tensor embed_forward(int mb);
+  void embed_backward(int mb, const Tensor& dx, bool last);
+  void head_forward(int mb, const Tensor& x, HeadActs& h);
+  Tensor head_backward(int mb, HeadActs& h, bool last);
+  std::vector<parallel::DataParallel::Gathered> gather(Block& b);
+  Weights get(std::vector<parallel::DataParallel::Gathered>& g);
+
+  Rank& r_;
+  Config c_;
+  int tp_rank_, dp_rank_, pp_rank_;
+  parallel::TensorParallel& tp_;
+  parallel::DataParallel& dp_;
+  std::vector<Chunk> chunks_;
+  parallel::Param wte_, wpe_, lnf_g_, lnf_b_;  // wte: the embedding's copy or the head's (or both, pp = 1)
+  std::vector<Tensor> ids_, pos_ids_, targets_;
+  std::vector<std::vector<Stash>> stash_;  // [chunk][micro-batch]
+  std::int64_t vocab_start_ = 0;
+};
+
+}  // namespace ranklab::gpt

@@ -1,0 +1,48 @@
+#include "lessons/gpt/presets.h"
+
+#include <fmt/format.h>
+
+#include "common/errors.h"
+
+namespace ranklab::gpt {
+
+const std::vector<Preset>& presets() {
+  // GPT-3: Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1 (layers, d_model, heads,
+  // context 2048; batch in tokens / 2048). Where the table is inconsistent (XL: 24 heads of 128 in 2048;
+  // 13B: d_model 5140) the heads are d_model / d_head and d_model 5120. Vocabulary: GPT-2's 50,257 BPE
+  // tokens padded up as Megatron-LM pads it (to a multiple of 128 x tp): 51,200 divides by any tp up to 16
+  // (a multiple of 1024 x 50).
+  // Llama 3 8B: Meta's model card (github.com/meta-llama/llama3, MODEL_CARD.md) and Dubey et al. 2024,
+  // Table 3: 32 layers, 4096, 32 heads, vocabulary 128,256, context 8192. Llama uses RMSNorm, SwiGLU
+  // (14,336 wide) and grouped-query attention (8 key-value heads); this lesson's block is GPT's, so the
+  // preset only fills the shape flags and the FLOPs and memory are those of a GPT of that shape. Its batch
+  // (128 sequences, 1M tokens) is a choice of this preset, not of the source.
+  static const std::vector<Preset> all = {
+      {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
+      {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
+       "Brown et al. 2020, Table 2.1 (GPT-3 Medium, 0.5M tokens)"},
+      {"gpt3-1.3b", 24, 2048, 16, 2048, 51200, 512, "Brown et al. 2020, Table 2.1 (GPT-3 XL, 1M tokens)"},
+      {"gpt3-2.7b", 32, 2560, 32, 2048, 51200, 512, "Brown et al. 2020, Table 2.1 (GPT-3 2.7B, 1M tokens)"},
+      {"gpt3-6.7b", 32, 4096, 32, 2048, 51200, 1024, "Brown et al. 2020, Table 2.1 (GPT-3 6.7B, 2M tokens)"},
+      {"gpt3-13b", 40, 5120, 40, 2048, 51200, 1024, "Brown et al. 2020, Table 2.1 (GPT-3 13B, 2M tokens)"},
+      {"gpt3-175b", 96, 12288, 96, 2048, 51200, 1536,
+       "Brown et al. 2020, Table 2.1 (GPT-3 175B; 3.2M tokens there, 1536 sequences as Megatron-LM's runs)"},
+      {"megatron-1t", 128, 25600, 160, 2048, 51200, 3072,
+       "Narayanan et al. 2021, Table 1 (the 1T model: 3,072 GPUs with tp 8, pp 64)"},
+      {"llama3-8b", 32, 4096, 32, 8192, 128256, 128,
+       "Meta Llama 3 model card; shape only (GPT block, not RMSNorm/SwiGLU/GQA)"},
+  };
+  return all;
+}
+
+const Preset& find_preset(const std::string& name) {
+  std::vector<std::string> names;
+  for (const Preset& p : presets()) {
+    if (p.name == name) return p;
+    names.push_back(p.name);
+  }
+  throw UsageError(
+      fmt::format("--model: no preset called '{}'; the presets are: {}", name, fmt::join(names, ", ")));
+}
+
+}  // namespace ranklab::gpt

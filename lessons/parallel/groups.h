@@ -1,0 +1,57 @@
+// How a world of ranks is cut into tensor-, data- and pipeline-parallel groups, the way Megatron-LM lays
+// them out.
+//
+// Every rank has a coordinate (tp, dp, pp). The order string names the dimensions from the innermost
+// (fastest-varying rank number) outwards; Megatron's default is "tp-dp-pp": the tp ranks of a group are
+// consecutive, so with tp <= GPUs per node a tensor-parallel group sits inside one node and its
+// all-reduces, two per layer per micro-batch forward and two backward, stay on NVLink. Data parallelism
+// comes next (one gradient reduction per step, latency-tolerant), pipeline parallelism outermost (only
+// activations at stage boundaries cross it). `--order dp-tp-pp` puts a tp group across nodes: run it
+// and watch the tp line of the exposed communication grow.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/rank.h"
+
+namespace ranklab::parallel {
+
+struct Layout {
+  int tp = 1, pp = 1, dp = 1;
+  std::string order = "tp-dp-pp";  // innermost first
+
+  int world() const { return tp * pp * dp; }
+  // The dimensions in `order`, innermost first: "tp", "dp", "pp".
+  std::vector<std::string> dims() const;
+  int size_of(const std::string& dim) const;
+  // The global rank at a coordinate, and a rank's coordinate.
+  int rank_of(int tp_rank, int dp_rank, int pp_rank) const;
+  int stride_of(const char* dim) const;
+  struct Coord {
+    int tp = 0, dp = 0, pp = 0;
+  };
+  Coord coord(int rank) const;
+};
+
+// Throws UsageError naming --order when it is not a permutation of tp, dp and pp.
+void validate_order(const std::string& order);
+
+// The groups one rank belongs to. Every rank creates every group, in the same order, as
+// torch.distributed requires of new_group.
+struct Groups {
+  Layout layout;
+  Layout::Coord me;
+  Group tp, dp, pp;
+  // The first and last pipeline stage of this rank's (tp, dp) column: they hold the two copies of the
+  // word embedding that the output layer shares, and add up its gradient (Megatron's embedding group).
+  Group embedding;
+  std::vector<int> tp_ranks, dp_ranks, pp_ranks;
+};
+Groups make_groups(Rank& r, const Layout& layout);
+
+// "tp groups {0..7} {8..15} ...": a few lines saying which ranks form which groups, and whether each
+// tp group stays within a node.
+std::vector<std::string> describe_groups(const Layout& layout, int gpus_per_node);
+
+}  // namespace ranklab::parallel

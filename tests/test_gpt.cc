@@ -1,0 +1,340 @@
+// The gpt lesson: every combination of tensor, sequence, pipeline (interleaved) and data parallelism,
+// ZeRO stage and recomputation trains equal to one device for 3 steps of AdamW (float32 and bfloat16, with
+// the lesson's tolerances per dtype); the memory plan equals what the run allocates; the clear errors;
+// a phantom run's time is deterministic; a deliberately broken reduction fails the lesson's own check.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "lessons/parallel/groups.h"
+#include "lessons/parallel/pipeline.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+RunReport run(const Options& o, int nodes = 1) {
+  SimBackend backend(testing::quiet_config(nodes));
+  return run_lesson(backend, "gpt", o);
+}
+
+// 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 8 in micro-batches of 2.
+Options tiny() {
+  Options o;
+  o.layers = 4;
+  o.hidden = 64;
+  o.heads = 4;
+  o.seq = 16;
+  o.vocab = 128;
+  o.global_batch = 8;
+  o.micro_batch = 2;
+  o.steps = 3;
+  o.lr = 1e-3;
+  o.quiet = true;
+  return o;
+}
+
+// Every failed check, with its detail (expected and actual, full digits).
+std::string failures(const RunReport& rep) {
+  std::string s;
+  for (const CheckRecord& c : rep.checks) {
+    if (!c.passed) s += "rank " + std::to_string(c.rank) + ": " + c.what + ": " + c.detail + "\n";
+  }
+  return s;
+}
+
+// ---- equal to one device ----------------------------------------------------------------------------------
+
+enum class Tp { One, Two, TwoSeqParallel };
+enum class Pp { One, Two, TwoInterleaved };
+using Combo = std::tuple<Tp, Pp, int, std::string, std::string>;  // tp, pp, zero, recompute, dtype
+
+class GptEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
+  const auto [tp, pp, zero, recompute, dtype] = GetParam();
+  Options o = tiny();
+  o.tp = tp == Tp::One ? 1 : 2;
+  o.seq_parallel = tp == Tp::TwoSeqParallel;
+  o.pp = pp == Pp::One ? 1 : 2;
+  o.interleave = pp == Pp::TwoInterleaved ? 2 : 1;
+  o.zero = zero;
+  o.recompute = recompute;
+  o.dtype = dtype;
+  o.world = o.tp * o.pp * 2;  // dp 2, so ZeRO has something to shard
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  int numeric = 0;
+  for (const CheckRecord& c : rep.checks) numeric += c.what.find("one device") != std::string::npos;
+  EXPECT_GE(numeric, 2 * o.world);  // gradients and weights on every rank, the loss on the last stage
+}
+
+std::string combo_name(const ::testing::TestParamInfo<Combo>& info) {
+  const auto [tp, pp, zero, recompute, dtype] = info.param;
+  const char* tps[] = {"tp1", "tp2", "tp2sp"};
+  const char* pps[] = {"pp1", "pp2", "pp2v2"};
+  return std::string(tps[static_cast<int>(tp)]) + "_" + pps[static_cast<int>(pp)] + "_zero" +
+         std::to_string(zero) + "_" + recompute + "_" + dtype;
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, GptEqualsOneDevice,
+                         ::testing::Combine(::testing::Values(Tp::One, Tp::Two, Tp::TwoSeqParallel),
+                                            ::testing::Values(Pp::One, Pp::Two, Pp::TwoInterleaved),
+                                            ::testing::Values(0, 1, 2, 3),
+                                            ::testing::Values("none", "selective", "full"),
+                                            ::testing::Values("fp32", "bf16")),
+                         combo_name);
+
+TEST(Gpt, Float16AndBfloat16GradientReduction) {
+  Options o = tiny();
+  o.world = 8;
+  o.tp = 2;
+  o.pp = 2;
+  o.dtype = "fp16";
+  EXPECT_TRUE(run(o).all_checks_passed());
+  o.dtype = "bf16";
+  o.grad_reduce_dtype = "bf16";
+  o.zero = 2;
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
+TEST(Gpt, DeeperPipelineInterleaved) {
+  Options o = tiny();
+  o.layers = 8;
+  o.world = 4;
+  o.pp = 4;
+  o.interleave = 2;
+  o.global_batch = 8;
+  o.micro_batch = 2;  // m = 4, a multiple of pp
+  o.dtype = "fp32";
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
+TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
+  Options o = tiny();
+  o.world = 8;
+  o.tp = 2;
+  o.pp = 2;
+  o.order = "dp-pp-tp";  // tp outermost: ranks 0 and 4 form a tp group
+  o.dtype = "fp32";
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+
+  parallel::Layout megatron{8, 1, 2, "tp-dp-pp"}, across{8, 1, 2, "dp-tp-pp"};
+  EXPECT_EQ(megatron.rank_of(7, 1, 0), 15);
+  EXPECT_EQ(across.rank_of(7, 1, 0), 15);
+  EXPECT_EQ(across.rank_of(1, 0, 0), 2);
+  const std::vector<std::string> a = parallel::describe_groups(megatron, 8),
+                                 b = parallel::describe_groups(across, 8);
+  EXPECT_NE(a.back().find("fits in one node"), std::string::npos) << a.back();
+  EXPECT_NE(b.back().find("spans more than one node"), std::string::npos) << b.back();
+}
+
+// ---- a broken variant fails the lesson's own check
+// ---------------------------------------------------------
+
+class GptBroken : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(GptBroken, FailsTheCheck) {
+  Options o = tiny();
+  o.world = 8;
+  o.tp = 2;
+  o.pp = 2;
+  o.dtype = "fp32";
+  o.broken = GetParam();
+  if (o.broken == "no-reduce-scatter") o.zero = 2;
+  if (o.broken == "no-sp-grad-sync") o.seq_parallel = true;
+  const RunReport rep = run(o);
+  EXPECT_FALSE(rep.all_checks_passed());
+  bool gradients_failed = false;
+  for (const CheckRecord& c : rep.checks) {
+    gradients_failed =
+        gradients_failed || (!c.passed && c.what.find("gradients equal one device") != std::string::npos);
+  }
+  EXPECT_TRUE(gradients_failed) << failures(rep);
+}
+
+INSTANTIATE_TEST_SUITE_P(Bugs, GptBroken,
+                         ::testing::Values("dp-sum", "no-reduce-scatter", "no-sp-grad-sync"));
+
+// ---- memory
+// ------------------------------------------------------------------------------------------------
+
+TEST(Gpt, MemoryPlanEqualsWhatTheRunAllocates) {
+  for (int zero : {0, 1, 3}) {
+    Options o = tiny();
+    o.world = 8;
+    o.tp = 2;
+    o.pp = 2;
+    o.interleave = 2;
+    o.seq_parallel = true;
+    o.zero = zero;
+    o.vocab = 120;  // 60 rows of the embedding per tp rank, 30 per ZeRO shard
+    o.recompute = zero == 3 ? "selective" : "none";
+    const RunReport rep = run(o);
+    int plan_checks = 0;
+    for (const CheckRecord& c : rep.checks) {
+      if (c.what.find("memory plan") == std::string::npos) continue;
+      ++plan_checks;
+      EXPECT_TRUE(c.passed) << "zero " << zero << ": " << c.what << ": " << c.detail;
+    }
+    EXPECT_EQ(plan_checks, 8 * 3);  // the parameters, and each of 2 chunks, on every rank
+  }
+}
+
+TEST(Gpt, PaddedShardsWhenRowsDoNotDivide) {
+  Options o = tiny();
+  o.world = 3;  // dp 3: 64 rows of a norm, 128 of the embedding, 16 positions: none divides by 3
+  o.zero = 3;
+  o.global_batch = 6;
+  o.dtype = "fp32";
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
+TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
+  Options o;
+  o.world = 8;
+  o.layers = 96;
+  o.hidden = 12288;
+  o.heads = 96;
+  o.seq = 2048;
+  o.vocab = 51200;
+  o.global_batch = 8;
+  o.micro_batch = 1;
+  o.phantom = true;
+  o.quiet = true;
+  try {
+    run(o);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("optimizer state"), std::string::npos) << m;
+    EXPECT_NE(m.find("--zero 1"), std::string::npos) << m;
+  }
+}
+
+// ---- the clear errors
+// ----------------------------------------------------------------------------------------
+
+void expect_usage_error(Options o, const std::string& needle) {
+  try {
+    run(o);
+    FAIL() << "expected a UsageError mentioning " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Gpt, BadOptionsNameTheOption) {
+  Options o = tiny();
+  o.world = 8;
+  o.tp = 8;
+  expect_usage_error(o, "--heads 4 is not divisible by --tp 8");
+  o = tiny();
+  o.world = 6;
+  o.pp = 3;
+  expect_usage_error(o, "--layers 4 is not divisible by --pp 3");
+  o = tiny();
+  o.world = 4;
+  o.pp = 2;
+  o.interleave = 2;
+  o.global_batch = 6;
+  o.micro_batch = 1;  // dp 2: m = 3, not a multiple of pp 2
+  expect_usage_error(o, "multiple of --pp 2");
+  o = tiny();
+  o.world = 8;
+  o.tp = 2;
+  o.dp = 2;
+  expect_usage_error(o, "--world 8 is not --tp 2 x --pp 1 x --dp 2");
+  o = tiny();
+  o.world = 2;
+  o.seq_parallel = true;
+  expect_usage_error(o, "--seq-parallel");
+  o = tiny();
+  o.order = "tp-pp";
+  expect_usage_error(o, "--order");
+  o = tiny();
+  o.recompute = "some";
+  expect_usage_error(o, "--recompute");
+  o = tiny();
+  o.world = 2;
+  o.tp = 2;
+  o.vocab = 127;
+  expect_usage_error(o, "--vocab 127 is not divisible by --tp 2");
+  o = tiny();
+  o.world = 2;
+  o.global_batch = 7;
+  expect_usage_error(o, "--global-batch 7");
+}
+
+// ---- phantom: time without numbers, deterministic
+// ------------------------------------------------------------
+
+TEST(Gpt, PhantomStepTimeIsDeterministic) {
+  Options o;
+  o.world = 16;
+  o.tp = 2;
+  o.pp = 4;
+  o.interleave = 2;
+  o.zero = 1;
+  o.layers = 16;
+  o.hidden = 2048;
+  o.heads = 16;
+  o.seq = 1024;
+  o.vocab = 51200;
+  o.global_batch = 32;
+  o.micro_batch = 1;
+  o.steps = 2;
+  o.phantom = true;
+  o.quiet = true;
+  const RunReport a = run(o, 2), b = run(o, 2);
+  ASSERT_TRUE(a.training.has_value());
+  ASSERT_TRUE(b.training.has_value());
+  EXPECT_GT(a.training->step_time_us, 0);
+  EXPECT_EQ(a.training->step_time_us, b.training->step_time_us);
+  EXPECT_EQ(a.training->peak_memory_bytes, b.training->peak_memory_bytes);
+  EXPECT_GT(a.training->bubble_fraction, 0);
+  EXPECT_GT(a.training->exposed_comm_us.at("tp"), 0);
+  EXPECT_TRUE(a.all_checks_passed()) << failures(a);
+}
+
+// ---- the schedules
+// ---------------------------------------------------------------------------------------------
+
+TEST(GptSchedule, EveryTaskOnceAndOneFOneBBoundsActivations) {
+  for (int pp : {1, 2, 4}) {
+    for (int v : {1, 2}) {
+      if (v > 1 && pp == 1) continue;
+      for (int m : {4, 8}) {
+        for (int s = 0; s < pp; ++s) {
+          const std::vector<parallel::Task> order = parallel::schedule(pp, s, v, m);
+          ASSERT_EQ(order.size(), static_cast<size_t>(2 * m * v));
+          std::vector<int> f(m * v, 0), b(m * v, 0);
+          for (const parallel::Task& t : order) {
+            if (t.forward) {
+              ++f[t.chunk * m + t.mb];
+            } else {
+              EXPECT_EQ(f[t.chunk * m + t.mb], 1) << "backward before forward";
+              ++b[t.chunk * m + t.mb];
+            }
+          }
+          for (int i = 0; i < m * v; ++i) EXPECT_TRUE(f[i] == 1 && b[i] == 1);
+          if (v == 1) {
+            EXPECT_LE(parallel::most_alive(order, 1)[0], std::min(pp - s, m));
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ranklab
