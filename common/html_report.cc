@@ -575,18 +575,22 @@ void training_section(std::string& out, const RunReport& r) {
        fmt::format("bubble: measured / (p-1)/(v m), m = {}", t.micro_batches));
   for (const auto& [dim, us] : t.exposed_comm_us) card(human_time(us), "exposed " + dim + " communication");
   out += "</div>\n";
-  // Memory of the reporting rank by part, against the device's capacity when the report knows it.
+  // Memory of the reporting rank by part: the bar is the peak, split into its parts; the capacity is said.
   std::int64_t capacity = 0;
   for (const RankSummary& s : r.ranks) capacity = std::max(capacity, s.capacity_bytes);
-  const double whole = static_cast<double>(std::max<std::int64_t>(capacity, t.peak_memory_bytes));
+  const double whole = static_cast<double>(std::max(
+      t.peak_memory_bytes, t.weights_bytes + t.grads_bytes + t.optimizer_bytes + t.activations_bytes));
   const std::pair<const char*, std::int64_t> parts[] = {{"weights", t.weights_bytes},
                                                         {"grads", t.grads_bytes},
                                                         {"optimizer", t.optimizer_bytes},
                                                         {"activations", t.activations_bytes}};
   const char* colours[] = {"var(--compute)", "var(--comm)", "var(--region)", "var(--wait)"};
-  out += fmt::format("<p>peak memory {}{}</p>\n<div class=\"bar\">",
-                     human_bytes(static_cast<double>(t.peak_memory_bytes)),
-                     capacity > 0 ? fmt::format(" of {}", human_bytes(static_cast<double>(capacity))) : "");
+  out += fmt::format(
+      "<p>peak memory {}{}</p>\n<div class=\"bar\">", human_bytes(static_cast<double>(t.peak_memory_bytes)),
+      capacity > 0
+          ? fmt::format(" of {} ({:.1f}%)", human_bytes(static_cast<double>(capacity)),
+                        100.0 * static_cast<double>(t.peak_memory_bytes) / static_cast<double>(capacity))
+          : "");
   for (int i = 0; i < 4; ++i) {
     if (whole <= 0 || parts[i].second <= 0) continue;
     out += fmt::format("<i title=\"{} {}\" style=\"width:{:.2f}%;background:{}\"></i>", parts[i].first,
