@@ -107,17 +107,38 @@ Options with_algorithm_names(const Options& o, const std::string& backend_name, 
   return out;
 }
 
-int topo_command(const std::string& profile_name, int nodes) {
+// The nodes a run uses: --nodes when given, else the profile's own `nodes`; the two must not disagree.
+// `world` (0: any) must need the last of them, or --nodes asked for nodes the run would leave empty.
+void apply_nodes(Profile& profile, const std::optional<int>& cli_nodes, int world) {
+  if (cli_nodes) {
+    if (!profile.nodes_at.empty() && *cli_nodes != profile.nodes) {
+      throw UsageError(fmt::format("--nodes {} contradicts the profile's 'nodes = {}' ({}); drop one of them",
+                                   *cli_nodes, profile.nodes, profile.nodes_at));
+    }
+    profile.nodes = *cli_nodes;
+  }
+  const std::int64_t filled = (std::int64_t{world} + profile.gpus_per_node - 1) / profile.gpus_per_node;
+  if (world > 0 && filled < profile.nodes) {
+    throw UsageError(fmt::format(
+        "{} nodes of {} GPUs, but --world {} fills only {}: give --world {} to {} to use {} nodes{}",
+        profile.nodes, profile.gpus_per_node, world, filled,
+        std::int64_t{profile.gpus_per_node} * (profile.nodes - 1) + 1,
+        std::int64_t{profile.gpus_per_node} * profile.nodes, profile.nodes,
+        cli_nodes ? ", or drop --nodes" : fmt::format(" (the profile sets nodes at {})", profile.nodes_at)));
+  }
+}
+
+int topo_command(const std::string& profile_name, const std::optional<int>& nodes) {
   Profile profile = load_profile(profile_name);
-  profile.nodes = nodes;
+  apply_nodes(profile, nodes, 0);
   std::fputs(sim::format_topology(sim::Topology(profile)).c_str(), stdout);
   return 0;
 }
 
 int run_command(const std::string& lesson, const std::string& backend_name, const std::string& profile_name,
-                int nodes, const std::string& report_dir, const Options& o) {
+                const std::optional<int>& nodes, const std::string& report_dir, const Options& o) {
   Profile profile = load_profile(profile_name);
-  profile.nodes = nodes;
+  apply_nodes(profile, nodes, o.world);
   find_lesson(lesson);  // fail before launching when the name is wrong
   std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o);
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
@@ -385,12 +406,16 @@ int main(int argc, char** argv) {
       }
       return 0;
     }
-    if (topo->parsed()) return topo_command(topo_profile, topo_nodes);
+    if (topo->parsed()) {
+      return topo_command(topo_profile,
+                          topo->count("--nodes") ? std::optional<int>(topo_nodes) : std::nullopt);
+    }
     if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
-    return run_command(lesson, backend, profile, nodes, report_dir, options);
+    return run_command(lesson, backend, profile,
+                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, options);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
     return 1;
