@@ -68,6 +68,9 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
 
 void SimWorld::fail(std::exception_ptr error) {
   if (!error_) error_ = error;
+  // Once aborted, no rank blocks again (block_until checks first), so the ranks were all woken by the
+  // first failure: waking them again for every rank that fails would cost the world squared.
+  if (aborted_) return;
   aborted_ = true;
   wake_all();
 }
