@@ -65,9 +65,11 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_option("--proto", o.proto, "force NCCL's protocol, as NCCL_PROTO: ll, ll128, simple");
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o) {
+std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o,
+                                      int stack_kib) {
   if (name == "sim") {
     SimConfig config{profile};
+    config.stack_bytes = static_cast<std::size_t>(stack_kib) * 1024;
     config.algorithm = o.algo;
     config.protocol = o.proto;
     return std::make_unique<SimBackend>(config);
@@ -136,11 +138,12 @@ int topo_command(const std::string& profile_name, const std::optional<int>& node
 }
 
 int run_command(const std::string& lesson, const std::string& backend_name, const std::string& profile_name,
-                const std::optional<int>& nodes, const std::string& report_dir, const Options& o) {
+                const std::optional<int>& nodes, const std::string& report_dir, const Options& o,
+                int stack_kib) {
   Profile profile = load_profile(profile_name);
   apply_nodes(profile, nodes, o.world);
   find_lesson(lesson);  // fail before launching when the name is wrong
-  std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o);
+  std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o, stack_kib);
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
   record_run_config(report, profile, o);
@@ -342,6 +345,7 @@ int main(int argc, char** argv) {
   CLI::App* run = app.add_subcommand("run", "run a lesson");
   std::string lesson, backend = "sim", profile = "dgx-h100", report_dir;
   int nodes = 1;
+  int stack_kib = 256;
   Options options;
   run->add_option("lesson", lesson, "the lesson (see `ranklab list`)")->required();
   run->add_option("--backend", backend, "sim or cuda")->check(CLI::IsMember({"sim", "cuda"}));
@@ -350,6 +354,8 @@ int main(int argc, char** argv) {
   run->add_option("--report", report_dir,
                   "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
   add_lesson_options(*run, options);
+  run->add_option("--stack-kib", stack_kib, "simulator: each rank's stack in KiB (default 256)")
+      ->check(CLI::Range(64, 1 << 20));
 
   CLI::App* compare = app.add_subcommand(
       "compare",
@@ -415,7 +421,8 @@ int main(int argc, char** argv) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
     return run_command(lesson, backend, profile,
-                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, options);
+                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, options,
+                       stack_kib);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
     return 1;

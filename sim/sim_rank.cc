@@ -114,6 +114,7 @@ std::string SimRank::where(const char* op) const {
 }
 
 void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
+  world_.check_thread(rank_, op);
   world_.check_aborted();
   if (!t.defined()) throw UsageError(fmt::format("{}: '{}' is an undefined tensor", where(op), arg));
   if (t.owner_rank() != rank_) {
@@ -143,6 +144,7 @@ void SimRank::require_shape(const Tensor& t, const Shape& want, const char* op, 
 }
 
 Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* op) {
+  world_.check_thread(rank_, op);
   world_.check_aborted();
   MemoryAccount& m = *s_.memory;
   const std::int64_t bytes = s.numel() * dtype_bytes(dtype);
@@ -1081,6 +1083,7 @@ void SimRank::validate(const CommCall& call) const {
 }
 
 Work SimRank::communicate(const CommCall& call) {
+  world_.check_thread(rank_, comm_op_name(call.op));
   world_.check_aborted();
   validate(call);
   if (call.op == CommOp::Barrier) {
@@ -1128,6 +1131,7 @@ std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
 // ---- time, regions, output -------------------------------------------------------------------------
 
 void SimRank::synchronize() {
+  world_.check_thread(rank_, "synchronize()");
   world_.check_aborted();
   fold_sync_ops("synchronize()");
   for (const auto& op : s_.outstanding) {
@@ -1141,7 +1145,20 @@ void SimRank::synchronize() {
 }
 
 double SimRank::now() {
+  world_.check_thread(rank_, "now()");
   world_.check_aborted();
+  // The host clock moves only with the rank's own calls, so a loop waiting on now() would never end.
+  constexpr std::int64_t kSpinLimit = 10'000'000;
+  if (s_.host_us != last_now_us_) {
+    last_now_us_ = s_.host_us;
+    same_now_calls_ = 0;
+  } else if (++same_now_calls_ >= kSpinLimit) {
+    throw UsageError(fmt::format(
+        "{}: returned the same time ({} us) {} times in a row; the simulated host clock moves only with "
+        "the rank's own calls (kernels, communication, synchronize()), so a loop that waits for time to "
+        "pass never ends",
+        where("now()"), s_.host_us, kSpinLimit));
+  }
   return s_.host_us;
 }
 

@@ -1,18 +1,33 @@
 #include "sim/world.h"
 
+#include <cxxabi.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <boost/fiber/operations.hpp>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <set>
+#include <thread>
+#include <typeinfo>
 
 #include "common/errors.h"
+#include "sim/rank_faults.h"
 #include "sim/reduce.h"
 #include "sim/scheduler.h"
 
 namespace ranklab::sim {
+
+namespace {
+std::string demangle(const char* name) {
+  int status = 0;
+  char* readable = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = status == 0 && readable ? readable : name;
+  std::free(readable);
+  return out;
+}
+}  // namespace
 
 CommMember& CommOpState::member_of(int global_rank) {
   // World collectives list every rank in order, so the member of rank r is member r.
@@ -42,6 +57,7 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   groups_.emplace_back(world_size);  // group 0 is the world
   for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
   live_ = world_size;
+  thread_ = std::this_thread::get_id();
   report_.backend = "sim";
   report_.profile = config.profile.name;
   report_.world = world_size;
@@ -54,8 +70,17 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
     program();
   } catch (const RunAborted&) {
     // another rank failed first; this one just unwinds
-  } catch (...) {
+  } catch (const Error&) {
     fail(std::current_exception());
+  } catch (const std::exception& e) {
+    // Not one of ranklab's own: the message alone would not say where it came from.
+    fail(std::make_exception_ptr(
+        ProgramError(fmt::format("rank {} threw {}: {}", rank, demangle(typeid(e).name()), e.what()))));
+  } catch (...) {
+    const std::type_info* type = abi::__cxa_current_exception_type();
+    fail(std::make_exception_ptr(
+        ProgramError(fmt::format("rank {} threw a value of type {}, which is not a std::exception", rank,
+                                 type ? demangle(type->name()) : std::string("unknown")))));
   }
   RankState& s = state(rank);
   s.finished = true;
@@ -73,6 +98,17 @@ void SimWorld::fail(std::exception_ptr error) {
   if (aborted_) return;
   aborted_ = true;
   wake_all();
+}
+
+void SimWorld::check_thread(int rank, const char* op) const {
+  if (std::this_thread::get_id() == thread_) return;
+  // Another thread cannot block or yield a fiber, and would race with the rank's own state: the run
+  // cannot go on, and an exception here would only end the thread the program started.
+  die(fmt::format(
+      "rank {}: {} was called from a thread the rank's program started; a rank's calls must come from the "
+      "thread that runs its program (the simulator runs each rank as a fiber, and a GPU stream is not "
+      "shared between threads either)",
+      rank, op));
 }
 
 void SimWorld::check_aborted() const {

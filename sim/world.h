@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/profile.h"
@@ -109,6 +110,8 @@ class SimWorld {
   // the transfer engine up to this rank's clock.
   void before_issue(int rank);
   void check_aborted() const;
+  // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
+  void check_thread(int rank, const char* op) const;
   // Why `op` has not executed yet: the members that have not called it, or what they still wait for.
   std::string why_pending(const CommOpState& op) const;
 
@@ -166,6 +169,7 @@ class SimWorld {
   int blocked_ = 0;
   bool aborted_ = false;
   std::exception_ptr error_;
+  std::thread::id thread_;
 };
 
 }  // namespace ranklab::sim

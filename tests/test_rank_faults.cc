@@ -1,0 +1,134 @@
+// What ends a run from inside a rank without a ranklab error: a foreign exception, a thrown value that is
+// not an exception, exit(), a call from another thread, a stack overflow, a loop spinning on now(). Each
+// must end the run with a message naming the rank.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "sim/sim_backend.h"
+#include "tests/sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+using testing::quiet_config;
+
+template <typename E>
+std::string error_of(const std::function<void(Rank&)>& fn, int world = 4) {
+  SimBackend backend(quiet_config());
+  try {
+    backend.launch(world, fn);
+  } catch (const E& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+
+TEST(RankFaults, AForeignExceptionNamesRankAndType) {
+  const std::string msg = error_of<ProgramError>([](Rank& r) {
+    if (r.rank() == 2) throw std::out_of_range("index 7");
+  });
+  EXPECT_NE(msg.find("rank 2 threw std::out_of_range: index 7"), std::string::npos) << msg;
+}
+
+TEST(RankFaults, AThrownValueThatIsNotAnExceptionNamesRankAndType) {
+  const std::string msg = error_of<ProgramError>([](Rank& r) {
+    if (r.rank() == 1) throw 42;
+  });
+  EXPECT_NE(msg.find("rank 1 threw a value of type int, which is not a std::exception"), std::string::npos)
+      << msg;
+}
+
+void throwing_lesson(Rank& r, const Options&) {
+  if (r.rank() == 3) throw std::runtime_error("boom");
+}
+RANKLAB_LESSON("test_throwing", "throws from rank 3", throwing_lesson);
+
+TEST(RankFaults, AForeignExceptionInALessonNamesTheLesson) {
+  SimBackend backend(quiet_config());
+  try {
+    run_lesson(backend, "test_throwing", Options{});
+    ADD_FAILURE() << "no error";
+  } catch (const ProgramError& e) {
+    EXPECT_STREQ(e.what(), "lesson test_throwing: rank 3 threw std::runtime_error: boom");
+  }
+}
+
+TEST(RankFaults, SpinningOnNowIsAnErrorNamingTheRank) {
+  const std::string msg = error_of<UsageError>([](Rank& r) {
+    const double t0 = r.now();
+    if (r.rank() == 1) {
+      while (r.now() < t0 + 100) {
+      }
+    }
+  });
+  EXPECT_NE(msg.find("rank 1: now(): returned the same time"), std::string::npos) << msg;
+}
+
+TEST(RankFaultsDeathTest, ExitInsideARankNamesTheRank) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        SimBackend backend(quiet_config());
+        backend.launch(4, [](Rank& r) {
+          r.barrier();
+          if (r.rank() == 1) std::exit(0);
+        });
+      },
+      ::testing::ExitedWithCode(1), "rank 1 called exit\\(\\) inside its program");
+}
+
+TEST(RankFaultsDeathTest, ACallFromAnotherThreadNamesTheRankAndCall) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        SimBackend backend(quiet_config());
+        backend.launch(2, [](Rank& r) {
+          Tensor t = r.zeros({4});
+          if (r.rank() == 0) {
+            std::thread([&] { r.all_reduce(t, ReduceOp::Sum); }).join();
+          }
+        });
+      },
+      ::testing::ExitedWithCode(1), "rank 0: all_reduce was called from a thread the rank's program started");
+}
+
+#if !defined(RANKLAB_SANITIZE)  // AddressSanitizer reports the overflow itself
+// Deep enough to pass any stack of 256 KiB; the volatile page keeps every frame.
+int recurse(int depth) {
+  volatile char page[4096];
+  page[0] = static_cast<char>(depth);
+  return depth == 0 ? page[0] : recurse(depth - 1) + page[0];
+}
+
+TEST(RankFaultsDeathTest, AStackOverflowNamesTheRankAndTheStackSize) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        SimBackend backend(quiet_config());
+        backend.launch(4, [](Rank& r) {
+          if (r.rank() == 2) recurse(1000);
+        });
+      },
+      ::testing::ExitedWithCode(1),
+      "rank 2: stack overflow: the fiber's stack of 256 KiB was exceeded; raise it with --stack-kib N");
+}
+
+TEST(RankFaults, ABiggerStackHoldsTheSameRecursion) {
+  SimConfig config = quiet_config();
+  config.stack_bytes = 8 << 20;
+  SimBackend backend(config);
+  EXPECT_NO_THROW(backend.launch(2, [](Rank& r) {
+    if (r.rank() == 1) recurse(1000);
+  }));
+}
+#endif
+
+}  // namespace
+}  // namespace ranklab
