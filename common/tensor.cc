@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 #include "common/errors.h"
 
 namespace ranklab {
@@ -29,6 +31,11 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
+namespace {
+// The most elements a shape may hold: its bytes at the widest dtype (8) must fit an int64.
+constexpr std::int64_t kMaxElements = std::numeric_limits<std::int64_t>::max() / 8;
+}  // namespace
+
 Shape::Shape(std::initializer_list<std::int64_t> dims) : Shape(std::vector<std::int64_t>(dims)) {}
 
 Shape::Shape(const std::vector<std::int64_t>& dims) {
@@ -42,6 +49,17 @@ Shape::Shape(const std::vector<std::int64_t>& dims) {
     dims_[i] = dims[i];
   }
   ndim_ = static_cast<int>(dims.size());
+  // numel() and bytes() multiply the dimensions: a product past int64 would wrap (to 0, say) and every
+  // size computed from it would be wrong.
+  std::int64_t n = 1;
+  for (int i = 0; i < ndim_; ++i) {
+    if (__builtin_mul_overflow(n, dims_[i], &n) || n > kMaxElements) {
+      throw UsageError(
+          fmt::format("shape {} has too many elements: more than {} (2^60) would overflow a "
+                      "byte count",
+                      str(), kMaxElements));
+    }
+  }
 }
 
 std::int64_t Shape::operator[](int i) const {

@@ -201,7 +201,21 @@ const std::vector<int>& SimWorld::members(const Group& group) const {
   if (id < 0 || id >= static_cast<int>(groups_.size())) {
     throw UsageError(fmt::format("{} was not made by new_group in this run", group.str()));
   }
+  // A Group built by hand (not returned by new_group) can carry an id this run made for other ranks.
+  if (!group.is_world() && group.size(size()) != static_cast<int>(groups_[id].size())) {
+    throw UsageError(fmt::format("{} was not made by new_group in this run", group.str()));
+  }
   return groups_[id];
+}
+
+void SimWorld::check_group(int rank, const Group& group, const char* op) const {
+  const int id = group.id();
+  const bool known = id >= 0 && id < static_cast<int>(groups_.size());
+  if (known && (group.is_world() || group.ranks(size()) == groups_[id])) return;
+  throw UsageError(fmt::format(
+      "rank {}: {}: {} was not made by new_group in this run{}; use the Group new_group returns", rank, op,
+      group.str(),
+      known ? fmt::format(" (group {} of this run is {{{}}})", id, fmt::join(groups_[id], ", ")) : ""));
 }
 
 Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {

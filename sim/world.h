@@ -101,6 +101,8 @@ class SimWorld {
   Group new_group(int rank, const std::vector<int>& ranks);
   // The members of `group` (global ranks); UsageError if the group is unknown.
   const std::vector<int>& members(const Group& group) const;
+  // UsageError naming `rank` and `op` unless `group` is the world or exactly a group new_group made.
+  void check_group(int rank, const Group& group, const char* op) const;
 
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);

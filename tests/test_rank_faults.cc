@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -97,6 +98,46 @@ TEST(RankFaultsDeathTest, ACallFromAnotherThreadNamesTheRankAndCall) {
         });
       },
       ::testing::ExitedWithCode(1), "rank 0: all_reduce was called from a thread the rank's program started");
+}
+
+TEST(Bounds, AGroupNotMadeByNewGroupIsRefused) {
+  // Group 1 of this run is {0, 1}; a hand-made group 1 of four ranks would index past its members.
+  std::string msg = error_of<UsageError>([](Rank& r) {
+    r.new_group({0, 1});
+    Tensor t = r.zeros({4});
+    r.all_reduce(t, ReduceOp::Sum, Async::No, Group(1, {0, 1, 2, 3}));
+  });
+  EXPECT_NE(
+      msg.find("rank 0: all_reduce: group 1 {0, 1, 2, 3} was not made by new_group in this run (group 1 "
+               "of this run is {0, 1})"),
+      std::string::npos)
+      << msg;
+  msg = error_of<UsageError>([](Rank& r) {
+    Tensor t = r.zeros({4});
+    r.broadcast(t, 0, Async::No, Group(7, {0, 1}));
+  });
+  EXPECT_NE(msg.find("rank 0: broadcast: group 7 {0, 1} was not made by new_group"), std::string::npos)
+      << msg;
+}
+
+TEST(Bounds, ASliceStartNearTheLargestIntegerIsOutOfRange) {
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max() - 1;
+  std::string msg = error_of<UsageError>([&](Rank& r) { r.slice(r.zeros({8}), 0, huge, 4); });
+  EXPECT_NE(msg.find("rank 0: slice: 4 elements from 9223372036854775806 are outside dimension 0"),
+            std::string::npos)
+      << msg;
+  msg = error_of<UsageError>([&](Rank& r) { r.randn_slice({4, 6}, 1, huge, 4, 1, 1.0f, DType::Float32); });
+  EXPECT_NE(msg.find("rank 0: randn_slice: [9223372036854775806, 9223372036854775807) is outside"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(Bounds, AShapeWhoseElementCountOverflowsIsRefused) {
+  const std::int64_t big = std::int64_t{1} << 32;
+  const std::string msg = error_of<UsageError>([&](Rank& r) { r.phantom({big, big}); });
+  EXPECT_NE(msg.find("shape [4294967296, 4294967296] has too many elements"), std::string::npos) << msg;
+  EXPECT_THROW(Shape({std::int64_t{1} << 61}), UsageError);
+  EXPECT_NO_THROW(Shape({std::int64_t{1} << 59}));
 }
 
 #if !defined(RANKLAB_SANITIZE)  // AddressSanitizer reports the overflow itself
