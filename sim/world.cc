@@ -540,7 +540,15 @@ void SimWorld::show(int rank, const std::string& label, const std::string& value
   RankState& s = state(rank);
   const std::uint64_t seq = s.shows++;
   HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), size());
-  if (h.arrived == 0) h.label = label;
+  if (h.arrived == 0) {
+    h.label = label;
+    h.first_rank = rank;
+  } else if (label != h.label) {
+    // Printing every rank's values under the first rank's label would present them as the same thing.
+    throw MismatchError(
+        fmt::format("ranks disagree on show() call #{}: rank {} shows \"{}\", rank {} shows \"{}\"", seq,
+                    h.first_rank, h.label, rank, label));
+  }
   h.payload[rank] = values;
   ++h.arrived;
   if (h.arrived == h.expected) {

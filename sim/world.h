@@ -149,6 +149,7 @@ class SimWorld {
     double latest_host_us = 0;
     std::vector<std::string> payload;  // show(): each member's formatted values
     std::string label;
+    int first_rank = -1;  // show(): the rank whose label the others must match
   };
   HostRendezvous& host_rendezvous(const std::string& key, int expected);
 

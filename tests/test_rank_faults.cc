@@ -100,6 +100,14 @@ TEST(RankFaultsDeathTest, ACallFromAnotherThreadNamesTheRankAndCall) {
       ::testing::ExitedWithCode(1), "rank 0: all_reduce was called from a thread the rank's program started");
 }
 
+TEST(RankFaults, ShowWithDifferentLabelsNamesBothRanks) {
+  const std::string msg =
+      error_of<MismatchError>([](Rank& r) { r.show(r.rank() == 2 ? "grads" : "weights", r.zeros({2})); });
+  EXPECT_NE(msg.find("ranks disagree on show() call #0: rank 0 shows \"weights\", rank 2 shows \"grads\""),
+            std::string::npos)
+      << msg;
+}
+
 TEST(Bounds, AGroupNotMadeByNewGroupIsRefused) {
   // Group 1 of this run is {0, 1}; a hand-made group 1 of four ranks would index past its members.
   std::string msg = error_of<UsageError>([](Rank& r) {
