@@ -178,6 +178,7 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
       }
     }
     pending.clear();
+    sim_storage(*t)->pending_reads_only.clear();
   }
   fold_sync_ops(op);
 }
@@ -1084,10 +1085,40 @@ void SimRank::validate(const CommCall& call) const {
   }
 }
 
+namespace {
+// Whether `call` only reads `t`: a send, or the input of an out-of-place collective.
+bool only_reads(const CommCall& call, const Tensor& t) {
+  if (call.op == CommOp::Send) return true;
+  const bool out_of_place = call.op == CommOp::AllGather || call.op == CommOp::ReduceScatter ||
+                            call.op == CommOp::AllToAll || call.op == CommOp::Scatter ||
+                            call.op == CommOp::Gather;
+  return out_of_place && call.input.defined() && t.storage() == call.input.storage() &&
+         (!call.output.defined() || call.output.storage() != call.input.storage());
+}
+}  // namespace
+
+// Communication on a buffer that an Async::Yes operation not yet waited on still uses runs on another
+// stream on a GPU: unless both only read it, the two race.
+void SimRank::check_no_race(const CommCall& call) const {
+  for (const Tensor* t : {&call.input, &call.output}) {
+    if (!t->defined()) continue;
+    const SimStorage& st = *sim_storage(*t);
+    for (std::size_t i = 0; i < st.pending.size(); ++i) {
+      const auto& p = st.pending[i];
+      if (p->member_of(rank_).waited || (st.pending_reads_only[i] && only_reads(call, *t))) continue;
+      throw UsageError(fmt::format(
+          "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
+          "first (on a GPU the two would race on different streams)",
+          where(comm_op_name(call.op)), t->str(), p->label));
+    }
+  }
+}
+
 Work SimRank::communicate(const CommCall& call) {
   world_.check_thread(rank_, comm_op_name(call.op));
   world_.check_aborted();
   validate(call);
+  check_no_race(call);
   if (call.op == CommOp::Barrier) {
     world_.barrier(rank_, call.group);
     return Work();
@@ -1100,7 +1131,9 @@ Work SimRank::communicate(const CommCall& call) {
     return Work();
   }
   for (const Tensor* t : {&call.input, &call.output}) {
-    if (t->defined()) sim_storage(*t)->pending.push_back(op);
+    if (!t->defined()) continue;
+    sim_storage(*t)->pending.push_back(op);
+    sim_storage(*t)->pending_reads_only.push_back(only_reads(call, *t));
   }
   return Work(std::make_shared<SimWork>(world_, rank_, op));
 }

@@ -108,6 +108,37 @@ TEST(RankFaults, ShowWithDifferentLabelsNamesBothRanks) {
       << msg;
 }
 
+TEST(RankFaults, CommunicationOnABufferAnUnwaitedAsyncOperationUsesIsARace) {
+  const std::string msg = error_of<UsageError>(
+      [](Rank& r) {
+        Tensor t = r.full({4}, 1.0f);
+        Work w;
+        if (r.rank() == 0) w = r.send(t, 1, Async::Yes);
+        if (r.rank() == 1) r.recv(r.zeros({4}), 0);
+        r.all_reduce(t, ReduceOp::Sum);
+        w.wait();
+      },
+      2);
+  EXPECT_NE(msg.find("rank 0: all_reduce: float32[4] is still in use by send/recv #0 from rank 0 to rank 1, "
+                     "issued with Async::Yes and not waited on"),
+            std::string::npos)
+      << msg;
+  // Two operations that only read the buffer may overlap.
+  SimBackend backend(quiet_config());
+  EXPECT_NO_THROW(backend.launch(2, [](Rank& r) {
+    Tensor t = r.full({4}, 1.0f);
+    if (r.rank() == 0) {
+      Work a = r.send(t, 1, Async::Yes), b = r.send(t, 1, Async::Yes);
+      a.wait();
+      b.wait();
+    } else {
+      Tensor u = r.zeros({4}), v = r.zeros({4});
+      r.recv(u, 0);
+      r.recv(v, 0);
+    }
+  }));
+}
+
 TEST(Bounds, AGroupNotMadeByNewGroupIsRefused) {
   // Group 1 of this run is {0, 1}; a hand-made group 1 of four ranks would index past its members.
   std::string msg = error_of<UsageError>([](Rank& r) {
