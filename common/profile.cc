@@ -273,10 +273,18 @@ class TableReader {
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ProfileError(fmt::format("cannot open profile file '{}': {}", path, std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
+  // A profile is a page of text; a base that names something else (a device, /proc/kcore) must not be
+  // read to its end.
+  constexpr std::size_t kMaxBytes = 1 << 20;
+  std::string text(kMaxBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
   if (in.bad()) throw ProfileError(fmt::format("cannot read profile file '{}'", path));
-  return text.str();
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxBytes) {
+    throw ProfileError(
+        fmt::format("profile file '{}' is larger than {} bytes; is it a profile?", path, kMaxBytes));
+  }
+  return text;
 }
 
 bool is_file(const fs::path& p) {
