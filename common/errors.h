@@ -49,6 +49,14 @@ class CheckFailedError : public Error {
   using Error::Error;
 };
 
+// An exception a rank's program threw that ranklab did not raise (a std::exception of the program's own,
+// or something that is not a std::exception at all); the message names the lesson, the rank and what was
+// thrown.
+class ProgramError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A backend failure (CUDA, cuBLAS, NCCL) naming the call, the error string, the rank and the device.
 class BackendError : public Error {
  public:

@@ -52,7 +52,12 @@ const Lesson& find_lesson(const std::string& name) {
 
 RunReport run_lesson(Backend& backend, const std::string& name, const Options& options) {
   const Lesson& lesson = find_lesson(name);
-  RunReport report = backend.launch(options.world, [&](Rank& r) { lesson.fn(r, options); });
+  RunReport report;
+  try {
+    report = backend.launch(options.world, [&](Rank& r) { lesson.fn(r, options); });
+  } catch (const ProgramError& e) {
+    throw ProgramError(fmt::format("lesson {}: {}", name, e.what()));
+  }
   report.lesson = name;
   return report;
 }

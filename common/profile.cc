@@ -168,27 +168,37 @@ class TableReader {
     return v;
   }
 
-  double positive(const std::string& key) {
+  // Greater than 0 and at least `minimum` (a denormal bandwidth would make every transfer last forever),
+  // at most `maximum` (a huge latency or capacity overflows the clocks and byte counts built from it).
+  double positive(const std::string& key, double minimum, double maximum) {
     double v = *number(key, true);
     if (v <= 0)
       fail_at(at(key), origin_, fmt::format("'{}' must be greater than 0, got {}", qualified(key), v));
-    return v;
+    if (v < minimum)
+      fail_at(at(key), origin_, fmt::format("'{}' must be at least {}, got {}", qualified(key), minimum, v));
+    return at_most(key, v, maximum);
   }
 
-  double non_negative(const std::string& key) {
+  double non_negative(const std::string& key, double maximum) {
     double v = *number(key, true);
     if (v < 0) fail_at(at(key), origin_, fmt::format("'{}' must not be negative, got {}", qualified(key), v));
+    return at_most(key, v, maximum);
+  }
+
+  double at_most(const std::string& key, double v, double maximum) {
+    if (v > maximum)
+      fail_at(at(key), origin_, fmt::format("'{}' must be at most {}, got {}", qualified(key), maximum, v));
     return v;
   }
 
   // At least `minimum`, or `fallback` when absent.
-  double at_least(const std::string& key, double minimum, double fallback) {
+  double at_least(const std::string& key, double minimum, double maximum, double fallback) {
     std::optional<double> v = number(key, false);
     if (!v) return fallback;
     if (*v < minimum) {
       fail_at(at(key), origin_, fmt::format("'{}' must be at least {}, got {}", qualified(key), minimum, *v));
     }
-    return *v;
+    return at_most(key, *v, maximum);
   }
 
   // A fraction of a peak the hardware reaches: 0 would mean the work never finishes, above 1 is faster than
@@ -202,14 +212,18 @@ class TableReader {
     return *v;
   }
 
-  std::optional<int> count(const std::string& key, bool required, int minimum = 1) {
+  std::optional<int> count(const std::string& key, bool required, int minimum, int maximum) {
     const toml::node* n = required ? &require(key) : table_.get(key);
     if (n == nullptr) return std::nullopt;
     if (!n->is_integer()) type_error(key, *n, "an integer");
     std::int64_t v = n->as_integer()->get();
-    if (v < minimum || v > INT_MAX) {
+    if (v < minimum) {
       fail_at(n->source(), origin_,
               fmt::format("'{}' must be at least {}, got {}", qualified(key), minimum, v));
+    }
+    if (v > maximum) {
+      fail_at(n->source(), origin_,
+              fmt::format("'{}' must be at most {}, got {}", qualified(key), maximum, v));
     }
     return static_cast<int>(v);
   }
@@ -260,10 +274,18 @@ class TableReader {
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw ProfileError(fmt::format("cannot open profile file '{}': {}", path, std::strerror(errno)));
-  std::ostringstream text;
-  text << in.rdbuf();
+  // A profile is a page of text; a base that names something else (a device, /proc/kcore) must not be
+  // read to its end.
+  constexpr std::size_t kMaxBytes = 1 << 20;
+  std::string text(kMaxBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
   if (in.bad()) throw ProfileError(fmt::format("cannot read profile file '{}'", path));
-  return text.str();
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  if (text.size() > kMaxBytes) {
+    throw ProfileError(
+        fmt::format("profile file '{}' is larger than {} bytes; is it a profile?", path, kMaxBytes));
+  }
+  return text;
 }
 
 bool is_file(const fs::path& p) {
@@ -322,6 +344,20 @@ toml::table resolve(const std::string& text, const std::string& origin, const st
   return merged;
 }
 
+// The ranges every number of a profile must lie in. They are far wider than any real machine, and narrow
+// enough that no time, byte count or rank count computed from them overflows or stops moving: a latency
+// of 1e308 us would never let the clock advance, a bandwidth of 4.9e-324 would make every transfer last
+// forever, a capacity of 1e300 GiB overflows a byte count.
+constexpr int kMaxGpusPerNode = 4096;
+constexpr int kMaxNodes = 65536;  // with kMaxGpusPerNode, a world still fits in an int
+constexpr int kMaxCount = 1024;   // links per GPU, GPUs per PCIe switch, NICs per node
+constexpr int kMaxRadix = 65536;
+constexpr double kMaxLatencyUs = 1e6;  // one second
+constexpr double kMinTflops = 1e-3, kMaxTflops = 1e6;
+constexpr double kMinGbps = 1e-3, kMaxGbps = 1e6;
+constexpr double kMinGib = 1e-3, kMaxGib = 1e6;  // 1 MiB to about 1 PiB
+constexpr double kMaxOversubscription = 1000;
+
 Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader top(root, "", origin,
                   {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "nvlink",
@@ -329,9 +365,10 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   Profile p;
   p.name = top.require_string("name");
   p.description = top.optional_string("description", "");
-  p.gpus_per_node = *top.count("gpus_per_node", true);
-  p.nodes = top.count("nodes", false).value_or(1);
-  p.barrier_latency_us = top.non_negative("barrier_latency_us");
+  p.gpus_per_node = *top.count("gpus_per_node", true, 1, kMaxGpusPerNode);
+  p.nodes = top.count("nodes", false, 1, kMaxNodes).value_or(1);
+  if (top.has("nodes")) p.nodes_at = location(top.at("nodes"), origin);
+  p.barrier_latency_us = top.non_negative("barrier_latency_us", kMaxLatencyUs);
 
   TableReader gpu(top.table("gpu"), "gpu", origin,
                   {"name",
@@ -355,12 +392,12 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
                    "attention_fwd_efficiency",
                    "attention_bwd_efficiency"});
   p.gpu.name = gpu.require_string("name");
-  p.gpu.peak_tflops_fp32 = gpu.positive("peak_tflops_fp32");
-  p.gpu.peak_tflops_tf32 = gpu.positive("peak_tflops_tf32");
-  p.gpu.peak_tflops_bf16 = gpu.positive("peak_tflops_bf16");
-  p.gpu.hbm_bandwidth_gbps = gpu.positive("hbm_bandwidth_gbps");
-  p.gpu.hbm_capacity_gib = gpu.positive("hbm_capacity_gib");
-  p.gpu.launch_overhead_us = gpu.non_negative("launch_overhead_us");
+  p.gpu.peak_tflops_fp32 = gpu.positive("peak_tflops_fp32", kMinTflops, kMaxTflops);
+  p.gpu.peak_tflops_tf32 = gpu.positive("peak_tflops_tf32", kMinTflops, kMaxTflops);
+  p.gpu.peak_tflops_bf16 = gpu.positive("peak_tflops_bf16", kMinTflops, kMaxTflops);
+  p.gpu.hbm_bandwidth_gbps = gpu.positive("hbm_bandwidth_gbps", kMinGbps, kMaxGbps);
+  p.gpu.hbm_capacity_gib = gpu.positive("hbm_capacity_gib", kMinGib, kMaxGib);
+  p.gpu.launch_overhead_us = gpu.non_negative("launch_overhead_us", kMaxLatencyUs);
   p.gpu.compute_efficiency = gpu.efficiency("compute_efficiency", 1.0);
   p.gpu.memory_efficiency = gpu.efficiency("memory_efficiency", 1.0);
   p.gpu.peak_tflops_fp16 =
@@ -393,10 +430,10 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
         {"generation", "links_per_gpu", "link_bandwidth_gbps", "efficiency", "latency_us", "switch", "nvls"});
     p.has_nvlink = true;
     p.nvlink.generation = nv.require_string("generation");
-    p.nvlink.links_per_gpu = *nv.count("links_per_gpu", true);
-    p.nvlink.link_bandwidth_gbps = nv.positive("link_bandwidth_gbps");
+    p.nvlink.links_per_gpu = *nv.count("links_per_gpu", true, 1, kMaxCount);
+    p.nvlink.link_bandwidth_gbps = nv.positive("link_bandwidth_gbps", kMinGbps, kMaxGbps);
     p.nvlink.efficiency = nv.efficiency("efficiency", 1.0);
-    p.nvlink.latency_us = nv.non_negative("latency_us");
+    p.nvlink.latency_us = nv.non_negative("latency_us", kMaxLatencyUs);
     p.nvlink.switch_name = nv.require_string("switch");
     p.nvlink.nvls = nv.boolean("nvls", false);
   }
@@ -404,26 +441,26 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader pcie(top.table("pcie"), "pcie", origin,
                    {"generation", "bandwidth_gbps", "efficiency", "latency_us", "gpus_per_switch"});
   p.pcie.generation = pcie.require_string("generation");
-  p.pcie.bandwidth_gbps = pcie.positive("bandwidth_gbps");
+  p.pcie.bandwidth_gbps = pcie.positive("bandwidth_gbps", kMinGbps, kMaxGbps);
   p.pcie.efficiency = pcie.efficiency("efficiency", 1.0);
-  p.pcie.latency_us = pcie.non_negative("latency_us");
-  p.pcie.gpus_per_switch = pcie.count("gpus_per_switch", false).value_or(1);
+  p.pcie.latency_us = pcie.non_negative("latency_us", kMaxLatencyUs);
+  p.pcie.gpus_per_switch = pcie.count("gpus_per_switch", false, 1, kMaxCount).value_or(1);
 
   TableReader nic(top.table("nic"), "nic", origin,
                   {"name", "count", "bandwidth_gbps", "efficiency", "latency_us"});
   p.nic.name = nic.require_string("name");
-  p.nic.count = *nic.count("count", true);
-  p.nic.bandwidth_gbps = nic.positive("bandwidth_gbps");
+  p.nic.count = *nic.count("count", true, 1, kMaxCount);
+  p.nic.bandwidth_gbps = nic.positive("bandwidth_gbps", kMinGbps, kMaxGbps);
   p.nic.efficiency = nic.efficiency("efficiency", 1.0);
-  p.nic.latency_us = nic.non_negative("latency_us");
+  p.nic.latency_us = nic.non_negative("latency_us", kMaxLatencyUs);
 
   TableReader fabric(top.table("fabric"), "fabric", origin,
                      {"kind", "switch", "switch_radix", "switch_latency_us", "oversubscription"});
   p.fabric.kind = fabric.choice("kind", {"infiniband", "roce"});
   p.fabric.switch_name = fabric.require_string("switch");
-  p.fabric.switch_radix = *fabric.count("switch_radix", true, 2);
-  p.fabric.switch_latency_us = fabric.non_negative("switch_latency_us");
-  p.fabric.oversubscription = fabric.at_least("oversubscription", 1.0, 1.0);
+  p.fabric.switch_radix = *fabric.count("switch_radix", true, 2, kMaxRadix);
+  p.fabric.switch_latency_us = fabric.non_negative("switch_latency_us", kMaxLatencyUs);
+  p.fabric.oversubscription = fabric.at_least("oversubscription", 1.0, kMaxOversubscription, 1.0);
 
   // Counts that must fit together: the topology gives every PCIe switch and every NIC the same number of
   // GPUs, which is what the built-in machines do and what keeps rails symmetric.

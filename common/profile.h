@@ -87,6 +87,7 @@ struct Profile {
   GpuModel gpu;
   int gpus_per_node = 1;    // a node is one NVLink domain (72 GPUs for GB200 NVL72)
   int nodes = 1;            // how many nodes the run may use (--nodes)
+  std::string nodes_at;     // "FILE:LINE" of the profile's own `nodes`, "" when it does not set it
   bool has_nvlink = false;  // false: no [nvlink] table, GPUs of a node talk over PCIe
   NvlinkSpec nvlink;
   PcieSpec pcie;

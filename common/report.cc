@@ -502,6 +502,13 @@ ordered_json array_of(const std::vector<T>& items) {
   return a;
 }
 
+template <class T>
+bool in_range(std::int64_t v) {
+  return v >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) &&
+         (std::numeric_limits<T>::max() >= std::numeric_limits<std::int64_t>::max() ||
+          v <= static_cast<std::int64_t>(std::numeric_limits<T>::max()));
+}
+
 // Reading back: a missing field keeps its default (so older writers that lacked a field still load), but a
 // field of the wrong type is an error naming where it is.
 class Reader {
@@ -516,6 +523,16 @@ class Reader {
       if constexpr (std::is_same_v<T, double>) {
         // JSON has no NaN or infinity; nlohmann writes them as null.
         out = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->template get<double>();
+      } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+        // nlohmann converts 4294967300 to an int as 4, and 2.5 as 2: only an integer in range is read.
+        if (!it->is_number_integer())
+          fail(fmt::format("field '{}' must be an integer, got {}", key, it->dump()));
+        const bool fits = it->is_number_unsigned()
+                              ? it->template get<std::uint64_t>() <=
+                                    static_cast<std::uint64_t>(std::numeric_limits<T>::max())
+                              : in_range<T>(it->template get<std::int64_t>());
+        if (!fits) fail(fmt::format("field '{}' is out of range: {}", key, it->dump()));
+        out = it->template get<T>();
       } else {
         out = it->template get<T>();
       }
@@ -608,7 +625,7 @@ RunReport report_from_json(const std::string& text) {
   check_object(root, top);
   auto version = root.find("schema_version");
   if (version == root.end()) top.fail("no schema_version; this is not a ranklab report");
-  if (!version->is_number_integer() || version->get<int>() != kSchemaVersion) {
+  if (!version->is_number_integer() || version->get<std::int64_t>() != kSchemaVersion) {
     top.fail(fmt::format("schema_version {} is not the version this build reads ({})", version->dump(),
                          kSchemaVersion));
   }
@@ -641,9 +658,9 @@ RunReport report_from_json(const std::string& text) {
     // Spans can number in the millions: read them without building a Reader unless one fails.
     auto rank = e.find("rank"), kind = e.find("kind"), name = e.find("name"), start = e.find("start_us"),
          end = e.find("end_us");
-    bool fast = rank != e.end() && rank->is_number_integer() && kind != e.end() && kind->is_string() &&
-                name != e.end() && name->is_string() && start != e.end() && start->is_number() &&
-                end != e.end() && end->is_number();
+    bool fast = rank != e.end() && rank->is_number_integer() && in_range<int>(rank->get<std::int64_t>()) &&
+                kind != e.end() && kind->is_string() && name != e.end() && name->is_string() &&
+                start != e.end() && start->is_number() && end != e.end() && end->is_number();
     if (fast && parse_kind(kind->get_ref<const std::string&>(), s.kind)) {
       s.rank = rank->get<int>();
       s.name = name->get<std::string>();

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 #include "common/errors.h"
 
 namespace ranklab {
@@ -29,6 +31,26 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
+namespace {
+// The most elements a shape may hold: its bytes at the widest dtype (8) must fit an int64.
+constexpr std::int64_t kMaxElements = std::numeric_limits<std::int64_t>::max() / 8;
+
+// numel() and bytes() multiply the dimensions: a product past int64 would wrap (to 0, say) and every size
+// computed from it would be wrong.
+void check_element_count(const std::array<std::int64_t, Shape::kMaxDims>& dims, int ndim,
+                         const Shape& shape) {
+  std::int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) {
+    if (__builtin_mul_overflow(n, dims[i], &n) || n > kMaxElements) {
+      throw UsageError(
+          fmt::format("shape {} has too many elements: more than {} (2^60) would overflow a "
+                      "byte count",
+                      shape.str(), kMaxElements));
+    }
+  }
+}
+}  // namespace
+
 // Filled in place rather than through a vector: kernels make shapes on every launch.
 Shape::Shape(std::initializer_list<std::int64_t> dims) {
   if (dims.size() > static_cast<size_t>(kMaxDims)) {
@@ -40,6 +62,7 @@ Shape::Shape(std::initializer_list<std::int64_t> dims) {
     dims_[i++] = d;
   }
   ndim_ = i;
+  check_element_count(dims_, ndim_, *this);
 }
 
 Shape::Shape(const std::vector<std::int64_t>& dims) {
@@ -53,6 +76,7 @@ Shape::Shape(const std::vector<std::int64_t>& dims) {
     dims_[i] = dims[i];
   }
   ndim_ = static_cast<int>(dims.size());
+  check_element_count(dims_, ndim_, *this);
 }
 
 std::int64_t Shape::operator[](int i) const {

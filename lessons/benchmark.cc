@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -166,11 +167,29 @@ std::function<void()> uneven_work(Rank& r) {
 void lecture(Rank& r, const Options& o) {
   const int w = r.world_size();
   const bool me = r.rank() == 0;
+  if (o.op != "all_reduce") {
+    parse_op(o.op);  // a name that is no collective says so first
+    throw UsageError(fmt::format(
+        "--op {} needs --sweep: without it the benchmark times all_reduce and reduce_scatter, as the lecture "
+        "does",
+        o.op));
+  }
   if (o.count < w) {
     throw UsageError(
         fmt::format("--count {}: the benchmark needs at least one element per rank ({})", o.count, w));
   }
+  // reduce_scatter's input is W x count float32: its bytes must fit a byte count.
+  if (o.count > std::numeric_limits<std::int64_t>::max() / 8 / kFloat / w) {
+    throw UsageError(fmt::format("--count {}: {} ranks x {} float32 is more bytes than a tensor can hold",
+                                 o.count, w, o.count));
+  }
   const std::int64_t count = o.count / w * w;  // reduce_scatter gives every rank the same share
+  if (me && count != o.count) {
+    r.print(fmt::format(
+        "--count {} is not a multiple of the {} ranks (reduce_scatter gives each the same share): "
+        "timing {} float32.",
+        o.count, w, count));
+  }
   const double size = static_cast<double>(count * kFloat);
   if (me) {
     r.print(fmt::format(

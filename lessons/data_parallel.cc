@@ -83,6 +83,11 @@ class GradBuckets {
 
 void data_parallel(Rank& r, const Options& o) {
   mlp::validate(o, "data_parallel");
+  // A bucket must hold something: 0, a negative size or NaN would make a bucket per gradient or none.
+  if (!(o.bucket_mb > 0) || o.bucket_mb > 1024 * 1024) {
+    throw UsageError(fmt::format(
+        "data_parallel: --bucket-mb must be more than 0 and at most 1048576 (got {})", o.bucket_mb));
+  }
   const int world = r.world_size(), rank = r.rank();
   // The lecture's constraints: every rank needs at least one sample, and equal slices need a batch that is
   // a multiple of the world size (otherwise the batch would be padded).

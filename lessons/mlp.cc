@@ -34,7 +34,8 @@ void validate(const Options& o, const std::string& lesson) {
   if (o.dim < 1) fail(fmt::format("--dim must be at least 1 (got {})", o.dim));
   if (o.layers < 1) fail(fmt::format("--layers must be at least 1 (got {})", o.layers));
   if (o.steps < 1) fail(fmt::format("--steps must be at least 1 (got {})", o.steps));
-  if (!(o.lr > 0)) fail(fmt::format("--lr must be positive (got {})", o.lr));
+  if (!(o.lr > 0) || !std::isfinite(o.lr))
+    fail(fmt::format("--lr must be positive and finite (got {})", o.lr));
   if (o.optimizer != "sgd" && o.optimizer != "adamw") {
     fail(fmt::format("--optimizer must be sgd or adamw (got '{}')", o.optimizer));
   }

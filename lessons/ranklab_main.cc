@@ -11,7 +11,10 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -32,6 +35,7 @@
 #include "common/report.h"
 #include "common/trace_writer.h"
 #include "lessons/gpt/presets.h"
+#include "real/launch_env.h"
 #include "sim/network_model.h"
 #include "sim/sim_backend.h"
 #include "sim/topology.h"
@@ -40,23 +44,53 @@
 #include "real/cuda_backend.h"
 #endif
 
+#ifndef RANKLAB_VERSION
+#define RANKLAB_VERSION "0.1.0"
+#endif
+
 namespace ranklab {
 namespace {
 
+// CLI11's own range checks print the whole range of a double ("not in range 0.000000 to 1797693...").
+CLI::Validator at_least(double minimum) {
+  return CLI::Validator(
+      [minimum](std::string& text) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "not a number: " + text;
+        if (!(v >= minimum)) return fmt::format("must be at least {}, got {}", minimum, text);
+        return "";
+      },
+      fmt::format(">= {}", minimum));
+}
+
+// A finite number above 0: nan, inf and 0 are refused where they would silently mean nothing.
+CLI::Validator positive_finite() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(text, v)) return "not a number: " + text;
+        if (!(v > 0) || !std::isfinite(v))
+          return fmt::format("must be a finite number above 0, got {}", text);
+        return "";
+      },
+      "> 0");
+}
+
 void add_lesson_options(CLI::App& run, Options& o) {
-  run.add_option("--world", o.world, "number of ranks")->check(CLI::PositiveNumber);
+  run.add_option("--world", o.world, "number of ranks")->check(at_least(1));
   run.add_option("--batch", o.batch, "global batch size (training lessons)");
   run.add_option("--dim", o.dim, "model width (training lessons)");
   run.add_option("--layers", o.layers, "number of layers (training lessons)");
   run.add_option("--steps", o.steps, "training steps");
-  run.add_option("--lr", o.lr, "learning rate");
+  run.add_option("--lr", o.lr, "learning rate")->check(positive_finite());
   run.add_option("--optimizer", o.optimizer, "sgd or adamw")->check(CLI::IsMember({"sgd", "adamw"}));
   run.add_option("--micro-batches", o.micro_batches, "pipeline: micro-batches per batch");
   run.add_option("--schedule", o.schedule, "pipeline: naive, gpipe or 1f1b")
       ->check(CLI::IsMember({"naive", "gpipe", "1f1b"}));
   run.add_flag("--async-p2p", o.async_p2p, "pipeline: isend/irecv instead of send/recv");
   run.add_flag("--overlap", o.overlap, "data parallel: all-reduce gradients during backward");
-  run.add_option("--bucket-mb", o.bucket_mb, "data parallel: gradient bucket size in MiB");
+  run.add_option("--bucket-mb", o.bucket_mb, "data parallel: gradient bucket size in MiB")
+      ->check(positive_finite());
   run.add_flag("--phantom", o.phantom, "time the lesson without numbers (phantom tensors)");
   run.add_option("--op", o.op, "benchmark: the collective to time");
   run.add_option("--count", o.count, "benchmark: float32 elements");
@@ -106,9 +140,11 @@ void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options&
   if (run.count("--lr") == 0) o.lr = 1e-3;
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o) {
+std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o,
+                                      int stack_kib) {
   if (name == "sim") {
     SimConfig config{profile};
+    config.stack_bytes = static_cast<std::size_t>(stack_kib) * 1024;
     config.algorithm = o.algo;
     config.protocol = o.proto;
     return std::make_unique<SimBackend>(config);
@@ -133,7 +169,23 @@ std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& pr
 void write_file(const std::filesystem::path& path, const std::string& text) {
   std::ofstream f(path);
   f << text;
-  if (!f) throw UsageError(fmt::format("cannot write {}", path.string()));
+  f.close();
+  if (!f) throw UsageError(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno)));
+}
+
+// The --report folder, made and tried before a run that may take long, so a folder that cannot be
+// written fails at once.
+void prepare_report_dir(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw UsageError(fmt::format("--report {}: cannot create the folder: {}", dir, ec.message()));
+  const std::filesystem::path probe = std::filesystem::path(dir) / ".ranklab-write-test";
+  {
+    std::ofstream f(probe);
+    if (!f)
+      throw UsageError(fmt::format("--report {}: cannot write in the folder: {}", dir, std::strerror(errno)));
+  }
+  std::filesystem::remove(probe, ec);
 }
 
 // The simulator's choice of algorithm is a pure function of the profile, the forced choices and the call,
@@ -150,35 +202,59 @@ Options with_algorithm_names(const Options& o, const std::string& backend_name, 
   return out;
 }
 
-int topo_command(const std::string& profile_name, int nodes) {
+// The nodes a run uses: --nodes when given, else the profile's own `nodes`; the two must not disagree.
+// `world` (0: any) must need the last of them, or --nodes asked for nodes the run would leave empty.
+void apply_nodes(Profile& profile, const std::optional<int>& cli_nodes, int world) {
+  if (cli_nodes) {
+    if (!profile.nodes_at.empty() && *cli_nodes != profile.nodes) {
+      throw UsageError(fmt::format("--nodes {} contradicts the profile's 'nodes = {}' ({}); drop one of them",
+                                   *cli_nodes, profile.nodes, profile.nodes_at));
+    }
+    profile.nodes = *cli_nodes;
+  }
+  const std::int64_t filled = (std::int64_t{world} + profile.gpus_per_node - 1) / profile.gpus_per_node;
+  if (world > 0 && filled < profile.nodes) {
+    throw UsageError(fmt::format(
+        "{} nodes of {} GPUs, but --world {} fills only {}: give --world {} to {} to use {} nodes{}",
+        profile.nodes, profile.gpus_per_node, world, filled,
+        std::int64_t{profile.gpus_per_node} * (profile.nodes - 1) + 1,
+        std::int64_t{profile.gpus_per_node} * profile.nodes, profile.nodes,
+        cli_nodes ? ", or drop --nodes" : fmt::format(" (the profile sets nodes at {})", profile.nodes_at)));
+  }
+}
+
+int topo_command(const std::string& profile_name, const std::optional<int>& nodes) {
   Profile profile = load_profile(profile_name);
-  profile.nodes = nodes;
+  apply_nodes(profile, nodes, 0);
   std::fputs(sim::format_topology(sim::Topology(profile)).c_str(), stdout);
   return 0;
 }
 
 int run_command(const std::string& lesson, const std::string& backend_name, const std::string& profile_name,
-                int nodes, const std::string& report_dir, const Options& options) {
+                const std::optional<int>& nodes, const std::string& report_dir, const Options& options,
+                int stack_kib) {
   Profile profile = load_profile(profile_name);
-  profile.nodes = nodes;
-  find_lesson(lesson);  // fail before launching when the name is wrong
+  apply_nodes(profile, nodes, options.world);
+  find_lesson(lesson);                                      // fail before launching when the name is wrong
+  if (!report_dir.empty()) prepare_report_dir(report_dir);  // before the run, not after it
   Options o = options;
   o.peak_tflops_16bit = profile.gpu.peak_tflops_bf16;
   o.peak_tflops_fp32 = profile.gpu.peak_tflops_fp32;
   o.gpus_per_node = profile.gpus_per_node;
-  std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o);
+  std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o, stack_kib);
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
   record_run_config(report, profile, o);
   const std::string summary = format_summary(report);
   if (!o.quiet) std::fputs(("\n" + summary).c_str(), stdout);
   if (!report_dir.empty()) {
-    std::filesystem::create_directories(report_dir);
     write_file(std::filesystem::path(report_dir) / "summary.txt", summary);
     write_file(std::filesystem::path(report_dir) / "report.json", report_to_json(report));
     write_file(std::filesystem::path(report_dir) / "trace.json", report_to_trace_json(report));
     write_file(std::filesystem::path(report_dir) / "report.html", report_to_html(report));
-    std::printf("report written to %s/\n", report_dir.c_str());
+    std::string shown = report_dir;
+    while (shown.size() > 1 && shown.back() == '/') shown.pop_back();
+    std::printf("report written to %s%s\n", shown.c_str(), shown == "/" ? "" : "/");
   }
   if (!report.all_checks_passed()) {
     std::fprintf(stderr, "ranklab: %s: a check failed (see CHECK FAILED above)\n", lesson.c_str());
@@ -356,13 +432,48 @@ void load_lessons(const std::vector<std::string>& libraries) {
   }
 }
 
+// Flags that would be silently ignored or contradict the way the run is launched.
+void check_run_flags(const CLI::App& run, const std::string& backend, const Options& o) {
+  if (o.sweep && run.count("--count") > 0) {
+    throw UsageError("--count has no effect with --sweep, which times every size from 8 B to 16 GiB");
+  }
+  const LaunchEnv launch = detect_launch_env();
+  if (backend == "sim" && launch.under_launcher() && launch.world_size > 1) {
+    throw UsageError(fmt::format(
+        "this process is {} of a job started by a launcher, but the simulator (--backend sim) simulates the "
+        "whole world in one process: every process would run it all. Run it once without the launcher, or "
+        "use --backend cuda",
+        launch.str()));
+  }
+}
+
+// Output that could not be written (a full disk, a closed pipe) fails the run instead of exiting 0.
+int finish_output(int status) {
+  errno = 0;
+  const bool flush_failed = std::fflush(stdout) != 0;
+  if (flush_failed || std::ferror(stdout)) {
+    std::fprintf(stderr, "ranklab: error: cannot write the output: %s\n",
+                 flush_failed && errno != 0 ? std::strerror(errno) : "a write to standard output failed");
+    return status == 0 ? 1 : status;
+  }
+  return status;
+}
+
 }  // namespace
+
+int main_of(int argc, char** argv);
+
 }  // namespace ranklab
 
 int main(int argc, char** argv) {
+  return ranklab::finish_output(ranklab::main_of(argc, argv));
+}
+
+int ranklab::main_of(int argc, char** argv) {
   using namespace ranklab;
   CLI::App app{"ranklab: distributed training from collectives to pipelines, simulated or on GPUs"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("ranklab ") + RANKLAB_VERSION);
 
   std::vector<std::string> lesson_libraries;
   app.add_option("--load", lesson_libraries,
@@ -377,19 +488,22 @@ int main(int argc, char** argv) {
   std::string topo_profile = "dgx-h100";
   int topo_nodes = 1;
   topo->add_option("--profile", topo_profile, "hardware profile name or .toml file (see `ranklab profiles`)");
-  topo->add_option("--nodes", topo_nodes, "nodes of the profile")->check(CLI::PositiveNumber);
+  topo->add_option("--nodes", topo_nodes, "nodes of the profile")->check(at_least(1));
 
   CLI::App* run = app.add_subcommand("run", "run a lesson");
   std::string lesson, backend = "sim", profile = "dgx-h100", report_dir;
   int nodes = 1;
+  int stack_kib = 256;
   Options options;
   run->add_option("lesson", lesson, "the lesson (see `ranklab list`)")->required();
   run->add_option("--backend", backend, "sim or cuda")->check(CLI::IsMember({"sim", "cuda"}));
   run->add_option("--profile", profile, "hardware profile name or .toml file (see `ranklab profiles`)");
-  run->add_option("--nodes", nodes, "nodes of the profile to use")->check(CLI::PositiveNumber);
+  run->add_option("--nodes", nodes, "nodes of the profile to use")->check(at_least(1));
   run->add_option("--report", report_dir,
                   "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
   add_lesson_options(*run, options);
+  run->add_option("--stack-kib", stack_kib, "simulator: each rank's stack in KiB (default 256)")
+      ->check(CLI::Range(64, 1 << 20));
 
   CLI::App* compare = app.add_subcommand(
       "compare",
@@ -451,6 +565,7 @@ int main(int argc, char** argv) {
 #endif
   try {
     load_lessons(lesson_libraries);
+    if (run->parsed()) check_run_flags(*run, backend, options);
     if (list->parsed()) {
       for (const Lesson& l : lessons()) std::printf("  %-20s %s\n", l.name.c_str(), l.summary.c_str());
       return 0;
@@ -464,13 +579,18 @@ int main(int argc, char** argv) {
       std::printf("\nsearched, in order: %s\n", fmt::format("{}", fmt::join(profile_dirs(), ", ")).c_str());
       return 0;
     }
-    if (topo->parsed()) return topo_command(topo_profile, topo_nodes);
+    if (topo->parsed()) {
+      return topo_command(topo_profile,
+                          topo->count("--nodes") ? std::optional<int>(topo_nodes) : std::nullopt);
+    }
     if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
     apply_gpt_defaults(*run, lesson, options);
-    return run_command(lesson, backend, profile, nodes, report_dir, options);
+    return run_command(lesson, backend, profile,
+                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, options,
+                       stack_kib);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
     return 1;

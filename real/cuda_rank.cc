@@ -312,9 +312,11 @@ Tensor CudaRank::randn_slice(const Shape& full, int dim, std::int64_t start, std
     throw UsageError(
         fmt::format("{}: dimension {} is out of range for shape {}", where("randn_slice"), dim, full.str()));
   }
-  if (start < 0 || length < 0 || start + length > full[dim]) {
+  if (start < 0 || length < 0 || start > full[dim] - length) {  // no overflow near INT64_MAX
+    std::int64_t end = 0;
+    if (__builtin_add_overflow(start, length, &end)) end = std::numeric_limits<std::int64_t>::max();
     throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
-                                 where("randn_slice"), start, start + length, dim, full.str(), full[dim]));
+                                 where("randn_slice"), start, end, dim, full.str(), full[dim]));
   }
   Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
   void* p = require(t, "randn_slice", "out");
@@ -534,9 +536,9 @@ Tensor CudaRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_
   if (dim < 0 || dim >= t.ndim()) {
     throw UsageError(fmt::format("{}: dimension {} is out of range for {}", where("slice"), dim, t.str()));
   }
-  if (start < 0 || length < 0 || start + length > t.size(dim)) {
-    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of {} (size {})", where("slice"),
-                                 start, start + length, dim, t.str(), t.size(dim)));
+  if (start < 0 || length < 0 || start > t.size(dim) - length) {  // no overflow near INT64_MAX
+    throw UsageError(fmt::format("{}: {} elements from {} are outside dimension {} of {} (size {})",
+                                 where("slice"), length, start, dim, t.str(), t.size(dim)));
   }
   Tensor out = allocate(t.shape().with_dim(dim, length), t.dtype(), t.phantom(), "slice");
   void* po = require(out, "slice", "out");

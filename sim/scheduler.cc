@@ -1,5 +1,7 @@
 #include "sim/scheduler.h"
 
+#include "sim/rank_faults.h"
+
 namespace ranklab::sim {
 
 namespace {
@@ -37,6 +39,7 @@ boost::fibers::context* VirtualTimeScheduler::pick_next() noexcept {
   boost::fibers::context* ctx = std::get<3>(*it);
   ready_.erase(it);
   properties(ctx).queued_ = false;
+  set_running_rank(properties(ctx).rank);
   return ctx;
 }
 

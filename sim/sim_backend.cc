@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "sim/rank_faults.h"
 #include "sim/scheduler.h"
 #include "sim/sim_rank.h"
 #include "sim/stack_pool.h"
@@ -23,6 +24,7 @@ namespace {
 struct Stacks {
   Stacks(std::size_t, std::size_t bytes) : bytes(bytes) {}
   boost::fibers::fixedsize_stack allocator() const { return boost::fibers::fixedsize_stack(bytes); }
+  const sim::StackPool* guarded() const { return nullptr; }
   std::size_t bytes;
 };
 #else
@@ -30,6 +32,7 @@ struct Stacks {
 struct Stacks {
   Stacks(std::size_t count, std::size_t bytes) : pool(count, bytes) {}
   sim::PooledStack allocator() { return sim::PooledStack(pool); }
+  const sim::StackPool* guarded() const { return &pool; }
   sim::StackPool pool;
 };
 #endif
@@ -43,6 +46,8 @@ RunReport run_fibers(const SimConfig& config, int world_size, const std::functio
   for (int r = 0; r < world_size; ++r) ranks.push_back(std::make_unique<sim::SimRank>(world, r));
 
   Stacks stacks(world_size, config.stack_bytes);  // outlives the fibers below
+  // A stack overflow, or exit() called by a rank, ends the run naming the rank.
+  sim::RankFaultGuard faults(stacks.guarded(), config.stack_bytes);
   std::vector<boost::fibers::fiber> fibers;
   fibers.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {

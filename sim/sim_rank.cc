@@ -114,6 +114,7 @@ std::string SimRank::where(const char* op) const {
 }
 
 void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
+  world_.check_thread(rank_, op);
   world_.check_aborted();
   if (!t.defined()) throw UsageError(fmt::format("{}: '{}' is an undefined tensor", where(op), arg));
   if (t.owner_rank() != rank_) {
@@ -143,6 +144,7 @@ void SimRank::require_shape(const Tensor& t, const Shape& want, const char* op, 
 }
 
 Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* op) {
+  world_.check_thread(rank_, op);
   world_.check_aborted();
   MemoryAccount& m = *s_.memory;
   const std::int64_t bytes = s.numel() * dtype_bytes(dtype);
@@ -176,6 +178,7 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
       }
     }
     pending.clear();
+    sim_storage(*t)->pending_reads_only.clear();
   }
   fold_sync_ops(op);
 }
@@ -235,9 +238,11 @@ Tensor SimRank::randn_slice(const Shape& full, int dim, std::int64_t start, std:
     throw UsageError(
         fmt::format("{}: dimension {} is out of range for shape {}", where("randn_slice"), dim, full.str()));
   }
-  if (start < 0 || length < 0 || start + length > full[dim]) {
+  if (start < 0 || length < 0 || start > full[dim] - length) {  // no overflow near INT64_MAX
+    std::int64_t end = 0;
+    if (__builtin_add_overflow(start, length, &end)) end = std::numeric_limits<std::int64_t>::max();
     throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
-                                 where("randn_slice"), start, start + length, dim, full.str(), full[dim]));
+                                 where("randn_slice"), start, end, dim, full.str(), full[dim]));
   }
   Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
   std::int64_t outer, inner;
@@ -436,9 +441,9 @@ Tensor SimRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t
   if (dim < 0 || dim >= t.ndim()) {
     throw UsageError(fmt::format("{}: dimension {} is out of range for {}", where("slice"), dim, t.str()));
   }
-  if (start < 0 || length < 0 || start + length > t.size(dim)) {
-    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of {} (size {})", where("slice"),
-                                 start, start + length, dim, t.str(), t.size(dim)));
+  if (start < 0 || length < 0 || start > t.size(dim) - length) {  // no overflow near INT64_MAX
+    throw UsageError(fmt::format("{}: {} elements from {} are outside dimension {} of {} (size {})",
+                                 where("slice"), length, start, dim, t.str(), t.size(dim)));
   }
   Tensor out = allocate(t.shape().with_dim(dim, length), t.dtype(), t.phantom(), "slice");
   before_kernel({&t}, "slice");
@@ -1066,7 +1071,7 @@ Tensor SimRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_m
 // ---- communication ---------------------------------------------------------------------------------
 
 void SimRank::validate(const CommCall& call) const {
-  world_.members(call.group);  // a group this run never made is an error of its own
+  world_.check_group(rank_, call.group, comm_op_name(call.op));  // before anything indexes by it
   check_comm_call(call, rank_, world_.size(),
                   [&](const Tensor& t, const char* arg) { require(t, comm_op_name(call.op), arg); });
   if (call.input.defined() && call.output.defined() && call.input.dtype() != call.output.dtype()) {
@@ -1075,9 +1080,40 @@ void SimRank::validate(const CommCall& call) const {
   }
 }
 
+namespace {
+// Whether `call` only reads `t`: a send, or the input of an out-of-place collective.
+bool only_reads(const CommCall& call, const Tensor& t) {
+  if (call.op == CommOp::Send) return true;
+  const bool out_of_place = call.op == CommOp::AllGather || call.op == CommOp::ReduceScatter ||
+                            call.op == CommOp::AllToAll || call.op == CommOp::Scatter ||
+                            call.op == CommOp::Gather;
+  return out_of_place && call.input.defined() && t.storage() == call.input.storage() &&
+         (!call.output.defined() || call.output.storage() != call.input.storage());
+}
+}  // namespace
+
+// Communication on a buffer that an Async::Yes operation not yet waited on still uses runs on another
+// stream on a GPU: unless both only read it, the two race.
+void SimRank::check_no_race(const CommCall& call) const {
+  for (const Tensor* t : {&call.input, &call.output}) {
+    if (!t->defined()) continue;
+    const SimStorage& st = *sim_storage(*t);
+    for (std::size_t i = 0; i < st.pending.size(); ++i) {
+      const auto& p = st.pending[i];
+      if (p->member_of(rank_).waited || (st.pending_reads_only[i] && only_reads(call, *t))) continue;
+      throw UsageError(fmt::format(
+          "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
+          "first (on a GPU the two would race on different streams)",
+          where(comm_op_name(call.op)), t->str(), p->label));
+    }
+  }
+}
+
 Work SimRank::communicate(const CommCall& call) {
+  world_.check_thread(rank_, comm_op_name(call.op));
   world_.check_aborted();
   validate(call);
+  check_no_race(call);
   if (call.op == CommOp::Barrier) {
     world_.barrier(rank_, call.group);
     return Work();
@@ -1090,7 +1126,9 @@ Work SimRank::communicate(const CommCall& call) {
     return Work();
   }
   for (const Tensor* t : {&call.input, &call.output}) {
-    if (t->defined()) sim_storage(*t)->pending.push_back(op);
+    if (!t->defined()) continue;
+    sim_storage(*t)->pending.push_back(op);
+    sim_storage(*t)->pending_reads_only.push_back(only_reads(call, *t));
   }
   return Work(std::make_shared<SimWork>(world_, rank_, op));
 }
@@ -1123,6 +1161,7 @@ std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
 // ---- time, regions, output -------------------------------------------------------------------------
 
 void SimRank::synchronize() {
+  world_.check_thread(rank_, "synchronize()");
   world_.check_aborted();
   fold_sync_ops("synchronize()");
   for (const auto& op : s_.outstanding) {
@@ -1136,7 +1175,20 @@ void SimRank::synchronize() {
 }
 
 double SimRank::now() {
+  world_.check_thread(rank_, "now()");
   world_.check_aborted();
+  // The host clock moves only with the rank's own calls, so a loop waiting on now() would never end.
+  constexpr std::int64_t kSpinLimit = 10'000'000;
+  if (s_.host_us != last_now_us_) {
+    last_now_us_ = s_.host_us;
+    same_now_calls_ = 0;
+  } else if (++same_now_calls_ >= kSpinLimit) {
+    throw UsageError(fmt::format(
+        "{}: returned the same time ({} us) {} times in a row; the simulated host clock moves only with "
+        "the rank's own calls (kernels, communication, synchronize()), so a loop that waits for time to "
+        "pass never ends",
+        where("now()"), s_.host_us, kSpinLimit));
+  }
   return s_.host_us;
 }
 

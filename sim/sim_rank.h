@@ -121,6 +121,10 @@ class SimRank : public Rank {
   SimWorld& world_;
   int rank_;
   RankState& s_;
+  // now() calls in a row that found the host clock where the last one did: a rank spinning on now().
+  void check_no_race(const CommCall& call) const;
+  double last_now_us_ = -1;
+  std::int64_t same_now_calls_ = 0;
   std::vector<std::pair<std::string, double>> regions_;
 };
 

@@ -4,12 +4,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <new>
 
 #include "common/errors.h"
+#include "sim/rank_faults.h"
 
 namespace ranklab::sim {
 
@@ -22,6 +24,7 @@ constexpr unsigned char kCanary = 0xA5;
 StackPool::StackPool(std::size_t stacks, std::size_t stack_bytes)
     : guarded_(stacks <= kGuardedStacks), slots_(stacks) {
   const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  page_ = page;
   const std::size_t rounded = (stack_bytes + page - 1) / page * page;
   slot_bytes_ = rounded + (guarded_ ? page : 0);
   mapped_bytes_ = slot_bytes_ * stacks;
@@ -60,17 +63,24 @@ boost::context::stack_context StackPool::take() {
   return sc;
 }
 
+int StackPool::guard_page_owner(const void* address) const noexcept {
+  if (!guarded_ || base_ == nullptr) return -1;
+  const auto a = reinterpret_cast<std::uintptr_t>(address), b = reinterpret_cast<std::uintptr_t>(base_);
+  if (a < b || a >= b + next_ * slot_bytes_) return -1;
+  if ((a - b) % slot_bytes_ >= page_) return -1;  // inside a stack, not its guard
+  return static_cast<int>((a - b) / slot_bytes_);
+}
+
 void StackPool::give_back(const boost::context::stack_context& sc) const noexcept {
   if (guarded_) return;
   const auto* bottom = static_cast<const unsigned char*>(sc.sp) - sc.size;
   for (std::size_t i = 0; i < kCanaryBytes; ++i) {
     if (bottom[i] == kCanary) continue;
-    std::fflush(stdout);
-    std::fprintf(stderr,
-                 "ranklab: a simulated rank overflowed its %zu KiB fiber stack; the run cannot go on (with "
-                 "at most %zu ranks, stacks have guard pages and the overflow faults where it happens)\n",
-                 sc.size / 1024, kGuardedStacks);
-    std::abort();
+    const int rank = static_cast<int>((reinterpret_cast<const char*>(bottom) - base_) / slot_bytes_);
+    die(stack_overflow_message(rank, sc.size) +
+        fmt::format(" (above {} ranks stacks have no guard pages, so the overflow was found when the rank "
+                    "ended and may have corrupted its neighbour)",
+                    kGuardedStacks));
   }
 }
 

@@ -32,6 +32,9 @@ class StackPool {
   // Checks the canary of a stack handed out by take() (nothing to check with guard pages).
   void give_back(const boost::context::stack_context& sc) const noexcept;
   bool guarded() const { return guarded_; }
+  // The index of the stack (in the order take() handed them out: the rank) whose guard page holds
+  // `address`, or -1. Safe in a signal handler.
+  int guard_page_owner(const void* address) const noexcept;
 
  private:
   char* base_ = nullptr;
@@ -40,6 +43,7 @@ class StackPool {
   std::size_t slots_ = 0;
   std::size_t next_ = 0;
   std::size_t mapped_bytes_ = 0;
+  std::size_t page_ = 0;
 };
 
 // The allocator Boost.Fiber is handed: a copyable handle on a pool that outlives the fibers.

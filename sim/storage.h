@@ -34,6 +34,9 @@ class SimStorage : public Storage {
   // Communication posted on this buffer that has not been executed, or (when async) not yet waited on.
   // Compute on the buffer must wait for the first kind and is an error for the second.
   std::vector<std::shared_ptr<CommOpState>> pending;
+  // Per entry of `pending`: the operation only reads this buffer (a send, an out-of-place input), so
+  // another operation that only reads it may run beside it.
+  std::vector<bool> pending_reads_only;
 
  private:
   std::shared_ptr<MemoryAccount> account_;

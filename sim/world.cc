@@ -1,18 +1,33 @@
 #include "sim/world.h"
 
+#include <cxxabi.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <boost/fiber/operations.hpp>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <set>
+#include <thread>
+#include <typeinfo>
 
 #include "common/errors.h"
+#include "sim/rank_faults.h"
 #include "sim/reduce.h"
 #include "sim/scheduler.h"
 
 namespace ranklab::sim {
+
+namespace {
+std::string demangle(const char* name) {
+  int status = 0;
+  char* readable = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = status == 0 && readable ? readable : name;
+  std::free(readable);
+  return out;
+}
+}  // namespace
 
 CommMember& CommOpState::member_of(int global_rank) {
   // World collectives list every rank in order, so the member of rank r is member r.
@@ -42,6 +57,7 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   groups_.emplace_back(world_size);  // group 0 is the world
   for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
   live_ = world_size;
+  thread_ = std::this_thread::get_id();
   report_.backend = "sim";
   report_.profile = config.profile.name;
   report_.world = world_size;
@@ -54,8 +70,17 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
     program();
   } catch (const RunAborted&) {
     // another rank failed first; this one just unwinds
-  } catch (...) {
+  } catch (const Error&) {
     fail(std::current_exception());
+  } catch (const std::exception& e) {
+    // Not one of ranklab's own: the message alone would not say where it came from.
+    fail(std::make_exception_ptr(
+        ProgramError(fmt::format("rank {} threw {}: {}", rank, demangle(typeid(e).name()), e.what()))));
+  } catch (...) {
+    const std::type_info* type = abi::__cxa_current_exception_type();
+    fail(std::make_exception_ptr(
+        ProgramError(fmt::format("rank {} threw a value of type {}, which is not a std::exception", rank,
+                                 type ? demangle(type->name()) : std::string("unknown")))));
   }
   RankState& s = state(rank);
   s.finished = true;
@@ -68,8 +93,22 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
 
 void SimWorld::fail(std::exception_ptr error) {
   if (!error_) error_ = error;
+  // Once aborted, no rank blocks again (block_until checks first), so the ranks were all woken by the
+  // first failure: waking them again for every rank that fails would cost the world squared.
+  if (aborted_) return;
   aborted_ = true;
   wake_all();
+}
+
+void SimWorld::check_thread(int rank, const char* op) const {
+  if (std::this_thread::get_id() == thread_) return;
+  // Another thread cannot block or yield a fiber, and would race with the rank's own state: the run
+  // cannot go on, and an exception here would only end the thread the program started.
+  die(fmt::format(
+      "rank {}: {} was called from a thread the rank's program started; a rank's calls must come from the "
+      "thread that runs its program (the simulator runs each rank as a fiber, and a GPU stream is not "
+      "shared between threads either)",
+      rank, op));
 }
 
 void SimWorld::check_aborted() const {
@@ -162,7 +201,21 @@ const std::vector<int>& SimWorld::members(const Group& group) const {
   if (id < 0 || id >= static_cast<int>(groups_.size())) {
     throw UsageError(fmt::format("{} was not made by new_group in this run", group.str()));
   }
+  // A Group built by hand (not returned by new_group) can carry an id this run made for other ranks.
+  if (!group.is_world() && group.size(size()) != static_cast<int>(groups_[id].size())) {
+    throw UsageError(fmt::format("{} was not made by new_group in this run", group.str()));
+  }
   return groups_[id];
+}
+
+void SimWorld::check_group(int rank, const Group& group, const char* op) const {
+  const int id = group.id();
+  const bool known = id >= 0 && id < static_cast<int>(groups_.size());
+  if (known && (group.is_world() || group.ranks(size()) == groups_[id])) return;
+  throw UsageError(fmt::format(
+      "rank {}: {}: {} was not made by new_group in this run{}; use the Group new_group returns", rank, op,
+      group.str(),
+      known ? fmt::format(" (group {} of this run is {{{}}})", id, fmt::join(groups_[id], ", ")) : ""));
 }
 
 Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
@@ -487,7 +540,15 @@ void SimWorld::show(int rank, const std::string& label, const std::string& value
   RankState& s = state(rank);
   const std::uint64_t seq = s.shows++;
   HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), size());
-  if (h.arrived == 0) h.label = label;
+  if (h.arrived == 0) {
+    h.label = label;
+    h.first_rank = rank;
+  } else if (label != h.label) {
+    // Printing every rank's values under the first rank's label would present them as the same thing.
+    throw MismatchError(
+        fmt::format("ranks disagree on show() call #{}: rank {} shows \"{}\", rank {} shows \"{}\"", seq,
+                    h.first_rank, h.label, rank, label));
+  }
   h.payload[rank] = values;
   ++h.arrived;
   if (h.arrived == h.expected) {

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/profile.h"
@@ -100,6 +101,8 @@ class SimWorld {
   Group new_group(int rank, const std::vector<int>& ranks);
   // The members of `group` (global ranks); UsageError if the group is unknown.
   const std::vector<int>& members(const Group& group) const;
+  // UsageError naming `rank` and `op` unless `group` is the world or exactly a group new_group made.
+  void check_group(int rank, const Group& group, const char* op) const;
 
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
@@ -109,6 +112,8 @@ class SimWorld {
   // the transfer engine up to this rank's clock.
   void before_issue(int rank);
   void check_aborted() const;
+  // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
+  void check_thread(int rank, const char* op) const;
   // Why `op` has not executed yet: the members that have not called it, or what they still wait for.
   std::string why_pending(const CommOpState& op) const;
 
@@ -144,6 +149,7 @@ class SimWorld {
     double latest_host_us = 0;
     std::vector<std::string> payload;  // show(): each member's formatted values
     std::string label;
+    int first_rank = -1;  // show(): the rank whose label the others must match
   };
   HostRendezvous& host_rendezvous(const std::string& key, int expected);
 
@@ -166,6 +172,7 @@ class SimWorld {
   int blocked_ = 0;
   bool aborted_ = false;
   std::exception_ptr error_;
+  std::thread::id thread_;
 };
 
 }  // namespace ranklab::sim

@@ -372,6 +372,18 @@ TEST_F(ProfileTest, ValuesOutOfRange) {
       {13, "launch_overhead_us = -0.5", "'gpu.launch_overhead_us' must not be negative"},
       {8, "peak_tflops_fp32 = nan", "'gpu.peak_tflops_fp32' must be finite"},
       {34, R"(name = "")", "'nic.name' must not be empty"},
+      // Legal TOML, absurd values: each would hang the clock, make a transfer last forever or overflow a
+      // byte count.
+      {13, "launch_overhead_us = 1e308", "'gpu.launch_overhead_us' must be at most 1000000, got 1e+308"},
+      {4, "barrier_latency_us = 1e308", "'barrier_latency_us' must be at most 1000000"},
+      {11, "hbm_bandwidth_gbps = 4.9e-324", "'gpu.hbm_bandwidth_gbps' must be at least 0.001"},
+      {12, "hbm_capacity_gib = 1e300", "'gpu.hbm_capacity_gib' must be at most 1000000"},
+      {22, "latency_us = 1e300", "'nvlink.latency_us' must be at most 1000000"},
+      {36, "bandwidth_gbps = 1e300", "'nic.bandwidth_gbps' must be at most 1000000"},
+      {45, "oversubscription = 1e300", "'fabric.oversubscription' must be at most 1000"},
+      {3, "gpus_per_node = 9223372036854775807", "'gpus_per_node' must be at most 4096"},
+      {43, "switch_radix = 100000000", "'fabric.switch_radix' must be at most 65536"},
+      {5, "nodes = 1000000", "'nodes' must be at most 65536"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.text);
@@ -381,6 +393,13 @@ TEST_F(ProfileTest, ValuesOutOfRange) {
   }
   // Efficiency exactly 1 is allowed: the hardware's peak.
   EXPECT_NO_THROW(parse_profile(join(with_line(14, "compute_efficiency = 1")), "inline"));
+}
+
+TEST_F(ProfileTest, NodesRecordsWhereItWasSet) {
+  EXPECT_EQ(parse_profile(join(kGood), "inline").nodes_at, "");
+  const Profile p = parse_profile(join(with_line(5, "nodes = 2")), "inline");
+  EXPECT_EQ(p.nodes, 2);
+  EXPECT_EQ(p.nodes_at, "inline:5");
 }
 
 TEST_F(ProfileTest, InconsistentGpuCounts) {

@@ -338,6 +338,16 @@ TEST(ReportJson, RejectsWhatItCannotRead) {
   msg = message_of(R"({"schema_version": 1, "spans": [{"rank": "zero", "kind": "comm"}]})");
   EXPECT_TRUE(contains(msg, "spans[0]") && contains(msg, "'rank'")) << msg;
   EXPECT_TRUE(contains(message_of(R"({"schema_version": 1, "ranks": {}})"), "'ranks' must be an array"));
+  // Integers are not truncated: 4294967300 is not 4, 2.5 is not 2, and a schema version of 2^32 + 1 is not 1.
+  msg = message_of(R"({"schema_version": 1, "world": 4294967300})");
+  EXPECT_TRUE(contains(msg, "field 'world' is out of range: 4294967300")) << msg;
+  msg = message_of(R"({"schema_version": 1, "world": 2.5})");
+  EXPECT_TRUE(contains(msg, "field 'world' must be an integer, got 2.5")) << msg;
+  msg = message_of(R"({"schema_version": 1, "world": 18446744073709551615})");
+  EXPECT_TRUE(contains(msg, "field 'world' is out of range")) << msg;
+  EXPECT_TRUE(contains(message_of(R"({"schema_version": 4294967297})"), "schema_version"));
+  msg = message_of(R"({"schema_version": 1, "spans": [{"rank": 4294967296, "kind": "comm"}]})");
+  EXPECT_TRUE(contains(msg, "spans[0]") && contains(msg, "'rank' is out of range")) << msg;
 
   // A minimal report: every missing field keeps its default.
   RunReport r = report_from_json(R"({"schema_version": 1, "world": 4})");

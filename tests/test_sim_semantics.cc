@@ -267,7 +267,7 @@ TEST(Faults, AnExceptionInOneRankEndsTheRunWithItsMessage) {
     r.all_reduce(t, ReduceOp::Sum);  // the others wait here for rank 2 and must be unwound
     r.to_host(t);
   });
-  EXPECT_EQ(msg, "rank 2 gave up");
+  EXPECT_EQ(msg, "rank 2 threw std::runtime_error: rank 2 gave up");
 }
 
 TEST(Faults, OutOfMemoryNamesRankRequestAndCapacity) {

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The command line's answers to wrong or doubtful input: each must end with the right exit status and a
+# message that says what was wrong. Usage: test_cli.sh RANKLAB_BINARY
+set -u
+ranklab="$1"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+
+# expect STATUS SUBSTRING ARGS...: runs ranklab ARGS, wants exit status STATUS and SUBSTRING in its output.
+expect() {
+  local status="$1" want="$2"
+  shift 2
+  local out rc
+  out="$(timeout 120 "$ranklab" "$@" 2>&1)"
+  rc=$?
+  if [[ $rc -ne $status || "$out" != *"$want"* ]]; then
+    echo "FAILED: ranklab $* -> exit $rc (wanted $status), output wanted to contain: $want"
+    echo "$out" | tail -5 | sed 's/^/    /'
+    failures=$((failures + 1))
+  fi
+}
+
+profile_dir="$(dirname "$0")/../profiles"
+sed 's/^gpus_per_node = 8/gpus_per_node = 8\nnodes = 2/' "$profile_dir/dgx-h100.toml" >"$tmp/two.toml"
+line="$(grep -n '^nodes = 2' "$tmp/two.toml" | cut -d: -f1)"
+
+# Nodes: the profile's and the command line's must agree, and the world must use them.
+expect 1 "--nodes 1 contradicts the profile's 'nodes = 2' ($tmp/two.toml:$line)" run collectives --profile "$tmp/two.toml" --nodes 1
+expect 1 "--world 4 fills only 1: give --world 9 to 16" run collectives --profile "$tmp/two.toml"
+expect 1 "--world 4 fills only 1: give --world 9 to 16 to use 2 nodes, or drop --nodes" run collectives --nodes 2
+expect 0 "all_reduce" run benchmark --profile "$tmp/two.toml" --world 16 --count 1024 --quiet
+
+# Options that were accepted although they mean nothing, or silently changed.
+expect 105 "--world: must be at least 1, got 0" run collectives --world 0
+for bad in 0 -1 nan inf; do
+  expect 105 "--bucket-mb: must be a finite number above 0, got $bad" run data_parallel --bucket-mb "$bad"
+done
+expect 105 "--lr: must be a finite number above 0, got inf" run data_parallel --lr inf
+expect 1 "--count 4611686018427387904: 4 ranks x 4611686018427387904 float32 is more bytes" run benchmark --count 4611686018427387904
+expect 1 "--op foo: the benchmark times all_reduce" run benchmark --op foo
+expect 1 "--op broadcast needs --sweep" run benchmark --op broadcast
+expect 0 "--count 10 is not a multiple of the 4 ranks (reduce_scatter gives each the same share): timing 8 float32" run benchmark --count 10
+expect 1 "--count has no effect with --sweep" run benchmark --sweep --count 10
+expect 0 "ranklab " --version
+
+# Where the output goes.
+expect 1 "--report /proc/x: cannot create the folder" run collectives --report /proc/x
+expect 0 "report written to $tmp/out/" run collectives --quiet --report "$tmp/out//"
+if [[ -w /dev/full ]]; then
+  out="$("$ranklab" run collectives --quiet 2>&1 >/dev/full)"
+  rc=$?
+  if [[ $rc -ne 1 || "$out" != *"cannot write the output"* ]]; then
+    echo "FAILED: output to a full device exits $rc: $out"
+    failures=$((failures + 1))
+  fi
+fi
+
+# One simulated world per job, not one per process of a launcher.
+OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 expect 1 "the simulator (--backend sim) simulates the whole world in one process" run collectives
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures command-line check(s) failed"
+  exit 1
+fi
+echo "all command-line checks passed"
