@@ -21,9 +21,17 @@ std::uint32_t SharingNetwork::add_link(double capacity_gbps) {
 }
 
 void SharingNetwork::mark_dirty(std::uint32_t link) {
+  batch_open_ = true;
+  links_[link].dirty_batch = batch_;
   if (links_[link].dirty) return;
   links_[link].dirty = true;
   dirty_.push_back(link);
+}
+
+void SharingNetwork::end_batch() {
+  if (!batch_open_) return;
+  batch_open_ = false;
+  ++batch_;
 }
 
 SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> path) {
@@ -86,19 +94,26 @@ void SharingNetwork::remove_flow(FlowId id) {
 const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   changed_.clear();
   component_links_.clear();
+  components_.clear();
   ++visit_;
-  // Every link and flow connected to a changed link, through flows that cross links.
+  // Every link and flow connected to a changed link, through flows that cross links, component by
+  // component; each component remembers the last batch that changed one of its links.
   std::vector<std::uint32_t>& stack = stack_;
   stack.clear();
   for (std::uint32_t l : dirty_) {
-    links_[l].dirty = false;
     if (links_[l].visit == visit_) continue;
     links_[l].visit = visit_;
     stack.push_back(l);
+    Component c{0, static_cast<std::uint32_t>(component_links_.size()), 0,
+                static_cast<std::uint32_t>(changed_.size()), 0};
     while (!stack.empty()) {
       const std::uint32_t at = stack.back();
       stack.pop_back();
       component_links_.push_back(at);
+      if (links_[at].dirty) {
+        links_[at].dirty = false;
+        c.batch = std::max(c.batch, links_[at].dirty_batch);
+      }
       for (FlowId f : links_[at].flows) {
         FlowRec& flow = flows_[f];
         if (flow.visit == visit_) continue;
@@ -111,9 +126,36 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
         }
       }
     }
+    c.end_link = static_cast<std::uint32_t>(component_links_.size());
+    c.end_flow = static_cast<std::uint32_t>(changed_.size());
+    components_.push_back(c);
   }
   dirty_.clear();
-  fill();
+  end_batch();
+  const bool one_batch =
+      std::all_of(components_.begin(), components_.end(),
+                  [&](const Component& c) { return c.batch == components_.front().batch; });
+  if (one_batch) {
+    fill(component_links_, changed_);
+  } else {
+    // The components each batch was the last to touch are filled together, batch by batch.
+    std::stable_sort(components_.begin(), components_.end(),
+                     [](const Component& a, const Component& b) { return a.batch < b.batch; });
+    for (std::size_t i = 0; i < components_.size();) {
+      group_links_.clear();
+      group_flows_.clear();
+      std::size_t j = i;
+      for (; j < components_.size() && components_[j].batch == components_[i].batch; ++j) {
+        const Component& c = components_[j];
+        group_links_.insert(group_links_.end(), component_links_.begin() + c.first_link,
+                            component_links_.begin() + c.end_link);
+        group_flows_.insert(group_flows_.end(), changed_.begin() + c.first_flow,
+                            changed_.begin() + c.end_flow);
+      }
+      fill(group_links_, group_flows_);
+      i = j;
+    }
+  }
   for (FlowId f : unlinked_new_) {
     flows_[f].rate_gbps = std::numeric_limits<double>::infinity();
     changed_.push_back(f);
@@ -122,21 +164,21 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   return changed_;
 }
 
-void SharingNetwork::fill() {
+void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows) {
   // A min-heap of the links' fair shares (remaining / unfixed); an entry whose version is not its link's
   // current one is stale and skipped.
   using Entry = ShareEntry;
   std::vector<Entry>& heap = heap_;
   heap.clear();
-  heap.reserve(component_links_.size());
-  for (std::uint32_t l : component_links_) {
+  heap.reserve(links.size());
+  for (std::uint32_t l : links) {
     Link& link = links_[l];
     link.remaining_gbps = link.capacity_gbps;
     link.unfixed = static_cast<std::uint32_t>(link.flows.size());
     ++link.version;
     if (link.unfixed > 0) heap.push_back({link.remaining_gbps / link.unfixed, l, link.version});
   }
-  for (FlowId f : changed_) flows_[f].fixed = false;
+  for (FlowId f : flows) flows_[f].fixed = false;
   std::make_heap(heap.begin(), heap.end(), std::greater<>());
 
   auto pop = [&] {

@@ -127,6 +127,13 @@ void TransferEngine::end_flow(std::uint32_t id) {
 }
 
 void TransferEngine::reshare() {
+  net_.end_batch();
+  unshared_ = true;
+}
+
+void TransferEngine::flush() {
+  if (!unshared_) return;
+  unshared_ = false;
   for (SharingNetwork::FlowId id : net_.solve()) {
     Running& r = running_[id];
     r.left_bytes = left_now(r);
@@ -204,12 +211,13 @@ void TransferEngine::retire_done_flows() {
   }
 }
 
-double TransferEngine::next_flow_end_us() const {
+double TransferEngine::next_flow_end_us() {
+  flush();
   drop_stale(ends_);
   return ends_.empty() ? kInf : ends_.front().at_us;
 }
 
-double TransferEngine::next_event_us() const {
+double TransferEngine::next_event_us() {
   if (!ended_.empty()) return now_us_;
   double t = next_flow_end_us();
   if (!starts_.empty()) t = std::min(t, starts_.begin()->first);
@@ -232,7 +240,9 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.swap(ended_);
   while (true) {
-    double event = next_flow_end_us();
+    // Moving to the present needs no sharing: flows end after it. (A flow whose time left is below the
+    // clock's resolution after the sharing is then retired at the same time by the next move.)
+    double event = unshared_ && t_us <= now_us_ ? kInf : next_flow_end_us();
     if (!starts_.empty()) event = std::min(event, starts_.begin()->first);
     if (!tails_.empty()) event = std::min(event, tails_.begin()->first);
     if (event > t_us) break;
