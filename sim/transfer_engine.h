@@ -87,13 +87,21 @@ class TransferEngine {
   // A flow's bytes left at the present.
   double left_now(const Running& r) const;
   void push(std::vector<Due>& heap, Due d) const;
+  // Adds `fresh` to `heap`: one by one when they are few, else by dropping the stale entries and building
+  // the heap again (linear instead of n log n when a sharing touched most of the flows).
+  void push_all(std::vector<Due>& heap, const std::vector<Due>& fresh) const;
+  bool stale(const Due& d) const {
+    const Running& r = running_[d.flow];
+    return r.transfer == nullptr || r.version != d.version;
+  }
   void drop_stale(std::vector<Due>& heap) const;
   void end_transfer(Transfer* t);
 
   const Topology& topo_;
   double now_us_ = 0;
   SharingNetwork net_;
-  std::unordered_map<LinkId, std::uint32_t> link_ids_;  // topology link -> sharing network link
+  // Topology link -> sharing network link + 1 (0: not added yet), sized to the topology's links on first use.
+  std::vector<std::uint32_t> link_ids_;
   std::vector<std::uint32_t> path_;                     // scratch
   std::vector<Running> running_;
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
@@ -104,6 +112,7 @@ class TransferEngine {
   std::vector<std::uint32_t> done_;
   std::vector<Due> again_;
   std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
+  std::vector<Due> fresh_ends_, fresh_retires_;  // scratch of flush
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
