@@ -47,14 +47,14 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     flows_.emplace_back();
   }
   FlowRec& f = flows_[id];
-  f.path.assign(path.begin(), path.end());
-  f.slot.resize(path.size());
+  f.set_path(path);
+  const std::span<std::uint32_t> slots = f.slot();
   f.live = true;
   f.rate_gbps = 0;
   ++live_flows_;
   for (size_t i = 0; i < path.size(); ++i) {
     Link& link = links_[path[i]];
-    f.slot[i] = static_cast<std::uint32_t>(link.flows.size());
+    slots[i] = static_cast<std::uint32_t>(link.flows.size());
     link.flows.push_back(id);
     mark_dirty(path[i]);
   }
@@ -65,28 +65,30 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
 void SharingNetwork::remove_flow(FlowId id) {
   FlowRec& f = flows_[id];
   if (!f.live) throw UsageError(fmt::format("flow {} is not in the network", id));
-  for (size_t i = 0; i < f.path.size(); ++i) {
-    Link& link = links_[f.path[i]];
-    const std::uint32_t slot = f.slot[i];
+  const std::span<const std::uint32_t> path = f.path();
+  const std::span<std::uint32_t> slots = f.slot();
+  for (size_t i = 0; i < path.size(); ++i) {
+    Link& link = links_[path[i]];
+    const std::uint32_t slot = slots[i];
     const FlowId moved = link.flows.back();
     link.flows[slot] = moved;
     link.flows.pop_back();
     if (moved != id) {
       // The moved flow's record of where it sits on this link.
       FlowRec& m = flows_[moved];
-      for (size_t j = 0; j < m.path.size(); ++j) {
-        if (m.path[j] == f.path[i]) {
-          m.slot[j] = slot;
+      const std::span<const std::uint32_t> mpath = m.path();
+      for (size_t j = 0; j < mpath.size(); ++j) {
+        if (mpath[j] == path[i]) {
+          m.slot()[j] = slot;
           break;
         }
       }
     }
-    mark_dirty(f.path[i]);
+    mark_dirty(path[i]);
   }
   std::erase(unlinked_new_, id);
   f.live = false;
-  f.path.clear();
-  f.slot.clear();
+  f.length = 0;
   --live_flows_;
   free_flows_.push_back(id);
 }
@@ -119,7 +121,7 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
         if (flow.visit == visit_) continue;
         flow.visit = visit_;
         changed_.push_back(f);
-        for (std::uint32_t m : flow.path) {
+        for (std::uint32_t m : flow.path()) {
           if (links_[m].visit == visit_) continue;
           links_[m].visit = visit_;
           stack.push_back(m);
@@ -210,7 +212,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
         if (flow.fixed) continue;
         flow.fixed = true;
         flow.rate_gbps = level;
-        for (std::uint32_t m : flow.path) {
+        for (std::uint32_t m : flow.path()) {
           Link& link = links_[m];
           link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
           --link.unfixed;

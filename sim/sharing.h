@@ -16,6 +16,7 @@
 // the full solver then fixes both at one level, the incremental one each at its own.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -64,13 +65,33 @@ class SharingNetwork {
     std::uint32_t dirty_batch = 0;  // the last batch that changed its flows, while dirty
     bool dirty = false;
   };
+  // A flow's path and, per path link, where the flow sits in that link's `flows`. Paths are short (a few
+  // links), so they are kept in the record itself: the solver then touches one record per flow, not three
+  // allocations; longer ones spill to the heap.
   struct FlowRec {
-    std::vector<std::uint32_t> path;
-    std::vector<std::uint32_t> slot;  // where it sits in each path link's `flows`
+    static constexpr std::uint32_t kInline = 8;
     double rate_gbps = 0;
     std::uint32_t visit = 0;
+    std::uint32_t length = 0;
     bool live = false;
     bool fixed = false;
+    std::uint32_t inline_path[kInline], inline_slot[kInline];
+    std::vector<std::uint32_t> spill;  // path, then slots, when longer than kInline
+
+    std::span<std::uint32_t> path() {
+      return {length <= kInline ? inline_path : spill.data(), length};
+    }
+    std::span<const std::uint32_t> path() const {
+      return {length <= kInline ? inline_path : spill.data(), length};
+    }
+    std::span<std::uint32_t> slot() {
+      return {length <= kInline ? inline_slot : spill.data() + length, length};
+    }
+    void set_path(std::span<const std::uint32_t> p) {
+      length = static_cast<std::uint32_t>(p.size());
+      if (length > kInline) spill.resize(2 * static_cast<std::size_t>(length));
+      std::copy(p.begin(), p.end(), path().begin());
+    }
   };
 
   void mark_dirty(std::uint32_t link);
