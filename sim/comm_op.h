@@ -42,7 +42,14 @@ struct CommOpState {
   double end_us = 0;
   // Operations whose members depend on this one, once per dependency; each is told once when this one
   // finishes, so running everything costs the number of dependencies, not members x dependencies.
-  std::vector<std::weak_ptr<CommOpState>> dependents;
+  // Edges from one operation come one after another as its members post, so they are kept as one entry
+  // with a count.
+  struct Dependent {
+    std::weak_ptr<CommOpState> op;
+    const CommOpState* raw = nullptr;  // to recognise the same operation without locking `op`
+    int edges = 0;
+  };
+  std::vector<Dependent> dependents;
   int unfinished_deps = 0;  // the members' dependencies (counted per member) that have not finished
 
   CommMember& member_of(int global_rank);

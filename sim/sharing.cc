@@ -21,9 +21,17 @@ std::uint32_t SharingNetwork::add_link(double capacity_gbps) {
 }
 
 void SharingNetwork::mark_dirty(std::uint32_t link) {
+  batch_open_ = true;
+  links_[link].dirty_batch = batch_;
   if (links_[link].dirty) return;
   links_[link].dirty = true;
   dirty_.push_back(link);
+}
+
+void SharingNetwork::end_batch() {
+  if (!batch_open_) return;
+  batch_open_ = false;
+  ++batch_;
 }
 
 SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> path) {
@@ -39,14 +47,14 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     flows_.emplace_back();
   }
   FlowRec& f = flows_[id];
-  f.path.assign(path.begin(), path.end());
-  f.slot.resize(path.size());
+  f.set_path(path);
+  const std::span<std::uint32_t> slots = f.slot();
   f.live = true;
   f.rate_gbps = 0;
   ++live_flows_;
   for (size_t i = 0; i < path.size(); ++i) {
     Link& link = links_[path[i]];
-    f.slot[i] = static_cast<std::uint32_t>(link.flows.size());
+    slots[i] = static_cast<std::uint32_t>(link.flows.size());
     link.flows.push_back(id);
     mark_dirty(path[i]);
   }
@@ -57,28 +65,30 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
 void SharingNetwork::remove_flow(FlowId id) {
   FlowRec& f = flows_[id];
   if (!f.live) throw UsageError(fmt::format("flow {} is not in the network", id));
-  for (size_t i = 0; i < f.path.size(); ++i) {
-    Link& link = links_[f.path[i]];
-    const std::uint32_t slot = f.slot[i];
+  const std::span<const std::uint32_t> path = f.path();
+  const std::span<std::uint32_t> slots = f.slot();
+  for (size_t i = 0; i < path.size(); ++i) {
+    Link& link = links_[path[i]];
+    const std::uint32_t slot = slots[i];
     const FlowId moved = link.flows.back();
     link.flows[slot] = moved;
     link.flows.pop_back();
     if (moved != id) {
       // The moved flow's record of where it sits on this link.
       FlowRec& m = flows_[moved];
-      for (size_t j = 0; j < m.path.size(); ++j) {
-        if (m.path[j] == f.path[i]) {
-          m.slot[j] = slot;
+      const std::span<const std::uint32_t> mpath = m.path();
+      for (size_t j = 0; j < mpath.size(); ++j) {
+        if (mpath[j] == path[i]) {
+          m.slot()[j] = slot;
           break;
         }
       }
     }
-    mark_dirty(f.path[i]);
+    mark_dirty(path[i]);
   }
   std::erase(unlinked_new_, id);
   f.live = false;
-  f.path.clear();
-  f.slot.clear();
+  f.length = 0;
   --live_flows_;
   free_flows_.push_back(id);
 }
@@ -86,34 +96,68 @@ void SharingNetwork::remove_flow(FlowId id) {
 const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   changed_.clear();
   component_links_.clear();
+  components_.clear();
   ++visit_;
-  // Every link and flow connected to a changed link, through flows that cross links.
+  // Every link and flow connected to a changed link, through flows that cross links, component by
+  // component; each component remembers the last batch that changed one of its links.
   std::vector<std::uint32_t>& stack = stack_;
   stack.clear();
   for (std::uint32_t l : dirty_) {
-    links_[l].dirty = false;
     if (links_[l].visit == visit_) continue;
     links_[l].visit = visit_;
     stack.push_back(l);
+    Component c{0, static_cast<std::uint32_t>(component_links_.size()), 0,
+                static_cast<std::uint32_t>(changed_.size()), 0};
     while (!stack.empty()) {
       const std::uint32_t at = stack.back();
       stack.pop_back();
       component_links_.push_back(at);
+      if (links_[at].dirty) {
+        links_[at].dirty = false;
+        c.batch = std::max(c.batch, links_[at].dirty_batch);
+      }
       for (FlowId f : links_[at].flows) {
         FlowRec& flow = flows_[f];
         if (flow.visit == visit_) continue;
         flow.visit = visit_;
         changed_.push_back(f);
-        for (std::uint32_t m : flow.path) {
+        for (std::uint32_t m : flow.path()) {
           if (links_[m].visit == visit_) continue;
           links_[m].visit = visit_;
           stack.push_back(m);
         }
       }
     }
+    c.end_link = static_cast<std::uint32_t>(component_links_.size());
+    c.end_flow = static_cast<std::uint32_t>(changed_.size());
+    components_.push_back(c);
   }
   dirty_.clear();
-  fill();
+  end_batch();
+  const bool one_batch =
+      std::all_of(components_.begin(), components_.end(),
+                  [&](const Component& c) { return c.batch == components_.front().batch; });
+  if (one_batch) {
+    fill(component_links_, changed_);
+  } else {
+    // The components each batch was the last to touch are filled together, batch by batch.
+    std::stable_sort(components_.begin(), components_.end(),
+                     [](const Component& a, const Component& b) { return a.batch < b.batch; });
+    for (std::size_t i = 0; i < components_.size();) {
+      group_links_.clear();
+      group_flows_.clear();
+      std::size_t j = i;
+      for (; j < components_.size() && components_[j].batch == components_[i].batch; ++j) {
+        const Component& c = components_[j];
+        group_links_.insert(group_links_.end(), component_links_.begin() + c.first_link,
+                            component_links_.begin() + c.end_link);
+        group_flows_.insert(group_flows_.end(), changed_.begin() + c.first_flow,
+                            changed_.begin() + c.end_flow);
+      }
+      fill(group_links_, group_flows_);
+      i = j;
+    }
+  }
   for (FlowId f : unlinked_new_) {
     flows_[f].rate_gbps = std::numeric_limits<double>::infinity();
     changed_.push_back(f);
@@ -122,21 +166,21 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   return changed_;
 }
 
-void SharingNetwork::fill() {
+void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows) {
   // A min-heap of the links' fair shares (remaining / unfixed); an entry whose version is not its link's
   // current one is stale and skipped.
   using Entry = ShareEntry;
   std::vector<Entry>& heap = heap_;
   heap.clear();
-  heap.reserve(component_links_.size());
-  for (std::uint32_t l : component_links_) {
+  heap.reserve(links.size());
+  for (std::uint32_t l : links) {
     Link& link = links_[l];
     link.remaining_gbps = link.capacity_gbps;
     link.unfixed = static_cast<std::uint32_t>(link.flows.size());
     ++link.version;
     if (link.unfixed > 0) heap.push_back({link.remaining_gbps / link.unfixed, l, link.version});
   }
-  for (FlowId f : changed_) flows_[f].fixed = false;
+  for (FlowId f : flows) flows_[f].fixed = false;
   std::make_heap(heap.begin(), heap.end(), std::greater<>());
 
   auto pop = [&] {
@@ -168,7 +212,7 @@ void SharingNetwork::fill() {
         if (flow.fixed) continue;
         flow.fixed = true;
         flow.rate_gbps = level;
-        for (std::uint32_t m : flow.path) {
+        for (std::uint32_t m : flow.path()) {
           Link& link = links_[m];
           link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
           --link.unfixed;

@@ -16,6 +16,7 @@
 // the full solver then fixes both at one level, the incremental one each at its own.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -40,7 +41,17 @@ class SharingNetwork {
 
   // Shares the links again where flows were added or removed since the last call. Returns the flows whose
   // rates were computed again (every flow of a touched component, new flows included), each once.
+  //
+  // Changes may be grouped into batches with end_batch(); solve() then gives the rates that solving after
+  // every batch would have given: each touched component is shared as of the last batch that touched it,
+  // together with the other components that batch left touched (a batch's components are filled
+  // together, as one solve() would). Components a later batch touched again are not solved twice. The one
+  // difference: when a later batch touches some but not all of the components an earlier one touched,
+  // those left are filled without the others, so where their shares differ by less than the tie tolerance
+  // from the others' they keep their own (as the incremental solver does anyway; see above).
   const std::vector<FlowId>& solve();
+  // Closes the current batch of changes (see solve()); cheap, and a no-op when nothing changed.
+  void end_batch();
 
  private:
   struct Link {
@@ -51,26 +62,49 @@ class SharingNetwork {
     std::uint32_t unfixed = 0;
     std::uint32_t version = 0;  // heap entries with an older version are stale
     std::uint32_t visit = 0;    // the solve() that put this link in its component
+    std::uint32_t dirty_batch = 0;  // the last batch that changed its flows, while dirty
     bool dirty = false;
   };
+  // A flow's path and, per path link, where the flow sits in that link's `flows`. Paths are short (a few
+  // links), so they are kept in the record itself: the solver then touches one record per flow, not three
+  // allocations; longer ones spill to the heap.
   struct FlowRec {
-    std::vector<std::uint32_t> path;
-    std::vector<std::uint32_t> slot;  // where it sits in each path link's `flows`
+    static constexpr std::uint32_t kInline = 8;
     double rate_gbps = 0;
     std::uint32_t visit = 0;
+    std::uint32_t length = 0;
     bool live = false;
     bool fixed = false;
+    std::uint32_t inline_path[kInline], inline_slot[kInline];
+    std::vector<std::uint32_t> spill;  // path, then slots, when longer than kInline
+
+    std::span<std::uint32_t> path() {
+      return {length <= kInline ? inline_path : spill.data(), length};
+    }
+    std::span<const std::uint32_t> path() const {
+      return {length <= kInline ? inline_path : spill.data(), length};
+    }
+    std::span<std::uint32_t> slot() {
+      return {length <= kInline ? inline_slot : spill.data() + length, length};
+    }
+    void set_path(std::span<const std::uint32_t> p) {
+      length = static_cast<std::uint32_t>(p.size());
+      if (length > kInline) spill.resize(2 * static_cast<std::size_t>(length));
+      std::copy(p.begin(), p.end(), path().begin());
+    }
   };
 
   void mark_dirty(std::uint32_t link);
-  // Progressive filling over the links in `component_links_` and the flows in `changed_`.
-  void fill();
+  // Progressive filling over `links` and the flows crossing them (`flows`), which are whole components.
+  void fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows);
 
   std::vector<Link> links_;
   std::vector<FlowRec> flows_;
   std::vector<FlowId> free_flows_;
   int live_flows_ = 0;
   std::vector<std::uint32_t> dirty_;
+  std::uint32_t batch_ = 0;    // the batch changes now belong to
+  bool batch_open_ = false;    // whether the current batch has changes
   std::vector<FlowId> unlinked_new_;  // added flows over no link: solved trivially
   std::uint32_t visit_ = 0;
   std::vector<std::uint32_t> component_links_;
@@ -85,6 +119,14 @@ class SharingNetwork {
   };
   std::vector<ShareEntry> heap_;
   std::vector<std::uint32_t> stack_, full_, touched_;
+  // A touched component: its links and flows are ranges of component_links_ and changed_.
+  struct Component {
+    std::uint32_t batch;
+    std::uint32_t first_link, end_link, first_flow, end_flow;
+  };
+  std::vector<Component> components_;
+  std::vector<std::uint32_t> group_links_;
+  std::vector<FlowId> group_flows_;
 };
 
 }  // namespace ranklab::sim

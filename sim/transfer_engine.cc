@@ -20,13 +20,29 @@ void TransferEngine::push(std::vector<Due>& heap, Due d) const {
   std::push_heap(heap.begin(), heap.end(), std::greater<>());
 }
 
+void TransferEngine::push_all(std::vector<Due>& heap, const std::vector<Due>& fresh) const {
+  if (fresh.size() * 8 < heap.size()) {
+    for (const Due& d : fresh) push(heap, d);
+    return;
+  }
+  // Valid entries pop in the order of (time, flow) however the heap is built: one valid entry per flow.
+  std::erase_if(heap, [&](const Due& d) { return stale(d); });
+  heap.insert(heap.end(), fresh.begin(), fresh.end());
+  std::make_heap(heap.begin(), heap.end(), std::greater<>());
+}
+
 void TransferEngine::drop_stale(std::vector<Due>& heap) const {
+  std::size_t dropped = 0;
   while (!heap.empty()) {
-    const Due& d = heap.front();
-    const Running& r = running_[d.flow];
-    if (r.transfer != nullptr && r.version == d.version) return;
+    if (!stale(heap.front())) return;
     std::pop_heap(heap.begin(), heap.end(), std::greater<>());
     heap.pop_back();
+    // Many stale entries in a row (the flows of a large transfer just ended): drop them all at once.
+    if (++dropped == 64 && heap.size() > 1024) {
+      std::erase_if(heap, [&](const Due& d) { return stale(d); });
+      std::make_heap(heap.begin(), heap.end(), std::greater<>());
+      return;
+    }
   }
 }
 
@@ -78,10 +94,11 @@ void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, do
 
 void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   path_.clear();
+  if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
   for (LinkId link : t->plan.path(t->plan.flows[flow])) {
-    auto [it, added] = link_ids_.emplace(link, 0);
-    if (added) it->second = net_.add_link(topo_.capacity_gbps(link));
-    path_.push_back(it->second);
+    std::uint32_t& id = link_ids_[link];
+    if (id == 0) id = net_.add_link(topo_.capacity_gbps(link)) + 1;
+    path_.push_back(id - 1);
   }
   const std::uint32_t id = net_.add_flow(path_);
   if (id >= running_.size()) running_.resize(id + 1);
@@ -127,6 +144,15 @@ void TransferEngine::end_flow(std::uint32_t id) {
 }
 
 void TransferEngine::reshare() {
+  net_.end_batch();
+  unshared_ = true;
+}
+
+void TransferEngine::flush() {
+  if (!unshared_) return;
+  unshared_ = false;
+  fresh_ends_.clear();
+  fresh_retires_.clear();
   for (SharingNetwork::FlowId id : net_.solve()) {
     Running& r = running_[id];
     r.left_bytes = left_now(r);
@@ -143,9 +169,11 @@ void TransferEngine::reshare() {
     const double bytes = r.transfer->plan.flows[r.flow].bytes;
     const double done_us = std::min(r.end_us - bytes * kDoneFraction / r.rate_bytes_per_us,
                                     r.end_us - kTimeResolution * std::max(1.0, r.end_us));
-    push(ends_, {r.end_us, id, r.version});
-    push(retires_, {done_us, id, r.version});
+    fresh_ends_.push_back({r.end_us, id, r.version});
+    fresh_retires_.push_back({done_us, id, r.version});
   }
+  push_all(ends_, fresh_ends_);
+  push_all(retires_, fresh_retires_);
 }
 
 void TransferEngine::retire_done_flows() {
@@ -155,61 +183,79 @@ void TransferEngine::retire_done_flows() {
   std::vector<Due>& again = again_;
   done.clear();
   again.clear();
+  auto examine = [&](const Due& d) {
+    const Running& r = running_[d.flow];
+    if (r.transfer == nullptr || r.version != d.version) return;
+    const double left = left_now(r);
+    const double left_us = r.rate_bytes_per_us > 0 ? left / r.rate_bytes_per_us : kInf;
+    if (left <= r.transfer->plan.flows[r.flow].bytes * kDoneFraction ||
+        left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
+      done.push_back(d.flow);
+    } else {
+      again.push_back({r.end_us, d.flow, d.version});
+    }
+  };
   drop_stale(retires_);
+  int popped = 0;
   while (!retires_.empty() && retires_.front().at_us <= now_us_) {
+    if (++popped > 64 && retires_.size() > 1024) {
+      // Many flows due at once (a large transfer's): look at every entry once and build the heap again.
+      std::erase_if(retires_, [&](const Due& d) {
+        if (d.at_us <= now_us_) {
+          examine(d);
+          return true;
+        }
+        return stale(d);
+      });
+      std::make_heap(retires_.begin(), retires_.end(), std::greater<>());
+      break;
+    }
     const Due d = retires_.front();
     std::pop_heap(retires_.begin(), retires_.end(), std::greater<>());
     retires_.pop_back();
-    const Running& r = running_[d.flow];
-    if (r.transfer != nullptr && r.version == d.version) {
-      const double left = left_now(r);
-      const double left_us = r.rate_bytes_per_us > 0 ? left / r.rate_bytes_per_us : kInf;
-      if (left <= r.transfer->plan.flows[r.flow].bytes * kDoneFraction ||
-          left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
-        done.push_back(d.flow);
-      } else {
-        again.push_back({r.end_us, d.flow, d.version});
-      }
-    }
+    examine(d);
     drop_stale(retires_);
   }
   for (const Due& d : again) push(retires_, d);
   if (done.empty()) return;
   // Retire them in the order of the running list: lowest position first; the entry moved into a gap is
-  // looked at next.
-  std::vector<std::pair<std::size_t, std::uint32_t>>& pending = pending_;
-  pending.clear();
-  for (std::uint32_t id : done) pending.emplace_back(position_[id], id);
-  std::make_heap(pending.begin(), pending.end(), std::greater<>());
+  // looked at next (it is then the lowest).
   std::vector<char>& is_done = retiring_;  // all zero between calls
   is_done.resize(running_.size(), 0);
   for (std::uint32_t id : done) is_done[id] = 1;
-  while (!pending.empty()) {
-    std::pop_heap(pending.begin(), pending.end(), std::greater<>());
-    const auto [at, id] = pending.back();
-    pending.pop_back();
-    if (!is_done[id] || position_[id] != at) continue;  // moved: its new entry comes up instead
-    is_done[id] = 0;
-    Transfer* t = running_[id].transfer;
-    const std::uint32_t moved = order_.back();
-    end_flow(id);
-    if (moved != id && is_done[moved]) {
-      pending.emplace_back(at, moved);
-      std::push_heap(pending.begin(), pending.end(), std::greater<>());
+  auto retire_at = [&](std::size_t at) {
+    while (at < order_.size() && is_done[order_[at]]) {
+      const std::uint32_t id = order_[at];
+      is_done[id] = 0;
+      Transfer* t = running_[id].transfer;
+      end_flow(id);
+      if (--t->flows_left == 0) {
+        t->flows_done_us = now_us_;
+        tails_.emplace(now_us_ + t->plan.latency_us, t);
+      }
     }
-    if (--t->flows_left == 0) {
-      t->flows_done_us = now_us_;
-      tails_.emplace(now_us_ + t->plan.latency_us, t);
-    }
+  };
+  if (done.size() * 8 >= order_.size()) {
+    for (std::size_t at = 0; at < order_.size(); ++at) retire_at(at);
+    return;
+  }
+  std::vector<std::pair<std::size_t, std::uint32_t>>& pending = pending_;
+  pending.clear();
+  for (std::uint32_t id : done) pending.emplace_back(position_[id], id);
+  std::sort(pending.begin(), pending.end());
+  // An entry whose flow is no longer at its position was moved into a gap and retired there already.
+  for (const auto& [at, id] : pending) {
+    if (is_done[id] && position_[id] == at) retire_at(at);
   }
 }
 
-double TransferEngine::next_flow_end_us() const {
+double TransferEngine::next_flow_end_us() {
+  flush();
   drop_stale(ends_);
   return ends_.empty() ? kInf : ends_.front().at_us;
 }
 
-double TransferEngine::next_event_us() const {
+double TransferEngine::next_event_us() {
   if (!ended_.empty()) return now_us_;
   double t = next_flow_end_us();
   if (!starts_.empty()) t = std::min(t, starts_.begin()->first);
@@ -232,7 +278,9 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.swap(ended_);
   while (true) {
-    double event = next_flow_end_us();
+    // Moving to the present needs no sharing: flows end after it. (A flow whose time left is below the
+    // clock's resolution after the sharing is then retired at the same time by the next move.)
+    double event = unshared_ && t_us <= now_us_ ? kInf : next_flow_end_us();
     if (!starts_.empty()) event = std::min(event, starts_.begin()->first);
     if (!tails_.empty()) event = std::min(event, tails_.begin()->first);
     if (event > t_us) break;

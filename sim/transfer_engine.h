@@ -39,7 +39,7 @@ class TransferEngine {
   // `op` moves `plan` from `start_us` on.
   void schedule(std::shared_ptr<CommOpState> op, CommPlan plan, double start_us);
   // When the next start or end happens (+infinity when nothing is in flight).
-  double next_event_us() const;
+  double next_event_us();
   // Processes every start and end up to `t_us` and moves the present there (never backwards). Returns the
   // operations that ended, with end_us set and finished true, in the order they ended.
   std::vector<std::shared_ptr<CommOpState>> advance_to(double t_us);
@@ -74,21 +74,34 @@ class TransferEngine {
   void begin_flows(Transfer* t);
   void add_flow(Transfer* t, int flow, double left_bytes);
   void end_flow(std::uint32_t id);
-  // Shares the links again where flows started or ended, and updates the flows whose rates changed.
+  // Marks the end of a batch of starts and ends at the present. The links are shared again (flush) only
+  // when the engine next needs a flow's end, so that the transfers the simulator starts one by one at one
+  // moment cost one sharing, not one each; the rates are those sharing after every batch would give
+  // (SharingNetwork::solve).
   void reshare();
+  // Shares the links again where flows started or ended, and updates the flows whose rates changed.
+  void flush();
   // Retires flows that are done at the present; a transfer with no flow left starts its latency tail.
   void retire_done_flows();
-  double next_flow_end_us() const;
+  double next_flow_end_us();
   // A flow's bytes left at the present.
   double left_now(const Running& r) const;
   void push(std::vector<Due>& heap, Due d) const;
+  // Adds `fresh` to `heap`: one by one when they are few, else by dropping the stale entries and building
+  // the heap again (linear instead of n log n when a sharing touched most of the flows).
+  void push_all(std::vector<Due>& heap, const std::vector<Due>& fresh) const;
+  bool stale(const Due& d) const {
+    const Running& r = running_[d.flow];
+    return r.transfer == nullptr || r.version != d.version;
+  }
   void drop_stale(std::vector<Due>& heap) const;
   void end_transfer(Transfer* t);
 
   const Topology& topo_;
   double now_us_ = 0;
   SharingNetwork net_;
-  std::unordered_map<LinkId, std::uint32_t> link_ids_;  // topology link -> sharing network link
+  // Topology link -> sharing network link + 1 (0: not added yet), sized to the topology's links on first use.
+  std::vector<std::uint32_t> link_ids_;
   std::vector<std::uint32_t> path_;                     // scratch
   std::vector<Running> running_;
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
@@ -99,9 +112,11 @@ class TransferEngine {
   std::vector<std::uint32_t> done_;
   std::vector<Due> again_;
   std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
+  std::vector<Due> fresh_ends_, fresh_retires_;  // scratch of flush
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
+  bool unshared_ = false;  // batches wait for flush()
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
   // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).

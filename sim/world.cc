@@ -351,7 +351,11 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   auto add_dep = [&](const std::shared_ptr<CommOpState>& dep) {
     if (dep && dep != op && !dep->finished) {
       m.deps.push_back(dep);
-      dep->dependents.push_back(op);
+      if (dep->dependents.empty() || dep->dependents.back().raw != op.get() ||
+          dep->dependents.back().op.expired()) {
+        dep->dependents.push_back({op, op.get(), 0});
+      }
+      ++dep->dependents.back().edges;
       ++op->unfinished_deps;
     }
   };
@@ -406,8 +410,8 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
   // counted before any dependent runs, so what runs, and in what order, is as if each dependent looked
   // at all its dependencies.
   for (const auto& op : ended) {
-    for (const auto& weak : op->dependents) {
-      if (auto d = weak.lock()) --d->unfinished_deps;
+    for (const auto& dep : op->dependents) {
+      if (auto d = dep.op.lock()) d->unfinished_deps -= dep.edges;
     }
   }
   for (const auto& op : ended) {
@@ -446,10 +450,10 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
   }
   // What waited for these can run now.
   for (const auto& op : ended) {
-    std::vector<std::weak_ptr<CommOpState>> dependents;
+    std::vector<CommOpState::Dependent> dependents;
     dependents.swap(op->dependents);
-    for (const auto& weak : dependents) {
-      if (auto d = weak.lock()) try_execute(d);
+    for (const auto& dep : dependents) {
+      if (auto d = dep.op.lock()) try_execute(d);
     }
   }
 }

@@ -138,5 +138,55 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
   EXPECT_GT(compared, 10000);
 }
 
+// Batches of changes solved together (end_batch between them, one solve for several) give the rates that
+// solving after every batch gives, bit for bit: the transfer engine relies on it to share once for the
+// many transfers the simulator starts one by one at one moment.
+TEST(Sharing, SolvingSeveralBatchesAtOnceEqualsSolvingEach) {
+  std::mt19937_64 rng(777);
+  int compared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int links = 2 + static_cast<int>(rng() % 24);
+    const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
+    SharingNetwork each, batched;
+    for (int l = 0; l < links; ++l) {
+      const double c = rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
+                                 : std::uniform_real_distribution<double>(0.5, 400)(rng);
+      each.add_link(c);
+      batched.add_link(c);
+    }
+    std::map<SharingNetwork::FlowId, SharingNetwork::FlowId> live;  // each's id -> batched's id
+    const int changes = 10 + static_cast<int>(rng() % 40);
+    for (int step = 0; step < changes; ++step) {
+      const int batch = 1 + static_cast<int>(rng() % 3);
+      for (int b = 0; b < batch; ++b) {
+        if (!live.empty() && rng() % 3 == 0) {
+          auto it = live.begin();
+          std::advance(it, static_cast<long>(rng() % live.size()));
+          each.remove_flow(it->first);
+          batched.remove_flow(it->second);
+          live.erase(it);
+        } else {
+          Path p;
+          const int len = static_cast<int>(rng() % (max_path + 1));
+          while (static_cast<int>(p.size()) < len) {
+            const auto l = static_cast<std::uint32_t>(rng() % links);
+            if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
+          }
+          live[each.add_flow(p)] = batched.add_flow(p);
+        }
+      }
+      each.solve();
+      batched.end_batch();
+      if (rng() % 4 != 0) continue;
+      batched.solve();
+      for (const auto& [a, b] : live) {
+        EXPECT_EQ(each.rate_gbps(a), batched.rate_gbps(b)) << "trial " << trial << " step " << step;
+        ++compared;
+      }
+    }
+  }
+  EXPECT_GT(compared, 1000);
+}
+
 }  // namespace
 }  // namespace ranklab::sim
