@@ -357,9 +357,9 @@ constexpr double kMinTflops = 1e-3, kMaxTflops = 1e6;
 constexpr double kMinGbps = 1e-3, kMaxGbps = 1e6;
 constexpr double kMinGib = 1e-3, kMaxGib = 1e6;  // 1 MiB to about 1 PiB
 constexpr double kMaxOversubscription = 1000;
-constexpr int kMaxSmCount = 4096;        // streaming multiprocessors of one GPU
-constexpr int kMaxTile = 4096;           // a GEMM tile's side, and the k a tile's overhead is worth
-constexpr int kMaxGemmDim = 1 << 24;     // a measured GEMM's m, n or k
+constexpr int kMaxSmCount = 4096;     // streaming multiprocessors of one GPU
+constexpr int kMaxTile = 4096;        // a GEMM tile's side, and the k a tile's overhead is worth
+constexpr int kMaxGemmDim = 1 << 24;  // a measured GEMM's m, n or k
 
 Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader top(root, "", origin,
@@ -403,8 +403,9 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.gpu.launch_overhead_us = gpu.non_negative("launch_overhead_us", kMaxLatencyUs);
   p.gpu.compute_efficiency = gpu.efficiency("compute_efficiency", 1.0);
   p.gpu.memory_efficiency = gpu.efficiency("memory_efficiency", 1.0);
-  p.gpu.peak_tflops_fp16 =
-      gpu.has("peak_tflops_fp16") ? gpu.positive("peak_tflops_fp16", kMinTflops, kMaxTflops) : p.gpu.peak_tflops_bf16;
+  p.gpu.peak_tflops_fp16 = gpu.has("peak_tflops_fp16")
+                               ? gpu.positive("peak_tflops_fp16", kMinTflops, kMaxTflops)
+                               : p.gpu.peak_tflops_bf16;
   p.gpu.sm_count = gpu.count("sm_count", false, 1, kMaxSmCount).value_or(0);
   p.gpu.gemm_tile_m = gpu.count("gemm_tile_m", false, 1, kMaxTile).value_or(p.gpu.gemm_tile_m);
   p.gpu.gemm_tile_n = gpu.count("gemm_tile_n", false, 1, kMaxTile).value_or(p.gpu.gemm_tile_n);

@@ -134,9 +134,9 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   }
   dirty_.clear();
   end_batch();
-  const bool one_batch =
-      std::all_of(components_.begin(), components_.end(),
-                  [&](const Component& c) { return c.batch == components_.front().batch; });
+  const bool one_batch = std::all_of(components_.begin(), components_.end(), [&](const Component& c) {
+    return c.batch == components_.front().batch;
+  });
   if (one_batch) {
     fill(component_links_, changed_);
   } else {

@@ -60,8 +60,8 @@ class SharingNetwork {
     // Solver scratch, meaningful during solve() only.
     double remaining_gbps = 0;
     std::uint32_t unfixed = 0;
-    std::uint32_t version = 0;  // heap entries with an older version are stale
-    std::uint32_t visit = 0;    // the solve() that put this link in its component
+    std::uint32_t version = 0;      // heap entries with an older version are stale
+    std::uint32_t visit = 0;        // the solve() that put this link in its component
     std::uint32_t dirty_batch = 0;  // the last batch that changed its flows, while dirty
     bool dirty = false;
   };
@@ -78,9 +78,7 @@ class SharingNetwork {
     std::uint32_t inline_path[kInline], inline_slot[kInline];
     std::vector<std::uint32_t> spill;  // path, then slots, when longer than kInline
 
-    std::span<std::uint32_t> path() {
-      return {length <= kInline ? inline_path : spill.data(), length};
-    }
+    std::span<std::uint32_t> path() { return {length <= kInline ? inline_path : spill.data(), length}; }
     std::span<const std::uint32_t> path() const {
       return {length <= kInline ? inline_path : spill.data(), length};
     }
@@ -103,8 +101,8 @@ class SharingNetwork {
   std::vector<FlowId> free_flows_;
   int live_flows_ = 0;
   std::vector<std::uint32_t> dirty_;
-  std::uint32_t batch_ = 0;    // the batch changes now belong to
-  bool batch_open_ = false;    // whether the current batch has changes
+  std::uint32_t batch_ = 0;           // the batch changes now belong to
+  bool batch_open_ = false;           // whether the current batch has changes
   std::vector<FlowId> unlinked_new_;  // added flows over no link: solved trivially
   std::uint32_t visit_ = 0;
   std::vector<std::uint32_t> component_links_;

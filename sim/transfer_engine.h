@@ -102,7 +102,7 @@ class TransferEngine {
   SharingNetwork net_;
   // Topology link -> sharing network link + 1 (0: not added yet), sized to the topology's links on first use.
   std::vector<std::uint32_t> link_ids_;
-  std::vector<std::uint32_t> path_;                     // scratch
+  std::vector<std::uint32_t> path_;  // scratch
   std::vector<Running> running_;
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
   std::vector<std::uint32_t> order_;
@@ -112,11 +112,11 @@ class TransferEngine {
   std::vector<std::uint32_t> done_;
   std::vector<Due> again_;
   std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
-  std::vector<Due> fresh_ends_, fresh_retires_;  // scratch of flush
+  std::vector<Due> fresh_ends_, fresh_retires_;       // scratch of flush
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
-  bool unshared_ = false;  // batches wait for flush()
+  bool unshared_ = false;                    // batches wait for flush()
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
   // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).
