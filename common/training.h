@@ -21,8 +21,10 @@ struct TrainingStats {
   double hardware_flops = 0;
   double model_tflops_per_gpu = 0;
   double hardware_tflops_per_gpu = 0;
-  double mfu = 0;                      // model FLOP/s per GPU over the dtype's dense peak
-  double bubble_fraction = 0;          // measured: pipeline idle time over step time
+  double mfu = 0;  // model FLOP/s per GPU over the dtype's dense peak
+  // Measured: the pipeline's idle time over its compute time (mean over ranks), the quantity that
+  // (p - 1) / (v m) predicts (the idle time of 1F1B is (p - 1) micro-batch times against m of work).
+  double bubble_fraction = 0;
   double bubble_fraction_formula = 0;  // (p - 1) / (v m)
   // Communication the compute stream waited for, per parallel dimension ("tp", "sp", "pp", "dp").
   std::map<std::string, double> exposed_comm_us;
