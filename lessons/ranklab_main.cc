@@ -409,6 +409,12 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
   std::printf("%s on %d ranks against profile '%s': ", measured.lesson.c_str(), measured.world,
               profile.name.c_str());
   std::fputs(format_calibration(c).c_str(), stdout);
+  // The fit scores collectives and kernels; `compare` scores collectives and regions. Print compare's
+  // figure too, before and after, so the two commands can be read against each other.
+  const double compare_before = compare_reports(measured, simulate_measured(measured, profile)).error;
+  const double compare_after = compare_reports(measured, simulate_measured(measured, c.profile)).error;
+  std::printf("compare's geometric-mean error (collectives and regions): %.1f%% -> %.1f%%\n",
+              100 * compare_before, 100 * compare_after);
   std::printf("fitted profile written to %s\n", out_path.c_str());
   return 0;
 }
