@@ -216,14 +216,21 @@ void lecture(Rank& r, const Options& o) {
                     ar ? "" : fmt::format(" in (W x {} per rank), {} out", bytes_str(size), bytes_str(size)),
                     algorithm_of(o, x.op, static_cast<std::int64_t>(x.size_bytes), w, -1)));
     r.print(fmt::format("  duration {:.3f} ms", x.time_us / 1e3));
-    auto row = [&](const std::string& what, double gbps, const char* note) {
-      r.print(fmt::format("  {:<52} = {:7.1f} GB/s  {}", what, gbps, note));
+    auto row = [&](const std::string& what, double gbps, const std::string& note) {
+      r.print(fmt::format("  {:<58} = {:7.1f} GB/s  {}", what, gbps, note));
     };
     row("algbw = size / duration", algbw, "");
     row(fmt::format("busbw = algbw x {}", ar ? "2(W-1)/W" : "(W-1)/W"), busbw, "(nccl-tests)");
-    row(fmt::format("the lecture's code: {}size x (W-1) / (W x duration)", ar ? "2 x " : ""), busbw,
-        "(the same)");
-    row("the lecture's text: divides by W once more", busbw / w, "(not a bandwidth)");
+    // The lecture's code, literally: data_bytes is the bytes of the tensor it passes (all_reduce: the
+    // tensor; reduce_scatter: the output, one rank's share), sent_bytes = data_bytes x 2 (W-1) for
+    // all_reduce and x (W-1) for reduce_scatter, total_duration = W x duration.
+    if (ar) {
+      row("the lecture's code: data_bytes x 2(W-1) / (W x duration)", busbw, "(= busbw)");
+    } else {
+      row("the lecture's code: output bytes x (W-1) / (W x duration)", busbw / w,
+          fmt::format("(= busbw / W: it counts the output, size / W, where nccl-tests counts the input)"));
+    }
+    if (ar) row("the lecture's text: 2 x size x (W-1)/W / (W x duration)", busbw / w, "(= busbw / W)");
   }
   if (o.wrong_order) {
     // Every rank's own measurement, side by side (show() is out of band: it costs no time).
@@ -248,6 +255,13 @@ void lecture(Rank& r, const Options& o) {
     r.print(
         "data, in about twice the time per byte. The bus factor undoes exactly that, so the two busbw "
         "agree.");
+    r.print(
+        "The lecture's reduce_scatter code counts the output's bytes (size / W) where nccl-tests counts the "
+        "input's,");
+    r.print(fmt::format(
+        "so its figure is busbw / W: a {} of it here, and smaller the more ranks there are, however fast "
+        "the links.",
+        w == 4 ? "quarter" : fmt::format("1/{}", w)));
   }
 }
 
