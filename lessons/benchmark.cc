@@ -111,24 +111,29 @@ std::function<void()> make_call(Rank& r, CommOp op, std::int64_t count) {
 }
 
 // The lecture's measurement: a warm-up, `before` (extra device work that differs between ranks), the
-// fence, the timed call, synchronize(). The right fence is synchronize() then barrier(): every rank's
-// device is idle and every rank has arrived before anyone starts the clock. The wrong one, barrier() then
-// synchronize(), lets each rank start its clock when its own device is idle, which is not when the
-// others are ready.
+// fence, the timed call, the fence again. The right fence is synchronize() then barrier(): every rank's
+// device is idle and every rank has arrived before anyone reads the clock, so every rank starts together
+// and stops together, and they all measure the same duration. barrier() does not wait for the device, so
+// the wrong fence, barrier() then synchronize(), lines up only the hosts: each rank then starts its clock
+// when its own device is idle, which is not when the others are ready, and a rank that was ready early
+// also times the wait for the late ones.
 double measure_us(Rank& r, const std::function<void()>& call, const std::function<void()>& before,
                   bool wrong_order) {
+  auto fence = [&] {
+    if (wrong_order) {
+      r.barrier();
+      r.synchronize();
+    } else {
+      r.synchronize();
+      r.barrier();
+    }
+  };
   call();  // warm-up: NCCL sets up its connections on the first call
   before();
-  if (wrong_order) {
-    r.barrier();
-    r.synchronize();
-  } else {
-    r.synchronize();
-    r.barrier();
-  }
+  fence();
   const double t0 = r.now();
   call();
-  r.synchronize();
+  fence();
   return r.now() - t0;
 }
 
@@ -186,7 +191,7 @@ void lecture(Rank& r, const Options& o) {
         "Timing all_reduce and reduce_scatter of {} float32 ({}) on {} ranks, as the lecture does:", count,
         bytes_str(size), w));
     r.print(fmt::format(
-        "a warm-up call, rank r does {} GEMMs (uneven work), {}, the timed call, synchronize().",
+        "a warm-up call, rank r does {} GEMMs (uneven work), {}, the timed call, the same again.",
         w <= kUnevenPeriod ? "r" : "r mod 8",
         o.wrong_order ? "barrier() then synchronize() [--wrong-order]" : "synchronize() then barrier()"));
   }
@@ -242,11 +247,12 @@ void lecture(Rank& r, const Options& o) {
     if (!me) return;
     r.print("");
     r.print(
-        "With barrier() before synchronize() the barrier passes while devices are still busy, so each rank");
+        "barrier() does not wait for the device. With barrier() before synchronize() the hosts meet while");
+    r.print("the devices are still busy, and each rank starts its clock when its own device is done: a rank");
+    r.print("that was ready early (rank 0 has no extra work) also times the wait for the slower ones, so it");
     r.print(
-        "starts its clock when its own GPU is done: rank 0 also times the wait for the slower ranks, and "
-        "the");
-    r.print("ranks disagree. synchronize() then barrier() gives every rank the collective's own time.");
+        "measures too much, and the ranks disagree. synchronize() then barrier() starts every clock when");
+    r.print("the last device is ready, and every rank measures the collective alone.");
   } else if (me) {
     r.print("");
     r.print(
@@ -275,7 +281,7 @@ void sweep(Rank& r, const Options& o) {
                     "-b 8 -e 16G -f 2)",
                     comm_op_name(op), w));
     r.print(
-        "# one warm-up and one timed call per size; time from synchronize() + barrier() to synchronize()");
+        "# one warm-up and one timed call per size; time from synchronize() + barrier() to the same again");
     r.print("#");
     r.print(fmt::format("# {:>12} {:>13} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8}  {}", "size", "count", "type",
                         "redop", "root", "time", "algbw", "busbw", "algorithm"));

@@ -65,10 +65,12 @@ void tour(Rank& r, const Options& given) {
       r, "collectives", o,
       {"The primitives. Every rank runs the same program on its own data; a collective is a call every rank "
        "makes, and what each one gets back is defined by all of them."});
-  section(r, "benchmark", o,
-          {"Measuring a collective: synchronize first, then barrier, then read the clock; the other order "
-           "measures too little. Bandwidth is bytes over time, and the bus bandwidth compares algorithms "
-           "fairly."});
+  section(
+      r, "benchmark", o,
+      {"Measuring a collective: synchronize first, then barrier, then read the clock (and the same to stop "
+       "it). barrier() does not wait for the device, so the other order lines up only the hosts, and a "
+       "rank that was ready early also times the wait for the others. Bandwidth is bytes over time, and "
+       "the bus bandwidth compares algorithms fairly."});
   section(
       r, "data_parallel", o,
       {"Data parallelism: every rank holds the whole model and trains on batch/world samples. One "
