@@ -219,8 +219,11 @@ void data_parallel(Rank& r, const Options& o) {
   }
   r.print(fmt::format("last step: {} ({} of it communication after backward, not hidden by compute)",
                       mlp::format_time(step_us), mlp::format_time(exposed_us)));
-  r.print(fmt::format("communication per rank per step: {} all_reduce call{}, {} in all", traffic.calls,
-                      traffic.calls == 1 ? "" : "s", mlp::format_bytes(traffic.bytes)));
+  r.print(fmt::format(
+      "communication per rank per step: {} all_reduce call{}, {} in all ({}: the lecture's one gradient "
+      "synchronisation per step, after backward)",
+      traffic.calls, traffic.calls == 1 ? "" : "s", mlp::format_bytes(traffic.bytes),
+      o.overlap ? "one per bucket of gradients" : "one per layer's gradient"));
   r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
   if (o.phantom) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
