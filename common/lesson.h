@@ -41,10 +41,22 @@ struct Options {
 
 using LessonFn = std::function<void(Rank&, const Options&)>;
 
+// One option a lesson reads: its name as the command line spells it without the dashes ("batch",
+// "world"), its value for this lesson as typed ("128"; "true" for a flag), and one line on what it does.
+struct LessonOption {
+  std::string name;
+  std::string value;
+  std::string help;
+};
+
 struct Lesson {
   std::string name;
   std::string summary;
   LessonFn fn;
+  // What `ranklab run NAME --help` lists, with the defaults `run` gives this lesson.
+  std::vector<LessonOption> options{};
+  // What --lecture sets: the lecture's own setup of this lesson.
+  std::vector<LessonOption> lecture{};
 };
 
 // Registers at static-initialisation time; returns true so it can initialise a namespace-scope bool.
@@ -61,5 +73,17 @@ RunReport run_lesson(Backend& backend, const std::string& name, const Options& o
 
 #define RANKLAB_LESSON(name, summary, fn) \
   static const bool ranklab_lesson_registered_##fn = ::ranklab::register_lesson({name, summary, fn})
+// The same, with the lesson's options (std::vector<LessonOption>) and the lecture's setup.
+#define RANKLAB_LESSON_WITH_OPTIONS(name, summary, fn, options, lecture) \
+  static const bool ranklab_lesson_registered_##fn =                     \
+      ::ranklab::register_lesson({name, summary, fn, options, lecture})
+
+// `given` with the lesson's defaults for every option the command line did not set (`set` holds the
+// names it did), and with --lecture the lecture's setup over those defaults. UsageError for a value that
+// does not parse.
+Options with_lesson_defaults(const Lesson& lesson, const Options& given, const std::vector<std::string>& set,
+                             bool lecture);
+// What `ranklab run NAME --help` prints.
+std::string lesson_help(const Lesson& lesson);
 
 }  // namespace ranklab

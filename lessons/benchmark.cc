@@ -315,8 +315,18 @@ void benchmark(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("benchmark",
-               "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table",
-               benchmark);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks"},
+    {"count", "100000000", "float32 elements of the timed all_reduce (400 MB, the lecture's)"},
+    {"wrong-order", "false", "barrier() before synchronize(): see what that measures"},
+    {"sweep", "false", "nccl-tests' table of --op from 8 B to 16 GiB instead"},
+    {"op", "all_reduce", "with --sweep: the collective to time"},
+};
+const std::vector<LessonOption> kLecture = {{"world", "4", ""}, {"count", "100000000", ""}};
+
+RANKLAB_LESSON_WITH_OPTIONS(
+    "benchmark",
+    "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table", benchmark,
+    kOptions, kLecture);
 
 }  // namespace ranklab

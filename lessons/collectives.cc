@@ -241,6 +241,11 @@ void collectives(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("collectives", "every collective of the lecture on real numbers, checked", collectives);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks: every line of output is one rank's tensor"}};
+const std::vector<LessonOption> kLecture = {{"world", "4", "the lecture's examples"}};
+
+RANKLAB_LESSON_WITH_OPTIONS("collectives", "every collective of the lecture on real numbers, checked",
+                            collectives, kOptions, kLecture);
 
 }  // namespace ranklab

@@ -238,8 +238,23 @@ void data_parallel(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("data_parallel",
-               "split the batch, all_reduce(Avg) the gradients; --overlap hides it in backward",
-               data_parallel);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks: each trains on batch/world samples"},
+    {"batch", "32", "global batch size (samples per step, all ranks together)"},
+    {"dim", "64", "model width: every layer is dim x dim"},
+    {"layers", "4", "number of layers"},
+    {"steps", "3", "training steps, each checked against one device"},
+    {"lr", "0.01", "learning rate"},
+    {"optimizer", "sgd", "sgd or adamw"},
+    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
+    {"overlap", "false", "all-reduce gradients in buckets during backward (DDP)"},
+    {"bucket-mb", "25", "with --overlap: gradient bucket size in MiB (DDP's bucket_cap_mb)"},
+};
+const std::vector<LessonOption> kLecture = {
+    {"world", "4", ""}, {"batch", "128", ""}, {"dim", "1024", ""}, {"layers", "4", ""}};
+
+RANKLAB_LESSON_WITH_OPTIONS("data_parallel",
+                            "split the batch, all_reduce(Avg) the gradients; --overlap hides it in backward",
+                            data_parallel, kOptions, kLecture);
 
 }  // namespace ranklab

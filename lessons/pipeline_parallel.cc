@@ -356,7 +356,28 @@ void pipeline_parallel(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("pipeline_parallel", "split the layers into stages: send/recv, micro-batches, the bubble",
-               pipeline_parallel);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks: pipeline stages, each holding layers/world layers"},
+    {"batch", "32", "global batch size (samples per step, all ranks together)"},
+    {"dim", "64", "model width: every layer is dim x dim"},
+    {"layers", "4", "number of layers"},
+    {"steps", "3", "training steps, each checked against one device"},
+    {"lr", "0.01", "learning rate"},
+    {"optimizer", "sgd", "sgd or adamw"},
+    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
+    {"micro-batches", "4", "micro-batches per batch (must divide it)"},
+    {"schedule", "1f1b", "naive, gpipe or 1f1b"},
+    {"async-p2p", "false", "isend/irecv instead of blocking send/recv"},
+};
+const std::vector<LessonOption> kLecture = {
+    {"world", "2", "the lecture's code is forward only; the lesson also runs the backward, to train"},
+    {"layers", "4", ""},
+    {"micro-batches", "4", ""},
+    {"batch", "128", ""},
+    {"dim", "1024", ""}};
+
+RANKLAB_LESSON_WITH_OPTIONS("pipeline_parallel",
+                            "split the layers into stages: send/recv, micro-batches, the bubble",
+                            pipeline_parallel, kOptions, kLecture);
 
 }  // namespace ranklab

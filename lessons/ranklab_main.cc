@@ -321,6 +321,8 @@ int main(int argc, char** argv) {
   run->add_option("--report", report_dir,
                   "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
   add_lesson_options(*run, options);
+  bool lecture = false;
+  run->add_flag("--lecture", lecture, "the lecture's own setup of the lesson (`ranklab run LESSON --help`)");
 
   CLI::App* compare = app.add_subcommand(
       "compare",
@@ -358,6 +360,19 @@ int main(int argc, char** argv) {
                         "the collective an nccl-tests log measured, when it cannot be told");
   calibrate->add_option("-o,--output", fitted_path, "where to write the fitted profile (.toml)")->required();
 
+  // `ranklab run LESSON --help`: the lesson's own options and defaults.
+  if (argc >= 4 && std::string(argv[1]) == "run" && argv[2][0] != '-') {
+    for (int i = 3; i < argc; ++i) {
+      if (std::string(argv[i]) != "--help" && std::string(argv[i]) != "-h") continue;
+      try {
+        std::fputs(lesson_help(find_lesson(argv[2])).c_str(), stdout);
+        return 0;
+      } catch (const Error& e) {
+        std::fprintf(stderr, "ranklab: error: %s\n", e.what());
+        return 1;
+      }
+    }
+  }
   CLI11_PARSE(app, argc, argv);
 #if defined(RANKLAB_HAVE_CUDA)
   // Under mpirun or srun each process is one rank: the launcher says how many there are.
@@ -399,6 +414,15 @@ int main(int argc, char** argv) {
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
+    // The lesson's defaults (and with --lecture the lecture's setup) for what the command line left unset.
+    const Lesson& chosen = find_lesson(lesson);
+    std::vector<std::string> set;
+    for (const auto* list : {&chosen.options, &chosen.lecture}) {
+      for (const LessonOption& opt : *list) {
+        if (run->count("--" + opt.name) > 0) set.push_back(opt.name);
+      }
+    }
+    options = with_lesson_defaults(chosen, options, set, lecture);
     return run_command(lesson, backend, profile, nodes, report_dir, options);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());

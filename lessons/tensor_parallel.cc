@@ -183,7 +183,23 @@ void tensor_parallel(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("tensor_parallel",
-               "split every weight by columns: all_gather forward, reduce_scatter backward", tensor_parallel);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks: each holds dim/world columns of every weight"},
+    {"batch", "32", "global batch size (samples per step, all ranks together)"},
+    {"dim", "64", "model width: every layer is dim x dim"},
+    {"layers", "4", "number of layers"},
+    {"steps", "3", "training steps, each checked against one device"},
+    {"lr", "0.01", "learning rate"},
+    {"optimizer", "sgd", "sgd or adamw"},
+    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
+};
+const std::vector<LessonOption> kLecture = {{"world", "4", "each rank holds 1024 x 256 of every weight"},
+                                            {"batch", "128", ""},
+                                            {"dim", "1024", ""},
+                                            {"layers", "4", ""}};
+
+RANKLAB_LESSON_WITH_OPTIONS("tensor_parallel",
+                            "split every weight by columns: all_gather forward, reduce_scatter backward",
+                            tensor_parallel, kOptions, kLecture);
 
 }  // namespace ranklab

@@ -179,7 +179,11 @@ void tour(Rank& r, const Options& given) {
 
 }  // namespace
 
-RANKLAB_LESSON("tour",
-               "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks; the tour picks every lesson's sizes to fit them"}};
+
+RANKLAB_LESSON_WITH_OPTIONS(
+    "tour", "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour,
+    kOptions, {});
 
 }  // namespace ranklab

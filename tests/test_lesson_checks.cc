@@ -143,3 +143,35 @@ TEST(LessonChecks, AFailedCheckPrintsExpectedAndActualWithEveryDigit) {
 
 }  // namespace
 }  // namespace ranklab
+
+namespace ranklab {
+namespace {
+
+TEST(LessonOptions, HelpListsEachOptionWithThisLessonsDefault) {
+  const std::string help = lesson_help(find_lesson("pipeline_parallel"));
+  EXPECT_NE(help.find("--micro-batches 4 "), std::string::npos) << help;
+  EXPECT_NE(help.find("--schedule 1f1b "), std::string::npos) << help;
+  EXPECT_EQ(help.find("--bucket-mb"), std::string::npos) << help;  // data parallelism's, not this lesson's
+  EXPECT_NE(help.find("--lecture runs the lecture's own setup: --world 2"), std::string::npos) << help;
+  EXPECT_NE(lesson_help(find_lesson("data_parallel")).find("--bucket-mb 25 "), std::string::npos);
+}
+
+TEST(LessonOptions, LectureSetsTheLecturesSetupAndTheCommandLineWins) {
+  Options given;
+  given.world = 8;
+  Options o = with_lesson_defaults(find_lesson("pipeline_parallel"), given, {}, true);
+  EXPECT_EQ(o.world, 2);
+  EXPECT_EQ(o.dim, 1024);
+  EXPECT_EQ(o.batch, 128);
+  EXPECT_EQ(o.micro_batches, 4);
+  o = with_lesson_defaults(find_lesson("pipeline_parallel"), given, {"world"}, true);
+  EXPECT_EQ(o.world, 8);  // --world 8 on the command line
+  o = with_lesson_defaults(find_lesson("tensor_parallel"), given, {"world"}, true);
+  EXPECT_EQ(o.dim / o.world, 128);
+  o = with_lesson_defaults(find_lesson("data_parallel"), Options{}, {}, false);
+  EXPECT_EQ(o.bucket_mb, 25);
+  EXPECT_FALSE(o.overlap);
+}
+
+}  // namespace
+}  // namespace ranklab
