@@ -61,6 +61,29 @@ void tour(Rank& r, const Options& given) {
                     "docs/lessons/ explains each.",
                     w));
   }
+  if (r.rank() == 0) {
+    r.print("");
+    r.print("Words the output uses, in the order they appear:");
+    for (const char* line : {
+             "  [nvls/simple], ring/ll  the algorithm and protocol NCCL picks for a collective: ring passes "
+             "pieces "
+             "from GPU to GPU around a ring; tree goes up and down a tree; nvls lets the NVSwitch add the "
+             "pieces "
+             "itself. simple moves big chunks; ll (low latency) and ll128 trade bandwidth for latency on "
+             "small "
+             "messages.",
+             "  phantom tensors  tensors with a shape and no numbers: the lesson is timed at a size this "
+             "machine "
+             "could not hold, and its check against one device is skipped.",
+             "  bubble  the time a pipeline stage has nothing to compute while it waits for another stage.",
+             "  comm  time the communication stream moves data; comm wait  time a collective waits for the "
+             "last "
+             "member to arrive; exposed  communication the compute stream had to wait for (not hidden under "
+             "compute); idle  neither stream busy.",
+         }) {
+      r.print(line);
+    }
+  }
   section(
       r, "collectives", o,
       {"The primitives. Every rank runs the same program on its own data; a collective is a call every rank "
