@@ -122,6 +122,10 @@ int run_command(const std::string& lesson, const std::string& backend_name, cons
   profile.nodes = nodes;
   find_lesson(lesson);  // fail before launching when the name is wrong
   std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o);
+  if (backend_name == "sim") {  // every time below is the model's, not this machine's
+    std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson.c_str(), o.world,
+                profile.gpu.name.c_str(), profile.name.c_str(), nodes, nodes == 1 ? "" : "s");
+  }
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
   record_run_config(report, profile, o);
