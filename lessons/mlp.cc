@@ -632,14 +632,6 @@ std::vector<float> fingerprint(const std::vector<std::vector<float>>& tensors) {
 
 // ---- bookkeeping ------------------------------------------------------------------------------------------
 
-StreamClock::StreamClock(Rank& r) : r_(r), marker_(r.zeros({1})) {}
-
-double StreamClock::at() {
-  r_.scale_(marker_, 1.0f);
-  r_.to_host(marker_);
-  return r_.now();
-}
-
 std::string format_memory(const Memory& m) {
   return fmt::format("params {}  grads {}  optimizer {}  activations {}  total {}", format_bytes(m.params),
                      format_bytes(m.grads), format_bytes(m.optimizer), format_bytes(m.activations),

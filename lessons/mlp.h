@@ -167,21 +167,6 @@ std::vector<float> fingerprint(const std::vector<std::vector<float>>& tensors);
 
 // ---- bookkeeping for the output ---------------------------------------------------------------------------
 
-// Where the time goes, without events: a one-element marker tensor gets a tiny kernel on the compute
-// stream, and reading it back makes the host wait until the stream has reached that point (to_host waits
-// for the compute stream, not for communication still in flight). So `at()` is the time the compute
-// stream got there, while asynchronous communication keeps running. Each call costs the host a kernel
-// launch and a wait, and the stream then idles while the host launches the next kernel.
-class StreamClock {
- public:
-  explicit StreamClock(Rank& r);
-  double at();
-
- private:
-  Rank& r_;
-  Tensor marker_;
-};
-
 // This lesson's peak memory. The device's high-water mark (Rank::memory_peak) covers the whole run, so
 // when a lesson runs after others (the tour) the mark may be theirs; then the lesson reports the most it
 // was seen holding at the points where it calls sample().
