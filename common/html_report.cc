@@ -405,8 +405,9 @@ void topology_section(std::string& out, const RunReport& r) {
   };
   double top_value = 0;
   for (const TopoLink& l : links) top_value = std::max(top_value, value(*l.traffic));
-  // Utilisation has an absolute scale: a link busy 15% of the run should look cool, however busy the others.
-  const double scale_top = by_util ? std::max(top_value, 1.0) : top_value;
+  // The scale runs to the busiest link of this run, whose absolute figure the legend gives: on an absolute
+  // scale a run whose busiest link is busy 2% of the time would be grey everywhere and show nothing.
+  const double scale_top = top_value;
 
   out += fmt::format(
       "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
@@ -494,10 +495,9 @@ void topology_section(std::string& out, const RunReport& r) {
   for (int i = 0; i <= 4; ++i)
     out += fmt::format("<stop offset=\"{}%\" stop-color=\"{}\"/>", i * 25, heat_colour(i / 4.0));
   out += "</linearGradient></defs>\n";
-  const std::string top_label = by_util
-                                    ? fmt::format("{:.0f}% of capacity over the run (busiest link: {:.1f}%)",
-                                                  100 * scale_top, 100 * top_value)
-                                    : human_bytes(top_value);
+  const std::string top_label =
+      by_util ? fmt::format("the busiest link: {:.2g}% of its capacity over the run", 100 * top_value)
+              : human_bytes(top_value);
   out += fmt::format(
       "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"160\" height=\"10\" fill=\"url(#heat)\"/>"
       "<text x=\"{:.1f}\" y=\"{:.1f}\">0</text><text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>"
