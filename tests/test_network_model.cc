@@ -368,7 +368,8 @@ TEST(BenchmarkLesson, TheLecturesMeasurement) {
   EXPECT_TRUE(has_line(r, "the lecture's text: 2 x size x (W-1)/W / (W x duration)"));
   // The lecture's reduce_scatter code counts the output: busbw / W, printed as such.
   EXPECT_TRUE(has_line(r, "the lecture's code: output bytes x (W-1) / (W x duration)"));
-  EXPECT_TRUE(has_line(r, "(= busbw / W: it counts the output, size / W, where nccl-tests counts the input)"));
+  EXPECT_TRUE(
+      has_line(r, "(= busbw / W: it counts the output, size / W, where nccl-tests counts the input)"));
 }
 
 TEST(BenchmarkLesson, WrongOrderMakesRanksDisagree) {
