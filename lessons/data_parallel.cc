@@ -132,7 +132,7 @@ void data_parallel(Rank& r, const Options& o) {
   if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
   mlp::Diff worst;
   mlp::Traffic traffic;
-  double step_us = 0, exposed_us = 0;
+  double step_us = 0, exposed_us = 0, launched_us = 0;
 
   for (int step = 1; step <= o.steps; ++step) {
     r.synchronize();  // synchronize, then barrier: otherwise the start time would be too early
@@ -175,6 +175,7 @@ void data_parallel(Rank& r, const Options& o) {
       auto scope = r.region("optimizer");
       opt.step(grads);
     }
+    launched_us = r.now() - t0;  // the host's part: launching the step
     r.synchronize();
     const double t1 = r.now();
     step_us = t1 - t0;
@@ -221,6 +222,7 @@ void data_parallel(Rank& r, const Options& o) {
   }
   r.print(fmt::format("last step: {} ({} of it communication after backward, not hidden by compute)",
                       mlp::format_time(step_us), mlp::format_time(exposed_us)));
+  if (const std::string note = mlp::launch_note(launched_us, step_us); !note.empty()) r.print(note);
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce call{}, {} in all ({}: the lecture's one gradient "
       "synchronisation per step, after backward)",

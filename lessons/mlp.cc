@@ -652,6 +652,15 @@ std::string format_bytes(double bytes) {
   return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
 }
 
+std::string launch_note(double launched_us, double step_us) {
+  if (step_us <= 0 || launched_us < 0.9 * step_us) return "";
+  return fmt::format(
+      "launch overhead dominates: the host was still launching kernels {:.0f}% of the way through the step, "
+      "so the device mostly waited for it and what looks like idle time is launch time; the kernels are "
+      "too small for the GPU at these sizes (try --lecture, or --phantom with a larger --dim and --batch)",
+      100 * launched_us / step_us);
+}
+
 std::string format_time(double us) {
   if (us >= 1e6) return fmt::format("{:.2f} s", us / 1e6);
   if (us >= 1e3) return fmt::format("{:.2f} ms", us / 1e3);

@@ -205,6 +205,11 @@ inline std::int64_t f32_bytes(std::int64_t n) {
 // Optimizer state for `param_bytes` of parameters: AdamW keeps two moments, SGD nothing.
 std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes);
 
+// When the host was still launching the step's kernels almost until the device finished them (`launched_us`
+// of `step_us`), the device spent the step waiting for launches, not computing: a line that says so, and
+// what makes compute visible. Empty otherwise.
+std::string launch_note(double launched_us, double step_us);
+
 // "1.5 KiB", "3.0 GiB"
 std::string format_bytes(double bytes);
 // "12.3 us", "4.56 ms", "1.23 s"

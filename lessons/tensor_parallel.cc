@@ -91,7 +91,7 @@ void tensor_parallel(Rank& r, const Options& o) {
   mlp::PeakMemory peak_memory(r);
   mlp::Diff worst;
   mlp::Traffic traffic;
-  double step_us = 0;
+  double step_us = 0, launched_us = 0;
 
   for (int step = 1; step <= o.steps; ++step) {
     r.synchronize();
@@ -123,6 +123,7 @@ void tensor_parallel(Rank& r, const Options& o) {
     hs.clear();
     dh = Tensor();
     opt.step(grads);
+    launched_us = r.now() - t0;  // the host's part: launching the step
     r.synchronize();
     step_us = r.now() - t0;
 
@@ -152,6 +153,7 @@ void tensor_parallel(Rank& r, const Options& o) {
     used = std::max<double>(used, s[2]);
   }
   r.print(fmt::format("last step: {}", mlp::format_time(step_us)));
+  if (const std::string note = mlp::launch_note(launched_us, step_us); !note.empty()) r.print(note);
   r.print(fmt::format(
       "communication per rank per step: {} collectives, {} in all ({} all_gather in the forward, {} "
       "reduce_scatter in the backward: one at every layer, in the middle of the computation, which waits "
