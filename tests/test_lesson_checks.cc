@@ -175,3 +175,29 @@ TEST(LessonOptions, LectureSetsTheLecturesSetupAndTheCommandLineWins) {
 
 }  // namespace
 }  // namespace ranklab
+
+namespace ranklab {
+namespace {
+
+bool printed(const RunReport& rep, const std::string& text) {
+  for (const std::string& line : rep.output) {
+    if (line.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+TEST(LessonOutput, SaysWhenLaunchOverheadDominates) {
+  Options o;  // 64 x 64 weights: kernels far shorter than their launches
+  o.world = 4;
+  o.quiet = true;
+  EXPECT_TRUE(printed(run("tensor_parallel", o, 1), "launch overhead dominates"));
+  o.phantom = true;  // 8192 x 8192 weights: the GPU computes most of the step
+  o.dim = 8192;
+  o.batch = 1024;
+  o.steps = 1;
+  EXPECT_FALSE(printed(run("tensor_parallel", o, 1), "launch overhead dominates"));
+  EXPECT_FALSE(printed(run("data_parallel", o, 1), "launch overhead dominates"));
+}
+
+}  // namespace
+}  // namespace ranklab
