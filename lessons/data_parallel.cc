@@ -141,11 +141,14 @@ void data_parallel(Rank& r, const Options& o) {
     traffic = {};
 
     // Forward on this rank's samples, keeping each layer's output for the backward.
+    r.region_begin("forward");  // the phases, named on the timeline and matched by `ranklab compare`
     std::vector<Tensor> acts{x};
     for (int l = 0; l < layers; ++l) acts.push_back(mlp::forward_layer(r, acts[l], w[l]));
     Tensor out_sum = mlp::output_sum(r, acts.back());
+    r.region_end();
 
     // Backward, from the last layer to the first.
+    r.region_begin("backward");
     std::vector<Tensor> grads(layers);
     GradBuckets buckets(r, o.bucket_mb, traffic);
     Tensor dy = dloss;
@@ -155,6 +158,7 @@ void data_parallel(Rank& r, const Options& o) {
       dy = g.x;
       if (o.overlap) buckets.add(grads, l);  // starts its all_reduce while backward goes on
     }
+    r.region_end();
     peak_memory.sample();  // every gradient and every activation
     acts.clear();
     dy = Tensor();
@@ -162,6 +166,7 @@ void data_parallel(Rank& r, const Options& o) {
     const Event backward_done = r.record_event();  // events: timing the step does not disturb it
 
     // The one line that makes it data parallel.
+    r.region_begin("gradient all_reduce");
     if (o.overlap) {
       buckets.wait(grads);
     } else {
@@ -170,6 +175,7 @@ void data_parallel(Rank& r, const Options& o) {
         traffic.add(g);
       }
     }
+    r.region_end();
     const Event reduced = r.record_event();
     {
       auto scope = r.region("optimizer");

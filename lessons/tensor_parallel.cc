@@ -100,6 +100,7 @@ void tensor_parallel(Rank& r, const Options& o) {
     traffic = {};
 
     // Forward: my columns of each layer's output, then everyone's, for the next layer.
+    r.region_begin("forward");  // the phases, named on the timeline and matched by `ranklab compare`
     std::vector<Tensor> xs{x};  // each layer's whole input: the samples, then transposed outputs
     std::vector<Tensor> hs;     // each layer's output, my columns, transposed
     for (int l = 0; l < layers; ++l) {
@@ -107,10 +108,12 @@ void tensor_parallel(Rank& r, const Options& o) {
       xs.push_back(all_gather_columns(r, o, hs[l], traffic));  // [dim, batch]
     }
     Tensor out_sum = mlp::output_sum(r, xs.back());  // every rank has the whole output
+    r.region_end();
 
     // Backward. My columns' gradient needs only my columns of the output gradient; the input's gradient
     // is a sum over every rank's columns (dz @ w^T), so it is reduced, and scattered: each rank needs only
     // the columns its own previous layer produced.
+    r.region_begin("backward");
     std::vector<Tensor> grads(layers);
     Tensor dh = dloss;
     for (int l = layers - 1; l >= 0; --l) {
@@ -118,11 +121,15 @@ void tensor_parallel(Rank& r, const Options& o) {
       grads[l] = r.matmul(xs[l], dz, l == 0 ? Trans::Yes : Trans::No, Trans::Yes);  // local, exact
       if (l > 0) dh = reduce_scatter_columns(r, o, r.matmul(w[l], dz), traffic);
     }
+    r.region_end();
     peak_memory.sample();  // every gradient and every activation
     xs.clear();
     hs.clear();
     dh = Tensor();
-    opt.step(grads);
+    {
+      auto scope = r.region("optimizer");
+      opt.step(grads);
+    }
     launched_us = r.now() - t0;  // the host's part: launching the step
     r.synchronize();
     step_us = r.now() - t0;
