@@ -25,6 +25,7 @@ struct Options {
   std::string schedule = "1f1b";     // naive | gpipe | 1f1b
   bool async_p2p = false;            // pipeline: isend/irecv instead of send/recv
   bool overlap = false;              // data parallel: all-reduce gradients during backward
+  bool megatron = false;             // tensor parallel: column-then-row pairs, one all_reduce each
   double bucket_mb = 25;             // data parallel: gradient bucket size
   bool phantom = false;              // time the lesson at its size without numbers
   std::string op = "all_reduce";     // benchmark: which collective

@@ -74,6 +74,12 @@ Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t fi
   return r.from_host({o.dim, cols}, v);
 }
 
+Tensor make_weight_rows(Rank& r, const Options& o, int layer, std::int64_t first_row, std::int64_t rows) {
+  if (o.phantom) return r.phantom({rows, o.dim});
+  return r.randn_slice({o.dim, o.dim}, 0, first_row, rows, kWeightSeed + layer, weight_std(o.dim),
+                       DType::Float32);
+}
+
 // ---- one layer --------------------------------------------------------------------------------------------
 
 Tensor forward_layer(Rank& r, const Tensor& x, const Tensor& w) {

@@ -46,6 +46,9 @@ Tensor make_weight(Rank& r, const Options& o, int layer);
 // framework reads only its shard from a checkpoint.
 Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols);
 
+// Rows [first_row, first_row + rows) of layer `layer`'s weight, rows x dim, with make_weight's numbers.
+Tensor make_weight_rows(Rank& r, const Options& o, int layer, std::int64_t first_row, std::int64_t rows);
+
 // ---- one layer, forward and backward by hand --------------------------------------------------------------
 
 // y = relu(x @ w)

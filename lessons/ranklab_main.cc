@@ -54,6 +54,7 @@ void add_lesson_options(CLI::App& run, Options& o) {
       ->check(CLI::IsMember({"naive", "gpipe", "1f1b"}));
   run.add_flag("--async-p2p", o.async_p2p, "pipeline: isend/irecv instead of send/recv");
   run.add_flag("--overlap", o.overlap, "data parallel: all-reduce gradients during backward");
+  run.add_flag("--megatron", o.megatron, "tensor parallel: Megatron's column-then-row pairs");
   run.add_option("--bucket-mb", o.bucket_mb, "data parallel: gradient bucket size in MiB");
   run.add_flag("--phantom", o.phantom, "time the lesson without numbers (phantom tensors)");
   run.add_option("--op", o.op, "benchmark: the collective to time");

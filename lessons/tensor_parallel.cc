@@ -51,6 +51,114 @@ Tensor reduce_scatter_columns(Rank& r, const Options& o, const Tensor& whole, ml
   return mine;
 }
 
+// --megatron: Megatron-LM's pairing (Shoeybi et al. 2019). Layers go in pairs: the first split by columns
+// (as above), the second by rows, so the first's column block of the activation is exactly the rows the
+// second's block multiplies; nothing is gathered between them. Each rank's product is then a partial sum
+// of the pair's output, and one all_reduce adds them up. The backward mirrors it: one all_reduce of the
+// input's gradient per pair. Two collectives per pair of layers instead of one per layer each way, and
+// every one an all_reduce of [batch, dim]: what Megatron and every transformer's MLP and attention block
+// use inside a node. The lecture's scheme (all_gather after each layer) is simpler to write for any layer
+// and is what sequence parallelism builds on; the pairing is what is used when layers come in pairs.
+void megatron_pairs(Rank& r, const Options& o) {
+  const int world = r.world_size(), rank = r.rank(), layers = o.layers;
+  if (layers % 2 != 0) {
+    throw UsageError(fmt::format(
+        "tensor_parallel --megatron: --layers {} is odd; the layers go in column-then-row pairs", layers));
+  }
+  const std::int64_t c = o.dim / world, first = rank * c;
+  if (rank == 0) {
+    r.print(fmt::format(
+        "tensor_parallel --megatron: {} ranks; {}; {} pairs: a column block of {} x {}, then a row block of "
+        "{} x {}, one all_reduce per pair each way",
+        world, mlp::describe(o), layers / 2, o.dim, c, c, o.dim));
+  }
+  std::vector<Tensor> w;  // even layers: columns [first, first + c); odd layers: rows [first, first + c)
+  for (int l = 0; l < layers; ++l) {
+    if (l % 2 == 0) {
+      w.push_back(mlp::make_weight_columns(r, o, l, first, c));
+    } else {
+      w.push_back(mlp::make_weight_rows(r, o, l, first, c));
+    }
+  }
+  mlp::Optimizer opt(r, o, w);
+  Tensor x = mlp::make_samples(r, o, 0, o.batch);
+  Tensor dloss = mlp::loss_grad(r, o, {o.batch, o.dim}, o.batch);
+  std::unique_ptr<mlp::Reference> ref;
+  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
+  mlp::Diff worst;
+  mlp::Traffic traffic;
+  double step_us = 0;
+  for (int step = 1; step <= o.steps; ++step) {
+    r.synchronize();
+    r.barrier();
+    const double t0 = r.now();
+    traffic = {};
+    r.region_begin("forward");
+    std::vector<Tensor> xs{x}, hs;  // each pair's input (whole) and its middle activation (my block)
+    for (int l = 0; l < layers; l += 2) {
+      hs.push_back(r.relu(r.matmul(xs.back(), w[l])));  // [batch, c]: my columns of the first layer
+      Tensor partial = r.matmul(hs.back(), w[l + 1]);   // [batch, dim]: my rows' share of the second
+      r.all_reduce(partial, ReduceOp::Sum);
+      traffic.add(partial);
+      xs.push_back(r.relu(partial));
+    }
+    Tensor out_sum = mlp::output_sum(r, xs.back());
+    r.region_end();
+    r.region_begin("backward");
+    std::vector<Tensor> grads(layers);
+    Tensor dy = dloss;
+    for (int l = layers - 2; l >= 0; l -= 2) {
+      const int p = l / 2;
+      Tensor dz = r.relu_backward(dy, xs[p + 1]);                 // [batch, dim], the same everywhere
+      grads[l + 1] = r.matmul(hs[p], dz, Trans::Yes, Trans::No);  // [c, dim]
+      Tensor dh = r.relu_backward(r.matmul(dz, w[l + 1], Trans::No, Trans::Yes), hs[p]);  // [batch, c]
+      grads[l] = r.matmul(xs[p], dh, Trans::Yes, Trans::No);                              // [dim, c]
+      if (l == 0) break;
+      dy = r.matmul(dh, w[l], Trans::No, Trans::Yes);  // [batch, dim], a partial sum over the ranks' columns
+      r.all_reduce(dy, ReduceOp::Sum);
+      traffic.add(dy);
+    }
+    r.region_end();
+    {
+      auto scope = r.region("optimizer");
+      opt.step(grads);
+    }
+    r.synchronize();
+    step_us = r.now() - t0;
+    if (!ref) continue;
+    auto scope = r.region("reference");
+    ref->step();
+    const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
+    mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
+    for (int l = 0; l < layers; ++l) {
+      auto mine = [&](const std::vector<float>& m) {
+        if (l % 2 == 0) return mlp::columns(m, o.dim, o.dim, first, c);
+        return std::vector<float>(m.begin() + first * o.dim, m.begin() + (first + c) * o.dim);
+      };
+      const std::int64_t cols = l % 2 == 0 ? c : o.dim;
+      d.merge(mlp::compare(r.to_host(grads[l]), mine(ref->grad(l)), mine(ref->grad_bound(l)),
+                           fmt::format("layer {} gradient", l), cols));
+      d.merge(mlp::compare(r.to_host(w[l]), mine(ref->weight(l)), mine(ref->weight_bound(l)),
+                           fmt::format("layer {} weight", l), cols));
+    }
+    worst.merge(d);
+    mlp::check_step(r, "tensor_parallel --megatron", step, "loss, gradients and weight blocks", d);
+    if (rank == 0 && !o.quiet) {
+      r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
+                          mlp::format_time(step_us), loss, ref->loss(), d.ok() ? "ok" : "DIFFERENT"));
+    }
+  }
+  if (rank != 0) return;
+  r.print(fmt::format(
+      "communication per rank per step: {} all_reduce calls, {} in all (one per pair of layers forward, one "
+      "per pair but the first backward), against {} collectives of the all_gather scheme",
+      traffic.calls, mlp::format_bytes(traffic.bytes), 2 * layers - 1));
+  if (!o.phantom)
+    r.print(
+        fmt::format("rank 0's blocks equal to one device's after every step (every rank checks its own): {}",
+                    mlp::agreement(worst.worst, worst.relative())));
+}
+
 void tensor_parallel(Rank& r, const Options& o) {
   mlp::validate(o, "tensor_parallel");
   const int world = r.world_size(), rank = r.rank();
@@ -59,6 +167,10 @@ void tensor_parallel(Rank& r, const Options& o) {
         "tensor_parallel: --dim {} is not divisible by --world {}: each rank holds dim/world columns of "
         "every weight; use a multiple of {} such as {}",
         o.dim, world, world, (o.dim / world + 1) * world));
+  }
+  if (o.megatron) {
+    megatron_pairs(r, o);
+    return;
   }
   const std::int64_t cols = o.dim / world, first_col = rank * cols;  // the lecture's local_num_dim
   const int layers = o.layers;
@@ -201,6 +313,7 @@ const std::vector<LessonOption> kOptions = {
     {"lr", "0.01", "learning rate"},
     {"optimizer", "sgd", "sgd or adamw"},
     {"phantom", "false", "time the lesson at its size without numbers (no check)"},
+    {"megatron", "false", "Megatron's column-then-row pairs: one all_reduce per pair of layers each way"},
 };
 const std::vector<LessonOption> kLecture = {{"world", "4", "each rank holds 1024 x 256 of every weight"},
                                             {"batch", "128", ""},
