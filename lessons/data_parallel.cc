@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -135,20 +136,22 @@ void data_parallel(Rank& r, const Options& o) {
   double step_us = 0, exposed_us = 0, launched_us = 0;
 
   for (int step = 1; step <= o.steps; ++step) {
+    // The step's phases as regions; an exception (running out of memory) closes the open one.
+    std::optional<Rank::Region> phase;
     r.synchronize();  // synchronize, then barrier: otherwise the start time would be too early
     r.barrier();
     const double t0 = r.now();
     traffic = {};
 
     // Forward on this rank's samples, keeping each layer's output for the backward.
-    r.region_begin("forward");  // the phases, named on the timeline and matched by `ranklab compare`
+    phase.emplace(&r, "forward");  // the phases, named on the timeline and matched by `ranklab compare`
     std::vector<Tensor> acts{x};
     for (int l = 0; l < layers; ++l) acts.push_back(mlp::forward_layer(r, acts[l], w[l]));
     Tensor out_sum = mlp::output_sum(r, acts.back());
-    r.region_end();
+    phase.reset();
 
     // Backward, from the last layer to the first.
-    r.region_begin("backward");
+    phase.emplace(&r, "backward");
     std::vector<Tensor> grads(layers);
     GradBuckets buckets(r, o.bucket_mb, traffic);
     Tensor dy = dloss;
@@ -158,7 +161,7 @@ void data_parallel(Rank& r, const Options& o) {
       dy = g.x;
       if (o.overlap) buckets.add(grads, l);  // starts its all_reduce while backward goes on
     }
-    r.region_end();
+    phase.reset();
     peak_memory.sample();  // every gradient and every activation
     acts.clear();
     dy = Tensor();
@@ -166,7 +169,7 @@ void data_parallel(Rank& r, const Options& o) {
     const Event backward_done = r.record_event();  // events: timing the step does not disturb it
 
     // The one line that makes it data parallel.
-    r.region_begin("gradient all_reduce");
+    phase.emplace(&r, "gradient all_reduce");
     if (o.overlap) {
       buckets.wait(grads);
     } else {
@@ -175,7 +178,7 @@ void data_parallel(Rank& r, const Options& o) {
         traffic.add(g);
       }
     }
-    r.region_end();
+    phase.reset();
     const Event reduced = r.record_event();
     {
       auto scope = r.region("optimizer");

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -195,6 +196,8 @@ void pipeline_parallel(Rank& r, const Options& o) {
   std::vector<float> times;  // (start, end) of each task of the last step, from the step's start
 
   for (int step = 1; step <= o.steps; ++step) {
+    // The step's phases as regions; an exception (running out of memory) closes the open one.
+    std::optional<Rank::Region> phase;
     for (Tensor& g : st.grads) r.scale_(g, 0.0f);
     r.synchronize();
     r.barrier();
@@ -272,7 +275,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     };
     const int prev = first_stage ? -1 : stage - 1, next = last_stage ? -1 : stage + 1;
 
-    r.region_begin("schedule");  // marks the schedule on the report's timeline
+    phase.emplace(&r, "schedule");  // marks the schedule on the report's timeline
     // Warm-up: forwards only, until the stages after this one have work.
     Incoming x;  // the next forward's input, when already posted
     // With --async-p2p the next input's receive is posted before this forward computes, so it travels
@@ -318,7 +321,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     // The host ran ahead of the device all along; one wait here, so that the region on the report's
     // timeline ends where the schedule's work does.
     r.synchronize();
-    r.region_end();
+    phase.reset();
     {
       auto scope = r.region("optimizer");
       opt.step(st.grads);

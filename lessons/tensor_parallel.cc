@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,11 +90,13 @@ void megatron_pairs(Rank& r, const Options& o) {
   mlp::Traffic traffic;
   double step_us = 0;
   for (int step = 1; step <= o.steps; ++step) {
+    // The step's phases as regions; an exception (running out of memory) closes the open one.
+    std::optional<Rank::Region> phase;
     r.synchronize();
     r.barrier();
     const double t0 = r.now();
     traffic = {};
-    r.region_begin("forward");
+    phase.emplace(&r, "forward");
     std::vector<Tensor> xs{x}, hs;  // each pair's input (whole) and its middle activation (my block)
     for (int l = 0; l < layers; l += 2) {
       hs.push_back(r.relu(r.matmul(xs.back(), w[l])));  // [batch, c]: my columns of the first layer
@@ -103,8 +106,8 @@ void megatron_pairs(Rank& r, const Options& o) {
       xs.push_back(r.relu(partial));
     }
     Tensor out_sum = mlp::output_sum(r, xs.back());
-    r.region_end();
-    r.region_begin("backward");
+    phase.reset();
+    phase.emplace(&r, "backward");
     std::vector<Tensor> grads(layers);
     Tensor dy = dloss;
     for (int l = layers - 2; l >= 0; l -= 2) {
@@ -118,7 +121,7 @@ void megatron_pairs(Rank& r, const Options& o) {
       r.all_reduce(dy, ReduceOp::Sum);
       traffic.add(dy);
     }
-    r.region_end();
+    phase.reset();
     {
       auto scope = r.region("optimizer");
       opt.step(grads);
@@ -206,26 +209,28 @@ void tensor_parallel(Rank& r, const Options& o) {
   double step_us = 0, launched_us = 0;
 
   for (int step = 1; step <= o.steps; ++step) {
+    // The step's phases as regions; an exception (running out of memory) closes the open one.
+    std::optional<Rank::Region> phase;
     r.synchronize();
     r.barrier();
     const double t0 = r.now();
     traffic = {};
 
     // Forward: my columns of each layer's output, then everyone's, for the next layer.
-    r.region_begin("forward");  // the phases, named on the timeline and matched by `ranklab compare`
-    std::vector<Tensor> xs{x};  // each layer's whole input: the samples, then transposed outputs
-    std::vector<Tensor> hs;     // each layer's output, my columns, transposed
+    phase.emplace(&r, "forward");  // the phases, named on the timeline and matched by `ranklab compare`
+    std::vector<Tensor> xs{x};     // each layer's whole input: the samples, then transposed outputs
+    std::vector<Tensor> hs;        // each layer's output, my columns, transposed
     for (int l = 0; l < layers; ++l) {
       hs.push_back(forward_columns(r, xs[l], l == 0, w[l]));   // [dim/W, batch]
       xs.push_back(all_gather_columns(r, o, hs[l], traffic));  // [dim, batch]
     }
     Tensor out_sum = mlp::output_sum(r, xs.back());  // every rank has the whole output
-    r.region_end();
+    phase.reset();
 
     // Backward. My columns' gradient needs only my columns of the output gradient; the input's gradient
     // is a sum over every rank's columns (dz @ w^T), so it is reduced, and scattered: each rank needs only
     // the columns its own previous layer produced.
-    r.region_begin("backward");
+    phase.emplace(&r, "backward");
     std::vector<Tensor> grads(layers);
     Tensor dh = dloss;
     for (int l = layers - 1; l >= 0; --l) {
@@ -233,7 +238,7 @@ void tensor_parallel(Rank& r, const Options& o) {
       grads[l] = r.matmul(xs[l], dz, l == 0 ? Trans::Yes : Trans::No, Trans::Yes);  // local, exact
       if (l > 0) dh = reduce_scatter_columns(r, o, r.matmul(w[l], dz), traffic);
     }
-    r.region_end();
+    phase.reset();
     peak_memory.sample();  // every gradient and every activation
     xs.clear();
     hs.clear();

@@ -201,3 +201,19 @@ TEST(LessonOutput, SaysWhenLaunchOverheadDominates) {
 
 }  // namespace
 }  // namespace ranklab
+
+namespace ranklab {
+namespace {
+
+TEST(Tour, RunsAtFourRanksWithEveryCheckPassing) {
+  // What `make demo` runs. Its data parallel section runs out of memory on purpose; the regions open at
+  // that moment must close with the exception.
+  Options o;
+  o.world = 4;
+  o.quiet = true;
+  const RunReport rep = run("tour", o, 1);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
+}  // namespace
+}  // namespace ranklab
