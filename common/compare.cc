@@ -33,6 +33,7 @@ void for_each_option(F&& f) {
   f("schedule", &Options::schedule);
   f("async-p2p", &Options::async_p2p);
   f("overlap", &Options::overlap);
+  f("megatron", &Options::megatron);
   f("bucket-mb", &Options::bucket_mb);
   f("phantom", &Options::phantom);
   f("op", &Options::op);

@@ -405,8 +405,9 @@ void topology_section(std::string& out, const RunReport& r) {
   };
   double top_value = 0;
   for (const TopoLink& l : links) top_value = std::max(top_value, value(*l.traffic));
-  // Utilisation has an absolute scale: a link busy 15% of the run should look cool, however busy the others.
-  const double scale_top = by_util ? std::max(top_value, 1.0) : top_value;
+  // The scale runs to the busiest link of this run, whose absolute figure the legend gives: on an absolute
+  // scale a run whose busiest link is busy 2% of the time would be grey everywhere and show nothing.
+  const double scale_top = top_value;
 
   out += fmt::format(
       "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
@@ -494,10 +495,9 @@ void topology_section(std::string& out, const RunReport& r) {
   for (int i = 0; i <= 4; ++i)
     out += fmt::format("<stop offset=\"{}%\" stop-color=\"{}\"/>", i * 25, heat_colour(i / 4.0));
   out += "</linearGradient></defs>\n";
-  const std::string top_label = by_util
-                                    ? fmt::format("{:.0f}% of capacity over the run (busiest link: {:.1f}%)",
-                                                  100 * scale_top, 100 * top_value)
-                                    : human_bytes(top_value);
+  const std::string top_label =
+      by_util ? fmt::format("the busiest link: {:.2g}% of its capacity over the run", 100 * top_value)
+              : human_bytes(top_value);
   out += fmt::format(
       "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"160\" height=\"10\" fill=\"url(#heat)\"/>"
       "<text x=\"{:.1f}\" y=\"{:.1f}\">0</text><text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>"
@@ -708,19 +708,38 @@ constexpr const char* kTimelineScript = R"JS(
     while (lo < hi) { var mid = (lo + hi) >> 1; if (pm[mid] < t0) lo = mid + 1; else hi = mid; }
     return lo;
   }
+  // Each pixel column is painted in proportion to the time the band's spans cover in it (its coverage as
+  // opacity): a column of dense 1-px kernels on an idle background reads as mostly idle, as it is, not as
+  // solid compute. Fully covered runs of columns are one rectangle.
   function drawBand(a, pm, y, h, fill) {
     ctx.fillStyle = fill;
-    var x0 = -1, x1 = -1, left = LABEL, right = width - RIGHT;
+    var left = LABEL, right = width - RIGHT, cols = Math.max(1, Math.ceil(right - left));
+    var cov = new Float32Array(cols), any = false;
     for (var j = firstVisible(pm); j < pm.length; j++) {
       var s = a[3 * j], e = a[3 * j + 1];
       if (s > t1) break;
       if (e < t0) continue;
-      var a0 = Math.max(left, px(s)), a1 = Math.min(right, Math.max(px(e), px(s) + 1));
-      if (x1 >= 0 && a0 <= x1 + 0.5) { x1 = Math.max(x1, a1); continue; }
-      if (x1 >= 0) ctx.fillRect(x0, y, Math.max(1, x1 - x0), h);
-      x0 = a0; x1 = a1;
+      var x0 = Math.max(0, px(s) - left), x1 = Math.min(cols, px(e) - left);
+      if (x1 <= x0) continue;
+      any = true;
+      var c0 = Math.floor(x0), c1 = Math.floor(x1);
+      if (c0 === c1) { cov[c0] += x1 - x0; continue; }
+      cov[c0] += c0 + 1 - x0;
+      for (var c = c0 + 1; c < c1 && c < cols; c++) cov[c] += 1;
+      if (c1 < cols) cov[c1] += x1 - c1;
     }
-    if (x1 >= 0) ctx.fillRect(x0, y, Math.max(1, x1 - x0), h);
+    if (!any) return;
+    var run = -1;
+    for (var c = 0; c <= cols; c++) {
+      var v = c < cols ? Math.min(1, cov[c]) : 0;
+      if (v >= 0.999) { if (run < 0) run = c; continue; }
+      if (run >= 0) { ctx.fillRect(left + run, y, c - run, h); run = -1; }
+      if (v > 0.02) {
+        ctx.globalAlpha = v;
+        ctx.fillRect(left + c, y, 1, h);
+        ctx.globalAlpha = 1;
+      }
+    }
   }
   function niceStep(span, pixels) {
     var raw = span / Math.max(1, pixels / 110), p = Math.pow(10, Math.floor(Math.log10(raw)));

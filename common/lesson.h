@@ -25,6 +25,7 @@ struct Options {
   std::string schedule = "1f1b";     // naive | gpipe | 1f1b
   bool async_p2p = false;            // pipeline: isend/irecv instead of send/recv
   bool overlap = false;              // data parallel: all-reduce gradients during backward
+  bool megatron = false;             // tensor parallel: column-then-row pairs, one all_reduce each
   double bucket_mb = 25;             // data parallel: gradient bucket size
   bool phantom = false;              // time the lesson at its size without numbers
   std::string op = "all_reduce";     // benchmark: which collective
@@ -63,10 +64,22 @@ struct Options {
 
 using LessonFn = std::function<void(Rank&, const Options&)>;
 
+// One option a lesson reads: its name as the command line spells it without the dashes ("batch",
+// "world"), its value for this lesson as typed ("128"; "true" for a flag), and one line on what it does.
+struct LessonOption {
+  std::string name;
+  std::string value;
+  std::string help;
+};
+
 struct Lesson {
   std::string name;
   std::string summary;
   LessonFn fn;
+  // What `ranklab run NAME --help` lists, with the defaults `run` gives this lesson.
+  std::vector<LessonOption> options{};
+  // What --lecture sets: the lecture's own setup of this lesson.
+  std::vector<LessonOption> lecture{};
 };
 
 // Registers at static-initialisation time; returns true so it can initialise a namespace-scope bool.
@@ -83,5 +96,17 @@ RunReport run_lesson(Backend& backend, const std::string& name, const Options& o
 
 #define RANKLAB_LESSON(name, summary, fn) \
   static const bool ranklab_lesson_registered_##fn = ::ranklab::register_lesson({name, summary, fn})
+// The same, with the lesson's options (std::vector<LessonOption>) and the lecture's setup.
+#define RANKLAB_LESSON_WITH_OPTIONS(name, summary, fn, options, lecture) \
+  static const bool ranklab_lesson_registered_##fn =                     \
+      ::ranklab::register_lesson({name, summary, fn, options, lecture})
+
+// `given` with the lesson's defaults for every option the command line did not set (`set` holds the
+// names it did), and with --lecture the lecture's setup over those defaults. UsageError for a value that
+// does not parse.
+Options with_lesson_defaults(const Lesson& lesson, const Options& given, const std::vector<std::string>& set,
+                             bool lecture);
+// What `ranklab run NAME --help` prints.
+std::string lesson_help(const Lesson& lesson);
 
 }  // namespace ranklab

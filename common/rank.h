@@ -12,7 +12,8 @@
 //    it would be a silent race).
 //  - synchronize() moves the host to the end of its streams' work (torch.cuda.synchronize()).
 //    barrier() is a host rendezvous: it does not wait for device work. So barrier() before
-//    synchronize() measures too little, exactly as the lecture warns.
+//    synchronize() does not line the ranks' devices up, exactly as the lecture warns: each rank's clock
+//    starts (or stops) when its own device is done, not when every rank's is.
 //  - now() reads the host clock in microseconds.
 //
 // Ranks (root, src, dst) are global ranks, as in torch.distributed, also inside a sub-group.

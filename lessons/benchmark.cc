@@ -112,41 +112,55 @@ std::function<void()> make_call(Rank& r, CommOp op, std::int64_t count) {
 }
 
 // The lecture's measurement: a warm-up, `before` (extra device work that differs between ranks), the
-// fence, the timed call, synchronize(). The right fence is synchronize() then barrier(): every rank's
-// device is idle and every rank has arrived before anyone starts the clock. The wrong one, barrier() then
-// synchronize(), lets each rank start its clock when its own device is idle, which is not when the
-// others are ready.
+// fence, the timed call, the fence again. The right fence is synchronize() then barrier(): every rank's
+// device is idle and every rank has arrived before anyone reads the clock, so every rank starts together
+// and stops together, and they all measure the same duration. barrier() does not wait for the device, so
+// the wrong fence, barrier() then synchronize(), lines up only the hosts: each rank then starts its clock
+// when its own device is idle, which is not when the others are ready, and a rank that was ready early
+// also times the wait for the late ones.
 double measure_us(Rank& r, const std::function<void()>& call, const std::function<void()>& before,
                   bool wrong_order) {
+  auto fence = [&] {
+    if (wrong_order) {
+      r.barrier();
+      r.synchronize();
+    } else {
+      r.synchronize();
+      r.barrier();
+    }
+  };
   call();  // warm-up: NCCL sets up its connections on the first call
   before();
-  if (wrong_order) {
-    r.barrier();
-    r.synchronize();
-  } else {
-    r.synchronize();
-    r.barrier();
-  }
+  fence();
   const double t0 = r.now();
   call();
-  r.synchronize();
+  fence();
   return r.now() - t0;
 }
 
 void check_numerics(Rank& r) {
-  // Rank i holds [i, i+1, ..., i+1023]; element j of the sum is W*j + W(W-1)/2, exact in float32.
+  // Rank i holds (i + j) mod 8 at element j: small integers, so every partial sum of any order is an
+  // integer below 7 W, exact in float32 up to W = 2^24 / 7 (2.4 million ranks), and the check can ask
+  // for the exact sum at any world size.
   const int w = r.world_size(), n = 1024;
-  Tensor t = r.arange({n}, static_cast<float>(r.rank()));
+  std::vector<float> mine(n);
+  for (int j = 0; j < n; ++j) mine[j] = static_cast<float>((r.rank() + j) % 8);
+  Tensor t = r.from_host({n}, mine);
   r.all_reduce(t, ReduceOp::Sum);
   const std::vector<float> got = r.to_host(t);
+  auto want = [w](int j) {  // sum over i < w of (i + j) mod 8: w / 8 full cycles of 0..7, then the rest
+    std::int64_t s = static_cast<std::int64_t>(w / 8) * 28;
+    for (int i = w / 8 * 8; i < w; ++i) s += (i + j) % 8;
+    return s;
+  };
   int wrong = -1;
   for (int j = 0; j < n && wrong < 0; ++j) {
-    if (got[j] != static_cast<float>(w * j + w * (w - 1) / 2)) wrong = j;
+    if (static_cast<double>(got[j]) != static_cast<double>(want(j))) wrong = j;
   }
   r.check("a small all_reduce of real numbers gives every rank the elementwise sum", wrong < 0,
           wrong < 0 ? ""
-                    : fmt::format("rank {} element {}: {} instead of {}", r.rank(), wrong, got[wrong],
-                                  w * wrong + w * (w - 1) / 2));
+                    : fmt::format("rank {} element {}: expected {}, got {:.9g}", r.rank(), wrong, want(wrong),
+                                  got[wrong]));
   if (r.rank() == 0) {
     r.print(fmt::format("Numerics: a 1024-element all_reduce of real numbers is checked on every rank ({}).",
                         wrong < 0 ? "the sum, exactly" : "WRONG, see the checks"));
@@ -196,7 +210,7 @@ void lecture(Rank& r, const Options& o) {
         "Timing all_reduce and reduce_scatter of {} float32 ({}) on {} ranks, as the lecture does:", count,
         bytes_str(size), w));
     r.print(fmt::format(
-        "a warm-up call, rank r does {} GEMMs (uneven work), {}, the timed call, synchronize().",
+        "a warm-up call, rank r does {} GEMMs (uneven work), {}, the timed call, the same again.",
         w <= kUnevenPeriod ? "r" : "r mod 8",
         o.wrong_order ? "barrier() then synchronize() [--wrong-order]" : "synchronize() then barrier()"));
   }
@@ -226,14 +240,21 @@ void lecture(Rank& r, const Options& o) {
                     ar ? "" : fmt::format(" in (W x {} per rank), {} out", bytes_str(size), bytes_str(size)),
                     algorithm_of(o, x.op, static_cast<std::int64_t>(x.size_bytes), w, -1)));
     r.print(fmt::format("  duration {:.3f} ms", x.time_us / 1e3));
-    auto row = [&](const std::string& what, double gbps, const char* note) {
-      r.print(fmt::format("  {:<52} = {:7.1f} GB/s  {}", what, gbps, note));
+    auto row = [&](const std::string& what, double gbps, const std::string& note) {
+      r.print(fmt::format("  {:<58} = {:7.1f} GB/s  {}", what, gbps, note));
     };
     row("algbw = size / duration", algbw, "");
     row(fmt::format("busbw = algbw x {}", ar ? "2(W-1)/W" : "(W-1)/W"), busbw, "(nccl-tests)");
-    row(fmt::format("the lecture's code: {}size x (W-1) / (W x duration)", ar ? "2 x " : ""), busbw,
-        "(the same)");
-    row("the lecture's text: divides by W once more", busbw / w, "(not a bandwidth)");
+    // The lecture's code, literally: data_bytes is the bytes of the tensor it passes (all_reduce: the
+    // tensor; reduce_scatter: the output, one rank's share), sent_bytes = data_bytes x 2 (W-1) for
+    // all_reduce and x (W-1) for reduce_scatter, total_duration = W x duration.
+    if (ar) {
+      row("the lecture's code: data_bytes x 2(W-1) / (W x duration)", busbw, "(= busbw)");
+    } else {
+      row("the lecture's code: output bytes x (W-1) / (W x duration)", busbw / w,
+          fmt::format("(= busbw / W: it counts the output, size / W, where nccl-tests counts the input)"));
+    }
+    if (ar) row("the lecture's text: 2 x size x (W-1)/W / (W x duration)", busbw / w, "(= busbw / W)");
   }
   if (o.wrong_order) {
     // Every rank's own measurement, side by side (show() is out of band: it costs no time).
@@ -245,11 +266,12 @@ void lecture(Rank& r, const Options& o) {
     if (!me) return;
     r.print("");
     r.print(
-        "With barrier() before synchronize() the barrier passes while devices are still busy, so each rank");
+        "barrier() does not wait for the device. With barrier() before synchronize() the hosts meet while");
+    r.print("the devices are still busy, and each rank starts its clock when its own device is done: a rank");
+    r.print("that was ready early (rank 0 has no extra work) also times the wait for the slower ones, so it");
     r.print(
-        "starts its clock when its own GPU is done: rank 0 also times the wait for the slower ranks, and "
-        "the");
-    r.print("ranks disagree. synchronize() then barrier() gives every rank the collective's own time.");
+        "measures too much, and the ranks disagree. synchronize() then barrier() starts every clock when");
+    r.print("the last device is ready, and every rank measures the collective alone.");
   } else if (me) {
     r.print("");
     r.print(
@@ -257,7 +279,25 @@ void lecture(Rank& r, const Options& o) {
         "the");
     r.print(
         "data, in about twice the time per byte. The bus factor undoes exactly that, so the two busbw "
-        "agree.");
+        "agree");
+    // busbw of each: size / time x its bus factor.
+    auto busbw = [&](const Result& x) { return x.size_bytes / x.time_us * bus_factor(x.op, w); };
+    const double ratio = busbw(results[1]) / busbw(results[0]);
+    if (w > 1 && (ratio < 0.8 || ratio > 1.25)) {
+      r.print(fmt::format(
+          "once transfers dominate. At {} they do not yet ({:.0f} against {:.0f} GB/s): each call's fixed "
+          "latency still counts. At the lecture's --count 100000000 they agree.",
+          bytes_str(size), busbw(results[0]) / 1e3, busbw(results[1]) / 1e3));
+    } else {
+      r.print("once transfers dominate, as they do at this size.");
+    }
+    r.print(
+        "The lecture's reduce_scatter code counts the output's bytes (size / W) where nccl-tests counts the "
+        "input's,");
+    r.print(fmt::format(
+        "so its figure is busbw / W: a {} of it here, and smaller the more ranks there are, however fast "
+        "the links.",
+        w == 4 ? "quarter" : fmt::format("1/{}", w)));
   }
 }
 
@@ -271,7 +311,7 @@ void sweep(Rank& r, const Options& o) {
                     "-b 8 -e 16G -f 2)",
                     comm_op_name(op), w));
     r.print(
-        "# one warm-up and one timed call per size; time from synchronize() + barrier() to synchronize()");
+        "# one warm-up and one timed call per size; time from synchronize() + barrier() to the same again");
     r.print("#");
     r.print(fmt::format("# {:>12} {:>13} {:>9} {:>6} {:>5} {:>10} {:>8} {:>8}  {}", "size", "count", "type",
                         "redop", "root", "time", "algbw", "busbw", "algorithm"));
@@ -305,8 +345,18 @@ void benchmark(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("benchmark",
-               "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table",
-               benchmark);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks"},
+    {"count", "100000000", "float32 elements of the timed all_reduce (400 MB, the lecture's)"},
+    {"wrong-order", "false", "barrier() before synchronize(): see what that measures"},
+    {"sweep", "false", "nccl-tests' table of --op from 8 B to 16 GiB instead"},
+    {"op", "all_reduce", "with --sweep: the collective to time"},
+};
+const std::vector<LessonOption> kLecture = {{"world", "4", ""}, {"count", "100000000", ""}};
+
+RANKLAB_LESSON_WITH_OPTIONS(
+    "benchmark",
+    "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table", benchmark,
+    kOptions, kLecture);
 
 }  // namespace ranklab

@@ -15,16 +15,53 @@
 namespace ranklab {
 namespace {
 
-// Records whether `t` holds exactly `want` on every rank (the values are small integers, so exact).
-void expect(Rank& r, const std::string& what, const Tensor& t, const std::vector<float>& want) {
+// Records whether `t` holds `want` on this rank, element i within bound[i]; a failure names the first
+// element out of bounds with every digit of both numbers. Copies (broadcast, gather, all_to_all, ...) and
+// max / min are exact: bound 0. A reduction that sums or multiplies rounds, and the ranks' float32 numbers
+// may be combined in any order (the simulator goes in member order, NCCL's ring in another), so its
+// bound is the one that holds for every order; see sum_bound and product_bound.
+void expect(Rank& r, const std::string& what, const Tensor& t, const std::vector<double>& want,
+            const std::vector<double>& bound = {}) {
   const std::vector<float> got = r.to_host(t);
-  r.check(what, got == want,
-          got == want ? "" : fmt::format("rank {} has {}", r.rank(), format_values(t.shape(), got)));
+  std::string detail;
+  for (size_t i = 0; i < want.size() && detail.empty(); ++i) {
+    const double b = bound.empty() ? 0.0 : bound[i];
+    const bool ok = i < got.size() && (got[i] == want[i] || std::fabs(got[i] - want[i]) <= b);
+    if (!ok) {
+      detail = fmt::format("rank {} element {}: expected {:.17g}, got {:.9g} (bound {:.3g}); rank {} has {}",
+                           r.rank(), i, want[i], i < got.size() ? got[i] : NAN, b, r.rank(),
+                           format_values(t.shape(), got));
+    }
+  }
+  if (got.size() != want.size() && detail.empty()) {
+    detail = fmt::format("rank {}: {} values where {} were expected", r.rank(), got.size(), want.size());
+  }
+  r.check(what, detail.empty(), detail);
 }
 
-std::vector<float> iota(int n, float start) {
-  std::vector<float> v(n);
-  for (int i = 0; i < n; ++i) v[i] = start + static_cast<float>(i);
+// float32's unit roundoff, and Higham's gamma_n = n u / (1 - n u).
+constexpr double kUnit = 0x1p-24;
+double gamma(int n) {
+  return n * kUnit / (1 - n * kUnit);
+}
+// A float32 sum of w numbers, added in any order, is within gamma_{w-1} * sum |x_i| of the exact sum
+// (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 4.2). While every partial sum is an
+// integer below 2^24 it is exact, and so is any order.
+double sum_bound(int w, double sum_of_magnitudes) {
+  return gamma(w - 1) * sum_of_magnitudes;
+}
+// A float32 product of w numbers, in any order, is within gamma_{w-1} of the exact product, relatively.
+double product_bound(int w, double product) {
+  return gamma(w - 1) * std::fabs(product);
+}
+
+std::vector<double> as_double(const std::vector<float>& v) {
+  return {v.begin(), v.end()};
+}
+
+std::vector<double> iota(int n, double start) {
+  std::vector<double> v(n);
+  for (int i = 0; i < n; ++i) v[i] = start + i;
   return v;
 }
 
@@ -58,10 +95,10 @@ void collectives(Rank& r, const Options& o) {
   {
     Tensor in = me == 0 ? r.arange(w) : Tensor();
     Tensor out = r.zeros({1});
-    if (me == 0) r.print(fmt::format("  Input:   rank0 = {}", format_values({w}, iota(w, 0))));
+    if (me == 0) r.print(fmt::format("  Input:   rank0 = {}", format_values({w}, r.to_host(in))));
     r.scatter(out, in, 0);
     r.show("  Output: ", out);
-    expect(r, "scatter gives rank i piece i", out, {static_cast<float>(me)});
+    expect(r, "scatter gives rank i piece i", out, {static_cast<double>(me)});
   }
 
   // Gather: the inverse of scatter.
@@ -86,14 +123,15 @@ void collectives(Rank& r, const Options& o) {
     r.reduce(t, 0, ReduceOp::Sum);
     if (me == 0) {
       r.print(fmt::format("  Output:  rank0 = {}", format_values({1}, r.to_host(t))));
-      expect(r, "reduce sums every rank's value on rank 0", t, {static_cast<float>(w * (w - 1) / 2)});
+      const double sum = w * (w - 1.0) / 2;
+      expect(r, "reduce sums every rank's value on rank 0", t, {sum}, {sum_bound(w, sum)});
     }
   }
 
   // All-gather: gather, with the result on every rank.
   heading(r, "all_gather",
           "Gather with the result on every rank: how sharded parameters are put back together.");
-  const std::vector<float> gathered = iota(w, 0);
+  const std::vector<double> gathered = iota(w, 0);
   {
     Tensor in = r.full({1}, static_cast<float>(me));
     Tensor out = r.zeros({w});
@@ -107,15 +145,19 @@ void collectives(Rank& r, const Options& o) {
   heading(r, "reduce_scatter(Sum)",
           "Component i is summed over ranks and lands on rank i: how gradients are sharded.");
   // Rank i holds [i, i+1, ..., i+w-1], as in the lecture; component j sums to sum_i (i + j).
-  std::vector<float> summed(w);
-  for (int j = 0; j < w; ++j) summed[j] = static_cast<float>(w * j + w * (w - 1) / 2);
+  // Every term is positive, so the sum of magnitudes is the sum itself.
+  std::vector<double> summed(w), summed_bound(w);
+  for (int j = 0; j < w; ++j) {
+    summed[j] = static_cast<double>(w) * j + w * (w - 1.0) / 2;
+    summed_bound[j] = sum_bound(w, summed[j]);
+  }
   Tensor rs_out = r.zeros({1});
   {
     Tensor in = r.arange({w}, static_cast<float>(me));
     r.show("  Input:  ", in);
     r.reduce_scatter(rs_out, in, ReduceOp::Sum);
     r.show("  Output: ", rs_out);
-    expect(r, "reduce_scatter leaves component i's sum on rank i", rs_out, {summed[me]});
+    expect(r, "reduce_scatter leaves component i's sum on rank i", rs_out, {summed[me]}, {summed_bound[me]});
   }
 
   // All-reduce: every rank ends with the sum of every rank's tensor.
@@ -124,7 +166,7 @@ void collectives(Rank& r, const Options& o) {
   r.show("  Input:  ", ar);
   r.all_reduce(ar, ReduceOp::Sum);
   r.show("  Output: ", ar);
-  expect(r, "all_reduce gives every rank the sum", ar, summed);
+  expect(r, "all_reduce gives every rank the sum", ar, summed, summed_bound);
 
   // The identity: reduce-scatter then all-gather is an all-reduce.
   heading(r, "reduce_scatter + all_gather = all_reduce",
@@ -133,9 +175,12 @@ void collectives(Rank& r, const Options& o) {
     Tensor rebuilt = r.zeros({w});
     r.all_gather(rebuilt, rs_out);
     r.show("  all_gather(reduce_scatter(x)): ", rebuilt);
-    const std::vector<float> a = r.to_host(rebuilt), b = r.to_host(ar);
-    r.check("reduce_scatter followed by all_gather equals all_reduce", a == b,
-            a == b ? "" : fmt::format("rank {}: {} vs {}", me, format_values({w}, a), format_values({w}, b)));
+    // Both are within their bound of the exact sums, so within twice it of each other (equal while the
+    // sums are exact).
+    std::vector<double> twice(w);
+    for (int j = 0; j < w; ++j) twice[j] = 2 * summed_bound[j];
+    expect(r, "reduce_scatter followed by all_gather equals all_reduce", rebuilt, as_double(r.to_host(ar)),
+           twice);
   }
 
   // All-to-all: piece j of rank i goes to rank j; with equal pieces it transposes the rank x piece matrix.
@@ -147,8 +192,8 @@ void collectives(Rank& r, const Options& o) {
     r.show("  Input:  ", in);
     r.all_to_all(out, in);
     r.show("  Output: ", out);
-    std::vector<float> want(w);
-    for (int i = 0; i < w; ++i) want[i] = static_cast<float>(i * w + me);
+    std::vector<double> want(w);
+    for (int i = 0; i < w; ++i) want[i] = static_cast<double>(i) * w + me;
     expect(r, "all_to_all transposes the pieces", out, want);
   }
 
@@ -157,24 +202,30 @@ void collectives(Rank& r, const Options& o) {
   for (ReduceOp op : {ReduceOp::Max, ReduceOp::Min, ReduceOp::Prod, ReduceOp::Avg}) {
     Tensor t = r.full({1}, static_cast<float>(me + 1));
     r.all_reduce(t, op);
-    float want = 0;
+    double want = 0, bound = 0;
     switch (op) {
       case ReduceOp::Max:
-        want = static_cast<float>(w);
+        want = w;
         break;
       case ReduceOp::Min:
         want = 1;
         break;
       case ReduceOp::Prod:
-        want = static_cast<float>(std::tgamma(w + 1));
+        // w!: past 34! (3.0e38) it is more than float32 holds (3.4e38), and every order overflows to inf.
+        want = w <= 34 ? std::tgamma(w + 1.0) : INFINITY;
+        bound = w <= 34 ? product_bound(w, want) : 0;
         break;
       default:
-        want = static_cast<float>(w + 1) / 2;
+        // The sum divided by w; NCCL multiplies each term by 1/w first: two roundings more than a sum.
+        want = (w + 1.0) / 2;
+        bound = gamma(w + 1) * want;
     }
-    if (me == 0)
-      r.print(fmt::format("  all_reduce({}) of rank+1 = {}", reduce_op_name(op),
-                          format_values({1}, r.to_host(t))));
-    expect(r, fmt::format("all_reduce({}) of rank+1", reduce_op_name(op)), t, {want});
+    if (me == 0) {
+      r.print(fmt::format("  all_reduce({}) of rank+1 = {}{}", reduce_op_name(op),
+                          format_values({1}, r.to_host(t)),
+                          op == ReduceOp::Prod && w > 34 ? "  (35! and beyond overflow float32)" : ""));
+    }
+    expect(r, fmt::format("all_reduce({}) of rank+1", reduce_op_name(op)), t, {want}, {bound});
   }
 
   // Async: the call returns at once and wait() orders later work after it.
@@ -183,13 +234,18 @@ void collectives(Rank& r, const Options& o) {
     Tensor t = r.full({2}, 1.0f);
     Work work = r.all_reduce(t, ReduceOp::Sum, Async::Yes);
     work.wait();
-    expect(r, "async all_reduce after wait()", t, {static_cast<float>(w), static_cast<float>(w)});
+    expect(r, "async all_reduce after wait()", t, {static_cast<double>(w), static_cast<double>(w)});
     if (me == 0) r.print(fmt::format("  rank0 = {} after wait()", format_values({2}, r.to_host(t))));
   }
 }
 
 }  // namespace
 
-RANKLAB_LESSON("collectives", "every collective of the lecture on real numbers, checked", collectives);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks: every line of output is one rank's tensor"}};
+const std::vector<LessonOption> kLecture = {{"world", "4", "the lecture's examples"}};
+
+RANKLAB_LESSON_WITH_OPTIONS("collectives", "every collective of the lecture on real numbers, checked",
+                            collectives, kOptions, kLecture);
 
 }  // namespace ranklab

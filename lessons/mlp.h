@@ -46,6 +46,9 @@ Tensor make_weight(Rank& r, const Options& o, int layer);
 // framework reads only its shard from a checkpoint.
 Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols);
 
+// Rows [first_row, first_row + rows) of layer `layer`'s weight, rows x dim, with make_weight's numbers.
+Tensor make_weight_rows(Rank& r, const Options& o, int layer, std::int64_t first_row, std::int64_t rows);
+
 // ---- one layer, forward and backward by hand --------------------------------------------------------------
 
 // y = relu(x @ w)
@@ -112,6 +115,12 @@ class Reference {
   // Row-major dim x dim values: the gradient of the last step, and the weight after it.
   const std::vector<float>& grad(int layer) const;
   const std::vector<float>& weight(int layer) const;
+  // How far a float32 training can be from each of those numbers, element by element: the bound the
+  // reference carries beside its numbers (mlp.cc derives it). A distributed run further away than that
+  // is wrong, whatever the world size, the dimensions or the optimizer.
+  double loss_bound() const;
+  const std::vector<float>& grad_bound(int layer) const;
+  const std::vector<float>& weight_bound(int layer) const;
 
   struct Shared;  // the one training all ranks' references read
   struct Result;  // one step's loss, gradients and weights
@@ -127,17 +136,21 @@ class Reference {
 std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::int64_t cols,
                            std::int64_t first, std::int64_t count);
 
-// How far a tensor is from the reference: float32 tolerance, relative to the largest reference value.
+// How far a rank's numbers are from the reference's, element by element, against the bound on how far
+// float32 can take them. The check passes when no element uses more than all of its bound.
 struct Diff {
-  static constexpr double kTolerance = 1e-4;
-  double max_abs = 0;  // the largest |got - want|
-  double scale = 0;    // the largest |want|
-  double relative() const { return max_abs / (scale > 1e-30 ? scale : 1.0); }
-  bool ok() const { return relative() <= kTolerance; }
+  double worst = 0;    // the largest |got - want| / bound
+  std::string where;   // that element: what it is, expected and actual with full digits, the bound
+  double max_abs = 0;  // the largest |got - want|, and the largest |want| of the same tensor: for the
+  double scale = 0;    // relative difference the lessons print beside the check
+  double relative() const;
+  bool ok() const { return worst <= 1; }
   void merge(const Diff& d);
 };
-Diff compare(const std::vector<float>& got, const std::vector<float>& want);
-Diff compare(double got, double want);
+// `cols` lays the numbers out as rows for naming the worst element: "layer 2 weight [3, 7]".
+Diff compare(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& bound,
+             const std::string& what, std::int64_t cols);
+Diff compare(double got, double want, double bound, const std::string& what);
 // After a step: this rank's gradients and weights of layers first_layer, first_layer + 1, ... against the
 // reference's, or against their columns [first_col, first_col + cols) when the rank holds a column slice.
 Diff compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& grads,
@@ -147,26 +160,15 @@ Diff compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& gr
 void check_step(Rank& r, const std::string& lesson, int step, const std::string& what, const Diff& d,
                 const std::string& where = "");
 
+// "yes (at worst 0.31 of float32's rounding bound; largest relative difference 1.2e-06)", from the worst
+// of every rank's Diff::worst and Diff::relative().
+std::string agreement(double worst, double relative);
+
 // A hash of tensors' bytes, as four 16-bit pieces (exact in float32, so a float tensor can carry them to
 // another rank): equal hashes mean, with overwhelming probability, the same bits.
 std::vector<float> fingerprint(const std::vector<std::vector<float>>& tensors);
 
 // ---- bookkeeping for the output ---------------------------------------------------------------------------
-
-// Where the time goes, without events: a one-element marker tensor gets a tiny kernel on the compute
-// stream, and reading it back makes the host wait until the stream has reached that point (to_host waits
-// for the compute stream, not for communication still in flight). So `at()` is the time the compute
-// stream got there, while asynchronous communication keeps running. Each call costs the host a kernel
-// launch and a wait, and the stream then idles while the host launches the next kernel.
-class StreamClock {
- public:
-  explicit StreamClock(Rank& r);
-  double at();
-
- private:
-  Rank& r_;
-  Tensor marker_;
-};
 
 // This lesson's peak memory. The device's high-water mark (Rank::memory_peak) covers the whole run, so
 // when a lesson runs after others (the tour) the mark may be theirs; then the lesson reports the most it
@@ -205,6 +207,11 @@ inline std::int64_t f32_bytes(std::int64_t n) {
 }
 // Optimizer state for `param_bytes` of parameters: AdamW keeps two moments, SGD nothing.
 std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes);
+
+// When the host was still launching the step's kernels almost until the device finished them (`launched_us`
+// of `step_us`), the device spent the step waiting for launches, not computing: a line that says so, and
+// what makes compute visible. Empty otherwise.
+std::string launch_note(double launched_us, double step_us);
 
 // "1.5 KiB", "3.0 GiB"
 std::string format_bytes(double bytes);

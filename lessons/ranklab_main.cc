@@ -89,6 +89,7 @@ void add_lesson_options(CLI::App& run, Options& o) {
       ->check(CLI::IsMember({"naive", "gpipe", "1f1b"}));
   run.add_flag("--async-p2p", o.async_p2p, "pipeline: isend/irecv instead of send/recv");
   run.add_flag("--overlap", o.overlap, "data parallel: all-reduce gradients during backward");
+  run.add_flag("--megatron", o.megatron, "tensor parallel: Megatron's column-then-row pairs");
   run.add_option("--bucket-mb", o.bucket_mb, "data parallel: gradient bucket size in MiB")
       ->check(positive_finite());
   run.add_flag("--phantom", o.phantom, "time the lesson without numbers (phantom tensors)");
@@ -242,6 +243,10 @@ int run_command(const std::string& lesson, const std::string& backend_name, cons
   o.peak_tflops_fp32 = profile.gpu.peak_tflops_fp32;
   o.gpus_per_node = profile.gpus_per_node;
   std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o, stack_kib);
+  if (backend_name == "sim") {  // every time below is the model's, not this machine's
+    std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson.c_str(), o.world,
+                profile.gpu.name.c_str(), profile.name.c_str(), profile.nodes, profile.nodes == 1 ? "" : "s");
+  }
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
   record_run_config(report, profile, o);
@@ -510,6 +515,8 @@ int ranklab::main_of(int argc, char** argv) {
   add_lesson_options(*run, options);
   run->add_option("--stack-kib", stack_kib, "simulator: each rank's stack in KiB (default 256)")
       ->check(CLI::Range(64, 1 << 20));
+  bool lecture = false;
+  run->add_flag("--lecture", lecture, "the lecture's own setup of the lesson (`ranklab run LESSON --help`)");
 
   CLI::App* compare = app.add_subcommand(
       "compare",
@@ -547,6 +554,19 @@ int ranklab::main_of(int argc, char** argv) {
                         "the collective an nccl-tests log measured, when it cannot be told");
   calibrate->add_option("-o,--output", fitted_path, "where to write the fitted profile (.toml)")->required();
 
+  // `ranklab run LESSON --help`: the lesson's own options and defaults.
+  if (argc >= 4 && std::string(argv[1]) == "run" && argv[2][0] != '-') {
+    for (int i = 3; i < argc; ++i) {
+      if (std::string(argv[i]) != "--help" && std::string(argv[i]) != "-h") continue;
+      try {
+        std::fputs(lesson_help(find_lesson(argv[2])).c_str(), stdout);
+        return 0;
+      } catch (const Error& e) {
+        std::fprintf(stderr, "ranklab: error: %s\n", e.what());
+        return 1;
+      }
+    }
+  }
   CLI11_PARSE(app, argc, argv);
 #if defined(RANKLAB_HAVE_CUDA)
   // Under mpirun or srun each process is one rank: the launcher says how many there are.
@@ -593,6 +613,15 @@ int ranklab::main_of(int argc, char** argv) {
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
+    // The lesson's defaults (and with --lecture the lecture's setup) for what the command line left unset.
+    const Lesson& chosen = find_lesson(lesson);
+    std::vector<std::string> set;
+    for (const auto* list : {&chosen.options, &chosen.lecture}) {
+      for (const LessonOption& opt : *list) {
+        if (run->count("--" + opt.name) > 0) set.push_back(opt.name);
+      }
+    }
+    options = with_lesson_defaults(chosen, options, set, lecture);
     apply_gpt_defaults(*run, lesson, options);
     return run_command(lesson, backend, profile,
                        run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, options,

@@ -39,12 +39,14 @@ std::int64_t multiple_of(std::int64_t n, std::int64_t w) {
 
 void tour(Rank& r, const Options& given) {
   const int w = r.world_size();
-  // Sizes every lesson accepts at this world size: the batch, the dimension and the layers are multiples
-  // of it.
+  // Sizes every lesson accepts at this world size: the batch and the dimension are multiples of it, and
+  // the pipeline's layers too. Data and tensor parallelism keep 4 layers at any world size: a deep net
+  // trained with plain SGD at these sizes becomes chaotic (a relu input within rounding of zero decides
+  // whether a gradient flows), and then no float32 run, on one device or many, follows exact arithmetic.
   Options o = given;
   o.batch = multiple_of(32, 4 * w);  // and of 4, for the pipeline's four micro-batches
   o.dim = multiple_of(64, w);
-  o.layers = static_cast<int>(multiple_of(4, w));
+  o.layers = 4;
   o.steps = 3;
   o.micro_batches = 4;
   o.phantom = false;
@@ -59,14 +61,39 @@ void tour(Rank& r, const Options& given) {
                     "docs/lessons/ explains each.",
                     w));
   }
+  if (r.rank() == 0) {
+    r.print("");
+    r.print("Words the output uses, in the order they appear:");
+    for (const char* line : {
+             "  [nvls/simple], ring/ll  the algorithm and protocol NCCL picks for a collective: ring passes "
+             "pieces "
+             "from GPU to GPU around a ring; tree goes up and down a tree; nvls lets the NVSwitch add the "
+             "pieces "
+             "itself. simple moves big chunks; ll (low latency) and ll128 trade bandwidth for latency on "
+             "small "
+             "messages.",
+             "  phantom tensors  tensors with a shape and no numbers: the lesson is timed at a size this "
+             "machine "
+             "could not hold, and its check against one device is skipped.",
+             "  bubble  the time a pipeline stage has nothing to compute while it waits for another stage.",
+             "  comm  time the communication stream moves data; comm wait  time a collective waits for the "
+             "last "
+             "member to arrive; exposed  communication the compute stream had to wait for (not hidden under "
+             "compute); idle  neither stream busy.",
+         }) {
+      r.print(line);
+    }
+  }
   section(
       r, "collectives", o,
       {"The primitives. Every rank runs the same program on its own data; a collective is a call every rank "
        "makes, and what each one gets back is defined by all of them."});
-  section(r, "benchmark", o,
-          {"Measuring a collective: synchronize first, then barrier, then read the clock; the other order "
-           "measures too little. Bandwidth is bytes over time, and the bus bandwidth compares algorithms "
-           "fairly."});
+  section(
+      r, "benchmark", o,
+      {"Measuring a collective: synchronize first, then barrier, then read the clock (and the same to stop "
+       "it). barrier() does not wait for the device, so the other order lines up only the hosts, and a "
+       "rank that was ready early also times the wait for the others. Bandwidth is bytes over time, and "
+       "the bus bandwidth compares algorithms fairly."});
   section(
       r, "data_parallel", o,
       {"Data parallelism: every rank holds the whole model and trains on batch/world samples. One "
@@ -96,6 +123,7 @@ void tour(Rank& r, const Options& given) {
        "forward and its gradient reduce-scattered in the backward: communication at every layer, which is "
        "why it stays inside a node's fast links."});
   Options pipe = o;
+  pipe.layers = static_cast<int>(multiple_of(4, w));
   pipe.schedule = "gpipe";
   pipe.quiet = true;
   section(
@@ -174,7 +202,11 @@ void tour(Rank& r, const Options& given) {
 
 }  // namespace
 
-RANKLAB_LESSON("tour",
-               "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour);
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks; the tour picks every lesson's sizes to fit them"}};
+
+RANKLAB_LESSON_WITH_OPTIONS(
+    "tour", "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour,
+    kOptions, {});
 
 }  // namespace ranklab

@@ -78,8 +78,17 @@ std::string format_topology(const Topology& topo) {
                        r.line_rate, w[2], r.sustained, w[3], r.latency, w[4], r.note);
   }
   const double intra = p.has_nvlink ? p.nvlink.gpu_bandwidth_gbps() : p.pcie.bandwidth_gbps;
-  out += fmt::format("  HBM is {:.1f}x the GPU's {} bandwidth, which is {:.1f}x its share of the network.\n",
-                     p.gpu.hbm_bandwidth_gbps / intra, p.has_nvlink ? "NVLink" : "PCIe", intra / share);
+  // HBM's figure is one total, reads and writes sharing it; a link's is per direction, and the figure
+  // vendors (and the lecture's "NVLink is about 1/4 of HBM") quote for NVLink is both directions added.
+  const char* link = p.has_nvlink ? "NVLink" : "PCIe";
+  out += fmt::format("  HBM: {}, reads and writes together. {}: {} per direction, {} both directions.\n",
+                     gbps(p.gpu.hbm_bandwidth_gbps), link, gbps(intra), gbps(2 * intra));
+  out += fmt::format(
+      "  HBM is {:.1f}x {} per direction, {:.1f}x counting both (NVIDIA's convention, and the lecture's "
+      "\"about 4x\").\n",
+      p.gpu.hbm_bandwidth_gbps / intra, link, p.gpu.hbm_bandwidth_gbps / (2 * intra));
+  out += fmt::format("  {} per direction is {:.1f}x the GPU's share of the network per direction.\n", link,
+                     intra / share);
 
   // The devices of each node (the first and last when there are many).
   out += "\nDevices:\n";

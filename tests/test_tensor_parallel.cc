@@ -47,6 +47,35 @@ TEST(TensorParallel, EqualsOneDeviceAfterEveryStep) {
   }
 }
 
+TEST(TensorParallel, MegatronPairsEqualOneDeviceWithOneAllReducePerPairEachWay) {
+  for (const char* optimizer : {"sgd", "adamw"}) {
+    for (int world : {1, 2, 3, 4, 16}) {
+      SCOPED_TRACE(::testing::Message() << optimizer << ", world " << world);
+      Options o = small(world, optimizer);
+      o.megatron = true;
+      if (world == 16) o.dim = 64;
+      SimBackend backend(testing::quiet_config(world > 8 ? 2 : 1));
+      RunReport rep = run_lesson(backend, "tensor_parallel", o);
+      EXPECT_TRUE(rep.all_checks_passed());
+      int steps_checked = 0, all_reduces = 0, others = 0;
+      for (const CheckRecord& c : rep.checks)
+        steps_checked += c.passed && c.what.find("--megatron step") != std::string::npos;
+      for (const CollectiveRecord& c : rep.collectives) {
+        if (c.op == CommOp::AllReduce && c.bytes == o.batch * o.dim * 4) {
+          ++all_reduces;
+        } else if (c.op != CommOp::Gather) {
+          ++others;  // the lesson's own; gather is the report's bookkeeping
+        }
+      }
+      EXPECT_EQ(steps_checked, o.steps * world);
+      if (world > 1) {
+        EXPECT_EQ(all_reduces, (o.layers - 1) * o.steps);  // 2 pairs: 2 forward, 1 backward
+      }
+      EXPECT_EQ(others, 0);
+    }
+  }
+}
+
 TEST(TensorParallel, AllGatherForwardReduceScatterBackwardAtEveryLayer) {
   const Options o = small(4, "sgd");
   RunReport rep = run("tensor_parallel", o);
