@@ -10,6 +10,7 @@
 #include <mutex>
 #include <tuple>
 
+#include "common/compute_checks.h"
 #include "common/errors.h"
 #include "real/cuda_check.h"
 #include "real/half_convert.h"
@@ -308,16 +309,7 @@ Tensor CudaRank::randn(const Shape& s, std::uint64_t seed, float std, DType dtyp
 
 Tensor CudaRank::randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length,
                              std::uint64_t seed, float std, DType dtype) {
-  if (dim < 0 || dim >= full.ndim()) {
-    throw UsageError(
-        fmt::format("{}: dimension {} is out of range for shape {}", where("randn_slice"), dim, full.str()));
-  }
-  if (start < 0 || length < 0 || start > full[dim] - length) {  // no overflow near INT64_MAX
-    std::int64_t end = 0;
-    if (__builtin_add_overflow(start, length, &end)) end = std::numeric_limits<std::int64_t>::max();
-    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
-                                 where("randn_slice"), start, end, dim, full.str(), full[dim]));
-  }
+  check_randn_slice(rank_, full, dim, start, length);
   Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
   void* p = require(t, "randn_slice", "out");
   const Layout l = layout_along(full, dim);
@@ -673,13 +665,8 @@ Rank::LayerNormOut CudaRank::layernorm(const Tensor& x, const Tensor& gamma, con
   const void* px = require(x, op, "x");
   const void* pg = require(gamma, op, "gamma");
   const void* pb = require(beta, op, "beta");
-  require_ndim(x, 2, op, "x");
+  check_layernorm(rank_, x, gamma, beta, eps);
   const std::int64_t rows = x.size(0), cols = x.size(1);
-  require_shape(gamma, Shape{cols}, op, "gamma", "the columns of x");
-  require_shape(beta, Shape{cols}, op, "beta", "the columns of x");
-  require_same_dtype(x, gamma, op);
-  require_same_dtype(x, beta, op);
-  if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(op), eps));
   const bool ph = x.phantom() || gamma.phantom() || beta.phantom();
   LayerNormOut out{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{rows}, DType::Float32, ph, op),
                    allocate(Shape{rows}, DType::Float32, ph, op)};
@@ -701,14 +688,8 @@ Rank::LayerNormGrads CudaRank::layernorm_backward(const Tensor& dy, const Tensor
   const void* pg = require(gamma, op, "gamma");
   const float* pm = require_f32(mean, op, "mean");
   const float* pr = require_f32(rstd, op, "rstd");
-  require_ndim(x, 2, op, "x");
-  require_same_shape(dy, x, op);
-  require_same_dtype(dy, x, op);
+  check_layernorm_backward(rank_, dy, x, gamma, mean, rstd);
   const std::int64_t rows = x.size(0), cols = x.size(1);
-  require_shape(gamma, Shape{cols}, op, "gamma", "the columns of x");
-  require_same_dtype(x, gamma, op);
-  require_shape(mean, Shape{rows}, op, "mean", "the rows of x");
-  require_shape(rstd, Shape{rows}, op, "rstd", "the rows of x");
   const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || mean.phantom() || rstd.phantom();
   LayerNormGrads g{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{cols}, DType::Float32, ph, op),
                    allocate(Shape{cols}, DType::Float32, ph, op)};
@@ -736,8 +717,7 @@ Tensor CudaRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   const char* op = "gelu_backward";
   const void* pdy = require(dy, op, "dy");
   const void* px = require(x, op, "x");
-  require_same_shape(dy, x, op);
-  require_same_dtype(dy, x, op);
+  check_gelu_backward(rank_, dy, x);
   Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), op);
   void* pdx = require(dx, op, "out");
   before_kernel({&dy, &x}, op);
@@ -747,22 +727,13 @@ Tensor CudaRank::gelu_backward(const Tensor& dy, const Tensor& x) {
 
 kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, std::int64_t batch, int heads,
                                                   bool causal, const char* op) const {
-  require_ndim(qkv, 2, op, "qkv");
-  if (batch < 1 || heads < 1) {
-    throw UsageError(fmt::format("{}: batch ({}) and heads ({}) must be positive", where(op), batch, heads));
-  }
-  const std::int64_t rows = qkv.size(0), cols = qkv.size(1);
-  if (rows % batch != 0 || cols % (3 * static_cast<std::int64_t>(heads)) != 0 || cols == 0) {
-    throw UsageError(fmt::format(
-        "{}: qkv is {}; it must be [seq * batch, heads * 3 * head_dim] with batch {} and heads {}", where(op),
-        qkv.str(), batch, heads));
-  }
+  const AttentionDims dims = check_attention(rank_, op, qkv, batch, heads);
   kernels::AttentionShape a;
   a.batch = batch;
-  a.seq = rows / batch;
+  a.seq = dims.seq;
   a.heads = heads;
   a.causal = causal;
-  const std::int64_t head_dim = cols / (3 * static_cast<std::int64_t>(heads));
+  const std::int64_t head_dim = dims.head_dim;
   if (head_dim > kernels::kMaxHeadDim) {
     throw UsageError(
         fmt::format("{}: head_dim {} (from qkv {} and {} heads) is more than the {} the kernel takes",
@@ -793,13 +764,8 @@ Tensor CudaRank::attention_backward(const Tensor& dout, const Tensor& qkv, const
   const void* pq = require(qkv, op, "qkv");
   const void* po = require(out, op, "out");
   const float* pl = require_f32(lse, op, "lse");
+  check_attention_backward(rank_, dout, qkv, out, lse, batch, heads);
   const kernels::AttentionShape a = attention_shape(qkv, batch, heads, causal, op);
-  const Shape out_shape{qkv.size(0), static_cast<std::int64_t>(heads) * a.head_dim};
-  require_shape(out, out_shape, op, "out", "attention's output for qkv");
-  require_shape(dout, out_shape, op, "dout", "attention's output for qkv");
-  require_same_dtype(dout, qkv, op);
-  require_same_dtype(out, qkv, op);
-  require_shape(lse, Shape{batch, heads, a.seq}, op, "lse", "[batch, heads, seq]");
   const bool ph = dout.phantom() || qkv.phantom() || out.phantom() || lse.phantom();
   Tensor dqkv = allocate(qkv.shape(), qkv.dtype(), ph, op);
   void* pd = require(dqkv, op, "dqkv");
@@ -815,10 +781,7 @@ Tensor CudaRank::embedding(const Tensor& ids, const Tensor& table, std::int64_t 
   const char* op = "embedding";
   const float* pi = require_f32(ids, op, "ids");
   const void* pt = require(table, op, "table");
-  require_ndim(ids, 1, op, "ids");
-  require_ndim(table, 2, op, "table");
-  if (vocab_start < 0)
-    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
+  check_embedding(rank_, ids, table, vocab_start);
   const std::int64_t rows = ids.size(0), cols = table.size(1);
   Tensor out = allocate(Shape{rows, cols}, table.dtype(), ids.phantom() || table.phantom(), op);
   void* po = require(out, op, "out");
@@ -835,11 +798,7 @@ void CudaRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const
   float* pt = require_f32(dtable, op, "dtable");
   const void* pdy = require(dy, op, "dy");
   const float* pi = require_f32(ids, op, "ids");
-  require_ndim(dtable, 2, op, "dtable");
-  require_ndim(ids, 1, op, "ids");
-  require_shape(dy, Shape{ids.size(0), dtable.size(1)}, op, "dy", "[ids, columns of dtable]");
-  if (vocab_start < 0)
-    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
+  check_embedding_backward(rank_, dtable, dy, ids, vocab_start);
   require_same_kind(dtable, dy, op);
   require_same_kind(dtable, ids, op);
   before_kernel({&dtable, &dy, &ids}, op);
@@ -852,7 +811,7 @@ void CudaRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const
 Tensor CudaRank::row_max(const Tensor& logits) {
   const char* op = "row_max";
   const void* pl = require(logits, op, "logits");
-  require_ndim(logits, 2, op, "logits");
+  check_row_max(rank_, logits);
   Tensor out = allocate(Shape{logits.size(0)}, DType::Float32, logits.phantom(), op);
   float* po = require_f32(out, op, "out");
   before_kernel({&logits}, op);
@@ -866,12 +825,8 @@ Tensor CudaRank::softmax_stats(const Tensor& logits, const Tensor& row_max, cons
   const void* pl = require(logits, op, "logits");
   const float* pm = require_f32(row_max, op, "row_max");
   const float* pt = require_f32(targets, op, "targets");
-  require_ndim(logits, 2, op, "logits");
-  if (vocab_start < 0)
-    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
+  check_softmax_stats(rank_, logits, row_max, targets, vocab_start);
   const std::int64_t rows = logits.size(0);
-  require_shape(row_max, Shape{rows}, op, "row_max", "the rows of logits");
-  require_shape(targets, Shape{rows}, op, "targets", "the rows of logits");
   Tensor out = allocate(Shape{rows, 2}, DType::Float32,
                         logits.phantom() || row_max.phantom() || targets.phantom(), op);
   float* po = require_f32(out, op, "out");
@@ -886,8 +841,7 @@ Tensor CudaRank::cross_entropy_loss(const Tensor& row_max, const Tensor& stats) 
   const char* op = "cross_entropy_loss";
   const float* pm = require_f32(row_max, op, "row_max");
   const float* ps = require_f32(stats, op, "stats");
-  require_ndim(row_max, 1, op, "row_max");
-  require_shape(stats, Shape{row_max.size(0), 2}, op, "stats", "[rows of row_max, 2]");
+  check_cross_entropy_loss(rank_, row_max, stats);
   Tensor out = allocate(Shape{}, DType::Float32, row_max.phantom() || stats.phantom(), op);
   float* po = require_f32(out, op, "out");
   before_kernel({&row_max, &stats}, op);
@@ -902,13 +856,8 @@ Tensor CudaRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_
   const float* pm = require_f32(row_max, op, "row_max");
   const float* ps = require_f32(stats, op, "stats");
   const float* pt = require_f32(targets, op, "targets");
-  require_ndim(logits, 2, op, "logits");
-  if (vocab_start < 0)
-    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(op), vocab_start));
+  check_cross_entropy_backward(rank_, logits, row_max, stats, targets, vocab_start);
   const std::int64_t rows = logits.size(0);
-  require_shape(row_max, Shape{rows}, op, "row_max", "the rows of logits");
-  require_shape(stats, Shape{rows, 2}, op, "stats", "[rows of logits, 2]");
-  require_shape(targets, Shape{rows}, op, "targets", "the rows of logits");
   const bool ph = logits.phantom() || row_max.phantom() || stats.phantom() || targets.phantom();
   Tensor out = allocate(logits.shape(), logits.dtype(), ph, op);
   void* po = require(out, op, "out");

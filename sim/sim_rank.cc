@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "common/comm_checks.h"
+#include "common/compute_checks.h"
 #include "common/dtype_round.h"
 #include "common/errors.h"
 #include "common/random.h"
@@ -234,16 +235,7 @@ Tensor SimRank::randn(const Shape& s, std::uint64_t seed, float std, DType dtype
 Tensor SimRank::randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length,
                             std::uint64_t seed, float std, DType dtype) {
   world_.check_aborted();
-  if (dim < 0 || dim >= full.ndim()) {
-    throw UsageError(
-        fmt::format("{}: dimension {} is out of range for shape {}", where("randn_slice"), dim, full.str()));
-  }
-  if (start < 0 || length < 0 || start > full[dim] - length) {  // no overflow near INT64_MAX
-    std::int64_t end = 0;
-    if (__builtin_add_overflow(start, length, &end)) end = std::numeric_limits<std::int64_t>::max();
-    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
-                                 where("randn_slice"), start, end, dim, full.str(), full[dim]));
-  }
+  check_randn_slice(rank_, full, dim, start, length);
   Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
   std::int64_t outer, inner;
   split_at(full, dim, outer, inner);
@@ -596,14 +588,8 @@ Rank::LayerNormOut SimRank::layernorm(const Tensor& x, const Tensor& gamma, cons
   require(x, op, "x");
   require(gamma, op, "gamma");
   require(beta, op, "beta");
-  if (x.ndim() != 2)
-    throw UsageError(fmt::format("{}: 'x' must be 2-D [rows, cols]; got {}", where(op), x.str()));
+  check_layernorm(rank_, x, gamma, beta, eps);
   const std::int64_t rows = x.size(0), cols = x.size(1);
-  require_shape(gamma, Shape{cols}, op, "gamma");
-  require_shape(beta, Shape{cols}, op, "beta");
-  require_same_dtype(x, gamma, op);
-  require_same_dtype(x, beta, op);
-  if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(op), eps));
   const bool ph = x.phantom() || gamma.phantom() || beta.phantom();
   LayerNormOut o;
   o.y = allocate(x.shape(), x.dtype(), ph, op);
@@ -643,17 +629,8 @@ Rank::LayerNormGrads SimRank::layernorm_backward(const Tensor& dy, const Tensor&
   require(gamma, op, "gamma");
   require(mean, op, "mean");
   require(rstd, op, "rstd");
-  if (x.ndim() != 2)
-    throw UsageError(fmt::format("{}: 'x' must be 2-D [rows, cols]; got {}", where(op), x.str()));
+  check_layernorm_backward(rank_, dy, x, gamma, mean, rstd);
   const std::int64_t rows = x.size(0), cols = x.size(1);
-  require_shape(dy, x.shape(), op, "dy");
-  require_shape(gamma, Shape{cols}, op, "gamma");
-  require_shape(mean, Shape{rows}, op, "mean");
-  require_shape(rstd, Shape{rows}, op, "rstd");
-  require_same_dtype(x, dy, op);
-  require_same_dtype(x, gamma, op);
-  require_dtype(mean, DType::Float32, op, "mean");
-  require_dtype(rstd, DType::Float32, op, "rstd");
   const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || mean.phantom() || rstd.phantom();
   LayerNormGrads g;
   g.dx = allocate(x.shape(), x.dtype(), ph, op);
@@ -722,8 +699,7 @@ Tensor SimRank::gelu(const Tensor& x) {
 Tensor SimRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   require(dy, "gelu_backward", "dy");
   require(x, "gelu_backward", "x");
-  require_same_shape("gelu_backward", dy, x);
-  require_same_dtype(dy, x, "gelu_backward");
+  check_gelu_backward(rank_, dy, x);
   Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), "gelu_backward");
   before_kernel({&dy, &x}, "gelu_backward");
   if (!dx.phantom()) {
@@ -754,12 +730,7 @@ struct AttnDims {
 Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) {
   const char* op = "attention";
   require(qkv, op, "qkv");
-  if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
-      qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {
-    throw UsageError(
-        fmt::format("{}: qkv must be [seq * batch, heads * 3 * head_dim]; got {} with batch {} and {} heads",
-                    where(op), qkv.str(), batch, heads));
-  }
+  check_attention(rank_, op, qkv, batch, heads);
   const AttnDims a{qkv.size(0) / batch, batch, heads, qkv.size(1) / (3 * heads), qkv.size(1)};
   AttentionOut o;
   o.out = allocate(Shape{qkv.size(0), a.heads * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
@@ -812,20 +783,9 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
   require(qkv, op, "qkv");
   require(out, op, "out");
   require(lse, op, "lse");
-  if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
-      qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {
-    throw UsageError(
-        fmt::format("{}: qkv must be [seq * batch, heads * 3 * head_dim]; got {} with batch {} and {} heads",
-                    where(op), qkv.str(), batch, heads));
-  }
+  check_attention_backward(rank_, dout, qkv, out, lse, batch, heads);
   const AttnDims a{qkv.size(0) / batch, batch, heads, qkv.size(1) / (3 * heads), qkv.size(1)};
   const std::int64_t out_w = a.heads * a.head_dim;
-  require_shape(out, Shape{qkv.size(0), out_w}, op, "out");
-  require_shape(dout, Shape{qkv.size(0), out_w}, op, "dout");
-  require_shape(lse, Shape{batch, heads, a.seq}, op, "lse");
-  require_same_dtype(qkv, out, op);
-  require_same_dtype(qkv, dout, op);
-  require_dtype(lse, DType::Float32, op, "lse");
   const bool ph = dout.phantom() || qkv.phantom() || out.phantom() || lse.phantom();
   Tensor dqkv = allocate(qkv.shape(), qkv.dtype(), ph, op);
   before_kernel({&dout, &qkv, &out, &lse}, op);
@@ -890,12 +850,7 @@ Tensor SimRank::embedding(const Tensor& ids, const Tensor& table, std::int64_t v
   const char* op = "embedding";
   require(ids, op, "ids");
   require(table, op, "table");
-  if (ids.ndim() != 1 || table.ndim() != 2 || vocab_start < 0) {
-    throw UsageError(
-        fmt::format("{}: needs ids [rows], table [vocab rows, dim] and vocab_start >= 0; got {}, {}, {}",
-                    where(op), ids.str(), table.str(), vocab_start));
-  }
-  require_dtype(ids, DType::Float32, op, "ids");
+  check_embedding(rank_, ids, table, vocab_start);
   const std::int64_t rows = ids.size(0), vrows = table.size(0), dim = table.size(1);
   Tensor out = allocate(Shape{rows, dim}, table.dtype(), ids.phantom() || table.phantom(), op);
   before_kernel({&ids, &table}, op);
@@ -920,14 +875,7 @@ void SimRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const 
   require(dtable, op, "dtable");
   require(dy, op, "dy");
   require(ids, op, "ids");
-  if (ids.ndim() != 1 || dtable.ndim() != 2 || vocab_start < 0) {
-    throw UsageError(
-        fmt::format("{}: needs ids [rows], dtable [vocab rows, dim] and vocab_start >= 0; got {}, {}, {}",
-                    where(op), ids.str(), dtable.str(), vocab_start));
-  }
-  require_shape(dy, Shape{ids.size(0), dtable.size(1)}, op, "dy");
-  require_dtype(dtable, DType::Float32, op, "dtable");
-  require_dtype(ids, DType::Float32, op, "ids");
+  check_embedding_backward(rank_, dtable, dy, ids, vocab_start);
   require_same_kind(op, dtable, dy);
   require_same_kind(op, dtable, ids);
   before_kernel({&dtable, &dy, &ids}, op);
@@ -949,10 +897,7 @@ void SimRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const 
 
 Tensor SimRank::row_max(const Tensor& logits) {
   require(logits, "row_max", "logits");
-  if (logits.ndim() != 2) {
-    throw UsageError(
-        fmt::format("{}: 'logits' must be 2-D [rows, vocab shard]; got {}", where("row_max"), logits.str()));
-  }
+  check_row_max(rank_, logits);
   const std::int64_t rows = logits.size(0), cols = logits.size(1);
   Tensor out = allocate(Shape{rows}, DType::Float32, logits.phantom(), "row_max");
   before_kernel({&logits}, "row_max");
@@ -974,15 +919,8 @@ Tensor SimRank::softmax_stats(const Tensor& logits, const Tensor& row_max, const
   require(logits, op, "logits");
   require(row_max, op, "row_max");
   require(targets, op, "targets");
-  if (logits.ndim() != 2 || vocab_start < 0) {
-    throw UsageError(fmt::format("{}: needs logits [rows, vocab shard] and vocab_start >= 0; got {}, {}",
-                                 where(op), logits.str(), vocab_start));
-  }
+  check_softmax_stats(rank_, logits, row_max, targets, vocab_start);
   const std::int64_t rows = logits.size(0), cols = logits.size(1);
-  require_shape(row_max, Shape{rows}, op, "row_max");
-  require_shape(targets, Shape{rows}, op, "targets");
-  require_dtype(row_max, DType::Float32, op, "row_max");
-  require_dtype(targets, DType::Float32, op, "targets");
   const bool ph = logits.phantom() || row_max.phantom() || targets.phantom();
   Tensor out = allocate(Shape{rows, 2}, DType::Float32, ph, op);
   before_kernel({&logits, &row_max, &targets}, op);
@@ -1007,13 +945,8 @@ Tensor SimRank::cross_entropy_loss(const Tensor& row_max, const Tensor& stats) {
   const char* op = "cross_entropy_loss";
   require(row_max, op, "row_max");
   require(stats, op, "stats");
-  if (row_max.ndim() != 1) {
-    throw UsageError(fmt::format("{}: 'row_max' must be [rows]; got {}", where(op), row_max.str()));
-  }
+  check_cross_entropy_loss(rank_, row_max, stats);
   const std::int64_t rows = row_max.size(0);
-  require_shape(stats, Shape{rows, 2}, op, "stats");
-  require_dtype(row_max, DType::Float32, op, "row_max");
-  require_dtype(stats, DType::Float32, op, "stats");
   const bool ph = row_max.phantom() || stats.phantom();
   Tensor out = allocate(Shape{}, DType::Float32, ph, op);
   before_kernel({&row_max, &stats}, op);
@@ -1035,17 +968,8 @@ Tensor SimRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_m
   require(row_max, op, "row_max");
   require(stats, op, "stats");
   require(targets, op, "targets");
-  if (logits.ndim() != 2 || vocab_start < 0) {
-    throw UsageError(fmt::format("{}: needs logits [rows, vocab shard] and vocab_start >= 0; got {}, {}",
-                                 where(op), logits.str(), vocab_start));
-  }
+  check_cross_entropy_backward(rank_, logits, row_max, stats, targets, vocab_start);
   const std::int64_t rows = logits.size(0), cols = logits.size(1);
-  require_shape(row_max, Shape{rows}, op, "row_max");
-  require_shape(stats, Shape{rows, 2}, op, "stats");
-  require_shape(targets, Shape{rows}, op, "targets");
-  require_dtype(row_max, DType::Float32, op, "row_max");
-  require_dtype(stats, DType::Float32, op, "stats");
-  require_dtype(targets, DType::Float32, op, "targets");
   const bool ph = logits.phantom() || row_max.phantom() || stats.phantom() || targets.phantom();
   Tensor d = allocate(logits.shape(), logits.dtype(), ph, op);
   before_kernel({&logits, &row_max, &stats, &targets}, op);

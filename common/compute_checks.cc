@@ -1,0 +1,182 @@
+#include "common/compute_checks.h"
+
+#include <fmt/format.h>
+
+#include <limits>
+#include <string>
+
+#include "common/errors.h"
+
+namespace ranklab {
+
+namespace {
+
+std::string where(int rank, const char* op) {
+  return fmt::format("rank {}: {}", rank, op);
+}
+
+void need_ndim(int rank, const char* op, const Tensor& t, int ndim, const char* arg, const char* layout) {
+  if (t.ndim() != ndim) {
+    throw UsageError(
+        fmt::format("{}: '{}' must be {}-D {}; got {}", where(rank, op), arg, ndim, layout, t.str()));
+  }
+}
+
+void need_shape(int rank, const char* op, const Tensor& t, const Shape& want, const char* arg,
+                const char* meaning) {
+  if (t.shape() != want) {
+    throw UsageError(fmt::format("{}: '{}' is {}; expected shape {} ({})", where(rank, op), arg, t.str(),
+                                 want.str(), meaning));
+  }
+}
+
+void need_dtype(int rank, const char* op, const Tensor& t, DType dtype, const char* arg) {
+  if (t.dtype() != dtype) {
+    throw UsageError(
+        fmt::format("{}: '{}' is {}; it must be {}", where(rank, op), arg, t.str(), dtype_name(dtype)));
+  }
+}
+
+void need_same_dtype(int rank, const char* op, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype()) {
+    throw UsageError(
+        fmt::format("{}: dtypes differ: {} and {}; cast one first", where(rank, op), a.str(), b.str()));
+  }
+}
+
+void need_vocab_start(int rank, const char* op, std::int64_t vocab_start) {
+  if (vocab_start < 0) {
+    throw UsageError(fmt::format("{}: vocab_start {} is negative", where(rank, op), vocab_start));
+  }
+}
+
+}  // namespace
+
+void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length) {
+  const char* op = "randn_slice";
+  if (dim < 0 || dim >= full.ndim()) {
+    throw UsageError(
+        fmt::format("{}: dimension {} is out of range for shape {}", where(rank, op), dim, full.str()));
+  }
+  if (start < 0 || length < 0 || start > full[dim] - length) {  // no overflow near INT64_MAX
+    std::int64_t end = 0;
+    if (__builtin_add_overflow(start, length, &end)) end = std::numeric_limits<std::int64_t>::max();
+    throw UsageError(fmt::format("{}: [{}, {}) is outside dimension {} of shape {} (size {})",
+                                 where(rank, op), start, end, dim, full.str(), full[dim]));
+  }
+}
+
+void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps) {
+  const char* op = "layernorm";
+  need_ndim(rank, op, x, 2, "x", "[rows, cols]");
+  const std::int64_t cols = x.size(1);
+  need_shape(rank, op, gamma, Shape{cols}, "gamma", "the columns of x");
+  need_shape(rank, op, beta, Shape{cols}, "beta", "the columns of x");
+  need_same_dtype(rank, op, x, gamma);
+  need_same_dtype(rank, op, x, beta);
+  if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(rank, op), eps));
+}
+
+void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                              const Tensor& mean, const Tensor& rstd) {
+  const char* op = "layernorm_backward";
+  need_ndim(rank, op, x, 2, "x", "[rows, cols]");
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  need_shape(rank, op, dy, x.shape(), "dy", "the shape of x");
+  need_shape(rank, op, gamma, Shape{cols}, "gamma", "the columns of x");
+  need_shape(rank, op, mean, Shape{rows}, "mean", "the rows of x");
+  need_shape(rank, op, rstd, Shape{rows}, "rstd", "the rows of x");
+  need_same_dtype(rank, op, x, dy);
+  need_same_dtype(rank, op, x, gamma);
+  need_dtype(rank, op, mean, DType::Float32, "mean");
+  need_dtype(rank, op, rstd, DType::Float32, "rstd");
+}
+
+void check_gelu_backward(int rank, const Tensor& dy, const Tensor& x) {
+  const char* op = "gelu_backward";
+  need_shape(rank, op, dy, x.shape(), "dy", "the shape of x");
+  need_same_dtype(rank, op, dy, x);
+}
+
+AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, std::int64_t batch, int heads) {
+  if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
+      qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {
+    throw UsageError(
+        fmt::format("{}: qkv must be [seq * batch, heads * 3 * head_dim]; got {} with batch {} and {} heads",
+                    where(rank, op), qkv.str(), batch, heads));
+  }
+  return {qkv.size(0) / batch, qkv.size(1) / (3 * static_cast<std::int64_t>(heads))};
+}
+
+AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                       const Tensor& lse, std::int64_t batch, int heads) {
+  const char* op = "attention_backward";
+  const AttentionDims a = check_attention(rank, op, qkv, batch, heads);
+  const Shape out_shape{qkv.size(0), heads * a.head_dim};
+  need_shape(rank, op, out, out_shape, "out", "attention's output for qkv");
+  need_shape(rank, op, dout, out_shape, "dout", "attention's output for qkv");
+  need_shape(rank, op, lse, Shape{batch, heads, a.seq}, "lse", "[batch, heads, seq]");
+  need_same_dtype(rank, op, qkv, out);
+  need_same_dtype(rank, op, qkv, dout);
+  need_dtype(rank, op, lse, DType::Float32, "lse");
+  return a;
+}
+
+void check_embedding(int rank, const Tensor& ids, const Tensor& table, std::int64_t vocab_start) {
+  const char* op = "embedding";
+  need_ndim(rank, op, ids, 1, "ids", "[rows]");
+  need_ndim(rank, op, table, 2, "table", "[vocab rows, dim]");
+  need_vocab_start(rank, op, vocab_start);
+  need_dtype(rank, op, ids, DType::Float32, "ids");
+}
+
+void check_embedding_backward(int rank, const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                              std::int64_t vocab_start) {
+  const char* op = "embedding_backward_";
+  need_ndim(rank, op, ids, 1, "ids", "[rows]");
+  need_ndim(rank, op, dtable, 2, "dtable", "[vocab rows, dim]");
+  need_vocab_start(rank, op, vocab_start);
+  need_shape(rank, op, dy, Shape{ids.size(0), dtable.size(1)}, "dy", "[ids, columns of dtable]");
+  need_dtype(rank, op, dtable, DType::Float32, "dtable");
+  need_dtype(rank, op, ids, DType::Float32, "ids");
+}
+
+void check_row_max(int rank, const Tensor& logits) {
+  need_ndim(rank, "row_max", logits, 2, "logits", "[rows, vocab shard]");
+}
+
+void check_softmax_stats(int rank, const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                         std::int64_t vocab_start) {
+  const char* op = "softmax_stats";
+  need_ndim(rank, op, logits, 2, "logits", "[rows, vocab shard]");
+  need_vocab_start(rank, op, vocab_start);
+  const std::int64_t rows = logits.size(0);
+  need_shape(rank, op, row_max, Shape{rows}, "row_max", "the rows of logits");
+  need_shape(rank, op, targets, Shape{rows}, "targets", "the rows of logits");
+  need_dtype(rank, op, row_max, DType::Float32, "row_max");
+  need_dtype(rank, op, targets, DType::Float32, "targets");
+}
+
+void check_cross_entropy_loss(int rank, const Tensor& row_max, const Tensor& stats) {
+  const char* op = "cross_entropy_loss";
+  need_ndim(rank, op, row_max, 1, "row_max", "[rows]");
+  need_shape(rank, op, stats, Shape{row_max.size(0), 2}, "stats", "[rows of row_max, 2]");
+  need_dtype(rank, op, row_max, DType::Float32, "row_max");
+  need_dtype(rank, op, stats, DType::Float32, "stats");
+}
+
+void check_cross_entropy_backward(int rank, const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                  const Tensor& targets, std::int64_t vocab_start) {
+  const char* op = "cross_entropy_backward";
+  need_ndim(rank, op, logits, 2, "logits", "[rows, vocab shard]");
+  need_vocab_start(rank, op, vocab_start);
+  const std::int64_t rows = logits.size(0);
+  need_shape(rank, op, row_max, Shape{rows}, "row_max", "the rows of logits");
+  need_shape(rank, op, stats, Shape{rows, 2}, "stats", "[rows of logits, 2]");
+  need_shape(rank, op, targets, Shape{rows}, "targets", "the rows of logits");
+  need_dtype(rank, op, row_max, DType::Float32, "row_max");
+  need_dtype(rank, op, stats, DType::Float32, "stats");
+  need_dtype(rank, op, targets, DType::Float32, "targets");
+}
+
+}  // namespace ranklab

@@ -1,0 +1,39 @@
+// The argument checks of compute operations that both backends make the same way: shapes, dtypes and
+// scalar arguments. (Whether a tensor is defined, belongs to the rank and, on GPUs, has device memory is
+// each backend's own `require`, called first.) One function per operation, so a mistake reads the same on
+// the simulator and on GPUs, as communication's check_comm_call does (common/comm_checks.h). Each raises
+// UsageError "rank R: op: what is wrong".
+#pragma once
+
+#include <cstdint>
+
+#include "common/tensor.h"
+
+namespace ranklab {
+
+void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length);
+void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps);
+void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                              const Tensor& mean, const Tensor& rstd);
+void check_gelu_backward(int rank, const Tensor& dy, const Tensor& x);
+
+// The shape of an attention call, from qkv [seq * batch, heads * 3 * head_dim].
+struct AttentionDims {
+  std::int64_t seq = 0, head_dim = 0;
+};
+// `op` is "attention" or "attention_backward".
+AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, std::int64_t batch, int heads);
+AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                                       const Tensor& lse, std::int64_t batch, int heads);
+
+void check_embedding(int rank, const Tensor& ids, const Tensor& table, std::int64_t vocab_start);
+void check_embedding_backward(int rank, const Tensor& dtable, const Tensor& dy, const Tensor& ids,
+                              std::int64_t vocab_start);
+void check_row_max(int rank, const Tensor& logits);
+void check_softmax_stats(int rank, const Tensor& logits, const Tensor& row_max, const Tensor& targets,
+                         std::int64_t vocab_start);
+void check_cross_entropy_loss(int rank, const Tensor& row_max, const Tensor& stats);
+void check_cross_entropy_backward(int rank, const Tensor& logits, const Tensor& row_max, const Tensor& stats,
+                                  const Tensor& targets, std::int64_t vocab_start);
+
+}  // namespace ranklab
