@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <new>
 #include <numeric>
 #include <optional>
 #include <sstream>
@@ -628,6 +629,13 @@ int ranklab::main_of(int argc, char** argv) {
                        stack_kib);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fflush(stdout);
+    std::fprintf(
+        stderr,
+        "ranklab: error: out of host memory: the run needs more memory than this machine could give it; "
+        "run fewer ranks, smaller sizes, or time it with --phantom\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "ranklab: internal error: %s\n", e.what());

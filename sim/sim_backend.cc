@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "sim/host_memory.h"
 #include "sim/rank_faults.h"
 #include "sim/scheduler.h"
 #include "sim/sim_rank.h"
@@ -37,13 +38,17 @@ struct Stacks {
 };
 #endif
 
-RunReport run_fibers(const SimConfig& config, int world_size, const std::function<void(Rank&)>& fn) {
+RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_limit,
+                     const std::function<void(Rank&)>& fn) {
   // Must come before any other fiber operation on this thread.
   boost::fibers::use_scheduling_algorithm<sim::VirtualTimeScheduler>();
   sim::SimWorld world(config, world_size);
   std::vector<std::unique_ptr<sim::SimRank>> ranks;
   ranks.reserve(world_size);
   for (int r = 0; r < world_size; ++r) ranks.push_back(std::make_unique<sim::SimRank>(world, r));
+  auto host = std::make_shared<sim::HostMemory>();
+  host->limit = host_limit;
+  for (auto& rank : ranks) rank->set_host_memory(host);
 
   Stacks stacks(world_size, config.stack_bytes);  // outlives the fibers below
   // A stack overflow, or exit() called by a rank, ends the run naming the rank.
@@ -77,13 +82,17 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
                     world, p.name, p.gpus_per_node, p.nodes, p.max_world(),
                     (world + p.gpus_per_node - 1) / p.gpus_per_node));
   }
+  // Refuses before anything starts when the ranks alone would not fit in the machine's memory.
+  const std::int64_t host_limit = sim::host_tensor_limit(
+      world, config_.stack_bytes,
+      config_.host_memory_bytes > 0 ? config_.host_memory_bytes : sim::available_host_bytes());
   // The fibers run on a thread of their own, so every launch starts from a fresh fiber scheduler and
   // leaves the caller's thread as it was.
   RunReport report;
   std::exception_ptr error;
   std::thread runner([&] {
     try {
-      report = run_fibers(config_, world, fn);
+      report = run_fibers(config_, world, host_limit, fn);
     } catch (...) {
       error = std::current_exception();
     }

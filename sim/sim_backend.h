@@ -20,6 +20,9 @@ struct SimConfig {
   // Force NCCL's choice, as NCCL_ALGO and NCCL_PROTO do ("" = choose; see sim/network_model.h).
   std::string algorithm{};
   std::string protocol{};
+  // Host memory the simulator may take, in bytes: 0 reads what the machine has available at launch
+  // (sim/host_memory.h); a launch whose ranks need more is refused before it starts.
+  std::int64_t host_memory_bytes = 0;
 };
 
 class SimBackend : public Backend {

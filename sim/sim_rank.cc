@@ -156,6 +156,17 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
         format_bytes(static_cast<double>(m.allocated)), format_bytes(static_cast<double>(m.capacity)),
         world_.profile().gpu.name, world_.profile().name));
   }
+  if (!phantom && m.host && m.host->limit > 0) {
+    const std::int64_t need = static_cast<std::int64_t>(sizeof(float)) * std::max<std::int64_t>(s.numel(), 1);
+    if (need > m.host->limit - m.host->used) {
+      throw UsageError(fmt::format(
+          "{}: the simulator is out of host memory allocating {}{} ({}): the real tensors of all {} ranks "
+          "already hold {} of the {} it may use on this machine; time the run with --phantom, or use fewer "
+          "ranks or smaller sizes",
+          where(op), dtype_name(dtype), s.str(), format_bytes(static_cast<double>(need)), world_.size(),
+          format_bytes(static_cast<double>(m.host->used)), format_bytes(static_cast<double>(m.host->limit))));
+    }
+  }
   return Tensor(s, dtype, std::make_shared<SimStorage>(s_.memory, s.numel(), dtype, phantom));
 }
 

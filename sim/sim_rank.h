@@ -17,6 +17,8 @@ class SimRank : public Rank {
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_.size(); }
+  // Counts this rank's real tensors against the host memory of the launch (sim/host_memory.h).
+  void set_host_memory(std::shared_ptr<HostMemory> host) { s_.memory->host = std::move(host); }
 
   using Rank::empty;
   using Rank::from_host;

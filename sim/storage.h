@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/tensor.h"
+#include "sim/host_memory.h"
 
 namespace ranklab::sim {
 
@@ -19,6 +20,8 @@ struct MemoryAccount {
   std::int64_t allocated = 0;
   std::int64_t peak = 0;
   std::int64_t capacity = 0;
+  // The host memory the numbers of every rank's real tensors take (the simulator holds them as floats).
+  std::shared_ptr<HostMemory> host;
 };
 
 class SimStorage : public Storage {
@@ -41,6 +44,7 @@ class SimStorage : public Storage {
  private:
   std::shared_ptr<MemoryAccount> account_;
   std::unique_ptr<float[]> data_;
+  std::int64_t host_bytes_ = 0;
 };
 
 inline SimStorage* sim_storage(const Tensor& t) {
