@@ -174,8 +174,9 @@ std::map<Key, std::vector<const T*>> by_key(const std::vector<T>& items, KeyOf k
   std::map<Key, std::vector<const T*>> out;
   for (const T& item : items) out[key_of(item)].push_back(&item);
   for (auto& [key, list] : out) {
-    std::stable_sort(list.begin(), list.end(),
-                     [](const T* x, const T* y) { return x->start_us < y->start_us; });
+    // A start that is not a number (null in the file) sorts last, so the order stays a strict weak one.
+    auto start = [](const T* t) { return std::isnan(t->start_us) ? INFINITY : t->start_us; };
+    std::stable_sort(list.begin(), list.end(), [&](const T* x, const T* y) { return start(x) < start(y); });
   }
   return out;
 }
@@ -229,9 +230,22 @@ Comparison compare_reports(const RunReport& a, const RunReport& b, const std::st
       c.only_in_a += static_cast<int>(in_a.size() - both);
       c.only_in_b += static_cast<int>(in_b - both);
       if (both == 0) continue;
+      // A time written as null (a NaN or infinity when written) gives no duration: such an item is
+      // matched but not measured, and is counted apart rather than turning its row into "nan".
+      std::vector<std::size_t> measured;
+      for (std::size_t k = 0; k < both; ++k) {
+        const double ta = in_a[k]->end_us - in_a[k]->start_us,
+                     tb = it->second[k]->end_us - it->second[k]->start_us;
+        if (std::isfinite(ta) && std::isfinite(tb)) {
+          measured.push_back(k);
+        } else {
+          ++c.unmeasured;
+        }
+      }
+      if (measured.empty()) continue;
       const std::size_t row = row_for(kind, what_of(*in_a.front()), in_a.front()->start_us);
       describe_row(c.rows[row], *in_a.front());
-      for (std::size_t k = 0; k < both; ++k) {
+      for (std::size_t k : measured) {
         const double ta = in_a[k]->end_us - in_a[k]->start_us,
                      tb = it->second[k]->end_us - it->second[k]->start_us;
         c.items.push_back({kind, row, label_of(*in_a[k], k), ta, tb});
@@ -355,6 +369,10 @@ std::string format_comparison(const Comparison& c) {
   out += fmt::format("\ngeometric-mean error: {} over {} matched item{} (regions {}, collectives {})\n",
                      percent(c.error), c.scored, c.scored == 1 ? "" : "s", percent(c.region_error),
                      percent(c.collective_error));
+  if (c.unmeasured > 0) {
+    out += fmt::format("  without a duration: {} matched item{} with a null start or end time, left out\n",
+                       c.unmeasured, c.unmeasured == 1 ? "" : "s");
+  }
   if (c.only_in_a > 0 || c.only_in_b > 0) {
     out += fmt::format("  unmatched: {} item{} only in A, {} only in B\n", c.only_in_a,
                        c.only_in_a == 1 ? "" : "s", c.only_in_b);

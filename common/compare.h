@@ -75,6 +75,7 @@ struct Comparison {
   double collective_error = 0;
   int scored = 0;                    // items in `error`
   int only_in_a = 0, only_in_b = 0;  // items without a partner in the other report
+  int unmeasured = 0;  // matched items with no duration (a null time) in either report, left out
 };
 
 // Lines up `a` and `b`. Raises UsageError, naming both values, when they are of different lessons or world

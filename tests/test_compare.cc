@@ -113,6 +113,29 @@ TEST(Compare, MatchesByIdentityNotByOrder) {
   EXPECT_TRUE(contains(dom, "<ul id=\"errors\" data-count=\"0\"></ul>"));
 }
 
+// A time written as null (a NaN or infinity when the report was written) reads back as NaN: its item is
+// left out and counted, and no row shows "nan".
+TEST(Compare, NullDurationsAreLeftOutAndCountedNotShownAsNan) {
+  RunReport a = report("data_parallel", 2), b = report("data_parallel", 2);
+  a.regions = {{0, "forward", 0, 10}, {0, "forward", 10, 20}, {0, "backward", 20, 30}};
+  b.regions = {{0, "forward", 0, 12}, {0, "forward", 12, NAN}, {0, "backward", NAN, 40}};
+  const Comparison c = compare_reports(a, b, "a.json", "b.json");
+  EXPECT_EQ(c.unmeasured, 2);
+  ASSERT_EQ(c.rows.size(), 1u);  // backward has no measured item
+  EXPECT_EQ(c.rows[0].count, 1);
+  EXPECT_DOUBLE_EQ(c.rows[0].b_us, 12);
+  EXPECT_EQ(c.scored, 1);
+  const std::string text = format_comparison(c);
+  EXPECT_FALSE(contains(text, "nan")) << text;
+  EXPECT_TRUE(contains(text, "without a duration: 2 matched items with a null start or end time")) << text;
+  // Nothing measured at all: the error is "-", not 0.0%.
+  b.regions = {{0, "forward", 0, NAN}};
+  a.regions = {{0, "forward", 0, 10}};
+  const std::string none = format_comparison(compare_reports(a, b, "a.json", "b.json"));
+  EXPECT_FALSE(contains(none, "nan")) << none;
+  EXPECT_FALSE(contains(none, "0.0%")) << none;
+}
+
 TEST(Compare, RefusesDifferentRuns) {
   try {
     compare_reports(report("collectives", 4), report("data_parallel", 4), "a.json", "b.json");
