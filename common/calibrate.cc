@@ -308,9 +308,8 @@ Calibration calibrate(const RunReport& measured, const Profile& profile, const S
   for (std::size_t j = 0; j < all.size(); ++j) g[j] = all[j].g(profile);
   std::vector<bool> changed(all.size(), false);
   std::vector<std::string> clamped(all.size());
-  constexpr int kMaxSimulations = 40;
   double lambda = 0;
-  while (c.simulations < kMaxSimulations && lambda < 1e6) {
+  while (c.simulations < kCalibrationSimulations && lambda < 1e6) {
     std::vector<double> b(m.size());
     for (std::size_t i = 0; i < m.size(); ++i) b[i] = (m[i] - sim[i]) / m[i];
     const std::vector<double> dg = damped_least_squares(a, b, independent, lambda);

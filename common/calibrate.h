@@ -51,6 +51,9 @@ struct Calibration {
 
 // Simulates the measured run (same lesson, options and world) with a given profile.
 using Simulate = std::function<RunReport(const Profile&)>;
+// calibrate() stops fitting after this many simulations (more only when its first probes, one per fitted
+// parameter, take more).
+constexpr int kCalibrationSimulations = 40;
 
 // Fits `profile` to `measured` by simulating with `simulate`. Raises UsageError when nothing of the report
 // matches the simulation (another lesson, a report without collectives or kernels).

@@ -4,12 +4,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace ranklab {
 
 namespace {
 // Ten updates a second reads as smooth and keeps the cost of printing far below the work's.
 constexpr std::chrono::milliseconds kInterval{100};
+// The Progress whose line is on the terminal now.
+std::atomic<Progress*> shown_progress{nullptr};
 }  // namespace
 
 std::string progress_line(const std::string& label, std::int64_t done, std::int64_t total,
@@ -39,6 +42,7 @@ void Progress::update(std::int64_t done, const std::string& detail) {
   // The last unit always prints, so a known total ends on "n/n" rather than wherever the clock left it.
   if (now < next_ && !(total_ > 0 && done >= total_ && shown_)) return;
   next_ = now + kInterval;
+  total_ = total_ > 0 ? std::max(total_, done) : total_;
   const std::string line = progress_line(label_, done, total_, detail);
   // Pad with blanks over whatever a longer earlier line left behind.
   const std::size_t pad = width_ > line.size() ? width_ - line.size() : 0;
@@ -46,14 +50,21 @@ void Progress::update(std::int64_t done, const std::string& detail) {
   std::fprintf(out_, "\r%s%*s", line.c_str(), static_cast<int>(pad), "");
   std::fflush(out_);
   shown_ = true;
+  shown_progress.store(this);
 }
 
 void Progress::finish() {
+  Progress* self = this;
+  shown_progress.compare_exchange_strong(self, nullptr);
   if (!shown_) return;
   std::fprintf(out_, "\r%*s\r", static_cast<int>(width_), "");
   std::fflush(out_);
   shown_ = false;
   width_ = 0;
+}
+
+void Progress::erase_shown() {
+  if (Progress* p = shown_progress.exchange(nullptr)) p->finish();
 }
 
 }  // namespace ranklab

@@ -34,10 +34,13 @@ class Progress {
   void update(std::int64_t done, const std::string& detail = "");
   // Clears the line (so the next output starts on a clean line); the destructor calls it too.
   void finish();
+  // Clears the line of whichever Progress is showing one, if any, so that other output (a lesson's line,
+  // an error) starts on a clean line instead of after it; its next update draws it again.
+  static void erase_shown();
 
  private:
   std::string label_;
-  std::int64_t total_;
+  std::int64_t total_;  // grows to `done` when the work turns out larger than said
   std::FILE* out_;
   bool enabled_;
   bool shown_ = false;

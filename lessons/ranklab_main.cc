@@ -397,7 +397,7 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
   original << original_file.rdbuf();
 
   int simulations = 0;
-  Progress progress("calibrate: simulating " + measured.lesson);
+  Progress progress("calibrate: simulating " + measured.lesson, kCalibrationSimulations);
   const Simulate simulate = [&](const Profile& p) {
     progress.update(++simulations, "runs");
     return simulate_measured(measured, p);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "common/progress.h"
 #include "sim/stack_pool.h"
 
 namespace ranklab::sim {
@@ -95,6 +96,7 @@ void set_running_rank(int rank) {
 }
 
 void die(const std::string& message) {
+  Progress::erase_shown();
   std::fflush(stdout);
   std::fprintf(stderr, "ranklab: error: %s\n", message.c_str());
   std::fflush(stderr);

@@ -17,6 +17,7 @@
 #include <typeinfo>
 
 #include "common/errors.h"
+#include "common/progress.h"
 #include "sim/rank_faults.h"
 #include "sim/reduce.h"
 #include "sim/scheduler.h"
@@ -602,6 +603,7 @@ void SimWorld::show(int rank, const std::string& label, const std::string& value
 void SimWorld::print(const std::string& line) {
   report_.output.push_back(line);
   if (config_.echo_output) {
+    Progress::erase_shown();
     std::fputs(line.c_str(), stdout);
     std::fputc('\n', stdout);
     // A run that aborts (out of memory in a huge world, a fiber stack overflow) must not lose what it

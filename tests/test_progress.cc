@@ -52,5 +52,22 @@ TEST(Progress, RewritesOneLineAndClearsIt) {
   std::fclose(f);
 }
 
+TEST(Progress, OtherOutputErasesTheLineFirstAndATotalTooSmallGrows) {
+  std::FILE* f = std::tmpfile();
+  ASSERT_NE(f, nullptr);
+  {
+    Progress p("calibrate", 2, f, /*enabled=*/true);
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
+    p.update(1);
+    Progress::erase_shown();  // what prints a lesson's line or an error calls this first
+    std::fputs("a line\n", f);
+    Progress::erase_shown();  // nothing shown: nothing written
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
+    p.update(3);  // more work than the total said
+  }
+  EXPECT_EQ(contents(f), "\r[calibrate] 1/2\r               \ra line\n\r[calibrate] 3/3\r               \r");
+  std::fclose(f);
+}
+
 }  // namespace
 }  // namespace ranklab
