@@ -2,6 +2,7 @@
 // file and line) so the user can act on it without a debugger.
 #pragma once
 
+#include <exception>
 #include <stdexcept>
 #include <string>
 
@@ -56,6 +57,12 @@ class ProgramError : public Error {
  public:
   using Error::Error;
 };
+
+// Inside a catch block: the exception being handled, as the error a run ends with. One of ranklab's own
+// (an Error) is kept as it is; anything else, a std::exception of the program's own or a thrown value that
+// is not an exception at all, becomes a ProgramError naming the rank and the type ("rank 3 threw
+// std::out_of_range: index 7"). Both backends call it where a rank's program ends.
+std::exception_ptr current_error_of_rank(int rank);
 
 // A backend failure (CUDA, cuBLAS, NCCL) naming the call, the error string, the rank and the device.
 class BackendError : public Error {

@@ -122,7 +122,8 @@ RunReport launch_threads(const CudaConfig& config, int world, const std::functio
         fn(*rank);
         logs[static_cast<size_t>(r)] = rank->finish();
       } catch (...) {
-        first.record(std::current_exception());
+        // A foreign exception or thrown value becomes a ProgramError naming the rank, as on the simulator.
+        first.record(current_error_of_rank(r));
         // Our kernels end first, then every other rank unwinds from whatever it waits on.
         if (rank) rank->abort();
         host_world.abort();
@@ -198,7 +199,7 @@ RunReport launch_mpi(const CudaConfig& config, const LaunchEnv& env, int world,
     // This process is going down with an error; when it exits it takes the job with it (MPI_Abort),
     // rather than leaving the other ranks to wait for the watchdog.
     MpiHostComm::mark_failed();
-    throw;
+    std::rethrow_exception(current_error_of_rank(env.world_rank));
   }
 }
 

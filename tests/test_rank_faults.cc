@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <typeinfo>
 
 #include "common/errors.h"
 #include "common/lesson.h"
@@ -44,6 +45,29 @@ TEST(RankFaults, AThrownValueThatIsNotAnExceptionNamesRankAndType) {
   });
   EXPECT_NE(msg.find("rank 1 threw a value of type int, which is not a std::exception"), std::string::npos)
       << msg;
+}
+
+// What both backends make of a rank's own exception (the real backend calls it where a rank's thread or
+// process ends; the simulator gives the same messages).
+TEST(RankFaults, TheErrorOfARankNamesItOnEitherBackend) {
+  auto of = [](auto thrown) {
+    try {
+      throw thrown;
+    } catch (...) {
+      try {
+        std::rethrow_exception(current_error_of_rank(5));
+      } catch (const std::exception& e) {
+        return std::string(typeid(e).name()) + " " + e.what();
+      }
+    }
+    return std::string();
+  };
+  EXPECT_NE(of(std::out_of_range("index 7")).find("rank 5 threw std::out_of_range: index 7"),
+            std::string::npos);
+  EXPECT_NE(of(42).find("rank 5 threw a value of type int, which is not a std::exception"),
+            std::string::npos);
+  EXPECT_EQ(of(MismatchError("as it was")), std::string(typeid(MismatchError).name()) + " as it was");
+  EXPECT_NE(of(std::runtime_error("x")).find(typeid(ProgramError).name()), std::string::npos);
 }
 
 void throwing_lesson(Rank& r, const Options&) {
