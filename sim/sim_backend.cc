@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/errors.h"
+#include "sim/asan_fibers.h"
 #include "sim/host_memory.h"
 #include "sim/rank_faults.h"
 #include "sim/scheduler.h"
@@ -21,12 +22,13 @@ namespace {
 
 #if defined(RANKLAB_SANITIZE)
 // AddressSanitizer does not see fiber switches: a stack that is unmapped and mapped again keeps stale
-// poison. Heap stacks are unpoisoned by the sanitizer's own allocator each time.
+// poison. Heap stacks are unpoisoned by the sanitizer's own allocator each time, and the part an exception
+// unwinds is unpoisoned when its handler begins (sim/asan_fibers.h).
 struct Stacks {
-  Stacks(std::size_t, std::size_t bytes) : bytes(bytes) {}
-  boost::fibers::fixedsize_stack allocator() const { return boost::fibers::fixedsize_stack(bytes); }
+  Stacks(std::size_t count, std::size_t bytes) : stacks(count, bytes) {}
+  sim::AsanFiberStacks::Allocator allocator() { return stacks.allocator(); }
   const sim::StackPool* guarded() const { return nullptr; }
-  std::size_t bytes;
+  sim::AsanFiberStacks stacks;
 };
 #else
 // One mapping for every stack, each with a guard page (see sim/stack_pool.h).
