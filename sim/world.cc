@@ -1,9 +1,5 @@
 #include "sim/world.h"
 
-#if defined(RANKLAB_SANITIZE)
-#include <sanitizer/asan_interface.h>
-#endif
-
 #include <cxxabi.h>
 #include <fmt/format.h>
 
@@ -25,20 +21,6 @@
 namespace ranklab::sim {
 
 namespace {
-
-#if defined(RANKLAB_SANITIZE)
-// AddressSanitizer is not told when Boost.Context switches stacks, so when an exception unwinds a fiber's
-// frames it cannot clear their poisoned red zones (it clears only the thread stack it knows), and the next
-// frames built on that memory read as overflows. Below this call, down to the fiber stack's bottom
-// (`entry` lies within `stack_bytes` of it), every frame has been unwound: unpoison them.
-__attribute__((noinline)) void forget_unwound_frames(const char* entry, std::size_t stack_bytes) {
-  char marker = 0;
-  const char* here = &marker;
-  const char* bottom = entry - stack_bytes + 4096;  // a page of margin for the fiber's own records
-  if (here > bottom) __asan_unpoison_memory_region(bottom, static_cast<std::size_t>(here - bottom));
-}
-#endif
-
 std::string demangle(const char* name) {
   int status = 0;
   char* readable = abi::__cxa_demangle(name, nullptr, nullptr, &status);
@@ -85,31 +67,21 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
 // ---- running ranks and failing runs ----------------------------------------------------------------
 
 void SimWorld::run_rank(int rank, const std::function<void()>& program) {
-#if defined(RANKLAB_SANITIZE)
-  const char* entry = static_cast<const char*>(__builtin_frame_address(0));
-#endif
   try {
     program();
+  } catch (const RunAborted&) {
+    // another rank failed first; this one just unwinds
+  } catch (const Error&) {
+    fail(std::current_exception());
+  } catch (const std::exception& e) {
+    // Not one of ranklab's own: the message alone would not say where it came from.
+    fail(std::make_exception_ptr(
+        ProgramError(fmt::format("rank {} threw {}: {}", rank, demangle(typeid(e).name()), e.what()))));
   } catch (...) {
-#if defined(RANKLAB_SANITIZE)
-    forget_unwound_frames(entry, config_.stack_bytes);
-#endif
-    try {
-      throw;
-    } catch (const RunAborted&) {
-      // another rank failed first; this one just unwinds
-    } catch (const Error&) {
-      fail(std::current_exception());
-    } catch (const std::exception& e) {
-      // Not one of ranklab's own: the message alone would not say where it came from.
-      fail(std::make_exception_ptr(
-          ProgramError(fmt::format("rank {} threw {}: {}", rank, demangle(typeid(e).name()), e.what()))));
-    } catch (...) {
-      const std::type_info* type = abi::__cxa_current_exception_type();
-      fail(std::make_exception_ptr(
-          ProgramError(fmt::format("rank {} threw a value of type {}, which is not a std::exception", rank,
-                                   type ? demangle(type->name()) : std::string("unknown")))));
-    }
+    const std::type_info* type = abi::__cxa_current_exception_type();
+    fail(std::make_exception_ptr(
+        ProgramError(fmt::format("rank {} threw a value of type {}, which is not a std::exception", rank,
+                                 type ? demangle(type->name()) : std::string("unknown")))));
   }
   RankState& s = state(rank);
   s.finished = true;
