@@ -6,8 +6,10 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 
 #include "common/errors.h"
@@ -17,6 +19,41 @@ namespace ranklab {
 using nlohmann::json;
 // Written in declaration order, so schema_version comes first and a report reads like the struct.
 using ordered_json = nlohmann::ordered_json;
+
+namespace {
+
+struct NameHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
+// Every SpanName's text; never shrinks, so the pointers stay valid (nodes of an unordered_set do not move).
+struct NameTable {
+  std::mutex mutex;
+  std::unordered_set<std::string, NameHash, std::equal_to<>> names;
+};
+
+NameTable& name_table() {
+  static NameTable* table = new NameTable;  // never destroyed: names outlive every static report
+  return *table;
+}
+
+const std::string* intern(std::string_view text) {
+  NameTable& t = name_table();
+  std::lock_guard lock(t.mutex);
+  auto it = t.names.find(text);
+  if (it == t.names.end()) it = t.names.emplace(text).first;
+  return &*it;
+}
+
+}  // namespace
+
+SpanName::SpanName() {
+  static const std::string* const empty = intern("");
+  text_ = empty;
+}
+
+SpanName::SpanName(std::string_view text) : text_(intern(text)) {}
 
 const char* span_kind_name(SpanKind k) {
   switch (k) {
@@ -442,14 +479,14 @@ ordered_json to_json(const RankSummary& r) {
 ordered_json to_json(const Span& s) {
   return ordered_json{{"rank", s.rank},
                       {"kind", span_kind_name(s.kind)},
-                      {"name", s.name},
+                      {"name", s.name.str()},
                       {"start_us", s.start_us},
                       {"end_us", s.end_us}};
 }
 
 ordered_json to_json(const CollectiveRecord& c) {
-  return ordered_json{{"op", comm_op_name(c.op)}, {"group", c.group},           {"group_size", c.group_size},
-                      {"bytes", c.bytes},         {"algorithm", c.algorithm},   {"start_us", c.start_us},
+  return ordered_json{{"op", comm_op_name(c.op)}, {"group", c.group.str()},           {"group_size", c.group_size},
+                      {"bytes", c.bytes},         {"algorithm", c.algorithm.str()},   {"start_us", c.start_us},
                       {"end_us", c.end_us},       {"algbw_gbps", c.algbw_gbps}, {"busbw_gbps", c.busbw_gbps}};
 }
 
@@ -533,6 +570,8 @@ class Reader {
                               : in_range<T>(it->template get<std::int64_t>());
         if (!fits) fail(fmt::format("field '{}' is out of range: {}", key, it->dump()));
         out = it->template get<T>();
+      } else if constexpr (std::is_same_v<T, SpanName>) {
+        out = it->template get<std::string>();
       } else {
         out = it->template get<T>();
       }
@@ -663,7 +702,7 @@ RunReport report_from_json(const std::string& text) {
                 start != e.end() && start->is_number() && end != e.end() && end->is_number();
     if (fast && parse_kind(kind->get_ref<const std::string&>(), s.kind)) {
       s.rank = rank->get<int>();
-      s.name = name->get<std::string>();
+      s.name = name->get_ref<const std::string&>();
       s.start_us = start->get<double>();
       s.end_us = end->get<double>();
       return s;
