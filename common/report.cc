@@ -169,16 +169,27 @@ void summarize_spans(RunReport& report) {
     n = std::max(n, s.rank + 1);
   }
 
+  // An interval that starts inside the previous one of its list (a kernel right after the last) joins
+  // it at once: merge_in_place would put both in the same merged interval anyway, so the totals are the
+  // same to the bit, and a run of millions of back-to-back kernels needs a short list.
+  auto add = [](std::vector<Interval>& v, const Span& s) {
+    if (!(s.end_us > s.start_us)) return;  // covers nothing (merge_in_place would drop it)
+    if (!v.empty() && v.back().start <= s.start_us && s.start_us <= v.back().end) {
+      v.back().end = std::max(v.back().end, s.end_us);
+    } else {
+      v.push_back({s.start_us, s.end_us});
+    }
+  };
   std::vector<RankSpans> per_rank(n);
   for (const Span& s : report.spans) {
     RankSpans& r = per_rank[s.rank];
     r.last_end_us = std::max(r.last_end_us, s.end_us);
     switch (s.kind) {
       case SpanKind::Compute:
-        r.compute.push_back({s.start_us, s.end_us});
+        add(r.compute, s);
         break;
       case SpanKind::Comm:
-        r.comm.push_back({s.start_us, s.end_us});
+        add(r.comm, s);
         break;
       case SpanKind::Idle:
         // Waits are summed, not unioned: each is one collective's wait, and they do not overlap on one
