@@ -20,6 +20,7 @@
 #include "common/profile.h"
 #include "common/report.h"
 #include "sim/sim_backend.h"
+#include "sim/malloc_tuning.h"
 
 namespace {
 
@@ -81,6 +82,7 @@ void run(const Case& k) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ranklab::sim::tune_malloc(argv);
   std::vector<Case> cases = {
       // GPT-3 175B (Brown et al. 2020) as Megatron-LM trained it on 1,536 A100s.
       {"gpt3-175b", 96, 12288, 96, 1536, 1536, 8, 8, 2, 1, true, "none"},

@@ -30,6 +30,7 @@
 #include "common/profile.h"
 #include "common/rank.h"
 #include "sim/sim_backend.h"
+#include "sim/malloc_tuning.h"
 
 namespace {
 
@@ -129,6 +130,7 @@ const std::map<std::string, std::function<double(int)>>& cases() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  ranklab::sim::tune_malloc(argv);
   std::vector<std::string> names;
   std::vector<int> worlds;
   bool sizes = false;

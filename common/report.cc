@@ -6,8 +6,10 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 
 #include "common/errors.h"
@@ -17,6 +19,41 @@ namespace ranklab {
 using nlohmann::json;
 // Written in declaration order, so schema_version comes first and a report reads like the struct.
 using ordered_json = nlohmann::ordered_json;
+
+namespace {
+
+struct NameHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+
+// Every SpanName's text; never shrinks, so the pointers stay valid (nodes of an unordered_set do not move).
+struct NameTable {
+  std::mutex mutex;
+  std::unordered_set<std::string, NameHash, std::equal_to<>> names;
+};
+
+NameTable& name_table() {
+  static NameTable* table = new NameTable;  // never destroyed: names outlive every static report
+  return *table;
+}
+
+const std::string* intern(std::string_view text) {
+  NameTable& t = name_table();
+  std::lock_guard lock(t.mutex);
+  auto it = t.names.find(text);
+  if (it == t.names.end()) it = t.names.emplace(text).first;
+  return &*it;
+}
+
+}  // namespace
+
+SpanName::SpanName() {
+  static const std::string* const empty = intern("");
+  text_ = empty;
+}
+
+SpanName::SpanName(std::string_view text) : text_(intern(text)) {}
 
 const char* span_kind_name(SpanKind k) {
   switch (k) {
@@ -132,16 +169,27 @@ void summarize_spans(RunReport& report) {
     n = std::max(n, s.rank + 1);
   }
 
+  // An interval that starts inside the previous one of its list (a kernel right after the last) joins
+  // it at once: merge_in_place would put both in the same merged interval anyway, so the totals are the
+  // same to the bit, and a run of millions of back-to-back kernels needs a short list.
+  auto add = [](std::vector<Interval>& v, const Span& s) {
+    if (!(s.end_us > s.start_us)) return;  // covers nothing (merge_in_place would drop it)
+    if (!v.empty() && v.back().start <= s.start_us && s.start_us <= v.back().end) {
+      v.back().end = std::max(v.back().end, s.end_us);
+    } else {
+      v.push_back({s.start_us, s.end_us});
+    }
+  };
   std::vector<RankSpans> per_rank(n);
   for (const Span& s : report.spans) {
     RankSpans& r = per_rank[s.rank];
     r.last_end_us = std::max(r.last_end_us, s.end_us);
     switch (s.kind) {
       case SpanKind::Compute:
-        r.compute.push_back({s.start_us, s.end_us});
+        add(r.compute, s);
         break;
       case SpanKind::Comm:
-        r.comm.push_back({s.start_us, s.end_us});
+        add(r.comm, s);
         break;
       case SpanKind::Idle:
         // Waits are summed, not unioned: each is one collective's wait, and they do not overlap on one
@@ -442,14 +490,14 @@ ordered_json to_json(const RankSummary& r) {
 ordered_json to_json(const Span& s) {
   return ordered_json{{"rank", s.rank},
                       {"kind", span_kind_name(s.kind)},
-                      {"name", s.name},
+                      {"name", s.name.str()},
                       {"start_us", s.start_us},
                       {"end_us", s.end_us}};
 }
 
 ordered_json to_json(const CollectiveRecord& c) {
-  return ordered_json{{"op", comm_op_name(c.op)}, {"group", c.group},           {"group_size", c.group_size},
-                      {"bytes", c.bytes},         {"algorithm", c.algorithm},   {"start_us", c.start_us},
+  return ordered_json{{"op", comm_op_name(c.op)}, {"group", c.group.str()},           {"group_size", c.group_size},
+                      {"bytes", c.bytes},         {"algorithm", c.algorithm.str()},   {"start_us", c.start_us},
                       {"end_us", c.end_us},       {"algbw_gbps", c.algbw_gbps}, {"busbw_gbps", c.busbw_gbps}};
 }
 
@@ -533,6 +581,8 @@ class Reader {
                               : in_range<T>(it->template get<std::int64_t>());
         if (!fits) fail(fmt::format("field '{}' is out of range: {}", key, it->dump()));
         out = it->template get<T>();
+      } else if constexpr (std::is_same_v<T, SpanName>) {
+        out = it->template get<std::string>();
       } else {
         out = it->template get<T>();
       }
@@ -663,7 +713,7 @@ RunReport report_from_json(const std::string& text) {
                 start != e.end() && start->is_number() && end != e.end() && end->is_number();
     if (fast && parse_kind(kind->get_ref<const std::string&>(), s.kind)) {
       s.rank = rank->get<int>();
-      s.name = name->get<std::string>();
+      s.name = name->get_ref<const std::string&>();
       s.start_us = start->get<double>();
       s.end_us = end->get<double>();
       return s;

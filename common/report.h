@@ -6,22 +6,52 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "common/rank.h"
 
 namespace ranklab {
 
+// A name stored once per distinct text for the life of the process (kernel, collective, group and
+// algorithm names repeat millions of times in a large run): one pointer, compared by pointer, read as a std::string. Interning
+// is thread-safe.
+class SpanName {
+ public:
+  SpanName();  // ""
+  SpanName(std::string_view text);  // NOLINT: implicit, so a Span is built from any string
+  SpanName(const std::string& text) : SpanName(std::string_view(text)) {}  // NOLINT
+  SpanName(const char* text) : SpanName(std::string_view(text)) {}          // NOLINT
+  const std::string& str() const { return *text_; }
+  operator const std::string&() const { return *text_; }  // NOLINT
+  const char* c_str() const { return text_->c_str(); }
+  std::size_t size() const { return text_->size(); }
+  bool empty() const { return text_->empty(); }
+  friend bool operator==(const SpanName& a, const SpanName& b) { return a.text_ == b.text_; }
+  friend bool operator==(const SpanName& a, std::string_view b) { return *a.text_ == b; }
+  friend bool operator==(const SpanName& a, const char* b) { return *a.text_ == b; }
+  friend bool operator==(const SpanName& a, const std::string& b) { return *a.text_ == b; }
+  friend auto operator<=>(const SpanName& a, const SpanName& b) { return *a.text_ <=> *b.text_; }
+  friend std::string operator+(const std::string& a, const SpanName& b) { return a + *b.text_; }
+  friend std::string operator+(const char* a, const SpanName& b) { return a + *b.text_; }
+
+ private:
+  const std::string* text_;
+};
+
 // What a rank's timeline shows at a moment.
-enum class SpanKind { Compute, Comm, Idle };
+enum class SpanKind : std::uint8_t { Compute, Comm, Idle };
 const char* span_kind_name(SpanKind k);
 
 // One interval on one rank's stream. Idle spans are the time a rank's communication stream spent
-// waiting for the other members of a collective to arrive: the bubble.
+// waiting for the other members of a collective to arrive: the bubble. 32 bytes: a large simulated run
+// records tens of millions.
 struct Span {
-  int rank = 0;
+  std::int32_t rank = 0;
   SpanKind kind = SpanKind::Compute;
-  std::string name;  // kernel or collective name
+  SpanName name;  // kernel or collective name
   double start_us = 0;
   double end_us = 0;
 };
@@ -29,10 +59,10 @@ struct Span {
 // One collective as the group saw it (recorded once, by the group's first member).
 struct CollectiveRecord {
   CommOp op = CommOp::AllReduce;
-  std::string group;  // "world" or "group 2 {0, 1}"
+  SpanName group;  // "world" or "group 2 {0, 1}"
   int group_size = 0;
   std::int64_t bytes = 0;  // the size nccl-tests calls `size` (see docs/model.md)
-  std::string algorithm;   // "ring", ...
+  SpanName algorithm;      // "ring", ...
   double start_us = 0;
   double end_us = 0;
   double algbw_gbps = 0;  // bytes / time
@@ -130,3 +160,10 @@ std::string report_to_json(const RunReport& report);
 RunReport report_from_json(const std::string& json);
 
 }  // namespace ranklab
+
+template <>
+struct fmt::formatter<ranklab::SpanName> : fmt::formatter<std::string_view> {
+  auto format(const ranklab::SpanName& n, format_context& ctx) const {
+    return fmt::formatter<std::string_view>::format(n.str(), ctx);
+  }
+};

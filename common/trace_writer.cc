@@ -135,14 +135,14 @@ std::string report_to_trace_json(const RunReport& report) {
     if (s.rank < 0) continue;
     switch (s.kind) {
       case SpanKind::Compute:
-        tracks[s.rank][kCompute].push_back({s.start_us, s.end_us, &s.name, "compute"});
+        tracks[s.rank][kCompute].push_back({s.start_us, s.end_us, &s.name.str(), "compute"});
         break;
       case SpanKind::Comm:
-        tracks[s.rank][kComm].push_back({s.start_us, s.end_us, &s.name, "comm"});
+        tracks[s.rank][kComm].push_back({s.start_us, s.end_us, &s.name.str(), "comm"});
         break;
       case SpanKind::Idle:
         // The communication stream waiting for the group's late members: drawn on that stream's track.
-        tracks[s.rank][kComm].push_back({s.start_us, s.end_us, &s.name, "wait"});
+        tracks[s.rank][kComm].push_back({s.start_us, s.end_us, &s.name.str(), "wait"});
         break;
     }
   }

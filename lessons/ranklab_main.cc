@@ -37,6 +37,7 @@
 #include "common/trace_writer.h"
 #include "lessons/gpt/presets.h"
 #include "real/launch_env.h"
+#include "sim/malloc_tuning.h"
 #include "sim/network_model.h"
 #include "sim/sim_backend.h"
 #include "sim/topology.h"
@@ -478,6 +479,7 @@ int main_of(int argc, char** argv);
 }  // namespace ranklab
 
 int main(int argc, char** argv) {
+  ranklab::sim::tune_malloc(argv);
   return ranklab::finish_output(ranklab::main_of(argc, argv));
 }
 

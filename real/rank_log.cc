@@ -78,7 +78,7 @@ std::string serialize(const RankLog& log) {
   w.put<std::uint64_t>(log.compute.size());
   for (const Span& s : log.compute) {
     w.put<std::int32_t>(static_cast<std::int32_t>(s.kind));
-    w.put(s.name);
+    w.put(s.name.str());
     w.put(s.start_us);
     w.put(s.end_us);
   }

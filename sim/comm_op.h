@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/rank.h"
+#include "common/report.h"
 
 namespace ranklab::sim {
 
@@ -28,7 +29,6 @@ struct CommMember {
 
 struct CommOpState {
   CommOp op = CommOp::AllReduce;
-  std::string label;  // "collective #3 on world (all_reduce)", for messages
   int group_id = 0;   // collectives: the group and the call's number in it
   std::uint64_t seq = 0;
   std::vector<int> ranks;           // global ranks in group order (src, dst for point-to-point)
@@ -37,7 +37,7 @@ struct CommOpState {
   int first_arrived = -1;  // the rank every later member is checked against
   bool executed = false;   // started: numerics done, start_us known
   bool finished = false;   // ended: end_us is final
-  std::string algorithm;   // what the network model chose, "ring/simple"
+  SpanName algorithm;      // what the network model chose, "ring/simple"
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one, once per dependency; each is told once when this one
@@ -52,6 +52,8 @@ struct CommOpState {
   std::vector<Dependent> dependents;
   int unfinished_deps = 0;  // the members' dependencies (counted per member) that have not finished
 
+  // "collective #3 on world (all_reduce)", for messages (formatted only when one is needed).
+  std::string label() const;
   CommMember& member_of(int global_rank);
   bool all_arrived() const { return arrived == static_cast<int>(members.size()); }
 };

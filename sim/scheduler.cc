@@ -25,36 +25,71 @@ void VirtualTimeProps::requeue(int new_rank, double new_time_us) {
   if (installed) installed->property_change(ctx_, *this);
 }
 
+void VirtualTimeScheduler::sift_up(std::size_t i) {
+  const Entry e = ready_[i];
+  while (i > 0) {
+    const std::size_t parent = (i - 1) / 2;
+    if (!before(e, ready_[parent])) break;
+    place(i, ready_[parent]);
+    i = parent;
+  }
+  place(i, e);
+}
+
+void VirtualTimeScheduler::sift_down(std::size_t i) {
+  const Entry e = ready_[i];
+  const std::size_t n = ready_.size();
+  for (;;) {
+    std::size_t child = 2 * i + 1;
+    if (child >= n) break;
+    if (child + 1 < n && before(ready_[child + 1], ready_[child])) ++child;
+    if (!before(ready_[child], e)) break;
+    place(i, ready_[child]);
+    i = child;
+  }
+  place(i, e);
+}
+
 void VirtualTimeScheduler::awakened(boost::fibers::context* ctx, VirtualTimeProps& props) noexcept {
   props.arrival_ = next_arrival_++;
-  props.queued_ = true;
-  props.queued_time_us_ = props.time_us;
-  props.queued_rank_ = props.rank;
-  ready_.insert(key_of(ctx, props));
+  ready_.push_back(Entry{props.time_us, props.rank, props.arrival_, ctx, &props});
+  props.heap_index_ = ready_.size() - 1;
+  sift_up(ready_.size() - 1);
 }
 
 boost::fibers::context* VirtualTimeScheduler::pick_next() noexcept {
   if (ready_.empty()) return nullptr;
-  auto it = ready_.begin();
-  boost::fibers::context* ctx = std::get<3>(*it);
-  ready_.erase(it);
-  properties(ctx).queued_ = false;
-  set_running_rank(properties(ctx).rank);
+  boost::fibers::context* ctx = ready_.front().ctx;
+  VirtualTimeProps* props = ready_.front().props;
+  props->heap_index_ = VirtualTimeProps::kNotQueued;
+  const Entry last = ready_.back();
+  ready_.pop_back();
+  if (!ready_.empty()) {
+    ready_.front() = last;
+    sift_down(0);
+  }
+  set_running_rank(props->rank);
   return ctx;
 }
 
-void VirtualTimeScheduler::property_change(boost::fibers::context* ctx, VirtualTimeProps& props) noexcept {
+void VirtualTimeScheduler::property_change(boost::fibers::context*, VirtualTimeProps& props) noexcept {
   // A queued fiber whose clock changed must move to its new place; a running one is placed on its
   // next awakening.
-  if (!props.queued_) return;
-  ready_.erase(Key{props.queued_time_us_, props.queued_rank_, props.arrival_, ctx});
-  props.queued_time_us_ = props.time_us;
-  props.queued_rank_ = props.rank;
-  ready_.insert(key_of(ctx, props));
+  const std::size_t i = props.heap_index_;
+  if (i == VirtualTimeProps::kNotQueued) return;
+  Entry& e = ready_[i];
+  const Entry old = e;
+  e.time_us = props.time_us;
+  e.rank = props.rank;
+  if (before(e, old)) {
+    sift_up(i);
+  } else {
+    sift_down(i);
+  }
 }
 
 double VirtualTimeScheduler::min_ready_time_us() const {
-  return ready_.empty() ? std::numeric_limits<double>::infinity() : std::get<0>(*ready_.begin());
+  return ready_.empty() ? std::numeric_limits<double>::infinity() : ready_.front().time_us;
 }
 
 // The simulator runs every fiber on one thread and detects deadlock itself, so this waits only for the

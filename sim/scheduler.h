@@ -10,8 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
-#include <set>
-#include <tuple>
+#include <vector>
 
 namespace ranklab::sim {
 
@@ -29,10 +28,9 @@ class VirtualTimeProps : public boost::fibers::fiber_properties {
 
  private:
   friend class VirtualTimeScheduler;
-  bool queued_ = false;
   std::uint64_t arrival_ = 0;
-  double queued_time_us_ = 0;  // the key it is queued under, to find it again after a change
-  int queued_rank_ = -1;
+  std::size_t heap_index_ = kNotQueued;  // its place in the ready heap
+  static constexpr std::size_t kNotQueued = static_cast<std::size_t>(-1);
 };
 
 class VirtualTimeScheduler : public boost::fibers::algo::algorithm_with_properties<VirtualTimeProps> {
@@ -53,11 +51,28 @@ class VirtualTimeScheduler : public boost::fibers::algo::algorithm_with_properti
   static VirtualTimeScheduler* current();
 
  private:
-  using Key = std::tuple<double, int, std::uint64_t, boost::fibers::context*>;
-  static Key key_of(boost::fibers::context* ctx, const VirtualTimeProps& p) {
-    return {p.time_us, p.rank, p.arrival_, ctx};
+  // The ready fibers as a binary min-heap on (time, rank, arrival); arrivals are unique, so the order is
+  // total and the same as a sorted set's. Each fiber's properties know its index, so a fiber whose clock
+  // changes while it waits moves up or down in place.
+  struct Entry {
+    double time_us;
+    int rank;
+    std::uint64_t arrival;
+    boost::fibers::context* ctx;
+    VirtualTimeProps* props;
+  };
+  static bool before(const Entry& a, const Entry& b) {
+    if (a.time_us != b.time_us) return a.time_us < b.time_us;
+    if (a.rank != b.rank) return a.rank < b.rank;
+    return a.arrival < b.arrival;
   }
-  std::set<Key> ready_;
+  void place(std::size_t i, const Entry& e) {
+    ready_[i] = e;
+    e.props->heap_index_ = i;
+  }
+  void sift_up(std::size_t i);
+  void sift_down(std::size_t i);
+  std::vector<Entry> ready_;
   std::uint64_t next_arrival_ = 0;
   std::mutex mutex_;
   std::condition_variable wakeup_;

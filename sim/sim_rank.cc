@@ -172,7 +172,9 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
 
 void SimRank::fold_sync_ops(const char* by) {
   for (const auto& op : s_.unfolded_sync) {
-    world_.wait_finished(rank_, op, fmt::format("{} (after a synchronous {})", by, comm_op_name(op->op)));
+    if (!op->finished) {
+      world_.wait_finished(rank_, op, fmt::format("{} (after a synchronous {})", by, comm_op_name(op->op)));
+    }
     s_.compute_us = std::max(s_.compute_us, op->end_us);
   }
   s_.unfolded_sync.clear();
@@ -186,7 +188,7 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
         throw UsageError(fmt::format(
             "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
             "before touching the tensor (on a GPU this would be a silent race)",
-            where(op), t->str(), p->label));
+            where(op), t->str(), p->label()));
       }
     }
     pending.clear();
@@ -1039,7 +1041,7 @@ void SimRank::check_no_race(const CommCall& call) const {
       throw UsageError(fmt::format(
           "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
           "first (on a GPU the two would race on different streams)",
-          where(comm_op_name(call.op)), t->str(), p->label));
+          where(comm_op_name(call.op)), t->str(), p->label()));
     }
   }
 }

@@ -30,6 +30,16 @@ std::string demangle(const char* name) {
 }
 }  // namespace
 
+std::string CommOpState::label() const {
+  if (op == CommOp::Send) return fmt::format("send/recv #{} from rank {} to rank {}", seq, ranks[0], ranks[1]);
+  const CommMember* lead = nullptr;
+  for (const CommMember& m : members) {
+    if (m.arrived && (lead == nullptr || m.rank == first_arrived)) lead = &m;
+  }
+  const std::string group = lead ? lead->call.group.str() : fmt::format("group {}", group_id);
+  return fmt::format("collective #{} on {} ({})", seq, group, comm_op_name(op));
+}
+
 CommMember& CommOpState::member_of(int global_rank) {
   // World collectives list every rank in order, so the member of rank r is member r.
   if (global_rank >= 0 && global_rank < static_cast<int>(members.size()) &&
@@ -39,7 +49,7 @@ CommMember& CommOpState::member_of(int global_rank) {
   for (CommMember& m : members) {
     if (m.rank == global_rank) return m;
   }
-  throw UsageError(fmt::format("rank {} is not a member of {}", global_rank, label));
+  throw UsageError(fmt::format("rank {} is not a member of {}", global_rank, label()));
 }
 
 SimWorld::SimWorld(const SimConfig& config, int world_size)
@@ -172,9 +182,13 @@ void SimWorld::declare_deadlock() {
 }
 
 void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by) {
+  if (op->finished) {  // the common case: no callables to build
+    check_aborted();
+    return;
+  }
   block_until(
       rank, [&] { return op->finished; },
-      [op, by, this] { return fmt::format("{} waits for {}: {}", by, op->label, why_pending(*op)); });
+      [op, by, this] { return fmt::format("{} waits for {}: {}", by, op->label(), why_pending(*op)); });
 }
 
 std::string SimWorld::why_pending(const CommOpState& op) const {
@@ -186,7 +200,7 @@ std::string SimWorld::why_pending(const CommOpState& op) const {
     }
     for (const auto& dep : m.deps) {
       if (!dep->finished) {
-        reasons.push_back(fmt::format("rank {} must first finish {}", m.rank, dep->label));
+        reasons.push_back(fmt::format("rank {} must first finish {}", m.rank, dep->label()));
         break;
       }
     }
@@ -289,7 +303,7 @@ void SimWorld::check_agreement(CommOpState& op, int arriving_rank) const {
     return;
   }
   if (signature(op.member_of(op.first_arrived).call) == signature(mine.call)) return;
-  std::string msg = fmt::format("ranks disagree on {}:\n", op.label);
+  std::string msg = fmt::format("ranks disagree on {}:\n", op.label());
   for (const CommMember& m : op.members) {
     msg += m.arrived ? fmt::format("  rank {}: {}\n", m.rank, m.call.describe())
                      : fmt::format("  rank {}: has not called it yet\n", m.rank);
@@ -308,7 +322,6 @@ std::shared_ptr<CommOpState> SimWorld::collective_op(int rank, const CommCall& c
   op->group_id = gid;
   op->seq = seq;
   op->ranks = members(call.group);
-  op->label = fmt::format("collective #{} on {} ({})", seq, call.group.str(), comm_op_name(call.op));
   op->members.resize(op->ranks.size());
   for (size_t i = 0; i < op->ranks.size(); ++i) op->members[i].rank = op->ranks[i];
   open_collectives_.emplace(key, op);
@@ -330,7 +343,6 @@ std::shared_ptr<CommOpState> SimWorld::p2p_op(int rank, const CommCall& call) {
   op->op = CommOp::Send;
   op->seq = seq;
   op->ranks = {src, dst};
-  op->label = fmt::format("send/recv #{} from rank {} to rank {}", seq, src, dst);
   op->members.resize(2);
   op->members[0].rank = src;
   op->members[1].rank = dst;
@@ -387,7 +399,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
       const Tensor& sent = op->members[0].call.input;
       const Tensor& into = op->members[1].call.output;
       if (sent.numel() != into.numel() || sent.phantom() != into.phantom()) {
-        throw MismatchError(fmt::format("{}: rank {} sends {} but rank {} receives into {}", op->label,
+        throw MismatchError(fmt::format("{}: rank {} sends {} but rank {} receives into {}", op->label(),
                                         op->ranks[0], sent.str(), op->ranks[1], into.str()));
       }
     }
@@ -417,7 +429,7 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
   }
   for (const auto& op : ended) {
     const bool p2p = op->op == CommOp::Send;
-    const std::string name = p2p ? "send/recv" : comm_op_name(op->op);
+    const SpanName name = op_name(op->op);
     for (CommMember& m : op->members) {
       RankState& s = state(m.rank);
       const int stream =
@@ -428,8 +440,7 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     const int n = static_cast<int>(op->members.size());
     CollectiveRecord rec;
     rec.op = op->op;
-    rec.group =
-        p2p ? fmt::format("rank {} -> rank {}", op->ranks[0], op->ranks[1]) : op->members[0].call.group.str();
+    rec.group = group_name(*op);
     rec.group_size = n;
     rec.bytes = p2p ? op->members[0].call.input.bytes() : nccl_size_bytes(*op);
     rec.algorithm = op->algorithm;
@@ -439,7 +450,10 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     rec.algbw_gbps = t_us > 0 ? static_cast<double>(rec.bytes) / (t_us * 1e3) : 0;
     rec.busbw_gbps = rec.algbw_gbps * bus_factor(op->op, n);
     report_.collectives.push_back(rec);
-    if (size() >= 256) progress_.update(++finished_ops_, fmt::format("operations, {} ranks", size()));
+    if (size() >= 256) {
+      if (progress_detail_.empty()) progress_detail_ = fmt::format("operations, {} ranks", size());
+      progress_.update(++finished_ops_, progress_detail_);
+    }
     for (CommMember& m : op->members) {
       // A finished operation needs neither its dependencies nor its buffers: letting go of them frees
       // the tensors it moved (and the chain of earlier operations each one would otherwise keep alive).
@@ -501,11 +515,11 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   CommPlan plan = p2p ? network_->plan_p2p(op->ranks[0], op->ranks[1], lead.input.bytes())
                       : network_->plan_collective(op->op, nccl_size_bytes(*op), op->ranks, lead.peer);
   network_->record(plan);
-  op->algorithm = plan.name();
+  op->algorithm = plan_name(plan);
   op->start_us = start_us;
   op->executed = true;
   run_numerics(*op);
-  const std::string name = p2p ? "send/recv" : comm_op_name(op->op);
+  const SpanName name = op_name(op->op);
   for (const CommMember& m : op->members) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
   engine_.schedule(op, std::move(plan), start_us);
   // A transfer that started late may already have ended.
@@ -584,7 +598,30 @@ void SimWorld::print(const std::string& line) {
   }
 }
 
-void SimWorld::add_span(int rank, SpanKind kind, const std::string& name, double start_us, double end_us) {
+SpanName SimWorld::op_name(CommOp op) {
+  auto [it, inserted] = op_names_.try_emplace(static_cast<int>(op));
+  if (inserted) it->second = op == CommOp::Send ? "send/recv" : comm_op_name(op);
+  return it->second;
+}
+
+SpanName SimWorld::group_name(const CommOpState& op) {
+  const bool p2p = op.op == CommOp::Send;
+  auto [it, inserted] =
+      group_names_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
+  if (inserted) {
+    it->second = p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : op.members[0].call.group.str();
+  }
+  return it->second;
+}
+
+SpanName SimWorld::plan_name(const CommPlan& plan) {
+  auto [it, inserted] =
+      plan_names_.try_emplace({static_cast<int>(plan.algorithm), static_cast<int>(plan.protocol)});
+  if (inserted) it->second = plan.name();
+  return it->second;
+}
+
+void SimWorld::add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us) {
   if (end_us <= start_us) return;
   report_.spans.push_back({rank, kind, name, start_us, end_us});
 }

@@ -119,7 +119,7 @@ class SimWorld {
 
   // Output and report.
   void print(const std::string& line);
-  void add_span(int rank, SpanKind kind, const std::string& name, double start_us, double end_us);
+  void add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us);
   void add_region(int rank, const std::string& name, double start_us, double end_us);
   void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
   void set_training(const TrainingStats& stats) { report_.training = stats; }
@@ -167,6 +167,15 @@ class SimWorld {
   // A large world's run shows its communication finishing on stderr (a terminal only).
   Progress progress_{"simulating", 0};
   std::int64_t finished_ops_ = 0;
+  std::string progress_detail_;
+  // Names every operation of a kind shares, formatted and interned once: a collective's name ("all_reduce",
+  // "send/recv"), a group's ("group 2 {0, 1}"; "rank 0 -> rank 1" for a pair), a plan's ("ring/simple").
+  SpanName op_name(CommOp op);
+  SpanName group_name(const CommOpState& op);
+  SpanName plan_name(const CommPlan& plan);
+  std::map<int, SpanName> op_names_;
+  std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
+  std::map<std::pair<int, int>, SpanName> plan_names_;
 
   int live_ = 0;
   int blocked_ = 0;
