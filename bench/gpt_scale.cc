@@ -19,8 +19,8 @@
 #include "common/lesson.h"
 #include "common/profile.h"
 #include "common/report.h"
-#include "sim/sim_backend.h"
 #include "sim/malloc_tuning.h"
+#include "sim/sim_backend.h"
 
 namespace {
 

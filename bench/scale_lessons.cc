@@ -29,8 +29,8 @@
 #include "common/lesson.h"
 #include "common/profile.h"
 #include "common/rank.h"
-#include "sim/sim_backend.h"
 #include "sim/malloc_tuning.h"
+#include "sim/sim_backend.h"
 
 namespace {
 

@@ -496,9 +496,10 @@ ordered_json to_json(const Span& s) {
 }
 
 ordered_json to_json(const CollectiveRecord& c) {
-  return ordered_json{{"op", comm_op_name(c.op)}, {"group", c.group.str()},           {"group_size", c.group_size},
-                      {"bytes", c.bytes},         {"algorithm", c.algorithm.str()},   {"start_us", c.start_us},
-                      {"end_us", c.end_us},       {"algbw_gbps", c.algbw_gbps}, {"busbw_gbps", c.busbw_gbps}};
+  return ordered_json{
+      {"op", comm_op_name(c.op)}, {"group", c.group.str()},         {"group_size", c.group_size},
+      {"bytes", c.bytes},         {"algorithm", c.algorithm.str()}, {"start_us", c.start_us},
+      {"end_us", c.end_us},       {"algbw_gbps", c.algbw_gbps},     {"busbw_gbps", c.busbw_gbps}};
 }
 
 ordered_json to_json(const RegionRecord& r) {

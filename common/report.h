@@ -2,6 +2,8 @@
 // `compare` never care where a report came from.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -9,21 +11,19 @@
 #include <string_view>
 #include <vector>
 
-#include <fmt/format.h>
-
 #include "common/rank.h"
 
 namespace ranklab {
 
 // A name stored once per distinct text for the life of the process (kernel, collective, group and
-// algorithm names repeat millions of times in a large run): one pointer, compared by pointer, read as a std::string. Interning
-// is thread-safe.
+// algorithm names repeat millions of times in a large run): one pointer, compared by pointer, read as a
+// std::string. Interning is thread-safe.
 class SpanName {
  public:
-  SpanName();  // ""
+  SpanName();                       // ""
   SpanName(std::string_view text);  // NOLINT: implicit, so a Span is built from any string
   SpanName(const std::string& text) : SpanName(std::string_view(text)) {}  // NOLINT
-  SpanName(const char* text) : SpanName(std::string_view(text)) {}          // NOLINT
+  SpanName(const char* text) : SpanName(std::string_view(text)) {}         // NOLINT
   const std::string& str() const { return *text_; }
   operator const std::string&() const { return *text_; }  // NOLINT
   const char* c_str() const { return text_->c_str(); }

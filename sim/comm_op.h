@@ -29,7 +29,7 @@ struct CommMember {
 
 struct CommOpState {
   CommOp op = CommOp::AllReduce;
-  int group_id = 0;   // collectives: the group and the call's number in it
+  int group_id = 0;  // collectives: the group and the call's number in it
   std::uint64_t seq = 0;
   std::vector<int> ranks;           // global ranks in group order (src, dst for point-to-point)
   std::vector<CommMember> members;  // indexed like `ranks`

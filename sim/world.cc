@@ -31,7 +31,8 @@ std::string demangle(const char* name) {
 }  // namespace
 
 std::string CommOpState::label() const {
-  if (op == CommOp::Send) return fmt::format("send/recv #{} from rank {} to rank {}", seq, ranks[0], ranks[1]);
+  if (op == CommOp::Send)
+    return fmt::format("send/recv #{} from rank {} to rank {}", seq, ranks[0], ranks[1]);
   const CommMember* lead = nullptr;
   for (const CommMember& m : members) {
     if (m.arrived && (lead == nullptr || m.rank == first_arrived)) lead = &m;
@@ -606,10 +607,11 @@ SpanName SimWorld::op_name(CommOp op) {
 
 SpanName SimWorld::group_name(const CommOpState& op) {
   const bool p2p = op.op == CommOp::Send;
-  auto [it, inserted] =
-      group_names_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
+  auto [it, inserted] = group_names_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1])
+                                                     : std::make_pair(op.group_id, -1));
   if (inserted) {
-    it->second = p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : op.members[0].call.group.str();
+    it->second =
+        p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : op.members[0].call.group.str();
   }
   return it->second;
 }
