@@ -1,6 +1,5 @@
 #include "sim/world.h"
 
-#include <cxxabi.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -10,7 +9,6 @@
 #include <cstdlib>
 #include <set>
 #include <thread>
-#include <typeinfo>
 
 #include "common/errors.h"
 #include "common/progress.h"
@@ -19,16 +17,6 @@
 #include "sim/scheduler.h"
 
 namespace ranklab::sim {
-
-namespace {
-std::string demangle(const char* name) {
-  int status = 0;
-  char* readable = abi::__cxa_demangle(name, nullptr, nullptr, &status);
-  std::string out = status == 0 && readable ? readable : name;
-  std::free(readable);
-  return out;
-}
-}  // namespace
 
 std::string CommOpState::label() const {
   if (op == CommOp::Send)
@@ -82,17 +70,8 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
     program();
   } catch (const RunAborted&) {
     // another rank failed first; this one just unwinds
-  } catch (const Error&) {
-    fail(std::current_exception());
-  } catch (const std::exception& e) {
-    // Not one of ranklab's own: the message alone would not say where it came from.
-    fail(std::make_exception_ptr(
-        ProgramError(fmt::format("rank {} threw {}: {}", rank, demangle(typeid(e).name()), e.what()))));
   } catch (...) {
-    const std::type_info* type = abi::__cxa_current_exception_type();
-    fail(std::make_exception_ptr(
-        ProgramError(fmt::format("rank {} threw a value of type {}, which is not a std::exception", rank,
-                                 type ? demangle(type->name()) : std::string("unknown")))));
+    fail(current_error_of_rank(rank));  // the same words as the real backend's
   }
   RankState& s = state(rank);
   s.finished = true;
