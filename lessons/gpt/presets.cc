@@ -17,6 +17,8 @@ const std::vector<Preset>& presets() {
   // (14,336 wide) and grouped-query attention (8 key-value heads); this lesson's block is GPT's, so the
   // preset only fills the shape flags and the FLOPs and memory are those of a GPT of that shape. Its batch
   // (128 sequences, 1M tokens) is a choice of this preset, not of the source.
+  // Llama 3 70B: the same sources: 80 layers, 8192, 64 heads (28,672-wide SwiGLU, 8 key-value heads in
+  // the original); 512 sequences (4M tokens) is again this preset's choice.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -30,6 +32,8 @@ const std::vector<Preset>& presets() {
       {"megatron-1t", 128, 25600, 160, 2048, 51200, 3072,
        "Narayanan et al. 2021, Table 1 (the 1T model: 3,072 GPUs with tp 8, pp 64)"},
       {"llama3-8b", 32, 4096, 32, 8192, 128256, 128,
+       "Meta Llama 3 model card; shape only (GPT block, not RMSNorm/SwiGLU/GQA)"},
+      {"llama3-70b", 80, 8192, 64, 8192, 128256, 512,
        "Meta Llama 3 model card; shape only (GPT block, not RMSNorm/SwiGLU/GQA)"},
   };
   return all;
