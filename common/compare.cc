@@ -42,6 +42,24 @@ void for_each_option(F&& f) {
   f("sweep", &Options::sweep);
   f("algo", &Options::algo);
   f("proto", &Options::proto);
+  f("model", &Options::model);
+  f("hidden", &Options::hidden);
+  f("heads", &Options::heads);
+  f("seq", &Options::seq);
+  f("vocab", &Options::vocab);
+  f("global-batch", &Options::global_batch);
+  f("micro-batch", &Options::micro_batch);
+  f("tp", &Options::tp);
+  f("pp", &Options::pp);
+  f("dp", &Options::dp);
+  f("interleave", &Options::interleave);
+  f("zero", &Options::zero);
+  f("seq-parallel", &Options::seq_parallel);
+  f("recompute", &Options::recompute);
+  f("order", &Options::order);
+  f("dtype", &Options::dtype);
+  f("grad-reduce-dtype", &Options::grad_reduce_dtype);
+  f("break", &Options::broken);
 }
 
 template <class T>

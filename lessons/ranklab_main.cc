@@ -126,7 +126,7 @@ void add_lesson_options(CLI::App& run, Options& o) {
       ->group("");
 }
 
-// --model fills the shape flags the command line left out; the gpt lesson starts from AdamW's usual 1e-3.
+// --model fills the shape flags the command line left out (after the lesson's own defaults).
 void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options& o) {
   if (lesson != "gpt") return;
   if (!o.model.empty()) {
@@ -139,8 +139,6 @@ void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options&
     if (run.count("--global-batch") == 0) o.global_batch = p.global_batch;
     if (run.count("--micro-batch") == 0) o.micro_batch = 1;
   }
-  if (run.count("--layers") == 0 && o.model.empty()) o.layers = 2;
-  if (run.count("--lr") == 0) o.lr = 1e-3;
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o,

@@ -56,6 +56,11 @@ if [[ -w /dev/full ]]; then
   fi
 fi
 
+# The gpt lesson's shape and layout flags reach the lesson, and a preset fills only what was not given.
+expect 0 "layout: tp 2 x pp 2 x dp 2, zero 1, recompute full" run gpt --world 8 --tp 2 --pp 2 --zero 1 --recompute full --global-batch 8 --micro-batch 1 --steps 1
+expect 0 "gpt llama3-70b: 3 layers, hidden 8192, 64 heads, seq 8192, vocab 128256" run gpt --model llama3-70b --layers 3 --world 8 --tp 8 --global-batch 1 --micro-batch 1 --steps 1 --phantom
+expect 1 "--model: no preset called 'gpt5'; the presets are: gpt3-125m" run gpt --model gpt5
+
 # One simulated world per job, not one per process of a launcher.
 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 expect 1 "the simulator (--backend sim) simulates the whole world in one process" run collectives
 

@@ -416,8 +416,36 @@ void gpt_lesson(Rank& r, const Options& o) {
 
 }  // namespace
 
-RANKLAB_LESSON("gpt",
-               "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and recompute",
-               gpt_lesson);
+// A laptop-sized GPT by default; --model fills the shape flags from a published model instead.
+const std::vector<LessonOption> kOptions = {
+    {"world", "4", "ranks: tp x pp x dp"},
+    {"model", "",
+     "a preset that fills the shape flags (gpt3-175b, llama3-70b, ...; a wrong name lists them)"},
+    {"layers", "2", "transformer blocks"},
+    {"hidden", "64", "model width"},
+    {"heads", "4", "attention heads (divisible by --tp)"},
+    {"seq", "16", "sequence length"},
+    {"vocab", "128", "vocabulary size (divisible by --tp)"},
+    {"global-batch", "8", "sequences per step"},
+    {"micro-batch", "2", "sequences per micro-batch"},
+    {"tp", "1", "tensor-parallel size (Megatron's column-then-row pairs)"},
+    {"seq-parallel", "false", "with --tp: reduce_scatter + all_gather, layernorm sharded along the sequence"},
+    {"pp", "1", "pipeline-parallel size (1F1B)"},
+    {"interleave", "1", "model chunks per pipeline rank (interleaved 1F1B)"},
+    {"dp", "0", "data-parallel size (0: world / (tp pp))"},
+    {"zero", "0", "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"},
+    {"recompute", "none", "activation recomputation: none, selective (attention core) or full"},
+    {"order", "tp-dp-pp", "process-group layout, innermost first"},
+    {"dtype", "bf16", "weights and activations: bf16, fp16 or fp32"},
+    {"grad-reduce-dtype", "fp32", "dtype of the data-parallel gradient reduction"},
+    {"steps", "3", "training steps, each checked against one device"},
+    {"lr", "0.001", "AdamW's learning rate"},
+    {"phantom", "false", "time the step at its size without numbers (no check)"},
+};
+
+RANKLAB_LESSON_WITH_OPTIONS("gpt",
+                            "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and "
+                            "recompute",
+                            gpt_lesson, kOptions, {});
 
 }  // namespace ranklab
