@@ -4,11 +4,27 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "common/backend.h"
 #include "common/profile.h"
 
 namespace ranklab {
+
+// A world whose ranks fall into classes that do the same work: ranks that differ only along the
+// replicated dimensions of a grid (tensor- and data-parallel replicas of a pipeline stage). The simulator
+// then runs one rank per class, the representative (index 0 along every replicated dimension), and
+// lets the others, its mirrors, take part in its communication as copies of it: each collective still
+// moves what the whole group moves, and the traffic the other classes' groups would put on the network
+// at the same moment (their images under the symmetry) runs beside it as flows. Times, memory and link
+// traffic are those of the full run; the cost is that of one rank per class. Only phantom tensors:
+// a mirror holds no numbers of its own.
+struct SimSymmetry {
+  std::vector<int> dims;         // the world as a grid, innermost first: rank = i0 + d0 (i1 + d1 (i2 ...))
+  std::vector<bool> replicated;  // per dimension: do ranks that differ only here do the same work?
+  bool enabled() const { return !dims.empty(); }
+};
 
 struct SimConfig {
   Profile profile;
@@ -23,6 +39,8 @@ struct SimConfig {
   // Host memory the simulator may take, in bytes: 0 reads what the machine has available at launch
   // (sim/host_memory.h); a launch whose ranks need more is refused before it starts.
   std::int64_t host_memory_bytes = 0;
+  // Empty: every rank runs (the default). See SimSymmetry.
+  SimSymmetry symmetry{};
 };
 
 class SimBackend : public Backend {
