@@ -115,6 +115,7 @@ void SimWorld::wake(int rank) {
   if (!s.blocked) return;
   s.blocked = false;
   --blocked_;
+  woke_ = true;
   s.wakeup.notify_one();
 }
 
@@ -453,11 +454,13 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
   }
 }
 
-void SimWorld::advance_engine(double t_us) {
+bool SimWorld::advance_engine(double t_us) {
+  woke_ = false;
   while (true) {
-    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us);
-    if (ended.empty()) return;
+    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us, /*stop_at_end=*/true);
+    if (ended.empty()) return false;
     on_finished(ended);  // may schedule more transfers at or before t_us
+    if (woke_) return true;
   }
 }
 
@@ -474,7 +477,8 @@ void SimWorld::before_issue(int rank) {
   const double issue_us = std::max(s.host_us, s.compute_us);
   while (true) {
     const double earliest_other = sched ? sched->min_ready_time_us() : INFINITY;
-    advance_engine(std::min(issue_us, earliest_other));
+    // A rank an ending woke joins the ready ranks with its clock: look again before going further.
+    if (advance_engine(std::min(issue_us, earliest_other))) continue;
     if (!sched || sched->min_ready_time_us() >= s.host_us) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;

@@ -136,7 +136,9 @@ class SimWorld {
   void execute(const std::shared_ptr<CommOpState>& op);
   // Records what finished in the engine and executes what waited for it.
   void on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended);
-  void advance_engine(double t_us);
+  // Moves the engine up to t_us, one ending at a time; stops early, returning true, when an ending woke a
+  // rank: that rank may issue communication before t_us, and must find the engine no further than that.
+  bool advance_engine(double t_us);
   // Moves the engine to its next event; false when nothing is in flight.
   bool advance_engine_one_event();
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
@@ -177,6 +179,7 @@ class SimWorld {
   std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
   std::map<std::pair<int, int>, SpanName> plan_names_;
 
+  bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   int live_ = 0;
   int blocked_ = 0;
   bool aborted_ = false;
