@@ -4,6 +4,7 @@
 // a phantom run's time is deterministic; a deliberately broken reduction fails the lesson's own check.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -130,6 +131,15 @@ TEST(Gpt, DeeperPipelineInterleaved) {
   o.dtype = "fp32";
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  // The timeline's regions name each task's micro-batch and chunk: every stage runs each of the m = 4
+  // micro-batches forward and backward through both of its chunks, once per step.
+  std::map<std::string, int> tasks;
+  for (const RegionRecord& g : rep.regions) {
+    if (g.rank == 3 && (g.name.starts_with("forward") || g.name.starts_with("backward"))) ++tasks[g.name];
+  }
+  EXPECT_EQ(tasks.size(), 2u * 4 * 2);
+  EXPECT_EQ(tasks["forward mb 3 chunk 1"], o.steps);
+  EXPECT_EQ(tasks["backward mb 0 chunk 0"], o.steps);
 }
 
 TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {

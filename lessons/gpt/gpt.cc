@@ -195,15 +195,20 @@ void gpt_lesson(Rank& r, const Options& o) {
     const Event start = r.record_event();
     {
       auto region = r.region("step");
+      // Each task's region names its micro-batch (and chunk, interleaved): the timeline shows the schedule.
+      auto task_name = [&](const parallel::Task& t) {
+        return c.v > 1 ? fmt::format("{} mb {} chunk {}", t.forward ? "forward" : "backward", t.mb, t.chunk)
+                       : fmt::format("{} mb {}", t.forward ? "forward" : "backward", t.mb);
+      };
       auto forward = [&](const parallel::Task& t, const Tensor& in) {
-        auto scope = r.region("forward");
+        auto scope = r.region(task_name(t));
         Tensor out = model.forward(t, in);
         // (The tensors themselves: memory_allocated() would also see a send finishing meanwhile.)
         if (step == 1 && t.mb == 0) stash_measured[t.chunk] = model.kept_bytes(t.chunk, t.mb);
         return out;
       };
       auto backward = [&](const parallel::Task& t, const Tensor& dout) {
-        auto scope = r.region("backward");
+        auto scope = r.region(task_name(t));
         return model.backward(t, dout);
       };
       pipe.run(Shape{c.local_rows(), c.hidden}, c.dtype, forward, backward, timed && measures);
