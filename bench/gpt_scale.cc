@@ -3,6 +3,9 @@
 //   build/bench/ranklab_gpt_scale            GPT-3 175B on 1,536 A100s (tp 8, pp 8, interleaved), then
 //                                            the 1T model on 3,072 A100s with pp 64
 //   build/bench/ranklab_gpt_scale 1536       only the first
+//   ... --symmetric | --full                 only the symmetric run (one rank per pipeline stage, the tp
+//                                            and dp replicas mirroring it) or only the full one; both by
+//                                            default, so that their answers can be compared
 //
 // Each case prints the simulated step time and MFU (what the run answers) and the simulator's own cost:
 // wall and CPU seconds and the peak resident memory of a process that runs only that case.
@@ -33,7 +36,7 @@ struct Case {
   std::string recompute;
 };
 
-void run(const Case& k) {
+void run(const Case& k, bool symmetric) {
   using namespace ranklab;
   Options o;
   o.model = k.model;
@@ -60,6 +63,10 @@ void run(const Case& k) {
   c.echo_output = false;
   o.peak_tflops_16bit = c.profile.gpu.peak_tflops_bf16;
   o.gpus_per_node = c.profile.gpus_per_node;
+  if (symmetric) {
+    c.symmetry.dims = {k.tp, k.world / (k.tp * k.pp), k.pp};  // order tp-dp-pp
+    c.symmetry.replicated = {true, true, false};
+  }
   SimBackend backend(c);
   const auto t0 = std::chrono::steady_clock::now();
   const RunReport rep = run_lesson(backend, "gpt", o);
@@ -69,11 +76,12 @@ void run(const Case& k) {
   const double cpu =
       u.ru_utime.tv_sec + u.ru_utime.tv_usec / 1e6 + u.ru_stime.tv_sec + u.ru_stime.tv_usec / 1e6;
   std::printf(
-      "%-11s %5d ranks  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %8.2f s  MFU %5.1f%%  "
+      "%-11s %5d ranks %-9s  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %9.4f s  MFU %5.1f%%  "
       "bubble %5.1f%% (formula %4.1f%%)  peak %6.1f GiB  |  wall %6.1f s  CPU %6.1f s  peak RSS %6.0f MiB\n",
-      k.model.c_str(), k.world, k.tp, k.pp, k.interleave, k.world / (k.tp * k.pp), k.zero,
-      k.seq_parallel ? " sp" : "", k.recompute.c_str(), rep.training ? rep.training->step_time_us / 1e6 : 0.0,
-      rep.training ? 100 * rep.training->mfu : 0.0, rep.training ? 100 * rep.training->bubble_fraction : 0.0,
+      k.model.c_str(), k.world, symmetric ? "symmetric" : "full", k.tp, k.pp, k.interleave,
+      k.world / (k.tp * k.pp), k.zero, k.seq_parallel ? " sp" : "", k.recompute.c_str(),
+      rep.training ? rep.training->step_time_us / 1e6 : 0.0, rep.training ? 100 * rep.training->mfu : 0.0,
+      rep.training ? 100 * rep.training->bubble_fraction : 0.0,
       rep.training ? 100 * rep.training->bubble_fraction_formula : 0.0,
       rep.training ? rep.training->peak_memory_bytes / 1073741824.0 : 0.0, wall, cpu, u.ru_maxrss / 1024.0);
   std::fflush(stdout);
@@ -91,19 +99,29 @@ int main(int argc, char** argv) {
       // within this machine.
       {"megatron-1t", 128, 25600, 160, 384, 3072, 8, 64, 1, 1, true, "none"},
   };
-  if (argc > 1) {
-    const int world = std::atoi(argv[1]);
-    std::erase_if(cases, [&](const Case& k) { return k.world != world; });
+  std::vector<bool> modes = {true, false};
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--symmetric") {
+      modes = {true};
+    } else if (arg == "--full") {
+      modes = {false};
+    } else {
+      const int world = std::atoi(argv[i]);
+      std::erase_if(cases, [&](const Case& k) { return k.world != world; });
+    }
   }
   // Each case in a process of its own, so that its peak memory is its own.
   for (const Case& k : cases) {
-    const pid_t pid = fork();
-    if (pid == 0) {
-      run(k);
-      std::_Exit(0);
+    for (bool symmetric : modes) {
+      const pid_t pid = fork();
+      if (pid == 0) {
+        run(k, symmetric);
+        std::_Exit(0);
+      }
+      int status = 0;
+      waitpid(pid, &status, 0);
     }
-    int status = 0;
-    waitpid(pid, &status, 0);
   }
   return 0;
 }

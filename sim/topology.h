@@ -98,6 +98,10 @@ class Topology {
   LinkId spine_to_leaf(int spine, int leaf) const {
     return id(kSpineToLeaf, std::int64_t{leaf} * spines_ + spine);
   }
+  // Whether `id` joins a leaf and a spine: traffic between leaves, routed by a hash of its endpoints.
+  bool is_spine_link(LinkId id) const {
+    return id >= offsets_[kLeafToSpine] && id < offsets_[kSpineToLeaf + 1];
+  }
 
  private:
   enum Kind {

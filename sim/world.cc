@@ -532,6 +532,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   for (const CommMember& m : op->members) {
     if (runs(m.rank)) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
   }
+  if (!rep_.empty()) note_spine(plan);
   engine_.schedule(op, std::move(plan), start_us);
   if (!rep_.empty()) schedule_images(*op, start_us);
   // A transfer that started late may already have ended.
@@ -652,6 +653,15 @@ void SimWorld::add_check(int rank, const std::string& what, bool passed, const s
 }
 
 RunReport SimWorld::finish_report() {
+  if (!rep_.empty()) {
+    print(fmt::format(
+        "symmetric run: {} of {} ranks ran, the others mirrored them{}", running_, size(),
+        spine_crossed_
+            ? "; traffic crossed the fabric's spines, whose hashed routes and leaf boundaries need not map "
+              "onto each other as the ranks do, so link sharing between replicas may differ from a full run "
+              "(times within a few percent; run without the symmetry for the exact figures)"
+            : "; every figure is the full run's"));
+  }
   report_.ranks.clear();
   report_.makespan_us = 0;
   for (int r = 0; r < size(); ++r) {
@@ -769,6 +779,13 @@ const std::vector<std::vector<int>>& SimWorld::images(const std::vector<int>& ra
   return it->second;
 }
 
+void SimWorld::note_spine(const CommPlan& plan) {
+  if (spine_crossed_) return;
+  const Topology& topo = network_->topology();
+  spine_crossed_ =
+      std::any_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.is_spine_link(l); });
+}
+
 void SimWorld::schedule_images(const CommOpState& op, double start_us) {
   const bool p2p = op.op == CommOp::Send;
   const CommCall& lead = op.members[0].call;
@@ -781,6 +798,7 @@ void SimWorld::schedule_images(const CommOpState& op, double start_us) {
     CommPlan plan = p2p ? network_->plan_p2p(image[0], image[1], bytes)
                         : network_->plan_collective(op.op, bytes, image, root);
     network_->record(plan);
+    note_spine(plan);
     auto shadow = std::make_shared<CommOpState>();
     shadow->op = op.op;
     shadow->image = true;

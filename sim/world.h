@@ -167,6 +167,11 @@ class SimWorld {
   int translations_ = 1;              // the product of the replicated dimensions
   int running_ = 0;
   std::map<std::vector<int>, std::vector<std::vector<int>>> images_;
+  // Whether some transfer crossed a spine: the fabric's leaves and its hashed spine choice (ECMP) need not
+  // map onto each other as the ranks do, so the replicas' transfers may share links otherwise than the
+  // representatives' and the run is no longer exactly the full one.
+  bool spine_crossed_ = false;
+  void note_spine(const CommPlan& plan);
 
   struct HostRendezvous {
     int expected = 0;
