@@ -25,8 +25,8 @@ namespace {
 // all-reduced asynchronously. Before the optimizer step, wait() for every bucket.
 class GradBuckets {
  public:
-  GradBuckets(Rank& r, double bucket_mb, mlp::Traffic& traffic)
-      : r_(r), cap_bytes_(bucket_mb * 1024 * 1024), traffic_(traffic) {}
+  GradBuckets(Rank& r, double bucket_mb, mlp::Traffic& traffic, ReduceOp op)
+      : r_(r), cap_bytes_(bucket_mb * 1024 * 1024), traffic_(traffic), op_(op) {}
 
   // `layer`'s gradient, just produced by backward.
   void add(std::vector<Tensor>& grads, int layer) {
@@ -46,7 +46,7 @@ class GradBuckets {
       for (int l : filling_) parts.push_back(grads[l]);
       b.flat = r_.cat(parts, 0);
     }
-    b.work = r_.all_reduce(b.flat, ReduceOp::Avg, Async::Yes);
+    b.work = r_.all_reduce(b.flat, op_, Async::Yes);
     traffic_.add(b.flat);
     buckets_.push_back(std::move(b));
     filling_.clear();
@@ -77,6 +77,7 @@ class GradBuckets {
   Rank& r_;
   double cap_bytes_;
   mlp::Traffic& traffic_;
+  ReduceOp op_;
   std::vector<int> filling_;
   double filling_bytes_ = 0;
   std::vector<Bucket> buckets_;
@@ -84,6 +85,10 @@ class GradBuckets {
 
 void data_parallel(Rank& r, const Options& o) {
   mlp::validate(o, "data_parallel");
+  mlp::check_broken(o, "data_parallel", {"sum", "no-all-reduce"});
+  // --break sum: Sum instead of Avg (every gradient world times too large); no-all-reduce: none at all.
+  const ReduceOp grad_op = o.broken == "sum" ? ReduceOp::Sum : ReduceOp::Avg;
+  const bool reduce_grads = o.broken != "no-all-reduce";
   // A bucket must hold something: 0, a negative size or NaN would make a bucket per gradient or none.
   if (!(o.bucket_mb > 0) || o.bucket_mb > 1024 * 1024) {
     throw UsageError(fmt::format(
@@ -158,13 +163,13 @@ void data_parallel(Rank& r, const Options& o) {
     // Backward, from the last layer to the first.
     phase.emplace(&r, "backward");
     std::vector<Tensor> grads(layers);
-    GradBuckets buckets(r, o.bucket_mb, traffic);
+    GradBuckets buckets(r, o.bucket_mb, traffic, grad_op);
     Tensor dy = dloss;
     for (int l = layers - 1; l >= 0; --l) {
       mlp::LayerGrads g = mlp::backward_layer(r, acts[l], acts[l + 1], w[l], dy, l > 0);
       grads[l] = g.w;
       dy = g.x;
-      if (o.overlap) buckets.add(grads, l);  // starts its all_reduce while backward goes on
+      if (o.overlap && reduce_grads) buckets.add(grads, l);  // starts its all_reduce while backward goes on
     }
     phase.reset();
     peak_memory.sample();  // every gradient and every activation
@@ -177,9 +182,9 @@ void data_parallel(Rank& r, const Options& o) {
     phase.emplace(&r, "gradient all_reduce");
     if (o.overlap) {
       buckets.wait(grads);
-    } else {
+    } else if (reduce_grads) {
       for (Tensor& g : grads) {
-        r.all_reduce(g, ReduceOp::Avg);
+        r.all_reduce(g, grad_op);
         traffic.add(g);
       }
     }

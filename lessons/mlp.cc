@@ -41,6 +41,12 @@ void validate(const Options& o, const std::string& lesson) {
   }
 }
 
+void check_broken(const Options& o, const std::string& lesson, const std::vector<std::string>& bugs) {
+  if (o.broken.empty() || std::find(bugs.begin(), bugs.end(), o.broken) != bugs.end()) return;
+  throw UsageError(
+      fmt::format("{}: --break must be {} (got '{}')", lesson, fmt::join(bugs, " or "), o.broken));
+}
+
 std::string describe(const Options& o) {
   return fmt::format("{} layers of {} x {}, batch {}, {} lr {}, {} step{}{}", o.layers, o.dim, o.dim, o.batch,
                      o.optimizer, o.lr, o.steps, o.steps == 1 ? "" : "s",

@@ -26,6 +26,9 @@ namespace ranklab::mlp {
 
 // The checks every lesson shares (positive sizes, a known optimizer); throws UsageError naming the option.
 void validate(const Options& o, const std::string& lesson);
+// The hidden --break: a deliberate bug the tests use to see the lesson's own check fail. UsageError unless
+// it is empty or one of `bugs`.
+void check_broken(const Options& o, const std::string& lesson, const std::vector<std::string>& bugs);
 
 // "4 layers of 64 x 64, batch 32, sgd lr 0.01, 3 steps"
 std::string describe(const Options& o);

@@ -118,6 +118,9 @@ void print_gantt(Rank& r, const std::string& sched, int m, const std::vector<std
 
 void pipeline_parallel(Rank& r, const Options& o) {
   mlp::validate(o, "pipeline_parallel");
+  // --break micro-batch-mean: the last stage averages the loss over each micro-batch instead of the batch
+  // (gradients micro-batches times too large); no-zero-grad: gradients accumulate across steps.
+  mlp::check_broken(o, "pipeline_parallel", {"micro-batch-mean", "no-zero-grad"});
   const int stages = r.world_size(), stage = r.rank();
   const std::string& sched = o.schedule;
   if (sched != "naive" && sched != "gpipe" && sched != "1f1b") {
@@ -184,7 +187,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     for (int k = 0; k < m; ++k) inputs.push_back(mlp::make_samples(r, o, k * mb, mb));
   }
   Tensor dloss;  // the last stage starts the backward: d loss / d output
-  if (last_stage) dloss = mlp::loss_grad(r, o, {mb, o.dim}, o.batch);
+  if (last_stage) dloss = mlp::loss_grad(r, o, {mb, o.dim}, o.broken == "micro-batch-mean" ? mb : o.batch);
   // How many forwards a stage runs before its first backward: 1f1b, as many as the stages after it need
   // to fill the pipeline; gpipe (and naive, one micro-batch), all of them.
   const int warmup = sched == "1f1b" ? std::min(stages - stage - 1, m) : m;
@@ -198,7 +201,9 @@ void pipeline_parallel(Rank& r, const Options& o) {
   for (int step = 1; step <= o.steps; ++step) {
     // The step's phases as regions; an exception (running out of memory) closes the open one.
     std::optional<Rank::Region> phase;
-    for (Tensor& g : st.grads) r.scale_(g, 0.0f);
+    if (o.broken != "no-zero-grad") {
+      for (Tensor& g : st.grads) r.scale_(g, 0.0f);
+    }
     r.synchronize();
     r.barrier();
     const double t0 = r.now();

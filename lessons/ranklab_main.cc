@@ -127,7 +127,9 @@ void add_lesson_options(CLI::App& run, Options& o) {
                "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
                "replicas mirror it (same times, memory and traffic, a fraction of the cost)");
   run.add_option("--break", o.broken,
-                 "gpt: a deliberate bug, to see the check fail (dp-sum, no-reduce-scatter, no-sp-grad-sync)")
+                 "a deliberate bug, to see the check fail (gpt: dp-sum, no-reduce-scatter, no-sp-grad-sync; "
+                 "data_parallel: sum, no-all-reduce; tensor_parallel: no-reduce-scatter, wrong-slice; "
+                 "pipeline_parallel: micro-batch-mean, no-zero-grad)")
       ->group("");
 }
 

@@ -164,6 +164,13 @@ void megatron_pairs(Rank& r, const Options& o) {
 
 void tensor_parallel(Rank& r, const Options& o) {
   mlp::validate(o, "tensor_parallel");
+  // --break no-reduce-scatter: each rank keeps its block of its own partial sum, unsummed; wrong-slice: each
+  // rank makes the next rank's columns of the weights.
+  mlp::check_broken(o, "tensor_parallel", {"no-reduce-scatter", "wrong-slice"});
+  if (o.megatron && !o.broken.empty()) {
+    throw UsageError(fmt::format(
+        "tensor_parallel: --break {} breaks the all_gather scheme, not --megatron's pairs", o.broken));
+  }
   const int world = r.world_size(), rank = r.rank();
   if (o.dim % world != 0) {
     throw UsageError(fmt::format(
@@ -196,7 +203,8 @@ void tensor_parallel(Rank& r, const Options& o) {
 
   // Each rank makes only its columns, with the numbers those columns of one device's weights hold.
   std::vector<Tensor> w;
-  for (int l = 0; l < layers; ++l) w.push_back(mlp::make_weight_columns(r, o, l, first_col, cols));
+  const std::int64_t made_col = o.broken == "wrong-slice" ? (first_col + cols) % o.dim : first_col;
+  for (int l = 0; l < layers; ++l) w.push_back(mlp::make_weight_columns(r, o, l, made_col, cols));
   mlp::Optimizer opt(r, o, w);
   Tensor x = mlp::make_samples(r, o, 0, o.batch);  // every rank holds the whole batch
   // d loss / d (this rank's columns of the output), transposed
@@ -236,7 +244,11 @@ void tensor_parallel(Rank& r, const Options& o) {
     for (int l = layers - 1; l >= 0; --l) {
       Tensor dz = r.relu_backward(dh, hs[l]);                                       // [dim/W, batch]
       grads[l] = r.matmul(xs[l], dz, l == 0 ? Trans::Yes : Trans::No, Trans::Yes);  // local, exact
-      if (l > 0) dh = reduce_scatter_columns(r, o, r.matmul(w[l], dz), traffic);
+      if (l > 0 && o.broken == "no-reduce-scatter") {
+        dh = r.slice(r.matmul(w[l], dz), 0, first_col, cols);
+      } else if (l > 0) {
+        dh = reduce_scatter_columns(r, o, r.matmul(w[l], dz), traffic);
+      }
     }
     phase.reset();
     peak_memory.sample();  // every gradient and every activation
