@@ -9,7 +9,9 @@
 // linear least-squares fit over all collectives and kernels gives the change of every parameter at once.
 // Residuals are relative, so a 10 us all_reduce counts as much as a 10 ms one. The fit is a
 // Levenberg-Marquardt iteration: a step that does not lower the error is retried shorter, because the model
-// is only piecewise linear (the roofline's max, the slowest link of a path, NCCL's choice of algorithm).
+// is only piecewise linear (the roofline's max, the slowest link of a path, NCCL's choice of algorithm); when
+// the steps stop helping, the sensitivities are measured again where the fit has got to, and the iteration
+// goes on while that helps.
 //
 // Parameters (those the profile has): gpu.compute_efficiency, gpu.memory_efficiency, for each link of the
 // path a collective takes (NVLink, PCIe, the NIC) its efficiency and latency, and the fabric's switch
@@ -51,9 +53,10 @@ struct Calibration {
 
 // Simulates the measured run (same lesson, options and world) with a given profile.
 using Simulate = std::function<RunReport(const Profile&)>;
-// calibrate() stops fitting after this many simulations (more only when its first probes, one per fitted
-// parameter, take more).
-constexpr int kCalibrationSimulations = 40;
+// calibrate() stops fitting after this many simulations (more only when its first probes, one per
+// parameter, take more): the first probes, the steps, and fresh probes of the fitted parameters where the
+// first slopes no longer hold.
+constexpr int kCalibrationSimulations = 80;
 
 // Fits `profile` to `measured` by simulating with `simulate`. Raises UsageError when nothing of the report
 // matches the simulation (another lesson, a report without collectives or kernels).
