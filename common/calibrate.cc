@@ -42,6 +42,9 @@ struct Knob {
 
 // Efficiencies before latencies: when the data cannot tell two apart, the later one is kept as it was, and a
 // latency is the better one to keep (bandwidth shows in every large message, latency only in small ones).
+// NCCL's latency scale comes before the launch overhead (a launch shows only where it exceeds a
+// collective, or through nccl-tests' loop as a twentieth of one) and before the link latencies, which
+// collectives do not read (their latencies are NCCL's; docs/model.md section 4).
 std::vector<Knob> knobs(const Profile& p) {
   std::vector<Knob> k;
   auto efficiency = [&](const char* key, double& (*field)(Profile&)) {
@@ -56,6 +59,9 @@ std::vector<Knob> knobs(const Profile& p) {
     efficiency("nvlink.efficiency", [](Profile& q) -> double& { return q.nvlink.efficiency; });
   efficiency("nic.efficiency", [](Profile& q) -> double& { return q.nic.efficiency; });
   efficiency("pcie.efficiency", [](Profile& q) -> double& { return q.pcie.efficiency; });
+  k.push_back(
+      {"nccl.latency_scale", false, [](Profile& q) -> double& { return q.nccl.latency_scale; }, 0.01, 100});
+  latency("gpu.launch_overhead_us", [](Profile& q) -> double& { return q.gpu.launch_overhead_us; });
   if (p.has_nvlink) latency("nvlink.latency_us", [](Profile& q) -> double& { return q.nvlink.latency_us; });
   latency("nic.latency_us", [](Profile& q) -> double& { return q.nic.latency_us; });
   latency("pcie.latency_us", [](Profile& q) -> double& { return q.pcie.latency_us; });
@@ -321,10 +327,10 @@ Calibration calibrate(const RunReport& measured, const Profile& profile, const S
   // Levenberg-Marquardt with that Jacobian: each step solves for the change of g that best explains the
   // remaining relative residual. A step that does not lower the error is retried shorter (more damping);
   // one that does is kept, and the next may be longer. The model is only piecewise linear (the roofline's
-  // max, the slowest link of a path, NCCL's choice of algorithm), so a full step can overshoot, and the
-  // slopes where the fit ends up may not be the ones where it started: when the steps stop helping, the
-  // Jacobian is measured again where the profile now is (for the parameters the first one could fit), and the
-  // iteration goes on while that helps.
+  // max, the slowest link of a path, NCCL's choice of algorithm, a launch-bound loop against a
+  // kernel-bound one), so a full step can overshoot, and the slopes where the fit ends up may not be the
+  // ones where it started: when the steps stop helping, the Jacobian is measured again where the profile
+  // now is (for the parameters the first one could fit), and the iteration goes on while that helps.
   std::vector<double> g(all.size());
   for (std::size_t j = 0; j < all.size(); ++j) g[j] = all[j].g(profile);
   std::vector<bool> changed(all.size(), false);
