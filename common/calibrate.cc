@@ -28,32 +28,44 @@ namespace {
 // ---- the parameters --------------------------------------------------------------------------------------
 
 // A profile number the fit may change. Times are linear in a latency, and in the inverse of an efficiency,
-// so the fit works in g = value or g = 1 / value.
+// so the fit works in g = value or g = 1 / value. A fitted value is kept inside [lowest, highest], the range
+// the profile file accepts, so that the fitted profile loads.
 struct Knob {
   std::string key;
   bool inverse;
   double& (*field)(Profile&);
+  double lowest = 0;
+  double highest = 1e6;
   double value(const Profile& p) const { return field(const_cast<Profile&>(p)); }  // only reads
   double g(const Profile& p) const { return inverse ? 1 / value(p) : value(p); }
 };
 
 // Efficiencies before latencies: when the data cannot tell two apart, the later one is kept as it was, and a
 // latency is the better one to keep (bandwidth shows in every large message, latency only in small ones).
+// NCCL's latency scale comes before the launch overhead (a launch shows only where it exceeds a
+// collective, or through nccl-tests' loop as a twentieth of one) and before the link latencies, which
+// collectives do not read (their latencies are NCCL's; docs/model.md section 4).
 std::vector<Knob> knobs(const Profile& p) {
   std::vector<Knob> k;
-  k.push_back(
-      {"gpu.compute_efficiency", true, [](Profile& q) -> double& { return q.gpu.compute_efficiency; }});
-  k.push_back({"gpu.memory_efficiency", true, [](Profile& q) -> double& { return q.gpu.memory_efficiency; }});
+  auto efficiency = [&](const char* key, double& (*field)(Profile&)) {
+    k.push_back({key, true, field, 0.01, 1});
+  };
+  auto latency = [&](const char* key, double& (*field)(Profile&)) {
+    k.push_back({key, false, field, 0, 1e6});
+  };
+  efficiency("gpu.compute_efficiency", [](Profile& q) -> double& { return q.gpu.compute_efficiency; });
+  efficiency("gpu.memory_efficiency", [](Profile& q) -> double& { return q.gpu.memory_efficiency; });
   if (p.has_nvlink)
-    k.push_back({"nvlink.efficiency", true, [](Profile& q) -> double& { return q.nvlink.efficiency; }});
-  k.push_back({"nic.efficiency", true, [](Profile& q) -> double& { return q.nic.efficiency; }});
-  k.push_back({"pcie.efficiency", true, [](Profile& q) -> double& { return q.pcie.efficiency; }});
-  if (p.has_nvlink)
-    k.push_back({"nvlink.latency_us", false, [](Profile& q) -> double& { return q.nvlink.latency_us; }});
-  k.push_back({"nic.latency_us", false, [](Profile& q) -> double& { return q.nic.latency_us; }});
-  k.push_back({"pcie.latency_us", false, [](Profile& q) -> double& { return q.pcie.latency_us; }});
+    efficiency("nvlink.efficiency", [](Profile& q) -> double& { return q.nvlink.efficiency; });
+  efficiency("nic.efficiency", [](Profile& q) -> double& { return q.nic.efficiency; });
+  efficiency("pcie.efficiency", [](Profile& q) -> double& { return q.pcie.efficiency; });
   k.push_back(
-      {"fabric.switch_latency_us", false, [](Profile& q) -> double& { return q.fabric.switch_latency_us; }});
+      {"nccl.latency_scale", false, [](Profile& q) -> double& { return q.nccl.latency_scale; }, 0.01, 100});
+  latency("gpu.launch_overhead_us", [](Profile& q) -> double& { return q.gpu.launch_overhead_us; });
+  if (p.has_nvlink) latency("nvlink.latency_us", [](Profile& q) -> double& { return q.nvlink.latency_us; });
+  latency("nic.latency_us", [](Profile& q) -> double& { return q.nic.latency_us; });
+  latency("pcie.latency_us", [](Profile& q) -> double& { return q.pcie.latency_us; });
+  latency("fabric.switch_latency_us", [](Profile& q) -> double& { return q.fabric.switch_latency_us; });
   return k;
 }
 
@@ -277,79 +289,106 @@ Calibration calibrate(const RunReport& measured, const Profile& profile, const S
   // Sensitivities: d(time) / d(g) for each parameter, by simulating once with it nudged: efficiencies down
   // by a tenth, latencies up by a tenth (or 0.1 us from 0). Small, because the model is only piecewise
   // linear and the slope wanted is the one where the profile is.
-  std::vector<Knob> all = knobs(profile);
-  std::vector<std::vector<double>> jacobian;
-  for (const Knob& k : all) {
-    Profile nudged = profile;
-    double& v = k.field(nudged);
-    v = k.inverse ? v * 0.9 : v + std::max(0.1 * v, 0.1);
-    const double dg = k.g(nudged) - k.g(profile);
-    const std::vector<double> t = times_of(targets, run(nudged));
-    std::vector<double> column(m.size());
-    for (std::size_t i = 0; i < m.size(); ++i) {
-      // A time that moved by rounding alone (a kernel's end minus its start, both shifted by a latency) does
-      // not depend on the parameter.
-      const double change = t[i] - sim[i];
-      column[i] = std::fabs(change) > 1e-9 * std::max(std::fabs(t[i]), std::fabs(sim[i])) ? change / dg : 0;
+  const std::vector<Knob> all = knobs(profile);
+  auto linearize = [&](const Profile& at, const std::vector<double>& sim_at, const std::vector<bool>& probe) {
+    std::vector<std::vector<double>> columns(all.size(), std::vector<double>(m.size(), 0));
+    for (std::size_t j = 0; j < all.size(); ++j) {
+      if (!probe[j]) continue;
+      const Knob& k = all[j];
+      Profile nudged = at;
+      double& v = k.field(nudged);
+      v = k.inverse ? v * 0.9 : v + std::max(0.1 * v, 0.1);
+      const double dg = k.g(nudged) - k.g(at);
+      const std::vector<double> t = times_of(targets, run(nudged));
+      for (std::size_t i = 0; i < m.size(); ++i) {
+        // A time that moved by rounding alone (a kernel's end minus its start, both shifted by a latency)
+        // does not depend on the parameter.
+        const double change = t[i] - sim_at[i];
+        columns[j][i] =
+            std::fabs(change) > 1e-9 * std::max(std::fabs(t[i]), std::fabs(sim_at[i])) ? change / dg : 0;
+      }
     }
-    jacobian.push_back(std::move(column));
-  }
+    return columns;
+  };
+  // Relative to the measurement, so that small and large messages count alike.
+  auto relative = [&](const std::vector<std::vector<double>>& columns) {
+    std::vector<std::vector<double>> a(all.size(), std::vector<double>(m.size()));
+    for (std::size_t j = 0; j < all.size(); ++j) {
+      for (std::size_t i = 0; i < m.size(); ++i) a[j][i] = columns[j][i] / m[i];
+    }
+    return a;
+  };
+  const std::vector<std::vector<double>> jacobian =
+      linearize(profile, sim, std::vector<bool>(all.size(), true));
+  std::vector<std::vector<double>> a = relative(jacobian);
+  const std::vector<bool> independent = independent_columns(a);
+  std::vector<bool> fit = independent;  // what the current linearization fits
 
   // Levenberg-Marquardt with that Jacobian: each step solves for the change of g that best explains the
   // remaining relative residual. A step that does not lower the error is retried shorter (more damping);
   // one that does is kept, and the next may be longer. The model is only piecewise linear (the roofline's
-  // max, the slowest link of a path, NCCL's choice of algorithm), so a full step can overshoot.
-  std::vector<std::vector<double>> a(all.size(), std::vector<double>(m.size()));
-  for (std::size_t i = 0; i < m.size(); ++i) {
-    for (std::size_t j = 0; j < all.size(); ++j) a[j][i] = jacobian[j][i] / m[i];
-  }
-  const std::vector<bool> independent = independent_columns(a);
+  // max, the slowest link of a path, NCCL's choice of algorithm, a launch-bound loop against a
+  // kernel-bound one), so a full step can overshoot, and the slopes where the fit ends up may not be the
+  // ones where it started: when the steps stop helping, the Jacobian is measured again where the profile
+  // now is (for the parameters the first one could fit), and the iteration goes on while that helps.
   std::vector<double> g(all.size());
   for (std::size_t j = 0; j < all.size(); ++j) g[j] = all[j].g(profile);
   std::vector<bool> changed(all.size(), false);
   std::vector<std::string> clamped(all.size());
-  double lambda = 0;
-  while (c.simulations < kCalibrationSimulations && lambda < 1e6) {
-    std::vector<double> b(m.size());
-    for (std::size_t i = 0; i < m.size(); ++i) b[i] = (m[i] - sim[i]) / m[i];
-    const std::vector<double> dg = damped_least_squares(a, b, independent, lambda);
-    Profile next = c.profile;
-    std::vector<std::string> next_clamped = clamped;
-    for (std::size_t j = 0; j < all.size(); ++j) {
-      if (!independent[j]) continue;
-      const double gj = g[j] + dg[j];
-      double value = all[j].inverse ? (gj > 0 ? 1 / gj : 1.0) : gj;
-      next_clamped[j].clear();
-      if (all[j].inverse && value > 1) {
-        value = 1;
-        next_clamped[j] = "clamped to 1: the measurement is faster than the line rate or peak allows";
-      } else if (all[j].inverse && value < 0.01) {
-        value = 0.01;
-        next_clamped[j] = "clamped to 0.01";
-      } else if (!all[j].inverse && value < 0) {
-        value = 0;
-        next_clamped[j] = "fitted below 0 and set to 0";
+  const int refit = static_cast<int>(std::count(independent.begin(), independent.end(), true));
+  while (true) {
+    const double pass_start_error = c.error_after;
+    double lambda = 0;
+    while (c.simulations < kCalibrationSimulations && lambda < 1e6) {
+      std::vector<double> b(m.size());
+      for (std::size_t i = 0; i < m.size(); ++i) b[i] = (m[i] - sim[i]) / m[i];
+      const std::vector<double> dg = damped_least_squares(a, b, fit, lambda);
+      Profile next = c.profile;
+      std::vector<std::string> next_clamped = clamped;
+      for (std::size_t j = 0; j < all.size(); ++j) {
+        if (!fit[j]) continue;
+        const Knob& knob = all[j];
+        const double gj = g[j] + dg[j];
+        double value = knob.inverse ? (gj > 0 ? 1 / gj : knob.highest) : gj;
+        next_clamped[j].clear();
+        if (knob.inverse && value > knob.highest) {
+          value = knob.highest;
+          next_clamped[j] = "clamped to 1: the measurement is faster than the line rate or peak allows";
+        } else if (value < knob.lowest && knob.lowest == 0) {
+          value = 0;
+          next_clamped[j] = "fitted below 0 and set to 0";
+        } else if (value < knob.lowest || value > knob.highest) {
+          value = std::clamp(value, knob.lowest, knob.highest);
+          next_clamped[j] = fmt::format("clamped to {}", toml_number(value));
+        }
+        knob.field(next) = value;
       }
-      all[j].field(next) = value;
+      const std::vector<double> next_sim = times_of(targets, run(next));
+      const double next_error = error_of(m, next_sim);
+      if (!(next_error < c.error_after)) {
+        lambda = lambda == 0 ? 1e-2 : lambda * 10;
+        continue;
+      }
+      const bool converged = c.error_after - next_error < 1e-4 * (1 + c.error_after);
+      c.profile = next;
+      sim = next_sim;
+      c.error_after = next_error;
+      clamped = next_clamped;
+      for (std::size_t j = 0; j < all.size(); ++j) {
+        const double before_step = g[j];
+        g[j] = all[j].g(c.profile);
+        changed[j] = changed[j] || g[j] != before_step;
+      }
+      if (converged) break;
+      lambda = lambda < 1e-2 ? 0 : lambda / 10;
     }
-    const std::vector<double> next_sim = times_of(targets, run(next));
-    const double next_error = error_of(m, next_sim);
-    if (!(next_error < c.error_after)) {
-      lambda = lambda == 0 ? 1e-2 : lambda * 10;
-      continue;
-    }
-    const bool converged = c.error_after - next_error < 1e-4 * (1 + c.error_after);
-    c.profile = next;
-    sim = next_sim;
-    c.error_after = next_error;
-    clamped = next_clamped;
-    for (std::size_t j = 0; j < all.size(); ++j) {
-      const double before_step = g[j];
-      g[j] = all[j].g(c.profile);
-      changed[j] = changed[j] || g[j] != before_step;
-    }
-    if (converged) break;
-    lambda = lambda < 1e-2 ? 0 : lambda / 10;
+    // Linearize again only when this pass helped and the budget holds another probe of every parameter
+    // and a step.
+    const bool helped = pass_start_error - c.error_after > 1e-4 * (1 + c.error_after);
+    if (!helped || refit == 0 || c.simulations + refit + 1 > kCalibrationSimulations) break;
+    a = relative(linearize(c.profile, sim, independent));
+    const std::vector<bool> now = independent_columns(a);
+    for (std::size_t j = 0; j < all.size(); ++j) fit[j] = independent[j] && now[j];
   }
 
   for (std::size_t j = 0; j < all.size(); ++j) {

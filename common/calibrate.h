@@ -9,13 +9,18 @@
 // linear least-squares fit over all collectives and kernels gives the change of every parameter at once.
 // Residuals are relative, so a 10 us all_reduce counts as much as a 10 ms one. The fit is a
 // Levenberg-Marquardt iteration: a step that does not lower the error is retried shorter, because the model
-// is only piecewise linear (the roofline's max, the slowest link of a path, NCCL's choice of algorithm).
+// is only piecewise linear (the roofline's max, the slowest link of a path, NCCL's choice of algorithm, a
+// launch-bound nccl-tests loop against a kernel-bound one); when the steps stop helping, the sensitivities
+// are measured again where the fit has got to, and the iteration goes on while that helps.
 //
 // Parameters (those the profile has): gpu.compute_efficiency, gpu.memory_efficiency, for each link of the
-// path a collective takes (NVLink, PCIe, the NIC) its efficiency and latency, and the fabric's switch
-// latency. Only what the simulator's model reads can be fitted: a parameter no collective or kernel depends
-// on is left alone, and so is one the data cannot tell apart from another (a single message size cannot
-// separate latency from bandwidth); the note beside it says which.
+// path a collective takes (NVLink, PCIe, the NIC) its efficiency and latency, nccl.latency_scale (the
+// collectives' fixed latency against NCCL's prediction), gpu.launch_overhead_us (the host's time per launch,
+// which nccl-tests' loop shows where a collective is shorter than it), and the fabric's switch latency.
+// Only what the simulator's model reads can be fitted: a parameter no collective or kernel depends on is
+// left alone (the link latencies, which collectives do not read), and so is one the data cannot tell apart
+// from another (a single message size cannot separate latency from bandwidth); the note beside it says
+// which.
 #pragma once
 
 #include <functional>
@@ -51,9 +56,10 @@ struct Calibration {
 
 // Simulates the measured run (same lesson, options and world) with a given profile.
 using Simulate = std::function<RunReport(const Profile&)>;
-// calibrate() stops fitting after this many simulations (more only when its first probes, one per fitted
-// parameter, take more).
-constexpr int kCalibrationSimulations = 40;
+// calibrate() stops fitting after this many simulations (more only when its first probes, one per
+// parameter, take more). A sweep of three parameters (bandwidth, latency, launch) takes about 50: 12 probes,
+// the steps, and fresh probes of the fitted parameters where the first slopes no longer hold.
+constexpr int kCalibrationSimulations = 80;
 
 // Fits `profile` to `measured` by simulating with `simulate`. Raises UsageError when nothing of the report
 // matches the simulation (another lesson, a report without collectives or kernels).

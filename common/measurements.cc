@@ -33,6 +33,9 @@ const char* measurement_format_name(MeasurementFormat f) {
 
 namespace {
 
+// The lesson name of a report of nccl-tests output: this and the collective's name.
+constexpr const char* kNcclTestsLesson = "nccl-tests ";
+
 std::vector<std::string> split_ws(const std::string& line) {
   std::vector<std::string> out;
   std::istringstream in(line);
@@ -211,6 +214,7 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
     double time_us, algbw, busbw, in_place_us;
   };
   std::vector<Row> rows;
+  NcclTestsLoop loop;
   for (std::size_t n = 0; n < lines.size(); ++n) {
     const std::string& line = lines[n];
     std::vector<std::string> words = split_ws(line);
@@ -220,6 +224,18 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
         words.erase(words.begin());
       else
         words[0] = words[0].substr(1);
+      // "# nThread 1 nGpus 8 minBytes 8 maxBytes 1073741824 step: 2(factor) warmup iters: 5 iters: 20 agg
+      // iters: 1 validation: 1 graph: 0": the loop's counts (older versions print no warm-up count).
+      if (!words.empty() && words[0] == "nThread") {
+        for (std::size_t k = 0; k + 1 < words.size(); ++k) {
+          if (words[k] != "iters:") continue;
+          const std::string before = k > 0 ? words[k - 1] : "";
+          int count = 0;
+          if (before == "agg" || !parse_number(words[k + 1], count) || count < 0) continue;
+          (before == "warmup" ? loop.warmup_iters : loop.iters) = count;
+        }
+        if (loop.iters < 1) throw fail(n, "the header's 'iters' is 0: nccl-tests times at least one launch");
+      }
       if (words.size() >= 2 && words[0] == "Rank") {
         int r = 0;
         if (!parse_number(words[1], r) || r < 0)
@@ -331,8 +347,9 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
     world = static_cast<int>(std::lround(n));
   }
 
-  RunReport r = measured_report(fmt::format("nccl-tests {}", comm_op_name(*op)), world);
+  RunReport r = measured_report(fmt::format("{}{}", kNcclTestsLesson, comm_op_name(*op)), world);
   r.profile = gpu;
+  r.options = {{"warmup_iters", std::to_string(loop.warmup_iters)}, {"iters", std::to_string(loop.iters)}};
   for (const Row& row : rows) {
     if (!row.type.empty() && element_bytes(row.type) == 0) {
       throw fail(row.line, fmt::format("unknown data type '{}'", row.type));
@@ -344,6 +361,19 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
     }
   }
   return r;
+}
+
+std::optional<NcclTestsLoop> nccl_tests_loop(const RunReport& r) {
+  if (r.backend != "measured" || r.lesson.rfind(kNcclTestsLesson, 0) != 0) return std::nullopt;
+  NcclTestsLoop loop;
+  auto count = [&](const char* key, int& out, int minimum) {
+    auto it = r.options.find(key);
+    int v = 0;
+    if (it != r.options.end() && parse_number(it->second, v) && v >= minimum) out = v;
+  };
+  count("warmup_iters", loop.warmup_iters, 0);
+  count("iters", loop.iters, 1);
+  return loop;
 }
 
 // ---- CSV

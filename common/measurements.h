@@ -36,10 +36,26 @@ MeasurementFormat detect_measurement_format(const std::string& text, const std::
 // then one named in the log ("all_reduce_perf") or in its file name.
 std::optional<CommOp> comm_op_from_text(const std::string& text);
 
+// How nccl-tests times a row (BenchTime and TimeTest in src/common.cu of NVIDIA/nccl-tests): first
+// `warmup_iters` untimed launches of every size, then, per size and placement, a barrier, `iters` launches
+// back to back and one stream synchronize, timed on the host clock; the time printed is that elapsed time
+// divided by iters, averaged over the ranks. So a size whose collective takes less than the host's launch
+// overhead is timed at the launch rate, as a real training step would be.
+struct NcclTestsLoop {
+  int warmup_iters = 5;  // nccl-tests' default, -w 5
+  int iters = 20;        // nccl-tests' default, -n 20
+};
+
 // nccl-tests output. `op` when known; otherwise inferred as above (UsageError when it cannot be).
 // The report has one collective per size and placement, in the order nccl-tests ran them: out-of-place on
 // group "world", then in-place on group kInPlaceGroup; world and GPU come from the "# Using devices" lines.
+// The loop's counts come from the header ("warmup iters: 5 iters: 20"), else nccl-tests' defaults, and are
+// kept in the report's options "warmup_iters" and "iters".
 RunReport read_nccl_tests(const std::string& text, const std::string& origin, std::optional<CommOp> op);
+
+// The timing loop of a report read_nccl_tests made; nullopt for any other report (its times are each
+// collective's own, as a profiler or a hand-made table gives them).
+std::optional<NcclTestsLoop> nccl_tests_loop(const RunReport& r);
 
 // `op,bytes,ranks,time_us` with a header line; op is a ranklab name (all_reduce) or an nccl-tests one
 // (allreduce). Every row must have the same number of ranks.

@@ -357,6 +357,9 @@ constexpr double kMinTflops = 1e-3, kMaxTflops = 1e6;
 constexpr double kMinGbps = 1e-3, kMaxGbps = 1e6;
 constexpr double kMinGib = 1e-3, kMaxGib = 1e6;  // 1 MiB to about 1 PiB
 constexpr double kMaxOversubscription = 1000;
+// A machine whose collectives start 100 times faster or slower than NCCL predicts is a mistake, not a
+// machine.
+constexpr double kMinLatencyScale = 0.01, kMaxLatencyScale = 100;
 constexpr int kMaxSmCount = 4096;     // streaming multiprocessors of one GPU
 constexpr int kMaxTile = 4096;        // a GEMM tile's side, and the k a tile's overhead is worth
 constexpr int kMaxGemmDim = 1 << 24;  // a measured GEMM's m, n or k
@@ -364,7 +367,7 @@ constexpr int kMaxGemmDim = 1 << 24;  // a measured GEMM's m, n or k
 Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader top(root, "", origin,
                   {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "nvlink",
-                   "pcie", "nic", "fabric"});
+                   "pcie", "nic", "fabric", "nccl"});
   Profile p;
   p.name = top.require_string("name");
   p.description = top.optional_string("description", "");
@@ -465,6 +468,11 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.fabric.switch_radix = *fabric.count("switch_radix", true, 2, kMaxRadix);
   p.fabric.switch_latency_us = fabric.non_negative("switch_latency_us", kMaxLatencyUs);
   p.fabric.oversubscription = fabric.at_least("oversubscription", 1.0, kMaxOversubscription, 1.0);
+
+  if (const toml::table* t = top.optional_table("nccl")) {
+    TableReader nccl(*t, "nccl", origin, {"latency_scale"});
+    p.nccl.latency_scale = nccl.at_least("latency_scale", kMinLatencyScale, kMaxLatencyScale, 1.0);
+  }
 
   // Counts that must fit together: the topology gives every PCIe switch and every NIC the same number of
   // GPUs, which is what the built-in machines do and what keeps rails symmetric.

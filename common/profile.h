@@ -80,6 +80,16 @@ struct FabricSpec {
   double oversubscription = 1.0;  // leaf downlink : uplink bandwidth (1 = non-blocking)
 };
 
+// How the machine's NCCL differs from what NCCL's tuning model predicts for it. NCCL picks each
+// collective's algorithm and protocol from its own predicted latencies (src/graph/tuning.cc, ported in
+// sim/nccl_tuning.cc); the machine then runs with its real ones, which a measurement can show to be off.
+struct NcclSpec {
+  // The fixed latency a collective or point-to-point operation really takes, as a multiple of NCCL's
+  // prediction for the algorithm and protocol it picked; 1 means NCCL's tables are right. It does not
+  // change the pick. `ranklab calibrate` fits it to small messages.
+  double latency_scale = 1.0;
+};
+
 struct Profile {
   std::string name;
   std::string description;
@@ -93,6 +103,7 @@ struct Profile {
   PcieSpec pcie;
   NicSpec nic;
   FabricSpec fabric;
+  NcclSpec nccl;
   double barrier_latency_us = 0;  // host rendezvous cost of barrier()
 
   int max_world() const { return gpus_per_node * nodes; }

@@ -50,7 +50,7 @@ struct Flow {
 struct CommPlan {
   Algorithm algorithm = Algorithm::Local;
   Protocol protocol = Protocol::Simple;
-  double latency_us = 0;      // NCCL's per-algorithm and per-step latencies (sim/nccl_tuning.h)
+  double latency_us = 0;      // NCCL's latency for the pick (sim/nccl_tuning.h) x nccl.latency_scale
   double transfer_us = 0;     // the flows alone on the machine, sharing links max-min fairly
   std::vector<LinkId> links;  // every flow's path, back to back
   std::vector<Flow> flows;

@@ -134,7 +134,8 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   CommPlan plan;
   plan.algorithm = c.algorithm;
   plan.protocol = c.protocol;
-  plan.latency_us = c.latency_us;
+  // NCCL chose with its predicted latency; the machine runs with its own (NcclSpec::latency_scale).
+  plan.latency_us = c.latency_us * topo_.profile().nccl.latency_scale;
   plan.transfer_us = c.transfer_us;
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
@@ -202,7 +203,8 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
     if (nccl_supports(CommOp::AllReduce, Algorithm::Ring, *forced, gs)) p = *forced;
   }
   plan.protocol = p;
-  plan.latency_us = nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b);
+  plan.latency_us =
+      nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b) * topo_.profile().nccl.latency_scale;
   const double occupy = 1.0 / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;

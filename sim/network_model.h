@@ -5,7 +5,9 @@
 //   1. plan: choose the algorithm and protocol the way NCCL does (the least predicted latency + transfer
 //      time, or the ones NCCL_ALGO / NCCL_PROTO force: --algo, --proto), and split the operation into
 //      flows over the topology's links (sim/algorithms.h);
-//   2. time: the plan's latency plus the time its flows take sharing the links max-min fairly
+//   2. time: the plan's latency (NCCL's prediction for what it picked, times the profile's
+//      nccl.latency_scale: NCCL chooses with its own model, the machine runs with its real latency) plus
+//      the time its flows take sharing the links max-min fairly
 //      (sim/max_min.h). CommCost gives the time with the machine to itself; the engine, which knows what
 //      else is in flight, can share the links between plans instead.
 // Every payload byte a plan moves is counted on each link it crosses (record()); the RunReport gets the

@@ -107,48 +107,47 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
   EXPECT_TRUE(contains(summary, "gpu.compute_efficiency")) << summary;
 }
 
-// nccl-tests' all_reduce_perf output for a sweep simulated on `p`: the layout its src/common.cu prints,
-// times with two decimals as it rounds them.
-std::string nccl_tests_log(const Profile& p, int world) {
-  RunReport sweep;
-  sweep.world = world;
-  for (std::int64_t bytes = 1 << 20; bytes <= std::int64_t{1} << 30; bytes *= 4) {
-    CollectiveRecord c;
-    c.op = CommOp::AllReduce;
-    c.group = "world";
-    c.group_size = world;
-    c.bytes = bytes;
-    c.start_us = static_cast<double>(sweep.collectives.size());
-    sweep.collectives.push_back(c);
-  }
+// nccl-tests' all_reduce_perf output for a sweep from `min_bytes` to `max_bytes` (factor 2) simulated on
+// `p` the way nccl-tests times it (20 launches and a synchronize per row, common/replay.h): the layout its
+// src/common.cu prints, times with two decimals as it rounds them.
+std::string nccl_tests_log(const Profile& p, int world, std::int64_t min_bytes, std::int64_t max_bytes) {
+  const std::string header = fmt::format(
+      "# nThread 1 nGpus {} minBytes {} maxBytes {} step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 "
+      "validation: 1 graph: 0\n#\n"
+      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw "
+      "  busbw #wrong\n",
+      world, min_bytes, max_bytes);
+  auto rows = [&](const std::vector<double>& times_us) {
+    std::string out;
+    std::size_t k = 0;
+    for (std::int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2, k += 2) {
+      const double t = times_us[k], t_in = times_us[k + 1];
+      const double algbw = bytes / (t * 1e3), algbw_in = bytes / (t_in * 1e3), f = 2.0 * (world - 1) / world;
+      out += fmt::format(
+          "{:12} {:13} {:>9} {:>7} {:7} {:8.2f} {:7.2f} {:7.2f} {:6} {:8.2f} {:7.2f} {:7.2f} {:6}\n", bytes,
+          bytes / 4, "float", "sum", -1, t, algbw, algbw * f, 0, t_in, algbw_in, algbw_in * f, 0);
+    }
+    return out;
+  };
+  // The rows the log will have, with placeholder times, read as the measurement is, then replayed on `p`.
+  std::vector<double> placeholder;
+  for (std::int64_t bytes = min_bytes; bytes <= max_bytes; bytes *= 2)
+    placeholder.insert(placeholder.end(), {1, 1});
+  const RunReport sweep = read_nccl_tests(header + rows(placeholder), "all_reduce_perf.log", std::nullopt);
   SimConfig config;
   config.profile = p;
   config.echo_output = false;
   SimBackend sim(config);
-  const RunReport r = sim.launch(world, replay_program(sweep));
-  std::string log = "# nThread 1 nGpus 8 minBytes 1048576 maxBytes 1073741824 step: 4(factor)\n#\n";
-  log +=
-      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw "
-      "  "
-      "busbw #wrong\n";
-  for (const CollectiveRecord& c : r.collectives) {
-    const double t = c.time_us(), algbw = c.bytes / (t * 1e3), busbw = algbw * bus_factor(c.op, world);
-    log += fmt::format(
-        "{:12} {:13} {:>9} {:>7} {:7} {:8.2f} {:7.2f} {:7.2f} {:6} {:8.2f} {:7.2f} {:7.2f} {:6}\n", c.bytes,
-        c.bytes / 4, "float", "sum", -1, t, algbw, busbw, 0, t, algbw, busbw, 0);
-  }
-  return log;
+  RunReport r = sim.launch(world, replay_program(sweep));
+  label_as_replay(r, sweep);
+  std::vector<double> times;
+  for (const CollectiveRecord& c : r.collectives) times.push_back(c.time_us());
+  return header + rows(times);
 }
 
-TEST(Calibrate, FromNcclTestsOutput) {
-  // A measured sweep from a machine whose NVLink sustains less than the profile says: calibrating the
-  // profile to the log recovers it, replaying the log's collectives on the simulator.
-  const Profile profile = load_profile("dgx-a100");
-  Profile truth = profile;
-  truth.nvlink.efficiency = 0.62;
-  const RunReport measured = read_nccl_tests(nccl_tests_log(truth, 8), "all_reduce_perf.log", std::nullopt);
-  ASSERT_EQ(measured.world, 8);
-  const Simulate replay = [&](const Profile& p) {
+// Simulates a measurement read from a log the way `ranklab compare` and `calibrate` do.
+Simulate replay_of(const RunReport& measured) {
+  return [&measured](const Profile& p) {
     SimConfig config;
     config.profile = p;
     config.echo_output = false;
@@ -157,13 +156,66 @@ TEST(Calibrate, FromNcclTestsOutput) {
     label_as_replay(r, measured);
     return r;
   };
-  const Calibration c = calibrate(measured, profile, replay);
+}
+
+TEST(Calibrate, FromNcclTestsOutput) {
+  // A measured sweep from a machine whose NVLink sustains less than the profile says: calibrating the
+  // profile to the log recovers it, replaying the log's collectives on the simulator.
+  const Profile profile = load_profile("dgx-a100");
+  Profile truth = profile;
+  truth.nvlink.efficiency = 0.62;
+  const RunReport measured = read_nccl_tests(nccl_tests_log(truth, 8, 1 << 20, std::int64_t{1} << 30),
+                                             "all_reduce_perf.log", std::nullopt);
+  ASSERT_EQ(measured.world, 8);
+  const Calibration c = calibrate(measured, profile, replay_of(measured));
   EXPECT_GT(c.error_before, 0.1) << format_calibration(c);
   EXPECT_LT(c.error_after, 0.02) << format_calibration(c);
   const ParameterFit* nvlink = c.find("nvlink.efficiency");
   ASSERT_NE(nvlink, nullptr);
   EXPECT_TRUE(nvlink->fitted);
   EXPECT_NEAR(nvlink->after, 0.62, 0.02 * 0.62) << format_calibration(c);
+}
+
+TEST(Calibrate, BandwidthLatencyAndLaunchFromNcclTestsOutput) {
+  // A machine that differs from its profile in all three things an nccl-tests sweep shows: NVLink's
+  // sustained bandwidth (large sizes), the collectives' fixed latency (small and mid sizes) and the host's
+  // launch overhead. The launch overhead shows only where it is longer than the collective (nccl-tests'
+  // loop is then launch-bound; elsewhere a launch adds a twentieth of itself), so the truth's, 25 us, is
+  // chosen longer than the smallest sizes' all_reduce (15 us on 8 A100s by NCCL's tables, 20 us at the
+  // truth's latency) and shorter than the mid and large sizes' which pin down latency and bandwidth.
+  const Profile profile = load_profile("dgx-a100");
+  Profile truth = profile;
+  truth.nvlink.efficiency = 0.62;     // profile 0.8
+  truth.nccl.latency_scale = 1.3;     // profile 1
+  truth.gpu.launch_overhead_us = 25;  // profile 4
+  const std::string log = nccl_tests_log(truth, 8, 8, std::int64_t{1} << 30);
+  const RunReport measured = read_nccl_tests(log, "all_reduce_perf.log", std::nullopt);
+  // Launch-bound at the smallest size, not at the largest.
+  ASSERT_NEAR(measured.collectives.front().time_us(), 25, 2) << log;
+  ASSERT_GT(measured.collectives.back().time_us(), 1000) << log;
+
+  const Calibration c = calibrate(measured, profile, replay_of(measured));
+  const std::string summary = format_calibration(c);
+  EXPECT_GT(c.error_before, 0.1) << summary;
+  EXPECT_LT(c.error_after, 0.02) << summary;
+  for (const auto& [key, want] : std::vector<std::pair<std::string, double>>{
+           {"nvlink.efficiency", 0.62}, {"nccl.latency_scale", 1.3}, {"gpu.launch_overhead_us", 25}}) {
+    const ParameterFit* f = c.find(key);
+    ASSERT_NE(f, nullptr) << key;
+    EXPECT_TRUE(f->fitted) << key << "\n" << summary;
+    EXPECT_NEAR(f->after, want, 0.02 * want) << key << "\n" << summary;
+  }
+  // Written as a file, the fit loads: dgx-a100.toml has no [nccl] table, so the fit adds one.
+  const std::string text = fitted_profile_text(read_text(profile.source_file), c, "dgx-a100-fitted",
+                                               "all_reduce_perf.log", "2030-01-02");
+  const Profile fitted = parse_profile(text, "dgx-a100-fitted.toml");
+  EXPECT_NEAR(fitted.nccl.latency_scale, 1.3, 0.02 * 1.3) << text;
+  EXPECT_NEAR(fitted.gpu.launch_overhead_us, 25, 0.02 * 25) << text;
+  EXPECT_TRUE(contains(text,
+                       "\n[nccl]\n# Fitted by `ranklab calibrate` on 2030-01-02 to all_reduce_perf.log (56 "
+                       "collectives); was 1.0.\nlatency_scale = "))
+      << text;
+  EXPECT_LT(compare_reports(measured, replay_of(measured)(fitted)).error, 0.02);
 }
 
 TEST(Calibrate, NothingToFitIsAnError) {

@@ -61,6 +61,20 @@ expect 0 "layout: tp 2 x pp 2 x dp 2, zero 1, recompute full" run gpt --world 8 
 expect 0 "gpt llama3-70b: 3 layers, hidden 8192, 64 heads, seq 8192, vocab 128256" run gpt --model llama3-70b --layers 3 --world 8 --tp 8 --global-batch 1 --micro-batch 1 --steps 1 --phantom
 expect 1 "--model: no preset called 'gpt5'; the presets are: gpt3-125m" run gpt --model gpt5
 
+# Calibrate on nccl-tests output: before and after in compare's figure, and a fitted profile that runs.
+{
+  echo "# nThread 1 nGpus 8 minBytes 8 maxBytes 1073741824 step: 512(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0"
+  echo "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong"
+  echo "           8             2     float     sum      -1    30.00    0.00    0.00      0    30.00    0.00    0.00      0"
+  echo "        4096          1024     float     sum      -1    33.00    0.12    0.22      0    33.00    0.12    0.22      0"
+  echo "     2097152        524288     float     sum      -1    95.00   22.08   38.63      0    95.00   22.08   38.63      0"
+  echo "  1073741824     268435456     float     sum      -1 16500.00   65.08  113.88      0 16500.00   65.08  113.88      0"
+} >"$tmp/all_reduce_perf.log"
+expect 0 "compare's geometric-mean error (collectives and regions)" calibrate "$tmp/all_reduce_perf.log" --profile dgx-a100 -o "$tmp/lab.toml"
+expect 0 "fitted profile written to $tmp/lab.toml" calibrate "$tmp/all_reduce_perf.log" --profile dgx-a100 -o "$tmp/lab.toml"
+expect 0 "geometric-mean error" compare "$tmp/all_reduce_perf.log" --profile "$tmp/lab.toml" --html ""
+expect 0 "(lab, 1 node)" run collectives --profile "$tmp/lab.toml" --quiet
+
 # One simulated world per job, not one per process of a launcher.
 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 expect 1 "the simulator (--backend sim) simulates the whole world in one process" run collectives
 

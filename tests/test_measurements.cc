@@ -88,6 +88,31 @@ TEST(NcclTests, ReadsEveryRowWithWorldAndGpu) {
   EXPECT_GE(r.collectives[5].start_us, r.collectives[4].end_us);
 }
 
+TEST(NcclTests, KeepsTheTimingLoopOfTheHeader) {
+  // The counts the header prints; nccl-tests' defaults (-w 5 -n 20) for a log without them.
+  std::optional<NcclTestsLoop> loop =
+      nccl_tests_loop(read_nccl_tests(all_reduce_log(8), "a.log", std::nullopt));
+  ASSERT_TRUE(loop.has_value());
+  EXPECT_EQ(loop->warmup_iters, 5);
+  EXPECT_EQ(loop->iters, 20);
+  std::string custom = all_reduce_log(8);
+  custom.replace(custom.find("warmup iters: 5 iters: 20"), 25, "warmup iters: 2 iters: 50");
+  loop = nccl_tests_loop(read_nccl_tests(custom, "b.log", std::nullopt));
+  ASSERT_TRUE(loop.has_value());
+  EXPECT_EQ(loop->warmup_iters, 2);
+  EXPECT_EQ(loop->iters, 50);
+  const std::string no_header =
+      devices(8, "A100") + kColumns + row(8, "float", 4, "sum", -1, 19.1, 18.9, 1.75);
+  loop = nccl_tests_loop(read_nccl_tests(no_header, "c.log", CommOp::AllReduce));
+  ASSERT_TRUE(loop.has_value());
+  EXPECT_EQ(loop->iters, 20);
+  custom.replace(custom.find("iters: 50"), 9, "iters: 0");
+  const std::string msg = error_of([&] { read_nccl_tests(custom, "d.log", std::nullopt); });
+  EXPECT_TRUE(contains(msg, "d.log:1: the header's 'iters' is 0")) << msg;
+  // Other measurements time each collective by itself.
+  EXPECT_FALSE(nccl_tests_loop(read_measurement_csv("op,bytes,ranks,time_us\nall_reduce,8,8,20\n", "t.csv")));
+}
+
 TEST(NcclTests, InfersTheCollective) {
   // From the tool's name in the log or the file name.
   EXPECT_EQ(read_nccl_tests("$ mpirun -np 8 ./build/all_reduce_perf -b 8\n" + all_reduce_log(8), "x.log",

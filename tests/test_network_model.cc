@@ -259,6 +259,32 @@ TEST(Choice, ForcedAsNcclAlgoAndNcclProto) {
   EXPECT_THROW(NetworkModel(profile("dgx-h100"), NetworkOptions{"", "ll64"}), ranklab::UsageError);
 }
 
+TEST(Choice, LatencyScaleChangesTheLatencyNotThePick) {
+  // NCCL picks with its predicted latencies; nccl.latency_scale is how the machine's real ones differ.
+  Profile slow = profile("dgx-h100", 2);
+  slow.nccl.latency_scale = 3;
+  NetworkModel base(profile("dgx-h100", 2)), scaled(slow);
+  const std::vector<int> all = first(16);
+  for (std::int64_t bytes : {std::int64_t{8}, std::int64_t{1} << 16, std::int64_t{1} << 22}) {
+    SCOPED_TRACE(bytes);
+    for (CommOp op : {CommOp::AllReduce, CommOp::AllGather, CommOp::Broadcast}) {
+      const int root = op == CommOp::Broadcast ? 0 : -1;
+      const CommPlan a = base.plan_collective(op, bytes, all, root);
+      const CommPlan b = scaled.plan_collective(op, bytes, all, root);
+      EXPECT_EQ(a.name(), b.name());
+      EXPECT_DOUBLE_EQ(b.latency_us, 3 * a.latency_us);
+      EXPECT_DOUBLE_EQ(b.transfer_us, a.transfer_us);
+    }
+    // Point-to-point inside a node and across nodes.
+    for (int dst : {1, 8}) {
+      const CommPlan a = base.plan_p2p(0, dst, bytes), b = scaled.plan_p2p(0, dst, bytes);
+      EXPECT_EQ(a.protocol, b.protocol);
+      EXPECT_DOUBLE_EQ(b.latency_us, 3 * a.latency_us);
+      EXPECT_DOUBLE_EQ(b.transfer_us, a.transfer_us);
+    }
+  }
+}
+
 // ---- sharing -------------------------------------------------------------------------------------
 
 // The time until the last flow of each plan is done, all plans starting together and sharing links.

@@ -263,6 +263,28 @@ TEST_F(ProfileTest, OptionalFields) {
   EXPECT_FALSE(no_nvlink.has_nvlink);
 }
 
+TEST_F(ProfileTest, NcclLatencyScale) {
+  // Without an [nccl] table the machine's collective latency is NCCL's prediction.
+  EXPECT_DOUBLE_EQ(parse_profile(join(kGood), "inline").nccl.latency_scale, 1.0);
+  std::vector<std::string> lines = kGood;
+  lines.push_back("");
+  lines.push_back("[nccl]");               // line 47
+  lines.push_back("latency_scale = 1.5");  // line 48
+  EXPECT_DOUBLE_EQ(parse_profile(join(lines), "inline").nccl.latency_scale, 1.5);
+  for (const auto& [text, expect] : std::vector<std::pair<std::string, std::string>>{
+           {"latency_scale = 0", "'nccl.latency_scale' must be at least 0.01, got 0"},
+           {"latency_scale = -1", "'nccl.latency_scale' must be at least 0.01, got -1"},
+           {"latency_scale = 1e9", "'nccl.latency_scale' must be at most 100, got 1000000000"},
+           {"latency_scale = nan", "'nccl.latency_scale' must be finite"},
+           {"latency = 1.0", "unknown key 'nccl.latency'"}}) {
+    SCOPED_TRACE(text);
+    lines.back() = text;
+    const std::string msg = error_of(lines);
+    EXPECT_EQ(msg.rfind(at(48), 0), 0u) << msg;
+    EXPECT_NE(msg.find(expect), std::string::npos) << msg;
+  }
+}
+
 TEST_F(ProfileTest, SyntaxErrorNamesFileAndLine) {
   std::string msg = error_of(with_line(9, "peak_tflops_tf32 = = 20.0"));
   EXPECT_EQ(msg.rfind(at(9), 0), 0u) << msg;

@@ -12,8 +12,9 @@ namespace ranklab {
 namespace {
 
 // The simulated time of one collective run the way a lesson would run it.
-double direct_us(CommOp op, std::int64_t bytes, int world) {
-  SimBackend sim(testing::quiet_config());
+double direct_us(CommOp op, std::int64_t bytes, int world,
+                 const SimConfig& config = testing::quiet_config()) {
+  SimBackend sim(config);
   RunReport r = sim.launch(world, [&](Rank& rank) {
     const std::int64_t n = bytes / 4;
     if (op == CommOp::AllReduce) {
@@ -65,6 +66,46 @@ TEST(Replay, KeepsTheMeasuredLabels) {
   EXPECT_EQ(replayed.collectives[0].bytes, 6);
   EXPECT_EQ(replayed.collectives[1].group, kInPlaceGroup);
   EXPECT_EQ(compare_reports(measured, replayed).scored, 2);
+}
+
+TEST(Replay, TimesNcclTestsOutputAsNcclTestsDoes) {
+  // all_reduce_perf's rows are the host's time for 20 launches and a synchronize, over 20. With a launch
+  // overhead between the two sizes' collective times, the small one is timed at the launch rate and the
+  // large one at its own.
+  const std::string log =
+      "# nThread 1 nGpus 8 minBytes 8 maxBytes 268435456 step: 2(factor) warmup iters: 5 iters: 20 agg "
+      "iters: 1 validation: 1 graph: 0\n"
+      "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw "
+      "  busbw #wrong\n"
+      "           8             2     float     sum      -1    20.00    0.00    0.00      0    20.00    0.00 "
+      "   0.00      0\n"
+      "   268435456      67108864     float     sum      -1  1000.00  268.44  469.76      0  1000.00  268.44 "
+      "469.76      0\n";
+  const RunReport measured = read_nccl_tests(log, "all_reduce_perf.log", std::nullopt);
+  ASSERT_EQ(measured.world, 8);
+  SimConfig config = testing::quiet_config();
+  const double small_us = direct_us(CommOp::AllReduce, 8, 8, config);
+  const double large_us = direct_us(CommOp::AllReduce, 268435456, 8, config);
+  config.profile.gpu.launch_overhead_us = 3 * small_us;
+  ASSERT_LT(config.profile.gpu.launch_overhead_us, large_us);
+  const double launch_us = config.profile.gpu.launch_overhead_us;
+  SimBackend sim(config);
+  RunReport replayed = sim.launch(8, replay_program(measured));
+  label_as_replay(replayed, measured);
+  ASSERT_EQ(replayed.collectives.size(), 4u);
+  EXPECT_TRUE(replayed.regions.empty());  // the loops' regions are the replay's, not the measurement's
+  // The last of 20 launches leaves the host at 20 launches, and its collective follows.
+  EXPECT_NEAR(replayed.collectives[0].time_us(), launch_us + small_us / 20, 1e-9 * launch_us);
+  EXPECT_EQ(replayed.collectives[1].group, kInPlaceGroup);
+  EXPECT_NEAR(replayed.collectives[1].time_us(), launch_us + small_us / 20, 1e-9 * launch_us);
+  // The first launch delays the first of 20 collectives that then run back to back.
+  EXPECT_NEAR(replayed.collectives[2].time_us(), large_us + launch_us / 20, 1e-9 * large_us);
+  EXPECT_EQ(replayed.collectives[2].bytes, 268435456);
+  EXPECT_FALSE(replayed.collectives[2].algorithm.empty());
+  // compare lines the rows up one to one.
+  const Comparison c = compare_reports(measured, replayed);
+  EXPECT_EQ(c.scored, 4);
+  EXPECT_EQ(c.only_in_a + c.only_in_b, 0);
 }
 
 TEST(Replay, RefusesWhatItCannotRebuild) {
