@@ -91,7 +91,7 @@ using KernelKey = std::pair<int, std::string>;
 std::map<std::pair<CollectiveKey, std::size_t>, double> collective_times(const RunReport& r) {
   std::map<CollectiveKey, std::vector<std::pair<double, double>>> grouped;
   for (const CollectiveRecord& c : r.collectives) {
-    if (c.op == CommOp::Barrier || c.group_size < 2) continue;
+    if (c.op == CommOp::Barrier || c.group_size < 2 || c.bookkeeping) continue;
     grouped[{static_cast<int>(c.op), c.bytes, c.group}].push_back({c.start_us, c.time_us()});
   }
   return by_occurrence(std::move(grouped));

@@ -289,9 +289,18 @@ Comparison compare_reports(const RunReport& a, const RunReport& b, const std::st
   auto collective_key = [](const CollectiveRecord& r) {
     return CollectiveKey{static_cast<int>(r.op), r.bytes, r.group};
   };
+  // The lessons' bookkeeping (checks, printed figures) is not what either run is compared on.
+  auto lesson_work = [](const std::vector<CollectiveRecord>& all) {
+    std::vector<CollectiveRecord> out;
+    std::copy_if(all.begin(), all.end(), std::back_inserter(out),
+                 [](const CollectiveRecord& c) { return !c.bookkeeping; });
+    return out;
+  };
+  const std::vector<CollectiveRecord> a_work = lesson_work(a.collectives),
+                                      b_work = lesson_work(b.collectives);
   match(
-      ItemKind::Collective, by_key<CollectiveKey, CollectiveRecord>(a.collectives, collective_key),
-      by_key<CollectiveKey, CollectiveRecord>(b.collectives, collective_key), collective_what,
+      ItemKind::Collective, by_key<CollectiveKey, CollectiveRecord>(a_work, collective_key),
+      by_key<CollectiveKey, CollectiveRecord>(b_work, collective_key), collective_what,
       [](const CollectiveRecord& r, std::size_t k) {
         return fmt::format("{} #{}", collective_what(r), k + 1);
       },

@@ -883,6 +883,7 @@ void collectives_section(std::string& out, const RunReport& r) {
   std::vector<Row> rows;
   std::map<std::tuple<int, std::int64_t, int, std::string>, std::size_t> index;
   for (const CollectiveRecord& c : r.collectives) {
+    if (c.bookkeeping) continue;  // the lesson's checks, not its communication (summary.txt counts them)
     auto [it, inserted] = index.try_emplace(
         std::make_tuple(static_cast<int>(c.op), c.bytes, c.group_size, c.algorithm), rows.size());
     if (inserted) rows.push_back(Row{c.op, c.bytes, c.group_size, c.algorithm});

@@ -129,44 +129,54 @@ CommCall make_call(CommOp op, const Tensor& out, const Tensor& in, ReduceOp redu
 }  // namespace
 
 Work Rank::broadcast(const Tensor& t, int root, Async a, Group g) {
-  return communicate(make_call(CommOp::Broadcast, t, t, ReduceOp::Sum, root, a, std::move(g)));
+  return issue(make_call(CommOp::Broadcast, t, t, ReduceOp::Sum, root, a, std::move(g)));
 }
 Work Rank::scatter(const Tensor& out, const Tensor& in, int root, Async a, Group g) {
-  return communicate(make_call(CommOp::Scatter, out, in, ReduceOp::Sum, root, a, std::move(g)));
+  return issue(make_call(CommOp::Scatter, out, in, ReduceOp::Sum, root, a, std::move(g)));
 }
 Work Rank::gather(const Tensor& out, const Tensor& in, int root, Async a, Group g) {
-  return communicate(make_call(CommOp::Gather, out, in, ReduceOp::Sum, root, a, std::move(g)));
+  return issue(make_call(CommOp::Gather, out, in, ReduceOp::Sum, root, a, std::move(g)));
 }
 Work Rank::reduce(const Tensor& t, int root, ReduceOp op, Async a, Group g) {
-  return communicate(make_call(CommOp::Reduce, t, t, op, root, a, std::move(g)));
+  return issue(make_call(CommOp::Reduce, t, t, op, root, a, std::move(g)));
 }
 Work Rank::all_gather(const Tensor& out, const Tensor& in, Async a, Group g) {
-  return communicate(make_call(CommOp::AllGather, out, in, ReduceOp::Sum, -1, a, std::move(g)));
+  return issue(make_call(CommOp::AllGather, out, in, ReduceOp::Sum, -1, a, std::move(g)));
 }
 Work Rank::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op, Async a, Group g) {
-  return communicate(make_call(CommOp::ReduceScatter, out, in, op, -1, a, std::move(g)));
+  return issue(make_call(CommOp::ReduceScatter, out, in, op, -1, a, std::move(g)));
 }
 Work Rank::all_reduce(const Tensor& t, ReduceOp op, Async a, Group g) {
-  return communicate(make_call(CommOp::AllReduce, t, t, op, -1, a, std::move(g)));
+  return issue(make_call(CommOp::AllReduce, t, t, op, -1, a, std::move(g)));
 }
 Work Rank::all_to_all(const Tensor& out, const Tensor& in, Async a, Group g) {
-  return communicate(make_call(CommOp::AllToAll, out, in, ReduceOp::Sum, -1, a, std::move(g)));
+  return issue(make_call(CommOp::AllToAll, out, in, ReduceOp::Sum, -1, a, std::move(g)));
 }
 Work Rank::send(const Tensor& t, int dst, Async a) {
-  return communicate(make_call(CommOp::Send, Tensor(), t, ReduceOp::Sum, dst, a, Group()));
+  return issue(make_call(CommOp::Send, Tensor(), t, ReduceOp::Sum, dst, a, Group()));
 }
 Work Rank::recv(const Tensor& t, int src, Async a) {
-  return communicate(make_call(CommOp::Recv, t, Tensor(), ReduceOp::Sum, src, a, Group()));
+  return issue(make_call(CommOp::Recv, t, Tensor(), ReduceOp::Sum, src, a, Group()));
 }
 void Rank::barrier(Group g) {
-  communicate(make_call(CommOp::Barrier, Tensor(), Tensor(), ReduceOp::Sum, -1, Async::No, std::move(g)));
+  issue(make_call(CommOp::Barrier, Tensor(), Tensor(), ReduceOp::Sum, -1, Async::No, std::move(g)));
 }
 
 Rank::Region::Region(Rank* r, std::string name) : rank_(r) {
   rank_->region_begin(name);
 }
+Rank::Region::Region(Rank* r, std::string name, bool bookkeeping) : rank_(r), bookkeeping_(bookkeeping) {
+  rank_->region_begin(name);
+  if (bookkeeping_) ++rank_->bookkeeping_depth_;
+}
 Rank::Region::~Region() {
+  if (bookkeeping_) --rank_->bookkeeping_depth_;
   rank_->region_end();
+}
+
+Work Rank::issue(CommCall call) {
+  call.bookkeeping = bookkeeping_depth_ > 0;
+  return communicate(call);
 }
 
 }  // namespace ranklab

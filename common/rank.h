@@ -132,6 +132,9 @@ struct CommCall {
   int peer = -1;  // root for rooted collectives, dst for send, src for recv (global ranks)
   Group group;
   Async async = Async::No;
+  // Issued inside Rank::bookkeeping(): the lesson's own checks and figures, not the work it teaches. The
+  // report keeps such operations out of its collectives table and its link traffic.
+  bool bookkeeping = false;
   std::string describe() const;  // "all_reduce(float32[4], Sum) on world"
 };
 
@@ -331,9 +334,16 @@ class Rank {
     Region& operator=(const Region&) = delete;
 
    private:
+    friend class Rank;
+    Region(Rank* r, std::string name, bool bookkeeping);
     Rank* rank_;
+    bool bookkeeping_ = false;
   };
   Region region(std::string name) { return Region(this, std::move(name)); }
+  // A region whose communication is the lesson's bookkeeping: comparing with a reference, gathering the
+  // figures it prints. Its collectives still run and take their time, but the report leaves them out of
+  // the tables that describe the lesson's communication (collectives, link traffic) and counts them apart.
+  Region bookkeeping(std::string name) { return Region(this, std::move(name), true); }
   virtual void region_begin(const std::string& name) = 0;
   virtual void region_end() = 0;
 
@@ -347,6 +357,11 @@ class Rank {
   // A training lesson's figures for the step it timed (the report's `training` object). Rank 0 calls it;
   // a later call replaces an earlier one.
   virtual void report_training(const TrainingStats& stats) = 0;
+
+ private:
+  // communicate() with the call marked as bookkeeping when a bookkeeping region is open.
+  Work issue(CommCall call);
+  int bookkeeping_depth_ = 0;
 };
 
 }  // namespace ranklab

@@ -323,7 +323,14 @@ void format_collectives(std::string& out, const std::vector<CollectiveRecord>& r
   // Grouped in order of first appearance, which for a sweep is the order of the sweep.
   std::vector<Row> rows;
   std::map<std::tuple<int, std::int64_t, int, std::string>, std::size_t> index;
+  int kept_apart = 0;
+  double kept_apart_bytes = 0;
   for (const CollectiveRecord& c : records) {
+    if (c.bookkeeping) {
+      ++kept_apart;
+      kept_apart_bytes += static_cast<double>(c.bytes);
+      continue;
+    }
     auto key = std::make_tuple(static_cast<int>(c.op), c.bytes, c.group_size, c.algorithm);
     auto [it, inserted] = index.try_emplace(key, rows.size());
     if (inserted) rows.push_back(Row{c.op, c.bytes, c.group_size, c.algorithm});
@@ -346,6 +353,13 @@ void format_collectives(std::string& out, const std::vector<CollectiveRecord>& r
     out += fmt::format("  {:<{}} {:>10} {:>5}  {:<{}} {:>6} {:>11} {:>12} {:>12}\n", comm_op_name(r.op),
                        op_width, human_bytes(static_cast<double>(r.bytes)), r.group_size, r.algorithm,
                        algo_width, r.count, human_time(mean_us), human_bw(algbw), human_bw(busbw));
+  }
+  if (kept_apart > 0) {
+    out += fmt::format(
+        "  (and {} collective{} of the lesson's own checks and figures, {} in all, left out of this table "
+        "and of "
+        "the link traffic)\n",
+        kept_apart, kept_apart == 1 ? "" : "s", human_bytes(kept_apart_bytes));
   }
 }
 
@@ -496,10 +510,16 @@ ordered_json to_json(const Span& s) {
 }
 
 ordered_json to_json(const CollectiveRecord& c) {
-  return ordered_json{
-      {"op", comm_op_name(c.op)}, {"group", c.group.str()},         {"group_size", c.group_size},
-      {"bytes", c.bytes},         {"algorithm", c.algorithm.str()}, {"start_us", c.start_us},
-      {"end_us", c.end_us},       {"algbw_gbps", c.algbw_gbps},     {"busbw_gbps", c.busbw_gbps}};
+  return ordered_json{{"op", comm_op_name(c.op)},
+                      {"group", c.group.str()},
+                      {"group_size", c.group_size},
+                      {"bytes", c.bytes},
+                      {"algorithm", c.algorithm.str()},
+                      {"start_us", c.start_us},
+                      {"end_us", c.end_us},
+                      {"algbw_gbps", c.algbw_gbps},
+                      {"busbw_gbps", c.busbw_gbps},
+                      {"bookkeeping", c.bookkeeping}};
 }
 
 ordered_json to_json(const RegionRecord& r) {
@@ -743,6 +763,7 @@ RunReport report_from_json(const std::string& text) {
     r.get(e, "end_us", c.end_us);
     r.get(e, "algbw_gbps", c.algbw_gbps);
     r.get(e, "busbw_gbps", c.busbw_gbps);
+    r.get(e, "bookkeeping", c.bookkeeping);  // absent in reports written before it existed: false
     return c;
   });
   report.regions = read_array<RegionRecord>(root, "regions", [](const json& e, auto reader) {

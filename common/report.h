@@ -67,6 +67,9 @@ struct CollectiveRecord {
   double end_us = 0;
   double algbw_gbps = 0;  // bytes / time
   double busbw_gbps = 0;  // algbw times the op's bus factor (nccl-tests doc/PERFORMANCE.md)
+  // Issued inside Rank::bookkeeping() (the lesson's checks and printed figures): left out of the
+  // summary's collectives table and of the link traffic, and counted apart.
+  bool bookkeeping = false;
   double time_us() const { return end_us - start_us; }
 };
 

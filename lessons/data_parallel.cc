@@ -204,7 +204,7 @@ void data_parallel(Rank& r, const Options& o) {
     std::string line = fmt::format("step {}/{}  time {}  communication after backward {}", step, o.steps,
                                    mlp::format_time(step_us), mlp::format_time(exposed_us));
     if (ref) {
-      auto scope = r.region("reference");
+      auto scope = r.bookkeeping("reference");
       ref->step();
       const double mine = r.to_host(out_sum)[0] / static_cast<double>(local);
       Tensor loss = r.from_host({1}, {static_cast<float>(mine)});
@@ -221,7 +221,7 @@ void data_parallel(Rank& r, const Options& o) {
   }
 
   // Every rank's statistics to rank 0, after the training so it does not disturb the timing.
-  auto scope = r.region("report");
+  auto scope = r.bookkeeping("report");
   std::vector<float> stats = {static_cast<float>(peak_memory.bytes()), static_cast<float>(worst.relative()),
                               static_cast<float>(worst.worst)};
   if (!o.phantom) {

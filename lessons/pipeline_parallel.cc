@@ -340,7 +340,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     }
 
     if (!ref) continue;
-    auto scope = r.region("reference");
+    auto scope = r.bookkeeping("reference");
     ref->step();
     mlp::Diff d = mlp::compare_layers(r, *ref, st.grads, st.w, first, 0, o.dim);
     double loss = 0;
@@ -358,7 +358,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     }
   }
 
-  auto scope = r.region("report");
+  auto scope = r.bookkeeping("report");
   const int bound = max_alive(sched, stage, stages, m);
   if (sched == "1f1b") {  // at most p - stage, so never more than p, however many micro-batches
     r.check("pipeline_parallel 1f1b: a stage keeps the activations of at most p micro-batches",

@@ -129,7 +129,7 @@ void megatron_pairs(Rank& r, const Options& o) {
     r.synchronize();
     step_us = r.now() - t0;
     if (!ref) continue;
-    auto scope = r.region("reference");
+    auto scope = r.bookkeeping("reference");
     ref->step();
     const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
     mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
@@ -265,7 +265,7 @@ void tensor_parallel(Rank& r, const Options& o) {
 
     std::string line = fmt::format("step {}/{}  time {}", step, o.steps, mlp::format_time(step_us));
     if (ref) {
-      auto scope = r.region("reference");
+      auto scope = r.bookkeeping("reference");
       ref->step();
       const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
       mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
@@ -278,7 +278,7 @@ void tensor_parallel(Rank& r, const Options& o) {
     if (rank == 0 && !o.quiet) r.print(line);
   }
 
-  auto scope = r.region("report");
+  auto scope = r.bookkeeping("report");
   auto all = mlp::gather_to_root(r, {static_cast<float>(peak_memory.bytes()),
                                      static_cast<float>(worst.relative()), static_cast<float>(worst.worst)});
   if (rank != 0) return;

@@ -252,6 +252,7 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
 CommTiming CudaRank::timing_of(const CommCall& call, const Resolved& r) {
   CommTiming timing;
   timing.op = call.op;
+  timing.bookkeeping = call.bookkeeping;
   timing.group_size = r.size;
   timing.group = r.group;
   const std::int64_t in = numel_or_zero(call.input), out = numel_or_zero(call.output);

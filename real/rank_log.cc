@@ -90,6 +90,7 @@ std::string serialize(const RankLog& log) {
     w.put<std::int32_t>(c.group_size);
     w.put(c.bytes);
     w.put<std::uint8_t>(c.record_owner);
+    w.put<std::uint8_t>(c.bookkeeping);
     w.put(c.start_us);
     w.put(c.end_us);
   }
@@ -163,6 +164,7 @@ RankLog deserialize(const std::string& bytes) {
     c.group_size = r.get<std::int32_t>();
     c.bytes = r.get<std::int64_t>();
     c.record_owner = r.get<std::uint8_t>() != 0;
+    c.bookkeeping = r.get<std::uint8_t>() != 0;
     c.start_us = r.get<double>();
     c.end_us = r.get<double>();
     log.comms.push_back(std::move(c));
@@ -266,6 +268,7 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
         r.algorithm = "nccl";
         r.start_us = begin;
         r.end_us = c.end_us;
+        r.bookkeeping = c.bookkeeping;
         if (transfer > 0) {
           r.algbw_gbps = static_cast<double>(c.bytes) / transfer * 1e-3;  // bytes per us -> GB/s
           r.busbw_gbps = r.algbw_gbps * bus_factor(c.op, c.group_size);

@@ -27,6 +27,7 @@ struct CommTiming {
   int group_size = 0;
   std::int64_t bytes = 0;     // nccl-tests' size of the operation
   bool record_owner = false;  // the member that writes the CollectiveRecord (the group's first)
+  bool bookkeeping = false;   // issued inside Rank::bookkeeping()
   double start_us = 0;
   double end_us = 0;
 };

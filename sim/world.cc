@@ -452,6 +452,7 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     rec.algorithm = op->algorithm;
     rec.start_us = op->start_us;
     rec.end_us = op->end_us;
+    rec.bookkeeping = op->members[0].call.bookkeeping;
     const double t_us = op->end_us - op->start_us;
     rec.algbw_gbps = t_us > 0 ? static_cast<double>(rec.bytes) / (t_us * 1e3) : 0;
     rec.busbw_gbps = rec.algbw_gbps * bus_factor(op->op, n);
@@ -523,7 +524,8 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   const CommCall& lead = op->members[0].call;
   CommPlan plan = p2p ? network_->plan_p2p(op->ranks[0], op->ranks[1], lead.input.bytes())
                       : network_->plan_collective(op->op, nccl_size_bytes(*op), op->ranks, lead.peer);
-  network_->record(plan);
+  // The lesson's bookkeeping (Rank::bookkeeping) takes its time but stays out of the link traffic.
+  if (!lead.bookkeeping) network_->record(plan);
   op->algorithm = plan_name(plan);
   op->start_us = start_us;
   op->executed = true;
@@ -797,7 +799,7 @@ void SimWorld::schedule_images(const CommOpState& op, double start_us) {
     const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
     CommPlan plan = p2p ? network_->plan_p2p(image[0], image[1], bytes)
                         : network_->plan_collective(op.op, bytes, image, root);
-    network_->record(plan);
+    if (!lead.bookkeeping) network_->record(plan);
     note_spine(plan);
     auto shadow = std::make_shared<CommOpState>();
     shadow->op = op.op;

@@ -145,6 +145,33 @@ TEST(Clocks, ReportSplitsComputeCommAndIdle) {
   EXPECT_DOUBLE_EQ(rep.collectives[0].busbw_gbps, rep.collectives[0].algbw_gbps);
 }
 
+TEST(Clocks, BookkeepingTakesItsTimeButStaysOutOfTheTables) {
+  SimBackend backend(quiet_config());
+  RunReport rep = backend.launch(2, [](Rank& r) {
+    Tensor g = r.phantom({1 << 20});
+    r.all_reduce(g, ReduceOp::Sum);  // the lesson's work
+    {
+      auto scope = r.bookkeeping("check");
+      Tensor c = r.phantom({1 << 18});
+      r.all_reduce(c, ReduceOp::Sum);  // its check: 1 MiB
+    }
+    r.synchronize();
+  });
+  ASSERT_EQ(rep.collectives.size(), 2u);
+  EXPECT_FALSE(rep.collectives[0].bookkeeping);
+  EXPECT_TRUE(rep.collectives[1].bookkeeping);
+  EXPECT_GT(rep.collectives[1].time_us(), 0);  // it ran and took its time
+  // Only the work's 4 MiB is on the links: in a ring of two each rank sends 2(n-1)/n = 1 times it, over two
+  // links (to the NVSwitch and from it); the check's 1 MiB would add a quarter.
+  EXPECT_EQ(rep.total_link_bytes(), 2 * 2 * (4 << 20));
+  const std::string summary = format_summary(rep);
+  EXPECT_NE(summary.find("(and 1 collective of the lesson's own checks and figures, 1 MiB in all, left out"),
+            std::string::npos)
+      << summary;
+  // The flag survives the report file.
+  EXPECT_TRUE(report_from_json(report_to_json(rep)).collectives[1].bookkeeping);
+}
+
 // ---- determinism -----------------------------------------------------------------------------------
 
 TEST(Determinism, TwoRunsGiveIdenticalNumbersAndTimes) {

@@ -229,7 +229,7 @@ void gpt_lesson(Rank& r, const Options& o) {
     if (!ref) continue;
     // ---- the check against one device
     // ----------------------------------------------------------------------
-    auto scope = r.region("check");
+    auto scope = r.bookkeeping("check");
     // Weight updates are compared over all of the rank's parameters together: Adam divides by the
     // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
     // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
@@ -327,32 +327,36 @@ void gpt_lesson(Rank& r, const Options& o) {
   const int w = r.world_size();
   // The last element counts the ranks that measured, so the mean holds however many ranks contribute
   // (in a symmetric simulation the mirrors of replica 0 contribute its figures once more each).
-  std::vector<float> sums(parallel::kDims + 3);
-  for (int d = 0; d < parallel::kDims; ++d) sums[d] = static_cast<float>(exposed_us[d]);
-  sums[parallel::kDims] = static_cast<float>(ptimes.busy_us);
-  sums[parallel::kDims + 1] = static_cast<float>(ptimes.window_us);
-  sums[parallel::kDims + 2] = measures ? 1.0f : 0.0f;
-  Tensor mean = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
-  r.all_reduce(mean, ReduceOp::Sum);
-  // Maxima: each stage's peak (from the rank with tp 0, dp 0 of the stage), the losses, the pipeline's
-  // window, the worst differences.
   const int nmax = c.pp + c.steps + 4;
-  std::vector<float> maxes(nmax, 0.0f);
-  if (me.tp == 0 && me.dp == 0) {
-    maxes[me.pp] = static_cast<float>(peak);
-    for (size_t i = 0; i < losses.size(); ++i) maxes[c.pp + i] = static_cast<float>(losses[i]);
+  std::vector<float> avg, mx;
+  {
+    auto gathering = r.bookkeeping("figures");  // collectives for the printout, not the training step
+    std::vector<float> sums(parallel::kDims + 3);
+    for (int d = 0; d < parallel::kDims; ++d) sums[d] = static_cast<float>(exposed_us[d]);
+    sums[parallel::kDims] = static_cast<float>(ptimes.busy_us);
+    sums[parallel::kDims + 1] = static_cast<float>(ptimes.window_us);
+    sums[parallel::kDims + 2] = measures ? 1.0f : 0.0f;
+    Tensor mean = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
+    r.all_reduce(mean, ReduceOp::Sum);
+    // Maxima: each stage's peak (from the rank with tp 0, dp 0 of the stage), the losses, the pipeline's
+    // window, the worst differences.
+    std::vector<float> maxes(nmax, 0.0f);
+    if (me.tp == 0 && me.dp == 0) {
+      maxes[me.pp] = static_cast<float>(peak);
+      for (size_t i = 0; i < losses.size(); ++i) maxes[c.pp + i] = static_cast<float>(losses[i]);
+    }
+    // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
+    maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
+    maxes[nmax - 3] = static_cast<float>(worst_grad.rel);
+    maxes[nmax - 2] = static_cast<float>(worst_weight.rel);
+    maxes[nmax - 1] = static_cast<float>(worst_loss.rel);
+    Tensor most = r.from_host({nmax}, maxes);
+    r.all_reduce(most, ReduceOp::Max);
+    avg = r.to_host(mean);
+    const float measured = avg.back();  // the ranks of replica 0, tp x pp
+    for (float& a : avg) a /= measured;
+    mx = r.to_host(most);
   }
-  // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
-  maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
-  maxes[nmax - 3] = static_cast<float>(worst_grad.rel);
-  maxes[nmax - 2] = static_cast<float>(worst_weight.rel);
-  maxes[nmax - 1] = static_cast<float>(worst_loss.rel);
-  Tensor most = r.from_host({nmax}, maxes);
-  r.all_reduce(most, ReduceOp::Max);
-  std::vector<float> avg = r.to_host(mean);
-  const float measured = avg.back();  // the ranks of replica 0, tp x pp
-  for (float& a : avg) a /= measured;
-  const std::vector<float> mx = r.to_host(most);
   if (!root) return;
 
   const double busy = avg[parallel::kDims], window = mx[nmax - 4];
