@@ -26,6 +26,7 @@ Options small(const std::string& lesson, const std::string& broken) {
   o.lr = 0.05;
   o.quiet = true;
   o.broken = broken;
+  o.zero = -1;  // the zero lesson: every stage
   return o;
 }
 
@@ -64,7 +65,9 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                                            Case{"tensor_parallel", "no-reduce-scatter", "gradient"},
                                            Case{"tensor_parallel", "wrong-slice", "layer "},
                                            Case{"pipeline_parallel", "micro-batch-mean", "gradient"},
-                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"}),
+                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"},
+                                           Case{"zero", "sum", "gradient"},
+                                           Case{"zero", "no-all-gather", "gathered weight"}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            std::string n = std::get<0>(i.param) + "_" + std::get<1>(i.param);
                            for (char& c : n)
@@ -73,7 +76,7 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                          });
 
 TEST(BrokenLesson, AnUnknownBugIsAUsageErrorListingTheKnownOnes) {
-  for (const std::string lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
+  for (const std::string lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel", "zero"}) {
     try {
       run(lesson, small(lesson, "typo"));
       ADD_FAILURE() << lesson << ": no error";
