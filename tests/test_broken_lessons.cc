@@ -1,7 +1,7 @@
 // Each training lesson, deliberately broken with the hidden --break (Sum instead of Avg, no gradient
 // reduction, a dropped reduce_scatter, a wrong slice of the weights, a per-micro-batch mean, gradients
-// never zeroed), fails its own check against one device, and the check's detail names the tensor that
-// differs. An unknown --break is a usage error.
+// never zeroed, a stale ZeRO weight, a recomputed forward that skips a layer), fails its own check against
+// one device, and the check's detail names the tensor that differs. An unknown --break is a usage error.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -67,7 +67,8 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                                            Case{"pipeline_parallel", "micro-batch-mean", "gradient"},
                                            Case{"pipeline_parallel", "no-zero-grad", "gradient"},
                                            Case{"zero", "sum", "gradient"},
-                                           Case{"zero", "no-all-gather", "gathered weight"}),
+                                           Case{"zero", "no-all-gather", "gathered weight"},
+                                           Case{"recompute", "skip-layer", "gradient"}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            std::string n = std::get<0>(i.param) + "_" + std::get<1>(i.param);
                            for (char& c : n)
@@ -76,7 +77,8 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                          });
 
 TEST(BrokenLesson, AnUnknownBugIsAUsageErrorListingTheKnownOnes) {
-  for (const std::string lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel", "zero"}) {
+  for (const std::string lesson :
+       {"data_parallel", "tensor_parallel", "pipeline_parallel", "zero", "recompute"}) {
     try {
       run(lesson, small(lesson, "typo"));
       ADD_FAILURE() << lesson << ": no error";

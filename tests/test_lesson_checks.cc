@@ -105,6 +105,23 @@ TEST(LessonChecks, ZeroHoldsAtEveryStageAndWorldSize) {
   }
 }
 
+TEST(LessonChecks, RecomputeHoldsOnDataParallelAndThePipeline) {
+  for (int world : {1, 2, 8}) {
+    SCOPED_TRACE(world);
+    Options o;
+    o.world = world;
+    o.dim = 32;
+    o.layers = 8;
+    o.batch = 4 * world;
+    o.micro_batches = 4;
+    o.steps = 2;
+    o.quiet = true;
+    const RunReport rep = run("recompute", o, nodes_for(world));
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_TRUE(printed(rep, "pipeline 1f1b, recompute each stage")) << "both ways, on both";
+  }
+}
+
 // The lecture's sizes with AdamW: its first steps move every weight by about lr whatever the gradient's
 // size, so where a gradient is within rounding of zero its sign, and the weight's move, is a coin toss.
 // The check's bound knows it; a fixed relative tolerance did not.
