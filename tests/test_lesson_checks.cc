@@ -122,6 +122,28 @@ TEST(LessonChecks, RecomputeHoldsOnDataParallelAndThePipeline) {
   }
 }
 
+TEST(LessonChecks, HybridHoldsInBothLayouts) {
+  struct Shape {
+    int world, tp, pp;
+  };
+  for (Shape sh : {Shape{1, 1, 1}, Shape{8, 2, 2}, Shape{16, 4, 2}}) {
+    SCOPED_TRACE(sh.world);
+    Options o;
+    o.world = sh.world;
+    o.tp = sh.tp;
+    o.pp = sh.pp;
+    o.dim = 32;
+    o.layers = 4;
+    o.batch = 16;
+    o.micro_batches = 4;
+    o.steps = 2;
+    o.quiet = true;
+    const RunReport rep = run("hybrid", o, nodes_for(sh.world));
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_TRUE(printed(rep, "order pp-dp-tp")) << "the reversed layout";
+  }
+}
+
 // The lecture's sizes with AdamW: its first steps move every weight by about lr whatever the gradient's
 // size, so where a gradient is within rounding of zero its sign, and the weight's move, is a coin toss.
 // The check's bound knows it; a fixed relative tolerance did not.
