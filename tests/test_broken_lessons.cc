@@ -1,7 +1,8 @@
 // Each training lesson, deliberately broken with the hidden --break (Sum instead of Avg, no gradient
 // reduction, a dropped reduce_scatter, a wrong slice of the weights, a per-micro-batch mean, gradients
-// never zeroed), fails its own check against one device, and the check's detail names the tensor that
-// differs. An unknown --break is a usage error.
+// never zeroed, a stale ZeRO weight, a recomputed forward that skips a layer, a
+// tensor-parallel input gradient never summed), fails its own check against one device, and the check's
+// detail names the tensor that differs. An unknown --break is a usage error.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -26,6 +27,11 @@ Options small(const std::string& lesson, const std::string& broken) {
   o.lr = 0.05;
   o.quiet = true;
   o.broken = broken;
+  o.zero = -1;               // the zero lesson: every stage
+  if (lesson == "hybrid") {  // tp 2 x dp 2, two micro-batches of 3 samples per dp rank
+    o.tp = 2;
+    o.micro_batches = 2;
+  }
   return o;
 }
 
@@ -64,7 +70,12 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                                            Case{"tensor_parallel", "no-reduce-scatter", "gradient"},
                                            Case{"tensor_parallel", "wrong-slice", "layer "},
                                            Case{"pipeline_parallel", "micro-batch-mean", "gradient"},
-                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"}),
+                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"},
+                                           Case{"zero", "sum", "gradient"},
+                                           Case{"zero", "no-all-gather", "gathered weight"},
+                                           Case{"recompute", "skip-layer", "gradient"},
+                                           Case{"hybrid", "no-tp-backward", "gradient"},
+                                           Case{"hybrid", "dp-sum", "gradient"}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            std::string n = std::get<0>(i.param) + "_" + std::get<1>(i.param);
                            for (char& c : n)
@@ -73,7 +84,8 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                          });
 
 TEST(BrokenLesson, AnUnknownBugIsAUsageErrorListingTheKnownOnes) {
-  for (const std::string lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
+  for (const std::string lesson :
+       {"data_parallel", "tensor_parallel", "pipeline_parallel", "zero", "recompute", "hybrid"}) {
     try {
       run(lesson, small(lesson, "typo"));
       ADD_FAILURE() << lesson << ": no error";

@@ -16,6 +16,8 @@ RunReport run(const std::string& lesson, const Options& o, int nodes) {
   return run_lesson(backend, lesson, o);
 }
 
+bool printed(const RunReport& rep, const std::string& text);
+
 int nodes_for(int world) {
   return (world + 7) / 8;  // dgx-h100: 8 GPUs a node
 }
@@ -82,6 +84,63 @@ TEST(LessonChecks, TrainingLessonsHoldAt1000Ranks) {
     o.quiet = true;
     const RunReport rep = run(lesson, o, nodes_for(o.world));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  }
+}
+
+TEST(LessonChecks, ZeroHoldsAtEveryStageAndWorldSize) {
+  for (int world : {1, 2, 16}) {
+    SCOPED_TRACE(world);
+    Options o;
+    o.world = world;
+    o.zero = -1;  // all four stages, each checking its memory against parallel/zero's accounting
+    o.optimizer = "adamw";
+    o.lr = 0.001;
+    o.dim = 64;
+    o.batch = 2 * world;
+    o.steps = 2;
+    o.quiet = true;
+    const RunReport rep = run("zero", o, nodes_for(world));
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_TRUE(printed(rep, "ZeRO-3  sent")) << "the communication per stage";
+  }
+}
+
+TEST(LessonChecks, RecomputeHoldsOnDataParallelAndThePipeline) {
+  for (int world : {1, 2, 8}) {
+    SCOPED_TRACE(world);
+    Options o;
+    o.world = world;
+    o.dim = 32;
+    o.layers = 8;
+    o.batch = 4 * world;
+    o.micro_batches = 4;
+    o.steps = 2;
+    o.quiet = true;
+    const RunReport rep = run("recompute", o, nodes_for(world));
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_TRUE(printed(rep, "pipeline 1f1b, recompute each stage")) << "both ways, on both";
+  }
+}
+
+TEST(LessonChecks, HybridHoldsInBothLayouts) {
+  struct Shape {
+    int world, tp, pp;
+  };
+  for (Shape sh : {Shape{1, 1, 1}, Shape{8, 2, 2}, Shape{16, 4, 2}}) {
+    SCOPED_TRACE(sh.world);
+    Options o;
+    o.world = sh.world;
+    o.tp = sh.tp;
+    o.pp = sh.pp;
+    o.dim = 32;
+    o.layers = 4;
+    o.batch = 16;
+    o.micro_batches = 4;
+    o.steps = 2;
+    o.quiet = true;
+    const RunReport rep = run("hybrid", o, nodes_for(sh.world));
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_TRUE(printed(rep, "order pp-dp-tp")) << "the reversed layout";
   }
 }
 

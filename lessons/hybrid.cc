@@ -1,0 +1,257 @@
+// 2-D and 3-D parallelism: tensor parallelism inside a node, data parallelism across nodes, pipeline
+// parallelism across groups of nodes, each dimension a process group from new_group
+// (parallel::make_groups, the layout the gpt model uses). The MLP's layers are cut into pp stages
+// (parallel::Pipeline, 1F1B); each stage's layers go in Megatron pairs over the tp ranks (the first split by
+// columns, the second by rows, one all_reduce after the pair forward and one before it backward:
+// parallel::TensorParallel); each (tp, pp) position is replicated dp times, one all_reduce(Avg) of its
+// gradients per step.
+//
+// Placement follows the hardware: tensor parallelism communicates in every layer of every micro-batch, so
+// its groups must sit on NVLink inside a node; data parallelism once per step; the pipeline only at stage
+// boundaries. The lesson runs the layout given by --order (innermost first, Megatron's tp-dp-pp), then the
+// same training with the order reversed, which puts the tp groups across nodes, and prints each layout's
+// step time and the communication each dimension left exposed.
+//
+//   ranklab run hybrid --world 16 --nodes 2 --tp 4 --pp 2
+//   ranklab run hybrid --world 32 --nodes 4 --tp 8 --pp 2 --dp 2
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "lessons/mlp.h"
+#include "lessons/parallel/groups.h"
+#include "lessons/parallel/pipeline.h"
+#include "lessons/parallel/tensor_parallel.h"
+
+namespace ranklab {
+namespace {
+
+struct Result {
+  double step_us = 0;
+  std::array<double, parallel::kDims> exposed_us{};
+  double worst = 0, relative = 0;
+};
+
+Result train(Rank& r, const Options& o, const parallel::Layout& layout) {
+  const parallel::Groups g = parallel::make_groups(r, layout);
+  const int tp = layout.tp, pp = layout.pp, dp = layout.dp, m = o.micro_batches;
+  const int per = o.layers / pp, first = g.me.pp * per;
+  const std::int64_t cols = o.dim / tp, col0 = g.me.tp * cols;
+  const std::int64_t local = o.batch / dp, mb = local / m;  // this dp rank's samples, and a micro-batch
+  const bool last_stage = g.me.pp == pp - 1;
+  parallel::ExposedComm exposed(r);
+  // --break no-tp-backward: the input gradient of a column-parallel layer is not summed over tp.
+  parallel::TensorParallel tpar{r, g.tp, tp, false, false, exposed};
+
+  // Layer first + 2i is split by columns, first + 2i + 1 by rows: each rank holds its columns of the one and
+  // the same rows of the other.
+  std::vector<Tensor> w, grads;
+  for (int i = 0; i < per; ++i) {
+    const int l = first + i;
+    w.push_back(i % 2 == 0 ? mlp::make_weight_columns(r, o, l, col0, cols)
+                           : mlp::make_weight_rows(r, o, l, col0, cols));
+    grads.push_back(o.phantom ? r.phantom(w.back().shape()) : r.zeros(w.back().shape()));
+  }
+  mlp::Optimizer opt(r, o, w);
+  Tensor dloss = mlp::loss_grad(r, o, {mb, o.dim}, local);  // this dp rank's mean; Avg over dp: the batch's
+  parallel::Pipeline pipe(r, g.pp_ranks, g.me.pp, 1, m, o.phantom, exposed);
+  std::unique_ptr<mlp::Reference> ref;
+  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
+  Result res;
+  mlp::Diff worst;
+  for (int step = 1; step <= o.steps; ++step) {
+    for (Tensor& t : grads) r.scale_(t, 0.0f);
+    r.synchronize();
+    r.barrier();
+    const double t0 = r.now();
+    exposed.enable(true);
+    std::vector<std::vector<Tensor>> acts(m);  // per micro-batch: each layer's input, then the output
+    std::vector<Tensor> sums;
+    auto forward = [&](const parallel::Task& t, const Tensor& in) {
+      std::vector<Tensor>& a = acts[t.mb];
+      a = {g.me.pp == 0 ? mlp::make_samples(r, o, g.me.dp * local + t.mb * mb, mb) : in};
+      for (int i = 0; i < per; i += 2) {
+        a.push_back(mlp::forward_layer(r, a.back(), w[i]));   // my columns: relu works on them alone
+        Tensor z = tpar.leave(r.matmul(a.back(), w[i + 1]));  // my rows: a partial sum, added over tp
+        a.push_back(r.relu(z));
+      }
+      if (last_stage) sums.push_back(mlp::output_sum(r, a.back()));
+      return last_stage ? a.back() : r.slice(a.back(), 0, 0, mb);  // a copy to send: backward reads a.back()
+    };
+    auto backward = [&](const parallel::Task& t, const Tensor& dy_in) {
+      std::vector<Tensor>& a = acts[t.mb];
+      Tensor dy = last_stage ? dloss : dy_in;
+      for (int i = per - 1; i >= 0; --i) {
+        const bool want_dx = i > 0 || g.me.pp > 0;
+        mlp::LayerGrads lg = mlp::backward_layer(r, a[i], a[i + 1], w[i], dy, want_dx);
+        r.add_(grads[i], lg.w, 1.0f);
+        dy = lg.x;
+        // A column layer's input gradient is partial: each rank saw only its columns of the output.
+        if (i % 2 == 0 && want_dx && o.broken != "no-tp-backward") dy = tpar.enter_backward(dy);
+      }
+      a.clear();
+      return dy;
+    };
+    pipe.run({mb, o.dim}, DType::Float32, forward, backward, false);
+    const Event e = exposed.before();
+    if (dp > 1) {
+      for (Tensor& t : grads)
+        r.all_reduce(t, o.broken == "dp-sum" ? ReduceOp::Sum : ReduceOp::Avg, Async::No, g.dp);
+    }
+    exposed.after(parallel::Dim::Dp, e);
+    opt.step(grads);
+    r.synchronize();
+    res.step_us = r.now() - t0;
+    res.exposed_us = exposed.totals();
+    exposed.enable(false);
+    if (!ref) continue;
+
+    // The check against one device: my columns (or rows) of each of my stage's layers.
+    ref->step();
+    mlp::Diff d;
+    for (int i = 0; i < per; ++i) {
+      const int l = first + i;
+      auto want = [&](const std::vector<float>& full) {
+        return i % 2 == 0
+                   ? mlp::columns(full, o.dim, o.dim, col0, cols)
+                   : std::vector<float>(full.begin() + col0 * o.dim, full.begin() + (col0 + cols) * o.dim);
+      };
+      const std::int64_t width = i % 2 == 0 ? cols : o.dim;
+      d.merge(mlp::compare(r.to_host(grads[i]), want(ref->grad(l)), want(ref->grad_bound(l)),
+                           fmt::format("layer {} gradient", l), width));
+      d.merge(mlp::compare(r.to_host(w[i]), want(ref->weight(l)), want(ref->weight_bound(l)),
+                           fmt::format("layer {} weight", l), width));
+    }
+    if (last_stage) {  // the loss: this dp rank's micro-batches, averaged over dp
+      double mine = 0;
+      for (const Tensor& s : sums) mine += r.to_host(s)[0];
+      Tensor loss = r.from_host({1}, {static_cast<float>(mine / static_cast<double>(local))});
+      if (dp > 1) r.all_reduce(loss, ReduceOp::Avg, Async::No, g.dp);
+      d.merge(mlp::compare(r.to_host(loss)[0], ref->loss(), ref->loss_bound(), "the loss"));
+    }
+    worst.merge(d);
+    mlp::check_step(r, fmt::format("hybrid {}", layout.order), step,
+                    "every rank's shard of gradients and weights", d,
+                    fmt::format("rank {} (tp {} dp {} pp {}): ", r.rank(), g.me.tp, g.me.dp, g.me.pp));
+  }
+  res.worst = worst.worst;
+  res.relative = worst.relative();
+  return res;
+}
+
+void hybrid(Rank& r, const Options& o) {
+  mlp::validate(o, "hybrid");
+  mlp::check_broken(o, "hybrid", {"no-tp-backward", "dp-sum"});
+  parallel::validate_order(o.order);
+  const int world = r.world_size();
+  if (o.tp < 1 || o.pp < 1 || world % (o.tp * o.pp) != 0 || (o.dp > 0 && o.dp * o.tp * o.pp != world)) {
+    throw UsageError(
+        fmt::format("hybrid: --tp {} x --pp {} x --dp {} must be --world {} (--dp 0: world / (tp pp))", o.tp,
+                    o.pp, o.dp, world));
+  }
+  parallel::Layout layout;
+  layout.tp = o.tp;
+  layout.pp = o.pp;
+  layout.dp = world / (o.tp * o.pp);
+  layout.order = o.order;
+  if (o.dim % o.tp != 0)
+    throw UsageError(fmt::format("hybrid: --dim {} must divide by --tp {}", o.dim, o.tp));
+  if (o.layers % (2 * o.pp) != 0) {
+    throw UsageError(
+        fmt::format("hybrid: --layers {} must divide by 2 x --pp {}: each stage holds whole column-row pairs",
+                    o.layers, o.pp));
+  }
+  if (o.micro_batches < 1 || o.batch % (layout.dp * o.micro_batches) != 0) {
+    throw UsageError(fmt::format("hybrid: --batch {} must divide by dp {} x --micro-batches {}", o.batch,
+                                 layout.dp, o.micro_batches));
+  }
+  // The same layout with the order reversed: the innermost dimension becomes the outermost.
+  parallel::Layout wrong = layout;
+  std::vector<std::string> dims = layout.dims();
+  wrong.order = fmt::format("{}", fmt::join(dims.rbegin(), dims.rend(), "-"));
+
+  std::vector<parallel::Layout> layouts = {layout, wrong};
+  std::vector<Result> results;
+  for (const parallel::Layout& l : layouts) {
+    if (r.rank() == 0) {
+      r.print(fmt::format("hybrid: tp {} x dp {} x pp {} = {} ranks; {}; {} micro-batches of {}", l.tp, l.dp,
+                          l.pp, world, mlp::describe(o), o.micro_batches, o.batch / l.dp / o.micro_batches));
+      for (const std::string& line : parallel::describe_groups(l, o.gpus_per_node)) r.print(line);
+    }
+    results.push_back(train(r, o, l));
+  }
+
+  // The slowest rank's time and exposure per dimension, and everyone's agreement.
+  std::vector<float> mine;
+  for (const Result& res : results) {
+    mine.push_back(static_cast<float>(res.step_us));
+    for (double t : res.exposed_us) mine.push_back(static_cast<float>(t));
+    mine.push_back(static_cast<float>(res.worst));
+    mine.push_back(static_cast<float>(res.relative));
+  }
+  auto all = mlp::gather_to_root(r, mine);
+  if (r.rank() != 0) return;
+  const size_t stride = 3 + parallel::kDims;
+  double used = 0, rel = 0, first_step_us = 0, first_tp_us = 0;
+  r.print("the step, and the communication each dimension left exposed (the slowest rank):");
+  for (size_t i = 0; i < layouts.size(); ++i) {
+    Result most;
+    for (const auto& v : all) {
+      most.step_us = std::max<double>(most.step_us, v[i * stride]);
+      for (int d = 0; d < parallel::kDims; ++d)
+        most.exposed_us[d] = std::max<double>(most.exposed_us[d], v[i * stride + 1 + d]);
+      used = std::max<double>(used, v[i * stride + 1 + parallel::kDims]);
+      rel = std::max<double>(rel, v[i * stride + 2 + parallel::kDims]);
+    }
+    r.print(fmt::format("  order {:<9} step {:>9}   exposed: tp {:>9}  pp {:>9}  dp {:>9}{}",
+                        layouts[i].order, mlp::format_time(most.step_us),
+                        mlp::format_time(most.exposed_us[0]), mlp::format_time(most.exposed_us[2]),
+                        mlp::format_time(most.exposed_us[3]),
+                        i == 0 ? ""
+                               : fmt::format("   reversed: step x{:.2f}, exposed tp x{:.2f}",
+                                             first_step_us > 0 ? most.step_us / first_step_us : 1.0,
+                                             first_tp_us > 0 ? most.exposed_us[0] / first_tp_us : 1.0)));
+    if (i == 0) first_step_us = most.step_us, first_tp_us = most.exposed_us[0];
+  }
+  r.print(
+      "  tp all-reduces twice per pair and micro-batch, in forward and backward: across nodes each waits on "
+      "the "
+      "network; pp sends once per stage boundary and micro-batch (its exposure includes the bubble); dp once "
+      "per step");
+  if (o.phantom) {
+    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
+    return;
+  }
+  r.print(fmt::format("equal to one device over the full batch after every step, both layouts: {}",
+                      mlp::agreement(used, rel)));
+}
+
+}  // namespace
+
+const std::vector<LessonOption> kOptions = {
+    {"world", "16", "ranks: tp x dp x pp (with --nodes, e.g. 2 nodes of 8 GPUs)"},
+    {"tp", "4", "tensor-parallel ranks: each layer pair split over them"},
+    {"pp", "2", "pipeline stages: each holds layers/pp layers"},
+    {"dp", "0", "data-parallel replicas (0: world / (tp pp))"},
+    {"order", "tp-dp-pp", "process-group layout, innermost first; the lesson also runs it reversed"},
+    {"batch", "64", "global batch size (samples per step, all ranks together)"},
+    {"dim", "256", "model width: every layer is dim x dim"},
+    {"layers", "8", "number of layers (a multiple of 2 pp)"},
+    {"micro-batches", "4", "micro-batches per dp rank's batch"},
+    {"steps", "2", "training steps, each checked against one device"},
+    {"lr", "0.01", "learning rate"},
+    {"optimizer", "sgd", "sgd or adamw"},
+    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
+};
+
+RANKLAB_LESSON_WITH_OPTIONS("hybrid",
+                            "TP in a node, DP across nodes, PP across groups: and the layout reversed",
+                            hybrid, kOptions, {});
+
+}  // namespace ranklab
