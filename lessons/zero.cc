@@ -161,6 +161,7 @@ StageResult train(Rank& r, const Options& o, int stage) {
     res.sent_bytes = sent.bytes;
 
     // The check against one device: this rank's rows of every gradient and weight.
+    auto check = r.bookkeeping("check");
     ref.step();
     Tensor loss = r.from_host({1}, {static_cast<float>(r.to_host(out_sum)[0] / static_cast<double>(local))});
     r.all_reduce(loss, ReduceOp::Avg);
