@@ -1,7 +1,7 @@
 // Each training lesson, deliberately broken with the hidden --break (Sum instead of Avg, no gradient
 // reduction, a dropped reduce_scatter, a wrong slice of the weights, a per-micro-batch mean, gradients
-// never zeroed), fails its own check against one device, and the check's detail names the tensor that
-// differs. An unknown --break is a usage error.
+// never zeroed, an ungated combine, a router gradient not summed over the ranks), fails its own check against
+// one device, and the check's detail names the tensor that differs. An unknown --break is a usage error.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -64,7 +64,9 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                                            Case{"tensor_parallel", "no-reduce-scatter", "gradient"},
                                            Case{"tensor_parallel", "wrong-slice", "layer "},
                                            Case{"pipeline_parallel", "micro-batch-mean", "gradient"},
-                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"}),
+                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"},
+                                           Case{"moe", "no-gate", "expert"},
+                                           Case{"moe", "no-router-all-reduce", "router"}),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            std::string n = std::get<0>(i.param) + "_" + std::get<1>(i.param);
                            for (char& c : n)
@@ -73,7 +75,7 @@ INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
                          });
 
 TEST(BrokenLesson, AnUnknownBugIsAUsageErrorListingTheKnownOnes) {
-  for (const std::string lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
+  for (const std::string lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel", "moe"}) {
     try {
       run(lesson, small(lesson, "typo"));
       ADD_FAILURE() << lesson << ": no error";
