@@ -2,9 +2,49 @@
 
 #include <fmt/format.h>
 
+#include <string>
+#include <vector>
+
 #include "common/errors.h"
 
 namespace ranklab {
+
+namespace {
+
+// all_to_all with uneven splits: one count per member on each side, none negative, summing to the rows of
+// `in` and `out`, whose other dimensions agree (each row is one message unit, as in torch's
+// all_to_all_single).
+void check_splits(const CommCall& call, const std::string& where, int n) {
+  auto side = [&](const std::vector<std::int64_t>& splits, const char* splits_name, const Tensor& t,
+                  const char* t_name) {
+    if (static_cast<int>(splits.size()) != n) {
+      throw UsageError(
+          fmt::format("{}: '{}' has {} entries but the group has {} ranks; give one row count "
+                      "per member",
+                      where, splits_name, splits.size(), n));
+    }
+    std::int64_t total = 0;
+    for (std::size_t j = 0; j < splits.size(); ++j) {
+      if (splits[j] < 0) {
+        throw UsageError(fmt::format("{}: '{}'[{}] is {}; row counts cannot be negative", where, splits_name,
+                                     j, splits[j]));
+      }
+      total += splits[j];
+    }
+    if (t.ndim() == 0 || total != t.size(0)) {
+      throw UsageError(fmt::format("{}: '{}' = [{}] sums to {} rows but '{}' is {}", where, splits_name,
+                                   fmt::join(splits, ", "), total, t_name, t.str()));
+    }
+  };
+  side(call.input_splits, "in_splits", call.input, "in");
+  side(call.output_splits, "out_splits", call.output, "out");
+  if (call.input.shape().with_dim(0, 0) != call.output.shape().with_dim(0, 0)) {
+    throw UsageError(fmt::format("{}: rows of 'in' {} and 'out' {} differ in shape beyond dimension 0", where,
+                                 call.input.str(), call.output.str()));
+  }
+}
+
+}  // namespace
 
 void check_comm_call(const CommCall& call, int rank, int world_size,
                      const std::function<void(const Tensor& t, const char* arg)>& require) {
@@ -68,6 +108,10 @@ void check_comm_call(const CommCall& call, int rank, int world_size,
     case CommOp::AllToAll:
       require(call.input, "in");
       require(call.output, "out");
+      if (call.uneven()) {
+        check_splits(call, where(op), n);
+        break;
+      }
       if (call.input.shape() != call.output.shape() || call.input.ndim() == 0 ||
           call.input.size(0) % n != 0) {
         throw UsageError(

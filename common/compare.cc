@@ -60,6 +60,10 @@ void for_each_option(F&& f) {
   f("dtype", &Options::dtype);
   f("grad-reduce-dtype", &Options::grad_reduce_dtype);
   f("symmetric", &Options::symmetric);
+  f("experts", &Options::experts);
+  f("top-k", &Options::top_k);
+  f("capacity-factor", &Options::capacity_factor);
+  f("skew", &Options::skew);
   f("break", &Options::broken);
 }
 

@@ -57,7 +57,13 @@ struct Options {
   std::string dtype = "bf16";      // bf16 | fp16 | fp32
   std::string grad_reduce_dtype = "fp32";
   bool symmetric = false;  // gpt on the simulator: one rank per pipeline stage, the others mirror it
-  std::string broken{};    // a deliberate bug the tests use to see the lesson's check fail
+  // The moe lesson: experts over the world, each token routed to its top_k of them, at most
+  // capacity_factor times an even share per expert, and a router biased towards expert 0 by `skew`.
+  int experts = 4;
+  int top_k = 2;
+  double capacity_factor = 1.25;
+  double skew = 0;
+  std::string broken{};  // a deliberate bug the tests use to see the lesson's check fail
   // The hardware, from the profile, for MFU and for saying whether a tp group fits in a node (0: unknown).
   double peak_tflops_16bit = 0, peak_tflops_fp32 = 0;
   int gpus_per_node = 0;

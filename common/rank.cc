@@ -105,8 +105,13 @@ std::string CommCall::describe() const {
     case CommOp::Barrier:
       args = "";
       break;
-    case CommOp::AllGather:
     case CommOp::AllToAll:
+      if (uneven()) {
+        args += fmt::format(", in_splits=[{}], out_splits=[{}]", fmt::join(input_splits, ", "),
+                            fmt::join(output_splits, ", "));
+      }
+      break;
+    case CommOp::AllGather:
       break;
   }
   return fmt::format("{}({}){}{}", comm_op_name(op), args, group.is_world() ? "" : " on ",
@@ -151,6 +156,13 @@ Work Rank::all_reduce(const Tensor& t, ReduceOp op, Async a, Group g) {
 }
 Work Rank::all_to_all(const Tensor& out, const Tensor& in, Async a, Group g) {
   return issue(make_call(CommOp::AllToAll, out, in, ReduceOp::Sum, -1, a, std::move(g)));
+}
+Work Rank::all_to_all(const Tensor& out, const Tensor& in, const std::vector<std::int64_t>& out_splits,
+                      const std::vector<std::int64_t>& in_splits, Async a, Group g) {
+  CommCall c = make_call(CommOp::AllToAll, out, in, ReduceOp::Sum, -1, a, std::move(g));
+  c.input_splits = in_splits;
+  c.output_splits = out_splits;
+  return communicate(c);
 }
 Work Rank::send(const Tensor& t, int dst, Async a) {
   return issue(make_call(CommOp::Send, Tensor(), t, ReduceOp::Sum, dst, a, Group()));

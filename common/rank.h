@@ -135,6 +135,11 @@ struct CommCall {
   // Issued inside Rank::bookkeeping(): the lesson's own checks and figures, not the work it teaches. The
   // report keeps such operations out of its collectives table and its link traffic.
   bool bookkeeping = false;
+  // all_to_all with uneven splits (torch's all_to_all_single): rows of `input` sent to each member and
+  // rows of `output` received from each, in member order. Both empty: even splits.
+  std::vector<std::int64_t> input_splits;
+  std::vector<std::int64_t> output_splits;
+  bool uneven() const { return !input_splits.empty() || !output_splits.empty(); }
   std::string describe() const;  // "all_reduce(float32[4], Sum) on world"
 };
 
@@ -287,6 +292,12 @@ class Rank {
   Work all_reduce(const Tensor& t, ReduceOp op, Async a = Async::No, Group g = {});
   // `in` split along dim 0: piece i goes to member i, and `out` holds piece r of every member in order.
   Work all_to_all(const Tensor& out, const Tensor& in, Async a = Async::No, Group g = {});
+  // Uneven splits, as torch's all_to_all_single(out, in, output_split_sizes, input_split_sizes): the first
+  // in_splits[0] rows of `in` go to member 0, the next in_splits[1] to member 1, and so on; `out` holds
+  // out_splits[j] rows from member j, in member order. What member i sends to j must be what j expects
+  // from i. Rows are along dim 0; the other dimensions of `in` and `out` must agree.
+  Work all_to_all(const Tensor& out, const Tensor& in, const std::vector<std::int64_t>& out_splits,
+                  const std::vector<std::int64_t>& in_splits, Async a = Async::No, Group g = {});
   Work send(const Tensor& t, int dst, Async a = Async::No);
   Work recv(const Tensor& t, int src, Async a = Async::No);
   Work isend(const Tensor& t, int dst) { return send(t, dst, Async::Yes); }

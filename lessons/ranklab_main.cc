@@ -126,10 +126,17 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_flag("--symmetric", o.symmetric,
                "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
                "replicas mirror it (same times, memory and traffic, a fraction of the cost)");
+  // The moe lesson.
+  run.add_option("--experts", o.experts, "moe: experts, a multiple of the world (expert parallelism)");
+  run.add_option("--top-k", o.top_k, "moe: experts each token is routed to (1 or 2)");
+  run.add_option("--capacity-factor", o.capacity_factor,
+                 "moe: an expert takes at most this times an even share of each rank's tokens")
+      ->check(positive_finite());
+  run.add_option("--skew", o.skew, "moe: added to the router's logit of expert 0, to unbalance the load");
   run.add_option("--break", o.broken,
                  "a deliberate bug, to see the check fail (gpt: dp-sum, no-reduce-scatter, no-sp-grad-sync; "
                  "data_parallel: sum, no-all-reduce; tensor_parallel: no-reduce-scatter, wrong-slice; "
-                 "pipeline_parallel: micro-batch-mean, no-zero-grad)")
+                 "pipeline_parallel: micro-batch-mean, no-zero-grad; moe: no-gate, no-router-all-reduce)")
       ->group("");
 }
 

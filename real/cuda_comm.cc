@@ -219,6 +219,25 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
       break;
     }
     case CommOp::AllToAll: {
+      if (call.uneven()) {
+        // As NCCL runs all_to_all itself (and torch's all_to_all_single with splits): one send and one
+        // receive per member, each with its own count, at the offsets of the rows before it.
+        const auto row = static_cast<size_t>(call.input.shape().with_dim(0, 1).numel());
+        size_t send_at = 0, recv_at = 0;
+        RANKLAB_NCCL(ncclGroupStart(), comm);
+        for (int i = 0; i < r.size; ++i) {
+          const auto send_count = static_cast<size_t>(call.input_splits[i]) * row;
+          const auto recv_count = static_cast<size_t>(call.output_splits[i]) * row;
+          if (send_count > 0)
+            RANKLAB_NCCL(ncclSend(in + send_at * elem, send_count, type, i, comm, comm_), comm);
+          if (recv_count > 0)
+            RANKLAB_NCCL(ncclRecv(out + recv_at * elem, recv_count, type, i, comm, comm_), comm);
+          send_at += send_count;
+          recv_at += recv_count;
+        }
+        settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (all_to_all)");
+        break;
+      }
       const auto count = static_cast<size_t>(call.input.numel() / r.size);
       RANKLAB_NCCL(ncclGroupStart(), comm);
       for (int i = 0; i < r.size; ++i) {
@@ -259,6 +278,9 @@ CommTiming CudaRank::timing_of(const CommCall& call, const Resolved& r) {
   std::int64_t elements = std::max(in, out);
   if (call.op == CommOp::Scatter) elements = out * r.size;
   if (call.op == CommOp::Gather) elements = in * r.size;
+  // nccl-tests' size for all_to_all is what each rank sends; with uneven splits that differs between
+  // ranks, and the report's record takes the largest (merge_logs).
+  if (call.op == CommOp::AllToAll) elements = in;
   const Tensor& any = call.output.defined() ? call.output : call.input;
   timing.bytes = elements * dtype_bytes(any.dtype());
   if (call.op == CommOp::Send) {

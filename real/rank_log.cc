@@ -228,12 +228,17 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
   report.world = static_cast<int>(logs.size());
 
   // The transfer of each operation is its shortest member's duration (see the header).
+  // Its size is the largest member's: they agree but for an uneven all_to_all, whose size (as nccl-tests
+  // reports all_to_all, the bytes a rank sends) is the busiest sender's, as on the simulator.
   std::map<std::string, double> transfer_us;
+  std::map<std::string, std::int64_t> size_bytes;
   for (const RankLog* l : ordered) {
     for (const CommTiming& c : l->comms) {
       const double d = std::max(0.0, c.end_us - c.start_us);
       auto [it, inserted] = transfer_us.try_emplace(c.key, d);
       if (!inserted) it->second = std::min(it->second, d);
+      std::int64_t& b = size_bytes[c.key];
+      b = std::max(b, c.bytes);
     }
   }
 
@@ -264,13 +269,13 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
         r.op = c.op;
         r.group = c.group;
         r.group_size = c.group_size;
-        r.bytes = c.bytes;
+        r.bytes = size_bytes[c.key];
         r.algorithm = "nccl";
         r.start_us = begin;
         r.end_us = c.end_us;
         r.bookkeeping = c.bookkeeping;
         if (transfer > 0) {
-          r.algbw_gbps = static_cast<double>(c.bytes) / transfer * 1e-3;  // bytes per us -> GB/s
+          r.algbw_gbps = static_cast<double>(r.bytes) / transfer * 1e-3;  // bytes per us -> GB/s
           r.busbw_gbps = r.algbw_gbps * bus_factor(c.op, c.group_size);
         }
         report.collectives.push_back(std::move(r));

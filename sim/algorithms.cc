@@ -301,6 +301,18 @@ CommPlan pairwise_plan(const Topology& topo, const GroupLayout& g) {
   return b.take();
 }
 
+CommPlan pairwise_uneven_plan(const Topology& topo, const GroupLayout& g,
+                              const std::vector<std::int64_t>& pair_bytes) {
+  PlanBuilder b(topo, Algorithm::Pairwise);
+  const std::size_t n = g.ranks.size();
+  b.reserve(n * (n - 1));
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t j = 0; j < n; ++j)
+      b.send(g.ranks[i], g.ranks[j], static_cast<double>(pair_bytes[i * n + j]));
+  }
+  return b.take();
+}
+
 CommPlan p2p_plan(const Topology& topo, int src, int dst) {
   PlanBuilder b(topo, Algorithm::Direct);
   b.send(src, dst, 1.0);

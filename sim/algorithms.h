@@ -19,8 +19,11 @@
 //   direct     scatter and gather: S/n between the root and each member; send/recv: S from one to one.
 //   pairwise   all_to_all: S/n from every member to every other. n^2 flows would not scale, so the plan
 //              holds one flow per link with that link's total (exact per-link load, approximate sharing).
+//              With uneven splits every pair is its own flow on its own path (pairwise_uneven_plan), so
+//              max-min sharing sees which pair carries the most.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "common/rank.h"
@@ -46,6 +49,10 @@ CommPlan nvls_plan(const Topology& topo, const GroupLayout& g, CommOp op);
 CommPlan nvls_tree_plan(const Topology& topo, const GroupLayout& g);
 CommPlan direct_plan(const Topology& topo, const GroupLayout& g, CommOp op, int root);
 CommPlan pairwise_plan(const Topology& topo, const GroupLayout& g);
+// An all_to_all with uneven splits, in bytes rather than per byte of S: member i sends pair_bytes[i * n + j]
+// to member j, one flow per pair that moves anything (the piece a member keeps crosses no link).
+CommPlan pairwise_uneven_plan(const Topology& topo, const GroupLayout& g,
+                              const std::vector<std::int64_t>& pair_bytes);
 CommPlan p2p_plan(const Topology& topo, int src, int dst);
 
 // The unit plan of `a` for `op` (one of the above).

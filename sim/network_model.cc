@@ -187,6 +187,45 @@ CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std:
   return scaled(shape(g, op, chosen.algorithm, root), chosen, bytes);
 }
 
+CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
+                                       const std::vector<std::int64_t>& pair_bytes) {
+  const std::size_t n = ranks.size();
+  if (pair_bytes.size() != n * n) {
+    throw UsageError(
+        fmt::format("all_to_all over {} ranks needs {} pair sizes; got {}", n, n * n, pair_bytes.size()));
+  }
+  // What crosses between members: the piece a member keeps moves no bytes over a link.
+  std::int64_t largest = 0, smallest = std::numeric_limits<std::int64_t>::max();
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t j = 0; j < n; ++j) {
+      if (i == j) continue;
+      largest = std::max(largest, pair_bytes[i * n + j]);
+      smallest = std::min(smallest, pair_bytes[i * n + j]);
+    }
+  }
+  if (n <= 1 || largest <= 0) return CommPlan{};
+  // Every pair equal: the even all_to_all of n pieces that size.
+  if (smallest == largest)
+    return plan_collective(CommOp::AllToAll, largest * static_cast<std::int64_t>(n), ranks, -1);
+
+  GroupEntry& g = group(ranks);
+  const GroupShape& gs = g.layout.shape;
+  CommPlan plan = pairwise_uneven_plan(topo_, g.layout, pair_bytes);
+  // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above).
+  for (Flow& f : plan.flows) {
+    f.bytes = f.payload_bytes /
+              nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p2p_protocol(f.payload_bytes), gs);
+  }
+  // The kernel's latency is that of the largest message's protocol: the pair that ends last.
+  plan.protocol = p2p_protocol(static_cast<double>(largest));
+  std::int64_t total = 0;
+  for (std::int64_t b : pair_bytes) total += b;
+  plan.latency_us =
+      nccl_latency_us(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total));
+  plan.transfer_us = fluid_transfer_us(topo_, plan);
+  return plan;
+}
+
 CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   if (src == dst || bytes <= 0) return CommPlan{};
   CommPlan plan = p2p_plan(topo_, src, dst);

@@ -70,6 +70,12 @@ class NetworkModel {
   // is a global rank for the rooted collectives. Cheap after the first call for a group: the shape of
   // every algorithm is kept per group, and a plan is that shape scaled.
   CommPlan plan_collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root);
+  // An all_to_all with uneven splits over `ranks`: member i sends pair_bytes[i * n + j] bytes to member j.
+  // NCCL runs all_to_all as grouped send/recv, one message per pair, each with the protocol of its own
+  // size; so every pair is a flow on its own path, and the operation lasts until the slowest pair's flow
+  // ends under max-min sharing, plus the p2p latency. Equal splits are the even all_to_all, whose plan
+  // (plan_collective) keeps the same per-link loads in one flow per link.
+  CommPlan plan_all_to_all(const std::vector<int>& ranks, const std::vector<std::int64_t>& pair_bytes);
   // A send from `src` to `dst` along the path between them.
   CommPlan plan_p2p(int src, int dst, std::int64_t bytes);
   // Every (algorithm, protocol) NCCL could use for this call, with its time, in NCCL's order; the plan

@@ -62,11 +62,43 @@ bool any_phantom(const CommOpState& op) {
   return false;
 }
 
+// Elements in one row (dim 0 entry) of `t`.
+std::int64_t row_numel(const Tensor& t) {
+  return t.shape().with_dim(0, 1).numel();
+}
+
+// Prefix sums of `splits` scaled by `row`: where each member's rows start, in elements.
+std::vector<std::int64_t> offsets(const std::vector<std::int64_t>& splits, std::int64_t row) {
+  std::vector<std::int64_t> out(splits.size(), 0);
+  for (std::size_t j = 1; j < splits.size(); ++j) out[j] = out[j - 1] + splits[j - 1] * row;
+  return out;
+}
+
 }  // namespace
+
+bool uneven_all_to_all(const CommOpState& op) {
+  return op.op == CommOp::AllToAll && !op.members.empty() && op.members[0].call.uneven();
+}
+
+std::vector<std::int64_t> all_to_all_pair_bytes(const CommOpState& op) {
+  const std::size_t n = op.members.size();
+  std::vector<std::int64_t> bytes(n * n, 0);
+  for (std::size_t i = 0; i < n; ++i) {
+    const CommCall& c = op.members[i].call;
+    const std::int64_t row_bytes = row_numel(c.input) * dtype_bytes(c.input.dtype());
+    for (std::size_t j = 0; j < n; ++j) bytes[i * n + j] = c.input_splits[j] * row_bytes;
+  }
+  return bytes;
+}
 
 std::int64_t nccl_size_bytes(const CommOpState& op) {
   const std::int64_t n = static_cast<std::int64_t>(op.members.size());
   const CommCall& c = op.members[0].call;
+  if (uneven_all_to_all(op)) {
+    std::int64_t most = 0;
+    for (const CommMember& m : op.members) most = std::max(most, m.call.input.bytes());
+    return most;
+  }
   switch (op.op) {
     case CommOp::AllReduce:
     case CommOp::Broadcast:
@@ -149,6 +181,24 @@ void run_numerics(CommOpState& op) {
       break;
     }
     case CommOp::AllToAll: {
+      if (uneven_all_to_all(op)) {
+        // Member j's rows for member i land in member i's output after the rows of members 0..j-1.
+        const std::int64_t row = row_numel(op.members[0].call.input);
+        std::vector<std::vector<float>> inputs;
+        std::vector<std::vector<std::int64_t>> send_at, recv_at;
+        for (const CommMember& m : op.members) {
+          inputs.emplace_back(sim_data(m.call.input), sim_data(m.call.input) + m.call.input.numel());
+          send_at.push_back(offsets(m.call.input_splits, row));
+          recv_at.push_back(offsets(m.call.output_splits, row));
+        }
+        for (int i = 0; i < n; ++i) {
+          for (int j = 0; j < n; ++j) {
+            const std::int64_t count = op.members[j].call.input_splits[i] * row;
+            if (count > 0) write(op.members[i].call.output, recv_at[i][j], &inputs[j][send_at[j][i]], count);
+          }
+        }
+        break;
+      }
       // Piece i of member j's input becomes piece j of member i's output.
       const std::int64_t chunk = op.members[0].call.input.numel() / n;
       std::vector<std::vector<float>> inputs;

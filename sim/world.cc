@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "common/errors.h"
 #include "common/progress.h"
@@ -255,7 +256,11 @@ namespace {
 std::string signature(const CommCall& c) {
   const Tensor& t =
       (c.op == CommOp::Scatter || c.op == CommOp::Recv || c.op == CommOp::ReduceScatter) ? c.output : c.input;
-  std::string s = fmt::format("{} {} {}", comm_op_name(c.op), t.numel(), dtype_name(t.dtype()));
+  // Uneven all_to_all: members move different row counts (checked pair by pair, check_splits_agree); what
+  // they share is the shape of a row.
+  std::string s = c.uneven() ? fmt::format("{} uneven rows of {} {}", comm_op_name(c.op),
+                                           t.shape().with_dim(0, 1).numel(), dtype_name(t.dtype()))
+                             : fmt::format("{} {} {}", comm_op_name(c.op), t.numel(), dtype_name(t.dtype()));
   if (c.op == CommOp::AllReduce || c.op == CommOp::Reduce || c.op == CommOp::ReduceScatter) {
     s += fmt::format(" {}", reduce_op_name(c.reduce));
   }
@@ -293,6 +298,29 @@ void SimWorld::check_agreement(CommOpState& op, int arriving_rank) const {
                      : fmt::format("  rank {}: has not called it yet\n", m.rank);
   }
   throw MismatchError(msg);
+}
+
+void SimWorld::check_splits_agree(const CommOpState& op, int arriving_rank) const {
+  // What i sends to j is what j expects from i, for every pair that has both arrived.
+  const int n = static_cast<int>(op.members.size());
+  const int me =
+      static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), arriving_rank) - op.ranks.begin());
+  const CommCall& mine = op.members[me].call;
+  for (int j = 0; j < n; ++j) {
+    const CommMember& other = op.members[j];
+    if (!other.arrived) continue;
+    const CommCall& theirs = other.call;
+    for (const auto& [src, dst, sent, expected] :
+         {std::tuple{arriving_rank, other.rank, mine.input_splits[j], theirs.output_splits[me]},
+          std::tuple{other.rank, arriving_rank, theirs.input_splits[me], mine.output_splits[j]}}) {
+      if (sent == expected) continue;
+      throw MismatchError(fmt::format(
+          "ranks disagree on {}: rank {} sends {} rows to rank {}, but rank {} expects {} rows from rank {} "
+          "(in_splits of each member must match out_splits of the receiver)\n  rank {}: {}\n  rank {}: {}",
+          op.label(), src, sent, dst, dst, expected, src, arriving_rank, mine.describe(), other.rank,
+          theirs.describe()));
+    }
+  }
 }
 
 std::shared_ptr<CommOpState> SimWorld::collective_op(int rank, const CommCall& call) {
@@ -409,6 +437,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     }
   } else {
     check_agreement(*op, rank);
+    if (call.op == CommOp::AllToAll && call.uneven()) check_splits_agree(*op, rank);
     if (op->all_arrived()) open_collectives_.erase({op->group_id, op->seq});
   }
   try_execute(op);
@@ -523,6 +552,8 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   const bool p2p = op->op == CommOp::Send;
   const CommCall& lead = op->members[0].call;
   CommPlan plan = p2p ? network_->plan_p2p(op->ranks[0], op->ranks[1], lead.input.bytes())
+                  : uneven_all_to_all(*op)
+                      ? network_->plan_all_to_all(op->ranks, all_to_all_pair_bytes(*op))
                       : network_->plan_collective(op->op, nccl_size_bytes(*op), op->ranks, lead.peer);
   // The lesson's bookkeeping (Rank::bookkeeping) takes its time but stays out of the link traffic.
   if (!lead.bookkeeping) network_->record(plan);
@@ -797,8 +828,9 @@ void SimWorld::schedule_images(const CommOpState& op, double start_us) {
   const std::int64_t bytes = p2p ? lead.input.bytes() : nccl_size_bytes(op);
   for (const std::vector<int>& image : images(op.ranks)) {
     const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
-    CommPlan plan = p2p ? network_->plan_p2p(image[0], image[1], bytes)
-                        : network_->plan_collective(op.op, bytes, image, root);
+    CommPlan plan = p2p                     ? network_->plan_p2p(image[0], image[1], bytes)
+                    : uneven_all_to_all(op) ? network_->plan_all_to_all(image, all_to_all_pair_bytes(op))
+                                            : network_->plan_collective(op.op, bytes, image, root);
     if (!lead.bookkeeping) network_->record(plan);
     note_spine(plan);
     auto shadow = std::make_shared<CommOpState>();

@@ -149,6 +149,8 @@ class SimWorld {
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
   void check_agreement(CommOpState& op, int arriving_rank) const;
+  // An uneven all_to_all: the arriving member's splits against those of every member already there.
+  void check_splits_agree(const CommOpState& op, int arriving_rank) const;
 
   // ---- symmetry ----
   void init_symmetry(const SimSymmetry& symmetry);

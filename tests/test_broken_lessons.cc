@@ -1,8 +1,9 @@
 // Each training lesson, deliberately broken with the hidden --break (Sum instead of Avg, no gradient
 // reduction, a dropped reduce_scatter, a wrong slice of the weights, a per-micro-batch mean, gradients
 // never zeroed, a stale ZeRO weight, a recomputed forward that skips a layer, a
-// tensor-parallel input gradient never summed), fails its own check against one device, and the check's
-// detail names the tensor that differs. An unknown --break is a usage error.
+// tensor-parallel input gradient never summed, an ungated combine, a router gradient not summed over the
+// ranks), fails its own check against one device, and the check's detail names the tensor that differs. An
+// unknown --break is a usage error.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -64,28 +65,28 @@ TEST_P(BrokenLesson, TheSameLessonUnbrokenPasses) {
   EXPECT_TRUE(run(lesson, small(lesson, "")).all_checks_passed());
 }
 
-INSTANTIATE_TEST_SUITE_P(Bugs, BrokenLesson,
-                         ::testing::Values(Case{"data_parallel", "sum", "gradient"},
-                                           Case{"data_parallel", "no-all-reduce", "gradient"},
-                                           Case{"tensor_parallel", "no-reduce-scatter", "gradient"},
-                                           Case{"tensor_parallel", "wrong-slice", "layer "},
-                                           Case{"pipeline_parallel", "micro-batch-mean", "gradient"},
-                                           Case{"pipeline_parallel", "no-zero-grad", "gradient"},
-                                           Case{"zero", "sum", "gradient"},
-                                           Case{"zero", "no-all-gather", "gathered weight"},
-                                           Case{"recompute", "skip-layer", "gradient"},
-                                           Case{"hybrid", "no-tp-backward", "gradient"},
-                                           Case{"hybrid", "dp-sum", "gradient"}),
-                         [](const ::testing::TestParamInfo<Case>& i) {
-                           std::string n = std::get<0>(i.param) + "_" + std::get<1>(i.param);
-                           for (char& c : n)
-                             if (c == '-') c = '_';
-                           return n;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Bugs, BrokenLesson,
+    ::testing::Values(Case{"data_parallel", "sum", "gradient"},
+                      Case{"data_parallel", "no-all-reduce", "gradient"},
+                      Case{"tensor_parallel", "no-reduce-scatter", "gradient"},
+                      Case{"tensor_parallel", "wrong-slice", "layer "},
+                      Case{"pipeline_parallel", "micro-batch-mean", "gradient"},
+                      Case{"pipeline_parallel", "no-zero-grad", "gradient"}, Case{"zero", "sum", "gradient"},
+                      Case{"zero", "no-all-gather", "gathered weight"},
+                      Case{"recompute", "skip-layer", "gradient"},
+                      Case{"hybrid", "no-tp-backward", "gradient"}, Case{"hybrid", "dp-sum", "gradient"},
+                      Case{"moe", "no-gate", "expert"}, Case{"moe", "no-router-all-reduce", "router"}),
+    [](const ::testing::TestParamInfo<Case>& i) {
+      std::string n = std::get<0>(i.param) + "_" + std::get<1>(i.param);
+      for (char& c : n)
+        if (c == '-') c = '_';
+      return n;
+    });
 
 TEST(BrokenLesson, AnUnknownBugIsAUsageErrorListingTheKnownOnes) {
   for (const std::string lesson :
-       {"data_parallel", "tensor_parallel", "pipeline_parallel", "zero", "recompute", "hybrid"}) {
+       {"data_parallel", "tensor_parallel", "pipeline_parallel", "zero", "recompute", "hybrid", "moe"}) {
     try {
       run(lesson, small(lesson, "typo"));
       ADD_FAILURE() << lesson << ": no error";

@@ -144,6 +144,39 @@ TEST(LessonChecks, HybridHoldsInBothLayouts) {
   }
 }
 
+TEST(LessonChecks, MoeHoldsForEveryRoutingAndWorld) {
+  // One rank to 16, one or two experts a rank, top-1 and top-2, tokens dropped (factor 0.5) or none
+  // (factor 8), an even router and a skewed one, SGD and AdamW.
+  struct Case {
+    int world, experts, top_k;
+    double factor, skew;
+    const char* optimizer;
+  };
+  for (const Case& c :
+       {Case{1, 2, 2, 1.25, 0, "sgd"}, Case{3, 3, 1, 0.5, 0, "sgd"}, Case{4, 8, 2, 1.0, 2, "adamw"},
+        Case{5, 5, 2, 8.0, 3, "sgd"}, Case{16, 16, 1, 1.25, 1, "sgd"}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << c.world << " ranks, " << c.experts << " experts, top-" << c.top_k << ", factor "
+                 << c.factor << ", skew " << c.skew << ", " << c.optimizer);
+    Options o;
+    o.world = c.world;
+    o.experts = c.experts;
+    o.top_k = c.top_k;
+    o.capacity_factor = c.factor;
+    o.skew = c.skew;
+    o.optimizer = c.optimizer;
+    o.batch = 8 * c.world;
+    o.dim = 16;
+    o.hidden = 32;
+    o.steps = 2;
+    o.lr = 0.05;
+    o.quiet = true;
+    const RunReport rep = run("moe", o, nodes_for(c.world));
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_EQ(rep.checks.size(), static_cast<std::size_t>(2 * c.world));
+  }
+}
+
 // The lecture's sizes with AdamW: its first steps move every weight by about lr whatever the gradient's
 // size, so where a gradient is within rounding of zero its sign, and the weight's move, is a coin toss.
 // The check's bound knows it; a fixed relative tolerance did not.

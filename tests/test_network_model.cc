@@ -195,6 +195,47 @@ TEST(LinkBytes, NvlsAndPairwise) {
   EXPECT_DOUBLE_EQ(u.at("nvswitch0->gpu3"), 3 * s / 4);
 }
 
+TEST(LinkBytes, UnevenAllToAllPutsEachPairsBytesOnItsPath) {
+  // Two nodes of 8: rank 0 sends 3 MiB to rank 1 (NVLink) and 1 MiB to rank 9 (the network); rank 9 sends
+  // 2 MiB to rank 0. Everyone else sends nothing.
+  NetworkModel m(profile("dgx-h100", 2));
+  const std::vector<int> ranks = {0, 1, 9};
+  const std::int64_t mib = 1 << 20;
+  const std::vector<std::int64_t> pairs = {0, 3 * mib, mib, 0, 0, 0, 2 * mib, 0, 0};
+  const CommPlan plan = m.plan_all_to_all(ranks, pairs);
+  EXPECT_EQ(plan.algorithm, Algorithm::Pairwise);
+  EXPECT_EQ(plan.flows.size(), 3u);  // one per pair that moves anything
+  EXPECT_EQ(plan.protocol, Protocol::Simple);
+  const auto t = traffic(m, plan);
+  EXPECT_DOUBLE_EQ(t.at("gpu0->nvswitch0"), 3.0 * mib);  // to rank 1; rank 9 is reached through the NICs
+  EXPECT_DOUBLE_EQ(t.at("nvswitch0->gpu1"), 3.0 * mib);
+  EXPECT_DOUBLE_EQ(t.at("nic0->leaf0"), 1.0 * mib);  // 0 -> 9
+  EXPECT_DOUBLE_EQ(t.at("nic9->leaf1"), 2.0 * mib);  // 9 -> 0
+  EXPECT_DOUBLE_EQ(t.at("spine0->leaf1"), 1.0 * mib);
+  // Alone on the machine the flows share no link but rank 0's own, so the slowest pair's path sets the time:
+  // max-min sharing as the engine runs it.
+  EXPECT_NEAR(plan.transfer_us, fluid_transfer_us(m.topology(), plan), 1e-9 * plan.transfer_us);
+  EXPECT_GT(plan.latency_us, 0);
+}
+
+TEST(LinkBytes, AnAllToAllWithEqualPairsIsTheEvenOne) {
+  NetworkModel m(profile("dgx-h100", 2));
+  const std::vector<int> all = first(16);
+  for (const std::int64_t piece : {std::int64_t{1000}, std::int64_t{1} << 22}) {
+    std::vector<std::int64_t> pairs(16 * 16, piece);
+    const CommPlan even = m.plan_collective(CommOp::AllToAll, piece * 16, all, -1);
+    const CommPlan split = m.plan_all_to_all(all, pairs);
+    EXPECT_EQ(duration_us(split), duration_us(even));
+    EXPECT_EQ(split.protocol, even.protocol);
+    // The same loads as n^2 flows of their own: the same time under max-min sharing.
+    pairs[1] += 1;  // no longer equal: built pair by pair
+    const CommPlan per_pair = m.plan_all_to_all(all, pairs);
+    EXPECT_EQ(per_pair.flows.size(), 16u * 15u);
+    EXPECT_NEAR(per_pair.transfer_us, even.transfer_us, 1e-3 * even.transfer_us) << piece;
+    EXPECT_EQ(per_pair.latency_us, even.latency_us);
+  }
+}
+
 TEST(LinkBytes, SendFollowsThePathBetweenTheGpus) {
   NetworkModel m(profile("dgx-h100", 2));
   const CommPlan inside = m.plan_p2p(1, 6, 1000);

@@ -405,6 +405,25 @@ TEST(CudaBackend, EveryCollectiveMatchesTheSimulator) {
                "all_to_all");
   expect_close(run_both(w,
                         [](Rank& r) {
+                          // Uneven splits: rank i sends (i + j) % 3 rows of 2 to rank j (none to some), and
+                          // one more to itself, so that no tensor is empty.
+                          const int n = r.world_size(), i = r.rank();
+                          std::vector<std::int64_t> in_splits(n), out_splits(n);
+                          std::int64_t in_rows = 0, out_rows = 0;
+                          for (int j = 0; j < n; ++j) {
+                            in_splits[j] = (i + j) % 3 + (i == j ? 1 : 0);
+                            out_splits[j] = (j + i) % 3 + (i == j ? 1 : 0);
+                            in_rows += in_splits[j];
+                            out_rows += out_splits[j];
+                          }
+                          Tensor in = input(r, {in_rows, 2});
+                          Tensor out = r.zeros({out_rows, 2});
+                          r.all_to_all(out, in, out_splits, in_splits);
+                          return r.to_host(out);
+                        }),
+               "uneven all_to_all");
+  expect_close(run_both(w,
+                        [](Rank& r) {
                           // Asynchronous: the result is there after wait().
                           Tensor t = input(r, {1000});
                           Work work = r.all_reduce(t, ReduceOp::Sum, Async::Yes);
