@@ -565,7 +565,7 @@ void moe(Rank& r, const Options& o) {
     std::string line = fmt::format("step {}/{}  time {}  this rank's experts {}", step, o.steps,
                                    mlp::format_time(step_us), mlp::format_time(experts_us));
     if (ref) {
-      auto scope = r.region("reference");
+      auto scope = r.bookkeeping("reference");
       ref->step();
       Tensor loss = r.from_host({1}, {r.to_host(y_sum)[0] / static_cast<float>(s.batch)});
       r.all_reduce(loss, ReduceOp::Sum);
