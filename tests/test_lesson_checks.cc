@@ -218,15 +218,11 @@ TEST(LessonChecks, AdamWAtTheLecturesSizesPipelineParallelFourRanks) {
 }
 
 TEST(LessonChecks, AFailedCheckPrintsExpectedAndActualWithEveryDigit) {
-  // A learning rate the reference does not share would be a wrong optimizer; instead, a run whose
-  // training is chaotic (64 layers of 128, SGD at 0.01 diverges) is one where float32 cannot follow exact
-  // arithmetic, and the check must fail and say where.
+  // The deliberate bug of Sum instead of Avg: the check must fail and say where.
   Options o;
-  o.world = 1;
-  o.dim = 128;
-  o.layers = 64;
-  o.batch = 256;
+  o.world = 4;
   o.steps = 2;
+  o.broken = "sum";
   o.quiet = true;
   const RunReport rep = run("data_parallel", o, 1);
   ASSERT_FALSE(rep.all_checks_passed());
