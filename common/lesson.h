@@ -56,7 +56,8 @@ struct Options {
   std::string order = "tp-dp-pp";  // process-group layout, innermost first
   std::string dtype = "bf16";      // bf16 | fp16 | fp32
   std::string grad_reduce_dtype = "fp32";
-  std::string broken{};  // a deliberate bug the tests use to see the lesson's check fail
+  bool symmetric = false;  // gpt on the simulator: one rank per pipeline stage, the others mirror it
+  std::string broken{};    // a deliberate bug the tests use to see the lesson's check fail
   // The hardware, from the profile, for MFU and for saying whether a tp group fits in a node (0: unknown).
   double peak_tflops_16bit = 0, peak_tflops_fp32 = 0;
   int gpus_per_node = 0;

@@ -36,7 +36,9 @@
 #include "common/replay.h"
 #include "common/report.h"
 #include "common/trace_writer.h"
+#include "lessons/gpt/config.h"
 #include "lessons/gpt/presets.h"
+#include "lessons/parallel/groups.h"
 #include "plan/plan_command.h"
 #include "real/launch_env.h"
 #include "sim/malloc_tuning.h"
@@ -123,6 +125,9 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_option("--dtype", o.dtype, "gpt: bf16, fp16 or fp32 weights and activations");
   run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
                  "gpt: dtype of the data-parallel gradient reduction");
+  run.add_flag("--symmetric", o.symmetric,
+               "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
+               "replicas mirror it (same times, memory and traffic, a fraction of the cost)");
   run.add_option("--break", o.broken,
                  "gpt: a deliberate bug, to see the check fail (dp-sum, no-reduce-scatter, no-sp-grad-sync)")
       ->group("");
@@ -143,13 +148,27 @@ void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options&
   }
 }
 
-std::unique_ptr<Backend> make_backend(const std::string& name, const Profile& profile, const Options& o,
-                                      int stack_kib) {
+// --symmetric: the gpt layout's grid, its tp and dp dimensions replicated (parallel::Layout::symmetry).
+SimSymmetry symmetry_of(const std::string& lesson, const Options& o) {
+  if (lesson != "gpt") throw UsageError("--symmetric: only the gpt lesson has a layout to mirror");
+  if (!o.phantom) {
+    throw UsageError(
+        "--symmetric needs --phantom: mirrored ranks hold no numbers of their own, so a real run would train "
+        "every replica on the same data");
+  }
+  const gpt::Config c = gpt::config_from(o, o.world);
+  const parallel::Layout::Grid grid = parallel::Layout{c.tp, c.pp, c.dp, c.order}.symmetry();
+  return SimSymmetry{grid.sizes, grid.replicated};
+}
+
+std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::string& name,
+                                      const Profile& profile, const Options& o, int stack_kib) {
   if (name == "sim") {
     SimConfig config{profile};
     config.stack_bytes = static_cast<std::size_t>(stack_kib) * 1024;
     config.algorithm = o.algo;
     config.protocol = o.proto;
+    if (o.symmetric) config.symmetry = symmetry_of(lesson, o);
     return std::make_unique<SimBackend>(config);
   }
   if (name == "cuda") {
@@ -244,7 +263,7 @@ int run_command(const std::string& lesson, const std::string& backend_name, cons
   o.peak_tflops_16bit = profile.gpu.peak_tflops_bf16;
   o.peak_tflops_fp32 = profile.gpu.peak_tflops_fp32;
   o.gpus_per_node = profile.gpus_per_node;
-  std::unique_ptr<Backend> backend = make_backend(backend_name, profile, o, stack_kib);
+  std::unique_ptr<Backend> backend = make_backend(lesson, backend_name, profile, o, stack_kib);
   if (backend_name == "sim") {  // every time below is the model's, not this machine's
     std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson.c_str(), o.world,
                 profile.gpu.name.c_str(), profile.name.c_str(), profile.nodes, profile.nodes == 1 ? "" : "s");

@@ -35,9 +35,12 @@ struct CommOpState {
   std::vector<CommMember> members;  // indexed like `ranks`
   int arrived = 0;
   int first_arrived = -1;  // the rank every later member is checked against
-  bool executed = false;   // started: numerics done, start_us known
-  bool finished = false;   // ended: end_us is final
-  SpanName algorithm;      // what the network model chose, "ring/simple"
+  // In a symmetric run: the traffic of another class's group, run beside an operation for its effect on
+  // the links alone (no members, no numerics, nothing waits for it).
+  bool image = false;
+  bool executed = false;  // started: numerics done, start_us known
+  bool finished = false;  // ended: end_us is final
+  SpanName algorithm;     // what the network model chose, "ring/simple"
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one, once per dependency; each is told once when this one

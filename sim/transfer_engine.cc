@@ -274,10 +274,11 @@ void TransferEngine::end_transfer(Transfer* t) {
   --in_flight_;
 }
 
-std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us) {
+std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us, bool stop_at_end) {
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.swap(ended_);
   while (true) {
+    if (stop_at_end && !ended.empty()) return ended;
     // Moving to the present needs no sharing: flows end after it. (A flow whose time left is below the
     // clock's resolution after the sharing is then retired at the same time by the next move.)
     double event = unshared_ && t_us <= now_us_ ? kInf : next_flow_end_us();

@@ -56,7 +56,8 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   }
   groups_.emplace_back(world_size);  // group 0 is the world
   for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
-  live_ = world_size;
+  init_symmetry(config.symmetry);
+  live_ = running_;
   thread_ = std::this_thread::get_id();
   report_.backend = "sim";
   report_.profile = config.profile.name;
@@ -115,6 +116,7 @@ void SimWorld::wake(int rank) {
   if (!s.blocked) return;
   s.blocked = false;
   --blocked_;
+  woke_ = true;
   s.wakeup.notify_one();
 }
 
@@ -149,6 +151,7 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
 void SimWorld::declare_deadlock() {
   std::string msg = "deadlock: every rank is waiting and none can make progress.\n";
   for (int r = 0; r < size(); ++r) {
+    if (!runs(r)) continue;
     const RankState& s = state(r);
     if (s.finished) {
       msg += fmt::format("  rank {}: finished its program\n", r);
@@ -237,6 +240,7 @@ Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
           id, fmt::join(groups_[id], ", "), rank, fmt::join(ranks, ", ")));
     }
   } else {
+    check_symmetric_group(ranks);
     groups_.push_back(ranks);
   }
   return Group(id, ranks);
@@ -371,6 +375,26 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   stream.last = op;
   ++op->arrived;
   s.outstanding.push_back(op);
+  if (!rep_.empty()) {
+    if (p2p && !runs(call.peer)) {
+      throw UsageError(fmt::format(
+          "rank {}: {} with rank {}, which mirrors rank {} in this symmetric run: point-to-point traffic "
+          "between classes breaks the symmetry (SimConfig::symmetry)",
+          rank, comm_op_name(call.op), call.peer, representative(call.peer)));
+    }
+    // The members this rank stands for take part as copies of it: same call, same moment. They wait for
+    // nothing of their own, so the operation starts when the representatives are ready, as it would with
+    // every member running the same program.
+    if (!p2p) {
+      for (CommMember& x : op->members) {
+        if (x.arrived || rep_[x.rank] != rank) continue;
+        x.arrived = true;
+        x.call = call;
+        x.issue_ready_us = m.issue_ready_us;
+        ++op->arrived;
+      }
+    }
+  }
 
   if (p2p) {
     // Sender and receiver must agree on the size.
@@ -408,9 +432,11 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     }
   }
   for (const auto& op : ended) {
+    if (op->image) continue;
     const bool p2p = op->op == CommOp::Send;
     const SpanName name = op_name(op->op);
     for (CommMember& m : op->members) {
+      if (!runs(m.rank)) continue;
       RankState& s = state(m.rank);
       const int stream =
           p2p ? (m.rank == op->ranks[0] ? op->ranks[1] : op->ranks[0]) : collective_stream(op->group_id);
@@ -453,11 +479,13 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
   }
 }
 
-void SimWorld::advance_engine(double t_us) {
+bool SimWorld::advance_engine(double t_us) {
+  woke_ = false;
   while (true) {
-    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us);
-    if (ended.empty()) return;
+    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us, /*stop_at_end=*/true);
+    if (ended.empty()) return false;
     on_finished(ended);  // may schedule more transfers at or before t_us
+    if (woke_) return true;
   }
 }
 
@@ -474,7 +502,8 @@ void SimWorld::before_issue(int rank) {
   const double issue_us = std::max(s.host_us, s.compute_us);
   while (true) {
     const double earliest_other = sched ? sched->min_ready_time_us() : INFINITY;
-    advance_engine(std::min(issue_us, earliest_other));
+    // A rank an ending woke joins the ready ranks with its clock: look again before going further.
+    if (advance_engine(std::min(issue_us, earliest_other))) continue;
     if (!sched || sched->min_ready_time_us() >= s.host_us) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
@@ -500,8 +529,11 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   op->executed = true;
   run_numerics(*op);
   const SpanName name = op_name(op->op);
-  for (const CommMember& m : op->members) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+  for (const CommMember& m : op->members) {
+    if (runs(m.rank)) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+  }
   engine_.schedule(op, std::move(plan), start_us);
+  if (!rep_.empty()) schedule_images(*op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
 }
@@ -520,11 +552,15 @@ void SimWorld::barrier(int rank, const Group& group) {
   RankState& s = state(rank);
   const std::uint64_t seq = s.barrier_seq[group.id()]++;
   const std::string key = fmt::format("barrier {} {}", group.id(), seq);
-  HostRendezvous& h = host_rendezvous(key, static_cast<int>(group_ranks.size()));
+  const int expected = static_cast<int>(
+      std::count_if(group_ranks.begin(), group_ranks.end(), [this](int r) { return runs(r); }));
+  HostRendezvous& h = host_rendezvous(key, expected);
   ++h.arrived;
   h.latest_host_us = std::max(h.latest_host_us, s.host_us);
   if (h.arrived == h.expected) {
-    for (int r : group_ranks) wake(r);
+    for (int r : group_ranks) {
+      if (runs(r)) wake(r);
+    }
   }
   block_until(
       rank, [&] { return h.arrived == h.expected; },
@@ -538,7 +574,7 @@ void SimWorld::barrier(int rank, const Group& group) {
 void SimWorld::show(int rank, const std::string& label, const std::string& values) {
   RankState& s = state(rank);
   const std::uint64_t seq = s.shows++;
-  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), size());
+  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), running_);
   if (h.arrived == 0) {
     h.label = label;
     h.first_rank = rank;
@@ -553,7 +589,7 @@ void SimWorld::show(int rank, const std::string& label, const std::string& value
   if (h.arrived == h.expected) {
     const std::string pad(h.label.size(), ' ');
     for (int r = 0; r < size(); ++r) {
-      print(fmt::format("{} rank{} = {}", r == 0 ? h.label : pad, r, h.payload[r]));
+      if (runs(r)) print(fmt::format("{} rank{} = {}", r == 0 ? h.label : pad, r, h.payload[r]));
     }
     for (int r = 0; r < size(); ++r) wake(r);
   }
@@ -619,7 +655,7 @@ RunReport SimWorld::finish_report() {
   report_.ranks.clear();
   report_.makespan_us = 0;
   for (int r = 0; r < size(); ++r) {
-    const RankState& s = state(r);
+    const RankState& s = state(representative(r));
     RankSummary sum;
     sum.rank = r;
     sum.end_us = s.host_us;
@@ -631,7 +667,127 @@ RunReport SimWorld::finish_report() {
   progress_.finish();
   report_.links = network_->link_traffic();
   summarize_spans(report_);
+  // A mirror's figures are its representative's.
+  if (!rep_.empty()) {
+    for (int r = 0; r < size(); ++r) {
+      if (runs(r)) continue;
+      report_.ranks[r] = report_.ranks[rep_[r]];
+      report_.ranks[r].rank = r;
+    }
+  }
   return std::move(report_);
+}
+
+// ---- symmetry --------------------------------------------------------------------------------------
+
+void SimWorld::init_symmetry(const SimSymmetry& symmetry) {
+  running_ = size();
+  if (!symmetry.enabled()) return;
+  std::int64_t product = 1;
+  for (int d : symmetry.dims) {
+    if (d < 1) throw UsageError(fmt::format("symmetry: a dimension of size {} (each must be at least 1)", d));
+    product *= d;
+  }
+  if (product != size() || symmetry.replicated.size() != symmetry.dims.size()) {
+    throw UsageError(
+        fmt::format("symmetry: the grid {{{}}} ({} replicated flags) does not describe a world of {} ranks",
+                    fmt::join(symmetry.dims, " x "), symmetry.replicated.size(), size()));
+  }
+  dims_ = symmetry.dims;
+  for (size_t i = 0; i < dims_.size(); ++i) {
+    if (symmetry.replicated[i] && dims_[i] > 1) {
+      replicated_dims_.push_back(static_cast<int>(i));
+      translations_ *= dims_[i];
+    }
+  }
+  rep_.resize(size());
+  running_ = 0;
+  for (int r = 0; r < size(); ++r) {
+    // Zero the replicated coordinates.
+    int rest = r, stride = 1, rep = 0;
+    for (size_t i = 0; i < dims_.size(); ++i) {
+      const int coord = rest % dims_[i];
+      rest /= dims_[i];
+      if (!symmetry.replicated[i]) rep += coord * stride;
+      stride *= dims_[i];
+    }
+    rep_[r] = rep;
+    if (rep == r) ++running_;
+  }
+  for (int r = 0; r < size(); ++r) {
+    // Mirrors never run: they are neither live nor able to block.
+    if (!runs(r)) state(r).finished = true;
+  }
+}
+
+int SimWorld::translate(int rank, int t) const {
+  int out = 0, stride = 1, rest = rank;
+  size_t next = 0;
+  for (size_t i = 0; i < dims_.size(); ++i) {
+    int coord = rest % dims_[i];
+    rest /= dims_[i];
+    if (next < replicated_dims_.size() && replicated_dims_[next] == static_cast<int>(i)) {
+      coord = (coord + t % dims_[i]) % dims_[i];
+      t /= dims_[i];
+      ++next;
+    }
+    out += coord * stride;
+    stride *= dims_[i];
+  }
+  return out;
+}
+
+void SimWorld::check_symmetric_group(const std::vector<int>& ranks) const {
+  if (rep_.empty()) return;
+  if (std::none_of(ranks.begin(), ranks.end(), [this](int r) { return runs(r); })) return;
+  const std::set<int> in(ranks.begin(), ranks.end());
+  for (int r : ranks) {
+    if (!in.count(rep_[r])) {
+      throw UsageError(fmt::format(
+          "symmetric run: group {{{}}} holds rank {} but not rank {}, which it mirrors: nobody would call "
+          "the group's collectives for it (the program does not have the symmetry SimConfig::symmetry "
+          "declares)",
+          fmt::join(ranks, ", "), r, rep_[r]));
+    }
+  }
+}
+
+const std::vector<std::vector<int>>& SimWorld::images(const std::vector<int>& ranks) {
+  auto [it, inserted] = images_.try_emplace(ranks);
+  if (!inserted) return it->second;
+  std::set<std::vector<int>> seen;
+  std::vector<int> key(ranks);
+  std::sort(key.begin(), key.end());
+  seen.insert(key);
+  for (int t = 1; t < translations_; ++t) {
+    std::vector<int> image(ranks.size());
+    for (size_t i = 0; i < ranks.size(); ++i) image[i] = translate(ranks[i], t);
+    key = image;
+    std::sort(key.begin(), key.end());
+    if (seen.insert(key).second) it->second.push_back(std::move(image));
+  }
+  return it->second;
+}
+
+void SimWorld::schedule_images(const CommOpState& op, double start_us) {
+  const bool p2p = op.op == CommOp::Send;
+  const CommCall& lead = op.members[0].call;
+  // Where the root sits in the group, so that each image has the root's image.
+  const int root_pos =
+      p2p ? -1 : static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), lead.peer) - op.ranks.begin());
+  const std::int64_t bytes = p2p ? lead.input.bytes() : nccl_size_bytes(op);
+  for (const std::vector<int>& image : images(op.ranks)) {
+    const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
+    CommPlan plan = p2p ? network_->plan_p2p(image[0], image[1], bytes)
+                        : network_->plan_collective(op.op, bytes, image, root);
+    network_->record(plan);
+    auto shadow = std::make_shared<CommOpState>();
+    shadow->op = op.op;
+    shadow->image = true;
+    shadow->executed = true;
+    shadow->start_us = start_us;
+    engine_.schedule(std::move(shadow), std::move(plan), start_us);
+  }
 }
 
 }  // namespace ranklab::sim

@@ -86,6 +86,11 @@ class SimWorld {
   SimWorld(const SimConfig& config, int world_size);
 
   int size() const { return static_cast<int>(ranks_.size()); }
+  // Symmetric runs (SimConfig::symmetry): whether `rank` runs a program of its own (it is a
+  // representative) or mirrors its representative; every rank runs when there is no symmetry.
+  bool runs(int rank) const { return rep_.empty() || rep_[rank] == rank; }
+  int representative(int rank) const { return rep_.empty() ? rank : rep_[rank]; }
+  int running_ranks() const { return running_; }
   const Profile& profile() const { return config_.profile; }
   const SimConfig& config() const { return config_; }
   const ComputeModel& compute() const { return compute_; }
@@ -136,12 +141,32 @@ class SimWorld {
   void execute(const std::shared_ptr<CommOpState>& op);
   // Records what finished in the engine and executes what waited for it.
   void on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended);
-  void advance_engine(double t_us);
+  // Moves the engine up to t_us, one ending at a time; stops early, returning true, when an ending woke a
+  // rank: that rank may issue communication before t_us, and must find the engine no further than that.
+  bool advance_engine(double t_us);
   // Moves the engine to its next event; false when nothing is in flight.
   bool advance_engine_one_event();
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
   void check_agreement(CommOpState& op, int arriving_rank) const;
+
+  // ---- symmetry ----
+  void init_symmetry(const SimSymmetry& symmetry);
+  // `rank` moved by translation number `t` along the replicated dimensions.
+  int translate(int rank, int t) const;
+  // UsageError unless a group that holds a representative holds the representative of each member.
+  void check_symmetric_group(const std::vector<int>& ranks) const;
+  // The groups the symmetry maps `ranks` to, other than `ranks` itself, each in the same member order.
+  const std::vector<std::vector<int>>& images(const std::vector<int>& ranks);
+  // Runs the images of an operation that starts at `start_us` beside it: what the other classes do at
+  // the same moment.
+  void schedule_images(const CommOpState& op, double start_us);
+  std::vector<int> rep_;              // per rank: its representative; empty without symmetry
+  std::vector<int> dims_;             // the grid, innermost first
+  std::vector<int> replicated_dims_;  // indices into dims_
+  int translations_ = 1;              // the product of the replicated dimensions
+  int running_ = 0;
+  std::map<std::vector<int>, std::vector<std::vector<int>>> images_;
 
   struct HostRendezvous {
     int expected = 0;
@@ -177,6 +202,7 @@ class SimWorld {
   std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
   std::map<std::pair<int, int>, SpanName> plan_names_;
 
+  bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   int live_ = 0;
   int blocked_ = 0;
   bool aborted_ = false;

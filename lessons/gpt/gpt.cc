@@ -320,10 +320,13 @@ void gpt_lesson(Rank& r, const Options& o) {
   // Means over the ranks of replica 0: exposed communication per dimension, the pipeline's busy and idle
   // time.
   const int w = r.world_size();
-  std::vector<float> sums(parallel::kDims + 2);
+  // The last element counts the ranks that measured, so the mean holds however many ranks contribute
+  // (in a symmetric simulation the mirrors of replica 0 contribute its figures once more each).
+  std::vector<float> sums(parallel::kDims + 3);
   for (int d = 0; d < parallel::kDims; ++d) sums[d] = static_cast<float>(exposed_us[d]);
   sums[parallel::kDims] = static_cast<float>(ptimes.busy_us);
   sums[parallel::kDims + 1] = static_cast<float>(ptimes.window_us);
+  sums[parallel::kDims + 2] = measures ? 1.0f : 0.0f;
   Tensor mean = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
   r.all_reduce(mean, ReduceOp::Sum);
   // Maxima: each stage's peak (from the rank with tp 0, dp 0 of the stage), the losses, the pipeline's
@@ -342,7 +345,8 @@ void gpt_lesson(Rank& r, const Options& o) {
   Tensor most = r.from_host({nmax}, maxes);
   r.all_reduce(most, ReduceOp::Max);
   std::vector<float> avg = r.to_host(mean);
-  for (float& a : avg) a /= static_cast<float>(c.tp * c.pp);  // the ranks of replica 0
+  const float measured = avg.back();  // the ranks of replica 0, tp x pp
+  for (float& a : avg) a /= measured;
   const std::vector<float> mx = r.to_host(most);
   if (!root) return;
 

@@ -19,6 +19,15 @@ std::vector<std::string> Layout::dims() const {
   return out;
 }
 
+Layout::Grid Layout::symmetry() const {
+  Grid g;
+  for (const std::string& d : dims()) {
+    g.sizes.push_back(size_of(d));
+    g.replicated.push_back(d != "pp");
+  }
+  return g;
+}
+
 int Layout::size_of(const std::string& dim) const {
   return dim == "tp" ? tp : dim == "dp" ? dp : pp;
 }

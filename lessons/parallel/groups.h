@@ -32,6 +32,14 @@ struct Layout {
     int tp = 0, dp = 0, pp = 0;
   };
   Coord coord(int rank) const;
+  // The world as a grid, innermost first, and which of its dimensions are replicas: with phantom tensors
+  // every rank of a pipeline stage does the same work whatever its tp and dp coordinates, so a simulator
+  // may run one rank per stage and let the others mirror it (SimConfig::symmetry).
+  struct Grid {
+    std::vector<int> sizes;
+    std::vector<bool> replicated;
+  };
+  Grid symmetry() const;
 };
 
 // Throws UsageError naming --order when it is not a permutation of tp, dp and pp.

@@ -1,0 +1,179 @@
+// Symmetric simulation (SimConfig::symmetry): one rank per class runs and its replicas mirror it. For
+// programs that have the symmetry, every figure equals the full run's: step time to the last bit, each
+// rank's busy and idle time and peak memory, and the bytes on every link (the mirrors' groups run beside
+// the representatives' as images). Programs that break the symmetry are refused with what broke it.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "lessons/parallel/groups.h"
+#include "sim/sim_backend.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+struct Layout {
+  int tp, pp, dp, v, zero;
+  bool sp;
+  const char* recompute;
+  const char* order;
+};
+
+RunReport run_gpt(const Layout& l, int nodes, bool symmetric) {
+  Options o;
+  o.layers = 4;
+  o.hidden = 512;
+  o.heads = 8;
+  o.seq = 256;
+  o.vocab = 1024;
+  o.global_batch = 8 * l.dp;
+  o.micro_batch = 1;
+  o.tp = l.tp;
+  o.pp = l.pp;
+  o.interleave = l.v;
+  o.zero = l.zero;
+  o.seq_parallel = l.sp;
+  o.recompute = l.recompute;
+  o.order = l.order;
+  o.world = l.tp * l.pp * l.dp;
+  o.steps = 1;
+  o.phantom = true;
+  o.quiet = true;
+  SimConfig c = testing::quiet_config(nodes);
+  o.peak_tflops_16bit = c.profile.gpu.peak_tflops_bf16;
+  o.gpus_per_node = c.profile.gpus_per_node;
+  if (symmetric) {
+    const parallel::Layout::Grid g = parallel::Layout{l.tp, l.pp, l.dp, l.order}.symmetry();
+    c.symmetry = SimSymmetry{g.sizes, g.replicated};
+  }
+  SimBackend backend(c);
+  return run_lesson(backend, "gpt", o);
+}
+
+class SymmetricGpt : public ::testing::TestWithParam<Layout> {};
+
+TEST_P(SymmetricGpt, EqualsTheFullRun) {
+  const Layout l = GetParam();
+  const int world = l.tp * l.pp * l.dp;
+  const int nodes = (world + 7) / 8;
+  const RunReport full = run_gpt(l, nodes, false);
+  const RunReport sym = run_gpt(l, nodes, true);
+  ASSERT_TRUE(full.training && sym.training);
+  EXPECT_EQ(full.training->step_time_us, sym.training->step_time_us);
+  EXPECT_EQ(full.training->peak_memory_bytes, sym.training->peak_memory_bytes);
+  EXPECT_EQ(full.makespan_us, sym.makespan_us);
+  // The means of exposed communication are sums of floats taken in another order: equal to rounding.
+  for (const auto& [dim, us] : full.training->exposed_comm_us) {
+    EXPECT_NEAR(us, sym.training->exposed_comm_us.at(dim), 1e-5 * us + 1e-6) << dim;
+  }
+  ASSERT_EQ(full.ranks.size(), sym.ranks.size());
+  for (size_t r = 0; r < full.ranks.size(); ++r) {
+    const RankSummary &a = full.ranks[r], &b = sym.ranks[r];
+    EXPECT_EQ(a.end_us, b.end_us) << "rank " << r;
+    EXPECT_EQ(a.compute_us, b.compute_us) << "rank " << r;
+    EXPECT_EQ(a.comm_us, b.comm_us) << "rank " << r;
+    EXPECT_EQ(a.idle_us, b.idle_us) << "rank " << r;
+    EXPECT_EQ(a.peak_bytes, b.peak_bytes) << "rank " << r;
+  }
+  ASSERT_EQ(full.links.size(), sym.links.size());
+  for (size_t i = 0; i < full.links.size(); ++i) {
+    EXPECT_EQ(full.links[i].link, sym.links[i].link);
+    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
+  }
+  EXPECT_TRUE(sym.all_checks_passed());
+}
+
+// Data parallelism across nodes (the images share the network), tensor parallelism with and without
+// sequence parallelism, interleaved pipelines, every ZeRO stage, and the group order that puts dp inside.
+INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricGpt,
+                         ::testing::Values(Layout{4, 2, 4, 1, 1, true, "none", "tp-dp-pp"},
+                                           Layout{2, 2, 4, 2, 0, false, "selective", "tp-dp-pp"},
+                                           Layout{2, 2, 4, 1, 2, true, "full", "tp-dp-pp"},
+                                           Layout{4, 1, 4, 1, 3, false, "none", "tp-dp-pp"},
+                                           Layout{2, 2, 4, 1, 1, false, "none", "tp-pp-dp"},
+                                           Layout{1, 4, 4, 1, 0, false, "none", "dp-tp-pp"}),
+                         [](const ::testing::TestParamInfo<Layout>& info) {
+                           const Layout& l = info.param;
+                           std::string name = "tp" + std::to_string(l.tp) + (l.sp ? "sp" : "") + "_pp" +
+                                              std::to_string(l.pp) + "v" + std::to_string(l.v) + "_dp" +
+                                              std::to_string(l.dp) + "_zero" + std::to_string(l.zero) + "_" +
+                                              l.recompute + "_" + l.order;
+                           for (char& c : name) c = c == '-' ? '_' : c;
+                           return name;
+                         });
+
+SimConfig symmetric_config(std::vector<int> dims, std::vector<bool> replicated, int nodes = 1) {
+  SimConfig c = testing::quiet_config(nodes);
+  c.symmetry = SimSymmetry{std::move(dims), std::move(replicated)};
+  return c;
+}
+
+TEST(Symmetry, OnlyRepresentativesRun) {
+  // 2 x 4 x 2, the first and last dimensions replicated: 4 classes of 4 ranks.
+  SimBackend backend(symmetric_config({2, 4, 2}, {true, false, true}, 2));
+  std::atomic<int> ran{0};
+  std::vector<int> who;
+  const RunReport rep = backend.launch(16, [&](Rank& r) {
+    ++ran;
+    who.push_back(r.rank());
+    Tensor t = r.full({8}, 1.0f);
+    r.all_reduce(t, ReduceOp::Sum);
+    // The mirrors take part as copies of their representative: the sum counts every rank.
+    r.check("world sum", r.to_host(t)[0] == 16.0f, "");
+  });
+  EXPECT_EQ(ran.load(), 4);
+  EXPECT_EQ(who, (std::vector<int>{0, 2, 4, 6}));
+  EXPECT_TRUE(rep.all_checks_passed());
+  ASSERT_EQ(rep.ranks.size(), 16u);
+  EXPECT_EQ(rep.ranks[15].end_us, rep.ranks[6].end_us);  // rank 15 mirrors rank 6
+}
+
+TEST(Symmetry, AGroupWithoutItsRepresentativeIsRefused) {
+  // Ranks 0..3 as 2 x 2, the first dimension replicated: rank 1 mirrors 0 and rank 3 mirrors 2.
+  SimBackend backend(symmetric_config({2, 2}, {true, false}));
+  try {
+    backend.launch(4, [](Rank& r) { r.new_group({1, 2}); });
+    FAIL() << "expected a UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("group {1, 2} holds rank 1 but not rank 0, which it mirrors"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Symmetry, SendingToAMirrorIsRefused) {
+  SimBackend backend(symmetric_config({2, 2}, {true, false}));
+  try {
+    backend.launch(4, [](Rank& r) {
+      Tensor t = r.zeros({4});
+      if (r.rank() == 0) r.send(t, 1);
+    });
+    FAIL() << "expected a UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0: send with rank 1, which mirrors rank 0"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Symmetry, AGridThatIsNotTheWorldIsRefused) {
+  SimBackend backend(symmetric_config({2, 3}, {true, false}));
+  try {
+    backend.launch(8, [](Rank&) {});
+    FAIL() << "expected a UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("the grid {2 x 3} (2 replicated flags) does not describe a world of 8"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace ranklab
