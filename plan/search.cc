@@ -24,13 +24,8 @@ std::vector<const Result*> Plan::ranked() const {
 }
 
 SimSymmetry symmetry_of(const Layout& l) {
-  const parallel::Layout grid{l.tp, l.pp, l.dp, l.order};
-  SimSymmetry s;
-  for (const std::string& d : grid.dims()) {
-    s.dims.push_back(grid.size_of(d));
-    s.replicated.push_back(d != "pp");
-  }
-  return s;
+  const parallel::Layout::Grid grid = parallel::Layout{l.tp, l.pp, l.dp, l.order}.symmetry();
+  return SimSymmetry{grid.sizes, grid.replicated};
 }
 
 namespace {
