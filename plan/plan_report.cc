@@ -237,6 +237,7 @@ nlohmann::json result_json(const Result& r, int rank) {
     j["planned_peak_bytes"] = k.planned_bytes;
   }
   if (!k.reason.empty()) j["reason"] = k.reason;
+  if (r.wall_s > 0) j["simulation_wall_s"] = r.wall_s;
   if (r.run) {
     const TrainingStats& t = r.run->stats;
     j["rank"] = rank;

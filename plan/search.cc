@@ -71,6 +71,7 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   config.echo_output = false;
   if (symmetry) config.symmetry = symmetry_of(l);
   SimBackend backend(config);
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     const RunReport rep = run_lesson(backend, "gpt", o);
     if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
@@ -80,6 +81,7 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
     out.candidate.status = Status::RejectedMemory;
     out.candidate.reason = e.what();
   }
+  out.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
 }
 

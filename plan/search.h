@@ -36,6 +36,7 @@ struct Simulated {
 struct Result {
   Candidate candidate;
   std::optional<Simulated> run;  // for Status::Simulated
+  double wall_s = 0;             // what simulating it took here (0: not simulated)
 };
 
 struct SearchOptions {
