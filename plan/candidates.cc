@@ -7,6 +7,7 @@
 
 #include "common/errors.h"
 #include "lessons/gpt/accounting.h"
+#include "lessons/gpt/model.h"
 #include "lessons/parallel/groups.h"
 #include "sim/compute_model.h"
 #include "sim/network_model.h"
@@ -213,7 +214,36 @@ double StepBound::us(const gpt::Config& c) {
                   comm_us(CommOp::Send, hop_bytes, {hop[1], hop[0]});
     }
   }
-  return bound;
+  return std::max(bound, zero_stream_us(c));
+}
+
+double StepBound::zero_stream_us(const gpt::Config& c) {
+  if (c.zero < 2 || c.dp == 1) return 0;
+  // ZeRO 2 and 3 talk to the data-parallel group inside every task (parallel/zero.h): zero 3 all-gathers
+  // each parameter of a block before the block runs, forward and again backward, and both reduce-scatter
+  // each weight's gradient as its backward makes it. A group's collectives follow each other on its one
+  // stream, so the stream is busy for at least the sum of their times alone, and every one but the last
+  // task's reduce-scatters is over before the stage's last backward, which the step waits for. (The
+  // overlap that hides them behind compute is why this is a bound of its own, not added to the other.)
+  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
+  const int lpc = c.layers_per_chunk();
+  const std::int64_t m = c.micro_batches();
+  double most = 0;
+  for (int stage = 0; stage < c.pp; ++stage) {
+    std::vector<int> dp_ranks;
+    for (int i = 0; i < c.dp; ++i) dp_ranks.push_back(grid.rank_of(0, i, stage));
+    double gathers_us = 0, reductions_us = 0;  // per block
+    for (int q = 0; q < gpt::kBlockParams; ++q) {
+      const parallel::ParamSpec p = gpt::block_spec(c, 0, static_cast<gpt::BlockParam>(q));
+      const std::int64_t n = p.full.numel() / (p.tp_dim >= 0 ? c.tp : 1);
+      if (c.zero == 3) gathers_us += comm_us(CommOp::AllGather, n * dtype_bytes(c.dtype), dp_ranks);
+      if (p.full.ndim() == 2)
+        reductions_us += comm_us(CommOp::ReduceScatter, n * dtype_bytes(c.reduce_dtype), dp_ranks);
+    }
+    const double blocks = static_cast<double>(m) * c.v * lpc;
+    most = std::max(most, blocks * 2 * gathers_us + (blocks - lpc) * reductions_us);
+  }
+  return most;
 }
 
 namespace {

@@ -13,7 +13,9 @@
 // profile's GPU, and the tensor-parallel collectives the compute stream waits for (Megatron's f and g are
 // blocking), each at the time the network model gives it with the machine to itself; plus the pipeline's
 // fill and drain (the first micro-batch's forward through the stages before it, and the last one's backward
-// through them after it, with their sends). Memory-bound kernels, data-parallel communication and the
+// through them after it, with their sends). With ZeRO 2 or 3 the step is also no shorter than the time the
+// data-parallel group's stream spends on the gathers and reduce-scatters every task issues (the stream
+// runs them one after another). Memory-bound kernels, the rest of the data-parallel communication and the
 // optimizer are left out, so no simulated step can be faster; search.h uses the bound to simulate the
 // cheapest layouts first and to skip those that cannot beat the best found.
 #pragma once
@@ -97,8 +99,10 @@ class StepBound {
   double us(const gpt::Config& c);
 
  private:
-  // One collective over the tp group of rank 0 (or a send between two pipeline stages), alone.
+  // One collective over `ranks` (or a send from the first to the second), alone on the machine.
   double comm_us(CommOp op, std::int64_t bytes, const std::vector<int>& ranks);
+  // What ZeRO 2 and 3 keep the data-parallel group's stream busy with, on the busiest stage.
+  double zero_stream_us(const gpt::Config& c);
   Profile profile_;
   std::unique_ptr<sim::ComputeModel> compute_;
   std::unique_ptr<sim::NetworkModel> network_;
