@@ -121,8 +121,8 @@ Plan search(const Question& q, const SearchOptions& options) {
   for (std::size_t i = 0; i < pending.size(); ++i) {
     Candidate& k = pending[i].candidate;
     // A layout can win only by a shorter step, or by an equal one and an earlier name.
-    const bool can_win =
-        best_name.empty() || k.bound_us < best_us || (k.bound_us == best_us && k.name < best_name);
+    const bool can_win = !options.prune || best_name.empty() || k.bound_us < best_us ||
+                         (k.bound_us == best_us && k.name < best_name);
     if (!can_win) {
       k.status = Status::PrunedBound;
       ++plan.pruned;

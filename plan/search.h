@@ -43,6 +43,7 @@ struct SearchOptions {
   int max_candidates = 0;  // the most layouts simulated; 0: no limit
   bool symmetry = true;    // set SimConfig::symmetry for each run (false: every rank runs)
   bool progress = true;    // a progress line on stderr when it is a terminal
+  bool prune = true;       // false: simulate every layout that fits the plan (to check the bound)
 };
 
 struct Plan {

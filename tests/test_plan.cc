@@ -80,6 +80,33 @@ TEST(Plan, NoSimulatedStepBeatsItsLowerBound) {
   EXPECT_GT(p.pruned, 0);  // the bound does its work on this question
 }
 
+// Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
+// the bound: every layout simulated, none faster than its bound, and the pruned search finds the same
+// winner.
+TEST(Plan, TheBoundHoldsAcrossNodesAndPruningKeepsTheWinner) {
+#if defined(RANKLAB_SANITIZE)
+  GTEST_SKIP() << "hundreds of simulations: the ordinary build runs it";
+#endif
+  Request r;
+  r.layers = 4;
+  r.hidden = 512;
+  r.heads = 8;
+  r.seq = 512;
+  r.vocab = 4096;
+  r.global_batch = 8;
+  r.nodes = 2;
+  r.max_interleave = 2;
+  const Question q = make_question(r);
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan every = search(q, all), pruned = search(q, quiet());
+  ASSERT_GT(every.simulated, 100);
+  for (const Result* res : every.ranked())
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  EXPECT_LT(pruned.simulated, every.simulated);
+  EXPECT_EQ(pruned.ranked().at(0)->candidate.name, every.ranked().at(0)->candidate.name);
+}
+
 TEST(Plan, AcceptedLayoutsFitAndRejectedOnesRunOutOfMemory) {
   Question q = tiny();
   // 1.6 MiB: the tiny model's layouts need from 0.6 to 4 MiB by the memory plan, and the simulated peak is
