@@ -6,6 +6,7 @@
 //   ranklab topo [--profile P] [--nodes N]        a profile's machine: links, tiers, bandwidths, latencies
 //   ranklab compare MEASURED [SIMULATED]          measured against simulated, side by side (and compare.html)
 //   ranklab calibrate MEASURED --profile P -o F   fit a profile to a measurement
+//   ranklab plan --model M --nodes N              the best parallel layout of a GPT, found by simulating
 #include <dlfcn.h>
 #include <fmt/format.h>
 
@@ -38,6 +39,7 @@
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/presets.h"
 #include "lessons/parallel/groups.h"
+#include "plan/plan_command.h"
 #include "real/launch_env.h"
 #include "sim/malloc_tuning.h"
 #include "sim/network_model.h"
@@ -583,6 +585,37 @@ int ranklab::main_of(int argc, char** argv) {
                         "the collective an nccl-tests log measured, when it cannot be told");
   calibrate->add_option("-o,--output", fitted_path, "where to write the fitted profile (.toml)")->required();
 
+  CLI::App* plan = app.add_subcommand(
+      "plan", "the best parallel layout for a GPT on a cluster, found by simulating the candidates");
+  plan::Request plan_request;
+  int plan_layers = 0, plan_heads = 0, plan_seq = 0;
+  std::int64_t plan_hidden = 0, plan_vocab = 0, plan_global_batch = 0;
+  plan->add_option("--model", plan_request.model,
+                   "a preset that fills the shape (gpt3-175b, llama3-70b, ...)");
+  plan->add_option("--layers", plan_layers, "transformer blocks");
+  plan->add_option("--hidden", plan_hidden, "model width");
+  plan->add_option("--heads", plan_heads, "attention heads");
+  plan->add_option("--seq", plan_seq, "sequence length");
+  plan->add_option("--vocab", plan_vocab, "vocabulary size");
+  plan->add_option("--global-batch", plan_global_batch, "sequences per step");
+  plan->add_option("--dtype", plan_request.dtype, "bf16, fp16 or fp32 weights and activations");
+  plan->add_option("--profile", plan_request.profile,
+                   "hardware profile name or .toml file (see `ranklab profiles`)");
+  plan->add_option("--nodes", plan_request.nodes, "nodes of the profile: the world is all of their GPUs");
+  plan->add_option("--top", plan_request.top, "how many layouts the table shows (default 10)");
+  plan->add_flag("--tp-across-nodes", plan_request.tp_across_nodes,
+                 "also try tensor-parallel groups larger than a node");
+  plan->add_option("--max-interleave", plan_request.max_interleave,
+                   "the most model chunks per pipeline rank tried (default 4)");
+  plan->add_option("--max-candidates", plan_request.max_candidates,
+                   "simulate at most this many layouts (default 0: as many as the bound leaves)");
+  bool plan_no_symmetry = false;
+  plan->add_flag("--no-symmetry", plan_no_symmetry,
+                 "simulate every rank, not one per class of identical ranks (slower; for checking)");
+  plan->add_option("--report", plan_request.report_dir, "write plan.json and plan.html to this folder");
+  plan->add_option("--explain", plan_request.explain,
+                   "a layout as the table prints it: where its time goes against the winner's");
+
   // `ranklab run LESSON --help`: the lesson's own options and defaults.
   if (argc >= 4 && std::string(argv[1]) == "run" && argv[2][0] != '-') {
     for (int i = 3; i < argc; ++i) {
@@ -637,6 +670,16 @@ int ranklab::main_of(int argc, char** argv) {
     if (topo->parsed()) {
       return topo_command(topo_profile,
                           topo->count("--nodes") ? std::optional<int>(topo_nodes) : std::nullopt);
+    }
+    if (plan->parsed()) {
+      if (plan->count("--layers")) plan_request.layers = plan_layers;
+      if (plan->count("--hidden")) plan_request.hidden = plan_hidden;
+      if (plan->count("--heads")) plan_request.heads = plan_heads;
+      if (plan->count("--seq")) plan_request.seq = plan_seq;
+      if (plan->count("--vocab")) plan_request.vocab = plan_vocab;
+      if (plan->count("--global-batch")) plan_request.global_batch = plan_global_batch;
+      plan_request.symmetry = !plan_no_symmetry;
+      return plan::plan_command(plan_request);
     }
     if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
     if (calibrate->parsed()) {

@@ -75,6 +75,16 @@ expect 0 "fitted profile written to $tmp/lab.toml" calibrate "$tmp/all_reduce_pe
 expect 0 "geometric-mean error" compare "$tmp/all_reduce_perf.log" --profile "$tmp/lab.toml" --html ""
 expect 0 "(lab, 1 node)" run collectives --profile "$tmp/lab.toml" --quiet
 
+# plan: a question it cannot answer says why, before simulating anything; a small one answers.
+expect 1 "plan: --top must be at least 1 (got 0)" plan --top 0
+expect 1 "--model: no preset called 'gpt5'; the presets are: gpt3-125m" plan --model gpt5
+expect 1 "layouts of 8 ranks for this question; the first, tp1-pp1-v1-dp8-zero0-mb1-none-tp-dp-pp, because gpt: --global-batch 3 is not divisible" plan --layers 2 --heads 2 --global-batch 3
+expect 1 "--explain 'tp9': too few parts" plan --explain tp9
+expect 1 "the gpt lesson refuses it: gpt: --heads 4 is not divisible by --tp 8" plan --explain tp8-pp1-v1-dp1-zero0-mb1-none-tp-dp-pp
+expect 1 "--report /proc/x: cannot create the folder" plan --report /proc/x
+expect 0 "report written to $tmp/plan/ (plan.json, plan.html)" plan --layers 2 --global-batch 8 --top 3 --max-candidates 20 --report "$tmp/plan"
+expect 0 "explain tp2-pp1-v1-dp4-zero1-mb2-none-tp-dp-pp:" plan --layers 2 --global-batch 8 --max-candidates 5 --explain tp2-pp1-v1-dp4-zero1-mb2-none-tp-dp-pp
+
 # One simulated world per job, not one per process of a launcher.
 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 expect 1 "the simulator (--backend sim) simulates the whole world in one process" run collectives
 

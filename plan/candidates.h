@@ -1,0 +1,124 @@
+// The layouts `ranklab plan` considers for one question (a GPT shape, a batch, a cluster), and what can be
+// said about each before simulating it: whether the gpt lesson accepts it at all, whether its memory plan
+// fits the device, and a lower bound on its step time.
+//
+// Nothing here re-derives the lesson's rules. A layout is valid when gpt::config_from accepts it (its
+// UsageError is kept as the reason), and it is over memory when the lesson's own memory plan
+// (gpt::memory_plan) exceeds the device on some stage: the lesson refuses exactly those before allocating,
+// with an OutOfMemoryError, so a layout rejected here runs out of memory in `ranklab run gpt` too. Whether
+// the rest fit is for the simulation to say (the plan leaves out transient buffers; see search.h).
+//
+// The lower bound on the step time is what the busiest pipeline stage does in a row on its compute stream:
+// its GEMMs and attention, each at the time the simulator's compute model charges for its shape on the
+// profile's GPU, and the tensor-parallel collectives the compute stream waits for (Megatron's f and g are
+// blocking), each at the time the network model gives it with the machine to itself; plus the pipeline's
+// fill and drain (the first micro-batch's forward through the stages before it, and the last one's backward
+// through them after it, with their sends). With ZeRO 2 or 3 the step is also no shorter than the time the
+// data-parallel group's stream spends on the gathers and reduce-scatters every task issues (the stream
+// runs them one after another). Memory-bound kernels, the rest of the data-parallel communication and the
+// optimizer are left out, so no simulated step can be faster; search.h uses the bound to simulate the
+// cheapest layouts first and to skip those that cannot beat the best found.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/lesson.h"
+#include "common/profile.h"
+#include "lessons/gpt/config.h"
+
+namespace ranklab::sim {
+class ComputeModel;
+class NetworkModel;
+}  // namespace ranklab::sim
+
+namespace ranklab::plan {
+
+// What is asked: a model shape and batch on `profile.nodes` nodes of a profile.
+struct Question {
+  std::string model = "custom";  // the preset that filled the shape, or "custom"
+  int layers = 2, hidden = 64, heads = 4, seq = 16;
+  std::int64_t vocab = 128, global_batch = 8;
+  std::string dtype = "bf16";
+  Profile profile;  // with `nodes` set
+  bool tp_across_nodes = false;
+  int max_interleave = 4;  // the most model chunks per pipeline rank tried
+
+  int world() const { return profile.gpus_per_node * profile.nodes; }
+};
+
+// One parallel layout. Its name is the one string the table, plan.json and --explain share:
+// "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp" (sp only when sequence parallelism is on).
+struct Layout {
+  int tp = 1, pp = 1, v = 1, dp = 1, zero = 0;
+  bool sp = false;
+  int micro_batch = 1;
+  std::string recompute = "none";
+  std::string order = "tp-dp-pp";
+  std::string name() const;
+};
+// The layout a name spells; UsageError saying what is wrong with it.
+Layout parse_layout(const std::string& name);
+
+// The gpt lesson's options for a layout of the question: phantom tensors, one step, quiet; the lesson's
+// defaults for the rest.
+Options lesson_options(const Question& q, const Layout& l);
+
+enum class Status {
+  Invalid,         // the gpt lesson's checks refuse it
+  RejectedMemory,  // over the device's memory: the lesson's plan, or the simulated run
+  PrunedBound,     // its lower bound on the step time cannot beat the best simulated
+  Unexplored,      // left over when --max-candidates simulations were done
+  Simulated,
+  Pending,  // not yet decided (during the search)
+};
+const char* status_name(Status s);
+
+struct Candidate {
+  Layout layout;
+  std::string name;
+  Status status = Status::Pending;
+  std::string reason;               // why invalid or out of memory
+  double bound_us = 0;              // lower bound on the step time
+  std::int64_t planned_bytes = 0;   // the memory plan's largest stage total
+  std::int64_t capacity_bytes = 0;  // the device's
+};
+
+// The lower bound described above, with the profile's compute and network models built once.
+class StepBound {
+ public:
+  explicit StepBound(const Profile& profile);
+  ~StepBound();
+  StepBound(const StepBound&) = delete;
+  StepBound& operator=(const StepBound&) = delete;
+  // For a valid configuration on the profile's nodes.
+  double us(const gpt::Config& c);
+
+ private:
+  // One collective over `ranks` (or a send from the first to the second), alone on the machine.
+  double comm_us(CommOp op, std::int64_t bytes, const std::vector<int>& ranks);
+  // What ZeRO 2 and 3 keep the data-parallel group's stream busy with, on the busiest stage.
+  double zero_stream_us(const gpt::Config& c);
+  Profile profile_;
+  std::unique_ptr<sim::ComputeModel> compute_;
+  std::unique_ptr<sim::NetworkModel> network_;
+  std::map<std::tuple<int, std::int64_t, std::vector<int>>, double> comm_;
+};
+
+// Every layout of the question, in a fixed order: tp (within a node unless tp_across_nodes), pp dividing
+// the layers, interleaving v up to max_interleave where the chunks are whole, ZeRO 0-3 (only 0 without
+// data parallelism, where there is nothing to shard), sequence parallelism with tp > 1, micro-batches of
+// 1, 2 and 4, recompute none, selective and full, and the group orders tp-dp-pp and, where it places
+// groups on nodes differently (more than one node, tp smaller than a node), tp-pp-dp. Each is marked Invalid
+// or RejectedMemory where that is known, Pending with its bound otherwise.
+std::vector<Candidate> enumerate(const Question& q);
+
+// The largest total of the memory plan over the pipeline stages: what the lesson checks against the device
+// before allocating.
+std::int64_t planned_peak_bytes(const gpt::Config& c);
+
+}  // namespace ranklab::plan

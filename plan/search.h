@@ -1,0 +1,69 @@
+// The search of `ranklab plan`: simulate the layouts candidates.h leaves, cheapest lower bound first, each
+// one gpt training step with phantom tensors, until the next lower bound cannot beat the best step time
+// found (the rest are pruned by the bound: none of them could win).
+//
+// Memory is decided by the run itself. A layout whose memory plan fits may still run out once the
+// simulator allocates its transient buffers; the simulator then throws OutOfMemoryError, and the layout is
+// rejected for memory with the simulator's message. So a layout the planner accepts is one the same run
+// finished, and one it rejects is one the lesson or the simulator refused: `ranklab run gpt` with that
+// layout runs out of memory too.
+//
+// Each simulation sets SimConfig::symmetry from the layout (tp and dp replicas of a stage do the same work)
+// unless asked not to, so the simulator may run one rank per pipeline stage instead of the whole world.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/training.h"
+#include "plan/candidates.h"
+#include "sim/sim_backend.h"
+
+namespace ranklab::plan {
+
+// What one simulated run gave, beside its TrainingStats.
+struct Simulated {
+  TrainingStats stats;
+  std::int64_t peak_bytes = 0;  // the largest peak over the ranks
+  int peak_stage = 0;           // the pipeline stage of that rank
+  // The largest part of that rank's memory at its peak: "activations 31.20 GiB" (weights, grads and
+  // optimizer as the memory plan has them, which the run allocates exactly; activations the rest).
+  std::string peak_part;
+};
+
+struct Result {
+  Candidate candidate;
+  std::optional<Simulated> run;  // for Status::Simulated
+  double wall_s = 0;             // what simulating it took here (0: not simulated)
+};
+
+struct SearchOptions {
+  int max_candidates = 0;  // the most layouts simulated; 0: no limit
+  bool symmetry = true;    // set SimConfig::symmetry for each run (false: every rank runs)
+  bool progress = true;    // a progress line on stderr when it is a terminal
+  bool prune = true;       // false: simulate every layout that fits the plan (to check the bound)
+};
+
+struct Plan {
+  Question question;
+  // Every layout: the simulated ones ranked by step time (ties by name), then the others by name.
+  std::vector<Result> results;
+  int enumerated = 0, invalid = 0, rejected_by_plan = 0, rejected_by_run = 0, pruned = 0, unexplored = 0,
+      simulated = 0;
+  double wall_s = 0;
+  std::vector<const Result*> ranked() const;  // the simulated ones, best first
+};
+
+// The symmetry of a layout's world: its group order as a grid, innermost first, with the tp and dp
+// dimensions replicated and pp not.
+SimSymmetry symmetry_of(const Layout& l);
+
+// Simulates one layout; a Result of status Simulated, or RejectedMemory when the run ran out of memory.
+// UsageError when the gpt lesson refuses the layout.
+Result simulate(const Question& q, const Layout& l, bool symmetry);
+
+Plan search(const Question& q, const SearchOptions& options);
+
+}  // namespace ranklab::plan

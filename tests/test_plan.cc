@@ -1,0 +1,228 @@
+// `ranklab plan`: the winner of a tiny question trains equal to one device; on a device made small, every
+// layout the planner accepts runs the gpt lesson without running out of memory and every layout it rejects
+// for memory runs out; no simulated step beats its lower bound; the same question gives the same ranking;
+// bad input is a clear UsageError; layout names read back.
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "plan/candidates.h"
+#include "plan/plan_command.h"
+#include "plan/plan_report.h"
+#include "plan/search.h"
+#include "sim_fixture.h"
+
+namespace ranklab::plan {
+namespace {
+
+// 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 16 on one dgx-h100 node (8 ranks).
+Question tiny() {
+  Request r;
+  r.layers = 4;
+  r.hidden = 64;
+  r.heads = 4;
+  r.seq = 16;
+  r.vocab = 128;
+  r.global_batch = 16;
+  return make_question(r);
+}
+
+SearchOptions quiet() {
+  SearchOptions o;
+  o.progress = false;
+#if defined(RANKLAB_SANITIZE)
+  // Ten times slower under the sanitizers: the first layouts by bound, which is what the checks need.
+  o.max_candidates = 12;
+#endif
+  return o;
+}
+
+// `ranklab run gpt` with the layout: every rank, the lesson's default steps.
+RunReport run_gpt(const Question& q, const Layout& l, bool phantom) {
+  Options o = lesson_options(q, l);
+  o.phantom = phantom;
+  o.steps = 3;
+  SimConfig c;
+  c.profile = q.profile;
+  c.echo_output = false;
+  SimBackend backend(c);
+  return run_lesson(backend, "gpt", o);
+}
+
+TEST(Plan, TheWinnerTrainsEqualToOneDevice) {
+  const Question q = tiny();
+  const Plan p = search(q, quiet());
+  const std::vector<const Result*> ranked = p.ranked();
+  ASSERT_FALSE(ranked.empty());
+  const RunReport rep = run_gpt(q, ranked[0]->candidate.layout, false);
+  int equal = 0;
+  for (const CheckRecord& c : rep.checks) {
+    EXPECT_TRUE(c.passed) << ranked[0]->candidate.name << ": " << c.what << ": " << c.detail;
+    equal += c.passed && c.what.find("one device") != std::string::npos;
+  }
+  EXPECT_GE(equal, 2 * q.world()) << ranked[0]->candidate.name;
+  // A layout as the table prints it.
+  EXPECT_NE(format_table(p, 3).find(ranked[0]->candidate.name), std::string::npos);
+}
+
+TEST(Plan, NoSimulatedStepBeatsItsLowerBound) {
+  const Plan p = search(tiny(), quiet());
+  ASSERT_FALSE(p.ranked().empty());
+  for (const Result* r : p.ranked()) {
+    EXPECT_GT(r->candidate.bound_us, 0) << r->candidate.name;
+    EXPECT_LE(r->candidate.bound_us, r->run->stats.step_time_us) << r->candidate.name;
+  }
+  EXPECT_GT(p.pruned, 0);  // the bound does its work on this question
+}
+
+// Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
+// the bound: every layout simulated, none faster than its bound, and the pruned search finds the same
+// winner.
+TEST(Plan, TheBoundHoldsAcrossNodesAndPruningKeepsTheWinner) {
+#if defined(RANKLAB_SANITIZE)
+  GTEST_SKIP() << "hundreds of simulations: the ordinary build runs it";
+#endif
+  Request r;
+  r.layers = 4;
+  r.hidden = 512;
+  r.heads = 8;
+  r.seq = 512;
+  r.vocab = 4096;
+  r.global_batch = 8;
+  r.nodes = 2;
+  r.max_interleave = 2;
+  const Question q = make_question(r);
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan every = search(q, all), pruned = search(q, quiet());
+  ASSERT_GT(every.simulated, 100);
+  for (const Result* res : every.ranked())
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  EXPECT_LT(pruned.simulated, every.simulated);
+  EXPECT_EQ(pruned.ranked().at(0)->candidate.name, every.ranked().at(0)->candidate.name);
+}
+
+TEST(Plan, AcceptedLayoutsFitAndRejectedOnesRunOutOfMemory) {
+  Question q = tiny();
+  // 1.6 MiB: the tiny model's layouts need from 0.6 to 4 MiB by the memory plan, and the simulated peak is
+  // up to 0.9 MiB above the plan, so some fit, some are over by the plan and some only when run.
+  q.profile.gpu.hbm_capacity_gib = 1.6 / 1024;
+  SearchOptions o = quiet();
+  const Plan p = search(q, o);
+  int accepted = 0, rejected_by_plan = 0, rejected_by_run = 0;
+#if defined(RANKLAB_SANITIZE)
+  int seen = 0;
+#endif
+  for (const Result& r : p.results) {
+    const Status s = r.candidate.status;
+    if (s != Status::Simulated && s != Status::RejectedMemory) continue;
+#if defined(RANKLAB_SANITIZE)
+    if (seen++ % 8 != 0) continue;  // an eighth of them, under the sanitizers
+#endif
+    if (s == Status::Simulated) {
+      ++accepted;
+      EXPECT_NO_THROW(run_gpt(q, r.candidate.layout, true)) << r.candidate.name;
+      EXPECT_LE(r.run->peak_bytes, q.profile.hbm_capacity_bytes()) << r.candidate.name;
+    } else {
+      (r.candidate.reason.find("memory plan") != std::string::npos ? rejected_by_plan : rejected_by_run)++;
+      EXPECT_THROW(run_gpt(q, r.candidate.layout, true), OutOfMemoryError) << r.candidate.name;
+    }
+  }
+  EXPECT_GT(accepted, 0);
+  EXPECT_GT(rejected_by_plan, 0);
+#if !defined(RANKLAB_SANITIZE)
+  EXPECT_GT(rejected_by_run, 0);
+#endif
+}
+
+TEST(Plan, TheSameQuestionGivesTheSameRanking) {
+  const Question q = tiny();
+  const Plan a = search(q, quiet()), b = search(q, quiet());
+  ASSERT_EQ(a.results.size(), b.results.size());
+  for (std::size_t i = 0; i < a.results.size(); ++i) {
+    EXPECT_EQ(a.results[i].candidate.name, b.results[i].candidate.name) << i;
+    EXPECT_EQ(a.results[i].candidate.status, b.results[i].candidate.status) << i;
+    if (a.results[i].run && b.results[i].run) {
+      EXPECT_EQ(a.results[i].run->stats.step_time_us, b.results[i].run->stats.step_time_us) << i;
+    }
+  }
+  EXPECT_EQ(format_table(a, 10), format_table(b, 10));
+}
+
+void expect_usage_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    FAIL() << "expected a UsageError mentioning " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Plan, BadInputIsAClearUsageError) {
+  Request r;
+  r.model = "gpt5";
+  expect_usage_error([&] { make_question(r); }, "no preset called 'gpt5'");
+  r = Request{};
+  r.top = 0;
+  expect_usage_error([&] { make_question(r); }, "--top must be at least 1 (got 0)");
+  r = Request{};
+  r.hidden = 65;
+  expect_usage_error([&] { make_question(r); }, "--hidden 65 is not divisible by --heads 4");
+  r = Request{};
+  r.profile = "no-such-profile";
+  EXPECT_THROW(make_question(r), ProfileError);
+  // 2 heads and 2 layers on 8 ranks leave dp at 2 or more, and 3 sequences divide among none of them.
+  r = Request{};
+  r.layers = 2;
+  r.heads = 2;
+  r.global_batch = 3;
+  const Question q = make_question(r);
+  expect_usage_error([&] { search(q, quiet()); }, "the gpt lesson accepts none of the");
+  expect_usage_error([&] { search(q, quiet()); }, "--global-batch 3 is not divisible");
+  expect_usage_error([] { parse_layout("tp4-pp2"); }, "too few parts");
+  expect_usage_error([] { parse_layout("tp4-pp2-v1-dp1-zero0-mb1-some-tp-dp-pp"); },
+                     "none, selective or full");
+}
+
+TEST(Plan, LayoutNamesReadBack) {
+  for (const Layout& l : {Layout{4, 8, 2, 16, 1, true, 1, "selective", "tp-dp-pp"},
+                          Layout{1, 1, 1, 8, 0, false, 4, "none", "tp-pp-dp"}}) {
+    const Layout back = parse_layout(l.name());
+    EXPECT_EQ(back.name(), l.name());
+  }
+  EXPECT_EQ(Layout({4, 8, 2, 16, 1, true, 1, "selective", "tp-dp-pp"}).name(),
+            "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp");
+}
+
+TEST(Plan, SymmetryFollowsTheGroupOrder) {
+  const SimSymmetry a = symmetry_of(Layout{4, 8, 1, 16, 1, true, 1, "none", "tp-dp-pp"});
+  EXPECT_EQ(a.dims, (std::vector<int>{4, 16, 8}));
+  EXPECT_EQ(a.replicated, (std::vector<bool>{true, true, false}));
+  const SimSymmetry b = symmetry_of(Layout{4, 8, 1, 16, 1, true, 1, "none", "tp-pp-dp"});
+  EXPECT_EQ(b.dims, (std::vector<int>{4, 8, 16}));
+  EXPECT_EQ(b.replicated, (std::vector<bool>{true, false, true}));
+}
+
+TEST(Plan, ReportsNameEveryLayoutAndTheWinner) {
+  const Plan p = search(tiny(), quiet());
+  const std::string json = plan_to_json(p), html = plan_to_html(p);
+  const std::string winner = p.ranked().at(0)->candidate.name;
+  EXPECT_NE(json.find("\"winner\": \"" + winner + "\""), std::string::npos);
+  for (const char* status : {"\"simulated\"", "\"invalid\"", "\"pruned-bound\""})
+    EXPECT_NE(json.find(status), std::string::npos) << status;
+  EXPECT_NE(html.find("<svg id=\"scatter\""), std::string::npos);
+  EXPECT_NE(html.find("id=\"winner\""), std::string::npos);
+  EXPECT_NE(html.find(winner), std::string::npos);
+  const std::vector<const Result*> r = p.ranked();
+  ASSERT_GE(r.size(), 2u);
+  EXPECT_NE(why_line(*r[0], *r[1]).find(winner), std::string::npos);
+  EXPECT_NE(format_explain(*r[1], *r[0]).find("where the step's time goes"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ranklab::plan
