@@ -42,6 +42,10 @@ bool unpoison_below(char* frame) {
 
 }  // namespace
 
+__attribute__((noinline)) void unpoison_dead_stack() {
+  unpoison_below(static_cast<char*>(__builtin_frame_address(0)));
+}
+
 AsanFiberStacks::AsanFiberStacks(std::size_t count, std::size_t bytes) : bytes_(bytes) {
   tl_stacks.clear();
   tl_stacks.reserve(count);

@@ -19,6 +19,15 @@
 
 namespace ranklab::sim {
 
+// Code that runs while an exception unwinds a fiber's stack (a destructor in a cleanup, before any
+// handler) can call into frames that reuse the dead ones below it, whose redzones are still poisoned: the
+// sanitizer build unpoisons the calling fiber's stack below the caller here. Elsewhere it does nothing.
+#if defined(RANKLAB_SANITIZE)
+void unpoison_dead_stack();
+#else
+inline void unpoison_dead_stack() {}
+#endif
+
 // Hands out heap stacks and remembers, per rank (the order in which fibers take them), where each is. The
 // record belongs to the launching thread, on which the fibers run.
 class AsanFiberStacks {

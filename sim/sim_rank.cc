@@ -14,6 +14,7 @@
 #include "common/dtype_round.h"
 #include "common/errors.h"
 #include "common/random.h"
+#include "sim/asan_fibers.h"
 #include "sim/scheduler.h"
 
 namespace ranklab::sim {
@@ -1163,6 +1164,8 @@ void SimRank::region_begin(const std::string& name) {
 }
 
 void SimRank::region_end() {
+  // Regions end in destructors, also while an out-of-memory error unwinds the rank's stack.
+  unpoison_dead_stack();
   if (regions_.empty()) throw UsageError(where("region_end") + ": no region is open");
   world_.add_region(rank_, regions_.back().first, regions_.back().second, s_.host_us);
   regions_.pop_back();
