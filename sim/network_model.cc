@@ -276,19 +276,6 @@ std::vector<LinkTraffic> NetworkModel::link_traffic() const {
   return out;
 }
 
-CommCost NetworkModel::collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root,
-                                  double /*start_us*/) {
-  const CommPlan plan = plan_collective(op, bytes, ranks, root);
-  record(plan);
-  return {duration_us(plan), plan.name()};
-}
-
-CommCost NetworkModel::point_to_point(int src, int dst, std::int64_t bytes, double /*start_us*/) {
-  const CommPlan plan = plan_p2p(src, dst, bytes);
-  record(plan);
-  return {duration_us(plan), plan.name()};
-}
-
 PlanFlows plan_flows(const Topology& topo, const std::vector<const CommPlan*>& plans) {
   PlanFlows out;
   std::unordered_map<LinkId, std::uint32_t> index;

@@ -8,8 +8,8 @@
 //   2. time: the plan's latency (NCCL's prediction for what it picked, times the profile's
 //      nccl.latency_scale: NCCL chooses with its own model, the machine runs with its real latency) plus
 //      the time its flows take sharing the links max-min fairly
-//      (sim/max_min.h). CommCost gives the time with the machine to itself; the engine, which knows what
-//      else is in flight, can share the links between plans instead.
+//      (sim/max_min.h). duration_us(plan) gives the time with the machine to itself; the engine, which knows
+//      what else is in flight, can share the links between plans instead.
 // Every payload byte a plan moves is counted on each link it crosses (record()); the RunReport gets the
 // totals per link (and so per tier: NVLink, PCIe, network).
 //
@@ -35,11 +35,6 @@ struct SimConfig;
 }
 
 namespace ranklab::sim {
-
-struct CommCost {
-  double duration_us = 0;
-  std::string algorithm;  // "ring/simple", "nvls/simple", ...
-};
 
 // What NCCL_ALGO and NCCL_PROTO would force; "" lets the model choose. An algorithm or protocol that an
 // operation cannot use on this topology is ignored for it, as NCCL falls back when a forced choice is
@@ -87,11 +82,6 @@ class NetworkModel {
   void record(const CommPlan& plan);
   // Bytes carried by each directed link so far (links that carried none are left out), in link order.
   std::vector<LinkTraffic> link_traffic() const;
-
-  // ---- the simulator's calls: plan, record, and the time alone on the machine -------------------------
-  CommCost collective(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root,
-                      double start_us);
-  CommCost point_to_point(int src, int dst, std::int64_t bytes, double start_us);
 
  private:
   struct Shape {
