@@ -472,6 +472,12 @@ std::string format_summary(const RunReport& report) {
     out += "\n";
     format_traffic(out, report.links);
   }
+  if (report.late_starts > 0) {
+    out += fmt::format(
+        "\n{} transfer{} started in the simulator's past (a rank a barrier woke behind the present) and ran "
+        "alone up to it: {} contention with transfers that had already ended is not modelled\n",
+        report.late_starts, report.late_starts == 1 ? "" : "s", report.late_starts == 1 ? "its" : "their");
+  }
   if (!report.checks.empty()) {
     std::size_t failed = std::count_if(report.checks.begin(), report.checks.end(),
                                        [](const CheckRecord& c) { return !c.passed; });
@@ -676,6 +682,7 @@ std::string report_to_json(const RunReport& report) {
       {"gpus_per_node", report.gpus_per_node},
       {"options", report.options},
       {"makespan_us", report.makespan_us},
+      {"late_starts", report.late_starts},
       {"ranks", array_of(report.ranks)},
       {"spans", array_of(report.spans)},
       {"collectives", array_of(report.collectives)},
@@ -709,6 +716,7 @@ RunReport report_from_json(const std::string& text) {
   top.get(root, "gpus_per_node", report.gpus_per_node);
   top.get(root, "options", report.options);
   top.get(root, "makespan_us", report.makespan_us);
+  top.get(root, "late_starts", report.late_starts);
 
   report.ranks = read_array<RankSummary>(root, "ranks", [](const json& e, auto reader) {
     Reader r = reader();

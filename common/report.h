@@ -117,6 +117,9 @@ struct RunReport {
   // reports of different configurations and `calibrate` can simulate the same run again.
   std::map<std::string, std::string> options;
   double makespan_us = 0;  // the latest rank's end
+  // Simulator: transfers that started in the engine's past (a rank a barrier woke behind the present), run
+  // alone up to it, so their contention with what had already ended is not modelled. 0 elsewhere.
+  std::int64_t late_starts = 0;
   std::vector<RankSummary> ranks;
   std::vector<Span> spans;
   std::vector<CollectiveRecord> collectives;

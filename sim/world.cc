@@ -709,6 +709,7 @@ RunReport SimWorld::finish_report() {
   }
   progress_.finish();
   report_.links = network_->link_traffic();
+  report_.late_starts = engine_.late_starts();
   summarize_spans(report_);
   // A mirror's figures are its representative's.
   if (!rep_.empty()) {

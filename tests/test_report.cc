@@ -64,6 +64,15 @@ TEST(RunReport, ChecksAndTraffic) {
   EXPECT_EQ(r.total_link_bytes(), 1000 + (std::int64_t{1} << 40));
 }
 
+TEST(RunReport, LateStartsAreSaidAndKept) {
+  RunReport r;
+  r.world = 1;
+  EXPECT_EQ(format_summary(r).find("started in the simulator's past"), std::string::npos);
+  r.late_starts = 3;
+  EXPECT_NE(format_summary(r).find("3 transfers started in the simulator's past"), std::string::npos);
+  EXPECT_EQ(report_from_json(report_to_json(r)).late_starts, 3);
+}
+
 TEST(SummarizeSpans, OverlapsByHand) {
   RunReport r;
   r.world = 3;
