@@ -4,8 +4,11 @@
 // function runs on the simulator (ranks are fibers, time is virtual) and on the real backend (ranks are
 // GPUs). The semantics follow CUDA + NCCL so that what a lesson teaches is true on GPUs:
 //
-//  - Each rank has a host clock and two streams, compute and communication. Compute ops are kernels on
-//    the compute stream; collectives run on the communication stream. Neither blocks the host.
+//  - Each rank has a host clock, one compute stream and several communication streams. Compute ops are
+//    kernels on the compute stream. Each group's collectives run on a stream of that group's (as each
+//    torch.distributed process group has its own NCCL communicator and stream), so collectives of
+//    different groups overlap; point-to-point traffic with each peer has a stream of its own. Nothing
+//    blocks the host.
 //  - A collective called with Async::No makes the compute stream wait for it (the host does not), as
 //    torch.distributed does with NCCL. With Async::Yes it returns a Work; `wait()` makes the compute
 //    stream wait. Reading a tensor whose async collective has not been waited on is an error (on a GPU
@@ -319,7 +322,7 @@ class Rank {
   virtual Group new_group(const std::vector<int>& ranks) = 0;
 
   // ---- time -----------------------------------------------------------------------------------------
-  virtual void synchronize() = 0;  // the host waits for both streams
+  virtual void synchronize() = 0;  // the host waits for every stream of the rank
   virtual double now() = 0;        // host clock, microseconds since launch
   // A marker on the compute stream (cudaEventRecord): it completes when the kernels launched before it
   // have. Recording does not block the host, so a lesson can time its phases without synchronising.
