@@ -111,6 +111,20 @@ const std::map<std::string, std::function<double(int)>>& cases() {
                      })
              .makespan_us;
        }},
+      {"b2b",
+       [](int n) {
+         // Here the size is not the world: 8 ranks post n synchronous all_reduces back to back and
+         // synchronize once, so n operations wait in line on one stream.
+         SimBackend backend(config_for(8));
+         return backend
+             .launch(8,
+                     [n](Rank& r) {
+                       Tensor t = r.phantom({1 << 20});
+                       for (int i = 0; i < n; ++i) r.all_reduce(t, ReduceOp::Sum);
+                       r.synchronize();
+                     })
+             .makespan_us;
+       }},
       {"allreduce",
        [](int w) {
          SimBackend backend(config_for(w));

@@ -1060,6 +1060,14 @@ Work SimRank::communicate(const CommCall& call) {
   world_.before_issue(rank_);
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
+    // A synchronous collective ends after every earlier operation of its group's stream (it depends on the
+    // stream's last one), so it stands for the earlier synchronous ones there: back-to-back collectives
+    // keep this list as short as the number of streams, not as long as the number of calls.
+    if (call.op != CommOp::Send && call.op != CommOp::Recv && s_.p2p_group == 0) {
+      std::erase_if(s_.unfolded_sync, [&](const std::shared_ptr<CommOpState>& earlier) {
+        return earlier->op != CommOp::Send && earlier->group_id == op->group_id;
+      });
+    }
     s_.unfolded_sync.push_back(op);
     return Work();
   }
