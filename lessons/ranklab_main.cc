@@ -31,6 +31,7 @@
 #include "common/html_report.h"
 #include "common/lesson.h"
 #include "common/measurements.h"
+#include "common/output_files.h"
 #include "common/profile.h"
 #include "common/progress.h"
 #include "common/replay.h"
@@ -195,28 +196,6 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
 #endif
   }
   throw UsageError(fmt::format("unknown backend '{}'; choose sim or cuda", name));
-}
-
-void write_file(const std::filesystem::path& path, const std::string& text) {
-  std::ofstream f(path);
-  f << text;
-  f.close();
-  if (!f) throw UsageError(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno)));
-}
-
-// The --report folder, made and tried before a run that may take long, so a folder that cannot be
-// written fails at once.
-void prepare_report_dir(const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw UsageError(fmt::format("--report {}: cannot create the folder: {}", dir, ec.message()));
-  const std::filesystem::path probe = std::filesystem::path(dir) / ".ranklab-write-test";
-  {
-    std::ofstream f(probe);
-    if (!f)
-      throw UsageError(fmt::format("--report {}: cannot write in the folder: {}", dir, std::strerror(errno)));
-  }
-  std::filesystem::remove(probe, ec);
 }
 
 // The simulator's choice of algorithm is a pure function of the profile, the forced choices and the call,

@@ -10,6 +10,7 @@
 
 #include "common/errors.h"
 #include "common/lesson.h"
+#include "common/output_files.h"
 #include "lessons/gpt/presets.h"
 #include "plan/plan_report.h"
 #include "plan/search.h"
@@ -17,23 +18,6 @@
 namespace ranklab::plan {
 
 namespace {
-
-void write_file(const std::filesystem::path& path, const std::string& text) {
-  std::ofstream f(path);
-  f << text;
-  f.close();
-  if (!f) throw UsageError(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno)));
-}
-
-// The --report folder, made before a search that may take minutes, so that one that cannot be made fails
-// at once.
-void prepare_report_dir(const std::string& dir) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw UsageError(fmt::format("--report {}: cannot create the folder: {}", dir, ec.message()));
-  write_file(std::filesystem::path(dir) / ".ranklab-write-test", "");
-  std::filesystem::remove(std::filesystem::path(dir) / ".ranklab-write-test", ec);
-}
 
 void at_least(std::int64_t v, std::int64_t minimum, const char* flag) {
   if (v < minimum) throw UsageError(fmt::format("plan: {} must be at least {} (got {})", flag, minimum, v));
