@@ -796,9 +796,12 @@ void SimWorld::check_symmetric_group(const std::vector<int>& ranks) const {
   }
 }
 
-const std::vector<std::vector<int>>& SimWorld::images(const std::vector<int>& ranks) {
-  auto [it, inserted] = images_.try_emplace(ranks);
+const std::vector<std::vector<int>>& SimWorld::images(const CommOpState& op) {
+  const bool p2p = op.op == CommOp::Send;
+  auto [it, inserted] =
+      images_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
   if (!inserted) return it->second;
+  const std::vector<int>& ranks = op.ranks;
   std::set<std::vector<int>> seen;
   std::vector<int> key(ranks);
   std::sort(key.begin(), key.end());
@@ -827,7 +830,7 @@ void SimWorld::schedule_images(const CommOpState& op, double start_us) {
   const int root_pos =
       p2p ? -1 : static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), lead.peer) - op.ranks.begin());
   const std::int64_t bytes = p2p ? lead.input.bytes() : nccl_size_bytes(op);
-  for (const std::vector<int>& image : images(op.ranks)) {
+  for (const std::vector<int>& image : images(op)) {
     const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
     CommPlan plan = p2p                     ? network_->plan_p2p(image[0], image[1], bytes)
                     : uneven_all_to_all(op) ? network_->plan_all_to_all(image, all_to_all_pair_bytes(op))

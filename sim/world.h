@@ -158,8 +158,9 @@ class SimWorld {
   int translate(int rank, int t) const;
   // UsageError unless a group that holds a representative holds the representative of each member.
   void check_symmetric_group(const std::vector<int>& ranks) const;
-  // The groups the symmetry maps `ranks` to, other than `ranks` itself, each in the same member order.
-  const std::vector<std::vector<int>>& images(const std::vector<int>& ranks);
+  // The groups the symmetry maps `op`'s ranks to, other than theirs, each in the same member order; made
+  // once per group (or pair), as group_names_ is keyed.
+  const std::vector<std::vector<int>>& images(const CommOpState& op);
   // Runs the images of an operation that starts at `start_us` beside it: what the other classes do at
   // the same moment.
   void schedule_images(const CommOpState& op, double start_us);
@@ -168,7 +169,7 @@ class SimWorld {
   std::vector<int> replicated_dims_;  // indices into dims_
   int translations_ = 1;              // the product of the replicated dimensions
   int running_ = 0;
-  std::map<std::vector<int>, std::vector<std::vector<int>>> images_;
+  std::map<std::pair<int, int>, std::vector<std::vector<int>>> images_;  // (group id, -1) or (src, dst)
   // Whether some transfer crossed a spine: the fabric's leaves and its hashed spine choice (ECMP) need not
   // map onto each other as the ranks do, so the replicas' transfers may share links otherwise than the
   // representatives' and the run is no longer exactly the full one.
