@@ -349,12 +349,12 @@ void pipeline_parallel(Rank& r, const Options& o) {
       loss /= static_cast<double>(o.batch);
       d.merge(mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss"));
     }
-    worst.merge(d);
+    worst.merge_step(d);
     mlp::check_step(r, "pipeline_parallel", step, "every stage's gradients and weights, and the loss,", d,
                     fmt::format("stage {}{}: ", stage, last_stage ? " (with the loss)" : ""));
     if (last_stage && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, ref->loss(), d.ok() ? "ok" : "DIFFERENT"));
+                          mlp::format_time(step_us), loss, ref->loss(), mlp::verdict(d)));
     }
   }
 
@@ -412,7 +412,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     return;
   }
   r.print(fmt::format("equal to one device over the full batch after every step (each stage's layers): {}",
-                      mlp::agreement(used, rel)));
+                      mlp::agreement(used, rel, worst.undecided_steps == 0)));
 }
 
 }  // namespace

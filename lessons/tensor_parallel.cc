@@ -144,11 +144,11 @@ void megatron_pairs(Rank& r, const Options& o) {
       d.merge(mlp::compare(r.to_host(w[l]), mine(ref->weight(l)), mine(ref->weight_bound(l)),
                            fmt::format("layer {} weight", l), cols));
     }
-    worst.merge(d);
+    worst.merge_step(d);
     mlp::check_step(r, "tensor_parallel --megatron", step, "loss, gradients and weight blocks", d);
     if (rank == 0 && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, ref->loss(), d.ok() ? "ok" : "DIFFERENT"));
+                          mlp::format_time(step_us), loss, ref->loss(), mlp::verdict(d)));
     }
   }
   if (rank != 0) return;
@@ -159,7 +159,7 @@ void megatron_pairs(Rank& r, const Options& o) {
   if (!o.phantom)
     r.print(
         fmt::format("rank 0's blocks equal to one device's after every step (every rank checks its own): {}",
-                    mlp::agreement(worst.worst, worst.relative())));
+                    mlp::agreement(worst.worst, worst.relative(), worst.undecided_steps == 0)));
 }
 
 void tensor_parallel(Rank& r, const Options& o) {
@@ -270,10 +270,9 @@ void tensor_parallel(Rank& r, const Options& o) {
       const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
       mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
       d.merge(mlp::compare_layers(r, *ref, grads, w, 0, first_col, cols));
-      worst.merge(d);
+      worst.merge_step(d);
       mlp::check_step(r, "tensor_parallel", step, "loss, gradients and weight columns", d);
-      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, ref->loss(),
-                          d.ok() ? "ok" : "DIFFERENT");
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, ref->loss(), mlp::verdict(d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }
@@ -316,7 +315,7 @@ void tensor_parallel(Rank& r, const Options& o) {
   r.print(fmt::format(
       "equal to one device over the full batch after every step (each rank's columns of the gradients and "
       "weights): {}",
-      mlp::agreement(used, rel)));
+      mlp::agreement(used, rel, worst.undecided_steps == 0)));
 }
 
 }  // namespace

@@ -187,7 +187,7 @@ StageResult train(Rank& r, const Options& o, int stage) {
     if (rank == 0 && !o.quiet) {
       r.print(fmt::format("  ZeRO-{} step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", stage, step,
                           o.steps, mlp::format_time(res.step_us), loss_all, ref.loss(),
-                          d.ok() ? "ok" : "DIFFERENT"));
+                          mlp::verdict(d)));
     }
   }
   res.worst = worst.worst;
