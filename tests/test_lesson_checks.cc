@@ -80,33 +80,51 @@ TEST(LessonChecks, TrainingLessonsHoldAt64Ranks) {
   training_lessons_hold_at(64);
 }
 
-TEST(LessonChecks, TensorParallelAtTheToursSizesOn64Ranks) {
+Options tensor_parallel_at_64() {
   // The tour's batch and width at 64 ranks, 64 layers deep: one column a rank, every layer's input
-  // gradient summed across all 64 ranks. Relu inputs within rounding of zero (flips) make float32 runs
-  // differ; counted at their deviation rather than at lambda of it, their sum ran past its bound here on
-  // a correct run (143 failed checks). Step 1 must be decided and pass on every rank; later steps pass or
-  // say that the bound has outgrown the values, and none may fail.
+  // gradient summed across all 64 ranks.
   Options o;
   o.world = 64;
   o.dim = 64;
   o.layers = 64;
   o.batch = 256;
   o.quiet = true;
+  return o;
+}
+
+TEST(LessonChecks, TensorParallelAtTheToursSizesOn64Ranks) {
+  // Relu inputs within rounding of zero (flips) make float32 runs differ; counted at their deviation
+  // rather than at lambda of it, their sum ran past its bound here on a correct run (143 failed checks).
+  // Step 1 must be decided and pass on every rank; later steps pass or say that the bound has outgrown
+  // the values, and none may fail.
+  Options o = tensor_parallel_at_64();
+#if defined(RANKLAB_SANITIZE)
+  o.steps = 1;  // the one-device reference in double costs seconds a step at this depth
+#endif
   const RunReport rep = run("tensor_parallel", o, nodes_for(o.world));
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   int first_step = 0;
-  for (const CheckRecord& c : rep.checks)
+  for (const CheckRecord& c : rep.checks) {
     first_step += c.passed && c.what.rfind("tensor_parallel step 1:", 0) == 0;
+  }
   EXPECT_EQ(first_step, 64);
-  EXPECT_TRUE(printed(rep,
-                      "tensor_parallel step 3: not decided: 129 of 129 tensors compared have a bound as "
-                      "large as their values"));
+  if (o.steps >= 3) {
+    EXPECT_TRUE(printed(rep,
+                        "tensor_parallel step 3: not decided: 129 of 129 tensors compared have a bound "
+                        "as large as their values"));
+  }
+}
+
+TEST(LessonChecks, AWrongSplitFailsAtTheToursSizesOn64Ranks) {
   // The looser bound still catches a wrong split at this depth, on every rank, at the first step.
+  Options o = tensor_parallel_at_64();
+  o.steps = 1;
   o.broken = "wrong-slice";
-  const RunReport broken = run("tensor_parallel", o, nodes_for(o.world));
+  const RunReport rep = run("tensor_parallel", o, nodes_for(o.world));
   int failed = 0;
-  for (const CheckRecord& c : broken.checks)
+  for (const CheckRecord& c : rep.checks) {
     failed += !c.passed && c.what.rfind("tensor_parallel step 1:", 0) == 0;
+  }
   EXPECT_EQ(failed, 64);
 }
 
