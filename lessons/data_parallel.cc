@@ -244,9 +244,9 @@ void data_parallel(Rank& r, const Options& o) {
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce call{}, {} in all ({}: the lecture's one gradient "
       "synchronisation per step, after backward)",
-      traffic.calls, traffic.calls == 1 ? "" : "s", mlp::format_bytes(traffic.bytes),
+      traffic.calls, traffic.calls == 1 ? "" : "s", format_bytes(traffic.bytes),
       o.overlap ? "one per bucket of gradients" : "one per layer's gradient"));
-  r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
+  r.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak)));
   if (o.phantom) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;

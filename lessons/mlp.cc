@@ -720,16 +720,6 @@ std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes) {
   return o.optimizer == "adamw" ? 2 * param_bytes : 0;
 }
 
-std::string format_bytes(double bytes) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  while (std::fabs(bytes) >= 1024 && u < 5) {
-    bytes /= 1024;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.1f} {}", bytes, units[u]);
-}
-
 std::string launch_note(double launched_us, double step_us) {
   if (step_us <= 0 || launched_us < 0.9 * step_us) return "";
   return fmt::format(

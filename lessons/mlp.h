@@ -19,6 +19,7 @@
 
 #include "common/lesson.h"
 #include "common/rank.h"
+#include "common/units.h"
 
 namespace ranklab::mlp {
 
@@ -220,7 +221,7 @@ struct Memory {
   std::int64_t params = 0, grads = 0, optimizer = 0, activations = 0;
   std::int64_t total() const { return params + grads + optimizer + activations; }
 };
-// "params 64.0 KiB  grads 64.0 KiB  optimizer 0 B  activations 40.0 KiB  total 168.0 KiB"
+// "params 64 KiB  grads 64 KiB  optimizer 0 B  activations 40 KiB  total 168 KiB"
 std::string format_memory(const Memory& m);
 // The bytes of a float32 tensor of `n` elements.
 inline std::int64_t f32_bytes(std::int64_t n) {
@@ -234,8 +235,6 @@ std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes);
 // what makes compute visible. Empty otherwise.
 std::string launch_note(double launched_us, double step_us);
 
-// "1.5 KiB", "3.0 GiB"
-std::string format_bytes(double bytes);
 // "12.3 us", "4.56 ms", "1.23 s"
 std::string format_time(double us);
 

@@ -155,7 +155,7 @@ void megatron_pairs(Rank& r, const Options& o) {
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce calls, {} in all (one per pair of layers forward, one "
       "per pair but the first backward), against {} collectives of the all_gather scheme",
-      traffic.calls, mlp::format_bytes(traffic.bytes), 2 * layers - 1));
+      traffic.calls, format_bytes(traffic.bytes), 2 * layers - 1));
   if (!o.phantom)
     r.print(
         fmt::format("rank 0's blocks equal to one device's after every step (every rank checks its own): {}",
@@ -293,7 +293,7 @@ void tensor_parallel(Rank& r, const Options& o) {
       "communication per rank per step: {} collectives, {} in all ({} all_gather in the forward, {} "
       "reduce_scatter in the backward: one at every layer, in the middle of the computation, which waits "
       "for it)",
-      traffic.calls, mlp::format_bytes(traffic.bytes), layers, layers - 1));
+      traffic.calls, format_bytes(traffic.bytes), layers, layers - 1));
   // What data parallelism would move for the same model: every gradient, dim x dim per layer, all-reduced
   // once per step after backward (one all_reduce per layer's gradient, or per bucket).
   const double dp_bytes = static_cast<double>(layers) * mlp::f32_bytes(o.dim * o.dim);
@@ -302,12 +302,12 @@ void tensor_parallel(Rank& r, const Options& o) {
       "overlappable with backward. Per layer, tensor parallelism moves about 2 x batch x dim numbers and "
       "data parallelism dim x dim: tensor parallelism moves more once the batch (in a transformer, the "
       "tokens of a step: batch x sequence, often millions) exceeds half the width{}",
-      mlp::format_bytes(dp_bytes), layers, o.dim, o.dim,
+      format_bytes(dp_bytes), layers, o.dim, o.dim,
       2 * o.batch < o.dim ? fmt::format("; here batch {} < dim {} / 2, so it moves less, but still at every "
                                         "layer, on the critical path",
                                         o.batch, o.dim)
                           : ""));
-  r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
+  r.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak)));
   if (o.phantom) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;

@@ -51,7 +51,7 @@ void tour(Rank& r, const Options& given) {
   o.micro_batches = 4;
   o.phantom = false;
   o.overlap = false;
-  o.count = 1'000'000;  // the benchmark's collective: 4 MB
+  o.count = 1'000'000;  // the benchmark's collective: 3.81 MiB
   o.sweep = false;
   o.wrong_order = false;
 
@@ -173,10 +173,10 @@ void tour(Rank& r, const Options& given) {
     r.print("");
     r.print("==== a model larger than one device ====");
     r.print(
-        fmt::format("{} layers of {} x {} with AdamW need {:.0f} GiB for weights, gradients and optimizer "
-                    "state; one device holds {:.0f} GiB.",
-                    huge.layers, huge.dim, huge.dim, per_layer * huge.layers / (1u << 30),
-                    static_cast<double>(r.memory_capacity()) / (1u << 30)));
+        fmt::format("{} layers of {} x {} with AdamW need {} for weights, gradients and optimizer state; one "
+                    "device holds {}.",
+                    huge.layers, huge.dim, huge.dim, format_bytes(per_layer * huge.layers),
+                    format_bytes(static_cast<double>(r.memory_capacity()))));
   }
   try {
     section(r, "data_parallel", huge, {"Data parallelism keeps all of it on every rank:"});
