@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/lesson.h"
 #include "common/report.h"
@@ -391,6 +393,36 @@ TEST(Tour, RunsAtFourRanksWithEveryCheckPassing) {
   o.quiet = true;
   const RunReport rep = run("tour", o, 1);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  // Each word is explained once, before the first line that uses it.
+  auto first = [&](const std::string& text) {
+    for (size_t i = 0; i < rep.output.size(); ++i) {
+      if (rep.output[i].find(text) != std::string::npos) return static_cast<long>(i);
+    }
+    return -1L;
+  };
+  auto count = [&](const std::string& text) {
+    long n = 0;
+    for (const std::string& line : rep.output) n += line.find(text) != std::string::npos;
+    return n;
+  };
+  const std::vector<std::pair<std::string, std::string>> words = {
+      {"[ring/ll, nvls/simple]", "all_reduce of 3.81 MiB ["},  // [the algorithm] the backend chose
+      {"[algbw, busbw]", "algbw = size / duration"},
+      {"[launch overhead]", "launch overhead dominates"},
+      {"[phantom tensors]", "phantom tensors hold no numbers"},
+      {"[bubble]", "bubble fraction"},
+      {"[comm, comm wait, exposed, idle]", "The end of the tour"},
+  };
+  for (const auto& [word, use] : words) {
+    SCOPED_TRACE(word);
+    EXPECT_EQ(count("  " + word + " "), 1);
+    ASSERT_GE(first(use), 0) << "the tour no longer prints what the word explains";
+    if (word.rfind("[comm", 0) == 0) {
+      EXPECT_GT(first("  " + word + " "), first(use));  // the report's words: after the tour, before it
+    } else {
+      EXPECT_LT(first("  " + word + " "), first(use));
+    }
+  }
 }
 
 }  // namespace
