@@ -205,7 +205,7 @@ std::map<Key, std::vector<const T*>> by_key(const std::vector<T>& items, KeyOf k
 }
 
 std::string collective_what(const CollectiveRecord& c) {
-  return fmt::format("{} {} on {}", comm_op_name(c.op), human_bytes(static_cast<double>(c.bytes)), c.group);
+  return fmt::format("{} {} on {}", comm_op_name(c.op), format_bytes(static_cast<double>(c.bytes)), c.group);
 }
 
 std::string percent(double error) {
@@ -534,14 +534,14 @@ void busbw_section(std::string& out, const Comparison& c) {
     out += fmt::format(
         "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2}\" stroke=\"#e4e7eb\"/><text x=\"{0:.1f}\" "
         "y=\"{3}\" text-anchor=\"middle\">{4}</text>\n",
-        sx(v), T, H - B, H - B + 14, html_escape(human_bytes(v)));
+        sx(v), T, H - B, H - B + 14, html_escape(format_bytes(v)));
   }
   for (double e = ly0; e <= ly1; ++e) {
     const double v = std::pow(10, e);
     out += fmt::format(
         "<line x1=\"{0}\" x2=\"{1}\" y1=\"{2:.1f}\" y2=\"{2:.1f}\" stroke=\"#e4e7eb\"/><text x=\"{3}\" "
         "y=\"{4:.1f}\" text-anchor=\"end\">{5}</text>\n",
-        L, W - R, sy(v), L - 6, sy(v) + 4, html_escape(human_bw(v)));
+        L, W - R, sy(v), L - 6, sy(v) + 4, html_escape(format_gbps(v)));
   }
   out += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">size (nccl-tests' size)</text>\n",
                      (L + W) / 2, H - 6);

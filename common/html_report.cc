@@ -442,11 +442,12 @@ void topology_section(std::string& out, const RunReport& r) {
     const double stroke = 1.2 + 3.3 * f;
     const std::string colour = heat_colour(f);
     std::string title = fmt::format("{} ({}): {}", l.traffic->link, l.traffic->tier,
-                                    human_bytes(static_cast<double>(l.traffic->bytes)));
+                                    format_bytes(static_cast<double>(l.traffic->bytes)));
     if (l.traffic->bandwidth_gbps > 0 && r.makespan_us > 0) {
       const double util =
           static_cast<double>(l.traffic->bytes) / (l.traffic->bandwidth_gbps * 1e3 * r.makespan_us);
-      title += fmt::format(", {:.1f}% of {} over the run", 100 * util, human_bw(l.traffic->bandwidth_gbps));
+      title +=
+          fmt::format(", {:.1f}% of {} over the run", 100 * util, format_gbps(l.traffic->bandwidth_gbps));
     }
     std::string path;
     if (a.layer == b.layer) {
@@ -497,7 +498,7 @@ void topology_section(std::string& out, const RunReport& r) {
   out += "</linearGradient></defs>\n";
   const std::string top_label =
       by_util ? fmt::format("the busiest link: {:.2g}% of its capacity over the run", 100 * top_value)
-              : human_bytes(top_value);
+              : format_bytes(top_value);
   out += fmt::format(
       "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"160\" height=\"10\" fill=\"url(#heat)\"/>"
       "<text x=\"{:.1f}\" y=\"{:.1f}\">0</text><text x=\"{:.1f}\" y=\"{:.1f}\">{}</text>"
@@ -524,7 +525,7 @@ void links_table(std::string& out, const RunReport& r) {
   out += "<p class=\"sub\">";
   for (std::size_t i = 0; i < tiers.size(); ++i) {
     out += fmt::format("{}{}: {} over {} link{}", i ? "; " : "", html_escape(std::get<0>(tiers[i])),
-                       human_bytes(static_cast<double>(std::get<1>(tiers[i]))), std::get<2>(tiers[i]),
+                       format_bytes(static_cast<double>(std::get<1>(tiers[i]))), std::get<2>(tiers[i]),
                        std::get<2>(tiers[i]) == 1 ? "" : "s");
   }
   out += "</p>\n";
@@ -541,8 +542,8 @@ void links_table(std::string& out, const RunReport& r) {
     const bool known = l->bandwidth_gbps > 0 && r.makespan_us > 0;
     out += fmt::format(
         "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
-        html_escape(l->link), html_escape(l->tier), human_bytes(static_cast<double>(l->bytes)),
-        l->bandwidth_gbps > 0 ? human_bw(l->bandwidth_gbps) : "?",
+        html_escape(l->link), html_escape(l->tier), format_bytes(static_cast<double>(l->bytes)),
+        l->bandwidth_gbps > 0 ? format_gbps(l->bandwidth_gbps) : "?",
         known ? fmt::format("{:.1f}%",
                             100.0 * static_cast<double>(l->bytes) / (l->bandwidth_gbps * 1e3 * r.makespan_us))
               : "?");
@@ -586,21 +587,21 @@ void training_section(std::string& out, const RunReport& r) {
                                                         {"activations", t.activations_bytes}};
   const char* colours[] = {"var(--compute)", "var(--comm)", "var(--region)", "var(--wait)"};
   out += fmt::format(
-      "<p>peak memory {}{}</p>\n<div class=\"bar\">", human_bytes(static_cast<double>(t.peak_memory_bytes)),
+      "<p>peak memory {}{}</p>\n<div class=\"bar\">", format_bytes(static_cast<double>(t.peak_memory_bytes)),
       capacity > 0
-          ? fmt::format(" of {} ({:.1f}%)", human_bytes(static_cast<double>(capacity)),
+          ? fmt::format(" of {} ({:.1f}%)", format_bytes(static_cast<double>(capacity)),
                         100.0 * static_cast<double>(t.peak_memory_bytes) / static_cast<double>(capacity))
           : "");
   for (int i = 0; i < 4; ++i) {
     if (whole <= 0 || parts[i].second <= 0) continue;
     out += fmt::format("<i title=\"{} {}\" style=\"width:{:.2f}%;background:{}\"></i>", parts[i].first,
-                       human_bytes(static_cast<double>(parts[i].second)),
+                       format_bytes(static_cast<double>(parts[i].second)),
                        100 * static_cast<double>(parts[i].second) / whole, colours[i]);
   }
   out += "</div>\n<div class=\"legend\">";
   for (int i = 0; i < 4; ++i) {
     out += fmt::format("<span style=\"--c:{}\">{} {}</span>", colours[i], parts[i].first,
-                       human_bytes(static_cast<double>(parts[i].second)));
+                       format_bytes(static_cast<double>(parts[i].second)));
   }
   out += "</div>\n</section>\n";
 }
@@ -906,9 +907,9 @@ void collectives_section(std::string& out, const RunReport& r) {
         "<tr><td class=\"l\">{}</td><td>{}</td><td>{}</td><td "
         "class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td>"
         "<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
-        comm_op_name(row.op), human_bytes(static_cast<double>(row.bytes)), row.group_size,
+        comm_op_name(row.op), format_bytes(static_cast<double>(row.bytes)), row.group_size,
         html_escape(row.algorithm), row.count, human_time(mean_us), human_time(row.min_us),
-        human_time(row.max_us), human_time(row.total_us), human_bw(algbw), human_bw(busbw));
+        human_time(row.max_us), human_time(row.total_us), format_gbps(algbw), format_gbps(busbw));
   }
   out += "</table></div>\n";
 }
@@ -948,8 +949,8 @@ void ranks_section(std::string& out, const RunReport& r) {
     out += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"l\"><div class=\"bar\"><i "
         "style=\"width:{:.2f}%;background:{}\"></i></div></td></tr>\n",
-        s.rank, human_bytes(static_cast<double>(s.peak_bytes)),
-        s.capacity_bytes > 0 ? human_bytes(static_cast<double>(s.capacity_bytes)) : "?",
+        s.rank, format_bytes(static_cast<double>(s.peak_bytes)),
+        s.capacity_bytes > 0 ? format_bytes(static_cast<double>(s.capacity_bytes)) : "?",
         s.capacity_bytes > 0 ? fmt::format("{:.1f}%", 100 * used) : "?", std::min(100.0, 100 * used),
         used > 0.9 ? "var(--wait)" : "var(--region)");
   }

@@ -234,31 +234,12 @@ std::string human_time(double us) {
   return fmt::format("{:.3f} s", us / 1e6);
 }
 
-std::string human_bytes(double bytes) {
-  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  int u = 0;
-  while (std::fabs(bytes) >= 1024 && u < 5) {
-    bytes /= 1024;
-    ++u;
-  }
-  // Whole numbers (the usual power-of-two message sizes) print without a fraction; others with three
-  // significant digits.
-  if (bytes == std::floor(bytes)) return fmt::format("{:.0f} {}", bytes, units[u]);
-  int decimals = std::fabs(bytes) >= 100 ? 0 : std::fabs(bytes) >= 10 ? 1 : 2;
-  return fmt::format("{:.{}f} {}", bytes, decimals, units[u]);
-}
-
-// Small messages are all latency, so their bandwidth is far below 1 GB/s; MB/s keeps the digits visible.
-std::string human_bw(double gbps) {
-  if (std::fabs(gbps) >= 1 || gbps == 0) return fmt::format("{:.1f} GB/s", gbps);
-  return fmt::format("{:.1f} MB/s", gbps * 1e3);
-}
-
 namespace {
 
 std::string memory_cell(double peak, double capacity) {
-  if (capacity <= 0) return human_bytes(peak);
-  return fmt::format("{} / {} ({:.0f}%)", human_bytes(peak), human_bytes(capacity), 100.0 * peak / capacity);
+  if (capacity <= 0) return format_bytes(peak);
+  return fmt::format("{} / {} ({:.0f}%)", format_bytes(peak), format_bytes(capacity),
+                     100.0 * peak / capacity);
 }
 
 void rank_row(std::string& out, const std::string& label, double end, double compute, double comm,
@@ -351,15 +332,15 @@ void format_collectives(std::string& out, const std::vector<CollectiveRecord>& r
     double algbw = mean_us > 0 ? static_cast<double>(r.bytes) / (mean_us * 1e3) : 0;
     double busbw = r.group_size >= 1 ? algbw * bus_factor(r.op, r.group_size) : 0;
     out += fmt::format("  {:<{}} {:>10} {:>5}  {:<{}} {:>6} {:>11} {:>12} {:>12}\n", comm_op_name(r.op),
-                       op_width, human_bytes(static_cast<double>(r.bytes)), r.group_size, r.algorithm,
-                       algo_width, r.count, human_time(mean_us), human_bw(algbw), human_bw(busbw));
+                       op_width, format_bytes(static_cast<double>(r.bytes)), r.group_size, r.algorithm,
+                       algo_width, r.count, human_time(mean_us), format_gbps(algbw), format_gbps(busbw));
   }
   if (kept_apart > 0) {
     out += fmt::format(
         "  (and {} collective{} of the lesson's own checks and figures, {} in all, left out of this table "
         "and of "
         "the link traffic)\n",
-        kept_apart, kept_apart == 1 ? "" : "s", human_bytes(kept_apart_bytes));
+        kept_apart, kept_apart == 1 ? "" : "s", format_bytes(kept_apart_bytes));
   }
 }
 
@@ -415,8 +396,8 @@ void format_traffic(std::string& out, const std::vector<LinkTraffic>& links) {
   }
   std::vector<std::string> parts;
   for (const auto& [tier, bytes] : tiers)
-    parts.push_back(fmt::format("{} {}", tier, human_bytes(static_cast<double>(bytes))));
-  out += fmt::format("traffic: {} over {} links ({})\n", human_bytes(static_cast<double>(total)),
+    parts.push_back(fmt::format("{} {}", tier, format_bytes(static_cast<double>(bytes))));
+  out += fmt::format("traffic: {} over {} links ({})\n", format_bytes(static_cast<double>(total)),
                      links.size(), fmt::join(parts, ", "));
 }
 
@@ -441,11 +422,11 @@ std::string format_training(const TrainingStats& t) {
     out += fmt::format("  {:<24}{}\n", "exposed communication", parts);
   }
   out += fmt::format("  {:<24}{} = weights {} + grads {} + optimizer {} + activations {}\n", "peak memory",
-                     human_bytes(static_cast<double>(t.peak_memory_bytes)),
-                     human_bytes(static_cast<double>(t.weights_bytes)),
-                     human_bytes(static_cast<double>(t.grads_bytes)),
-                     human_bytes(static_cast<double>(t.optimizer_bytes)),
-                     human_bytes(static_cast<double>(t.activations_bytes)));
+                     format_bytes(static_cast<double>(t.peak_memory_bytes)),
+                     format_bytes(static_cast<double>(t.weights_bytes)),
+                     format_bytes(static_cast<double>(t.grads_bytes)),
+                     format_bytes(static_cast<double>(t.optimizer_bytes)),
+                     format_bytes(static_cast<double>(t.activations_bytes)));
   return out;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/rank.h"
+#include "common/units.h"
 
 namespace ranklab {
 
@@ -152,11 +153,9 @@ std::string format_training(const TrainingStats& t);
 // by op and size, checks.
 std::string format_summary(const RunReport& report);
 
-// The units the summary prints in, for the other writers: "12.5 us" / "3.20 ms" / "1.500 s", "64 MiB",
-// "447.4 GB/s" (MB/s below 1 GB/s).
+// The unit of time the summary prints in, for the other writers: "12.5 us" / "3.20 ms" / "1.500 s". Sizes and
+// bandwidths: format_bytes and format_gbps (common/units.h).
 std::string human_time(double us);
-std::string human_bytes(double bytes);
-std::string human_bw(double gbps);
 
 // The whole report as JSON (schema in docs/report.md).
 std::string report_to_json(const RunReport& report);

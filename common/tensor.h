@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "common/units.h"  // format_bytes, for the messages about tensors
+
 namespace ranklab {
 
 // Element types. Float32 is what the lessons compute in; BFloat16 and Float16 are the 16-bit types mixed
@@ -98,7 +100,5 @@ class Tensor {
 
 // Values in the lecture's notation: "[0, 1, 2, 3]", rows nested for 2-D and up, long runs elided.
 std::string format_values(const Shape& shape, const std::vector<float>& values);
-// "512 B", "4.00 MiB", "80.0 GiB".
-std::string format_bytes(double bytes);
 
 }  // namespace ranklab

@@ -31,14 +31,6 @@ namespace {
 
 constexpr std::int64_t kFloat = 4;  // bytes of a float32
 
-// Decimal units, as the lecture ("400 MB") and nccl-tests (GB/s = 1e9 bytes per second) count.
-std::string bytes_str(double b) {
-  if (b >= 1e9) return fmt::format("{:.2f} GB", b / 1e9);
-  if (b >= 1e6) return fmt::format("{:.1f} MB", b / 1e6);
-  if (b >= 1e3) return fmt::format("{:.1f} KB", b / 1e3);
-  return fmt::format("{:.0f} B", b);
-}
-
 std::string algorithm_of(const Options& o, CommOp op, std::int64_t bytes, int world, int root) {
   return o.comm_algorithm ? o.comm_algorithm(op, bytes, world, root) : std::string("-");
 }
@@ -208,7 +200,7 @@ void lecture(Rank& r, const Options& o) {
   if (me) {
     r.print(fmt::format(
         "Timing all_reduce and reduce_scatter of {} float32 ({}) on {} ranks, as the lecture does:", count,
-        bytes_str(size), w));
+        format_bytes(size), w));
     r.print(fmt::format(
         "a warm-up call, rank r does {} GEMMs (uneven work), {}, the timed call, the same again.",
         w <= kUnevenPeriod ? "r" : "r mod 8",
@@ -235,10 +227,10 @@ void lecture(Rank& r, const Options& o) {
     const double busbw = algbw * factor;
     const bool ar = x.op == CommOp::AllReduce;
     r.print("");
-    r.print(
-        fmt::format("{} of {}{} [{}]", comm_op_name(x.op), bytes_str(x.size_bytes),
-                    ar ? "" : fmt::format(" in (W x {} per rank), {} out", bytes_str(size), bytes_str(size)),
-                    algorithm_of(o, x.op, static_cast<std::int64_t>(x.size_bytes), w, -1)));
+    r.print(fmt::format(
+        "{} of {}{} [{}]", comm_op_name(x.op), format_bytes(x.size_bytes),
+        ar ? "" : fmt::format(" in (W x {} per rank), {} out", format_bytes(size), format_bytes(size)),
+        algorithm_of(o, x.op, static_cast<std::int64_t>(x.size_bytes), w, -1)));
     r.print(fmt::format("  duration {:.3f} ms", x.time_us / 1e3));
     auto row = [&](const std::string& what, double gbps, const std::string& note) {
       r.print(fmt::format("  {:<58} = {:7.1f} GB/s  {}", what, gbps, note));
@@ -287,7 +279,7 @@ void lecture(Rank& r, const Options& o) {
       r.print(fmt::format(
           "once transfers dominate. At {} they do not yet ({:.0f} against {:.0f} GB/s): each call's fixed "
           "latency still counts. At the lecture's --count 100000000 they agree.",
-          bytes_str(size), busbw(results[0]) / 1e3, busbw(results[1]) / 1e3));
+          format_bytes(size), busbw(results[0]) / 1e3, busbw(results[1]) / 1e3));
     } else {
       r.print("once transfers dominate, as they do at this size.");
     }
@@ -347,7 +339,8 @@ void benchmark(Rank& r, const Options& o) {
 
 const std::vector<LessonOption> kOptions = {
     {"world", "4", "ranks"},
-    {"count", "100000000", "float32 elements of the timed all_reduce (400 MB, the lecture's)"},
+    {"count", "100000000",
+     "float32 elements of the timed all_reduce (381 MiB, the lecture's \"400 MB\" of 1e8 floats)"},
     {"wrong-order", "false", "barrier() before synchronize(): see what that measures"},
     {"sweep", "false", "nccl-tests' table of --op from 8 B to 16 GiB instead"},
     {"op", "all_reduce", "with --sweep: the collective to time"},

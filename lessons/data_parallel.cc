@@ -212,10 +212,9 @@ void data_parallel(Rank& r, const Options& o) {
       const double loss_all = r.to_host(loss)[0];
       mlp::Diff d = mlp::compare(loss_all, ref->loss(), ref->loss_bound(), "the loss");
       d.merge(mlp::compare_layers(r, *ref, grads, w, 0, 0, o.dim));
-      worst.merge(d);
+      worst.merge_step(d);
       mlp::check_step(r, "data_parallel", step, "loss, gradients and weights", d);
-      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, ref->loss(),
-                          d.ok() ? "ok" : "DIFFERENT");
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, ref->loss(), mlp::verdict(d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }
@@ -245,9 +244,9 @@ void data_parallel(Rank& r, const Options& o) {
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce call{}, {} in all ({}: the lecture's one gradient "
       "synchronisation per step, after backward)",
-      traffic.calls, traffic.calls == 1 ? "" : "s", mlp::format_bytes(traffic.bytes),
+      traffic.calls, traffic.calls == 1 ? "" : "s", format_bytes(traffic.bytes),
       o.overlap ? "one per bucket of gradients" : "one per layer's gradient"));
-  r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
+  r.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak)));
   if (o.phantom) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;
@@ -255,8 +254,8 @@ void data_parallel(Rank& r, const Options& o) {
   r.check("data_parallel: the weights are identical on every rank", identical,
           identical ? "the same bits on every rank" : "the ranks' weights differ");
   r.print(fmt::format("weights identical on every rank ({} of them): {}", world, identical ? "yes" : "NO"));
-  r.print(
-      fmt::format("equal to one device over the full batch after every step: {}", mlp::agreement(used, rel)));
+  r.print(fmt::format("equal to one device over the full batch after every step: {}",
+                      mlp::agreement(used, rel, worst.undecided_steps == 0)));
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include "common/lesson.h"
 #include "common/rank.h"
+#include "common/units.h"
 
 namespace ranklab::mlp {
 
@@ -146,9 +147,22 @@ struct Diff {
   std::string where;   // that element: what it is, expected and actual with full digits, the bound
   double max_abs = 0;  // the largest |got - want|, and the largest |want| of the same tensor: for the
   double scale = 0;    // relative difference the lessons print beside the check
+  // A tensor (or the loss) whose bound reaches as far as its largest value admits numbers as large as the
+  // values themselves: a wrong number may lie within it, so agreeing there proves nothing. Such tensors
+  // are counted apart; the comparison decides on the others, or when anything is outside its bound.
+  int tight = 0, loose = 0;   // tensors compared with a bound below their values, and the others
+  double loosest = 0;         // the largest bound over the largest value, of the loosest tensor
+  std::string loosest_where;  // that tensor, its largest bound and its largest value
   double relative() const;
   bool ok() const { return worst <= 1; }
+  bool decided() const { return worst > 1 || tight > 0; }
+  int undecided_steps = 0;  // counted by merge_step
   void merge(const Diff& d);
+  // Merges one step's Diff into a run's, counting the steps that decided nothing.
+  void merge_step(const Diff& step) {
+    merge(step);
+    undecided_steps += step.decided() ? 0 : 1;
+  }
 };
 // `cols` lays the numbers out as rows for naming the worst element: "layer 2 weight [3, 7]".
 Diff compare(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& bound,
@@ -160,12 +174,17 @@ Diff compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& gr
                     const std::vector<Tensor>& weights, int first_layer, std::int64_t first_col,
                     std::int64_t cols);
 // Records the check of one step ("<lesson> step <n>: <what> equal one device's") with its difference.
+// A step the check cannot decide (every tensor within a bound as large as its values) is not recorded as
+// passed: rank 0 prints why it was not decided instead. A decided step names the tensors it could not.
 void check_step(Rank& r, const std::string& lesson, int step, const std::string& what, const Diff& d,
                 const std::string& where = "");
 
 // "yes (at worst 0.31 of float32's rounding bound; largest relative difference 1.2e-06)", from the worst
 // of every rank's Diff::worst and Diff::relative().
-std::string agreement(double worst, double relative);
+// `decided` false: some step was not decided (Diff::decided), and the line says so.
+std::string agreement(double worst, double relative, bool decided = true);
+// A step's word beside its loss: "ok", "DIFFERENT" or "not decided".
+std::string verdict(const Diff& d);
 
 // A hash of tensors' bytes, as four 16-bit pieces (exact in float32, so a float tensor can carry them to
 // another rank): equal hashes mean, with overwhelming probability, the same bits.
@@ -202,7 +221,7 @@ struct Memory {
   std::int64_t params = 0, grads = 0, optimizer = 0, activations = 0;
   std::int64_t total() const { return params + grads + optimizer + activations; }
 };
-// "params 64.0 KiB  grads 64.0 KiB  optimizer 0 B  activations 40.0 KiB  total 168.0 KiB"
+// "params 64 KiB  grads 64 KiB  optimizer 0 B  activations 40 KiB  total 168 KiB"
 std::string format_memory(const Memory& m);
 // The bytes of a float32 tensor of `n` elements.
 inline std::int64_t f32_bytes(std::int64_t n) {
@@ -216,8 +235,6 @@ std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes);
 // what makes compute visible. Empty otherwise.
 std::string launch_note(double launched_us, double step_us);
 
-// "1.5 KiB", "3.0 GiB"
-std::string format_bytes(double bytes);
 // "12.3 us", "4.56 ms", "1.23 s"
 std::string format_time(double us);
 

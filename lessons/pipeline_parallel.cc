@@ -349,12 +349,12 @@ void pipeline_parallel(Rank& r, const Options& o) {
       loss /= static_cast<double>(o.batch);
       d.merge(mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss"));
     }
-    worst.merge(d);
+    worst.merge_step(d);
     mlp::check_step(r, "pipeline_parallel", step, "every stage's gradients and weights, and the loss,", d,
                     fmt::format("stage {}{}: ", stage, last_stage ? " (with the loss)" : ""));
     if (last_stage && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, ref->loss(), d.ok() ? "ok" : "DIFFERENT"));
+                          mlp::format_time(step_us), loss, ref->loss(), mlp::verdict(d)));
     }
   }
 
@@ -396,7 +396,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
         fmt::format("  rank {:<3} compute {:>10}  waiting {:>10}  bubble {:5.1f}%  activations of at most "
                     "{} micro-batch{} alive  peak memory {}",
                     s, mlp::format_time(busy), mlp::format_time(window - busy), 100 * (1.0 - busy / window),
-                    static_cast<int>(v[n]), v[n] == 1 ? "" : "es", mlp::format_bytes(v[n + 1])));
+                    static_cast<int>(v[n]), v[n] == 1 ? "" : "es", format_bytes(v[n + 1])));
   }
   r.print(
       fmt::format("bubble fraction {:.4f} measured (mean over ranks); (p-1)/(m+p-1) = {}/{} = {:.4f} "
@@ -405,14 +405,14 @@ void pipeline_parallel(Rank& r, const Options& o) {
   r.print(
       fmt::format("communication per rank per step: up to {} in {} send/recv calls (only activations and "
                   "their gradients cross stages)",
-                  mlp::format_bytes(traffic.bytes), traffic.calls));
+                  format_bytes(traffic.bytes), traffic.calls));
   if (!o.quiet) print_gantt(r, sched, m, task_times, window);
   if (o.phantom) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;
   }
   r.print(fmt::format("equal to one device over the full batch after every step (each stage's layers): {}",
-                      mlp::agreement(used, rel)));
+                      mlp::agreement(used, rel, worst.undecided_steps == 0)));
 }
 
 }  // namespace

@@ -252,9 +252,13 @@ int run_command(const std::string& lesson, const std::string& backend_name, cons
   o.peak_tflops_fp32 = profile.gpu.peak_tflops_fp32;
   o.gpus_per_node = profile.gpus_per_node;
   std::unique_ptr<Backend> backend = make_backend(lesson, backend_name, profile, o, stack_kib);
-  if (backend_name == "sim") {  // every time below is the model's, not this machine's
+  // The first line says what the times below are: the model's for a profile's hardware, or measured.
+  if (backend_name == "sim") {
     std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson.c_str(), o.world,
                 profile.gpu.name.c_str(), profile.name.c_str(), profile.nodes, profile.nodes == 1 ? "" : "s");
+  } else {
+    std::printf("%s: measured time on %d GPU%s of this machine (%s backend)\n", lesson.c_str(), o.world,
+                o.world == 1 ? "" : "s", backend_name.c_str());
   }
   RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports

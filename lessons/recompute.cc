@@ -261,7 +261,7 @@ void recompute(Rank& r, const Options& o) {
     const Run &off = runs[i], &on = runs[i + 1];
     for (const Run* run : {&off, &on}) {
       r.print(fmt::format("  {:<40} activations {:>10}  step {:>9}  forwards per layer {:.2f}", run->name,
-                          mlp::format_bytes(run->kept_bytes), mlp::format_time(run->step_us),
+                          format_bytes(run->kept_bytes), mlp::format_time(run->step_us),
                           run->forwards_per_layer));
     }
     // The formula, in activation slices (one micro-batch's rows of one layer): data parallel keeps L + 1

@@ -144,22 +144,22 @@ void megatron_pairs(Rank& r, const Options& o) {
       d.merge(mlp::compare(r.to_host(w[l]), mine(ref->weight(l)), mine(ref->weight_bound(l)),
                            fmt::format("layer {} weight", l), cols));
     }
-    worst.merge(d);
+    worst.merge_step(d);
     mlp::check_step(r, "tensor_parallel --megatron", step, "loss, gradients and weight blocks", d);
     if (rank == 0 && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, ref->loss(), d.ok() ? "ok" : "DIFFERENT"));
+                          mlp::format_time(step_us), loss, ref->loss(), mlp::verdict(d)));
     }
   }
   if (rank != 0) return;
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce calls, {} in all (one per pair of layers forward, one "
       "per pair but the first backward), against {} collectives of the all_gather scheme",
-      traffic.calls, mlp::format_bytes(traffic.bytes), 2 * layers - 1));
+      traffic.calls, format_bytes(traffic.bytes), 2 * layers - 1));
   if (!o.phantom)
     r.print(
         fmt::format("rank 0's blocks equal to one device's after every step (every rank checks its own): {}",
-                    mlp::agreement(worst.worst, worst.relative())));
+                    mlp::agreement(worst.worst, worst.relative(), worst.undecided_steps == 0)));
 }
 
 void tensor_parallel(Rank& r, const Options& o) {
@@ -270,10 +270,9 @@ void tensor_parallel(Rank& r, const Options& o) {
       const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
       mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
       d.merge(mlp::compare_layers(r, *ref, grads, w, 0, first_col, cols));
-      worst.merge(d);
+      worst.merge_step(d);
       mlp::check_step(r, "tensor_parallel", step, "loss, gradients and weight columns", d);
-      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, ref->loss(),
-                          d.ok() ? "ok" : "DIFFERENT");
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, ref->loss(), mlp::verdict(d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }
@@ -294,7 +293,7 @@ void tensor_parallel(Rank& r, const Options& o) {
       "communication per rank per step: {} collectives, {} in all ({} all_gather in the forward, {} "
       "reduce_scatter in the backward: one at every layer, in the middle of the computation, which waits "
       "for it)",
-      traffic.calls, mlp::format_bytes(traffic.bytes), layers, layers - 1));
+      traffic.calls, format_bytes(traffic.bytes), layers, layers - 1));
   // What data parallelism would move for the same model: every gradient, dim x dim per layer, all-reduced
   // once per step after backward (one all_reduce per layer's gradient, or per bucket).
   const double dp_bytes = static_cast<double>(layers) * mlp::f32_bytes(o.dim * o.dim);
@@ -303,12 +302,12 @@ void tensor_parallel(Rank& r, const Options& o) {
       "overlappable with backward. Per layer, tensor parallelism moves about 2 x batch x dim numbers and "
       "data parallelism dim x dim: tensor parallelism moves more once the batch (in a transformer, the "
       "tokens of a step: batch x sequence, often millions) exceeds half the width{}",
-      mlp::format_bytes(dp_bytes), layers, o.dim, o.dim,
+      format_bytes(dp_bytes), layers, o.dim, o.dim,
       2 * o.batch < o.dim ? fmt::format("; here batch {} < dim {} / 2, so it moves less, but still at every "
                                         "layer, on the critical path",
                                         o.batch, o.dim)
                           : ""));
-  r.print(fmt::format("measured peak memory of the busiest rank: {}", mlp::format_bytes(peak)));
+  r.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak)));
   if (o.phantom) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;
@@ -316,7 +315,7 @@ void tensor_parallel(Rank& r, const Options& o) {
   r.print(fmt::format(
       "equal to one device over the full batch after every step (each rank's columns of the gradients and "
       "weights): {}",
-      mlp::agreement(used, rel)));
+      mlp::agreement(used, rel, worst.undecided_steps == 0)));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -14,16 +15,64 @@
 namespace ranklab {
 namespace {
 
-// Runs one lesson inside the tour, with a heading and a short explanation, on every rank.
-void section(Rank& r, const std::string& lesson, const Options& o, const std::vector<std::string>& text) {
+// The words the tour's output uses, each explained once, just before the section whose output first
+// prints it: a reader meets the definition and then the word, never a list of words to remember first.
+struct Term {
+  const char* word;
+  const char* meaning;
+};
+const std::vector<Term> kTerms = {
+    {"ring/ll, nvls/simple",
+     "the algorithm and protocol NCCL picks for a collective. ring passes pieces from GPU to GPU around a "
+     "ring; tree goes up and down a tree; nvls lets the NVSwitch add the pieces itself. simple moves big "
+     "chunks; ll (low latency) and ll128 trade bandwidth for latency on small messages."},
+    {"algbw, busbw",
+     "algorithm bandwidth is size / time. Bus bandwidth scales it by what each rank's link must carry for "
+     "that collective (2(W-1)/W for all_reduce), so it compares with the link's speed whatever the algorithm "
+     "or the world size (nccl-tests' definition)."},
+    {"launch overhead",
+     "a kernel costs the host time to launch it (the profile's launch_overhead_us, a few microseconds). "
+     "When kernels are shorter than that, the GPU waits for the host and a step's time is launch time, not "
+     "compute."},
+    {"phantom tensors",
+     "tensors with a shape and no numbers: the lesson is timed at a size this machine could not hold, and "
+     "its check against one device is skipped."},
+    {"bubble", "the time a pipeline stage has nothing to compute while it waits for another stage."},
+    {"comm, comm wait, exposed, idle",
+     "in the report: comm is time the communication streams move data; comm wait, time a collective waits "
+     "for its last member to arrive; exposed, communication the compute stream had to wait for (not hidden "
+     "under compute); idle, neither stream busy."},
+};
+
+// Prints the meaning of each of `words` not explained yet in this run (on rank 0).
+class Glossary {
+ public:
+  void explain(Rank& r, const std::vector<std::string>& words) {
+    for (const std::string& w : words) {
+      if (!said_.insert(w).second || r.rank() != 0) continue;
+      for (const Term& t : kTerms) {
+        if (w == t.word) r.print(fmt::format("  [{}] {}", t.word, t.meaning));
+      }
+    }
+  }
+
+ private:
+  std::set<std::string> said_;
+};
+
+// Runs one lesson inside the tour, with a heading, a short explanation and the new words its output uses,
+// on every rank.
+void section(Rank& r, const std::string& lesson, const Options& o, const std::vector<std::string>& text,
+             Glossary& glossary, const std::vector<std::string>& words = {}) {
   r.synchronize();  // the sections follow each other; none overlaps the one before
   r.barrier();
   if (r.rank() == 0) {
     r.print("");
     r.print(fmt::format("==== {} ====", lesson));
     for (const std::string& line : text) r.print(line);
-    r.print("");
   }
+  glossary.explain(r, words);
+  if (r.rank() == 0) r.print("");
   for (const Lesson& l : lessons()) {
     if (l.name != lesson) continue;
     l.fn(r, o);
@@ -51,7 +100,7 @@ void tour(Rank& r, const Options& given) {
   o.micro_batches = 4;
   o.phantom = false;
   o.overlap = false;
-  o.count = 1'000'000;  // the benchmark's collective: 4 MB
+  o.count = 1'000'000;  // the benchmark's collective: 3.81 MiB
   o.sweep = false;
   o.wrong_order = false;
 
@@ -61,44 +110,25 @@ void tour(Rank& r, const Options& given) {
                     "docs/lessons/ explains each.",
                     w));
   }
-  if (r.rank() == 0) {
-    r.print("");
-    r.print("Words the output uses, in the order they appear:");
-    for (const char* line : {
-             "  [nvls/simple], ring/ll  the algorithm and protocol NCCL picks for a collective: ring passes "
-             "pieces "
-             "from GPU to GPU around a ring; tree goes up and down a tree; nvls lets the NVSwitch add the "
-             "pieces "
-             "itself. simple moves big chunks; ll (low latency) and ll128 trade bandwidth for latency on "
-             "small "
-             "messages.",
-             "  phantom tensors  tensors with a shape and no numbers: the lesson is timed at a size this "
-             "machine "
-             "could not hold, and its check against one device is skipped.",
-             "  bubble  the time a pipeline stage has nothing to compute while it waits for another stage.",
-             "  comm  time the communication stream moves data; comm wait  time a collective waits for the "
-             "last "
-             "member to arrive; exposed  communication the compute stream had to wait for (not hidden under "
-             "compute); idle  neither stream busy.",
-         }) {
-      r.print(line);
-    }
-  }
+  Glossary glossary;
   section(
       r, "collectives", o,
       {"The primitives. Every rank runs the same program on its own data; a collective is a call every rank "
-       "makes, and what each one gets back is defined by all of them."});
+       "makes, and what each one gets back is defined by all of them."},
+      glossary);
   section(
       r, "benchmark", o,
       {"Measuring a collective: synchronize first, then barrier, then read the clock (and the same to stop "
        "it). barrier() does not wait for the device, so the other order lines up only the hosts, and a "
        "rank that was ready early also times the wait for the others. Bandwidth is bytes over time, and "
-       "the bus bandwidth compares algorithms fairly."});
+       "the bus bandwidth compares algorithms fairly."},
+      glossary, {"ring/ll, nvls/simple", "algbw, busbw"});
   section(
       r, "data_parallel", o,
       {"Data parallelism: every rank holds the whole model and trains on batch/world samples. One "
        "all_reduce(Avg) of the gradients after backward makes every rank take the same step, so the result "
-       "is one device's training over the whole batch, which the lesson checks after every step."});
+       "is one device's training over the whole batch, which the lesson checks after every step."},
+      glossary, {"launch overhead"});
   Options big = o;  // a model large enough for the gradients' all_reduce to take time
   big.phantom = true;
   big.dim = multiple_of(8192, w);
@@ -111,17 +141,20 @@ void tour(Rank& r, const Options& given) {
       r, "data_parallel", big,
       {fmt::format("The same with {} layers of {} x {} (phantom tensors: shapes and time, no numbers), first "
                    "with the all_reduce after backward...",
-                   big.layers, big.dim, big.dim)});
+                   big.layers, big.dim, big.dim)},
+      glossary, {"phantom tensors"});
   big.overlap = true;
   section(
       r, "data_parallel", big,
       {"...then with --overlap: each bucket of gradients is all-reduced while backward computes the layers "
-       "before it. Compare the communication left after backward."});
+       "before it. Compare the communication left after backward."},
+      glossary);
   section(
       r, "tensor_parallel", o,
       {"Tensor parallelism: every weight is split by columns. Each layer's output is all-gathered in the "
        "forward and its gradient reduce-scattered in the backward: communication at every layer, which is "
-       "why it stays inside a node's fast links."});
+       "why it stays inside a node's fast links."},
+      glossary);
   Options pipe = o;
   pipe.layers = static_cast<int>(multiple_of(4, w));
   pipe.schedule = "gpipe";
@@ -129,7 +162,8 @@ void tour(Rank& r, const Options& given) {
   section(
       r, "pipeline_parallel", pipe,
       {"Pipeline parallelism: the layers are split into stages that pass activations forward and gradients "
-       "back with send/recv. First on real numbers, checked against one device..."});
+       "back with send/recv. First on real numbers, checked against one device..."},
+      glossary, {"bubble"});
   // At the sizes above a task is as short as launching its kernels; the bubble needs tasks that compute.
   pipe.phantom = true;
   pipe.quiet = false;
@@ -143,18 +177,21 @@ void tour(Rank& r, const Options& given) {
       {fmt::format("...then timed at {} layers of {} x {} (phantom tensors). GPipe runs every micro-batch's "
                    "forward, then every backward; the dots in the chart are the bubble, (p-1)/(m+p-1) of "
                    "the time when stages are uniform and communication is free.",
-                   pipe.layers, pipe.dim, pipe.dim)});
+                   pipe.layers, pipe.dim, pipe.dim)},
+      glossary);
   pipe.schedule = "1f1b";
   section(
       r, "pipeline_parallel", pipe,
       {"1F1B: the same bubble, but once the pipeline is full a stage alternates forward and backward, so it "
-       "keeps at most p micro-batches of activations instead of all m."});
+       "keeps at most p micro-batches of activations instead of all m."},
+      glossary);
 
   // Why the strategies exist: a model that does not fit one device.
   r.synchronize();
   r.barrier();
   if (w == 1) {
     if (r.rank() == 0) r.print("\n(with --world 2 or more the tour ends by growing a model past one device)");
+    glossary.explain(r, {"comm, comm wait, exposed, idle"});  // the report's columns, printed next
     return;
   }
   Options huge = o;
@@ -173,13 +210,13 @@ void tour(Rank& r, const Options& given) {
     r.print("");
     r.print("==== a model larger than one device ====");
     r.print(
-        fmt::format("{} layers of {} x {} with AdamW need {:.0f} GiB for weights, gradients and optimizer "
-                    "state; one device holds {:.0f} GiB.",
-                    huge.layers, huge.dim, huge.dim, per_layer * huge.layers / (1u << 30),
-                    static_cast<double>(r.memory_capacity()) / (1u << 30)));
+        fmt::format("{} layers of {} x {} with AdamW need {} for weights, gradients and optimizer state; one "
+                    "device holds {}.",
+                    huge.layers, huge.dim, huge.dim, format_bytes(per_layer * huge.layers),
+                    format_bytes(static_cast<double>(r.memory_capacity()))));
   }
   try {
-    section(r, "data_parallel", huge, {"Data parallelism keeps all of it on every rank:"});
+    section(r, "data_parallel", huge, {"Data parallelism keeps all of it on every rank:"}, glossary);
   } catch (const OutOfMemoryError& e) {
     if (r.rank() == 0) {
       r.print("out of memory, as expected:");
@@ -187,9 +224,9 @@ void tour(Rank& r, const Options& given) {
     }
   }
   section(r, "tensor_parallel", huge,
-          {fmt::format("Tensor parallelism keeps 1/{} of every weight on each rank:", w)});
+          {fmt::format("Tensor parallelism keeps 1/{} of every weight on each rank:", w)}, glossary);
   section(r, "pipeline_parallel", huge,
-          {fmt::format("Pipeline parallelism keeps 1/{} of the layers on each rank:", w)});
+          {fmt::format("Pipeline parallelism keeps 1/{} of the layers on each rank:", w)}, glossary);
   r.synchronize();
   r.barrier();
   if (r.rank() == 0) {
@@ -198,6 +235,7 @@ void tour(Rank& r, const Options& given) {
         "The end of the tour. The report below shows each rank's compute, communication and idle time, the "
         "collectives and the traffic on every link; `ranklab run NAME --help` lists each lesson's options.");
   }
+  glossary.explain(r, {"comm, comm wait, exposed, idle"});
 }
 
 }  // namespace

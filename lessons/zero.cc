@@ -186,8 +186,7 @@ StageResult train(Rank& r, const Options& o, int stage) {
     mlp::check_step(r, fmt::format("zero stage {}", stage), step, "loss, gradients and weights", d);
     if (rank == 0 && !o.quiet) {
       r.print(fmt::format("  ZeRO-{} step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", stage, step,
-                          o.steps, mlp::format_time(res.step_us), loss_all, ref.loss(),
-                          d.ok() ? "ok" : "DIFFERENT"));
+                          o.steps, mlp::format_time(res.step_us), loss_all, ref.loss(), mlp::verdict(d)));
     }
   }
   res.worst = worst.worst;
@@ -247,10 +246,10 @@ void zero(Rank& r, const Options& o) {
   for (size_t i = 0; i < stages.size(); ++i) {
     const int s = stages[i];
     const mlp::Memory& m = results[i].held;
-    r.print(fmt::format(
-        "  ZeRO-{}  weights {:>9}  grads {:>9}  optimizer {:>9}  total {:>9}   formula {} = {}", s,
-        mlp::format_bytes(m.params), mlp::format_bytes(m.grads), mlp::format_bytes(m.optimizer),
-        mlp::format_bytes(m.total()), formulas[s], mlp::format_bytes(f[s] * psi)));
+    r.print(
+        fmt::format("  ZeRO-{}  weights {:>9}  grads {:>9}  optimizer {:>9}  total {:>9}   formula {} = {}",
+                    s, format_bytes(m.params), format_bytes(m.grads), format_bytes(m.optimizer),
+                    format_bytes(m.total()), formulas[s], format_bytes(f[s] * psi)));
   }
   const double dp_bytes = 2 * 4.0 * psi * (n - 1) / n;
   r.print(
@@ -259,10 +258,10 @@ void zero(Rank& r, const Options& o) {
   for (size_t i = 0; i < stages.size(); ++i) {
     const int s = stages[i];
     const int k = s == 3 ? 3 : 2;
-    r.print(fmt::format(
-        "  ZeRO-{}  sent {}  formula {}Ψ(N-1)/N x 4 bytes = {}  {:.2f}x plain DP  step {}", s,
-        mlp::format_bytes(results[i].sent_bytes), k, mlp::format_bytes(k * 4.0 * psi * (n - 1) / n),
-        dp_bytes > 0 ? results[i].sent_bytes / dp_bytes : 1.0, mlp::format_time(results[i].step_us)));
+    r.print(fmt::format("  ZeRO-{}  sent {}  formula {}Ψ(N-1)/N x 4 bytes = {}  {:.2f}x plain DP  step {}", s,
+                        format_bytes(results[i].sent_bytes), k, format_bytes(k * 4.0 * psi * (n - 1) / n),
+                        dp_bytes > 0 ? results[i].sent_bytes / dp_bytes : 1.0,
+                        mlp::format_time(results[i].step_us)));
   }
   r.print(fmt::format("equal to one device over the full batch after every step, every stage: {}",
                       mlp::agreement(used, rel)));

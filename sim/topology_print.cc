@@ -5,6 +5,8 @@
 #include <map>
 #include <vector>
 
+#include "common/units.h"
+
 namespace ranklab::sim {
 
 namespace {
@@ -14,7 +16,7 @@ struct Row {
 };
 
 std::string gbps(double v) {
-  return v >= 100 ? fmt::format("{:.0f} GB/s", v) : fmt::format("{:.1f} GB/s", v);
+  return format_gbps(v);
 }
 std::string us(double v) {
   return fmt::format("{:.2f} us", v);
@@ -38,9 +40,10 @@ std::string format_topology(const Topology& topo) {
 
   // The hierarchy, per GPU and per direction, fastest first.
   std::vector<Row> rows;
-  rows.push_back({"hbm", fmt::format("{} memory, {:.1f} GiB", p.gpu.name, p.gpu.hbm_capacity_gib),
-                  gbps(p.gpu.hbm_bandwidth_gbps), gbps(p.gpu.hbm_bandwidth_gbps * p.gpu.memory_efficiency),
-                  "-", "for scale: not a link"});
+  rows.push_back(
+      {"hbm", fmt::format("{} memory, {}", p.gpu.name, format_bytes(p.gpu.hbm_capacity_gib * 1073741824.0)),
+       gbps(p.gpu.hbm_bandwidth_gbps), gbps(p.gpu.hbm_bandwidth_gbps * p.gpu.memory_efficiency), "-",
+       "for scale: not a link"});
   if (p.has_nvlink) {
     const NvlinkSpec& nv = p.nvlink;
     rows.push_back({"nvlink",

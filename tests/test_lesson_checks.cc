@@ -2,10 +2,14 @@
 // allow), with AdamW at the lecture's sizes, and a failing check says what it expected and what it got.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/mlp.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -76,6 +80,83 @@ TEST(LessonChecks, TrainingLessonsHoldAt16Ranks) {
 
 TEST(LessonChecks, TrainingLessonsHoldAt64Ranks) {
   training_lessons_hold_at(64);
+}
+
+Options tensor_parallel_at_64() {
+  // The tour's batch and width at 64 ranks, 64 layers deep: one column a rank, every layer's input
+  // gradient summed across all 64 ranks.
+  Options o;
+  o.world = 64;
+  o.dim = 64;
+  o.layers = 64;
+  o.batch = 256;
+  o.quiet = true;
+  return o;
+}
+
+TEST(LessonChecks, TensorParallelAtTheToursSizesOn64Ranks) {
+  // Relu inputs within rounding of zero (flips) make float32 runs differ; counted at their deviation
+  // rather than at lambda of it, their sum ran past its bound here on a correct run (143 failed checks).
+  // Step 1 must be decided and pass on every rank; later steps pass or say that the bound has outgrown
+  // the values, and none may fail.
+  Options o = tensor_parallel_at_64();
+#if defined(RANKLAB_SANITIZE)
+  o.steps = 1;  // the one-device reference in double costs seconds a step at this depth
+#endif
+  const RunReport rep = run("tensor_parallel", o, nodes_for(o.world));
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  int first_step = 0;
+  for (const CheckRecord& c : rep.checks) {
+    first_step += c.passed && c.what.rfind("tensor_parallel step 1:", 0) == 0;
+  }
+  EXPECT_EQ(first_step, 64);
+  if (o.steps >= 3) {
+    EXPECT_TRUE(printed(rep,
+                        "tensor_parallel step 3: not decided: 129 of 129 tensors compared have a bound "
+                        "as large as their values"));
+  }
+}
+
+TEST(LessonChecks, AWrongSplitFailsAtTheToursSizesOn64Ranks) {
+  // The looser bound still catches a wrong split at this depth, on every rank, at the first step.
+  Options o = tensor_parallel_at_64();
+  o.steps = 1;
+  o.broken = "wrong-slice";
+  const RunReport rep = run("tensor_parallel", o, nodes_for(o.world));
+  int failed = 0;
+  for (const CheckRecord& c : rep.checks) {
+    failed += !c.passed && c.what.rfind("tensor_parallel step 1:", 0) == 0;
+  }
+  EXPECT_EQ(failed, 64);
+}
+
+TEST(LessonChecks, ABoundAsLargeAsTheValuesDecidesNothing) {
+  // Within a bound as large as the values, a wrong number passes too: the comparison does not decide.
+  const mlp::Diff loose = mlp::compare({0.5f, -0.25f}, {0.5f, 0.25f}, {1.0f, 1.0f}, "w", 2);
+  EXPECT_TRUE(loose.ok());
+  EXPECT_FALSE(loose.decided());
+  EXPECT_EQ(mlp::verdict(loose), "not decided");
+  // A number outside its bound decides, whatever the other bounds.
+  mlp::Diff d = loose;
+  d.merge(mlp::compare({0.5f}, {0.25f}, {0.01f}, "v", 1));
+  EXPECT_TRUE(d.decided());
+  EXPECT_EQ(mlp::verdict(d), "DIFFERENT");
+  // A tight tensor decides the step; the loose one is only counted.
+  mlp::Diff mixed = loose;
+  mixed.merge(mlp::compare({0.5f}, {0.5f}, {0.01f}, "v", 1));
+  EXPECT_TRUE(mixed.decided());
+  EXPECT_EQ(mixed.tight, 1);
+  EXPECT_EQ(mixed.loose, 1);
+  EXPECT_EQ(mlp::verdict(mixed), "ok");
+  // An infinite bound on the loss is loose, however large the loss.
+  EXPECT_FALSE(mlp::compare(1e30, 1e30, INFINITY, "the loss").decided());
+  // Across steps: one undecided step is counted and said in the run's last line.
+  mlp::Diff run;
+  run.merge_step(mixed);
+  run.merge_step(loose);
+  EXPECT_EQ(run.undecided_steps, 1);
+  EXPECT_NE(mlp::agreement(run.worst, run.relative(), run.undecided_steps == 0).find("not decided"),
+            std::string::npos);
 }
 
 TEST(LessonChecks, TrainingLessonsHoldAt1000Ranks) {
@@ -312,6 +393,36 @@ TEST(Tour, RunsAtFourRanksWithEveryCheckPassing) {
   o.quiet = true;
   const RunReport rep = run("tour", o, 1);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  // Each word is explained once, before the first line that uses it.
+  auto first = [&](const std::string& text) {
+    for (size_t i = 0; i < rep.output.size(); ++i) {
+      if (rep.output[i].find(text) != std::string::npos) return static_cast<long>(i);
+    }
+    return -1L;
+  };
+  auto count = [&](const std::string& text) {
+    long n = 0;
+    for (const std::string& line : rep.output) n += line.find(text) != std::string::npos;
+    return n;
+  };
+  const std::vector<std::pair<std::string, std::string>> words = {
+      {"[ring/ll, nvls/simple]", "all_reduce of 3.81 MiB ["},  // [the algorithm] the backend chose
+      {"[algbw, busbw]", "algbw = size / duration"},
+      {"[launch overhead]", "launch overhead dominates"},
+      {"[phantom tensors]", "phantom tensors hold no numbers"},
+      {"[bubble]", "bubble fraction"},
+      {"[comm, comm wait, exposed, idle]", "The end of the tour"},
+  };
+  for (const auto& [word, use] : words) {
+    SCOPED_TRACE(word);
+    EXPECT_EQ(count("  " + word + " "), 1);
+    ASSERT_GE(first(use), 0) << "the tour no longer prints what the word explains";
+    if (word.rfind("[comm", 0) == 0) {
+      EXPECT_GT(first("  " + word + " "), first(use));  // the report's words: after the tour, before it
+    } else {
+      EXPECT_LT(first("  " + word + " "), first(use));
+    }
+  }
 }
 
 }  // namespace

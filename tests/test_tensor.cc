@@ -109,7 +109,7 @@ TEST(DType, OutOfMemoryNamesTheDtype) {
   } catch (const OutOfMemoryError& e) {
     msg = e.what();
   }
-  EXPECT_NE(msg.find("rank 0: phantom: out of memory allocating bfloat16[2147483648] (4.00 GiB)"),
+  EXPECT_NE(msg.find("rank 0: phantom: out of memory allocating bfloat16[2147483648] (4 GiB)"),
             std::string::npos)
       << msg;
 }
