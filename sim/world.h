@@ -163,7 +163,7 @@ class SimWorld {
   const std::vector<std::vector<int>>& images(const CommOpState& op);
   // Runs the images of an operation that starts at `start_us` beside it: what the other classes do at
   // the same moment.
-  void schedule_images(const CommOpState& op, double start_us);
+  void schedule_images(const std::shared_ptr<CommOpState>& op, double start_us);
   std::vector<int> rep_;              // per rank: its representative; empty without symmetry
   std::vector<int> dims_;             // the grid, innermost first
   std::vector<int> replicated_dims_;  // indices into dims_
