@@ -402,6 +402,17 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   }
   stream.last = op;
   ++op->arrived;
+  // What synchronize() waits for. An operation that has finished, and that this rank need not mark as
+  // waited on (it was synchronous, or wait() was called), needs nothing from it: dropping those as the list
+  // doubles keeps a step that never synchronizes from holding every operation it posted.
+  if (s.outstanding.size() >= s.outstanding_prune_at) {
+    std::erase_if(s.outstanding, [rank](const std::shared_ptr<CommOpState>& o) {
+      if (!o->finished) return false;
+      const CommMember& m = o->member_of(rank);
+      return m.call.async == Async::No || m.waited;
+    });
+    s.outstanding_prune_at = std::max<std::size_t>(64, 2 * s.outstanding.size());
+  }
   s.outstanding.push_back(op);
   if (!rep_.empty()) {
     if (p2p && !runs(call.peer)) {

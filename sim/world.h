@@ -65,6 +65,7 @@ struct RankState {
   std::vector<std::shared_ptr<CommOpState>> unfolded_sync;
   // Everything this rank posted that has not executed (synchronize waits for all of it).
   std::vector<std::shared_ptr<CommOpState>> outstanding;
+  std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
   std::shared_ptr<MemoryAccount> memory;
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
