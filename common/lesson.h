@@ -56,6 +56,7 @@ struct Options {
   std::string order = "tp-dp-pp";  // process-group layout, innermost first
   std::string dtype = "bf16";      // bf16 | fp16 | fp32
   std::string grad_reduce_dtype = "fp32";
+  double dropout = 0;  // gpt: probability of dropping an element of a residual branch
   // gpt on the simulator: which replicas mirror a representative instead of running ("" none, "tp" the
   // tensor-parallel ranks of each (stage, dp replica), "tp-dp" also the dp replicas: one rank per stage).
   std::string symmetric;

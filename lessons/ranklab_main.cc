@@ -126,6 +126,9 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_option("--dtype", o.dtype, "gpt: bf16, fp16 or fp32 weights and activations");
   run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
                  "gpt: dtype of the data-parallel gradient reduction");
+  run.add_option("--dropout", o.dropout,
+                 "gpt: dropout probability of the residual branches (GPT-2's resid_pdrop; default 0)")
+      ->check(CLI::Range(0.0, 0.99));
   run.add_flag("--symmetric{tp-dp}", o.symmetric,
                "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
                "replicas mirror it (tp-dp, the default), or one per stage and dp replica (=tp); same "
