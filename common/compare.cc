@@ -59,6 +59,7 @@ void for_each_option(F&& f) {
   f("order", &Options::order);
   f("dtype", &Options::dtype);
   f("grad-reduce-dtype", &Options::grad_reduce_dtype);
+  f("dropout", &Options::dropout);
   f("symmetric", &Options::symmetric);
   f("experts", &Options::experts);
   f("top-k", &Options::top_k);

@@ -98,6 +98,19 @@ void check_gelu_backward(int rank, const Tensor& dy, const Tensor& x) {
   need_same_dtype(rank, op, dy, x);
 }
 
+void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row) {
+  const char* op = "dropout";
+  if (x.ndim() != 2) {
+    throw UsageError(fmt::format("{}: x must be [rows, cols]; got {}", where(rank, op), x.str()));
+  }
+  if (!(p >= 0.0f && p < 1.0f)) {
+    throw UsageError(fmt::format("{}: p must be at least 0 and below 1; got {}", where(rank, op), p));
+  }
+  if (first_row < 0) {
+    throw UsageError(fmt::format("{}: first_row must not be negative; got {}", where(rank, op), first_row));
+  }
+}
+
 AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, std::int64_t batch, int heads) {
   if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
       qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {

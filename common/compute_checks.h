@@ -16,6 +16,7 @@ void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tenso
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
                               const Tensor& mean, const Tensor& rstd);
 void check_gelu_backward(int rank, const Tensor& dy, const Tensor& x);
+void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row);
 
 // The shape of an attention call, from qkv [seq * batch, heads * 3 * head_dim].
 struct AttentionDims {

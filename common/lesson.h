@@ -56,7 +56,10 @@ struct Options {
   std::string order = "tp-dp-pp";  // process-group layout, innermost first
   std::string dtype = "bf16";      // bf16 | fp16 | fp32
   std::string grad_reduce_dtype = "fp32";
-  bool symmetric = false;  // gpt on the simulator: one rank per pipeline stage, the others mirror it
+  double dropout = 0;  // gpt: probability of dropping an element of a residual branch
+  // gpt on the simulator: which replicas mirror a representative instead of running ("" none, "tp" the
+  // tensor-parallel ranks of each (stage, dp replica), "tp-dp" also the dp replicas: one rank per stage).
+  std::string symmetric;
   // The moe lesson: experts over the world, each token routed to its top_k of them, at most
   // capacity_factor times an even share per expert, and a router biased towards expert 0 by `skew`.
   int experts = 4;

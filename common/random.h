@@ -31,6 +31,13 @@ RANKLAB_HD inline float uniform_open(std::uint64_t word) {
   return (static_cast<float>(word >> 40) + 1.0f) * (1.0f / 16777216.0f);
 }
 
+// Whether dropout with probability p keeps element (row, col) under `seed`: a counter-based draw, so any
+// device that holds the element decides the same way, in any order.
+RANKLAB_HD inline bool dropout_keeps(std::uint64_t seed, std::int64_t row, std::int64_t col, float p) {
+  const std::uint64_t key = mix64(mix64(seed ^ 0x64726F706F7574ull) + static_cast<std::uint64_t>(row));
+  return uniform_open(mix64(key + static_cast<std::uint64_t>(col))) > p;
+}
+
 // Standard normal number `index` of stream `seed`.
 RANKLAB_HD inline float normal_at(std::uint64_t seed, std::uint64_t index) {
   const std::uint64_t key = mix64(seed ^ 0x5DEECE66Dull);

@@ -241,6 +241,13 @@ class Rank {
   virtual Tensor gelu(const Tensor& x) = 0;
   virtual Tensor gelu_backward(const Tensor& dy, const Tensor& x) = 0;
 
+  // Inverted dropout (Srivastava et al. 2014) of a [rows, cols] tensor: each element is zeroed with
+  // probability p and the others are scaled by 1 / (1 - p). Whether element (i, j) is kept is a hash of
+  // (seed, first_row + i, j) (dropout_keeps in common/random.h), not a draw from a stream: every rank that
+  // holds a row makes the same mask for it whatever the layout, and the backward is the same call on the
+  // output's gradient, which regenerates the mask instead of keeping it.
+  virtual Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) = 0;
+
   // Scaled dot-product attention computed FlashAttention-style (Dao et al. 2022): one pass over keys
   // with an online softmax, never materialising the seq x seq scores, so its memory is O(seq).
   //   qkv  [seq * batch, heads * 3 * head_dim]: per head, its q, k and v columns side by side (Megatron's

@@ -126,9 +126,14 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_option("--dtype", o.dtype, "gpt: bf16, fp16 or fp32 weights and activations");
   run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
                  "gpt: dtype of the data-parallel gradient reduction");
-  run.add_flag("--symmetric", o.symmetric,
+  run.add_option("--dropout", o.dropout,
+                 "gpt: dropout probability of the residual branches (GPT-2's resid_pdrop; default 0)")
+      ->check(CLI::Range(0.0, 0.99));
+  run.add_flag("--symmetric{tp-dp}", o.symmetric,
                "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
-               "replicas mirror it (same times, memory and traffic, a fraction of the cost)");
+               "replicas mirror it (tp-dp, the default), or one per stage and dp replica (=tp); same "
+               "memory and traffic at a fraction of the cost (docs/lessons/gpt.md says how exact)")
+      ->check(CLI::IsMember({"tp", "tp-dp"}));
   // The moe lesson.
   run.add_option("--experts", o.experts, "moe: experts, a multiple of the world (expert parallelism)");
   run.add_option("--top-k", o.top_k, "moe: experts each token is routed to (1 or 2)");
@@ -158,7 +163,7 @@ void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options&
   }
 }
 
-// --symmetric: the gpt layout's grid, its tp and dp dimensions replicated (parallel::Layout::symmetry).
+// --symmetric: the gpt layout's grid, its tp (and dp) dimensions replicated (parallel::Layout::symmetry).
 SimSymmetry symmetry_of(const std::string& lesson, const Options& o) {
   if (lesson != "gpt") throw UsageError("--symmetric: only the gpt lesson has a layout to mirror");
   if (!o.phantom) {
@@ -167,7 +172,8 @@ SimSymmetry symmetry_of(const std::string& lesson, const Options& o) {
         "every replica on the same data");
   }
   const gpt::Config c = gpt::config_from(o, o.world);
-  const parallel::Layout::Grid grid = parallel::Layout{c.tp, c.pp, c.dp, c.order}.symmetry();
+  const parallel::Layout::Grid grid =
+      parallel::Layout{c.tp, c.pp, c.dp, c.order}.symmetry(/*mirror_dp=*/o.symmetric == "tp-dp");
   return SimSymmetry{grid.sizes, grid.replicated};
 }
 
@@ -178,7 +184,7 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
     config.stack_bytes = static_cast<std::size_t>(stack_kib) * 1024;
     config.algorithm = o.algo;
     config.protocol = o.proto;
-    if (o.symmetric) config.symmetry = symmetry_of(lesson, o);
+    if (!o.symmetric.empty()) config.symmetry = symmetry_of(lesson, o);
     return std::make_unique<SimBackend>(config);
   }
   if (name == "cuda") {

@@ -725,6 +725,18 @@ Tensor CudaRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   return dx;
 }
 
+Tensor CudaRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) {
+  const char* op = "dropout";
+  const void* px = require(x, op, "x");
+  check_dropout(rank_, x, p, first_row);
+  Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), op);
+  void* py = require(y, op, "out");
+  before_kernel({&x}, op);
+  kernel(op,
+         [&] { kernels::dropout(py, px, x.dtype(), x.size(0), x.size(1), p, seed, first_row, compute_); });
+  return y;
+}
+
 kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, std::int64_t batch, int heads,
                                                   bool causal, const char* op) const {
   const AttentionDims dims = check_attention(rank_, op, qkv, batch, heads);

@@ -57,6 +57,9 @@ void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, c
                         std::int64_t rows, std::int64_t cols, cudaStream_t s);
 void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
+// y = x * keep / (1 - p) over [rows, cols], keep = dropout_keeps(seed, first_row + i, j, p).
+void dropout(void* y, const void* x, DType t, std::int64_t rows, std::int64_t cols, float p,
+             std::uint64_t seed, std::int64_t first_row, cudaStream_t s);
 
 // The largest head_dim the attention kernels take.
 constexpr int kMaxHeadDim = 512;

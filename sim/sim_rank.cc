@@ -66,7 +66,7 @@ const std::string kFill = "fill", kArange = "arange", kRandn = "randn", kCopyH2D
                   kSlice = "slice", kCat = "cat", kSgd = "sgd_step", kAdamw = "adamw_step",
                   kAddBias = "add_bias_", kSumRows = "sum_rows", kLayernorm = "layernorm",
                   kLayernormBackward = "layernorm_backward", kGelu = "gelu", kGeluBackward = "gelu_backward",
-                  kAttention = "attention", kAttentionBackward = "attention_backward",
+                  kDropout = "dropout", kAttention = "attention", kAttentionBackward = "attention_backward",
                   kEmbedding = "embedding", kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
                   kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
                   kCrossEntropyBackward = "cross_entropy_backward";
@@ -729,6 +729,27 @@ Tensor SimRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   }
   launch_kernel_us(kGeluBackward, world_.compute().memory_us(bytes_of(dy) + bytes_of(x) + bytes_of(dx)));
   return dx;
+}
+
+Tensor SimRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) {
+  require(x, "dropout", "x");
+  check_dropout(rank_, x, p, first_row);
+  Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), "dropout");
+  before_kernel({&x}, "dropout");
+  if (!y.phantom()) {
+    const float* X = cdata(x);
+    float* Y = sim_data(y);
+    const std::int64_t rows = x.size(0), cols = x.size(1);
+    const float scale = 1.0f / (1.0f - p);
+    for (std::int64_t i = 0; i < rows; ++i) {
+      for (std::int64_t j = 0; j < cols; ++j) {
+        Y[i * cols + j] = dropout_keeps(seed, first_row + i, j, p) ? X[i * cols + j] * scale : 0.0f;
+      }
+    }
+    round_to_dtype(y);
+  }
+  launch_kernel_us(kDropout, world_.compute().memory_us(bytes_of(x) + bytes_of(y)));
+  return y;
 }
 
 namespace {

@@ -59,6 +59,7 @@ class SimRank : public Rank {
                                     const Tensor& mean, const Tensor& rstd) override;
   Tensor gelu(const Tensor& x) override;
   Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
+  Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) override;
   AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) override;
   Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                             std::int64_t batch, int heads, bool causal) override;

@@ -402,6 +402,17 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   }
   stream.last = op;
   ++op->arrived;
+  // What synchronize() waits for. An operation that has finished, and that this rank need not mark as
+  // waited on (it was synchronous, or wait() was called), needs nothing from it: dropping those as the list
+  // doubles keeps a step that never synchronizes from holding every operation it posted.
+  if (s.outstanding.size() >= s.outstanding_prune_at) {
+    std::erase_if(s.outstanding, [rank](const std::shared_ptr<CommOpState>& o) {
+      if (!o->finished) return false;
+      const CommMember& m = o->member_of(rank);
+      return m.call.async == Async::No || m.waited;
+    });
+    s.outstanding_prune_at = std::max<std::size_t>(64, 2 * s.outstanding.size());
+  }
   s.outstanding.push_back(op);
   if (!rep_.empty()) {
     if (p2p && !runs(call.peer)) {
@@ -451,7 +462,30 @@ void SimWorld::try_execute(const std::shared_ptr<CommOpState>& op) {
   execute(op);
 }
 
-void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended) {
+void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
+  // In a symmetric run an operation ends for its members when it and all its images have ended.
+  std::vector<std::shared_ptr<CommOpState>> ended;
+  ended.reserve(engine_ended.size());
+  for (const auto& op : engine_ended) {
+    if (op->image) {
+      const std::shared_ptr<CommOpState>& of = op->image_of;
+      if (of == nullptr) continue;
+      of->images_end_us = std::max(of->images_end_us, op->end_us);
+      if (--of->images_left == 0 && of->transfer_ended) {
+        of->end_us = std::max(of->end_us, of->images_end_us);
+        of->finished = true;
+        ended.push_back(of);
+      }
+      continue;
+    }
+    if (op->images_left > 0) {
+      op->finished = false;
+      op->transfer_ended = true;
+      continue;
+    }
+    op->end_us = std::max(op->end_us, op->images_end_us);
+    ended.push_back(op);
+  }
   // Every operation that waited for these has one unfinished dependency less per edge. All of them are
   // counted before any dependent runs, so what runs, and in what order, is as if each dependent looked
   // at all its dependencies.
@@ -461,7 +495,6 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& ende
     }
   }
   for (const auto& op : ended) {
-    if (op->image) continue;
     const bool p2p = op->op == CommOp::Send;
     const SpanName name = op_name(op->op);
     for (CommMember& m : op->members) {
@@ -567,7 +600,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   }
   if (!rep_.empty()) note_spine(plan);
   engine_.schedule(op, std::move(plan), start_us);
-  if (!rep_.empty()) schedule_images(*op, start_us);
+  if (!rep_.empty()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
 }
@@ -823,7 +856,8 @@ void SimWorld::note_spine(const CommPlan& plan) {
       std::any_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.is_spine_link(l); });
 }
 
-void SimWorld::schedule_images(const CommOpState& op, double start_us) {
+void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double start_us) {
+  const CommOpState& op = *of;
   const bool p2p = op.op == CommOp::Send;
   const CommCall& lead = op.members[0].call;
   // Where the root sits in the group, so that each image has the root's image.
@@ -842,6 +876,8 @@ void SimWorld::schedule_images(const CommOpState& op, double start_us) {
     shadow->image = true;
     shadow->executed = true;
     shadow->start_us = start_us;
+    shadow->image_of = of;
+    ++of->images_left;
     engine_.schedule(std::move(shadow), std::move(plan), start_us);
   }
 }

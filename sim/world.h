@@ -65,6 +65,7 @@ struct RankState {
   std::vector<std::shared_ptr<CommOpState>> unfolded_sync;
   // Everything this rank posted that has not executed (synchronize waits for all of it).
   std::vector<std::shared_ptr<CommOpState>> outstanding;
+  std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
   std::shared_ptr<MemoryAccount> memory;
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
@@ -163,7 +164,7 @@ class SimWorld {
   const std::vector<std::vector<int>>& images(const CommOpState& op);
   // Runs the images of an operation that starts at `start_us` beside it: what the other classes do at
   // the same moment.
-  void schedule_images(const CommOpState& op, double start_us);
+  void schedule_images(const std::shared_ptr<CommOpState>& op, double start_us);
   std::vector<int> rep_;              // per rank: its representative; empty without symmetry
   std::vector<int> dims_;             // the grid, innermost first
   std::vector<int> replicated_dims_;  // indices into dims_

@@ -69,6 +69,15 @@ TEST(ComputeChecks, GeluBackward) {
                "rank 1: gelu_backward: dtypes differ");
 }
 
+TEST(ComputeChecks, Dropout) {
+  EXPECT_ERROR(r.dropout(r.zeros({4}), 0.1f, 1, 0),
+               "rank 1: dropout: x must be [rows, cols]; got float32[4]");
+  EXPECT_ERROR(r.dropout(r.zeros({2, 2}), 1.0f, 1, 0),
+               "rank 1: dropout: p must be at least 0 and below 1; got 1");
+  EXPECT_ERROR(r.dropout(r.zeros({2, 2}), 0.1f, 1, -3),
+               "rank 1: dropout: first_row must not be negative; got -3");
+}
+
 TEST(ComputeChecks, Attention) {
   EXPECT_ERROR(
       r.attention(r.zeros({6, 10}), 2, 1, true),

@@ -104,6 +104,47 @@ INSTANTIATE_TEST_SUITE_P(Matrix, GptEqualsOneDevice,
                          combo_name);
 #endif
 
+// With dropout on the residual branches: the masks follow each element's row in the global batch, so every
+// layout drops what one device drops, through recomputation too. Every value of every switch at least once.
+class GptWithDropout : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(GptWithDropout, EqualsOneDevice) {
+  const auto [tp, pp, zero, recompute, dtype] = GetParam();
+  Options o = tiny();
+  o.tp = tp == Tp::One ? 1 : 2;
+  o.seq_parallel = tp == Tp::TwoSeqParallel;
+  o.pp = pp == Pp::One ? 1 : 2;
+  o.interleave = pp == Pp::TwoInterleaved ? 2 : 1;
+  o.zero = zero;
+  o.recompute = recompute;
+  o.dtype = dtype;
+  o.dropout = 0.1;
+  o.world = o.tp * o.pp * 2;
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cover, GptWithDropout,
+                         ::testing::Values(Combo{Tp::One, Pp::Two, 0, "none", "bf16"},
+                                           Combo{Tp::Two, Pp::Two, 3, "selective", "fp32"},
+                                           Combo{Tp::TwoSeqParallel, Pp::TwoInterleaved, 1, "full", "fp32"},
+                                           Combo{Tp::TwoSeqParallel, Pp::One, 2, "none", "bf16"}),
+                         combo_name);
+
+// Dropout is not free: its kernels add to a phantom step's time.
+TEST(Gpt, DropoutAddsItsKernels) {
+  Options o = tiny();
+  o.world = 2;
+  o.tp = 2;
+  o.phantom = true;
+  o.steps = 1;
+  const RunReport without = run(o);
+  o.dropout = 0.1;
+  const RunReport with = run(o);
+  ASSERT_TRUE(without.training && with.training);
+  EXPECT_GT(with.training->step_time_us, without.training->step_time_us);
+}
+
 TEST(Gpt, Float16AndBfloat16GradientReduction) {
   Options o = tiny();
   o.world = 8;
@@ -176,6 +217,7 @@ TEST_P(GptBroken, FailsTheCheck) {
   o.broken = GetParam();
   if (o.broken == "no-reduce-scatter") o.zero = 2;
   if (o.broken == "no-sp-grad-sync") o.seq_parallel = true;
+  if (o.broken == "dropout-row") o.seq_parallel = true, o.dropout = 0.1;
   const RunReport rep = run(o);
   EXPECT_FALSE(rep.all_checks_passed());
   bool gradients_failed = false;
@@ -187,7 +229,7 @@ TEST_P(GptBroken, FailsTheCheck) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Bugs, GptBroken,
-                         ::testing::Values("dp-sum", "no-reduce-scatter", "no-sp-grad-sync"));
+                         ::testing::Values("dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row"));
 
 // ---- memory
 // ------------------------------------------------------------------------------------------------

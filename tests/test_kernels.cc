@@ -323,6 +323,34 @@ TEST(Kernels, GeluForwardAndBackward) {
   expect_near_all(got[1], fd_grad(gelu_ref, to_doubles(x), w), 1e-5, "gelu_backward");
 }
 
+// Dropout keeps an element exactly when dropout_keeps says, scales it by exactly 1 / (1 - p) (in float32),
+// makes a row's mask from its global row alone (so a block of rows with its first_row is the same block of
+// the whole), and is the identity at p = 0.
+TEST(Kernels, DropoutMasksByGlobalRow) {
+  const std::int64_t rows = 16, cols = 32;
+  const float p = 0.25f;
+  const std::uint64_t seed = 77;
+  const Values x = random_values(rows * cols, 22, 1.0f);
+  auto got = on_one_rank<std::vector<Values>>([&](Rank& r) {
+    Tensor xt = r.from_host({rows, cols}, x);
+    return std::vector<Values>{r.to_host(r.dropout(xt, p, seed, 100)),
+                               r.to_host(r.dropout(r.slice(xt, 0, 4, 8), p, seed, 104)),
+                               r.to_host(r.dropout(xt, 0.0f, seed, 100))};
+  });
+  std::int64_t kept = 0;
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const bool keep = dropout_keeps(seed, 100 + i, j, p);
+      kept += keep ? 1 : 0;
+      EXPECT_EQ(got[0][i * cols + j], keep ? x[i * cols + j] * (1.0f / (1.0f - p)) : 0.0f) << i << ", " << j;
+    }
+  }
+  // About 1 - p of them (512 elements: 3 standard deviations is 30).
+  EXPECT_NEAR(static_cast<double>(kept), (1 - p) * rows * cols, 30.0);
+  EXPECT_EQ(got[1], Values(got[0].begin() + 4 * cols, got[0].begin() + 12 * cols));
+  EXPECT_EQ(got[2], x);
+}
+
 // ---- attention -------------------------------------------------------------------------------------
 
 struct AttnCase {

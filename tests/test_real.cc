@@ -18,6 +18,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/profile.h"
+#include "common/random.h"
 #include "common/report.h"
 #include "real/half_convert.h"
 #include "real/host_comm.h"
@@ -747,6 +748,13 @@ TEST(CudaBackend, BiasLayerNormAndGeluMatchHostReferences) {
       }
       expect_near_all(r.to_host(gy), wy, tol, 1e-4, "gelu " + name);
       expect_near_all(r.to_host(gdx), wdx, tol, 1e-4, "gelu_backward " + name);
+
+      // Dropout: the same mask as the host's rule, the kept elements scaled by 1 / (1 - p).
+      Tensor dy_ = r.dropout(x, 0.3f, 5, 7);
+      std::vector<double> wd(rows * cols);
+      for (std::int64_t i = 0; i < rows * cols; ++i)
+        wd[i] = dropout_keeps(5, 7 + i / cols, i % cols, 0.3f) ? hx[i] / (1.0 - 0.3f) : 0.0;
+      expect_near_all(r.to_host(dy_), wd, tol, 1e-4, "dropout " + name);
     }
     // The parameters share x's dtype, as every kernel's inputs do.
     Tensor x = r.randn({3, 64}, 31, 1.0f, DType::BFloat16);

@@ -25,6 +25,7 @@ std::string Config::layout() const {
                   seq_parallel ? " (seq-parallel)" : "", pp, v > 1 ? fmt::format(" (interleave {})", v) : "",
                   dp, zero, recompute_name(recompute), dtype_name(dtype));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
+  if (dropout > 0) s += fmt::format(", dropout {}", dropout);
   return s;
 }
 
@@ -64,6 +65,7 @@ Config config_from(const Options& o, int world) {
   c.phantom = o.phantom;
   c.steps = o.steps;
   c.lr = o.lr;
+  c.dropout = static_cast<float>(o.dropout);
   c.broken = o.broken;
   c.dtype = parse_dtype(o.dtype, "--dtype");
   c.reduce_dtype = parse_dtype(o.grad_reduce_dtype, "--grad-reduce-dtype");

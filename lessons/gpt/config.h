@@ -26,6 +26,7 @@ struct Config {
   bool phantom = false;
   int steps = 3;
   double lr = 1e-3;
+  float dropout = 0;  // of the residual branches (--dropout)
   std::string broken;
 
   std::int64_t micro_batches() const { return global_batch / (micro_batch * dp); }  // m, per pipeline

@@ -85,9 +85,10 @@ struct Worst {
 void gpt_lesson(Rank& r, const Options& o) {
   const Config c = gpt::config_from(o, r.world_size());
   if (!c.broken.empty() && c.broken != "dp-sum" && c.broken != "no-reduce-scatter" &&
-      c.broken != "no-sp-grad-sync") {
+      c.broken != "no-sp-grad-sync" && c.broken != "dropout-row") {
     throw UsageError(fmt::format(
-        "gpt: --break must be dp-sum, no-reduce-scatter or no-sp-grad-sync (got '{}')", c.broken));
+        "gpt: --break must be dp-sum, no-reduce-scatter, no-sp-grad-sync or dropout-row (got '{}')",
+        c.broken));
   }
   const bool root = r.rank() == 0;
   const std::int64_t m = c.micro_batches();

@@ -138,6 +138,11 @@ std::int64_t token(const Config& c, std::int64_t sample, std::int64_t pos) {
   return static_cast<std::int64_t>(z % static_cast<std::uint64_t>(c.vocab));
 }
 
+std::uint64_t dropout_seed(int step, int layer, int site) {
+  return mix64(kSeed ^ 0x64726F70ull) +
+         mix64((static_cast<std::uint64_t>(step) << 32) + 2 * static_cast<std::uint64_t>(layer) + site);
+}
+
 std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head) {
   (void)embedding;  // the embedding's output is the first block's input; the token ids are data
   const std::int64_t dt = dtype_bytes(c.dtype), r = c.rows(), lr = c.local_rows();
@@ -243,7 +248,18 @@ std::int64_t Model::kept_bytes(int chunk, int mb) const {
 }
 
 void Model::start_step() {
+  ++step_;
   if (loss_sum.defined()) r_.scale_(loss_sum, 0.0f);
+}
+
+Tensor Model::residual_dropout(const Tensor& branch, int layer, int site, int mb) {
+  if (c_.dropout == 0) return branch;
+  // With sequence parallelism the branch holds this rank's part of the rows; without, all of them (every
+  // tp rank then makes the same mask). The deliberate bug forgets the part's offset.
+  const std::int64_t first =
+      c_.seq_parallel && c_.broken != "dropout-row" ? tp_rank_ * c_.local_rows() : std::int64_t{0};
+  const std::int64_t global_mb = dp_rank_ * c_.micro_batches() + mb;
+  return r_.dropout(branch, c_.dropout, dropout_seed(step_, layer, site), dropout_row(c_, global_mb, first));
 }
 
 std::vector<Param*> Model::params() {
@@ -284,7 +300,8 @@ Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
 // ---- one block
 // ----------------------------------------------------------------------------------------------
 
-Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all) {
+Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all, int layer,
+                            int mb) {
   Rank& r = r_;
   a.x = x;
   // Attention: layernorm on this rank's tokens; f; qkv for this rank's heads; attention; proj's partial
@@ -294,14 +311,14 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true);
   Tensor p = tp_.leave(r.matmul(att.out, w[kProjW]));
   r.add_bias_(p, w[kProjB]);
-  Tensor x1 = r.add(x, p);
+  Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
   // MLP: the same shape of computation with fc1 (column-parallel, 4h) and fc2 (row-parallel).
   Rank::LayerNormOut ln2 = r.layernorm(x1, w[kLn2G], w[kLn2B], kEps);
   Tensor u = parallel::linear(r, tp_.enter(ln2.y), w[kFc1W], w[kFc1B]);
   Tensor g = r.gelu(u);
   Tensor o = tp_.leave(r.matmul(g, w[kFc2W]));
   r.add_bias_(o, w[kFc2B]);
-  Tensor x2 = r.add(x1, o);
+  Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
     a.mean1 = ln1.mean, a.rstd1 = ln1.rstd, a.y1 = ln1.y, a.qkv = qkv;
     a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.y2 = ln2.y, a.u = u, a.g = g;
@@ -311,19 +328,20 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   return x2;
 }
 
-Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2) {
+Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
   Rank& r = r_;
   if (c_.recompute == Recompute::Full) {
     BlockActs again;
-    block_forward(w, a.x, again, true);  // the forward once more, its communication included
+    block_forward(w, a.x, again, true, b.layer, mb);  // the forward once more, its communication included
     a = std::move(again);
   } else if (c_.recompute == Recompute::Selective) {
     Rank::AttentionOut att = r.attention(a.qkv, c_.micro_batch, c_.heads / c_.tp, true);
     a.out = att.out, a.lse = att.lse;
   }
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
-  dp_.add_grad(b.p[kFc2B], r.sum_rows(dx2));
-  const Tensor dy = tp_.leave_backward(dx2);
+  const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
+  dp_.add_grad(b.p[kFc2B], r.sum_rows(dout));
+  const Tensor dy = tp_.leave_backward(dout);
   parallel::LinearGrads fc2 = parallel::linear_backward(r, a.g, w[kFc2W], dy, false, true);
   dp_.add_grad(b.p[kFc2W], fc2.dw);
   const Tensor du = r.gelu_backward(fc2.dx, a.u);
@@ -336,8 +354,9 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   dp_.add_grad(b.p[kLn2B], ln2.dbeta);
   const Tensor dx1 = r.add(dx2, ln2.dx);
   // Attention backward.
-  dp_.add_grad(b.p[kProjB], r.sum_rows(dx1));
-  const Tensor dproj = tp_.leave_backward(dx1);
+  const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
+  dp_.add_grad(b.p[kProjB], r.sum_rows(dp));
+  const Tensor dproj = tp_.leave_backward(dp);
   parallel::LinearGrads proj = parallel::linear_backward(r, a.out, w[kProjW], dproj, false, true);
   dp_.add_grad(b.p[kProjW], proj.dw);
   const Tensor dqkv =
@@ -427,7 +446,7 @@ Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
   for (int i = 0; i < n; ++i) {
     std::vector<parallel::DataParallel::Gathered> cur = std::move(next);
     if (i + 1 < n) next = gather(ch.blocks[i + 1]);
-    x = block_forward(get(cur), x, st.blocks[i], false);
+    x = block_forward(get(cur), x, st.blocks[i], false, ch.blocks[i].layer, t.mb);
   }
   if (ch.head) {
     head_forward(t.mb, x, st.head);
@@ -448,7 +467,7 @@ Tensor Model::backward(const parallel::Task& t, const Tensor& dout) {
   for (int i = n - 1; i >= 0; --i) {
     std::vector<parallel::DataParallel::Gathered> cur = std::move(next);
     if (i > 0) next = gather(ch.blocks[i - 1]);
-    dx = block_backward(ch.blocks[i], get(cur), st.blocks[i], dx);
+    dx = block_backward(ch.blocks[i], get(cur), st.blocks[i], dx, t.mb);
     st.blocks[i] = {};
     if (last) {
       std::vector<Param*> ps;

@@ -3,8 +3,8 @@
 //
 //   x = wte[tokens] + wpe[positions]                       embedding (vocabulary split across tp)
 //   for each block:
-//     x = x + proj(attention(qkv(layernorm1(x))))          column-parallel qkv, row-parallel proj
-//     x = x + fc2(gelu(fc1(layernorm2(x))))                column-parallel fc1 (4h), row-parallel fc2
+//     x = x + dropout(proj(attention(qkv(layernorm1(x)))))    column-parallel qkv, row-parallel proj
+//     x = x + dropout(fc2(gelu(fc1(layernorm2(x)))))         column-parallel fc1 (4h), row-parallel fc2
 //   logits = layernorm_f(x) @ wte^T                        the output layer shares the embedding
 //   loss = mean cross-entropy of the next token
 //
@@ -52,6 +52,17 @@ std::int64_t parameter_count(const Config& c);
 // The training data: token `pos` of sample `sample` (each sample has seq + 1 tokens; the targets are the
 // inputs shifted by one). A pure function, so any rank makes the samples it trains on.
 std::int64_t token(const Config& c, std::int64_t sample, std::int64_t pos);
+
+// The seed of the residual dropout at `site` (0 after attention, 1 after the MLP) of `layer` in training
+// step `step` (from 1). The mask of an element follows from it and the element's row in the global batch
+// (dropout_row), so the lesson and the one-device reference drop the same elements.
+std::uint64_t dropout_seed(int step, int layer, int site);
+// The row of the global batch that row `row` of micro-batch `mb` (of all micro-batches, in the order the
+// data-parallel ranks take the samples) is: micro-batches' rows are sequence-major (position * micro_batch +
+// sample).
+inline std::int64_t dropout_row(const Config& c, std::int64_t mb, std::int64_t row) {
+  return mb * c.rows() + row;
+}
 
 // The bytes a model chunk keeps per micro-batch for its backward (the pre-flight estimate and the check of
 // what the run allocates both use it).
@@ -104,8 +115,12 @@ class Model {
   };
   using Weights = std::array<Tensor, kBlockParams>;
 
-  Tensor block_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full);
-  Tensor block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2);
+  // `layer` and `mb` (this rank's micro-batch) place the block's dropout masks.
+  Tensor block_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
+  Tensor block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
+  // The residual branch's dropout (GPT-2's resid_pdrop; nothing when --dropout is 0). The backward is the
+  // same call on the gradient: the same mask and scale.
+  Tensor residual_dropout(const Tensor& branch, int layer, int site, int mb);
   Tensor embed_forward(int mb);
   void embed_backward(int mb, const Tensor& dx, bool last);
   void head_forward(int mb, const Tensor& x, HeadActs& h);
@@ -123,6 +138,7 @@ class Model {
   std::vector<Tensor> ids_, pos_ids_, targets_;
   std::vector<std::vector<Stash>> stash_;  // [chunk][micro-batch]
   std::int64_t vocab_start_ = 0;
+  int step_ = 0;  // the training step under way, from 1
 };
 
 }  // namespace ranklab::gpt

@@ -141,6 +141,19 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
   };
   weights_.push_back(w);  // step 0: the initial values
   for (int step = 1; step <= c_.steps; ++step) {
+    // The residual dropout at `site` of layer l, on a [n, h] branch or its gradient: the element of sample
+    // b, position s is row s * micro_batch + b % micro_batch of the (b / micro_batch)-th micro-batch.
+    auto drop = [&](Vec& branch, int l, int site) {
+      if (c_.dropout == 0) return;
+      const std::uint64_t seed = dropout_seed(step, l, site);
+      const double kept = 1.0 / (1.0 - static_cast<double>(c_.dropout));
+      const std::int64_t mb = c_.micro_batch;
+      for (std::int64_t i = 0; i < n; ++i) {
+        const std::int64_t b = i / S, s = i % S, row = dropout_row(c_, b / mb, s * mb + b % mb);
+        for (std::int64_t j = 0; j < h; ++j)
+          branch[i * h + j] *= dropout_keeps(seed, row, j, c_.dropout) ? kept : 0.0;
+      }
+    };
     // ---- forward
     Vec x(n * h);
     for (std::int64_t i = 0; i < n; ++i)
@@ -189,6 +202,7 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       }
       Vec proj = mm(a.att, P(l, kProjW), n, h, h);
       add_bias(proj, P(l, kProjB), n);
+      drop(proj, l, 0);
       a.x1 = x;
       for (std::int64_t i = 0; i < n * h; ++i) a.x1[i] += proj[i];
       a.ln2 = layernorm(a.x1, P(l, kLn2G), P(l, kLn2B), n, h);
@@ -198,6 +212,7 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       for (double& e : a.g) e = gelu(e);
       Vec o = mm(a.g, P(l, kFc2W), n, 4 * h, h);
       add_bias(o, P(l, kFc2B), n);
+      drop(o, l, 1);
       x = a.x1;
       for (std::int64_t i = 0; i < n * h; ++i) x[i] += o[i];
     }
@@ -241,9 +256,11 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       Acts& a = acts[l];
       auto G = [&](int k) -> Vec& { return g[l * kBlockParams + k]; };
       // MLP
-      bias_backward(dx, n, G(kFc2B));
+      Vec dout = dx;
+      drop(dout, l, 1);
+      bias_backward(dout, n, G(kFc2B));
       Vec dg(n * 4 * h);
-      mm_backward(a.g, P(l, kFc2W), dx, n, 4 * h, h, G(kFc2W), &dg);
+      mm_backward(a.g, P(l, kFc2W), dout, n, 4 * h, h, G(kFc2W), &dg);
       for (std::int64_t i = 0; i < n * 4 * h; ++i) dg[i] *= gelu_grad(a.u[i]);
       bias_backward(dg, n, G(kFc1B));
       Vec dy2(n * h);
@@ -251,9 +268,11 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
       Vec dx1 = layernorm_backward(a.ln2, P(l, kLn2G), dy2, n, h, G(kLn2G), G(kLn2B));
       for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
       // attention
-      bias_backward(dx1, n, G(kProjB));
+      Vec dproj = dx1;
+      drop(dproj, l, 0);
+      bias_backward(dproj, n, G(kProjB));
       Vec datt(n * h);
-      mm_backward(a.att, P(l, kProjW), dx1, n, h, h, G(kProjW), &datt);
+      mm_backward(a.att, P(l, kProjW), dproj, n, h, h, G(kProjW), &datt);
       Vec dqkv(n * 3 * h, 0.0);
       for (std::int64_t b = 0; b < B; ++b) {
         for (std::int64_t hh = 0; hh < H; ++hh) {
@@ -324,9 +343,12 @@ const std::vector<double>& Reference::weight(int step, int kind, int layer) cons
 }
 
 std::shared_ptr<const Reference> Reference::get(const Config& c) {
-  // Only what defines the problem goes into the key: the shape, the data, the optimizer, the steps.
-  const std::string key = c.shape() + " batch " + std::to_string(c.global_batch) + " steps " +
-                          std::to_string(c.steps) + " lr " + std::to_string(c.lr);
+  // Only what defines the problem goes into the key: the shape, the data, the optimizer, the steps, and
+  // with dropout its probability and the micro-batch size (the masks follow the micro-batches' rows, as a
+  // framework's random stream follows its kernels).
+  std::string key = c.shape() + " batch " + std::to_string(c.global_batch) + " steps " +
+                    std::to_string(c.steps) + " lr " + std::to_string(c.lr);
+  if (c.dropout > 0) key += " dropout " + std::to_string(c.dropout) + " mb " + std::to_string(c.micro_batch);
   static std::mutex mu;
   static std::string cached_key;
   static std::shared_ptr<const Reference> cached;

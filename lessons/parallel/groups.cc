@@ -19,11 +19,11 @@ std::vector<std::string> Layout::dims() const {
   return out;
 }
 
-Layout::Grid Layout::symmetry() const {
+Layout::Grid Layout::symmetry(bool mirror_dp) const {
   Grid g;
   for (const std::string& d : dims()) {
     g.sizes.push_back(size_of(d));
-    g.replicated.push_back(d != "pp");
+    g.replicated.push_back(d == "tp" || (d == "dp" && mirror_dp));
   }
   return g;
 }
