@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cctype>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -190,57 +189,6 @@ void config_section(std::string& out, const RunReport& r) {
 
 // ---- topology --------------------------------------------------------------------------------------------
 
-// Layers of the drawing, top to bottom: the network's switches above the NICs, the GPUs, the NVSwitches
-// below them. Anything not recognised goes at the bottom, so a new kind of node is drawn, just not placed
-// cleverly.
-int layer_of(const std::string& kind) {
-  auto has = [&kind](const char* word) { return kind.find(word) != std::string::npos; };
-  if (has("spine") || has("core") || has("super")) return 0;
-  if (has("nvswitch") || has("nvs")) return 5;
-  if (has("leaf") || has("tor") || has("switch") || kind == "sw") return 1;
-  if (has("nic") || has("hca") || has("eth") || has("ib")) return 2;
-  if (has("pcie") || has("cpu") || has("host") || has("numa")) return 3;
-  if (has("gpu") || kind == "rank") return 4;
-  return 6;
-}
-
-struct TopoNode {
-  std::string name;
-  std::string kind;  // the name's leading letters: "gpu", "nvswitch", "nic", "leaf"
-  long index = -1;   // its trailing number
-  int layer = 6;
-  std::vector<int> neighbours;
-  double x = 0, y = 0;
-  int host = -1;  // the node (server) it belongs to, when known
-};
-
-struct TopoLink {
-  int from, to;
-  const LinkTraffic* traffic;
-};
-
-// "nvlink gpu0->gpu1" -> ("gpu0", "gpu1"); a name without an arrow is not drawn.
-bool link_ends(const std::string& link, std::string& a, std::string& b) {
-  const std::size_t arrow = link.find("->");
-  if (arrow == std::string::npos) return false;
-  std::string left = link.substr(0, arrow), right = link.substr(arrow + 2);
-  const std::size_t space = left.find_last_of(' ');
-  if (space != std::string::npos) left = left.substr(space + 1);
-  right = right.substr(0, right.find(' '));
-  a = left;
-  b = right;
-  return !a.empty() && !b.empty();
-}
-
-void split_name(const std::string& name, std::string& kind, long& index) {
-  std::size_t digits = name.find_last_not_of("0123456789");
-  digits = digits == std::string::npos ? 0 : digits + 1;
-  index = digits < name.size() ? std::stol(name.substr(digits, 9)) : -1;
-  kind = name.substr(0, digits);
-  while (!kind.empty() && (kind.back() == '_' || kind.back() == '-' || kind.back() == ':')) kind.pop_back();
-  std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char c) { return std::tolower(c); });
-}
-
 // Light grey-blue for an idle link through orange to dark red for the busiest: readable on white, and
 // the order is clear without a legend.
 std::string heat_colour(double f) {
@@ -259,238 +207,280 @@ std::string heat_colour(double f) {
                      static_cast<int>(std::lround(a.b + (b.b - a.b) * t)));
 }
 
-void topology_section(std::string& out, const RunReport& r) {
-  std::vector<TopoNode> nodes;
-  std::map<std::string, int> by_name;
-  auto node = [&](const std::string& name) {
-    auto [it, inserted] = by_name.try_emplace(name, static_cast<int>(nodes.size()));
-    if (inserted) {
-      TopoNode n;
-      n.name = name;
-      split_name(name, n.kind, n.index);
-      n.layer = layer_of(n.kind);
-      nodes.push_back(n);
-    }
-    return it->second;
-  };
-  std::vector<TopoLink> links;
-  std::set<std::pair<int, int>> seen_pairs;
-  for (const LinkTraffic& l : r.links) {
-    std::string a, b;
-    if (!link_ends(l.link, a, b)) continue;
-    const int ia = node(a), ib = node(b);
-    if (ia == ib) continue;
-    links.push_back({ia, ib, &l});
-    if (seen_pairs.insert({std::min(ia, ib), std::max(ia, ib)}).second) {
-      nodes[ia].neighbours.push_back(ib);
-      nodes[ib].neighbours.push_back(ia);
-    }
-  }
-  // Every rank's GPU is drawn, carrying traffic or not, when links name GPUs that way (or name nothing).
-  const bool gpu_names = nodes.empty() || std::any_of(nodes.begin(), nodes.end(),
-                                                      [](const TopoNode& n) { return n.kind == "gpu"; });
-  if (gpu_names) {
-    for (int i = 0; i < r.world; ++i) node(fmt::format("gpu{}", i));
-  }
-  if (nodes.empty()) {
-    out += "<p class=\"sub\">The report names no links.</p>\n";
-    return;
-  }
+// The width of a node's box when it is named: its name at the drawing's 11 px font (about 6.4 px a
+// character), at most 9 characters of it.
+double label_width(const std::string& id) {
+  return 6.4 * static_cast<double>(std::min<std::size_t>(id.size(), 9)) + 10;
+}
 
-  // Which server each GPU is in, and each switch or NIC whose GPU neighbours are all in one server.
-  const int per_node = r.gpus_per_node;
-  for (TopoNode& n : nodes) {
-    if (n.layer == 4 && per_node > 0 && n.index >= 0) n.host = static_cast<int>(n.index / per_node);
-  }
-  for (TopoNode& n : nodes) {
-    if (n.layer == 4 || n.layer < 2) continue;
-    std::set<int> hosts;
-    for (int m : n.neighbours) {
-      if (nodes[m].host >= 0) hosts.insert(nodes[m].host);
-    }
-    if (hosts.size() == 1) n.host = *hosts.begin();
-  }
+// Each node's index by id.
+std::map<std::string, int> node_index(const RunTopology& t) {
+  std::map<std::string, int> index;
+  for (int i = 0; i < static_cast<int>(t.nodes.size()); ++i) index.emplace(t.nodes[i].id, i);
+  return index;
+}
 
-  // Layers that hold nodes, in drawing order.
-  std::map<int, std::vector<int>> layers;
-  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) layers[nodes[i].layer].push_back(i);
+// A link's two ends as node indices; false for a link that names a node the topology lacks, or loops.
+bool link_ends(const std::map<std::string, int>& index, const TopologyLink& l, int& from, int& to) {
+  auto a = index.find(l.from), b = index.find(l.to);
+  if (a == index.end() || b == index.end() || a->second == b->second) return false;
+  from = a->second;
+  to = b->second;
+  return true;
+}
+
+// Each node's neighbours, each once, whichever way their links go.
+std::vector<std::vector<int>> neighbours_of(const RunTopology& t) {
+  const std::map<std::string, int> index = node_index(t);
+  std::vector<std::vector<int>> out(t.nodes.size());
+  std::set<std::pair<int, int>> seen;
+  for (const TopologyLink& l : t.links) {
+    int a, b;
+    if (!link_ends(index, l, a, b) || !seen.insert({std::min(a, b), std::max(a, b)}).second) continue;
+    out[a].push_back(b);
+    out[b].push_back(a);
+  }
+  return out;
+}
+
+// Puts a row's nodes as near as they can be to where they want to be (left to right in that order),
+// `gap` apart and inside the drawing.
+void spread_row(std::vector<int>& row, const std::vector<double>& want, double gap, double left, double right,
+                std::vector<double>& x) {
+  std::stable_sort(row.begin(), row.end(), [&want](int a, int b) { return want[a] < want[b]; });
+  for (int i : row) {
+    x[i] = std::max(want[i], left);
+    left = x[i] + gap;
+  }
+  for (auto it = row.rbegin(); it != row.rend(); ++it) {
+    x[*it] = std::min(x[*it], right);
+    right = x[*it] - gap;
+  }
+}
+
+}  // namespace
+
+TopologyLayout layout_topology(const RunTopology& t) {
+  TopologyLayout lay;
+  const int n = static_cast<int>(t.nodes.size());
+  lay.x.assign(n, 0);
+  lay.y.assign(n, 0);
+  if (n == 0) return lay;
+
+  // Rows by level, top to bottom, each in the order the backend listed its nodes.
+  std::map<int, std::vector<int>> rows;
+  for (int i = 0; i < n; ++i) rows[t.nodes[i].level].push_back(i);
   std::size_t widest = 0;
-  for (const auto& [layer, members] : layers) widest = std::max(widest, members.size());
-  const double spacing = widest <= 16 ? 64 : widest <= 64 ? 34 : 14;
-  const bool labels = spacing >= 34;
-  const double box_w = std::min(spacing - 6, 56.0), box_h = 20, host_gap = spacing * 0.6;
-  const double margin = 40;
+  for (const auto& [level, members] : rows) widest = std::max(widest, members.size());
 
-  // The anchor layer is the GPUs (or the biggest layer): evenly spaced, with a gap between servers.
-  int anchor = layers.count(4) ? 4 : layers.begin()->first;
-  for (const auto& [layer, members] : layers) {
-    if (members.size() > layers[anchor].size() && !layers.count(4)) anchor = layer;
+  // Named boxes where the crowded rows' names fit side by side in a drawing about 1,600 px wide;
+  // otherwise unnamed ones (named on hover), packed tighter for larger machines.
+  double label_room = 0;
+  for (const auto& [level, members] : rows) {
+    if (members.size() * 4 < widest * 3) continue;
+    for (int i : members) label_room = std::max(label_room, label_width(t.nodes[i].id) + 6);
   }
-  {
-    std::vector<int>& a = layers[anchor];
-    std::sort(a.begin(), a.end(), [&nodes](int x, int y) {
-      return std::tie(nodes[x].index, nodes[x].name) < std::tie(nodes[y].index, nodes[y].name);
-    });
-    double x = margin + box_w / 2;
-    int last_host = nodes[a.front()].host;
-    for (int i : a) {
-      if (nodes[i].host != last_host) x += host_gap;
-      last_host = nodes[i].host;
-      nodes[i].x = x;
-      x += spacing;
+  const double fit = 1600.0 / static_cast<double>(widest);
+  const double named = std::max(label_room, std::min(64.0, fit));
+  lay.labels = named <= fit;
+  const double spacing = lay.labels ? named : widest <= 64 ? 34 : 14;
+  lay.box_w = std::min(spacing - 6, 56.0);
+  lay.box_h = 20;
+  const double margin = 40, host_gap = spacing * 0.6;
+
+  // The anchor row is the GPUs' (or the widest).
+  int anchor = rows.begin()->first;
+  for (const auto& [level, members] : rows) {
+    if (rows[anchor].size() < members.size()) anchor = level;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (t.nodes[i].kind == "gpu") {
+      anchor = t.nodes[i].level;
+      break;
     }
   }
-  double width = 0;
-  for (int i : layers[anchor]) width = std::max(width, nodes[i].x + box_w / 2 + margin);
-  width = std::max(width, 720.0);
+  // Each server gets room for its most crowded row, so that its NICs or switches fit above its GPUs instead
+  // of spilling over its neighbour's; the anchor row's nodes of a server spread evenly across that room, in
+  // list order, with a gap between servers.
+  std::map<int, std::map<int, int>> per_row;  // host -> level -> nodes
+  for (const TopologyNode& node : t.nodes) ++per_row[node.host][node.level];
+  std::map<int, int> room;
+  for (const auto& [host, levels] : per_row) {
+    for (const auto& [level, count] : levels) room[host] = std::max(room[host], count);
+  }
+  const std::vector<int>& anchors = rows[anchor];
+  double left = margin;
+  for (std::size_t first = 0, last; first < anchors.size(); first = last) {
+    const int host = t.nodes[anchors[first]].host;
+    last = first;
+    while (last < anchors.size() && t.nodes[anchors[last]].host == host) ++last;
+    const double count = static_cast<double>(last - first);
+    const double width = spacing * std::max<double>(room[host], count);
+    for (std::size_t k = first; k < last; ++k) {
+      lay.x[anchors[k]] = left + (static_cast<double>(k - first) + 0.5) * width / count;
+    }
+    left += width + host_gap;
+  }
+  lay.width = std::max(720.0, left - host_gap + margin);
 
-  // Then the other layers, nearest the anchor first: each node goes above (or below) the mean of its
-  // placed neighbours, pushed apart just enough not to overlap (a barycentre layout).
+  // Then the other rows, nearest the anchor first: each node above (or below) the mean of its placed
+  // neighbours, pushed apart just enough not to overlap (a barycentre layout). A node with no placed
+  // neighbour is spread across the width in list order.
+  const std::vector<std::vector<int>> neighbours = neighbours_of(t);
   std::vector<int> order;
-  for (const auto& [layer, members] : layers) order.push_back(layer);
-  std::sort(order.begin(), order.end(), [anchor](int a, int b) {
-    return std::abs(a - anchor) < std::abs(b - anchor) ||
-           (std::abs(a - anchor) == std::abs(b - anchor) && a < b);
-  });
-  std::set<int> placed_layers{anchor};
-  for (int layer : order) {
-    if (layer == anchor) continue;
-    std::vector<int>& members = layers[layer];
-    std::vector<double> want(nodes.size(), 0);
+  for (const auto& [level, members] : rows) order.push_back(level);
+  std::stable_sort(order.begin(), order.end(),
+                   [anchor](int a, int b) { return std::abs(a - anchor) < std::abs(b - anchor); });
+  std::vector<bool> placed(n, false);
+  for (int i : rows[anchor]) placed[i] = true;
+  std::vector<double> want(n, 0);
+  for (int level : order) {
+    if (level == anchor) continue;
+    std::vector<int>& members = rows[level];
     for (std::size_t k = 0; k < members.size(); ++k) {
-      TopoNode& n = nodes[members[k]];
       double sum = 0;
       int count = 0;
-      for (int m : n.neighbours) {
-        if (placed_layers.count(nodes[m].layer)) {
-          sum += nodes[m].x;
-          ++count;
-        }
+      for (int m : neighbours[members[k]]) {
+        if (!placed[m]) continue;
+        sum += lay.x[m];
+        ++count;
       }
-      // Unconnected to anything placed: spread in name order across the width.
-      want[members[k]] = count > 0 ? sum / count : margin + (k + 0.5) * (width - 2 * margin) / members.size();
+      want[members[k]] =
+          count > 0 ? sum / count : margin + (k + 0.5) * (lay.width - 2 * margin) / members.size();
     }
-    std::sort(members.begin(), members.end(), [&](int a, int b) {
-      return std::tie(want[a], nodes[a].index, nodes[a].name) <
-             std::tie(want[b], nodes[b].index, nodes[b].name);
-    });
-    const double gap = std::min(spacing, (width - 2 * margin) / std::max<std::size_t>(members.size(), 1));
-    double left = margin + box_w / 2;
-    for (int i : members) {
-      nodes[i].x = std::max(want[i], left);
-      left = nodes[i].x + gap;
-    }
-    double right = width - margin - box_w / 2;
-    for (auto it = members.rbegin(); it != members.rend(); ++it) {
-      nodes[*it].x = std::min(nodes[*it].x, right);
-      right = nodes[*it].x - gap;
-    }
-    placed_layers.insert(layer);
+    const double gap = std::min(spacing, (lay.width - 2 * margin) / static_cast<double>(members.size()));
+    spread_row(members, want, gap, margin + lay.box_w / 2, lay.width - margin - lay.box_w / 2, lay.x);
+    for (int i : members) placed[i] = true;
   }
+
   const double row_gap = 72, top = 30;
   int row = 0;
-  for (const auto& [layer, members] : layers) {
-    for (int i : members) nodes[i].y = top + row * row_gap + box_h / 2;
+  for (const auto& [level, members] : rows) {
+    for (int i : members) lay.y[i] = top + row * row_gap + lay.box_h / 2;
     ++row;
   }
-  const double height = top + (row - 1) * row_gap + box_h + 70;
+  lay.height = top + (row - 1) * row_gap + lay.box_h + 70;
+  return lay;
+}
 
-  // Colour by utilisation when every link's capacity is known, else by bytes.
-  const bool by_util = r.makespan_us > 0 && !links.empty() &&
-                       std::all_of(links.begin(), links.end(),
-                                   [](const TopoLink& l) { return l.traffic->bandwidth_gbps > 0; });
-  auto value = [&](const LinkTraffic& t) {
-    return by_util ? static_cast<double>(t.bytes) / (t.bandwidth_gbps * 1e3 * r.makespan_us)
-                   : static_cast<double>(t.bytes);
-  };
-  double top_value = 0;
-  for (const TopoLink& l : links) top_value = std::max(top_value, value(*l.traffic));
-  // The scale runs to the busiest link of this run, whose absolute figure the legend gives: on an absolute
-  // scale a run whose busiest link is busy 2% of the time would be grey everywhere and show nothing.
-  const double scale_top = top_value;
+namespace {
 
-  out += fmt::format(
-      "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
-      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-nodes=\"{}\" data-links=\"{}\">\n",
-      width, height, width, height, nodes.size(), links.size());
-
-  // Servers as dashed boxes behind their GPUs (and the switches and NICs that are theirs alone).
+// Servers as dashed boxes behind their devices, named in the bottom corner, which the links into the box
+// from the fabric above leave free.
+void draw_hosts(std::string& out, const RunTopology& t, const TopologyLayout& lay) {
   std::map<int, std::array<double, 4>> hosts;  // host -> x0, y0, x1, y1
-  for (const TopoNode& n : nodes) {
-    if (n.host < 0) continue;
-    auto [it, inserted] = hosts.try_emplace(n.host, std::array<double, 4>{n.x, n.y, n.x, n.y});
+  for (std::size_t i = 0; i < t.nodes.size(); ++i) {
+    if (t.nodes[i].host < 0) continue;
+    const double x = lay.x[i], y = lay.y[i];
+    auto [it, inserted] = hosts.try_emplace(t.nodes[i].host, std::array<double, 4>{x, y, x, y});
     auto& b = it->second;
-    b = {std::min(b[0], n.x), std::min(b[1], n.y), std::max(b[2], n.x), std::max(b[3], n.y)};
+    b = {std::min(b[0], x), std::min(b[1], y), std::max(b[2], x), std::max(b[3], y)};
   }
-  if (hosts.size() > 1 || (hosts.size() == 1 && per_node > 0)) {
-    for (const auto& [host, b] : hosts) {
-      const double pad = 10;
-      out += fmt::format(
-          "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" rx=\"8\" fill=\"#f6f7f9\" "
-          "stroke=\"#9aa5b1\" stroke-dasharray=\"4 3\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
-          "fill=\"#5d6875\">node {}</text>\n",
-          b[0] - box_w / 2 - pad, b[1] - box_h / 2 - pad - 12, b[2] - b[0] + box_w + 2 * pad,
-          b[3] - b[1] + box_h + 2 * pad + 12, b[0] - box_w / 2 - pad + 4, b[1] - box_h / 2 - pad - 1, host);
-    }
+  const double pad = 10, w = lay.box_w, h = lay.box_h;
+  for (const auto& [host, b] : hosts) {
+    out += fmt::format(
+        "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" rx=\"8\" fill=\"#f6f7f9\" "
+        "stroke=\"#9aa5b1\" stroke-dasharray=\"4 3\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
+        "fill=\"#5d6875\">node {}</text>\n",
+        b[0] - w / 2 - pad, b[1] - h / 2 - pad, b[2] - b[0] + w + 2 * pad, b[3] - b[1] + h + 2 * pad + 12,
+        b[0] - w / 2 - pad + 4, b[3] + h / 2 + pad + 8, host);
   }
+}
 
-  // Links. Both directions of a pair are drawn, side by side, each coloured by its own traffic.
-  for (const TopoLink& l : links) {
-    const TopoNode& a = nodes[l.from];
-    const TopoNode& b = nodes[l.to];
-    const double f = scale_top > 0 ? value(*l.traffic) / scale_top : 0;
-    const double stroke = 1.2 + 3.3 * f;
-    const std::string colour = heat_colour(f);
-    std::string title = fmt::format("{} ({}): {}", l.traffic->link, l.traffic->tier,
-                                    human_bytes(static_cast<double>(l.traffic->bytes)));
-    if (l.traffic->bandwidth_gbps > 0 && r.makespan_us > 0) {
-      const double util =
-          static_cast<double>(l.traffic->bytes) / (l.traffic->bandwidth_gbps * 1e3 * r.makespan_us);
-      title += fmt::format(", {:.1f}% of {} over the run", 100 * util, human_bw(l.traffic->bandwidth_gbps));
-    }
-    std::string path;
-    if (a.layer == b.layer) {
-      // Same row: an arc, above the row going right and below it going left.
-      const double mid = (a.x + b.x) / 2, span = std::fabs(b.x - a.x);
-      const double lift = std::min(70.0, 14 + span * 0.18) * (b.x > a.x ? -1 : 1);
-      const double edge = box_h / 2 * (b.x > a.x ? -1 : 1);
-      path = fmt::format("M{:.1f} {:.1f} Q{:.1f} {:.1f} {:.1f} {:.1f}", a.x, a.y + edge, mid,
-                         a.y + edge + lift * 2, b.x, b.y + edge);
-    } else {
-      // Between rows: a straight line, nudged sideways so the two directions sit side by side.
-      const double dx = b.x - a.x, dy = b.y - a.y, len = std::max(1e-9, std::hypot(dx, dy));
-      const double off = 2.2, nx = -dy / len * off, ny = dx / len * off;
-      path = fmt::format("M{:.1f} {:.1f} L{:.1f} {:.1f}", a.x + nx, a.y + ny, b.x + nx, b.y + ny);
+// The path of a link from a to b: between rows a straight line, nudged sideways so that the two directions
+// of a pair sit side by side; within a row an arc, above it going right and below it going left.
+std::string link_path(double ax, double ay, double bx, double by, double box_h) {
+  if (ay == by) {
+    const double mid = (ax + bx) / 2, span = std::fabs(bx - ax);
+    const double lift = std::min(70.0, 14 + span * 0.18) * (bx > ax ? -1 : 1);
+    const double edge = box_h / 2 * (bx > ax ? -1 : 1);
+    return fmt::format("M{:.1f} {:.1f} Q{:.1f} {:.1f} {:.1f} {:.1f}", ax, ay + edge, mid,
+                       ay + edge + lift * 2, bx, by + edge);
+  }
+  const double dx = bx - ax, dy = by - ay, len = std::max(1e-9, std::hypot(dx, dy));
+  const double off = 2.2, nx = -dy / len * off, ny = dx / len * off;
+  return fmt::format("M{:.1f} {:.1f} L{:.1f} {:.1f}", ax + nx, ay + ny, bx + nx, by + ny);
+}
+
+// A link of the drawing with what it carried.
+struct DrawnLink {
+  const TopologyLink* link;
+  int from, to;
+  std::int64_t bytes;
+  double value;  // what its colour shows: utilisation or bytes
+};
+
+// The topology's links with their traffic (joined by id), coloured by utilisation over the run when every
+// capacity is known, else by bytes; idle links first, so that busy ones are drawn over them.
+std::vector<DrawnLink> drawn_links(const RunReport& r, bool& by_util) {
+  std::map<std::string, std::int64_t> bytes;
+  for (const LinkTraffic& l : r.links) bytes[l.link] += l.bytes;
+  const std::map<std::string, int> index = node_index(r.topology);
+  std::vector<DrawnLink> out;
+  for (const TopologyLink& l : r.topology.links) {
+    int a, b;
+    if (!link_ends(index, l, a, b)) continue;
+    auto it = bytes.find(l.id);
+    out.push_back({&l, a, b, it == bytes.end() ? 0 : it->second, 0});
+  }
+  by_util = r.makespan_us > 0 && !out.empty() && std::all_of(out.begin(), out.end(), [](const DrawnLink& d) {
+              return d.link->bandwidth_gbps > 0;
+            });
+  for (DrawnLink& d : out) {
+    d.value = by_util ? static_cast<double>(d.bytes) / (d.link->bandwidth_gbps * 1e3 * r.makespan_us)
+                      : static_cast<double>(d.bytes);
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const DrawnLink& a, const DrawnLink& b) { return a.value < b.value; });
+  return out;
+}
+
+void draw_links(std::string& out, const RunReport& r, const std::vector<DrawnLink>& links, double scale_top,
+                const TopologyLayout& lay) {
+  for (const DrawnLink& d : links) {
+    const double f = scale_top > 0 ? d.value / scale_top : 0;
+    std::string title =
+        fmt::format("{} ({}): {}", d.link->id, d.link->tier, human_bytes(static_cast<double>(d.bytes)));
+    if (d.link->bandwidth_gbps > 0 && r.makespan_us > 0) {
+      const double util = static_cast<double>(d.bytes) / (d.link->bandwidth_gbps * 1e3 * r.makespan_us);
+      title += fmt::format(", {:.1f}% of {} over the run", 100 * util, human_bw(d.link->bandwidth_gbps));
     }
     out += fmt::format(
         "<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"{:.2f}\" stroke-linecap=\"round\" "
         "data-link=\"{}\"><title>{}</title></path>\n",
-        path, colour, stroke, html_escape(l.traffic->link), html_escape(title));
+        link_path(lay.x[d.from], lay.y[d.from], lay.x[d.to], lay.y[d.to], lay.box_h), heat_colour(f),
+        1.2 + 3.3 * f, html_escape(d.link->id), html_escape(title));
   }
+}
 
-  for (const TopoNode& n : nodes) {
+void draw_nodes(std::string& out, const RunTopology& t, const TopologyLayout& lay) {
+  for (std::size_t i = 0; i < t.nodes.size(); ++i) {
+    const TopologyNode& n = t.nodes[i];
     // Wide enough for its label where labels are drawn (switch names are longer than "gpu3").
-    const double w =
-        labels ? std::max(box_w, 6.4 * static_cast<double>(std::min<std::size_t>(n.name.size(), 9)) + 10)
-               : box_w;
-    const char* fill = n.layer == 4   ? "#dce8f5"
-                       : n.layer >= 5 ? "#e8e1f2"
-                       : n.layer == 2 ? "#e3f0df"
-                                      : "#fff3dc";
+    const double w = lay.labels ? std::max(lay.box_w, label_width(n.id)) : lay.box_w;
+    const char* fill = n.kind == "gpu"                      ? "#dce8f5"
+                       : n.kind == "nvswitch"               ? "#e8e1f2"
+                       : n.kind == "nic" || n.kind == "cpu" ? "#e3f0df"
+                                                            : "#fff3dc";
+    const std::string title =
+        n.rank >= 0 ? fmt::format("{}: rank {}", n.id, n.rank) : fmt::format("{} ({})", n.id, n.kind);
     out += fmt::format(
         "<g data-node=\"{}\"><title>{}</title><rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" "
-        "height=\"{:.1f}\" "
-        "rx=\"3\" fill=\"{}\" stroke=\"#52606d\"/>",
-        html_escape(n.name), html_escape(n.name), n.x - w / 2, n.y - box_h / 2, w, box_h, fill);
-    if (labels) {
-      out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>", n.x, n.y + 4,
-                         html_escape(n.name.size() > 9 ? n.name.substr(0, 8) + "\u2026" : n.name));
+        "height=\"{:.1f}\" rx=\"3\" fill=\"{}\" stroke=\"#52606d\"/>",
+        html_escape(n.id), html_escape(title), lay.x[i] - w / 2, lay.y[i] - lay.box_h / 2, w, lay.box_h,
+        fill);
+    if (lay.labels) {
+      out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>", lay.x[i],
+                         lay.y[i] + 4, html_escape(n.id.size() > 9 ? n.id.substr(0, 8) + "\u2026" : n.id));
     }
     out += "</g>\n";
   }
+}
 
-  // The colour scale.
-  const double lx = margin, ly = height - 28;
+// The colour scale runs to the busiest link of this run, whose absolute figure it gives: on an absolute
+// scale a run whose busiest link is busy 2% of the time would be grey everywhere and show nothing.
+void draw_scale(std::string& out, bool by_util, double top_value, const TopologyLayout& lay) {
+  const double lx = 40, ly = lay.height - 28;
   out += "<defs><linearGradient id=\"heat\">";
   for (int i = 0; i <= 4; ++i)
     out += fmt::format("<stop offset=\"{}%\" stop-color=\"{}\"/>", i * 25, heat_colour(i / 4.0));
@@ -504,6 +494,26 @@ void topology_section(std::string& out, const RunReport& r) {
       "<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#5d6875\">link colour: {}</text>\n",
       lx, ly, lx, ly + 22, lx + 160, ly + 22, html_escape(top_label), lx + 176, ly + 9,
       by_util ? "utilisation" : "bytes carried");
+}
+
+// The machine as the backend described it (RunReport::topology), each link coloured by its traffic.
+void topology_section(std::string& out, const RunReport& r) {
+  if (r.topology.nodes.empty()) {
+    out += "<p class=\"sub\">The backend described no topology.</p>\n";
+    return;
+  }
+  const TopologyLayout lay = layout_topology(r.topology);
+  bool by_util = false;
+  const std::vector<DrawnLink> links = drawn_links(r, by_util);
+  const double top_value = links.empty() ? 0 : links.back().value;
+  out += fmt::format(
+      "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
+      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-nodes=\"{}\" data-links=\"{}\">\n",
+      lay.width, lay.height, lay.width, lay.height, r.topology.nodes.size(), links.size());
+  draw_hosts(out, r.topology, lay);
+  draw_links(out, r, links, top_value, lay);
+  draw_nodes(out, r.topology, lay);
+  if (!links.empty()) draw_scale(out, by_util, top_value, lay);
   out += "</svg></div>\n";
 }
 

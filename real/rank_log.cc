@@ -242,10 +242,13 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
     }
   }
 
-  // GPUs per node, as the run used them: the most ranks any one host ran.
-  std::map<std::string, int> ranks_per_host;
+  // GPUs per node, as the run used them: the most ranks any one host ran. The topology is what the logs
+  // know of it: each rank's GPU and the host it was in (hosts numbered in rank order); not the links.
+  std::map<std::string, int> ranks_per_host, host_index;
   for (const RankLog* l : ordered) {
     report.gpus_per_node = std::max(report.gpus_per_node, ++ranks_per_host[l->host]);
+    const int host = host_index.try_emplace(l->host, static_cast<int>(host_index.size())).first->second;
+    report.topology.nodes.push_back({fmt::format("gpu{}", l->rank), "gpu", 0, host, l->rank});
   }
 
   std::vector<std::pair<int, const TimedLine*>> lines;

@@ -25,6 +25,41 @@ bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
+// A link of the machine, and its traffic when it carried some.
+void add_link(RunReport& r, const std::string& from, const std::string& to, const std::string& tier,
+              std::int64_t bytes, double gbps) {
+  const std::string id = from + "->" + to;
+  r.topology.links.push_back({id, from, to, tier, gbps});
+  if (bytes > 0) r.links.push_back({id, tier, bytes, gbps});
+}
+
+// A two-node machine as data: per GPU, NVLink up and down through its node's NVSwitch and a PCIe link to its
+// own NIC; each NIC to the leaf of its rail, and each leaf to one spine. Every link carries bytes.
+void add_machine(RunReport& r) {
+  const int per_node = r.gpus_per_node;
+  for (int k = 0; k < r.world; ++k)
+    r.topology.nodes.push_back({fmt::format("gpu{}", k), "gpu", 4, k / per_node, k});
+  for (int node = 0; node < 2; ++node) {
+    r.topology.nodes.push_back({fmt::format("nvswitch{}", node), "nvswitch", 5, node, -1});
+  }
+  for (int k = 0; k < r.world; ++k)
+    r.topology.nodes.push_back({fmt::format("nic{}", k), "nic", 2, k / per_node, -1});
+  for (int leaf = 0; leaf < per_node; ++leaf)
+    r.topology.nodes.push_back({fmt::format("leaf{}", leaf), "leaf", 1, -1, -1});
+  r.topology.nodes.push_back({"spine0", "spine", 0, -1, -1});
+  for (int k = 0; k < r.world; ++k) {
+    const std::string gpu = fmt::format("gpu{}", k), nvswitch = fmt::format("nvswitch{}", k / per_node),
+                      nic = fmt::format("nic{}", k);
+    add_link(r, gpu, nvswitch, "nvlink", (k + 1) * (std::int64_t{1} << 30), 450);
+    add_link(r, nvswitch, gpu, "nvlink", (k + 1) * (std::int64_t{1} << 29), 450);
+    add_link(r, gpu, nic, "pcie", std::int64_t{1} << 28, 63);
+    add_link(r, nic, fmt::format("leaf{}", k % per_node), "infiniband", std::int64_t{1} << 28, 50);
+  }
+  for (int leaf = 0; leaf < per_node; ++leaf) {
+    add_link(r, fmt::format("leaf{}", leaf), "spine0", "infiniband", std::int64_t{1} << 27, 50);
+  }
+}
+
 // A training-like run: `world` ranks, `steps` steps of forward and backward kernels, an all_reduce whose
 // members arrive at different times (waits), and idle gaps; links of a two-node machine with NVSwitches,
 // NICs and a leaf/spine fabric.
@@ -68,18 +103,8 @@ RunReport training_report(int world, int steps) {
     s.peak_bytes = (std::int64_t{10} + k) << 30;
     s.capacity_bytes = std::int64_t{80} << 30;
     r.ranks.push_back(s);
-    const int node = k / r.gpus_per_node;
-    r.links.push_back(
-        {fmt::format("gpu{}->nvswitch{}", k, node), "nvlink", (k + 1) * (std::int64_t{1} << 30), 450});
-    r.links.push_back(
-        {fmt::format("nvswitch{}->gpu{}", node, k), "nvlink", (k + 1) * (std::int64_t{1} << 29), 450});
-    r.links.push_back({fmt::format("gpu{}->nic{}", k, k), "pcie", std::int64_t{1} << 28, 63});
-    r.links.push_back(
-        {fmt::format("nic{}->leaf{}", k, k % r.gpus_per_node), "infiniband", std::int64_t{1} << 28, 50});
   }
-  for (int leaf = 0; leaf < r.gpus_per_node; ++leaf) {
-    r.links.push_back({fmt::format("leaf{}->spine0", leaf), "infiniband", std::int64_t{1} << 27, 50});
-  }
+  add_machine(r);
   r.checks = {{0, "loss decreases", true, ""}, {1, "params equal", false, "off by 1e-3"}};
   r.output = {"step 0 loss 2.3", "<script>alert('not run')</script>"};
   summarize_spans(r);
@@ -154,7 +179,7 @@ std::map<std::string, double> node_rows(const std::string& html) {
   return y;
 }
 
-TEST(HtmlReport, TopologyFromLinkNames) {
+TEST(HtmlReport, TopologyFromData) {
   const std::string html = report_to_html(training_report(8, 1));
   const auto y = node_rows(html);
   // 8 GPUs, 2 NVSwitches, 8 NICs, 4 leaves, 1 spine.
@@ -173,22 +198,102 @@ TEST(HtmlReport, TopologyFromLinkNames) {
   EXPECT_TRUE(contains(html, "link colour: utilisation"));
 }
 
-TEST(HtmlReport, TopologyOfDirectGpuLinks) {
-  // The simulator's first network model names links GPU to GPU, with tiers but no capacities.
+// The colour of each link the drawing drew, in order.
+std::vector<std::string> link_colours(const std::string& html) {
+  std::vector<std::string> out;
+  const std::regex path(R"re(<path d="[^"]*" fill="none" stroke="(#[0-9a-f]+)")re");
+  for (auto it = std::sregex_iterator(html.begin(), html.end(), path); it != std::sregex_iterator(); ++it) {
+    out.push_back((*it)[1]);
+  }
+  return out;
+}
+
+TEST(HtmlReport, TopologyDoesNotReadNames) {
+  // The same machine with every device and link renamed to names that say nothing: the same drawing.
+  const RunReport named = training_report(8, 1);
+  RunReport opaque = named;
+  std::map<std::string, std::string> rename;
+  for (TopologyNode& n : opaque.topology.nodes) n.id = rename[n.id] = fmt::format("x{}", rename.size());
+  for (TopologyLink& l : opaque.topology.links) {
+    const std::string id = l.id;
+    l.id = fmt::format("wire {}", l.from + l.to);
+    l.from = rename.at(l.from);
+    l.to = rename.at(l.to);
+    for (LinkTraffic& t : opaque.links) {
+      if (t.link == id) t.link = l.id;
+    }
+  }
+  const TopologyLayout a = layout_topology(named.topology), b = layout_topology(opaque.topology);
+  EXPECT_EQ(a.x, b.x);
+  EXPECT_EQ(a.y, b.y);
+  const std::string html = report_to_html(opaque);
+  EXPECT_EQ(link_colours(html), link_colours(report_to_html(named)));
+  EXPECT_TRUE(contains(html, "data-links=\"36\""));
+  EXPECT_TRUE(contains(html, ">node 1</text>"));
+}
+
+TEST(HtmlReport, LayoutOfTheStructure) {
+  // Four GPUs in two servers, listed out of name order, under one switch each pair.
+  RunTopology t;
+  t.nodes = {{"b", "gpu", 7, 0, 0},      {"a", "gpu", 7, 0, 1},      {"d", "gpu", 7, 1, 2},
+             {"c", "gpu", 7, 1, 3},      {"s0", "switch", 3, 0, -1}, {"s1", "switch", 3, 1, -1},
+             {"top", "core", -2, -1, -1}};
+  t.links = {{"l0", "b", "s0", "x", 1},     {"l1", "a", "s0", "x", 1},   {"l2", "d", "s1", "x", 1},
+             {"l3", "c", "s1", "x", 1},     {"l4", "s0", "top", "x", 1}, {"l5", "top", "s1", "x", 1},
+             {"l6", "a", "nowhere", "x", 1}};
+  const TopologyLayout lay = layout_topology(t);
+  ASSERT_EQ(lay.x.size(), 7u);
+  // The GPUs' row in the order listed, a wider gap between the servers than inside one.
+  EXPECT_LT(lay.x[0], lay.x[1]);
+  EXPECT_LT(lay.x[1], lay.x[2]);
+  EXPECT_LT(lay.x[2], lay.x[3]);
+  EXPECT_GT(lay.x[2] - lay.x[1], lay.x[1] - lay.x[0]);
+  EXPECT_DOUBLE_EQ(lay.x[1] - lay.x[0], lay.x[3] - lay.x[2]);
+  // Each switch above the middle of its GPUs, the core above the middle of the switches.
+  EXPECT_DOUBLE_EQ(lay.x[4], (lay.x[0] + lay.x[1]) / 2);
+  EXPECT_DOUBLE_EQ(lay.x[5], (lay.x[2] + lay.x[3]) / 2);
+  EXPECT_DOUBLE_EQ(lay.x[6], (lay.x[4] + lay.x[5]) / 2);
+  // Rows by level, whatever the numbers.
+  EXPECT_LT(lay.y[6], lay.y[4]);
+  EXPECT_LT(lay.y[4], lay.y[0]);
+  EXPECT_DOUBLE_EQ(lay.y[0], lay.y[3]);
+  EXPECT_TRUE(lay.labels);
+  EXPECT_GE(lay.width, lay.x[3]);
+}
+
+TEST(HtmlReport, IdleLinksAreDrawnIdle) {
+  RunReport r;
+  r.world = 2;
+  r.makespan_us = 100;
+  r.topology.nodes = {
+      {"gpu0", "gpu", 4, 0, 0}, {"gpu1", "gpu", 4, 0, 1}, {"nvswitch0", "nvswitch", 5, 0, -1}};
+  add_link(r, "gpu0", "nvswitch0", "nvlink", 1 << 20, 450);
+  add_link(r, "nvswitch0", "gpu1", "nvlink", 1 << 20, 450);
+  add_link(r, "gpu1", "nvswitch0", "nvlink", 0, 450);
+  add_link(r, "nvswitch0", "gpu0", "nvlink", 0, 450);
+  const std::string html = report_to_html(r);
+  EXPECT_TRUE(contains(html, "data-links=\"4\""));
+  // The idle ones first, in the scale's lightest colour; the busy ones drawn over them, in its darkest.
+  EXPECT_EQ(link_colours(html), (std::vector<std::string>{"#d0d7e2", "#d0d7e2", "#b2182b", "#b2182b"}));
+  EXPECT_TRUE(contains(html, "0 B, 0.0% of 450.0 GB/s over the run"));
+}
+
+TEST(HtmlReport, WithoutATopology) {
+  // What a backend that knew nothing of the machine reports: its links, if any, are still listed.
   RunReport r;
   r.world = 4;
-  r.links = {{"gpu0->gpu1", "nvlink", 100},
-             {"gpu1->gpu2", "nvlink", 200},
-             {"gpu2->gpu3", "nvlink", 300},
-             {"gpu3->gpu0", "nvlink", 400},
-             {"gpu1->gpu0", "nvlink", 50}};
+  r.links = {{"gpu0->gpu1", "nvlink", 100}, {"gpu1->gpu0", "nvlink", 50}};
   const std::string html = report_to_html(r);
-  EXPECT_EQ(node_rows(html).size(), 4u);
-  EXPECT_TRUE(contains(html, "data-links=\"5\""));
-  EXPECT_TRUE(contains(html, "link colour: bytes carried"));
-  // No link at all still draws the ranks' GPUs.
+  EXPECT_FALSE(contains(html, "id=\"topology\""));
+  EXPECT_TRUE(contains(html, "The backend described no topology"));
+  EXPECT_TRUE(contains(html, "links by traffic (2)"));
+  // The real backend's: the ranks' GPUs in their hosts, no links.
+  for (int k = 0; k < 4; ++k) r.topology.nodes.push_back({fmt::format("gpu{}", k), "gpu", 0, k / 2, k});
   r.links.clear();
-  EXPECT_EQ(node_rows(report_to_html(r)).size(), 4u);
+  const std::string gpus = report_to_html(r);
+  EXPECT_EQ(node_rows(gpus).size(), 4u);
+  EXPECT_TRUE(contains(gpus, "data-links=\"0\""));
+  EXPECT_TRUE(contains(gpus, ">node 1</text>"));
 }
 
 // ---- in a browser

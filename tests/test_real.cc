@@ -179,6 +179,20 @@ TEST(RankLog, TrainingFiguresTravelAndReachTheReport) {
   EXPECT_FALSE(assemble_report({l1}, "cuda", "dgx-h100").training.has_value());
 }
 
+TEST(RankLog, TheTopologyIsEachRanksGpuInItsHost) {
+  RankLog a = sample_log(0, 100), b = sample_log(1, 100), c = sample_log(2, 100);
+  c.host = "other";
+  const RunReport r = assemble_report({c, b, a}, "cuda", "dgx-h100");
+  ASSERT_EQ(r.topology.nodes.size(), 3u);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(r.topology.nodes[k].id, fmt::format("gpu{}", k));
+    EXPECT_EQ(r.topology.nodes[k].kind, "gpu");
+    EXPECT_EQ(r.topology.nodes[k].rank, k);
+    EXPECT_EQ(r.topology.nodes[k].host, k / 2);  // hosts numbered in rank order
+  }
+  EXPECT_TRUE(r.topology.links.empty());  // the logs know nothing of the links
+}
+
 TEST(RankLog, AssemblySplitsALateMembersWaitFromTheTransfer) {
   // Rank 0 reaches the all-reduce at 100 us, rank 1 at 250 us, both finish at 300 us: the transfer took
   // 50 us and rank 0 idled 150 us waiting for rank 1.
