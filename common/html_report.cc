@@ -11,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/assets.h"
 #include "common/compare.h"
 #include "common/lesson.h"
 #include "common/trace_writer.h"
@@ -72,75 +73,13 @@ std::string json_number(double v) {
   return s == "-0" ? "0" : s;
 }
 
-namespace {
-
-// Colours shared by the stylesheet and the scripts: compute, communication, waiting for peers, idle.
-constexpr const char* kStyle = R"CSS(
-:root { --compute: #3b75af; --comm: #ef8a17; --wait: #c8383e; --idle: #f3d6d6; --region: #6a9f58;
-        --ink: #1d232b; --muted: #5d6875; --rule: #d9dee4; --panel: #f6f7f9; }
-* { box-sizing: border-box; }
-body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
-       sans-serif; color: var(--ink); background: #fff; }
-main { max-width: 1600px; margin: 0 auto; padding: 16px 24px 40px; }
-h1 { font-size: 20px; margin: 4px 0 2px; }
-h2 { font-size: 16px; margin: 26px 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--rule); }
-.sub { color: var(--muted); margin: 0 0 8px; }
-.ok { color: #23803a; font-weight: 600; }
-.bad { color: var(--wait); font-weight: 600; }
-table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
-th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid var(--rule); white-space: nowrap; }
-th { background: var(--panel); font-weight: 600; position: sticky; top: 0; }
-td.l, th.l { text-align: left; }
-.side { display: flex; flex-wrap: wrap; gap: 8px 28px; align-items: flex-start; }
-.side > div { min-width: 0; max-width: 100%; }
-.side > div:last-child { flex: 1 1 340px; }
-.config { display: flex; flex-wrap: wrap; gap: 6px; margin: 10px 0 4px; }
-.config div { background: var(--panel); border: 1px solid var(--rule); border-radius: 3px; padding: 1px 8px; }
-.config span { color: var(--muted); }
-.scroll { max-height: 420px; overflow: auto; }
-.wide { overflow-x: auto; }
-.legend { display: flex; flex-wrap: wrap; gap: 14px; margin: 4px 0 8px; color: var(--muted); }
-.legend span::before { content: ""; display: inline-block; width: 12px; height: 12px; margin-right: 5px;
-                       vertical-align: -2px; border-radius: 2px; background: var(--c); }
-.bar { display: flex; height: 12px; width: 240px; background: var(--panel); border-radius: 2px; overflow: hidden; }
-.bar i { display: block; height: 100%; }
-.cards { display: flex; flex-wrap: wrap; gap: 10px; margin: 8px 0; }
-.cards > div { background: var(--panel); border: 1px solid var(--rule); border-radius: 4px; padding: 6px 12px;
-               min-width: 150px; }
-.cards b { display: block; font-size: 18px; font-variant-numeric: tabular-nums; }
-.cards span { color: var(--muted); font-size: 12px; }
-#training .bar { width: 100%; max-width: 720px; height: 16px; }
-#timeline { position: relative; border: 1px solid var(--rule); border-radius: 4px; user-select: none; }
-#timeline canvas { display: block; width: 100%; cursor: grab; }
-#tip { position: absolute; pointer-events: none; background: rgba(29, 35, 43, 0.92); color: #fff;
-       padding: 4px 8px; border-radius: 4px; font-size: 12px; white-space: pre; display: none; z-index: 2; }
-#errors { background: #fde8e8; color: #8a1c1c; padding: 8px 24px; margin: 0; }
-#errors:empty { display: none; }
-svg text { font: 11px system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; fill: var(--ink); }
-pre { background: var(--panel); padding: 10px; overflow: auto; max-height: 480px; }
-details summary { cursor: pointer; color: var(--muted); }
-)CSS";
-
-// Catches every script error into #errors, where a person sees it and a test can count it.
-constexpr const char* kErrorCatcher = R"JS(
-window.addEventListener('error', function (e) {
-  var list = document.getElementById('errors');
-  var item = document.createElement('li');
-  item.textContent = 'script error: ' + e.message + ' (line ' + e.lineno + ')';
-  list.appendChild(item);
-  list.setAttribute('data-count', String(list.children.length));
-});
-)JS";
-
-}  // namespace
-
 std::string html_page_start(const std::string& title) {
   return fmt::format(
       "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>{}</title>\n"
       "<style>{}</style>\n</head>\n<body>\n<ul id=\"errors\" data-count=\"0\"></ul>\n<script>{}</script>\n"
       "<main>\n",
-      html_escape(title), kStyle, kErrorCatcher);
+      html_escape(title), assets::page_css, assets::page_js);
 }
 
 std::string html_page_end() {
@@ -673,186 +612,6 @@ std::string timeline_json(const RunReport& r) {
   return out;
 }
 
-// Draws the timeline on a canvas: a row per rank with bands for regions, compute and communication over a
-// background that marks idle time. Spans narrower than a pixel are merged with their neighbours, so 8 ranks
-// of 100 steps draw as fast as 8 spans. Wheel zooms about the pointer, dragging pans, double-click resets.
-constexpr const char* kTimelineScript = R"JS(
-(function () {
-  var D = JSON.parse(document.getElementById('timeline-data').textContent);
-  var box = document.getElementById('timeline');
-  var canvas = box.querySelector('canvas');
-  var tip = document.getElementById('tip');
-  var ctx = canvas.getContext('2d');
-  var css = getComputedStyle(document.documentElement);
-  var colour = {};
-  ['compute', 'comm', 'wait', 'idle', 'region'].forEach(function (k) {
-    colour[k] = css.getPropertyValue('--' + k).trim();
-  });
-  var LABEL = 66, AXIS = 24, RIGHT = 8;
-  var n = D.rows.length;
-  var rowH = n <= 16 ? 30 : n <= 64 ? 14 : n <= 256 ? 6 : 3;
-  var hasRegions = D.rows.some(function (r) { return r.g.length > 0; });
-  var end = D.end > 0 ? D.end : 1;
-  D.rows.forEach(function (r) {
-    ['c', 'm', 'w', 'i', 'g'].forEach(function (k) {
-      var a = r[k], pm = new Float64Array(a.length / 3), best = -Infinity;
-      for (var j = 0; j < pm.length; j++) { best = Math.max(best, a[3 * j + 1]); pm[j] = best; end = Math.max(end, best); }
-      r[k + 'max'] = pm;  // running maximum of the ends, to find the first span a view can show
-    });
-  });
-  var t0 = 0, t1 = end, width = 0;
-
-  function bands(y) {
-    // [key, top, height] of each band of a row starting at y.
-    var h = rowH - 2, out = [];
-    if (rowH < 10) return [['c', y, h / 2], ['m', y + h / 2, h / 2], ['w', y + h / 2, h / 2]];
-    var g = hasRegions ? Math.max(3, Math.round(h * 0.18)) : 0;
-    var half = (h - g) / 2;
-    if (hasRegions) out.push(['g', y, g - 1]);
-    out.push(['c', y + g, half], ['m', y + g + half, half], ['w', y + g + half, half]);
-    return out;
-  }
-  function px(t) { return LABEL + (t - t0) / (t1 - t0) * (width - LABEL - RIGHT); }
-  function firstVisible(pm) {
-    var lo = 0, hi = pm.length;
-    while (lo < hi) { var mid = (lo + hi) >> 1; if (pm[mid] < t0) lo = mid + 1; else hi = mid; }
-    return lo;
-  }
-  // Each pixel column is painted in proportion to the time the band's spans cover in it (its coverage as
-  // opacity): a column of dense 1-px kernels on an idle background reads as mostly idle, as it is, not as
-  // solid compute. Fully covered runs of columns are one rectangle.
-  function drawBand(a, pm, y, h, fill) {
-    ctx.fillStyle = fill;
-    var left = LABEL, right = width - RIGHT, cols = Math.max(1, Math.ceil(right - left));
-    var cov = new Float32Array(cols), any = false;
-    for (var j = firstVisible(pm); j < pm.length; j++) {
-      var s = a[3 * j], e = a[3 * j + 1];
-      if (s > t1) break;
-      if (e < t0) continue;
-      var x0 = Math.max(0, px(s) - left), x1 = Math.min(cols, px(e) - left);
-      if (x1 <= x0) continue;
-      any = true;
-      var c0 = Math.floor(x0), c1 = Math.floor(x1);
-      if (c0 === c1) { cov[c0] += x1 - x0; continue; }
-      cov[c0] += c0 + 1 - x0;
-      for (var c = c0 + 1; c < c1 && c < cols; c++) cov[c] += 1;
-      if (c1 < cols) cov[c1] += x1 - c1;
-    }
-    if (!any) return;
-    var run = -1;
-    for (var c = 0; c <= cols; c++) {
-      var v = c < cols ? Math.min(1, cov[c]) : 0;
-      if (v >= 0.999) { if (run < 0) run = c; continue; }
-      if (run >= 0) { ctx.fillRect(left + run, y, c - run, h); run = -1; }
-      if (v > 0.02) {
-        ctx.globalAlpha = v;
-        ctx.fillRect(left + c, y, 1, h);
-        ctx.globalAlpha = 1;
-      }
-    }
-  }
-  function niceStep(span, pixels) {
-    var raw = span / Math.max(1, pixels / 110), p = Math.pow(10, Math.floor(Math.log10(raw)));
-    var m = raw / p;
-    return (m < 1.5 ? 1 : m < 3.5 ? 2 : m < 7.5 ? 5 : 10) * p;
-  }
-  function fmtTime(us, step) {
-    var unit = step >= 1e5 ? [1e6, ' s'] : step >= 100 ? [1e3, ' ms'] : [1, ' us'];
-    var v = us / unit[0], d = Math.max(0, Math.min(6, -Math.floor(Math.log10(step / unit[0]) + 1e-9)));
-    return v.toFixed(d) + unit[1];
-  }
-  function draw() {
-    var dpr = window.devicePixelRatio || 1;
-    width = box.clientWidth || 1000;
-    var height = AXIS + n * rowH + 4;
-    canvas.width = Math.round(width * dpr);
-    canvas.height = Math.round(height * dpr);
-    canvas.style.height = height + 'px';
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, width, height);
-    ctx.font = '11px system-ui, sans-serif';
-    ctx.textBaseline = 'middle';
-    var step = niceStep(t1 - t0, width - LABEL - RIGHT);
-    ctx.strokeStyle = '#e4e7eb';
-    ctx.fillStyle = '#5d6875';
-    ctx.textAlign = 'center';
-    for (var t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
-      var x = Math.round(px(t)) + 0.5;
-      ctx.beginPath(); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, height); ctx.stroke();
-      var text = fmtTime(t, step), half = ctx.measureText(text).width / 2;
-      ctx.fillText(text, Math.min(Math.max(x, LABEL + half), width - RIGHT - half), AXIS / 2);
-    }
-    var every = Math.max(1, Math.ceil(12 / rowH));
-    for (var r = 0; r < n; r++) {
-      var y = AXIS + r * rowH, row = D.rows[r];
-      ctx.textAlign = 'right';
-      ctx.fillStyle = '#1d232b';
-      if (r % every === 0) ctx.fillText('rank ' + r, LABEL - 8, y + rowH / 2);
-      drawBand(row.i, row.imax, y, rowH - 2, colour.idle);
-      bands(y).forEach(function (b) {
-        var key = b[0], fill = key === 'c' ? colour.compute : key === 'm' ? colour.comm : key === 'w' ? colour.wait : colour.region;
-        drawBand(row[key], row[key + 'max'], b[1], b[2], fill);
-      });
-    }
-    box.setAttribute('data-rows', String(n));
-    box.setAttribute('data-view', t0.toFixed(3) + ' ' + t1.toFixed(3));
-  }
-  function timeAt(x) { return t0 + (x - LABEL) / (width - LABEL - RIGHT) * (t1 - t0); }
-  function zoom(factor, x) {
-    var t = timeAt(x), span = Math.min(end * 1.05, Math.max(1e-3, (t1 - t0) * factor));
-    var f = (x - LABEL) / (width - LABEL - RIGHT);
-    t0 = Math.max(-end * 0.025, t - f * span); t1 = t0 + span;
-    draw();
-  }
-  function findSpan(a, pm, t) {
-    // The last span starting at or before t that still covers it; overlapping spans are rare and short.
-    var lo = 0, hi = pm.length;
-    while (lo < hi) { var mid = (lo + hi) >> 1; if (a[3 * mid] <= t) lo = mid + 1; else hi = mid; }
-    for (var j = lo - 1; j >= 0 && pm[j] >= t; j--) if (a[3 * j + 1] >= t) return j;
-    return -1;
-  }
-  var drag = null;
-  canvas.addEventListener('wheel', function (e) {
-    e.preventDefault();
-    zoom(Math.exp(e.deltaY * 0.0015), e.offsetX);
-  }, { passive: false });
-  canvas.addEventListener('mousedown', function (e) { drag = { x: e.clientX, t0: t0, t1: t1 }; canvas.style.cursor = 'grabbing'; });
-  window.addEventListener('mouseup', function () { drag = null; canvas.style.cursor = 'grab'; });
-  canvas.addEventListener('dblclick', function () { t0 = 0; t1 = end; draw(); });
-  canvas.addEventListener('mouseleave', function () { tip.style.display = 'none'; });
-  window.addEventListener('mousemove', function (e) {
-    if (!drag) return;
-    var dt = (e.clientX - drag.x) / (width - LABEL - RIGHT) * (drag.t1 - drag.t0);
-    t0 = drag.t0 - dt; t1 = drag.t1 - dt;
-    draw();
-  });
-  canvas.addEventListener('mousemove', function (e) {
-    if (drag) return;
-    var r = Math.floor((e.offsetY - AXIS) / rowH);
-    if (r < 0 || r >= n || e.offsetX < LABEL) { tip.style.display = 'none'; return; }
-    var t = timeAt(e.offsetX), row = D.rows[r], hit = null;
-    bands(AXIS + r * rowH).concat([['i', AXIS + r * rowH, rowH]]).some(function (b) {
-      if (e.offsetY < b[1] || e.offsetY > b[1] + b[2] + 1) return false;
-      var j = findSpan(row[b[0]], row[b[0] + 'max'], t);
-      if (j < 0) return false;
-      hit = [b[0], row[b[0]], j];
-      return true;
-    });
-    if (!hit) { tip.style.display = 'none'; return; }
-    var a = hit[1], j = hit[2], kind = { c: 'compute', m: 'comm', w: 'waiting for peers', i: 'idle', g: 'region' }[hit[0]];
-    var s = a[3 * j], d = a[3 * j + 1] - s;
-    tip.textContent = 'rank ' + r + ' \u00b7 ' + kind + '\n' + D.names[a[3 * j + 2]] + '\nstart ' + fmtTime(s, 1e-3) +
-        ', ' + fmtTime(d, Math.max(1e-3, d / 1000));
-    tip.style.display = 'block';
-    tip.style.left = Math.min(e.offsetX + 14, width - 240) + 'px';
-    tip.style.top = (e.offsetY + 14) + 'px';
-  });
-  window.addEventListener('resize', draw);
-  draw();
-  document.body.setAttribute('data-rendered', '1');
-})();
-)JS";
-
 void timeline_section(std::string& out, const RunReport& r) {
   out += "<h2>Timeline</h2>\n";
   out +=
@@ -870,7 +629,7 @@ void timeline_section(std::string& out, const RunReport& r) {
   out += "<noscript><p class=\"sub\">The timeline needs JavaScript.</p></noscript>\n";
   out += "<script type=\"application/json\" id=\"timeline-data\">" + script_json(timeline_json(r)) +
          "</script>\n";
-  out += std::string("<script>") + kTimelineScript + "</script>\n";
+  out += fmt::format("<script>{}</script>\n", assets::timeline_js);
 }
 
 // ---- tables ----------------------------------------------------------------------------------------------

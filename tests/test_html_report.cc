@@ -8,11 +8,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <string>
 
 #include "chromium.h"
+#include "common/assets.h"
 #include "common/html_report.h"
 #include "common/report.h"
 
@@ -140,6 +142,34 @@ TEST(HtmlReport, SelfContainedWithEverySection) {
   EXPECT_TRUE(contains(html, "--dim"));
   EXPECT_TRUE(contains(html, "off by 1e-3"));
   EXPECT_TRUE(contains(html, "1 of 2 checks failed"));
+}
+
+// The text of a file of the source tree.
+std::string source_file(const std::string& path) {
+  std::ifstream f(fs::path(RANKLAB_SOURCE_DIR) / path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+TEST(HtmlReport, ScriptsAndStylesAreTheAssetFilesEmbedded) {
+  // What the build embedded is each file of common/assets/ byte for byte.
+  const std::pair<const char*, std::string_view> files[] = {{"page.css", assets::page_css},
+                                                            {"page.js", assets::page_js},
+                                                            {"timeline.js", assets::timeline_js},
+                                                            {"compare.js", assets::compare_js}};
+  for (const auto& [name, text] : files) {
+    const std::string file = source_file(std::string("common/assets/") + name);
+    ASSERT_FALSE(file.empty()) << name;
+    EXPECT_EQ(text, file) << name;
+  }
+  // And the page holds them, inline: the shared helpers, the timeline's drawing, the colours.
+  const std::string html = report_to_html(training_report(4, 2));
+  EXPECT_TRUE(contains(html, std::string(assets::page_css)));
+  EXPECT_TRUE(contains(html, std::string(assets::page_js)));
+  EXPECT_TRUE(contains(html, std::string(assets::timeline_js)));
+  EXPECT_TRUE(contains(html, "var ranklab = {"));
+  EXPECT_TRUE(contains(html, "function drawBand("));
+  EXPECT_TRUE(contains(html, "--compute: #3b75af"));
+  EXPECT_FALSE(contains(html, std::string(assets::compare_js)));  // only what the page uses
 }
 
 TEST(HtmlReport, TrainingStepAboveTheTimeline) {
