@@ -554,19 +554,159 @@ void training_section(std::string& out, const RunReport& r) {
   out += "</div>\n</section>\n";
 }
 
+// ---- pipeline schedule -----------------------------------------------------------------------------------
+
+// A task's names: for the tooltip ("backward mb 3 chunk 1") and for inside its box ("B3.1").
+std::string task_name(const PipelineTask& t, bool interleaved) {
+  return fmt::format("{} mb {}{}", t.forward ? "forward" : "backward", t.micro_batch,
+                     interleaved ? fmt::format(" chunk {}", t.chunk) : "");
+}
+std::string task_label(const PipelineTask& t, bool interleaved) {
+  return fmt::format("{}{}{}", t.forward ? 'F' : 'B', t.micro_batch,
+                     interleaved ? fmt::format(".{}", t.chunk) : "");
+}
+
+// The report's pipeline tasks as a schedule: a row per stage, from the stage's lowest rank that reported
+// (the ranks of one stage run the same schedule), and the bubble measured as the pipeline lesson measures
+// it, idle over compute: (window - mean busy) / mean busy, where (p - 1) / (v m) is its prediction.
+struct Schedule {
+  int stages = 0, chunks = 0, micro_batches = 0;
+  std::vector<int> rank;                                // per stage; -1 when none reported
+  std::vector<std::vector<const PipelineTask*>> tasks;  // per stage, by start
+  double start_us = 0, end_us = 0;
+  double bubble = 0, formula = 0;
+};
+
+Schedule schedule_of(const RunReport& r) {
+  Schedule s;
+  for (const PipelineTask& t : r.pipeline) {
+    s.stages = std::max(s.stages, t.stage + 1);
+    s.chunks = std::max(s.chunks, t.chunk + 1);
+    s.micro_batches = std::max(s.micro_batches, t.micro_batch + 1);
+  }
+  s.rank.assign(s.stages, -1);
+  s.tasks.resize(s.stages);
+  for (const PipelineTask& t : r.pipeline) {
+    if (t.stage < 0) continue;
+    int& owner = s.rank[t.stage];
+    if (owner < 0 || t.rank < owner) {
+      owner = t.rank;
+      s.tasks[t.stage].clear();
+    }
+    if (t.rank == owner) s.tasks[t.stage].push_back(&t);
+  }
+  s.start_us = INFINITY;
+  s.end_us = -INFINITY;
+  double busy = 0;
+  int rows = 0;
+  for (auto& row : s.tasks) {
+    std::stable_sort(row.begin(), row.end(),
+                     [](const PipelineTask* a, const PipelineTask* b) { return a->start_us < b->start_us; });
+    for (const PipelineTask* t : row) {
+      s.start_us = std::min(s.start_us, t->start_us);
+      s.end_us = std::max(s.end_us, t->end_us);
+      busy += t->end_us - t->start_us;
+    }
+    rows += row.empty() ? 0 : 1;
+  }
+  const double mean_busy = rows > 0 ? busy / rows : 0;
+  s.bubble = mean_busy > 0 ? (s.end_us - s.start_us - mean_busy) / mean_busy : 0;
+  s.formula = s.micro_batches > 0 ? (s.stages - 1.0) / (s.chunks * static_cast<double>(s.micro_batches)) : 0;
+  return s;
+}
+
+// The timed step's schedule at the top of the page, as the pipeline papers draw it: a row per stage, a box
+// per forward (blue) or backward (purple), labelled with its micro-batch (and chunk, paler for later
+// chunks), on the pale red of idle time, so the bubble is the red that shows. Beside it, the bubble
+// measured against (p - 1) / (v m).
+void pipeline_section(std::string& out, const RunReport& r) {
+  if (r.pipeline.empty()) return;
+  const Schedule s = schedule_of(r);
+  const bool interleaved = s.chunks > 1;
+  out += "<section id=\"schedule\">\n<h2>Pipeline schedule</h2>\n";
+  out += fmt::format(
+      "<p class=\"sub\">p = {} stages, m = {} micro-batches{}, the step the lesson timed. Bubble: "
+      "<b>{:.1f}%</b> "
+      "measured (idle over compute, mean over stages), against (p-1)/(v&middot;m) = {}/({}&middot;{}) = "
+      "<b>{:.1f}%</b> for uniform stages and free communication.</p>\n",
+      s.stages, s.micro_batches, interleaved ? fmt::format(", v = {} chunks per stage", s.chunks) : "",
+      100 * s.bubble, s.stages - 1, s.chunks, s.micro_batches, 100 * s.formula);
+  out += fmt::format(
+      "<div class=\"legend\"><span style=\"--c:var(--forward)\">forward</span><span "
+      "style=\"--c:var(--backward)\">backward</span><span style=\"--c:var(--idle)\">idle: the bubble</span>"
+      "<span style=\"--c:transparent\">F3 = forward of micro-batch 3{}</span></div>\n",
+      interleaved ? ", F3.1 its chunk 1 (paler)" : "");
+
+  const double label_w = 124, width = 1100, row_h = 24, axis = 22, plot = width - label_w - 16;
+  const double window = std::max(s.end_us - s.start_us, 1e-9);
+  auto px = [&](double us) { return label_w + (us - s.start_us) / window * plot; };
+  const double height = axis + s.stages * row_h + 4;
+  out += fmt::format(
+      "<div class=\"wide\"><svg id=\"pipeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
+      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-stages=\"{}\" data-tasks=\"{}\">\n",
+      width, height, width, height, s.stages, r.pipeline.size());
+  for (int k = 0; k <= 4; ++k) {
+    const double x = label_w + k * plot / 4;
+    out += fmt::format(
+        "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2:.0f}\" stroke=\"#e4e7eb\"/><text "
+        "x=\"{0:.1f}\" "
+        "y=\"14\" text-anchor=\"{3}\" style=\"fill:var(--muted)\">{4}</text>\n",
+        x, axis - 4, height,
+        k == 0   ? "start"
+        : k == 4 ? "end"
+                 : "middle",
+        human_time(k * window / 4));
+  }
+  for (int stage = 0; stage < s.stages; ++stage) {
+    const double y = axis + stage * row_h;
+    const auto& row = s.tasks[stage];
+    out += fmt::format("<g data-stage=\"{}\" data-rank=\"{}\" data-boxes=\"{}\">", stage, s.rank[stage],
+                       row.size());
+    out += fmt::format(
+        "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">stage {}{}</text><rect x=\"{:.1f}\" "
+        "y=\"{:.1f}\" "
+        "width=\"{:.1f}\" height=\"{:.1f}\" style=\"fill:var(--idle)\"/>\n",
+        label_w - 8, y + row_h / 2 + 4, stage,
+        s.rank[stage] >= 0 ? fmt::format(" (rank {})", s.rank[stage]) : "", label_w, y + 1, plot, row_h - 2);
+    for (const PipelineTask* t : row) {
+      const double x0 = px(t->start_us), w = std::max(0.5, px(t->end_us) - x0);
+      const double shade = interleaved ? 1.0 - 0.45 * t->chunk / (s.chunks - 1.0) : 1.0;
+      const std::string label = task_label(*t, interleaved);
+      out += fmt::format(
+          "<g class=\"task\"><title>{}: {}, from {}</title><rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" "
+          "height=\"{:.1f}\" style=\"fill:var({})\" fill-opacity=\"{:.2f}\" stroke=\"#fff\" "
+          "stroke-width=\"0.5\"/>",
+          task_name(*t, interleaved), human_time(t->end_us - t->start_us),
+          human_time(t->start_us - s.start_us), x0, y + 1, w, row_h - 2,
+          t->forward ? "--forward" : "--backward", shade);
+      // Named where the name fits (about 6.5 px a character at 11 px).
+      if (w >= 6.5 * static_cast<double>(label.size()) + 4) {
+        out += fmt::format(
+            "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" style=\"fill:#fff\">{}</text>",
+            x0 + w / 2, y + row_h / 2 + 4, label);
+      }
+      out += "</g>\n";
+    }
+    out += "</g>\n";
+  }
+  out += "</svg></div>\n</section>\n";
+}
+
 // ---- timeline --------------------------------------------------------------------------------------------
 
 // The spans as compact JSON for the page's script: per rank, flat arrays [start, end, name, ...] sorted by
-// start for compute (c), transfers (m), waits (w), idle (i) and regions (g); names are indices into one
-// table, since a training run repeats a handful of names thousands of times.
+// start for compute (c), transfers (m), waits (w), idle (i), regions (g) and a pipeline's forward (f) and
+// backward (b) tasks, whose short labels (fl, bl) are beside them; names are indices into one table, since
+// a training run repeats a handful of names thousands of times.
 std::string timeline_json(const RunReport& r) {
   const std::vector<std::vector<TimeRange>> idle = idle_intervals(r);
   const int n = std::max<int>(static_cast<int>(idle.size()), r.world);
   struct Item {
     double start, end;
     int name;
+    int label = -1;  // what a pipeline task's box says inside: "F3"
   };
-  std::vector<std::array<std::vector<Item>, 5>> rows(n);
+  std::vector<std::array<std::vector<Item>, 7>> rows(n);
   std::map<std::string, int> name_index;
   std::vector<const std::string*> names;
   auto intern = [&](const std::string& s) {
@@ -586,11 +726,18 @@ std::string timeline_json(const RunReport& r) {
   for (const RegionRecord& g : r.regions) {
     if (g.rank >= 0 && g.rank < n) rows[g.rank][4].push_back({g.start_us, g.end_us, intern(g.name)});
   }
+  bool interleaved = false;
+  for (const PipelineTask& t : r.pipeline) interleaved = interleaved || t.chunk > 0;
+  for (const PipelineTask& t : r.pipeline) {
+    if (t.rank < 0 || t.rank >= n) continue;
+    rows[t.rank][t.forward ? 5 : 6].push_back(
+        {t.start_us, t.end_us, intern(task_name(t, interleaved)), intern(task_label(t, interleaved))});
+  }
   std::string out = fmt::format("{{\"end\":{},\"rows\":[", json_number(r.makespan_us));
-  const char* keys[] = {"c", "m", "w", "i", "g"};
+  const char* keys[] = {"c", "m", "w", "i", "g", "f", "b"};
   for (int i = 0; i < n; ++i) {
     out += i ? ",{" : "{";
-    for (int b = 0; b < 5; ++b) {
+    for (int b = 0; b < 7; ++b) {
       std::vector<Item>& items = rows[i][b];
       std::stable_sort(items.begin(), items.end(),
                        [](const Item& x, const Item& y) { return x.start < y.start; });
@@ -599,6 +746,11 @@ std::string timeline_json(const RunReport& r) {
         out += fmt::format("{}{},{},{}", k ? "," : "", json_number(items[k].start), json_number(items[k].end),
                            items[k].name);
       }
+      out += "]";
+      if (b < 5) continue;
+      // The pipeline's tasks also carry their short labels, in the same order.
+      out += fmt::format(",\"{}l\":[", keys[b]);
+      for (std::size_t k = 0; k < items.size(); ++k) out += fmt::format("{}{}", k ? "," : "", items[k].label);
       out += "]";
     }
     out += "}";
@@ -619,7 +771,13 @@ void timeline_section(std::string& out, const RunReport& r) {
       "<span style=\"--c:var(--comm)\">communication</span>"
       "<span style=\"--c:var(--wait)\">waiting for peers</span>"
       "<span style=\"--c:var(--idle)\">idle (neither stream busy)</span>"
-      "<span style=\"--c:var(--region)\">region</span>"
+      "<span style=\"--c:var(--region)\">region</span>";
+  if (!r.pipeline.empty()) {
+    out +=
+        "<span style=\"--c:var(--forward)\">forward task (F3: micro-batch 3)</span>"
+        "<span style=\"--c:var(--backward)\">backward task</span>";
+  }
+  out +=
       "<span style=\"--c:transparent\">wheel: zoom &middot; drag: pan &middot; double-click: whole "
       "run</span></div>\n";
   out += fmt::format(
@@ -779,6 +937,7 @@ std::string report_to_html(const RunReport& report) {
                : fmt::format("<p class=\"bad\">{} of {} checks failed</p>\n", failed, report.checks.size());
   }
   config_section(out, report);
+  pipeline_section(out, report);
   training_section(out, report);
   timeline_section(out, report);
   out += "<h2>Topology and traffic</h2>\n<div class=\"side\"><div>\n";

@@ -550,6 +550,12 @@ ordered_json to_json(const TopologyLink& l) {
       {"id", l.id}, {"from", l.from}, {"to", l.to}, {"tier", l.tier}, {"bandwidth_gbps", l.bandwidth_gbps}};
 }
 
+ordered_json to_json(const PipelineTask& t) {
+  return ordered_json{
+      {"rank", t.rank},       {"stage", t.stage},       {"chunk", t.chunk},  {"micro_batch", t.micro_batch},
+      {"forward", t.forward}, {"start_us", t.start_us}, {"end_us", t.end_us}};
+}
+
 // TrainingStats as JSON, written and read from this one list of its fields.
 template <class Stats, class Visit>
 void training_fields(Stats& t, Visit&& v) {
@@ -737,6 +743,7 @@ std::string report_to_json(const RunReport& report) {
       {"output", report.output},
   };
   if (report.training) j["training"] = to_json(*report.training);
+  if (!report.pipeline.empty()) j["pipeline"] = array_of(report.pipeline);
   // A lesson's printed output may hold bytes that are not UTF-8; replace them rather than fail the write.
   return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
@@ -858,6 +865,18 @@ RunReport report_from_json(const std::string& text) {
     training_fields(t, [&](const char* key, auto& value) { r.get(*it, key, value); });
     report.training = t;
   }
+  report.pipeline = read_array<PipelineTask>(root, "pipeline", [](const json& e, auto reader) {
+    Reader r = reader();
+    PipelineTask t;
+    r.get(e, "rank", t.rank);
+    r.get(e, "stage", t.stage);
+    r.get(e, "chunk", t.chunk);
+    r.get(e, "micro_batch", t.micro_batch);
+    r.get(e, "forward", t.forward);
+    r.get(e, "start_us", t.start_us);
+    r.get(e, "end_us", t.end_us);
+    return t;
+  });
   return report;
 }
 

@@ -158,6 +158,9 @@ struct RunReport {
   std::vector<std::string> output;  // the lesson's printed lines, in order
   // What a training lesson reported for its timed step (Rank::report_training); empty otherwise.
   std::optional<TrainingStats> training;
+  // A pipeline-parallel lesson's timed step, task by task, as its ranks reported them
+  // (Rank::report_pipeline); empty otherwise.
+  std::vector<PipelineTask> pipeline;
 
   bool all_checks_passed() const;
   std::int64_t total_link_bytes() const;

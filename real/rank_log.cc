@@ -132,6 +132,13 @@ std::string serialize(const RankLog& log) {
       w.put(b);
     }
   }
+  w.put<std::uint64_t>(log.pipeline.size());
+  for (const PipelineTask& t : log.pipeline) {
+    for (int x : {t.rank, t.stage, t.chunk, t.micro_batch}) w.put<std::int32_t>(x);
+    w.put<std::uint8_t>(t.forward);
+    w.put(t.start_us);
+    w.put(t.end_us);
+  }
   return w.take();
 }
 
@@ -211,6 +218,14 @@ RankLog deserialize(const std::string& bytes) {
     }
     log.training = std::move(t);
   }
+  for (auto n = r.get<std::uint64_t>(); n > 0; --n) {
+    PipelineTask t;
+    for (int* x : {&t.rank, &t.stage, &t.chunk, &t.micro_batch}) *x = r.get<std::int32_t>();
+    t.forward = r.get<std::uint8_t>() != 0;
+    t.start_us = r.get<double>();
+    t.end_us = r.get<double>();
+    log.pipeline.push_back(t);
+  }
   if (!r.done()) throw BackendError("a rank's log arrived with bytes to spare");
   return log;
 }
@@ -287,6 +302,7 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
     report.regions.insert(report.regions.end(), l->regions.begin(), l->regions.end());
     // Rank 0 reports the training figures; should another rank do so too, the lowest rank's win.
     if (l->training && !report.training) report.training = l->training;
+    report.pipeline.insert(report.pipeline.end(), l->pipeline.begin(), l->pipeline.end());
     report.checks.insert(report.checks.end(), l->checks.begin(), l->checks.end());
     for (const TimedLine& t : l->output) lines.emplace_back(l->rank, &t);
   }

@@ -198,6 +198,54 @@ TEST(HtmlReport, TrainingStepAboveTheTimeline) {
   EXPECT_TRUE(contains(html, "activations 768 MiB"));
 }
 
+// A two-stage pipeline of m micro-batches, gpipe-like: the forwards, then the backwards, each task 10 us;
+// stage 1 starts a task later than stage 0 and stage 0 waits for stage 1's backwards.
+void add_pipeline(RunReport& r, int m, int chunks) {
+  for (int stage = 0; stage < 2; ++stage) {
+    double t = 10.0 * stage;
+    for (int c = 0; c < chunks; ++c) {
+      for (int k = 0; k < m; ++k, t += 10) r.pipeline.push_back({stage, stage, c, k, true, t, t + 10});
+    }
+    t = 10.0 * m * chunks + 10 + 10.0 * (1 - stage);
+    for (int c = chunks - 1; c >= 0; --c) {
+      for (int k = 0; k < m; ++k, t += 10) r.pipeline.push_back({stage, stage, c, k, false, t, t + 10});
+    }
+  }
+}
+
+TEST(HtmlReport, PipelineScheduleAtTheTop) {
+  RunReport r = training_report(2, 1);
+  EXPECT_EQ(report_to_html(r).find("id=\"pipeline\""), std::string::npos);  // only with a pipeline
+  add_pipeline(r, 4, 1);
+  const std::string html = report_to_html(r);
+  const auto chart = html.find("<svg id=\"pipeline\""), timeline = html.find("id=\"timeline\"");
+  ASSERT_NE(chart, std::string::npos);
+  EXPECT_LT(chart, timeline);
+  EXPECT_LT(html.find("id=\"config\""), chart);
+  EXPECT_TRUE(contains(html, "data-stages=\"2\" data-tasks=\"16\""));
+  EXPECT_TRUE(contains(html, "<g data-stage=\"0\" data-rank=\"0\" data-boxes=\"8\">"));
+  EXPECT_TRUE(contains(html, "<g data-stage=\"1\" data-rank=\"1\" data-boxes=\"8\">"));
+  // Each stage computes 80 us in a window of 100: idle 20 over compute 80. The formula: (2-1)/(1·4).
+  EXPECT_TRUE(contains(html, "Bubble: <b>25.0%</b> measured")) << html.substr(chart - 600, 600);
+  EXPECT_TRUE(contains(html, "(p-1)/(v&middot;m) = 1/(1&middot;4) = <b>25.0%</b>"));
+  // Boxes are named by micro-batch, forward and backward apart, and the timeline has the tasks too.
+  EXPECT_TRUE(contains(html, "<title>backward mb 3: 10.0 us, from 90.0 us</title>"));
+  EXPECT_TRUE(contains(html, ">F3</text>"));
+  EXPECT_TRUE(contains(html, "style=\"fill:var(--backward)\""));
+  EXPECT_TRUE(contains(html, "\"f\":[0,10,"));
+  EXPECT_TRUE(contains(html, "forward task (F3: micro-batch 3)"));
+}
+
+TEST(HtmlReport, InterleavedScheduleNamesChunks) {
+  RunReport r = training_report(2, 1);
+  add_pipeline(r, 2, 2);
+  const std::string html = report_to_html(r);
+  EXPECT_TRUE(contains(html, "v = 2 chunks per stage"));
+  EXPECT_TRUE(contains(html, "<title>forward mb 1 chunk 1: "));
+  EXPECT_TRUE(contains(html, ">F1.1</text>"));
+  EXPECT_TRUE(contains(html, "(p-1)/(v&middot;m) = 1/(2&middot;2) = <b>25.0%</b>"));
+}
+
 // The y of each node the topology drawing placed, by name.
 std::map<std::string, double> node_rows(const std::string& html) {
   std::map<std::string, double> y;

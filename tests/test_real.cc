@@ -179,6 +179,23 @@ TEST(RankLog, TrainingFiguresTravelAndReachTheReport) {
   EXPECT_FALSE(assemble_report({l1}, "cuda", "dgx-h100").training.has_value());
 }
 
+TEST(RankLog, PipelineTasksTravelAndReachTheReport) {
+  RankLog l0 = sample_log(0, 100), l1 = sample_log(1, 100);
+  l0.pipeline = {{0, 0, 0, 2, true, 1.5, 2.5}};
+  l1.pipeline = {{1, 1, 1, 3, false, 3.5, 4.75}, {1, 1, 0, 0, true, 5, 6}};
+  const RankLog back = deserialize(serialize(l1));
+  ASSERT_EQ(back.pipeline.size(), 2u);
+  EXPECT_EQ(back.pipeline[0].stage, 1);
+  EXPECT_EQ(back.pipeline[0].chunk, 1);
+  EXPECT_EQ(back.pipeline[0].micro_batch, 3);
+  EXPECT_FALSE(back.pipeline[0].forward);
+  EXPECT_DOUBLE_EQ(back.pipeline[0].end_us, 4.75);
+  const RunReport r = assemble_report({back, l0}, "cuda", "dgx-h100");
+  ASSERT_EQ(r.pipeline.size(), 3u);
+  EXPECT_EQ(r.pipeline[0].rank, 0);  // the ranks' tasks in rank order
+  EXPECT_EQ(r.pipeline[2].micro_batch, 0);
+}
+
 TEST(RankLog, TheTopologyIsEachRanksGpuInItsHost) {
   RankLog a = sample_log(0, 100), b = sample_log(1, 100), c = sample_log(2, 100);
   c.host = "other";

@@ -418,6 +418,27 @@ TrainingStats sample_training() {
   return t;
 }
 
+TEST(ReportJson, PipelineTasksRoundTripAndAreOptional) {
+  RunReport r;
+  r.world = 2;
+  EXPECT_EQ(report_to_json(r).find("\"pipeline\""), std::string::npos);  // absent without a pipeline
+  r.pipeline = {{0, 0, 0, 0, true, 10, 20.25}, {1, 1, 1, 3, false, 30.5, 41}};
+  const std::string text = report_to_json(r);
+  const RunReport back = report_from_json(text);
+  ASSERT_EQ(back.pipeline.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const PipelineTask &x = r.pipeline[i], &y = back.pipeline[i];
+    EXPECT_EQ(y.rank, x.rank);
+    EXPECT_EQ(y.stage, x.stage);
+    EXPECT_EQ(y.chunk, x.chunk);
+    EXPECT_EQ(y.micro_batch, x.micro_batch);
+    EXPECT_EQ(y.forward, x.forward);
+    EXPECT_EQ(y.start_us, x.start_us);
+    EXPECT_EQ(y.end_us, x.end_us);
+  }
+  EXPECT_EQ(report_to_json(back), text);
+}
+
 TEST(ReportJson, TrainingRoundTripsAndIsOptional) {
   RunReport r;
   r.world = 2;

@@ -2,7 +2,8 @@
 // over a background that marks idle time. Each pixel column is painted by the time the spans cover in it,
 // so 8 ranks of 100 steps draw as fast as 8 spans and dense short kernels do not read as solid work. Wheel
 // zooms about the pointer, dragging pans, double-click resets. Reads #timeline-data (timeline_json in
-// html_report.cc).
+// html_report.cc). A pipeline's forward and backward tasks, when the report has them, are a band of
+// their own at the top of each row, named by micro-batch where there is room.
 (function () {
   var D = JSON.parse(document.getElementById('timeline-data').textContent);
   var box = document.getElementById('timeline');
@@ -10,14 +11,17 @@
   var tip = document.getElementById('tip');
   var ctx = null;
   var colour = {};
-  ['compute', 'comm', 'wait', 'idle', 'region'].forEach(function (k) { colour[k] = ranklab.colour(k); });
+  ['compute', 'comm', 'wait', 'idle', 'region', 'forward', 'backward'].forEach(function (k) { colour[k] = ranklab.colour(k); });
+  var fill = { c: colour.compute, m: colour.comm, w: colour.wait, g: colour.region, f: colour.forward, b: colour.backward };
   var LABEL = 66, AXIS = 24, RIGHT = 8;
   var n = D.rows.length;
-  var rowH = n <= 16 ? 30 : n <= 64 ? 14 : n <= 256 ? 6 : 3;
   var hasRegions = D.rows.some(function (r) { return r.g.length > 0; });
+  // A pipeline's tasks get a band of their own, tall enough to name them where there is room.
+  var hasTasks = D.rows.some(function (r) { return r.f.length + r.b.length > 0; });
+  var rowH = n <= 16 ? (hasTasks ? 42 : 30) : n <= 64 ? 14 : n <= 256 ? 6 : 3;
   var end = D.end > 0 ? D.end : 1;
   D.rows.forEach(function (r) {
-    ['c', 'm', 'w', 'i', 'g'].forEach(function (k) {
+    ['c', 'm', 'w', 'i', 'g', 'f', 'b'].forEach(function (k) {
       var a = r[k], pm = new Float64Array(a.length / 3), best = -Infinity;
       for (var j = 0; j < pm.length; j++) { best = Math.max(best, a[3 * j + 1]); pm[j] = best; end = Math.max(end, best); }
       r[k + 'max'] = pm;  // running maximum of the ends, to find the first span a view can show
@@ -29,6 +33,9 @@
     // [key, top, height] of each band of a row starting at y.
     var h = rowH - 2, out = [];
     if (rowH < 10) return [['c', y, h / 2], ['m', y + h / 2, h / 2], ['w', y + h / 2, h / 2]];
+    var p = hasTasks ? Math.max(4, Math.round(h * 0.36)) : 0;
+    if (hasTasks) out.push(['f', y, p - 1], ['b', y, p - 1]);
+    y += p; h -= p;
     var g = hasRegions ? Math.max(3, Math.round(h * 0.18)) : 0;
     var half = (h - g) / 2;
     if (hasRegions) out.push(['g', y, g - 1]);
@@ -74,6 +81,17 @@
       }
     }
   }
+  // Names each pipeline task whose box is wide enough for its label ("F3": the forward of micro-batch 3).
+  function nameTasks(a, labels, y, h) {
+    if (h < 11) return;
+    ctx.fillStyle = '#fff';
+    ctx.textAlign = 'center';
+    for (var j = 0; j < labels.length; j++) {
+      var x0 = Math.max(LABEL, px(a[3 * j])), x1 = Math.min(width - RIGHT, px(a[3 * j + 1]));
+      var text = D.names[labels[j]];
+      if (x1 - x0 >= ctx.measureText(text).width + 4) ctx.fillText(text, (x0 + x1) / 2, y + h / 2 + 0.5);
+    }
+  }
   function niceStep(span, pixels) {
     var raw = span / Math.max(1, pixels / 110), p = Math.pow(10, Math.floor(Math.log10(raw)));
     var m = raw / p;
@@ -107,8 +125,8 @@
       if (r % every === 0) ctx.fillText('rank ' + r, LABEL - 8, y + rowH / 2);
       drawBand(row.i, row.imax, y, rowH - 2, colour.idle);
       bands(y).forEach(function (b) {
-        var key = b[0], fill = key === 'c' ? colour.compute : key === 'm' ? colour.comm : key === 'w' ? colour.wait : colour.region;
-        drawBand(row[key], row[key + 'max'], b[1], b[2], fill);
+        drawBand(row[b[0]], row[b[0] + 'max'], b[1], b[2], fill[b[0]]);
+        if (b[0] === 'f' || b[0] === 'b') nameTasks(row[b[0]], row[b[0] + 'l'], b[1], b[2]);
       });
     }
     box.setAttribute('data-rows', String(n));
@@ -156,7 +174,7 @@
       return true;
     });
     if (!hit) { ranklab.tip(tip); return; }
-    var a = hit[1], j = hit[2], kind = { c: 'compute', m: 'comm', w: 'waiting for peers', i: 'idle', g: 'region' }[hit[0]];
+    var a = hit[1], j = hit[2], kind = { c: 'compute', m: 'comm', w: 'waiting for peers', i: 'idle', g: 'region', f: 'pipeline task', b: 'pipeline task' }[hit[0]];
     var s = a[3 * j], d = a[3 * j + 1] - s;
     ranklab.tip(tip, 'rank ' + r + ' \u00b7 ' + kind + '\n' + D.names[a[3 * j + 2]] + '\nstart ' + fmtTime(s, 1e-3) +
         ', ' + fmtTime(d, Math.max(1e-3, d / 1000)), e.offsetX, e.offsetY, width - 240);
