@@ -10,6 +10,7 @@
 #include <set>
 #include <tuple>
 
+#include "common/assets.h"
 #include "common/errors.h"
 #include "common/html_report.h"
 
@@ -415,87 +416,6 @@ std::string format_comparison(const Comparison& c) {
 
 namespace {
 
-// A log-log plot of B's time against A's, one point per item, on a canvas: the diagonal is agreement, and
-// the dashed lines are 10% and 2x off it. Hovering a point names it.
-constexpr const char* kPlotScript = R"JS(
-(function () {
-  var D = JSON.parse(document.getElementById('compare-data').textContent);
-  var box = document.getElementById('plot');
-  var canvas = box.querySelector('canvas');
-  var tip = document.getElementById('tip');
-  var ctx = canvas.getContext('2d');
-  var css = getComputedStyle(document.documentElement);
-  var colours = [css.getPropertyValue('--compute').trim(), css.getPropertyValue('--comm').trim()];
-  var pts = D.points.filter(function (p) { return p[0] > 0 && p[1] > 0; });
-  var lo = Infinity, hi = -Infinity;
-  pts.forEach(function (p) { lo = Math.min(lo, p[0], p[1]); hi = Math.max(hi, p[0], p[1]); });
-  if (!isFinite(lo)) { lo = 1; hi = 10; }
-  var l0 = Math.floor(Math.log10(lo) * 4) / 4 - 0.1, l1 = Math.ceil(Math.log10(hi) * 4) / 4 + 0.1;
-  var M = 72, size = 0;
-  function sx(v) { return M + (Math.log10(v) - l0) / (l1 - l0) * (size - M - 16); }
-  function sy(v) { return size - M - (Math.log10(v) - l0) / (l1 - l0) * (size - M - 16); }
-  function label(us) {
-    return us >= 1e6 ? (us / 1e6) + ' s' : us >= 1e3 ? (us / 1e3) + ' ms' : us >= 1 ? us + ' us' : (us * 1e3) + ' ns';
-  }
-  function line(k, dash) {
-    ctx.setLineDash(dash);
-    ctx.beginPath();
-    ctx.moveTo(sx(Math.pow(10, l0)), sy(Math.pow(10, l0) * k));
-    ctx.lineTo(sx(Math.pow(10, l1)), sy(Math.pow(10, l1) * k));
-    ctx.stroke();
-    ctx.setLineDash([]);
-  }
-  function draw() {
-    var dpr = window.devicePixelRatio || 1;
-    size = Math.min(640, Math.max(320, box.clientWidth || 640));
-    canvas.width = size * dpr; canvas.height = size * dpr;
-    canvas.style.width = size + 'px'; canvas.style.height = size + 'px';
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, size, size);
-    ctx.font = '11px system-ui, sans-serif';
-    ctx.strokeStyle = '#e4e7eb'; ctx.fillStyle = '#5d6875';
-    for (var e = Math.ceil(l0); e <= Math.floor(l1); e++) {
-      var v = Math.pow(10, e);
-      ctx.beginPath(); ctx.moveTo(sx(v), 16); ctx.lineTo(sx(v), size - M); ctx.stroke();
-      ctx.beginPath(); ctx.moveTo(M, sy(v)); ctx.lineTo(size - 16, sy(v)); ctx.stroke();
-      ctx.textAlign = 'center'; ctx.fillText(label(v), sx(v), size - M + 14);
-      ctx.textAlign = 'right'; ctx.fillText(label(v), M - 6, sy(v) + 4);
-    }
-    ctx.textAlign = 'center';
-    ctx.fillText('A: ' + D.a, M + (size - M) / 2, size - 12);
-    ctx.save(); ctx.translate(12, (size - M) / 2); ctx.rotate(-Math.PI / 2); ctx.fillText('B: ' + D.b, 0, 0); ctx.restore();
-    ctx.save();
-    ctx.beginPath(); ctx.rect(M, 16, size - M - 16, size - M - 16); ctx.clip();
-    ctx.strokeStyle = '#1d232b'; line(1, []);
-    ctx.strokeStyle = '#9aa5b1'; line(1.1, [5, 4]); line(1 / 1.1, [5, 4]); line(2, [2, 4]); line(0.5, [2, 4]);
-    ctx.globalAlpha = pts.length > 2000 ? 0.35 : 0.75;
-    pts.forEach(function (p) {
-      ctx.fillStyle = colours[p[2]];
-      ctx.beginPath(); ctx.arc(sx(p[0]), sy(p[1]), 3, 0, 2 * Math.PI); ctx.fill();
-    });
-    ctx.globalAlpha = 1;
-    ctx.restore();
-    box.setAttribute('data-points', String(pts.length));
-  }
-  canvas.addEventListener('mousemove', function (e) {
-    var best = null, bd = 64;
-    pts.forEach(function (p) {
-      var dx = sx(p[0]) - e.offsetX, dy = sy(p[1]) - e.offsetY, d = dx * dx + dy * dy;
-      if (d < bd) { bd = d; best = p; }
-    });
-    if (!best) { tip.style.display = 'none'; return; }
-    tip.textContent = D.labels[best[3]] + '\nA ' + best[0].toFixed(3) + ' us, B ' + best[1].toFixed(3) +
-        ' us, B/A ' + (best[1] / best[0]).toFixed(3);
-    tip.style.display = 'block';
-    tip.style.left = (e.offsetX + 14) + 'px'; tip.style.top = (e.offsetY + 14) + 'px';
-  });
-  canvas.addEventListener('mouseleave', function () { tip.style.display = 'none'; });
-  window.addEventListener('resize', draw);
-  draw();
-  document.body.setAttribute('data-rendered', '1');
-})();
-)JS";
-
 // Bus bandwidth against size, log-log: a line per (collective, group) for A (solid) and B (dashed), drawn
 // as SVG so it needs no script. Where the lines part is where the model and the machine disagree.
 void busbw_section(std::string& out, const Comparison& c) {
@@ -612,7 +532,7 @@ std::string comparison_to_html(const Comparison& c) {
       "<div id=\"plot\" data-points=\"0\" style=\"position:relative;max-width:660px\"><canvas></canvas><div "
       "id=\"tip\"></div></div>\n";
   out += "<script type=\"application/json\" id=\"compare-data\">" + script_json(data) + "</script>\n";
-  out += std::string("<script>") + kPlotScript + "</script>\n";
+  out += fmt::format("<script>{}</script>\n", assets::compare_js);
 
   busbw_section(out, c);
 

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cctype>
 #include <cmath>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -12,6 +11,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/assets.h"
 #include "common/compare.h"
 #include "common/lesson.h"
 #include "common/trace_writer.h"
@@ -73,75 +73,13 @@ std::string json_number(double v) {
   return s == "-0" ? "0" : s;
 }
 
-namespace {
-
-// Colours shared by the stylesheet and the scripts: compute, communication, waiting for peers, idle.
-constexpr const char* kStyle = R"CSS(
-:root { --compute: #3b75af; --comm: #ef8a17; --wait: #c8383e; --idle: #f3d6d6; --region: #6a9f58;
-        --ink: #1d232b; --muted: #5d6875; --rule: #d9dee4; --panel: #f6f7f9; }
-* { box-sizing: border-box; }
-body { margin: 0; font: 14px/1.45 system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial,
-       sans-serif; color: var(--ink); background: #fff; }
-main { max-width: 1600px; margin: 0 auto; padding: 16px 24px 40px; }
-h1 { font-size: 20px; margin: 4px 0 2px; }
-h2 { font-size: 16px; margin: 26px 0 8px; padding-bottom: 4px; border-bottom: 1px solid var(--rule); }
-.sub { color: var(--muted); margin: 0 0 8px; }
-.ok { color: #23803a; font-weight: 600; }
-.bad { color: var(--wait); font-weight: 600; }
-table { border-collapse: collapse; font-variant-numeric: tabular-nums; }
-th, td { padding: 3px 10px; text-align: right; border-bottom: 1px solid var(--rule); white-space: nowrap; }
-th { background: var(--panel); font-weight: 600; position: sticky; top: 0; }
-td.l, th.l { text-align: left; }
-.side { display: flex; flex-wrap: wrap; gap: 8px 28px; align-items: flex-start; }
-.side > div { min-width: 0; max-width: 100%; }
-.side > div:last-child { flex: 1 1 340px; }
-.config { display: flex; flex-wrap: wrap; gap: 6px; margin: 10px 0 4px; }
-.config div { background: var(--panel); border: 1px solid var(--rule); border-radius: 3px; padding: 1px 8px; }
-.config span { color: var(--muted); }
-.scroll { max-height: 420px; overflow: auto; }
-.wide { overflow-x: auto; }
-.legend { display: flex; flex-wrap: wrap; gap: 14px; margin: 4px 0 8px; color: var(--muted); }
-.legend span::before { content: ""; display: inline-block; width: 12px; height: 12px; margin-right: 5px;
-                       vertical-align: -2px; border-radius: 2px; background: var(--c); }
-.bar { display: flex; height: 12px; width: 240px; background: var(--panel); border-radius: 2px; overflow: hidden; }
-.bar i { display: block; height: 100%; }
-.cards { display: flex; flex-wrap: wrap; gap: 10px; margin: 8px 0; }
-.cards > div { background: var(--panel); border: 1px solid var(--rule); border-radius: 4px; padding: 6px 12px;
-               min-width: 150px; }
-.cards b { display: block; font-size: 18px; font-variant-numeric: tabular-nums; }
-.cards span { color: var(--muted); font-size: 12px; }
-#training .bar { width: 100%; max-width: 720px; height: 16px; }
-#timeline { position: relative; border: 1px solid var(--rule); border-radius: 4px; user-select: none; }
-#timeline canvas { display: block; width: 100%; cursor: grab; }
-#tip { position: absolute; pointer-events: none; background: rgba(29, 35, 43, 0.92); color: #fff;
-       padding: 4px 8px; border-radius: 4px; font-size: 12px; white-space: pre; display: none; z-index: 2; }
-#errors { background: #fde8e8; color: #8a1c1c; padding: 8px 24px; margin: 0; }
-#errors:empty { display: none; }
-svg text { font: 11px system-ui, -apple-system, "Segoe UI", Roboto, Arial, sans-serif; fill: var(--ink); }
-pre { background: var(--panel); padding: 10px; overflow: auto; max-height: 480px; }
-details summary { cursor: pointer; color: var(--muted); }
-)CSS";
-
-// Catches every script error into #errors, where a person sees it and a test can count it.
-constexpr const char* kErrorCatcher = R"JS(
-window.addEventListener('error', function (e) {
-  var list = document.getElementById('errors');
-  var item = document.createElement('li');
-  item.textContent = 'script error: ' + e.message + ' (line ' + e.lineno + ')';
-  list.appendChild(item);
-  list.setAttribute('data-count', String(list.children.length));
-});
-)JS";
-
-}  // namespace
-
 std::string html_page_start(const std::string& title) {
   return fmt::format(
       "<!doctype html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
       "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\n<title>{}</title>\n"
       "<style>{}</style>\n</head>\n<body>\n<ul id=\"errors\" data-count=\"0\"></ul>\n<script>{}</script>\n"
       "<main>\n",
-      html_escape(title), kStyle, kErrorCatcher);
+      html_escape(title), assets::page_css, assets::page_js);
 }
 
 std::string html_page_end() {
@@ -190,57 +128,6 @@ void config_section(std::string& out, const RunReport& r) {
 
 // ---- topology --------------------------------------------------------------------------------------------
 
-// Layers of the drawing, top to bottom: the network's switches above the NICs, the GPUs, the NVSwitches
-// below them. Anything not recognised goes at the bottom, so a new kind of node is drawn, just not placed
-// cleverly.
-int layer_of(const std::string& kind) {
-  auto has = [&kind](const char* word) { return kind.find(word) != std::string::npos; };
-  if (has("spine") || has("core") || has("super")) return 0;
-  if (has("nvswitch") || has("nvs")) return 5;
-  if (has("leaf") || has("tor") || has("switch") || kind == "sw") return 1;
-  if (has("nic") || has("hca") || has("eth") || has("ib")) return 2;
-  if (has("pcie") || has("cpu") || has("host") || has("numa")) return 3;
-  if (has("gpu") || kind == "rank") return 4;
-  return 6;
-}
-
-struct TopoNode {
-  std::string name;
-  std::string kind;  // the name's leading letters: "gpu", "nvswitch", "nic", "leaf"
-  long index = -1;   // its trailing number
-  int layer = 6;
-  std::vector<int> neighbours;
-  double x = 0, y = 0;
-  int host = -1;  // the node (server) it belongs to, when known
-};
-
-struct TopoLink {
-  int from, to;
-  const LinkTraffic* traffic;
-};
-
-// "nvlink gpu0->gpu1" -> ("gpu0", "gpu1"); a name without an arrow is not drawn.
-bool link_ends(const std::string& link, std::string& a, std::string& b) {
-  const std::size_t arrow = link.find("->");
-  if (arrow == std::string::npos) return false;
-  std::string left = link.substr(0, arrow), right = link.substr(arrow + 2);
-  const std::size_t space = left.find_last_of(' ');
-  if (space != std::string::npos) left = left.substr(space + 1);
-  right = right.substr(0, right.find(' '));
-  a = left;
-  b = right;
-  return !a.empty() && !b.empty();
-}
-
-void split_name(const std::string& name, std::string& kind, long& index) {
-  std::size_t digits = name.find_last_not_of("0123456789");
-  digits = digits == std::string::npos ? 0 : digits + 1;
-  index = digits < name.size() ? std::stol(name.substr(digits, 9)) : -1;
-  kind = name.substr(0, digits);
-  while (!kind.empty() && (kind.back() == '_' || kind.back() == '-' || kind.back() == ':')) kind.pop_back();
-  std::transform(kind.begin(), kind.end(), kind.begin(), [](unsigned char c) { return std::tolower(c); });
-}
-
 // Light grey-blue for an idle link through orange to dark red for the busiest: readable on white, and
 // the order is clear without a legend.
 std::string heat_colour(double f) {
@@ -259,239 +146,280 @@ std::string heat_colour(double f) {
                      static_cast<int>(std::lround(a.b + (b.b - a.b) * t)));
 }
 
-void topology_section(std::string& out, const RunReport& r) {
-  std::vector<TopoNode> nodes;
-  std::map<std::string, int> by_name;
-  auto node = [&](const std::string& name) {
-    auto [it, inserted] = by_name.try_emplace(name, static_cast<int>(nodes.size()));
-    if (inserted) {
-      TopoNode n;
-      n.name = name;
-      split_name(name, n.kind, n.index);
-      n.layer = layer_of(n.kind);
-      nodes.push_back(n);
-    }
-    return it->second;
-  };
-  std::vector<TopoLink> links;
-  std::set<std::pair<int, int>> seen_pairs;
-  for (const LinkTraffic& l : r.links) {
-    std::string a, b;
-    if (!link_ends(l.link, a, b)) continue;
-    const int ia = node(a), ib = node(b);
-    if (ia == ib) continue;
-    links.push_back({ia, ib, &l});
-    if (seen_pairs.insert({std::min(ia, ib), std::max(ia, ib)}).second) {
-      nodes[ia].neighbours.push_back(ib);
-      nodes[ib].neighbours.push_back(ia);
-    }
-  }
-  // Every rank's GPU is drawn, carrying traffic or not, when links name GPUs that way (or name nothing).
-  const bool gpu_names = nodes.empty() || std::any_of(nodes.begin(), nodes.end(),
-                                                      [](const TopoNode& n) { return n.kind == "gpu"; });
-  if (gpu_names) {
-    for (int i = 0; i < r.world; ++i) node(fmt::format("gpu{}", i));
-  }
-  if (nodes.empty()) {
-    out += "<p class=\"sub\">The report names no links.</p>\n";
-    return;
-  }
+// The width of a node's box when it is named: its name at the drawing's 11 px font (about 6.4 px a
+// character), at most 9 characters of it.
+double label_width(const std::string& id) {
+  return 6.4 * static_cast<double>(std::min<std::size_t>(id.size(), 9)) + 10;
+}
 
-  // Which server each GPU is in, and each switch or NIC whose GPU neighbours are all in one server.
-  const int per_node = r.gpus_per_node;
-  for (TopoNode& n : nodes) {
-    if (n.layer == 4 && per_node > 0 && n.index >= 0) n.host = static_cast<int>(n.index / per_node);
-  }
-  for (TopoNode& n : nodes) {
-    if (n.layer == 4 || n.layer < 2) continue;
-    std::set<int> hosts;
-    for (int m : n.neighbours) {
-      if (nodes[m].host >= 0) hosts.insert(nodes[m].host);
-    }
-    if (hosts.size() == 1) n.host = *hosts.begin();
-  }
+// Each node's index by id.
+std::map<std::string, int> node_index(const RunTopology& t) {
+  std::map<std::string, int> index;
+  for (int i = 0; i < static_cast<int>(t.nodes.size()); ++i) index.emplace(t.nodes[i].id, i);
+  return index;
+}
 
-  // Layers that hold nodes, in drawing order.
-  std::map<int, std::vector<int>> layers;
-  for (int i = 0; i < static_cast<int>(nodes.size()); ++i) layers[nodes[i].layer].push_back(i);
+// A link's two ends as node indices; false for a link that names a node the topology lacks, or loops.
+bool link_ends(const std::map<std::string, int>& index, const TopologyLink& l, int& from, int& to) {
+  auto a = index.find(l.from), b = index.find(l.to);
+  if (a == index.end() || b == index.end() || a->second == b->second) return false;
+  from = a->second;
+  to = b->second;
+  return true;
+}
+
+// Each node's neighbours, each once, whichever way their links go.
+std::vector<std::vector<int>> neighbours_of(const RunTopology& t) {
+  const std::map<std::string, int> index = node_index(t);
+  std::vector<std::vector<int>> out(t.nodes.size());
+  std::set<std::pair<int, int>> seen;
+  for (const TopologyLink& l : t.links) {
+    int a, b;
+    if (!link_ends(index, l, a, b) || !seen.insert({std::min(a, b), std::max(a, b)}).second) continue;
+    out[a].push_back(b);
+    out[b].push_back(a);
+  }
+  return out;
+}
+
+// Puts a row's nodes as near as they can be to where they want to be (left to right in that order),
+// `gap` apart and inside the drawing.
+void spread_row(std::vector<int>& row, const std::vector<double>& want, double gap, double left, double right,
+                std::vector<double>& x) {
+  std::stable_sort(row.begin(), row.end(), [&want](int a, int b) { return want[a] < want[b]; });
+  for (int i : row) {
+    x[i] = std::max(want[i], left);
+    left = x[i] + gap;
+  }
+  for (auto it = row.rbegin(); it != row.rend(); ++it) {
+    x[*it] = std::min(x[*it], right);
+    right = x[*it] - gap;
+  }
+}
+
+}  // namespace
+
+TopologyLayout layout_topology(const RunTopology& t) {
+  TopologyLayout lay;
+  const int n = static_cast<int>(t.nodes.size());
+  lay.x.assign(n, 0);
+  lay.y.assign(n, 0);
+  if (n == 0) return lay;
+
+  // Rows by level, top to bottom, each in the order the backend listed its nodes.
+  std::map<int, std::vector<int>> rows;
+  for (int i = 0; i < n; ++i) rows[t.nodes[i].level].push_back(i);
   std::size_t widest = 0;
-  for (const auto& [layer, members] : layers) widest = std::max(widest, members.size());
-  const double spacing = widest <= 16 ? 64 : widest <= 64 ? 34 : 14;
-  const bool labels = spacing >= 34;
-  const double box_w = std::min(spacing - 6, 56.0), box_h = 20, host_gap = spacing * 0.6;
-  const double margin = 40;
+  for (const auto& [level, members] : rows) widest = std::max(widest, members.size());
 
-  // The anchor layer is the GPUs (or the biggest layer): evenly spaced, with a gap between servers.
-  int anchor = layers.count(4) ? 4 : layers.begin()->first;
-  for (const auto& [layer, members] : layers) {
-    if (members.size() > layers[anchor].size() && !layers.count(4)) anchor = layer;
+  // Named boxes where the crowded rows' names fit side by side in a drawing about 1,600 px wide;
+  // otherwise unnamed ones (named on hover), packed tighter for larger machines.
+  double label_room = 0;
+  for (const auto& [level, members] : rows) {
+    if (members.size() * 4 < widest * 3) continue;
+    for (int i : members) label_room = std::max(label_room, label_width(t.nodes[i].id) + 6);
   }
-  {
-    std::vector<int>& a = layers[anchor];
-    std::sort(a.begin(), a.end(), [&nodes](int x, int y) {
-      return std::tie(nodes[x].index, nodes[x].name) < std::tie(nodes[y].index, nodes[y].name);
-    });
-    double x = margin + box_w / 2;
-    int last_host = nodes[a.front()].host;
-    for (int i : a) {
-      if (nodes[i].host != last_host) x += host_gap;
-      last_host = nodes[i].host;
-      nodes[i].x = x;
-      x += spacing;
+  const double fit = 1600.0 / static_cast<double>(widest);
+  const double named = std::max(label_room, std::min(64.0, fit));
+  lay.labels = named <= fit;
+  const double spacing = lay.labels ? named : widest <= 64 ? 34 : 14;
+  lay.box_w = std::min(spacing - 6, 56.0);
+  lay.box_h = 20;
+  const double margin = 40, host_gap = spacing * 0.6;
+
+  // The anchor row is the GPUs' (or the widest).
+  int anchor = rows.begin()->first;
+  for (const auto& [level, members] : rows) {
+    if (rows[anchor].size() < members.size()) anchor = level;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (t.nodes[i].kind == "gpu") {
+      anchor = t.nodes[i].level;
+      break;
     }
   }
-  double width = 0;
-  for (int i : layers[anchor]) width = std::max(width, nodes[i].x + box_w / 2 + margin);
-  width = std::max(width, 720.0);
+  // Each server gets room for its most crowded row, so that its NICs or switches fit above its GPUs instead
+  // of spilling over its neighbour's; the anchor row's nodes of a server spread evenly across that room, in
+  // list order, with a gap between servers.
+  std::map<int, std::map<int, int>> per_row;  // host -> level -> nodes
+  for (const TopologyNode& node : t.nodes) ++per_row[node.host][node.level];
+  std::map<int, int> room;
+  for (const auto& [host, levels] : per_row) {
+    for (const auto& [level, count] : levels) room[host] = std::max(room[host], count);
+  }
+  const std::vector<int>& anchors = rows[anchor];
+  double left = margin;
+  for (std::size_t first = 0, last; first < anchors.size(); first = last) {
+    const int host = t.nodes[anchors[first]].host;
+    last = first;
+    while (last < anchors.size() && t.nodes[anchors[last]].host == host) ++last;
+    const double count = static_cast<double>(last - first);
+    const double width = spacing * std::max<double>(room[host], count);
+    for (std::size_t k = first; k < last; ++k) {
+      lay.x[anchors[k]] = left + (static_cast<double>(k - first) + 0.5) * width / count;
+    }
+    left += width + host_gap;
+  }
+  lay.width = std::max(720.0, left - host_gap + margin);
 
-  // Then the other layers, nearest the anchor first: each node goes above (or below) the mean of its
-  // placed neighbours, pushed apart just enough not to overlap (a barycentre layout).
+  // Then the other rows, nearest the anchor first: each node above (or below) the mean of its placed
+  // neighbours, pushed apart just enough not to overlap (a barycentre layout). A node with no placed
+  // neighbour is spread across the width in list order.
+  const std::vector<std::vector<int>> neighbours = neighbours_of(t);
   std::vector<int> order;
-  for (const auto& [layer, members] : layers) order.push_back(layer);
-  std::sort(order.begin(), order.end(), [anchor](int a, int b) {
-    return std::abs(a - anchor) < std::abs(b - anchor) ||
-           (std::abs(a - anchor) == std::abs(b - anchor) && a < b);
-  });
-  std::set<int> placed_layers{anchor};
-  for (int layer : order) {
-    if (layer == anchor) continue;
-    std::vector<int>& members = layers[layer];
-    std::vector<double> want(nodes.size(), 0);
+  for (const auto& [level, members] : rows) order.push_back(level);
+  std::stable_sort(order.begin(), order.end(),
+                   [anchor](int a, int b) { return std::abs(a - anchor) < std::abs(b - anchor); });
+  std::vector<bool> placed(n, false);
+  for (int i : rows[anchor]) placed[i] = true;
+  std::vector<double> want(n, 0);
+  for (int level : order) {
+    if (level == anchor) continue;
+    std::vector<int>& members = rows[level];
     for (std::size_t k = 0; k < members.size(); ++k) {
-      TopoNode& n = nodes[members[k]];
       double sum = 0;
       int count = 0;
-      for (int m : n.neighbours) {
-        if (placed_layers.count(nodes[m].layer)) {
-          sum += nodes[m].x;
-          ++count;
-        }
+      for (int m : neighbours[members[k]]) {
+        if (!placed[m]) continue;
+        sum += lay.x[m];
+        ++count;
       }
-      // Unconnected to anything placed: spread in name order across the width.
-      want[members[k]] = count > 0 ? sum / count : margin + (k + 0.5) * (width - 2 * margin) / members.size();
+      want[members[k]] =
+          count > 0 ? sum / count : margin + (k + 0.5) * (lay.width - 2 * margin) / members.size();
     }
-    std::sort(members.begin(), members.end(), [&](int a, int b) {
-      return std::tie(want[a], nodes[a].index, nodes[a].name) <
-             std::tie(want[b], nodes[b].index, nodes[b].name);
-    });
-    const double gap = std::min(spacing, (width - 2 * margin) / std::max<std::size_t>(members.size(), 1));
-    double left = margin + box_w / 2;
-    for (int i : members) {
-      nodes[i].x = std::max(want[i], left);
-      left = nodes[i].x + gap;
-    }
-    double right = width - margin - box_w / 2;
-    for (auto it = members.rbegin(); it != members.rend(); ++it) {
-      nodes[*it].x = std::min(nodes[*it].x, right);
-      right = nodes[*it].x - gap;
-    }
-    placed_layers.insert(layer);
+    const double gap = std::min(spacing, (lay.width - 2 * margin) / static_cast<double>(members.size()));
+    spread_row(members, want, gap, margin + lay.box_w / 2, lay.width - margin - lay.box_w / 2, lay.x);
+    for (int i : members) placed[i] = true;
   }
+
   const double row_gap = 72, top = 30;
   int row = 0;
-  for (const auto& [layer, members] : layers) {
-    for (int i : members) nodes[i].y = top + row * row_gap + box_h / 2;
+  for (const auto& [level, members] : rows) {
+    for (int i : members) lay.y[i] = top + row * row_gap + lay.box_h / 2;
     ++row;
   }
-  const double height = top + (row - 1) * row_gap + box_h + 70;
+  lay.height = top + (row - 1) * row_gap + lay.box_h + 70;
+  return lay;
+}
 
-  // Colour by utilisation when every link's capacity is known, else by bytes.
-  const bool by_util = r.makespan_us > 0 && !links.empty() &&
-                       std::all_of(links.begin(), links.end(),
-                                   [](const TopoLink& l) { return l.traffic->bandwidth_gbps > 0; });
-  auto value = [&](const LinkTraffic& t) {
-    return by_util ? static_cast<double>(t.bytes) / (t.bandwidth_gbps * 1e3 * r.makespan_us)
-                   : static_cast<double>(t.bytes);
-  };
-  double top_value = 0;
-  for (const TopoLink& l : links) top_value = std::max(top_value, value(*l.traffic));
-  // The scale runs to the busiest link of this run, whose absolute figure the legend gives: on an absolute
-  // scale a run whose busiest link is busy 2% of the time would be grey everywhere and show nothing.
-  const double scale_top = top_value;
+namespace {
 
-  out += fmt::format(
-      "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
-      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-nodes=\"{}\" data-links=\"{}\">\n",
-      width, height, width, height, nodes.size(), links.size());
-
-  // Servers as dashed boxes behind their GPUs (and the switches and NICs that are theirs alone).
+// Servers as dashed boxes behind their devices, named in the bottom corner, which the links into the box
+// from the fabric above leave free.
+void draw_hosts(std::string& out, const RunTopology& t, const TopologyLayout& lay) {
   std::map<int, std::array<double, 4>> hosts;  // host -> x0, y0, x1, y1
-  for (const TopoNode& n : nodes) {
-    if (n.host < 0) continue;
-    auto [it, inserted] = hosts.try_emplace(n.host, std::array<double, 4>{n.x, n.y, n.x, n.y});
+  for (std::size_t i = 0; i < t.nodes.size(); ++i) {
+    if (t.nodes[i].host < 0) continue;
+    const double x = lay.x[i], y = lay.y[i];
+    auto [it, inserted] = hosts.try_emplace(t.nodes[i].host, std::array<double, 4>{x, y, x, y});
     auto& b = it->second;
-    b = {std::min(b[0], n.x), std::min(b[1], n.y), std::max(b[2], n.x), std::max(b[3], n.y)};
+    b = {std::min(b[0], x), std::min(b[1], y), std::max(b[2], x), std::max(b[3], y)};
   }
-  if (hosts.size() > 1 || (hosts.size() == 1 && per_node > 0)) {
-    for (const auto& [host, b] : hosts) {
-      const double pad = 10;
-      out += fmt::format(
-          "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" rx=\"8\" fill=\"#f6f7f9\" "
-          "stroke=\"#9aa5b1\" stroke-dasharray=\"4 3\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
-          "fill=\"#5d6875\">node {}</text>\n",
-          b[0] - box_w / 2 - pad, b[1] - box_h / 2 - pad - 12, b[2] - b[0] + box_w + 2 * pad,
-          b[3] - b[1] + box_h + 2 * pad + 12, b[0] - box_w / 2 - pad + 4, b[1] - box_h / 2 - pad - 1, host);
-    }
+  const double pad = 10, w = lay.box_w, h = lay.box_h;
+  for (const auto& [host, b] : hosts) {
+    out += fmt::format(
+        "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" rx=\"8\" fill=\"#f6f7f9\" "
+        "stroke=\"#9aa5b1\" stroke-dasharray=\"4 3\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
+        "fill=\"#5d6875\">node {}</text>\n",
+        b[0] - w / 2 - pad, b[1] - h / 2 - pad, b[2] - b[0] + w + 2 * pad, b[3] - b[1] + h + 2 * pad + 12,
+        b[0] - w / 2 - pad + 4, b[3] + h / 2 + pad + 8, host);
   }
+}
 
-  // Links. Both directions of a pair are drawn, side by side, each coloured by its own traffic.
-  for (const TopoLink& l : links) {
-    const TopoNode& a = nodes[l.from];
-    const TopoNode& b = nodes[l.to];
-    const double f = scale_top > 0 ? value(*l.traffic) / scale_top : 0;
-    const double stroke = 1.2 + 3.3 * f;
-    const std::string colour = heat_colour(f);
-    std::string title = fmt::format("{} ({}): {}", l.traffic->link, l.traffic->tier,
-                                    format_bytes(static_cast<double>(l.traffic->bytes)));
-    if (l.traffic->bandwidth_gbps > 0 && r.makespan_us > 0) {
-      const double util =
-          static_cast<double>(l.traffic->bytes) / (l.traffic->bandwidth_gbps * 1e3 * r.makespan_us);
-      title +=
-          fmt::format(", {:.1f}% of {} over the run", 100 * util, format_gbps(l.traffic->bandwidth_gbps));
-    }
-    std::string path;
-    if (a.layer == b.layer) {
-      // Same row: an arc, above the row going right and below it going left.
-      const double mid = (a.x + b.x) / 2, span = std::fabs(b.x - a.x);
-      const double lift = std::min(70.0, 14 + span * 0.18) * (b.x > a.x ? -1 : 1);
-      const double edge = box_h / 2 * (b.x > a.x ? -1 : 1);
-      path = fmt::format("M{:.1f} {:.1f} Q{:.1f} {:.1f} {:.1f} {:.1f}", a.x, a.y + edge, mid,
-                         a.y + edge + lift * 2, b.x, b.y + edge);
-    } else {
-      // Between rows: a straight line, nudged sideways so the two directions sit side by side.
-      const double dx = b.x - a.x, dy = b.y - a.y, len = std::max(1e-9, std::hypot(dx, dy));
-      const double off = 2.2, nx = -dy / len * off, ny = dx / len * off;
-      path = fmt::format("M{:.1f} {:.1f} L{:.1f} {:.1f}", a.x + nx, a.y + ny, b.x + nx, b.y + ny);
+// The path of a link from a to b: between rows a straight line, nudged sideways so that the two directions
+// of a pair sit side by side; within a row an arc, above it going right and below it going left.
+std::string link_path(double ax, double ay, double bx, double by, double box_h) {
+  if (ay == by) {
+    const double mid = (ax + bx) / 2, span = std::fabs(bx - ax);
+    const double lift = std::min(70.0, 14 + span * 0.18) * (bx > ax ? -1 : 1);
+    const double edge = box_h / 2 * (bx > ax ? -1 : 1);
+    return fmt::format("M{:.1f} {:.1f} Q{:.1f} {:.1f} {:.1f} {:.1f}", ax, ay + edge, mid,
+                       ay + edge + lift * 2, bx, by + edge);
+  }
+  const double dx = bx - ax, dy = by - ay, len = std::max(1e-9, std::hypot(dx, dy));
+  const double off = 2.2, nx = -dy / len * off, ny = dx / len * off;
+  return fmt::format("M{:.1f} {:.1f} L{:.1f} {:.1f}", ax + nx, ay + ny, bx + nx, by + ny);
+}
+
+// A link of the drawing with what it carried.
+struct DrawnLink {
+  const TopologyLink* link;
+  int from, to;
+  std::int64_t bytes;
+  double value;  // what its colour shows: utilisation or bytes
+};
+
+// The topology's links with their traffic (joined by id), coloured by utilisation over the run when every
+// capacity is known, else by bytes; idle links first, so that busy ones are drawn over them.
+std::vector<DrawnLink> drawn_links(const RunReport& r, bool& by_util) {
+  std::map<std::string, std::int64_t> bytes;
+  for (const LinkTraffic& l : r.links) bytes[l.link] += l.bytes;
+  const std::map<std::string, int> index = node_index(r.topology);
+  std::vector<DrawnLink> out;
+  for (const TopologyLink& l : r.topology.links) {
+    int a, b;
+    if (!link_ends(index, l, a, b)) continue;
+    auto it = bytes.find(l.id);
+    out.push_back({&l, a, b, it == bytes.end() ? 0 : it->second, 0});
+  }
+  by_util = r.makespan_us > 0 && !out.empty() && std::all_of(out.begin(), out.end(), [](const DrawnLink& d) {
+              return d.link->bandwidth_gbps > 0;
+            });
+  for (DrawnLink& d : out) {
+    d.value = by_util ? static_cast<double>(d.bytes) / (d.link->bandwidth_gbps * 1e3 * r.makespan_us)
+                      : static_cast<double>(d.bytes);
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const DrawnLink& a, const DrawnLink& b) { return a.value < b.value; });
+  return out;
+}
+
+void draw_links(std::string& out, const RunReport& r, const std::vector<DrawnLink>& links, double scale_top,
+                const TopologyLayout& lay) {
+  for (const DrawnLink& d : links) {
+    const double f = scale_top > 0 ? d.value / scale_top : 0;
+    std::string title =
+        fmt::format("{} ({}): {}", d.link->id, d.link->tier, format_bytes(static_cast<double>(d.bytes)));
+    if (d.link->bandwidth_gbps > 0 && r.makespan_us > 0) {
+      const double util = static_cast<double>(d.bytes) / (d.link->bandwidth_gbps * 1e3 * r.makespan_us);
+      title += fmt::format(", {:.1f}% of {} over the run", 100 * util, format_gbps(d.link->bandwidth_gbps));
     }
     out += fmt::format(
         "<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"{:.2f}\" stroke-linecap=\"round\" "
         "data-link=\"{}\"><title>{}</title></path>\n",
-        path, colour, stroke, html_escape(l.traffic->link), html_escape(title));
+        link_path(lay.x[d.from], lay.y[d.from], lay.x[d.to], lay.y[d.to], lay.box_h), heat_colour(f),
+        1.2 + 3.3 * f, html_escape(d.link->id), html_escape(title));
   }
+}
 
-  for (const TopoNode& n : nodes) {
+void draw_nodes(std::string& out, const RunTopology& t, const TopologyLayout& lay) {
+  for (std::size_t i = 0; i < t.nodes.size(); ++i) {
+    const TopologyNode& n = t.nodes[i];
     // Wide enough for its label where labels are drawn (switch names are longer than "gpu3").
-    const double w =
-        labels ? std::max(box_w, 6.4 * static_cast<double>(std::min<std::size_t>(n.name.size(), 9)) + 10)
-               : box_w;
-    const char* fill = n.layer == 4   ? "#dce8f5"
-                       : n.layer >= 5 ? "#e8e1f2"
-                       : n.layer == 2 ? "#e3f0df"
-                                      : "#fff3dc";
+    const double w = lay.labels ? std::max(lay.box_w, label_width(n.id)) : lay.box_w;
+    const char* fill = n.kind == "gpu"                      ? "#dce8f5"
+                       : n.kind == "nvswitch"               ? "#e8e1f2"
+                       : n.kind == "nic" || n.kind == "cpu" ? "#e3f0df"
+                                                            : "#fff3dc";
+    const std::string title =
+        n.rank >= 0 ? fmt::format("{}: rank {}", n.id, n.rank) : fmt::format("{} ({})", n.id, n.kind);
     out += fmt::format(
         "<g data-node=\"{}\"><title>{}</title><rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" "
-        "height=\"{:.1f}\" "
-        "rx=\"3\" fill=\"{}\" stroke=\"#52606d\"/>",
-        html_escape(n.name), html_escape(n.name), n.x - w / 2, n.y - box_h / 2, w, box_h, fill);
-    if (labels) {
-      out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>", n.x, n.y + 4,
-                         html_escape(n.name.size() > 9 ? n.name.substr(0, 8) + "\u2026" : n.name));
+        "height=\"{:.1f}\" rx=\"3\" fill=\"{}\" stroke=\"#52606d\"/>",
+        html_escape(n.id), html_escape(title), lay.x[i] - w / 2, lay.y[i] - lay.box_h / 2, w, lay.box_h,
+        fill);
+    if (lay.labels) {
+      out += fmt::format("<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>", lay.x[i],
+                         lay.y[i] + 4, html_escape(n.id.size() > 9 ? n.id.substr(0, 8) + "\u2026" : n.id));
     }
     out += "</g>\n";
   }
+}
 
-  // The colour scale.
-  const double lx = margin, ly = height - 28;
+// The colour scale runs to the busiest link of this run, whose absolute figure it gives: on an absolute
+// scale a run whose busiest link is busy 2% of the time would be grey everywhere and show nothing.
+void draw_scale(std::string& out, bool by_util, double top_value, const TopologyLayout& lay) {
+  const double lx = 40, ly = lay.height - 28;
   out += "<defs><linearGradient id=\"heat\">";
   for (int i = 0; i <= 4; ++i)
     out += fmt::format("<stop offset=\"{}%\" stop-color=\"{}\"/>", i * 25, heat_colour(i / 4.0));
@@ -505,6 +433,26 @@ void topology_section(std::string& out, const RunReport& r) {
       "<text x=\"{:.1f}\" y=\"{:.1f}\" fill=\"#5d6875\">link colour: {}</text>\n",
       lx, ly, lx, ly + 22, lx + 160, ly + 22, html_escape(top_label), lx + 176, ly + 9,
       by_util ? "utilisation" : "bytes carried");
+}
+
+// The machine as the backend described it (RunReport::topology), each link coloured by its traffic.
+void topology_section(std::string& out, const RunReport& r) {
+  if (r.topology.nodes.empty()) {
+    out += "<p class=\"sub\">The backend described no topology.</p>\n";
+    return;
+  }
+  const TopologyLayout lay = layout_topology(r.topology);
+  bool by_util = false;
+  const std::vector<DrawnLink> links = drawn_links(r, by_util);
+  const double top_value = links.empty() ? 0 : links.back().value;
+  out += fmt::format(
+      "<div class=\"wide\"><svg id=\"topology\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
+      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-nodes=\"{}\" data-links=\"{}\">\n",
+      lay.width, lay.height, lay.width, lay.height, r.topology.nodes.size(), links.size());
+  draw_hosts(out, r.topology, lay);
+  draw_links(out, r, links, top_value, lay);
+  draw_nodes(out, r.topology, lay);
+  if (!links.empty()) draw_scale(out, by_util, top_value, lay);
   out += "</svg></div>\n";
 }
 
@@ -606,19 +554,159 @@ void training_section(std::string& out, const RunReport& r) {
   out += "</div>\n</section>\n";
 }
 
+// ---- pipeline schedule -----------------------------------------------------------------------------------
+
+// A task's names: for the tooltip ("backward mb 3 chunk 1") and for inside its box ("B3.1").
+std::string task_name(const PipelineTask& t, bool interleaved) {
+  return fmt::format("{} mb {}{}", t.forward ? "forward" : "backward", t.micro_batch,
+                     interleaved ? fmt::format(" chunk {}", t.chunk) : "");
+}
+std::string task_label(const PipelineTask& t, bool interleaved) {
+  return fmt::format("{}{}{}", t.forward ? 'F' : 'B', t.micro_batch,
+                     interleaved ? fmt::format(".{}", t.chunk) : "");
+}
+
+// The report's pipeline tasks as a schedule: a row per stage, from the stage's lowest rank that reported
+// (the ranks of one stage run the same schedule), and the bubble measured as the pipeline lesson measures
+// it, idle over compute: (window - mean busy) / mean busy, where (p - 1) / (v m) is its prediction.
+struct Schedule {
+  int stages = 0, chunks = 0, micro_batches = 0;
+  std::vector<int> rank;                                // per stage; -1 when none reported
+  std::vector<std::vector<const PipelineTask*>> tasks;  // per stage, by start
+  double start_us = 0, end_us = 0;
+  double bubble = 0, formula = 0;
+};
+
+Schedule schedule_of(const RunReport& r) {
+  Schedule s;
+  for (const PipelineTask& t : r.pipeline) {
+    s.stages = std::max(s.stages, t.stage + 1);
+    s.chunks = std::max(s.chunks, t.chunk + 1);
+    s.micro_batches = std::max(s.micro_batches, t.micro_batch + 1);
+  }
+  s.rank.assign(s.stages, -1);
+  s.tasks.resize(s.stages);
+  for (const PipelineTask& t : r.pipeline) {
+    if (t.stage < 0) continue;
+    int& owner = s.rank[t.stage];
+    if (owner < 0 || t.rank < owner) {
+      owner = t.rank;
+      s.tasks[t.stage].clear();
+    }
+    if (t.rank == owner) s.tasks[t.stage].push_back(&t);
+  }
+  s.start_us = INFINITY;
+  s.end_us = -INFINITY;
+  double busy = 0;
+  int rows = 0;
+  for (auto& row : s.tasks) {
+    std::stable_sort(row.begin(), row.end(),
+                     [](const PipelineTask* a, const PipelineTask* b) { return a->start_us < b->start_us; });
+    for (const PipelineTask* t : row) {
+      s.start_us = std::min(s.start_us, t->start_us);
+      s.end_us = std::max(s.end_us, t->end_us);
+      busy += t->end_us - t->start_us;
+    }
+    rows += row.empty() ? 0 : 1;
+  }
+  const double mean_busy = rows > 0 ? busy / rows : 0;
+  s.bubble = mean_busy > 0 ? (s.end_us - s.start_us - mean_busy) / mean_busy : 0;
+  s.formula = s.micro_batches > 0 ? (s.stages - 1.0) / (s.chunks * static_cast<double>(s.micro_batches)) : 0;
+  return s;
+}
+
+// The timed step's schedule at the top of the page, as the pipeline papers draw it: a row per stage, a box
+// per forward (blue) or backward (purple), labelled with its micro-batch (and chunk, paler for later
+// chunks), on the pale red of idle time, so the bubble is the red that shows. Beside it, the bubble
+// measured against (p - 1) / (v m).
+void pipeline_section(std::string& out, const RunReport& r) {
+  if (r.pipeline.empty()) return;
+  const Schedule s = schedule_of(r);
+  const bool interleaved = s.chunks > 1;
+  out += "<section id=\"schedule\">\n<h2>Pipeline schedule</h2>\n";
+  out += fmt::format(
+      "<p class=\"sub\">p = {} stages, m = {} micro-batches{}, the step the lesson timed. Bubble: "
+      "<b>{:.1f}%</b> "
+      "measured (idle over compute, mean over stages), against (p-1)/(v&middot;m) = {}/({}&middot;{}) = "
+      "<b>{:.1f}%</b> for uniform stages and free communication.</p>\n",
+      s.stages, s.micro_batches, interleaved ? fmt::format(", v = {} chunks per stage", s.chunks) : "",
+      100 * s.bubble, s.stages - 1, s.chunks, s.micro_batches, 100 * s.formula);
+  out += fmt::format(
+      "<div class=\"legend\"><span style=\"--c:var(--forward)\">forward</span><span "
+      "style=\"--c:var(--backward)\">backward</span><span style=\"--c:var(--idle)\">idle: the bubble</span>"
+      "<span style=\"--c:transparent\">F3 = forward of micro-batch 3{}</span></div>\n",
+      interleaved ? ", F3.1 its chunk 1 (paler)" : "");
+
+  const double label_w = 124, width = 1100, row_h = 24, axis = 22, plot = width - label_w - 16;
+  const double window = std::max(s.end_us - s.start_us, 1e-9);
+  auto px = [&](double us) { return label_w + (us - s.start_us) / window * plot; };
+  const double height = axis + s.stages * row_h + 4;
+  out += fmt::format(
+      "<div class=\"wide\"><svg id=\"pipeline\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" "
+      "height=\"{:.0f}\" viewBox=\"0 0 {:.0f} {:.0f}\" data-stages=\"{}\" data-tasks=\"{}\">\n",
+      width, height, width, height, s.stages, r.pipeline.size());
+  for (int k = 0; k <= 4; ++k) {
+    const double x = label_w + k * plot / 4;
+    out += fmt::format(
+        "<line x1=\"{0:.1f}\" x2=\"{0:.1f}\" y1=\"{1}\" y2=\"{2:.0f}\" stroke=\"#e4e7eb\"/><text "
+        "x=\"{0:.1f}\" "
+        "y=\"14\" text-anchor=\"{3}\" style=\"fill:var(--muted)\">{4}</text>\n",
+        x, axis - 4, height,
+        k == 0   ? "start"
+        : k == 4 ? "end"
+                 : "middle",
+        human_time(k * window / 4));
+  }
+  for (int stage = 0; stage < s.stages; ++stage) {
+    const double y = axis + stage * row_h;
+    const auto& row = s.tasks[stage];
+    out += fmt::format("<g data-stage=\"{}\" data-rank=\"{}\" data-boxes=\"{}\">", stage, s.rank[stage],
+                       row.size());
+    out += fmt::format(
+        "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"end\">stage {}{}</text><rect x=\"{:.1f}\" "
+        "y=\"{:.1f}\" "
+        "width=\"{:.1f}\" height=\"{:.1f}\" style=\"fill:var(--idle)\"/>\n",
+        label_w - 8, y + row_h / 2 + 4, stage,
+        s.rank[stage] >= 0 ? fmt::format(" (rank {})", s.rank[stage]) : "", label_w, y + 1, plot, row_h - 2);
+    for (const PipelineTask* t : row) {
+      const double x0 = px(t->start_us), w = std::max(0.5, px(t->end_us) - x0);
+      const double shade = interleaved ? 1.0 - 0.45 * t->chunk / (s.chunks - 1.0) : 1.0;
+      const std::string label = task_label(*t, interleaved);
+      out += fmt::format(
+          "<g class=\"task\"><title>{}: {}, from {}</title><rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" "
+          "height=\"{:.1f}\" style=\"fill:var({})\" fill-opacity=\"{:.2f}\" stroke=\"#fff\" "
+          "stroke-width=\"0.5\"/>",
+          task_name(*t, interleaved), human_time(t->end_us - t->start_us),
+          human_time(t->start_us - s.start_us), x0, y + 1, w, row_h - 2,
+          t->forward ? "--forward" : "--backward", shade);
+      // Named where the name fits (about 6.5 px a character at 11 px).
+      if (w >= 6.5 * static_cast<double>(label.size()) + 4) {
+        out += fmt::format(
+            "<text x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\" style=\"fill:#fff\">{}</text>",
+            x0 + w / 2, y + row_h / 2 + 4, label);
+      }
+      out += "</g>\n";
+    }
+    out += "</g>\n";
+  }
+  out += "</svg></div>\n</section>\n";
+}
+
 // ---- timeline --------------------------------------------------------------------------------------------
 
 // The spans as compact JSON for the page's script: per rank, flat arrays [start, end, name, ...] sorted by
-// start for compute (c), transfers (m), waits (w), idle (i) and regions (g); names are indices into one
-// table, since a training run repeats a handful of names thousands of times.
+// start for compute (c), transfers (m), waits (w), idle (i), regions (g) and a pipeline's forward (f) and
+// backward (b) tasks, whose short labels (fl, bl) are beside them; names are indices into one table, since
+// a training run repeats a handful of names thousands of times.
 std::string timeline_json(const RunReport& r) {
   const std::vector<std::vector<TimeRange>> idle = idle_intervals(r);
   const int n = std::max<int>(static_cast<int>(idle.size()), r.world);
   struct Item {
     double start, end;
     int name;
+    int label = -1;  // what a pipeline task's box says inside: "F3"
   };
-  std::vector<std::array<std::vector<Item>, 5>> rows(n);
+  std::vector<std::array<std::vector<Item>, 7>> rows(n);
   std::map<std::string, int> name_index;
   std::vector<const std::string*> names;
   auto intern = [&](const std::string& s) {
@@ -638,11 +726,18 @@ std::string timeline_json(const RunReport& r) {
   for (const RegionRecord& g : r.regions) {
     if (g.rank >= 0 && g.rank < n) rows[g.rank][4].push_back({g.start_us, g.end_us, intern(g.name)});
   }
+  bool interleaved = false;
+  for (const PipelineTask& t : r.pipeline) interleaved = interleaved || t.chunk > 0;
+  for (const PipelineTask& t : r.pipeline) {
+    if (t.rank < 0 || t.rank >= n) continue;
+    rows[t.rank][t.forward ? 5 : 6].push_back(
+        {t.start_us, t.end_us, intern(task_name(t, interleaved)), intern(task_label(t, interleaved))});
+  }
   std::string out = fmt::format("{{\"end\":{},\"rows\":[", json_number(r.makespan_us));
-  const char* keys[] = {"c", "m", "w", "i", "g"};
+  const char* keys[] = {"c", "m", "w", "i", "g", "f", "b"};
   for (int i = 0; i < n; ++i) {
     out += i ? ",{" : "{";
-    for (int b = 0; b < 5; ++b) {
+    for (int b = 0; b < 7; ++b) {
       std::vector<Item>& items = rows[i][b];
       std::stable_sort(items.begin(), items.end(),
                        [](const Item& x, const Item& y) { return x.start < y.start; });
@@ -651,6 +746,11 @@ std::string timeline_json(const RunReport& r) {
         out += fmt::format("{}{},{},{}", k ? "," : "", json_number(items[k].start), json_number(items[k].end),
                            items[k].name);
       }
+      out += "]";
+      if (b < 5) continue;
+      // The pipeline's tasks also carry their short labels, in the same order.
+      out += fmt::format(",\"{}l\":[", keys[b]);
+      for (std::size_t k = 0; k < items.size(); ++k) out += fmt::format("{}{}", k ? "," : "", items[k].label);
       out += "]";
     }
     out += "}";
@@ -664,186 +764,6 @@ std::string timeline_json(const RunReport& r) {
   return out;
 }
 
-// Draws the timeline on a canvas: a row per rank with bands for regions, compute and communication over a
-// background that marks idle time. Spans narrower than a pixel are merged with their neighbours, so 8 ranks
-// of 100 steps draw as fast as 8 spans. Wheel zooms about the pointer, dragging pans, double-click resets.
-constexpr const char* kTimelineScript = R"JS(
-(function () {
-  var D = JSON.parse(document.getElementById('timeline-data').textContent);
-  var box = document.getElementById('timeline');
-  var canvas = box.querySelector('canvas');
-  var tip = document.getElementById('tip');
-  var ctx = canvas.getContext('2d');
-  var css = getComputedStyle(document.documentElement);
-  var colour = {};
-  ['compute', 'comm', 'wait', 'idle', 'region'].forEach(function (k) {
-    colour[k] = css.getPropertyValue('--' + k).trim();
-  });
-  var LABEL = 66, AXIS = 24, RIGHT = 8;
-  var n = D.rows.length;
-  var rowH = n <= 16 ? 30 : n <= 64 ? 14 : n <= 256 ? 6 : 3;
-  var hasRegions = D.rows.some(function (r) { return r.g.length > 0; });
-  var end = D.end > 0 ? D.end : 1;
-  D.rows.forEach(function (r) {
-    ['c', 'm', 'w', 'i', 'g'].forEach(function (k) {
-      var a = r[k], pm = new Float64Array(a.length / 3), best = -Infinity;
-      for (var j = 0; j < pm.length; j++) { best = Math.max(best, a[3 * j + 1]); pm[j] = best; end = Math.max(end, best); }
-      r[k + 'max'] = pm;  // running maximum of the ends, to find the first span a view can show
-    });
-  });
-  var t0 = 0, t1 = end, width = 0;
-
-  function bands(y) {
-    // [key, top, height] of each band of a row starting at y.
-    var h = rowH - 2, out = [];
-    if (rowH < 10) return [['c', y, h / 2], ['m', y + h / 2, h / 2], ['w', y + h / 2, h / 2]];
-    var g = hasRegions ? Math.max(3, Math.round(h * 0.18)) : 0;
-    var half = (h - g) / 2;
-    if (hasRegions) out.push(['g', y, g - 1]);
-    out.push(['c', y + g, half], ['m', y + g + half, half], ['w', y + g + half, half]);
-    return out;
-  }
-  function px(t) { return LABEL + (t - t0) / (t1 - t0) * (width - LABEL - RIGHT); }
-  function firstVisible(pm) {
-    var lo = 0, hi = pm.length;
-    while (lo < hi) { var mid = (lo + hi) >> 1; if (pm[mid] < t0) lo = mid + 1; else hi = mid; }
-    return lo;
-  }
-  // Each pixel column is painted in proportion to the time the band's spans cover in it (its coverage as
-  // opacity): a column of dense 1-px kernels on an idle background reads as mostly idle, as it is, not as
-  // solid compute. Fully covered runs of columns are one rectangle.
-  function drawBand(a, pm, y, h, fill) {
-    ctx.fillStyle = fill;
-    var left = LABEL, right = width - RIGHT, cols = Math.max(1, Math.ceil(right - left));
-    var cov = new Float32Array(cols), any = false;
-    for (var j = firstVisible(pm); j < pm.length; j++) {
-      var s = a[3 * j], e = a[3 * j + 1];
-      if (s > t1) break;
-      if (e < t0) continue;
-      var x0 = Math.max(0, px(s) - left), x1 = Math.min(cols, px(e) - left);
-      if (x1 <= x0) continue;
-      any = true;
-      var c0 = Math.floor(x0), c1 = Math.floor(x1);
-      if (c0 === c1) { cov[c0] += x1 - x0; continue; }
-      cov[c0] += c0 + 1 - x0;
-      for (var c = c0 + 1; c < c1 && c < cols; c++) cov[c] += 1;
-      if (c1 < cols) cov[c1] += x1 - c1;
-    }
-    if (!any) return;
-    var run = -1;
-    for (var c = 0; c <= cols; c++) {
-      var v = c < cols ? Math.min(1, cov[c]) : 0;
-      if (v >= 0.999) { if (run < 0) run = c; continue; }
-      if (run >= 0) { ctx.fillRect(left + run, y, c - run, h); run = -1; }
-      if (v > 0.02) {
-        ctx.globalAlpha = v;
-        ctx.fillRect(left + c, y, 1, h);
-        ctx.globalAlpha = 1;
-      }
-    }
-  }
-  function niceStep(span, pixels) {
-    var raw = span / Math.max(1, pixels / 110), p = Math.pow(10, Math.floor(Math.log10(raw)));
-    var m = raw / p;
-    return (m < 1.5 ? 1 : m < 3.5 ? 2 : m < 7.5 ? 5 : 10) * p;
-  }
-  function fmtTime(us, step) {
-    var unit = step >= 1e5 ? [1e6, ' s'] : step >= 100 ? [1e3, ' ms'] : [1, ' us'];
-    var v = us / unit[0], d = Math.max(0, Math.min(6, -Math.floor(Math.log10(step / unit[0]) + 1e-9)));
-    return v.toFixed(d) + unit[1];
-  }
-  function draw() {
-    var dpr = window.devicePixelRatio || 1;
-    width = box.clientWidth || 1000;
-    var height = AXIS + n * rowH + 4;
-    canvas.width = Math.round(width * dpr);
-    canvas.height = Math.round(height * dpr);
-    canvas.style.height = height + 'px';
-    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.clearRect(0, 0, width, height);
-    ctx.font = '11px system-ui, sans-serif';
-    ctx.textBaseline = 'middle';
-    var step = niceStep(t1 - t0, width - LABEL - RIGHT);
-    ctx.strokeStyle = '#e4e7eb';
-    ctx.fillStyle = '#5d6875';
-    ctx.textAlign = 'center';
-    for (var t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
-      var x = Math.round(px(t)) + 0.5;
-      ctx.beginPath(); ctx.moveTo(x, AXIS - 4); ctx.lineTo(x, height); ctx.stroke();
-      var text = fmtTime(t, step), half = ctx.measureText(text).width / 2;
-      ctx.fillText(text, Math.min(Math.max(x, LABEL + half), width - RIGHT - half), AXIS / 2);
-    }
-    var every = Math.max(1, Math.ceil(12 / rowH));
-    for (var r = 0; r < n; r++) {
-      var y = AXIS + r * rowH, row = D.rows[r];
-      ctx.textAlign = 'right';
-      ctx.fillStyle = '#1d232b';
-      if (r % every === 0) ctx.fillText('rank ' + r, LABEL - 8, y + rowH / 2);
-      drawBand(row.i, row.imax, y, rowH - 2, colour.idle);
-      bands(y).forEach(function (b) {
-        var key = b[0], fill = key === 'c' ? colour.compute : key === 'm' ? colour.comm : key === 'w' ? colour.wait : colour.region;
-        drawBand(row[key], row[key + 'max'], b[1], b[2], fill);
-      });
-    }
-    box.setAttribute('data-rows', String(n));
-    box.setAttribute('data-view', t0.toFixed(3) + ' ' + t1.toFixed(3));
-  }
-  function timeAt(x) { return t0 + (x - LABEL) / (width - LABEL - RIGHT) * (t1 - t0); }
-  function zoom(factor, x) {
-    var t = timeAt(x), span = Math.min(end * 1.05, Math.max(1e-3, (t1 - t0) * factor));
-    var f = (x - LABEL) / (width - LABEL - RIGHT);
-    t0 = Math.max(-end * 0.025, t - f * span); t1 = t0 + span;
-    draw();
-  }
-  function findSpan(a, pm, t) {
-    // The last span starting at or before t that still covers it; overlapping spans are rare and short.
-    var lo = 0, hi = pm.length;
-    while (lo < hi) { var mid = (lo + hi) >> 1; if (a[3 * mid] <= t) lo = mid + 1; else hi = mid; }
-    for (var j = lo - 1; j >= 0 && pm[j] >= t; j--) if (a[3 * j + 1] >= t) return j;
-    return -1;
-  }
-  var drag = null;
-  canvas.addEventListener('wheel', function (e) {
-    e.preventDefault();
-    zoom(Math.exp(e.deltaY * 0.0015), e.offsetX);
-  }, { passive: false });
-  canvas.addEventListener('mousedown', function (e) { drag = { x: e.clientX, t0: t0, t1: t1 }; canvas.style.cursor = 'grabbing'; });
-  window.addEventListener('mouseup', function () { drag = null; canvas.style.cursor = 'grab'; });
-  canvas.addEventListener('dblclick', function () { t0 = 0; t1 = end; draw(); });
-  canvas.addEventListener('mouseleave', function () { tip.style.display = 'none'; });
-  window.addEventListener('mousemove', function (e) {
-    if (!drag) return;
-    var dt = (e.clientX - drag.x) / (width - LABEL - RIGHT) * (drag.t1 - drag.t0);
-    t0 = drag.t0 - dt; t1 = drag.t1 - dt;
-    draw();
-  });
-  canvas.addEventListener('mousemove', function (e) {
-    if (drag) return;
-    var r = Math.floor((e.offsetY - AXIS) / rowH);
-    if (r < 0 || r >= n || e.offsetX < LABEL) { tip.style.display = 'none'; return; }
-    var t = timeAt(e.offsetX), row = D.rows[r], hit = null;
-    bands(AXIS + r * rowH).concat([['i', AXIS + r * rowH, rowH]]).some(function (b) {
-      if (e.offsetY < b[1] || e.offsetY > b[1] + b[2] + 1) return false;
-      var j = findSpan(row[b[0]], row[b[0] + 'max'], t);
-      if (j < 0) return false;
-      hit = [b[0], row[b[0]], j];
-      return true;
-    });
-    if (!hit) { tip.style.display = 'none'; return; }
-    var a = hit[1], j = hit[2], kind = { c: 'compute', m: 'comm', w: 'waiting for peers', i: 'idle', g: 'region' }[hit[0]];
-    var s = a[3 * j], d = a[3 * j + 1] - s;
-    tip.textContent = 'rank ' + r + ' \u00b7 ' + kind + '\n' + D.names[a[3 * j + 2]] + '\nstart ' + fmtTime(s, 1e-3) +
-        ', ' + fmtTime(d, Math.max(1e-3, d / 1000));
-    tip.style.display = 'block';
-    tip.style.left = Math.min(e.offsetX + 14, width - 240) + 'px';
-    tip.style.top = (e.offsetY + 14) + 'px';
-  });
-  window.addEventListener('resize', draw);
-  draw();
-  document.body.setAttribute('data-rendered', '1');
-})();
-)JS";
-
 void timeline_section(std::string& out, const RunReport& r) {
   out += "<h2>Timeline</h2>\n";
   out +=
@@ -851,7 +771,13 @@ void timeline_section(std::string& out, const RunReport& r) {
       "<span style=\"--c:var(--comm)\">communication</span>"
       "<span style=\"--c:var(--wait)\">waiting for peers</span>"
       "<span style=\"--c:var(--idle)\">idle (neither stream busy)</span>"
-      "<span style=\"--c:var(--region)\">region</span>"
+      "<span style=\"--c:var(--region)\">region</span>";
+  if (!r.pipeline.empty()) {
+    out +=
+        "<span style=\"--c:var(--forward)\">forward task (F3: micro-batch 3)</span>"
+        "<span style=\"--c:var(--backward)\">backward task</span>";
+  }
+  out +=
       "<span style=\"--c:transparent\">wheel: zoom &middot; drag: pan &middot; double-click: whole "
       "run</span></div>\n";
   out += fmt::format(
@@ -861,7 +787,7 @@ void timeline_section(std::string& out, const RunReport& r) {
   out += "<noscript><p class=\"sub\">The timeline needs JavaScript.</p></noscript>\n";
   out += "<script type=\"application/json\" id=\"timeline-data\">" + script_json(timeline_json(r)) +
          "</script>\n";
-  out += std::string("<script>") + kTimelineScript + "</script>\n";
+  out += fmt::format("<script>{}</script>\n", assets::timeline_js);
 }
 
 // ---- tables ----------------------------------------------------------------------------------------------
@@ -1011,6 +937,7 @@ std::string report_to_html(const RunReport& report) {
                : fmt::format("<p class=\"bad\">{} of {} checks failed</p>\n", failed, report.checks.size());
   }
   config_section(out, report);
+  pipeline_section(out, report);
   training_section(out, report);
   timeline_section(out, report);
   out += "<h2>Topology and traffic</h2>\n<div class=\"side\"><div>\n";

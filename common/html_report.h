@@ -10,12 +10,24 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/report.h"
 
 namespace ranklab {
 
 std::string report_to_html(const RunReport& report);
+
+// Where the topology drawing puts each node of a report's topology: rows by level, top to bottom; the
+// GPUs' row evenly spaced in the order the backend listed them, a gap between servers; every other node
+// above or below its neighbours. Nothing is read from the nodes' names.
+struct TopologyLayout {
+  std::vector<double> x, y;  // per node of RunTopology::nodes: the centre of its box
+  double width = 0, height = 0;
+  double box_w = 0, box_h = 0;
+  bool labels = false;  // whether the nodes are few enough to be named in their boxes
+};
+TopologyLayout layout_topology(const RunTopology& topology);
 
 // ---- pieces compare.html shares ------------------------------------------------------------------------
 

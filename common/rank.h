@@ -378,6 +378,9 @@ class Rank {
   // A training lesson's figures for the step it timed (the report's `training` object). Rank 0 calls it;
   // a later call replaces an earlier one.
   virtual void report_training(const TrainingStats& stats) = 0;
+  // This rank's tasks of a pipeline schedule (the step it timed), for the report's schedule chart. Each
+  // rank that runs a stage reports its own; the report keeps them all.
+  virtual void report_pipeline(const std::vector<PipelineTask>& tasks) = 0;
 
  private:
   // communicate() with the call marked as bookkeeping when a bookkeeping region is open.

@@ -522,6 +522,21 @@ ordered_json to_json(const LinkTraffic& l) {
       {"link", l.link}, {"tier", l.tier}, {"bytes", l.bytes}, {"bandwidth_gbps", l.bandwidth_gbps}};
 }
 
+ordered_json to_json(const TopologyNode& n) {
+  return ordered_json{{"id", n.id}, {"kind", n.kind}, {"level", n.level}, {"host", n.host}, {"rank", n.rank}};
+}
+
+ordered_json to_json(const TopologyLink& l) {
+  return ordered_json{
+      {"id", l.id}, {"from", l.from}, {"to", l.to}, {"tier", l.tier}, {"bandwidth_gbps", l.bandwidth_gbps}};
+}
+
+ordered_json to_json(const PipelineTask& t) {
+  return ordered_json{
+      {"rank", t.rank},       {"stage", t.stage},       {"chunk", t.chunk},  {"micro_batch", t.micro_batch},
+      {"forward", t.forward}, {"start_us", t.start_us}, {"end_us", t.end_us}};
+}
+
 // TrainingStats as JSON, written and read from this one list of its fields.
 template <class Stats, class Visit>
 void training_fields(Stats& t, Visit&& v) {
@@ -637,18 +652,52 @@ bool parse_kind(const std::string& name, SpanKind& out) {
 }
 
 // Reads every element of `key` with `read(element, reader)`; the reader names the element only when
-// something is wrong, so millions of spans cost no string formatting.
+// something is wrong, so millions of spans cost no string formatting. `parent` names the object that holds
+// the array when it is not the top level ("topology" for "topology.nodes[2]").
 template <class T, class F>
-std::vector<T> read_array(const json& root, const char* key, F read) {
-  const json& a = Reader("top level").array(root, key);
+std::vector<T> read_array(const json& root, const char* key, F read, const std::string& parent = "") {
+  const json& a = Reader(parent.empty() ? "top level" : parent).array(root, key);
+  const std::string path = parent.empty() ? key : parent + "." + key;
+  auto where = [&path](std::size_t i) { return Reader(fmt::format("{}[{}]", path, i)); };
   std::vector<T> out;
   out.reserve(a.size());
   for (std::size_t i = 0; i < a.size(); ++i) {
     const json& e = a[i];
-    if (!e.is_object()) Reader(fmt::format("{}[{}]", key, i)).fail("expected an object");
-    out.push_back(read(e, [key, i]() { return Reader(fmt::format("{}[{}]", key, i)); }));
+    if (!e.is_object()) where(i).fail("expected an object");
+    out.push_back(read(e, [&where, i]() { return where(i); }));
   }
   return out;
+}
+
+RunTopology read_topology(const json& topology) {
+  RunTopology t;
+  t.nodes = read_array<TopologyNode>(
+      topology, "nodes",
+      [](const json& e, auto reader) {
+        Reader r = reader();
+        TopologyNode n;
+        r.get(e, "id", n.id);
+        r.get(e, "kind", n.kind);
+        r.get(e, "level", n.level);
+        r.get(e, "host", n.host);
+        r.get(e, "rank", n.rank);
+        return n;
+      },
+      "topology");
+  t.links = read_array<TopologyLink>(
+      topology, "links",
+      [](const json& e, auto reader) {
+        Reader r = reader();
+        TopologyLink l;
+        r.get(e, "id", l.id);
+        r.get(e, "from", l.from);
+        r.get(e, "to", l.to);
+        r.get(e, "tier", l.tier);
+        r.get(e, "bandwidth_gbps", l.bandwidth_gbps);
+        return l;
+      },
+      "topology");
+  return t;
 }
 
 }  // namespace
@@ -670,9 +719,12 @@ std::string report_to_json(const RunReport& report) {
       {"regions", array_of(report.regions)},
       {"checks", array_of(report.checks)},
       {"links", array_of(report.links)},
+      {"topology",
+       ordered_json{{"nodes", array_of(report.topology.nodes)}, {"links", array_of(report.topology.links)}}},
       {"output", report.output},
   };
   if (report.training) j["training"] = to_json(*report.training);
+  if (!report.pipeline.empty()) j["pipeline"] = array_of(report.pipeline);
   // A lesson's printed output may hold bytes that are not UTF-8; replace them rather than fail the write.
   return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
@@ -782,6 +834,10 @@ RunReport report_from_json(const std::string& text) {
     r.get(e, "bandwidth_gbps", l.bandwidth_gbps);
     return l;
   });
+  if (auto it = root.find("topology"); it != root.end() && !it->is_null()) {
+    check_object(*it, Reader("topology"));
+    report.topology = read_topology(*it);
+  }
   top.get(root, "output", report.output);
   if (auto it = root.find("training"); it != root.end() && !it->is_null()) {
     Reader r("training");
@@ -790,6 +846,18 @@ RunReport report_from_json(const std::string& text) {
     training_fields(t, [&](const char* key, auto& value) { r.get(*it, key, value); });
     report.training = t;
   }
+  report.pipeline = read_array<PipelineTask>(root, "pipeline", [](const json& e, auto reader) {
+    Reader r = reader();
+    PipelineTask t;
+    r.get(e, "rank", t.rank);
+    r.get(e, "stage", t.stage);
+    r.get(e, "chunk", t.chunk);
+    r.get(e, "micro_batch", t.micro_batch);
+    r.get(e, "forward", t.forward);
+    r.get(e, "start_us", t.start_us);
+    r.get(e, "end_us", t.end_us);
+    return t;
+  });
   return report;
 }
 

@@ -108,6 +108,34 @@ struct LinkTraffic {
   double bandwidth_gbps = 0;  // the link's capacity per direction; 0 when unknown
 };
 
+// The machine a run used, as data: its devices and the directed links between them, so the report draws
+// the topology without reading link names back. The simulator describes its model (every device of the
+// servers that ran a rank, and the fabric between them); the real backend knows which host ran each GPU and
+// nothing of the links. Both lists are empty when the backend knew nothing.
+struct TopologyNode {
+  std::string id;    // unique in the report: "gpu3", "nvswitch0", "leaf5"
+  std::string kind;  // "gpu", "nvswitch", "pcie", "cpu", "nic", "leaf", "spine"
+  // Its row in the hierarchy, top to bottom: the simulator puts the fabric's spines at 0, then leaves, NICs
+  // (and the CPU), PCIe switches, GPUs, and the NVSwitches below the GPUs. Only the order matters.
+  int level = 0;
+  int host = -1;  // the server it is part of; -1 for a switch the servers share
+  int rank = -1;  // the rank that ran on it (a GPU); -1 otherwise
+};
+
+struct TopologyLink {
+  std::string id;    // the name LinkTraffic::link gives it: "gpu3->nvswitch0"
+  std::string from;  // TopologyNode ids
+  std::string to;
+  std::string tier;           // "nvlink", "pcie", "network"
+  double bandwidth_gbps = 0;  // per direction; 0 when unknown
+};
+
+struct RunTopology {
+  std::vector<TopologyNode> nodes;
+  std::vector<TopologyLink> links;
+  bool empty() const { return nodes.empty() && links.empty(); }
+};
+
 struct RunReport {
   std::string lesson;
   std::string backend;  // "sim" or "cuda"
@@ -126,10 +154,14 @@ struct RunReport {
   std::vector<CollectiveRecord> collectives;
   std::vector<RegionRecord> regions;
   std::vector<CheckRecord> checks;
-  std::vector<LinkTraffic> links;
+  std::vector<LinkTraffic> links;  // the links that carried bytes
+  RunTopology topology;
   std::vector<std::string> output;  // the lesson's printed lines, in order
   // What a training lesson reported for its timed step (Rank::report_training); empty otherwise.
   std::optional<TrainingStats> training;
+  // A pipeline-parallel lesson's timed step, task by task, as its ranks reported them
+  // (Rank::report_pipeline); empty otherwise.
+  std::vector<PipelineTask> pipeline;
 
   bool all_checks_passed() const;
   std::int64_t total_link_bytes() const;

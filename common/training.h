@@ -36,4 +36,18 @@ struct TrainingStats {
   std::int64_t activations_bytes = 0;
 };
 
+// One forward or backward of a pipeline schedule, as its rank's compute stream ran it in the step the
+// lesson timed, on the run's clock (the report's timeline). Each stage's rank hands its own to
+// Rank::report_pipeline, so the report draws the schedule from data, not from region names: which rank is
+// which stage, and when each micro-batch ran where.
+struct PipelineTask {
+  int rank = 0;         // the global rank that ran it
+  int stage = 0;        // its pipeline stage, 0 .. p-1
+  int chunk = 0;        // the model chunk of that stage, 0 .. v-1 (0 without interleaving)
+  int micro_batch = 0;  // 0 .. m-1
+  bool forward = true;
+  double start_us = 0;
+  double end_us = 0;
+};
+
 }  // namespace ranklab

@@ -196,7 +196,8 @@ void pipeline_parallel(Rank& r, const Options& o) {
   if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
   mlp::Diff worst;
   mlp::Traffic traffic;
-  std::vector<float> times;  // (start, end) of each task of the last step, from the step's start
+  std::vector<float> times;         // (start, end) of each task of the last step, from the step's start
+  std::vector<PipelineTask> tasks;  // the same on the run's clock, for the report's schedule chart
 
   for (int step = 1; step <= o.steps; ++step) {
     // The step's phases as regions; an exception (running out of memory) closes the open one.
@@ -334,9 +335,15 @@ void pipeline_parallel(Rank& r, const Options& o) {
     r.synchronize();
     const double step_us = r.now() - t0;
     times.clear();
-    for (const auto& [start, end] : marks) {
-      times.push_back(static_cast<float>(r.elapsed_us(step_start, start)));
-      times.push_back(static_cast<float>(r.elapsed_us(step_start, end)));
+    tasks.clear();
+    const std::vector<Task> order = schedule(sched, stage, stages, m);
+    for (size_t i = 0; i < marks.size(); ++i) {
+      const double start = r.elapsed_us(step_start, marks[i].first),
+                   end = r.elapsed_us(step_start, marks[i].second);
+      times.push_back(static_cast<float>(start));
+      times.push_back(static_cast<float>(end));
+      // The step's start event was recorded at t0 on the host, with the device idle: the run's clock.
+      tasks.push_back({r.rank(), stage, 0, order[i].mb, order[i].forward, t0 + start, t0 + end});
     }
 
     if (!ref) continue;
@@ -358,6 +365,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
     }
   }
 
+  r.report_pipeline(tasks);
   auto scope = r.bookkeeping("report");
   const int bound = max_alive(sched, stage, stages, m);
   if (sched == "1f1b") {  // at most p - stage, so never more than p, however many micro-batches

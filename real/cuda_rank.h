@@ -138,6 +138,9 @@ class CudaRank : public Rank {
   void show(const std::string& label, const Tensor& t) override;
   void check(const std::string& what, bool passed, const std::string& detail) override;
   void report_training(const TrainingStats& stats) override { log_.training = stats; }
+  void report_pipeline(const std::vector<PipelineTask>& tasks) override {
+    log_.pipeline.insert(log_.pipeline.end(), tasks.begin(), tasks.end());
+  }
 
  private:
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)

@@ -132,6 +132,13 @@ std::string serialize(const RankLog& log) {
       w.put(b);
     }
   }
+  w.put<std::uint64_t>(log.pipeline.size());
+  for (const PipelineTask& t : log.pipeline) {
+    for (int x : {t.rank, t.stage, t.chunk, t.micro_batch}) w.put<std::int32_t>(x);
+    w.put<std::uint8_t>(t.forward);
+    w.put(t.start_us);
+    w.put(t.end_us);
+  }
   return w.take();
 }
 
@@ -211,6 +218,14 @@ RankLog deserialize(const std::string& bytes) {
     }
     log.training = std::move(t);
   }
+  for (auto n = r.get<std::uint64_t>(); n > 0; --n) {
+    PipelineTask t;
+    for (int* x : {&t.rank, &t.stage, &t.chunk, &t.micro_batch}) *x = r.get<std::int32_t>();
+    t.forward = r.get<std::uint8_t>() != 0;
+    t.start_us = r.get<double>();
+    t.end_us = r.get<double>();
+    log.pipeline.push_back(t);
+  }
   if (!r.done()) throw BackendError("a rank's log arrived with bytes to spare");
   return log;
 }
@@ -242,10 +257,13 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
     }
   }
 
-  // GPUs per node, as the run used them: the most ranks any one host ran.
-  std::map<std::string, int> ranks_per_host;
+  // GPUs per node, as the run used them: the most ranks any one host ran. The topology is what the logs
+  // know of it: each rank's GPU and the host it was in (hosts numbered in rank order); not the links.
+  std::map<std::string, int> ranks_per_host, host_index;
   for (const RankLog* l : ordered) {
     report.gpus_per_node = std::max(report.gpus_per_node, ++ranks_per_host[l->host]);
+    const int host = host_index.try_emplace(l->host, static_cast<int>(host_index.size())).first->second;
+    report.topology.nodes.push_back({fmt::format("gpu{}", l->rank), "gpu", 0, host, l->rank});
   }
 
   std::vector<std::pair<int, const TimedLine*>> lines;
@@ -284,6 +302,7 @@ RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& b
     report.regions.insert(report.regions.end(), l->regions.begin(), l->regions.end());
     // Rank 0 reports the training figures; should another rank do so too, the lowest rank's win.
     if (l->training && !report.training) report.training = l->training;
+    report.pipeline.insert(report.pipeline.end(), l->pipeline.begin(), l->pipeline.end());
     report.checks.insert(report.checks.end(), l->checks.begin(), l->checks.end());
     for (const TimedLine& t : l->output) lines.emplace_back(l->rank, &t);
   }

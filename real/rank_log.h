@@ -52,6 +52,7 @@ struct RankLog {
   std::vector<CheckRecord> checks;
   std::vector<TimedLine> output;
   std::optional<TrainingStats> training;  // what Rank::report_training last handed this rank
+  std::vector<PipelineTask> pipeline;     // what Rank::report_pipeline handed it
 };
 
 // Bytes that travel between processes, and back.
@@ -61,8 +62,8 @@ RankLog deserialize(const std::string& bytes);
 
 // The run's report from every rank's log (in any order). Fills spans (compute, comm and idle),
 // collectives, regions, checks, output, per-rank summaries and GPUs per node (the most ranks one host
-// ran), and the training figures of the lowest rank that reported them; `backend` and `profile` name the
-// run.
+// ran), the training figures of the lowest rank that reported them, every rank's pipeline tasks; `backend`
+// and `profile` name the run.
 RunReport assemble_report(const std::vector<RankLog>& logs, const std::string& backend,
                           const std::string& profile);
 

@@ -93,6 +93,7 @@ class SimRank : public Rank {
   void show(const std::string& label, const Tensor& t) override;
   void check(const std::string& what, bool passed, const std::string& detail) override;
   void report_training(const TrainingStats& stats) override { world_.set_training(stats); }
+  void report_pipeline(const std::vector<PipelineTask>& tasks) override { world_.add_pipeline(tasks); }
 
   // Waits for everything the rank posted; called when its program returns.
   void finish();

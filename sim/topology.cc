@@ -141,37 +141,82 @@ int Topology::switch_hops(int src_gpu, int dst_gpu) const {
   return fabric_tiers_ == 3 ? 5 : 3;
 }
 
-std::string Topology::link_name(LinkId id) const {
-  const int k = kind_of(id);
-  const std::int64_t i = id - offsets_[k];
-  const int per_node_switches = pcie_switches_per_node();
+const char* device_kind_name(DeviceKind k) {
   switch (k) {
-    case kGpuToNvswitch:
-      return fmt::format("gpu{}->nvswitch{}", i, node_of(static_cast<int>(i)));
-    case kNvswitchToGpu:
-      return fmt::format("nvswitch{}->gpu{}", node_of(static_cast<int>(i)), i);
-    case kGpuToPcie:
-      return fmt::format("gpu{}->pcie{}", i, switch_of_gpu(static_cast<int>(i)));
-    case kPcieToGpu:
-      return fmt::format("pcie{}->gpu{}", switch_of_gpu(static_cast<int>(i)), i);
-    case kPcieToCpu:
-      return fmt::format("pcie{}->cpu{}", i, i / per_node_switches);
-    case kCpuToPcie:
-      return fmt::format("cpu{}->pcie{}", i / per_node_switches, i);
-    case kPcieToNic:
-      return fmt::format("pcie{}->nic{}", switch_of_nic(static_cast<int>(i)), i);
-    case kNicToPcie:
-      return fmt::format("nic{}->pcie{}", i, switch_of_nic(static_cast<int>(i)));
-    case kNicToLeaf:
-      return fmt::format("nic{}->leaf{}", i, leaf_of_nic(static_cast<int>(i)));
-    case kLeafToNic:
-      return fmt::format("leaf{}->nic{}", leaf_of_nic(static_cast<int>(i)), i);
-    case kLeafToSpine:
-      return fmt::format("leaf{}->spine{}", i / spines_, i % spines_);
-    case kSpineToLeaf:
-      return fmt::format("spine{}->leaf{}", i % spines_, i / spines_);
+    case DeviceKind::Gpu:
+      return "gpu";
+    case DeviceKind::Nvswitch:
+      return "nvswitch";
+    case DeviceKind::Pcie:
+      return "pcie";
+    case DeviceKind::Cpu:
+      return "cpu";
+    case DeviceKind::Nic:
+      return "nic";
+    case DeviceKind::Leaf:
+      return "leaf";
+    case DeviceKind::Spine:
+      return "spine";
   }
   return "?";
+}
+
+std::string Device::name() const {
+  return fmt::format("{}{}", device_kind_name(kind), index);
+}
+
+std::pair<Device, Device> Topology::ends(LinkId id) const {
+  const int k = kind_of(id);
+  const std::int64_t i = id - offsets_[k];
+  const int gpu = static_cast<int>(i), nic = static_cast<int>(i);
+  using K = DeviceKind;
+  // The kinds come in pairs, a direction and its reverse (kGpuToNvswitch, kNvswitchToGpu, ...).
+  auto joins = [k](Device a, Device b) { return k % 2 == 0 ? std::pair{a, b} : std::pair{b, a}; };
+  switch (k) {
+    case kGpuToNvswitch:
+    case kNvswitchToGpu:
+      return joins({K::Gpu, i}, {K::Nvswitch, node_of(gpu)});
+    case kGpuToPcie:
+    case kPcieToGpu:
+      return joins({K::Gpu, i}, {K::Pcie, switch_of_gpu(gpu)});
+    case kPcieToCpu:
+    case kCpuToPcie:
+      return joins({K::Pcie, i}, {K::Cpu, i / pcie_switches_per_node()});
+    case kPcieToNic:
+    case kNicToPcie:
+      return joins({K::Pcie, switch_of_nic(nic)}, {K::Nic, i});
+    case kNicToLeaf:
+    case kLeafToNic:
+      return joins({K::Nic, i}, {K::Leaf, leaf_of_nic(nic)});
+    case kLeafToSpine:
+    case kSpineToLeaf:
+      return joins({K::Leaf, i / spines_}, {K::Spine, i % spines_});
+  }
+  throw UsageError(fmt::format("link {} does not exist ({} links)", id, link_count()));
+}
+
+std::string Topology::link_name(LinkId id) const {
+  const auto [from, to] = ends(id);
+  return from.name() + "->" + to.name();
+}
+
+int Topology::node_of(Device d) const {
+  const int i = static_cast<int>(d.index);
+  switch (d.kind) {
+    case DeviceKind::Gpu:
+      return node_of(i);
+    case DeviceKind::Nvswitch:
+    case DeviceKind::Cpu:
+      return i;
+    case DeviceKind::Pcie:
+      return i / pcie_switches_per_node();
+    case DeviceKind::Nic:
+      return i / nics_per_node();
+    case DeviceKind::Leaf:
+    case DeviceKind::Spine:
+      return -1;
+  }
+  return -1;
 }
 
 LinkInfo Topology::link(LinkId id) const {

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/profile.h"
@@ -33,6 +34,18 @@ struct LinkInfo {
   double line_rate_gbps = 0;  // on the wire, one direction
   double capacity_gbps = 0;   // what NCCL's transfers sustain: line rate x the profile's efficiency
   double latency_us = 0;      // one traversal, hardware only
+};
+
+// What a link joins. Devices are numbered per kind across the cluster: "gpu12" is GPU 4 of node 1 on
+// 8-GPU nodes, "nvswitch1" that node's NVSwitch (one per node stands for all of its NVSwitch chips), "cpu1"
+// its host, "leaf5" a leaf switch of the fabric.
+enum class DeviceKind { Gpu, Nvswitch, Pcie, Cpu, Nic, Leaf, Spine };
+const char* device_kind_name(DeviceKind k);  // "gpu", "nvswitch", "pcie", "cpu", "nic", "leaf", "spine"
+
+struct Device {
+  DeviceKind kind = DeviceKind::Gpu;
+  std::int64_t index = 0;
+  std::string name() const;  // "gpu3"
 };
 
 class Topology {
@@ -73,7 +86,10 @@ class Topology {
   // Links.
   std::size_t link_count() const { return offsets_.back(); }
   LinkInfo link(LinkId id) const;
-  std::string link_name(LinkId id) const;
+  std::string link_name(LinkId id) const;           // "gpu3->nvswitch0": its two devices
+  std::pair<Device, Device> ends(LinkId id) const;  // from, to
+  // The node (server) a device is part of; -1 for the fabric's switches, which the nodes share.
+  int node_of(Device d) const;
   Tier tier(LinkId id) const { return kind_tier_[kind_of(id)]; }
   double capacity_gbps(LinkId id) const { return kind_capacity_[kind_of(id)]; }
   double line_rate_gbps(LinkId id) const { return kind_line_rate_[kind_of(id)]; }

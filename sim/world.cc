@@ -15,6 +15,7 @@
 #include "common/progress.h"
 #include "sim/rank_faults.h"
 #include "sim/reduce.h"
+#include "sim/run_topology.h"
 #include "sim/scheduler.h"
 
 namespace ranklab::sim {
@@ -742,6 +743,7 @@ RunReport SimWorld::finish_report() {
   }
   progress_.finish();
   report_.links = network_->link_traffic();
+  report_.topology = run_topology(network_->topology(), size());
   report_.late_starts = engine_.late_starts();
   summarize_spans(report_);
   // A mirror's figures are its representative's.

@@ -129,6 +129,9 @@ class SimWorld {
   void add_region(int rank, const std::string& name, double start_us, double end_us);
   void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
   void set_training(const TrainingStats& stats) { report_.training = stats; }
+  void add_pipeline(const std::vector<PipelineTask>& tasks) {
+    report_.pipeline.insert(report_.pipeline.end(), tasks.begin(), tasks.end());
+  }
   // Rethrows the first error of the run, if any.
   void rethrow_if_failed() const;
   RunReport finish_report();

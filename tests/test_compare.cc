@@ -8,6 +8,7 @@
 #include <string>
 
 #include "chromium.h"
+#include "common/assets.h"
 #include "common/compare.h"
 #include "common/errors.h"
 #include "common/lesson.h"
@@ -99,6 +100,10 @@ TEST(Compare, MatchesByIdentityNotByOrder) {
   EXPECT_TRUE(contains(html, "id=\"plot\""));
   EXPECT_TRUE(contains(html, "id=\"compare-data\""));
   EXPECT_TRUE(contains(html, "rank 0 forward #2"));
+  // The stylesheet and the shared script of every page, and the plot's own script, inline.
+  EXPECT_TRUE(contains(html, std::string(assets::page_css)));
+  EXPECT_TRUE(contains(html, std::string(assets::page_js)));
+  EXPECT_TRUE(contains(html, std::string(assets::compare_js)));
 
   // In a browser the plot draws every scored item and raises no script error.
   const std::string chromium = testing::find_chromium();

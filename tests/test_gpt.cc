@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "common/html_report.h"
 #include "common/lesson.h"
 #include "common/report.h"
 #include "lessons/parallel/groups.h"
@@ -181,6 +182,19 @@ TEST(Gpt, DeeperPipelineInterleaved) {
   EXPECT_EQ(tasks.size(), 2u * 4 * 2);
   EXPECT_EQ(tasks["forward mb 3 chunk 1"], o.steps);
   EXPECT_EQ(tasks["backward mb 0 chunk 0"], o.steps);
+  // The report has the timed step's schedule as data: each stage's 16 tasks, and the chart draws them with
+  // their chunks.
+  ASSERT_EQ(rep.pipeline.size(), 4u * 16);
+  int chunk1 = 0;
+  for (const PipelineTask& t : rep.pipeline) {
+    EXPECT_EQ(t.stage, t.rank);  // tp 1, dp 1: rank r is stage r
+    chunk1 += t.chunk == 1 ? 1 : 0;
+  }
+  EXPECT_EQ(chunk1, 4 * 8);
+  const std::string html = report_to_html(rep);
+  EXPECT_NE(html.find("<g data-stage=\"3\" data-rank=\"3\" data-boxes=\"16\">"), std::string::npos);
+  EXPECT_NE(html.find("<title>forward mb 3 chunk 1: "), std::string::npos);
+  EXPECT_NE(html.find("v = 2 chunks per stage"), std::string::npos);
 }
 
 TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {

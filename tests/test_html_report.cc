@@ -8,11 +8,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <regex>
 #include <string>
 
 #include "chromium.h"
+#include "common/assets.h"
 #include "common/html_report.h"
 #include "common/report.h"
 
@@ -23,6 +25,41 @@ namespace fs = std::filesystem;
 
 bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
+}
+
+// A link of the machine, and its traffic when it carried some.
+void add_link(RunReport& r, const std::string& from, const std::string& to, const std::string& tier,
+              std::int64_t bytes, double gbps) {
+  const std::string id = from + "->" + to;
+  r.topology.links.push_back({id, from, to, tier, gbps});
+  if (bytes > 0) r.links.push_back({id, tier, bytes, gbps});
+}
+
+// A two-node machine as data: per GPU, NVLink up and down through its node's NVSwitch and a PCIe link to its
+// own NIC; each NIC to the leaf of its rail, and each leaf to one spine. Every link carries bytes.
+void add_machine(RunReport& r) {
+  const int per_node = r.gpus_per_node;
+  for (int k = 0; k < r.world; ++k)
+    r.topology.nodes.push_back({fmt::format("gpu{}", k), "gpu", 4, k / per_node, k});
+  for (int node = 0; node < 2; ++node) {
+    r.topology.nodes.push_back({fmt::format("nvswitch{}", node), "nvswitch", 5, node, -1});
+  }
+  for (int k = 0; k < r.world; ++k)
+    r.topology.nodes.push_back({fmt::format("nic{}", k), "nic", 2, k / per_node, -1});
+  for (int leaf = 0; leaf < per_node; ++leaf)
+    r.topology.nodes.push_back({fmt::format("leaf{}", leaf), "leaf", 1, -1, -1});
+  r.topology.nodes.push_back({"spine0", "spine", 0, -1, -1});
+  for (int k = 0; k < r.world; ++k) {
+    const std::string gpu = fmt::format("gpu{}", k), nvswitch = fmt::format("nvswitch{}", k / per_node),
+                      nic = fmt::format("nic{}", k);
+    add_link(r, gpu, nvswitch, "nvlink", (k + 1) * (std::int64_t{1} << 30), 450);
+    add_link(r, nvswitch, gpu, "nvlink", (k + 1) * (std::int64_t{1} << 29), 450);
+    add_link(r, gpu, nic, "pcie", std::int64_t{1} << 28, 63);
+    add_link(r, nic, fmt::format("leaf{}", k % per_node), "infiniband", std::int64_t{1} << 28, 50);
+  }
+  for (int leaf = 0; leaf < per_node; ++leaf) {
+    add_link(r, fmt::format("leaf{}", leaf), "spine0", "infiniband", std::int64_t{1} << 27, 50);
+  }
 }
 
 // A training-like run: `world` ranks, `steps` steps of forward and backward kernels, an all_reduce whose
@@ -68,18 +105,8 @@ RunReport training_report(int world, int steps) {
     s.peak_bytes = (std::int64_t{10} + k) << 30;
     s.capacity_bytes = std::int64_t{80} << 30;
     r.ranks.push_back(s);
-    const int node = k / r.gpus_per_node;
-    r.links.push_back(
-        {fmt::format("gpu{}->nvswitch{}", k, node), "nvlink", (k + 1) * (std::int64_t{1} << 30), 450});
-    r.links.push_back(
-        {fmt::format("nvswitch{}->gpu{}", node, k), "nvlink", (k + 1) * (std::int64_t{1} << 29), 450});
-    r.links.push_back({fmt::format("gpu{}->nic{}", k, k), "pcie", std::int64_t{1} << 28, 63});
-    r.links.push_back(
-        {fmt::format("nic{}->leaf{}", k, k % r.gpus_per_node), "infiniband", std::int64_t{1} << 28, 50});
   }
-  for (int leaf = 0; leaf < r.gpus_per_node; ++leaf) {
-    r.links.push_back({fmt::format("leaf{}->spine0", leaf), "infiniband", std::int64_t{1} << 27, 50});
-  }
+  add_machine(r);
   r.checks = {{0, "loss decreases", true, ""}, {1, "params equal", false, "off by 1e-3"}};
   r.output = {"step 0 loss 2.3", "<script>alert('not run')</script>"};
   summarize_spans(r);
@@ -117,6 +144,34 @@ TEST(HtmlReport, SelfContainedWithEverySection) {
   EXPECT_TRUE(contains(html, "1 of 2 checks failed"));
 }
 
+// The text of a file of the source tree.
+std::string source_file(const std::string& path) {
+  std::ifstream f(fs::path(RANKLAB_SOURCE_DIR) / path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+TEST(HtmlReport, ScriptsAndStylesAreTheAssetFilesEmbedded) {
+  // What the build embedded is each file of common/assets/ byte for byte.
+  const std::pair<const char*, std::string_view> files[] = {{"page.css", assets::page_css},
+                                                            {"page.js", assets::page_js},
+                                                            {"timeline.js", assets::timeline_js},
+                                                            {"compare.js", assets::compare_js}};
+  for (const auto& [name, text] : files) {
+    const std::string file = source_file(std::string("common/assets/") + name);
+    ASSERT_FALSE(file.empty()) << name;
+    EXPECT_EQ(text, file) << name;
+  }
+  // And the page holds them, inline: the shared helpers, the timeline's drawing, the colours.
+  const std::string html = report_to_html(training_report(4, 2));
+  EXPECT_TRUE(contains(html, std::string(assets::page_css)));
+  EXPECT_TRUE(contains(html, std::string(assets::page_js)));
+  EXPECT_TRUE(contains(html, std::string(assets::timeline_js)));
+  EXPECT_TRUE(contains(html, "var ranklab = {"));
+  EXPECT_TRUE(contains(html, "function drawBand("));
+  EXPECT_TRUE(contains(html, "--compute: #3b75af"));
+  EXPECT_FALSE(contains(html, std::string(assets::compare_js)));  // only what the page uses
+}
+
 TEST(HtmlReport, TrainingStepAboveTheTimeline) {
   RunReport r = training_report(8, 10);
   EXPECT_FALSE(contains(report_to_html(r), "id=\"training\""));  // only for training lessons
@@ -143,6 +198,54 @@ TEST(HtmlReport, TrainingStepAboveTheTimeline) {
   EXPECT_TRUE(contains(html, "activations 768 MiB"));
 }
 
+// A two-stage pipeline of m micro-batches, gpipe-like: the forwards, then the backwards, each task 10 us;
+// stage 1 starts a task later than stage 0 and stage 0 waits for stage 1's backwards.
+void add_pipeline(RunReport& r, int m, int chunks) {
+  for (int stage = 0; stage < 2; ++stage) {
+    double t = 10.0 * stage;
+    for (int c = 0; c < chunks; ++c) {
+      for (int k = 0; k < m; ++k, t += 10) r.pipeline.push_back({stage, stage, c, k, true, t, t + 10});
+    }
+    t = 10.0 * m * chunks + 10 + 10.0 * (1 - stage);
+    for (int c = chunks - 1; c >= 0; --c) {
+      for (int k = 0; k < m; ++k, t += 10) r.pipeline.push_back({stage, stage, c, k, false, t, t + 10});
+    }
+  }
+}
+
+TEST(HtmlReport, PipelineScheduleAtTheTop) {
+  RunReport r = training_report(2, 1);
+  EXPECT_EQ(report_to_html(r).find("id=\"pipeline\""), std::string::npos);  // only with a pipeline
+  add_pipeline(r, 4, 1);
+  const std::string html = report_to_html(r);
+  const auto chart = html.find("<svg id=\"pipeline\""), timeline = html.find("id=\"timeline\"");
+  ASSERT_NE(chart, std::string::npos);
+  EXPECT_LT(chart, timeline);
+  EXPECT_LT(html.find("id=\"config\""), chart);
+  EXPECT_TRUE(contains(html, "data-stages=\"2\" data-tasks=\"16\""));
+  EXPECT_TRUE(contains(html, "<g data-stage=\"0\" data-rank=\"0\" data-boxes=\"8\">"));
+  EXPECT_TRUE(contains(html, "<g data-stage=\"1\" data-rank=\"1\" data-boxes=\"8\">"));
+  // Each stage computes 80 us in a window of 100: idle 20 over compute 80. The formula: (2-1)/(1·4).
+  EXPECT_TRUE(contains(html, "Bubble: <b>25.0%</b> measured")) << html.substr(chart - 600, 600);
+  EXPECT_TRUE(contains(html, "(p-1)/(v&middot;m) = 1/(1&middot;4) = <b>25.0%</b>"));
+  // Boxes are named by micro-batch, forward and backward apart, and the timeline has the tasks too.
+  EXPECT_TRUE(contains(html, "<title>backward mb 3: 10.0 us, from 90.0 us</title>"));
+  EXPECT_TRUE(contains(html, ">F3</text>"));
+  EXPECT_TRUE(contains(html, "style=\"fill:var(--backward)\""));
+  EXPECT_TRUE(contains(html, "\"f\":[0,10,"));
+  EXPECT_TRUE(contains(html, "forward task (F3: micro-batch 3)"));
+}
+
+TEST(HtmlReport, InterleavedScheduleNamesChunks) {
+  RunReport r = training_report(2, 1);
+  add_pipeline(r, 2, 2);
+  const std::string html = report_to_html(r);
+  EXPECT_TRUE(contains(html, "v = 2 chunks per stage"));
+  EXPECT_TRUE(contains(html, "<title>forward mb 1 chunk 1: "));
+  EXPECT_TRUE(contains(html, ">F1.1</text>"));
+  EXPECT_TRUE(contains(html, "(p-1)/(v&middot;m) = 1/(2&middot;2) = <b>25.0%</b>"));
+}
+
 // The y of each node the topology drawing placed, by name.
 std::map<std::string, double> node_rows(const std::string& html) {
   std::map<std::string, double> y;
@@ -154,7 +257,7 @@ std::map<std::string, double> node_rows(const std::string& html) {
   return y;
 }
 
-TEST(HtmlReport, TopologyFromLinkNames) {
+TEST(HtmlReport, TopologyFromData) {
   const std::string html = report_to_html(training_report(8, 1));
   const auto y = node_rows(html);
   // 8 GPUs, 2 NVSwitches, 8 NICs, 4 leaves, 1 spine.
@@ -173,22 +276,102 @@ TEST(HtmlReport, TopologyFromLinkNames) {
   EXPECT_TRUE(contains(html, "link colour: utilisation"));
 }
 
-TEST(HtmlReport, TopologyOfDirectGpuLinks) {
-  // The simulator's first network model names links GPU to GPU, with tiers but no capacities.
+// The colour of each link the drawing drew, in order.
+std::vector<std::string> link_colours(const std::string& html) {
+  std::vector<std::string> out;
+  const std::regex path(R"re(<path d="[^"]*" fill="none" stroke="(#[0-9a-f]+)")re");
+  for (auto it = std::sregex_iterator(html.begin(), html.end(), path); it != std::sregex_iterator(); ++it) {
+    out.push_back((*it)[1]);
+  }
+  return out;
+}
+
+TEST(HtmlReport, TopologyDoesNotReadNames) {
+  // The same machine with every device and link renamed to names that say nothing: the same drawing.
+  const RunReport named = training_report(8, 1);
+  RunReport opaque = named;
+  std::map<std::string, std::string> rename;
+  for (TopologyNode& n : opaque.topology.nodes) n.id = rename[n.id] = fmt::format("x{}", rename.size());
+  for (TopologyLink& l : opaque.topology.links) {
+    const std::string id = l.id;
+    l.id = fmt::format("wire {}", l.from + l.to);
+    l.from = rename.at(l.from);
+    l.to = rename.at(l.to);
+    for (LinkTraffic& t : opaque.links) {
+      if (t.link == id) t.link = l.id;
+    }
+  }
+  const TopologyLayout a = layout_topology(named.topology), b = layout_topology(opaque.topology);
+  EXPECT_EQ(a.x, b.x);
+  EXPECT_EQ(a.y, b.y);
+  const std::string html = report_to_html(opaque);
+  EXPECT_EQ(link_colours(html), link_colours(report_to_html(named)));
+  EXPECT_TRUE(contains(html, "data-links=\"36\""));
+  EXPECT_TRUE(contains(html, ">node 1</text>"));
+}
+
+TEST(HtmlReport, LayoutOfTheStructure) {
+  // Four GPUs in two servers, listed out of name order, under one switch each pair.
+  RunTopology t;
+  t.nodes = {{"b", "gpu", 7, 0, 0},      {"a", "gpu", 7, 0, 1},      {"d", "gpu", 7, 1, 2},
+             {"c", "gpu", 7, 1, 3},      {"s0", "switch", 3, 0, -1}, {"s1", "switch", 3, 1, -1},
+             {"top", "core", -2, -1, -1}};
+  t.links = {{"l0", "b", "s0", "x", 1},     {"l1", "a", "s0", "x", 1},   {"l2", "d", "s1", "x", 1},
+             {"l3", "c", "s1", "x", 1},     {"l4", "s0", "top", "x", 1}, {"l5", "top", "s1", "x", 1},
+             {"l6", "a", "nowhere", "x", 1}};
+  const TopologyLayout lay = layout_topology(t);
+  ASSERT_EQ(lay.x.size(), 7u);
+  // The GPUs' row in the order listed, a wider gap between the servers than inside one.
+  EXPECT_LT(lay.x[0], lay.x[1]);
+  EXPECT_LT(lay.x[1], lay.x[2]);
+  EXPECT_LT(lay.x[2], lay.x[3]);
+  EXPECT_GT(lay.x[2] - lay.x[1], lay.x[1] - lay.x[0]);
+  EXPECT_DOUBLE_EQ(lay.x[1] - lay.x[0], lay.x[3] - lay.x[2]);
+  // Each switch above the middle of its GPUs, the core above the middle of the switches.
+  EXPECT_DOUBLE_EQ(lay.x[4], (lay.x[0] + lay.x[1]) / 2);
+  EXPECT_DOUBLE_EQ(lay.x[5], (lay.x[2] + lay.x[3]) / 2);
+  EXPECT_DOUBLE_EQ(lay.x[6], (lay.x[4] + lay.x[5]) / 2);
+  // Rows by level, whatever the numbers.
+  EXPECT_LT(lay.y[6], lay.y[4]);
+  EXPECT_LT(lay.y[4], lay.y[0]);
+  EXPECT_DOUBLE_EQ(lay.y[0], lay.y[3]);
+  EXPECT_TRUE(lay.labels);
+  EXPECT_GE(lay.width, lay.x[3]);
+}
+
+TEST(HtmlReport, IdleLinksAreDrawnIdle) {
+  RunReport r;
+  r.world = 2;
+  r.makespan_us = 100;
+  r.topology.nodes = {
+      {"gpu0", "gpu", 4, 0, 0}, {"gpu1", "gpu", 4, 0, 1}, {"nvswitch0", "nvswitch", 5, 0, -1}};
+  add_link(r, "gpu0", "nvswitch0", "nvlink", 1 << 20, 450);
+  add_link(r, "nvswitch0", "gpu1", "nvlink", 1 << 20, 450);
+  add_link(r, "gpu1", "nvswitch0", "nvlink", 0, 450);
+  add_link(r, "nvswitch0", "gpu0", "nvlink", 0, 450);
+  const std::string html = report_to_html(r);
+  EXPECT_TRUE(contains(html, "data-links=\"4\""));
+  // The idle ones first, in the scale's lightest colour; the busy ones drawn over them, in its darkest.
+  EXPECT_EQ(link_colours(html), (std::vector<std::string>{"#d0d7e2", "#d0d7e2", "#b2182b", "#b2182b"}));
+  EXPECT_TRUE(contains(html, "0 B, 0.0% of 450.0 GB/s over the run"));
+}
+
+TEST(HtmlReport, WithoutATopology) {
+  // What a backend that knew nothing of the machine reports: its links, if any, are still listed.
   RunReport r;
   r.world = 4;
-  r.links = {{"gpu0->gpu1", "nvlink", 100},
-             {"gpu1->gpu2", "nvlink", 200},
-             {"gpu2->gpu3", "nvlink", 300},
-             {"gpu3->gpu0", "nvlink", 400},
-             {"gpu1->gpu0", "nvlink", 50}};
+  r.links = {{"gpu0->gpu1", "nvlink", 100}, {"gpu1->gpu0", "nvlink", 50}};
   const std::string html = report_to_html(r);
-  EXPECT_EQ(node_rows(html).size(), 4u);
-  EXPECT_TRUE(contains(html, "data-links=\"5\""));
-  EXPECT_TRUE(contains(html, "link colour: bytes carried"));
-  // No link at all still draws the ranks' GPUs.
+  EXPECT_FALSE(contains(html, "id=\"topology\""));
+  EXPECT_TRUE(contains(html, "The backend described no topology"));
+  EXPECT_TRUE(contains(html, "links by traffic (2)"));
+  // The real backend's: the ranks' GPUs in their hosts, no links.
+  for (int k = 0; k < 4; ++k) r.topology.nodes.push_back({fmt::format("gpu{}", k), "gpu", 0, k / 2, k});
   r.links.clear();
-  EXPECT_EQ(node_rows(report_to_html(r)).size(), 4u);
+  const std::string gpus = report_to_html(r);
+  EXPECT_EQ(node_rows(gpus).size(), 4u);
+  EXPECT_TRUE(contains(gpus, "data-links=\"0\""));
+  EXPECT_TRUE(contains(gpus, ">node 1</text>"));
 }
 
 // ---- in a browser

@@ -1,13 +1,17 @@
 // pipeline_parallel: equal to one device for every schedule, world size, optimizer and kind of send/recv;
 // the bubble of uniform stages against (p-1)/(m+p-1); 1f1b's bound on activations; the clear errors.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/errors.h"
+#include "common/html_report.h"
 #include "common/lesson.h"
 #include "common/report.h"
 #include "sim_fixture.h"
@@ -109,6 +113,13 @@ double report_bubble(const RunReport& rep) {
   return bubble / rep.world;
 }
 
+// How many times `needle` occurs in `text`.
+int count(const std::string& text, const std::string& needle) {
+  int n = 0;
+  for (std::size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
 Options uniform_stages(int p, int m, const std::string& schedule) {
   Options o;
   o.world = p;
@@ -188,6 +199,51 @@ TEST(PipelineParallel, BubbleOfUniformStagesIsTheFormulaWithinTheTransfers) {
       }
     }
   }
+}
+
+TEST(PipelineParallel, TheScheduleIsInTheReportAndDrawnAtTheTopOfThePage) {
+  const int p = 4, m = 8;
+  const RunReport rep = run(uniform_stages(p, m, "1f1b"), compute_only_profile());
+  // Every stage reported its forward and backward of every micro-batch, once, on its own rank.
+  ASSERT_EQ(rep.pipeline.size(), static_cast<std::size_t>(p * 2 * m));
+  std::map<std::tuple<int, bool, int>, int> seen;
+  for (const PipelineTask& t : rep.pipeline) {
+    EXPECT_EQ(t.rank, t.stage);
+    EXPECT_EQ(t.chunk, 0);
+    EXPECT_LT(t.start_us, t.end_us);
+    ++seen[{t.stage, t.forward, t.micro_batch}];
+    // On the run's clock: the rank's compute stream is busy for (nearly) all of the task.
+    double covered = 0;
+    for (const Span& s : rep.spans) {
+      if (s.rank != t.rank || s.kind != SpanKind::Compute) continue;
+      covered += std::max(0.0, std::min(s.end_us, t.end_us) - std::max(s.start_us, t.start_us));
+    }
+    EXPECT_GT(covered, 0.99 * (t.end_us - t.start_us)) << "stage " << t.stage << " mb " << t.micro_batch;
+  }
+  EXPECT_EQ(seen.size(), static_cast<std::size_t>(p * 2 * m));
+
+  const std::string html = report_to_html(rep);
+  const auto chart = html.find("<svg id=\"pipeline\""), timeline = html.find("id=\"timeline\"");
+  ASSERT_NE(chart, std::string::npos);
+  EXPECT_LT(chart, timeline);
+  for (int stage = 0; stage < p; ++stage) {
+    EXPECT_NE(
+        html.find(fmt::format("<g data-stage=\"{0}\" data-rank=\"{0}\" data-boxes=\"{1}\">", stage, 2 * m)),
+        std::string::npos)
+        << stage;
+  }
+  EXPECT_EQ(count(html, "<g class=\"task\">"), p * 2 * m);
+  EXPECT_NE(html.find("(p-1)/(v&middot;m) = 3/(1&middot;8) = <b>37.5%</b>"), std::string::npos);
+
+  // A run without a pipeline has no chart.
+  Options dp;
+  dp.world = 2;
+  dp.steps = 1;
+  dp.quiet = true;
+  SimBackend backend(testing::quiet_config());
+  const RunReport flat = run_lesson(backend, "data_parallel", dp);
+  EXPECT_TRUE(flat.pipeline.empty());
+  EXPECT_EQ(report_to_html(flat).find("id=\"pipeline\""), std::string::npos);
 }
 
 TEST(PipelineParallel, IsendIrecvHideTransfersUnderCompute) {

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "common/assets.h"
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
@@ -216,6 +217,7 @@ TEST(Plan, ReportsNameEveryLayoutAndTheWinner) {
   for (const char* status : {"\"simulated\"", "\"invalid\"", "\"pruned-bound\""})
     EXPECT_NE(json.find(status), std::string::npos) << status;
   EXPECT_NE(html.find("<svg id=\"scatter\""), std::string::npos);
+  EXPECT_NE(html.find(assets::page_css), std::string::npos);  // the pages' shared stylesheet, inline
   EXPECT_NE(html.find("id=\"winner\""), std::string::npos);
   EXPECT_NE(html.find(winner), std::string::npos);
   const std::vector<const Result*> r = p.ranked();

@@ -180,6 +180,37 @@ TEST(RankLog, TrainingFiguresTravelAndReachTheReport) {
   EXPECT_FALSE(assemble_report({l1}, "cuda", "dgx-h100").training.has_value());
 }
 
+TEST(RankLog, PipelineTasksTravelAndReachTheReport) {
+  RankLog l0 = sample_log(0, 100), l1 = sample_log(1, 100);
+  l0.pipeline = {{0, 0, 0, 2, true, 1.5, 2.5}};
+  l1.pipeline = {{1, 1, 1, 3, false, 3.5, 4.75}, {1, 1, 0, 0, true, 5, 6}};
+  const RankLog back = deserialize(serialize(l1));
+  ASSERT_EQ(back.pipeline.size(), 2u);
+  EXPECT_EQ(back.pipeline[0].stage, 1);
+  EXPECT_EQ(back.pipeline[0].chunk, 1);
+  EXPECT_EQ(back.pipeline[0].micro_batch, 3);
+  EXPECT_FALSE(back.pipeline[0].forward);
+  EXPECT_DOUBLE_EQ(back.pipeline[0].end_us, 4.75);
+  const RunReport r = assemble_report({back, l0}, "cuda", "dgx-h100");
+  ASSERT_EQ(r.pipeline.size(), 3u);
+  EXPECT_EQ(r.pipeline[0].rank, 0);  // the ranks' tasks in rank order
+  EXPECT_EQ(r.pipeline[2].micro_batch, 0);
+}
+
+TEST(RankLog, TheTopologyIsEachRanksGpuInItsHost) {
+  RankLog a = sample_log(0, 100), b = sample_log(1, 100), c = sample_log(2, 100);
+  c.host = "other";
+  const RunReport r = assemble_report({c, b, a}, "cuda", "dgx-h100");
+  ASSERT_EQ(r.topology.nodes.size(), 3u);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(r.topology.nodes[k].id, fmt::format("gpu{}", k));
+    EXPECT_EQ(r.topology.nodes[k].kind, "gpu");
+    EXPECT_EQ(r.topology.nodes[k].rank, k);
+    EXPECT_EQ(r.topology.nodes[k].host, k / 2);  // hosts numbered in rank order
+  }
+  EXPECT_TRUE(r.topology.links.empty());  // the logs know nothing of the links
+}
+
 TEST(RankLog, AssemblySplitsALateMembersWaitFromTheTransfer) {
   // Rank 0 reaches the all-reduce at 100 us, rank 1 at 250 us, both finish at 300 us: the transfer took
   // 50 us and rank 0 idled 150 us waiting for rank 1.

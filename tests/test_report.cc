@@ -233,6 +233,9 @@ RunReport sample_report() {
   r.links = {{"nvlink gpu0->gpu1", "nvlink", 3 << 20},
              {"nvlink gpu1->gpu0", "nvlink", 1 << 20},
              {"ib node0->node1", "network", 512}};
+  r.topology.nodes = {{"gpu0", "gpu", 4, 0, 0}, {"gpu1", "gpu", 4, 1, 1}, {"spine0", "spine", 0, -1, -1}};
+  r.topology.links = {{"gpu0->gpu1", "gpu0", "gpu1", "nvlink", 450},
+                      {"gpu1->spine0", "gpu1", "spine0", "network", 0}};
   r.output = {"step 0 loss 2.3", "line with \"quotes\" and a tab\t"};
   return r;
 }
@@ -303,6 +306,24 @@ TEST(ReportJson, RoundTripKeepsEveryField) {
     EXPECT_EQ(back.links[i].tier, r.links[i].tier);
     EXPECT_EQ(back.links[i].bytes, r.links[i].bytes);
   }
+  ASSERT_EQ(back.topology.nodes.size(), r.topology.nodes.size());
+  for (std::size_t i = 0; i < r.topology.nodes.size(); ++i) {
+    const TopologyNode &x = r.topology.nodes[i], &y = back.topology.nodes[i];
+    EXPECT_EQ(y.id, x.id);
+    EXPECT_EQ(y.kind, x.kind);
+    EXPECT_EQ(y.level, x.level);
+    EXPECT_EQ(y.host, x.host);
+    EXPECT_EQ(y.rank, x.rank);
+  }
+  ASSERT_EQ(back.topology.links.size(), r.topology.links.size());
+  for (std::size_t i = 0; i < r.topology.links.size(); ++i) {
+    const TopologyLink &x = r.topology.links[i], &y = back.topology.links[i];
+    EXPECT_EQ(y.id, x.id);
+    EXPECT_EQ(y.from, x.from);
+    EXPECT_EQ(y.to, x.to);
+    EXPECT_EQ(y.tier, x.tier);
+    EXPECT_EQ(y.bandwidth_gbps, x.bandwidth_gbps);
+  }
   EXPECT_EQ(back.output, r.output);
 
   // Writing what was read gives the same text: nothing was lost or reordered.
@@ -358,10 +379,20 @@ TEST(ReportJson, RejectsWhatItCannotRead) {
   msg = message_of(R"({"schema_version": 1, "spans": [{"rank": 4294967296, "kind": "comm"}]})");
   EXPECT_TRUE(contains(msg, "spans[0]") && contains(msg, "'rank' is out of range")) << msg;
 
-  // A minimal report: every missing field keeps its default.
+  // The topology's errors name where they are.
+  EXPECT_TRUE(
+      contains(message_of(R"({"schema_version": 1, "topology": []})"), "topology: expected an object"));
+  msg = message_of(R"({"schema_version": 1, "topology": {"nodes": [{"id": "gpu0"}, {"level": "top"}]}})");
+  EXPECT_TRUE(contains(msg, "topology.nodes[1]") && contains(msg, "'level'")) << msg;
+  msg = message_of(R"({"schema_version": 1, "topology": {"links": 3}})");
+  EXPECT_TRUE(contains(msg, "topology: field 'links' must be an array")) << msg;
+
+  // A minimal report: every missing field keeps its default (a report written before the topology was
+  // data has none).
   RunReport r = report_from_json(R"({"schema_version": 1, "world": 4})");
   EXPECT_EQ(r.world, 4);
   EXPECT_TRUE(r.ranks.empty());
+  EXPECT_TRUE(r.topology.empty());
 }
 
 TrainingStats sample_training() {
@@ -385,6 +416,27 @@ TrainingStats sample_training() {
   t.optimizer_bytes = 4'000'000'000;
   t.activations_bytes = 36'000'000'000;
   return t;
+}
+
+TEST(ReportJson, PipelineTasksRoundTripAndAreOptional) {
+  RunReport r;
+  r.world = 2;
+  EXPECT_EQ(report_to_json(r).find("\"pipeline\""), std::string::npos);  // absent without a pipeline
+  r.pipeline = {{0, 0, 0, 0, true, 10, 20.25}, {1, 1, 1, 3, false, 30.5, 41}};
+  const std::string text = report_to_json(r);
+  const RunReport back = report_from_json(text);
+  ASSERT_EQ(back.pipeline.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    const PipelineTask &x = r.pipeline[i], &y = back.pipeline[i];
+    EXPECT_EQ(y.rank, x.rank);
+    EXPECT_EQ(y.stage, x.stage);
+    EXPECT_EQ(y.chunk, x.chunk);
+    EXPECT_EQ(y.micro_batch, x.micro_batch);
+    EXPECT_EQ(y.forward, x.forward);
+    EXPECT_EQ(y.start_us, x.start_us);
+    EXPECT_EQ(y.end_us, x.end_us);
+  }
+  EXPECT_EQ(report_to_json(back), text);
 }
 
 TEST(ReportJson, TrainingRoundTripsAndIsOptional) {

@@ -2,13 +2,16 @@
 // fat tree, and the double binary trees NCCL builds across nodes.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "common/profile.h"
 #include "sim/algorithms.h"
+#include "sim/run_topology.h"
 #include "sim/topology.h"
+#include "sim_fixture.h"
 
 namespace ranklab::sim {
 namespace {
@@ -58,6 +61,72 @@ TEST(Topology, OneDgxH100) {
   std::set<std::string> all;
   for (LinkId l = 0; l < t.link_count(); ++l) all.insert(t.link_name(l));
   EXPECT_EQ(all.size(), t.link_count());
+}
+
+TEST(Topology, EveryLinkJoinsTwoDevices) {
+  const Topology t(profile("dgx-h100", 4));
+  for (LinkId l = 0; l < t.link_count(); ++l) {
+    const auto [from, to] = t.ends(l);
+    EXPECT_EQ(t.link_name(l), from.name() + "->" + to.name());
+  }
+  const auto [gpu, nvswitch] = t.ends(t.gpu_to_nvswitch(12));
+  EXPECT_EQ(gpu.name(), "gpu12");
+  EXPECT_EQ(nvswitch.name(), "nvswitch1");
+  EXPECT_EQ(t.node_of(gpu), 1);
+  EXPECT_EQ(t.node_of(nvswitch), 1);
+  EXPECT_EQ(t.node_of(Device{DeviceKind::Nic, 17}), 2);
+  EXPECT_EQ(t.node_of(Device{DeviceKind::Pcie, 9}), 1);
+  EXPECT_EQ(t.node_of(Device{DeviceKind::Leaf, 0}), -1);
+}
+
+TEST(RunTopology, ThePartOfTheClusterARunUsed) {
+  // 12 ranks on DGX H100s: all of node 0, half of node 1, nothing of nodes 2 and 3.
+  const Topology t(profile("dgx-h100", 4));
+  const RunTopology run = run_topology(t, 12);
+  std::map<std::string, TopologyNode> nodes;
+  for (const TopologyNode& n : run.nodes) EXPECT_TRUE(nodes.emplace(n.id, n).second) << n.id;
+  // The ranks' GPUs first, in rank order, each in its server.
+  for (int r = 0; r < 12; ++r) {
+    EXPECT_EQ(run.nodes[r].id, fmt::format("gpu{}", r));
+    EXPECT_EQ(run.nodes[r].kind, "gpu");
+    EXPECT_EQ(run.nodes[r].rank, r);
+    EXPECT_EQ(run.nodes[r].host, r / 8);
+  }
+  EXPECT_FALSE(nodes.count("gpu12"));  // no rank ran there
+  EXPECT_TRUE(nodes.count("nvswitch1"));
+  EXPECT_TRUE(nodes.count("nic15"));  // the whole of a server that holds a rank, idle parts too
+  EXPECT_FALSE(nodes.count("nvswitch2"));
+  EXPECT_FALSE(nodes.count("nic16"));
+  EXPECT_EQ(nodes.at("leaf7").host, -1);  // one leaf per rail serves all four nodes
+  EXPECT_EQ(nodes.at("spine0").host, -1);
+  // Rows: the fabric on top, then NICs, PCIe switches, GPUs, and the NVSwitches below.
+  EXPECT_LT(nodes.at("spine0").level, nodes.at("leaf0").level);
+  EXPECT_LT(nodes.at("leaf0").level, nodes.at("nic0").level);
+  EXPECT_LT(nodes.at("nic0").level, nodes.at("pcie0").level);
+  EXPECT_LT(nodes.at("pcie0").level, nodes.at("gpu0").level);
+  EXPECT_LT(nodes.at("gpu0").level, nodes.at("nvswitch0").level);
+  // NVLink and GPU-PCIe for 12 GPUs, both ways; PCIe-CPU, PCIe-NIC and NIC-leaf for two servers of 8; the
+  // one spine to each of 8 leaves.
+  EXPECT_EQ(run.links.size(), 12u * 2 * 2 + 2 * 8 * 2 * 3 + 8 * 2);
+  for (const TopologyLink& l : run.links) {
+    EXPECT_TRUE(nodes.count(l.from) && nodes.count(l.to)) << l.id;
+    EXPECT_EQ(l.id, l.from + "->" + l.to);
+    EXPECT_GT(l.bandwidth_gbps, 0) << l.id;
+  }
+}
+
+TEST(RunTopology, EveryLinkThatCarriedBytesIsInIt) {
+  SimBackend backend(testing::quiet_config(2));
+  const RunReport r = backend.launch(16, [](Rank& rank) {
+    Tensor t = rank.full({1 << 16}, 1.0f);
+    rank.all_reduce(t, ReduceOp::Sum);
+    rank.synchronize();
+  });
+  std::set<std::string> ids;
+  for (const TopologyLink& l : r.topology.links) ids.insert(l.id);
+  ASSERT_FALSE(r.links.empty());
+  for (const LinkTraffic& l : r.links) EXPECT_TRUE(ids.count(l.link)) << l.link;
+  EXPECT_EQ(r.topology.nodes.front().id, "gpu0");
 }
 
 TEST(Topology, PcieWorkstationHasNoNvlink) {

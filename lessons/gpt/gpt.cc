@@ -193,6 +193,7 @@ void gpt_lesson(Rank& r, const Options& o) {
     r.barrier();
     r.reset_peak_memory();
     exposed.enable(timed && measures);
+    const double start_us = r.now();
     const Event start = r.record_event();
     {
       auto region = r.region("step");
@@ -223,6 +224,8 @@ void gpt_lesson(Rank& r, const Options& o) {
       step_us = r.elapsed_us(start, end);
       exposed_us = exposed.totals();
       ptimes = pipe.times();
+      // The schedule, task by task, for the report's chart: replica 0's ranks, which timed it.
+      if (c.pp > 1 && measures) r.report_pipeline(pipe.tasks(start, start_us));
       peak = r.memory_peak();
       exposed.enable(false);
     }

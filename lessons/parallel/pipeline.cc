@@ -114,4 +114,15 @@ PipelineTimes Pipeline::times() {
   return t;
 }
 
+std::vector<PipelineTask> Pipeline::tasks(const Event& origin, double origin_us) {
+  std::vector<PipelineTask> out;
+  for (size_t i = 0; i + 1 < task_events_.size(); i += 2) {
+    const Task& t = order_[i / 2];
+    out.push_back({r_.rank(), stage_, t.chunk, t.mb, t.forward,
+                   origin_us + r_.elapsed_us(origin, task_events_[i]),
+                   origin_us + r_.elapsed_us(origin, task_events_[i + 1])});
+  }
+  return out;
+}
+
 }  // namespace ranklab::parallel

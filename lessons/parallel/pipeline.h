@@ -56,6 +56,9 @@ class Pipeline {
   // is bracketed by events and times() reads them.
   void run(const Shape& act, DType dtype, const Fn& forward, const Fn& backward, bool timed);
   PipelineTimes times();
+  // The timed step's tasks on the run's clock, for the report: `origin` is an event this rank recorded when
+  // its host clock read `origin_us` with the device idle.
+  std::vector<PipelineTask> tasks(const Event& origin, double origin_us);
   const std::vector<Task>& order() const { return order_; }
 
  private:
