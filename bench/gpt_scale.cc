@@ -3,9 +3,11 @@
 //   build/bench/ranklab_gpt_scale            GPT-3 175B on 1,536 A100s (tp 8, pp 8, interleaved), then
 //                                            the 1T model on 3,072 A100s with pp 64
 //   build/bench/ranklab_gpt_scale 1536       only the first
-//   ... --symmetric | --full                 only the symmetric run (one rank per pipeline stage, the tp
-//                                            and dp replicas mirroring it) or only the full one; both by
-//                                            default, so that their answers can be compared
+//   ... --symmetric | --symmetric=tp | --full
+//                                            only the symmetric run (one rank per pipeline stage, the tp
+//                                            and dp replicas mirroring it), the one mirroring the tp ranks
+//                                            only, or the full one; all three by default, so that their
+//                                            answers can be compared
 //
 // Each case prints the simulated step time and MFU (what the run answers) and the simulator's own cost:
 // wall and CPU seconds and the peak resident memory of a process that runs only that case.
@@ -36,7 +38,10 @@ struct Case {
   std::string recompute;
 };
 
-void run(const Case& k, bool symmetric) {
+// How a case is simulated: every rank, or mirroring the tp and dp replicas, or the tp ranks only.
+enum class Mode { Full, MirrorTpDp, MirrorTp };
+
+void run(const Case& k, Mode mode) {
   using namespace ranklab;
   Options o;
   o.model = k.model;
@@ -63,9 +68,9 @@ void run(const Case& k, bool symmetric) {
   c.echo_output = false;
   o.peak_tflops_16bit = c.profile.gpu.peak_tflops_bf16;
   o.gpus_per_node = c.profile.gpus_per_node;
-  if (symmetric) {
+  if (mode != Mode::Full) {
     c.symmetry.dims = {k.tp, k.world / (k.tp * k.pp), k.pp};  // order tp-dp-pp
-    c.symmetry.replicated = {true, true, false};
+    c.symmetry.replicated = {true, mode == Mode::MirrorTpDp, false};
   }
   SimBackend backend(c);
   const auto t0 = std::chrono::steady_clock::now();
@@ -78,10 +83,13 @@ void run(const Case& k, bool symmetric) {
   std::printf(
       "%-11s %5d ranks %-9s  tp %d pp %d v %d dp %d zero %d%s recompute %-9s  step %9.4f s  MFU %5.1f%%  "
       "bubble %5.1f%% (formula %4.1f%%)  peak %6.1f GiB  |  wall %6.1f s  CPU %6.1f s  peak RSS %6.0f MiB\n",
-      k.model.c_str(), k.world, symmetric ? "symmetric" : "full", k.tp, k.pp, k.interleave,
-      k.world / (k.tp * k.pp), k.zero, k.seq_parallel ? " sp" : "", k.recompute.c_str(),
-      rep.training ? rep.training->step_time_us / 1e6 : 0.0, rep.training ? 100 * rep.training->mfu : 0.0,
-      rep.training ? 100 * rep.training->bubble_fraction : 0.0,
+      k.model.c_str(), k.world,
+      mode == Mode::Full         ? "full"
+      : mode == Mode::MirrorTpDp ? "sym tp-dp"
+                                 : "sym tp",
+      k.tp, k.pp, k.interleave, k.world / (k.tp * k.pp), k.zero, k.seq_parallel ? " sp" : "",
+      k.recompute.c_str(), rep.training ? rep.training->step_time_us / 1e6 : 0.0,
+      rep.training ? 100 * rep.training->mfu : 0.0, rep.training ? 100 * rep.training->bubble_fraction : 0.0,
       rep.training ? 100 * rep.training->bubble_fraction_formula : 0.0,
       rep.training ? rep.training->peak_memory_bytes / 1073741824.0 : 0.0, wall, cpu, u.ru_maxrss / 1024.0);
   std::fflush(stdout);
@@ -99,13 +107,15 @@ int main(int argc, char** argv) {
       // within this machine.
       {"megatron-1t", 128, 25600, 160, 384, 3072, 8, 64, 1, 1, true, "none"},
   };
-  std::vector<bool> modes = {true, false};
+  std::vector<Mode> modes = {Mode::MirrorTpDp, Mode::MirrorTp, Mode::Full};
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--symmetric") {
-      modes = {true};
+      modes = {Mode::MirrorTpDp};
+    } else if (arg == "--symmetric=tp") {
+      modes = {Mode::MirrorTp};
     } else if (arg == "--full") {
-      modes = {false};
+      modes = {Mode::Full};
     } else {
       const int world = std::atoi(argv[i]);
       std::erase_if(cases, [&](const Case& k) { return k.world != world; });
@@ -113,10 +123,10 @@ int main(int argc, char** argv) {
   }
   // Each case in a process of its own, so that its peak memory is its own.
   for (const Case& k : cases) {
-    for (bool symmetric : modes) {
+    for (Mode mode : modes) {
       const pid_t pid = fork();
       if (pid == 0) {
-        run(k, symmetric);
+        run(k, mode);
         std::_Exit(0);
       }
       int status = 0;

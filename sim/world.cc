@@ -725,8 +725,9 @@ RunReport SimWorld::finish_report() {
         "symmetric run: {} of {} ranks ran, the others mirrored them{}", running_, size(),
         spine_crossed_
             ? "; traffic crossed the fabric's spines, whose hashed routes and leaf boundaries need not map "
-              "onto each other as the ranks do, so link sharing between replicas may differ from a full run "
-              "(times within a few percent; run without the symmetry for the exact figures)"
+              "onto each other as the ranks do: each operation waited for its slowest replica, which errs "
+              "long where replicas that seldom meet are slow at different times (mirroring dp replicas "
+              "errs most; docs/lessons/gpt.md; run without the symmetry for the exact figures)"
             : "; every figure is the full run's"));
   }
   report_.ranks.clear();
