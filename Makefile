@@ -16,7 +16,7 @@ build: setup $(BUILD)/CMakeCache.txt
 
 # Builds, then runs the lesson tour on the simulator.
 demo: build
-	$(BUILD)/lessons/ranklab run tour --world 4
+	$(BUILD)/tools/ranklab run tour --world 4
 
 # Builds, then runs every test.
 test: build

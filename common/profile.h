@@ -82,7 +82,7 @@ struct FabricSpec {
 
 // How the machine's NCCL differs from what NCCL's tuning model predicts for it. NCCL picks each
 // collective's algorithm and protocol from its own predicted latencies (src/graph/tuning.cc, ported in
-// sim/nccl_tuning.cc); the machine then runs with its real ones, which a measurement can show to be off.
+// sim/net/nccl_tuning.cc); the machine then runs with its real ones, which a measurement can show to be off.
 struct NcclSpec {
   // The fixed latency a collective or point-to-point operation really takes, as a multiple of NCCL's
   // prediction for the algorithm and protocol it picked; 1 means NCCL's tables are right. It does not

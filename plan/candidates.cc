@@ -10,7 +10,7 @@
 #include "lessons/gpt/model.h"
 #include "lessons/parallel/groups.h"
 #include "sim/compute_model.h"
-#include "sim/network_model.h"
+#include "sim/net/network_model.h"
 
 namespace ranklab::plan {
 

@@ -47,21 +47,21 @@ step "tests"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: TESTS FAILED"; status=1; }
 
 step "every lesson on the GPUs and on the simulator"
-"$build/real/ranklab_gpu_check" "$out" 2>&1 | tee "$out/lessons.log"
+"$build/tools/ranklab_gpu_check" "$out" 2>&1 | tee "$out/lessons.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: LESSONS FAILED"; status=1; }
 
 step "the command line on the GPUs"
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$gpus" -ge 1 ] || gpus=1
-"$build/lessons/ranklab" run collectives --backend cuda --world "$gpus" 2>&1 | tee "$out/cli.log"
+"$build/tools/ranklab" run collectives --backend cuda --world "$gpus" 2>&1 | tee "$out/cli.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE COMMAND LINE'S CUDA RUN FAILED"; status=1; }
 
 step "the benchmark sweep on the GPUs, compared with the simulator"
 mkdir -p "$out/sweep"
-"$build/lessons/ranklab" run benchmark --backend cuda --world "$gpus" --sweep --quiet --report "$out/sweep" \
+"$build/tools/ranklab" run benchmark --backend cuda --world "$gpus" --sweep --quiet --report "$out/sweep" \
   2>&1 | tee "$out/sweep.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE SWEEP FAILED"; status=1; }
-(cd "$out" && "$build/lessons/ranklab" compare sweep/report.json --html compare-sweep.html) 2>&1 |
+(cd "$out" && "$build/tools/ranklab" compare sweep/report.json --html compare-sweep.html) 2>&1 |
   tee "$out/compare-sweep.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: COMPARE FAILED"; status=1; }
 

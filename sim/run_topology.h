@@ -2,7 +2,7 @@
 #pragma once
 
 #include "common/report.h"
-#include "sim/topology.h"
+#include "sim/net/topology.h"
 
 namespace ranklab::sim {
 

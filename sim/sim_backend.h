@@ -33,7 +33,7 @@ struct SimConfig {
   std::size_t stack_bytes = 256 * 1024;
   // Print the lesson's lines as they come (they are in the report either way).
   bool echo_output = true;
-  // Force NCCL's choice, as NCCL_ALGO and NCCL_PROTO do ("" = choose; see sim/network_model.h).
+  // Force NCCL's choice, as NCCL_ALGO and NCCL_PROTO do ("" = choose; see sim/net/network_model.h).
   std::string algorithm{};
   std::string protocol{};
   // Host memory the simulator may take, in bytes: 0 reads what the machine has available at launch

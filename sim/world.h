@@ -30,10 +30,10 @@
 #include "common/report.h"
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
-#include "sim/network_model.h"
+#include "sim/net/network_model.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
-#include "sim/transfer_engine.h"
+#include "sim/net/transfer_engine.h"
 
 namespace ranklab::sim {
 

@@ -5,7 +5,7 @@
 #include <sstream>
 #include <string>
 
-#include "common/calibrate.h"
+#include "sim/net/calibrate.h"
 #include "common/compare.h"
 #include "common/errors.h"
 #include "common/measurements.h"

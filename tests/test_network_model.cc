@@ -14,8 +14,8 @@
 #include "common/lesson.h"
 #include "common/profile.h"
 #include "common/report.h"
-#include "sim/max_min.h"
-#include "sim/network_model.h"
+#include "sim/net/max_min.h"
+#include "sim/net/network_model.h"
 #include "sim_fixture.h"
 
 namespace ranklab::sim {

@@ -1,4 +1,4 @@
-// The incremental max-min solver (sim/sharing.h) against the full one (sim/max_min.h): the hand-solved
+// The incremental max-min solver (sim/net/sharing.h) against the full one (sim/net/max_min.h): the hand-solved
 // cases, and thousands of random flow sets built up and torn down one flow at a time.
 #include <gtest/gtest.h>
 
@@ -8,8 +8,8 @@
 #include <random>
 #include <vector>
 
-#include "sim/max_min.h"
-#include "sim/sharing.h"
+#include "sim/net/max_min.h"
+#include "sim/net/sharing.h"
 
 namespace ranklab::sim {
 namespace {
@@ -127,7 +127,7 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
         if (std::isinf(want[i])) {
           EXPECT_TRUE(std::isinf(got)) << "trial " << trial << " step " << step;
         } else {
-          // Equal up to the solvers' tie tolerance (see sim/sharing.h).
+          // Equal up to the solvers' tie tolerance (see sim/net/sharing.h).
           EXPECT_NEAR(got, want[i], 1e-12 * want[i] + 1e-300) << "trial " << trial << " step " << step;
         }
         ++i;

@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "common/profile.h"
-#include "sim/algorithms.h"
+#include "sim/net/algorithms.h"
 #include "sim/run_topology.h"
-#include "sim/topology.h"
+#include "sim/net/topology.h"
 #include "sim_fixture.h"
 
 namespace ranklab::sim {

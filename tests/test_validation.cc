@@ -1,5 +1,5 @@
 // The model against published nccl-tests sweeps (docs/validation.md), row by row, and NCCL 2.21.5's choice
-// of channels, threads and chunks for a table of sizes (sim/nccl_tuning.h).
+// of channels, threads and chunks for a table of sizes (sim/net/nccl_tuning.h).
 //
 // Simulated times are deterministic, so each row pins the model's value exactly (to 0.01 us) and checks
 // its error against the published figure. Times here are the network model's, without the host's kernel
@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "common/profile.h"
-#include "sim/nccl_tuning.h"
-#include "sim/network_model.h"
+#include "sim/net/nccl_tuning.h"
+#include "sim/net/network_model.h"
 
 namespace ranklab::sim {
 namespace {

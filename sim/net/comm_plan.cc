@@ -1,4 +1,4 @@
-#include "sim/comm_plan.h"
+#include "sim/net/comm_plan.h"
 
 #include <fmt/format.h>
 

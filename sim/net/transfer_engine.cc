@@ -1,4 +1,4 @@
-#include "sim/transfer_engine.h"
+#include "sim/net/transfer_engine.h"
 
 #include <algorithm>
 #include <cmath>

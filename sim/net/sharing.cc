@@ -1,4 +1,4 @@
-#include "sim/sharing.h"
+#include "sim/net/sharing.h"
 
 #include <fmt/format.h>
 

@@ -3,7 +3,7 @@
 // same time, each a path of directed links and the bytes it pushes through them.
 //
 // Time follows from the flows and the links' capacities: alone on the machine an operation takes its
-// latency plus the time its flows need when they share links max-min fairly (sim/max_min.h); with other
+// latency plus the time its flows need when they share links max-min fairly (sim/net/max_min.h); with other
 // operations in flight they share the links with those too. Keeping the plan separate from the time is
 // what lets the simulator's engine re-share bandwidth whenever a transfer starts or ends.
 #pragma once
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "sim/topology.h"
+#include "sim/net/topology.h"
 
 namespace ranklab::sim {
 
@@ -50,7 +50,7 @@ struct Flow {
 struct CommPlan {
   Algorithm algorithm = Algorithm::Local;
   Protocol protocol = Protocol::Simple;
-  double latency_us = 0;      // NCCL's latency for the pick (sim/nccl_tuning.h) x nccl.latency_scale
+  double latency_us = 0;      // NCCL's latency for the pick (sim/net/nccl_tuning.h) x nccl.latency_scale
   double transfer_us = 0;     // the flows alone on the machine, sharing links max-min fairly
   std::vector<LinkId> links;  // every flow's path, back to back
   std::vector<Flow> flows;

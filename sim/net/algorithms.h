@@ -3,7 +3,7 @@
 // Every function here returns the plan of a *unit* message (nccl-tests size S = 1 byte): each flow's
 // payload is the share of S it carries. Plans scale linearly with S, so the network model builds one per
 // group and algorithm and multiplies. Latency and protocol are filled in by the network model from
-// NCCL's tuning (sim/nccl_tuning.h).
+// NCCL's tuning (sim/net/nccl_tuning.h).
 //
 // What crosses which link, per algorithm (n members, m per node, C channels):
 //   ring       a ring through every member; all_reduce sends 2(n-1)/n of S over every ring edge,
@@ -27,9 +27,9 @@
 #include <vector>
 
 #include "common/rank.h"
-#include "sim/comm_plan.h"
-#include "sim/nccl_tuning.h"
-#include "sim/topology.h"
+#include "sim/net/comm_plan.h"
+#include "sim/net/nccl_tuning.h"
+#include "sim/net/topology.h"
 
 namespace ranklab::sim {
 

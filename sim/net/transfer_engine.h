@@ -2,7 +2,7 @@
 //
 // Each operation the simulator executes becomes a transfer: its plan's flows start at the operation's
 // start time and share every link they cross max-min fairly with every other flow in flight at that
-// moment (sim/sharing.h); when its last flow is done, the plan's latency follows, and then the operation
+// moment (sim/net/sharing.h); when its last flow is done, the plan's latency follows, and then the operation
 // has ended. Whenever flows start or finish, the rates of the flows they share links with are shared
 // again, so an end time is provisional until the engine reaches it. The simulator moves the engine forward
 // only to times that no rank can issue work before (sim/world.cc), so a transfer that starts at t sees
@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "sim/comm_op.h"
-#include "sim/comm_plan.h"
-#include "sim/sharing.h"
-#include "sim/topology.h"
+#include "sim/net/comm_plan.h"
+#include "sim/net/sharing.h"
+#include "sim/net/topology.h"
 
 namespace ranklab::sim {
 

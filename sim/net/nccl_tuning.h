@@ -23,7 +23,7 @@
 #include <string>
 
 #include "common/rank.h"
-#include "sim/comm_plan.h"
+#include "sim/net/comm_plan.h"
 
 namespace ranklab::sim {
 

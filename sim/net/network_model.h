@@ -4,12 +4,12 @@
 // two steps, as NCCL itself works:
 //   1. plan: choose the algorithm and protocol the way NCCL does (the least predicted latency + transfer
 //      time, or the ones NCCL_ALGO / NCCL_PROTO force: --algo, --proto), and split the operation into
-//      flows over the topology's links (sim/algorithms.h);
+//      flows over the topology's links (sim/net/algorithms.h);
 //   2. time: the plan's latency (NCCL's prediction for what it picked, times the profile's
 //      nccl.latency_scale: NCCL chooses with its own model, the machine runs with its real latency) plus
 //      the time its flows take sharing the links max-min fairly
-//      (sim/max_min.h). duration_us(plan) gives the time with the machine to itself; the engine, which knows
-//      what else is in flight, can share the links between plans instead.
+//      (sim/net/max_min.h). duration_us(plan) gives the time with the machine to itself; the engine, which
+//      knows what else is in flight, can share the links between plans instead.
 // Every payload byte a plan moves is counted on each link it crosses (record()); the RunReport gets the
 // totals per link (and so per tier: NVLink, PCIe, network).
 //
@@ -25,10 +25,10 @@
 #include "common/profile.h"
 #include "common/rank.h"
 #include "common/report.h"
-#include "sim/algorithms.h"
-#include "sim/comm_plan.h"
-#include "sim/max_min.h"
-#include "sim/topology.h"
+#include "sim/net/algorithms.h"
+#include "sim/net/comm_plan.h"
+#include "sim/net/max_min.h"
+#include "sim/net/topology.h"
 
 namespace ranklab {
 struct SimConfig;
@@ -113,9 +113,9 @@ class NetworkModel {
 };
 
 // The time a plan's flows take alone on the topology's links: the busiest link's bytes over its capacity.
-// For the plans of sim/algorithms.h this equals fluid_transfer_us, at a fraction of the cost.
+// For the plans of sim/net/algorithms.h this equals fluid_transfer_us, at a fraction of the cost.
 double transfer_us(const Topology& topo, const CommPlan& plan);
-// The same by simulating max-min sharing until the last flow finishes (sim/max_min.h).
+// The same by simulating max-min sharing until the last flow finishes (sim/net/max_min.h).
 double fluid_transfer_us(const Topology& topo, const CommPlan& plan);
 
 // The flows of several plans as one FlowNetwork for the rate solver: flow i of plan p is flow

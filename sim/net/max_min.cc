@@ -1,4 +1,4 @@
-#include "sim/max_min.h"
+#include "sim/net/max_min.h"
 
 #include <fmt/format.h>
 

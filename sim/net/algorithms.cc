@@ -1,4 +1,4 @@
-#include "sim/algorithms.h"
+#include "sim/net/algorithms.h"
 
 #include <fmt/format.h>
 

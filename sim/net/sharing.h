@@ -1,4 +1,4 @@
-// SharingNetwork: max-min fair rates (sim/max_min.h) kept up to date as flows come and go.
+// SharingNetwork: max-min fair rates (sim/net/max_min.h) kept up to date as flows come and go.
 //
 // Why: the transfer engine changes the set of flows in flight at every start and end. Solving the whole
 // network again each time costs the size of everything in flight, so a run with T concurrent transfers

@@ -1,11 +1,11 @@
-#include "common/calibrate.h"
+#include "sim/net/calibrate.h"
 
 #include <fmt/format.h>
 
+#include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <numeric>
 #include <optional>
 #include <regex>
 #include <sstream>
@@ -159,70 +159,60 @@ double error_of(const std::vector<double>& measured, const std::vector<double>& 
 
 // ---- least squares ---------------------------------------------------------------------------------------
 
-// Which columns of A the data can tell apart: modified Gram-Schmidt over the columns in order, dropping a
-// column that is (nearly) a combination of the earlier ones. What is left of a column after removing the
-// earlier ones must be at least 1% of it, or the data says nothing about that parameter that the earlier
-// ones do not already say.
-std::vector<bool> independent_columns(std::vector<std::vector<double>> columns) {
-  std::vector<bool> kept(columns.size(), false);
-  std::vector<std::vector<double>> basis;
+// The Jacobian's columns as a matrix, one row per measured point.
+Eigen::MatrixXd as_matrix(const std::vector<std::vector<double>>& columns) {
+  const Eigen::Index rows = columns.empty() ? 0 : static_cast<Eigen::Index>(columns.front().size());
+  Eigen::MatrixXd a(rows, static_cast<Eigen::Index>(columns.size()));
   for (std::size_t j = 0; j < columns.size(); ++j) {
-    std::vector<double>& v = columns[j];
-    const double norm0 = std::sqrt(std::inner_product(v.begin(), v.end(), v.begin(), 0.0));
+    a.col(static_cast<Eigen::Index>(j)) = Eigen::Map<const Eigen::VectorXd>(columns[j].data(), rows);
+  }
+  return a;
+}
+
+// Which columns of A the data can tell apart: Gram-Schmidt over the columns in order, dropping a column
+// that is (nearly) a combination of the earlier ones. What is left of a column after removing the earlier
+// ones must be at least 1% of it, or the data says nothing about that parameter that the earlier ones do
+// not already say. (A pivoting QR would pick the columns in its own order; the order here is the
+// parameters' priority.)
+std::vector<bool> independent_columns(const std::vector<std::vector<double>>& columns) {
+  const Eigen::MatrixXd a = as_matrix(columns);
+  std::vector<bool> kept(columns.size(), false);
+  Eigen::MatrixXd basis(a.rows(), 0);
+  for (Eigen::Index j = 0; j < a.cols(); ++j) {
+    const double norm0 = a.col(j).norm();
     if (norm0 == 0) continue;
-    for (const std::vector<double>& q : basis) {
-      const double dot = std::inner_product(q.begin(), q.end(), v.begin(), 0.0);
-      for (std::size_t i = 0; i < v.size(); ++i) v[i] -= dot * q[i];
-    }
-    const double norm = std::sqrt(std::inner_product(v.begin(), v.end(), v.begin(), 0.0));
+    Eigen::VectorXd v = a.col(j);
+    for (Eigen::Index q = 0; q < basis.cols(); ++q) v -= basis.col(q).dot(v) * basis.col(q);
+    const double norm = v.norm();
     if (norm < 1e-2 * norm0) continue;
-    for (double& x : v) x /= norm;
-    basis.push_back(std::move(v));
-    kept[j] = true;
+    basis.conservativeResize(Eigen::NoChange, basis.cols() + 1);
+    basis.col(basis.cols() - 1) = v / norm;
+    kept[static_cast<std::size_t>(j)] = true;
   }
   return kept;
 }
 
 // Solves min |A x - b|^2 + lambda * sum_j |A_j|^2 x_j^2 over the `kept` columns (the others' x stay 0): a
 // Levenberg-Marquardt step, which is Gauss-Newton's at lambda 0 and shrinks towards no change as lambda
-// grows. Normal equations are fine here: there are at most a handful of columns, none collinear.
+// grows. The normal equations are fine here: a handful of columns, none collinear (independent_columns),
+// and their matrix is symmetric positive definite, so Cholesky (LDL^T) solves it.
 std::vector<double> damped_least_squares(const std::vector<std::vector<double>>& columns,
                                          const std::vector<double>& b, const std::vector<bool>& kept,
                                          double lambda) {
-  std::vector<std::size_t> idx;
+  std::vector<Eigen::Index> idx;
   for (std::size_t j = 0; j < columns.size(); ++j) {
-    if (kept[j]) idx.push_back(j);
+    if (kept[j]) idx.push_back(static_cast<Eigen::Index>(j));
   }
-  const std::size_t k = idx.size();
-  std::vector<std::vector<double>> n(k, std::vector<double>(k + 1, 0));  // [A^T A | A^T b]
-  for (std::size_t r = 0; r < k; ++r) {
-    const std::vector<double>& cr = columns[idx[r]];
-    for (std::size_t q = 0; q < k; ++q) {
-      const std::vector<double>& cq = columns[idx[q]];
-      n[r][q] = std::inner_product(cr.begin(), cr.end(), cq.begin(), 0.0);
-    }
-    n[r][k] = std::inner_product(cr.begin(), cr.end(), b.begin(), 0.0);
-    n[r][r] *= 1 + lambda;
-  }
-  // Gaussian elimination with partial pivoting, then back substitution.
-  for (std::size_t col = 0; col < k; ++col) {
-    std::size_t pivot = col;
-    for (std::size_t r = col + 1; r < k; ++r) {
-      if (std::fabs(n[r][col]) > std::fabs(n[pivot][col])) pivot = r;
-    }
-    std::swap(n[col], n[pivot]);
-    for (std::size_t r = col + 1; r < k; ++r) {
-      const double f = n[r][col] / n[col][col];
-      for (std::size_t q = col; q <= k; ++q) n[r][q] -= f * n[col][q];
-    }
-  }
-  std::vector<double> x(columns.size(), 0), y(k, 0);
-  for (std::size_t r = k; r-- > 0;) {
-    double v = n[r][k];
-    for (std::size_t q = r + 1; q < k; ++q) v -= n[r][q] * y[q];
-    y[r] = v / n[r][r];
-  }
-  for (std::size_t r = 0; r < k; ++r) x[idx[r]] = y[r];
+  const Eigen::MatrixXd all = as_matrix(columns);
+  Eigen::MatrixXd a(all.rows(), static_cast<Eigen::Index>(idx.size()));
+  for (std::size_t k = 0; k < idx.size(); ++k) a.col(static_cast<Eigen::Index>(k)) = all.col(idx[k]);
+  const Eigen::Map<const Eigen::VectorXd> rhs(b.data(), static_cast<Eigen::Index>(b.size()));
+  Eigen::MatrixXd normal = a.transpose() * a;
+  normal.diagonal() *= 1 + lambda;
+  const Eigen::VectorXd y = normal.ldlt().solve(a.transpose() * rhs);
+  std::vector<double> x(columns.size(), 0);
+  for (std::size_t k = 0; k < idx.size(); ++k)
+    x[static_cast<std::size_t>(idx[k])] = y(static_cast<Eigen::Index>(k));
   return x;
 }
 

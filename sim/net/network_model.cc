@@ -1,4 +1,4 @@
-#include "sim/network_model.h"
+#include "sim/net/network_model.h"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include <numeric>
 
 #include "common/errors.h"
-#include "sim/nccl_tuning.h"
+#include "sim/net/nccl_tuning.h"
 #include "sim/sim_backend.h"
 
 namespace ranklab::sim {

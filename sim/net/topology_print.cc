@@ -1,4 +1,4 @@
-#include "sim/topology_print.h"
+#include "sim/net/topology_print.h"
 
 #include <fmt/format.h>
 

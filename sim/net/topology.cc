@@ -1,4 +1,4 @@
-#include "sim/topology.h"
+#include "sim/net/topology.h"
 
 #include <fmt/format.h>
 

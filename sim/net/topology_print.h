@@ -4,7 +4,7 @@
 
 #include <string>
 
-#include "sim/topology.h"
+#include "sim/net/topology.h"
 
 namespace ranklab::sim {
 

@@ -1,4 +1,4 @@
-#include "sim/nccl_tuning.h"
+#include "sim/net/nccl_tuning.h"
 
 #include <algorithm>
 #include <cmath>
