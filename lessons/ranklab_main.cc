@@ -146,16 +146,7 @@ void add_lesson_options(CLI::App& run, Options& o) {
 // --model fills the shape flags the command line left out (after the lesson's own defaults).
 void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options& o) {
   if (lesson != "gpt") return;
-  if (!o.model.empty()) {
-    const gpt::Preset& p = gpt::find_preset(o.model);
-    if (run.count("--layers") == 0) o.layers = p.layers;
-    if (run.count("--hidden") == 0) o.hidden = p.hidden;
-    if (run.count("--heads") == 0) o.heads = p.heads;
-    if (run.count("--seq") == 0) o.seq = p.seq;
-    if (run.count("--vocab") == 0) o.vocab = p.vocab;
-    if (run.count("--global-batch") == 0) o.global_batch = p.global_batch;
-    if (run.count("--micro-batch") == 0) o.micro_batch = 1;
-  }
+  gpt::apply_preset(o, [&](const std::string& flag) { return run.count(flag) > 0; });
 }
 
 // --symmetric: the gpt layout's grid, its tp and dp dimensions replicated (parallel::Layout::symmetry).

@@ -189,6 +189,22 @@ TEST(Plan, BadInputIsAClearUsageError) {
                      "none, selective or full");
 }
 
+// --model fills the shape the flags leave, as `ranklab run gpt --model` does; a flag given wins.
+TEST(Plan, APresetFillsWhatTheFlagsLeave) {
+  Request r;
+  r.model = "llama3-70b";
+  r.seq = 4096;
+  const Question q = make_question(r);
+  EXPECT_EQ(q.model, "llama3-70b");
+  EXPECT_EQ(q.layers, 80);
+  EXPECT_EQ(q.hidden, 8192);
+  EXPECT_EQ(q.heads, 64);
+  EXPECT_EQ(q.vocab, 128256);
+  EXPECT_EQ(q.global_batch, 512);
+  EXPECT_EQ(q.seq, 4096);
+  EXPECT_EQ(make_question(Request{}).model, "custom");
+}
+
 TEST(Plan, LayoutNamesReadBack) {
   for (const Layout& l : {Layout{4, 8, 2, 16, 1, true, 1, "selective", "tp-dp-pp"},
                           Layout{1, 1, 1, 8, 0, false, 4, "none", "tp-pp-dp"}}) {
