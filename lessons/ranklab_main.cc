@@ -582,6 +582,8 @@ int ranklab::main_of(int argc, char** argv) {
   bool plan_no_symmetry = false;
   plan->add_flag("--no-symmetry", plan_no_symmetry,
                  "simulate every rank, not one per class of identical ranks (slower; for checking)");
+  plan->add_option("--jobs", plan_request.jobs,
+                   "simulations at once, each on a thread (default 0: one per core); the answer is the same");
   plan->add_option("--report", plan_request.report_dir, "write plan.json and plan.html to this folder");
   plan->add_option("--explain", plan_request.explain,
                    "a layout as the table prints it: where its time goes against the winner's");

@@ -2,11 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "common/errors.h"
 #include "common/lesson.h"
@@ -30,6 +32,7 @@ Question make_question(const Request& r) {
   at_least(r.nodes, 1, "--nodes");
   at_least(r.max_candidates, 0, "--max-candidates");
   at_least(r.max_interleave, 1, "--max-interleave");
+  at_least(r.jobs, 0, "--jobs");
   // The gpt lesson's own defaults, then the preset for what the flags leave (as `ranklab run gpt --model`
   // fills them), then the flags.
   Options o = with_lesson_defaults(find_lesson("gpt"), Options{}, {}, false);
@@ -89,6 +92,7 @@ int plan_command(const Request& r) {
   options.max_candidates = r.max_candidates;
   options.symmetry = r.symmetry;
   options.progress = r.progress;
+  options.jobs = r.jobs > 0 ? r.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   const Plan plan = search(q, options);
   std::fputs(format_counts(plan).c_str(), stdout);
   std::fputs("\n", stdout);

@@ -99,9 +99,10 @@ std::string format_counts(const Plan& p) {
       p.enumerated, p.invalid, p.rejected_by_plan, bytes(p.question.profile.hbm_capacity_bytes()), feasible);
   out += fmt::format(
       "simulated {}: {} finished, {} ran out of memory in the simulation; {} pruned (their bound "
-      "cannot beat the best){}; {:.1f} s\n",
+      "cannot beat the best){}; {} at a time, {:.1f} s\n",
       p.simulated + p.rejected_by_run, p.simulated, p.rejected_by_run, p.pruned,
-      p.unexplored > 0 ? fmt::format("; {} not simulated (--max-candidates)", p.unexplored) : "", p.wall_s);
+      p.unexplored > 0 ? fmt::format("; {} not simulated (--max-candidates)", p.unexplored) : "", p.jobs,
+      p.wall_s);
   return out;
 }
 
@@ -289,6 +290,7 @@ std::string plan_to_json(const Plan& p) {
                  {"pruned_bound", p.pruned},
                  {"unexplored", p.unexplored},
                  {"simulated", p.simulated}};
+  j["jobs"] = p.jobs;
   j["wall_s"] = p.wall_s;
   const std::vector<const Result*> ranked = p.ranked();
   if (!ranked.empty()) j["winner"] = ranked[0]->candidate.name;

@@ -10,6 +10,11 @@
 //
 // Each simulation sets SimConfig::symmetry from the layout (tp and dp replicas of a stage do the same work)
 // unless asked not to, so the simulator may run one rank per pipeline stage instead of the whole world.
+//
+// Simulations run `jobs` at a time, each on a thread of its own. The decisions are taken in the order of
+// the bound as a one-at-a-time search would take them, whatever order the runs finish in, so the answer
+// does not depend on `jobs`: a layout is simulated speculatively only when what is known could not prune
+// it, and its result is dropped if the results before it, once in, would have.
 #pragma once
 
 #include <functional>
@@ -44,6 +49,7 @@ struct SearchOptions {
   bool symmetry = true;    // set SimConfig::symmetry for each run (false: every rank runs)
   bool progress = true;    // a progress line on stderr when it is a terminal
   bool prune = true;       // false: simulate every layout that fits the plan (to check the bound)
+  int jobs = 1;            // simulations at once, each on a thread
 };
 
 struct Plan {
@@ -52,6 +58,7 @@ struct Plan {
   std::vector<Result> results;
   int enumerated = 0, invalid = 0, rejected_by_plan = 0, rejected_by_run = 0, pruned = 0, unexplored = 0,
       simulated = 0;
+  int jobs = 1;  // simulations at once
   double wall_s = 0;
   std::vector<const Result*> ranked() const;  // the simulated ones, best first
 };
