@@ -584,6 +584,10 @@ int ranklab::main_of(int argc, char** argv) {
                  "simulate every rank, not one per class of identical ranks (slower; for checking)");
   plan->add_option("--jobs", plan_request.jobs,
                    "simulations at once, each on a thread (default 0: one per core); the answer is the same");
+  plan->add_option("--confirm", plan_request.confirm,
+                   "the leading layouts simulated again with every rank running after screening (default 1)");
+  plan->add_option("--confirm-margin", plan_request.confirm_margin,
+                   "and every layout whose screened step is within this fraction of the best (default 0.01)");
   plan->add_option("--report", plan_request.report_dir, "write plan.json and plan.html to this folder");
   plan->add_option("--explain", plan_request.explain,
                    "a layout as the table prints it: where its time goes against the winner's");

@@ -33,6 +33,10 @@ Question make_question(const Request& r) {
   at_least(r.max_candidates, 0, "--max-candidates");
   at_least(r.max_interleave, 1, "--max-interleave");
   at_least(r.jobs, 0, "--jobs");
+  at_least(r.confirm, 0, "--confirm");
+  if (!(r.confirm_margin >= 0 && r.confirm_margin < 1))
+    throw UsageError(
+        fmt::format("plan: --confirm-margin must be a fraction from 0 to 1 (got {})", r.confirm_margin));
   // The gpt lesson's own defaults, then the preset for what the flags leave (as `ranklab run gpt --model`
   // fills them), then the flags.
   Options o = with_lesson_defaults(find_lesson("gpt"), Options{}, {}, false);
@@ -93,6 +97,8 @@ int plan_command(const Request& r) {
   options.symmetry = r.symmetry;
   options.progress = r.progress;
   options.jobs = r.jobs > 0 ? r.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.confirm = r.confirm;
+  options.confirm_margin = r.confirm_margin;
   const Plan plan = search(q, options);
   std::fputs(format_counts(plan).c_str(), stdout);
   std::fputs("\n", stdout);

@@ -84,6 +84,8 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
     const RunReport rep = run_lesson(backend, "gpt", o);
     if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
     out.run = read_run(rep, c);
+    out.full = !symmetry;
+    if (symmetry) out.screening = out.run;
     out.candidate.status = Status::Simulated;
   } catch (const OutOfMemoryError& e) {
     out.candidate.status = Status::RejectedMemory;
@@ -207,7 +209,25 @@ class Search {
   void run() {
     std::vector<std::size_t> order(pending_.size());
     for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
-    screen(order);
+    while (true) {
+      ++plan_.screenings;
+      screen(order);
+      if (!options_.symmetry) break;
+      confirm();
+      if (!options_.prune) break;
+      // A full run slower than its screening raises the best step: what was pruned against the screened
+      // step may win now.
+      const Best best = best_now();
+      order.clear();
+      for (std::size_t i = 0; i < pending_.size(); ++i) {
+        Candidate& k = pending_[i].candidate;
+        if (k.status != Status::PrunedBound || !best.beatable_by(k)) continue;
+        k.status = Status::Pending;
+        --plan_.pruned;
+        order.push_back(i);
+      }
+      if (order.empty()) break;
+    }
     progress_.finish();
   }
 
@@ -313,6 +333,56 @@ class Search {
     slot = std::move(r);
   }
 
+  // Simulates the leading layouts again with every rank running, until the leaders are all full runs.
+  void confirm() {
+    while (true) {
+      std::vector<std::size_t> ranked;
+      for (std::size_t i = 0; i < pending_.size(); ++i)
+        if (pending_[i].candidate.status == Status::Simulated) ranked.push_back(i);
+      if (ranked.empty()) return;
+      std::sort(ranked.begin(), ranked.end(),
+                [&](std::size_t a, std::size_t b) { return ranks_before(pending_[a], pending_[b]); });
+      const double best_us = pending_[ranked[0]].run->stats.step_time_us;
+      std::vector<std::size_t> todo;
+      for (std::size_t n = 0; n < ranked.size(); ++n) {
+        const Result& r = pending_[ranked[n]];
+        if (r.full) continue;
+        const bool leading = static_cast<int>(n) < options_.confirm;
+        const bool close = r.screening->stats.step_time_us <= best_us * (1 + options_.confirm_margin);
+        if (leading || close) todo.push_back(ranked[n]);
+      }
+      if (todo.empty()) return;
+      std::map<std::size_t, Result> done;
+      std::size_t next = 0;
+      while (done.size() < todo.size()) {
+        while (pool_.has_room() && next < todo.size()) {
+          const std::size_t i = todo[next++];
+          pool_.start(i, pending_[i].candidate.name,
+                      [this, l = pending_[i].candidate.layout] { return simulate(q_, l, false); });
+        }
+        show("confirming with every rank running");
+        for (const std::size_t i : pool_.wait_done()) done.emplace(i, pool_.take(i));
+      }
+      for (auto& [i, r] : done) {
+        Result& slot = pending_[i];
+        ++plan_.confirmed;
+        slot.wall_s += r.wall_s;
+        if (r.candidate.status == Status::Simulated) {
+          slot.run = std::move(r.run);
+          slot.full = true;
+        } else {
+          // Memory does not depend on the symmetry (tests/test_symmetry.cc); should the full run still run
+          // out, the layout is rejected as `run gpt` would reject it.
+          slot.run.reset();
+          slot.candidate.status = Status::RejectedMemory;
+          slot.candidate.reason = "with every rank running: " + r.candidate.reason;
+          --plan_.simulated;
+          ++plan_.rejected_by_run;
+        }
+      }
+    }
+  }
+
   const Question& q_;
   const SearchOptions& options_;
   std::vector<Result>& pending_;
@@ -330,6 +400,7 @@ Plan search(const Question& q, const SearchOptions& options) {
   Plan plan;
   plan.question = q;
   plan.jobs = std::max(1, options.jobs);
+  plan.symmetric = options.symmetry;
   std::vector<Candidate> all = enumerate(q);
   plan.enumerated = static_cast<int>(all.size());
   if (std::all_of(all.begin(), all.end(), [](const Candidate& k) { return k.status == Status::Invalid; })) {

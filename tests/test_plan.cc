@@ -173,6 +173,59 @@ Question across_spines() {
   return q;
 }
 
+// One step of `ranklab run gpt` with the layout, as the planner runs it (phantom tensors), with every rank
+// running or one per pipeline stage.
+TrainingStats one_step(const Question& q, const Layout& l, bool symmetric) {
+  SimConfig c;
+  c.profile = q.profile;
+  c.echo_output = false;
+  if (symmetric) c.symmetry = symmetry_of(l);
+  SimBackend backend(c);
+  return *run_lesson(backend, "gpt", lesson_options(q, l)).training;
+}
+
+// The leading rows are full runs: their figures are `run gpt`'s without the symmetry, not the screening's,
+// which differ here; the rows after them are labelled as the screening's.
+TEST(Plan, TheLeadingRowsAreFullRunsEqualToRunGpt) {
+  const Question q = across_spines();
+  SearchOptions o = quiet();
+  o.confirm = 2;
+  const Plan p = search(q, o);
+  const std::vector<const Result*> ranked = p.ranked();
+  ASSERT_GE(ranked.size(), 3u);
+  EXPECT_GE(p.confirmed, 2);
+  bool differs = false;
+  for (int i = 0; i < 2; ++i) {
+    const Result& r = *ranked[i];
+    ASSERT_TRUE(r.full) << r.candidate.name;
+    ASSERT_TRUE(r.screening.has_value()) << r.candidate.name;
+    EXPECT_EQ(r.run->stats.step_time_us, one_step(q, r.candidate.layout, false).step_time_us)
+        << r.candidate.name;
+    EXPECT_EQ(r.screening->stats.step_time_us, one_step(q, r.candidate.layout, true).step_time_us)
+        << r.candidate.name;
+    differs = differs || r.run->stats.step_time_us != r.screening->stats.step_time_us;
+  }
+#if !defined(RANKLAB_SANITIZE)
+  EXPECT_TRUE(differs) << "the question no longer tells a full run from a symmetric one";
+#endif
+  // Below the confirmed ones, unless close to the best, the screening's figures, and said so.
+  const Result& third = *ranked[2];
+  if (third.screening->stats.step_time_us > ranked[0]->run->stats.step_time_us * (1 + o.confirm_margin)) {
+    EXPECT_FALSE(third.full);
+    EXPECT_EQ(third.run->stats.step_time_us, third.screening->stats.step_time_us);
+  }
+  const std::string table = format_table(p, 3);
+  EXPECT_NE(table.find(ranked[0]->candidate.name + "  "), std::string::npos);
+  EXPECT_NE(table.find(" full "), std::string::npos);
+  EXPECT_NE(plan_to_json(p).find("\"simulation\": \"full\""), std::string::npos);
+  // No screened layout outside the confirmed set could beat the winner: none screened faster than it.
+  for (const Result* r : ranked) {
+    if (!r->full) {
+      EXPECT_GE(r->screening->stats.step_time_us, ranked[0]->run->stats.step_time_us);
+    }
+  }
+}
+
 // Simulations at once change the time taken, not the answer: the same statuses, step times and table as
 // one at a time, with and without a limit on the simulations.
 TEST(Plan, JobsDoNotChangeTheAnswer) {
@@ -188,6 +241,7 @@ TEST(Plan, JobsDoNotChangeTheAnswer) {
       const Result &x = a.results[i], &y = b.results[i];
       EXPECT_EQ(x.candidate.name, y.candidate.name) << i;
       EXPECT_EQ(x.candidate.status, y.candidate.status) << x.candidate.name;
+      EXPECT_EQ(x.full, y.full) << x.candidate.name;
       if (x.run && y.run) {
         EXPECT_EQ(x.run->stats.step_time_us, y.run->stats.step_time_us) << x.candidate.name;
       }
@@ -195,6 +249,7 @@ TEST(Plan, JobsDoNotChangeTheAnswer) {
     EXPECT_EQ(a.simulated, b.simulated);
     EXPECT_EQ(a.pruned, b.pruned);
     EXPECT_EQ(a.unexplored, b.unexplored);
+    EXPECT_EQ(a.confirmed, b.confirmed);
     EXPECT_EQ(format_table(a, 10), format_table(b, 10));
     if (limited) {
       EXPECT_EQ(a.simulated + a.rejected_by_run, 7);
