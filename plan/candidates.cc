@@ -135,6 +135,52 @@ std::int64_t planned_peak_bytes(const gpt::Config& c) {
   return most;
 }
 
+namespace {
+
+// Bytes the memory-bound kernels of one block move to and from HBM, per micro-batch on one tp rank, as the
+// simulator charges them (sim/sim_rank.cc: each reads its inputs and writes its outputs once), for the
+// calls the model makes (model.cc, parallel/zero.cc). Each kernel takes at least its bytes at the HBM's
+// bandwidth (a roofline is never below its memory side), so their sum is a lower bound on their time. Left
+// out, which keeps it a lower bound: the small gradients (biases, layernorm), padding, and the zero 2 and
+// 3 shards' accumulation.
+struct MemoryBound {
+  double forward_bytes = 0, backward_bytes = 0;
+};
+
+MemoryBound memory_bound_bytes(const gpt::Config& c) {
+  const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
+  const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
+  const double h = static_cast<double>(c.hidden), hl = h / c.tp;
+  // [lr, h]: the residual stream on this rank (its tokens with sequence parallelism).
+  const double stream = lr * h * dt;
+  // layernorm reads x, gamma, beta and writes y, mean and rstd (float32 per row); its backward reads dy,
+  // x, gamma, mean, rstd and writes dx, dgamma, dbeta (float32).
+  const double ln_fwd = 2 * stream + 2 * h * dt + 2 * lr * f32;
+  const double ln_bwd = 3 * stream + h * dt + 2 * lr * f32 + 2 * h * f32;
+  const double add = 3 * stream;  // a residual add: two in, one out
+  MemoryBound b;
+  // Forward: two layernorms; the biases of qkv [R, 3h/tp], proj [lr, h], fc1 [R, 4h/tp] and fc2 [lr, h]
+  // (read and write the output, read the bias); gelu [R, 4h/tp]; two residual adds.
+  b.forward_bytes = 2 * ln_fwd + (2 * R * 3 * hl * dt + 3 * hl * dt) + 2 * (2 * stream + h * dt) +
+                    (2 * R * 4 * hl * dt + 4 * hl * dt) + 2 * R * 4 * hl * dt + 2 * add;
+  // Backward: the bias gradients (sum_rows into float32) of fc2 and proj [lr, h], fc1 [R, 4h/tp] and qkv
+  // [R, 3h/tp]; gelu's backward; two layernorm backwards; two residual adds.
+  b.backward_bytes = 2 * (stream + h * f32) + (R * 4 * hl * dt + 4 * hl * f32) +
+                     (R * 3 * hl * dt + 3 * hl * f32) + 3 * R * 4 * hl * dt + 2 * ln_bwd + 2 * add;
+  // The four weight gradients (12 h^2 / tp elements, in the compute dtype): added into the float32
+  // gradient (reads both, writes it), or with zero 2 and 3 cast to the reduction's dtype for the
+  // reduce-scatter.
+  const double weights = 12 * h * hl;
+  if (c.zero <= 1 || c.dp == 1) {
+    b.backward_bytes += weights * (2 * f32 + dt);
+  } else if (c.reduce_dtype != c.dtype) {
+    b.backward_bytes += weights * (dt + static_cast<double>(dtype_bytes(c.reduce_dtype)));
+  }
+  return b;
+}
+
+}  // namespace
+
 StepBound::StepBound(const Profile& profile)
     : profile_(profile),
       compute_(std::make_unique<sim::ComputeModel>(profile.gpu)),
@@ -172,15 +218,17 @@ double StepBound::us(const gpt::Config& c) {
   const double attention_fwd =
       k.attention_us(c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, false, d);
   backward_us += k.attention_us(c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, true, d);
+  const MemoryBound mem = memory_bound_bytes(c);
+  forward_us += k.memory_us(mem.forward_bytes);
+  backward_us += k.memory_us(mem.backward_bytes);
   if (c.recompute == gpt::Recompute::Full) backward_us += forward_us + attention_fwd;
   if (c.recompute == gpt::Recompute::Selective) backward_us += attention_fwd;
   forward_us += attention_fwd;
-  double layer_us = forward_us + backward_us;
   // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h): without
-  // sequence parallelism an all-reduce after each pair forward and one before it backward (4); with it an
-  // all-gather before and a reduce-scatter after each pair forward (4), and backward a reduce-scatter and
-  // two all-gathers per pair (the output gradient's, and the input again for the weight gradient) (6). The
-  // sizes are as nccl-tests counts them: the whole [s b, h] tensor for all three.
+  // sequence parallelism an all-reduce after each pair forward and one before it backward (2 + 2); with it
+  // an all-gather before and a reduce-scatter after each pair forward (2 + 2), and backward a
+  // reduce-scatter and two all-gathers per pair (the output gradient's, and the input again for the weight
+  // gradient) (2 + 4). The sizes are as nccl-tests counts them: the whole [s b, h] tensor for all three.
   // Recomputation's collectives are left out.
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
   const std::int64_t act_bytes = c.rows() * c.hidden * dtype_bytes(c.dtype);
@@ -188,62 +236,119 @@ double StepBound::us(const gpt::Config& c) {
     std::vector<int> tp_ranks;
     for (int i = 0; i < c.tp; ++i) tp_ranks.push_back(grid.rank_of(i, 0, 0));
     if (c.seq_parallel) {
-      layer_us += 6 * comm_us(CommOp::AllGather, act_bytes, tp_ranks) +
-                  4 * comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
+      const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
+                   scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
+      forward_us += 2 * gather + 2 * scatter;
+      backward_us += 4 * gather + 2 * scatter;
     } else {
-      layer_us += 4 * comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
+      const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
+      forward_us += 2 * reduce;
+      backward_us += 2 * reduce;
     }
   }
-  // The output layer's logits against the shared embedding [V / tp, h], forward and both gradients.
-  const double head_us = k.gemm_us(R, V / t, h, d) + k.gemm_us(V / t, h, R, d) + k.gemm_us(R, h, V / t, d);
+  const double layer_us = forward_us + backward_us;
+  // The output layer's logits against the shared embedding [V / tp, h], forward and both gradients; the
+  // softmax reads the logits three times (row max, statistics, the gradient) and writes their gradient.
+  const double head_us = k.gemm_us(R, V / t, h, d) + k.gemm_us(V / t, h, R, d) + k.gemm_us(R, h, V / t, d) +
+                         k.memory_us(4.0 * static_cast<double>(R * (V / t) * dtype_bytes(d)));
   const int lpc = c.layers_per_chunk();
   const double m = static_cast<double>(c.micro_batches());
   // A micro-batch's activations (or their gradient) between two stages: a send each way per hop.
   const std::int64_t hop_bytes = c.local_rows() * c.hidden * dtype_bytes(c.dtype);
+  // Every stage's term below ends when rank 0 ends its last backward (the drain runs through stage 0), and
+  // the step ends on rank 0 after its optimizer: AdamW reads master, gradient, m and v and writes master, m
+  // and v (7 float32 per element of the master copy; m and v, the optimizer state, are 8 bytes an element),
+  // then the compute-dtype weights are made from the master copy (4 bytes read, the dtype's written)
+  // unless they are the same tensor (float32).
+  const double master_elements = static_cast<double>(gpt::memory_plan(c, 0).optimizer) / 8;
+  const double rebuild = c.dtype == DType::Float32 ? 0 : 4 + static_cast<double>(dtype_bytes(c.dtype));
+  const double optimizer_us = k.memory_us(master_elements * (7 * 4 + rebuild));
   double bound = 0, ahead_us = 0;
+  // drain_us[s]: from the end of stage s's last task to the end of rank 0's: the last micro-batch's
+  // backward through the first chunk of every stage before it, with the sends between.
+  std::vector<double> drain_us(c.pp, 0.0);
   for (int stage = 0; stage < c.pp; ++stage) {
     // Every micro-batch through every chunk of this stage, one after another on its compute stream...
     double per_micro_batch = c.v * lpc * layer_us;
     if (stage == c.pp - 1) per_micro_batch += head_us;  // the head is on the last virtual stage
     // ...after the first micro-batch's forward through the chunks ahead of it, and before the last one's
     // backward through them (a stage's last task is the last micro-batch's backward of its first chunk).
-    bound = std::max(bound, m * per_micro_batch + ahead_us);
+    bound = std::max(bound, m * per_micro_batch + ahead_us + optimizer_us);
     if (stage + 1 < c.pp) {
       const std::vector<int> hop = {grid.rank_of(0, 0, stage), grid.rank_of(0, 0, stage + 1)};
-      ahead_us += lpc * layer_us + comm_us(CommOp::Send, hop_bytes, hop) +
-                  comm_us(CommOp::Send, hop_bytes, {hop[1], hop[0]});
+      const double back_us = comm_us(CommOp::Send, hop_bytes, {hop[1], hop[0]});
+      ahead_us += lpc * layer_us + comm_us(CommOp::Send, hop_bytes, hop) + back_us;
+      drain_us[stage + 1] = drain_us[stage] + back_us + lpc * backward_us;
     }
   }
-  return std::max(bound, zero_stream_us(c));
+  if (c.zero >= 2 && c.dp > 1) {
+    // After the data-parallel stream's work ahead of its last task, the stage's last task computes the
+    // backward of its chunk's blocks, then the drain and rank 0's optimizer.
+    for (int stage = 0; stage < c.pp; ++stage) {
+      bound = std::max(bound, zero_stream_us(c, stage) + lpc * backward_us + drain_us[stage] + optimizer_us);
+    }
+  }
+  return bound;
 }
 
-double StepBound::zero_stream_us(const gpt::Config& c) {
-  if (c.zero < 2 || c.dp == 1) return 0;
-  // ZeRO 2 and 3 talk to the data-parallel group inside every task (parallel/zero.h): zero 3 all-gathers
-  // each parameter of a block before the block runs, forward and again backward, and both reduce-scatter
-  // each weight's gradient as its backward makes it. A group's collectives follow each other on its one
-  // stream, so the stream is busy for at least the sum of their times alone, and every one but the last
-  // task's reduce-scatters is over before the stage's last backward, which the step waits for. (The
-  // overlap that hides them behind compute is why this is a bound of its own, not added to the other.)
+double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
+  // ZeRO 2 and 3 talk to the data-parallel group inside every task (parallel/zero.h, model.cc): zero 3
+  // all-gathers each parameter of a block before the block runs, forward and again backward (and the
+  // embedding's and the output layer's where they are used), and both reduce-scatter each parameter's
+  // gradient as its backward makes it, padded to a multiple of dp rows. A group's collectives follow each
+  // other on its one stream, in the order the tasks issue them, each no faster than alone on the machine.
+  // The stage's last task (a backward) starts computing only when the stream has done everything issued
+  // before it: zero 2 waits at its start for the previous backward's reduce-scatters (and with them for
+  // all before), zero 3 for its first block's gather, issued after all the rest. So the step is no
+  // shorter than that stream work, followed by the last task's own computation. (The overlap that hides
+  // the stream behind compute elsewhere is why this is a bound of its own, not added to the other.)
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
-  const int lpc = c.layers_per_chunk();
-  const std::int64_t m = c.micro_batches();
-  double most = 0;
-  for (int stage = 0; stage < c.pp; ++stage) {
-    std::vector<int> dp_ranks;
-    for (int i = 0; i < c.dp; ++i) dp_ranks.push_back(grid.rank_of(0, i, stage));
-    double gathers_us = 0, reductions_us = 0;  // per block
-    for (int q = 0; q < gpt::kBlockParams; ++q) {
-      const parallel::ParamSpec p = gpt::block_spec(c, 0, static_cast<gpt::BlockParam>(q));
-      const std::int64_t n = p.full.numel() / (p.tp_dim >= 0 ? c.tp : 1);
-      if (c.zero == 3) gathers_us += comm_us(CommOp::AllGather, n * dtype_bytes(c.dtype), dp_ranks);
-      if (p.full.ndim() == 2)
-        reductions_us += comm_us(CommOp::ReduceScatter, n * dtype_bytes(c.reduce_dtype), dp_ranks);
-    }
-    const double blocks = static_cast<double>(m) * c.v * lpc;
-    most = std::max(most, blocks * 2 * gathers_us + (blocks - lpc) * reductions_us);
+  std::vector<int> dp_ranks;
+  for (int i = 0; i < c.dp; ++i) dp_ranks.push_back(grid.rank_of(0, i, stage));
+  const bool gathers = c.zero == 3;
+  // A parameter's gather (of its compute-dtype copy) and its gradient's reduce-scatter, both of the padded
+  // tensor that rank holds.
+  auto padded_elements = [&](const parallel::ParamSpec& p) {
+    const Shape local = p.tp_dim < 0 ? p.full : p.full.with_dim(p.tp_dim, p.full[p.tp_dim] / c.tp);
+    const std::int64_t rows = local[0], per_row = local.numel() / rows;
+    return (rows + c.dp - 1) / c.dp * c.dp * per_row;
+  };
+  auto gather_us = [&](const parallel::ParamSpec& p) {
+    return gathers ? comm_us(CommOp::AllGather, padded_elements(p) * dtype_bytes(c.dtype), dp_ranks) : 0.0;
+  };
+  auto reduce_us = [&](const parallel::ParamSpec& p) {
+    return comm_us(CommOp::ReduceScatter, padded_elements(p) * dtype_bytes(c.reduce_dtype), dp_ranks);
+  };
+  double block_gathers = 0, block_reductions = 0;
+  for (int q = 0; q < gpt::kBlockParams; ++q) {
+    const parallel::ParamSpec p = gpt::block_spec(c, 0, static_cast<gpt::BlockParam>(q));
+    block_gathers += gather_us(p);
+    block_reductions += reduce_us(p);
   }
-  return most;
+  const int lpc = c.layers_per_chunk();
+  const double m = static_cast<double>(c.micro_batches());
+  const double blocks = m * c.v * lpc;
+  double total = blocks * (2 * block_gathers + block_reductions);
+  // What the stage's last task itself issues, at most: its blocks' gathers and reductions, and those of
+  // the output layer or the embedding when its chunk holds them.
+  double last = lpc * (block_gathers + block_reductions);
+  const parallel::ParamSpec wte = gpt::other_spec(c, gpt::kWte), wpe = gpt::other_spec(c, gpt::kWpe),
+                            lnf_g = gpt::other_spec(c, gpt::kLnfG), lnf_b = gpt::other_spec(c, gpt::kLnfB);
+  if (stage == 0) {
+    // Per micro-batch: the word and position embeddings gathered forward; both gradients reduced.
+    const double reductions = reduce_us(wte) + reduce_us(wpe);
+    total += m * (gather_us(wte) + gather_us(wpe) + reductions);
+    last += reductions;
+  }
+  if (stage == c.pp - 1) {
+    // Per micro-batch: the final layernorm's and the embedding's weights gathered forward (three) and
+    // backward (gamma and the embedding); their gradients reduced.
+    const double backward_gathers = gather_us(lnf_g) + gather_us(wte);
+    const double reductions = reduce_us(wte) + reduce_us(lnf_g) + reduce_us(lnf_b);
+    total += m * (backward_gathers + gather_us(lnf_g) + gather_us(lnf_b) + gather_us(wte) + reductions);
+    if (c.v == 1) last += backward_gathers + reductions;
+  }
+  return total - last;
 }
 
 namespace {

@@ -10,14 +10,17 @@
 //
 // The lower bound on the step time is what the busiest pipeline stage does in a row on its compute stream:
 // its GEMMs and attention, each at the time the simulator's compute model charges for its shape on the
-// profile's GPU, and the tensor-parallel collectives the compute stream waits for (Megatron's f and g are
-// blocking), each at the time the network model gives it with the machine to itself; plus the pipeline's
-// fill and drain (the first micro-batch's forward through the stages before it, and the last one's backward
-// through them after it, with their sends). With ZeRO 2 or 3 the step is also no shorter than the time the
-// data-parallel group's stream spends on the gathers and reduce-scatters every task issues (the stream
-// runs them one after another). Memory-bound kernels, the rest of the data-parallel communication and the
-// optimizer are left out, so no simulated step can be faster; search.h uses the bound to simulate the
-// cheapest layouts first and to skip those that cannot beat the best found.
+// profile's GPU, its memory-bound kernels (layernorms, bias and residual adds, GELU, the softmax's passes
+// over the logits, gradient accumulation) each at no less than its bytes at the HBM's bandwidth, and the
+// tensor-parallel collectives the compute stream waits for (Megatron's f and g are blocking), each at the
+// time the network model gives it with the machine to itself; plus the pipeline's fill and drain (the
+// first micro-batch's forward through the stages before it, and the last one's backward through them after
+// it, with their sends), then rank 0's optimizer step. With ZeRO 2 or 3 the step is also no shorter than
+// the data-parallel group's stream (which runs the gathers and reduce-scatters every task issues one after
+// another) up to the stage's last task, then that task's backward, the drain and the optimizer. The rest
+// of the data-parallel communication, the embedding's kernels and recomputation's collectives are left
+// out, so no simulated step can be faster; search.h uses the bound to simulate the cheapest layouts first
+// and to skip those that cannot beat the best found.
 #pragma once
 
 #include <cstdint>
@@ -101,8 +104,8 @@ class StepBound {
  private:
   // One collective over `ranks` (or a send from the first to the second), alone on the machine.
   double comm_us(CommOp op, std::int64_t bytes, const std::vector<int>& ranks);
-  // What ZeRO 2 and 3 keep the data-parallel group's stream busy with, on the busiest stage.
-  double zero_stream_us(const gpt::Config& c);
+  // What ZeRO 2 and 3 keep a stage's data-parallel stream busy with before the stage's last task.
+  double zero_stream_us(const gpt::Config& c, int stage);
   Profile profile_;
   std::unique_ptr<sim::ComputeModel> compute_;
   std::unique_ptr<sim::NetworkModel> network_;

@@ -2,11 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "common/errors.h"
 #include "common/lesson.h"
@@ -30,34 +32,35 @@ Question make_question(const Request& r) {
   at_least(r.nodes, 1, "--nodes");
   at_least(r.max_candidates, 0, "--max-candidates");
   at_least(r.max_interleave, 1, "--max-interleave");
+  at_least(r.jobs, 0, "--jobs");
+  at_least(r.confirm, 0, "--confirm");
+  if (!(r.confirm_margin >= 0 && r.confirm_margin < 1))
+    throw UsageError(
+        fmt::format("plan: --confirm-margin must be a fraction from 0 to 1 (got {})", r.confirm_margin));
+  // The gpt lesson's own defaults, then the preset for what the flags leave (as `ranklab run gpt --model`
+  // fills them), then the flags.
+  Options o = with_lesson_defaults(find_lesson("gpt"), Options{}, {}, false);
+  o.model = r.model;
+  gpt::apply_preset(o, [&](const std::string& flag) {
+    return (flag == "--layers" && r.layers) || (flag == "--hidden" && r.hidden) ||
+           (flag == "--heads" && r.heads) || (flag == "--seq" && r.seq) || (flag == "--vocab" && r.vocab) ||
+           (flag == "--global-batch" && r.global_batch);
+  });
+  if (r.layers) o.layers = *r.layers;
+  if (r.hidden) o.hidden = *r.hidden;
+  if (r.heads) o.heads = *r.heads;
+  if (r.seq) o.seq = *r.seq;
+  if (r.vocab) o.vocab = *r.vocab;
+  if (r.global_batch) o.global_batch = *r.global_batch;
+  if (o.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", o.hidden));
   Question q;
-  // The gpt lesson's own defaults, then the preset, then the flags.
-  const Options d = with_lesson_defaults(find_lesson("gpt"), Options{}, {}, false);
-  q.layers = d.layers;
-  q.hidden = static_cast<int>(d.hidden);
-  q.heads = d.heads;
-  q.seq = d.seq;
-  q.vocab = d.vocab;
-  q.global_batch = d.global_batch;
-  if (!r.model.empty()) {
-    const gpt::Preset& p = gpt::find_preset(r.model);
-    q.model = p.name;
-    q.layers = p.layers;
-    q.hidden = p.hidden;
-    q.heads = p.heads;
-    q.seq = p.seq;
-    q.vocab = p.vocab;
-    q.global_batch = p.global_batch;
-  }
-  if (r.layers) q.layers = *r.layers;
-  if (r.hidden) {
-    if (*r.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", *r.hidden));
-    q.hidden = static_cast<int>(*r.hidden);
-  }
-  if (r.heads) q.heads = *r.heads;
-  if (r.seq) q.seq = *r.seq;
-  if (r.vocab) q.vocab = *r.vocab;
-  if (r.global_batch) q.global_batch = *r.global_batch;
+  q.model = o.model.empty() ? "custom" : o.model;
+  q.layers = o.layers;
+  q.hidden = static_cast<int>(o.hidden);
+  q.heads = o.heads;
+  q.seq = o.seq;
+  q.vocab = o.vocab;
+  q.global_batch = o.global_batch;
   q.dtype = r.dtype;
   q.tp_across_nodes = r.tp_across_nodes;
   q.max_interleave = r.max_interleave;
@@ -93,6 +96,9 @@ int plan_command(const Request& r) {
   options.max_candidates = r.max_candidates;
   options.symmetry = r.symmetry;
   options.progress = r.progress;
+  options.jobs = r.jobs > 0 ? r.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.confirm = r.confirm;
+  options.confirm_margin = r.confirm_margin;
   const Plan plan = search(q, options);
   std::fputs(format_counts(plan).c_str(), stdout);
   std::fputs("\n", stdout);

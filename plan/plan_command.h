@@ -29,6 +29,9 @@ struct Request {
   int top = 10;
   int max_candidates = 0;  // 0: no limit
   bool symmetry = true;
+  int jobs = 0;     // simulations at once; 0: one per core
+  int confirm = 1;  // see SearchOptions
+  double confirm_margin = 0.01;
   bool progress = true;
   std::string report_dir;  // "": no report
   std::string explain;     // a layout name, or ""

@@ -97,11 +97,21 @@ std::string format_counts(const Plan& p) {
       "lesson's "
       "memory plan; {} left, tried in order of a lower bound on their step time\n",
       p.enumerated, p.invalid, p.rejected_by_plan, bytes(p.question.profile.hbm_capacity_bytes()), feasible);
+  const int screened = p.simulated + p.rejected_by_run;
   out += fmt::format(
       "simulated {}: {} finished, {} ran out of memory in the simulation; {} pruned (their bound "
-      "cannot beat the best){}; {:.1f} s\n",
-      p.simulated + p.rejected_by_run, p.simulated, p.rejected_by_run, p.pruned,
-      p.unexplored > 0 ? fmt::format("; {} not simulated (--max-candidates)", p.unexplored) : "", p.wall_s);
+      "cannot beat the best){}\n",
+      screened, p.simulated, p.rejected_by_run, p.pruned,
+      p.unexplored > 0 ? fmt::format("; {} not simulated (--max-candidates)", p.unexplored) : "");
+  if (p.symmetric) {
+    out += fmt::format(
+        "screened with one rank per pipeline stage running (sym); {} leading again with every rank running "
+        "(full)",
+        p.confirmed);
+  } else {
+    out += "every rank running in every simulation (full)";
+  }
+  out += fmt::format("; {} at a time, {:.1f} s\n", p.jobs, p.wall_s);
   return out;
 }
 
@@ -111,20 +121,28 @@ std::string format_table(const Plan& p, int top) {
   const int n = std::min<int>(top, static_cast<int>(ranked.size()));
   std::size_t width = 6;
   for (int i = 0; i < n; ++i) width = std::max(width, ranked[i]->candidate.name.size());
-  std::string out = fmt::format(
-      "{:>4}  {:<{}}  {:>8}  {:>7}  {:>5}  {:>6}  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n", "rank", "layout",
-      width, "step", "TFLOP/s", "MFU", "bubble", "tp", "sp", "pp", "dp", "peak", "largest part");
-  out += fmt::format("{:>4}  {:<{}}  {:>8}  {:>7}  {:>5}  {:>6}  {:^35}  {:>9}\n", "", "", width, "",
-                     "per GPU", "", "", "exposed communication", "per rank");
+  std::string out =
+      fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7}  {:>5}  {:>6}  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n",
+                  "rank", "layout", width, "step", "run", "TFLOP/s", "MFU", "bubble", "tp", "sp", "pp", "dp",
+                  "peak", "largest part");
+  out += fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7}  {:>5}  {:>6}  {:^35}  {:>9}\n", "", "", width, "",
+                     "", "per GPU", "", "", "exposed communication", "per rank");
+  bool screened = false;
   for (int i = 0; i < n; ++i) {
     const Result& r = *ranked[i];
     const TrainingStats& t = r.run->stats;
+    screened = screened || !r.full;
     out += fmt::format(
-        "{:>4}  {:<{}}  {:>8}  {:>7.1f}  {:>4.1f}%  {:>5.1f}%  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n", i + 1,
-        r.candidate.name, width, short_time(t.step_time_us), t.model_tflops_per_gpu, 100 * t.mfu,
-        100 * t.bubble_fraction, short_time(exposed(t, "tp")), short_time(exposed(t, "sp")),
-        short_time(exposed(t, "pp")), short_time(exposed(t, "dp")), bytes(r.run->peak_bytes),
-        r.run->peak_part);
+        "{:>4}  {:<{}}  {:>8}  {:<4}  {:>7.1f}  {:>4.1f}%  {:>5.1f}%  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n",
+        i + 1, r.candidate.name, width, short_time(t.step_time_us), r.full ? "full" : "sym",
+        t.model_tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_fraction, short_time(exposed(t, "tp")),
+        short_time(exposed(t, "sp")), short_time(exposed(t, "pp")), short_time(exposed(t, "dp")),
+        bytes(r.run->peak_bytes), r.run->peak_part);
+  }
+  if (screened) {
+    out +=
+        "run: full, every rank simulated; sym, the screening's symmetric run (one rank per pipeline stage, "
+        "the replicas mirroring it: close to the full run, not equal, where traffic crosses the spines)\n";
   }
   return out;
 }
@@ -178,6 +196,8 @@ std::string why_line(const Result& winner, const Result& runner_up) {
 
 std::string format_explain(const Result& asked, const Result& winner) {
   std::string out = fmt::format("explain {}:\n", asked.candidate.name);
+  if (asked.run && !asked.full)
+    out += "  (the figures of its symmetric screening, one rank per stage running)\n";
   if (asked.candidate.status != Status::Simulated) {
     return out + fmt::format("  {}: {}\n", status_name(asked.candidate.status), asked.candidate.reason);
   }
@@ -238,6 +258,8 @@ nlohmann::json result_json(const Result& r, int rank) {
   }
   if (!k.reason.empty()) j["reason"] = k.reason;
   if (r.wall_s > 0) j["simulation_wall_s"] = r.wall_s;
+  if (r.run) j["simulation"] = r.full ? "full" : "symmetric";
+  if (r.screening) j["screening_step_time_us"] = r.screening->stats.step_time_us;
   if (r.run) {
     const TrainingStats& t = r.run->stats;
     j["rank"] = rank;
@@ -288,7 +310,10 @@ std::string plan_to_json(const Plan& p) {
                  {"rejected_memory_by_simulation", p.rejected_by_run},
                  {"pruned_bound", p.pruned},
                  {"unexplored", p.unexplored},
-                 {"simulated", p.simulated}};
+                 {"simulated", p.simulated},
+                 {"confirmed_full", p.confirmed},
+                 {"screening_rounds", p.screenings}};
+  j["jobs"] = p.jobs;
   j["wall_s"] = p.wall_s;
   const std::vector<const Result*> ranked = p.ranked();
   if (!ranked.empty()) j["winner"] = ranked[0]->candidate.name;
@@ -372,19 +397,22 @@ std::string plan_to_html(const Plan& p) {
 
   out += "<h2>Simulated layouts, best first</h2>\n<div class=\"scroll wide\"><table id=\"ranking\">\n";
   out +=
-      "<tr><th>rank</th><th class=\"l\">layout</th><th>step</th><th>TFLOP/s per GPU</th><th>MFU</th>"
+      "<tr><th>rank</th><th class=\"l\">layout</th><th>step</th><th>run</th><th>TFLOP/s per "
+      "GPU</th><th>MFU</th>"
       "<th>bubble</th><th>tp</th><th>sp</th><th>pp</th><th>dp</th><th>peak per rank</th>"
       "<th class=\"l\">largest part</th></tr>\n";
   int rank = 0;
   for (const Result* r : ranked) {
     const TrainingStats& t = r->run->stats;
     out += fmt::format(
-        "<tr{}><td>{}</td><td class=\"l\">{}</td><td>{}</td><td>{:.1f}</td><td>{:.1f}%</td><td>{:.1f}%</td>"
-        "<td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td></tr>\n",
+        "<tr{}><td>{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td>{:.1f}</td><td>{:.1f}%</td>"
+        "<td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td "
+        "class=\"l\">{}</td></tr>\n",
         rank == 0 ? " class=\"ok\"" : "", rank + 1, html_escape(r->candidate.name),
-        short_time(t.step_time_us), t.model_tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_fraction,
-        short_time(exposed(t, "tp")), short_time(exposed(t, "sp")), short_time(exposed(t, "pp")),
-        short_time(exposed(t, "dp")), bytes(r->run->peak_bytes), html_escape(r->run->peak_part));
+        short_time(t.step_time_us), r->full ? "full" : "sym", t.model_tflops_per_gpu, 100 * t.mfu,
+        100 * t.bubble_fraction, short_time(exposed(t, "tp")), short_time(exposed(t, "sp")),
+        short_time(exposed(t, "pp")), short_time(exposed(t, "dp")), bytes(r->run->peak_bytes),
+        html_escape(r->run->peak_part));
     ++rank;
   }
   out += "</table></div>\n";

@@ -5,7 +5,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include "common/errors.h"
 #include "common/lesson.h"
@@ -69,6 +76,7 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   SimConfig config;
   config.profile = q.profile;
   config.echo_output = false;
+  config.progress = false;  // the search shows its own
   if (symmetry) config.symmetry = symmetry_of(l);
   SimBackend backend(config);
   const auto t0 = std::chrono::steady_clock::now();
@@ -76,6 +84,8 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
     const RunReport rep = run_lesson(backend, "gpt", o);
     if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
     out.run = read_run(rep, c);
+    out.full = !symmetry;
+    if (symmetry) out.screening = out.run;
     out.candidate.status = Status::Simulated;
   } catch (const OutOfMemoryError& e) {
     out.candidate.status = Status::RejectedMemory;
@@ -85,10 +95,312 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   return out;
 }
 
+namespace {
+
+// Simulations on threads of their own, at most `jobs` at once, each known by the id its caller gives it.
+class Pool {
+ public:
+  explicit Pool(int jobs) : max_(std::max(1, jobs)) {}
+  ~Pool() {
+    for (auto& [id, job] : jobs_) job.thread.join();
+  }
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  bool has_room() const { return static_cast<int>(jobs_.size()) < max_; }
+  bool running(std::size_t id) const { return jobs_.count(id) > 0; }
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [id, job] : jobs_) out.push_back(job.name);
+    return out;
+  }
+
+  void start(std::size_t id, const std::string& name, std::function<Result()> work) {
+    Job& job = jobs_[id];
+    job.name = name;
+    job.thread = std::thread([this, &job, work = std::move(work)] {
+      std::optional<Result> r;
+      std::exception_ptr error;
+      try {
+        r = work();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      const std::lock_guard lock(mutex_);
+      job.result = std::move(r);
+      job.error = error;
+      job.done = true;
+      finished_.notify_all();
+    });
+  }
+
+  // Blocks until a job is done; the ids of those done, for take().
+  std::vector<std::size_t> wait_done() {
+    std::unique_lock lock(mutex_);
+    std::vector<std::size_t> done;
+    finished_.wait(lock, [&] {
+      for (const auto& [id, job] : jobs_)
+        if (job.done) done.push_back(id);
+      return !done.empty();
+    });
+    return done;
+  }
+
+  // A finished job's result; what it threw is thrown here.
+  Result take(std::size_t id) {
+    const auto it = jobs_.find(id);
+    it->second.thread.join();
+    Job job = std::move(it->second);
+    jobs_.erase(it);
+    if (job.error) std::rethrow_exception(job.error);
+    return std::move(*job.result);
+  }
+
+ private:
+  struct Job {
+    std::string name;
+    std::thread thread;
+    bool done = false;  // under mutex_
+    std::optional<Result> result;
+    std::exception_ptr error;
+  };
+  int max_;
+  std::map<std::size_t, Job> jobs_;  // a map: a job stays where its thread writes to it
+  std::mutex mutex_;
+  std::condition_variable finished_;
+};
+
+// The best simulated step so far; ties go to the earlier name.
+struct Best {
+  double us = 0;
+  std::string name;
+
+  void offer(const Result& r) {
+    if (r.candidate.status != Status::Simulated) return;
+    const double t = r.run->stats.step_time_us;
+    if (name.empty() || t < us || (t == us && r.candidate.name < name)) {
+      us = t;
+      name = r.candidate.name;
+    }
+  }
+  // A layout can win only by a shorter step, or an equal one and an earlier name; its step is no shorter
+  // than its bound.
+  bool beatable_by(const Candidate& k) const {
+    return name.empty() || k.bound_us < us || (k.bound_us == us && k.name < name);
+  }
+};
+
+bool ranks_before(const Result& a, const Result& b) {
+  const double ta = a.run->stats.step_time_us, tb = b.run->stats.step_time_us;
+  return ta != tb ? ta < tb : a.candidate.name < b.candidate.name;
+}
+
+class Search {
+ public:
+  Search(const Question& q, const SearchOptions& o, std::vector<Result>& pending, Plan& plan)
+      : q_(q),
+        options_(o),
+        pending_(pending),
+        plan_(plan),
+        pool_(o.jobs),
+        progress_("plan", static_cast<std::int64_t>(pending.size()), stderr,
+                  o.progress && isatty(fileno(stderr)) == 1) {}
+
+  void run() {
+    std::vector<std::size_t> order(pending_.size());
+    for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+    while (true) {
+      ++plan_.screenings;
+      screen(order);
+      if (!options_.symmetry) break;
+      confirm();
+      if (!options_.prune) break;
+      // A full run slower than its screening raises the best step: what was pruned against the screened
+      // step may win now.
+      const Best best = best_now();
+      order.clear();
+      for (std::size_t i = 0; i < pending_.size(); ++i) {
+        Candidate& k = pending_[i].candidate;
+        if (k.status != Status::PrunedBound || !best.beatable_by(k)) continue;
+        k.status = Status::Pending;
+        --plan_.pruned;
+        order.push_back(i);
+      }
+      if (order.empty()) break;
+    }
+    progress_.finish();
+  }
+
+ private:
+  Best best_now() const {
+    Best b;
+    for (const Result& r : pending_) b.offer(r);
+    return b;
+  }
+
+  void show(const char* phase) {
+    if (!progress_.enabled()) return;
+    const Best b = best_now();
+    std::string detail = fmt::format("{}: {} simulated, {} out of memory, {} pruned", phase, plan_.simulated,
+                                     plan_.rejected_by_run, plan_.pruned);
+    if (!b.name.empty()) detail += fmt::format("; best {} {}", human_time(b.us), b.name);
+    const std::vector<std::string> now = pool_.names();
+    if (now.size() == 1) detail += fmt::format("; running {}", now[0]);
+    if (now.size() > 1) detail += fmt::format("; {} running", now.size());
+    progress_.update(decided_, detail);
+  }
+
+  // Decides `order` (indices of pending_, cheapest bound first) as a one-at-a-time search would, running
+  // up to `jobs` screenings at once.
+  void screen(const std::vector<std::size_t>& order) {
+    Best best = best_now();
+    std::map<std::size_t, Result> finished;  // by position in `order`, not yet decided
+    std::set<std::size_t> dropped;           // positions decided without their run, which is still going
+    // What is known of the layouts before `pos`: decided ones, and runs finished ahead of their turn.
+    auto known_before = [&](std::size_t pos) {
+      Best b = best;
+      for (const auto& [p, r] : finished)
+        if (p < pos) b.offer(r);
+      return b;
+    };
+    auto start = [&](std::size_t pos) {
+      const Candidate& k = pending_[order[pos]].candidate;
+      pool_.start(pos, k.name, [this, l = k.layout] { return simulate(q_, l, options_.symmetry); });
+    };
+    auto drop = [&](std::size_t pos) {
+      finished.erase(pos);
+      if (pool_.running(pos)) dropped.insert(pos);
+    };
+    const int most = options_.max_candidates;
+    std::size_t next = 0, commit = 0;
+    while (commit < order.size()) {
+      // Start, in order, what may be needed, while there is room: not what the results known before it
+      // already prune (those before it can only lower the best), nor what --max-candidates would leave
+      // with every run ahead of it counted (it is started at its turn if some of those were not needed).
+      while (pool_.has_room() && next < order.size()) {
+        const std::size_t pos = next++;
+        if (options_.prune && !known_before(pos).beatable_by(pending_[order[pos]].candidate)) continue;
+        int ahead = static_cast<int>(finished.size());
+        for (std::size_t p = commit; p < pos; ++p) ahead += pool_.running(p) && dropped.count(p) == 0;
+        if (most > 0 && attempted_ + ahead >= most) continue;
+        start(pos);
+      }
+      // Decide, in order, as far as the results allow.
+      while (commit < order.size()) {
+        const std::size_t pos = commit;
+        Result& slot = pending_[order[pos]];
+        Candidate& k = slot.candidate;
+        if (options_.prune && !best.beatable_by(k)) {
+          k.status = Status::PrunedBound;
+          ++plan_.pruned;
+        } else if (most > 0 && attempted_ >= most) {
+          k.status = Status::Unexplored;
+          ++plan_.unexplored;
+        } else if (auto it = finished.find(pos); it != finished.end()) {
+          accept(slot, std::move(it->second));
+          finished.erase(it);
+          best.offer(slot);
+        } else {
+          if (!pool_.running(pos)) {
+            if (!pool_.has_room()) break;
+            start(pos);
+          }
+          break;  // its run is not in yet
+        }
+        drop(pos);
+        ++commit;
+        ++decided_;
+      }
+      show("screening");
+      if (commit == order.size()) break;
+      for (const std::size_t pos : pool_.wait_done()) {
+        Result r = pool_.take(pos);
+        if (dropped.erase(pos) == 0) finished.emplace(pos, std::move(r));
+      }
+    }
+    // Runs left going for layouts decided without them.
+    while (!dropped.empty()) {
+      for (const std::size_t pos : pool_.wait_done()) {
+        pool_.take(pos);
+        dropped.erase(pos);
+      }
+    }
+  }
+
+  void accept(Result& slot, Result r) {
+    ++attempted_;
+    r.candidate.status == Status::Simulated ? ++plan_.simulated : ++plan_.rejected_by_run;
+    slot = std::move(r);
+  }
+
+  // Simulates the leading layouts again with every rank running, until the leaders are all full runs.
+  void confirm() {
+    while (true) {
+      std::vector<std::size_t> ranked;
+      for (std::size_t i = 0; i < pending_.size(); ++i)
+        if (pending_[i].candidate.status == Status::Simulated) ranked.push_back(i);
+      if (ranked.empty()) return;
+      std::sort(ranked.begin(), ranked.end(),
+                [&](std::size_t a, std::size_t b) { return ranks_before(pending_[a], pending_[b]); });
+      const double best_us = pending_[ranked[0]].run->stats.step_time_us;
+      std::vector<std::size_t> todo;
+      for (std::size_t n = 0; n < ranked.size(); ++n) {
+        const Result& r = pending_[ranked[n]];
+        if (r.full) continue;
+        const bool leading = static_cast<int>(n) < options_.confirm;
+        const bool close = r.screening->stats.step_time_us <= best_us * (1 + options_.confirm_margin);
+        if (leading || close) todo.push_back(ranked[n]);
+      }
+      if (todo.empty()) return;
+      std::map<std::size_t, Result> done;
+      std::size_t next = 0;
+      while (done.size() < todo.size()) {
+        while (pool_.has_room() && next < todo.size()) {
+          const std::size_t i = todo[next++];
+          pool_.start(i, pending_[i].candidate.name,
+                      [this, l = pending_[i].candidate.layout] { return simulate(q_, l, false); });
+        }
+        show("confirming with every rank running");
+        for (const std::size_t i : pool_.wait_done()) done.emplace(i, pool_.take(i));
+      }
+      for (auto& [i, r] : done) {
+        Result& slot = pending_[i];
+        ++plan_.confirmed;
+        slot.wall_s += r.wall_s;
+        if (r.candidate.status == Status::Simulated) {
+          slot.run = std::move(r.run);
+          slot.full = true;
+        } else {
+          // Memory does not depend on the symmetry (tests/test_symmetry.cc); should the full run still run
+          // out, the layout is rejected as `run gpt` would reject it.
+          slot.run.reset();
+          slot.candidate.status = Status::RejectedMemory;
+          slot.candidate.reason = "with every rank running: " + r.candidate.reason;
+          --plan_.simulated;
+          ++plan_.rejected_by_run;
+        }
+      }
+    }
+  }
+
+  const Question& q_;
+  const SearchOptions& options_;
+  std::vector<Result>& pending_;
+  Plan& plan_;
+  Pool pool_;
+  Progress progress_;
+  int attempted_ = 0;         // layouts screened (simulated or out of memory)
+  std::int64_t decided_ = 0;  // for the progress line
+};
+
+}  // namespace
+
 Plan search(const Question& q, const SearchOptions& options) {
   const auto t0 = std::chrono::steady_clock::now();
   Plan plan;
   plan.question = q;
+  plan.jobs = std::max(1, options.jobs);
+  plan.symmetric = options.symmetry;
   std::vector<Candidate> all = enumerate(q);
   plan.enumerated = static_cast<int>(all.size());
   if (std::all_of(all.begin(), all.end(), [](const Candidate& k) { return k.status == Status::Invalid; })) {
@@ -99,12 +411,14 @@ Plan search(const Question& q, const SearchOptions& options) {
   }
   std::vector<Result> done, pending;
   for (Candidate& k : all) {
-    if (k.status == Status::Pending) {
-      pending.push_back(Result{std::move(k), std::nullopt});
+    Result r;
+    r.candidate = std::move(k);
+    if (r.candidate.status == Status::Pending) {
+      pending.push_back(std::move(r));
     } else {
-      plan.invalid += k.status == Status::Invalid;
-      plan.rejected_by_plan += k.status == Status::RejectedMemory;
-      done.push_back(Result{std::move(k), std::nullopt});
+      plan.invalid += r.candidate.status == Status::Invalid;
+      plan.rejected_by_plan += r.candidate.status == Status::RejectedMemory;
+      done.push_back(std::move(r));
     }
   }
   // Cheapest bound first; equal bounds by name, so that the order, and with it the answer, is the same
@@ -113,46 +427,12 @@ Plan search(const Question& q, const SearchOptions& options) {
     return a.candidate.bound_us != b.candidate.bound_us ? a.candidate.bound_us < b.candidate.bound_us
                                                         : a.candidate.name < b.candidate.name;
   });
-  double best_us = 0;
-  std::string best_name;
-  Progress progress("plan: simulating layouts", static_cast<std::int64_t>(pending.size()), stderr,
-                    options.progress && isatty(fileno(stderr)) == 1);
-  int attempted = 0;
-  for (std::size_t i = 0; i < pending.size(); ++i) {
-    Candidate& k = pending[i].candidate;
-    // A layout can win only by a shorter step, or by an equal one and an earlier name.
-    const bool can_win = !options.prune || best_name.empty() || k.bound_us < best_us ||
-                         (k.bound_us == best_us && k.name < best_name);
-    if (!can_win) {
-      k.status = Status::PrunedBound;
-      ++plan.pruned;
-      continue;
-    }
-    if (options.max_candidates > 0 && attempted >= options.max_candidates) {
-      k.status = Status::Unexplored;
-      ++plan.unexplored;
-      continue;
-    }
-    progress.update(static_cast<std::int64_t>(i), k.name);
-    ++attempted;
-    Result r = simulate(q, k.layout, options.symmetry);
-    r.candidate.status == Status::Simulated ? ++plan.simulated : ++plan.rejected_by_run;
-    if (r.candidate.status == Status::Simulated) {
-      const double t = r.run->stats.step_time_us;
-      if (best_name.empty() || t < best_us || (t == best_us && r.candidate.name < best_name)) {
-        best_us = t;
-        best_name = r.candidate.name;
-      }
-    }
-    pending[i] = std::move(r);
-  }
-  progress.finish();
+  Search(q, options, pending, plan).run();
   for (Result& r : pending) done.push_back(std::move(r));
   std::sort(done.begin(), done.end(), [](const Result& a, const Result& b) {
     const bool sa = a.candidate.status == Status::Simulated, sb = b.candidate.status == Status::Simulated;
     if (sa != sb) return sa;
-    if (sa && a.run->stats.step_time_us != b.run->stats.step_time_us)
-      return a.run->stats.step_time_us < b.run->stats.step_time_us;
+    if (sa) return ranks_before(a, b);
     return a.candidate.name < b.candidate.name;
   });
   plan.results = std::move(done);

@@ -8,8 +8,20 @@
 // finished, and one it rejects is one the lesson or the simulator refused: `ranklab run gpt` with that
 // layout runs out of memory too.
 //
-// Each simulation sets SimConfig::symmetry from the layout (tp and dp replicas of a stage do the same work)
-// unless asked not to, so the simulator may run one rank per pipeline stage instead of the whole world.
+// Screening and confirming. Each layout is first simulated with SimConfig::symmetry set from the layout
+// (the tp and dp replicas of a stage do the same work), so that one rank per pipeline stage runs instead
+// of the whole world. On a machine whose fat tree hashes routes through its spines (ECMP) and splits nodes
+// between leaves, that run is close to the full one but not equal to it: replicas' transfers share links
+// otherwise than their images do. So the leading layouts (the first `confirm` of the ranking, and every
+// layout whose screened step is within `confirm_margin` of the best) are simulated again with every rank
+// running, and their full figures are what the ranking uses and prints. Should a full run come out slower
+// than its screening, a layout pruned against the screened step may beat it after all: any such layout is
+// screened then, and the leaders confirmed again, until neither changes.
+//
+// Simulations run `jobs` at a time, each on a thread of its own. The decisions are taken in the order of
+// the bound as a one-at-a-time search would take them, whatever order the runs finish in, so the answer
+// does not depend on `jobs`: a layout is simulated speculatively only when what is known could not prune
+// it, and its result is dropped if the results before it, once in, would have.
 #pragma once
 
 #include <functional>
@@ -35,15 +47,25 @@ struct Simulated {
 
 struct Result {
   Candidate candidate;
-  std::optional<Simulated> run;  // for Status::Simulated
-  double wall_s = 0;             // what simulating it took here (0: not simulated)
+  // For Status::Simulated: the figures the ranking uses, the full run's where there is one.
+  std::optional<Simulated> run;
+  bool full = false;  // `run` comes from a simulation in which every rank ran
+  // The symmetric screening's figures, where the layout was screened that way (kept beside a full run).
+  std::optional<Simulated> screening;
+  double wall_s = 0;  // what simulating it took here, its runs together (0: not simulated)
 };
 
 struct SearchOptions {
-  int max_candidates = 0;  // the most layouts simulated; 0: no limit
-  bool symmetry = true;    // set SimConfig::symmetry for each run (false: every rank runs)
+  int max_candidates = 0;  // the most layouts screened; 0: no limit
+  bool symmetry = true;    // screen with SimConfig::symmetry (false: every run has every rank running)
   bool progress = true;    // a progress line on stderr when it is a terminal
   bool prune = true;       // false: simulate every layout that fits the plan (to check the bound)
+  int jobs = 1;            // simulations at once, each on a thread
+  // After symmetric screening, the layouts simulated again with every rank running: the first `confirm`
+  // of the ranking, and every one whose screened step is within `confirm_margin` (a fraction) of the best
+  // step. Unused without symmetry.
+  int confirm = 1;
+  double confirm_margin = 0.01;
 };
 
 struct Plan {
@@ -52,6 +74,10 @@ struct Plan {
   std::vector<Result> results;
   int enumerated = 0, invalid = 0, rejected_by_plan = 0, rejected_by_run = 0, pruned = 0, unexplored = 0,
       simulated = 0;
+  bool symmetric = true;  // screened with SimConfig::symmetry
+  int confirmed = 0;      // simulations again with every rank running, after screening
+  int jobs = 1;           // simulations at once
+  int screenings = 0;     // rounds of screening (more than one when a full run let a pruned layout back in)
   double wall_s = 0;
   std::vector<const Result*> ranked() const;  // the simulated ones, best first
 };
@@ -61,6 +87,7 @@ struct Plan {
 SimSymmetry symmetry_of(const Layout& l);
 
 // Simulates one layout; a Result of status Simulated, or RejectedMemory when the run ran out of memory.
+// With `symmetry`, one rank per pipeline stage runs (the result is a screening: `full` false).
 // UsageError when the gpt lesson refuses the layout.
 Result simulate(const Question& q, const Layout& l, bool symmetry);
 

@@ -41,6 +41,9 @@ struct SimConfig {
   std::int64_t host_memory_bytes = 0;
   // Empty: every rank runs (the default). See SimSymmetry.
   SimSymmetry symmetry{};
+  // The "[simulating] N operations" line on stderr (shown only when it is a terminal). Off where the
+  // caller shows progress of its own across many runs (`ranklab plan`).
+  bool progress = true;
 };
 
 class SimBackend : public Backend {

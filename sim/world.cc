@@ -47,7 +47,8 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
     : config_(config),
       compute_(config.profile.gpu),
       network_(make_network_model(config)),
-      engine_(network_->topology()) {
+      engine_(network_->topology()),
+      progress_("simulating", 0, config.progress ? stderr : nullptr) {
   ranks_.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
     auto s = std::make_unique<RankState>();

@@ -202,7 +202,7 @@ class SimWorld {
   std::map<std::string, HostRendezvous> host_rendezvous_;
   RunReport report_;
   // A large world's run shows its communication finishing on stderr (a terminal only).
-  Progress progress_{"simulating", 0};
+  Progress progress_;
   std::int64_t finished_ops_ = 0;
   std::string progress_detail_;
   // Names every operation of a kind shares, formatted and interned once: a collective's name ("all_reduce",

@@ -155,6 +155,109 @@ TEST(Plan, TheSameQuestionGivesTheSameRanking) {
   EXPECT_EQ(format_table(a, 10), format_table(b, 10));
 }
 
+// 2 layers, hidden 512, 2 heads, seq 512, vocab 4096, global batch 32 on four nodes (32 ranks) whose fat
+// tree has leaves of two nodes and a spine tier with a quarter of the leaves' bandwidth: data-parallel
+// traffic crosses the spines, where ECMP's hashed routes make the symmetric run differ from the full one.
+Question across_spines() {
+  Request r;
+  r.layers = 2;
+  r.hidden = 512;
+  r.heads = 2;
+  r.seq = 512;
+  r.vocab = 4096;
+  r.global_batch = 32;
+  r.nodes = 4;
+  r.max_interleave = 1;
+  Question q = make_question(r);
+  q.profile.fabric.switch_radix = 4;
+  q.profile.fabric.oversubscription = 4;
+  return q;
+}
+
+// One step of `ranklab run gpt` with the layout, as the planner runs it (phantom tensors), with every rank
+// running or one per pipeline stage.
+TrainingStats one_step(const Question& q, const Layout& l, bool symmetric) {
+  SimConfig c;
+  c.profile = q.profile;
+  c.echo_output = false;
+  if (symmetric) c.symmetry = symmetry_of(l);
+  SimBackend backend(c);
+  return *run_lesson(backend, "gpt", lesson_options(q, l)).training;
+}
+
+// The leading rows are full runs: their figures are `run gpt`'s without the symmetry, not the screening's,
+// which differ here; the rows after them are labelled as the screening's.
+TEST(Plan, TheLeadingRowsAreFullRunsEqualToRunGpt) {
+  const Question q = across_spines();
+  SearchOptions o = quiet();
+  o.confirm = 2;
+  const Plan p = search(q, o);
+  const std::vector<const Result*> ranked = p.ranked();
+  ASSERT_GE(ranked.size(), 3u);
+  EXPECT_GE(p.confirmed, 2);
+  bool differs = false;
+  for (int i = 0; i < 2; ++i) {
+    const Result& r = *ranked[i];
+    ASSERT_TRUE(r.full) << r.candidate.name;
+    ASSERT_TRUE(r.screening.has_value()) << r.candidate.name;
+    EXPECT_EQ(r.run->stats.step_time_us, one_step(q, r.candidate.layout, false).step_time_us)
+        << r.candidate.name;
+    EXPECT_EQ(r.screening->stats.step_time_us, one_step(q, r.candidate.layout, true).step_time_us)
+        << r.candidate.name;
+    differs = differs || r.run->stats.step_time_us != r.screening->stats.step_time_us;
+  }
+#if !defined(RANKLAB_SANITIZE)
+  EXPECT_TRUE(differs) << "the question no longer tells a full run from a symmetric one";
+#endif
+  // Below the confirmed ones, unless close to the best, the screening's figures, and said so.
+  const Result& third = *ranked[2];
+  if (third.screening->stats.step_time_us > ranked[0]->run->stats.step_time_us * (1 + o.confirm_margin)) {
+    EXPECT_FALSE(third.full);
+    EXPECT_EQ(third.run->stats.step_time_us, third.screening->stats.step_time_us);
+  }
+  const std::string table = format_table(p, 3);
+  EXPECT_NE(table.find(ranked[0]->candidate.name + "  "), std::string::npos);
+  EXPECT_NE(table.find(" full "), std::string::npos);
+  EXPECT_NE(plan_to_json(p).find("\"simulation\": \"full\""), std::string::npos);
+  // No screened layout outside the confirmed set could beat the winner: none screened faster than it.
+  for (const Result* r : ranked) {
+    if (!r->full) {
+      EXPECT_GE(r->screening->stats.step_time_us, ranked[0]->run->stats.step_time_us);
+    }
+  }
+}
+
+// Simulations at once change the time taken, not the answer: the same statuses, step times and table as
+// one at a time, with and without a limit on the simulations.
+TEST(Plan, JobsDoNotChangeTheAnswer) {
+  for (const bool limited : {false, true}) {
+    const Question q = limited ? tiny() : across_spines();
+    SearchOptions one = quiet(), four = quiet();
+    if (limited) one.max_candidates = four.max_candidates = 7;
+    one.jobs = 1;
+    four.jobs = 4;
+    const Plan a = search(q, one), b = search(q, four);
+    ASSERT_EQ(a.results.size(), b.results.size());
+    for (std::size_t i = 0; i < a.results.size(); ++i) {
+      const Result &x = a.results[i], &y = b.results[i];
+      EXPECT_EQ(x.candidate.name, y.candidate.name) << i;
+      EXPECT_EQ(x.candidate.status, y.candidate.status) << x.candidate.name;
+      EXPECT_EQ(x.full, y.full) << x.candidate.name;
+      if (x.run && y.run) {
+        EXPECT_EQ(x.run->stats.step_time_us, y.run->stats.step_time_us) << x.candidate.name;
+      }
+    }
+    EXPECT_EQ(a.simulated, b.simulated);
+    EXPECT_EQ(a.pruned, b.pruned);
+    EXPECT_EQ(a.unexplored, b.unexplored);
+    EXPECT_EQ(a.confirmed, b.confirmed);
+    EXPECT_EQ(format_table(a, 10), format_table(b, 10));
+    if (limited) {
+      EXPECT_EQ(a.simulated + a.rejected_by_run, 7);
+    }
+  }
+}
+
 void expect_usage_error(const std::function<void()>& f, const std::string& needle) {
   try {
     f();
@@ -188,6 +291,22 @@ TEST(Plan, BadInputIsAClearUsageError) {
   expect_usage_error([] { parse_layout("tp4-pp2"); }, "too few parts");
   expect_usage_error([] { parse_layout("tp4-pp2-v1-dp1-zero0-mb1-some-tp-dp-pp"); },
                      "none, selective or full");
+}
+
+// --model fills the shape the flags leave, as `ranklab run gpt --model` does; a flag given wins.
+TEST(Plan, APresetFillsWhatTheFlagsLeave) {
+  Request r;
+  r.model = "llama3-70b";
+  r.seq = 4096;
+  const Question q = make_question(r);
+  EXPECT_EQ(q.model, "llama3-70b");
+  EXPECT_EQ(q.layers, 80);
+  EXPECT_EQ(q.hidden, 8192);
+  EXPECT_EQ(q.heads, 64);
+  EXPECT_EQ(q.vocab, 128256);
+  EXPECT_EQ(q.global_batch, 512);
+  EXPECT_EQ(q.seq, 4096);
+  EXPECT_EQ(make_question(Request{}).model, "custom");
 }
 
 TEST(Plan, LayoutNamesReadBack) {

@@ -151,16 +151,7 @@ void add_lesson_options(CLI::App& run, Options& o) {
 // --model fills the shape flags the command line left out (after the lesson's own defaults).
 void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options& o) {
   if (lesson != "gpt") return;
-  if (!o.model.empty()) {
-    const gpt::Preset& p = gpt::find_preset(o.model);
-    if (run.count("--layers") == 0) o.layers = p.layers;
-    if (run.count("--hidden") == 0) o.hidden = p.hidden;
-    if (run.count("--heads") == 0) o.heads = p.heads;
-    if (run.count("--seq") == 0) o.seq = p.seq;
-    if (run.count("--vocab") == 0) o.vocab = p.vocab;
-    if (run.count("--global-batch") == 0) o.global_batch = p.global_batch;
-    if (run.count("--micro-batch") == 0) o.micro_batch = 1;
-  }
+  gpt::apply_preset(o, [&](const std::string& flag) { return run.count(flag) > 0; });
 }
 
 // --symmetric: the gpt layout's grid, its tp (and dp) dimensions replicated (parallel::Layout::symmetry).
@@ -601,6 +592,12 @@ int ranklab::main_of(int argc, char** argv) {
   bool plan_no_symmetry = false;
   plan->add_flag("--no-symmetry", plan_no_symmetry,
                  "simulate every rank, not one per class of identical ranks (slower; for checking)");
+  plan->add_option("--jobs", plan_request.jobs,
+                   "simulations at once, each on a thread (default 0: one per core); the answer is the same");
+  plan->add_option("--confirm", plan_request.confirm,
+                   "the leading layouts simulated again with every rank running after screening (default 1)");
+  plan->add_option("--confirm-margin", plan_request.confirm_margin,
+                   "and every layout whose screened step is within this fraction of the best (default 0.01)");
   plan->add_option("--report", plan_request.report_dir, "write plan.json and plan.html to this folder");
   plan->add_option("--explain", plan_request.explain,
                    "a layout as the table prints it: where its time goes against the winner's");
