@@ -157,7 +157,7 @@ TEST(Plan, TheSameQuestionGivesTheSameRanking) {
 
 // 2 layers, hidden 512, 2 heads, seq 512, vocab 4096, global batch 32 on four nodes (32 ranks) whose fat
 // tree has leaves of two nodes and a spine tier with a quarter of the leaves' bandwidth: data-parallel
-// traffic crosses the spines, where ECMP's hashed routes make the symmetric run differ from the full one.
+// traffic crosses the spines, where ECMP's hashed routes make the replicas' transfers differ.
 Question across_spines() {
   Request r;
   r.layers = 2;
@@ -185,8 +185,9 @@ TrainingStats one_step(const Question& q, const Layout& l, bool symmetric) {
   return *run_lesson(backend, "gpt", lesson_options(q, l)).training;
 }
 
-// The leading rows are full runs: their figures are `run gpt`'s without the symmetry, not the screening's,
-// which differ here; the rows after them are labelled as the screening's.
+// The leading rows are full runs: their figures are `run gpt`'s without the symmetry (here equal to the
+// screening's, since a symmetric operation waits for its replicas' copies; they need not be in general);
+// the rows after them are labelled as the screening's.
 TEST(Plan, TheLeadingRowsAreFullRunsEqualToRunGpt) {
   const Question q = across_spines();
   SearchOptions o = quiet();
@@ -195,7 +196,6 @@ TEST(Plan, TheLeadingRowsAreFullRunsEqualToRunGpt) {
   const std::vector<const Result*> ranked = p.ranked();
   ASSERT_GE(ranked.size(), 3u);
   EXPECT_GE(p.confirmed, 2);
-  bool differs = false;
   for (int i = 0; i < 2; ++i) {
     const Result& r = *ranked[i];
     ASSERT_TRUE(r.full) << r.candidate.name;
@@ -204,11 +204,7 @@ TEST(Plan, TheLeadingRowsAreFullRunsEqualToRunGpt) {
         << r.candidate.name;
     EXPECT_EQ(r.screening->stats.step_time_us, one_step(q, r.candidate.layout, true).step_time_us)
         << r.candidate.name;
-    differs = differs || r.run->stats.step_time_us != r.screening->stats.step_time_us;
   }
-#if !defined(RANKLAB_SANITIZE)
-  EXPECT_TRUE(differs) << "the question no longer tells a full run from a symmetric one";
-#endif
   // Below the confirmed ones, unless close to the best, the screening's figures, and said so.
   const Result& third = *ranked[2];
   if (third.screening->stats.step_time_us > ranked[0]->run->stats.step_time_us * (1 + o.confirm_margin)) {
