@@ -286,6 +286,7 @@ class RunSummary {
   // it does not disturb the timing. True on rank 0, which then reads the figures below.
   bool gather(const std::vector<float>& extra = {}, const std::vector<Tensor>* weights = nullptr);
   double peak_bytes() const { return peak_bytes_; }  // the busiest rank's
+  double peak_bytes_of(int rank) const { return all_[rank][0]; }
   // Rank `rank`'s `extra`.
   std::vector<float> extra(int rank) const;
 
