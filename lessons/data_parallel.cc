@@ -6,8 +6,6 @@
 //   ranklab run data_parallel --world 4 --overlap --bucket-mb 0.01
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -138,10 +136,7 @@ void data_parallel(Rank& r, const Options& o) {
   // This rank's loss is the mean over its samples; all_reduce(Avg) of the gradients then averages the
   // ranks' means, which is the mean over the whole batch.
   Tensor dloss = mlp::loss_grad(r, o, {local, o.dim}, local);
-  mlp::PeakMemory peak_memory(r);
-  std::unique_ptr<mlp::Reference> ref;
-  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
-  mlp::Diff worst;
+  mlp::RunSummary summary(r, o, "data_parallel");
   mlp::Traffic traffic;
   double step_us = 0, exposed_us = 0, launched_us = 0;
 
@@ -172,7 +167,7 @@ void data_parallel(Rank& r, const Options& o) {
       if (o.overlap && reduce_grads) buckets.add(grads, l);  // starts its all_reduce while backward goes on
     }
     phase.reset();
-    peak_memory.sample();  // every gradient and every activation
+    summary.sample_memory();  // every gradient and every activation
     acts.clear();
     dy = Tensor();
     buckets.launch(grads);
@@ -203,59 +198,37 @@ void data_parallel(Rank& r, const Options& o) {
     // The check against one device (after the timed step, so it does not count in it).
     std::string line = fmt::format("step {}/{}  time {}  communication after backward {}", step, o.steps,
                                    mlp::format_time(step_us), mlp::format_time(exposed_us));
-    if (ref) {
-      auto scope = r.bookkeeping("reference");
-      ref->step();
+    double loss_all = 0;
+    const auto d = summary.check_step(step, "loss, gradients and weights", [&](const mlp::Reference& ref) {
       const double mine = r.to_host(out_sum)[0] / static_cast<double>(local);
       Tensor loss = r.from_host({1}, {static_cast<float>(mine)});
       r.all_reduce(loss, ReduceOp::Avg);  // to print the loss of the whole batch
-      const double loss_all = r.to_host(loss)[0];
-      mlp::Diff d = mlp::compare(loss_all, ref->loss(), ref->loss_bound(), "the loss");
-      d.merge(mlp::compare_layers(r, *ref, grads, w, 0, 0, o.dim));
-      worst.merge_step(d);
-      mlp::check_step(r, "data_parallel", step, "loss, gradients and weights", d);
-      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, ref->loss(), mlp::verdict(d));
+      loss_all = r.to_host(loss)[0];
+      mlp::Diff diff = mlp::compare(loss_all, ref.loss(), ref.loss_bound(), "the loss");
+      diff.merge(mlp::compare_layers(r, ref, grads, w, 0, 0, o.dim));
+      return diff;
+    });
+    if (d) {
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, summary.reference()->loss(),
+                          mlp::verdict(*d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }
 
   // Every rank's statistics to rank 0, after the training so it does not disturb the timing.
-  auto scope = r.bookkeeping("report");
-  std::vector<float> stats = {static_cast<float>(peak_memory.bytes()), static_cast<float>(worst.relative()),
-                              static_cast<float>(worst.worst)};
-  if (!o.phantom) {
-    std::vector<std::vector<float>> host;
-    for (const Tensor& t : w) host.push_back(r.to_host(t));
-    for (float f : mlp::fingerprint(host)) stats.push_back(f);
-  }
-  auto all = mlp::gather_to_root(r, stats);
-  if (rank != 0) return;
-  double peak = 0, rel = 0, used = 0;
-  bool identical = true;
-  for (const auto& s : all) {
-    peak = std::max<double>(peak, s[0]);
-    rel = std::max<double>(rel, s[1]);
-    used = std::max<double>(used, s[2]);
-    identical = identical && std::equal(s.begin() + 3, s.end(), all[0].begin() + 3);
-  }
-  r.print(fmt::format("last step: {} ({} of it communication after backward, not hidden by compute)",
-                      mlp::format_time(step_us), mlp::format_time(exposed_us)));
-  if (const std::string note = mlp::launch_note(launched_us, step_us); !note.empty()) r.print(note);
+  if (!summary.gather({}, &w)) return;
+  summary.print_last_step(step_us, launched_us,
+                          fmt::format(" ({} of it communication after backward, not hidden by compute)",
+                                      mlp::format_time(exposed_us)));
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce call{}, {} in all ({}: the lecture's one gradient "
       "synchronisation per step, after backward)",
       traffic.calls, traffic.calls == 1 ? "" : "s", format_bytes(traffic.bytes),
       o.overlap ? "one per bucket of gradients" : "one per layer's gradient"));
-  r.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak)));
-  if (o.phantom) {
-    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
-    return;
-  }
-  r.check("data_parallel: the weights are identical on every rank", identical,
-          identical ? "the same bits on every rank" : "the ranks' weights differ");
-  r.print(fmt::format("weights identical on every rank ({} of them): {}", world, identical ? "yes" : "NO"));
-  r.print(fmt::format("equal to one device over the full batch after every step: {}",
-                      mlp::agreement(used, rel, worst.undecided_steps == 0)));
+  summary.print_peak_memory();
+  if (summary.skipped_comparison()) return;
+  summary.check_identical_weights();
+  summary.print_agreement();
 }
 
 }  // namespace

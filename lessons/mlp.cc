@@ -759,4 +759,90 @@ bool print_memory_plan(Rank& r, const std::string& who, const Memory& m) {
   return false;
 }
 
+// ---- RunSummary -------------------------------------------------------------------------------------------
+
+RunSummary::RunSummary(Rank& r, const Options& o, std::string lesson)
+    : r_(r), o_(o), lesson_(std::move(lesson)), peak_(r) {
+  if (!o.phantom) ref_ = std::make_unique<Reference>(o);
+}
+
+RunSummary::~RunSummary() = default;
+
+std::optional<Diff> RunSummary::check_step(int step, const std::string& what,
+                                           const std::function<Diff(const Reference&)>& compare,
+                                           const std::string& where) {
+  if (!ref_) return std::nullopt;
+  auto scope = r_.bookkeeping("reference");
+  ref_->step();
+  Diff d = compare(*ref_);
+  worst_.merge_step(d);
+  mlp::check_step(r_, lesson_, step, what, d, where);
+  return d;
+}
+
+std::string RunSummary::agreement_of_this_rank() const {
+  return agreement(worst_.worst, worst_.relative(), worst_.undecided_steps == 0);
+}
+
+void RunSummary::begin_report() {
+  // A region cannot be moved; made in place from bookkeeping()'s result.
+  if (!report_) report_.reset(new Rank::Region(r_.bookkeeping("report")));
+}
+
+bool RunSummary::gather(const std::vector<float>& extra, const std::vector<Tensor>* weights) {
+  begin_report();
+  std::vector<float> stats = {static_cast<float>(peak_.bytes()), static_cast<float>(worst_.relative()),
+                              static_cast<float>(worst_.worst)};
+  stats.insert(stats.end(), extra.begin(), extra.end());
+  extra_ = extra.size();
+  if (weights && !o_.phantom) {
+    std::vector<std::vector<float>> host;
+    for (const Tensor& t : *weights) host.push_back(r_.to_host(t));
+    for (float f : fingerprint(host)) stats.push_back(f);
+  }
+  all_ = gather_to_root(r_, stats);
+  if (r_.rank() != 0) return false;
+  const auto prints = all_[0].begin() + 3 + static_cast<std::ptrdiff_t>(extra_);
+  for (const auto& s : all_) {
+    peak_bytes_ = std::max<double>(peak_bytes_, s[0]);
+    relative_ = std::max<double>(relative_, s[1]);
+    used_ = std::max<double>(used_, s[2]);
+    identical_ =
+        identical_ && std::equal(s.begin() + 3 + static_cast<std::ptrdiff_t>(extra_), s.end(), prints);
+  }
+  return true;
+}
+
+std::vector<float> RunSummary::extra(int rank) const {
+  const auto& s = all_[rank];
+  return std::vector<float>(s.begin() + 3, s.begin() + 3 + static_cast<std::ptrdiff_t>(extra_));
+}
+
+void RunSummary::print_last_step(double step_us, double launched_us, const std::string& detail) const {
+  r_.print(fmt::format("last step: {}{}", format_time(step_us), detail));
+  if (const std::string note = launch_note(launched_us, step_us); !note.empty()) r_.print(note);
+}
+
+void RunSummary::print_peak_memory() const {
+  r_.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak_bytes_)));
+}
+
+bool RunSummary::skipped_comparison() const {
+  if (!o_.phantom) return false;
+  r_.print("phantom tensors hold no numbers: the comparison with one device was skipped");
+  return true;
+}
+
+void RunSummary::check_identical_weights() const {
+  r_.check(lesson_ + ": the weights are identical on every rank", identical_,
+           identical_ ? "the same bits on every rank" : "the ranks' weights differ");
+  r_.print(fmt::format("weights identical on every rank ({} of them): {}", r_.world_size(),
+                       identical_ ? "yes" : "NO"));
+}
+
+void RunSummary::print_agreement(const std::string& what) const {
+  r_.print(fmt::format("equal to one device over the full batch after every step{}: {}", what,
+                       agreement(used_, relative_, worst_.undecided_steps == 0)));
+}
+
 }  // namespace ranklab::mlp

@@ -13,7 +13,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -245,5 +247,72 @@ std::vector<std::vector<float>> gather_to_root(Rank& r, const std::vector<float>
 // Prints what a rank will hold and how much of its device that is; when it is more than the device
 // holds, says so and returns false. The lesson then goes on, and the device runs out of memory.
 bool print_memory_plan(Rank& r, const std::string& who, const Memory& m);
+
+// ---- what every training lesson does besides its idea
+// ------------------------------------------------------
+
+// The check against one device and the figures printed after the training, which every training lesson
+// shares. A rank makes one at the start; it checks each timed step against the one-device reference
+// (check_step), then gathers every rank's figures to rank 0 (gather) for the lines printed at the end.
+class RunSummary {
+ public:
+  // `lesson` names the checks: "<lesson> step <n>: ...".
+  RunSummary(Rank& r, const Options& o, std::string lesson);
+  ~RunSummary();
+  RunSummary(const RunSummary&) = delete;
+  RunSummary& operator=(const RunSummary&) = delete;
+
+  // The reference, or null with --phantom (phantom tensors hold no numbers to compare).
+  const Reference* reference() const { return ref_.get(); }
+  // Records this rank's memory now (PeakMemory::sample).
+  void sample_memory() { peak_.sample(); }
+
+  // After a timed step: one step of the reference, then `compare` (this rank's numbers against it), both as
+  // bookkeeping that the step's timing and the report's communication leave out; the difference is
+  // recorded as the step's check (mlp::check_step) and returned. Nothing with --phantom.
+  std::optional<Diff> check_step(int step, const std::string& what,
+                                 const std::function<Diff(const Reference&)>& compare,
+                                 const std::string& where = "");
+  // This rank's difference over every step so far.
+  const Diff& diff() const { return worst_; }
+  // agreement() of this rank's steps alone.
+  std::string agreement_of_this_rank() const;
+
+  // Opens the bookkeeping region of the report; gather() opens it if this has not. It stays open until the
+  // summary goes: the report's figures are the lesson's bookkeeping, not its work.
+  void begin_report();
+  // Every rank's peak memory, differences and `extra` (the same length on every rank), and with `weights`
+  // (not with --phantom) a fingerprint of them, gathered to rank 0 with one gather, after the training so
+  // it does not disturb the timing. True on rank 0, which then reads the figures below.
+  bool gather(const std::vector<float>& extra = {}, const std::vector<Tensor>* weights = nullptr);
+  double peak_bytes() const { return peak_bytes_; }  // the busiest rank's
+  double peak_bytes_of(int rank) const { return all_[rank][0]; }
+  // Rank `rank`'s `extra`.
+  std::vector<float> extra(int rank) const;
+
+  // Rank 0, after gather(). "last step: <time><detail>", and the launch note when launches dominated.
+  void print_last_step(double step_us, double launched_us, const std::string& detail = "") const;
+  // "measured peak memory of the busiest rank: ..."
+  void print_peak_memory() const;
+  // With --phantom: says that the comparison was skipped, and returns true.
+  bool skipped_comparison() const;
+  // Checks that every rank's weights have the same fingerprint, and prints whether they do.
+  void check_identical_weights() const;
+  // "equal to one device over the full batch after every step<what>: yes (...)", over every rank.
+  void print_agreement(const std::string& what = "") const;
+
+ private:
+  Rank& r_;
+  const Options& o_;
+  std::string lesson_;
+  PeakMemory peak_;
+  std::unique_ptr<Reference> ref_;
+  Diff worst_;
+  std::unique_ptr<Rank::Region> report_;
+  std::vector<std::vector<float>> all_;  // rank 0: every rank's gathered figures
+  double peak_bytes_ = 0, relative_ = 0, used_ = 0;
+  bool identical_ = true;
+  std::size_t extra_ = 0;
+};
 
 }  // namespace ranklab::mlp

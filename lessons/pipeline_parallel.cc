@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -191,10 +190,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
   // How many forwards a stage runs before its first backward: 1f1b, as many as the stages after it need
   // to fill the pipeline; gpipe (and naive, one micro-batch), all of them.
   const int warmup = sched == "1f1b" ? std::min(stages - stage - 1, m) : m;
-  mlp::PeakMemory peak_memory(r);
-  std::unique_ptr<mlp::Reference> ref;
-  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
-  mlp::Diff worst;
+  mlp::RunSummary summary(r, o, "pipeline_parallel");
   mlp::Traffic traffic;
   std::vector<float> times;         // (start, end) of each task of the last step, from the step's start
   std::vector<PipelineTask> tasks;  // the same on the run's clock, for the report's schedule chart
@@ -266,7 +262,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
       Tensor out = st.forward(k, x);
       if (last_stage) sums.push_back(mlp::output_sum(r, out));
       marks.emplace_back(start, r.record_event());
-      peak_memory.sample();
+      summary.sample_memory();
       return out;
     };
     auto backward = [&](int k, const Tensor& dy) {
@@ -276,7 +272,7 @@ void pipeline_parallel(Rank& r, const Options& o) {
       Event start = r.record_event();
       Tensor dx = st.backward(k, dy);
       marks.emplace_back(start, r.record_event());
-      peak_memory.sample();
+      summary.sample_memory();
       return dx;
     };
     const int prev = first_stage ? -1 : stage - 1, next = last_stage ? -1 : stage + 1;
@@ -346,27 +342,27 @@ void pipeline_parallel(Rank& r, const Options& o) {
       tasks.push_back({r.rank(), stage, 0, order[i].mb, order[i].forward, t0 + start, t0 + end});
     }
 
-    if (!ref) continue;
-    auto scope = r.bookkeeping("reference");
-    ref->step();
-    mlp::Diff d = mlp::compare_layers(r, *ref, st.grads, st.w, first, 0, o.dim);
     double loss = 0;
-    if (last_stage) {
-      for (const Tensor& s : sums) loss += r.to_host(s)[0];
-      loss /= static_cast<double>(o.batch);
-      d.merge(mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss"));
-    }
-    worst.merge_step(d);
-    mlp::check_step(r, "pipeline_parallel", step, "every stage's gradients and weights, and the loss,", d,
-                    fmt::format("stage {}{}: ", stage, last_stage ? " (with the loss)" : ""));
-    if (last_stage && !o.quiet) {
+    const auto d = summary.check_step(
+        step, "every stage's gradients and weights, and the loss,",
+        [&](const mlp::Reference& ref) {
+          mlp::Diff diff = mlp::compare_layers(r, ref, st.grads, st.w, first, 0, o.dim);
+          if (last_stage) {
+            for (const Tensor& s : sums) loss += r.to_host(s)[0];
+            loss /= static_cast<double>(o.batch);
+            diff.merge(mlp::compare(loss, ref.loss(), ref.loss_bound(), "the loss"));
+          }
+          return diff;
+        },
+        fmt::format("stage {}{}: ", stage, last_stage ? " (with the loss)" : ""));
+    if (d && last_stage && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, ref->loss(), mlp::verdict(d)));
+                          mlp::format_time(step_us), loss, summary.reference()->loss(), mlp::verdict(*d)));
     }
   }
 
   r.report_pipeline(tasks);
-  auto scope = r.bookkeeping("report");
+  summary.begin_report();
   const int bound = max_alive(sched, stage, stages, m);
   if (sched == "1f1b") {  // at most p - stage, so never more than p, however many micro-batches
     r.check("pipeline_parallel 1f1b: a stage keeps the activations of at most p micro-batches",
@@ -375,36 +371,29 @@ void pipeline_parallel(Rank& r, const Options& o) {
                         stage, st.most_alive, bound, stages));
   }
   // Every stage's times and statistics to rank 0, which measures the bubble and draws the schedule.
+  std::vector<float> extra = times;
   const size_t n = times.size();
-  std::vector<float> stats = times;
-  stats.push_back(static_cast<float>(st.most_alive));
-  stats.push_back(static_cast<float>(peak_memory.bytes()));
-  stats.push_back(static_cast<float>(worst.relative()));
-  stats.push_back(static_cast<float>(worst.worst));
-  auto all = mlp::gather_to_root(r, stats);
-  if (!first_stage) return;
+  extra.push_back(static_cast<float>(st.most_alive));
+  if (!summary.gather(extra)) return;
 
-  double window = 0, bubble_sum = 0, rel = 0,
-         used = 0;  // every rank's clock starts the step at the same barrier
-  for (const auto& s : all) window = std::max<double>(window, s[n - 1]);
+  double window = 0, bubble_sum = 0;  // every rank's clock starts the step at the same barrier
+  for (int s = 0; s < stages; ++s) window = std::max<double>(window, summary.extra(s)[n - 1]);
   std::vector<std::vector<float>> task_times;
   r.print(
       "per rank, over the last step's schedule (the report below splits 'waiting' into communication "
       "and idle):");
   for (int s = 0; s < stages; ++s) {
-    const std::vector<float>& v = all[s];
+    const std::vector<float> v = summary.extra(s);
     double busy = 0;
     for (size_t i = 0; i < n; i += 2) busy += v[i + 1] - v[i];
     bubble_sum += 1.0 - busy / window;
-    rel = std::max<double>(rel, v[n + 2]);
-    used = std::max<double>(used, v[n + 3]);
     task_times.emplace_back(v.begin(), v.begin() + n);
     if (o.quiet && s > 0) continue;
     r.print(
         fmt::format("  rank {:<3} compute {:>10}  waiting {:>10}  bubble {:5.1f}%  activations of at most "
                     "{} micro-batch{} alive  peak memory {}",
                     s, mlp::format_time(busy), mlp::format_time(window - busy), 100 * (1.0 - busy / window),
-                    static_cast<int>(v[n]), v[n] == 1 ? "" : "es", format_bytes(v[n + 1])));
+                    static_cast<int>(v[n]), v[n] == 1 ? "" : "es", format_bytes(summary.peak_bytes_of(s))));
   }
   r.print(
       fmt::format("bubble fraction {:.4f} measured (mean over ranks); (p-1)/(m+p-1) = {}/{} = {:.4f} "
@@ -415,12 +404,8 @@ void pipeline_parallel(Rank& r, const Options& o) {
                   "their gradients cross stages)",
                   format_bytes(traffic.bytes), traffic.calls));
   if (!o.quiet) print_gantt(r, sched, m, task_times, window);
-  if (o.phantom) {
-    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
-    return;
-  }
-  r.print(fmt::format("equal to one device over the full batch after every step (each stage's layers): {}",
-                      mlp::agreement(used, rel, worst.undecided_steps == 0)));
+  if (summary.skipped_comparison()) return;
+  summary.print_agreement(" (each stage's layers)");
 }
 
 }  // namespace

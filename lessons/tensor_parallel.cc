@@ -6,8 +6,6 @@
 //   ranklab run tensor_parallel --world 4
 #include <fmt/format.h>
 
-#include <algorithm>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -84,9 +82,7 @@ void megatron_pairs(Rank& r, const Options& o) {
   mlp::Optimizer opt(r, o, w);
   Tensor x = mlp::make_samples(r, o, 0, o.batch);
   Tensor dloss = mlp::loss_grad(r, o, {o.batch, o.dim}, o.batch);
-  std::unique_ptr<mlp::Reference> ref;
-  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
-  mlp::Diff worst;
+  mlp::RunSummary summary(r, o, "tensor_parallel --megatron");
   mlp::Traffic traffic;
   double step_us = 0;
   for (int step = 1; step <= o.steps; ++step) {
@@ -128,27 +124,27 @@ void megatron_pairs(Rank& r, const Options& o) {
     }
     r.synchronize();
     step_us = r.now() - t0;
-    if (!ref) continue;
-    auto scope = r.bookkeeping("reference");
-    ref->step();
-    const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
-    mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
-    for (int l = 0; l < layers; ++l) {
-      auto mine = [&](const std::vector<float>& m) {
-        if (l % 2 == 0) return mlp::columns(m, o.dim, o.dim, first, c);
-        return std::vector<float>(m.begin() + first * o.dim, m.begin() + (first + c) * o.dim);
-      };
-      const std::int64_t cols = l % 2 == 0 ? c : o.dim;
-      d.merge(mlp::compare(r.to_host(grads[l]), mine(ref->grad(l)), mine(ref->grad_bound(l)),
-                           fmt::format("layer {} gradient", l), cols));
-      d.merge(mlp::compare(r.to_host(w[l]), mine(ref->weight(l)), mine(ref->weight_bound(l)),
-                           fmt::format("layer {} weight", l), cols));
-    }
-    worst.merge_step(d);
-    mlp::check_step(r, "tensor_parallel --megatron", step, "loss, gradients and weight blocks", d);
-    if (rank == 0 && !o.quiet) {
+    double loss = 0;
+    const auto d =
+        summary.check_step(step, "loss, gradients and weight blocks", [&](const mlp::Reference& ref) {
+          loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
+          mlp::Diff diff = mlp::compare(loss, ref.loss(), ref.loss_bound(), "the loss");
+          for (int l = 0; l < layers; ++l) {
+            auto mine = [&](const std::vector<float>& m) {
+              if (l % 2 == 0) return mlp::columns(m, o.dim, o.dim, first, c);
+              return std::vector<float>(m.begin() + first * o.dim, m.begin() + (first + c) * o.dim);
+            };
+            const std::int64_t cols = l % 2 == 0 ? c : o.dim;
+            diff.merge(mlp::compare(r.to_host(grads[l]), mine(ref.grad(l)), mine(ref.grad_bound(l)),
+                                    fmt::format("layer {} gradient", l), cols));
+            diff.merge(mlp::compare(r.to_host(w[l]), mine(ref.weight(l)), mine(ref.weight_bound(l)),
+                                    fmt::format("layer {} weight", l), cols));
+          }
+          return diff;
+        });
+    if (d && rank == 0 && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, ref->loss(), mlp::verdict(d)));
+                          mlp::format_time(step_us), loss, summary.reference()->loss(), mlp::verdict(*d)));
     }
   }
   if (rank != 0) return;
@@ -156,10 +152,11 @@ void megatron_pairs(Rank& r, const Options& o) {
       "communication per rank per step: {} all_reduce calls, {} in all (one per pair of layers forward, one "
       "per pair but the first backward), against {} collectives of the all_gather scheme",
       traffic.calls, format_bytes(traffic.bytes), 2 * layers - 1));
-  if (!o.phantom)
+  if (!o.phantom) {
     r.print(
         fmt::format("rank 0's blocks equal to one device's after every step (every rank checks its own): {}",
-                    mlp::agreement(worst.worst, worst.relative(), worst.undecided_steps == 0)));
+                    summary.agreement_of_this_rank()));
+  }
 }
 
 void tensor_parallel(Rank& r, const Options& o) {
@@ -209,10 +206,7 @@ void tensor_parallel(Rank& r, const Options& o) {
   Tensor x = mlp::make_samples(r, o, 0, o.batch);  // every rank holds the whole batch
   // d loss / d (this rank's columns of the output), transposed
   Tensor dloss = mlp::loss_grad(r, o, {cols, o.batch}, o.batch);
-  std::unique_ptr<mlp::Reference> ref;
-  if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
-  mlp::PeakMemory peak_memory(r);
-  mlp::Diff worst;
+  mlp::RunSummary summary(r, o, "tensor_parallel");
   mlp::Traffic traffic;
   double step_us = 0, launched_us = 0;
 
@@ -251,7 +245,7 @@ void tensor_parallel(Rank& r, const Options& o) {
       }
     }
     phase.reset();
-    peak_memory.sample();  // every gradient and every activation
+    summary.sample_memory();  // every gradient and every activation
     xs.clear();
     hs.clear();
     dh = Tensor();
@@ -264,31 +258,23 @@ void tensor_parallel(Rank& r, const Options& o) {
     step_us = r.now() - t0;
 
     std::string line = fmt::format("step {}/{}  time {}", step, o.steps, mlp::format_time(step_us));
-    if (ref) {
-      auto scope = r.bookkeeping("reference");
-      ref->step();
-      const double loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
-      mlp::Diff d = mlp::compare(loss, ref->loss(), ref->loss_bound(), "the loss");
-      d.merge(mlp::compare_layers(r, *ref, grads, w, 0, first_col, cols));
-      worst.merge_step(d);
-      mlp::check_step(r, "tensor_parallel", step, "loss, gradients and weight columns", d);
-      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, ref->loss(), mlp::verdict(d));
+    double loss = 0;
+    const auto d =
+        summary.check_step(step, "loss, gradients and weight columns", [&](const mlp::Reference& ref) {
+          loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
+          mlp::Diff diff = mlp::compare(loss, ref.loss(), ref.loss_bound(), "the loss");
+          diff.merge(mlp::compare_layers(r, ref, grads, w, 0, first_col, cols));
+          return diff;
+        });
+    if (d) {
+      line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, summary.reference()->loss(),
+                          mlp::verdict(*d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }
 
-  auto scope = r.bookkeeping("report");
-  auto all = mlp::gather_to_root(r, {static_cast<float>(peak_memory.bytes()),
-                                     static_cast<float>(worst.relative()), static_cast<float>(worst.worst)});
-  if (rank != 0) return;
-  double peak = 0, rel = 0, used = 0;
-  for (const auto& s : all) {
-    peak = std::max<double>(peak, s[0]);
-    rel = std::max<double>(rel, s[1]);
-    used = std::max<double>(used, s[2]);
-  }
-  r.print(fmt::format("last step: {}", mlp::format_time(step_us)));
-  if (const std::string note = mlp::launch_note(launched_us, step_us); !note.empty()) r.print(note);
+  if (!summary.gather()) return;
+  summary.print_last_step(step_us, launched_us);
   r.print(fmt::format(
       "communication per rank per step: {} collectives, {} in all ({} all_gather in the forward, {} "
       "reduce_scatter in the backward: one at every layer, in the middle of the computation, which waits "
@@ -307,15 +293,9 @@ void tensor_parallel(Rank& r, const Options& o) {
                                         "layer, on the critical path",
                                         o.batch, o.dim)
                           : ""));
-  r.print(fmt::format("measured peak memory of the busiest rank: {}", format_bytes(peak)));
-  if (o.phantom) {
-    r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
-    return;
-  }
-  r.print(fmt::format(
-      "equal to one device over the full batch after every step (each rank's columns of the gradients and "
-      "weights): {}",
-      mlp::agreement(used, rel, worst.undecided_steps == 0)));
+  summary.print_peak_memory();
+  if (summary.skipped_comparison()) return;
+  summary.print_agreement(" (each rank's columns of the gradients and weights)");
 }
 
 }  // namespace
