@@ -56,10 +56,9 @@ enum class Tp { One, Two, TwoSeqParallel };
 enum class Pp { One, Two, TwoInterleaved };
 using Combo = std::tuple<Tp, Pp, int, std::string, std::string>;  // tp, pp, zero, recompute, dtype
 
-class GptEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
-
-TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
-  const auto [tp, pp, zero, recompute, dtype] = GetParam();
+// The tiny model with a combination's switches, on dp 2 (so ZeRO has something to shard).
+Options combo_options(const Combo& combo) {
+  const auto [tp, pp, zero, recompute, dtype] = combo;
   Options o = tiny();
   o.tp = tp == Tp::One ? 1 : 2;
   o.seq_parallel = tp == Tp::TwoSeqParallel;
@@ -68,7 +67,14 @@ TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
   o.zero = zero;
   o.recompute = recompute;
   o.dtype = dtype;
-  o.world = o.tp * o.pp * 2;  // dp 2, so ZeRO has something to shard
+  o.world = o.tp * o.pp * 2;
+  return o;
+}
+
+class GptEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
+  const Options o = combo_options(GetParam());
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   int numeric = 0;
@@ -110,17 +116,8 @@ INSTANTIATE_TEST_SUITE_P(Matrix, GptEqualsOneDevice,
 class GptWithDropout : public ::testing::TestWithParam<Combo> {};
 
 TEST_P(GptWithDropout, EqualsOneDevice) {
-  const auto [tp, pp, zero, recompute, dtype] = GetParam();
-  Options o = tiny();
-  o.tp = tp == Tp::One ? 1 : 2;
-  o.seq_parallel = tp == Tp::TwoSeqParallel;
-  o.pp = pp == Pp::One ? 1 : 2;
-  o.interleave = pp == Pp::TwoInterleaved ? 2 : 1;
-  o.zero = zero;
-  o.recompute = recompute;
-  o.dtype = dtype;
+  Options o = combo_options(GetParam());
   o.dropout = 0.1;
-  o.world = o.tp * o.pp * 2;
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 }
