@@ -641,7 +641,7 @@ RunReport read_measurements(const std::vector<std::string>& paths, std::optional
   }
   switch (f) {
     case MeasurementFormat::Report:
-      return report_from_json(texts[0].second);
+      return report_from_json(texts[0].second, texts[0].first);
     case MeasurementFormat::NcclTests:
       return read_nccl_tests(texts[0].second, texts[0].first, op);
     case MeasurementFormat::Csv:

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -13,6 +14,7 @@
 #include <utility>
 
 #include "common/errors.h"
+#include "common/json_shape.h"
 
 namespace ranklab {
 
@@ -472,392 +474,228 @@ std::string format_summary(const RunReport& report) {
 
 // ---- JSON -----------------------------------------------------------------------------------------------
 
+// Every struct of the report described once, fields in the order they are written; the writer and the
+// reader are both made from these (common/json_shape.h). A field that reports written before it existed
+// lack is optional: the reader leaves it at its default. Specialised here only: nothing else reads or
+// writes these structs as JSON.
+namespace json_shape {
+
+template <>
+struct Codec<SpanName> {
+  static nlohmann::ordered_json write(const SpanName& n) { return n.str(); }
+  static void read(const nlohmann::json& j, SpanName& out, const Path& path) {
+    if (!j.is_string()) path.fail(fmt::format("expected a string, got {}", describe(j)));
+    out = j.get_ref<const std::string&>();
+  }
+};
+
+template <>
+struct Codec<SpanKind> {
+  static constexpr SpanKind kValues[] = {SpanKind::Compute, SpanKind::Comm, SpanKind::Idle};
+  static nlohmann::ordered_json write(SpanKind k) { return span_kind_name(k); }
+  static void read(const nlohmann::json& j, SpanKind& out, const Path& path) {
+    read_name(j, out, path, kValues, span_kind_name);
+  }
+};
+
+template <>
+struct Codec<CommOp> {
+  static constexpr CommOp kValues[] = {CommOp::Broadcast, CommOp::Scatter,   CommOp::Gather,
+                                       CommOp::Reduce,    CommOp::AllGather, CommOp::ReduceScatter,
+                                       CommOp::AllReduce, CommOp::AllToAll,  CommOp::Send,
+                                       CommOp::Recv,      CommOp::Barrier};
+  static_assert(std::size(kValues) == static_cast<std::size_t>(CommOp::Barrier) + 1, "every op has a name");
+  static nlohmann::ordered_json write(CommOp op) { return comm_op_name(op); }
+  static void read(const nlohmann::json& j, CommOp& out, const Path& path) {
+    read_name(j, out, path, kValues, comm_op_name);
+  }
+};
+
+template <>
+struct Shape<RankSummary> {
+  static constexpr auto fields = std::tuple{
+      required("rank", &RankSummary::rank),
+      required("end_us", &RankSummary::end_us),
+      required("compute_us", &RankSummary::compute_us),
+      required("comm_us", &RankSummary::comm_us),
+      required("comm_wait_us", &RankSummary::comm_wait_us),
+      required("exposed_comm_us", &RankSummary::exposed_comm_us),
+      required("idle_us", &RankSummary::idle_us),
+      required("peak_bytes", &RankSummary::peak_bytes),
+      required("capacity_bytes", &RankSummary::capacity_bytes),
+  };
+};
+
+template <>
+struct Shape<Span> {
+  static constexpr auto fields = std::tuple{
+      required("rank", &Span::rank),         required("kind", &Span::kind),     required("name", &Span::name),
+      required("start_us", &Span::start_us), required("end_us", &Span::end_us),
+  };
+};
+
+template <>
+struct Shape<CollectiveRecord> {
+  static constexpr auto fields = std::tuple{
+      required("op", &CollectiveRecord::op),
+      required("group", &CollectiveRecord::group),
+      required("group_size", &CollectiveRecord::group_size),
+      required("bytes", &CollectiveRecord::bytes),
+      required("algorithm", &CollectiveRecord::algorithm),
+      required("start_us", &CollectiveRecord::start_us),
+      required("end_us", &CollectiveRecord::end_us),
+      required("algbw_gbps", &CollectiveRecord::algbw_gbps),
+      required("busbw_gbps", &CollectiveRecord::busbw_gbps),
+      optional("bookkeeping", &CollectiveRecord::bookkeeping),  // false in reports from before it existed
+  };
+};
+
+template <>
+struct Shape<RegionRecord> {
+  static constexpr auto fields = std::tuple{
+      required("rank", &RegionRecord::rank),
+      required("name", &RegionRecord::name),
+      required("start_us", &RegionRecord::start_us),
+      required("end_us", &RegionRecord::end_us),
+  };
+};
+
+template <>
+struct Shape<CheckRecord> {
+  static constexpr auto fields = std::tuple{
+      required("rank", &CheckRecord::rank),
+      required("what", &CheckRecord::what),
+      required("passed", &CheckRecord::passed),
+      required("detail", &CheckRecord::detail),
+  };
+};
+
+template <>
+struct Shape<LinkTraffic> {
+  static constexpr auto fields = std::tuple{
+      required("link", &LinkTraffic::link), required("tier", &LinkTraffic::tier),
+      required("bytes", &LinkTraffic::bytes),
+      optional("bandwidth_gbps", &LinkTraffic::bandwidth_gbps),  // 0 (unknown) in the first reports
+  };
+};
+
+template <>
+struct Shape<TopologyNode> {
+  static constexpr auto fields = std::tuple{
+      required("id", &TopologyNode::id),       required("kind", &TopologyNode::kind),
+      required("level", &TopologyNode::level), required("host", &TopologyNode::host),
+      required("rank", &TopologyNode::rank),
+  };
+};
+
+template <>
+struct Shape<TopologyLink> {
+  static constexpr auto fields = std::tuple{
+      required("id", &TopologyLink::id),
+      required("from", &TopologyLink::from),
+      required("to", &TopologyLink::to),
+      required("tier", &TopologyLink::tier),
+      required("bandwidth_gbps", &TopologyLink::bandwidth_gbps),
+  };
+};
+
+template <>
+struct Shape<RunTopology> {
+  static constexpr auto fields = std::tuple{
+      required("nodes", &RunTopology::nodes),
+      required("links", &RunTopology::links),
+  };
+};
+
+template <>
+struct Shape<PipelineTask> {
+  static constexpr auto fields = std::tuple{
+      required("rank", &PipelineTask::rank),       required("stage", &PipelineTask::stage),
+      required("chunk", &PipelineTask::chunk),     required("micro_batch", &PipelineTask::micro_batch),
+      required("forward", &PipelineTask::forward), required("start_us", &PipelineTask::start_us),
+      required("end_us", &PipelineTask::end_us),
+  };
+};
+
+template <>
+struct Shape<TrainingStats> {
+  static constexpr auto fields = std::tuple{
+      required("model", &TrainingStats::model),
+      required("layout", &TrainingStats::layout),
+      required("tokens_per_step", &TrainingStats::tokens_per_step),
+      required("micro_batches", &TrainingStats::micro_batches),
+      required("step_time_us", &TrainingStats::step_time_us),
+      required("model_flops", &TrainingStats::model_flops),
+      required("hardware_flops", &TrainingStats::hardware_flops),
+      required("model_tflops_per_gpu", &TrainingStats::model_tflops_per_gpu),
+      required("hardware_tflops_per_gpu", &TrainingStats::hardware_tflops_per_gpu),
+      required("mfu", &TrainingStats::mfu),
+      required("bubble_fraction", &TrainingStats::bubble_fraction),
+      required("bubble_fraction_formula", &TrainingStats::bubble_fraction_formula),
+      required("exposed_comm_us", &TrainingStats::exposed_comm_us),
+      required("peak_memory_bytes", &TrainingStats::peak_memory_bytes),
+      required("weights_bytes", &TrainingStats::weights_bytes),
+      required("grads_bytes", &TrainingStats::grads_bytes),
+      required("optimizer_bytes", &TrainingStats::optimizer_bytes),
+      required("activations_bytes", &TrainingStats::activations_bytes),
+  };
+};
+
+// After schema_version, which report_to_json writes first and report_from_json checks before the rest.
+// The optional fields came after the first reports: a report without them loads with their defaults.
+template <>
+struct Shape<RunReport> {
+  static constexpr auto fields = std::tuple{
+      required("lesson", &RunReport::lesson),
+      required("backend", &RunReport::backend),
+      required("profile", &RunReport::profile),
+      required("world", &RunReport::world),
+      optional("gpus_per_node", &RunReport::gpus_per_node),
+      optional("options", &RunReport::options),
+      required("makespan_us", &RunReport::makespan_us),
+      optional("late_starts", &RunReport::late_starts),
+      required("ranks", &RunReport::ranks),
+      required("spans", &RunReport::spans),
+      required("collectives", &RunReport::collectives),
+      required("regions", &RunReport::regions),
+      required("checks", &RunReport::checks),
+      required("links", &RunReport::links),
+      optional("topology", &RunReport::topology),
+      required("output", &RunReport::output),
+      optional("training", &RunReport::training, Write::WhenSet),  // only from a training lesson
+      optional("pipeline", &RunReport::pipeline, Write::WhenSet),  // only from a pipeline-parallel lesson
+  };
+};
+
+}  // namespace json_shape
+
 namespace {
 
 constexpr int kSchemaVersion = 1;
 
-ordered_json to_json(const RankSummary& r) {
-  return ordered_json{{"rank", r.rank},
-                      {"end_us", r.end_us},
-                      {"compute_us", r.compute_us},
-                      {"comm_us", r.comm_us},
-                      {"comm_wait_us", r.comm_wait_us},
-                      {"exposed_comm_us", r.exposed_comm_us},
-                      {"idle_us", r.idle_us},
-                      {"peak_bytes", r.peak_bytes},
-                      {"capacity_bytes", r.capacity_bytes}};
-}
-
-ordered_json to_json(const Span& s) {
-  return ordered_json{{"rank", s.rank},
-                      {"kind", span_kind_name(s.kind)},
-                      {"name", s.name.str()},
-                      {"start_us", s.start_us},
-                      {"end_us", s.end_us}};
-}
-
-ordered_json to_json(const CollectiveRecord& c) {
-  return ordered_json{{"op", comm_op_name(c.op)},
-                      {"group", c.group.str()},
-                      {"group_size", c.group_size},
-                      {"bytes", c.bytes},
-                      {"algorithm", c.algorithm.str()},
-                      {"start_us", c.start_us},
-                      {"end_us", c.end_us},
-                      {"algbw_gbps", c.algbw_gbps},
-                      {"busbw_gbps", c.busbw_gbps},
-                      {"bookkeeping", c.bookkeeping}};
-}
-
-ordered_json to_json(const RegionRecord& r) {
-  return ordered_json{{"rank", r.rank}, {"name", r.name}, {"start_us", r.start_us}, {"end_us", r.end_us}};
-}
-
-ordered_json to_json(const CheckRecord& c) {
-  return ordered_json{{"rank", c.rank}, {"what", c.what}, {"passed", c.passed}, {"detail", c.detail}};
-}
-
-ordered_json to_json(const LinkTraffic& l) {
-  return ordered_json{
-      {"link", l.link}, {"tier", l.tier}, {"bytes", l.bytes}, {"bandwidth_gbps", l.bandwidth_gbps}};
-}
-
-ordered_json to_json(const TopologyNode& n) {
-  return ordered_json{{"id", n.id}, {"kind", n.kind}, {"level", n.level}, {"host", n.host}, {"rank", n.rank}};
-}
-
-ordered_json to_json(const TopologyLink& l) {
-  return ordered_json{
-      {"id", l.id}, {"from", l.from}, {"to", l.to}, {"tier", l.tier}, {"bandwidth_gbps", l.bandwidth_gbps}};
-}
-
-ordered_json to_json(const PipelineTask& t) {
-  return ordered_json{
-      {"rank", t.rank},       {"stage", t.stage},       {"chunk", t.chunk},  {"micro_batch", t.micro_batch},
-      {"forward", t.forward}, {"start_us", t.start_us}, {"end_us", t.end_us}};
-}
-
-// TrainingStats as JSON, written and read from this one list of its fields.
-template <class Stats, class Visit>
-void training_fields(Stats& t, Visit&& v) {
-  v("model", t.model);
-  v("layout", t.layout);
-  v("tokens_per_step", t.tokens_per_step);
-  v("micro_batches", t.micro_batches);
-  v("step_time_us", t.step_time_us);
-  v("model_flops", t.model_flops);
-  v("hardware_flops", t.hardware_flops);
-  v("model_tflops_per_gpu", t.model_tflops_per_gpu);
-  v("hardware_tflops_per_gpu", t.hardware_tflops_per_gpu);
-  v("mfu", t.mfu);
-  v("bubble_fraction", t.bubble_fraction);
-  v("bubble_fraction_formula", t.bubble_fraction_formula);
-  v("exposed_comm_us", t.exposed_comm_us);
-  v("peak_memory_bytes", t.peak_memory_bytes);
-  v("weights_bytes", t.weights_bytes);
-  v("grads_bytes", t.grads_bytes);
-  v("optimizer_bytes", t.optimizer_bytes);
-  v("activations_bytes", t.activations_bytes);
-}
-
-ordered_json to_json(const TrainingStats& t) {
-  ordered_json j = ordered_json::object();
-  training_fields(t, [&j](const char* key, const auto& value) { j[key] = value; });
-  return j;
-}
-
-template <class T>
-ordered_json array_of(const std::vector<T>& items) {
-  ordered_json a = ordered_json::array();
-  for (const T& item : items) a.push_back(to_json(item));
-  return a;
-}
-
-template <class T>
-bool in_range(std::int64_t v) {
-  return v >= static_cast<std::int64_t>(std::numeric_limits<T>::min()) &&
-         (std::numeric_limits<T>::max() >= std::numeric_limits<std::int64_t>::max() ||
-          v <= static_cast<std::int64_t>(std::numeric_limits<T>::max()));
-}
-
-// Reading back: a missing field keeps its default (so older writers that lacked a field still load), but a
-// field of the wrong type is an error naming where it is.
-class Reader {
- public:
-  explicit Reader(std::string where) : where_(std::move(where)) {}
-
-  template <class T>
-  void get(const json& obj, const char* key, T& out) const {
-    auto it = obj.find(key);
-    if (it == obj.end()) return;
-    try {
-      if constexpr (std::is_same_v<T, double>) {
-        // JSON has no NaN or infinity; nlohmann writes them as null.
-        out = it->is_null() ? std::numeric_limits<double>::quiet_NaN() : it->template get<double>();
-      } else if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-        // nlohmann converts 4294967300 to an int as 4, and 2.5 as 2: only an integer in range is read.
-        if (!it->is_number_integer())
-          fail(fmt::format("field '{}' must be an integer, got {}", key, it->dump()));
-        const bool fits = it->is_number_unsigned()
-                              ? it->template get<std::uint64_t>() <=
-                                    static_cast<std::uint64_t>(std::numeric_limits<T>::max())
-                              : in_range<T>(it->template get<std::int64_t>());
-        if (!fits) fail(fmt::format("field '{}' is out of range: {}", key, it->dump()));
-        out = it->template get<T>();
-      } else if constexpr (std::is_same_v<T, SpanName>) {
-        out = it->template get<std::string>();
-      } else {
-        out = it->template get<T>();
-      }
-    } catch (const json::exception& e) {
-      fail(fmt::format("field '{}': {}", key, e.what()));
-    }
-  }
-
-  const json& array(const json& obj, const char* key) const {
-    static const json empty = json::array();
-    auto it = obj.find(key);
-    if (it == obj.end()) return empty;
-    if (!it->is_array()) fail(fmt::format("field '{}' must be an array", key));
-    return *it;
-  }
-
-  [[noreturn]] void fail(const std::string& message) const {
-    throw UsageError(fmt::format("report JSON, {}: {}", where_, message));
-  }
-
- private:
-  std::string where_;
-};
-
-void check_object(const json& j, const Reader& r) {
-  if (!j.is_object()) r.fail("expected an object");
-}
-
-CommOp parse_op(const std::string& name, const Reader& r) {
-  for (int i = 0; i <= static_cast<int>(CommOp::Barrier); ++i) {
-    if (name == comm_op_name(static_cast<CommOp>(i))) return static_cast<CommOp>(i);
-  }
-  r.fail(fmt::format("unknown op '{}'", name));
-}
-
-bool parse_kind(const std::string& name, SpanKind& out) {
-  for (SpanKind k : {SpanKind::Compute, SpanKind::Comm, SpanKind::Idle}) {
-    if (name == span_kind_name(k)) {
-      out = k;
-      return true;
-    }
-  }
-  return false;
-}
-
-// Reads every element of `key` with `read(element, reader)`; the reader names the element only when
-// something is wrong, so millions of spans cost no string formatting. `parent` names the object that holds
-// the array when it is not the top level ("topology" for "topology.nodes[2]").
-template <class T, class F>
-std::vector<T> read_array(const json& root, const char* key, F read, const std::string& parent = "") {
-  const json& a = Reader(parent.empty() ? "top level" : parent).array(root, key);
-  const std::string path = parent.empty() ? key : parent + "." + key;
-  auto where = [&path](std::size_t i) { return Reader(fmt::format("{}[{}]", path, i)); };
-  std::vector<T> out;
-  out.reserve(a.size());
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const json& e = a[i];
-    if (!e.is_object()) where(i).fail("expected an object");
-    out.push_back(read(e, [&where, i]() { return where(i); }));
-  }
-  return out;
-}
-
-RunTopology read_topology(const json& topology) {
-  RunTopology t;
-  t.nodes = read_array<TopologyNode>(
-      topology, "nodes",
-      [](const json& e, auto reader) {
-        Reader r = reader();
-        TopologyNode n;
-        r.get(e, "id", n.id);
-        r.get(e, "kind", n.kind);
-        r.get(e, "level", n.level);
-        r.get(e, "host", n.host);
-        r.get(e, "rank", n.rank);
-        return n;
-      },
-      "topology");
-  t.links = read_array<TopologyLink>(
-      topology, "links",
-      [](const json& e, auto reader) {
-        Reader r = reader();
-        TopologyLink l;
-        r.get(e, "id", l.id);
-        r.get(e, "from", l.from);
-        r.get(e, "to", l.to);
-        r.get(e, "tier", l.tier);
-        r.get(e, "bandwidth_gbps", l.bandwidth_gbps);
-        return l;
-      },
-      "topology");
-  return t;
-}
-
 }  // namespace
 
 std::string report_to_json(const RunReport& report) {
-  ordered_json j = {
-      {"schema_version", kSchemaVersion},
-      {"lesson", report.lesson},
-      {"backend", report.backend},
-      {"profile", report.profile},
-      {"world", report.world},
-      {"gpus_per_node", report.gpus_per_node},
-      {"options", report.options},
-      {"makespan_us", report.makespan_us},
-      {"late_starts", report.late_starts},
-      {"ranks", array_of(report.ranks)},
-      {"spans", array_of(report.spans)},
-      {"collectives", array_of(report.collectives)},
-      {"regions", array_of(report.regions)},
-      {"checks", array_of(report.checks)},
-      {"links", array_of(report.links)},
-      {"topology",
-       ordered_json{{"nodes", array_of(report.topology.nodes)}, {"links", array_of(report.topology.links)}}},
-      {"output", report.output},
-  };
-  if (report.training) j["training"] = to_json(*report.training);
-  if (!report.pipeline.empty()) j["pipeline"] = array_of(report.pipeline);
+  ordered_json j = ordered_json::object();
+  j["schema_version"] = kSchemaVersion;
+  json_shape::write_fields(report, j);
   // A lesson's printed output may hold bytes that are not UTF-8; replace them rather than fail the write.
   return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
 }
 
-RunReport report_from_json(const std::string& text) {
+RunReport report_from_json(const std::string& text, std::string_view document) {
+  const json_shape::Path top(document);
   json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  Reader top("top level");
-  if (root.is_discarded()) throw UsageError("report JSON: not valid JSON");
-  check_object(root, top);
+  if (root.is_discarded()) top.fail("not valid JSON");
+  if (!root.is_object()) top.fail(fmt::format("expected an object, got {}", json_shape::describe(root)));
   auto version = root.find("schema_version");
   if (version == root.end()) top.fail("no schema_version; this is not a ranklab report");
   if (!version->is_number_integer() || version->get<std::int64_t>() != kSchemaVersion) {
-    top.fail(fmt::format("schema_version {} is not the version this build reads ({})", version->dump(),
-                         kSchemaVersion));
+    json_shape::Path(top, "schema_version")
+        .fail(fmt::format("{} is not the version this build reads ({})", version->dump(), kSchemaVersion));
   }
-
   RunReport report;
-  top.get(root, "lesson", report.lesson);
-  top.get(root, "backend", report.backend);
-  top.get(root, "profile", report.profile);
-  top.get(root, "world", report.world);
-  top.get(root, "gpus_per_node", report.gpus_per_node);
-  top.get(root, "options", report.options);
-  top.get(root, "makespan_us", report.makespan_us);
-  top.get(root, "late_starts", report.late_starts);
-
-  report.ranks = read_array<RankSummary>(root, "ranks", [](const json& e, auto reader) {
-    Reader r = reader();
-    RankSummary s;
-    r.get(e, "rank", s.rank);
-    r.get(e, "end_us", s.end_us);
-    r.get(e, "compute_us", s.compute_us);
-    r.get(e, "comm_us", s.comm_us);
-    r.get(e, "comm_wait_us", s.comm_wait_us);
-    r.get(e, "exposed_comm_us", s.exposed_comm_us);
-    r.get(e, "idle_us", s.idle_us);
-    r.get(e, "peak_bytes", s.peak_bytes);
-    r.get(e, "capacity_bytes", s.capacity_bytes);
-    return s;
-  });
-  report.spans = read_array<Span>(root, "spans", [](const json& e, auto reader) {
-    Span s;
-    // Spans can number in the millions: read them without building a Reader unless one fails.
-    auto rank = e.find("rank"), kind = e.find("kind"), name = e.find("name"), start = e.find("start_us"),
-         end = e.find("end_us");
-    bool fast = rank != e.end() && rank->is_number_integer() && in_range<int>(rank->get<std::int64_t>()) &&
-                kind != e.end() && kind->is_string() && name != e.end() && name->is_string() &&
-                start != e.end() && start->is_number() && end != e.end() && end->is_number();
-    if (fast && parse_kind(kind->get_ref<const std::string&>(), s.kind)) {
-      s.rank = rank->get<int>();
-      s.name = name->get_ref<const std::string&>();
-      s.start_us = start->get<double>();
-      s.end_us = end->get<double>();
-      return s;
-    }
-    Reader r = reader();
-    std::string kind_name = span_kind_name(s.kind);
-    r.get(e, "rank", s.rank);
-    r.get(e, "kind", kind_name);
-    if (!parse_kind(kind_name, s.kind)) r.fail(fmt::format("unknown span kind '{}'", kind_name));
-    r.get(e, "name", s.name);
-    r.get(e, "start_us", s.start_us);
-    r.get(e, "end_us", s.end_us);
-    return s;
-  });
-  report.collectives = read_array<CollectiveRecord>(root, "collectives", [](const json& e, auto reader) {
-    Reader r = reader();
-    CollectiveRecord c;
-    std::string op = comm_op_name(c.op);
-    r.get(e, "op", op);
-    c.op = parse_op(op, r);
-    r.get(e, "group", c.group);
-    r.get(e, "group_size", c.group_size);
-    r.get(e, "bytes", c.bytes);
-    r.get(e, "algorithm", c.algorithm);
-    r.get(e, "start_us", c.start_us);
-    r.get(e, "end_us", c.end_us);
-    r.get(e, "algbw_gbps", c.algbw_gbps);
-    r.get(e, "busbw_gbps", c.busbw_gbps);
-    r.get(e, "bookkeeping", c.bookkeeping);  // absent in reports written before it existed: false
-    return c;
-  });
-  report.regions = read_array<RegionRecord>(root, "regions", [](const json& e, auto reader) {
-    Reader r = reader();
-    RegionRecord g;
-    r.get(e, "rank", g.rank);
-    r.get(e, "name", g.name);
-    r.get(e, "start_us", g.start_us);
-    r.get(e, "end_us", g.end_us);
-    return g;
-  });
-  report.checks = read_array<CheckRecord>(root, "checks", [](const json& e, auto reader) {
-    Reader r = reader();
-    CheckRecord c;
-    r.get(e, "rank", c.rank);
-    r.get(e, "what", c.what);
-    r.get(e, "passed", c.passed);
-    r.get(e, "detail", c.detail);
-    return c;
-  });
-  report.links = read_array<LinkTraffic>(root, "links", [](const json& e, auto reader) {
-    Reader r = reader();
-    LinkTraffic l;
-    r.get(e, "link", l.link);
-    r.get(e, "tier", l.tier);
-    r.get(e, "bytes", l.bytes);
-    r.get(e, "bandwidth_gbps", l.bandwidth_gbps);
-    return l;
-  });
-  if (auto it = root.find("topology"); it != root.end() && !it->is_null()) {
-    check_object(*it, Reader("topology"));
-    report.topology = read_topology(*it);
-  }
-  top.get(root, "output", report.output);
-  if (auto it = root.find("training"); it != root.end() && !it->is_null()) {
-    Reader r("training");
-    check_object(*it, r);
-    TrainingStats t;
-    training_fields(t, [&](const char* key, auto& value) { r.get(*it, key, value); });
-    report.training = t;
-  }
-  report.pipeline = read_array<PipelineTask>(root, "pipeline", [](const json& e, auto reader) {
-    Reader r = reader();
-    PipelineTask t;
-    r.get(e, "rank", t.rank);
-    r.get(e, "stage", t.stage);
-    r.get(e, "chunk", t.chunk);
-    r.get(e, "micro_batch", t.micro_batch);
-    r.get(e, "forward", t.forward);
-    r.get(e, "start_us", t.start_us);
-    r.get(e, "end_us", t.end_us);
-    return t;
-  });
+  json_shape::read_fields(root, report, top);
   return report;
 }
 

@@ -193,8 +193,10 @@ std::string human_time(double us);
 std::string report_to_json(const RunReport& report);
 
 // Reads back what report_to_json wrote (the same schema version), so `compare` can load saved reports.
-// Raises UsageError for text that is not JSON, another schema version, or fields of the wrong type.
-RunReport report_from_json(const std::string& json);
+// Raises UsageError for text that is not JSON, another schema version, a required field missing, a value
+// of the wrong type or an integer its field cannot hold; the message starts with `document` (the file's
+// name) and names the value's path: "run/report.json: ranks[3].peak_bytes: expected an integer, got ...".
+RunReport report_from_json(const std::string& json, std::string_view document = "report JSON");
 
 }  // namespace ranklab
 

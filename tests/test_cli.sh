@@ -47,6 +47,12 @@ expect 0 "ranklab " --version
 # Where the output goes.
 expect 1 "--report /proc/x: cannot create the folder" run collectives --report /proc/x
 expect 0 "report written to $tmp/out/" run collectives --quiet --report "$tmp/out//"
+
+# A report that does not read says which file and which value, and never truncates an integer.
+sed 's/"world":4,/"world":4294967300,/' "$tmp/out/report.json" >"$tmp/wide.json"
+expect 1 "$tmp/wide.json: world: expected an integer from -2147483648 to 2147483647, got 4294967300" compare "$tmp/wide.json"
+sed 's/"peak_bytes":[0-9]*/"peak_bytes":"1 GiB"/2' "$tmp/out/report.json" >"$tmp/text.json"
+expect 1 "$tmp/text.json: ranks[1].peak_bytes: expected an integer, got a string (\"1 GiB\")" compare "$tmp/text.json"
 if [[ -w /dev/full ]]; then
   out="$("$ranklab" run collectives --quiet 2>&1 >/dev/full)"
   rc=$?

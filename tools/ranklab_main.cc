@@ -283,11 +283,7 @@ RunReport read_report(const std::string& path) {
   std::ostringstream text;
   text << in.rdbuf();
   if (!in) throw UsageError(fmt::format("cannot read report '{}'", path));
-  try {
-    return report_from_json(text.str());
-  } catch (const UsageError& e) {
-    throw UsageError(fmt::format("{}: {}", path, e.what()));
-  }
+  return report_from_json(text.str(), path);
 }
 
 // The profile a measurement is simulated with: the one asked for; else the profile its report names; else
