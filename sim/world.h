@@ -31,9 +31,9 @@
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
 #include "sim/net/network_model.h"
+#include "sim/net/transfer_engine.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
-#include "sim/net/transfer_engine.h"
 
 namespace ranklab::sim {
 

@@ -5,12 +5,12 @@
 #include <sstream>
 #include <string>
 
-#include "sim/net/calibrate.h"
 #include "common/compare.h"
 #include "common/errors.h"
 #include "common/measurements.h"
 #include "common/profile.h"
 #include "common/replay.h"
+#include "sim/net/calibrate.h"
 #include "sim_fixture.h"
 
 namespace ranklab {

@@ -1,5 +1,5 @@
-// The incremental max-min solver (sim/net/sharing.h) against the full one (sim/net/max_min.h): the hand-solved
-// cases, and thousands of random flow sets built up and torn down one flow at a time.
+// The incremental max-min solver (sim/net/sharing.h) against the full one (sim/net/max_min.h): the
+// hand-solved cases, and thousands of random flow sets built up and torn down one flow at a time.
 #include <gtest/gtest.h>
 
 #include <cmath>

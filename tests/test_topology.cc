@@ -9,8 +9,8 @@
 
 #include "common/profile.h"
 #include "sim/net/algorithms.h"
-#include "sim/run_topology.h"
 #include "sim/net/topology.h"
+#include "sim/run_topology.h"
 #include "sim_fixture.h"
 
 namespace ranklab::sim {

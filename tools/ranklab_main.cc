@@ -25,7 +25,6 @@
 #include <optional>
 #include <sstream>
 
-#include "sim/net/calibrate.h"
 #include "common/compare.h"
 #include "common/errors.h"
 #include "common/html_report.h"
@@ -43,10 +42,11 @@
 #include "plan/plan_command.h"
 #include "real/launch_env.h"
 #include "sim/malloc_tuning.h"
+#include "sim/net/calibrate.h"
 #include "sim/net/network_model.h"
-#include "sim/sim_backend.h"
 #include "sim/net/topology.h"
 #include "sim/net/topology_print.h"
+#include "sim/sim_backend.h"
 #if defined(RANKLAB_HAVE_CUDA)
 #include "real/cuda_backend.h"
 #endif
