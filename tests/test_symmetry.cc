@@ -64,6 +64,16 @@ bool said(const RunReport& r, const std::string& text) {
   return false;
 }
 
+// "tp4sp_pp2v1_dp4_zero1_none_tp_dp_pp"
+std::string layout_name(const ::testing::TestParamInfo<Layout>& info) {
+  const Layout& l = info.param;
+  std::string name = "tp" + std::to_string(l.tp) + (l.sp ? "sp" : "") + "_pp" + std::to_string(l.pp) + "v" +
+                     std::to_string(l.v) + "_dp" + std::to_string(l.dp) + "_zero" + std::to_string(l.zero) +
+                     "_" + l.recompute + "_" + l.order;
+  for (char& c : name) c = c == '-' ? '_' : c;
+  return name;
+}
+
 class SymmetricGpt : public ::testing::TestWithParam<Layout> {};
 
 TEST_P(SymmetricGpt, EqualsTheFullRun) {
@@ -142,7 +152,8 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricAcrossLeaves,
                          ::testing::Values(Layout{8, 2, 17, 1, 1, false, "none", "tp-dp-pp"},
                                            Layout{8, 2, 12, 2, 1, true, "none", "tp-dp-pp"},
                                            Layout{4, 2, 24, 2, 2, true, "none", "tp-dp-pp"},
-                                           Layout{8, 2, 24, 1, 1, false, "none", "tp-pp-dp"}));
+                                           Layout{8, 2, 24, 1, 1, false, "none", "tp-pp-dp"}),
+                         layout_name);
 
 // Data parallelism across nodes (the images share the network), tensor parallelism with and without
 // sequence parallelism, interleaved pipelines, every ZeRO stage, and the group order that puts dp inside.
@@ -153,15 +164,7 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricGpt,
                                            Layout{4, 1, 4, 1, 3, false, "none", "tp-dp-pp"},
                                            Layout{2, 2, 4, 1, 1, false, "none", "tp-pp-dp"},
                                            Layout{1, 4, 4, 1, 0, false, "none", "dp-tp-pp"}),
-                         [](const ::testing::TestParamInfo<Layout>& info) {
-                           const Layout& l = info.param;
-                           std::string name = "tp" + std::to_string(l.tp) + (l.sp ? "sp" : "") + "_pp" +
-                                              std::to_string(l.pp) + "v" + std::to_string(l.v) + "_dp" +
-                                              std::to_string(l.dp) + "_zero" + std::to_string(l.zero) + "_" +
-                                              l.recompute + "_" + l.order;
-                           for (char& c : name) c = c == '-' ? '_' : c;
-                           return name;
-                         });
+                         layout_name);
 
 SimConfig symmetric_config(std::vector<int> dims, std::vector<bool> replicated, int nodes = 1) {
   SimConfig c = testing::quiet_config(nodes);
