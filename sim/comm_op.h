@@ -41,12 +41,11 @@ struct CommOpState {
   // An image's operation, which ends for its members only when its images have ended too: the mirrors
   // in them are the same ranks' replicas, and the slowest of a class decides when the class goes on.
   std::shared_ptr<CommOpState> image_of;
-  int images_left = 0;          // images not ended yet
-  bool transfer_ended = false;  // its own transfer has ended; it waits for images_left
-  double images_end_us = 0;     // when the latest image that ended did
-  bool executed = false;        // started: numerics done, start_us known
-  bool finished = false;        // ended: end_us is final
-  SpanName algorithm;           // what the network model chose, "ring/simple"
+  // Transfers not ended yet: its own and its images'. end_us is the latest that has ended.
+  int transfers_left = 1;
+  bool executed = false;  // started: numerics done, start_us known
+  bool finished = false;  // ended: end_us is final
+  SpanName algorithm;     // what the network model chose, "ring/simple"
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one, once per dependency; each is told once when this one

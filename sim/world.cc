@@ -465,27 +465,15 @@ void SimWorld::try_execute(const std::shared_ptr<CommOpState>& op) {
 }
 
 void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
-  // In a symmetric run an operation ends for its members when it and all its images have ended.
+  // The engine hands out transfers; an operation ends when its own and (in a symmetric run) all its images'
+  // have ended, at the latest of them.
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.reserve(engine_ended.size());
-  for (const auto& op : engine_ended) {
-    if (op->image) {
-      const std::shared_ptr<CommOpState>& of = op->image_of;
-      if (of == nullptr) continue;
-      of->images_end_us = std::max(of->images_end_us, op->end_us);
-      if (--of->images_left == 0 && of->transfer_ended) {
-        of->end_us = std::max(of->end_us, of->images_end_us);
-        of->finished = true;
-        ended.push_back(of);
-      }
-      continue;
-    }
-    if (op->images_left > 0) {
-      op->finished = false;
-      op->transfer_ended = true;
-      continue;
-    }
-    op->end_us = std::max(op->end_us, op->images_end_us);
+  for (const auto& transfer : engine_ended) {
+    const std::shared_ptr<CommOpState>& op = transfer->image ? transfer->image_of : transfer;
+    op->end_us = std::max(op->end_us, transfer->end_us);
+    if (--op->transfers_left > 0) continue;
+    op->finished = true;
     ended.push_back(op);
   }
   // Every operation that waited for these has one unfinished dependency less per edge. All of them are
@@ -881,7 +869,7 @@ void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double st
     shadow->executed = true;
     shadow->start_us = start_us;
     shadow->image_of = of;
-    ++of->images_left;
+    ++of->transfers_left;
     engine_.schedule(std::move(shadow), std::move(plan), start_us);
   }
 }

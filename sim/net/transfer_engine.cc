@@ -69,8 +69,7 @@ void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, do
   TransferEngine alone(topo_);
   alone.now_us_ = start_us;
   alone.schedule(raw->op, raw->plan, start_us);
-  alone.advance_to(now_us_);
-  if (raw->op->finished) {
+  if (!alone.advance_to(now_us_).empty()) {
     // It ended in the past, alone (the copy shares the operation); nobody has seen its end yet.
     ended_.push_back(raw->op);
     end_transfer(raw);
@@ -294,7 +293,6 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
         Transfer* t = tails_.begin()->second;
         tails_.erase(tails_.begin());
         t->op->end_us = now_us_;
-        t->op->finished = true;
         ended.push_back(t->op);
         end_transfer(t);
         any = true;

@@ -41,11 +41,11 @@ class TransferEngine {
   // When the next start or end happens (+infinity when nothing is in flight).
   double next_event_us();
   // Processes every start and end up to `t_us` and moves the present there (never backwards). Returns the
-  // operations that ended, with end_us set and finished true, in the order they ended. With
+  // operations whose transfers ended, with end_us set, in the order they ended (the simulator decides when
+  // an operation has finished: sim/world.cc). With
   // `stop_at_end`, stops at the first moment an operation ends instead (the present is then that moment),
   // so that whoever waited for it can act before anything later happens.
   std::vector<std::shared_ptr<CommOpState>> advance_to(double t_us, bool stop_at_end = false);
-  bool idle() const { return in_flight_ == 0 && ended_.empty(); }
   long late_starts() const { return late_starts_; }
 
  private:
