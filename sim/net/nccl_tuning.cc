@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <span>
 
 namespace ranklab::sim {
 
@@ -77,7 +78,8 @@ int log2i(int n) {
 
 bool nccl_supports(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
   // LL128 only where NCCL enables it by default: GPUs joined by NVLink (tuning.cc enables it for
-  // typeIntra <= PATH_NVB and disables it elsewhere, as untested).
+  // typeIntra <= PATH_NVB and disables it elsewhere, as untested), of compute capability 7.0, 8.0 and 9.0
+  // in 2.21.5 and also 10.0 in 2.27.7: every GPU of ranklab's profiles.
   if (p == Protocol::LL128 && !g.nvlink) return false;
   const bool reduce_like = op == CommOp::AllReduce;
   switch (a) {
@@ -227,18 +229,36 @@ constexpr int kRingChunkSteps = kSteps / 2;     // ALLREDUCE_CHUNKSTEPS (and all
 constexpr double kNvlsChunkBytes = 128 * 1024;  // NCCL_NVLS_CHUNKSIZE
 constexpr int kMaxChannels = 32;                // MAXCHANNELS
 
-// llMaxBws, perChMaxRingLL128Bws and perChMaxTreeBws of tuning.cc: [Volta, Ampere, Hopper][N1, N2, N4].
+// llMaxBws, perChMaxRingLL128Bws and perChMaxTreeBws of tuning.cc:
+// [Volta, Ampere, Hopper, Blackwell][N1, N2, N4]; the Blackwell rows (twice Hopper's) are 2.27.7's.
 // Across nodes the LL row is the CPU's (Intel, row 0); ranklab assumes Intel hosts.
-constexpr double kLlMaxBw[3][3] = {{39.0, 39.0, 20.4}, {87.7, 22.5, 19.0}, {141.0, 45.0, 35.0}};
-constexpr double kPerChRingLl128Bw[3][3] = {{20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 36.7}};
-constexpr double kPerChTreeBw[3][3] = {{26.5, 18.5, 10.0}, {24.0, 23.6, 17.8}, {38.7, 41.4, 36.0}};
+constexpr double kLlMaxBw[4][3] = {
+    {39.0, 39.0, 20.4}, {87.7, 22.5, 19.0}, {141.0, 45.0, 35.0}, {282.0, 90.0, 70.0}};
+constexpr double kPerChRingLl128Bw[4][3] = {
+    {20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 36.7}, {73.4, 73.4, 73.4}};
+constexpr double kPerChTreeBw[4][3] = {
+    {26.5, 18.5, 10.0}, {24.0, 23.6, 17.8}, {38.7, 41.4, 36.0}, {77.4, 82.8, 72.0}};
 
-// The speed arrays of src/graph/search.cc the ring graph search walks down, GB/s per channel.
+// The speed arrays of src/graph/search.cc the ring graph search walks down, GB/s per channel
+// (speedArrayIntra, sm90SpeedArrayIntra; sm100SpeedArrayIntra of 2.27.7).
 constexpr double kSpeedIntra[] = {40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0};
 constexpr double kSm90SpeedIntra[] = {60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0};
+constexpr double kSm100SpeedIntra[] = {90.0, 80.0, 70.0, 60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 19.0, 18.0};
+std::span<const double> intra_speeds(int sm) {
+  if (sm >= 100) return kSm100SpeedIntra;
+  if (sm >= 90) return kSm90SpeedIntra;
+  return kSpeedIntra;
+}
+// The first speed of the array no faster than `limit_gbps` (search.cc starts there), the last if none.
+double first_speed_within(std::span<const double> speeds, double limit_gbps) {
+  for (double s : speeds) {
+    if (s <= limit_gbps + 1e-9) return s;
+  }
+  return speeds.back();
+}
 
 int cc_index(int sm) {
-  return sm >= 90 ? 2 : sm >= 80 ? 1 : 0;
+  return sm >= 100 ? 3 : sm >= 90 ? 2 : sm >= 80 ? 1 : 0;
 }
 int node_index(int nodes) {
   return nodes <= 2 ? nodes - 1 : 2;
@@ -254,12 +274,7 @@ struct RingGraph {
 RingGraph ring_graph(const GroupShape& g) {
   RingGraph r;
   const double total = std::max(g.intra_gbps, 1e-9);
-  const double* speeds = g.sm >= 90 ? kSm90SpeedIntra : kSpeedIntra;
-  const int n =
-      g.sm >= 90 ? static_cast<int>(std::size(kSm90SpeedIntra)) : static_cast<int>(std::size(kSpeedIntra));
-  int i = 0;
-  while (i < n - 1 && speeds[i] > total) ++i;
-  const double speed = speeds[i];
+  const double speed = first_speed_within(intra_speeds(g.sm), total);
   const int found = std::clamp(static_cast<int>(std::floor(total / speed + 1e-9)), 1, kMaxChannels / 2);
   r.channels = found;
   r.bw = speed;
@@ -332,10 +347,15 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
   return inf;
 }
 
+int nccl_nvls_channels(const GroupShape& g) {
+  if (g.sm >= 100) return g.nodes > 1 ? 32 : 24;  // 2.27.7
+  return 16;
+}
+
 LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
   LaunchShape l;
   const bool nvls = a == Algorithm::Nvls || a == Algorithm::NvlsTree;
-  int nc = nvls ? kNvlsChannels : nccl_coll_channels(g);
+  int nc = nvls ? nccl_nvls_channels(g) : nccl_coll_channels(g);
   // comm->maxThreads (ncclTopoTuneModel): Simple rings get 256 threads when the graph is no faster than
   // PCIe (PCI_BW, 12 GB/s), else 512; LL 512; LL128 640; NVLS 640.
   int nt = nvls                                                      ? kMaxThreads

@@ -2,7 +2,12 @@
 // what fraction of a link's bandwidth each protocol delivers, how many channels and threads a call gets
 // and how its chunks flow through the pipeline.
 //
-// ONE RELEASE: every constant and formula here is ported from NVIDIA/nccl at tag v2.21.5-1 (NCCL 2.21.5):
+// WHICH RELEASE: every constant and formula here is ported from NVIDIA/nccl at tag v2.21.5-1 (NCCL 2.21.5),
+// except what that release cannot know: Blackwell (compute capability 10.0) arrived in NCCL 2.25, so the
+// Blackwell rows of the tables, the SM100 speed array, the Blackwell NVLS channel counts and LL128's
+// enabling on Blackwell come from tag v2.27.7-1 (NCCL 2.27.7), each marked "2.27.7" where it is used.
+// Nothing else of 2.27.7 (its PAT algorithm, its changed tree latencies) is ported: a B200 runs 2.21.5's
+// model with 2.27.7's Blackwell constants. The files of 2.21.5:
 //   src/graph/tuning.cc   baseLat, hwLat, llMaxBws, perChMaxRingLL128Bws, perChMaxTreeBws, the protocol
 //                         refinements of ncclTopoTuneModel, treeCorrectionFactor, ncclTopoGetAlgoTime,
 //                         getNetOverhead, NCCL_NTHREADS defaults, threadThresholds
@@ -49,8 +54,9 @@ int gpu_sm(const std::string& gpu_name);
 int nccl_coll_channels(const GroupShape& g);
 // The ring graph's bus bandwidth in NCCL's model (graph nChannels x bwIntra), GB/s.
 double nccl_ring_graph_bw(const GroupShape& g);
-// comm->nvlsChannels: NCCL_NVLS_NCHANNELS, 16.
-constexpr int kNvlsChannels = 16;
+// comm->nvlsChannels: 16 on Hopper (NCCL_NVLS_NCHANNELS of 2.21.5); on Blackwell 24 inside one node and 32
+// across nodes (NVLS_NCHANNELS_SM100_NVL and NVLS_NCHANNELS_SM100, src/transport/nvls.cc of 2.27.7).
+int nccl_nvls_channels(const GroupShape& g);
 
 // What NCCL launches for one call: channels (blocks), threads per block, the chunk size each channel moves
 // per step, and how many chunks each channel handles one after another (loops of the pipeline).
