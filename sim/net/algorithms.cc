@@ -49,6 +49,7 @@ GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks) {
   s.intra_gbps = prof.has_nvlink ? prof.nvlink.gpu_bandwidth_gbps() * prof.nvlink.efficiency
                                  : prof.pcie.bandwidth_gbps * prof.pcie.efficiency;
   s.nics = g.channels;
+  s.nic_gbps = prof.nic.bandwidth_gbps;
   if (s.nodes > 1) {
     // Latency of the fabric beyond the first switch: nodes under different leaves go through spines.
     std::set<int> leaf_groups;

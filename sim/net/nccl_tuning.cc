@@ -135,8 +135,9 @@ double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, 
       if (nodes > 1) intra_us = std::max(intra_us, kNetOverheadUs * (p == Protocol::Simple ? 3 : 1));
       double us = base_us + (steps - inter_steps) * intra_us + inter_steps * inter_us;
       // "Plateau effect of ring" (ncclTopoGetAlgoTime): a multi-node Simple all_reduce with at least 64
-      // bytes per channel and rank takes 1.4x its latency on Ampere and later.
-      if (p == Protocol::Simple && nodes > 1 && op == CommOp::AllReduce && bytes / (g.channels * n) >= 64) {
+      // bytes per channel (of comm->nChannels) and rank takes 1.4x its latency on Ampere and later.
+      if (p == Protocol::Simple && nodes > 1 && op == CommOp::AllReduce &&
+          bytes / (static_cast<double>(nccl_coll_channels(g)) * n) >= 64) {
         us *= 1.4;
       }
       return us;
@@ -229,25 +230,40 @@ constexpr int kRingChunkSteps = kSteps / 2;     // ALLREDUCE_CHUNKSTEPS (and all
 constexpr double kNvlsChunkBytes = 128 * 1024;  // NCCL_NVLS_CHUNKSIZE
 constexpr int kMaxChannels = 32;                // MAXCHANNELS
 
-// llMaxBws, perChMaxRingLL128Bws and perChMaxTreeBws of tuning.cc:
+// llMaxBws, perChMaxRingLL128Bws, perChMaxTreeLL128Bws and perChMaxTreeBws of tuning.cc:
 // [Volta, Ampere, Hopper, Blackwell][N1, N2, N4]; the Blackwell rows (twice Hopper's) are 2.27.7's.
 // Across nodes the LL row is the CPU's (Intel, row 0); ranklab assumes Intel hosts.
 constexpr double kLlMaxBw[4][3] = {
     {39.0, 39.0, 20.4}, {87.7, 22.5, 19.0}, {141.0, 45.0, 35.0}, {282.0, 90.0, 70.0}};
 constexpr double kPerChRingLl128Bw[4][3] = {
     {20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 36.7}, {73.4, 73.4, 73.4}};
+constexpr double kPerChTreeLl128Bw[4][3] = {
+    {20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 29.0}, {73.4, 73.4, 58.0}};
 constexpr double kPerChTreeBw[4][3] = {
     {26.5, 18.5, 10.0}, {24.0, 23.6, 17.8}, {38.7, 41.4, 36.0}, {77.4, 82.8, 72.0}};
 
-// The speed arrays of src/graph/search.cc the ring graph search walks down, GB/s per channel
-// (speedArrayIntra, sm90SpeedArrayIntra; sm100SpeedArrayIntra of 2.27.7).
+// The speed arrays of src/graph/search.cc the graph search walks down, GB/s per channel: inside a node
+// (speedArrayIntra, sm90SpeedArrayIntra; sm100SpeedArrayIntra of 2.27.7) and across nodes
+// (speedArrayInter, sm90SpeedArrayInter; sm100SpeedArrayInter of 2.27.7).
 constexpr double kSpeedIntra[] = {40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0};
 constexpr double kSm90SpeedIntra[] = {60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0};
 constexpr double kSm100SpeedIntra[] = {90.0, 80.0, 70.0, 60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 19.0, 18.0};
+constexpr double kSpeedInter[] = {48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0,
+                                  7.0,  6.0,  5.0,  4.0,  3.0,  2.4,  1.2,  0.24, 0.12};
+constexpr double kSm90SpeedInter[] = {48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5,
+                                      15.0, 12.0, 6.0,  3.0,  2.4,  1.2,  0.24, 0.12};
+constexpr double kSm100SpeedInter[] = {96.0, 48.0, 45.1, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0,
+                                       17.5, 15.0, 12.0, 6.0,  3.0,  2.4,  1.2,  0.24, 0.12};
+
 std::span<const double> intra_speeds(int sm) {
   if (sm >= 100) return kSm100SpeedIntra;
   if (sm >= 90) return kSm90SpeedIntra;
   return kSpeedIntra;
+}
+std::span<const double> inter_speeds(int sm) {
+  if (sm >= 100) return kSm100SpeedInter;
+  if (sm >= 90) return kSm90SpeedInter;
+  return kSpeedInter;
 }
 // The first speed of the array no faster than `limit_gbps` (search.cc starts there), the last if none.
 double first_speed_within(std::span<const double> speeds, double limit_gbps) {
@@ -350,6 +366,86 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
 int nccl_nvls_channels(const GroupShape& g) {
   if (g.sm >= 100) return g.nodes > 1 ? 32 : 24;  // 2.27.7
   return 16;
+}
+
+NcclGraph nccl_graph(Algorithm a, const GroupShape& g) {
+  NcclGraph r;
+  const bool nvls = a == Algorithm::Nvls || a == Algorithm::NvlsTree;
+  const double intra = std::max(g.intra_gbps, 1e-9);
+  if (nvls) {
+    // search.cc: an NVLS graph has one channel per GPU of the node (each GPU a head), at the fastest speed
+    // of which that many fit on a GPU's links; across nodes each head leaves through its own NIC.
+    r.channels = std::max(1, g.ranks_per_node);
+    r.bw_intra_gbps = r.bw_inter_gbps = intra_speeds(g.sm).back();
+    for (double s : intra_speeds(g.sm)) {
+      if (s * r.channels <= intra + 1e-9) {
+        r.bw_intra_gbps = r.bw_inter_gbps = s;
+        break;
+      }
+    }
+    if (g.nodes > 1) r.bw_inter_gbps = first_speed_within(inter_speeds(g.sm), g.nic_gbps);
+    return r;
+  }
+  if (g.nodes == 1) {
+    const RingGraph ring = ring_graph(g);
+    r.channels = ring.channels;
+    r.bw_intra_gbps = r.bw_inter_gbps = ring.bw;
+    return r;
+  }
+  // Across nodes: one channel per NIC at the fastest inter-node speed a NIC carries, duplicated (the speed
+  // is at least 25 GB/s on every NIC of the profiles), the same speed inside the node (sameChannels).
+  const double speed = first_speed_within(inter_speeds(g.sm), std::min(g.nic_gbps, intra));
+  const int found = std::clamp(std::max(1, g.nics), 1, kMaxChannels / 2);
+  r.channels = found;
+  r.bw_intra_gbps = r.bw_inter_gbps = speed;
+  if (speed >= 25.0) {
+    r.channels = std::min(found * 2, kMaxChannels / 2);
+    r.bw_intra_gbps = r.bw_inter_gbps = speed / ((r.channels + found - 1) / found);
+  }
+  return r;
+}
+
+double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
+  if (!nccl_supports(op, a, p, g)) return 0;
+  if (a != Algorithm::Ring && a != Algorithm::Tree && a != Algorithm::Nvls && a != Algorithm::NvlsTree)
+    return 0;
+  // ncclTopoTuneModel of tuning.cc, line by line.
+  const NcclGraph graph = nccl_graph(a, g);
+  const int n = g.ranks, nodes = g.nodes;
+  const double ppn = static_cast<double>(n) / nodes;
+  const int ci = cc_index(g.sm), ni = node_index(nodes);
+  const double ll_max = kLlMaxBw[nodes == 1 ? ci : 0][ni];
+  double bw = nodes <= 2 ? graph.bw_intra_gbps : graph.bw_inter_gbps;
+  if (a == Algorithm::Nvls) bw = std::min(graph.bw_intra_gbps, graph.bw_inter_gbps);
+  if (a == Algorithm::NvlsTree) {
+    bw = std::min(graph.bw_intra_gbps, nodes <= 2 ? graph.bw_inter_gbps : graph.bw_inter_gbps / 2);
+  }
+  double bus = graph.channels * bw;
+  if (a == Algorithm::Ring && p == Protocol::LL) bus = std::min(ll_max, bus * 0.5);
+  if (a == Algorithm::Ring && p == Protocol::LL128) {
+    bus = std::min(bus * (ppn < 2 ? 0.7 : 0.92), graph.channels * kPerChRingLl128Bw[ci][ni]);
+  }
+  if (a == Algorithm::Tree) bus = std::min(bus * 0.92, graph.channels * kPerChTreeBw[ci][ni]);
+  if (a == Algorithm::Tree && p == Protocol::LL) bus = std::min(bus / 3.8, ll_max);
+  if (a == Algorithm::Tree && p == Protocol::LL128) {
+    bus =
+        std::min(bus * (nodes == 1 ? 7.0 / 9.0 : 120.0 / 128.0), graph.channels * kPerChTreeLl128Bw[ci][ni]);
+  }
+  // Bus bandwidth to algorithm bandwidth: a ring's nRanks / nsteps, NVLS's 5/6, a tree's 1/2.
+  const int steps = op == CommOp::AllReduce                                    ? 2 * (n - 1)
+                    : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? n - 1
+                                                                               : n;
+  if (a == Algorithm::Ring) return bus * n / steps;
+  if (a == Algorithm::Nvls || a == Algorithm::NvlsTree) return bus * 5.0 / 6.0;
+  return bus * 0.5;
+}
+
+double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
+  double bw = nccl_model_bw_gbps(op, a, p, g);
+  if (bw <= 0) return -1;
+  if (a == Algorithm::Tree) bw *= nccl_tree_correction(p, bytes);
+  // nccl_latency_us holds the ring's plateau (ncclTopoGetAlgoTime's 1.4 x latency).
+  return nccl_latency_us(op, a, p, g, bytes) + bytes / (1000 * bw);
 }
 
 LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {

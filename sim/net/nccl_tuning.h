@@ -45,6 +45,7 @@ struct GroupShape {
   int sm = 80;              // compute capability x 10 of the GPUs (70, 80, 90, 100)
   double intra_gbps = 0;    // what NCCL sustains from one GPU into the node: NVLink (or PCIe), per direction
   int nics = 1;             // NICs every node's members reach (several nodes)
+  double nic_gbps = 0;      // one NIC's line rate, as NCCL reads it (its speed in Mb/s / 8000)
 };
 
 // The compute capability (x 10) of a GPU by its name: A100 80, H100/H200/H20/H800 90, B200/GB200 100.
@@ -94,6 +95,27 @@ double nccl_bandwidth_factor(CommOp op, Algorithm a, Protocol p, const GroupShap
 
 // NCCL's size-dependent correction of tree bandwidth for medium messages (treeCorrectionFactor).
 double nccl_tree_correction(Protocol p, double bytes);
+
+// ---- NCCL's own prediction: what it chooses by --------------------------------------------------------
+// NCCL picks (algorithm, protocol) by its model, not by what the machine will do. ranklab chooses the same
+// way, from the tables below, and then times the choice with its flows over the links.
+
+// A graph of NCCL's topology search (src/graph/search.cc): its channels and the bandwidth each carries
+// inside a node and across nodes, GB/s (graph->nChannels, bwIntra, bwInter).
+struct NcclGraph {
+  int channels = 1;
+  double bw_intra_gbps = 0;
+  double bw_inter_gbps = 0;
+};
+// The graph NCCL searches for algorithm `a` (ring and tree share the ring's on these topologies; NVLS and
+// NVLSTree have one channel per GPU of the node).
+NcclGraph nccl_graph(Algorithm a, const GroupShape& g);
+// comm->bandwidths[op][a][p] of ncclTopoTuneModel: NCCL's algorithm bandwidth, GB/s; 0 where NCCL would not
+// run (a, p).
+double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
+// ncclTopoGetAlgoTime: latency + bytes / bandwidth, with the tree's size correction and the ring's plateau;
+// negative where NCCL would not run (a, p).
+double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
 
 // NCCL sends point-to-point messages up to this size with the LL protocol (NCCL_P2P_LL_THRESHOLD).
 constexpr double kP2pLlThresholdBytes = 16384;
