@@ -42,6 +42,7 @@
 #include "plan/plan_command.h"
 #include "real/launch_env.h"
 #include "sim/malloc_tuning.h"
+#include "sim/measured_sim.h"
 #include "sim/net/calibrate.h"
 #include "sim/net/network_model.h"
 #include "sim/net/topology.h"
@@ -195,20 +196,6 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
   throw UsageError(fmt::format("unknown backend '{}'; choose sim or cuda", name));
 }
 
-// The simulator's choice of algorithm is a pure function of the profile, the forced choices and the call,
-// so a network model of its own answers lessons that print it (the benchmark's --sweep).
-Options with_algorithm_names(const Options& o, const std::string& backend_name, const Profile& profile) {
-  Options out = o;
-  if (backend_name != "sim") return out;
-  auto model = std::make_shared<sim::NetworkModel>(profile, sim::NetworkOptions{o.algo, o.proto});
-  out.comm_algorithm = [model](CommOp op, std::int64_t bytes, int world, int root) {
-    std::vector<int> ranks(world);
-    std::iota(ranks.begin(), ranks.end(), 0);
-    return model->plan_collective(op, bytes, ranks, root).name();
-  };
-  return out;
-}
-
 // The nodes a run uses: --nodes when given, else the profile's own `nodes`; the two must not disagree.
 // `world` (0: any) must need the last of them, or --nodes asked for nodes the run would leave empty.
 void apply_nodes(Profile& profile, const std::optional<int>& cli_nodes, int world) {
@@ -311,34 +298,6 @@ Profile measurement_profile(const RunReport& measured, const std::string& asked)
   std::printf("simulating with profile '%s' (%s), %d node%s\n", profile.name.c_str(), why.c_str(),
               profile.nodes, profile.nodes == 1 ? "" : "s");
   return profile;
-}
-
-// A measurement simulated again with `profile`: a ranklab report as the lesson it ran, with its options
-// (so lesson regions and kernels are compared too); anything else as its collectives, replayed.
-RunReport simulate_measured(const RunReport& measured, const Profile& profile) {
-  SimConfig config{profile};
-  config.echo_output = false;  // the lesson's lines were printed when it was measured
-  if (measured.backend == "cuda" || measured.backend == "sim") {
-    if (measured.options.empty()) {
-      throw UsageError(
-          fmt::format("the report of {} records no lesson options, so its run cannot be simulated "
-                      "again; write it with `ranklab run --report` of this version",
-                      measured.lesson));
-    }
-    const Options o = options_from_record(measured.options, measured.world);
-    find_lesson(measured.lesson);
-    config.algorithm = o.algo;
-    config.protocol = o.proto;
-    SimBackend sim(config);
-    RunReport simulated = run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", profile));
-    record_run_config(simulated, profile, o);
-    return simulated;
-  }
-  SimBackend sim(config);
-  RunReport simulated = sim.launch(measured.world, replay_program(measured));
-  label_as_replay(simulated, measured);
-  simulated.profile = profile.name;
-  return simulated;
 }
 
 std::optional<CommOp> op_named(const std::string& name) {
