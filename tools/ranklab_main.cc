@@ -6,6 +6,7 @@
 //   ranklab topo [--profile P] [--nodes N]        a profile's machine: links, tiers, bandwidths, latencies
 //   ranklab compare MEASURED [SIMULATED]          measured against simulated, side by side (and compare.html)
 //   ranklab calibrate MEASURED --profile P -o F   fit a profile to a measurement
+//   ranklab validate [DIR] [--write-doc DOC]      the model against every published sweep in DIR
 //   ranklab plan --model M --nodes N              the best parallel layout of a GPT, found by simulating
 #include <dlfcn.h>
 #include <fmt/format.h>
@@ -48,6 +49,7 @@
 #include "sim/net/topology.h"
 #include "sim/net/topology_print.h"
 #include "sim/sim_backend.h"
+#include "sim/validate.h"
 #if defined(RANKLAB_HAVE_CUDA)
 #include "real/cuda_backend.h"
 #endif
@@ -348,6 +350,26 @@ int compare_command(std::vector<std::string> files, const std::string& profile_n
   return 0;
 }
 
+// Every published sweep of `dir` (validation/ by default) simulated and scored: one table per file, then
+// the summary. With `doc_path`, the tables are written into that file's marked blocks instead
+// (docs/validation.md; scripts/update-validation.sh).
+int validate_command(const std::string& dir, const std::string& doc_path) {
+  const std::vector<FileValidation> all = validate_dir(dir);
+  if (!doc_path.empty()) {
+    std::ifstream in(doc_path, std::ios::binary);
+    if (!in) throw UsageError(fmt::format("{}: cannot read the file", doc_path));
+    std::ostringstream doc;
+    doc << in.rdbuf();
+    write_file(doc_path, update_validation_doc(doc.str(), doc_path, all));
+    std::printf("%zu validation tables written into %s\n", all.size(), doc_path.c_str());
+    return 0;
+  }
+  for (const FileValidation& v : all)
+    std::printf("## %s\n\n%s\n", v.name.c_str(), format_file_validation(v).c_str());
+  std::printf("## All files\n\n%s", format_validation_summary(all).c_str());
+  return 0;
+}
+
 // Fits `profile_name` to a measured report by simulating the measured run again (same lesson, options and
 // world), and writes the fitted profile as a copy of the original file with the fitted values changed.
 int calibrate_command(const std::vector<std::string>& measured_paths, const std::string& profile_name,
@@ -483,6 +505,17 @@ int ranklab::main_of(int argc, char** argv) {
       ->check(CLI::Range(64, 1 << 20));
   bool lecture = false;
   run->add_flag("--lecture", lecture, "the lecture's own setup of the lesson (`ranklab run LESSON --help`)");
+
+  CLI::App* validate = app.add_subcommand(
+      "validate", "the model against published nccl-tests sweeps: one error table per file of a folder");
+  std::string validate_dir_path = "validation", validate_doc;
+  validate->add_option("dir", validate_dir_path,
+                       "the folder of sweeps, each with its '# ranklab: --profile P --nodes N' line "
+                       "(default: validation)");
+  validate->add_option(
+      "--write-doc", validate_doc,
+      "write the tables into this markdown file's marked blocks (docs/validation.md) instead "
+      "of printing them");
 
   CLI::App* compare = app.add_subcommand(
       "compare",
@@ -623,6 +656,7 @@ int ranklab::main_of(int argc, char** argv) {
       return plan::plan_command(plan_request);
     }
     if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
+    if (validate->parsed()) return validate_command(validate_dir_path, validate_doc);
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
