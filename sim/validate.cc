@@ -61,6 +61,10 @@ std::string percent(double fraction) {
   return fmt::format("{:.1f}%", 100 * fraction);
 }
 
+std::string rows_text(int n) {
+  return fmt::format("{} row{}", n, n == 1 ? "" : "s");
+}
+
 bool in_mid_range(std::int64_t bytes) {
   return bytes >= kValidationMidBytes && bytes <= kValidationLastBytes;
 }
@@ -146,6 +150,7 @@ FileValidation validate_file(const std::string& path) {
   const std::string name = std::filesystem::path(path).filename().string();
   FileValidation v;
   v.name = name;
+  v.folder = std::filesystem::path(path).parent_path().filename().string();
   v.setup = parse_validation_setup(read_text(path), path);
   const RunReport measured = read_measurements({path}, std::nullopt);
   Profile profile = load_profile(v.setup.profile);
@@ -225,12 +230,12 @@ std::vector<FileValidation> validate_dir(const std::string& dir) {
 }
 
 std::string format_file_validation(const FileValidation& v) {
-  std::string out = fmt::format("`validation/{}`: {} on {} ranks, simulated as {}.\n\n", v.name,
-                                comm_op_name(v.op), v.ranks, setup_text(v.setup));
+  const std::string file = v.folder.empty() ? v.name : v.folder + "/" + v.name;
+  std::string out = fmt::format("`{}`: {} on {} ranks, simulated as {}.\n\n", file, comm_op_name(v.op),
+                                v.ranks, setup_text(v.setup));
   out +=
-      "| size | measured (us) | ranklab (us) | measured busbw (GB/s) | ranklab busbw (GB/s) | error | "
-      "ranklab's "
-      "choice |\n";
+      "| size | measured (us) | ranklab (us) | measured busbw (GB/s) | ranklab busbw (GB/s) | error "
+      "| ranklab's choice |\n";
   out += "|---|---:|---:|---:|---:|---:|---|\n";
   for (const ValidationRow& r : v.rows) {
     out += fmt::format("| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} | {} |\n",
@@ -238,9 +243,10 @@ std::string format_file_validation(const FileValidation& v) {
                        r.measured_busbw_gbps, r.simulated_busbw_gbps, signed_percent(r.error()), r.algorithm);
   }
   out += fmt::format(
-      "\nGeometric mean of |error| of bus bandwidth: 1 MiB to 16 GiB **{}** ({} rows; target 10%), 256 MiB "
-      "and above **{}** ({} rows; target 5%).\n",
-      percent(v.error_mid), v.rows_mid, percent(v.error_large), v.rows_large);
+      "\nGeometric mean of |error| of bus bandwidth: 1 MiB to 16 GiB **{}** ({}; target 10%), 256 MiB and "
+      "above "
+      "**{}** ({}; target 5%).\n",
+      percent(v.error_mid), rows_text(v.rows_mid), percent(v.error_large), rows_text(v.rows_large));
   return out;
 }
 

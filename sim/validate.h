@@ -45,7 +45,8 @@ struct ValidationRow {
 };
 
 struct FileValidation {
-  std::string name;  // the file's name, without its folder
+  std::string name;    // the file's name, without its folder
+  std::string folder;  // the name of the folder it is in ("validation"), for the tables' captions
   ValidationSetup setup;
   CommOp op = CommOp::AllReduce;
   int ranks = 0;

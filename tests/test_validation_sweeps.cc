@@ -143,6 +143,24 @@ TEST(ValidationSetup, RanksMustFillTheNodes) {
   std::remove(path.c_str());
 }
 
+// A table typed by hand (op,bytes,ranks,time_us) is validated as well, its rows timed one collective each.
+TEST(ValidationSetup, HandMadeCsv) {
+  const std::string dir = testing::TempDir() + "/sweeps-csv";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/hand.csv", std::ios::binary)
+      << "# where the numbers come from\n# ranklab: --profile dgx-h100 --algo ring\nop,bytes,ranks,time_us\n"
+         "all_reduce,16384,8,20\nall_reduce,1073741824,8,5000\n";
+  const std::vector<FileValidation> all = validate_dir(dir);
+  ASSERT_EQ(all.size(), 1u);
+  EXPECT_EQ(all[0].folder, "sweeps-csv");
+  ASSERT_EQ(all[0].rows.size(), 1u);  // 16 KiB is below the tables' first size
+  EXPECT_EQ(all[0].rows[0].bytes, std::int64_t{1} << 30);
+  EXPECT_EQ(all[0].rows[0].algorithm, "ring/simple");
+  EXPECT_NEAR(all[0].rows[0].measured_busbw_gbps, 1073741824.0 / 5000e3 * 1.75, 1e-9);
+  EXPECT_EQ(all[0].rows_large, 1);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ValidationDoc, BadMarkersAreNamedByLine) {
   const std::vector<FileValidation>& all = all_files();
   auto error = [&](const std::string& doc) {
