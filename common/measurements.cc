@@ -182,7 +182,12 @@ MeasurementFormat detect_measurement_format(const std::string& text, const std::
       text.find("algbw") != std::string::npos) {
     return MeasurementFormat::NcclTests;
   }
-  const std::string first_line = lower(text.substr(i, text.find('\n', i) - i));
+  // A CSV's header is its first line that is not a comment: a file may say where its numbers come from first.
+  while (i != std::string::npos && text[i] == '#') {
+    const std::size_t end = text.find('\n', i);
+    i = end == std::string::npos ? std::string::npos : text.find_first_not_of(" \t\r\n", end);
+  }
+  const std::string first_line = i == std::string::npos ? "" : lower(text.substr(i, text.find('\n', i) - i));
   if (first_line.find("op") != std::string::npos && first_line.find("time_us") != std::string::npos &&
       first_line.find(',') != std::string::npos) {
     return MeasurementFormat::Csv;

@@ -70,6 +70,12 @@ expect 0 "symmetric run: 2 of 8 ranks ran, the others mirrored them" run gpt --w
 expect 0 "symmetric run: 4 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric=tp
 expect 105 "--symmetric: tp-tp not in {tp,tp-dp}" run gpt --world 8 --tp 2 --phantom --symmetric=tp-tp
 
+# validate: a folder without sweeps, and a sweep without its "# ranklab:" line, are named.
+mkdir -p "$tmp/sweeps"
+expect 1 "$tmp/sweeps: no measurement (*.log, *.csv) to validate" validate "$tmp/sweeps"
+grep -v '^# ranklab:' "$(dirname "$0")/../validation/h100x8-all_reduce-dgxc-benchmarking.log" >"$tmp/sweeps/h100.log"
+expect 1 "$tmp/sweeps/h100.log: no '# ranklab: --profile P [--nodes N]' line" validate "$tmp/sweeps"
+
 # Calibrate on nccl-tests output: before and after in compare's figure, and a fitted profile that runs.
 {
   echo "# nThread 1 nGpus 8 minBytes 8 maxBytes 1073741824 step: 512(factor) warmup iters: 5 iters: 20 agg iters: 1 validation: 1 graph: 0"

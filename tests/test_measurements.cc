@@ -272,6 +272,12 @@ TEST(Kineto, BadTracesAreNamed) {
 TEST(MeasurementFormat, DetectedFromTheText) {
   EXPECT_EQ(detect_measurement_format(all_reduce_log(8), "a"), MeasurementFormat::NcclTests);
   EXPECT_EQ(detect_measurement_format("op,bytes,ranks,time_us\n", "a"), MeasurementFormat::Csv);
+  // Comment lines before the header (where the numbers come from) leave it a CSV; a comment alone is not one.
+  EXPECT_EQ(detect_measurement_format(
+                "# source: a paper\n\n# ranklab: --profile dgx-h100\nop,bytes,ranks,time_us\n", "a"),
+            MeasurementFormat::Csv);
+  EXPECT_TRUE(contains(error_of([] { detect_measurement_format("# just a comment\n", "c.csv"); }),
+                       "c.csv: not a measurement"));
   EXPECT_EQ(detect_measurement_format(kineto_trace(0, 1, 0), "a"), MeasurementFormat::Kineto);
   EXPECT_EQ(detect_measurement_format(R"({"schema_version": 1})", "a"), MeasurementFormat::Report);
   EXPECT_TRUE(

@@ -6,6 +6,7 @@
 //   ranklab topo [--profile P] [--nodes N]        a profile's machine: links, tiers, bandwidths, latencies
 //   ranklab compare MEASURED [SIMULATED]          measured against simulated, side by side (and compare.html)
 //   ranklab calibrate MEASURED --profile P -o F   fit a profile to a measurement
+//   ranklab validate [DIR] [--write-doc DOC]      the model against every published sweep in DIR
 //   ranklab plan --model M --nodes N              the best parallel layout of a GPT, found by simulating
 #include <dlfcn.h>
 #include <fmt/format.h>
@@ -42,11 +43,13 @@
 #include "plan/plan_command.h"
 #include "real/launch_env.h"
 #include "sim/malloc_tuning.h"
+#include "sim/measured_sim.h"
 #include "sim/net/calibrate.h"
 #include "sim/net/network_model.h"
 #include "sim/net/topology.h"
 #include "sim/net/topology_print.h"
 #include "sim/sim_backend.h"
+#include "sim/validate.h"
 #if defined(RANKLAB_HAVE_CUDA)
 #include "real/cuda_backend.h"
 #endif
@@ -195,20 +198,6 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
   throw UsageError(fmt::format("unknown backend '{}'; choose sim or cuda", name));
 }
 
-// The simulator's choice of algorithm is a pure function of the profile, the forced choices and the call,
-// so a network model of its own answers lessons that print it (the benchmark's --sweep).
-Options with_algorithm_names(const Options& o, const std::string& backend_name, const Profile& profile) {
-  Options out = o;
-  if (backend_name != "sim") return out;
-  auto model = std::make_shared<sim::NetworkModel>(profile, sim::NetworkOptions{o.algo, o.proto});
-  out.comm_algorithm = [model](CommOp op, std::int64_t bytes, int world, int root) {
-    std::vector<int> ranks(world);
-    std::iota(ranks.begin(), ranks.end(), 0);
-    return model->plan_collective(op, bytes, ranks, root).name();
-  };
-  return out;
-}
-
 // The nodes a run uses: --nodes when given, else the profile's own `nodes`; the two must not disagree.
 // `world` (0: any) must need the last of them, or --nodes asked for nodes the run would leave empty.
 void apply_nodes(Profile& profile, const std::optional<int>& cli_nodes, int world) {
@@ -313,34 +302,6 @@ Profile measurement_profile(const RunReport& measured, const std::string& asked)
   return profile;
 }
 
-// A measurement simulated again with `profile`: a ranklab report as the lesson it ran, with its options
-// (so lesson regions and kernels are compared too); anything else as its collectives, replayed.
-RunReport simulate_measured(const RunReport& measured, const Profile& profile) {
-  SimConfig config{profile};
-  config.echo_output = false;  // the lesson's lines were printed when it was measured
-  if (measured.backend == "cuda" || measured.backend == "sim") {
-    if (measured.options.empty()) {
-      throw UsageError(
-          fmt::format("the report of {} records no lesson options, so its run cannot be simulated "
-                      "again; write it with `ranklab run --report` of this version",
-                      measured.lesson));
-    }
-    const Options o = options_from_record(measured.options, measured.world);
-    find_lesson(measured.lesson);
-    config.algorithm = o.algo;
-    config.protocol = o.proto;
-    SimBackend sim(config);
-    RunReport simulated = run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", profile));
-    record_run_config(simulated, profile, o);
-    return simulated;
-  }
-  SimBackend sim(config);
-  RunReport simulated = sim.launch(measured.world, replay_program(measured));
-  label_as_replay(simulated, measured);
-  simulated.profile = profile.name;
-  return simulated;
-}
-
 std::optional<CommOp> op_named(const std::string& name) {
   if (name.empty()) return std::nullopt;
   for (int i = 0; i < static_cast<int>(CommOp::Barrier); ++i) {
@@ -386,6 +347,26 @@ int compare_command(std::vector<std::string> files, const std::string& profile_n
     write_file(html_path, comparison_to_html(c));
     std::printf("comparison written to %s\n", html_path.c_str());
   }
+  return 0;
+}
+
+// Every published sweep of `dir` (validation/ by default) simulated and scored: one table per file, then
+// the summary. With `doc_path`, the tables are written into that file's marked blocks instead
+// (docs/validation.md; scripts/update-validation.sh).
+int validate_command(const std::string& dir, const std::string& doc_path) {
+  const std::vector<FileValidation> all = validate_dir(dir);
+  if (!doc_path.empty()) {
+    std::ifstream in(doc_path, std::ios::binary);
+    if (!in) throw UsageError(fmt::format("{}: cannot read the file", doc_path));
+    std::ostringstream doc;
+    doc << in.rdbuf();
+    write_file(doc_path, update_validation_doc(doc.str(), doc_path, all));
+    std::printf("%zu validation tables written into %s\n", all.size(), doc_path.c_str());
+    return 0;
+  }
+  for (const FileValidation& v : all)
+    std::printf("## %s\n\n%s\n", v.name.c_str(), format_file_validation(v).c_str());
+  std::printf("## All files\n\n%s", format_validation_summary(all).c_str());
   return 0;
 }
 
@@ -524,6 +505,17 @@ int ranklab::main_of(int argc, char** argv) {
       ->check(CLI::Range(64, 1 << 20));
   bool lecture = false;
   run->add_flag("--lecture", lecture, "the lecture's own setup of the lesson (`ranklab run LESSON --help`)");
+
+  CLI::App* validate = app.add_subcommand(
+      "validate", "the model against published nccl-tests sweeps: one error table per file of a folder");
+  std::string validate_dir_path = "validation", validate_doc;
+  validate->add_option("dir", validate_dir_path,
+                       "the folder of sweeps, each with its '# ranklab: --profile P --nodes N' line "
+                       "(default: validation)");
+  validate->add_option(
+      "--write-doc", validate_doc,
+      "write the tables into this markdown file's marked blocks (docs/validation.md) instead "
+      "of printing them");
 
   CLI::App* compare = app.add_subcommand(
       "compare",
@@ -664,6 +656,7 @@ int ranklab::main_of(int argc, char** argv) {
       return plan::plan_command(plan_request);
     }
     if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
+    if (validate->parsed()) return validate_command(validate_dir_path, validate_doc);
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }

@@ -1,0 +1,58 @@
+#include "sim/measured_sim.h"
+
+#include <fmt/format.h>
+
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "common/compare.h"
+#include "common/errors.h"
+#include "common/replay.h"
+#include "sim/net/network_model.h"
+#include "sim/sim_backend.h"
+
+namespace ranklab {
+
+Options with_algorithm_names(const Options& o, const std::string& backend_name, const Profile& profile) {
+  Options out = o;
+  if (backend_name != "sim") return out;
+  auto model = std::make_shared<sim::NetworkModel>(profile, sim::NetworkOptions{o.algo, o.proto});
+  out.comm_algorithm = [model](CommOp op, std::int64_t bytes, int world, int root) {
+    std::vector<int> ranks(world);
+    std::iota(ranks.begin(), ranks.end(), 0);
+    return model->plan_collective(op, bytes, ranks, root).name();
+  };
+  return out;
+}
+
+RunReport simulate_measured(const RunReport& measured, const Profile& profile, const std::string& algorithm,
+                            const std::string& protocol) {
+  SimConfig config{profile};
+  config.echo_output = false;  // the lesson's lines were printed when it was measured
+  if (measured.backend == "cuda" || measured.backend == "sim") {
+    if (measured.options.empty()) {
+      throw UsageError(
+          fmt::format("the report of {} records no lesson options, so its run cannot be simulated "
+                      "again; write it with `ranklab run --report` of this version",
+                      measured.lesson));
+    }
+    const Options o = options_from_record(measured.options, measured.world);
+    find_lesson(measured.lesson);
+    config.algorithm = o.algo;
+    config.protocol = o.proto;
+    SimBackend sim(config);
+    RunReport simulated = run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", profile));
+    record_run_config(simulated, profile, o);
+    return simulated;
+  }
+  config.algorithm = algorithm;
+  config.protocol = protocol;
+  SimBackend sim(config);
+  RunReport simulated = sim.launch(measured.world, replay_program(measured));
+  label_as_replay(simulated, measured);
+  simulated.profile = profile.name;
+  return simulated;
+}
+
+}  // namespace ranklab
