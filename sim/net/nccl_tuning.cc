@@ -182,10 +182,9 @@ double nccl_bandwidth_factor(CommOp op, Algorithm a, Protocol p, const GroupShap
       return f;
     }
     case Algorithm::Nvls:
+      return kNvlsLinkFraction;
     case Algorithm::NvlsTree:
-      // tuning.cc converts NVLS bus bandwidth to algorithm bandwidth with 5/6; on 8x H100 that reproduces
-      // the published ~480 GB/s NVLS bus bandwidth from NVLink's sustained 370 GB/s (docs/validation.md).
-      return 5.0 / 6.0;
+      return 1.0;
     case Algorithm::Local:
       return 1.0;
   }

@@ -89,8 +89,15 @@ bool nccl_supports(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 // NCCL's predicted latency in microseconds of `op` with (a, p) on this group for a message of `bytes`.
 double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
 
+// What NVLS moves through the switch of a link's sustained bandwidth: tuning.cc converts NVLS bus
+// bandwidth to algorithm bandwidth with 5/6; on 8x H100 that reproduces the published ~480 GB/s NVLS bus
+// bandwidth from NVLink's sustained 370 GB/s (docs/validation.md). NVLSTree's plan applies it to its NVLink
+// flows only (its network part is a tree of sends).
+constexpr double kNvlsLinkFraction = 5.0 / 6.0;
+
 // The fraction of a link's sustained bandwidth that (a, p) turns into moved data, relative to the Simple
-// protocol on a ring: each flow of the plan occupies its links for payload / this.
+// protocol on a ring: each flow of the plan occupies its links for payload / this. NVLSTree's is 1: its
+// plan holds NVLS's fraction on the NVLink flows.
 double nccl_bandwidth_factor(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 
 // NCCL's size-dependent correction of tree bandwidth for medium messages (treeCorrectionFactor).

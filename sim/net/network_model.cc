@@ -140,11 +140,12 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
   const double b = static_cast<double>(bytes);
-  // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly.
+  // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
+  // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).
   const double occupy = c.transfer_us > 0 && s.unit_us > 0 ? c.transfer_us / (b * s.unit_us) : 1.0;
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;
-    f.bytes = f.payload_bytes * occupy;
+    f.bytes *= b * occupy;
   }
   return plan;
 }
