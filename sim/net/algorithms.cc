@@ -49,6 +49,7 @@ GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks) {
   s.intra_gbps = prof.has_nvlink ? prof.nvlink.gpu_bandwidth_gbps() * prof.nvlink.efficiency
                                  : prof.pcie.bandwidth_gbps * prof.pcie.efficiency;
   s.nics = g.channels;
+  s.nic_gbps = prof.nic.bandwidth_gbps;
   if (s.nodes > 1) {
     // Latency of the fabric beyond the first switch: nodes under different leaves go through spines.
     std::set<int> leaf_groups;
@@ -88,15 +89,16 @@ class PlanBuilder {
     plan_.flows.reserve(flows);
     plan_.links.reserve(flows * 8);
   }
-  // A flow from GPU `src` to GPU `dst` carrying `payload` (per byte of S).
-  void send(int src, int dst, double payload) {
+  // A flow from GPU `src` to GPU `dst` carrying `payload` (per byte of S), occupying its links for
+  // `occupy` x payload.
+  void send(int src, int dst, double payload, double occupy = 1.0) {
     if (payload <= 0 || src == dst) return;
     path_.clear();
     topo_.append_path(src, dst, path_);
-    plan_.add_flow(path_, payload, payload);
+    plan_.add_flow(path_, payload, payload * occupy);
   }
-  void on_link(LinkId l, double payload) {
-    if (payload > 0) plan_.add_flow(std::span<const LinkId>(&l, 1), payload, payload);
+  void on_link(LinkId l, double payload, double occupy = 1.0) {
+    if (payload > 0) plan_.add_flow(std::span<const LinkId>(&l, 1), payload, payload * occupy);
   }
   CommPlan take() { return std::move(plan_); }
 
@@ -217,12 +219,16 @@ CommPlan nvls_tree_plan(const Topology& topo, const GroupLayout& g) {
   PlanBuilder b(topo, Algorithm::NvlsTree);
   const int nodes = static_cast<int>(g.nodes.size());
   const int m = static_cast<int>(g.nodes[0].size());
-  // NVLS reduce-scatter and all-gather inside each node: S (1 + 1/m) each way on every GPU's NVLink.
+  // NVLS reduce-scatter and all-gather inside each node: S (1 + 1/m) each way on every GPU's NVLink, at
+  // NVLS's 5/6 of the link (kNvlsLinkFraction).
+  const double nvls_occupy = 1.0 / kNvlsLinkFraction;
   for (int r : g.ranks) {
-    b.on_link(topo.gpu_to_nvswitch(r), 1 + 1.0 / m);
-    b.on_link(topo.nvswitch_to_gpu(r), 1 + 1.0 / m);
+    b.on_link(topo.gpu_to_nvswitch(r), 1 + 1.0 / m, nvls_occupy);
+    b.on_link(topo.nvswitch_to_gpu(r), 1 + 1.0 / m, nvls_occupy);
   }
   // Member j of every node owns S/m and all-reduces it with member j of the other nodes, over its rail.
+  // That part is a tree of point-to-point sends through the NICs, at the Simple protocol's full rate: the
+  // 5/6 is the switch's, not the network's.
   for (int j = 0; j < m; ++j) {
     for (int tree = 0; tree < 2; ++tree) {
       for (int k = 0; k < nodes; ++k) {

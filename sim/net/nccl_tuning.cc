@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <span>
 
 namespace ranklab::sim {
 
@@ -77,7 +78,8 @@ int log2i(int n) {
 
 bool nccl_supports(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
   // LL128 only where NCCL enables it by default: GPUs joined by NVLink (tuning.cc enables it for
-  // typeIntra <= PATH_NVB and disables it elsewhere, as untested).
+  // typeIntra <= PATH_NVB and disables it elsewhere, as untested), of compute capability 7.0, 8.0 and 9.0
+  // in 2.21.5 and also 10.0 in 2.27.7: every GPU of ranklab's profiles.
   if (p == Protocol::LL128 && !g.nvlink) return false;
   const bool reduce_like = op == CommOp::AllReduce;
   switch (a) {
@@ -133,8 +135,9 @@ double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, 
       if (nodes > 1) intra_us = std::max(intra_us, kNetOverheadUs * (p == Protocol::Simple ? 3 : 1));
       double us = base_us + (steps - inter_steps) * intra_us + inter_steps * inter_us;
       // "Plateau effect of ring" (ncclTopoGetAlgoTime): a multi-node Simple all_reduce with at least 64
-      // bytes per channel and rank takes 1.4x its latency on Ampere and later.
-      if (p == Protocol::Simple && nodes > 1 && op == CommOp::AllReduce && bytes / (g.channels * n) >= 64) {
+      // bytes per channel (of comm->nChannels) and rank takes 1.4x its latency on Ampere and later.
+      if (p == Protocol::Simple && nodes > 1 && op == CommOp::AllReduce &&
+          bytes / (static_cast<double>(nccl_coll_channels(g)) * n) >= 64) {
         us *= 1.4;
       }
       return us;
@@ -179,10 +182,9 @@ double nccl_bandwidth_factor(CommOp op, Algorithm a, Protocol p, const GroupShap
       return f;
     }
     case Algorithm::Nvls:
+      return kNvlsLinkFraction;
     case Algorithm::NvlsTree:
-      // tuning.cc converts NVLS bus bandwidth to algorithm bandwidth with 5/6; on 8x H100 that reproduces
-      // the published ~480 GB/s NVLS bus bandwidth from NVLink's sustained 370 GB/s (docs/validation.md).
-      return 5.0 / 6.0;
+      return 1.0;
     case Algorithm::Local:
       return 1.0;
   }
@@ -227,18 +229,51 @@ constexpr int kRingChunkSteps = kSteps / 2;     // ALLREDUCE_CHUNKSTEPS (and all
 constexpr double kNvlsChunkBytes = 128 * 1024;  // NCCL_NVLS_CHUNKSIZE
 constexpr int kMaxChannels = 32;                // MAXCHANNELS
 
-// llMaxBws, perChMaxRingLL128Bws and perChMaxTreeBws of tuning.cc: [Volta, Ampere, Hopper][N1, N2, N4].
+// llMaxBws, perChMaxRingLL128Bws, perChMaxTreeLL128Bws and perChMaxTreeBws of tuning.cc:
+// [Volta, Ampere, Hopper, Blackwell][N1, N2, N4]; the Blackwell rows (twice Hopper's) are 2.27.7's.
 // Across nodes the LL row is the CPU's (Intel, row 0); ranklab assumes Intel hosts.
-constexpr double kLlMaxBw[3][3] = {{39.0, 39.0, 20.4}, {87.7, 22.5, 19.0}, {141.0, 45.0, 35.0}};
-constexpr double kPerChRingLl128Bw[3][3] = {{20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 36.7}};
-constexpr double kPerChTreeBw[3][3] = {{26.5, 18.5, 10.0}, {24.0, 23.6, 17.8}, {38.7, 41.4, 36.0}};
+constexpr double kLlMaxBw[4][3] = {
+    {39.0, 39.0, 20.4}, {87.7, 22.5, 19.0}, {141.0, 45.0, 35.0}, {282.0, 90.0, 70.0}};
+constexpr double kPerChRingLl128Bw[4][3] = {
+    {20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 36.7}, {73.4, 73.4, 73.4}};
+constexpr double kPerChTreeLl128Bw[4][3] = {
+    {20.0, 20.0, 20.0}, {20.0, 20.0, 20.0}, {36.7, 36.7, 29.0}, {73.4, 73.4, 58.0}};
+constexpr double kPerChTreeBw[4][3] = {
+    {26.5, 18.5, 10.0}, {24.0, 23.6, 17.8}, {38.7, 41.4, 36.0}, {77.4, 82.8, 72.0}};
 
-// The speed arrays of src/graph/search.cc the ring graph search walks down, GB/s per channel.
+// The speed arrays of src/graph/search.cc the graph search walks down, GB/s per channel: inside a node
+// (speedArrayIntra, sm90SpeedArrayIntra; sm100SpeedArrayIntra of 2.27.7) and across nodes
+// (speedArrayInter, sm90SpeedArrayInter; sm100SpeedArrayInter of 2.27.7).
 constexpr double kSpeedIntra[] = {40.0, 30.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0, 7.0, 6.0, 5.0, 4.0, 3.0};
 constexpr double kSm90SpeedIntra[] = {60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 15.0, 12.0, 11.0, 6.0, 3.0};
+constexpr double kSm100SpeedIntra[] = {90.0, 80.0, 70.0, 60.0, 50.0, 40.0, 30.0, 24.0, 20.0, 19.0, 18.0};
+constexpr double kSpeedInter[] = {48.0, 30.0, 28.0, 24.0, 20.0, 18.0, 15.0, 12.0, 10.0, 9.0,
+                                  7.0,  6.0,  5.0,  4.0,  3.0,  2.4,  1.2,  0.24, 0.12};
+constexpr double kSm90SpeedInter[] = {48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5,
+                                      15.0, 12.0, 6.0,  3.0,  2.4,  1.2,  0.24, 0.12};
+constexpr double kSm100SpeedInter[] = {96.0, 48.0, 45.1, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0,
+                                       17.5, 15.0, 12.0, 6.0,  3.0,  2.4,  1.2,  0.24, 0.12};
+
+std::span<const double> intra_speeds(int sm) {
+  if (sm >= 100) return kSm100SpeedIntra;
+  if (sm >= 90) return kSm90SpeedIntra;
+  return kSpeedIntra;
+}
+std::span<const double> inter_speeds(int sm) {
+  if (sm >= 100) return kSm100SpeedInter;
+  if (sm >= 90) return kSm90SpeedInter;
+  return kSpeedInter;
+}
+// The first speed of the array no faster than `limit_gbps` (search.cc starts there), the last if none.
+double first_speed_within(std::span<const double> speeds, double limit_gbps) {
+  for (double s : speeds) {
+    if (s <= limit_gbps + 1e-9) return s;
+  }
+  return speeds.back();
+}
 
 int cc_index(int sm) {
-  return sm >= 90 ? 2 : sm >= 80 ? 1 : 0;
+  return sm >= 100 ? 3 : sm >= 90 ? 2 : sm >= 80 ? 1 : 0;
 }
 int node_index(int nodes) {
   return nodes <= 2 ? nodes - 1 : 2;
@@ -254,12 +289,7 @@ struct RingGraph {
 RingGraph ring_graph(const GroupShape& g) {
   RingGraph r;
   const double total = std::max(g.intra_gbps, 1e-9);
-  const double* speeds = g.sm >= 90 ? kSm90SpeedIntra : kSpeedIntra;
-  const int n =
-      g.sm >= 90 ? static_cast<int>(std::size(kSm90SpeedIntra)) : static_cast<int>(std::size(kSpeedIntra));
-  int i = 0;
-  while (i < n - 1 && speeds[i] > total) ++i;
-  const double speed = speeds[i];
+  const double speed = first_speed_within(intra_speeds(g.sm), total);
   const int found = std::clamp(static_cast<int>(std::floor(total / speed + 1e-9)), 1, kMaxChannels / 2);
   r.channels = found;
   r.bw = speed;
@@ -332,10 +362,95 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
   return inf;
 }
 
+int nccl_nvls_channels(const GroupShape& g) {
+  if (g.sm >= 100) return g.nodes > 1 ? 32 : 24;  // 2.27.7
+  return 16;
+}
+
+NcclGraph nccl_graph(Algorithm a, const GroupShape& g) {
+  NcclGraph r;
+  const bool nvls = a == Algorithm::Nvls || a == Algorithm::NvlsTree;
+  const double intra = std::max(g.intra_gbps, 1e-9);
+  if (nvls) {
+    // search.cc: an NVLS graph has one channel per GPU of the node (each GPU a head), at the fastest speed
+    // of which that many fit on a GPU's links; across nodes each head leaves through its own NIC.
+    r.channels = std::max(1, g.ranks_per_node);
+    r.bw_intra_gbps = r.bw_inter_gbps = intra_speeds(g.sm).back();
+    for (double s : intra_speeds(g.sm)) {
+      if (s * r.channels <= intra + 1e-9) {
+        r.bw_intra_gbps = r.bw_inter_gbps = s;
+        break;
+      }
+    }
+    if (g.nodes > 1) r.bw_inter_gbps = first_speed_within(inter_speeds(g.sm), g.nic_gbps);
+    return r;
+  }
+  if (g.nodes == 1) {
+    const RingGraph ring = ring_graph(g);
+    r.channels = ring.channels;
+    r.bw_intra_gbps = r.bw_inter_gbps = ring.bw;
+    return r;
+  }
+  // Across nodes: one channel per NIC at the fastest inter-node speed a NIC carries, duplicated (the speed
+  // is at least 25 GB/s on every NIC of the profiles), the same speed inside the node (sameChannels).
+  const double speed = first_speed_within(inter_speeds(g.sm), std::min(g.nic_gbps, intra));
+  const int found = std::clamp(std::max(1, g.nics), 1, kMaxChannels / 2);
+  r.channels = found;
+  r.bw_intra_gbps = r.bw_inter_gbps = speed;
+  if (speed >= 25.0) {
+    r.channels = std::min(found * 2, kMaxChannels / 2);
+    r.bw_intra_gbps = r.bw_inter_gbps = speed / ((r.channels + found - 1) / found);
+  }
+  return r;
+}
+
+double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
+  if (!nccl_supports(op, a, p, g)) return 0;
+  if (a != Algorithm::Ring && a != Algorithm::Tree && a != Algorithm::Nvls && a != Algorithm::NvlsTree)
+    return 0;
+  // ncclTopoTuneModel of tuning.cc, line by line.
+  const NcclGraph graph = nccl_graph(a, g);
+  const int n = g.ranks, nodes = g.nodes;
+  const double ppn = static_cast<double>(n) / nodes;
+  const int ci = cc_index(g.sm), ni = node_index(nodes);
+  const double ll_max = kLlMaxBw[nodes == 1 ? ci : 0][ni];
+  double bw = nodes <= 2 ? graph.bw_intra_gbps : graph.bw_inter_gbps;
+  if (a == Algorithm::Nvls) bw = std::min(graph.bw_intra_gbps, graph.bw_inter_gbps);
+  if (a == Algorithm::NvlsTree) {
+    bw = std::min(graph.bw_intra_gbps, nodes <= 2 ? graph.bw_inter_gbps : graph.bw_inter_gbps / 2);
+  }
+  double bus = graph.channels * bw;
+  if (a == Algorithm::Ring && p == Protocol::LL) bus = std::min(ll_max, bus * 0.5);
+  if (a == Algorithm::Ring && p == Protocol::LL128) {
+    bus = std::min(bus * (ppn < 2 ? 0.7 : 0.92), graph.channels * kPerChRingLl128Bw[ci][ni]);
+  }
+  if (a == Algorithm::Tree) bus = std::min(bus * 0.92, graph.channels * kPerChTreeBw[ci][ni]);
+  if (a == Algorithm::Tree && p == Protocol::LL) bus = std::min(bus / 3.8, ll_max);
+  if (a == Algorithm::Tree && p == Protocol::LL128) {
+    bus =
+        std::min(bus * (nodes == 1 ? 7.0 / 9.0 : 120.0 / 128.0), graph.channels * kPerChTreeLl128Bw[ci][ni]);
+  }
+  // Bus bandwidth to algorithm bandwidth: a ring's nRanks / nsteps, NVLS's 5/6, a tree's 1/2.
+  const int steps = op == CommOp::AllReduce                                    ? 2 * (n - 1)
+                    : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? n - 1
+                                                                               : n;
+  if (a == Algorithm::Ring) return bus * n / steps;
+  if (a == Algorithm::Nvls || a == Algorithm::NvlsTree) return bus * 5.0 / 6.0;
+  return bus * 0.5;
+}
+
+double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
+  double bw = nccl_model_bw_gbps(op, a, p, g);
+  if (bw <= 0) return -1;
+  if (a == Algorithm::Tree) bw *= nccl_tree_correction(p, bytes);
+  // nccl_latency_us holds the ring's plateau (ncclTopoGetAlgoTime's 1.4 x latency).
+  return nccl_latency_us(op, a, p, g, bytes) + bytes / (1000 * bw);
+}
+
 LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
   LaunchShape l;
   const bool nvls = a == Algorithm::Nvls || a == Algorithm::NvlsTree;
-  int nc = nvls ? kNvlsChannels : nccl_coll_channels(g);
+  int nc = nvls ? nccl_nvls_channels(g) : nccl_coll_channels(g);
   // comm->maxThreads (ncclTopoTuneModel): Simple rings get 256 threads when the graph is no faster than
   // PCIe (PCI_BW, 12 GB/s), else 512; LL 512; LL128 640; NVLS 640.
   int nt = nvls                                                      ? kMaxThreads

@@ -2,7 +2,12 @@
 // what fraction of a link's bandwidth each protocol delivers, how many channels and threads a call gets
 // and how its chunks flow through the pipeline.
 //
-// ONE RELEASE: every constant and formula here is ported from NVIDIA/nccl at tag v2.21.5-1 (NCCL 2.21.5):
+// WHICH RELEASE: every constant and formula here is ported from NVIDIA/nccl at tag v2.21.5-1 (NCCL 2.21.5),
+// except what that release cannot know: Blackwell (compute capability 10.0) arrived in NCCL 2.25, so the
+// Blackwell rows of the tables, the SM100 speed array, the Blackwell NVLS channel counts and LL128's
+// enabling on Blackwell come from tag v2.27.7-1 (NCCL 2.27.7), each marked "2.27.7" where it is used.
+// Nothing else of 2.27.7 (its PAT algorithm, its changed tree latencies) is ported: a B200 runs 2.21.5's
+// model with 2.27.7's Blackwell constants. The files of 2.21.5:
 //   src/graph/tuning.cc   baseLat, hwLat, llMaxBws, perChMaxRingLL128Bws, perChMaxTreeBws, the protocol
 //                         refinements of ncclTopoTuneModel, treeCorrectionFactor, ncclTopoGetAlgoTime,
 //                         getNetOverhead, NCCL_NTHREADS defaults, threadThresholds
@@ -40,6 +45,7 @@ struct GroupShape {
   int sm = 80;              // compute capability x 10 of the GPUs (70, 80, 90, 100)
   double intra_gbps = 0;    // what NCCL sustains from one GPU into the node: NVLink (or PCIe), per direction
   int nics = 1;             // NICs every node's members reach (several nodes)
+  double nic_gbps = 0;      // one NIC's line rate, as NCCL reads it (its speed in Mb/s / 8000)
 };
 
 // The compute capability (x 10) of a GPU by its name: A100 80, H100/H200/H20/H800 90, B200/GB200 100.
@@ -49,8 +55,9 @@ int gpu_sm(const std::string& gpu_name);
 int nccl_coll_channels(const GroupShape& g);
 // The ring graph's bus bandwidth in NCCL's model (graph nChannels x bwIntra), GB/s.
 double nccl_ring_graph_bw(const GroupShape& g);
-// comm->nvlsChannels: NCCL_NVLS_NCHANNELS, 16.
-constexpr int kNvlsChannels = 16;
+// comm->nvlsChannels: 16 on Hopper (NCCL_NVLS_NCHANNELS of 2.21.5); on Blackwell 24 inside one node and 32
+// across nodes (NVLS_NCHANNELS_SM100_NVL and NVLS_NCHANNELS_SM100, src/transport/nvls.cc of 2.27.7).
+int nccl_nvls_channels(const GroupShape& g);
 
 // What NCCL launches for one call: channels (blocks), threads per block, the chunk size each channel moves
 // per step, and how many chunks each channel handles one after another (loops of the pipeline).
@@ -82,12 +89,40 @@ bool nccl_supports(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 // NCCL's predicted latency in microseconds of `op` with (a, p) on this group for a message of `bytes`.
 double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
 
+// What NVLS moves through the switch of a link's sustained bandwidth: tuning.cc converts NVLS bus
+// bandwidth to algorithm bandwidth with 5/6; on 8x H100 that reproduces the published ~480 GB/s NVLS bus
+// bandwidth from NVLink's sustained 370 GB/s (docs/validation.md). NVLSTree's plan applies it to its NVLink
+// flows only (its network part is a tree of sends).
+constexpr double kNvlsLinkFraction = 5.0 / 6.0;
+
 // The fraction of a link's sustained bandwidth that (a, p) turns into moved data, relative to the Simple
-// protocol on a ring: each flow of the plan occupies its links for payload / this.
+// protocol on a ring: each flow of the plan occupies its links for payload / this. NVLSTree's is 1: its
+// plan holds NVLS's fraction on the NVLink flows.
 double nccl_bandwidth_factor(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 
 // NCCL's size-dependent correction of tree bandwidth for medium messages (treeCorrectionFactor).
 double nccl_tree_correction(Protocol p, double bytes);
+
+// ---- NCCL's own prediction: what it chooses by --------------------------------------------------------
+// NCCL picks (algorithm, protocol) by its model, not by what the machine will do. ranklab chooses the same
+// way, from the tables below, and then times the choice with its flows over the links.
+
+// A graph of NCCL's topology search (src/graph/search.cc): its channels and the bandwidth each carries
+// inside a node and across nodes, GB/s (graph->nChannels, bwIntra, bwInter).
+struct NcclGraph {
+  int channels = 1;
+  double bw_intra_gbps = 0;
+  double bw_inter_gbps = 0;
+};
+// The graph NCCL searches for algorithm `a` (ring and tree share the ring's on these topologies; NVLS and
+// NVLSTree have one channel per GPU of the node).
+NcclGraph nccl_graph(Algorithm a, const GroupShape& g);
+// comm->bandwidths[op][a][p] of ncclTopoTuneModel: NCCL's algorithm bandwidth, GB/s; 0 where NCCL would not
+// run (a, p).
+double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
+// ncclTopoGetAlgoTime: latency + bytes / bandwidth, with the tree's size correction and the ring's plateau;
+// negative where NCCL would not run (a, p).
+double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
 
 // NCCL sends point-to-point messages up to this size with the LL protocol (NCCL_P2P_LL_THRESHOLD).
 constexpr double kP2pLlThresholdBytes = 16384;

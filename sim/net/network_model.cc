@@ -140,11 +140,12 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
   const double b = static_cast<double>(bytes);
-  // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly.
+  // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
+  // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).
   const double occupy = c.transfer_us > 0 && s.unit_us > 0 ? c.transfer_us / (b * s.unit_us) : 1.0;
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;
-    f.bytes = f.payload_bytes * occupy;
+    f.bytes *= b * occupy;
   }
   return plan;
 }
@@ -165,21 +166,18 @@ CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std:
   const bool check_p =
       std::any_of(all.begin(), all.end(), [&](const Candidate& c) { return allowed(c, check_a, true); });
   std::erase_if(all, [&](const Candidate& c) { return !allowed(c, check_a, check_p); });
-  // The least latency + transfer, the first of equals in NCCL's order. Candidates are looked at by
-  // latency, so one whose latency alone exceeds the best time so far is never built: at thousands of
-  // ranks that skips the ring, whose latency grows with every rank.
-  std::vector<std::size_t> by_latency(all.size());
-  std::iota(by_latency.begin(), by_latency.end(), 0);
-  std::stable_sort(by_latency.begin(), by_latency.end(),
-                   [&](std::size_t a, std::size_t b) { return all[a].latency_us < all[b].latency_us; });
+  // NCCL's choice: the least time by NCCL's own model (nccl_model_time_us), the first of equals in its
+  // order. The machine then runs the choice at the speed of its flows over the links.
   GroupEntry& g = group(ranks);
-  std::size_t best = all.size();
-  for (std::size_t i : by_latency) {
-    if (best < all.size() && all[i].latency_us > all[best].time_us()) break;
-    all[i].transfer_us = transfer_of(g, op, all[i], bytes, root, false);
-    if (best == all.size() || all[i].time_us() < all[best].time_us() ||
-        (all[i].time_us() == all[best].time_us() && i < best)) {
+  const GroupShape& gs = g.layout.shape;
+  const double s = static_cast<double>(bytes);
+  std::size_t best = 0;
+  double best_us = std::numeric_limits<double>::infinity();
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const double us = nccl_model_time_us(op, all[i].algorithm, all[i].protocol, gs, s);
+    if (us >= 0 && us < best_us) {
       best = i;
+      best_us = us;
     }
   }
   Candidate chosen = all[best];

@@ -1,0 +1,142 @@
+// NCCL's choice of algorithm, protocol and channels, worked out by hand from NCCL 2.21.5's model (and
+// 2.27.7's Blackwell constants) for a table of sizes and world sizes, against the model's choice.
+//
+// NCCL predicts each (algorithm, protocol) as latency + bytes / algorithm bandwidth (ncclTopoGetAlgoTime)
+// from the tables ncclTopoTuneModel fills (src/graph/tuning.cc), and takes the least. The figures below
+// are that arithmetic done by hand, so a change to the port that moves a crossover fails here.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/profile.h"
+#include "sim/net/algorithms.h"
+#include "sim/net/nccl_tuning.h"
+#include "sim/net/network_model.h"
+#include "sim/net/topology.h"
+
+namespace ranklab::sim {
+namespace {
+
+std::vector<int> first(int n) {
+  std::vector<int> r(n);
+  std::iota(r.begin(), r.end(), 0);
+  return r;
+}
+
+GroupShape shape_of(const char* profile, int nodes, int world) {
+  Profile p = load_profile(profile);
+  p.nodes = nodes;
+  const Topology topo(p);
+  return layout_group(topo, first(world)).shape;
+}
+
+// NCCL's algorithm bandwidth (GB/s) for a few cells of its table, by hand.
+TEST(NcclModel, BandwidthTableByHand) {
+  // 8x H100: NVLink 18 x 20.6 = 370.8 GB/s. Ring graph: 60 GB/s fits 6 times, duplicated to 12 x 30.
+  // NVLS graph: one channel per GPU, 8 x 40 (8 x 50 = 400 would not fit).
+  const GroupShape h100 = shape_of("dgx-h100", 1, 8);
+  const NcclGraph ring = nccl_graph(Algorithm::Ring, h100);
+  EXPECT_EQ(ring.channels, 12);
+  EXPECT_DOUBLE_EQ(ring.bw_intra_gbps, 30);
+  const NcclGraph nvls = nccl_graph(Algorithm::Nvls, h100);
+  EXPECT_EQ(nvls.channels, 8);
+  EXPECT_DOUBLE_EQ(nvls.bw_intra_gbps, 40);
+  // Ring Simple: 360 x 8/14; LL: min(llMaxBw 141, 360 / 2) x 8/14; LL128: min(360 x 0.92, 12 x 36.7) x 8/14.
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::Simple, h100), 205.714, 1e-3);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::LL, h100), 80.571, 1e-3);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::LL128, h100), 189.257, 1e-3);
+  // NVLS: 8 x 40 x 5/6. Tree LL128: min(360 x 0.92 x 7/9, 12 x 36.7) / 2.
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Nvls, Protocol::Simple, h100), 266.667, 1e-3);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Tree, Protocol::LL128, h100), 128.8, 1e-3);
+  // All-gather's ring: 7 steps, x 8/7.
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllGather, Algorithm::Ring, Protocol::Simple, h100), 411.429, 1e-3);
+  // NVLS never runs LL or LL128.
+  EXPECT_EQ(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Nvls, Protocol::LL, h100), 0);
+
+  // 8x A100: 12 x 25 x 0.8 = 240 GB/s; 40 GB/s fits 6 times, duplicated to 12 x 20. llMaxBw 87.7.
+  const GroupShape a100 = shape_of("dgx-a100", 1, 8);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::LL, a100), 50.114, 1e-3);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::LL128, a100), 126.171, 1e-3);
+
+  // 8x B200 (2.27.7): 18 x 40.1 = 721.8 GB/s; the SM100 speed array's 90 fits 8 times, duplicated to
+  // 16 x 45. NVLS: 8 x 90. LL's ceiling is Blackwell's 282.
+  const GroupShape b200 = shape_of("dgx-b200", 1, 8);
+  EXPECT_EQ(nccl_graph(Algorithm::Ring, b200).channels, 16);
+  EXPECT_DOUBLE_EQ(nccl_graph(Algorithm::Ring, b200).bw_intra_gbps, 45);
+  EXPECT_DOUBLE_EQ(nccl_graph(Algorithm::Nvls, b200).bw_intra_gbps, 90);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::LL, b200), 161.143, 1e-3);
+  EXPECT_EQ(nccl_nvls_channels(b200), 24);
+
+  // 2 nodes of 8x H100 with 8 NDR NICs (50 GB/s): one channel per NIC at 48 GB/s, duplicated to 16 x 24;
+  // up to two nodes the ring uses that. NVLSTree: min(40, 48) x 8 x 5/6.
+  const GroupShape h100x2 = shape_of("dgx-h100", 2, 16);
+  EXPECT_EQ(nccl_graph(Algorithm::Ring, h100x2).channels, 16);
+  EXPECT_DOUBLE_EQ(nccl_graph(Algorithm::Ring, h100x2).bw_inter_gbps, 24);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::Ring, Protocol::Simple, h100x2), 204.8, 1e-3);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2), 266.667,
+              1e-3);
+  // Beyond two nodes NVLSTree's inter-node speed is halved: min(40, 24) x 8 x 5/6.
+  const GroupShape h100x4 = shape_of("dgx-h100", 4, 32);
+  EXPECT_NEAR(nccl_model_bw_gbps(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x4), 160,
+              1e-3);
+}
+
+struct Choice {
+  const char* profile;
+  int nodes, world;
+  CommOp op;
+  std::int64_t bytes;
+  const char* chosen;  // algorithm/protocol
+  int channels;        // NCCL's launch for it (getChannnelThreadInfo)
+};
+
+// Crossovers by hand (times in us, bandwidths in GB/s = 1000 bytes/us):
+//  8x H100 all_reduce: ring LL 15.0 + S/80.57 against NVLS 25 + S/266.67 cross at S = 1.15 MB.
+//  8x H100 all_gather: ring LL 10.8 + S/161.1, LL128 27.3 + S/378.5, Simple 32.2 + S/411.4 (NVLS's 266.7
+//    never wins): LL to 4.6 MB, LL128 to 23 MB, then Simple.
+//  4x H100 all_reduce: ring Simple 12 x 30 x 4/6 = 240 beats NVLS's 4 channels x 60 x 5/6 = 200.
+//  8x A100 all_reduce: ring LL 15.0 + S/50.11 against LL128 40.6 + S/126.2 cross at 2.13 MB, LL128
+//    against Simple 56 + S/137.1 at 24 MB.
+//  2x 8 H100 all_reduce: tree LL128 (48.5 us, 165.6 x treeCorrection 0.6 at 256 KiB) beats tree LL (25.2
+//    us, 19.5 x 0.4) and NVLSTree (53 + S/266.7); NVLSTree from 1 MiB on.
+//  2x 8 A100 all_reduce, 1 GiB: the ring's 192 x 16/30 = 102.4 beats the tree's 176.6 / 2 = 88.3.
+const std::vector<Choice> kChoices = {
+    {"dgx-h100", 1, 8, CommOp::AllReduce, 8, "ring/ll", 1},
+    {"dgx-h100", 1, 8, CommOp::AllReduce, 1 << 20, "ring/ll", 24},
+    {"dgx-h100", 1, 8, CommOp::AllReduce, 2 << 20, "nvls/simple", 16},
+    {"dgx-h100", 1, 8, CommOp::AllReduce, std::int64_t{4} << 30, "nvls/simple", 16},
+    {"dgx-h100", 1, 8, CommOp::AllGather, 4 << 20, "ring/ll", 24},
+    {"dgx-h100", 1, 8, CommOp::AllGather, 8 << 20, "ring/ll128", 24},
+    {"dgx-h100", 1, 8, CommOp::AllGather, 16 << 20, "ring/ll128", 24},
+    {"dgx-h100", 1, 8, CommOp::AllGather, 32 << 20, "ring/simple", 24},
+    {"dgx-h100", 1, 4, CommOp::AllReduce, 400 << 20, "ring/simple", 24},
+    {"dgx-a100", 1, 8, CommOp::AllReduce, 2 << 20, "ring/ll", 24},
+    {"dgx-a100", 1, 8, CommOp::AllReduce, 4 << 20, "ring/ll128", 24},
+    {"dgx-a100", 1, 8, CommOp::AllReduce, 16 << 20, "ring/ll128", 24},
+    {"dgx-a100", 1, 8, CommOp::AllReduce, 32 << 20, "ring/simple", 24},
+    {"dgx-h100", 2, 16, CommOp::AllReduce, 8, "tree/ll", 1},
+    {"dgx-h100", 2, 16, CommOp::AllReduce, 256 << 10, "tree/ll128", 32},
+    {"dgx-h100", 2, 16, CommOp::AllReduce, 1 << 20, "nvls_tree/simple", 16},
+    {"dgx-a100", 2, 16, CommOp::AllReduce, 1 << 30, "ring/simple", 32},
+};
+
+TEST(NcclModel, ChoiceFollowsNcclsTuning) {
+  for (const Choice& c : kChoices) {
+    Profile p = load_profile(c.profile);
+    p.nodes = c.nodes;
+    NetworkModel m(p);
+    const std::string what = std::string(c.profile) + " x" + std::to_string(c.nodes) + " " +
+                             comm_op_name(c.op) + " " + std::to_string(c.bytes);
+    const CommPlan plan = m.plan_collective(c.op, c.bytes, first(c.world), -1);
+    EXPECT_EQ(plan.name(), c.chosen) << what;
+    const GroupShape s = layout_group(m.topology(), first(c.world)).shape;
+    const LaunchShape l = nccl_launch(c.op, plan.algorithm, plan.protocol, s, static_cast<double>(c.bytes));
+    EXPECT_EQ(l.channels, c.channels) << what;
+  }
+}
+
+}  // namespace
+}  // namespace ranklab::sim
