@@ -85,6 +85,94 @@ TEST(Validation, H100NvlsAllReduce) {
   EXPECT_LT(std::abs(busbw(std::int64_t{4} << 30) / 480 - 1), 0.05);
 }
 
+// docs/validation.md, "The lecture's all_reduce", "Other single nodes" and "Several nodes": every row, as
+// the network model's time for the call (NCCL's latency + the flows; no host launch or barrier).
+struct TableRow {
+  const char* profile;
+  int nodes;
+  const char* algo;  // "" for NCCL's choice
+  std::int64_t bytes;
+  const char* chosen;
+  double model_us;    // pinned
+  double published;   // bus bandwidth in GB/s (time in us for the lecture and the latency row); 0: none
+  double within = 0;  // the largest |error| against it that the page claims as agreement; 0: none
+};
+
+double bus_gbps(std::int64_t bytes, int ranks, double us) {
+  return 2.0 * (ranks - 1) / ranks * static_cast<double>(bytes) / (us * 1e3);
+}
+
+TEST(Validation, EveryRowOfTheSmallerTables) {
+  const std::int64_t gib4 = std::int64_t{4} << 30, gib8 = std::int64_t{8} << 30;
+  const std::int64_t lecture = 400'000'000;  // 100M float32 on 4 GPUs
+  const std::vector<TableRow> rows = {
+      {"dgx-h100", 1, "", lecture, "ring/simple", 1646.92, 1600, 0.05},        // "about 1.6 ms"
+      {"dgx-h200", 1, "", gib4, "nvls/simple", 15784.18, 475, 0.01},           // [4]
+      {"dgx-a100", 1, "", gib4, "ring/simple", 31373.47, 235, 0.03},           // [5], NCCL 2.8's cap
+      {"dgx-b200", 1, "ring", gib4, "ring/simple", 10469.12, 695, 0.05},       // [3], 8x B300
+      {"dgx-b200", 1, "", gib4, "nvls/simple", 8151.93, 845, 0},               // [3], 8x B300: +9%
+      {"dgx-h100", 2, "nvls_tree", 8, "nvls_tree/simple", 53.00, 47, 0},       // [7]: +13%
+      {"dgx-h100", 2, "ring", gib4, "ring/simple", 21631.64, 380, 0.03},       // [8]
+      {"dgx-h100-roce", 4, "ring", gib4, "ring/simple", 26109.24, 325, 0.03},  // [9], fitted
+      {"dgx-h100-roce", 4, "ring", gib8, "ring/simple", 51792.88, 325, 0.03},  // [9], fitted
+      {"dgx-h100-roce", 4, "", gib4, "ring/simple", 26109.24, 320, 0.03},      // [9]: NVLS on or off
+      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 15934.35, 430, 0},    // [9]: +18%
+      {"dgx-h100-roce", 2, "ring", gib4, "ring/simple", 25069.05, 330, 0.03},  // [9]
+  };
+  for (const TableRow& r : rows) {
+    Profile p = load_profile(r.profile);
+    p.nodes = r.nodes;
+    NetworkModel m(p, NetworkOptions{r.algo, ""});
+    const int ranks = r.bytes == lecture ? 4 : 8 * r.nodes;
+    const CommPlan plan = m.plan_collective(CommOp::AllReduce, r.bytes, first(ranks), -1);
+    const double us = duration_us(plan);
+    const std::string what = std::string(r.profile) + " x" + std::to_string(r.nodes) + " " + r.algo + " " +
+                             std::to_string(r.bytes);
+    EXPECT_EQ(plan.name(), r.chosen) << what;
+    EXPECT_NEAR(us, r.model_us, 0.01) << what;
+    if (r.within > 0) {
+      // The lecture's and the latency row's figure is a time; the others are bus bandwidths.
+      const double model = r.bytes == lecture || r.bytes < 1024 ? us : bus_gbps(r.bytes, ranks, us);
+      EXPECT_LT(std::abs(model / r.published - 1), r.within) << what;
+    }
+  }
+}
+
+// docs/validation.md's first table, 8x H100 all_reduce: NCCL's choice and the ring, the model's time
+// without the launch.
+TEST(Validation, H100TableRowByRow) {
+  struct H100Row {
+    std::int64_t bytes;
+    const char *chosen, *ring;
+    double chosen_us, ring_us;
+  };
+  const std::int64_t gib = std::int64_t{1} << 30;
+  const std::vector<H100Row> rows = {
+      {8, "ring/ll", "ring/ll", 15.00, 15.00},
+      {1024, "ring/ll", "ring/ll", 15.15, 15.15},
+      {65536, "ring/ll", "ring/ll", 19.88, 19.88},
+      {1 << 20, "ring/ll", "ring/ll", 28.01, 28.01},
+      {16 << 20, "nvls/simple", "ring/ll128", 116.62, 126.67},
+      {256 << 20, "nvls/simple", "ring/simple", 1063.40, 1322.89},
+      {gib, "nvls/simple", "ring/simple", 4056.42, 5123.55},
+      {4 * gib, "nvls/simple", "ring/simple", 15784.18, 20326.21},
+      {16 * gib, "nvls/simple", "ring/simple", 62695.23, 81136.83},
+  };
+  NetworkModel chosen(load_profile("dgx-h100"));
+  NetworkModel ring(load_profile("dgx-h100"), NetworkOptions{"ring", ""});
+  for (const H100Row& r : rows) {
+    const CommPlan c = chosen.plan_collective(CommOp::AllReduce, r.bytes, first(8), -1);
+    const CommPlan g = ring.plan_collective(CommOp::AllReduce, r.bytes, first(8), -1);
+    EXPECT_EQ(c.name(), r.chosen) << r.bytes;
+    EXPECT_EQ(g.name(), r.ring) << r.bytes;
+    EXPECT_NEAR(duration_us(c), r.chosen_us, 0.01) << r.bytes;
+    EXPECT_NEAR(duration_us(g), r.ring_us, 0.01) << r.bytes;
+  }
+  // The published: NVLS ~480 and the ring 365-370 GB/s at 4 GiB [1][2][3].
+  EXPECT_LT(std::abs(bus_gbps(4 * gib, 8, 15784.18) / 480 - 1), 0.01);
+  EXPECT_LT(std::abs(bus_gbps(4 * gib, 8, 20326.21) / 367.5 - 1), 0.01);
+}
+
 // NCCL 2.21.5's launch for (algorithm, protocol, size), worked out by hand from getChannnelThreadInfo and
 // computeCollChunkInfo (src/enqueue.cc) with comm->nChannels = 24 on 8x H100 and 8x A100 (search.cc finds
 // 6 channels, duplicates them to 12, connect.cc to 24) and 16 NVLS channels.
