@@ -343,7 +343,6 @@ double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g) {
 }
 
 double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
-  (void)op;
   const double inf = std::numeric_limits<double>::infinity();
   const int ci = cc_index(g.sm), ni = node_index(g.nodes);
   const int graph_channels = std::max(1, nccl_coll_channels(g) / 2);
@@ -358,6 +357,12 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
     double cap = graph_channels * kPerChTreeBw[ci][ni] * 0.92;
     if (p == Protocol::LL) cap = std::min(cap, ll_max);
     return cap;
+  }
+  if ((a == Algorithm::Nvls || a == Algorithm::NvlsTree) && op == CommOp::AllReduce) {
+    // What one NVLS channel carries: its thread block copies through the switch's buffer with a bounded
+    // number of requests in flight, whatever the link's speed. ranklab's own constant, fitted (the one
+    // fitted NVLS figure, docs/validation.md).
+    return nccl_nvls_channels(g) * kNvlsChannelAlgGbps * nccl_bus_factor(op, a, g);
   }
   return inf;
 }

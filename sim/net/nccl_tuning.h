@@ -77,8 +77,14 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
 // fill and drain (chunks + depth - 1) / chunks.
 double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l);
 
-// NCCL's per-protocol bandwidth ceilings (llMaxBw, perChMaxRingLL128Bw, perChMaxTreeBw x channels), as bus
-// bandwidth in GB/s; infinity where none applies.
+// The algorithm bandwidth one NVLS channel sustains on an all_reduce, GB/s: NVLS needs its 16 channels
+// to reach NVLink 4's peak, and on NVLink 5 its 24 channels, not the links, bound it. Fitted to one
+// figure: 8x B300 (NVLink 5) reaching 845 GB/s of NVLS bus bandwidth, NVIDIA/nccl issue 2140 (845 / (2 x
+// 7/8) / 24 channels). It does not bind on Hopper (16 x 20.1 = 322 GB/s, above NVLink 4's 275).
+constexpr double kNvlsChannelAlgGbps = 20.1;
+
+// NCCL's per-protocol bandwidth ceilings (llMaxBw, perChMaxRingLL128Bw, perChMaxTreeBw x channels), and
+// the NVLS channels' (kNvlsChannelAlgGbps), as bus bandwidth in GB/s; infinity where none applies.
 double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 // Bus bytes per byte of nccl-tests size in NCCL's conversion (ring nsteps / nRanks, tree 2, NVLS 6/5).
 double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g);
