@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -195,6 +196,50 @@ TEST(LinkBytes, NvlsAndPairwise) {
   EXPECT_DOUBLE_EQ(u.at("nvswitch0->gpu3"), 3 * s / 4);
 }
 
+TEST(LinkBytes, AllToAllIsOneFlowPerPairOnItsPath) {
+  // 8x H100, S = 8 MiB: every GPU sends S/8 to each of the 7 others, each pair its own flow over its two
+  // NVLink links. Every link carries 7 S/8, the per-link loads of the plan that kept one flow per link.
+  NetworkModel m(profile("dgx-h100"));
+  const double s = 8 << 20;
+  const CommPlan plan = m.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  ASSERT_EQ(plan.flows.size(), 8u * 7u);
+  const Topology& topo = m.topology();
+  std::size_t f = 0;
+  for (int src = 0; src < 8; ++src) {
+    for (int dst = 0; dst < 8; ++dst) {
+      if (src == dst) continue;
+      const std::span<const LinkId> path = plan.path(plan.flows[f]);
+      ASSERT_EQ(path.size(), 2u);
+      EXPECT_EQ(path[0], topo.gpu_to_nvswitch(src));
+      EXPECT_EQ(path[1], topo.nvswitch_to_gpu(dst));
+      EXPECT_EQ(plan.flows[f].payload_bytes, s / 8);
+      ++f;
+    }
+  }
+  const auto t = traffic(m, plan);
+  for (const auto& [link, bytes] : t) EXPECT_EQ(bytes, 7 * s / 8) << link;
+  EXPECT_EQ(t.size(), 16u);
+  // Alone: 7 S/8 over NVLink's sustained 450 x 0.824 GB/s (Simple, so nothing else slows it).
+  EXPECT_EQ(plan.protocol, Protocol::Simple);
+  EXPECT_DOUBLE_EQ(plan.transfer_us, 7 * s / 8 / (450 * 0.824 * 1e3));
+}
+
+TEST(Sharing, AnAllToAllSharesALinkAsOneFlowPerPair) {
+  // An all_to_all over GPUs 0-3 and a send from GPU 0 to GPU 1 at once. gpu0->nvswitch0 carries the
+  // all_to_all's three messages from GPU 0 and the send; nvswitch0->gpu1 its three messages to GPU 1 and
+  // the send. Max-min gives each of the four flows a quarter of the link: the send gets 370.8 / 4 GB/s
+  // (one flow per link would have given it half).
+  NetworkModel m(profile("dgx-h100"));
+  const CommPlan a2a = m.plan_collective(CommOp::AllToAll, 64 << 20, first(4), -1);
+  const CommPlan send = m.plan_p2p(0, 1, 64 << 20);
+  const PlanFlows pf = plan_flows(m.topology(), {&a2a, &send});
+  const std::vector<double> rates = max_min_rates(pf.network);
+  EXPECT_DOUBLE_EQ(rates[pf.first_flow[1]], 450 * 0.824 / 4);
+  // The all_to_all's flow from GPU 1 to GPU 0 (its fourth) shares both its links with two others of its
+  // own and none with the send: a third.
+  EXPECT_DOUBLE_EQ(rates[pf.first_flow[0] + 3], 450 * 0.824 / 3);
+}
+
 TEST(LinkBytes, UnevenAllToAllPutsEachPairsBytesOnItsPath) {
   // Two nodes of 8: rank 0 sends 3 MiB to rank 1 (NVLink) and 1 MiB to rank 9 (the network); rank 9 sends
   // 2 MiB to rank 0. Everyone else sends nothing.
@@ -366,6 +411,7 @@ TEST(Sharing, AlonePlansTakeTheirBusiestLinksTime) {
   for (int nodes : {1, 2, 4}) {
     NetworkModel m(profile("dgx-h100", nodes));
     const std::vector<int> all = first(8 * nodes);
+    ASSERT_EQ(m.topology().spines(), nodes > 1 ? 1 : 0);
     for (const Candidate& c : m.candidates(CommOp::AllReduce, 1 << 26, all, -1)) {
       NetworkModel forced(profile("dgx-h100", nodes),
                           NetworkOptions{algorithm_name(c.algorithm), protocol_name(c.protocol)});
@@ -376,6 +422,14 @@ TEST(Sharing, AlonePlansTakeTheirBusiestLinksTime) {
     const CommPlan a2a = m.plan_collective(CommOp::AllToAll, 1 << 26, all, -1);
     EXPECT_NEAR(fluid_transfer_us(m.topology(), a2a), a2a.transfer_us, 1e-9 * a2a.transfer_us);
   }
+  // all_to_all's pairs through several spines, which ECMP's hash loads unevenly: leaves of 16 ports give
+  // 8 nodes per leaf, so 16 nodes need two leaves per rail: 16 leaves of 8 uplinks on 8 spines.
+  Profile p = profile("dgx-h100", 16);
+  p.fabric.switch_radix = 16;
+  NetworkModel m(p);
+  ASSERT_EQ(m.topology().spines(), 8);
+  const CommPlan a2a = m.plan_collective(CommOp::AllToAll, 1 << 26, first(128), -1);
+  EXPECT_NEAR(fluid_transfer_us(m.topology(), a2a), a2a.transfer_us, 1e-9 * a2a.transfer_us);
 }
 
 // ---- fidelity (docs/validation.md) ------------------------------------------------------------------

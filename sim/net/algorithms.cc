@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <map>
 #include <set>
-#include <unordered_map>
 
 #include "common/errors.h"
 
@@ -254,56 +253,12 @@ CommPlan direct_plan(const Topology& topo, const GroupLayout& g, CommOp op, int 
 
 CommPlan pairwise_plan(const Topology& topo, const GroupLayout& g) {
   PlanBuilder b(topo, Algorithm::Pairwise);
-  const double n = static_cast<double>(g.ranks.size());
-  const double piece = 1.0 / n;                      // every member sends S/n to every other
-  std::vector<double> load(topo.link_count(), 0.0);  // built once per group, so dense is fine
-  std::vector<LinkId> path;
-  auto add = [&](const std::vector<LinkId>& links, double bytes) {
-    for (LinkId l : links) load[l] += bytes;
-  };
-  // Inside nodes: every pair directly. O(n m).
-  for (const std::vector<int>& members : g.nodes) {
-    for (int a : members) {
-      for (int c : members) {
-        if (a == c) continue;
-        path.clear();
-        topo.append_path(a, c, path);
-        add(path, piece);
-      }
-    }
+  const std::size_t n = g.ranks.size();
+  const double piece = 1.0 / static_cast<double>(n);  // every member sends S/n to every other
+  b.reserve(n * (n - 1));
+  for (int src : g.ranks) {
+    for (int dst : g.ranks) b.send(src, dst, piece);
   }
-  // Between nodes: what each member sends out of and receives into its node, and what leaves each leaf
-  // for the spines (spread evenly over them, as ECMP does over many connections). O(n + leaves x spines).
-  if (g.nodes.size() > 1) {
-    std::unordered_map<int, int> on_leaf, on_nic;
-    for (int r : g.ranks) {
-      ++on_leaf[topo.leaf_of_nic(topo.nic_of(r))];
-      ++on_nic[topo.nic_of(r)];
-    }
-    std::unordered_map<int, double> beyond_leaf;
-    for (const std::vector<int>& members : g.nodes) {
-      const double remote = (n - static_cast<double>(members.size())) * piece;
-      for (int r : members) {
-        path.clear();
-        topo.append_to_leaf(r, path);
-        add(path, remote);
-        path.clear();
-        topo.append_from_leaf(r, path);
-        add(path, remote);
-        // Members under the same leaf but on other nodes are reached without the spines.
-        const int leaf = topo.leaf_of_nic(topo.nic_of(r));
-        const int same_leaf_elsewhere = on_leaf[leaf] - on_nic[topo.nic_of(r)];
-        beyond_leaf[leaf] += remote - same_leaf_elsewhere * piece;
-      }
-    }
-    for (const auto& [leaf, bytes] : beyond_leaf) {
-      for (int s = 0; s < topo.spines(); ++s) {
-        load[topo.leaf_to_spine(leaf, s)] += bytes / topo.spines();
-        load[topo.spine_to_leaf(s, leaf)] += bytes / topo.spines();  // all_to_all is symmetric
-      }
-    }
-  }
-  for (std::size_t l = 0; l < load.size(); ++l) b.on_link(static_cast<LinkId>(l), load[l]);
   return b.take();
 }
 

@@ -17,10 +17,11 @@
 //   nvls_tree  NVLS inside each node, then member j of every node all-reduces its S/m over a double binary
 //              tree on rail j, then NVLS again.
 //   direct     scatter and gather: S/n between the root and each member; send/recv: S from one to one.
-//   pairwise   all_to_all: S/n from every member to every other. n^2 flows would not scale, so the plan
-//              holds one flow per link with that link's total (exact per-link load, approximate sharing).
-//              With uneven splits every pair is its own flow on its own path (pairwise_uneven_plan), so
-//              max-min sharing sees which pair carries the most.
+//   pairwise   all_to_all: S/n from every member to every other, as NCCL runs it: grouped send/recv, one
+//              message per ordered pair, each its own flow on its own route, so that max-min sharing sees
+//              which links and which pairs carry the most. Every route starts on its sender's link and
+//              ends on its receiver's, so no two pairs share one and each pair stays a flow: n(n-1) flows.
+//              With uneven splits likewise, each pair with its own bytes (pairwise_uneven_plan).
 #pragma once
 
 #include <cstdint>
