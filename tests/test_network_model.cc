@@ -1,6 +1,7 @@
 // The network model: the max-min rate solver, the bytes every algorithm puts on every link (worked out by
 // hand), NCCL's choice of algorithm and protocol, bandwidth sharing, and the published numbers the model
 // must reproduce (docs/validation.md).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -252,11 +253,16 @@ TEST(LinkBytes, UnevenAllToAllPutsEachPairsBytesOnItsPath) {
   EXPECT_EQ(plan.flows.size(), 3u);  // one per pair that moves anything
   EXPECT_EQ(plan.protocol, Protocol::Simple);
   const auto t = traffic(m, plan);
-  EXPECT_DOUBLE_EQ(t.at("gpu0->nvswitch0"), 3.0 * mib);  // to rank 1; rank 9 is reached through the NICs
-  EXPECT_DOUBLE_EQ(t.at("nvswitch0->gpu1"), 3.0 * mib);
-  EXPECT_DOUBLE_EQ(t.at("nic0->leaf0"), 1.0 * mib);  // 0 -> 9
+  // 0 -> 9 goes by PXN: rank 9 is GPU 1 of its node, so rank 0 hands it over NVLink to rank 1, whose NIC
+  // is on rail 1, rank 9's rail: it stays under leaf 1. Rank 9 has no member of the group on its node
+  // with GPU 0's index, so 9 -> 0 leaves through its own NIC and crosses the spine to rail 0.
+  EXPECT_DOUBLE_EQ(t.at("gpu0->nvswitch0"), 4.0 * mib);  // 3 MiB to rank 1, 1 MiB on its way to rank 9
+  EXPECT_DOUBLE_EQ(t.at("nvswitch0->gpu1"), 4.0 * mib);
+  EXPECT_DOUBLE_EQ(t.at("nic1->leaf1"), 1.0 * mib);  // 0 -> 9
+  EXPECT_EQ(t.count("nic0->leaf0"), 0u);
   EXPECT_DOUBLE_EQ(t.at("nic9->leaf1"), 2.0 * mib);  // 9 -> 0
-  EXPECT_DOUBLE_EQ(t.at("spine0->leaf1"), 1.0 * mib);
+  EXPECT_DOUBLE_EQ(t.at("spine0->leaf0"), 2.0 * mib);
+  EXPECT_EQ(t.count("spine0->leaf1"), 0u);
   // Alone on the machine the flows share no link but rank 0's own, so the slowest pair's path sets the time:
   // max-min sharing as the engine runs it.
   EXPECT_NEAR(plan.transfer_us, fluid_transfer_us(m.topology(), plan), 1e-9 * plan.transfer_us);
@@ -279,6 +285,161 @@ TEST(LinkBytes, AnAllToAllWithEqualPairsIsTheEvenOne) {
     EXPECT_NEAR(per_pair.transfer_us, even.transfer_us, 1e-3 * even.transfer_us) << piece;
     EXPECT_EQ(per_pair.latency_us, even.latency_us);
   }
+}
+
+// ---- PXN: sends between nodes leave on the receiver's rail ---------------------------------------------
+
+NetworkOptions without_pxn() {
+  NetworkOptions o;
+  o.pxn = false;  // NCCL_PXN_DISABLE=1
+  return o;
+}
+
+double spine_bytes(const std::map<std::string, double>& t) {
+  double sum = 0;
+  for (const auto& [link, bytes] : t) {
+    if (link.find("spine") != std::string::npos) sum += bytes;
+  }
+  return sum;
+}
+
+TEST(Pxn, AllToAllOnTwoNodesByHand) {
+  // 2 x 8 H100, all_to_all of S = 16 MiB: 1 MiB from every GPU to each of the 15 others. Rail k's leaf
+  // holds NIC k of both nodes; one spine joins the leaves.
+  const double mib = 1 << 20, s = 16 * mib;
+  NetworkModel on(profile("dgx-h100", 2)), off(profile("dgx-h100", 2), without_pxn());
+  const CommPlan with = on.plan_collective(CommOp::AllToAll, 16 << 20, first(16), -1);
+  const CommPlan without = off.plan_collective(CommOp::AllToAll, 16 << 20, first(16), -1);
+  ASSERT_EQ(with.flows.size(), 16u * 15u);
+  ASSERT_EQ(without.flows.size(), 16u * 15u);
+  const auto a = traffic(on, with), b = traffic(off, without);
+  // Each NIC sends 8 MiB either way: without PXN GPU k's own messages to node 1, with PXN every message
+  // of node 0 to GPU k of node 1. Each PCIe link from GPU to switch carries the same.
+  for (const char* l : {"nic0->leaf0", "nic5->leaf5", "leaf5->nic13", "gpu5->pcie5", "pcie13->gpu13"}) {
+    EXPECT_EQ(a.at(l), s / 2) << l;
+    EXPECT_EQ(b.at(l), s / 2) << l;
+  }
+  // NVLink: 7 MiB to the other GPUs of the node; with PXN also the 7 MiB a GPU hands to the 7 others on
+  // their way to their rails (out), and the 7 MiB the others hand it for its rail (in).
+  for (const char* l : {"gpu0->nvswitch0", "nvswitch0->gpu5", "gpu13->nvswitch1"}) {
+    EXPECT_EQ(a.at(l), 14 * mib) << l;
+    EXPECT_EQ(b.at(l), 7 * mib) << l;
+  }
+  // The spine: without PXN every message between GPUs of different indices crosses it, 7 of each GPU's 8
+  // messages to the other node, 2 x 8 x 7 MiB up and as much down; with PXN none.
+  EXPECT_EQ(spine_bytes(b), 2 * 2 * 8 * 7 * mib);
+  EXPECT_EQ(spine_bytes(a), 0);
+  // Alone on the machine: the NICs are the busiest links either way, 8 MiB at 50 x 0.94 GB/s (the spine
+  // link, 2 x 50 x 0.94 GB/s, carries 14 MiB without PXN). PXN adds its NVLink hop, 2 x 0.3 us.
+  EXPECT_EQ(with.protocol, Protocol::Simple);
+  EXPECT_DOUBLE_EQ(with.transfer_us, s / 2 / (50 * 0.94 * 1e3));
+  EXPECT_EQ(with.transfer_us, without.transfer_us);
+  EXPECT_EQ(with.latency_us, without.latency_us + 0.3 + 0.3);
+  EXPECT_NEAR(fluid_transfer_us(on.topology(), with), with.transfer_us, 1e-9 * with.transfer_us);
+}
+
+TEST(Pxn, KeepsAllToAllOnItsRailAndOffTheSpine) {
+  // `ranklab topo --profile dgx-h100 --nodes 4`: a leaf per rail, 4 nodes under it, one spine. With PXN an
+  // all_to_all's messages leave on the receiver's rail and never reach the spine.
+  NetworkModel on(profile("dgx-h100", 4)), off(profile("dgx-h100", 4), without_pxn());
+  const CommPlan with = on.plan_collective(CommOp::AllToAll, 32 << 20, first(32), -1);
+  for (const Flow& f : with.flows) {
+    for (LinkId l : with.path(f)) ASSERT_FALSE(on.topology().is_spine_link(l)) << on.topology().link_name(l);
+  }
+  const auto b = traffic(off, off.plan_collective(CommOp::AllToAll, 32 << 20, first(32), -1));
+  // Without: 32 GPUs x 3 other nodes x 7 GPUs of other indices, 1 MiB each, up and down.
+  EXPECT_EQ(spine_bytes(b), 2.0 * 32 * 3 * 7 * (1 << 20));
+}
+
+TEST(Pxn, ChangesNothingInsideANode) {
+  // One node: the plan with PXN is the plan without, flow for flow.
+  NetworkModel on(profile("dgx-h100")), off(profile("dgx-h100"), without_pxn());
+  const CommPlan a = on.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  const CommPlan b = off.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  EXPECT_EQ(a.links, b.links);
+  ASSERT_EQ(a.flows.size(), b.flows.size());
+  for (std::size_t i = 0; i < a.flows.size(); ++i) EXPECT_EQ(a.flows[i].bytes, b.flows[i].bytes);
+  EXPECT_EQ(a.latency_us, b.latency_us);
+  EXPECT_EQ(a.transfer_us, b.transfer_us);
+}
+
+TEST(Pxn, NeedsNvlink) {
+  // PCIe-only nodes: no GPU relays another's messages (NCCL's PXN wants PATH_NVL between them).
+  NetworkModel on(profile("pcie-4gpu", 2)), off(profile("pcie-4gpu", 2), without_pxn());
+  const CommPlan a = on.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  const CommPlan b = off.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  EXPECT_EQ(a.links, b.links);
+  EXPECT_EQ(duration_us(a), duration_us(b));
+}
+
+TEST(Pxn, AnUnevenAllToAllPutsTheHeavyPairOnItsRail) {
+  // 2 x 8 H100: every pair sends 1 KiB, but rank 0 sends 64 MiB to rank 13 (GPU 5 of node 1). The heavy
+  // message crosses to GPU 5 over NVLink and leaves through NIC 5 with the 7 KiB the other GPUs of node 0
+  // send to rank 13; NIC 0 carries only the 8 KiB bound for rank 8.
+  NetworkModel m(profile("dgx-h100", 2));
+  const double kib = 1024, heavy = 64 << 20;
+  std::vector<std::int64_t> pairs(16 * 16, 1024);
+  for (int i = 0; i < 16; ++i) pairs[i * 16 + i] = 0;
+  pairs[0 * 16 + 13] = 64 << 20;
+  const CommPlan plan = m.plan_all_to_all(first(16), pairs);
+  ASSERT_EQ(plan.flows.size(), 16u * 15u);
+  const Topology& topo = m.topology();
+  const Flow& f = plan.flows[12];  // rank 0's 13th message: to rank 13
+  EXPECT_EQ(f.payload_bytes, heavy);
+  const std::vector<LinkId> route(plan.path(f).begin(), plan.path(f).end());
+  std::vector<std::string> names;
+  for (LinkId l : route) names.push_back(topo.link_name(l));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"gpu0->nvswitch0", "nvswitch0->gpu5", "gpu5->pcie5", "pcie5->nic5",
+                                      "nic5->leaf5", "leaf5->nic13", "nic13->pcie13", "pcie13->gpu13"}));
+  const auto t = traffic(m, plan);
+  EXPECT_EQ(t.at("nic5->leaf5"), heavy + 7 * kib);
+  EXPECT_EQ(t.at("nic0->leaf0"), 8 * kib);
+  // Alone: NIC 5 is busy to the end, with the heavy message (Simple) and seven of 1 KiB at LL's half
+  // efficiency: (64 MiB + 7 x 2 KiB) at 47 GB/s.
+  EXPECT_NEAR(plan.transfer_us, (heavy + 14 * kib) / (50 * 0.94 * 1e3), 1e-9 * plan.transfer_us);
+}
+
+TEST(Pxn, ScatterSpreadsOverTheRails) {
+  // Scatter is grouped send/recv as well. 2 x 8 H100, S = 16 MiB from GPU 0: 1 MiB to each of the 15
+  // others. With PXN the pieces for node 1 leave through the NIC of their rail, one each, handed over
+  // NVLink: GPU 0's NVLink carries 7 MiB to node 0's GPUs and 7 MiB to relay, and is the busiest link
+  // (14 MiB at 450 x 0.824 GB/s). Without PXN NIC 0 carries all 8 MiB (at 50 x 0.94 GB/s).
+  NetworkModel on(profile("dgx-h100", 2)), off(profile("dgx-h100", 2), without_pxn());
+  const CommPlan with = on.plan_collective(CommOp::Scatter, 16 << 20, first(16), 0);
+  const CommPlan without = off.plan_collective(CommOp::Scatter, 16 << 20, first(16), 0);
+  ASSERT_EQ(with.algorithm, Algorithm::Direct);
+  const double mib = 1 << 20;
+  const auto a = traffic(on, with), b = traffic(off, without);
+  for (int k = 0; k < 8; ++k) EXPECT_EQ(a.at(fmt::format("nic{}->leaf{}", k, k)), mib) << k;
+  EXPECT_EQ(a.at("gpu0->nvswitch0"), 14 * mib);
+  EXPECT_EQ(b.at("nic0->leaf0"), 8 * mib);
+  EXPECT_EQ(b.at("gpu0->nvswitch0"), 7 * mib);
+  EXPECT_DOUBLE_EQ(with.transfer_us, 14 * mib / (450 * 0.824 * 1e3));
+  EXPECT_DOUBLE_EQ(without.transfer_us, 8 * mib / (50 * 0.94 * 1e3));
+  EXPECT_EQ(with.latency_us, without.latency_us + 0.3 + 0.3);
+}
+
+TEST(Pxn, SendsBetweenNodesTooWithinTheWorld) {
+  // A send from GPU 0 to GPU 9 (GPU 1 of node 1) goes over NVLink to GPU 1 and out of NIC 1.
+  NetworkModel m(profile("dgx-h100", 2)), off(profile("dgx-h100", 2), without_pxn());
+  const CommPlan send = m.plan_p2p(0, 9, 64 << 20), direct = off.plan_p2p(0, 9, 64 << 20);
+  const auto t = traffic(m, send);
+  EXPECT_EQ(t.at("gpu0->nvswitch0"), 64 << 20);
+  EXPECT_EQ(t.at("nvswitch0->gpu1"), 64 << 20);
+  EXPECT_EQ(t.at("nic1->leaf1"), 64 << 20);
+  EXPECT_EQ(t.count("nic0->leaf0"), 0u);
+  EXPECT_EQ(spine_bytes(t), 0);
+  EXPECT_EQ(send.latency_us, direct.latency_us + 0.3 + 0.3);
+  EXPECT_EQ(send.transfer_us, direct.transfer_us);  // the NIC is the bottleneck either way
+  // In a world of 12 ranks node 1 holds GPUs 8-11 only: GPU 8 sending to GPU 5 has no GPU 13 in the
+  // world to relay through, and uses its own NIC.
+  NetworkModel twelve(profile("dgx-h100", 2));
+  twelve.set_world_ranks(12);
+  const auto u = traffic(twelve, twelve.plan_p2p(8, 5, 1 << 20));
+  EXPECT_EQ(u.at("nic8->leaf0"), 1 << 20);
+  EXPECT_EQ(u.count("gpu8->nvswitch1"), 0u);
+  EXPECT_THROW(twelve.set_world_ranks(17), UsageError);
 }
 
 TEST(LinkBytes, SendFollowsThePathBetweenTheGpus) {
