@@ -442,6 +442,34 @@ TEST(Pxn, SendsBetweenNodesTooWithinTheWorld) {
   EXPECT_THROW(twelve.set_world_ranks(17), UsageError);
 }
 
+// The simulator's send from rank 8 to rank 5 on 2 x 8 H100: with 16 ranks GPU 13 relays it, with 12 (node 1
+// holds ranks 8-11 only) it leaves through rank 8's own NIC. Returns the time rank 5 waits for it.
+double simulated_send_us(int world) {
+  auto times = ranklab::testing::run_collect<double>(
+      world,
+      [](Rank& r) {
+        Tensor t = r.phantom({1 << 18});  // 1 MiB
+        r.synchronize();
+        const double t0 = r.now();
+        if (r.rank() == 8) r.send(t, 5);
+        if (r.rank() == 5) r.recv(t, 8);
+        r.synchronize();
+        return r.now() - t0;
+      },
+      2);
+  return times[5];
+}
+
+TEST(Pxn, TheSimulatorRelaysSendsThroughTheWorldsGpusOnly) {
+  NetworkModel sixteen(profile("dgx-h100", 2)), twelve(profile("dgx-h100", 2));
+  twelve.set_world_ranks(12);
+  const CommPlan relayed = sixteen.plan_p2p(8, 5, 1 << 20), own = twelve.plan_p2p(8, 5, 1 << 20);
+  EXPECT_EQ(relayed.latency_us, own.latency_us + 0.3 + 0.3);
+  EXPECT_EQ(relayed.transfer_us, own.transfer_us);
+  // The simulated send takes the plan's time plus what both runs add alike (the kernel launches).
+  EXPECT_NEAR(simulated_send_us(16) - simulated_send_us(12), 0.6, 1e-9);
+}
+
 TEST(LinkBytes, SendFollowsThePathBetweenTheGpus) {
   NetworkModel m(profile("dgx-h100", 2));
   const CommPlan inside = m.plan_p2p(1, 6, 1000);
