@@ -49,6 +49,8 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
       network_(make_network_model(config)),
       engine_(network_->topology()),
       progress_("simulating", 0, config.progress ? stderr : nullptr) {
+  // Sends run on the world's communicator: only its GPUs relay them (PXN).
+  network_->set_world_ranks(world_size);
   ranks_.reserve(world_size);
   for (int r = 0; r < world_size; ++r) {
     auto s = std::make_unique<RankState>();

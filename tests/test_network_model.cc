@@ -1,12 +1,14 @@
 // The network model: the max-min rate solver, the bytes every algorithm puts on every link (worked out by
 // hand), NCCL's choice of algorithm and protocol, bandwidth sharing, and the published numbers the model
 // must reproduce (docs/validation.md).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
 #include <map>
 #include <numeric>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -195,6 +197,50 @@ TEST(LinkBytes, NvlsAndPairwise) {
   EXPECT_DOUBLE_EQ(u.at("nvswitch0->gpu3"), 3 * s / 4);
 }
 
+TEST(LinkBytes, AllToAllIsOneFlowPerPairOnItsPath) {
+  // 8x H100, S = 8 MiB: every GPU sends S/8 to each of the 7 others, each pair its own flow over its two
+  // NVLink links. Every link carries 7 S/8, the per-link loads of the plan that kept one flow per link.
+  NetworkModel m(profile("dgx-h100"));
+  const double s = 8 << 20;
+  const CommPlan plan = m.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  ASSERT_EQ(plan.flows.size(), 8u * 7u);
+  const Topology& topo = m.topology();
+  std::size_t f = 0;
+  for (int src = 0; src < 8; ++src) {
+    for (int dst = 0; dst < 8; ++dst) {
+      if (src == dst) continue;
+      const std::span<const LinkId> path = plan.path(plan.flows[f]);
+      ASSERT_EQ(path.size(), 2u);
+      EXPECT_EQ(path[0], topo.gpu_to_nvswitch(src));
+      EXPECT_EQ(path[1], topo.nvswitch_to_gpu(dst));
+      EXPECT_EQ(plan.flows[f].payload_bytes, s / 8);
+      ++f;
+    }
+  }
+  const auto t = traffic(m, plan);
+  for (const auto& [link, bytes] : t) EXPECT_EQ(bytes, 7 * s / 8) << link;
+  EXPECT_EQ(t.size(), 16u);
+  // Alone: 7 S/8 over NVLink's sustained 450 x 0.824 GB/s (Simple, so nothing else slows it).
+  EXPECT_EQ(plan.protocol, Protocol::Simple);
+  EXPECT_DOUBLE_EQ(plan.transfer_us, 7 * s / 8 / (450 * 0.824 * 1e3));
+}
+
+TEST(Sharing, AnAllToAllSharesALinkAsOneFlowPerPair) {
+  // An all_to_all over GPUs 0-3 and a send from GPU 0 to GPU 1 at once. gpu0->nvswitch0 carries the
+  // all_to_all's three messages from GPU 0 and the send; nvswitch0->gpu1 its three messages to GPU 1 and
+  // the send. Max-min gives each of the four flows a quarter of the link: the send gets 370.8 / 4 GB/s
+  // (one flow per link would have given it half).
+  NetworkModel m(profile("dgx-h100"));
+  const CommPlan a2a = m.plan_collective(CommOp::AllToAll, 64 << 20, first(4), -1);
+  const CommPlan send = m.plan_p2p(0, 1, 64 << 20);
+  const PlanFlows pf = plan_flows(m.topology(), {&a2a, &send});
+  const std::vector<double> rates = max_min_rates(pf.network);
+  EXPECT_DOUBLE_EQ(rates[pf.first_flow[1]], 450 * 0.824 / 4);
+  // The all_to_all's flow from GPU 1 to GPU 0 (its fourth) shares both its links with two others of its
+  // own and none with the send: a third.
+  EXPECT_DOUBLE_EQ(rates[pf.first_flow[0] + 3], 450 * 0.824 / 3);
+}
+
 TEST(LinkBytes, UnevenAllToAllPutsEachPairsBytesOnItsPath) {
   // Two nodes of 8: rank 0 sends 3 MiB to rank 1 (NVLink) and 1 MiB to rank 9 (the network); rank 9 sends
   // 2 MiB to rank 0. Everyone else sends nothing.
@@ -207,11 +253,16 @@ TEST(LinkBytes, UnevenAllToAllPutsEachPairsBytesOnItsPath) {
   EXPECT_EQ(plan.flows.size(), 3u);  // one per pair that moves anything
   EXPECT_EQ(plan.protocol, Protocol::Simple);
   const auto t = traffic(m, plan);
-  EXPECT_DOUBLE_EQ(t.at("gpu0->nvswitch0"), 3.0 * mib);  // to rank 1; rank 9 is reached through the NICs
-  EXPECT_DOUBLE_EQ(t.at("nvswitch0->gpu1"), 3.0 * mib);
-  EXPECT_DOUBLE_EQ(t.at("nic0->leaf0"), 1.0 * mib);  // 0 -> 9
+  // 0 -> 9 goes by PXN: rank 9 is GPU 1 of its node, so rank 0 hands it over NVLink to rank 1, whose NIC
+  // is on rail 1, rank 9's rail: it stays under leaf 1. Rank 9 has no member of the group on its node
+  // with GPU 0's index, so 9 -> 0 leaves through its own NIC and crosses the spine to rail 0.
+  EXPECT_DOUBLE_EQ(t.at("gpu0->nvswitch0"), 4.0 * mib);  // 3 MiB to rank 1, 1 MiB on its way to rank 9
+  EXPECT_DOUBLE_EQ(t.at("nvswitch0->gpu1"), 4.0 * mib);
+  EXPECT_DOUBLE_EQ(t.at("nic1->leaf1"), 1.0 * mib);  // 0 -> 9
+  EXPECT_EQ(t.count("nic0->leaf0"), 0u);
   EXPECT_DOUBLE_EQ(t.at("nic9->leaf1"), 2.0 * mib);  // 9 -> 0
-  EXPECT_DOUBLE_EQ(t.at("spine0->leaf1"), 1.0 * mib);
+  EXPECT_DOUBLE_EQ(t.at("spine0->leaf0"), 2.0 * mib);
+  EXPECT_EQ(t.count("spine0->leaf1"), 0u);
   // Alone on the machine the flows share no link but rank 0's own, so the slowest pair's path sets the time:
   // max-min sharing as the engine runs it.
   EXPECT_NEAR(plan.transfer_us, fluid_transfer_us(m.topology(), plan), 1e-9 * plan.transfer_us);
@@ -234,6 +285,189 @@ TEST(LinkBytes, AnAllToAllWithEqualPairsIsTheEvenOne) {
     EXPECT_NEAR(per_pair.transfer_us, even.transfer_us, 1e-3 * even.transfer_us) << piece;
     EXPECT_EQ(per_pair.latency_us, even.latency_us);
   }
+}
+
+// ---- PXN: sends between nodes leave on the receiver's rail ---------------------------------------------
+
+NetworkOptions without_pxn() {
+  NetworkOptions o;
+  o.pxn = false;  // NCCL_PXN_DISABLE=1
+  return o;
+}
+
+double spine_bytes(const std::map<std::string, double>& t) {
+  double sum = 0;
+  for (const auto& [link, bytes] : t) {
+    if (link.find("spine") != std::string::npos) sum += bytes;
+  }
+  return sum;
+}
+
+TEST(Pxn, AllToAllOnTwoNodesByHand) {
+  // 2 x 8 H100, all_to_all of S = 16 MiB: 1 MiB from every GPU to each of the 15 others. Rail k's leaf
+  // holds NIC k of both nodes; one spine joins the leaves.
+  const double mib = 1 << 20, s = 16 * mib;
+  NetworkModel on(profile("dgx-h100", 2)), off(profile("dgx-h100", 2), without_pxn());
+  const CommPlan with = on.plan_collective(CommOp::AllToAll, 16 << 20, first(16), -1);
+  const CommPlan without = off.plan_collective(CommOp::AllToAll, 16 << 20, first(16), -1);
+  ASSERT_EQ(with.flows.size(), 16u * 15u);
+  ASSERT_EQ(without.flows.size(), 16u * 15u);
+  const auto a = traffic(on, with), b = traffic(off, without);
+  // Each NIC sends 8 MiB either way: without PXN GPU k's own messages to node 1, with PXN every message
+  // of node 0 to GPU k of node 1. Each PCIe link from GPU to switch carries the same.
+  for (const char* l : {"nic0->leaf0", "nic5->leaf5", "leaf5->nic13", "gpu5->pcie5", "pcie13->gpu13"}) {
+    EXPECT_EQ(a.at(l), s / 2) << l;
+    EXPECT_EQ(b.at(l), s / 2) << l;
+  }
+  // NVLink: 7 MiB to the other GPUs of the node; with PXN also the 7 MiB a GPU hands to the 7 others on
+  // their way to their rails (out), and the 7 MiB the others hand it for its rail (in).
+  for (const char* l : {"gpu0->nvswitch0", "nvswitch0->gpu5", "gpu13->nvswitch1"}) {
+    EXPECT_EQ(a.at(l), 14 * mib) << l;
+    EXPECT_EQ(b.at(l), 7 * mib) << l;
+  }
+  // The spine: without PXN every message between GPUs of different indices crosses it, 7 of each GPU's 8
+  // messages to the other node, 2 x 8 x 7 MiB up and as much down; with PXN none.
+  EXPECT_EQ(spine_bytes(b), 2 * 2 * 8 * 7 * mib);
+  EXPECT_EQ(spine_bytes(a), 0);
+  // Alone on the machine: the NICs are the busiest links either way, 8 MiB at 50 x 0.94 GB/s (the spine
+  // link, 2 x 50 x 0.94 GB/s, carries 14 MiB without PXN). PXN adds its NVLink hop, 2 x 0.3 us.
+  EXPECT_EQ(with.protocol, Protocol::Simple);
+  EXPECT_DOUBLE_EQ(with.transfer_us, s / 2 / (50 * 0.94 * 1e3));
+  EXPECT_EQ(with.transfer_us, without.transfer_us);
+  EXPECT_EQ(with.latency_us, without.latency_us + 0.3 + 0.3);
+  EXPECT_NEAR(fluid_transfer_us(on.topology(), with), with.transfer_us, 1e-9 * with.transfer_us);
+}
+
+TEST(Pxn, KeepsAllToAllOnItsRailAndOffTheSpine) {
+  // `ranklab topo --profile dgx-h100 --nodes 4`: a leaf per rail, 4 nodes under it, one spine. With PXN an
+  // all_to_all's messages leave on the receiver's rail and never reach the spine.
+  NetworkModel on(profile("dgx-h100", 4)), off(profile("dgx-h100", 4), without_pxn());
+  const CommPlan with = on.plan_collective(CommOp::AllToAll, 32 << 20, first(32), -1);
+  for (const Flow& f : with.flows) {
+    for (LinkId l : with.path(f)) ASSERT_FALSE(on.topology().is_spine_link(l)) << on.topology().link_name(l);
+  }
+  const auto b = traffic(off, off.plan_collective(CommOp::AllToAll, 32 << 20, first(32), -1));
+  // Without: 32 GPUs x 3 other nodes x 7 GPUs of other indices, 1 MiB each, up and down.
+  EXPECT_EQ(spine_bytes(b), 2.0 * 32 * 3 * 7 * (1 << 20));
+}
+
+TEST(Pxn, ChangesNothingInsideANode) {
+  // One node: the plan with PXN is the plan without, flow for flow.
+  NetworkModel on(profile("dgx-h100")), off(profile("dgx-h100"), without_pxn());
+  const CommPlan a = on.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  const CommPlan b = off.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  EXPECT_EQ(a.links, b.links);
+  ASSERT_EQ(a.flows.size(), b.flows.size());
+  for (std::size_t i = 0; i < a.flows.size(); ++i) EXPECT_EQ(a.flows[i].bytes, b.flows[i].bytes);
+  EXPECT_EQ(a.latency_us, b.latency_us);
+  EXPECT_EQ(a.transfer_us, b.transfer_us);
+}
+
+TEST(Pxn, NeedsNvlink) {
+  // PCIe-only nodes: no GPU relays another's messages (NCCL's PXN wants PATH_NVL between them).
+  NetworkModel on(profile("pcie-4gpu", 2)), off(profile("pcie-4gpu", 2), without_pxn());
+  const CommPlan a = on.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  const CommPlan b = off.plan_collective(CommOp::AllToAll, 8 << 20, first(8), -1);
+  EXPECT_EQ(a.links, b.links);
+  EXPECT_EQ(duration_us(a), duration_us(b));
+}
+
+TEST(Pxn, AnUnevenAllToAllPutsTheHeavyPairOnItsRail) {
+  // 2 x 8 H100: every pair sends 1 KiB, but rank 0 sends 64 MiB to rank 13 (GPU 5 of node 1). The heavy
+  // message crosses to GPU 5 over NVLink and leaves through NIC 5 with the 7 KiB the other GPUs of node 0
+  // send to rank 13; NIC 0 carries only the 8 KiB bound for rank 8.
+  NetworkModel m(profile("dgx-h100", 2));
+  const double kib = 1024, heavy = 64 << 20;
+  std::vector<std::int64_t> pairs(16 * 16, 1024);
+  for (int i = 0; i < 16; ++i) pairs[i * 16 + i] = 0;
+  pairs[0 * 16 + 13] = 64 << 20;
+  const CommPlan plan = m.plan_all_to_all(first(16), pairs);
+  ASSERT_EQ(plan.flows.size(), 16u * 15u);
+  const Topology& topo = m.topology();
+  const Flow& f = plan.flows[12];  // rank 0's 13th message: to rank 13
+  EXPECT_EQ(f.payload_bytes, heavy);
+  const std::vector<LinkId> route(plan.path(f).begin(), plan.path(f).end());
+  std::vector<std::string> names;
+  for (LinkId l : route) names.push_back(topo.link_name(l));
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"gpu0->nvswitch0", "nvswitch0->gpu5", "gpu5->pcie5", "pcie5->nic5",
+                                      "nic5->leaf5", "leaf5->nic13", "nic13->pcie13", "pcie13->gpu13"}));
+  const auto t = traffic(m, plan);
+  EXPECT_EQ(t.at("nic5->leaf5"), heavy + 7 * kib);
+  EXPECT_EQ(t.at("nic0->leaf0"), 8 * kib);
+  // Alone: NIC 5 is busy to the end, with the heavy message (Simple) and seven of 1 KiB at LL's half
+  // efficiency: (64 MiB + 7 x 2 KiB) at 47 GB/s.
+  EXPECT_NEAR(plan.transfer_us, (heavy + 14 * kib) / (50 * 0.94 * 1e3), 1e-9 * plan.transfer_us);
+}
+
+TEST(Pxn, ScatterSpreadsOverTheRails) {
+  // Scatter is grouped send/recv as well. 2 x 8 H100, S = 16 MiB from GPU 0: 1 MiB to each of the 15
+  // others. With PXN the pieces for node 1 leave through the NIC of their rail, one each, handed over
+  // NVLink: GPU 0's NVLink carries 7 MiB to node 0's GPUs and 7 MiB to relay, and is the busiest link
+  // (14 MiB at 450 x 0.824 GB/s). Without PXN NIC 0 carries all 8 MiB (at 50 x 0.94 GB/s).
+  NetworkModel on(profile("dgx-h100", 2)), off(profile("dgx-h100", 2), without_pxn());
+  const CommPlan with = on.plan_collective(CommOp::Scatter, 16 << 20, first(16), 0);
+  const CommPlan without = off.plan_collective(CommOp::Scatter, 16 << 20, first(16), 0);
+  ASSERT_EQ(with.algorithm, Algorithm::Direct);
+  const double mib = 1 << 20;
+  const auto a = traffic(on, with), b = traffic(off, without);
+  for (int k = 0; k < 8; ++k) EXPECT_EQ(a.at(fmt::format("nic{}->leaf{}", k, k)), mib) << k;
+  EXPECT_EQ(a.at("gpu0->nvswitch0"), 14 * mib);
+  EXPECT_EQ(b.at("nic0->leaf0"), 8 * mib);
+  EXPECT_EQ(b.at("gpu0->nvswitch0"), 7 * mib);
+  EXPECT_DOUBLE_EQ(with.transfer_us, 14 * mib / (450 * 0.824 * 1e3));
+  EXPECT_DOUBLE_EQ(without.transfer_us, 8 * mib / (50 * 0.94 * 1e3));
+  EXPECT_EQ(with.latency_us, without.latency_us + 0.3 + 0.3);
+}
+
+TEST(Pxn, SendsBetweenNodesTooWithinTheWorld) {
+  // A send from GPU 0 to GPU 9 (GPU 1 of node 1) goes over NVLink to GPU 1 and out of NIC 1.
+  NetworkModel m(profile("dgx-h100", 2)), off(profile("dgx-h100", 2), without_pxn());
+  const CommPlan send = m.plan_p2p(0, 9, 64 << 20), direct = off.plan_p2p(0, 9, 64 << 20);
+  const auto t = traffic(m, send);
+  EXPECT_EQ(t.at("gpu0->nvswitch0"), 64 << 20);
+  EXPECT_EQ(t.at("nvswitch0->gpu1"), 64 << 20);
+  EXPECT_EQ(t.at("nic1->leaf1"), 64 << 20);
+  EXPECT_EQ(t.count("nic0->leaf0"), 0u);
+  EXPECT_EQ(spine_bytes(t), 0);
+  EXPECT_EQ(send.latency_us, direct.latency_us + 0.3 + 0.3);
+  EXPECT_EQ(send.transfer_us, direct.transfer_us);  // the NIC is the bottleneck either way
+  // In a world of 12 ranks node 1 holds GPUs 8-11 only: GPU 8 sending to GPU 5 has no GPU 13 in the
+  // world to relay through, and uses its own NIC.
+  NetworkModel twelve(profile("dgx-h100", 2));
+  twelve.set_world_ranks(12);
+  const auto u = traffic(twelve, twelve.plan_p2p(8, 5, 1 << 20));
+  EXPECT_EQ(u.at("nic8->leaf0"), 1 << 20);
+  EXPECT_EQ(u.count("gpu8->nvswitch1"), 0u);
+  EXPECT_THROW(twelve.set_world_ranks(17), UsageError);
+}
+
+// The simulator's send from rank 8 to rank 5 on 2 x 8 H100: with 16 ranks GPU 13 relays it, with 12 (node 1
+// holds ranks 8-11 only) it leaves through rank 8's own NIC. Returns the time rank 5 waits for it.
+double simulated_send_us(int world) {
+  auto times = ranklab::testing::run_collect<double>(
+      world,
+      [](Rank& r) {
+        Tensor t = r.phantom({1 << 18});  // 1 MiB
+        r.synchronize();
+        const double t0 = r.now();
+        if (r.rank() == 8) r.send(t, 5);
+        if (r.rank() == 5) r.recv(t, 8);
+        r.synchronize();
+        return r.now() - t0;
+      },
+      2);
+  return times[5];
+}
+
+TEST(Pxn, TheSimulatorRelaysSendsThroughTheWorldsGpusOnly) {
+  NetworkModel sixteen(profile("dgx-h100", 2)), twelve(profile("dgx-h100", 2));
+  twelve.set_world_ranks(12);
+  const CommPlan relayed = sixteen.plan_p2p(8, 5, 1 << 20), own = twelve.plan_p2p(8, 5, 1 << 20);
+  EXPECT_EQ(relayed.latency_us, own.latency_us + 0.3 + 0.3);
+  EXPECT_EQ(relayed.transfer_us, own.transfer_us);
+  // The simulated send takes the plan's time plus what both runs add alike (the kernel launches).
+  EXPECT_NEAR(simulated_send_us(16) - simulated_send_us(12), 0.6, 1e-9);
 }
 
 TEST(LinkBytes, SendFollowsThePathBetweenTheGpus) {
@@ -366,6 +600,7 @@ TEST(Sharing, AlonePlansTakeTheirBusiestLinksTime) {
   for (int nodes : {1, 2, 4}) {
     NetworkModel m(profile("dgx-h100", nodes));
     const std::vector<int> all = first(8 * nodes);
+    ASSERT_EQ(m.topology().spines(), nodes > 1 ? 1 : 0);
     for (const Candidate& c : m.candidates(CommOp::AllReduce, 1 << 26, all, -1)) {
       NetworkModel forced(profile("dgx-h100", nodes),
                           NetworkOptions{algorithm_name(c.algorithm), protocol_name(c.protocol)});
@@ -376,6 +611,14 @@ TEST(Sharing, AlonePlansTakeTheirBusiestLinksTime) {
     const CommPlan a2a = m.plan_collective(CommOp::AllToAll, 1 << 26, all, -1);
     EXPECT_NEAR(fluid_transfer_us(m.topology(), a2a), a2a.transfer_us, 1e-9 * a2a.transfer_us);
   }
+  // all_to_all's pairs through several spines, which ECMP's hash loads unevenly: leaves of 16 ports give
+  // 8 nodes per leaf, so 16 nodes need two leaves per rail: 16 leaves of 8 uplinks on 8 spines.
+  Profile p = profile("dgx-h100", 16);
+  p.fabric.switch_radix = 16;
+  NetworkModel m(p);
+  ASSERT_EQ(m.topology().spines(), 8);
+  const CommPlan a2a = m.plan_collective(CommOp::AllToAll, 1 << 26, first(128), -1);
+  EXPECT_NEAR(fluid_transfer_us(m.topology(), a2a), a2a.transfer_us, 1e-9 * a2a.transfer_us);
 }
 
 // ---- fidelity (docs/validation.md) ------------------------------------------------------------------

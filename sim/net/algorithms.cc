@@ -5,13 +5,50 @@
 #include <algorithm>
 #include <map>
 #include <set>
-#include <unordered_map>
 
 #include "common/errors.h"
 
 namespace ranklab::sim {
 
-GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks) {
+std::vector<int> pxn_relays(const Topology& topo, const std::vector<int>& members) {
+  std::vector<int> relays(topo.gpus_per_node(), -1);
+  // The relay must reach the sender over NVLink (paths[GPU][g1].type <= PATH_NVL): the NVSwitch joins
+  // every GPU of a node, PCIe-only nodes have none.
+  if (!topo.has_nvlink() || members.empty()) return relays;
+  std::vector<int> by_local(topo.gpus_per_node(), -1);
+  for (int m : members) by_local[topo.local_of(m)] = m;
+  // ncclTopoGetLocalGpu: the first GPU (of the communicator, in index order) each NIC is local to.
+  std::vector<int> first_on_rail(topo.nics_per_node(), -1);
+  for (auto m = members.rbegin(); m != members.rend(); ++m)
+    first_on_rail[topo.rail_of_nic(topo.nic_of(*m))] = *m;
+  for (int j = 0; j < topo.gpus_per_node(); ++j) {
+    // ncclTopoDevToRank: the communicator's GPU on this node with the receiver's device index; without
+    // one, ncclTopoGetNetDev returns the sender's own NIC.
+    if (by_local[j] < 0) continue;
+    const int nic = topo.nic_of(by_local[j]);
+    const int first = first_on_rail[topo.rail_of_nic(nic)];
+    // paths[NET][n].type <= PATH_PXB: the relay reaches the NIC without crossing the CPU.
+    if (topo.nic_behind_pcie_switch(first, nic)) relays[j] = first;
+  }
+  return relays;
+}
+
+int GroupLayout::relay(const Topology& topo, int src, int dst) const {
+  if (relays.empty() || topo.node_of(src) == topo.node_of(dst)) return src;
+  // nodes is ascending by node, so the node's index is found by bisection.
+  const auto it =
+      std::lower_bound(nodes.begin(), nodes.end(), topo.node_of(src),
+                       [&](const std::vector<int>& m, int node) { return topo.node_of(m[0]) < node; });
+  const int r = relays[it - nodes.begin()][topo.local_of(dst)];
+  return r < 0 ? src : r;
+}
+
+double pxn_hop_latency_us(const Topology& topo) {
+  if (!topo.has_nvlink()) return 0;
+  return topo.latency_us(topo.gpu_to_nvswitch(0)) + topo.latency_us(topo.nvswitch_to_gpu(0));
+}
+
+GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks, bool pxn) {
   GroupLayout g;
   g.ranks = ranks;
   std::map<int, std::vector<int>> by_node;
@@ -31,6 +68,9 @@ GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks) {
     for (int r : members) nics.insert(topo.nic_of(r));
     fewest_nics = std::min(fewest_nics, static_cast<int>(nics.size()));
     g.nodes.push_back(std::move(members));
+  }
+  if (pxn && g.nodes.size() > 1) {
+    for (const std::vector<int>& members : g.nodes) g.relays.push_back(pxn_relays(topo, members));
   }
   // One channel per rail every node can reach, so each NIC carries one ring across nodes. Inside a node the
   // NVSwitch (or PCIe switch) gives every GPU the same paths, and channels change nothing.
@@ -96,6 +136,15 @@ class PlanBuilder {
     path_.clear();
     topo_.append_path(src, dst, path_);
     plan_.add_flow(path_, payload, payload * occupy);
+  }
+  // The same through `relay`'s NIC (PXN); the plan's latency gets the NVLink hop to the relay, once: the
+  // messages of one grouped send/recv travel side by side.
+  void send_via(int src, int relay, int dst, double payload) {
+    if (payload <= 0 || src == dst) return;
+    path_.clear();
+    topo_.append_path_via(src, relay, dst, path_);
+    plan_.add_flow(path_, payload, payload);
+    if (relay != src) plan_.latency_us = pxn_hop_latency_us(topo_);
   }
   void on_link(LinkId l, double payload, double occupy = 1.0) {
     if (payload > 0) plan_.add_flow(std::span<const LinkId>(&l, 1), payload, payload * occupy);
@@ -247,63 +296,21 @@ CommPlan direct_plan(const Topology& topo, const GroupLayout& g, CommOp op, int 
   const double piece = 1.0 / static_cast<double>(g.ranks.size());
   for (int r : g.ranks) {
     if (r == root) continue;
-    op == CommOp::Scatter ? b.send(root, r, piece) : b.send(r, root, piece);
+    // Grouped send/recv, so between nodes PXN's routes.
+    op == CommOp::Scatter ? b.send_via(root, g.relay(topo, root, r), r, piece)
+                          : b.send_via(r, g.relay(topo, r, root), root, piece);
   }
   return b.take();
 }
 
 CommPlan pairwise_plan(const Topology& topo, const GroupLayout& g) {
   PlanBuilder b(topo, Algorithm::Pairwise);
-  const double n = static_cast<double>(g.ranks.size());
-  const double piece = 1.0 / n;                      // every member sends S/n to every other
-  std::vector<double> load(topo.link_count(), 0.0);  // built once per group, so dense is fine
-  std::vector<LinkId> path;
-  auto add = [&](const std::vector<LinkId>& links, double bytes) {
-    for (LinkId l : links) load[l] += bytes;
-  };
-  // Inside nodes: every pair directly. O(n m).
-  for (const std::vector<int>& members : g.nodes) {
-    for (int a : members) {
-      for (int c : members) {
-        if (a == c) continue;
-        path.clear();
-        topo.append_path(a, c, path);
-        add(path, piece);
-      }
-    }
+  const std::size_t n = g.ranks.size();
+  const double piece = 1.0 / static_cast<double>(n);  // every member sends S/n to every other
+  b.reserve(n * (n - 1));
+  for (int src : g.ranks) {
+    for (int dst : g.ranks) b.send_via(src, g.relay(topo, src, dst), dst, piece);
   }
-  // Between nodes: what each member sends out of and receives into its node, and what leaves each leaf
-  // for the spines (spread evenly over them, as ECMP does over many connections). O(n + leaves x spines).
-  if (g.nodes.size() > 1) {
-    std::unordered_map<int, int> on_leaf, on_nic;
-    for (int r : g.ranks) {
-      ++on_leaf[topo.leaf_of_nic(topo.nic_of(r))];
-      ++on_nic[topo.nic_of(r)];
-    }
-    std::unordered_map<int, double> beyond_leaf;
-    for (const std::vector<int>& members : g.nodes) {
-      const double remote = (n - static_cast<double>(members.size())) * piece;
-      for (int r : members) {
-        path.clear();
-        topo.append_to_leaf(r, path);
-        add(path, remote);
-        path.clear();
-        topo.append_from_leaf(r, path);
-        add(path, remote);
-        // Members under the same leaf but on other nodes are reached without the spines.
-        const int leaf = topo.leaf_of_nic(topo.nic_of(r));
-        const int same_leaf_elsewhere = on_leaf[leaf] - on_nic[topo.nic_of(r)];
-        beyond_leaf[leaf] += remote - same_leaf_elsewhere * piece;
-      }
-    }
-    for (const auto& [leaf, bytes] : beyond_leaf) {
-      for (int s = 0; s < topo.spines(); ++s) {
-        load[topo.leaf_to_spine(leaf, s)] += bytes / topo.spines();
-        load[topo.spine_to_leaf(s, leaf)] += bytes / topo.spines();  // all_to_all is symmetric
-      }
-    }
-  }
-  for (std::size_t l = 0; l < load.size(); ++l) b.on_link(static_cast<LinkId>(l), load[l]);
   return b.take();
 }
 
@@ -313,15 +320,17 @@ CommPlan pairwise_uneven_plan(const Topology& topo, const GroupLayout& g,
   const std::size_t n = g.ranks.size();
   b.reserve(n * (n - 1));
   for (std::size_t i = 0; i < n; ++i) {
-    for (std::size_t j = 0; j < n; ++j)
-      b.send(g.ranks[i], g.ranks[j], static_cast<double>(pair_bytes[i * n + j]));
+    for (std::size_t j = 0; j < n; ++j) {
+      const int src = g.ranks[i], dst = g.ranks[j];
+      b.send_via(src, g.relay(topo, src, dst), dst, static_cast<double>(pair_bytes[i * n + j]));
+    }
   }
   return b.take();
 }
 
-CommPlan p2p_plan(const Topology& topo, int src, int dst) {
+CommPlan p2p_plan(const Topology& topo, int src, int dst, int relay) {
   PlanBuilder b(topo, Algorithm::Direct);
-  b.send(src, dst, 1.0);
+  b.send_via(src, relay, dst, 1.0);
   return b.take();
 }
 

@@ -64,7 +64,7 @@ NetworkModel::GroupEntry& NetworkModel::group(const std::vector<int>& ranks) {
   auto it = groups_.find(ranks);
   if (it != groups_.end()) return it->second;
   GroupEntry e;
-  e.layout = layout_group(topo_, ranks);
+  e.layout = layout_group(topo_, ranks, options_.pxn);
   return groups_.emplace(ranks, std::move(e)).first->second;
 }
 
@@ -134,8 +134,9 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   CommPlan plan;
   plan.algorithm = c.algorithm;
   plan.protocol = c.protocol;
-  // NCCL chose with its predicted latency; the machine runs with its own (NcclSpec::latency_scale).
-  plan.latency_us = c.latency_us * topo_.profile().nccl.latency_scale;
+  // NCCL chose with its predicted latency; the machine runs with its own (NcclSpec::latency_scale). The
+  // routes may add a hop NCCL's model does not see (PXN's NVLink hop; 0 for every other plan).
+  plan.latency_us = c.latency_us * topo_.profile().nccl.latency_scale + s.unit.latency_us;
   plan.transfer_us = c.transfer_us;
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
@@ -218,15 +219,36 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   plan.protocol = p2p_protocol(static_cast<double>(largest));
   std::int64_t total = 0;
   for (std::int64_t b : pair_bytes) total += b;
+  // The routes' own latency (PXN's NVLink hop, pairwise_uneven_plan) after NCCL's.
   plan.latency_us =
-      nccl_latency_us(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total));
+      nccl_latency_us(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total)) +
+      plan.latency_us;
   plan.transfer_us = fluid_transfer_us(topo_, plan);
   return plan;
 }
 
 CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   if (src == dst || bytes <= 0) return CommPlan{};
-  CommPlan plan = p2p_plan(topo_, src, dst);
+  for (int r : {src, dst}) {
+    if (r < 0 || r >= topo_.gpus()) {
+      throw UsageError(fmt::format("send from rank {} to rank {}: rank {} is outside the {} GPUs of {} x {}",
+                                   src, dst, r, topo_.gpus(), topo_.nodes(), topo_.profile().name));
+    }
+  }
+  int relay = src;
+  if (options_.pxn && topo_.node_of(src) != topo_.node_of(dst)) {
+    const int node = topo_.node_of(src);
+    auto it = p2p_relays_.find(node);
+    if (it == p2p_relays_.end()) {
+      const int world = world_ranks_ > 0 ? std::min(world_ranks_, topo_.gpus()) : topo_.gpus();
+      std::vector<int> members;
+      for (int r = node * topo_.gpus_per_node(); r < std::min(world, (node + 1) * topo_.gpus_per_node()); ++r)
+        members.push_back(r);
+      it = p2p_relays_.emplace(node, pxn_relays(topo_, members)).first;
+    }
+    relay = it->second[topo_.local_of(dst)] < 0 ? src : it->second[topo_.local_of(dst)];
+  }
+  CommPlan plan = p2p_plan(topo_, src, dst, relay);
   GroupShape gs;
   gs.ranks = 2;
   gs.nodes = topo_.node_of(src) == topo_.node_of(dst) ? 1 : 2;
@@ -240,8 +262,10 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
     if (nccl_supports(CommOp::AllReduce, Algorithm::Ring, *forced, gs)) p = *forced;
   }
   plan.protocol = p;
+  // NCCL's latency as the machine runs it, then the route's own (PXN's NVLink hop, p2p_plan).
   plan.latency_us =
-      nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b) * topo_.profile().nccl.latency_scale;
+      nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b) * topo_.profile().nccl.latency_scale +
+      plan.latency_us;
   const double occupy = 1.0 / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;
@@ -249,6 +273,15 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   }
   plan.transfer_us = transfer_us(topo_, plan);
   return plan;
+}
+
+void NetworkModel::set_world_ranks(int ranks) {
+  if (ranks < 0 || ranks > topo_.gpus()) {
+    throw UsageError(fmt::format("a world of {} ranks does not fit the {} GPUs of {} x {}", ranks,
+                                 topo_.gpus(), topo_.nodes(), topo_.profile().name));
+  }
+  world_ranks_ = ranks;
+  p2p_relays_.clear();
 }
 
 void NetworkModel::record(const CommPlan& plan) {

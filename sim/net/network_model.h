@@ -42,6 +42,9 @@ namespace ranklab::sim {
 struct NetworkOptions {
   std::string algorithm;  // ring, tree, nvls, nvls_tree
   std::string protocol;   // ll, ll128, simple
+  // PXN: sends between nodes leave through the NIC of the receiver's rail, reached over NVLink
+  // (sim/net/algorithms.h, pxn_relays). NCCL_PXN_DISABLE=1 turns it off; 2.21.5's default is on.
+  bool pxn = true;
 };
 
 // One (algorithm, protocol) NCCL could run, with its predicted time for a message size.
@@ -71,8 +74,12 @@ class NetworkModel {
   // ends under max-min sharing, plus the p2p latency. Equal splits are the even all_to_all, whose plan
   // (plan_collective) keeps the same per-link loads in one flow per link.
   CommPlan plan_all_to_all(const std::vector<int>& ranks, const std::vector<std::int64_t>& pair_bytes);
-  // A send from `src` to `dst` along the path between them.
+  // A send from `src` to `dst` along its route: between nodes through the PXN relay's NIC, the relay
+  // chosen among the world's ranks (set_world_ranks), as NCCL does on the communicator's GPUs.
   CommPlan plan_p2p(int src, int dst, std::int64_t bytes);
+  // The world: GPUs 0 .. ranks-1 (0, the default: every GPU of the topology). Sends run on its
+  // communicator, so only its GPUs can relay them.
+  void set_world_ranks(int ranks);
   // Every (algorithm, protocol) NCCL could use for this call, with its time, in NCCL's order; the plan
   // takes the fastest (the first of equals) among those the options allow.
   std::vector<Candidate> candidates(CommOp op, std::int64_t bytes, const std::vector<int>& ranks, int root);
@@ -85,7 +92,7 @@ class NetworkModel {
 
  private:
   struct Shape {
-    CommPlan unit;       // flows for a one-byte message
+    CommPlan unit;       // flows for a one-byte message; latency_us: what its routes add (PXN's hop)
     double unit_us = 0;  // their time alone, at Simple's efficiency
   };
   struct GroupEntry {
@@ -110,6 +117,8 @@ class NetworkModel {
   NetworkOptions options_;
   std::unordered_map<std::vector<int>, GroupEntry, RanksHash> groups_;
   std::vector<double> link_bytes_;  // by LinkId, allocated at the first record
+  int world_ranks_ = 0;
+  std::unordered_map<int, std::vector<int>> p2p_relays_;  // by node: pxn_relays of the world's GPUs there
 };
 
 // The time a plan's flows take alone on the topology's links: the busiest link's bytes over its capacity.

@@ -264,6 +264,17 @@ void Topology::append_path(int src, int dst, std::vector<LinkId>& out) const {
   append_from_leaf(dst, out);
 }
 
+void Topology::append_path_via(int src, int relay, int dst, std::vector<LinkId>& out) const {
+  if (relay == src) return append_path(src, dst, out);
+  if (!has_nvlink() || node_of(relay) != node_of(src)) {
+    throw UsageError(fmt::format(
+        "gpu{} cannot relay for gpu{}: only a GPU of the same node, reached over NVLink, can", relay, src));
+  }
+  out.push_back(id(kGpuToNvswitch, src));
+  out.push_back(id(kNvswitchToGpu, relay));
+  append_path(relay, dst, out);
+}
+
 void Topology::append_to_leaf(int gpu, std::vector<LinkId>& out) const {
   // Up to the NIC over PCIe (GPUDirect RDMA: the NIC reads GPU memory without the CPU's memory).
   const int nic = nic_of(gpu);

@@ -101,6 +101,12 @@ class Topology {
   // -> leaf] -> NIC -> PCIe -> GPU between nodes. Spine choice is a fixed hash of the two NICs, as ECMP
   // routing picks one path per connection.
   void append_path(int src, int dst, std::vector<LinkId>& out) const;
+  // The same through GPU `relay` of src's node (PXN, sim/net/algorithms.h): NVLink src -> NVSwitch ->
+  // relay, then relay's path to dst through relay's NIC. A relay equal to src is the direct path.
+  void append_path_via(int src, int relay, int dst, std::vector<LinkId>& out) const;
+  // Whether `gpu` reaches NIC `nic` through PCIe switches alone, without crossing the CPU (NCCL's path
+  // type PATH_PXB or closer, src/graph/topo.h of 2.21.5).
+  bool nic_behind_pcie_switch(int gpu, int nic) const { return switch_of_gpu(gpu) == switch_of_nic(nic); }
   // The two NVLink links of a GPU (has_nvlink() only): what in-switch reduction (NVLS) uses.
   LinkId gpu_to_nvswitch(int gpu) const { return id(kGpuToNvswitch, gpu); }
   LinkId nvswitch_to_gpu(int gpu) const { return id(kNvswitchToGpu, gpu); }
