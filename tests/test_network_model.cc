@@ -550,6 +550,12 @@ TEST(Choice, LatencyScaleChangesTheLatencyNotThePick) {
       EXPECT_DOUBLE_EQ(b.latency_us, 3 * a.latency_us);
       EXPECT_DOUBLE_EQ(b.transfer_us, a.transfer_us);
     }
+    // An uneven all_to_all inside a node (no relay, so its whole latency is NCCL's).
+    std::vector<std::int64_t> pairs(64, bytes);
+    pairs[1] = 3 * bytes;
+    const CommPlan u = base.plan_all_to_all(first(8), pairs), v = scaled.plan_all_to_all(first(8), pairs);
+    EXPECT_DOUBLE_EQ(v.latency_us, 3 * u.latency_us);
+    EXPECT_DOUBLE_EQ(v.transfer_us, u.transfer_us);
     // Point-to-point inside a node and across nodes.
     for (int dst : {1, 8}) {
       const CommPlan a = base.plan_p2p(0, dst, bytes), b = scaled.plan_p2p(0, dst, bytes);

@@ -219,9 +219,11 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   plan.protocol = p2p_protocol(static_cast<double>(largest));
   std::int64_t total = 0;
   for (std::int64_t b : pair_bytes) total += b;
-  // The routes' own latency (PXN's NVLink hop, pairwise_uneven_plan) after NCCL's.
+  // The routes' own latency (PXN's NVLink hop, pairwise_uneven_plan) after NCCL's, which the machine runs
+  // at its own scale as every other plan does (NcclSpec::latency_scale).
   plan.latency_us =
-      nccl_latency_us(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total)) +
+      nccl_latency_us(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total)) *
+          topo_.profile().nccl.latency_scale +
       plan.latency_us;
   plan.transfer_us = fluid_transfer_us(topo_, plan);
   return plan;
