@@ -1,6 +1,7 @@
 // Benchmarks of the simulator itself (wall time, not virtual time):
 //  - a phantom all_reduce across many simulated ranks: the cost of fibers plus the network model;
-//  - the simulator's GEMM (Eigen over OpenBLAS) against OpenBLAS sgemm called directly.
+//  - the simulator's GEMM (Eigen over OpenBLAS) against OpenBLAS sgemm called directly;
+//  - `ranklab run benchmark --sweep`: nccl-tests' 30 sizes of all_reduce on 8 ranks, whole.
 // Run: build/bench/ranklab_bench   (or `make bench`)
 #include <benchmark/benchmark.h>
 #include <cblas.h>
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <vector>
 
+#include "common/lesson.h"
 #include "common/profile.h"
 #include "common/rank.h"
 #include "sim/sim_backend.h"
@@ -37,6 +39,22 @@ void BM_PhantomAllReduce1GiB(benchmark::State& state) {
   state.counters["ranks"] = ranks;
 }
 BENCHMARK(BM_PhantomAllReduce1GiB)->Arg(8)->Arg(64)->Arg(1024)->Unit(benchmark::kMillisecond);
+
+// The benchmark lesson's --sweep on state.range(0) ranks of one DGX H100, as `ranklab run benchmark --world
+// 8 --sweep --quiet` runs it: the lesson's numerics check, then 30 sizes of all_reduce from 8 B to 16 GiB.
+void BM_BenchmarkSweep(benchmark::State& state) {
+  const int ranks = static_cast<int>(state.range(0));
+  for (auto _ : state) {
+    ranklab::SimBackend backend(config_for(ranks));
+    ranklab::Options o;
+    o.world = ranks;
+    o.sweep = true;
+    o.quiet = true;
+    ranklab::RunReport rep = ranklab::run_lesson(backend, "benchmark", o);
+    benchmark::DoNotOptimize(rep.makespan_us);
+  }
+}
+BENCHMARK(BM_BenchmarkSweep)->Arg(8)->Unit(benchmark::kMillisecond);
 
 // The simulator's matmul on one rank, timed around the call alone (the fibers' start-up is left out).
 void BM_SimMatmul(benchmark::State& state) {
