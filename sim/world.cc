@@ -133,7 +133,7 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
   while (!pred()) {
     check_aborted();
     s.blocked = true;
-    s.waiting_for = what;
+    s.waiting_for = &what;
     ++blocked_;
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
     // This was the last rank that could run: only the engine's next event can wake anybody.
@@ -148,6 +148,7 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
       s.wakeup.wait(lock, [&] { return !s.blocked; });
     }
   }
+  s.waiting_for = nullptr;
   check_aborted();
 }
 
@@ -159,7 +160,7 @@ void SimWorld::declare_deadlock() {
     if (s.finished) {
       msg += fmt::format("  rank {}: finished its program\n", r);
     } else if (s.blocked && s.waiting_for) {
-      msg += fmt::format("  rank {}: {}\n", r, s.waiting_for());
+      msg += fmt::format("  rank {}: {}\n", r, (*s.waiting_for)());
     } else {
       msg += fmt::format("  rank {}: running\n", r);
     }
@@ -167,14 +168,26 @@ void SimWorld::declare_deadlock() {
   fail(std::make_exception_ptr(DeadlockError(msg)));
 }
 
-void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by) {
+void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
+                             bool after_sync) {
   if (op->finished) {  // the common case: no callables to build
     check_aborted();
     return;
   }
+  // The callables capture at most two pointers, which std::function keeps without allocating.
+  struct Wait {
+    const CommOpState* op;
+    const char* by;
+    bool after_sync;
+  } const wait{op.get(), by, after_sync};
   block_until(
-      rank, [&] { return op->finished; },
-      [op, by, this] { return fmt::format("{} waits for {}: {}", by, op->label(), why_pending(*op)); });
+      rank, [&wait] { return wait.op->finished; },
+      [this, &wait] {
+        const std::string who =
+            wait.after_sync ? fmt::format("{} (after a synchronous {})", wait.by, comm_op_name(wait.op->op))
+                            : std::string(wait.by);
+        return fmt::format("{} waits for {}: {}", who, wait.op->label(), why_pending(*wait.op));
+      });
 }
 
 std::string SimWorld::why_pending(const CommOpState& op) const {

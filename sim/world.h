@@ -77,7 +77,9 @@ struct RankState {
   // Blocking.
   bool finished = false;
   bool blocked = false;
-  std::function<std::string()> waiting_for;  // what it waits for, for deadlock reports
+  // What it waits for, for deadlock reports: block_until's description, valid while the rank is blocked
+  // (pointed to, not copied: a copy would cost an allocation per rank at every wait).
+  const std::function<std::string()>* waiting_for = nullptr;
   boost::fibers::mutex mutex;
   boost::fibers::condition_variable wakeup;
 };
@@ -112,8 +114,11 @@ class SimWorld {
 
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
-  // Blocks until `op` has finished (its end time is final).
-  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by);
+  // Blocks until `op` has finished (its end time is final). `by` names the call that waits, for deadlock
+  // reports; `after_sync` adds that it waits for the synchronous operation `op` (formatted only when a
+  // report needs it, as a wait happens at every rank for every operation).
+  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
+                     bool after_sync = false);
   // Called before `rank` issues communication: lets ranks whose clocks are behind go first, and brings
   // the transfer engine up to this rank's clock.
   void before_issue(int rank);
