@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "common/errors.h"
 #include "common/progress.h"
@@ -120,7 +121,10 @@ void SimWorld::wake(int rank) {
   s.blocked = false;
   --blocked_;
   woke_ = true;
-  s.wakeup.notify_one();
+  // A rank woken before it suspended (by the engine it was advancing itself) simply does not suspend.
+  if (boost::fibers::context* fiber = std::exchange(s.suspended, nullptr)) {
+    boost::fibers::context::active()->schedule(fiber);
+  }
 }
 
 void SimWorld::wake_all() {
@@ -144,8 +148,8 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
       }
     }
     if (s.blocked) {
-      std::unique_lock<boost::fibers::mutex> lock(s.mutex);
-      s.wakeup.wait(lock, [&] { return !s.blocked; });
+      s.suspended = boost::fibers::context::active();
+      s.suspended->suspend();  // until wake() schedules it
     }
   }
   s.waiting_for = nullptr;

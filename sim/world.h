@@ -15,8 +15,7 @@
 // deadlock, reported with every rank's pending operation.
 #pragma once
 
-#include <boost/fiber/condition_variable.hpp>
-#include <boost/fiber/mutex.hpp>
+#include <boost/fiber/context.hpp>
 #include <exception>
 #include <functional>
 #include <map>
@@ -80,8 +79,10 @@ struct RankState {
   // What it waits for, for deadlock reports: block_until's description, valid while the rank is blocked
   // (pointed to, not copied: a copy would cost an allocation per rank at every wait).
   const std::function<std::string()>* waiting_for = nullptr;
-  boost::fibers::mutex mutex;
-  boost::fibers::condition_variable wakeup;
+  // The rank's fiber while it is suspended in block_until; wake() hands it back to the scheduler. (Suspending
+  // and scheduling the fiber directly does what a fiber mutex and condition variable would, without their
+  // locks: every fiber runs on one thread, and a wait happens at every rank for every operation.)
+  boost::fibers::context* suspended = nullptr;
 };
 
 class SimWorld {
