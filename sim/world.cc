@@ -139,7 +139,9 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
     s.blocked = true;
     s.waiting_for = &what;
     ++blocked_;
-    boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
+    VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
+    props.time_us = s.host_us;
+    props.stack_hint = __builtin_frame_address(0);
     // This was the last rank that could run: only the engine's next event can wake anybody.
     while (blocked_ == live_ && !aborted_) {
       if (!advance_engine_one_event()) {
@@ -576,7 +578,9 @@ void SimWorld::before_issue(int rank) {
     if (advance_engine(std::min(issue_us, earliest_other))) continue;
     if (!sched || sched->min_ready_time_us() >= s.host_us) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
-    boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
+    VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
+    props.time_us = s.host_us;
+    props.stack_hint = __builtin_frame_address(0);
     boost::this_fiber::yield();
     check_aborted();
   }
