@@ -754,7 +754,6 @@ RunReport SimWorld::finish_report() {
   }
   progress_.finish();
   report_.links = network_->link_traffic();
-  report_.topology = run_topology(network_->topology(), size());
   report_.late_starts = engine_.late_starts();
   summarize_spans(report_);
   // A mirror's figures are its representative's.
@@ -766,6 +765,10 @@ RunReport SimWorld::finish_report() {
     }
   }
   return std::move(report_);
+}
+
+RunTopology SimWorld::describe_topology() const {
+  return run_topology(network_->topology(), size());
 }
 
 // ---- symmetry --------------------------------------------------------------------------------------
