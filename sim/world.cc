@@ -506,7 +506,9 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
   for (const auto& op : ended) {
     const bool p2p = op->op == CommOp::Send;
     const SpanName name = op_name(op->op);
-    for (CommMember& m : op->members) {
+    for (std::size_t i = 0; i < op->members.size(); ++i) {
+      prefetch_state(*op, i + kPrefetchAhead);
+      CommMember& m = op->members[i];
       if (!runs(m.rank)) continue;
       RankState& s = state(m.rank);
       const int stream =
@@ -532,7 +534,9 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       if (progress_detail_.empty()) progress_detail_ = fmt::format("operations, {} ranks", size());
       progress_.update(++finished_ops_, progress_detail_);
     }
-    for (CommMember& m : op->members) {
+    for (std::size_t i = 0; i < op->members.size(); ++i) {
+      prefetch_state(*op, i + kPrefetchAhead, /*with_fiber=*/true);
+      CommMember& m = op->members[i];
       // A finished operation needs neither its dependencies nor its buffers: letting go of them frees
       // the tensors it moved (and the chain of earlier operations each one would otherwise keep alive).
       m.deps.clear();
@@ -549,6 +553,16 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       if (auto d = dep.op.lock()) try_execute(d);
     }
   }
+}
+
+void SimWorld::prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber) const {
+  if (member >= op.members.size()) return;
+  const RankState* s = ranks_[op.members[member].rank].get();
+  const char* bytes = reinterpret_cast<const char*>(s);
+  for (std::size_t offset = 0; offset < sizeof(RankState); offset += 64) __builtin_prefetch(bytes + offset);
+  // Its suspended fiber's context, which waking it reads: loaded already, as the state of a member a few
+  // places back was fetched on the previous pass.
+  if (with_fiber && s->suspended != nullptr) __builtin_prefetch(s->suspended);
 }
 
 bool SimWorld::advance_engine(double t_us) {

@@ -161,6 +161,12 @@ class SimWorld {
   bool advance_engine(double t_us);
   // Moves the engine to its next event; false when nothing is in flight.
   bool advance_engine_one_event();
+  // Starts loading the state of `op`'s member number `member` (nothing when there is none), and with
+  // `with_fiber` the context of its suspended fiber: the loops over a large collective's members touch
+  // every member's state, which with thousands of ranks is out of the cache, so they ask this many
+  // members ahead.
+  void prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber = false) const;
+  static constexpr std::size_t kPrefetchAhead = 8;
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
   void check_agreement(CommOpState& op, int arriving_rank) const;
