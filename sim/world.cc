@@ -273,23 +273,31 @@ Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
 namespace {
 
 // What every member of a collective must agree on: the operation, the element count NCCL would be
-// given, the reduce op and root where they matter, and whether the tensors hold numbers.
-std::string signature(const CommCall& c) {
+// given, the reduce op and root where they matter, and whether the tensors hold numbers. Compared field by
+// field: every member of every collective is checked, and formatting it would cost two strings each.
+struct Signature {
+  CommOp op;
+  bool uneven;
+  std::int64_t numel;  // uneven all_to_all: the elements of a row (the row counts are checked pair by pair)
+  DType dtype;
+  int reduce;  // -1 where the op does not reduce
+  int root;    // -1 where the op has no root
+  bool phantom;
+  bool operator==(const Signature&) const = default;
+};
+
+Signature signature(const CommCall& c) {
   const Tensor& t =
       (c.op == CommOp::Scatter || c.op == CommOp::Recv || c.op == CommOp::ReduceScatter) ? c.output : c.input;
-  // Uneven all_to_all: members move different row counts (checked pair by pair, check_splits_agree); what
-  // they share is the shape of a row.
-  std::string s = c.uneven() ? fmt::format("{} uneven rows of {} {}", comm_op_name(c.op),
-                                           t.shape().with_dim(0, 1).numel(), dtype_name(t.dtype()))
-                             : fmt::format("{} {} {}", comm_op_name(c.op), t.numel(), dtype_name(t.dtype()));
+  Signature s{c.op, c.uneven(), c.uneven() ? t.shape().with_dim(0, 1).numel() : t.numel(), t.dtype(), -1,
+              -1,   t.phantom()};
   if (c.op == CommOp::AllReduce || c.op == CommOp::Reduce || c.op == CommOp::ReduceScatter) {
-    s += fmt::format(" {}", reduce_op_name(c.reduce));
+    s.reduce = static_cast<int>(c.reduce);
   }
   if (c.op == CommOp::Broadcast || c.op == CommOp::Reduce || c.op == CommOp::Scatter ||
       c.op == CommOp::Gather) {
-    s += fmt::format(" root {}", c.peer);
+    s.root = c.peer;
   }
-  if (t.phantom()) s += " phantom";
   return s;
 }
 
