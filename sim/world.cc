@@ -186,6 +186,11 @@ void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, c
     const char* by;
     bool after_sync;
   } const wait{op.get(), by, after_sync};
+  struct WaitingFor {
+    RankState& s;
+    ~WaitingFor() { s.waiting_op = nullptr; }
+  } waiting{state(rank)};
+  waiting.s.waiting_op = op.get();
   block_until(
       rank, [&wait] { return wait.op->finished; },
       [this, &wait] {
@@ -550,7 +555,9 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       m.deps.clear();
       m.call.input = Tensor();
       m.call.output = Tensor();
-      wake(m.rank);
+      // A member waiting for another operation would only find it unfinished and block again.
+      const CommOpState* waited = state(m.rank).waiting_op;
+      if (waited == nullptr || waited == op.get()) wake(m.rank);
     }
   }
   // What waited for these can run now.

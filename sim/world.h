@@ -83,6 +83,9 @@ struct RankState {
   // and scheduling the fiber directly does what a fiber mutex and condition variable would, without their
   // locks: every fiber runs on one thread, and a wait happens at every rank for every operation.)
   boost::fibers::context* suspended = nullptr;
+  // The operation wait_finished waits for (null in any other wait): an operation that finishes wakes those
+  // of its members that wait for it, or for something else than an operation, and leaves the others be.
+  const CommOpState* waiting_op = nullptr;
 };
 
 class SimWorld {
