@@ -134,6 +134,12 @@ void SimWorld::wake_all() {
 void SimWorld::block_until(int rank, const std::function<bool()>& pred,
                            const std::function<std::string()>& what) {
   RankState& s = state(rank);
+  // `what` lives as long as this call: however the call ends (a deadlock or another rank's failure throws),
+  // the rank's state must not keep pointing at it.
+  struct Forget {
+    RankState& s;
+    ~Forget() { s.waiting_for = nullptr; }
+  } forget{s};
   while (!pred()) {
     check_aborted();
     s.blocked = true;
@@ -154,7 +160,6 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
       s.suspended->suspend();  // until wake() schedules it
     }
   }
-  s.waiting_for = nullptr;
   check_aborted();
 }
 
