@@ -2,6 +2,7 @@
 // to its execution (numerics done, start and end times known).
 #pragma once
 
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -21,8 +22,10 @@ struct CommMember {
   CommCall call;
   double issue_ready_us = 0;  // host launch time and compute-stream time at issue
   // Operations that must finish before this member's part can start: the previous operation on the
-  // same stream, and synchronous operations the compute stream was still waiting for at issue.
-  std::vector<std::shared_ptr<CommOpState>> deps;
+  // same stream, and synchronous operations the compute stream was still waiting for at issue. Seldom more
+  // than two, kept inside the member: a list of their own for every member of every operation would be as
+  // many allocations, and freeing thousands at once when a large collective ends is what slows malloc.
+  boost::container::small_vector<std::shared_ptr<CommOpState>, 2> deps;
   bool waited = false;  // for async calls: wait() has been called
   double ready_us = 0;  // when this member was ready (set at execution)
 };

@@ -51,32 +51,51 @@ void VirtualTimeScheduler::sift_down(std::size_t i) {
 }
 
 void VirtualTimeScheduler::awakened(boost::fibers::context* ctx, VirtualTimeProps& props) noexcept {
+  if (props.slot_ == VirtualTimeProps::kNoSlot) {
+    props.slot_ = static_cast<std::uint32_t>(heap_place_.size());
+    heap_place_.push_back(kNotQueued);
+  }
   props.arrival_ = next_arrival_++;
-  ready_.push_back(Entry{props.time_us, props.rank, props.arrival_, ctx, &props});
-  props.heap_index_ = ready_.size() - 1;
+  ready_.push_back(Entry{props.time_us, props.arrival_, ctx, props.stack_hint, props.rank, props.slot_});
+  heap_place_[props.slot_] = ready_.size() - 1;
   sift_up(ready_.size() - 1);
+}
+
+void VirtualTimeScheduler::prefetch_next() const {
+  if (ready_.empty()) return;
+  const Entry& next = ready_.front();
+  // Boost keeps a fiber's context at the top of its stack: the part resume() reads.
+  const char* ctx = reinterpret_cast<const char*>(next.ctx);
+  for (int line = 0; line < 4; ++line) __builtin_prefetch(ctx + 64 * line);
+  // The frames around where the fiber suspended: the switch restores its registers from below the hint,
+  // and the calls it returns through lie above it.
+  if (next.stack_hint != nullptr) {
+    const char* hint = static_cast<const char*>(next.stack_hint);
+    for (int offset = -1024; offset < 1024; offset += 64) __builtin_prefetch(hint + offset);
+  }
 }
 
 boost::fibers::context* VirtualTimeScheduler::pick_next() noexcept {
   if (ready_.empty()) return nullptr;
-  boost::fibers::context* ctx = ready_.front().ctx;
-  VirtualTimeProps* props = ready_.front().props;
-  props->heap_index_ = VirtualTimeProps::kNotQueued;
+  const Entry top = ready_.front();
+  heap_place_[top.slot] = kNotQueued;
   const Entry last = ready_.back();
   ready_.pop_back();
   if (!ready_.empty()) {
     ready_.front() = last;
     sift_down(0);
   }
-  set_running_rank(props->rank);
-  return ctx;
+  prefetch_next();
+  set_running_rank(top.rank);
+  return top.ctx;
 }
 
 void VirtualTimeScheduler::property_change(boost::fibers::context*, VirtualTimeProps& props) noexcept {
   // A queued fiber whose clock changed must move to its new place; a running one is placed on its
   // next awakening.
-  const std::size_t i = props.heap_index_;
-  if (i == VirtualTimeProps::kNotQueued) return;
+  if (props.slot_ == VirtualTimeProps::kNoSlot) return;
+  const std::size_t i = heap_place_[props.slot_];
+  if (i == kNotQueued) return;
   Entry& e = ready_[i];
   const Entry old = e;
   e.time_us = props.time_us;

@@ -45,34 +45,40 @@ RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_
   // Must come before any other fiber operation on this thread.
   boost::fibers::use_scheduling_algorithm<sim::VirtualTimeScheduler>();
   sim::SimWorld world(config, world_size);
-  // One SimRank and fiber per rank that runs: all of them, or in a symmetric world the representatives.
-  std::vector<std::unique_ptr<sim::SimRank>> ranks;
-  ranks.reserve(world.running_ranks());
-  for (int r = 0; r < world_size; ++r) {
-    if (world.runs(r)) ranks.push_back(std::make_unique<sim::SimRank>(world, r));
-  }
-  auto host = std::make_shared<sim::HostMemory>();
-  host->limit = host_limit;
-  for (auto& rank : ranks) rank->set_host_memory(host);
+  RunReport report;
+  {
+    // One SimRank and fiber per rank that runs: all of them, or in a symmetric world the representatives.
+    std::vector<std::unique_ptr<sim::SimRank>> ranks;
+    ranks.reserve(world.running_ranks());
+    for (int r = 0; r < world_size; ++r) {
+      if (world.runs(r)) ranks.push_back(std::make_unique<sim::SimRank>(world, r));
+    }
+    auto host = std::make_shared<sim::HostMemory>();
+    host->limit = host_limit;
+    for (auto& rank : ranks) rank->set_host_memory(host);
 
-  Stacks stacks(ranks.size(), config.stack_bytes);  // outlives the fibers below
-  // A stack overflow, or exit() called by a rank, ends the run naming the rank.
-  sim::RankFaultGuard faults(stacks.guarded(), config.stack_bytes);
-  std::vector<boost::fibers::fiber> fibers;
-  fibers.reserve(ranks.size());
-  for (auto& owned : ranks) {
-    sim::SimRank* rank = owned.get();
-    fibers.emplace_back(std::allocator_arg, stacks.allocator(), [&world, rank, &fn] {
-      world.run_rank(rank->rank(), [&] {
-        fn(*rank);
-        rank->finish();
+    Stacks stacks(ranks.size(), config.stack_bytes);  // outlives the fibers below
+    // A stack overflow, or exit() called by a rank, ends the run naming the rank.
+    sim::RankFaultGuard faults(stacks.guarded(), config.stack_bytes);
+    std::vector<boost::fibers::fiber> fibers;
+    fibers.reserve(ranks.size());
+    for (auto& owned : ranks) {
+      sim::SimRank* rank = owned.get();
+      fibers.emplace_back(std::allocator_arg, stacks.allocator(), [&world, rank, &fn] {
+        world.run_rank(rank->rank(), [&] {
+          fn(*rank);
+          rank->finish();
+        });
       });
-    });
-    fibers.back().properties<sim::VirtualTimeProps>().requeue(rank->rank(), 0.0);
+      fibers.back().properties<sim::VirtualTimeProps>().requeue(rank->rank(), 0.0);
+    }
+    for (auto& f : fibers) f.join();
+    world.rethrow_if_failed();
+    report = world.finish_report();
   }
-  for (auto& f : fibers) f.join();
-  world.rethrow_if_failed();
-  return world.finish_report();
+  // Described once the stacks are unmapped, into the memory they held.
+  report.topology = world.describe_topology();
+  return report;
 }
 
 }  // namespace

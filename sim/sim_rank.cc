@@ -174,7 +174,7 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
 void SimRank::fold_sync_ops(const char* by) {
   for (const auto& op : s_.unfolded_sync) {
     if (!op->finished) {
-      world_.wait_finished(rank_, op, fmt::format("{} (after a synchronous {})", by, comm_op_name(op->op)));
+      world_.wait_finished(rank_, op, by, /*after_sync=*/true);
     }
     s_.compute_us = std::max(s_.compute_us, op->end_us);
   }

@@ -7,9 +7,9 @@
 // Overflow: up to kGuardedStacks stacks, each keeps a guard page below it, so an overflow faults instead
 // of corrupting its neighbour. A guard page splits the mapping in two, and Linux limits a process to
 // vm.max_map_count mappings (65,530 by default), so larger worlds would need a system setting changed.
-// They get no guard pages (one mapping in all) and a canary instead: a pattern at the bottom of each
-// stack, checked when its fiber ends; an overwritten canary stops the run with a message (after flushing
-// the output), since the neighbour's stack may be corrupt.
+// They get no guard pages (one mapping in all) and a canary instead: the bottom bytes of each stack, which
+// must still read zero (as the kernel maps them) when its fiber ends; an overwritten canary stops the run
+// with a message (after flushing the output), since the neighbour's stack may be corrupt.
 #pragma once
 
 #include <boost/context/stack_context.hpp>

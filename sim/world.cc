@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "common/errors.h"
 #include "common/progress.h"
@@ -122,7 +123,10 @@ void SimWorld::wake(int rank) {
   s.blocked = false;
   --blocked_;
   woke_ = true;
-  s.wakeup.notify_one();
+  // A rank woken before it suspended (by the engine it was advancing itself) simply does not suspend.
+  if (boost::fibers::context* fiber = std::exchange(s.suspended, nullptr)) {
+    boost::fibers::context::active()->schedule(fiber);
+  }
 }
 
 void SimWorld::wake_all() {
@@ -132,12 +136,20 @@ void SimWorld::wake_all() {
 void SimWorld::block_until(int rank, const std::function<bool()>& pred,
                            const std::function<std::string()>& what) {
   RankState& s = state(rank);
+  // `what` lives as long as this call: however the call ends (a deadlock or another rank's failure throws),
+  // the rank's state must not keep pointing at it.
+  struct Forget {
+    RankState& s;
+    ~Forget() { s.waiting_for = nullptr; }
+  } forget{s};
   while (!pred()) {
     check_aborted();
     s.blocked = true;
-    s.waiting_for = what;
+    s.waiting_for = &what;
     ++blocked_;
-    boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
+    VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
+    props.time_us = s.host_us;
+    props.stack_hint = __builtin_frame_address(0);
     // This was the last rank that could run: only the engine's next event can wake anybody.
     while (blocked_ == live_ && !aborted_) {
       if (!advance_engine_one_event()) {
@@ -146,8 +158,8 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
       }
     }
     if (s.blocked) {
-      std::unique_lock<boost::fibers::mutex> lock(s.mutex);
-      s.wakeup.wait(lock, [&] { return !s.blocked; });
+      s.suspended = boost::fibers::context::active();
+      s.suspended->suspend();  // until wake() schedules it
     }
   }
   check_aborted();
@@ -161,7 +173,7 @@ void SimWorld::declare_deadlock() {
     if (s.finished) {
       msg += fmt::format("  rank {}: finished its program\n", r);
     } else if (s.blocked && s.waiting_for) {
-      msg += fmt::format("  rank {}: {}\n", r, s.waiting_for());
+      msg += fmt::format("  rank {}: {}\n", r, (*s.waiting_for)());
     } else {
       msg += fmt::format("  rank {}: running\n", r);
     }
@@ -169,14 +181,31 @@ void SimWorld::declare_deadlock() {
   fail(std::make_exception_ptr(DeadlockError(msg)));
 }
 
-void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by) {
+void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
+                             bool after_sync) {
   if (op->finished) {  // the common case: no callables to build
     check_aborted();
     return;
   }
+  // The callables capture at most two pointers, which std::function keeps without allocating.
+  struct Wait {
+    const CommOpState* op;
+    const char* by;
+    bool after_sync;
+  } const wait{op.get(), by, after_sync};
+  struct WaitingFor {
+    RankState& s;
+    ~WaitingFor() { s.waiting_op = nullptr; }
+  } waiting{state(rank)};
+  waiting.s.waiting_op = op.get();
   block_until(
-      rank, [&] { return op->finished; },
-      [op, by, this] { return fmt::format("{} waits for {}: {}", by, op->label(), why_pending(*op)); });
+      rank, [&wait] { return wait.op->finished; },
+      [this, &wait] {
+        const std::string who =
+            wait.after_sync ? fmt::format("{} (after a synchronous {})", wait.by, comm_op_name(wait.op->op))
+                            : std::string(wait.by);
+        return fmt::format("{} waits for {}: {}", who, wait.op->label(), why_pending(*wait.op));
+      });
 }
 
 std::string SimWorld::why_pending(const CommOpState& op) const {
@@ -256,23 +285,31 @@ Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
 namespace {
 
 // What every member of a collective must agree on: the operation, the element count NCCL would be
-// given, the reduce op and root where they matter, and whether the tensors hold numbers.
-std::string signature(const CommCall& c) {
+// given, the reduce op and root where they matter, and whether the tensors hold numbers. Compared field by
+// field: every member of every collective is checked, and formatting it would cost two strings each.
+struct Signature {
+  CommOp op;
+  bool uneven;
+  std::int64_t numel;  // uneven all_to_all: the elements of a row (the row counts are checked pair by pair)
+  DType dtype;
+  int reduce;  // -1 where the op does not reduce
+  int root;    // -1 where the op has no root
+  bool phantom;
+  bool operator==(const Signature&) const = default;
+};
+
+Signature signature(const CommCall& c) {
   const Tensor& t =
       (c.op == CommOp::Scatter || c.op == CommOp::Recv || c.op == CommOp::ReduceScatter) ? c.output : c.input;
-  // Uneven all_to_all: members move different row counts (checked pair by pair, check_splits_agree); what
-  // they share is the shape of a row.
-  std::string s = c.uneven() ? fmt::format("{} uneven rows of {} {}", comm_op_name(c.op),
-                                           t.shape().with_dim(0, 1).numel(), dtype_name(t.dtype()))
-                             : fmt::format("{} {} {}", comm_op_name(c.op), t.numel(), dtype_name(t.dtype()));
+  Signature s{c.op, c.uneven(), c.uneven() ? t.shape().with_dim(0, 1).numel() : t.numel(), t.dtype(), -1,
+              -1,   t.phantom()};
   if (c.op == CommOp::AllReduce || c.op == CommOp::Reduce || c.op == CommOp::ReduceScatter) {
-    s += fmt::format(" {}", reduce_op_name(c.reduce));
+    s.reduce = static_cast<int>(c.reduce);
   }
   if (c.op == CommOp::Broadcast || c.op == CommOp::Reduce || c.op == CommOp::Scatter ||
       c.op == CommOp::Gather) {
-    s += fmt::format(" root {}", c.peer);
+    s.root = c.peer;
   }
-  if (t.phantom()) s += " phantom";
   return s;
 }
 
@@ -489,7 +526,9 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
   for (const auto& op : ended) {
     const bool p2p = op->op == CommOp::Send;
     const SpanName name = op_name(op->op);
-    for (CommMember& m : op->members) {
+    for (std::size_t i = 0; i < op->members.size(); ++i) {
+      prefetch_state(*op, i + kPrefetchAhead);
+      CommMember& m = op->members[i];
       if (!runs(m.rank)) continue;
       RankState& s = state(m.rank);
       const int stream =
@@ -515,13 +554,17 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       if (progress_detail_.empty()) progress_detail_ = fmt::format("operations, {} ranks", size());
       progress_.update(++finished_ops_, progress_detail_);
     }
-    for (CommMember& m : op->members) {
+    for (std::size_t i = 0; i < op->members.size(); ++i) {
+      prefetch_state(*op, i + kPrefetchAhead, /*with_fiber=*/true);
+      CommMember& m = op->members[i];
       // A finished operation needs neither its dependencies nor its buffers: letting go of them frees
       // the tensors it moved (and the chain of earlier operations each one would otherwise keep alive).
       m.deps.clear();
       m.call.input = Tensor();
       m.call.output = Tensor();
-      wake(m.rank);
+      // A member waiting for another operation would only find it unfinished and block again.
+      const CommOpState* waited = state(m.rank).waiting_op;
+      if (waited == nullptr || waited == op.get()) wake(m.rank);
     }
   }
   // What waited for these can run now.
@@ -532,6 +575,16 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       if (auto d = dep.op.lock()) try_execute(d);
     }
   }
+}
+
+void SimWorld::prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber) const {
+  if (member >= op.members.size()) return;
+  const RankState* s = ranks_[op.members[member].rank].get();
+  const char* bytes = reinterpret_cast<const char*>(s);
+  for (std::size_t offset = 0; offset < sizeof(RankState); offset += 64) __builtin_prefetch(bytes + offset);
+  // Its suspended fiber's context, which waking it reads: loaded already, as the state of a member a few
+  // places back was fetched on the previous pass.
+  if (with_fiber && s->suspended != nullptr) __builtin_prefetch(s->suspended);
 }
 
 bool SimWorld::advance_engine(double t_us) {
@@ -561,7 +614,9 @@ void SimWorld::before_issue(int rank) {
     if (advance_engine(std::min(issue_us, earliest_other))) continue;
     if (!sched || sched->min_ready_time_us() >= s.host_us) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
-    boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
+    VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
+    props.time_us = s.host_us;
+    props.stack_hint = __builtin_frame_address(0);
     boost::this_fiber::yield();
     check_aborted();
   }
@@ -735,7 +790,6 @@ RunReport SimWorld::finish_report() {
   }
   progress_.finish();
   report_.links = network_->link_traffic();
-  report_.topology = run_topology(network_->topology(), size());
   report_.late_starts = engine_.late_starts();
   summarize_spans(report_);
   // A mirror's figures are its representative's.
@@ -747,6 +801,10 @@ RunReport SimWorld::finish_report() {
     }
   }
   return std::move(report_);
+}
+
+RunTopology SimWorld::describe_topology() const {
+  return run_topology(network_->topology(), size());
 }
 
 // ---- symmetry --------------------------------------------------------------------------------------

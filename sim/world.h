@@ -15,8 +15,7 @@
 // deadlock, reported with every rank's pending operation.
 #pragma once
 
-#include <boost/fiber/condition_variable.hpp>
-#include <boost/fiber/mutex.hpp>
+#include <boost/fiber/context.hpp>
 #include <exception>
 #include <functional>
 #include <map>
@@ -77,9 +76,16 @@ struct RankState {
   // Blocking.
   bool finished = false;
   bool blocked = false;
-  std::function<std::string()> waiting_for;  // what it waits for, for deadlock reports
-  boost::fibers::mutex mutex;
-  boost::fibers::condition_variable wakeup;
+  // What it waits for, for deadlock reports: block_until's description, valid while the rank is blocked
+  // (pointed to, not copied: a copy would cost an allocation per rank at every wait).
+  const std::function<std::string()>* waiting_for = nullptr;
+  // The rank's fiber while it is suspended in block_until; wake() hands it back to the scheduler. (Suspending
+  // and scheduling the fiber directly does what a fiber mutex and condition variable would, without their
+  // locks: every fiber runs on one thread, and a wait happens at every rank for every operation.)
+  boost::fibers::context* suspended = nullptr;
+  // The operation wait_finished waits for (null in any other wait): an operation that finishes wakes those
+  // of its members that wait for it, or for something else than an operation, and leaves the others be.
+  const CommOpState* waiting_op = nullptr;
 };
 
 class SimWorld {
@@ -112,8 +118,11 @@ class SimWorld {
 
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
-  // Blocks until `op` has finished (its end time is final).
-  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const std::string& by);
+  // Blocks until `op` has finished (its end time is final). `by` names the call that waits, for deadlock
+  // reports; `after_sync` adds that it waits for the synchronous operation `op` (formatted only when a
+  // report needs it, as a wait happens at every rank for every operation).
+  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
+                     bool after_sync = false);
   // Called before `rank` issues communication: lets ranks whose clocks are behind go first, and brings
   // the transfer engine up to this rank's clock.
   void before_issue(int rank);
@@ -134,7 +143,12 @@ class SimWorld {
   }
   // Rethrows the first error of the run, if any.
   void rethrow_if_failed() const;
+  // The report, but for its topology: see describe_topology.
   RunReport finish_report();
+  // RunReport::topology for this run. Separate from finish_report so that the caller can build it after
+  // releasing the ranks' stacks: at 8,192 servers it is about a hundred megabytes of names, which would
+  // otherwise add to the run's peak memory.
+  RunTopology describe_topology() const;
 
  private:
   void fail(std::exception_ptr error);
@@ -150,6 +164,12 @@ class SimWorld {
   bool advance_engine(double t_us);
   // Moves the engine to its next event; false when nothing is in flight.
   bool advance_engine_one_event();
+  // Starts loading the state of `op`'s member number `member` (nothing when there is none), and with
+  // `with_fiber` the context of its suspended fiber: the loops over a large collective's members touch
+  // every member's state, which with thousands of ranks is out of the cache, so they ask this many
+  // members ahead.
+  void prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber = false) const;
+  static constexpr std::size_t kPrefetchAhead = 8;
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
   void check_agreement(CommOpState& op, int arriving_rank) const;

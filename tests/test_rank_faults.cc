@@ -13,6 +13,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "sim/sim_backend.h"
+#include "sim/stack_pool.h"
 #include "tests/sim_fixture.h"
 
 namespace ranklab {
@@ -222,6 +223,23 @@ TEST(RankFaultsDeathTest, AStackOverflowNamesTheRankAndTheStackSize) {
       },
       ::testing::ExitedWithCode(1),
       "rank 2: stack overflow: the fiber's stack of 256 KiB was exceeded; raise it with --stack-kib N");
+}
+
+// Above kGuardedStacks stacks have no guard pages: the bottom of each must still read zero when its fiber
+// ends, and one that does not names the stack's rank. (The pool only reserves address space.)
+TEST(RankFaultsDeathTest, AnUnguardedStackThatReachedItsBottomIsCaught) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        sim::StackPool pool(sim::StackPool::kGuardedStacks + 1, 256 * 1024);
+        if (pool.guarded()) std::exit(2);
+        const boost::context::stack_context untouched = pool.take();
+        pool.give_back(untouched);  // a stack its fiber never deepened passes
+        const boost::context::stack_context overflowed = pool.take();
+        static_cast<char*>(overflowed.sp)[-static_cast<std::ptrdiff_t>(overflowed.size)] = 1;
+        pool.give_back(overflowed);
+      },
+      ::testing::ExitedWithCode(1), "rank 1: stack overflow: the fiber's stack of 256 KiB was exceeded");
 }
 
 TEST(RankFaults, ABiggerStackHoldsTheSameRecursion) {
