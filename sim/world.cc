@@ -10,6 +10,7 @@
 #include <set>
 #include <thread>
 #include <tuple>
+#include <unordered_map>
 
 #include "common/errors.h"
 #include "common/progress.h"
@@ -136,8 +137,14 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
     s.waiting_for = what;
     ++blocked_;
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
-    // This was the last rank that could run: only the engine's next event can wake anybody.
+    // This was the last rank that could run: only the engine's next event can wake anybody, or its reaching
+    // the end of a kernel that waits to know its end (kernel_end_us), whichever comes first.
     while (blocked_ == live_ && !aborted_) {
+      if (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.next_event_us()) {
+        advance_engine(contention_waits_.begin()->first);
+        wake_contention_waits();
+        continue;
+      }
       if (!advance_engine_one_event()) {
         declare_deadlock();
         throw RunAborted{};
@@ -555,8 +562,12 @@ void SimWorld::before_issue(int rank) {
   const double issue_us = std::max(s.host_us, s.compute_us);
   while (true) {
     const double earliest_other = sched ? sched->min_ready_time_us() : INFINITY;
-    // A rank an ending woke joins the ready ranks with its clock: look again before going further.
-    if (advance_engine(std::min(issue_us, earliest_other))) continue;
+    // A rank an ending woke joins the ready ranks with its clock: look again before going further. A rank
+    // waiting to know its kernel's end issues nothing before that end: the engine stops there for it.
+    double target_us = std::min(issue_us, earliest_other);
+    if (!contention_waits_.empty()) target_us = std::min(target_us, contention_waits_.begin()->first);
+    if (advance_engine(target_us)) continue;
+    wake_contention_waits();
     if (!sched || sched->min_ready_time_us() >= s.host_us) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
@@ -581,18 +592,166 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   // The lesson's bookkeeping (Rank::bookkeeping) takes its time but stays out of the link traffic.
   if (!lead.bookkeeping) network_->record(plan);
   op->algorithm = plan_name(plan);
+  if (config_.sm_contention) set_hbm_rates(*op, plan);
   op->start_us = start_us;
   op->executed = true;
   run_numerics(*op);
   const SpanName name = op_name(op->op);
   for (const CommMember& m : op->members) {
-    if (runs(m.rank)) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+    if (!runs(m.rank)) continue;
+    add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+    // A member waiting to know its kernel's end learns this operation's start.
+    if (!std::isnan(state(m.rank).contention_wait_us)) wake(m.rank);
   }
   if (!rep_.empty()) note_spine(plan);
   engine_.schedule(op, std::move(plan), start_us);
   if (!rep_.empty()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
+}
+
+// ---- communication kernels beside compute kernels --------------------------------------------------
+
+void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
+  op.channels = plan.channels;
+  const double us = duration_us(plan);
+  if (plan.flows.empty() || us <= 0) return;
+  const Topology& topo = network_->topology();
+  // A flow that leaves a GPU reads its bytes from that GPU's HBM, one that arrives writes them; a ring or
+  // tree reduction adds each arriving piece to the GPU's own, which reads that much again (NVLS adds in
+  // the switch). Spread over the time the plan takes alone on the machine, that is the rate.
+  const bool reduces =
+      (op.op == CommOp::AllReduce || op.op == CommOp::ReduceScatter || op.op == CommOp::Reduce) &&
+      (plan.algorithm == Algorithm::Ring || plan.algorithm == Algorithm::Tree);
+  std::unordered_map<std::int64_t, double> bytes;
+  bytes.reserve(op.members.size());
+  for (const Flow& f : plan.flows) {
+    const std::span<const LinkId> path = plan.path(f);
+    if (path.empty()) continue;
+    const Device from = topo.ends(path.front()).first;
+    const Device to = topo.ends(path.back()).second;
+    if (from.kind == DeviceKind::Gpu) bytes[from.index] += f.payload_bytes;
+    if (to.kind == DeviceKind::Gpu) bytes[to.index] += (reduces ? 2.0 : 1.0) * f.payload_bytes;
+  }
+  for (CommMember& m : op.members) {
+    auto it = bytes.find(m.rank);
+    if (it != bytes.end()) m.hbm_bytes_per_us = it->second / us;
+  }
+}
+
+double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known) {
+  known = true;
+  const double nominal_us = cost.us();
+  if (nominal_us <= 0) return start_us;
+  const GpuModel& gpu = profile().gpu;
+  struct Load {
+    double from_us, to_us;
+    int channels;
+    double hbm_bytes_per_us;
+  };
+  std::vector<Load> loads;
+  std::vector<double> changes_us;  // when the set of operations in flight changes, after start_us
+  for (const auto& op : state(rank).outstanding) {
+    if (!op->executed) {
+      known = false;  // its start is not known: it may yet start during the kernel
+      continue;
+    }
+    if (op->finished && op->end_us <= start_us) continue;
+    const int channels = gpu.sm_count > 0 ? op->channels : 0;
+    const double hbm = op->member_of(rank).hbm_bytes_per_us;
+    if (channels <= 0 && hbm <= 0) continue;  // takes nothing from the kernel
+    const double to_us = op->finished ? op->end_us : std::numeric_limits<double>::infinity();
+    loads.push_back({op->start_us, to_us, channels, hbm});
+    if (op->start_us > start_us) changes_us.push_back(op->start_us);
+    if (std::isfinite(to_us)) changes_us.push_back(to_us);
+  }
+  if (loads.empty()) return start_us + nominal_us;
+  std::sort(changes_us.begin(), changes_us.end());
+  // How much longer the kernel runs, per unit of its own time, with these operations beside it.
+  const double hbm_peak_bytes_per_us = gpu.hbm_bandwidth_gbps * 1e3;
+  auto stretch = [&](double t_us) {
+    int channels = 0;
+    double hbm = 0;
+    for (const Load& l : loads) {
+      if (l.from_us <= t_us && t_us < l.to_us) {
+        channels += l.channels;
+        hbm += l.hbm_bytes_per_us;
+      }
+    }
+    if (channels == 0 && hbm == 0) return 1.0;
+    // The SMs NCCL's blocks hold are not the kernel's; one SM at least stays its own.
+    const double sm_share =
+        channels > 0 ? static_cast<double>(std::max(1, gpu.sm_count - channels)) / gpu.sm_count : 1.0;
+    // HBM shared with the communication's traffic; when both ask for more than it has, each gets an even
+    // share at least, as the links share bandwidth max-min fairly (sim/net/sharing.h).
+    const double hbm_share =
+        hbm_peak_bytes_per_us > 0 ? std::max(0.5, 1.0 - hbm / hbm_peak_bytes_per_us) : 1.0;
+    return std::max(cost.math_us / sm_share, cost.memory_us / hbm_share) / nominal_us;
+  };
+  double t_us = start_us, left_us = nominal_us;  // left_us: the kernel's own time still to run
+  double end_us = start_us + nominal_us;
+  std::size_t next = 0;
+  while (true) {
+    while (next < changes_us.size() && changes_us[next] <= t_us) ++next;
+    const double until_us =
+        next < changes_us.size() ? changes_us[next] : std::numeric_limits<double>::infinity();
+    const double f = stretch(t_us);
+    if (t_us == start_us && f == 1.0 && until_us - t_us >= left_us) break;  // untouched: exactly as alone
+    if ((until_us - t_us) / f >= left_us) {
+      end_us = t_us + left_us * f;
+      break;
+    }
+    left_us -= (until_us - t_us) / f;
+    t_us = until_us;
+  }
+  // An operation in flight whose end is not known yet may end before the kernel does.
+  for (const Load& l : loads) {
+    if (!std::isfinite(l.to_us) && l.from_us < end_us) known = false;
+  }
+  return end_us;
+}
+
+void SimWorld::wake_contention_waits() {
+  while (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.now_us()) {
+    const int rank = contention_waits_.begin()->second;
+    contention_waits_.erase(contention_waits_.begin());
+    state(rank).contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+    wake(rank);
+  }
+}
+
+double SimWorld::kernel_end_us(int rank, double start_us, const KernelCost& cost) {
+  const double alone_us = start_us + cost.us();
+  if (!config_.sm_contention) return alone_us;
+  RankState& s = state(rank);
+  const bool beside = std::any_of(s.outstanding.begin(), s.outstanding.end(),
+                                  [&](const auto& op) { return !op->finished || op->end_us > start_us; });
+  if (!beside) return alone_us;
+  bool known = false;
+  double end_us = contended_end_us(rank, start_us, cost, known);
+  // Once the engine has reached the end so computed, every operation still in flight lasts past it and
+  // none that has not started can start before it.
+  if (!known && engine_.now_us() < end_us) {
+    block_until(
+        rank,
+        [&] {
+          if (!std::isnan(s.contention_wait_us)) {
+            contention_waits_.erase({s.contention_wait_us, rank});
+            s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+          }
+          end_us = contended_end_us(rank, start_us, cost, known);
+          if (known || engine_.now_us() >= end_us) return true;
+          s.contention_wait_us = end_us;
+          contention_waits_.emplace(end_us, rank);
+          return false;
+        },
+        [start_us] {
+          return fmt::format("the end of a kernel from {} us that communication in flight may slow",
+                             start_us);
+        });
+  }
+  s.comm_slowed_compute_us += end_us - alone_us;
+  return end_us;
 }
 
 // ---- host rendezvous: barrier and show -------------------------------------------------------------
@@ -726,6 +885,7 @@ RunReport SimWorld::finish_report() {
     RankSummary sum;
     sum.rank = r;
     sum.end_us = s.host_us;
+    sum.comm_slowed_compute_us = s.comm_slowed_compute_us;
     sum.peak_bytes = s.memory->peak;
     sum.capacity_bytes = s.memory->capacity;
     report_.ranks.push_back(sum);

@@ -19,8 +19,10 @@
 #include <boost/fiber/mutex.hpp>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -66,6 +68,11 @@ struct RankState {
   // Everything this rank posted that has not executed (synchronize waits for all of it).
   std::vector<std::shared_ptr<CommOpState>> outstanding;
   std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
+  // Device time the compute stream lost to communication kernels running beside it (kernel_end_us).
+  double comm_slowed_compute_us = 0;
+  // While the rank waits in kernel_end_us: the kernel's end as far as known (the engine must not pass it);
+  // NaN otherwise.
+  double contention_wait_us = std::numeric_limits<double>::quiet_NaN();
   std::shared_ptr<MemoryAccount> memory;
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
@@ -117,6 +124,14 @@ class SimWorld {
   // Called before `rank` issues communication: lets ranks whose clocks are behind go first, and brings
   // the transfer engine up to this rank's clock.
   void before_issue(int rank);
+  // When a kernel of `rank` that starts at `start_us` and costs `cost` on an idle GPU ends, given the
+  // communication kernels on its GPU: while n channels of communication run, the kernel's arithmetic gets
+  // the SMs they leave (its math time x sm_count / (sm_count - n)) and its memory traffic the HBM bandwidth
+  // they leave; it takes the slower of the two at each moment. Only communication this rank posted before
+  // the kernel can overlap it (a later one waits for the compute stream); where such an operation's start
+  // or end is not known yet, the rank waits, in real time, until the engine knows it or has passed the
+  // kernel's end. Adds the time lost to the rank's comm_slowed_compute_us.
+  double kernel_end_us(int rank, double start_us, const KernelCost& cost);
   void check_aborted() const;
   // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
   void check_thread(int rank, const char* op) const;
@@ -214,6 +229,16 @@ class SimWorld {
   std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
   std::map<std::pair<int, int>, SpanName> plan_names_;
 
+  // kernel_end_us: the ranks waiting to know a kernel's end, by that end as far as known. The engine is
+  // not moved past the first: the rank issues nothing before its kernel ends.
+  std::set<std::pair<double, int>> contention_waits_;
+  // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight, taking
+  // an operation whose end is not known as running on; `known` is set when nothing unknown could change it.
+  double contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known);
+  // Wakes the ranks of contention_waits_ whose kernel end the engine has reached.
+  void wake_contention_waits();
+  // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
+  void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
   bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   int live_ = 0;
   int blocked_ = 0;
