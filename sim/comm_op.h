@@ -26,7 +26,7 @@ struct CommMember {
   bool waited = false;  // for async calls: wait() has been called
   double ready_us = 0;  // when this member was ready (set at execution)
   // HBM traffic the operation puts on this member's GPU while it runs, bytes per microsecond (set at
-  // execution; SimWorld::kernel_end_us).
+  // execution; SimWorld::launch_kernel).
   double hbm_bytes_per_us = 0;
 };
 

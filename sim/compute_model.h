@@ -15,7 +15,7 @@ namespace ranklab::sim {
 
 // A kernel's two roofline times: its arithmetic at the rate its SMs reach, and its HBM traffic at the
 // bandwidth it reaches. It takes the slower of the two; kept apart, they say how a kernel slows when
-// communication takes some of the SMs or of the HBM bandwidth (SimWorld::kernel_end_us).
+// communication takes some of the SMs or of the HBM bandwidth (SimWorld::launch_kernel).
 struct KernelCost {
   double math_us = 0;
   double memory_us = 0;

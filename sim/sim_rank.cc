@@ -97,6 +97,7 @@ class SimWork : public WorkState {
     world_.wait_finished(rank_, op_, "wait()");
     m.waited = true;
     RankState& s = world_.state(rank_);
+    world_.settle_compute(rank_);
     s.compute_us = std::max(s.compute_us, op_->end_us);  // the compute stream waits for it
   }
   bool waited() const override { return op_->member_of(rank_).waited; }
@@ -172,6 +173,7 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
 }
 
 void SimRank::fold_sync_ops(const char* by) {
+  if (!s_.unfolded_sync.empty()) world_.settle_compute(rank_);
   for (const auto& op : s_.unfolded_sync) {
     if (!op->finished) {
       world_.wait_finished(rank_, op, fmt::format("{} (after a synchronous {})", by, comm_op_name(op->op)));
@@ -204,10 +206,8 @@ void SimRank::launch_kernel(const std::string& name, double flops, double bytes,
 
 void SimRank::launch_kernel_cost(const std::string& name, const KernelCost& cost) {
   s_.host_us += world_.compute().launch_us();
-  const double start = std::max(s_.host_us, s_.compute_us);
   // Communication this GPU runs at the same time holds some of its SMs and HBM bandwidth.
-  s_.compute_us = world_.kernel_end_us(rank_, start, cost);
-  world_.add_span(rank_, SpanKind::Compute, name, start, s_.compute_us);
+  world_.launch_kernel(rank_, name, cost);
 }
 
 // ---- tensors ---------------------------------------------------------------------------------------
@@ -292,6 +292,7 @@ std::vector<float> SimRank::to_host(const Tensor& t) {
                                  where("to_host"), t.str()));
   }
   before_kernel({&t}, "to_host");
+  world_.settle_compute(rank_);
   s_.host_us = std::max(s_.host_us, s_.compute_us);  // a device-to-host copy waits for the stream
   return std::vector<float>(sim_data(t), sim_data(t) + t.numel());
 }
@@ -1134,6 +1135,7 @@ void SimRank::synchronize() {
   world_.check_thread(rank_, "synchronize()");
   world_.check_aborted();
   fold_sync_ops("synchronize()");
+  world_.settle_compute(rank_);  // while the operations its kernels overlap are still listed
   for (const auto& op : s_.outstanding) {
     world_.wait_finished(rank_, op, "synchronize()");
     op->member_of(rank_).waited = true;  // the device is idle: nothing is in flight any more
@@ -1167,6 +1169,7 @@ Event SimRank::record_event() {
   // The stream reaches the marker when its earlier kernels (and any synchronous collective it waits
   // for) are done, and not before the host enqueues it.
   fold_sync_ops("record_event");
+  world_.settle_compute(rank_);
   return Event(std::make_shared<SimEvent>(rank_, std::max(s_.host_us, s_.compute_us)));
 }
 

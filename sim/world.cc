@@ -10,7 +10,6 @@
 #include <set>
 #include <thread>
 #include <tuple>
-#include <unordered_map>
 
 #include "common/errors.h"
 #include "common/progress.h"
@@ -73,6 +72,7 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
 void SimWorld::run_rank(int rank, const std::function<void()>& program) {
   try {
     program();
+    settle_compute(rank);  // its last kernels' times
   } catch (const RunAborted&) {
     // another rank failed first; this one just unwinds
   } catch (...) {
@@ -83,7 +83,7 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
   --live_;
   // The others may all be waiting for transfers only the engine can finish.
   while (live_ > 0 && blocked_ == live_ && !aborted_) {
-    if (!advance_engine_one_event()) declare_deadlock();
+    if (!advance_when_stalled()) declare_deadlock();
   }
 }
 
@@ -138,14 +138,9 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
     ++blocked_;
     boost::this_fiber::properties<VirtualTimeProps>().time_us = s.host_us;
     // This was the last rank that could run: only the engine's next event can wake anybody, or its reaching
-    // the end of a kernel that waits to know its end (kernel_end_us), whichever comes first.
+    // the end of a kernel that waits to know its end (settle_compute), whichever comes first.
     while (blocked_ == live_ && !aborted_) {
-      if (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.next_event_us()) {
-        advance_engine(contention_waits_.begin()->first);
-        wake_contention_waits();
-        continue;
-      }
-      if (!advance_engine_one_event()) {
+      if (!advance_when_stalled()) {
         declare_deadlock();
         throw RunAborted{};
       }
@@ -372,6 +367,7 @@ std::shared_ptr<CommOpState> SimWorld::p2p_op(int rank, const CommCall& call) {
 }
 
 std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
+  settle_compute(rank);  // the operation waits for the compute stream's kernels
   const bool p2p = call.op == CommOp::Send || call.op == CommOp::Recv;
   std::shared_ptr<CommOpState> op = p2p ? p2p_op(rank, call) : collective_op(rank, call);
 
@@ -461,6 +457,12 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     if (op->all_arrived()) open_collectives_.erase({op->group_id, op->seq});
   }
   try_execute(op);
+  if (op->all_arrived() && !op->executed) {
+    // A member waiting to know its kernel's end learns that this operation waits only for the engine now.
+    for (const CommMember& x : op->members) {
+      if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) wake(x.rank);
+    }
+  }
   return op;
 }
 
@@ -549,6 +551,15 @@ bool SimWorld::advance_engine(double t_us) {
   }
 }
 
+bool SimWorld::advance_when_stalled() {
+  if (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.next_event_us()) {
+    advance_engine(contention_waits_.begin()->first);
+    wake_contention_waits();
+    return true;
+  }
+  return advance_engine_one_event();
+}
+
 bool SimWorld::advance_engine_one_event() {
   const double t = engine_.next_event_us();
   if (!std::isfinite(t)) return false;
@@ -612,7 +623,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
 
 // ---- communication kernels beside compute kernels --------------------------------------------------
 
-void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
+void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) {
   op.channels = plan.channels;
   const double us = duration_us(plan);
   if (plan.flows.empty() || us <= 0) return;
@@ -623,8 +634,8 @@ void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
   const bool reduces =
       (op.op == CommOp::AllReduce || op.op == CommOp::ReduceScatter || op.op == CommOp::Reduce) &&
       (plan.algorithm == Algorithm::Ring || plan.algorithm == Algorithm::Tree);
-  std::unordered_map<std::int64_t, double> bytes;
-  bytes.reserve(op.members.size());
+  std::vector<double>& bytes = hbm_bytes_;  // per GPU; zero outside the members of the operation at hand
+  if (bytes.size() < static_cast<std::size_t>(topo.gpus())) bytes.assign(topo.gpus(), 0.0);
   for (const Flow& f : plan.flows) {
     const std::span<const LinkId> path = plan.path(f);
     if (path.empty()) continue;
@@ -633,27 +644,34 @@ void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
     if (from.kind == DeviceKind::Gpu) bytes[from.index] += f.payload_bytes;
     if (to.kind == DeviceKind::Gpu) bytes[to.index] += (reduces ? 2.0 : 1.0) * f.payload_bytes;
   }
-  for (CommMember& m : op.members) {
-    auto it = bytes.find(m.rank);
-    if (it != bytes.end()) m.hbm_bytes_per_us = it->second / us;
+  for (CommMember& m : op.members) m.hbm_bytes_per_us = bytes[m.rank] / us;
+  for (const Flow& f : plan.flows) {  // back to zero for the next operation
+    const std::span<const LinkId> path = plan.path(f);
+    if (path.empty()) continue;
+    const Device from = topo.ends(path.front()).first, to = topo.ends(path.back()).second;
+    if (from.kind == DeviceKind::Gpu) bytes[from.index] = 0;
+    if (to.kind == DeviceKind::Gpu) bytes[to.index] = 0;
   }
 }
 
-double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known) {
+double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known,
+                                  bool& started) {
   known = true;
+  started = true;
   const double nominal_us = cost.us();
   if (nominal_us <= 0) return start_us;
   const GpuModel& gpu = profile().gpu;
-  struct Load {
-    double from_us, to_us;
-    int channels;
-    double hbm_bytes_per_us;
-  };
-  std::vector<Load> loads;
-  std::vector<double> changes_us;  // when the set of operations in flight changes, after start_us
+  std::vector<ContentionLoad>& loads = loads_;
+  std::vector<double>& changes_us = load_changes_us_;  // when the operations in flight change, after start_us
+  loads.clear();
+  changes_us.clear();
   for (const auto& op : state(rank).outstanding) {
     if (!op->executed) {
-      known = false;  // its start is not known: it may yet start during the kernel
+      // Its start is not known: it may yet start during the kernel. With every member there, it waits only
+      // for operations before it on their streams, which end in the engine: it starts after the engine's
+      // next event.
+      known = false;
+      if (!op->all_arrived()) started = false;
       continue;
     }
     if (op->finished && op->end_us <= start_us) continue;
@@ -672,7 +690,7 @@ double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& c
   auto stretch = [&](double t_us) {
     int channels = 0;
     double hbm = 0;
-    for (const Load& l : loads) {
+    for (const ContentionLoad& l : loads) {
       if (l.from_us <= t_us && t_us < l.to_us) {
         channels += l.channels;
         hbm += l.hbm_bytes_per_us;
@@ -705,7 +723,7 @@ double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& c
     t_us = until_us;
   }
   // An operation in flight whose end is not known yet may end before the kernel does.
-  for (const Load& l : loads) {
+  for (const ContentionLoad& l : loads) {
     if (!std::isfinite(l.to_us) && l.from_us < end_us) known = false;
   }
   return end_us;
@@ -720,38 +738,83 @@ void SimWorld::wake_contention_waits() {
   }
 }
 
-double SimWorld::kernel_end_us(int rank, double start_us, const KernelCost& cost) {
-  const double alone_us = start_us + cost.us();
-  if (!config_.sm_contention) return alone_us;
-  RankState& s = state(rank);
-  const bool beside = std::any_of(s.outstanding.begin(), s.outstanding.end(),
-                                  [&](const auto& op) { return !op->finished || op->end_us > start_us; });
-  if (!beside) return alone_us;
-  bool known = false;
-  double end_us = contended_end_us(rank, start_us, cost, known);
+bool SimWorld::contention_settled(bool known, bool started, double end_us) {
+  if (known) return true;
   // Once the engine has reached the end so computed, every operation still in flight lasts past it and
   // none that has not started can start before it.
-  if (!known && engine_.now_us() < end_us) {
-    block_until(
-        rank,
-        [&] {
-          if (!std::isnan(s.contention_wait_us)) {
-            contention_waits_.erase({s.contention_wait_us, rank});
-            s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
-          }
-          end_us = contended_end_us(rank, start_us, cost, known);
-          if (known || engine_.now_us() >= end_us) return true;
-          s.contention_wait_us = end_us;
-          contention_waits_.emplace(end_us, rank);
-          return false;
-        },
-        [start_us] {
-          return fmt::format("the end of a kernel from {} us that communication in flight may slow",
-                             start_us);
-        });
+  if (engine_.now_us() >= end_us) return true;
+  // Every operation that could overlap has started, and the engine holds no start or end before the
+  // kernel's end: those in flight end after it. (Transfers other ranks start before then take bandwidth;
+  // they could move an end earlier only through max-min's second-order shifts, which this leaves out.)
+  return started && engine_.next_event_us() >= end_us;
+}
+
+void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
+  RankState& s = state(rank);
+  const double start_us = std::max(s.host_us, s.compute_us);
+  const bool beside = config_.sm_contention &&
+                      (!s.pending_kernels.empty() ||
+                       std::any_of(s.outstanding.begin(), s.outstanding.end(),
+                                   [&](const auto& op) { return !op->finished || op->end_us > start_us; }));
+  if (!beside) {
+    s.compute_us = start_us + cost.us();
+    add_span(rank, SpanKind::Compute, name, start_us, s.compute_us);
+    return;
   }
-  s.comm_slowed_compute_us += end_us - alone_us;
-  return end_us;
+  s.pending_kernels.push_back({name, cost, s.host_us});
+  // At once when nothing it overlaps is still to be known. Behind kernels that could not be timed, it
+  // waits with them: trying every launch again would cost the square of the kernels waiting.
+  double end_us = 0;
+  if (s.pending_kernels.size() == 1) try_settle(rank, end_us);
+}
+
+bool SimWorld::try_settle(int rank, double& end_us) {
+  RankState& s = state(rank);
+  bool known = true, started = true;
+  end_us = s.compute_us;
+  pending_ends_us_.clear();
+  for (const RankState::PendingKernel& k : s.pending_kernels) {
+    bool k_known = false, k_started = false;
+    end_us = contended_end_us(rank, std::max(k.host_us, end_us), k.cost, k_known, k_started);
+    known = known && k_known;
+    started = started && k_started;
+    pending_ends_us_.push_back(end_us);
+  }
+  if (!contention_settled(known, started, end_us)) return false;
+  double t_us = s.compute_us;
+  for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
+    const RankState::PendingKernel& k = s.pending_kernels[i];
+    const double start_us = std::max(k.host_us, t_us);
+    t_us = pending_ends_us_[i];
+    add_span(rank, SpanKind::Compute, k.name, start_us, t_us);
+    s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());
+  }
+  s.compute_us = t_us;
+  s.pending_kernels.clear();
+  return true;
+}
+
+void SimWorld::settle_compute(int rank) {
+  RankState& s = state(rank);
+  if (s.pending_kernels.empty()) return;
+  double end_us = 0;
+  if (try_settle(rank, end_us)) return;
+  block_until(
+      rank,
+      [&] {
+        if (!std::isnan(s.contention_wait_us)) {
+          contention_waits_.erase({s.contention_wait_us, rank});
+          s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+        }
+        if (try_settle(rank, end_us)) return true;
+        s.contention_wait_us = end_us;
+        contention_waits_.emplace(end_us, rank);
+        return false;
+      },
+      [&s] {
+        return fmt::format("the times of {} kernel(s) that communication in flight may slow",
+                           s.pending_kernels.size());
+      });
 }
 
 // ---- host rendezvous: barrier and show -------------------------------------------------------------
