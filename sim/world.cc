@@ -623,7 +623,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
 
 // ---- communication kernels beside compute kernels --------------------------------------------------
 
-void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) {
+void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
   op.channels = plan.channels;
   const double us = duration_us(plan);
   if (plan.flows.empty() || us <= 0) return;
@@ -634,24 +634,19 @@ void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) {
   const bool reduces =
       (op.op == CommOp::AllReduce || op.op == CommOp::ReduceScatter || op.op == CommOp::Reduce) &&
       (plan.algorithm == Algorithm::Ring || plan.algorithm == Algorithm::Tree);
-  std::vector<double>& bytes = hbm_bytes_;  // per GPU; zero outside the members of the operation at hand
-  if (bytes.size() < static_cast<std::size_t>(topo.gpus())) bytes.assign(topo.gpus(), 0.0);
+  // Spread evenly over the members: a double binary tree gives each GPU an inner node's place in one
+  // tree and a leaf's in the other, which balance, and replicas of a symmetric run must see the same rate
+  // to the bit whatever their place in a ring or tree. (A root's extra traffic is spread over its group.)
+  double total_bytes = 0;
   for (const Flow& f : plan.flows) {
     const std::span<const LinkId> path = plan.path(f);
     if (path.empty()) continue;
-    const Device from = topo.ends(path.front()).first;
-    const Device to = topo.ends(path.back()).second;
-    if (from.kind == DeviceKind::Gpu) bytes[from.index] += f.payload_bytes;
-    if (to.kind == DeviceKind::Gpu) bytes[to.index] += (reduces ? 2.0 : 1.0) * f.payload_bytes;
+    if (topo.ends(path.front()).first.kind == DeviceKind::Gpu) total_bytes += f.payload_bytes;
+    if (topo.ends(path.back()).second.kind == DeviceKind::Gpu)
+      total_bytes += (reduces ? 2.0 : 1.0) * f.payload_bytes;
   }
-  for (CommMember& m : op.members) m.hbm_bytes_per_us = bytes[m.rank] / us;
-  for (const Flow& f : plan.flows) {  // back to zero for the next operation
-    const std::span<const LinkId> path = plan.path(f);
-    if (path.empty()) continue;
-    const Device from = topo.ends(path.front()).first, to = topo.ends(path.back()).second;
-    if (from.kind == DeviceKind::Gpu) bytes[from.index] = 0;
-    if (to.kind == DeviceKind::Gpu) bytes[to.index] = 0;
-  }
+  const double per_gpu_bytes = std::round(total_bytes / static_cast<double>(op.members.size()));
+  for (CommMember& m : op.members) m.hbm_bytes_per_us = per_gpu_bytes / us;
 }
 
 double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known,

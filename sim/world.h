@@ -267,9 +267,8 @@ class SimWorld {
   // Wakes the ranks of contention_waits_ whose kernel end the engine has reached.
   void wake_contention_waits();
   // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
-  void set_hbm_rates(CommOpState& op, const CommPlan& plan);
-  std::vector<double> hbm_bytes_;  // scratch of set_hbm_rates, per GPU
-  bool woke_ = false;              // wake() woke a blocked rank since advance_engine last looked
+  void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
+  bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   int live_ = 0;
   int blocked_ = 0;
   bool aborted_ = false;
