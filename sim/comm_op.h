@@ -25,9 +25,6 @@ struct CommMember {
   std::vector<std::shared_ptr<CommOpState>> deps;
   bool waited = false;  // for async calls: wait() has been called
   double ready_us = 0;  // when this member was ready (set at execution)
-  // HBM traffic the operation puts on this member's GPU while it runs, bytes per microsecond (set at
-  // execution; SimWorld::launch_kernel).
-  double hbm_bytes_per_us = 0;
 };
 
 struct CommOpState {
@@ -50,6 +47,9 @@ struct CommOpState {
   bool finished = false;  // ended: end_us is final
   SpanName algorithm;     // what the network model chose, "ring/simple"
   int channels = 0;       // NCCL's thread blocks on each member's GPU, one SM each (CommPlan::channels)
+  // HBM traffic the operation puts on each member's GPU while it runs, bytes per microsecond (set at
+  // execution; SimWorld::launch_kernel).
+  double hbm_bytes_per_us = 0;
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one, once per dependency; each is told once when this one

@@ -419,6 +419,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     s.outstanding_prune_at = std::max<std::size_t>(64, 2 * s.outstanding.size());
   }
   s.outstanding.push_back(op);
+  if (config_.sm_contention) s.beside_ops.push_back(op);
   if (!rep_.empty()) {
     if (p2p && !runs(call.peer)) {
       throw UsageError(fmt::format(
@@ -645,8 +646,7 @@ void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
     if (topo.ends(path.back()).second.kind == DeviceKind::Gpu)
       total_bytes += (reduces ? 2.0 : 1.0) * f.payload_bytes;
   }
-  const double per_gpu_bytes = std::round(total_bytes / static_cast<double>(op.members.size()));
-  for (CommMember& m : op.members) m.hbm_bytes_per_us = per_gpu_bytes / us;
+  op.hbm_bytes_per_us = std::round(total_bytes / static_cast<double>(op.members.size())) / us;
 }
 
 double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known,
@@ -660,7 +660,7 @@ double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& c
   std::vector<double>& changes_us = load_changes_us_;  // when the operations in flight change, after start_us
   loads.clear();
   changes_us.clear();
-  for (const auto& op : state(rank).outstanding) {
+  for (const auto& op : state(rank).beside_ops) {
     if (!op->executed) {
       // Its start is not known: it may yet start during the kernel. With every member there, it waits only
       // for operations before it on their streams, which end in the engine: it starts after the engine's
@@ -671,7 +671,7 @@ double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& c
     }
     if (op->finished && op->end_us <= start_us) continue;
     const int channels = gpu.sm_count > 0 ? op->channels : 0;
-    const double hbm = op->member_of(rank).hbm_bytes_per_us;
+    const double hbm = op->hbm_bytes_per_us;
     if (channels <= 0 && hbm <= 0) continue;  // takes nothing from the kernel
     const double to_us = op->finished ? op->end_us : std::numeric_limits<double>::infinity();
     loads.push_back({op->start_us, to_us, channels, hbm});
@@ -747,11 +747,13 @@ bool SimWorld::contention_settled(bool known, bool started, double end_us) {
 void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
   RankState& s = state(rank);
   const double start_us = std::max(s.host_us, s.compute_us);
-  const bool beside = config_.sm_contention &&
-                      (!s.pending_kernels.empty() ||
-                       std::any_of(s.outstanding.begin(), s.outstanding.end(),
-                                   [&](const auto& op) { return !op->finished || op->end_us > start_us; }));
-  if (!beside) {
+  if (!s.beside_ops.empty()) {
+    // No kernel from now on starts before the compute stream's clock (nor before this one, when none
+    // waits): what ended by then is over for good.
+    const double from_us = s.pending_kernels.empty() ? start_us : s.compute_us;
+    std::erase_if(s.beside_ops, [from_us](const auto& op) { return op->finished && op->end_us <= from_us; });
+  }
+  if (s.pending_kernels.empty() && s.beside_ops.empty()) {
     s.compute_us = start_us + cost.us();
     add_span(rank, SpanKind::Compute, name, start_us, s.compute_us);
     return;

@@ -78,6 +78,9 @@ struct RankState {
     double host_us;  // the host clock at its launch: it starts no earlier
   };
   std::vector<PendingKernel> pending_kernels;
+  // What the rank posted that a kernel launched from now on may still overlap: dropped once finished
+  // before the compute stream's clock.
+  std::vector<std::shared_ptr<CommOpState>> beside_ops;
   // While the rank waits in settle_compute: its last kernel's end as far as known (the engine must not
   // pass it); NaN otherwise.
   double contention_wait_us = std::numeric_limits<double>::quiet_NaN();
