@@ -43,6 +43,7 @@ void for_each_option(F&& f) {
   f("sweep", &Options::sweep);
   f("algo", &Options::algo);
   f("proto", &Options::proto);
+  f("no-sm-contention", &Options::no_sm_contention);
   f("model", &Options::model);
   f("hidden", &Options::hidden);
   f("heads", &Options::heads);

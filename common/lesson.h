@@ -34,6 +34,8 @@ struct Options {
   bool sweep = false;                // benchmark: sizes from 8 B up
   std::string algo{};                // force NCCL's algorithm, as NCCL_ALGO (simulator)
   std::string proto{};               // force NCCL's protocol, as NCCL_PROTO (simulator)
+  // Simulator: compute kernels run as if communication kernels took none of the GPU's SMs and HBM.
+  bool no_sm_contention = false;
   // The algorithm/protocol the backend runs a collective of the whole world with ("ring/simple"), when it
   // can say: the simulator can, NCCL does not report it. Unset: unknown.
   std::function<std::string(CommOp op, std::int64_t bytes, int world, int root)> comm_algorithm{};

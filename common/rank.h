@@ -337,6 +337,10 @@ class Rank {
   // Device time from `start` to `end` in microseconds (cudaEventElapsedTime); the host waits for `end`
   // to complete (cudaEventSynchronize).
   virtual double elapsed_us(const Event& start, const Event& end) = 0;
+  // Device time this rank's compute kernels have lost so far to communication kernels running beside
+  // them on the GPU, microseconds: the simulator's model of their shared SMs and HBM (docs/model.md). A
+  // real GPU does not report it: 0 there.
+  virtual double comm_slowed_compute_us() { return 0; }
 
   // ---- memory ---------------------------------------------------------------------------------------
   virtual std::int64_t memory_allocated() const = 0;  // bytes held by live tensors of this rank

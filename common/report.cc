@@ -447,6 +447,16 @@ std::string format_summary(const RunReport& report) {
     out += "\n";
     format_ranks(out, report.ranks);
   }
+  const auto slowed = std::max_element(report.ranks.begin(), report.ranks.end(),
+                                       [](const RankSummary& a, const RankSummary& b) {
+                                         return a.comm_slowed_compute_us < b.comm_slowed_compute_us;
+                                       });
+  if (slowed != report.ranks.end() && slowed->comm_slowed_compute_us > 0) {
+    out += fmt::format(
+        "compute slowed by communication kernels on the same GPU (their SMs and HBM traffic): {} on rank {}, "
+        "the most\n",
+        human_time(slowed->comm_slowed_compute_us), slowed->rank);
+  }
   if (!report.collectives.empty()) {
     out += "\n";
     format_collectives(out, report.collectives);
@@ -523,6 +533,7 @@ struct Shape<RankSummary> {
       required("idle_us", &RankSummary::idle_us),
       required("peak_bytes", &RankSummary::peak_bytes),
       required("capacity_bytes", &RankSummary::capacity_bytes),
+      optional("comm_slowed_compute_us", &RankSummary::comm_slowed_compute_us),
   };
 };
 

@@ -97,6 +97,9 @@ struct RankSummary {
   double comm_wait_us = 0;     // time collectives waited for late members
   double exposed_comm_us = 0;  // communication not hidden under compute
   double idle_us = 0;          // neither stream busy: the bubble
+  // Simulator: device time compute kernels lost to communication kernels on the same GPU, which hold
+  // some of its SMs and HBM bandwidth while they run (docs/model.md). 0 elsewhere.
+  double comm_slowed_compute_us = 0;
   std::int64_t peak_bytes = 0;
   std::int64_t capacity_bytes = 0;
 };

@@ -139,6 +139,7 @@ void data_parallel(Rank& r, const Options& o) {
   mlp::RunSummary summary(r, o, "data_parallel");
   mlp::Traffic traffic;
   double step_us = 0, exposed_us = 0, launched_us = 0;
+  double slowed_us = 0;  // device time compute lost to the all_reduce kernels running beside it
 
   for (int step = 1; step <= o.steps; ++step) {
     // The step's phases as regions; an exception (running out of memory) closes the open one.
@@ -146,6 +147,7 @@ void data_parallel(Rank& r, const Options& o) {
     r.synchronize();  // synchronize, then barrier: otherwise the start time would be too early
     r.barrier();
     const double t0 = r.now();
+    const double slowed_before_us = r.comm_slowed_compute_us();
     traffic = {};
 
     // Forward on this rank's samples, keeping each layer's output for the backward.
@@ -193,6 +195,7 @@ void data_parallel(Rank& r, const Options& o) {
     r.synchronize();
     const double t1 = r.now();
     step_us = t1 - t0;
+    slowed_us = r.comm_slowed_compute_us() - slowed_before_us;
     exposed_us = r.elapsed_us(backward_done, reduced);
 
     // The check against one device (after the timed step, so it does not count in it).
@@ -217,9 +220,15 @@ void data_parallel(Rank& r, const Options& o) {
 
   // Every rank's statistics to rank 0, after the training so it does not disturb the timing.
   if (!summary.gather({}, &w)) return;
-  summary.print_last_step(step_us, launched_us,
-                          fmt::format(" ({} of it communication after backward, not hidden by compute)",
-                                      mlp::format_time(exposed_us)));
+  // Overlap is not free: the all_reduce's kernels hold SMs and HBM bandwidth the backward's kernels
+  // then run without.
+  summary.print_last_step(
+      step_us, launched_us,
+      fmt::format(
+          " ({} of it communication after backward, not hidden by compute{})", mlp::format_time(exposed_us),
+          o.overlap
+              ? fmt::format("; compute slowed by communication beside it: {}", mlp::format_time(slowed_us))
+              : ""));
   r.print(fmt::format(
       "communication per rank per step: {} all_reduce call{}, {} in all ({}: the lecture's one gradient "
       "synchronisation per step, after backward)",

@@ -49,6 +49,10 @@ struct CommOpState {
   bool executed = false;  // started: numerics done, start_us known
   bool finished = false;  // ended: end_us is final
   SpanName algorithm;     // what the network model chose, "ring/simple"
+  int channels = 0;       // NCCL's thread blocks on each member's GPU, one SM each (CommPlan::channels)
+  // HBM traffic the operation puts on each member's GPU while it runs, bytes per microsecond (set at
+  // execution; SimWorld::launch_kernel).
+  double hbm_bytes_per_us = 0;
   double start_us = 0;
   double end_us = 0;
   // Operations whose members depend on this one, once per dependency; each is told once when this one

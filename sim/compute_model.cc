@@ -69,29 +69,29 @@ double ComputeModel::peak_tflops(DType dtype) const {
   return gpu_.peak_tflops_fp32;
 }
 
-double ComputeModel::kernel_us(double flops, double bytes, DType dtype) const {
+KernelCost ComputeModel::kernel_cost(double flops, double bytes, DType dtype) const {
   // TFLOP/s = 1e12 flop/s = 1e6 flop/us; GB/s = 1e9 B/s = 1e3 B/us.
-  const double math_us = flops / (peak_tflops(dtype) * 1e6 * gpu_.compute_efficiency);
-  return std::max(math_us, memory_us(bytes));
+  return {flops / (peak_tflops(dtype) * 1e6 * gpu_.compute_efficiency), memory_us(bytes)};
 }
 
 double ComputeModel::memory_us(double bytes) const {
   return bytes / (gpu_.hbm_bandwidth_gbps * 1e3 * gpu_.memory_efficiency);
 }
 
-double ComputeModel::gemm_us(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
+KernelCost ComputeModel::gemm_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
   const double e = static_cast<double>(dtype_bytes(dtype));
   const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   const double bytes = e * static_cast<double>(m * k + k * n + m * n);
   // float32 runs on CUDA cores: the plain roofline, as before 16-bit types existed.
-  if (dtype == DType::Float32 || !gemm_shape_model() || flops == 0) return kernel_us(flops, bytes, dtype);
+  if (dtype == DType::Float32 || !gemm_shape_model() || flops == 0) return kernel_cost(flops, bytes, dtype);
   const double rate =
       peak_tflops(dtype) * 1e6 * gemm_ceiling_ * gemm_quantization(m, n) * gemm_k_efficiency(k);
-  return std::max(flops / rate, memory_us(bytes));
+  return {flops / rate, memory_us(bytes)};
 }
 
-double ComputeModel::attention_us(std::int64_t batch, std::int64_t seq, std::int64_t heads,
-                                  std::int64_t head_dim, bool causal, bool backward, DType dtype) const {
+KernelCost ComputeModel::attention_cost(std::int64_t batch, std::int64_t seq, std::int64_t heads,
+                                        std::int64_t head_dim, bool causal, bool backward,
+                                        DType dtype) const {
   // Two GEMMs of 2 s^2 d flops per head forward (Q K^T and P V); causal masking skips half of them.
   double flops = 4.0 * static_cast<double>(batch) * static_cast<double>(seq) * static_cast<double>(seq) *
                  static_cast<double>(heads) * static_cast<double>(head_dim);
@@ -103,10 +103,10 @@ double ComputeModel::attention_us(std::int64_t batch, std::int64_t seq, std::int
   // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d qkv.
   const double bytes = backward ? e * tokens * width * 8 + 4.0 * tokens * heads
                                 : e * tokens * width * 4 + 4.0 * tokens * heads;
-  if (dtype == DType::Float32) return kernel_us(flops, bytes, dtype);
+  if (dtype == DType::Float32) return kernel_cost(flops, bytes, dtype);
   const double measured = backward ? gpu_.attention_bwd_efficiency : gpu_.attention_fwd_efficiency;
   const double efficiency = measured > 0 ? measured : gpu_.compute_efficiency;
-  return std::max(flops / (peak_tflops(dtype) * 1e6 * efficiency), memory_us(bytes));
+  return {flops / (peak_tflops(dtype) * 1e6 * efficiency), memory_us(bytes)};
 }
 
 }  // namespace ranklab::sim

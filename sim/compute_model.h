@@ -13,21 +13,42 @@
 
 namespace ranklab::sim {
 
+// A kernel's two roofline times: its arithmetic at the rate its SMs reach, and its HBM traffic at the
+// bandwidth it reaches. It takes the slower of the two; kept apart, they say how a kernel slows when
+// communication takes some of the SMs or of the HBM bandwidth (SimWorld::launch_kernel).
+struct KernelCost {
+  double math_us = 0;
+  double memory_us = 0;
+  double us() const { return math_us > memory_us ? math_us : memory_us; }
+  static KernelCost memory(double us) { return {0, us}; }
+};
+
 class ComputeModel {
  public:
   // UsageError when the profile's measured GEMM is faster than the model's shape factors allow.
   explicit ComputeModel(const GpuModel& gpu);
 
   // Device time of a kernel doing `flops` operations and moving `bytes` to and from HBM.
-  double kernel_us(double flops, double bytes, DType dtype) const;
+  double kernel_us(double flops, double bytes, DType dtype) const {
+    return kernel_cost(flops, bytes, dtype).us();
+  }
+  KernelCost kernel_cost(double flops, double bytes, DType dtype) const;
   // op(a) [m, k] @ op(b) [k, n] with inputs and output of `dtype`.
-  double gemm_us(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const;
+  double gemm_us(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
+    return gemm_cost(m, n, k, dtype).us();
+  }
+  KernelCost gemm_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const;
   // Fused attention (FlashAttention-style) over `batch` sequences of `seq` tokens, `heads` heads of
   // `head_dim`; the backward when `backward`.
   double attention_us(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
-                      bool causal, bool backward, DType dtype) const;
+                      bool causal, bool backward, DType dtype) const {
+    return attention_cost(batch, seq, heads, head_dim, causal, backward, dtype).us();
+  }
+  KernelCost attention_cost(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
+                            bool causal, bool backward, DType dtype) const;
   // A memory-bound kernel moving `bytes` to and from HBM.
   double memory_us(double bytes) const;
+  KernelCost memory_cost(double bytes) const { return KernelCost::memory(memory_us(bytes)); }
   // Host time to launch one kernel.
   double launch_us() const { return gpu_.launch_overhead_us; }
 

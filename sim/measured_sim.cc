@@ -41,6 +41,7 @@ RunReport simulate_measured(const RunReport& measured, const Profile& profile, c
     find_lesson(measured.lesson);
     config.algorithm = o.algo;
     config.protocol = o.proto;
+    config.sm_contention = !o.no_sm_contention;
     SimBackend sim(config);
     RunReport simulated = run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", profile));
     record_run_config(simulated, profile, o);

@@ -44,6 +44,10 @@ struct SimConfig {
   // The "[simulating] N operations" line on stderr (shown only when it is a terminal). Off where the
   // caller shows progress of its own across many runs (`ranklab plan`).
   bool progress = true;
+  // A compute kernel that runs while communication is in flight on its GPU gets the SMs the communication
+  // kernel leaves and the HBM bandwidth it leaves (docs/model.md, "Communication kernels share the GPU").
+  // Off: compute runs as if the GPU were its own, as before the mechanism existed.
+  bool sm_contention = true;
 };
 
 class SimBackend : public Backend {

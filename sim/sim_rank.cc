@@ -97,6 +97,7 @@ class SimWork : public WorkState {
     world_.wait_finished(rank_, op_, "wait()");
     m.waited = true;
     RankState& s = world_.state(rank_);
+    world_.settle_compute(rank_);
     s.compute_us = std::max(s.compute_us, op_->end_us);  // the compute stream waits for it
   }
   bool waited() const override { return op_->member_of(rank_).waited; }
@@ -172,6 +173,7 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
 }
 
 void SimRank::fold_sync_ops(const char* by) {
+  if (!s_.unfolded_sync.empty()) world_.settle_compute(rank_);
   for (const auto& op : s_.unfolded_sync) {
     if (!op->finished) {
       world_.wait_finished(rank_, op, by, /*after_sync=*/true);
@@ -199,14 +201,13 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
 }
 
 void SimRank::launch_kernel(const std::string& name, double flops, double bytes, DType dtype) {
-  launch_kernel_us(name, world_.compute().kernel_us(flops, bytes, dtype));
+  launch_kernel_cost(name, world_.compute().kernel_cost(flops, bytes, dtype));
 }
 
-void SimRank::launch_kernel_us(const std::string& name, double device_us) {
+void SimRank::launch_kernel_cost(const std::string& name, const KernelCost& cost) {
   s_.host_us += world_.compute().launch_us();
-  const double start = std::max(s_.host_us, s_.compute_us);
-  s_.compute_us = start + device_us;
-  world_.add_span(rank_, SpanKind::Compute, name, start, s_.compute_us);
+  // Communication this GPU runs at the same time holds some of its SMs and HBM bandwidth.
+  world_.launch_kernel(rank_, name, cost);
 }
 
 // ---- tensors ---------------------------------------------------------------------------------------
@@ -291,6 +292,7 @@ std::vector<float> SimRank::to_host(const Tensor& t) {
                                  where("to_host"), t.str()));
   }
   before_kernel({&t}, "to_host");
+  world_.settle_compute(rank_);
   s_.host_us = std::max(s_.host_us, s_.compute_us);  // a device-to-host copy waits for the stream
   return std::vector<float>(sim_data(t), sim_data(t) + t.numel());
 }
@@ -324,7 +326,7 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
     if (at && bt) C.noalias() = A.transpose() * B.transpose();
     round_to_dtype(c);
   }
-  launch_kernel_us(kMatmul, world_.compute().gemm_us(m, n, k, a.dtype()));
+  launch_kernel_cost(kMatmul, world_.compute().gemm_cost(m, n, k, a.dtype()));
   return c;
 }
 
@@ -423,7 +425,7 @@ Tensor SimRank::cast(const Tensor& t, DType dtype) {
     array(out) = array(t);
     round_to_dtype(out);
   }
-  launch_kernel_us(kCast, world_.compute().memory_us(bytes_of(t) + bytes_of(out)));
+  launch_kernel_cost(kCast, world_.compute().memory_cost(bytes_of(t) + bytes_of(out)));
   return out;
 }
 
@@ -574,7 +576,7 @@ void SimRank::add_bias_(const Tensor& x, const Tensor& bias) {
     X.rowwise() += Eigen::Map<const Eigen::RowVectorXf>(cdata(bias), x.size(1));
     round_to_dtype(x);
   }
-  launch_kernel_us(kAddBias, world_.compute().memory_us(2 * bytes_of(x) + bytes_of(bias)));
+  launch_kernel_cost(kAddBias, world_.compute().memory_cost(2 * bytes_of(x) + bytes_of(bias)));
 }
 
 Tensor SimRank::sum_rows(const Tensor& x) {
@@ -593,7 +595,7 @@ Tensor SimRank::sum_rows(const Tensor& x) {
     }
     for (std::int64_t c = 0; c < cols; ++c) sim_data(out)[c] = static_cast<float>(acc[c]);
   }
-  launch_kernel_us(kSumRows, world_.compute().memory_us(bytes_of(x) + bytes_of(out)));
+  launch_kernel_cost(kSumRows, world_.compute().memory_cost(bytes_of(x) + bytes_of(out)));
   return out;
 }
 
@@ -629,9 +631,9 @@ Rank::LayerNormOut SimRank::layernorm(const Tensor& x, const Tensor& gamma, cons
     round_to_dtype(o.y);
   }
   // Reads x, gamma and beta, writes y, mean and rstd.
-  launch_kernel_us(kLayernorm,
-                   world_.compute().memory_us(bytes_of(x) + bytes_of(gamma) + bytes_of(beta) + bytes_of(o.y) +
-                                              bytes_of(o.mean) + bytes_of(o.rstd)));
+  launch_kernel_cost(kLayernorm,
+                     world_.compute().memory_cost(bytes_of(x) + bytes_of(gamma) + bytes_of(beta) +
+                                                  bytes_of(o.y) + bytes_of(o.mean) + bytes_of(o.rstd)));
   return o;
 }
 
@@ -681,10 +683,10 @@ Rank::LayerNormGrads SimRank::layernorm_backward(const Tensor& dy, const Tensor&
     }
     round_to_dtype(g.dx);
   }
-  launch_kernel_us(
+  launch_kernel_cost(
       kLayernormBackward,
-      world_.compute().memory_us(bytes_of(dy) + bytes_of(x) + bytes_of(gamma) + bytes_of(mean) +
-                                 bytes_of(rstd) + bytes_of(g.dx) + bytes_of(g.dgamma) + bytes_of(g.dbeta)));
+      world_.compute().memory_cost(bytes_of(dy) + bytes_of(x) + bytes_of(gamma) + bytes_of(mean) +
+                                   bytes_of(rstd) + bytes_of(g.dx) + bytes_of(g.dgamma) + bytes_of(g.dbeta)));
   return g;
 }
 
@@ -706,7 +708,7 @@ Tensor SimRank::gelu(const Tensor& x) {
     }
     round_to_dtype(y);
   }
-  launch_kernel_us(kGelu, world_.compute().memory_us(bytes_of(x) + bytes_of(y)));
+  launch_kernel_cost(kGelu, world_.compute().memory_cost(bytes_of(x) + bytes_of(y)));
   return y;
 }
 
@@ -727,7 +729,7 @@ Tensor SimRank::gelu_backward(const Tensor& dy, const Tensor& x) {
     }
     round_to_dtype(dx);
   }
-  launch_kernel_us(kGeluBackward, world_.compute().memory_us(bytes_of(dy) + bytes_of(x) + bytes_of(dx)));
+  launch_kernel_cost(kGeluBackward, world_.compute().memory_cost(bytes_of(dy) + bytes_of(x) + bytes_of(dx)));
   return dx;
 }
 
@@ -748,7 +750,7 @@ Tensor SimRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int64
     }
     round_to_dtype(y);
   }
-  launch_kernel_us(kDropout, world_.compute().memory_us(bytes_of(x) + bytes_of(y)));
+  launch_kernel_cost(kDropout, world_.compute().memory_cost(bytes_of(x) + bytes_of(y)));
   return y;
 }
 
@@ -806,8 +808,8 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int
     }
     round_to_dtype(o.out);
   }
-  launch_kernel_us(
-      kAttention, world_.compute().attention_us(batch, a.seq, heads, a.head_dim, causal, false, qkv.dtype()));
+  launch_kernel_cost(kAttention, world_.compute().attention_cost(batch, a.seq, heads, a.head_dim, causal,
+                                                                 false, qkv.dtype()));
   return o;
 }
 
@@ -863,8 +865,8 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
     }
     round_to_dtype(dqkv);
   }
-  launch_kernel_us(kAttentionBackward,
-                   world_.compute().attention_us(batch, a.seq, heads, a.head_dim, causal, true, qkv.dtype()));
+  launch_kernel_cost(kAttentionBackward, world_.compute().attention_cost(batch, a.seq, heads, a.head_dim,
+                                                                         causal, true, qkv.dtype()));
   return dqkv;
 }
 
@@ -900,7 +902,7 @@ Tensor SimRank::embedding(const Tensor& ids, const Tensor& table, std::int64_t v
     }
   }
   // Reads the ids and one table row per token, writes the output.
-  launch_kernel_us(kEmbedding, world_.compute().memory_us(bytes_of(ids) + 2 * bytes_of(out)));
+  launch_kernel_cost(kEmbedding, world_.compute().memory_cost(bytes_of(ids) + 2 * bytes_of(out)));
   return out;
 }
 
@@ -926,8 +928,9 @@ void SimRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const 
     }
   }
   // Reads the ids and dy, and reads and writes one float32 table row per token.
-  launch_kernel_us(kEmbeddingBackward, world_.compute().memory_us(bytes_of(ids) + bytes_of(dy) +
-                                                                  2 * kF * static_cast<double>(rows * dim)));
+  launch_kernel_cost(
+      kEmbeddingBackward,
+      world_.compute().memory_cost(bytes_of(ids) + bytes_of(dy) + 2 * kF * static_cast<double>(rows * dim)));
 }
 
 Tensor SimRank::row_max(const Tensor& logits) {
@@ -944,7 +947,7 @@ Tensor SimRank::row_max(const Tensor& logits) {
       sim_data(out)[r] = mx;
     }
   }
-  launch_kernel_us(kRowMax, world_.compute().memory_us(bytes_of(logits) + bytes_of(out)));
+  launch_kernel_cost(kRowMax, world_.compute().memory_cost(bytes_of(logits) + bytes_of(out)));
   return out;
 }
 
@@ -971,8 +974,8 @@ Tensor SimRank::softmax_stats(const Tensor& logits, const Tensor& row_max, const
       O[2 * r + 1] = local >= 0 && local < cols ? L[r * cols + local] : 0.0f;
     }
   }
-  launch_kernel_us(kSoftmaxStats, world_.compute().memory_us(bytes_of(logits) + bytes_of(row_max) +
-                                                             bytes_of(targets) + bytes_of(out)));
+  launch_kernel_cost(kSoftmaxStats, world_.compute().memory_cost(bytes_of(logits) + bytes_of(row_max) +
+                                                                 bytes_of(targets) + bytes_of(out)));
   return out;
 }
 
@@ -992,7 +995,8 @@ Tensor SimRank::cross_entropy_loss(const Tensor& row_max, const Tensor& stats) {
       loss += std::log(static_cast<double>(S[2 * r])) + M[r] - S[2 * r + 1];
     sim_data(out)[0] = static_cast<float>(loss);
   }
-  launch_kernel_us(kCrossEntropyLoss, world_.compute().memory_us(bytes_of(row_max) + bytes_of(stats) + kF));
+  launch_kernel_cost(kCrossEntropyLoss,
+                     world_.compute().memory_cost(bytes_of(row_max) + bytes_of(stats) + kF));
   return out;
 }
 
@@ -1021,9 +1025,9 @@ Tensor SimRank::cross_entropy_backward(const Tensor& logits, const Tensor& row_m
     }
     round_to_dtype(d);
   }
-  launch_kernel_us(kCrossEntropyBackward,
-                   world_.compute().memory_us(bytes_of(logits) + bytes_of(row_max) + bytes_of(stats) +
-                                              bytes_of(targets) + bytes_of(d)));
+  launch_kernel_cost(kCrossEntropyBackward,
+                     world_.compute().memory_cost(bytes_of(logits) + bytes_of(row_max) + bytes_of(stats) +
+                                                  bytes_of(targets) + bytes_of(d)));
   return d;
 }
 
@@ -1131,6 +1135,7 @@ void SimRank::synchronize() {
   world_.check_thread(rank_, "synchronize()");
   world_.check_aborted();
   fold_sync_ops("synchronize()");
+  world_.settle_compute(rank_);  // while the operations its kernels overlap are still listed
   for (const auto& op : s_.outstanding) {
     world_.wait_finished(rank_, op, "synchronize()");
     op->member_of(rank_).waited = true;  // the device is idle: nothing is in flight any more
@@ -1164,6 +1169,7 @@ Event SimRank::record_event() {
   // The stream reaches the marker when its earlier kernels (and any synchronous collective it waits
   // for) are done, and not before the host enqueues it.
   fold_sync_ops("record_event");
+  world_.settle_compute(rank_);
   return Event(std::make_shared<SimEvent>(rank_, std::max(s_.host_us, s_.compute_us)));
 }
 

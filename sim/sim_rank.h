@@ -81,6 +81,7 @@ class SimRank : public Rank {
   double now() override;
   Event record_event() override;
   double elapsed_us(const Event& start, const Event& end) override;
+  double comm_slowed_compute_us() override { return s_.comm_slowed_compute_us; }
 
   std::int64_t memory_allocated() const override { return s_.memory->allocated; }
   std::int64_t memory_peak() const override { return s_.memory->peak; }
@@ -118,7 +119,7 @@ class SimRank : public Rank {
   void fold_sync_ops(const char* by);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
-  void launch_kernel_us(const std::string& name, double device_us);
+  void launch_kernel_cost(const std::string& name, const KernelCost& cost);
   void validate(const CommCall& call) const;
   std::string where(const char* op) const;
 

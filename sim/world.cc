@@ -75,6 +75,7 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
 void SimWorld::run_rank(int rank, const std::function<void()>& program) {
   try {
     program();
+    settle_compute(rank);  // its last kernels' times
   } catch (const RunAborted&) {
     // another rank failed first; this one just unwinds
   } catch (...) {
@@ -85,7 +86,7 @@ void SimWorld::run_rank(int rank, const std::function<void()>& program) {
   --live_;
   // The others may all be waiting for transfers only the engine can finish.
   while (live_ > 0 && blocked_ == live_ && !aborted_) {
-    if (!advance_engine_one_event()) declare_deadlock();
+    if (!advance_when_stalled()) declare_deadlock();
   }
 }
 
@@ -150,9 +151,10 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
     VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
     props.time_us = s.host_us;
     props.stack_hint = __builtin_frame_address(0);
-    // This was the last rank that could run: only the engine's next event can wake anybody.
+    // This was the last rank that could run: only the engine's next event can wake anybody, or its reaching
+    // the end of a kernel that waits to know its end (settle_compute), whichever comes first.
     while (blocked_ == live_ && !aborted_) {
-      if (!advance_engine_one_event()) {
+      if (!advance_when_stalled()) {
         declare_deadlock();
         throw RunAborted{};
       }
@@ -404,6 +406,7 @@ std::shared_ptr<CommOpState> SimWorld::p2p_op(int rank, const CommCall& call) {
 }
 
 std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
+  settle_compute(rank);  // the operation waits for the compute stream's kernels
   const bool p2p = call.op == CommOp::Send || call.op == CommOp::Recv;
   std::shared_ptr<CommOpState> op = p2p ? p2p_op(rank, call) : collective_op(rank, call);
 
@@ -455,6 +458,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     s.outstanding_prune_at = std::max<std::size_t>(64, 2 * s.outstanding.size());
   }
   s.outstanding.push_back(op);
+  if (config_.sm_contention) s.beside_ops.push_back(op);
   if (!rep_.empty()) {
     if (p2p && !runs(call.peer)) {
       throw UsageError(fmt::format(
@@ -493,6 +497,12 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     if (op->all_arrived()) open_collectives_.erase({op->group_id, op->seq});
   }
   try_execute(op);
+  if (op->all_arrived() && !op->executed) {
+    // A member waiting to know its kernel's end learns that this operation waits only for the engine now.
+    for (const CommMember& x : op->members) {
+      if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) wake(x.rank);
+    }
+  }
   return op;
 }
 
@@ -597,6 +607,15 @@ bool SimWorld::advance_engine(double t_us) {
   }
 }
 
+bool SimWorld::advance_when_stalled() {
+  if (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.next_event_us()) {
+    advance_engine(contention_waits_.begin()->first);
+    wake_contention_waits();
+    return true;
+  }
+  return advance_engine_one_event();
+}
+
 bool SimWorld::advance_engine_one_event() {
   const double t = engine_.next_event_us();
   if (!std::isfinite(t)) return false;
@@ -610,8 +629,12 @@ void SimWorld::before_issue(int rank) {
   const double issue_us = std::max(s.host_us, s.compute_us);
   while (true) {
     const double earliest_other = sched ? sched->min_ready_time_us() : INFINITY;
-    // A rank an ending woke joins the ready ranks with its clock: look again before going further.
-    if (advance_engine(std::min(issue_us, earliest_other))) continue;
+    // A rank an ending woke joins the ready ranks with its clock: look again before going further. A rank
+    // waiting to know its kernel's end issues nothing before that end: the engine stops there for it.
+    double target_us = std::min(issue_us, earliest_other);
+    if (!contention_waits_.empty()) target_us = std::min(target_us, contention_waits_.begin()->first);
+    if (advance_engine(target_us)) continue;
+    wake_contention_waits();
     if (!sched || sched->min_ready_time_us() >= s.host_us) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
     VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
@@ -638,18 +661,214 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   // The lesson's bookkeeping (Rank::bookkeeping) takes its time but stays out of the link traffic.
   if (!lead.bookkeeping) network_->record(plan);
   op->algorithm = plan_name(plan);
+  if (config_.sm_contention) set_hbm_rates(*op, plan);
   op->start_us = start_us;
   op->executed = true;
   run_numerics(*op);
   const SpanName name = op_name(op->op);
   for (const CommMember& m : op->members) {
-    if (runs(m.rank)) add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+    if (!runs(m.rank)) continue;
+    add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
+    // A member waiting to know its kernel's end learns this operation's start.
+    if (!std::isnan(state(m.rank).contention_wait_us)) wake(m.rank);
   }
   if (!rep_.empty()) note_spine(plan);
   engine_.schedule(op, std::move(plan), start_us);
   if (!rep_.empty()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
+}
+
+// ---- communication kernels beside compute kernels --------------------------------------------------
+
+void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
+  op.channels = plan.channels;
+  const double us = duration_us(plan);
+  if (plan.flows.empty() || us <= 0) return;
+  const Topology& topo = network_->topology();
+  // A flow that leaves a GPU reads its bytes from that GPU's HBM, one that arrives writes them; a ring or
+  // tree reduction adds each arriving piece to the GPU's own, which reads that much again (NVLS adds in
+  // the switch). Spread over the time the plan takes alone on the machine, that is the rate.
+  const bool reduces =
+      (op.op == CommOp::AllReduce || op.op == CommOp::ReduceScatter || op.op == CommOp::Reduce) &&
+      (plan.algorithm == Algorithm::Ring || plan.algorithm == Algorithm::Tree);
+  // Spread evenly over the members: a double binary tree gives each GPU an inner node's place in one
+  // tree and a leaf's in the other, which balance, and replicas of a symmetric run must see the same rate
+  // to the bit whatever their place in a ring or tree. (A root's extra traffic is spread over its group.)
+  double total_bytes = 0;
+  for (const Flow& f : plan.flows) {
+    const std::span<const LinkId> path = plan.path(f);
+    if (path.empty()) continue;
+    if (topo.ends(path.front()).first.kind == DeviceKind::Gpu) total_bytes += f.payload_bytes;
+    if (topo.ends(path.back()).second.kind == DeviceKind::Gpu)
+      total_bytes += (reduces ? 2.0 : 1.0) * f.payload_bytes;
+  }
+  op.hbm_bytes_per_us = std::round(total_bytes / static_cast<double>(op.members.size())) / us;
+}
+
+double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known,
+                                  bool& started) {
+  known = true;
+  started = true;
+  const double nominal_us = cost.us();
+  if (nominal_us <= 0) return start_us;
+  const GpuModel& gpu = profile().gpu;
+  std::vector<ContentionLoad>& loads = loads_;
+  std::vector<double>& changes_us = load_changes_us_;  // when the operations in flight change, after start_us
+  loads.clear();
+  changes_us.clear();
+  for (const auto& op : state(rank).beside_ops) {
+    if (!op->executed) {
+      // Its start is not known: it may yet start during the kernel. With every member there, it waits only
+      // for operations before it on their streams, which end in the engine: it starts after the engine's
+      // next event.
+      known = false;
+      if (!op->all_arrived()) started = false;
+      continue;
+    }
+    if (op->finished && op->end_us <= start_us) continue;
+    const int channels = gpu.sm_count > 0 ? op->channels : 0;
+    const double hbm = op->hbm_bytes_per_us;
+    if (channels <= 0 && hbm <= 0) continue;  // takes nothing from the kernel
+    const double to_us = op->finished ? op->end_us : std::numeric_limits<double>::infinity();
+    loads.push_back({op->start_us, to_us, channels, hbm});
+    if (op->start_us > start_us) changes_us.push_back(op->start_us);
+    if (std::isfinite(to_us)) changes_us.push_back(to_us);
+  }
+  if (loads.empty()) return start_us + nominal_us;
+  std::sort(changes_us.begin(), changes_us.end());
+  // How much longer the kernel runs, per unit of its own time, with these operations beside it.
+  const double hbm_peak_bytes_per_us = gpu.hbm_bandwidth_gbps * 1e3;
+  auto stretch = [&](double t_us) {
+    int channels = 0;
+    double hbm = 0;
+    for (const ContentionLoad& l : loads) {
+      if (l.from_us <= t_us && t_us < l.to_us) {
+        channels += l.channels;
+        hbm += l.hbm_bytes_per_us;
+      }
+    }
+    if (channels == 0 && hbm == 0) return 1.0;
+    // The SMs NCCL's blocks hold are not the kernel's; one SM at least stays its own.
+    const double sm_share =
+        channels > 0 ? static_cast<double>(std::max(1, gpu.sm_count - channels)) / gpu.sm_count : 1.0;
+    // HBM shared with the communication's traffic; when both ask for more than it has, each gets an even
+    // share at least, as the links share bandwidth max-min fairly (sim/net/sharing.h).
+    const double hbm_share =
+        hbm_peak_bytes_per_us > 0 ? std::max(0.5, 1.0 - hbm / hbm_peak_bytes_per_us) : 1.0;
+    return std::max(cost.math_us / sm_share, cost.memory_us / hbm_share) / nominal_us;
+  };
+  double t_us = start_us, left_us = nominal_us;  // left_us: the kernel's own time still to run
+  double end_us = start_us + nominal_us;
+  std::size_t next = 0;
+  while (true) {
+    while (next < changes_us.size() && changes_us[next] <= t_us) ++next;
+    const double until_us =
+        next < changes_us.size() ? changes_us[next] : std::numeric_limits<double>::infinity();
+    const double f = stretch(t_us);
+    if (t_us == start_us && f == 1.0 && until_us - t_us >= left_us) break;  // untouched: exactly as alone
+    if ((until_us - t_us) / f >= left_us) {
+      end_us = t_us + left_us * f;
+      break;
+    }
+    left_us -= (until_us - t_us) / f;
+    t_us = until_us;
+  }
+  // An operation in flight whose end is not known yet may end before the kernel does.
+  for (const ContentionLoad& l : loads) {
+    if (!std::isfinite(l.to_us) && l.from_us < end_us) known = false;
+  }
+  return end_us;
+}
+
+void SimWorld::wake_contention_waits() {
+  while (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.now_us()) {
+    const int rank = contention_waits_.begin()->second;
+    contention_waits_.erase(contention_waits_.begin());
+    state(rank).contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+    wake(rank);
+  }
+}
+
+bool SimWorld::contention_settled(bool known, bool started, double end_us) {
+  if (known) return true;
+  // Once the engine has reached the end so computed, every operation still in flight lasts past it and
+  // none that has not started can start before it.
+  if (engine_.now_us() >= end_us) return true;
+  // Every operation that could overlap has started, and the engine holds no start or end before the
+  // kernel's end: those in flight end after it. (Transfers other ranks start before then take bandwidth;
+  // they could move an end earlier only through max-min's second-order shifts, which this leaves out.)
+  return started && engine_.next_event_us() >= end_us;
+}
+
+void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
+  RankState& s = state(rank);
+  const double start_us = std::max(s.host_us, s.compute_us);
+  if (!s.beside_ops.empty()) {
+    // No kernel from now on starts before the compute stream's clock (nor before this one, when none
+    // waits): what ended by then is over for good.
+    const double from_us = s.pending_kernels.empty() ? start_us : s.compute_us;
+    std::erase_if(s.beside_ops, [from_us](const auto& op) { return op->finished && op->end_us <= from_us; });
+  }
+  if (s.pending_kernels.empty() && s.beside_ops.empty()) {
+    s.compute_us = start_us + cost.us();
+    add_span(rank, SpanKind::Compute, name, start_us, s.compute_us);
+    return;
+  }
+  s.pending_kernels.push_back({name, cost, s.host_us});
+  // At once when nothing it overlaps is still to be known. Behind kernels that could not be timed, it
+  // waits with them: trying every launch again would cost the square of the kernels waiting.
+  double end_us = 0;
+  if (s.pending_kernels.size() == 1) try_settle(rank, end_us);
+}
+
+bool SimWorld::try_settle(int rank, double& end_us) {
+  RankState& s = state(rank);
+  bool known = true, started = true;
+  end_us = s.compute_us;
+  pending_ends_us_.clear();
+  for (const RankState::PendingKernel& k : s.pending_kernels) {
+    bool k_known = false, k_started = false;
+    end_us = contended_end_us(rank, std::max(k.host_us, end_us), k.cost, k_known, k_started);
+    known = known && k_known;
+    started = started && k_started;
+    pending_ends_us_.push_back(end_us);
+  }
+  if (!contention_settled(known, started, end_us)) return false;
+  double t_us = s.compute_us;
+  for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
+    const RankState::PendingKernel& k = s.pending_kernels[i];
+    const double start_us = std::max(k.host_us, t_us);
+    t_us = pending_ends_us_[i];
+    add_span(rank, SpanKind::Compute, k.name, start_us, t_us);
+    s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());
+  }
+  s.compute_us = t_us;
+  s.pending_kernels.clear();
+  return true;
+}
+
+void SimWorld::settle_compute(int rank) {
+  RankState& s = state(rank);
+  if (s.pending_kernels.empty()) return;
+  double end_us = 0;
+  if (try_settle(rank, end_us)) return;
+  block_until(
+      rank,
+      [&] {
+        if (!std::isnan(s.contention_wait_us)) {
+          contention_waits_.erase({s.contention_wait_us, rank});
+          s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+        }
+        if (try_settle(rank, end_us)) return true;
+        s.contention_wait_us = end_us;
+        contention_waits_.emplace(end_us, rank);
+        return false;
+      },
+      [&s] {
+        return fmt::format("the times of {} kernel(s) that communication in flight may slow",
+                           s.pending_kernels.size());
+      });
 }
 
 // ---- host rendezvous: barrier and show -------------------------------------------------------------
@@ -783,6 +1002,7 @@ RunReport SimWorld::finish_report() {
     RankSummary sum;
     sum.rank = r;
     sum.end_us = s.host_us;
+    sum.comm_slowed_compute_us = s.comm_slowed_compute_us;
     sum.peak_bytes = s.memory->peak;
     sum.capacity_bytes = s.memory->capacity;
     report_.ranks.push_back(sum);

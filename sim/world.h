@@ -18,8 +18,10 @@
 #include <boost/fiber/context.hpp>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,6 +67,22 @@ struct RankState {
   // Everything this rank posted that has not executed (synchronize waits for all of it).
   std::vector<std::shared_ptr<CommOpState>> outstanding;
   std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
+  // Device time the compute stream lost to communication kernels running beside it (launch_kernel).
+  double comm_slowed_compute_us = 0;
+  // Kernels launched while communication they may overlap was in flight or not yet started, whose times
+  // are not known yet: compute_us is where the first of them may start (SimWorld::settle_compute).
+  struct PendingKernel {
+    SpanName name;
+    KernelCost cost;
+    double host_us;  // the host clock at its launch: it starts no earlier
+  };
+  std::vector<PendingKernel> pending_kernels;
+  // What the rank posted that a kernel launched from now on may still overlap: dropped once finished
+  // before the compute stream's clock.
+  std::vector<std::shared_ptr<CommOpState>> beside_ops;
+  // While the rank waits in settle_compute: its last kernel's end as far as known (the engine must not
+  // pass it); NaN otherwise.
+  double contention_wait_us = std::numeric_limits<double>::quiet_NaN();
   std::shared_ptr<MemoryAccount> memory;
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
@@ -126,6 +144,17 @@ class SimWorld {
   // Called before `rank` issues communication: lets ranks whose clocks are behind go first, and brings
   // the transfer engine up to this rank's clock.
   void before_issue(int rank);
+  // Launches a kernel on `rank`'s compute stream that costs `cost` on an idle GPU, given the
+  // communication kernels on its GPU: while n channels of communication run, the kernel's arithmetic gets
+  // the SMs they leave (its math time x sm_count / (sm_count - n)) and its memory traffic the HBM bandwidth
+  // they leave; it takes the slower of the two at each moment. Only communication the rank posted before
+  // the kernel can overlap it (a later one waits for the compute stream). Where such an operation's start
+  // or end is not known yet, the kernel's times wait (pending_kernels) until something needs the compute
+  // stream's clock (settle_compute). Adds the time lost to the rank's comm_slowed_compute_us.
+  void launch_kernel(int rank, SpanName name, const KernelCost& cost);
+  // Makes compute_us final: the pending kernels' times, once the engine knows the communication they
+  // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first.
+  void settle_compute(int rank);
   void check_aborted() const;
   // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
   void check_thread(int rank, const char* op) const;
@@ -234,6 +263,34 @@ class SimWorld {
   std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
   std::map<std::pair<int, int>, SpanName> plan_names_;
 
+  // settle_compute: the ranks waiting to know a kernel's end, by that end as far as known. The engine is
+  // not moved past the first: the rank issues nothing before its kernel ends.
+  std::set<std::pair<double, int>> contention_waits_;
+  // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight, taking
+  // an operation whose end is not known as running on; `known` is set when nothing unknown could change it,
+  // `started` when every operation that could overlap the kernel has started.
+  double contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known, bool& started);
+  // Times the pending kernels if what they overlap is known, and returns true; else returns false with
+  // `end_us` their end as far as known.
+  bool try_settle(int rank, double& end_us);
+  // When every live rank is blocked: moves the engine to its next event or to the first end a settling
+  // rank waits for, whichever is first. False when there is neither.
+  bool advance_when_stalled();
+  // Whether the end contended_end_us gave is final: the engine has reached it, or nothing the engine
+  // holds starts or ends before it, so each operation in flight lasts past it.
+  bool contention_settled(bool known, bool started, double end_us);
+  struct ContentionLoad {
+    double from_us, to_us;
+    int channels;
+    double hbm_bytes_per_us;
+  };
+  std::vector<ContentionLoad> loads_;  // scratch of contended_end_us
+  std::vector<double> load_changes_us_;
+  std::vector<double> pending_ends_us_;  // scratch of try_settle
+  // Wakes the ranks of contention_waits_ whose kernel end the engine has reached.
+  void wake_contention_waits();
+  // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
+  void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
   bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   int live_ = 0;
   int blocked_ = 0;

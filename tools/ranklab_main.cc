@@ -110,6 +110,9 @@ void add_lesson_options(CLI::App& run, Options& o) {
   run.add_flag("--quiet", o.quiet, "print less");
   run.add_option("--algo", o.algo, "force NCCL's algorithm, as NCCL_ALGO: ring, tree, nvls, nvls_tree");
   run.add_option("--proto", o.proto, "force NCCL's protocol, as NCCL_PROTO: ll, ll128, simple");
+  run.add_flag("--no-sm-contention", o.no_sm_contention,
+               "simulator: compute kernels do not share the GPU's SMs and HBM with communication kernels "
+               "(the model before that sharing existed; docs/model.md)");
   // The gpt lesson.
   run.add_option("--model", o.model, "gpt: a preset that fills the shape flags (gpt3-175b, llama3-8b, ...)");
   run.add_option("--hidden", o.hidden, "gpt: model width");
@@ -178,6 +181,7 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
     config.stack_bytes = static_cast<std::size_t>(stack_kib) * 1024;
     config.algorithm = o.algo;
     config.protocol = o.proto;
+    config.sm_contention = !o.no_sm_contention;
     if (!o.symmetric.empty()) config.symmetry = symmetry_of(lesson, o);
     return std::make_unique<SimBackend>(config);
   }

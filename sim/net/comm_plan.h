@@ -50,8 +50,11 @@ struct Flow {
 struct CommPlan {
   Algorithm algorithm = Algorithm::Local;
   Protocol protocol = Protocol::Simple;
-  double latency_us = 0;      // NCCL's latency for the pick (sim/net/nccl_tuning.h) x nccl.latency_scale
-  double transfer_us = 0;     // the flows alone on the machine, sharing links max-min fairly
+  double latency_us = 0;   // NCCL's latency for the pick (sim/net/nccl_tuning.h) x nccl.latency_scale
+  double transfer_us = 0;  // the flows alone on the machine, sharing links max-min fairly
+  // Thread blocks NCCL launches on every member's GPU: one per channel, each resident on one SM for the
+  // whole call (NCCL 2.21.5 src/enqueue.cc launches the kernel with a grid of nChannels blocks).
+  int channels = 0;
   std::vector<LinkId> links;  // every flow's path, back to back
   std::vector<Flow> flows;
 

@@ -183,7 +183,10 @@ CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std:
   }
   Candidate chosen = all[best];
   chosen.transfer_us = transfer_of(g, op, chosen, bytes, root, true);
-  return scaled(shape(g, op, chosen.algorithm, root), chosen, bytes);
+  CommPlan plan = scaled(shape(g, op, chosen.algorithm, root), chosen, bytes);
+  plan.channels =
+      nccl_launch(op, chosen.algorithm, chosen.protocol, g.layout.shape, static_cast<double>(bytes)).channels;
+  return plan;
 }
 
 CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
@@ -226,6 +229,9 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
           topo_.profile().nccl.latency_scale +
       plan.latency_us;
   plan.transfer_us = fluid_transfer_us(topo_, plan);
+  plan.channels =
+      nccl_launch(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total))
+          .channels;
   return plan;
 }
 
@@ -268,6 +274,8 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   plan.latency_us =
       nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b) * topo_.profile().nccl.latency_scale +
       plan.latency_us;
+  // The channels NCCL's size rule gives a call of this size (its per-peer channel setting is not modelled).
+  plan.channels = nccl_launch(CommOp::Send, Algorithm::Direct, p, gs, b).channels;
   const double occupy = 1.0 / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;
