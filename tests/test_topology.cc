@@ -197,6 +197,48 @@ TEST(Topology, FatTreeSizedForTheCluster) {
   EXPECT_EQ(big.link_name(static_cast<LinkId>(big.link_count() - 1)).rfind("spine", 0), 0u);
 }
 
+// Connections between NICs of one rail (rings, trees, and with PXN every message between nodes) spread
+// over every spine, whatever the spine count: a hash whose modulo kept only its low bits put all of them
+// on 2 of 16 spines.
+TEST(Topology, EcmpSpreadsOneRailsConnectionsOverTheSpines) {
+  for (const int radix : {64, 56, 48}) {
+    // 128 DGX H100: leaves of radix / 2 nodes, so 4, 5 and 6 leaves per rail on 16, 20 and 24 spines.
+    Profile p = profile("dgx-h100", 128);
+    p.fabric.switch_radix = radix;
+    const Topology t(p);
+    ASSERT_EQ(t.fabric_tiers(), 2);
+    ASSERT_GT(t.spines(), 1);
+    ASSERT_GT(t.leaves() / t.nics_per_node(), 1);
+    for (const int rail : {0, 5}) {
+      std::vector<int> per_spine(t.spines(), 0);
+      int pairs = 0;
+      for (int a = 0; a < t.nodes(); ++a) {
+        for (int b = 0; b < t.nodes(); ++b) {
+          const int src = a * t.nics_per_node() + rail, dst = b * t.nics_per_node() + rail;
+          if (t.leaf_of_nic(src) == t.leaf_of_nic(dst)) continue;
+          // The route takes the hashed spine: GPU, PCIe, NIC, leaf, then leaf -> spine.
+          const std::vector<LinkId> route = path(t, a * 8 + rail, b * 8 + rail);
+          ASSERT_EQ(route.size(), 8u);
+          const int spine = t.ecmp_spine(src, dst);
+          ASSERT_EQ(route[3], t.leaf_to_spine(t.leaf_of_nic(src), spine));
+          ++per_spine[spine];
+          ++pairs;
+        }
+      }
+      const double mean = static_cast<double>(pairs) / t.spines();
+      for (int s = 0; s < t.spines(); ++s) {
+        EXPECT_GT(per_spine[s], 0.75 * mean) << "radix " << radix << " rail " << rail << " spine " << s;
+        EXPECT_LT(per_spine[s], 1.25 * mean) << "radix " << radix << " rail " << rail << " spine " << s;
+      }
+    }
+  }
+  // The two directions of a pair are two connections, hashed apart.
+  const Topology t(profile("dgx-h100", 128));
+  int differ = 0;
+  for (int n = 32; n < 128; ++n) differ += t.ecmp_spine(0, n * 8) != t.ecmp_spine(n * 8, 0);
+  EXPECT_GT(differ, 0);
+}
+
 TEST(Topology, OversubscribedLeaves) {
   Profile p = profile("dgx-h100", 64);
   p.fabric.oversubscription = 3;  // 48 ports down, 16 up

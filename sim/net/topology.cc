@@ -236,6 +236,22 @@ void Topology::append_pcie(int from_switch, int to_switch, std::vector<LinkId>& 
   out.push_back(id(kCpuToPcie, to_switch));
 }
 
+int Topology::ecmp_spine(int src_nic, int dst_nic) const {
+  // ECMP: one spine per connection, a fixed function of its two ends, as a switch hashes a connection's
+  // header. The two NIC indices are mixed by splitmix64's finaliser (Steele, Lea and Flood, "Fast
+  // splittable pseudorandom number generators", OOPSLA 2014; the constants of Vigna's splitmix64.c),
+  // in which every input bit changes every output bit, so NICs that differ only in their high bits (one
+  // rail's NICs are 8 apart) still spread. The top 32 bits are then scaled to [0, spines) by a multiply
+  // and shift (Lemire, "A fast alternative to the modulo reduction", 2016): uniform for any spine count,
+  // where a modulo of a multiplicative hash keeps only its low bits.
+  std::uint64_t z = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(src_nic)) << 32) |
+                    static_cast<std::uint32_t>(dst_nic);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  return static_cast<int>(((z >> 32) * static_cast<std::uint64_t>(spines_)) >> 32);
+}
+
 void Topology::append_path(int src, int dst, std::vector<LinkId>& out) const {
   if (src == dst) return;
   if (node_of(src) == node_of(dst)) {
@@ -254,10 +270,7 @@ void Topology::append_path(int src, int dst, std::vector<LinkId>& out) const {
   const int src_nic = nic_of(src), dst_nic = nic_of(dst);
   const int src_leaf = leaf_of_nic(src_nic), dst_leaf = leaf_of_nic(dst_nic);
   if (src_leaf != dst_leaf) {
-    // ECMP: one spine per connection, picked by a hash of its two ends (Knuth's multiplicative hash).
-    const std::uint64_t h =
-        (static_cast<std::uint64_t>(src_nic) * 2654435761u) ^ static_cast<std::uint64_t>(dst_nic);
-    const int spine = static_cast<int>(h % static_cast<std::uint64_t>(spines_));
+    const int spine = ecmp_spine(src_nic, dst_nic);
     out.push_back(leaf_to_spine(src_leaf, spine));
     out.push_back(spine_to_leaf(spine, dst_leaf));
   }

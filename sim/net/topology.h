@@ -120,6 +120,9 @@ class Topology {
   LinkId spine_to_leaf(int spine, int leaf) const {
     return id(kSpineToLeaf, std::int64_t{leaf} * spines_ + spine);
   }
+  // The spine, in [0, spines()), that ECMP gives the connection from NIC `src_nic` to NIC `dst_nic` on
+  // different leaves: a fixed hash of the two, uniform over the spines for any spine count.
+  int ecmp_spine(int src_nic, int dst_nic) const;
   // Whether `id` joins a leaf and a spine: traffic between leaves, routed by a hash of its endpoints.
   bool is_spine_link(LinkId id) const {
     return id >= offsets_[kLeafToSpine] && id < offsets_[kSpineToLeaf + 1];
