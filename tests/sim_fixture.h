@@ -3,6 +3,7 @@
 #pragma once
 
 #include <functional>
+#include <numeric>
 #include <vector>
 
 #include "common/profile.h"
@@ -10,6 +11,13 @@
 #include "sim/sim_backend.h"
 
 namespace ranklab::testing {
+
+// Ranks 0 .. n-1, the group of a world's first n GPUs.
+inline std::vector<int> first(int n) {
+  std::vector<int> r(n);
+  std::iota(r.begin(), r.end(), 0);
+  return r;
+}
 
 inline SimConfig quiet_config(int nodes = 1) {
   SimConfig c;

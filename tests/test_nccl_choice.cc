@@ -16,15 +16,12 @@
 #include "sim/net/nccl_tuning.h"
 #include "sim/net/network_model.h"
 #include "sim/net/topology.h"
+#include "sim_fixture.h"
 
 namespace ranklab::sim {
 namespace {
 
-std::vector<int> first(int n) {
-  std::vector<int> r(n);
-  std::iota(r.begin(), r.end(), 0);
-  return r;
-}
+using testing::first;
 
 GroupShape shape_of(const char* profile, int nodes, int world) {
   Profile p = load_profile(profile);

@@ -29,11 +29,7 @@ Profile profile(const std::string& name, int nodes = 1) {
   return p;
 }
 
-std::vector<int> first(int n) {
-  std::vector<int> r(n);
-  std::iota(r.begin(), r.end(), 0);
-  return r;
-}
+using testing::first;
 
 // Per-link bytes after recording one plan, by link name.
 std::map<std::string, double> traffic(NetworkModel& m, const CommPlan& plan) {

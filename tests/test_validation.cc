@@ -15,15 +15,12 @@
 #include "common/profile.h"
 #include "sim/net/nccl_tuning.h"
 #include "sim/net/network_model.h"
+#include "sim_fixture.h"
 
 namespace ranklab::sim {
 namespace {
 
-std::vector<int> first(int n) {
-  std::vector<int> r(n);
-  std::iota(r.begin(), r.end(), 0);
-  return r;
-}
+using testing::first;
 
 struct Row {
   std::int64_t bytes;
