@@ -279,26 +279,26 @@ int node_index(int nodes) {
   return nodes <= 2 ? nodes - 1 : 2;
 }
 
-struct RingGraph {
-  int channels = 1;  // graph->nChannels after search.cc's duplication
-  double bw = 0;     // graph->bwIntra per channel
-};
-
-// The ring graph inside a node: the fastest speed a GPU's links can carry at least once, as many channels
-// of it as fit (at most MAXCHANNELS/2), then duplicated when the speed is at least 25 GB/s.
-RingGraph ring_graph(const GroupShape& g) {
-  RingGraph r;
-  const double total = std::max(g.intra_gbps, 1e-9);
-  const double speed = first_speed_within(intra_speeds(g.sm), total);
-  const int found = std::clamp(static_cast<int>(std::floor(total / speed + 1e-9)), 1, kMaxChannels / 2);
+// search.cc's last step: a graph of `found` channels at `speed` is duplicated (ncclTopoDupChannels: up to
+// MAXCHANNELS/2, each copy with its share of the speed) when the speed is at least 25 GB/s.
+NcclGraph duplicated(int found, double speed) {
+  NcclGraph r;
   r.channels = found;
-  r.bw = speed;
+  r.bw_intra_gbps = r.bw_inter_gbps = speed;
   if (speed >= 25.0) {
-    const int dup = std::min(found * 2, kMaxChannels / 2);
-    r.bw = speed / ((dup + found - 1) / found);
-    r.channels = dup;
+    r.channels = std::min(found * 2, kMaxChannels / 2);
+    r.bw_intra_gbps = r.bw_inter_gbps = speed / ((r.channels + found - 1) / found);
   }
   return r;
+}
+
+// The ring graph inside a node: the fastest speed a GPU's links can carry at least once, as many channels
+// of it as fit (at most MAXCHANNELS/2), then duplicated.
+NcclGraph ring_graph(const GroupShape& g) {
+  const double total = std::max(g.intra_gbps, 1e-9);
+  const double speed = first_speed_within(intra_speeds(g.sm), total);
+  return duplicated(std::clamp(static_cast<int>(std::floor(total / speed + 1e-9)), 1, kMaxChannels / 2),
+                    speed);
 }
 
 }  // namespace
@@ -321,8 +321,8 @@ int nccl_coll_channels(const GroupShape& g) {
 }
 
 double nccl_ring_graph_bw(const GroupShape& g) {
-  const RingGraph r = ring_graph(g);
-  return r.channels * r.bw;
+  const NcclGraph r = ring_graph(g);
+  return r.channels * r.bw_intra_gbps;
 }
 
 double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g) {
@@ -390,23 +390,12 @@ NcclGraph nccl_graph(Algorithm a, const GroupShape& g) {
     if (g.nodes > 1) r.bw_inter_gbps = first_speed_within(inter_speeds(g.sm), g.nic_gbps);
     return r;
   }
-  if (g.nodes == 1) {
-    const RingGraph ring = ring_graph(g);
-    r.channels = ring.channels;
-    r.bw_intra_gbps = r.bw_inter_gbps = ring.bw;
-    return r;
-  }
-  // Across nodes: one channel per NIC at the fastest inter-node speed a NIC carries, duplicated (the speed
-  // is at least 25 GB/s on every NIC of the profiles), the same speed inside the node (sameChannels).
+  if (g.nodes == 1) return ring_graph(g);
+  // Across nodes: one channel per NIC at the fastest inter-node speed a NIC carries, the same speed inside
+  // the node (sameChannels), duplicated when that speed allows (not on 200 Gb/s NICs, whose 24 GB/s does
+  // not).
   const double speed = first_speed_within(inter_speeds(g.sm), std::min(g.nic_gbps, intra));
-  const int found = std::clamp(std::max(1, g.nics), 1, kMaxChannels / 2);
-  r.channels = found;
-  r.bw_intra_gbps = r.bw_inter_gbps = speed;
-  if (speed >= 25.0) {
-    r.channels = std::min(found * 2, kMaxChannels / 2);
-    r.bw_intra_gbps = r.bw_inter_gbps = speed / ((r.channels + found - 1) / found);
-  }
-  return r;
+  return duplicated(std::clamp(g.nics, 1, kMaxChannels / 2), speed);
 }
 
 double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
