@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "common/errors.h"
 #include "sim/net/nccl_tuning.h"
@@ -89,7 +88,11 @@ std::vector<Candidate> NetworkModel::candidates(CommOp op, std::int64_t bytes, c
   std::vector<Candidate> out = latencies(op, bytes, ranks);
   if (out.front().algorithm == Algorithm::Local) return out;
   GroupEntry& g = group(ranks);
-  for (Candidate& c : out) c.transfer_us = transfer_of(g, op, c, bytes, root, true);
+  for (Candidate& c : out) {
+    const LaunchShape l =
+        nccl_launch(op, c.algorithm, c.protocol, g.layout.shape, static_cast<double>(bytes));
+    c.transfer_us = transfer_of(g, op, c, bytes, root, l);
+  }
   return out;
 }
 
@@ -117,17 +120,13 @@ std::vector<Candidate> NetworkModel::latencies(CommOp op, std::int64_t bytes, co
 }
 
 double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root,
-                                 bool launch) {
+                                 const LaunchShape& launch) {
   const double s = static_cast<double>(bytes);
   const GroupShape& gs = g.layout.shape;
   double us = s * shape(g, op, c.algorithm, root).unit_us / occupancy(op, c, gs, s);
   const double cap_gbps = nccl_bus_bw_cap(op, c.algorithm, c.protocol, gs);
   if (std::isfinite(cap_gbps)) us = std::max(us, s * nccl_bus_factor(op, c.algorithm, gs) / (cap_gbps * 1e3));
-  if (launch) {
-    const LaunchShape l = nccl_launch(op, c.algorithm, c.protocol, gs, s);
-    us *= nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, l);
-  }
-  return us;
+  return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch);
 }
 
 CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t bytes) const {
@@ -182,10 +181,10 @@ CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std:
     }
   }
   Candidate chosen = all[best];
-  chosen.transfer_us = transfer_of(g, op, chosen, bytes, root, true);
+  const LaunchShape launch = nccl_launch(op, chosen.algorithm, chosen.protocol, gs, s);
+  chosen.transfer_us = transfer_of(g, op, chosen, bytes, root, launch);
   CommPlan plan = scaled(shape(g, op, chosen.algorithm, root), chosen, bytes);
-  plan.channels =
-      nccl_launch(op, chosen.algorithm, chosen.protocol, g.layout.shape, static_cast<double>(bytes)).channels;
+  plan.channels = launch.channels;
   return plan;
 }
 

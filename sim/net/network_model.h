@@ -109,9 +109,10 @@ class NetworkModel {
   // The candidates with their latencies only (transfer 0): cheap, no flows built.
   std::vector<Candidate> latencies(CommOp op, std::int64_t bytes, const std::vector<int>& ranks);
   // The transfer time of candidate `c`: the flows at the protocol's efficiency, at most NCCL's bandwidth
-  // cap for it; with `launch`, also at the channels NCCL launches for this size and through the fill and
-  // drain of its pipeline (NCCL chooses the algorithm without these, and runs with them).
-  double transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root, bool launch);
+  // cap for it, at the channels of `launch` (NCCL's for this size) and through the fill and drain of its
+  // pipeline.
+  double transfer_of(GroupEntry& g, CommOp op, const Candidate& c, std::int64_t bytes, int root,
+                     const LaunchShape& launch);
 
   Topology topo_;
   NetworkOptions options_;
