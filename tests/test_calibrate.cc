@@ -10,6 +10,7 @@
 #include "common/measurements.h"
 #include "common/profile.h"
 #include "common/replay.h"
+#include "sim/measured_sim.h"
 #include "sim/net/calibrate.h"
 #include "sim_fixture.h"
 
@@ -147,15 +148,7 @@ std::string nccl_tests_log(const Profile& p, int world, std::int64_t min_bytes, 
 
 // Simulates a measurement read from a log the way `ranklab compare` and `calibrate` do.
 Simulate replay_of(const RunReport& measured) {
-  return [&measured](const Profile& p) {
-    SimConfig config;
-    config.profile = p;
-    config.echo_output = false;
-    SimBackend sim(config);
-    RunReport r = sim.launch(measured.world, replay_program(measured));
-    label_as_replay(r, measured);
-    return r;
-  };
+  return [&measured](const Profile& p) { return simulate_measured(measured, p); };
 }
 
 TEST(Calibrate, FromNcclTestsOutput) {
