@@ -522,4 +522,12 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
   return f;
 }
 
+double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l) {
+  if (a != Algorithm::Nvls && a != Algorithm::NvlsTree) return 0;
+  // NCCL's 5/6 is NVLS with NCCL_NVLS_CHUNKSIZE chunks, where the loops' waits are already part of it; a
+  // chunk of half that size pays half a wait more per loop than the 5/6 holds, one of a quarter three
+  // quarters. The first loop's waits are in NCCL's latency (hwLat), which was measured with one loop.
+  return kNvlsLoopOverheadUs * (l.chunks - 1) * std::max(0.0, 1 - l.chunk_bytes / kNvlsChunkBytes);
+}
+
 }  // namespace ranklab::sim

@@ -77,6 +77,19 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
 // fill and drain (chunks + depth - 1) / chunks.
 double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l);
 
+// What one loop of an NVLS channel costs beyond moving its bytes, in microseconds: at every loop the
+// kernel's warp groups (scatter, reduce and multicast, gather) hand the chunk on through flags in memory
+// across the switch, a wait of fixed length however small the chunk. NCCL picks smaller chunks for smaller
+// calls (computeCollChunkInfo: 64 KiB below 1 GiB on 8x H100, 32 KiB below 64 MiB), so the same wait is
+// spread over fewer bytes; this is why NVLS's bus bandwidth steps up where the chunk doubles (8x H100:
+// 437 GB/s at 512 MiB, 466 GB/s at 1 GiB [dgxc-benchmarking]; 8x B200: 722 and 816 GB/s at 1 and 2 GiB).
+// Fitted, by least squares on the log of bus bandwidth, to the NVLS rows of one sweep: 8x H100,
+// validation/h100x8-all_reduce-dgxc-benchmarking.log (docs/validation.md lists it as fitted).
+constexpr double kNvlsLoopOverheadUs = 2.3;
+// The time an NVLS or NVLSTree launch spends in its loops' waits beyond what NCCL's 5/6 holds (see
+// kNvlsLoopOverheadUs); 0 for other algorithms.
+double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l);
+
 // The algorithm bandwidth one NVLS channel sustains on an all_reduce, GB/s: NVLS needs its 16 channels
 // to reach NVLink 4's peak, and on NVLink 5 its 24 channels, not the links, bound it. Fitted to one
 // figure: 8x B300 (NVLink 5) reaching 845 GB/s of NVLS bus bandwidth, NVIDIA/nccl issue 2140 (845 / (2 x
