@@ -312,12 +312,9 @@ int gpu_sm(const std::string& name) {
 }
 
 int nccl_coll_channels(const GroupShape& g) {
-  if (g.nodes > 1) {
-    // One ring per NIC across nodes, duplicated in the search (NIC speeds are at least 25 GB/s) and again
-    // in ncclTopoPostset.
-    return std::min(kMaxChannels, 4 * std::max(1, g.nics));
-  }
-  return std::min(kMaxChannels, 2 * ring_graph(g).channels);
+  // The ring graph's channels (across nodes one per NIC, duplicated in the search only when the speed a
+  // NIC carries is at least 25 GB/s: not on 200 Gb/s NICs), duplicated again in ncclTopoPostset.
+  return std::min(kMaxChannels, 2 * nccl_graph(Algorithm::Ring, g).channels);
 }
 
 double nccl_ring_graph_bw(const GroupShape& g) {
