@@ -81,6 +81,24 @@ TEST(NcclModel, BandwidthTableByHand) {
               1e-3);
 }
 
+// The NVLS channels' ceiling (ranklab's, not NCCL's table): 20.1 GB/s of all_reduce a channel, 4/5 of it
+// for NVLSTree, whose narrowest warp group has 4 warps against NVLS's 5; in bus bandwidth (x 6/5).
+TEST(NcclModel, NvlsTreeChannelsCarryFourFifthsOfNvlsOnes) {
+  const GroupShape h100 = shape_of("dgx-h100", 1, 8), h100x2 = shape_of("dgx-h100", 2, 16);
+  const double nvls = nccl_bus_bw_cap(CommOp::AllReduce, Algorithm::Nvls, Protocol::Simple, h100);
+  const double tree = nccl_bus_bw_cap(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2);
+  EXPECT_NEAR(nvls, 16 * 20.1 * 6 / 5, 1e-9);
+  EXPECT_NEAR(tree, 16 * 20.1 * 4 / 5 * 6 / 5, 1e-9);
+  // Where it binds: two nodes of H100 peak at its 257 GB/s of algorithm bandwidth, below NVLink's 275.
+  Profile p = load_profile("dgx-h100");
+  p.nodes = 2;
+  NetworkModel m(p);
+  const std::int64_t bytes = std::int64_t{16} << 30;
+  const CommPlan plan = m.plan_collective(CommOp::AllReduce, bytes, first(16), -1);
+  EXPECT_EQ(plan.name(), "nvls_tree/simple");
+  EXPECT_NEAR(static_cast<double>(bytes) / (plan.transfer_us * 1e3), 16 * 20.1 * 4 / 5, 1.5);
+}
+
 struct Choice {
   const char* profile;
   int nodes, world;

@@ -359,7 +359,9 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
     // What one NVLS channel carries: its thread block copies through the switch's buffer with a bounded
     // number of requests in flight, whatever the link's speed. ranklab's own constant, fitted (the one
     // fitted NVLS figure, docs/validation.md).
-    return nccl_nvls_channels(g) * kNvlsChannelAlgGbps * nccl_bus_factor(op, a, g);
+    const double per_channel_gbps =
+        kNvlsChannelAlgGbps * (a == Algorithm::NvlsTree ? kNvlsTreeWarpFraction : 1.0);
+    return nccl_nvls_channels(g) * per_channel_gbps * nccl_bus_factor(op, a, g);
   }
   return inf;
 }

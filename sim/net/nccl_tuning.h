@@ -96,8 +96,17 @@ double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l);
 // 7/8) / 24 channels). It does not bind on Hopper (16 x 20.1 = 322 GB/s, above NVLink 4's 275).
 constexpr double kNvlsChannelAlgGbps = 20.1;
 
+// What an NVLSTree channel carries of what an NVLS channel does: the channel is as fast as its narrowest
+// warp group. NVLS's all_reduce kernel on one node gives the group that reduces and multicasts through the
+// switch 5 of its 20 warps; NVLSTree's gives the group that receives from the network and multicasts 4, on
+// every node that has a parent in the channel's tree, and each channel has such a node (all_reduce.h of
+// NCCL 2.21.5: bcastWarps 4, reduceWarps 5). Taken from the source, not fitted: it binds on 2x8 H100
+// (16 x 20.1 x 4/5 = 257 GB/s of algorithm bandwidth, below NVLink's 275), not where the NICs bind first.
+constexpr double kNvlsTreeWarpFraction = 4.0 / 5.0;
+
 // NCCL's per-protocol bandwidth ceilings (llMaxBw, perChMaxRingLL128Bw, perChMaxTreeBw x channels), and
-// the NVLS channels' (kNvlsChannelAlgGbps), as bus bandwidth in GB/s; infinity where none applies.
+// the NVLS channels' (kNvlsChannelAlgGbps; x kNvlsTreeWarpFraction for NVLSTree), as bus bandwidth in
+// GB/s; infinity where none applies.
 double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 // Bus bytes per byte of nccl-tests size in NCCL's conversion (ring nsteps / nRanks, tree 2, NVLS 6/5).
 double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g);
