@@ -99,6 +99,29 @@ TEST(NcclModel, NvlsTreeChannelsCarryFourFifthsOfNvlsOnes) {
   EXPECT_NEAR(static_cast<double>(bytes) / (plan.transfer_us * 1e3), 16 * 20.1 * 4 / 5, 1.5);
 }
 
+// NVLSTree's network hops weigh in its pipeline for the part of a loop they take: algorithm bandwidth /
+// (2 x NICs x a NIC's rate), at most 1. One loop (one chunk per channel) then takes 3 NVLS stages plus the
+// weighed hops, 2 per tree level.
+TEST(NcclModel, NvlsTreeHopsWeighByTheirShareOfALoop) {
+  const GroupShape h100x2 = shape_of("dgx-h100", 2, 16), h100x4 = shape_of("dgx-h100", 4, 32);
+  ASSERT_EQ(h100x2.nics, 8);
+  EXPECT_DOUBLE_EQ(nccl_net_hop_weight(h100x2, 257.28), 257.28 / (2 * 8 * h100x2.nic_gbps));
+  EXPECT_DOUBLE_EQ(nccl_net_hop_weight(h100x2, 1e6), 1.0);
+  const double bytes = 4 << 20;
+  const LaunchShape two =
+      nccl_launch(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2, bytes);
+  const LaunchShape four =
+      nccl_launch(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x4, bytes);
+  EXPECT_EQ(two.depth, 3);
+  EXPECT_EQ(two.net_hops, 2);
+  EXPECT_EQ(four.net_hops, 4);
+  ASSERT_EQ(two.chunks, 1);
+  const double w = nccl_net_hop_weight(h100x2, 250);
+  EXPECT_DOUBLE_EQ(
+      nccl_launch_slowdown(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2, two, 250),
+      3 + 2 * w);
+}
+
 struct Choice {
   const char* profile;
   int nodes, world;

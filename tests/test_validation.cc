@@ -113,7 +113,7 @@ TEST(Validation, EveryRowOfTheSmallerTables) {
       {"dgx-h100-roce", 4, "ring", gib4, "ring/simple", 26109.24, 325, 0.03},  // [9], fitted
       {"dgx-h100-roce", 4, "ring", gib8, "ring/simple", 51792.88, 325, 0.03},  // [9], fitted
       {"dgx-h100-roce", 4, "", gib4, "ring/simple", 26109.24, 320, 0.03},      // [9]: NVLS on or off
-      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 17007.59, 430, 0},    // [9]: +10%
+      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 16919.11, 430, 0},    // [9]: +11%
       {"dgx-h100-roce", 2, "ring", gib4, "ring/simple", 25069.05, 330, 0.03},  // [9]
   };
   for (const TableRow& r : rows) {

@@ -497,14 +497,23 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
   // Pipeline stages a chunk passes through before the next can use them, from the kernels' structure
   // (src/device/all_reduce.h): NVLS all_reduce scatters into the switch buffer, reduces and multicasts
   // there, and gathers out (3); all_gather and reduce_scatter have one copy stage besides the switch (2);
-  // NVLSTree adds a tree step up and down per tree level. Rings and trees run every step on every rank at
-  // once, so NCCL's per-step latencies already hold their fill.
+  // NVLSTree adds a network hop up and down per tree level. Rings and trees run every step on every rank
+  // at once, so NCCL's per-step latencies already hold their fill.
   if (a == Algorithm::Nvls) l.depth = op == CommOp::AllReduce ? 3 : 2;
-  if (a == Algorithm::NvlsTree) l.depth = 3 + 2 * log2i(g.nodes);
+  if (a == Algorithm::NvlsTree) {
+    l.depth = 3;
+    l.net_hops = 2 * log2i(g.nodes);
+  }
   return l;
 }
 
-double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l) {
+double nccl_net_hop_weight(const GroupShape& g, double alg_gbps) {
+  const double nics_gbps = 2.0 * std::max(1, g.nics) * std::max(g.nic_gbps, 1e-9);
+  return std::min(1.0, alg_gbps / nics_gbps);
+}
+
+double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
+                            double alg_gbps) {
   (void)op;
   (void)p;
   double f = 1.0;
@@ -517,7 +526,8 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
     const double graph_channels = std::max(1, nccl_coll_channels(g) / 2);
     f *= std::max(1.0, graph_channels / l.channels);
   }
-  f *= (l.chunks + l.depth - 1) / l.chunks;
+  const double stages = l.depth + (l.net_hops > 0 ? l.net_hops * nccl_net_hop_weight(g, alg_gbps) : 0.0);
+  f *= (l.chunks + stages - 1) / l.chunks;
   return f;
 }
 

@@ -67,6 +67,7 @@ struct LaunchShape {
   double chunk_bytes = 0;
   double chunks = 1;  // per channel, in sequence (at least 1)
   int depth = 1;      // pipeline stages a chunk passes through; the first chunk fills them
+  int net_hops = 0;   // NVLSTree: the network hops a chunk takes besides, up and down each tree level
 };
 // getChannnelThreadInfo and computeCollChunkInfo of src/enqueue.cc for a call of `bytes` (nccl-tests size)
 // that runs (a, p).
@@ -74,8 +75,16 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
 
 // The fraction of the full-channel transfer time that the launch adds: comm->nChannels / channels for
 // rings and trees (NCCL scales bandwidth with the channels used, ncclTopoGetAlgoTime), times the pipeline's
-// fill and drain (chunks + depth - 1) / chunks.
-double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l);
+// fill and drain (chunks + stages - 1) / chunks. NVLSTree's network hops count as stages for the part of a
+// loop's time they take (nccl_net_hop_weight), given the plan's algorithm bandwidth `alg_gbps`.
+double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
+                            double alg_gbps);
+// How long one of NVLSTree's network hops takes, as a fraction of a loop of its pipeline (at most 1): a loop
+// moves channels x heads x chunk bytes of the message at the plan's algorithm bandwidth; a hop sends, from
+// each NIC, the chunks of the half of the channels whose tree sends that way from this node. So the
+// fraction is alg_gbps / (2 x NICs x a NIC's rate): 257 / (2 x 8 x 50) = 0.32 on 2x8 H100, where NVLink
+// and the channels bound the loop; 0.47 on 2x8 B200, whose NICs bound it.
+double nccl_net_hop_weight(const GroupShape& g, double alg_gbps);
 
 // What one loop of an NVLS channel costs beyond moving its bytes, in microseconds: at every loop the
 // kernel's warp groups (scatter, reduce and multicast, gather) hand the chunk on through flags in memory

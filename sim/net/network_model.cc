@@ -126,7 +126,8 @@ double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, s
   double us = s * shape(g, op, c.algorithm, root).unit_us / occupancy(op, c, gs, s);
   const double cap_gbps = nccl_bus_bw_cap(op, c.algorithm, c.protocol, gs);
   if (std::isfinite(cap_gbps)) us = std::max(us, s * nccl_bus_factor(op, c.algorithm, gs) / (cap_gbps * 1e3));
-  return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch) +
+  const double alg_gbps = us > 0 ? s / (us * 1e3) : 0;
+  return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch, alg_gbps) +
          nccl_loop_overhead_us(c.algorithm, launch);
 }
 
