@@ -357,8 +357,8 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
   }
   if ((a == Algorithm::Nvls || a == Algorithm::NvlsTree) && op == CommOp::AllReduce) {
     // What one NVLS channel carries: its thread block copies through the switch's buffer with a bounded
-    // number of requests in flight, whatever the link's speed. ranklab's own constant, fitted (the one
-    // fitted NVLS figure, docs/validation.md).
+    // number of requests in flight, whatever the link's speed. ranklab's own constant, fitted to one
+    // figure (docs/validation.md lists it); NVLSTree's channel carries 4/5 of it (kNvlsTreeWarpFraction).
     const double per_channel_gbps =
         kNvlsChannelAlgGbps * (a == Algorithm::NvlsTree ? kNvlsTreeWarpFraction : 1.0);
     return nccl_nvls_channels(g) * per_channel_gbps * nccl_bus_factor(op, a, g);
