@@ -122,6 +122,41 @@ TEST(NcclModel, NvlsTreeHopsWeighByTheirShareOfALoop) {
       3 + 2 * w);
 }
 
+// NCCL 2.21.5's pieces of one peer's message, by hand (ncclTopoComputeP2pChannels, scheduleP2pTasksToPlan,
+// calcP2pChunkSize). 8x H100: comm->nChannels 24, so p2pnChannels 32; a peer's channels min(24, 2 x 18
+// NVLink links), rounded up to 32; the fewest, 32 halved until 8 ranks x them fit 32: 4. Steps of 512 KiB
+// (NCCL_P2P_NVL_CHUNKSIZE), pieces of at least 64 KiB and at most 16 MiB while channels can double. Across
+// 2x8 H100: a peer gets 2 channels (the NICs'), steps of 128 KiB and pieces of at most 128 KiB while they
+// can double, which they cannot beyond 2.
+TEST(NcclModel, PointToPointPiecesFollowNccl2215) {
+  const GroupShape h100 = shape_of("dgx-h100", 1, 8), h100x2 = shape_of("dgx-h100", 2, 16);
+  struct Case {
+    const GroupShape& comm;
+    double bytes;
+    int parts;
+    double part_bytes, steps;
+  };
+  const double kib = 1024, mib = 1024 * kib;
+  const std::vector<Case> cases = {
+      {h100, 64 * kib, 1, 64 * kib, 1},      // one piece of the 64 KiB minimum
+      {h100, 1 * mib, 4, 256 * kib, 1},      // the fewest channels, a piece each
+      {h100, 64 * mib, 4, 16 * mib, 32},     // 4 pieces at the 16 MiB maximum
+      {h100, 128 * mib, 8, 16 * mib, 32},    // over it: the channels double
+      {h100, 1024 * mib, 32, 32 * mib, 64},  // all 32 channels, pieces past the maximum
+      {h100x2, 1 * mib, 2, 512 * kib, 4},    // across nodes: the 2 channels of a peer
+      {h100x2, 64 * mib, 2, 32 * mib, 256},
+  };
+  for (const Case& c : cases) {
+    const P2pLaunch l = nccl_p2p_launch(c.comm, c.bytes);
+    EXPECT_EQ(l.parts, c.parts) << c.bytes;
+    EXPECT_EQ(l.part_bytes, c.part_bytes) << c.bytes;
+    EXPECT_EQ(l.steps, c.steps) << c.bytes;
+    EXPECT_DOUBLE_EQ(nccl_p2p_slowdown(c.comm, Protocol::Simple, c.bytes), (c.steps + 1) / c.steps);
+  }
+  // LL streams line by line: no fill.
+  EXPECT_EQ(nccl_p2p_slowdown(h100, Protocol::LL, 8 * kib), 1.0);
+}
+
 struct Choice {
   const char* profile;
   int nodes, world;

@@ -531,6 +531,67 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
   return f;
 }
 
+namespace {
+
+int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// The NCCL_P2P_*_CHUNKSIZE defaults (init.cc): across nodes (NET), all NVLink, otherwise (PCI).
+constexpr double kP2pNetChunkBytes = 128 * 1024;
+constexpr double kP2pNvlChunkBytes = 512 * 1024;
+constexpr double kP2pPciChunkBytes = 128 * 1024;
+
+}  // namespace
+
+P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes) {
+  const int n = std::max(1, comm.ranks);
+  // ncclTopoComputeP2pChannels: comm->p2pnChannels from comm->nChannels; a peer's channels are the fewest
+  // any pair of GPUs gets: 2 per NVLink link through the switch, 2 over PCIe, and across nodes 2 (halved
+  // while 2 x nRanks exceeds 4 x p2pnChannels; one NIC per GPU here), all rounded up to powers of two.
+  const int p2p_channels = std::min(kMaxChannels, nccl_coll_channels(comm));
+  int peer_channels = comm.nvlink && comm.nvlink_links > 0 ? 2 * comm.nvlink_links : 2;
+  if (comm.nodes > 1) {
+    int net = 2;
+    while (net * n > p2p_channels * 4 && net > 1) net /= 2;
+    peer_channels = std::min(peer_channels, net);
+  }
+  const int per_peer = next_pow2(std::min(p2p_channels, peer_channels));
+  const int p2p_channels_pow2 = next_pow2(p2p_channels);
+  // scheduleP2pTasksToPlan: from a peer's channels down to what lets every peer have one of the
+  // communicator's channels at once.
+  int fewest = per_peer;
+  while (fewest * n > p2p_channels_pow2 && fewest > 1) fewest /= 2;
+  const double step = std::min(comm.nodes > 1 ? kP2pNetChunkBytes
+                               : comm.nvlink  ? kP2pNvlChunkBytes
+                                              : kP2pPciChunkBytes,
+                               kSimpleBuffBytes / kSteps);
+  const double min_size = comm.nodes > 1 ? step / 2 : step / 8;
+  const double max_size = comm.nodes > 1 ? step : step * 32;
+  // calcP2pChunkSize: a piece per channel of the fewest, more channels while a piece is over the maximum.
+  int channels = fewest;
+  double size = std::max(min_size, std::ceil(bytes / channels));
+  while (size > max_size && channels <= per_peer / 2) {
+    channels *= 2;
+    size = std::ceil(bytes / channels);
+  }
+  size = std::ceil(size / min_size) * min_size;
+  P2pLaunch l;
+  l.part_bytes = std::min(size, std::max(bytes, 1.0));
+  l.parts = static_cast<int>(std::max(1.0, std::ceil(bytes / size)));
+  l.step_bytes = step;
+  l.steps = std::max(1.0, std::ceil(l.part_bytes / step));
+  return l;
+}
+
+double nccl_p2p_slowdown(const GroupShape& comm, Protocol p, double bytes) {
+  if (p != Protocol::Simple || bytes <= 0) return 1.0;
+  const P2pLaunch l = nccl_p2p_launch(comm, bytes);
+  return (l.steps + 1) / l.steps;
+}
+
 double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l) {
   if (a != Algorithm::Nvls && a != Algorithm::NvlsTree) return 0;
   // NCCL's 5/6 is NVLS with NCCL_NVLS_CHUNKSIZE chunks, where the loops' waits are already part of it; a

@@ -45,6 +45,7 @@ struct GroupShape {
   int sm = 80;              // compute capability x 10 of the GPUs (70, 80, 90, 100)
   double intra_gbps = 0;    // what NCCL sustains from one GPU into the node: NVLink (or PCIe), per direction
   int nics = 1;             // NICs every node's members reach (several nodes)
+  int nvlink_links = 0;     // NVLink links of a GPU (0 without NVLink)
   double nic_gbps = 0;      // one NIC's line rate, as NCCL reads it (its speed in Mb/s / 8000)
 };
 
@@ -163,5 +164,20 @@ double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& 
 
 // NCCL sends point-to-point messages up to this size with the LL protocol (NCCL_P2P_LL_THRESHOLD).
 constexpr double kP2pLlThresholdBytes = 16384;
+
+// How NCCL cuts one peer's send (or receive) of a grouped point-to-point call, on a communicator of the
+// shape `comm` (ncclTopoComputeP2pChannels of src/graph/paths.cc; scheduleP2pTasksToPlan and
+// calcP2pChunkSize of src/enqueue.cc; the NCCL_P2P_*_CHUNKSIZE defaults of src/init.cc; 2.21.5).
+struct P2pLaunch {
+  int parts = 1;          // pieces of the message, each a work element on its own channel
+  double part_bytes = 0;  // the size of a piece (the last may be smaller)
+  double step_bytes = 0;  // comm->p2pChunkSize: what one step moves through the peer's buffer
+  double steps = 1;       // steps of one piece, one after another
+};
+P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes);
+// The fill and drain of a piece's pipeline, as a factor on its bandwidth time: a step is copied into the
+// peer's buffer by the sender's thread block and out of it by the receiver's, two stages, so K steps take
+// K + 1 step times. LL (up to NCCL_P2P_LL_THRESHOLD) flags every line and streams: 1.
+double nccl_p2p_slowdown(const GroupShape& comm, Protocol p, double bytes);
 
 }  // namespace ranklab::sim
