@@ -12,13 +12,18 @@
 //                         refinements of ncclTopoTuneModel, treeCorrectionFactor, ncclTopoGetAlgoTime,
 //                         getNetOverhead, NCCL_NTHREADS defaults, threadThresholds
 //   src/enqueue.cc        getChannnelThreadInfo (channels and threads by size), computeCollChunkInfo
-//                         (chunk sizes per algorithm and protocol), computeCollSteps (steps per chunk)
+//                         (chunk sizes per algorithm and protocol), computeCollSteps (steps per chunk),
+//                         scheduleP2pTasksToPlan and calcP2pChunkSize (a peer's pieces)
+//   src/graph/paths.cc    ncclTopoComputeP2pChannels (a peer's channels)
+//   src/init.cc           NCCL_P2P_NET_CHUNKSIZE, NCCL_P2P_NVL_CHUNKSIZE, NCCL_P2P_PCI_CHUNKSIZE
+//   src/device/all_reduce.h  the warps of NVLS's and NVLSTree's groups (kNvlsTreeWarpFraction)
 //   src/include/device.h  NCCL_STEPS, NCCL_*_MAX_NTHREADS, NCCL_*_THREAD_THRESHOLD, buffer sizes
 //   src/graph/search.cc   the speed arrays and channel duplication that give comm->nChannels
 //   src/graph/connect.cc  the second duplication of channels (ncclTopoPostset)
 //   src/transport/nvls.cc NCCL_NVLS_NCHANNELS (16) and NCCL_NVLS_CHUNKSIZE (128 KiB)
 // nccl_tuning.cc cites each one where it is used. ranklab's own part is how they are applied to flows
-// over links, and the pipeline depth of NVLS (the stages of its kernel), both said where they are used.
+// over links, the pipeline depth of NVLS (the stages of its kernel) and of a point-to-point piece, and the
+// two fitted NVLS constants (kNvlsChannelAlgGbps, kNvlsLoopOverheadUs), each said where it is used.
 //
 // NCCL picks, for each call, the (algorithm, protocol) with the least predicted time, latency + bytes /
 // bandwidth; ranklab predicts the bandwidth part from the flows of the plan on the modelled links instead
