@@ -74,8 +74,8 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
   const Profile profile = load_profile("dgx-h100");
   // The "measured" machine: slower links, more latency and less efficient kernels than the profile says.
   Profile truth = profile;
-  truth.gpu.compute_efficiency = 0.5;
-  truth.gpu.memory_efficiency = 0.6;
+  truth.gpu.compute_efficiency = 0.45;
+  truth.gpu.memory_efficiency = 0.5;
   truth.nvlink.efficiency = 0.55;
   truth.nvlink.latency_us = 0.9;
   truth.nic.efficiency = 0.7;
@@ -99,8 +99,8 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
   EXPECT_LT(after, 0.03) << format_calibration(c);
 
   // The efficiencies are recovered (kernels and large messages pin them down).
-  EXPECT_NEAR(fitted.gpu.compute_efficiency, 0.5, 0.01) << format_calibration(c);
-  EXPECT_NEAR(fitted.gpu.memory_efficiency, 0.6, 0.01) << format_calibration(c);
+  EXPECT_NEAR(fitted.gpu.compute_efficiency, 0.45, 0.01) << format_calibration(c);
+  EXPECT_NEAR(fitted.gpu.memory_efficiency, 0.5, 0.01) << format_calibration(c);
   EXPECT_NEAR(fitted.nvlink.efficiency, 0.55, 0.03) << format_calibration(c);
   // Every value fitted says where it came from.
   EXPECT_TRUE(contains(text, "Fitted by `ranklab calibrate` on 2030-01-02 to measured.json")) << text;

@@ -81,6 +81,82 @@ TEST(NcclModel, BandwidthTableByHand) {
               1e-3);
 }
 
+// The NVLS channels' ceiling (ranklab's, not NCCL's table): 20.1 GB/s of all_reduce a channel, 4/5 of it
+// for NVLSTree, whose narrowest warp group has 4 warps against NVLS's 5; in bus bandwidth (x 6/5).
+TEST(NcclModel, NvlsTreeChannelsCarryFourFifthsOfNvlsOnes) {
+  const GroupShape h100 = shape_of("dgx-h100", 1, 8), h100x2 = shape_of("dgx-h100", 2, 16);
+  const double nvls = nccl_bus_bw_cap(CommOp::AllReduce, Algorithm::Nvls, Protocol::Simple, h100);
+  const double tree = nccl_bus_bw_cap(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2);
+  EXPECT_NEAR(nvls, 16 * 20.1 * 6 / 5, 1e-9);
+  EXPECT_NEAR(tree, 16 * 20.1 * 4 / 5 * 6 / 5, 1e-9);
+  // Where it binds: two nodes of H100 peak at its 257 GB/s of algorithm bandwidth, below NVLink's 275.
+  Profile p = load_profile("dgx-h100");
+  p.nodes = 2;
+  NetworkModel m(p);
+  const std::int64_t bytes = std::int64_t{16} << 30;
+  const CommPlan plan = m.plan_collective(CommOp::AllReduce, bytes, first(16), -1);
+  EXPECT_EQ(plan.name(), "nvls_tree/simple");
+  EXPECT_NEAR(static_cast<double>(bytes) / (plan.transfer_us * 1e3), 16 * 20.1 * 4 / 5, 1.5);
+}
+
+// NVLSTree's network hops weigh in its pipeline for the part of a loop they take: algorithm bandwidth /
+// (2 x NICs x a NIC's rate), at most 1. One loop (one chunk per channel) then takes 3 NVLS stages plus the
+// weighed hops, 2 per tree level.
+TEST(NcclModel, NvlsTreeHopsWeighByTheirShareOfALoop) {
+  const GroupShape h100x2 = shape_of("dgx-h100", 2, 16), h100x4 = shape_of("dgx-h100", 4, 32);
+  ASSERT_EQ(h100x2.nics, 8);
+  EXPECT_DOUBLE_EQ(nccl_net_hop_weight(h100x2, 257.28), 257.28 / (2 * 8 * h100x2.nic_gbps));
+  EXPECT_DOUBLE_EQ(nccl_net_hop_weight(h100x2, 1e6), 1.0);
+  const double bytes = 4 << 20;
+  const LaunchShape two =
+      nccl_launch(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2, bytes);
+  const LaunchShape four =
+      nccl_launch(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x4, bytes);
+  EXPECT_EQ(two.depth, 3);
+  EXPECT_EQ(two.net_hops, 2);
+  EXPECT_EQ(four.net_hops, 4);
+  ASSERT_EQ(two.chunks, 1);
+  const double w = nccl_net_hop_weight(h100x2, 250);
+  EXPECT_DOUBLE_EQ(
+      nccl_launch_slowdown(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2, two, 250),
+      3 + 2 * w);
+}
+
+// NCCL 2.21.5's pieces of one peer's message, by hand (ncclTopoComputeP2pChannels, scheduleP2pTasksToPlan,
+// calcP2pChunkSize). 8x H100: comm->nChannels 24, so p2pnChannels 32; a peer's channels min(24, 2 x 18
+// NVLink links), rounded up to 32; the fewest, 32 halved until 8 ranks x them fit 32: 4. Steps of 512 KiB
+// (NCCL_P2P_NVL_CHUNKSIZE), pieces of at least 64 KiB and at most 16 MiB while channels can double. Across
+// 2x8 H100: a peer gets 2 channels (the NICs'), steps of 128 KiB and pieces of at most 128 KiB while they
+// can double, which they cannot beyond 2.
+TEST(NcclModel, PointToPointPiecesFollowNccl2215) {
+  const GroupShape h100 = shape_of("dgx-h100", 1, 8), h100x2 = shape_of("dgx-h100", 2, 16);
+  struct Case {
+    const GroupShape& comm;
+    double bytes;
+    int parts;
+    double part_bytes, steps;
+  };
+  const double kib = 1024, mib = 1024 * kib;
+  const std::vector<Case> cases = {
+      {h100, 64 * kib, 1, 64 * kib, 1},      // one piece of the 64 KiB minimum
+      {h100, 1 * mib, 4, 256 * kib, 1},      // the fewest channels, a piece each
+      {h100, 64 * mib, 4, 16 * mib, 32},     // 4 pieces at the 16 MiB maximum
+      {h100, 128 * mib, 8, 16 * mib, 32},    // over it: the channels double
+      {h100, 1024 * mib, 32, 32 * mib, 64},  // all 32 channels, pieces past the maximum
+      {h100x2, 1 * mib, 2, 512 * kib, 4},    // across nodes: the 2 channels of a peer
+      {h100x2, 64 * mib, 2, 32 * mib, 256},
+  };
+  for (const Case& c : cases) {
+    const P2pLaunch l = nccl_p2p_launch(c.comm, c.bytes);
+    EXPECT_EQ(l.parts, c.parts) << c.bytes;
+    EXPECT_EQ(l.part_bytes, c.part_bytes) << c.bytes;
+    EXPECT_EQ(l.steps, c.steps) << c.bytes;
+    EXPECT_DOUBLE_EQ(nccl_p2p_slowdown(c.comm, Protocol::Simple, c.bytes), (c.steps + 1) / c.steps);
+  }
+  // LL streams line by line: no fill.
+  EXPECT_EQ(nccl_p2p_slowdown(h100, Protocol::LL, 8 * kib), 1.0);
+}
+
 struct Choice {
   const char* profile;
   int nodes, world;
@@ -99,7 +175,9 @@ struct Choice {
 //    against Simple 56 + S/137.1 at 24 MB.
 //  2x 8 H100 all_reduce: tree LL128 (48.5 us, 165.6 x treeCorrection 0.6 at 256 KiB) beats tree LL (25.2
 //    us, 19.5 x 0.4) and NVLSTree (53 + S/266.7); NVLSTree from 1 MiB on.
-//  2x 8 A100 all_reduce, 1 GiB: the ring's 192 x 16/30 = 102.4 beats the tree's 176.6 / 2 = 88.3.
+//  2x 8 A100 all_reduce, 1 GiB: the ring's 192 x 16/30 = 102.4 beats the tree's 176.6 / 2 = 88.3. Its 8
+//    channels (one per 200 Gb/s NIC, at 24 GB/s) are not duplicated in the search (under 25 GB/s), only in
+//    ncclTopoPostset: comm->nChannels is 16.
 const std::vector<Choice> kChoices = {
     {"dgx-h100", 1, 8, CommOp::AllReduce, 8, "ring/ll", 1},
     {"dgx-h100", 1, 8, CommOp::AllReduce, 1 << 20, "ring/ll", 24},
@@ -117,7 +195,7 @@ const std::vector<Choice> kChoices = {
     {"dgx-h100", 2, 16, CommOp::AllReduce, 8, "tree/ll", 1},
     {"dgx-h100", 2, 16, CommOp::AllReduce, 256 << 10, "tree/ll128", 32},
     {"dgx-h100", 2, 16, CommOp::AllReduce, 1 << 20, "nvls_tree/simple", 16},
-    {"dgx-a100", 2, 16, CommOp::AllReduce, 1 << 30, "ring/simple", 32},
+    {"dgx-a100", 2, 16, CommOp::AllReduce, 1 << 30, "ring/simple", 16},
 };
 
 TEST(NcclModel, ChoiceFollowsNcclsTuning) {

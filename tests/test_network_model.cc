@@ -216,9 +216,15 @@ TEST(LinkBytes, AllToAllIsOneFlowPerPairOnItsPath) {
   const auto t = traffic(m, plan);
   for (const auto& [link, bytes] : t) EXPECT_EQ(bytes, 7 * s / 8) << link;
   EXPECT_EQ(t.size(), 16u);
-  // Alone: 7 S/8 over NVLink's sustained 450 x 0.824 GB/s (Simple, so nothing else slows it).
+  // Alone: 7 S/8 over NVLink's sustained 450 x 0.824 GB/s (Simple), through NCCL's point-to-point
+  // pipeline: each peer's 1 MiB goes as 4 pieces of 256 KiB (4 channels a peer on 8 ranks), one 512 KiB
+  // step each, copied into the peer's buffer and out of it: twice the bandwidth time.
   EXPECT_EQ(plan.protocol, Protocol::Simple);
-  EXPECT_DOUBLE_EQ(plan.transfer_us, 7 * s / 8 / (450 * 0.824 * 1e3));
+  const P2pLaunch piece = nccl_p2p_launch(layout_group(topo, first(8)).shape, s / 8);
+  EXPECT_EQ(piece.parts, 4);
+  EXPECT_EQ(piece.part_bytes, 256 * 1024);
+  EXPECT_EQ(piece.steps, 1);
+  EXPECT_DOUBLE_EQ(plan.transfer_us, 2 * 7 * s / 8 / (450 * 0.824 * 1e3));
 }
 
 TEST(Sharing, AnAllToAllSharesALinkAsOneFlowPerPair) {
@@ -326,9 +332,14 @@ TEST(Pxn, AllToAllOnTwoNodesByHand) {
   EXPECT_EQ(spine_bytes(b), 2 * 2 * 8 * 7 * mib);
   EXPECT_EQ(spine_bytes(a), 0);
   // Alone on the machine: the NICs are the busiest links either way, 8 MiB at 50 x 0.94 GB/s (the spine
-  // link, 2 x 50 x 0.94 GB/s, carries 14 MiB without PXN). PXN adds its NVLink hop, 2 x 0.3 us.
+  // link, 2 x 50 x 0.94 GB/s, carries 14 MiB without PXN). Across nodes NCCL gives a peer 2 channels and
+  // 128 KiB steps: each 1 MiB message goes as 2 pieces of 4 steps, 5/4 of their bandwidth time with the
+  // pipeline's fill. PXN adds its NVLink hop, 2 x 0.3 us.
   EXPECT_EQ(with.protocol, Protocol::Simple);
-  EXPECT_DOUBLE_EQ(with.transfer_us, s / 2 / (50 * 0.94 * 1e3));
+  const P2pLaunch piece = nccl_p2p_launch(layout_group(on.topology(), first(16)).shape, mib);
+  EXPECT_EQ(piece.parts, 2);
+  EXPECT_EQ(piece.steps, 4);
+  EXPECT_DOUBLE_EQ(with.transfer_us, 1.25 * s / 2 / (50 * 0.94 * 1e3));
   EXPECT_EQ(with.transfer_us, without.transfer_us);
   EXPECT_EQ(with.latency_us, without.latency_us + 0.3 + 0.3);
   EXPECT_NEAR(fluid_transfer_us(on.topology(), with), with.transfer_us, 1e-9 * with.transfer_us);
@@ -391,9 +402,10 @@ TEST(Pxn, AnUnevenAllToAllPutsTheHeavyPairOnItsRail) {
   const auto t = traffic(m, plan);
   EXPECT_EQ(t.at("nic5->leaf5"), heavy + 7 * kib);
   EXPECT_EQ(t.at("nic0->leaf0"), 8 * kib);
-  // Alone: NIC 5 is busy to the end, with the heavy message (Simple) and seven of 1 KiB at LL's half
-  // efficiency: (64 MiB + 7 x 2 KiB) at 47 GB/s.
-  EXPECT_NEAR(plan.transfer_us, (heavy + 14 * kib) / (50 * 0.94 * 1e3), 1e-9 * plan.transfer_us);
+  // Alone: NIC 5 is busy to the end, with the heavy message (Simple: 2 pieces of 256 steps of 128 KiB,
+  // 257/256 with the pipeline's fill) and seven of 1 KiB at LL's half efficiency (no fill): (64 MiB x
+  // 257/256 + 7 x 2 KiB) at 47 GB/s.
+  EXPECT_NEAR(plan.transfer_us, (heavy * 257 / 256 + 14 * kib) / (50 * 0.94 * 1e3), 1e-9 * plan.transfer_us);
 }
 
 TEST(Pxn, ScatterSpreadsOverTheRails) {
@@ -411,8 +423,9 @@ TEST(Pxn, ScatterSpreadsOverTheRails) {
   EXPECT_EQ(a.at("gpu0->nvswitch0"), 14 * mib);
   EXPECT_EQ(b.at("nic0->leaf0"), 8 * mib);
   EXPECT_EQ(b.at("gpu0->nvswitch0"), 7 * mib);
-  EXPECT_DOUBLE_EQ(with.transfer_us, 14 * mib / (450 * 0.824 * 1e3));
-  EXPECT_DOUBLE_EQ(without.transfer_us, 8 * mib / (50 * 0.94 * 1e3));
+  // Each 1 MiB piece goes as 2 parts of 4 steps of 128 KiB (across nodes): 5/4 with the pipeline's fill.
+  EXPECT_DOUBLE_EQ(with.transfer_us, 1.25 * 14 * mib / (450 * 0.824 * 1e3));
+  EXPECT_DOUBLE_EQ(without.transfer_us, 1.25 * 8 * mib / (50 * 0.94 * 1e3));
   EXPECT_EQ(with.latency_us, without.latency_us + 0.3 + 0.3);
 }
 
@@ -477,8 +490,9 @@ TEST(LinkBytes, SendFollowsThePathBetweenTheGpus) {
   const auto t = traffic(m, across);
   EXPECT_DOUBLE_EQ(t.at("nic1->leaf1"), 64 << 20);
   EXPECT_DOUBLE_EQ(t.at("pcie9->gpu9"), 64 << 20);
-  // 64 MiB through a 50 GB/s NIC at 94%: the NIC is the bottleneck.
-  EXPECT_NEAR(across.transfer_us, (64 << 20) / (47.0 * 1e3), 1e-9);
+  // 64 MiB through a 50 GB/s NIC at 94%: the NIC is the bottleneck. NCCL cuts it into 2 pieces of 256
+  // steps of 128 KiB: 257/256 with the pipeline's fill.
+  EXPECT_NEAR(across.transfer_us, (64 << 20) / (47.0 * 1e3) * 257 / 256, 1e-9);
 }
 
 TEST(LinkBytes, EveryPlanOfAGroupOfOneMovesNothing) {

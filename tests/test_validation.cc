@@ -76,7 +76,7 @@ TEST(Validation, H100NvlsAllReduce) {
   };
   // NVIDIA/nccl-tests issue 212: the reporter's algbw ~250 GB/s at 256 MiB (busbw ~440); the maintainer's
   // ~480 GB/s peak.
-  EXPECT_NEAR(busbw(256 << 20), 441.76, 0.01);
+  EXPECT_NEAR(busbw(256 << 20), 427.43, 0.01);
   EXPECT_LT(std::abs(busbw(256 << 20) / 437.5 - 1), 0.05);
   EXPECT_NEAR(busbw(std::int64_t{4} << 30), 476.19, 0.01);
   EXPECT_LT(std::abs(busbw(std::int64_t{4} << 30) / 480 - 1), 0.05);
@@ -113,7 +113,7 @@ TEST(Validation, EveryRowOfTheSmallerTables) {
       {"dgx-h100-roce", 4, "ring", gib4, "ring/simple", 26109.24, 325, 0.03},  // [9], fitted
       {"dgx-h100-roce", 4, "ring", gib8, "ring/simple", 51792.88, 325, 0.03},  // [9], fitted
       {"dgx-h100-roce", 4, "", gib4, "ring/simple", 26109.24, 320, 0.03},      // [9]: NVLS on or off
-      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 15934.35, 430, 0},    // [9]: +18%
+      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 16919.11, 430, 0},    // [9]: +11%
       {"dgx-h100-roce", 2, "ring", gib4, "ring/simple", 25069.05, 330, 0.03},  // [9]
   };
   for (const TableRow& r : rows) {
@@ -149,8 +149,8 @@ TEST(Validation, H100TableRowByRow) {
       {1024, "ring/ll", "ring/ll", 15.15, 15.15},
       {65536, "ring/ll", "ring/ll", 19.88, 19.88},
       {1 << 20, "ring/ll", "ring/ll", 28.01, 28.01},
-      {16 << 20, "nvls/simple", "ring/ll128", 116.62, 126.67},
-      {256 << 20, "nvls/simple", "ring/simple", 1063.40, 1322.89},
+      {16 << 20, "nvls/simple", "ring/ll128", 121.80, 126.67},
+      {256 << 20, "nvls/simple", "ring/simple", 1099.05, 1322.89},
       {gib, "nvls/simple", "ring/simple", 4056.42, 5123.55},
       {4 * gib, "nvls/simple", "ring/simple", 15784.18, 20326.21},
       {16 * gib, "nvls/simple", "ring/simple", 62695.23, 81136.83},
@@ -222,6 +222,31 @@ TEST(Golden, ChannelsThreadsAndChunksFollowNccl2215) {
     EXPECT_EQ(l.chunk_bytes, g.chunk_bytes) << what;
     EXPECT_EQ(l.chunks, g.chunks) << what;
   }
+}
+
+// The loops' waits (kNvlsLoopOverheadUs): nothing at NCCL's 128 KiB chunk, where its 5/6 holds them, and
+// for other chunks (1 - chunk / 128 KiB) of a wait for every loop after the first; never for rings.
+TEST(Golden, NvlsLoopsWaitBeyondWhatNcclsFiveSixthsHolds) {
+  LaunchShape l;
+  l.chunk_bytes = 131072;
+  l.chunks = 256;
+  EXPECT_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), 0);
+  l.chunk_bytes = 65536;
+  l.chunks = 32;
+  EXPECT_DOUBLE_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), kNvlsLoopOverheadUs * 31 * 0.5);
+  EXPECT_DOUBLE_EQ(nccl_loop_overhead_us(Algorithm::NvlsTree, l), kNvlsLoopOverheadUs * 31 * 0.5);
+  EXPECT_EQ(nccl_loop_overhead_us(Algorithm::Ring, l), 0);
+  l.chunk_bytes = 16384;
+  l.chunks = 1;
+  EXPECT_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), 0);  // the first loop's are in NCCL's latency
+  // What it explains: 8x H100's NVLS bus bandwidth steps up where the chunk doubles (1 GiB), as measured
+  // (437 -> 466 GB/s, dgxc-benchmarking), where without the waits it rose by 0.7% (460 -> 463).
+  NetworkModel m(load_profile("dgx-h100"));
+  auto busbw = [&](std::int64_t bytes) {
+    return 2.0 * 7 / 8 * static_cast<double>(bytes) / (model_us(m, CommOp::AllReduce, bytes, 8) * 1e3);
+  };
+  const std::int64_t mib = std::int64_t{1} << 20;
+  EXPECT_GT(busbw(1024 * mib) / busbw(512 * mib), 1.04);
 }
 
 // The model's choice of algorithm and protocol by size on 8x H100 (NCCL's selection: least latency +

@@ -90,6 +90,7 @@ GroupLayout layout_group(const Topology& topo, const std::vector<int>& ranks, bo
                                  : prof.pcie.bandwidth_gbps * prof.pcie.efficiency;
   s.nics = g.channels;
   s.nic_gbps = prof.nic.bandwidth_gbps;
+  s.nvlink_links = prof.has_nvlink ? prof.nvlink.links_per_gpu : 0;
   if (s.nodes > 1) {
     // Latency of the fabric beyond the first switch: nodes under different leaves go through spines.
     std::set<int> leaf_groups;

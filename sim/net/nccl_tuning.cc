@@ -312,12 +312,9 @@ int gpu_sm(const std::string& name) {
 }
 
 int nccl_coll_channels(const GroupShape& g) {
-  if (g.nodes > 1) {
-    // One ring per NIC across nodes, duplicated in the search (NIC speeds are at least 25 GB/s) and again
-    // in ncclTopoPostset.
-    return std::min(kMaxChannels, 4 * std::max(1, g.nics));
-  }
-  return std::min(kMaxChannels, 2 * ring_graph(g).channels);
+  // The ring graph's channels (across nodes one per NIC, duplicated in the search only when the speed a
+  // NIC carries is at least 25 GB/s: not on 200 Gb/s NICs), duplicated again in ncclTopoPostset.
+  return std::min(kMaxChannels, 2 * nccl_graph(Algorithm::Ring, g).channels);
 }
 
 double nccl_ring_graph_bw(const GroupShape& g) {
@@ -360,9 +357,11 @@ double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g) 
   }
   if ((a == Algorithm::Nvls || a == Algorithm::NvlsTree) && op == CommOp::AllReduce) {
     // What one NVLS channel carries: its thread block copies through the switch's buffer with a bounded
-    // number of requests in flight, whatever the link's speed. ranklab's own constant, fitted (the one
-    // fitted NVLS figure, docs/validation.md).
-    return nccl_nvls_channels(g) * kNvlsChannelAlgGbps * nccl_bus_factor(op, a, g);
+    // number of requests in flight, whatever the link's speed. ranklab's own constant, fitted to one
+    // figure (docs/validation.md lists it); NVLSTree's channel carries 4/5 of it (kNvlsTreeWarpFraction).
+    const double per_channel_gbps =
+        kNvlsChannelAlgGbps * (a == Algorithm::NvlsTree ? kNvlsTreeWarpFraction : 1.0);
+    return nccl_nvls_channels(g) * per_channel_gbps * nccl_bus_factor(op, a, g);
   }
   return inf;
 }
@@ -498,14 +497,23 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
   // Pipeline stages a chunk passes through before the next can use them, from the kernels' structure
   // (src/device/all_reduce.h): NVLS all_reduce scatters into the switch buffer, reduces and multicasts
   // there, and gathers out (3); all_gather and reduce_scatter have one copy stage besides the switch (2);
-  // NVLSTree adds a tree step up and down per tree level. Rings and trees run every step on every rank at
-  // once, so NCCL's per-step latencies already hold their fill.
+  // NVLSTree adds a network hop up and down per tree level. Rings and trees run every step on every rank
+  // at once, so NCCL's per-step latencies already hold their fill.
   if (a == Algorithm::Nvls) l.depth = op == CommOp::AllReduce ? 3 : 2;
-  if (a == Algorithm::NvlsTree) l.depth = 3 + 2 * log2i(g.nodes);
+  if (a == Algorithm::NvlsTree) {
+    l.depth = 3;
+    l.net_hops = 2 * log2i(g.nodes);
+  }
   return l;
 }
 
-double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l) {
+double nccl_net_hop_weight(const GroupShape& g, double alg_gbps) {
+  const double nics_gbps = 2.0 * std::max(1, g.nics) * std::max(g.nic_gbps, 1e-9);
+  return std::min(1.0, alg_gbps / nics_gbps);
+}
+
+double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
+                            double alg_gbps) {
   (void)op;
   (void)p;
   double f = 1.0;
@@ -518,8 +526,78 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
     const double graph_channels = std::max(1, nccl_coll_channels(g) / 2);
     f *= std::max(1.0, graph_channels / l.channels);
   }
-  f *= (l.chunks + l.depth - 1) / l.chunks;
+  const double stages = l.depth + (l.net_hops > 0 ? l.net_hops * nccl_net_hop_weight(g, alg_gbps) : 0.0);
+  f *= (l.chunks + stages - 1) / l.chunks;
   return f;
+}
+
+namespace {
+
+int next_pow2(int v) {
+  int p = 1;
+  while (p < v) p <<= 1;
+  return p;
+}
+
+// The NCCL_P2P_*_CHUNKSIZE defaults (init.cc): across nodes (NET), all NVLink, otherwise (PCI).
+constexpr double kP2pNetChunkBytes = 128 * 1024;
+constexpr double kP2pNvlChunkBytes = 512 * 1024;
+constexpr double kP2pPciChunkBytes = 128 * 1024;
+
+}  // namespace
+
+P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes) {
+  const int n = std::max(1, comm.ranks);
+  // ncclTopoComputeP2pChannels: comm->p2pnChannels from comm->nChannels; a peer's channels are the fewest
+  // any pair of GPUs gets: 2 per NVLink link through the switch, 2 over PCIe, and across nodes 2 (halved
+  // while 2 x nRanks exceeds 4 x p2pnChannels; one NIC per GPU here), all rounded up to powers of two.
+  const int p2p_channels = std::min(kMaxChannels, nccl_coll_channels(comm));
+  int peer_channels = comm.nvlink && comm.nvlink_links > 0 ? 2 * comm.nvlink_links : 2;
+  if (comm.nodes > 1) {
+    int net = 2;
+    while (net * n > p2p_channels * 4 && net > 1) net /= 2;
+    peer_channels = std::min(peer_channels, net);
+  }
+  const int per_peer = next_pow2(std::min(p2p_channels, peer_channels));
+  const int p2p_channels_pow2 = next_pow2(p2p_channels);
+  // scheduleP2pTasksToPlan: from a peer's channels down to what lets every peer have one of the
+  // communicator's channels at once.
+  int fewest = per_peer;
+  while (fewest * n > p2p_channels_pow2 && fewest > 1) fewest /= 2;
+  const double step = std::min(comm.nodes > 1 ? kP2pNetChunkBytes
+                               : comm.nvlink  ? kP2pNvlChunkBytes
+                                              : kP2pPciChunkBytes,
+                               kSimpleBuffBytes / kSteps);
+  const double min_size = comm.nodes > 1 ? step / 2 : step / 8;
+  const double max_size = comm.nodes > 1 ? step : step * 32;
+  // calcP2pChunkSize: a piece per channel of the fewest, more channels while a piece is over the maximum.
+  int channels = fewest;
+  double size = std::max(min_size, std::ceil(bytes / channels));
+  while (size > max_size && channels <= per_peer / 2) {
+    channels *= 2;
+    size = std::ceil(bytes / channels);
+  }
+  size = std::ceil(size / min_size) * min_size;
+  P2pLaunch l;
+  l.part_bytes = std::min(size, std::max(bytes, 1.0));
+  l.parts = static_cast<int>(std::max(1.0, std::ceil(bytes / size)));
+  l.step_bytes = step;
+  l.steps = std::max(1.0, std::ceil(l.part_bytes / step));
+  return l;
+}
+
+double nccl_p2p_slowdown(const GroupShape& comm, Protocol p, double bytes) {
+  if (p != Protocol::Simple || bytes <= 0) return 1.0;
+  const P2pLaunch l = nccl_p2p_launch(comm, bytes);
+  return (l.steps + 1) / l.steps;
+}
+
+double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l) {
+  if (a != Algorithm::Nvls && a != Algorithm::NvlsTree) return 0;
+  // NCCL's 5/6 is NVLS with NCCL_NVLS_CHUNKSIZE chunks, where the loops' waits are already part of it; a
+  // chunk of half that size pays half a wait more per loop than the 5/6 holds, one of a quarter three
+  // quarters. The first loop's waits are in NCCL's latency (hwLat), which was measured with one loop.
+  return kNvlsLoopOverheadUs * (l.chunks - 1) * std::max(0.0, 1 - l.chunk_bytes / kNvlsChunkBytes);
 }
 
 }  // namespace ranklab::sim

@@ -12,13 +12,18 @@
 //                         refinements of ncclTopoTuneModel, treeCorrectionFactor, ncclTopoGetAlgoTime,
 //                         getNetOverhead, NCCL_NTHREADS defaults, threadThresholds
 //   src/enqueue.cc        getChannnelThreadInfo (channels and threads by size), computeCollChunkInfo
-//                         (chunk sizes per algorithm and protocol), computeCollSteps (steps per chunk)
+//                         (chunk sizes per algorithm and protocol), computeCollSteps (steps per chunk),
+//                         scheduleP2pTasksToPlan and calcP2pChunkSize (a peer's pieces)
+//   src/graph/paths.cc    ncclTopoComputeP2pChannels (a peer's channels)
+//   src/init.cc           NCCL_P2P_NET_CHUNKSIZE, NCCL_P2P_NVL_CHUNKSIZE, NCCL_P2P_PCI_CHUNKSIZE
+//   src/device/all_reduce.h  the warps of NVLS's and NVLSTree's groups (kNvlsTreeWarpFraction)
 //   src/include/device.h  NCCL_STEPS, NCCL_*_MAX_NTHREADS, NCCL_*_THREAD_THRESHOLD, buffer sizes
 //   src/graph/search.cc   the speed arrays and channel duplication that give comm->nChannels
 //   src/graph/connect.cc  the second duplication of channels (ncclTopoPostset)
 //   src/transport/nvls.cc NCCL_NVLS_NCHANNELS (16) and NCCL_NVLS_CHUNKSIZE (128 KiB)
 // nccl_tuning.cc cites each one where it is used. ranklab's own part is how they are applied to flows
-// over links, and the pipeline depth of NVLS (the stages of its kernel), both said where they are used.
+// over links, the pipeline depth of NVLS (the stages of its kernel) and of a point-to-point piece, and the
+// two fitted NVLS constants (kNvlsChannelAlgGbps, kNvlsLoopOverheadUs), each said where it is used.
 //
 // NCCL picks, for each call, the (algorithm, protocol) with the least predicted time, latency + bytes /
 // bandwidth; ranklab predicts the bandwidth part from the flows of the plan on the modelled links instead
@@ -45,6 +50,7 @@ struct GroupShape {
   int sm = 80;              // compute capability x 10 of the GPUs (70, 80, 90, 100)
   double intra_gbps = 0;    // what NCCL sustains from one GPU into the node: NVLink (or PCIe), per direction
   int nics = 1;             // NICs every node's members reach (several nodes)
+  int nvlink_links = 0;     // NVLink links of a GPU (0 without NVLink)
   double nic_gbps = 0;      // one NIC's line rate, as NCCL reads it (its speed in Mb/s / 8000)
 };
 
@@ -67,6 +73,7 @@ struct LaunchShape {
   double chunk_bytes = 0;
   double chunks = 1;  // per channel, in sequence (at least 1)
   int depth = 1;      // pipeline stages a chunk passes through; the first chunk fills them
+  int net_hops = 0;   // NVLSTree: the network hops a chunk takes besides, up and down each tree level
 };
 // getChannnelThreadInfo and computeCollChunkInfo of src/enqueue.cc for a call of `bytes` (nccl-tests size)
 // that runs (a, p).
@@ -74,8 +81,29 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
 
 // The fraction of the full-channel transfer time that the launch adds: comm->nChannels / channels for
 // rings and trees (NCCL scales bandwidth with the channels used, ncclTopoGetAlgoTime), times the pipeline's
-// fill and drain (chunks + depth - 1) / chunks.
-double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l);
+// fill and drain (chunks + stages - 1) / chunks. NVLSTree's network hops count as stages for the part of a
+// loop's time they take (nccl_net_hop_weight), given the plan's algorithm bandwidth `alg_gbps`.
+double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
+                            double alg_gbps);
+// How long one of NVLSTree's network hops takes, as a fraction of a loop of its pipeline (at most 1): a loop
+// moves channels x heads x chunk bytes of the message at the plan's algorithm bandwidth; a hop sends, from
+// each NIC, the chunks of the half of the channels whose tree sends that way from this node. So the
+// fraction is alg_gbps / (2 x NICs x a NIC's rate): 257 / (2 x 8 x 50) = 0.32 on 2x8 H100, where NVLink
+// and the channels bound the loop; 0.47 on 2x8 B200, whose NICs bound it.
+double nccl_net_hop_weight(const GroupShape& g, double alg_gbps);
+
+// What one loop of an NVLS channel costs beyond moving its bytes, in microseconds: at every loop the
+// kernel's warp groups (scatter, reduce and multicast, gather) hand the chunk on through flags in memory
+// across the switch, a wait of fixed length however small the chunk. NCCL picks smaller chunks for smaller
+// calls (computeCollChunkInfo: 64 KiB below 1 GiB on 8x H100, 32 KiB below 64 MiB), so the same wait is
+// spread over fewer bytes; this is why NVLS's bus bandwidth steps up where the chunk doubles (8x H100:
+// 437 GB/s at 512 MiB, 466 GB/s at 1 GiB [dgxc-benchmarking]; 8x B200: 722 and 816 GB/s at 1 and 2 GiB).
+// Fitted, by least squares on the log of bus bandwidth, to the NVLS rows of one sweep: 8x H100,
+// validation/h100x8-all_reduce-dgxc-benchmarking.log (docs/validation.md lists it as fitted).
+constexpr double kNvlsLoopOverheadUs = 2.3;
+// The time an NVLS or NVLSTree launch spends in its loops' waits beyond what NCCL's 5/6 holds (see
+// kNvlsLoopOverheadUs); 0 for other algorithms.
+double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l);
 
 // The algorithm bandwidth one NVLS channel sustains on an all_reduce, GB/s: NVLS needs its 16 channels
 // to reach NVLink 4's peak, and on NVLink 5 its 24 channels, not the links, bound it. Fitted to one
@@ -83,8 +111,17 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
 // 7/8) / 24 channels). It does not bind on Hopper (16 x 20.1 = 322 GB/s, above NVLink 4's 275).
 constexpr double kNvlsChannelAlgGbps = 20.1;
 
+// What an NVLSTree channel carries of what an NVLS channel does: the channel is as fast as its narrowest
+// warp group. NVLS's all_reduce kernel on one node gives the group that reduces and multicasts through the
+// switch 5 of its 20 warps; NVLSTree's gives the group that receives from the network and multicasts 4, on
+// every node that has a parent in the channel's tree, and each channel has such a node (all_reduce.h of
+// NCCL 2.21.5: bcastWarps 4, reduceWarps 5). Taken from the source, not fitted: it binds on 2x8 H100
+// (16 x 20.1 x 4/5 = 257 GB/s of algorithm bandwidth, below NVLink's 275), not where the NICs bind first.
+constexpr double kNvlsTreeWarpFraction = 4.0 / 5.0;
+
 // NCCL's per-protocol bandwidth ceilings (llMaxBw, perChMaxRingLL128Bw, perChMaxTreeBw x channels), and
-// the NVLS channels' (kNvlsChannelAlgGbps), as bus bandwidth in GB/s; infinity where none applies.
+// the NVLS channels' (kNvlsChannelAlgGbps; x kNvlsTreeWarpFraction for NVLSTree), as bus bandwidth in
+// GB/s; infinity where none applies.
 double nccl_bus_bw_cap(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
 // Bus bytes per byte of nccl-tests size in NCCL's conversion (ring nsteps / nRanks, tree 2, NVLS 6/5).
 double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g);
@@ -132,5 +169,20 @@ double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& 
 
 // NCCL sends point-to-point messages up to this size with the LL protocol (NCCL_P2P_LL_THRESHOLD).
 constexpr double kP2pLlThresholdBytes = 16384;
+
+// How NCCL cuts one peer's send (or receive) of a grouped point-to-point call, on a communicator of the
+// shape `comm` (ncclTopoComputeP2pChannels of src/graph/paths.cc; scheduleP2pTasksToPlan and
+// calcP2pChunkSize of src/enqueue.cc; the NCCL_P2P_*_CHUNKSIZE defaults of src/init.cc; 2.21.5).
+struct P2pLaunch {
+  int parts = 1;          // pieces of the message, each a work element on its own channel
+  double part_bytes = 0;  // the size of a piece (the last may be smaller)
+  double step_bytes = 0;  // comm->p2pChunkSize: what one step moves through the peer's buffer
+  double steps = 1;       // steps of one piece, one after another
+};
+P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes);
+// The fill and drain of a piece's pipeline, as a factor on its bandwidth time: a step is copied into the
+// peer's buffer by the sender's thread block and out of it by the receiver's, two stages, so K steps take
+// K + 1 step times. LL (up to NCCL_P2P_LL_THRESHOLD) flags every line and streams: 1.
+double nccl_p2p_slowdown(const GroupShape& comm, Protocol p, double bytes);
 
 }  // namespace ranklab::sim

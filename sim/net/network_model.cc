@@ -126,7 +126,13 @@ double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, s
   double us = s * shape(g, op, c.algorithm, root).unit_us / occupancy(op, c, gs, s);
   const double cap_gbps = nccl_bus_bw_cap(op, c.algorithm, c.protocol, gs);
   if (std::isfinite(cap_gbps)) us = std::max(us, s * nccl_bus_factor(op, c.algorithm, gs) / (cap_gbps * 1e3));
-  return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch);
+  const double alg_gbps = us > 0 ? s / (us * 1e3) : 0;
+  // Grouped point-to-point (all_to_all's pairs, scatter's and gather's pieces): each peer's piece runs
+  // through the two-stage pipeline of NCCL's send and receive.
+  if (c.algorithm == Algorithm::Pairwise || c.algorithm == Algorithm::Direct)
+    us *= nccl_p2p_slowdown(gs, c.protocol, s / std::max(1, gs.ranks));
+  return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch, alg_gbps) +
+         nccl_loop_overhead_us(c.algorithm, launch);
 }
 
 CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t bytes) const {
@@ -212,10 +218,12 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   GroupEntry& g = group(ranks);
   const GroupShape& gs = g.layout.shape;
   CommPlan plan = pairwise_uneven_plan(topo_, g.layout, pair_bytes);
-  // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above).
+  // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above) and
+  // through the pipeline of its pieces (nccl_p2p_slowdown).
   for (Flow& f : plan.flows) {
-    f.bytes = f.payload_bytes /
-              nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p2p_protocol(f.payload_bytes), gs);
+    const Protocol p = p2p_protocol(f.payload_bytes);
+    f.bytes = f.payload_bytes / nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p, gs) *
+              nccl_p2p_slowdown(gs, p, f.payload_bytes);
   }
   // The kernel's latency is that of the largest message's protocol: the pair that ends last.
   plan.protocol = p2p_protocol(static_cast<double>(largest));
@@ -273,15 +281,27 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   plan.latency_us =
       nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b) * topo_.profile().nccl.latency_scale +
       plan.latency_us;
-  // The channels NCCL's size rule gives a call of this size (its per-peer channel setting is not modelled).
-  plan.channels = nccl_launch(CommOp::Send, Algorithm::Direct, p, gs, b).channels;
-  const double occupy = 1.0 / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
+  // The channels: one per piece NCCL cuts the message into on the world's communicator; the protocol's
+  // efficiency, and the fill of each piece's pipeline (nccl_p2p_launch).
+  plan.channels = nccl_p2p_launch(world_shape(), b).parts;
+  const double occupy =
+      nccl_p2p_slowdown(world_shape(), p, b) / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;
     f.bytes = f.payload_bytes * occupy;
   }
   plan.transfer_us = transfer_us(topo_, plan);
   return plan;
+}
+
+const GroupShape& NetworkModel::world_shape() {
+  if (!world_shape_) {
+    const int world = world_ranks_ > 0 ? std::min(world_ranks_, topo_.gpus()) : topo_.gpus();
+    std::vector<int> all(static_cast<std::size_t>(world));
+    for (int r = 0; r < world; ++r) all[static_cast<std::size_t>(r)] = r;
+    world_shape_ = layout_group(topo_, all, false).shape;
+  }
+  return *world_shape_;
 }
 
 void NetworkModel::set_world_ranks(int ranks) {
@@ -291,6 +311,7 @@ void NetworkModel::set_world_ranks(int ranks) {
   }
   world_ranks_ = ranks;
   p2p_relays_.clear();
+  world_shape_.reset();
 }
 
 void NetworkModel::record(const CommPlan& plan) {

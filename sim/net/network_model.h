@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -120,6 +121,10 @@ class NetworkModel {
   std::vector<double> link_bytes_;  // by LinkId, allocated at the first record
   int world_ranks_ = 0;
   std::unordered_map<int, std::vector<int>> p2p_relays_;  // by node: pxn_relays of the world's GPUs there
+  // The world communicator's shape, which sizes NCCL's point-to-point pieces (nccl_p2p_launch); built at
+  // the first send and again after set_world_ranks.
+  std::optional<GroupShape> world_shape_;
+  const GroupShape& world_shape();
 };
 
 // The time a plan's flows take alone on the topology's links: the busiest link's bytes over its capacity.
