@@ -74,6 +74,14 @@ int log2i(int n) {
   return l;
 }
 
+// The steps of a ring, each one hop of a chunk: 2(n-1) for all_reduce (reduce-scatter, then all-gather),
+// n-1 for all_gather and reduce_scatter, n for broadcast and reduce (a pipelined chain).
+int ring_steps(CommOp op, int n) {
+  if (op == CommOp::AllReduce) return 2 * (n - 1);
+  if (op == CommOp::AllGather || op == CommOp::ReduceScatter) return n - 1;
+  return n;
+}
+
 }  // namespace
 
 bool nccl_supports(CommOp op, Algorithm a, Protocol p, const GroupShape& g) {
@@ -118,11 +126,8 @@ double nccl_latency_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, 
 
   switch (a) {
     case Algorithm::Ring: {
-      // Steps of a ring: 2(n-1) for all_reduce, n-1 for all_gather and reduce_scatter, n otherwise; the
-      // ones that cross nodes pay the network's latency (nInterSteps of tuning.cc).
-      const int steps = op == CommOp::AllReduce                                    ? 2 * (n - 1)
-                        : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? n - 1
-                                                                                   : n;
+      // The ring's steps; the ones that cross nodes pay the network's latency (nInterSteps of tuning.cc).
+      const int steps = ring_steps(op, n);
       if (op == CommOp::Broadcast || op == CommOp::Reduce) {
         // A pipelined chain. NCCL's ring graphs on NVSwitch nodes and rail-aligned fabrics search with
         // sameChannels set, and tuning.cc then charges one step: hwLat of the hop kind (the network's
@@ -326,9 +331,7 @@ double nccl_bus_factor(CommOp op, Algorithm a, const GroupShape& g) {
   const double n = g.ranks;
   switch (a) {
     case Algorithm::Ring:
-      return op == CommOp::AllReduce                                    ? 2 * (n - 1) / n
-             : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? (n - 1) / n
-                                                                        : 1.0;
+      return ring_steps(op, g.ranks) / n;
     case Algorithm::Tree:
       return 2.0;
     case Algorithm::Nvls:
@@ -379,13 +382,7 @@ NcclGraph nccl_graph(Algorithm a, const GroupShape& g) {
     // search.cc: an NVLS graph has one channel per GPU of the node (each GPU a head), at the fastest speed
     // of which that many fit on a GPU's links; across nodes each head leaves through its own NIC.
     r.channels = std::max(1, g.ranks_per_node);
-    r.bw_intra_gbps = r.bw_inter_gbps = intra_speeds(g.sm).back();
-    for (double s : intra_speeds(g.sm)) {
-      if (s * r.channels <= intra + 1e-9) {
-        r.bw_intra_gbps = r.bw_inter_gbps = s;
-        break;
-      }
-    }
+    r.bw_intra_gbps = r.bw_inter_gbps = first_speed_within(intra_speeds(g.sm), intra / r.channels);
     if (g.nodes > 1) r.bw_inter_gbps = first_speed_within(inter_speeds(g.sm), g.nic_gbps);
     return r;
   }
@@ -424,10 +421,7 @@ double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& 
         std::min(bus * (nodes == 1 ? 7.0 / 9.0 : 120.0 / 128.0), graph.channels * kPerChTreeLl128Bw[ci][ni]);
   }
   // Bus bandwidth to algorithm bandwidth: a ring's nRanks / nsteps, NVLS's 5/6, a tree's 1/2.
-  const int steps = op == CommOp::AllReduce                                    ? 2 * (n - 1)
-                    : (op == CommOp::AllGather || op == CommOp::ReduceScatter) ? n - 1
-                                                                               : n;
-  if (a == Algorithm::Ring) return bus * n / steps;
+  if (a == Algorithm::Ring) return bus * n / ring_steps(op, n);
   if (a == Algorithm::Nvls || a == Algorithm::NvlsTree) return bus * 5.0 / 6.0;
   return bus * 0.5;
 }
