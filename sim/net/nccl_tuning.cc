@@ -426,12 +426,11 @@ double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& 
   return bus * 0.5;
 }
 
-double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
+double nccl_model_transfer_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {
   double bw = nccl_model_bw_gbps(op, a, p, g);
   if (bw <= 0) return -1;
   if (a == Algorithm::Tree) bw *= nccl_tree_correction(p, bytes);
-  // nccl_latency_us holds the ring's plateau (ncclTopoGetAlgoTime's 1.4 x latency).
-  return nccl_latency_us(op, a, p, g, bytes) + bytes / (1000 * bw);
+  return bytes / (1000 * bw);
 }
 
 LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes) {

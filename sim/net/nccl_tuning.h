@@ -163,9 +163,9 @@ NcclGraph nccl_graph(Algorithm a, const GroupShape& g);
 // comm->bandwidths[op][a][p] of ncclTopoTuneModel: NCCL's algorithm bandwidth, GB/s; 0 where NCCL would not
 // run (a, p).
 double nccl_model_bw_gbps(CommOp op, Algorithm a, Protocol p, const GroupShape& g);
-// ncclTopoGetAlgoTime: latency + bytes / bandwidth, with the tree's size correction and the ring's plateau;
-// negative where NCCL would not run (a, p).
-double nccl_model_time_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
+// ncclTopoGetAlgoTime's bytes / bandwidth, with the tree's size correction; negative where NCCL would not
+// run (a, p). NCCL's predicted time is nccl_latency_us (which holds the ring's plateau) plus this.
+double nccl_model_transfer_us(CommOp op, Algorithm a, Protocol p, const GroupShape& g, double bytes);
 
 // NCCL sends point-to-point messages up to this size with the LL protocol (NCCL_P2P_LL_THRESHOLD).
 constexpr double kP2pLlThresholdBytes = 16384;

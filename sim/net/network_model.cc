@@ -172,16 +172,19 @@ CommPlan NetworkModel::plan_collective(CommOp op, std::int64_t bytes, const std:
   const bool check_p =
       std::any_of(all.begin(), all.end(), [&](const Candidate& c) { return allowed(c, check_a, true); });
   std::erase_if(all, [&](const Candidate& c) { return !allowed(c, check_a, check_p); });
-  // NCCL's choice: the least time by NCCL's own model (nccl_model_time_us), the first of equals in its
-  // order. The machine then runs the choice at the speed of its flows over the links.
+  // NCCL's choice: the least time by NCCL's own model (each candidate's latency, which it was listed
+  // with, + nccl_model_transfer_us), the first of equals in its order. The machine then runs the choice at
+  // the speed of its flows over the links.
   GroupEntry& g = group(ranks);
   const GroupShape& gs = g.layout.shape;
   const double s = static_cast<double>(bytes);
   std::size_t best = 0;
   double best_us = std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < all.size(); ++i) {
-    const double us = nccl_model_time_us(op, all[i].algorithm, all[i].protocol, gs, s);
-    if (us >= 0 && us < best_us) {
+    const double transfer_us = nccl_model_transfer_us(op, all[i].algorithm, all[i].protocol, gs, s);
+    if (transfer_us < 0) continue;
+    const double us = all[i].latency_us + transfer_us;
+    if (us < best_us) {
       best = i;
       best_us = us;
     }
