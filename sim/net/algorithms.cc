@@ -130,14 +130,8 @@ class PlanBuilder {
     plan_.flows.reserve(flows);
     plan_.links.reserve(flows * 8);
   }
-  // A flow from GPU `src` to GPU `dst` carrying `payload` (per byte of S), occupying its links for
-  // `occupy` x payload.
-  void send(int src, int dst, double payload, double occupy = 1.0) {
-    if (payload <= 0 || src == dst) return;
-    path_.clear();
-    topo_.append_path(src, dst, path_);
-    plan_.add_flow(path_, payload, payload * occupy);
-  }
+  // A flow from GPU `src` to GPU `dst` carrying `payload` (per byte of S).
+  void send(int src, int dst, double payload) { send_via(src, src, dst, payload); }
   // The same through `relay`'s NIC (PXN); the plan's latency gets the NVLink hop to the relay, once: the
   // messages of one grouped send/recv travel side by side.
   void send_via(int src, int relay, int dst, double payload) {
