@@ -147,14 +147,14 @@ TEST(NcclModel, PointToPointPiecesFollowNccl2215) {
       {h100x2, 64 * mib, 2, 32 * mib, 256},
   };
   for (const Case& c : cases) {
-    const P2pLaunch l = nccl_p2p_launch(c.comm, c.bytes);
+    const P2pLaunch l = nccl_p2p_launch(nccl_p2p_comm(c.comm), c.bytes);
     EXPECT_EQ(l.parts, c.parts) << c.bytes;
     EXPECT_EQ(l.part_bytes, c.part_bytes) << c.bytes;
     EXPECT_EQ(l.steps, c.steps) << c.bytes;
-    EXPECT_DOUBLE_EQ(nccl_p2p_slowdown(c.comm, Protocol::Simple, c.bytes), (c.steps + 1) / c.steps);
+    EXPECT_DOUBLE_EQ(nccl_p2p_slowdown(l, Protocol::Simple), (c.steps + 1) / c.steps);
   }
   // LL streams line by line: no fill.
-  EXPECT_EQ(nccl_p2p_slowdown(h100, Protocol::LL, 8 * kib), 1.0);
+  EXPECT_EQ(nccl_p2p_slowdown(nccl_p2p_launch(nccl_p2p_comm(h100), 8 * kib), Protocol::LL), 1.0);
 }
 
 struct Choice {

@@ -220,7 +220,7 @@ TEST(LinkBytes, AllToAllIsOneFlowPerPairOnItsPath) {
   // pipeline: each peer's 1 MiB goes as 4 pieces of 256 KiB (4 channels a peer on 8 ranks), one 512 KiB
   // step each, copied into the peer's buffer and out of it: twice the bandwidth time.
   EXPECT_EQ(plan.protocol, Protocol::Simple);
-  const P2pLaunch piece = nccl_p2p_launch(layout_group(topo, first(8)).shape, s / 8);
+  const P2pLaunch piece = nccl_p2p_launch(nccl_p2p_comm(layout_group(topo, first(8)).shape), s / 8);
   EXPECT_EQ(piece.parts, 4);
   EXPECT_EQ(piece.part_bytes, 256 * 1024);
   EXPECT_EQ(piece.steps, 1);
@@ -336,7 +336,7 @@ TEST(Pxn, AllToAllOnTwoNodesByHand) {
   // 128 KiB steps: each 1 MiB message goes as 2 pieces of 4 steps, 5/4 of their bandwidth time with the
   // pipeline's fill. PXN adds its NVLink hop, 2 x 0.3 us.
   EXPECT_EQ(with.protocol, Protocol::Simple);
-  const P2pLaunch piece = nccl_p2p_launch(layout_group(on.topology(), first(16)).shape, mib);
+  const P2pLaunch piece = nccl_p2p_launch(nccl_p2p_comm(layout_group(on.topology(), first(16)).shape), mib);
   EXPECT_EQ(piece.parts, 2);
   EXPECT_EQ(piece.steps, 4);
   EXPECT_DOUBLE_EQ(with.transfer_us, 1.25 * s / 2 / (50 * 0.94 * 1e3));

@@ -539,7 +539,7 @@ constexpr double kP2pPciChunkBytes = 128 * 1024;
 
 }  // namespace
 
-P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes) {
+P2pComm nccl_p2p_comm(const GroupShape& comm) {
   const int n = std::max(1, comm.ranks);
   // ncclTopoComputeP2pChannels: comm->p2pnChannels from comm->nChannels; a peer's channels are the fewest
   // any pair of GPUs gets: 2 per NVLink link through the switch, 2 over PCIe, and across nodes 2 (halved
@@ -551,37 +551,42 @@ P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes) {
     while (net * n > p2p_channels * 4 && net > 1) net /= 2;
     peer_channels = std::min(peer_channels, net);
   }
-  const int per_peer = next_pow2(std::min(p2p_channels, peer_channels));
-  const int p2p_channels_pow2 = next_pow2(p2p_channels);
+  P2pComm c;
+  c.per_peer = next_pow2(std::min(p2p_channels, peer_channels));
   // scheduleP2pTasksToPlan: from a peer's channels down to what lets every peer have one of the
   // communicator's channels at once.
-  int fewest = per_peer;
-  while (fewest * n > p2p_channels_pow2 && fewest > 1) fewest /= 2;
-  const double step = std::min(comm.nodes > 1 ? kP2pNetChunkBytes
-                               : comm.nvlink  ? kP2pNvlChunkBytes
-                                              : kP2pPciChunkBytes,
-                               kSimpleBuffBytes / kSteps);
-  const double min_size = comm.nodes > 1 ? step / 2 : step / 8;
-  const double max_size = comm.nodes > 1 ? step : step * 32;
+  const int p2p_channels_pow2 = next_pow2(p2p_channels);
+  c.fewest = c.per_peer;
+  while (c.fewest * n > p2p_channels_pow2 && c.fewest > 1) c.fewest /= 2;
+  c.step_bytes = std::min(comm.nodes > 1 ? kP2pNetChunkBytes
+                          : comm.nvlink  ? kP2pNvlChunkBytes
+                                         : kP2pPciChunkBytes,
+                          kSimpleBuffBytes / kSteps);
+  c.min_bytes = comm.nodes > 1 ? c.step_bytes / 2 : c.step_bytes / 8;
+  c.max_bytes = comm.nodes > 1 ? c.step_bytes : c.step_bytes * 32;
+  return c;
+}
+
+P2pLaunch nccl_p2p_launch(const P2pComm& comm, double bytes) {
+  P2pLaunch l;
+  l.step_bytes = comm.step_bytes;
+  if (bytes <= 0) return l;
   // calcP2pChunkSize: a piece per channel of the fewest, more channels while a piece is over the maximum.
-  int channels = fewest;
-  double size = std::max(min_size, std::ceil(bytes / channels));
-  while (size > max_size && channels <= per_peer / 2) {
+  int channels = comm.fewest;
+  double size = std::max(comm.min_bytes, std::ceil(bytes / channels));
+  while (size > comm.max_bytes && channels <= comm.per_peer / 2) {
     channels *= 2;
     size = std::ceil(bytes / channels);
   }
-  size = std::ceil(size / min_size) * min_size;
-  P2pLaunch l;
+  size = std::ceil(size / comm.min_bytes) * comm.min_bytes;
   l.part_bytes = std::min(size, std::max(bytes, 1.0));
   l.parts = static_cast<int>(std::max(1.0, std::ceil(bytes / size)));
-  l.step_bytes = step;
-  l.steps = std::max(1.0, std::ceil(l.part_bytes / step));
+  l.steps = std::max(1.0, std::ceil(l.part_bytes / comm.step_bytes));
   return l;
 }
 
-double nccl_p2p_slowdown(const GroupShape& comm, Protocol p, double bytes) {
-  if (p != Protocol::Simple || bytes <= 0) return 1.0;
-  const P2pLaunch l = nccl_p2p_launch(comm, bytes);
+double nccl_p2p_slowdown(const P2pLaunch& l, Protocol p) {
+  if (p != Protocol::Simple || l.steps <= 0) return 1.0;
   return (l.steps + 1) / l.steps;
 }
 

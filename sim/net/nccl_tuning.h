@@ -170,19 +170,28 @@ double nccl_model_transfer_us(CommOp op, Algorithm a, Protocol p, const GroupSha
 // NCCL sends point-to-point messages up to this size with the LL protocol (NCCL_P2P_LL_THRESHOLD).
 constexpr double kP2pLlThresholdBytes = 16384;
 
-// How NCCL cuts one peer's send (or receive) of a grouped point-to-point call, on a communicator of the
-// shape `comm` (ncclTopoComputeP2pChannels of src/graph/paths.cc; scheduleP2pTasksToPlan and
-// calcP2pChunkSize of src/enqueue.cc; the NCCL_P2P_*_CHUNKSIZE defaults of src/init.cc; 2.21.5).
-struct P2pLaunch {
-  int parts = 1;          // pieces of the message, each a work element on its own channel
-  double part_bytes = 0;  // the size of a piece (the last may be smaller)
+// What a communicator of the shape `comm` gives every peer of a grouped point-to-point call, whatever its
+// size (ncclTopoComputeP2pChannels of src/graph/paths.cc, scheduleP2pTasksToPlan of src/enqueue.cc, the
+// NCCL_P2P_*_CHUNKSIZE defaults of src/init.cc; 2.21.5).
+struct P2pComm {
+  int per_peer = 1;       // comm->p2pnChannelsPerPeer: the most channels a peer's message may use
+  int fewest = 1;         // what every peer gets at least: all peers at once fill the channels
   double step_bytes = 0;  // comm->p2pChunkSize: what one step moves through the peer's buffer
-  double steps = 1;       // steps of one piece, one after another
+  double min_bytes = 0;   // the smallest piece
+  double max_bytes = 0;   // the largest piece while channels can still double
 };
-P2pLaunch nccl_p2p_launch(const GroupShape& comm, double bytes);
+P2pComm nccl_p2p_comm(const GroupShape& comm);
+// How NCCL cuts one peer's message of `bytes` into pieces (calcP2pChunkSize of src/enqueue.cc).
+struct P2pLaunch {
+  int parts = 0;          // pieces of the message, each a work element on its own channel
+  double part_bytes = 0;  // the size of a piece (the last may be smaller)
+  double step_bytes = 0;  // comm->p2pChunkSize
+  double steps = 0;       // steps of one piece, one after another (0 for an empty message)
+};
+P2pLaunch nccl_p2p_launch(const P2pComm& comm, double bytes);
 // The fill and drain of a piece's pipeline, as a factor on its bandwidth time: a step is copied into the
 // peer's buffer by the sender's thread block and out of it by the receiver's, two stages, so K steps take
 // K + 1 step times. LL (up to NCCL_P2P_LL_THRESHOLD) flags every line and streams: 1.
-double nccl_p2p_slowdown(const GroupShape& comm, Protocol p, double bytes);
+double nccl_p2p_slowdown(const P2pLaunch& l, Protocol p);
 
 }  // namespace ranklab::sim

@@ -130,7 +130,7 @@ double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, s
   // Grouped point-to-point (all_to_all's pairs, scatter's and gather's pieces): each peer's piece runs
   // through the two-stage pipeline of NCCL's send and receive.
   if (c.algorithm == Algorithm::Pairwise || c.algorithm == Algorithm::Direct)
-    us *= nccl_p2p_slowdown(gs, c.protocol, s / std::max(1, gs.ranks));
+    us *= nccl_p2p_slowdown(nccl_p2p_launch(nccl_p2p_comm(gs), s / std::max(1, gs.ranks)), c.protocol);
   return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch, alg_gbps) +
          nccl_loop_overhead_us(c.algorithm, launch);
 }
@@ -223,10 +223,11 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   CommPlan plan = pairwise_uneven_plan(topo_, g.layout, pair_bytes);
   // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above) and
   // through the pipeline of its pieces (nccl_p2p_slowdown).
+  const P2pComm comm = nccl_p2p_comm(gs);
   for (Flow& f : plan.flows) {
     const Protocol p = p2p_protocol(f.payload_bytes);
     f.bytes = f.payload_bytes / nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p, gs) *
-              nccl_p2p_slowdown(gs, p, f.payload_bytes);
+              nccl_p2p_slowdown(nccl_p2p_launch(comm, f.payload_bytes), p);
   }
   // The kernel's latency is that of the largest message's protocol: the pair that ends last.
   plan.protocol = p2p_protocol(static_cast<double>(largest));
@@ -253,20 +254,10 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
                                    src, dst, r, topo_.gpus(), topo_.nodes(), topo_.profile().name));
     }
   }
-  int relay = src;
-  if (options_.pxn && topo_.node_of(src) != topo_.node_of(dst)) {
-    const int node = topo_.node_of(src);
-    auto it = p2p_relays_.find(node);
-    if (it == p2p_relays_.end()) {
-      const int world = world_ranks_ > 0 ? std::min(world_ranks_, topo_.gpus()) : topo_.gpus();
-      std::vector<int> members;
-      for (int r = node * topo_.gpus_per_node(); r < std::min(world, (node + 1) * topo_.gpus_per_node()); ++r)
-        members.push_back(r);
-      it = p2p_relays_.emplace(node, pxn_relays(topo_, members)).first;
-    }
-    relay = it->second[topo_.local_of(dst)] < 0 ? src : it->second[topo_.local_of(dst)];
-  }
-  CommPlan plan = p2p_plan(topo_, src, dst, relay);
+  // Sends run on the world's communicator: its GPUs relay them between nodes (PXN), and its shape sizes
+  // NCCL's pieces.
+  const World& w = world();
+  CommPlan plan = p2p_plan(topo_, src, dst, w.layout.relay(topo_, src, dst));
   GroupShape gs;
   gs.ranks = 2;
   gs.nodes = topo_.node_of(src) == topo_.node_of(dst) ? 1 : 2;
@@ -284,11 +275,12 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   plan.latency_us =
       nccl_latency_us(CommOp::Send, Algorithm::Direct, p, gs, b) * topo_.profile().nccl.latency_scale +
       plan.latency_us;
-  // The channels: one per piece NCCL cuts the message into on the world's communicator; the protocol's
-  // efficiency, and the fill of each piece's pipeline (nccl_p2p_launch).
-  plan.channels = nccl_p2p_launch(world_shape(), b).parts;
+  // The channels: one per piece NCCL cuts the message into; the protocol's efficiency, and the fill of
+  // each piece's pipeline.
+  const P2pLaunch pieces = nccl_p2p_launch(w.p2p, b);
+  plan.channels = pieces.parts;
   const double occupy =
-      nccl_p2p_slowdown(world_shape(), p, b) / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
+      nccl_p2p_slowdown(pieces, p) / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
   for (Flow& f : plan.flows) {
     f.payload_bytes *= b;
     f.bytes = f.payload_bytes * occupy;
@@ -297,14 +289,17 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   return plan;
 }
 
-const GroupShape& NetworkModel::world_shape() {
-  if (!world_shape_) {
-    const int world = world_ranks_ > 0 ? std::min(world_ranks_, topo_.gpus()) : topo_.gpus();
-    std::vector<int> all(static_cast<std::size_t>(world));
-    for (int r = 0; r < world; ++r) all[static_cast<std::size_t>(r)] = r;
-    world_shape_ = layout_group(topo_, all, false).shape;
+const NetworkModel::World& NetworkModel::world() {
+  if (!world_) {
+    const int size = world_ranks_ > 0 ? std::min(world_ranks_, topo_.gpus()) : topo_.gpus();
+    std::vector<int> all(static_cast<std::size_t>(size));
+    for (int r = 0; r < size; ++r) all[static_cast<std::size_t>(r)] = r;
+    World w;
+    w.layout = layout_group(topo_, all, options_.pxn);
+    w.p2p = nccl_p2p_comm(w.layout.shape);
+    world_ = std::move(w);
   }
-  return *world_shape_;
+  return *world_;
 }
 
 void NetworkModel::set_world_ranks(int ranks) {
@@ -313,8 +308,7 @@ void NetworkModel::set_world_ranks(int ranks) {
                                  topo_.gpus(), topo_.nodes(), topo_.profile().name));
   }
   world_ranks_ = ranks;
-  p2p_relays_.clear();
-  world_shape_.reset();
+  world_.reset();
 }
 
 void NetworkModel::record(const CommPlan& plan) {

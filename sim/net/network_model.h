@@ -120,11 +120,14 @@ class NetworkModel {
   std::unordered_map<std::vector<int>, GroupEntry, RanksHash> groups_;
   std::vector<double> link_bytes_;  // by LinkId, allocated at the first record
   int world_ranks_ = 0;
-  std::unordered_map<int, std::vector<int>> p2p_relays_;  // by node: pxn_relays of the world's GPUs there
-  // The world communicator's shape, which sizes NCCL's point-to-point pieces (nccl_p2p_launch); built at
-  // the first send and again after set_world_ranks.
-  std::optional<GroupShape> world_shape_;
-  const GroupShape& world_shape();
+  // The world's communicator, which sends run on: its GPUs relay between nodes (PXN) and its shape sizes
+  // NCCL's point-to-point pieces. Laid out at the first send, and again after set_world_ranks.
+  struct World {
+    GroupLayout layout;
+    P2pComm p2p;
+  };
+  std::optional<World> world_;
+  const World& world();
 };
 
 // The time a plan's flows take alone on the topology's links: the busiest link's bytes over its capacity.
