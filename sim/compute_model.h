@@ -20,7 +20,6 @@ struct KernelCost {
   double math_us = 0;
   double memory_us = 0;
   double us() const { return math_us > memory_us ? math_us : memory_us; }
-  static KernelCost memory(double us) { return {0, us}; }
 };
 
 class ComputeModel {
@@ -28,10 +27,7 @@ class ComputeModel {
   // UsageError when the profile's measured GEMM is faster than the model's shape factors allow.
   explicit ComputeModel(const GpuModel& gpu);
 
-  // Device time of a kernel doing `flops` operations and moving `bytes` to and from HBM.
-  double kernel_us(double flops, double bytes, DType dtype) const {
-    return kernel_cost(flops, bytes, dtype).us();
-  }
+  // The roofline times of a kernel doing `flops` operations and moving `bytes` to and from HBM.
   KernelCost kernel_cost(double flops, double bytes, DType dtype) const;
   // op(a) [m, k] @ op(b) [k, n] with inputs and output of `dtype`.
   double gemm_us(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
@@ -48,7 +44,7 @@ class ComputeModel {
                             bool causal, bool backward, DType dtype) const;
   // A memory-bound kernel moving `bytes` to and from HBM.
   double memory_us(double bytes) const;
-  KernelCost memory_cost(double bytes) const { return KernelCost::memory(memory_us(bytes)); }
+  KernelCost memory_cost(double bytes) const { return {0, memory_us(bytes)}; }
   // Host time to launch one kernel.
   double launch_us() const { return gpu_.launch_overhead_us; }
 
