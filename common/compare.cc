@@ -13,6 +13,7 @@
 #include "common/assets.h"
 #include "common/errors.h"
 #include "common/html_report.h"
+#include "common/text.h"
 
 namespace ranklab {
 
@@ -211,11 +212,6 @@ std::string collective_what(const CollectiveRecord& c) {
   return fmt::format("{} {} on {}", comm_op_name(c.op), format_bytes(static_cast<double>(c.bytes)), c.group);
 }
 
-std::string percent(double error) {
-  if (!std::isfinite(error)) return "-";
-  return fmt::format("{:.1f}%", 100 * error);
-}
-
 std::string ellipsize(const std::string& s, std::size_t width) {
   if (s.size() <= width) return s;
   return s.substr(0, width - 3) + "...";
@@ -398,12 +394,12 @@ std::string format_comparison(const Comparison& c) {
       }
       out += fmt::format("  {:<{}} {:>6} {:>11} {:>11} {:>7.3f} {:>7}\n", ellipsize(r.what, what_width),
                          what_width, r.count, human_time(r.a_us / r.count), human_time(r.b_us / r.count),
-                         r.ratio(), percent(r.error));
+                         r.ratio(), format_percent(r.error));
     }
   }
   out += fmt::format("\ngeometric-mean error: {} over {} matched item{} (regions {}, collectives {})\n",
-                     percent(c.error), c.scored, c.scored == 1 ? "" : "s", percent(c.region_error),
-                     percent(c.collective_error));
+                     format_percent(c.error), c.scored, c.scored == 1 ? "" : "s",
+                     format_percent(c.region_error), format_percent(c.collective_error));
   if (c.unmeasured > 0) {
     out += fmt::format("  without a duration: {} matched item{} with a null start or end time, left out\n",
                        c.unmeasured, c.unmeasured == 1 ? "" : "s");
@@ -504,8 +500,8 @@ std::string comparison_to_html(const Comparison& c) {
   out += fmt::format(
       "<p id=\"error\" data-error=\"{}\"><b>Geometric-mean error {}</b> over {} matched items (regions {}, "
       "collectives {}){}.</p>\n",
-      std::isfinite(c.error) ? fmt::format("{:.6f}", c.error) : "nan", percent(c.error), c.scored,
-      percent(c.region_error), percent(c.collective_error),
+      std::isfinite(c.error) ? fmt::format("{:.6f}", c.error) : "nan", format_percent(c.error), c.scored,
+      format_percent(c.region_error), format_percent(c.collective_error),
       c.only_in_a + c.only_in_b > 0 ? fmt::format("; {} only in A, {} only in B", c.only_in_a, c.only_in_b)
                                     : "");
 
@@ -553,7 +549,7 @@ std::string comparison_to_html(const Comparison& c) {
         "style=\"position:absolute;left:50%;width:1px;background:#1d232b\"></i></div></td></tr>\n",
         r.kind == ItemKind::Region ? "region" : "collective", html_escape(r.what), r.count,
         human_time(r.count ? r.a_us / r.count : 0), human_time(r.count ? r.b_us / r.count : 0), r.ratio(),
-        percent(r.error), lr < 0 ? 50 - w : 50.0, w, lr < 0 ? "var(--compute)" : "var(--comm)");
+        format_percent(r.error), lr < 0 ? 50 - w : 50.0, w, lr < 0 ? "var(--compute)" : "var(--comm)");
   }
   out += "</table></div>\n";
   out += html_page_end();

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "common/errors.h"
+#include "common/text.h"
 
 namespace ranklab {
 
@@ -35,13 +36,6 @@ namespace {
 
 // The lesson name of a report of nccl-tests output: this and the collective's name.
 constexpr const char* kNcclTestsLesson = "nccl-tests ";
-
-std::vector<std::string> split_ws(const std::string& line) {
-  std::vector<std::string> out;
-  std::istringstream in(line);
-  for (std::string w; in >> w;) out.push_back(w);
-  return out;
-}
 
 std::vector<std::string> split_lines(const std::string& text) {
   std::vector<std::string> lines;
@@ -222,7 +216,7 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
   NcclTestsLoop loop;
   for (std::size_t n = 0; n < lines.size(); ++n) {
     const std::string& line = lines[n];
-    std::vector<std::string> words = split_ws(line);
+    std::vector<std::string> words = split_words(line);
     if (words.empty()) continue;
     if (words[0][0] == '#') {
       if (words[0] == "#")

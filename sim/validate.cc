@@ -6,7 +6,6 @@
 #include <charconv>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <numeric>
 #include <set>
@@ -17,6 +16,7 @@
 #include "common/errors.h"
 #include "common/measurements.h"
 #include "common/profile.h"
+#include "common/text.h"
 #include "common/units.h"
 #include "sim/measured_sim.h"
 #include "sim/net/comm_plan.h"
@@ -35,30 +35,10 @@ std::vector<std::string> lines_of(const std::string& text) {
   return lines;
 }
 
-std::vector<std::string> words_of(const std::string& line) {
-  std::vector<std::string> words;
-  std::istringstream in(line);
-  for (std::string w; in >> w;) words.push_back(w);
-  return words;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw UsageError(fmt::format("{}: cannot read the file", path));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // "+4.2%", "-0.3%"; "-" where there is nothing to score.
 std::string signed_percent(double fraction) {
   if (!std::isfinite(fraction)) return "-";
   return fmt::format("{:+.1f}%", 100 * fraction);
-}
-
-std::string percent(double fraction) {
-  if (!std::isfinite(fraction)) return "-";
-  return fmt::format("{:.1f}%", 100 * fraction);
 }
 
 std::string rows_text(int n) {
@@ -87,7 +67,7 @@ ValidationSetup parse_validation_setup(const std::string& text, const std::strin
   std::optional<std::size_t> found;
   ValidationSetup setup;
   for (std::size_t n = 0; n < lines.size(); ++n) {
-    std::vector<std::string> words = words_of(lines[n]);
+    std::vector<std::string> words = split_words(lines[n]);
     // "# ranklab: ..." and "#ranklab: ...".
     if (words.empty() || words[0].rfind('#', 0) != 0) continue;
     if (words[0] == "#") {
@@ -151,7 +131,7 @@ FileValidation validate_file(const std::string& path) {
   FileValidation v;
   v.name = name;
   v.folder = std::filesystem::path(path).parent_path().filename().string();
-  v.setup = parse_validation_setup(read_text(path), path);
+  v.setup = parse_validation_setup(read_text_file(path), path);
   const RunReport measured = read_measurements({path}, std::nullopt);
   Profile profile = load_profile(v.setup.profile);
   profile.nodes = v.setup.nodes;
@@ -246,7 +226,8 @@ std::string format_file_validation(const FileValidation& v) {
       "\nGeometric mean of |error| of bus bandwidth: 1 MiB to 16 GiB **{}** ({}; target 10%), 256 MiB and "
       "above "
       "**{}** ({}; target 5%).\n",
-      percent(v.error_mid), rows_text(v.rows_mid), percent(v.error_large), rows_text(v.rows_large));
+      format_percent(v.error_mid), rows_text(v.rows_mid), format_percent(v.error_large),
+      rows_text(v.rows_large));
   return out;
 }
 
@@ -256,7 +237,7 @@ std::string format_validation_summary(const std::vector<FileValidation>& all) {
   std::vector<double> mid, large;
   for (const FileValidation& v : all) {
     out += fmt::format("| `{}` | {} | {} | {} | {} | {} |\n", v.name, comm_op_name(v.op), v.ranks,
-                       setup_text(v.setup), percent(v.error_mid), percent(v.error_large));
+                       setup_text(v.setup), format_percent(v.error_mid), format_percent(v.error_large));
     for (const ValidationRow& r : v.rows) {
       const double ratio = r.simulated_busbw_gbps / r.measured_busbw_gbps;
       if (in_mid_range(r.bytes)) mid.push_back(ratio);
@@ -264,7 +245,8 @@ std::string format_validation_summary(const std::vector<FileValidation>& all) {
     }
   }
   out += fmt::format("| all files | | | | **{}** ({} rows) | **{}** ({} rows) |\n",
-                     percent(geomean_error(mid)), mid.size(), percent(geomean_error(large)), large.size());
+                     format_percent(geomean_error(mid)), mid.size(), format_percent(geomean_error(large)),
+                     large.size());
   return out;
 }
 

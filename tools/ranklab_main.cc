@@ -36,6 +36,7 @@
 #include "common/progress.h"
 #include "common/replay.h"
 #include "common/report.h"
+#include "common/text.h"
 #include "common/trace_writer.h"
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/presets.h"
@@ -360,11 +361,7 @@ int compare_command(std::vector<std::string> files, const std::string& profile_n
 int validate_command(const std::string& dir, const std::string& doc_path) {
   const std::vector<FileValidation> all = validate_dir(dir);
   if (!doc_path.empty()) {
-    std::ifstream in(doc_path, std::ios::binary);
-    if (!in) throw UsageError(fmt::format("{}: cannot read the file", doc_path));
-    std::ostringstream doc;
-    doc << in.rdbuf();
-    write_file(doc_path, update_validation_doc(doc.str(), doc_path, all));
+    write_file(doc_path, update_validation_doc(read_text_file(doc_path), doc_path, all));
     std::printf("%zu validation tables written into %s\n", all.size(), doc_path.c_str());
     return 0;
   }
