@@ -34,10 +34,30 @@ void SharingNetwork::end_batch() {
   ++batch_;
 }
 
+std::uint32_t SharingNetwork::take_block(std::size_t length) {
+  if (length < free_blocks_.size() && !free_blocks_[length].empty()) {
+    const std::uint32_t block = free_blocks_[length].back();
+    free_blocks_[length].pop_back();
+    return block;
+  }
+  if (paths_.size() + 2 * length > std::numeric_limits<std::uint32_t>::max()) {
+    throw UsageError(fmt::format("more flows' links in flight than the sharing network holds ({})",
+                                 std::numeric_limits<std::uint32_t>::max()));
+  }
+  const auto block = static_cast<std::uint32_t>(paths_.size());
+  paths_.resize(paths_.size() + 2 * length);
+  return block;
+}
+
 SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> path) {
+  if (path.size() > std::numeric_limits<std::uint16_t>::max()) {
+    throw UsageError(fmt::format("a flow over {} links; a path may have at most {}", path.size(),
+                                 std::numeric_limits<std::uint16_t>::max()));
+  }
   for (std::uint32_t l : path) {
     if (l >= links_.size()) throw UsageError(fmt::format("flow over link {}, which does not exist", l));
   }
+  const std::uint32_t block = take_block(path.size());
   FlowId id;
   if (!free_flows_.empty()) {
     id = free_flows_.back();
@@ -47,14 +67,16 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     flows_.emplace_back();
   }
   FlowRec& f = flows_[id];
-  f.set_path(path);
-  const std::span<std::uint32_t> slots = f.slot();
+  f.block = block;
+  f.length = static_cast<std::uint16_t>(path.size());
+  std::copy(path.begin(), path.end(), paths_.begin() + block);
+  const std::span<std::uint32_t> slot = slots(f);
   f.live = true;
   f.rate_gbps = 0;
   ++live_flows_;
   for (size_t i = 0; i < path.size(); ++i) {
     Link& link = links_[path[i]];
-    slots[i] = static_cast<std::uint32_t>(link.flows.size());
+    slot[i] = static_cast<std::uint32_t>(link.flows.size());
     link.flows.push_back(id);
     mark_dirty(path[i]);
   }
@@ -65,21 +87,21 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
 void SharingNetwork::remove_flow(FlowId id) {
   FlowRec& f = flows_[id];
   if (!f.live) throw UsageError(fmt::format("flow {} is not in the network", id));
-  const std::span<const std::uint32_t> path = f.path();
-  const std::span<std::uint32_t> slots = f.slot();
+  const std::span<const std::uint32_t> path = this->path(f);
+  const std::span<std::uint32_t> slot_of = slots(f);
   for (size_t i = 0; i < path.size(); ++i) {
     Link& link = links_[path[i]];
-    const std::uint32_t slot = slots[i];
+    const std::uint32_t slot = slot_of[i];
     const FlowId moved = link.flows.back();
     link.flows[slot] = moved;
     link.flows.pop_back();
     if (moved != id) {
       // The moved flow's record of where it sits on this link.
       FlowRec& m = flows_[moved];
-      const std::span<const std::uint32_t> mpath = m.path();
+      const std::span<const std::uint32_t> mpath = this->path(m);
       for (size_t j = 0; j < mpath.size(); ++j) {
         if (mpath[j] == path[i]) {
-          m.slot()[j] = slot;
+          slots(m)[j] = slot;
           break;
         }
       }
@@ -87,6 +109,8 @@ void SharingNetwork::remove_flow(FlowId id) {
     mark_dirty(path[i]);
   }
   std::erase(unlinked_new_, id);
+  if (f.length >= free_blocks_.size()) free_blocks_.resize(f.length + 1);
+  free_blocks_[f.length].push_back(f.block);
   f.live = false;
   f.length = 0;
   --live_flows_;
@@ -121,7 +145,7 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
         if (flow.visit == visit_) continue;
         flow.visit = visit_;
         changed_.push_back(f);
-        for (std::uint32_t m : flow.path()) {
+        for (std::uint32_t m : path(flow)) {
           if (links_[m].visit == visit_) continue;
           links_[m].visit = visit_;
           stack.push_back(m);
@@ -212,7 +236,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
         if (flow.fixed) continue;
         flow.fixed = true;
         flow.rate_gbps = level;
-        for (std::uint32_t m : flow.path()) {
+        for (std::uint32_t m : path(flow)) {
           Link& link = links_[m];
           link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
           --link.unfixed;

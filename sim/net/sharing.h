@@ -65,32 +65,21 @@ class SharingNetwork {
     std::uint32_t dirty_batch = 0;  // the last batch that changed its flows, while dirty
     bool dirty = false;
   };
-  // A flow's path and, per path link, where the flow sits in that link's `flows`. Paths are short (a few
-  // links), so they are kept in the record itself: the solver then touches one record per flow, not three
-  // allocations; longer ones spill to the heap.
+  // A flow's record: 24 bytes, so that the flows of a component the size of a large world stay in cache
+  // while it is shared again. Its path, and per path link where the flow sits in that link's `flows`, are
+  // a block of `paths_`: [path..., slots...]. Blocks are reused by length (paths take a few lengths only).
   struct FlowRec {
-    static constexpr std::uint32_t kInline = 8;
     double rate_gbps = 0;
     std::uint32_t visit = 0;
-    std::uint32_t length = 0;
+    std::uint32_t block = 0;  // where its path starts in paths_
+    std::uint16_t length = 0;
     bool live = false;
     bool fixed = false;
-    std::uint32_t inline_path[kInline], inline_slot[kInline];
-    std::vector<std::uint32_t> spill;  // path, then slots, when longer than kInline
-
-    std::span<std::uint32_t> path() { return {length <= kInline ? inline_path : spill.data(), length}; }
-    std::span<const std::uint32_t> path() const {
-      return {length <= kInline ? inline_path : spill.data(), length};
-    }
-    std::span<std::uint32_t> slot() {
-      return {length <= kInline ? inline_slot : spill.data() + length, length};
-    }
-    void set_path(std::span<const std::uint32_t> p) {
-      length = static_cast<std::uint32_t>(p.size());
-      if (length > kInline) spill.resize(2 * static_cast<std::size_t>(length));
-      std::copy(p.begin(), p.end(), path().begin());
-    }
   };
+  std::span<const std::uint32_t> path(const FlowRec& f) const { return {paths_.data() + f.block, f.length}; }
+  std::span<std::uint32_t> slots(const FlowRec& f) { return {paths_.data() + f.block + f.length, f.length}; }
+  // A block for a path of `length` links (and their slots).
+  std::uint32_t take_block(std::size_t length);
 
   void mark_dirty(std::uint32_t link);
   // Progressive filling over `links` and the flows crossing them (`flows`), which are whole components.
@@ -98,6 +87,8 @@ class SharingNetwork {
 
   std::vector<Link> links_;
   std::vector<FlowRec> flows_;
+  std::vector<std::uint32_t> paths_;
+  std::vector<std::vector<std::uint32_t>> free_blocks_;  // by path length
   std::vector<FlowId> free_flows_;
   int live_flows_ = 0;
   std::vector<std::uint32_t> dirty_;
