@@ -100,7 +100,10 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
     path_.push_back(id - 1);
   }
   const std::uint32_t id = net_.add_flow(path_);
-  if (id >= running_.size()) running_.resize(id + 1);
+  if (id >= running_.size()) {
+    running_.resize(id + 1);
+    versions_.resize(id + 1);
+  }
   Running& r = running_[id];
   r.transfer = t;
   r.flow = flow;
@@ -108,7 +111,8 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   r.rate_bytes_per_us = 0;
   r.since_us = now_us_;
   r.end_us = kInf;
-  ++r.version;
+  r.done_bytes = t->plan.flows[flow].bytes * kDoneFraction;
+  ++versions_[id];
   ++t->flows_left;
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
   // at the end and closed up by moving its last entry into the gap (see retire_done_flows).
@@ -134,7 +138,7 @@ void TransferEngine::end_flow(std::uint32_t id) {
   Running& r = running_[id];
   net_.remove_flow(id);
   r.transfer = nullptr;
-  ++r.version;
+  ++versions_[id];
   const std::size_t at = position_[id];
   const std::uint32_t last = order_.back();
   order_[at] = last;
@@ -157,7 +161,7 @@ void TransferEngine::flush() {
     r.left_bytes = left_now(r);
     r.since_us = now_us_;
     r.rate_bytes_per_us = net_.rate_gbps(id) * 1e3;  // GB/s -> B/us
-    ++r.version;
+    const std::uint32_t version = ++versions_[id];
     if (!(r.rate_bytes_per_us > 0)) {
       r.end_us = kInf;
       continue;
@@ -165,11 +169,10 @@ void TransferEngine::flush() {
     r.end_us = now_us_ + r.left_bytes / r.rate_bytes_per_us;
     // Done once within kDoneFraction of its bytes, or when the time left is below the clock's resolution
     // (otherwise `now + left / rate` rounds back to `now` and time stops moving).
-    const double bytes = r.transfer->plan.flows[r.flow].bytes;
-    const double done_us = std::min(r.end_us - bytes * kDoneFraction / r.rate_bytes_per_us,
+    const double done_us = std::min(r.end_us - r.done_bytes / r.rate_bytes_per_us,
                                     r.end_us - kTimeResolution * std::max(1.0, r.end_us));
-    fresh_ends_.push_back({r.end_us, id, r.version});
-    fresh_retires_.push_back({done_us, id, r.version});
+    fresh_ends_.push_back({r.end_us, id, version});
+    fresh_retires_.push_back({done_us, id, version});
   }
   push_all(ends_, fresh_ends_);
   push_all(retires_, fresh_retires_);
@@ -183,12 +186,11 @@ void TransferEngine::retire_done_flows() {
   done.clear();
   again.clear();
   auto examine = [&](const Due& d) {
+    if (stale(d)) return;
     const Running& r = running_[d.flow];
-    if (r.transfer == nullptr || r.version != d.version) return;
     const double left = left_now(r);
     const double left_us = r.rate_bytes_per_us > 0 ? left / r.rate_bytes_per_us : kInf;
-    if (left <= r.transfer->plan.flows[r.flow].bytes * kDoneFraction ||
-        left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
+    if (left <= r.done_bytes || left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
       done.push_back(d.flow);
     } else {
       again.push_back({r.end_us, d.flow, d.version});

@@ -64,7 +64,9 @@ class TransferEngine {
     double rate_bytes_per_us = 0;
     double since_us = 0;
     double end_us = 0;  // when it ends at its current rate
-    std::uint32_t version = 0;
+    // What it may have left and count as done (a fraction of its plan's bytes), kept here so that sharing
+    // again and retiring need not look into the transfer's plan.
+    double done_bytes = 0;
   };
   // A heap entry: stale when the flow's version has moved on.
   struct Due {
@@ -92,10 +94,9 @@ class TransferEngine {
   // Adds `fresh` to `heap`: one by one when they are few, else by dropping the stale entries and building
   // the heap again (linear instead of n log n when a sharing touched most of the flows).
   void push_all(std::vector<Due>& heap, const std::vector<Due>& fresh) const;
-  bool stale(const Due& d) const {
-    const Running& r = running_[d.flow];
-    return r.transfer == nullptr || r.version != d.version;
-  }
+  // A flow's version moves on whenever its rate changes and when it ends, so an entry of an ended flow is
+  // stale too.
+  bool stale(const Due& d) const { return versions_[d.flow] != d.version; }
   void drop_stale(std::vector<Due>& heap) const;
   void end_transfer(Transfer* t);
 
@@ -106,6 +107,9 @@ class TransferEngine {
   std::vector<std::uint32_t> link_ids_;
   std::vector<std::uint32_t> path_;  // scratch
   std::vector<Running> running_;
+  // Per flow id: its version, apart from running_ so that the heaps' stale entries are found in a
+  // structure a sixteenth of its size.
+  std::vector<std::uint32_t> versions_;
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
   std::vector<std::uint32_t> order_;
   std::vector<std::size_t> position_;  // per flow id: where it is in order_
