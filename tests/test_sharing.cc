@@ -138,6 +138,88 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
   EXPECT_GT(compared, 10000);
 }
 
+// Components of thousands of links, with many links at each level: the solver takes a level's links, and
+// drops the ones the level left stale, in one pass once there are many. Rates stay the full solver's.
+TEST(Sharing, LargeComponentsEqualTheFullSolver) {
+  std::mt19937_64 rng(99);
+  for (int trial = 0; trial < 4; ++trial) {
+    const int links = 4000 + static_cast<int>(rng() % 2000);
+    std::vector<double> capacity;
+    SharingNetwork net;
+    for (int l = 0; l < links; ++l) {
+      // Few distinct capacities, so that thousands of links fill at one level.
+      capacity.push_back(static_cast<double>(1 + rng() % 3) * 100);
+      net.add_link(capacity.back());
+    }
+    std::vector<Path> paths;
+    std::vector<SharingNetwork::FlowId> ids;
+    const int flows = 3000 + static_cast<int>(rng() % 3000);
+    for (int f = 0; f < flows; ++f) {
+      Path p;
+      const int len = 1 + static_cast<int>(rng() % 4);
+      while (static_cast<int>(p.size()) < len) {
+        const auto l = static_cast<std::uint32_t>(rng() % links);
+        if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
+      }
+      paths.push_back(p);
+      ids.push_back(net.add_flow(p));
+    }
+    net.solve();
+    std::vector<double> want = reference(capacity, paths);
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      ASSERT_NEAR(net.rate_gbps(ids[i]), want[i], 1e-12 * want[i]) << "trial " << trial << " flow " << i;
+    }
+    // Remove a third and share again: a component's links left stale by the removals.
+    std::vector<Path> kept;
+    std::vector<SharingNetwork::FlowId> kept_ids;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      if (i % 3 == 0) {
+        net.remove_flow(ids[i]);
+      } else {
+        kept.push_back(paths[i]);
+        kept_ids.push_back(ids[i]);
+      }
+    }
+    net.solve();
+    want = reference(capacity, kept);
+    for (std::size_t i = 0; i < kept_ids.size(); ++i) {
+      ASSERT_NEAR(net.rate_gbps(kept_ids[i]), want[i], 1e-12 * want[i]) << "trial " << trial << " kept " << i;
+    }
+  }
+}
+
+// A collective's shape at scale: thousands of flows each filled by its own link at one level, each also
+// crossing a wider link that the level leaves stale (their shares below the next level's), and thousands
+// more flows filled at higher levels.
+TEST(Sharing, ThousandsOfLinksLeftStaleByALevelAreDroppedAtOnce) {
+  SharingNetwork net;
+  const int n = 3000;
+  std::vector<double> capacity;
+  auto link = [&](double c) {
+    capacity.push_back(c);
+    return net.add_link(c);
+  };
+  std::vector<Path> paths;
+  for (int i = 0; i < n; ++i) {
+    const std::uint32_t narrow = link(100), wide = link(200);
+    paths.push_back({narrow, wide});
+  }
+  for (int i = 0; i < n; ++i) {
+    // Every seventh of these shares its link with a second flow: two more levels.
+    const std::uint32_t own = link(500 + i % 7);
+    paths.push_back({own});
+    if (i % 7 == 0) paths.push_back({own});
+  }
+  std::vector<SharingNetwork::FlowId> ids;
+  for (const Path& p : paths) ids.push_back(net.add_flow(p));
+  net.solve();
+  const std::vector<double> want = reference(capacity, paths);
+  for (std::size_t i = 0; i < ids.size(); ++i) ASSERT_EQ(net.rate_gbps(ids[i]), want[i]) << "flow " << i;
+  EXPECT_EQ(net.rate_gbps(ids[0]), 100);
+  EXPECT_EQ(net.rate_gbps(ids[n]), 250);  // link 500 shared by two
+  EXPECT_EQ(net.rate_gbps(ids[n + 2]), 501);
+}
+
 // Batches of changes solved together (end_batch between them, one solve for several) give the rates that
 // solving after every batch gives, bit for bit: the transfer engine relies on it to share once for the
 // many transfers the simulator starts one by one at one moment.

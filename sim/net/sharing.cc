@@ -205,6 +205,9 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
     if (link.unfixed > 0) heap.push_back({link.remaining_gbps / link.unfixed, l, link.version});
   }
   for (FlowId f : flows) flows_[f].fixed = false;
+  // Once every flow is fixed the heap holds only links they filled or left: stop there rather than pop
+  // each (a large world's collective leaves thousands).
+  std::size_t unfixed_flows = flows.size();
   std::make_heap(heap.begin(), heap.end(), std::greater<>());
 
   auto pop = [&] {
@@ -216,14 +219,39 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
   auto valid = [&](const Entry& e) { return links_[e.link].version == e.version; };
   std::vector<std::uint32_t>& full = full_;
   std::vector<std::uint32_t>& touched = touched_;
-  while (true) {
-    while (!heap.empty() && !valid(heap.front())) pop();
+  while (unfixed_flows > 0) {
+    int stale = 0;
+    while (!heap.empty() && !valid(heap.front())) {
+      if (++stale > 64 && heap.size() > 1024) {
+        // The links the last level's flows crossed are all stale now: drop them in one pass.
+        std::erase_if(heap, [&](const Entry& e) { return !valid(e); });
+        std::make_heap(heap.begin(), heap.end(), std::greater<>());
+        break;
+      }
+      pop();
+    }
     if (heap.empty()) break;
     // Every flow still unfixed gets this much from its most contended link; every link at that share
     // (within the same relative tolerance as max_min_rates) is full.
     const double level = std::max(heap.front().share, 0.0);
+    const double limit = level * (1 + 1e-12);
     full.clear();
-    while (!heap.empty() && (!valid(heap.front()) || heap.front().share <= level * (1 + 1e-12))) {
+    int popped = 0;
+    while (!heap.empty() && (!valid(heap.front()) || heap.front().share <= limit)) {
+      if (++popped > 64 && heap.size() > 1024) {
+        // Many links at one level (a large world's collective loads its links alike): take the rest in
+        // one pass and build the heap again, linear instead of a pop each. The level's links are the same
+        // set either way, and nothing below depends on their order.
+        std::erase_if(heap, [&](const Entry& e) {
+          if (!valid(e)) return true;
+          if (e.share > limit) return false;
+          ++links_[e.link].version;
+          full.push_back(e.link);
+          return true;
+        });
+        std::make_heap(heap.begin(), heap.end(), std::greater<>());
+        break;
+      }
       const Entry e = pop();
       if (!valid(e)) continue;
       ++links_[e.link].version;
@@ -236,6 +264,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
         if (flow.fixed) continue;
         flow.fixed = true;
         flow.rate_gbps = level;
+        --unfixed_flows;
         for (std::uint32_t m : path(flow)) {
           Link& link = links_[m];
           link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
