@@ -138,6 +138,57 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
   EXPECT_GT(compared, 10000);
 }
 
+// A flow standing for k copies gets, bit for bit, the rate each of k separate flows on its path gets, and
+// leaves the others exactly what k separate flows leave them: the transfer engine relies on it to share a
+// ring's channels through one NVLink hop as one flow.
+TEST(Sharing, AFlowOfCopiesSharesExactlyAsTheCopiesWould) {
+  std::mt19937_64 rng(4242);
+  int compared = 0;
+  for (int trial = 0; trial < 300; ++trial) {
+    const int links = 2 + static_cast<int>(rng() % 24);
+    const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
+    SharingNetwork separate, copied;
+    for (int l = 0; l < links; ++l) {
+      const double c = rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
+                                 : std::uniform_real_distribution<double>(0.5, 400)(rng);
+      separate.add_link(c);
+      copied.add_link(c);
+    }
+    // copied's id -> separate's ids, one per copy
+    std::map<SharingNetwork::FlowId, std::vector<SharingNetwork::FlowId>> live;
+    const int changes = 10 + static_cast<int>(rng() % 40);
+    for (int step = 0; step < changes; ++step) {
+      if (!live.empty() && rng() % 3 == 0) {
+        auto it = live.begin();
+        std::advance(it, static_cast<long>(rng() % live.size()));
+        copied.remove_flow(it->first);
+        for (auto id : it->second) separate.remove_flow(id);
+        live.erase(it);
+      } else {
+        Path p;
+        const int len = 1 + static_cast<int>(rng() % max_path);
+        while (static_cast<int>(p.size()) < len) {
+          const auto l = static_cast<std::uint32_t>(rng() % links);
+          if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
+        }
+        const auto copies = static_cast<std::uint32_t>(1 + rng() % 4);
+        std::vector<SharingNetwork::FlowId> ids;
+        for (std::uint32_t k = 0; k < copies; ++k) ids.push_back(separate.add_flow(p));
+        live[copied.add_flow(p, copies)] = ids;
+      }
+      separate.solve();
+      copied.solve();
+      for (const auto& [id, ids] : live) {
+        for (auto s : ids) {
+          EXPECT_EQ(copied.rate_gbps(id), separate.rate_gbps(s)) << "trial " << trial << " step " << step;
+          ++compared;
+        }
+      }
+    }
+  }
+  EXPECT_GT(compared, 10000);
+}
+
 // Components of thousands of links, with many links at each level: the solver takes a level's links, and
 // drops the ones the level left stale, in one pass once there are many. Rates stay the full solver's.
 TEST(Sharing, LargeComponentsEqualTheFullSolver) {

@@ -49,7 +49,8 @@ std::uint32_t SharingNetwork::take_block(std::size_t length) {
   return block;
 }
 
-SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> path) {
+SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> path, std::uint32_t copies) {
+  if (copies == 0) throw UsageError("a flow of no copies");
   if (path.size() > std::numeric_limits<std::uint16_t>::max()) {
     throw UsageError(fmt::format("a flow over {} links; a path may have at most {}", path.size(),
                                  std::numeric_limits<std::uint16_t>::max()));
@@ -69,6 +70,7 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
   FlowRec& f = flows_[id];
   f.block = block;
   f.length = static_cast<std::uint16_t>(path.size());
+  f.copies = copies;
   std::copy(path.begin(), path.end(), paths_.begin() + block);
   const std::span<std::uint32_t> slot = slots(f);
   f.live = true;
@@ -78,6 +80,7 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     Link& link = links_[path[i]];
     slot[i] = static_cast<std::uint32_t>(link.flows.size());
     link.flows.push_back(id);
+    link.copies += copies;
     mark_dirty(path[i]);
   }
   if (path.empty()) unlinked_new_.push_back(id);
@@ -95,6 +98,7 @@ void SharingNetwork::remove_flow(FlowId id) {
     const FlowId moved = link.flows.back();
     link.flows[slot] = moved;
     link.flows.pop_back();
+    link.copies -= f.copies;
     if (moved != id) {
       // The moved flow's record of where it sits on this link.
       FlowRec& m = flows_[moved];
@@ -200,7 +204,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
   for (std::uint32_t l : links) {
     Link& link = links_[l];
     link.remaining_gbps = link.capacity_gbps;
-    link.unfixed = static_cast<std::uint32_t>(link.flows.size());
+    link.unfixed = link.copies;
     ++link.version;
     if (link.unfixed > 0) heap.push_back({link.remaining_gbps / link.unfixed, l, link.version});
   }
@@ -267,8 +271,13 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
         --unfixed_flows;
         for (std::uint32_t m : path(flow)) {
           Link& link = links_[m];
-          link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
-          --link.unfixed;
+          // Copy by copy: every flow fixed at one level takes the same `level` from a link, so the link's
+          // remaining capacity after the level does not depend on the order flows are fixed in, and a
+          // flow standing for k copies leaves exactly what k separate flows would.
+          for (std::uint32_t k = 0; k < flow.copies; ++k) {
+            link.remaining_gbps = std::max(0.0, link.remaining_gbps - level);
+          }
+          link.unfixed -= flow.copies;
           touched.push_back(m);
         }
       }

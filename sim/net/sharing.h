@@ -33,7 +33,11 @@ class SharingNetwork {
 
   // Adds a flow over `links` (ids from add_link, none twice) and returns its id; ids of removed flows are
   // reused. Its rate is known after the next solve(). A flow over no link is not limited: +infinity.
-  FlowId add_flow(std::span<const std::uint32_t> links);
+  //
+  // `copies` > 1 adds that many flows at once that share one path and always one rate (a ring's channels
+  // through one NVLink hop): rate_gbps is each copy's, and every rate equals, bit for bit, what that many
+  // separate flows would get (see fill), at the cost of one.
+  FlowId add_flow(std::span<const std::uint32_t> links, std::uint32_t copies = 1);
   void remove_flow(FlowId flow);
   // The flow's rate in GB/s as of the last solve().
   double rate_gbps(FlowId flow) const { return flows_[flow].rate_gbps; }
@@ -57,6 +61,7 @@ class SharingNetwork {
   struct Link {
     double capacity_gbps = 0;
     std::vector<FlowId> flows;  // the flows crossing it, in no particular order
+    std::uint32_t copies = 0;   // their copies: how many flows share it
     // Solver scratch, meaningful during solve() only.
     double remaining_gbps = 0;
     std::uint32_t unfixed = 0;
@@ -72,6 +77,7 @@ class SharingNetwork {
     double rate_gbps = 0;
     std::uint32_t visit = 0;
     std::uint32_t block = 0;  // where its path starts in paths_
+    std::uint32_t copies = 1;
     std::uint16_t length = 0;
     bool live = false;
     bool fixed = false;
