@@ -18,6 +18,7 @@
 #include "common/report.h"
 #include "sim/net/max_min.h"
 #include "sim/net/network_model.h"
+#include "sim/net/transfer_engine.h"
 #include "sim_fixture.h"
 
 namespace ranklab::sim {
@@ -722,6 +723,77 @@ TEST(BenchmarkLesson, SweepPrintsNcclTestsTable) {
   EXPECT_TRUE(has_line(r, "  large"));
   o.op = "all_reduces";
   EXPECT_THROW(run_benchmark(o), ranklab::UsageError);
+}
+
+// ---- copies: flows the transfer engine shares as one -----------------------------------------------
+
+// Across two nodes a ring's channels and a tree's two trees cross each NVLink hop side by side with the
+// same bytes: those flows are copies of the first, and every flow is either counted once or a copy of an
+// earlier one with the same path and bytes.
+TEST(Copies, ChannelsThroughOneHopAreCountedOnTheFirst) {
+  for (const char* algorithm : {"ring", "tree", "nvls_tree"}) {
+    NetworkModel m(profile("dgx-h100", 2), NetworkOptions{algorithm, "simple"});
+    const CommPlan plan = m.plan_collective(CommOp::AllReduce, 1 << 30, first(16), -1);
+    ASSERT_EQ(plan.copies.size(), plan.flows.size()) << algorithm;
+    std::uint32_t total = 0, most = 0;
+    for (std::size_t i = 0; i < plan.flows.size(); ++i) {
+      total += plan.copies[i];
+      most = std::max(most, plan.copies[i]);
+      const Flow& f = plan.flows[i];
+      const std::span<const LinkId> path = plan.path(f);
+      // The first flow with this path and these bytes stands for it (and is itself counted).
+      std::size_t original = i;
+      for (std::size_t j = 0; j < i && original == i; ++j) {
+        const Flow& g = plan.flows[j];
+        const std::span<const LinkId> other = plan.path(g);
+        if (g.bytes == f.bytes && g.payload_bytes == f.payload_bytes &&
+            std::equal(path.begin(), path.end(), other.begin(), other.end()))
+          original = j;
+      }
+      if (original == i) {
+        EXPECT_GE(plan.copies[i], 1u) << algorithm << " flow " << i;
+      } else {
+        EXPECT_EQ(plan.copies[i], 0u) << algorithm << " flow " << i << " copies flow " << original;
+      }
+    }
+    EXPECT_EQ(total, plan.flows.size()) << algorithm;
+    EXPECT_GT(most, 1u) << algorithm << ": no flow has a copy, so the test shows nothing";
+  }
+}
+
+// The engine sharing copies as one flow ends every transfer at the same time, to the bit, as sharing
+// each flow of the plan on its own: a ring all_reduce on one node (its channels through each NVLink hop
+// are copies), with a send between two of its GPUs and a second all_reduce starting while it runs, and
+// the same across two nodes.
+TEST(Copies, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
+  for (int nodes : {1, 2}) {
+    NetworkModel m(profile("dgx-h100", nodes), NetworkOptions{"ring", "simple"});
+    const std::vector<int> ranks = first(8 * nodes);
+    std::vector<std::pair<CommPlan, double>> plans;  // and when each starts
+    plans.emplace_back(m.plan_collective(CommOp::AllReduce, 1 << 30, ranks, -1), 0);
+    plans.emplace_back(m.plan_p2p(0, 1, 256 << 20), 100);
+    plans.emplace_back(m.plan_collective(CommOp::AllReduce, 96 << 20, ranks, -1), 2000);
+    ASSERT_FALSE(plans[0].first.copies.empty());
+    auto run = [&](bool with_copies) {
+      TransferEngine engine(m.topology());
+      std::vector<std::shared_ptr<CommOpState>> ops;
+      for (const auto& [p, start_us] : plans) {
+        CommPlan plan = p;
+        if (!with_copies) plan.copies.clear();
+        ops.push_back(std::make_shared<CommOpState>());
+        engine.schedule(ops.back(), std::move(plan), start_us);
+      }
+      engine.advance_to(std::numeric_limits<double>::infinity());
+      std::vector<double> ends_us;
+      for (const auto& op : ops) ends_us.push_back(op->end_us);
+      return ends_us;
+    };
+    const std::vector<double> apart = run(false), copied = run(true);
+    for (std::size_t i = 0; i < plans.size(); ++i) {
+      EXPECT_GT(apart[i], plans[i].second) << nodes << " nodes, transfer " << i;
+      EXPECT_EQ(copied[i], apart[i]) << nodes << " nodes, transfer " << i;
+    }
+  }
 }
 
 }  // namespace

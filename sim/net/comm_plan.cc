@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <unordered_map>
 
 namespace ranklab::sim {
 
@@ -80,6 +81,34 @@ void CommPlan::add_flow(std::span<const LinkId> path, double payload, double occ
 std::string CommPlan::name() const {
   if (algorithm == Algorithm::Local) return "local";
   return fmt::format("{}/{}", algorithm_name(algorithm), protocol_name(protocol));
+}
+
+void count_copies(CommPlan& plan) {
+  plan.copies.assign(plan.flows.size(), 1);
+  // Candidates by a hash of the path; equal paths are then compared link by link.
+  std::unordered_multimap<std::uint64_t, std::uint32_t> first_of;
+  for (std::uint32_t i = 0; i < plan.flows.size(); ++i) {
+    const Flow& f = plan.flows[i];
+    const std::span<const LinkId> path = plan.path(f);
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the links
+    for (LinkId l : path) {
+      h ^= l;
+      h *= 1099511628211ull;
+    }
+    bool copy = false;
+    for (auto [it, end] = first_of.equal_range(h); it != end; ++it) {
+      const Flow& g = plan.flows[it->second];
+      const std::span<const LinkId> other = plan.path(g);
+      if (g.bytes == f.bytes && g.payload_bytes == f.payload_bytes &&
+          std::equal(path.begin(), path.end(), other.begin(), other.end())) {
+        ++plan.copies[it->second];
+        plan.copies[i] = 0;
+        copy = true;
+        break;
+      }
+    }
+    if (!copy) first_of.emplace(h, i);
+  }
 }
 
 }  // namespace ranklab::sim

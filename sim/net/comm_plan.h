@@ -57,11 +57,19 @@ struct CommPlan {
   int channels = 0;
   std::vector<LinkId> links;  // every flow's path, back to back
   std::vector<Flow> flows;
+  // Per flow, when worked out (count_copies; empty otherwise): how many of the flows it stands for in the
+  // transfer engine, itself included, and 0 for a copy of an earlier one. A ring's channels cross each
+  // NVLink hop side by side with the same bytes: max-min sharing gives such copies one rate, so the engine
+  // shares them as one flow (sim/net/sharing.h): a large world's step has a third to a quarter as many.
+  std::vector<std::uint32_t> copies;
 
   std::span<const LinkId> path(const Flow& f) const { return {links.data() + f.first, f.length}; }
   void add_flow(std::span<const LinkId> path, double payload_bytes, double bytes);
   std::string name() const;  // "ring/simple"
 };
+
+// Fills plan.copies: flows with the same path, bytes and payload are copies of the first of them.
+void count_copies(CommPlan& plan);
 
 // Latency plus transfer: how long the operation takes with the machine to itself.
 inline double duration_us(const CommPlan& plan) {

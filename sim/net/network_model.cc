@@ -74,6 +74,7 @@ const NetworkModel::Shape& NetworkModel::shape(GroupEntry& g, CommOp op, Algorit
   Shape s;
   s.unit = unit_plan(topo_, g.layout, op, a, root);
   s.unit_us = transfer_us(topo_, s.unit);
+  count_copies(s.unit);
   return g.shapes.emplace(key, std::move(s)).first->second;
 }
 
@@ -145,6 +146,7 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   plan.transfer_us = c.transfer_us;
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
+  plan.copies = s.unit.copies;
   const double b = static_cast<double>(bytes);
   // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
   // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).

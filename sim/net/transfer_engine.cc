@@ -99,7 +99,7 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
     if (id == 0) id = net_.add_link(topo_.capacity_gbps(link)) + 1;
     path_.push_back(id - 1);
   }
-  const std::uint32_t id = net_.add_flow(path_);
+  const std::uint32_t id = net_.add_flow(path_, copies(*t, flow));
   if (id >= running_.size()) {
     running_.resize(id + 1);
     versions_.resize(id + 1);
@@ -126,6 +126,7 @@ void TransferEngine::begin_flows(Transfer* t) {
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
     const Flow& flow = t->plan.flows[f];
     if (flow.bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
+    if (copies(*t, f) == 0) continue;                   // moves with the flow it is a copy of
     add_flow(t, f, t->start_bytes[f]);
   }
   if (t->flows_left == 0) {
@@ -285,7 +286,7 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
     double event = unshared_ && t_us <= now_us_ ? kInf : next_flow_end_us();
     if (!starts_.empty()) event = std::min(event, starts_.begin()->first);
     if (!tails_.empty()) event = std::min(event, tails_.begin()->first);
-    if (event > t_us) break;
+    if (event > t_us || std::isinf(event)) break;  // nothing due before t_us, or nothing in flight
     now_us_ = std::max(now_us_, event);
     retire_done_flows();
     // Everything else due now, then one sharing for all of it.

@@ -76,7 +76,12 @@ class TransferEngine {
   };
 
   void begin_flows(Transfer* t);
+  // Adds `flow` of `t` (and the copies it stands for: CommPlan::copies) with `left_bytes` each.
   void add_flow(Transfer* t, int flow, double left_bytes);
+  // How many flows of its plan `flow` stands for: 0 for a copy of another.
+  static std::uint32_t copies(const Transfer& t, int flow) {
+    return t.plan.copies.empty() ? 1 : t.plan.copies[flow];
+  }
   void end_flow(std::uint32_t id);
   // Marks the end of a batch of starts and ends at the present. The links are shared again (flush) only
   // when the engine next needs a flow's end, so that the transfers the simulator starts one by one at one
