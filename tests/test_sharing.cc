@@ -26,6 +26,22 @@ std::vector<double> rates_of(SharingNetwork& net, const std::vector<Path>& paths
   return r;
 }
 
+// A link's capacity for the random tests: half of them multiples of 25 GB/s, so that shares tie.
+double random_capacity(std::mt19937_64& rng) {
+  return rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
+                   : std::uniform_real_distribution<double>(0.5, 400)(rng);
+}
+
+// A path of `len` distinct links out of `links`.
+Path random_path(std::mt19937_64& rng, int links, int len) {
+  Path p;
+  while (static_cast<int>(p.size()) < len) {
+    const auto l = static_cast<std::uint32_t>(rng() % links);
+    if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
+  }
+  return p;
+}
+
 TEST(Sharing, TwoFlowsOnOneLinkGetHalfEach) {
   SharingNetwork net;
   const std::uint32_t l = net.add_link(100);
@@ -91,8 +107,7 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
     std::vector<double> capacity;
     SharingNetwork net;
     for (int l = 0; l < links; ++l) {
-      const double c = rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
-                                 : std::uniform_real_distribution<double>(0.5, 400)(rng);
+      const double c = random_capacity(rng);
       capacity.push_back(c);
       net.add_link(c);
     }
@@ -108,12 +123,8 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
           net.remove_flow(it->first);
           live.erase(it);
         } else {
-          Path p;
           const int len = static_cast<int>(rng() % (max_path + 1));  // 0: a flow over no link
-          while (static_cast<int>(p.size()) < len) {
-            const auto l = static_cast<std::uint32_t>(rng() % links);
-            if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
-          }
+          const Path p = random_path(rng, links, len);
           live[net.add_flow(p)] = p;
         }
       }
@@ -149,8 +160,7 @@ TEST(Sharing, AFlowOfCopiesSharesExactlyAsTheCopiesWould) {
     const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
     SharingNetwork separate, copied;
     for (int l = 0; l < links; ++l) {
-      const double c = rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
-                                 : std::uniform_real_distribution<double>(0.5, 400)(rng);
+      const double c = random_capacity(rng);
       separate.add_link(c);
       copied.add_link(c);
     }
@@ -165,12 +175,8 @@ TEST(Sharing, AFlowOfCopiesSharesExactlyAsTheCopiesWould) {
         for (auto id : it->second) separate.remove_flow(id);
         live.erase(it);
       } else {
-        Path p;
         const int len = 1 + static_cast<int>(rng() % max_path);
-        while (static_cast<int>(p.size()) < len) {
-          const auto l = static_cast<std::uint32_t>(rng() % links);
-          if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
-        }
+        const Path p = random_path(rng, links, len);
         const auto copies = static_cast<std::uint32_t>(1 + rng() % 4);
         std::vector<SharingNetwork::FlowId> ids;
         for (std::uint32_t k = 0; k < copies; ++k) ids.push_back(separate.add_flow(p));
@@ -206,12 +212,8 @@ TEST(Sharing, LargeComponentsEqualTheFullSolver) {
     std::vector<SharingNetwork::FlowId> ids;
     const int flows = 3000 + static_cast<int>(rng() % 3000);
     for (int f = 0; f < flows; ++f) {
-      Path p;
       const int len = 1 + static_cast<int>(rng() % 4);
-      while (static_cast<int>(p.size()) < len) {
-        const auto l = static_cast<std::uint32_t>(rng() % links);
-        if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
-      }
+      const Path p = random_path(rng, links, len);
       paths.push_back(p);
       ids.push_back(net.add_flow(p));
     }
@@ -282,8 +284,7 @@ TEST(Sharing, SolvingSeveralBatchesAtOnceEqualsSolvingEach) {
     const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
     SharingNetwork each, batched;
     for (int l = 0; l < links; ++l) {
-      const double c = rng() % 2 ? static_cast<double>(1 + rng() % 8) * 25
-                                 : std::uniform_real_distribution<double>(0.5, 400)(rng);
+      const double c = random_capacity(rng);
       each.add_link(c);
       batched.add_link(c);
     }
@@ -299,12 +300,8 @@ TEST(Sharing, SolvingSeveralBatchesAtOnceEqualsSolvingEach) {
           batched.remove_flow(it->second);
           live.erase(it);
         } else {
-          Path p;
           const int len = static_cast<int>(rng() % (max_path + 1));
-          while (static_cast<int>(p.size()) < len) {
-            const auto l = static_cast<std::uint32_t>(rng() % links);
-            if (std::find(p.begin(), p.end(), l) == p.end()) p.push_back(l);
-          }
+          const Path p = random_path(rng, links, len);
           live[each.add_flow(p)] = batched.add_flow(p);
         }
       }
