@@ -195,6 +195,9 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
 }
 
 void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows) {
+  // Links whose last flows just left (a collective's, when it ends) have nothing to share; what fill
+  // would set on them is scratch that the next fill over them sets again.
+  if (flows.empty()) return;
   // A min-heap of the links' fair shares (remaining / unfixed); an entry whose version is not its link's
   // current one is stale and skipped.
   using Entry = ShareEntry;
