@@ -1,6 +1,7 @@
 #include "sim/net/nccl_tuning.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <span>
@@ -526,10 +527,9 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
 
 namespace {
 
-int next_pow2(int v) {
-  int p = 1;
-  while (p < v) p <<= 1;
-  return p;
+// NCCL rounds channel counts up to powers of two (pow2Up).
+int pow2_up(int v) {
+  return static_cast<int>(std::bit_ceil(static_cast<unsigned>(std::max(1, v))));
 }
 
 // The NCCL_P2P_*_CHUNKSIZE defaults (init.cc): across nodes (NET), all NVLink, otherwise (PCI).
@@ -552,10 +552,10 @@ P2pComm nccl_p2p_comm(const GroupShape& comm) {
     peer_channels = std::min(peer_channels, net);
   }
   P2pComm c;
-  c.per_peer = next_pow2(std::min(p2p_channels, peer_channels));
+  c.per_peer = pow2_up(std::min(p2p_channels, peer_channels));
   // scheduleP2pTasksToPlan: from a peer's channels down to what lets every peer have one of the
   // communicator's channels at once.
-  const int p2p_channels_pow2 = next_pow2(p2p_channels);
+  const int p2p_channels_pow2 = pow2_up(p2p_channels);
   c.fewest = c.per_peer;
   while (c.fewest * n > p2p_channels_pow2 && c.fewest > 1) c.fewest /= 2;
   c.step_bytes = std::min(comm.nodes > 1 ? kP2pNetChunkBytes
@@ -569,7 +569,6 @@ P2pComm nccl_p2p_comm(const GroupShape& comm) {
 
 P2pLaunch nccl_p2p_launch(const P2pComm& comm, double bytes) {
   P2pLaunch l;
-  l.step_bytes = comm.step_bytes;
   if (bytes <= 0) return l;
   // calcP2pChunkSize: a piece per channel of the fewest, more channels while a piece is over the maximum.
   int channels = comm.fewest;

@@ -185,8 +185,7 @@ P2pComm nccl_p2p_comm(const GroupShape& comm);
 struct P2pLaunch {
   int parts = 0;          // pieces of the message, each a work element on its own channel
   double part_bytes = 0;  // the size of a piece (the last may be smaller)
-  double step_bytes = 0;  // comm->p2pChunkSize
-  double steps = 0;       // steps of one piece, one after another (0 for an empty message)
+  double steps = 0;  // steps of one piece of comm->p2pChunkSize, one after another (0 for an empty message)
 };
 P2pLaunch nccl_p2p_launch(const P2pComm& comm, double bytes);
 // The fill and drain of a piece's pipeline, as a factor on its bandwidth time: a step is copied into the
