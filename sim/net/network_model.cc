@@ -64,6 +64,7 @@ NetworkModel::GroupEntry& NetworkModel::group(const std::vector<int>& ranks) {
   if (it != groups_.end()) return it->second;
   GroupEntry e;
   e.layout = layout_group(topo_, ranks, options_.pxn);
+  e.p2p = nccl_p2p_comm(e.layout.shape);
   return groups_.emplace(ranks, std::move(e)).first->second;
 }
 
@@ -131,7 +132,7 @@ double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, s
   // Grouped point-to-point (all_to_all's pairs, scatter's and gather's pieces): each peer's piece runs
   // through the two-stage pipeline of NCCL's send and receive.
   if (c.algorithm == Algorithm::Pairwise || c.algorithm == Algorithm::Direct)
-    us *= nccl_p2p_slowdown(nccl_p2p_launch(nccl_p2p_comm(gs), s / std::max(1, gs.ranks)), c.protocol);
+    us *= nccl_p2p_slowdown(nccl_p2p_launch(g.p2p, s / std::max(1, gs.ranks)), c.protocol);
   return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch, alg_gbps) +
          nccl_loop_overhead_us(c.algorithm, launch);
 }
@@ -225,11 +226,10 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   CommPlan plan = pairwise_uneven_plan(topo_, g.layout, pair_bytes);
   // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above) and
   // through the pipeline of its pieces (nccl_p2p_slowdown).
-  const P2pComm comm = nccl_p2p_comm(gs);
   for (Flow& f : plan.flows) {
     const Protocol p = p2p_protocol(f.payload_bytes);
     f.bytes = f.payload_bytes / nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p, gs) *
-              nccl_p2p_slowdown(nccl_p2p_launch(comm, f.payload_bytes), p);
+              nccl_p2p_slowdown(nccl_p2p_launch(g.p2p, f.payload_bytes), p);
   }
   // The kernel's latency is that of the largest message's protocol: the pair that ends last.
   plan.protocol = p2p_protocol(static_cast<double>(largest));
@@ -258,7 +258,7 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   }
   // Sends run on the world's communicator: its GPUs relay them between nodes (PXN), and its shape sizes
   // NCCL's pieces.
-  const World& w = world();
+  const GroupEntry& w = world();
   CommPlan plan = p2p_plan(topo_, src, dst, w.layout.relay(topo_, src, dst));
   GroupShape gs;
   gs.ranks = 2;
@@ -291,15 +291,12 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   return plan;
 }
 
-const NetworkModel::World& NetworkModel::world() {
-  if (!world_) {
+NetworkModel::GroupEntry& NetworkModel::world() {
+  if (world_ == nullptr) {
     const int size = world_ranks_ > 0 ? std::min(world_ranks_, topo_.gpus()) : topo_.gpus();
     std::vector<int> all(static_cast<std::size_t>(size));
     for (int r = 0; r < size; ++r) all[static_cast<std::size_t>(r)] = r;
-    World w;
-    w.layout = layout_group(topo_, all, options_.pxn);
-    w.p2p = nccl_p2p_comm(w.layout.shape);
-    world_ = std::move(w);
+    world_ = &group(all);
   }
   return *world_;
 }
@@ -310,7 +307,7 @@ void NetworkModel::set_world_ranks(int ranks) {
                                  topo_.gpus(), topo_.nodes(), topo_.profile().name));
   }
   world_ranks_ = ranks;
-  world_.reset();
+  world_ = nullptr;
 }
 
 void NetworkModel::record(const CommPlan& plan) {

@@ -18,7 +18,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -60,6 +59,9 @@ struct Candidate {
 class NetworkModel {
  public:
   NetworkModel(const Profile& profile, NetworkOptions options = {});
+  // Not copied: it keeps a pointer into its own groups.
+  NetworkModel(const NetworkModel&) = delete;
+  NetworkModel& operator=(const NetworkModel&) = delete;
 
   const Topology& topology() const { return topo_; }
   const NetworkOptions& options() const { return options_; }
@@ -98,6 +100,7 @@ class NetworkModel {
   };
   struct GroupEntry {
     GroupLayout layout;
+    P2pComm p2p;  // what NCCL gives each peer of the group's grouped point-to-point calls
     std::unordered_map<std::uint64_t, Shape> shapes;  // by (op, algorithm, root)
   };
   struct RanksHash {
@@ -121,13 +124,10 @@ class NetworkModel {
   std::vector<double> link_bytes_;  // by LinkId, allocated at the first record
   int world_ranks_ = 0;
   // The world's communicator, which sends run on: its GPUs relay between nodes (PXN) and its shape sizes
-  // NCCL's point-to-point pieces. Laid out at the first send, and again after set_world_ranks.
-  struct World {
-    GroupLayout layout;
-    P2pComm p2p;
-  };
-  std::optional<World> world_;
-  const World& world();
+  // NCCL's point-to-point pieces. The group of every rank, found at the first send and again after
+  // set_world_ranks (groups_ keeps its entries in place).
+  GroupEntry* world_ = nullptr;
+  GroupEntry& world();
 };
 
 // The time a plan's flows take alone on the topology's links: the busiest link's bytes over its capacity.
