@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cctype>
-#include <unordered_map>
+#include <compare>
+#include <numeric>
+#include <tuple>
 
 namespace ranklab::sim {
 
@@ -84,30 +86,25 @@ std::string CommPlan::name() const {
 }
 
 void count_copies(CommPlan& plan) {
-  plan.copies.assign(plan.flows.size(), 1);
-  // Candidates by a hash of the path; equal paths are then compared link by link.
-  std::unordered_multimap<std::uint64_t, std::uint32_t> first_of;
-  for (std::uint32_t i = 0; i < plan.flows.size(); ++i) {
-    const Flow& f = plan.flows[i];
-    const std::span<const LinkId> path = plan.path(f);
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the links
-    for (LinkId l : path) {
-      h ^= l;
-      h *= 1099511628211ull;
-    }
-    bool copy = false;
-    for (auto [it, end] = first_of.equal_range(h); it != end; ++it) {
-      const Flow& g = plan.flows[it->second];
-      const std::span<const LinkId> other = plan.path(g);
-      if (g.bytes == f.bytes && g.payload_bytes == f.payload_bytes &&
-          std::equal(path.begin(), path.end(), other.begin(), other.end())) {
-        ++plan.copies[it->second];
-        plan.copies[i] = 0;
-        copy = true;
-        break;
-      }
-    }
-    if (!copy) first_of.emplace(h, i);
+  // The flows in the order of (path, bytes, payload), equal ones in plan order: each run of equal flows is
+  // counted on its first.
+  const auto n = static_cast<std::uint32_t>(plan.flows.size());
+  std::vector<std::uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  auto less = [&](std::uint32_t a, std::uint32_t b) {
+    const Flow &fa = plan.flows[a], &fb = plan.flows[b];
+    const std::span<const LinkId> pa = plan.path(fa), pb = plan.path(fb);
+    const auto by_path = std::lexicographical_compare_three_way(pa.begin(), pa.end(), pb.begin(), pb.end());
+    if (by_path != 0) return by_path < 0;
+    return std::tie(fa.bytes, fa.payload_bytes) < std::tie(fb.bytes, fb.payload_bytes);
+  };
+  std::stable_sort(order.begin(), order.end(), less);
+  plan.copies.assign(n, 0);
+  for (std::uint32_t k = 0; k < n;) {
+    std::uint32_t end = k + 1;
+    while (end < n && !less(order[k], order[end])) ++end;
+    plan.copies[order[k]] = end - k;
+    k = end;
   }
 }
 
