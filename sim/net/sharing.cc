@@ -224,45 +224,50 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
     return e;
   };
   auto valid = [&](const Entry& e) { return links_[e.link].version == e.version; };
+  // Past 64 pops in a row on a heap of over 1,024 entries, the rest is taken in one pass over the heap,
+  // which is then built again: linear, where a pop each costs a log and a cache miss (a large world's
+  // collective loads thousands of links alike, and a level leaves thousands stale).
+  auto in_one_pass = [&](int& pops) { return ++pops > 64 && heap.size() > 1024; };
+  auto drop_and_rebuild = [&](auto drop) {
+    std::erase_if(heap, drop);
+    std::make_heap(heap.begin(), heap.end(), std::greater<>());
+  };
   std::vector<std::uint32_t>& full = full_;
   std::vector<std::uint32_t>& touched = touched_;
+  // A link full at this level: its entry is spent.
+  auto take = [&](std::uint32_t link) {
+    ++links_[link].version;
+    full.push_back(link);
+  };
   while (unfixed_flows > 0) {
     int stale = 0;
     while (!heap.empty() && !valid(heap.front())) {
-      if (++stale > 64 && heap.size() > 1024) {
-        // The links the last level's flows crossed are all stale now: drop them in one pass.
-        std::erase_if(heap, [&](const Entry& e) { return !valid(e); });
-        std::make_heap(heap.begin(), heap.end(), std::greater<>());
+      if (in_one_pass(stale)) {
+        drop_and_rebuild([&](const Entry& e) { return !valid(e); });
         break;
       }
       pop();
     }
     if (heap.empty()) break;
     // Every flow still unfixed gets this much from its most contended link; every link at that share
-    // (within the same relative tolerance as max_min_rates) is full.
+    // (within the same relative tolerance as max_min_rates) is full. The level's links are the same set
+    // whether popped or taken in one pass, and nothing below depends on their order.
     const double level = std::max(heap.front().share, 0.0);
     const double limit = level * (1 + 1e-12);
     full.clear();
     int popped = 0;
     while (!heap.empty() && (!valid(heap.front()) || heap.front().share <= limit)) {
-      if (++popped > 64 && heap.size() > 1024) {
-        // Many links at one level (a large world's collective loads its links alike): take the rest in
-        // one pass and build the heap again, linear instead of a pop each. The level's links are the same
-        // set either way, and nothing below depends on their order.
-        std::erase_if(heap, [&](const Entry& e) {
+      if (in_one_pass(popped)) {
+        drop_and_rebuild([&](const Entry& e) {
           if (!valid(e)) return true;
           if (e.share > limit) return false;
-          ++links_[e.link].version;
-          full.push_back(e.link);
+          take(e.link);
           return true;
         });
-        std::make_heap(heap.begin(), heap.end(), std::greater<>());
         break;
       }
       const Entry e = pop();
-      if (!valid(e)) continue;
-      ++links_[e.link].version;
-      full.push_back(e.link);
+      if (valid(e)) take(e.link);
     }
     touched.clear();
     for (std::uint32_t l : full) {
