@@ -32,6 +32,25 @@ double random_capacity(std::mt19937_64& rng) {
                    : std::uniform_real_distribution<double>(0.5, 400)(rng);
 }
 
+// `links` links of random capacities, added alike to every network of `nets`; returns the capacities.
+std::vector<double> add_random_links(std::mt19937_64& rng, int links,
+                                     std::initializer_list<SharingNetwork*> nets) {
+  std::vector<double> capacity;
+  for (int l = 0; l < links; ++l) {
+    capacity.push_back(random_capacity(rng));
+    for (SharingNetwork* net : nets) net->add_link(capacity.back());
+  }
+  return capacity;
+}
+
+// One of the live flows of `live` (a map by flow id), at random.
+template <class Map>
+typename Map::iterator random_live(std::mt19937_64& rng, Map& live) {
+  auto it = live.begin();
+  std::advance(it, static_cast<long>(rng() % live.size()));
+  return it;
+}
+
 // A path of `len` distinct links out of `links`.
 Path random_path(std::mt19937_64& rng, int links, int len) {
   Path p;
@@ -104,13 +123,8 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
   for (int trial = 0; trial < 300; ++trial) {
     const int links = 2 + static_cast<int>(rng() % 24);
     const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
-    std::vector<double> capacity;
     SharingNetwork net;
-    for (int l = 0; l < links; ++l) {
-      const double c = random_capacity(rng);
-      capacity.push_back(c);
-      net.add_link(c);
-    }
+    const std::vector<double> capacity = add_random_links(rng, links, {&net});
     std::map<SharingNetwork::FlowId, Path> live;
     const int changes = 10 + static_cast<int>(rng() % 40);
     for (int step = 0; step < changes; ++step) {
@@ -118,8 +132,7 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
       const int batch = 1 + static_cast<int>(rng() % 3);
       for (int b = 0; b < batch; ++b) {
         if (!live.empty() && rng() % 3 == 0) {
-          auto it = live.begin();
-          std::advance(it, static_cast<long>(rng() % live.size()));
+          auto it = random_live(rng, live);
           net.remove_flow(it->first);
           live.erase(it);
         } else {
@@ -159,18 +172,13 @@ TEST(Sharing, AFlowOfCopiesSharesExactlyAsTheCopiesWould) {
     const int links = 2 + static_cast<int>(rng() % 24);
     const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
     SharingNetwork separate, copied;
-    for (int l = 0; l < links; ++l) {
-      const double c = random_capacity(rng);
-      separate.add_link(c);
-      copied.add_link(c);
-    }
+    add_random_links(rng, links, {&separate, &copied});
     // copied's id -> separate's ids, one per copy
     std::map<SharingNetwork::FlowId, std::vector<SharingNetwork::FlowId>> live;
     const int changes = 10 + static_cast<int>(rng() % 40);
     for (int step = 0; step < changes; ++step) {
       if (!live.empty() && rng() % 3 == 0) {
-        auto it = live.begin();
-        std::advance(it, static_cast<long>(rng() % live.size()));
+        auto it = random_live(rng, live);
         copied.remove_flow(it->first);
         for (auto id : it->second) separate.remove_flow(id);
         live.erase(it);
@@ -283,19 +291,14 @@ TEST(Sharing, SolvingSeveralBatchesAtOnceEqualsSolvingEach) {
     const int links = 2 + static_cast<int>(rng() % 24);
     const int max_path = 1 + static_cast<int>(rng() % std::min(links, 5));
     SharingNetwork each, batched;
-    for (int l = 0; l < links; ++l) {
-      const double c = random_capacity(rng);
-      each.add_link(c);
-      batched.add_link(c);
-    }
+    add_random_links(rng, links, {&each, &batched});
     std::map<SharingNetwork::FlowId, SharingNetwork::FlowId> live;  // each's id -> batched's id
     const int changes = 10 + static_cast<int>(rng() % 40);
     for (int step = 0; step < changes; ++step) {
       const int batch = 1 + static_cast<int>(rng() % 3);
       for (int b = 0; b < batch; ++b) {
         if (!live.empty() && rng() % 3 == 0) {
-          auto it = live.begin();
-          std::advance(it, static_cast<long>(rng() % live.size()));
+          auto it = random_live(rng, live);
           each.remove_flow(it->first);
           batched.remove_flow(it->second);
           live.erase(it);
