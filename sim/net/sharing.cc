@@ -17,6 +17,8 @@ std::uint32_t SharingNetwork::add_link(double capacity_gbps) {
   }
   links_.emplace_back();
   links_.back().capacity_gbps = capacity_gbps;
+  shares_.emplace_back();
+  link_visit_.push_back(0);
   return static_cast<std::uint32_t>(links_.size() - 1);
 }
 
@@ -131,8 +133,8 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   std::vector<std::uint32_t>& stack = stack_;
   stack.clear();
   for (std::uint32_t l : dirty_) {
-    if (links_[l].visit == visit_) continue;
-    links_[l].visit = visit_;
+    if (link_visit_[l] == visit_) continue;
+    link_visit_[l] = visit_;
     stack.push_back(l);
     Component c{0, static_cast<std::uint32_t>(component_links_.size()), 0,
                 static_cast<std::uint32_t>(changed_.size()), 0};
@@ -150,8 +152,8 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
         flow.visit = visit_;
         changed_.push_back(f);
         for (std::uint32_t m : path(flow)) {
-          if (links_[m].visit == visit_) continue;
-          links_[m].visit = visit_;
+          if (link_visit_[m] == visit_) continue;
+          link_visit_[m] = visit_;
           stack.push_back(m);
         }
       }
@@ -205,11 +207,12 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
   heap.clear();
   heap.reserve(links.size());
   for (std::uint32_t l : links) {
-    Link& link = links_[l];
-    link.remaining_gbps = link.capacity_gbps;
-    link.unfixed = link.copies;
-    ++link.version;
-    if (link.unfixed > 0) heap.push_back({link.remaining_gbps / link.unfixed, l, link.version});
+    const Link& link = links_[l];
+    LinkShare& share = shares_[l];
+    share.remaining_gbps = link.capacity_gbps;
+    share.unfixed = link.copies;
+    ++share.version;
+    if (share.unfixed > 0) heap.push_back({share.remaining_gbps / share.unfixed, l, share.version});
   }
   for (FlowId f : flows) flows_[f].fixed = false;
   // Once every flow is fixed the heap holds only links they filled or left: stop there rather than pop
@@ -223,7 +226,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
     heap.pop_back();
     return e;
   };
-  auto valid = [&](const Entry& e) { return links_[e.link].version == e.version; };
+  auto valid = [&](const Entry& e) { return shares_[e.link].version == e.version; };
   // Past 64 pops in a row on a heap of over 1,024 entries, the rest is taken in one pass over the heap,
   // which is then built again: linear, where a pop each costs a log and a cache miss (a large world's
   // collective loads thousands of links alike, and a level leaves thousands stale).
@@ -236,7 +239,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
   std::vector<std::uint32_t>& touched = touched_;
   // A link full at this level: its entry is spent.
   auto take = [&](std::uint32_t link) {
-    ++links_[link].version;
+    ++shares_[link].version;
     full.push_back(link);
   };
   while (unfixed_flows > 0) {
@@ -278,7 +281,7 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
         flow.rate_gbps = level;
         --unfixed_flows;
         for (std::uint32_t m : path(flow)) {
-          Link& link = links_[m];
+          LinkShare& link = shares_[m];
           // Copy by copy: every flow fixed at one level takes the same `level` from a link, so the link's
           // remaining capacity after the level does not depend on the order flows are fixed in, and a
           // flow standing for k copies leaves exactly what k separate flows would.
@@ -291,16 +294,16 @@ void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const 
       }
     }
     for (std::uint32_t m : touched) {
-      Link& link = links_[m];
-      if (link.visit != visit_) continue;  // already re-queued this level
-      link.visit = visit_ - 1;
+      if (link_visit_[m] != visit_) continue;  // already re-queued this level
+      link_visit_[m] = visit_ - 1;
+      LinkShare& link = shares_[m];
       ++link.version;
       if (link.unfixed > 0) {
         heap.push_back({link.remaining_gbps / link.unfixed, m, link.version});
         std::push_heap(heap.begin(), heap.end(), std::greater<>());
       }
     }
-    for (std::uint32_t m : touched) links_[m].visit = visit_;
+    for (std::uint32_t m : touched) link_visit_[m] = visit_;
   }
 }
 

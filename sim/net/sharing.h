@@ -17,6 +17,7 @@
 #pragma once
 
 #include <algorithm>
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -58,17 +59,23 @@ class SharingNetwork {
   void end_batch();
 
  private:
-  struct Link {
+  // A link's record, one cache line: a collective of a large world touches tens of thousands of links per
+  // solve, more than the cache holds, so each costs a miss, and a second line for its flows would cost
+  // another. Links carry few distinct flows (a ring's channels through a hop are one flow of copies), so
+  // up to three are kept in the record itself.
+  struct alignas(64) Link {
     double capacity_gbps = 0;
-    std::vector<FlowId> flows;  // the flows crossing it, in no particular order
-    std::uint32_t copies = 0;   // their copies: how many flows share it
-    // Solver scratch, meaningful during solve() only.
+    boost::container::small_vector<FlowId, 3> flows;  // the flows crossing it, in no particular order
+    std::uint32_t copies = 0;                         // their copies: how many flows share it
+    std::uint32_t dirty_batch = 0;                    // the last batch that changed its flows, while dirty
+    bool dirty = false;
+  };
+  // The solver's scratch per link, meaningful during solve() only, kept apart from the records so that the
+  // passes that read only these read a dense array.
+  struct LinkShare {
     double remaining_gbps = 0;
     std::uint32_t unfixed = 0;
-    std::uint32_t version = 0;      // heap entries with an older version are stale
-    std::uint32_t visit = 0;        // the solve() that put this link in its component
-    std::uint32_t dirty_batch = 0;  // the last batch that changed its flows, while dirty
-    bool dirty = false;
+    std::uint32_t version = 0;  // heap entries with an older version are stale
   };
   // A flow's record: 24 bytes, so that the flows of a component the size of a large world stay in cache
   // while it is shared again. Its path, and per path link where the flow sits in that link's `flows`, are
@@ -92,6 +99,10 @@ class SharingNetwork {
   void fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows);
 
   std::vector<Link> links_;
+  std::vector<LinkShare> shares_;
+  // Per link, the solve() that put it in its component: read for every link of every flow's path while a
+  // component is gathered, so it is an array of its own.
+  std::vector<std::uint32_t> link_visit_;
   std::vector<FlowRec> flows_;
   std::vector<std::uint32_t> paths_;
   std::vector<std::vector<std::uint32_t>> free_blocks_;  // by path length
