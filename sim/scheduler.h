@@ -1,6 +1,7 @@
 // VirtualTimeScheduler: a Boost.Fiber scheduling algorithm that runs the ready fiber with the smallest
 // virtual time first (ties broken by rank, then by arrival), so ranks issue communication in time order
-// and every run of a lesson interleaves its fibers the same way.
+// (SimWorld::arrival_only says which calls need not) and every run of a lesson interleaves its fibers the
+// same way.
 #pragma once
 
 #include <boost/fiber/algo/algorithm.hpp>

@@ -1082,7 +1082,7 @@ Work SimRank::communicate(const CommCall& call) {
     return Work();
   }
   s_.host_us += world_.compute().launch_us();
-  world_.before_issue(rank_);
+  world_.before_issue(rank_, call);
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
     // A synchronous collective ends after every earlier operation of its group's stream (it depends on the

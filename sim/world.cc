@@ -623,7 +623,19 @@ bool SimWorld::advance_engine_one_event() {
   return true;
 }
 
-void SimWorld::before_issue(int rank) {
+bool SimWorld::arrival_only(int rank, const CommCall& call) const {
+  if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv || !rep_.empty()) {
+    return false;
+  }
+  const int gid = call.group.id();
+  const auto& seqs = ranks_[rank]->collective_seq;
+  const auto seq = seqs.find(gid);
+  const auto open = open_collectives_.find({gid, seq == seqs.end() ? 0 : seq->second});
+  const int arrived = open == open_collectives_.end() ? 0 : open->second->arrived;
+  return arrived + 1 < static_cast<int>(members(call.group).size());
+}
+
+void SimWorld::before_issue(int rank, const CommCall& call) {
   RankState& s = state(rank);
   VirtualTimeScheduler* sched = VirtualTimeScheduler::current();
   const double issue_us = std::max(s.host_us, s.compute_us);
@@ -635,7 +647,7 @@ void SimWorld::before_issue(int rank) {
     if (!contention_waits_.empty()) target_us = std::min(target_us, contention_waits_.begin()->first);
     if (advance_engine(target_us)) continue;
     wake_contention_waits();
-    if (!sched || sched->min_ready_time_us() >= s.host_us) return;
+    if (!sched || sched->min_ready_time_us() >= s.host_us || arrival_only(rank, call)) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
     VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
     props.time_us = s.host_us;

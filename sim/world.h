@@ -141,9 +141,10 @@ class SimWorld {
   // report needs it, as a wait happens at every rank for every operation).
   void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
                      bool after_sync = false);
-  // Called before `rank` issues communication: lets ranks whose clocks are behind go first, and brings
-  // the transfer engine up to this rank's clock.
-  void before_issue(int rank);
+  // Called before `rank` issues `call`: lets ranks whose clocks are behind go first, and brings the
+  // transfer engine up to this rank's clock. A call that only marks the rank arrived (arrival_only) goes
+  // at once.
+  void before_issue(int rank, const CommCall& call);
   // Launches a kernel on `rank`'s compute stream that costs `cost` on an idle GPU, given the
   // communication kernels on its GPU: while n channels of communication run, the kernel's arithmetic gets
   // the SMs they leave (its math time x sm_count / (sm_count - n)) and its memory traffic the HBM bandwidth
@@ -156,6 +157,14 @@ class SimWorld {
   // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first.
   void settle_compute(int rank);
   void check_aborted() const;
+  // Whether posting `call` now only marks `rank` arrived: a collective that still waits for another member
+  // after it. Such a post starts no transfer, so it need not wait for the ranks whose clocks are behind:
+  // the engine stays behind their clocks either way, and a dependency that ends before this rank's clock
+  // but that the engine has not reached yet delays nothing (the member is ready at its clock anyway). The
+  // member that completes the operation still waits its turn. Each rank of a world-wide collective then
+  // switches fibers once per call instead of twice. (Not in symmetric runs, where a post also marks the
+  // members the rank stands for.)
+  bool arrival_only(int rank, const CommCall& call) const;
   // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
   void check_thread(int rank, const char* op) const;
   // Why `op` has not executed yet: the members that have not called it, or what they still wait for.

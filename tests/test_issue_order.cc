@@ -1,0 +1,203 @@
+// A rank whose communication call only marks it arrived at a collective that still waits for another
+// member posts it at once, without first letting the ranks whose clocks are behind run
+// (SimWorld::arrival_only). These tests check that it does, and that every time is exactly what issuing
+// each call in clock order gives (SimConfig::issue_in_clock_order), on random programs.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/lesson.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+using testing::quiet_config;
+
+SimConfig config(bool in_clock_order, int nodes = 1) {
+  SimConfig c = quiet_config(nodes);
+  c.issue_in_clock_order = in_clock_order;
+  return c;
+}
+
+// Every rank computes, then posts an asynchronous all_reduce and notes it. Rank 0 runs first and its clock
+// is then ahead of the ranks that have not run: posting at once, it notes its post before they start.
+std::vector<std::string> order_of_events(bool in_clock_order) {
+  std::vector<std::string> events;
+  SimBackend backend(config(in_clock_order));
+  backend.launch(4, [&](Rank& r) {
+    events.push_back(fmt::format("{} starts", r.rank()));
+    Tensor a = r.phantom({1024, 1024});
+    Tensor b = r.matmul(a, a);
+    Work w = r.all_reduce(b, ReduceOp::Sum, Async::Yes);
+    events.push_back(fmt::format("{} posted", r.rank()));
+    w.wait();
+  });
+  return events;
+}
+
+TEST(IssueOrder, AnArrivalIsPostedBeforeTheRanksBehindRun) {
+  const std::vector<std::string> ahead = order_of_events(false);
+  ASSERT_GE(ahead.size(), 3u);
+  EXPECT_EQ(ahead[0], "0 starts");
+  EXPECT_EQ(ahead[1], "0 posted");
+  EXPECT_EQ(ahead[2], "1 starts");
+  // In clock order, rank 0 waits until every rank has reached the clock it posts at.
+  const std::vector<std::string> in_order = order_of_events(true);
+  ASSERT_EQ(in_order.size(), 8u);
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
+}
+
+// A random SPMD program: the same steps on every rank, with compute whose size differs by rank (so the
+// ranks' clocks drift apart), collectives on the world and on two sub-groups, synchronous and not,
+// point-to-point rings, waits and synchronizes.
+struct Step {
+  enum Kind { Compute, Collective, Ring, WaitAll, Synchronize } kind;
+  CommOp op = CommOp::AllReduce;
+  int group = 0;  // 0: world, 1: even ranks, 2: odd ranks
+  bool async = false;
+  std::int64_t numel = 0;
+};
+
+std::vector<Step> random_program(std::uint32_t seed) {
+  std::mt19937 gen(seed);
+  auto pick = [&](int n) { return static_cast<int>(gen() % static_cast<std::uint32_t>(n)); };
+  const CommOp ops[] = {CommOp::AllReduce, CommOp::AllGather, CommOp::ReduceScatter};
+  std::vector<Step> steps;
+  for (int i = 0; i < 40; ++i) {
+    Step s{static_cast<Step::Kind>(pick(10) < 4 ? 0 : pick(10) < 7 ? 1 : 2 + pick(3))};
+    s.op = ops[pick(3)];
+    s.group = pick(3);
+    s.async = pick(2) == 1;
+    s.numel = std::int64_t{1024} << (2 * pick(6));  // 4 KiB to 4 MiB
+    steps.push_back(s);
+  }
+  return steps;
+}
+
+RunReport run_program(const std::vector<Step>& steps, std::uint32_t seed, bool in_clock_order, int world,
+                      int nodes) {
+  SimBackend backend(config(in_clock_order, nodes));
+  return backend.launch(world, [&](Rank& r) {
+    const int w = r.world_size();
+    std::vector<int> evens, odds;
+    for (int i = 0; i < w; ++i) (i % 2 == 0 ? evens : odds).push_back(i);
+    const Group groups[] = {Group(), r.new_group(evens), r.new_group(odds)};
+    const bool even = r.rank() % 2 == 0;
+    std::vector<Work> pending;
+    std::vector<Tensor> keep;  // buffers of calls not yet waited on
+    for (std::size_t i = 0; i < steps.size(); ++i) {
+      const Step& s = steps[i];
+      switch (s.kind) {
+        case Step::Compute: {
+          const std::int64_t n = 256 * (1 + (seed + 7 * r.rank() + 3 * i) % 5);
+          Tensor a = r.phantom({n, n});
+          keep.push_back(r.matmul(a, a));
+          break;
+        }
+        case Step::Collective: {
+          if (s.group != 0 && even != (s.group == 1)) break;  // not a member
+          const int n = s.group == 0 ? w : static_cast<int>((s.group == 1 ? evens : odds).size());
+          Tensor small = r.phantom({s.numel});
+          Tensor large = r.phantom({s.numel * n});
+          const Async a = s.async ? Async::Yes : Async::No;
+          Work work = s.op == CommOp::AllReduce ? r.all_reduce(small, ReduceOp::Sum, a, groups[s.group])
+                      : s.op == CommOp::AllGather
+                          ? r.all_gather(large, small, a, groups[s.group])
+                          : r.reduce_scatter(small, large, ReduceOp::Sum, a, groups[s.group]);
+          keep.push_back(small);
+          keep.push_back(large);
+          if (s.async) pending.push_back(std::move(work));
+          break;
+        }
+        case Step::Ring: {
+          Tensor out = r.phantom({s.numel}), in = r.phantom({s.numel});
+          const std::vector<Rank::P2POp> ring = {{CommOp::Send, out, (r.rank() + 1) % w},
+                                                 {CommOp::Recv, in, (r.rank() + w - 1) % w}};
+          for (Work& work : r.batch_isend_irecv(ring)) {
+            pending.push_back(std::move(work));
+          }
+          keep.push_back(out);
+          keep.push_back(in);
+          break;
+        }
+        case Step::WaitAll:
+          for (Work& work : pending) work.wait();
+          pending.clear();
+          keep.clear();
+          break;
+        case Step::Synchronize:
+          for (Work& work : pending) work.wait();
+          pending.clear();
+          keep.clear();
+          r.synchronize();
+          break;
+      }
+    }
+    for (Work& work : pending) work.wait();
+    r.synchronize();
+  });
+}
+
+// Every span and collective with its times, in one order: the report lists them in the order the
+// simulator recorded them, which depends on the order the ranks ran in.
+using TimedRow = std::tuple<int, double, double, int, std::string>;
+std::vector<TimedRow> timed_rows(const RunReport& report) {
+  std::vector<TimedRow> rows;
+  for (const Span& s : report.spans) {
+    rows.emplace_back(s.rank, s.start_us, s.end_us, static_cast<int>(s.kind), s.name.str());
+  }
+  for (const CollectiveRecord& c : report.collectives) {
+    rows.emplace_back(-1, c.start_us, c.end_us, static_cast<int>(c.op), c.group.str());
+  }
+  std::sort(rows.begin(), rows.end());
+  return rows;
+}
+
+void expect_same_times(const RunReport& a, const RunReport& b, const std::string& what) {
+  EXPECT_EQ(a.makespan_us, b.makespan_us) << what;
+  const std::vector<TimedRow> rows_a = timed_rows(a), rows_b = timed_rows(b);
+  ASSERT_EQ(rows_a.size(), rows_b.size()) << what;
+  for (std::size_t i = 0; i < rows_a.size(); ++i) {
+    const auto& [rank, start_us, end_us, kind, name] = rows_a[i];
+    EXPECT_EQ(rows_a[i], rows_b[i]) << what << ": rank " << rank << " " << name << " " << start_us << " - "
+                                    << end_us << " against rank " << std::get<0>(rows_b[i]) << " "
+                                    << std::get<4>(rows_b[i]) << " " << std::get<1>(rows_b[i]) << " - "
+                                    << std::get<2>(rows_b[i]);
+  }
+}
+
+TEST(IssueOrder, RandomProgramsTakeTheTimesOfIssuingInClockOrder) {
+  for (std::uint32_t seed = 1; seed <= 12; ++seed) {
+    const std::vector<Step> steps = random_program(seed);
+    const int nodes = seed % 3 == 0 ? 2 : 1;
+    const int world = 8 * nodes;
+    const RunReport ahead = run_program(steps, seed, false, world, nodes);
+    const RunReport in_order = run_program(steps, seed, true, world, nodes);
+    expect_same_times(ahead, in_order, fmt::format("seed {} on {} node(s)", seed, nodes));
+  }
+}
+
+TEST(IssueOrder, LessonsTakeTheTimesOfIssuingInClockOrder) {
+  for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel", "benchmark"}) {
+    auto run = [&](bool in_clock_order) {
+      SimBackend backend(config(in_clock_order));
+      Options o;
+      o.world = 8;
+      o.layers = 8;
+      if (std::string(lesson) == "data_parallel") o.overlap = true;
+      return run_lesson(backend, lesson, o);
+    };
+    expect_same_times(run(false), run(true), lesson);
+  }
+}
+
+}  // namespace
+}  // namespace ranklab
