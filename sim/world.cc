@@ -627,6 +627,10 @@ bool SimWorld::arrival_only(int rank, const CommCall& call) const {
   if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv || !rep_.empty()) {
     return false;
   }
+  // An asynchronous call's rank goes on to launch kernels, and with communication sharing the GPU their
+  // times need the operation's start, known only once its last member arrives: posted early, they would
+  // wait longer to be settled, and be tried again more often.
+  if (call.async == Async::Yes && config_.sm_contention) return false;
   const int gid = call.group.id();
   const auto& seqs = ranks_[rank]->collective_seq;
   const auto seq = seqs.find(gid);

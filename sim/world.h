@@ -163,7 +163,7 @@ class SimWorld {
   // but that the engine has not reached yet delays nothing (the member is ready at its clock anyway). The
   // member that completes the operation still waits its turn. Each rank of a world-wide collective then
   // switches fibers once per call instead of twice. (Not in symmetric runs, where a post also marks the
-  // members the rank stands for.)
+  // members the rank stands for, nor for asynchronous calls while communication shares the GPU.)
   bool arrival_only(int rank, const CommCall& call) const;
   // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
   void check_thread(int rank, const char* op) const;

@@ -21,17 +21,19 @@ namespace {
 
 using testing::quiet_config;
 
-SimConfig config(bool in_clock_order, int nodes = 1) {
+SimConfig config(bool in_clock_order, int nodes = 1, bool sm_contention = true) {
   SimConfig c = quiet_config(nodes);
   c.issue_in_clock_order = in_clock_order;
+  c.sm_contention = sm_contention;
   return c;
 }
 
 // Every rank computes, then posts an asynchronous all_reduce and notes it. Rank 0 runs first and its clock
 // is then ahead of the ranks that have not run: posting at once, it notes its post before they start.
-std::vector<std::string> order_of_events(bool in_clock_order) {
+// (Communication does not share the GPU here: with it, an asynchronous call waits its turn.)
+std::vector<std::string> order_of_events(bool in_clock_order, bool sm_contention) {
   std::vector<std::string> events;
-  SimBackend backend(config(in_clock_order));
+  SimBackend backend(config(in_clock_order, 1, sm_contention));
   backend.launch(4, [&](Rank& r) {
     events.push_back(fmt::format("{} starts", r.rank()));
     Tensor a = r.phantom({1024, 1024});
@@ -44,15 +46,18 @@ std::vector<std::string> order_of_events(bool in_clock_order) {
 }
 
 TEST(IssueOrder, AnArrivalIsPostedBeforeTheRanksBehindRun) {
-  const std::vector<std::string> ahead = order_of_events(false);
+  const std::vector<std::string> ahead = order_of_events(false, false);
   ASSERT_GE(ahead.size(), 3u);
   EXPECT_EQ(ahead[0], "0 starts");
   EXPECT_EQ(ahead[1], "0 posted");
   EXPECT_EQ(ahead[2], "1 starts");
-  // In clock order, rank 0 waits until every rank has reached the clock it posts at.
-  const std::vector<std::string> in_order = order_of_events(true);
-  ASSERT_EQ(in_order.size(), 8u);
-  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
+  // In clock order, and for an asynchronous call while communication shares the GPU, rank 0 waits until
+  // every rank has reached the clock it posts at.
+  for (const bool in_clock_order : {true, false}) {
+    const std::vector<std::string> in_order = order_of_events(in_clock_order, !in_clock_order);
+    ASSERT_EQ(in_order.size(), 8u);
+    for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
+  }
 }
 
 // A random SPMD program: the same steps on every rank, with compute whose size differs by rank (so the
@@ -71,7 +76,7 @@ std::vector<Step> random_program(std::uint32_t seed) {
   auto pick = [&](int n) { return static_cast<int>(gen() % static_cast<std::uint32_t>(n)); };
   const CommOp ops[] = {CommOp::AllReduce, CommOp::AllGather, CommOp::ReduceScatter};
   std::vector<Step> steps;
-  for (int i = 0; i < 40; ++i) {
+  for (int i = 0; i < 60; ++i) {
     Step s{static_cast<Step::Kind>(pick(10) < 4 ? 0 : pick(10) < 7 ? 1 : 2 + pick(3))};
     s.op = ops[pick(3)];
     s.group = pick(3);
@@ -83,8 +88,8 @@ std::vector<Step> random_program(std::uint32_t seed) {
 }
 
 RunReport run_program(const std::vector<Step>& steps, std::uint32_t seed, bool in_clock_order, int world,
-                      int nodes) {
-  SimBackend backend(config(in_clock_order, nodes));
+                      int nodes, bool sm_contention) {
+  SimBackend backend(config(in_clock_order, nodes, sm_contention));
   return backend.launch(world, [&](Rank& r) {
     const int w = r.world_size();
     std::vector<int> evens, odds;
@@ -179,9 +184,13 @@ TEST(IssueOrder, RandomProgramsTakeTheTimesOfIssuingInClockOrder) {
     const std::vector<Step> steps = random_program(seed);
     const int nodes = seed % 3 == 0 ? 2 : 1;
     const int world = 8 * nodes;
-    const RunReport ahead = run_program(steps, seed, false, world, nodes);
-    const RunReport in_order = run_program(steps, seed, true, world, nodes);
-    expect_same_times(ahead, in_order, fmt::format("seed {} on {} node(s)", seed, nodes));
+    // Without communication sharing the GPU, asynchronous calls are posted early too.
+    const bool sm_contention = seed % 2 == 0;
+    const RunReport ahead = run_program(steps, seed, false, world, nodes, sm_contention);
+    const RunReport in_order = run_program(steps, seed, true, world, nodes, sm_contention);
+    EXPECT_GT(ahead.collectives.size(), 15u) << "seed " << seed;
+    expect_same_times(ahead, in_order,
+                      fmt::format("seed {} on {} node(s), sm contention {}", seed, nodes, sm_contention));
   }
 }
 
