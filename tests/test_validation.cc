@@ -225,9 +225,11 @@ TEST(Golden, ChannelsThreadsAndChunksFollowNccl2215) {
 }
 
 // The loops' waits (kNvlsLoopOverheadUs): nothing at NCCL's 128 KiB chunk, where its 5/6 holds them, and
-// for other chunks (1 - chunk / 128 KiB) of a wait for every loop after the first; never for rings.
+// for other chunks (1 - chunk / 128 KiB) of a wait for every loop after the first, in proportion to the
+// heads; never for rings.
 TEST(Golden, NvlsLoopsWaitBeyondWhatNcclsFiveSixthsHolds) {
   LaunchShape l;
+  l.heads = kNvlsLoopOverheadHeads;
   l.chunk_bytes = 131072;
   l.chunks = 256;
   EXPECT_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), 0);
@@ -236,6 +238,12 @@ TEST(Golden, NvlsLoopsWaitBeyondWhatNcclsFiveSixthsHolds) {
   EXPECT_DOUBLE_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), kNvlsLoopOverheadUs * 31 * 0.5);
   EXPECT_DOUBLE_EQ(nccl_loop_overhead_us(Algorithm::NvlsTree, l), kNvlsLoopOverheadUs * 31 * 0.5);
   EXPECT_EQ(nccl_loop_overhead_us(Algorithm::Ring, l), 0);
+  // One copy per head: a GB200 NVL72 rack's 72 heads wait nine times as long, 4 GPUs half as long.
+  l.heads = 72;
+  EXPECT_DOUBLE_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), 9 * kNvlsLoopOverheadUs * 31 * 0.5);
+  l.heads = 4;
+  EXPECT_DOUBLE_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), kNvlsLoopOverheadUs * 31 * 0.25);
+  l.heads = kNvlsLoopOverheadHeads;
   l.chunk_bytes = 16384;
   l.chunks = 1;
   EXPECT_EQ(nccl_loop_overhead_us(Algorithm::Nvls, l), 0);  // the first loop's are in NCCL's latency

@@ -485,6 +485,7 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
     if (bytes < 1 * concurrent * chunk && chunk > 32768) chunk = 32768;
   }
   l.chunk_bytes = chunk;
+  l.heads = heads;
   // computeCollSteps: the ring moves nRanks chunks per loop (one per rank), NVLS one per head.
   const double per_loop = a == Algorithm::Ring ? concurrent * g.ranks * chunk : concurrent * chunk;
   l.chunks = std::max(1.0, std::ceil(bytes / per_loop));
@@ -593,8 +594,10 @@ double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l) {
   if (a != Algorithm::Nvls && a != Algorithm::NvlsTree) return 0;
   // NCCL's 5/6 is NVLS with NCCL_NVLS_CHUNKSIZE chunks, where the loops' waits are already part of it; a
   // chunk of half that size pays half a wait more per loop than the 5/6 holds, one of a quarter three
-  // quarters. The first loop's waits are in NCCL's latency (hwLat), which was measured with one loop.
-  return kNvlsLoopOverheadUs * (l.chunks - 1) * std::max(0.0, 1 - l.chunk_bytes / kNvlsChunkBytes);
+  // quarters. The first loop's waits are in NCCL's latency (hwLat), which was measured with one loop. The
+  // wait is per head.
+  const double per_loop_us = kNvlsLoopOverheadUs * l.heads / kNvlsLoopOverheadHeads;
+  return per_loop_us * (l.chunks - 1) * std::max(0.0, 1 - l.chunk_bytes / kNvlsChunkBytes);
 }
 
 }  // namespace ranklab::sim

@@ -74,6 +74,7 @@ struct LaunchShape {
   double chunks = 1;  // per channel, in sequence (at least 1)
   int depth = 1;      // pipeline stages a chunk passes through; the first chunk fills them
   int net_hops = 0;   // NVLSTree: the network hops a chunk takes besides, up and down each tree level
+  int heads = 1;      // NVLS and NVLSTree: the heads a loop's chunks go to, one per GPU of the node
 };
 // getChannnelThreadInfo and computeCollChunkInfo of src/enqueue.cc for a call of `bytes` (nccl-tests size)
 // that runs (a, p).
@@ -92,15 +93,20 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
 // and the channels bound the loop; 0.47 on 2x8 B200, whose NICs bound it.
 double nccl_net_hop_weight(const GroupShape& g, double alg_gbps);
 
-// What one loop of an NVLS channel costs beyond moving its bytes, in microseconds: at every loop the
-// kernel's warp groups (scatter, reduce and multicast, gather) hand the chunk on through flags in memory
-// across the switch, a wait of fixed length however small the chunk. NCCL picks smaller chunks for smaller
-// calls (computeCollChunkInfo: 64 KiB below 1 GiB on 8x H100, 32 KiB below 64 MiB), so the same wait is
-// spread over fewer bytes; this is why NVLS's bus bandwidth steps up where the chunk doubles (8x H100:
-// 437 GB/s at 512 MiB, 466 GB/s at 1 GiB [dgxc-benchmarking]; 8x B200: 722 and 816 GB/s at 1 and 2 GiB).
-// Fitted, by least squares on the log of bus bandwidth, to the NVLS rows of one sweep: 8x H100,
-// validation/h100x8-all_reduce-dgxc-benchmarking.log (docs/validation.md lists it as fitted).
+// What one loop of an NVLS channel costs beyond moving its bytes, in microseconds, with 8 heads: at every
+// loop the kernel's scatter and gather warp groups wait for the heads' flags across the switch and then
+// copy the loop's chunk of each head in turn, one copy after another (the loop over peers of
+// ScatterGatherOp, src/device/prims_simple.h, which NCCL 2.21.5's NVLS all_reduce runs through
+// prims.scatter and prims.gather): a fixed cost per head's copy, however small the chunk. A loop of h heads
+// pays h / kNvlsLoopOverheadHeads of it: a GB200 NVL72 rack's 72 heads nine times as much. NCCL picks smaller
+// chunks for smaller calls (computeCollChunkInfo: 64 KiB below 1 GiB on 8x H100, 32 KiB below 64 MiB), so the
+// same wait is spread over fewer bytes; this is why NVLS's bus bandwidth steps up where the chunk doubles (8x
+// H100: 437 GB/s at 512 MiB, 466 GB/s at 1 GiB [dgxc-benchmarking]; 8x B200: 722 and 816 GB/s at 1 and 2
+// GiB). Fitted, by least squares on the log of bus bandwidth, to the NVLS rows of one sweep: 8x H100 (8
+// heads), validation/h100x8-all_reduce-dgxc-benchmarking.log (docs/validation.md lists it as fitted).
 constexpr double kNvlsLoopOverheadUs = 2.3;
+// The heads of the sweep kNvlsLoopOverheadUs is fitted to.
+constexpr int kNvlsLoopOverheadHeads = 8;
 // The time an NVLS or NVLSTree launch spends in its loops' waits beyond what NCCL's 5/6 holds (see
 // kNvlsLoopOverheadUs); 0 for other algorithms.
 double nccl_loop_overhead_us(Algorithm a, const LaunchShape& l);
