@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <optional>
 #include <random>
 #include <string>
 #include <tuple>
@@ -29,8 +28,8 @@ SimConfig config(bool in_clock_order, int nodes = 1, bool sm_contention = true) 
 }
 
 // Every rank computes, then posts an asynchronous all_reduce and notes it. Rank 0 runs first and its clock
-// is then ahead of the ranks that have not run: posting at once, it notes its post before they start.
-// (Communication does not share the GPU here: with it, an asynchronous call waits its turn.)
+// is then ahead of the ranks that have not run: posting at once, it notes its post before they start. (An
+// asynchronous call is posted at once only where communication does not share the GPU.)
 std::vector<std::string> order_of_events(bool in_clock_order, bool sm_contention) {
   std::vector<std::string> events;
   SimBackend backend(config(in_clock_order, 1, sm_contention));
