@@ -87,18 +87,36 @@ void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner)
   for (int i = dim + 1; i < s.ndim(); ++i) inner *= s[i];
 }
 
+// The compute stream waits for `op` before its next kernel: `op` is synchronous, or wait() was called on it.
+// A group's collectives run one after another on its stream, so the later of two stands for both:
+// back-to-back collectives, or the buckets of a step waited on in turn, keep the list as short as the number
+// of streams.
+void compute_stream_waits_for(RankState& s, const std::shared_ptr<CommOpState>& op) {
+  if (op->op != CommOp::Send) {
+    auto same_stream = [&](const std::shared_ptr<CommOpState>& other) {
+      return other->op != CommOp::Send && other->group_id == op->group_id;
+    };
+    for (const auto& other : s.unfolded_waits) {
+      if (same_stream(other) && other->seq >= op->seq) return;
+    }
+    std::erase_if(s.unfolded_waits, same_stream);
+  }
+  s.unfolded_waits.push_back(op);
+}
+
 class SimWork : public WorkState {
  public:
   SimWork(SimWorld& world, int rank, std::shared_ptr<CommOpState> op)
       : world_(world), rank_(rank), op_(std::move(op)) {}
+  // As torch's work.wait() on NCCL: the compute stream waits for the operation, the host does not. The
+  // rank goes on at once; its next kernel (or anything else that needs the compute stream's clock or the
+  // operation's numbers) waits for the operation's end. Waiting for every bucket of a step then blocks once,
+  // on the last one, instead of once per bucket.
   void wait() override {
     CommMember& m = op_->member_of(rank_);
     if (m.waited) return;
-    world_.wait_finished(rank_, op_, "wait()");
     m.waited = true;
-    RankState& s = world_.state(rank_);
-    world_.settle_compute(rank_);
-    s.compute_us = std::max(s.compute_us, op_->end_us);  // the compute stream waits for it
+    compute_stream_waits_for(world_.state(rank_), op_);
   }
   bool waited() const override { return op_->member_of(rank_).waited; }
 
@@ -172,15 +190,15 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
   return Tensor(s, dtype, std::make_shared<SimStorage>(s_.memory, s.numel(), dtype, phantom));
 }
 
-void SimRank::fold_sync_ops(const char* by) {
-  if (!s_.unfolded_sync.empty()) world_.settle_compute(rank_);
-  for (const auto& op : s_.unfolded_sync) {
+void SimRank::fold_waits(const char* by) {
+  if (!s_.unfolded_waits.empty()) world_.settle_compute(rank_);
+  for (const auto& op : s_.unfolded_waits) {
     if (!op->finished) {
-      world_.wait_finished(rank_, op, by, /*after_sync=*/true);
+      world_.wait_finished(rank_, op, by, /*folded=*/true);
     }
     s_.compute_us = std::max(s_.compute_us, op->end_us);
   }
-  s_.unfolded_sync.clear();
+  s_.unfolded_waits.clear();
 }
 
 void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const char* op) {
@@ -197,7 +215,7 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
     pending.clear();
     sim_storage(*t)->pending_reads_only.clear();
   }
-  fold_sync_ops(op);
+  fold_waits(op);
 }
 
 void SimRank::launch_kernel(const std::string& name, double flops, double bytes, DType dtype) {
@@ -205,6 +223,7 @@ void SimRank::launch_kernel(const std::string& name, double flops, double bytes,
 }
 
 void SimRank::launch_kernel_cost(const std::string& name, const KernelCost& cost) {
+  fold_waits(name.c_str());  // kernels that read no tensor (fills, random numbers) wait on the stream too
   s_.host_us += world_.compute().launch_us();
   // Communication this GPU runs at the same time holds some of its SMs and HBM bandwidth.
   world_.launch_kernel(rank_, name, cost);
@@ -1088,12 +1107,7 @@ Work SimRank::communicate(const CommCall& call) {
     // A synchronous collective ends after every earlier operation of its group's stream (it depends on the
     // stream's last one), so it stands for the earlier synchronous ones there: back-to-back collectives
     // keep this list as short as the number of streams, not as long as the number of calls.
-    if (call.op != CommOp::Send && call.op != CommOp::Recv && s_.p2p_group == 0) {
-      std::erase_if(s_.unfolded_sync, [&](const std::shared_ptr<CommOpState>& earlier) {
-        return earlier->op != CommOp::Send && earlier->group_id == op->group_id;
-      });
-    }
-    s_.unfolded_sync.push_back(op);
+    compute_stream_waits_for(s_, op);
     return Work();
   }
   for (const Tensor* t : {&call.input, &call.output}) {
@@ -1134,7 +1148,7 @@ std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
 void SimRank::synchronize() {
   world_.check_thread(rank_, "synchronize()");
   world_.check_aborted();
-  fold_sync_ops("synchronize()");
+  fold_waits("synchronize()");
   world_.settle_compute(rank_);  // while the operations its kernels overlap are still listed
   for (const auto& op : s_.outstanding) {
     world_.wait_finished(rank_, op, "synchronize()");
@@ -1168,7 +1182,7 @@ Event SimRank::record_event() {
   world_.check_aborted();
   // The stream reaches the marker when its earlier kernels (and any synchronous collective it waits
   // for) are done, and not before the host enqueues it.
-  fold_sync_ops("record_event");
+  fold_waits("record_event");
   world_.settle_compute(rank_);
   return Event(std::make_shared<SimEvent>(rank_, std::max(s_.host_us, s_.compute_us)));
 }

@@ -113,10 +113,12 @@ class SimRank : public Rank {
   // `t` must have the shape `want`.
   void require_shape(const Tensor& t, const Shape& want, const char* op, const char* arg) const;
   Tensor allocate(const Shape& s, DType dtype, bool phantom, const char* op);
-  // Before a kernel touches `tensors`: the compute stream waits for synchronous communication, and an
-  // async operation on one of them that was not waited on is an error.
+  // Before a kernel touches `tensors`: the compute stream waits for synchronous communication and for what
+  // wait() was called on, and an async operation on one of them that was not waited on is an error.
   void before_kernel(std::initializer_list<const Tensor*> tensors, const char* op);
-  void fold_sync_ops(const char* by);
+  // The compute stream waits for every operation in RankState::unfolded_waits; `by` names the call, for
+  // deadlock reports.
+  void fold_waits(const char* by);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
   void launch_kernel_cost(const std::string& name, const KernelCost& cost);

@@ -183,8 +183,7 @@ void SimWorld::declare_deadlock() {
   fail(std::make_exception_ptr(DeadlockError(msg)));
 }
 
-void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
-                             bool after_sync) {
+void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by, bool folded) {
   if (op->finished) {  // the common case: no callables to build
     check_aborted();
     return;
@@ -193,8 +192,11 @@ void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, c
   struct Wait {
     const CommOpState* op;
     const char* by;
-    bool after_sync;
-  } const wait{op.get(), by, after_sync};
+    const char* after;  // what made the compute stream wait for it, or null
+  } const wait{op.get(), by,
+               !folded                                        ? nullptr
+               : op->member_of(rank).call.async == Async::Yes ? "wait() on an asynchronous"
+                                                              : "a synchronous"};
   struct WaitingFor {
     RankState& s;
     ~WaitingFor() { s.waiting_op = nullptr; }
@@ -204,8 +206,8 @@ void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, c
       rank, [&wait] { return wait.op->finished; },
       [this, &wait] {
         const std::string who =
-            wait.after_sync ? fmt::format("{} (after a synchronous {})", wait.by, comm_op_name(wait.op->op))
-                            : std::string(wait.by);
+            wait.after ? fmt::format("{} (after {} {})", wait.by, wait.after, comm_op_name(wait.op->op))
+                       : std::string(wait.by);
         return fmt::format("{} waits for {}: {}", who, wait.op->label(), why_pending(*wait.op));
       });
 }
@@ -437,7 +439,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   } else {
     add_dep(stream.last);
   }
-  for (const auto& sync_op : s.unfolded_sync) {
+  for (const auto& sync_op : s.unfolded_waits) {
     // One on this stream ends no later than the stream's last operation before this one, which is a
     // dependency already: leaving it out changes no time, and keeps back-to-back synchronous collectives
     // from each depending on all the earlier ones.

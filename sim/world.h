@@ -62,8 +62,9 @@ struct RankState {
   double host_us = 0;
   double compute_us = 0;  // when the compute stream's last kernel ends
   std::map<int, StreamState> streams;
-  // Synchronous operations the compute stream must wait for before its next kernel.
-  std::vector<std::shared_ptr<CommOpState>> unfolded_sync;
+  // Operations the compute stream must wait for before its next kernel: synchronous ones, and asynchronous
+  // ones wait() was called on (at most one per collective stream; compute_stream_waits_for in sim_rank.cc).
+  std::vector<std::shared_ptr<CommOpState>> unfolded_waits;
   // Everything this rank posted that has not executed (synchronize waits for all of it).
   std::vector<std::shared_ptr<CommOpState>> outstanding;
   std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
@@ -137,10 +138,9 @@ class SimWorld {
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
   // Blocks until `op` has finished (its end time is final). `by` names the call that waits, for deadlock
-  // reports; `after_sync` adds that it waits for the synchronous operation `op` (formatted only when a
-  // report needs it, as a wait happens at every rank for every operation).
-  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by,
-                     bool after_sync = false);
+  // reports; `folded` adds that `by` waits for `op` on the compute stream, after a synchronous call or a
+  // wait() (formatted only when a report needs it, as a wait happens at every rank for every operation).
+  void wait_finished(int rank, const std::shared_ptr<CommOpState>& op, const char* by, bool folded = false);
   // Called before `rank` issues `call`: lets ranks whose clocks are behind go first, and brings the
   // transfer engine up to this rank's clock. A call that only marks the rank arrived (arrival_only) goes
   // at once.

@@ -121,6 +121,63 @@ TEST(Clocks, AsyncCollectiveOverlapsCompute) {
   EXPECT_LT(run(Async::Yes), run(Async::No));
 }
 
+// Where rank 0's first "fill" kernel (zeros) starts, and the end of each collective, in the order posted.
+struct FillAfterCollectives {
+  double fill_start_us = -1;
+  std::vector<double> collective_end_us;
+};
+FillAfterCollectives fill_after(const std::function<void(Rank&)>& fn) {
+  SimBackend backend(quiet_config());
+  const RunReport rep = backend.launch(2, fn);
+  FillAfterCollectives out;
+  for (const Span& s : rep.spans) {
+    if (s.rank == 0 && s.kind == SpanKind::Compute && s.name == "fill" && out.fill_start_us < 0) {
+      out.fill_start_us = s.start_us;
+    }
+  }
+  for (const CollectiveRecord& c : rep.collectives) out.collective_end_us.push_back(c.end_us);
+  return out;
+}
+
+// wait() makes the compute stream wait (torch's work.wait() on NCCL), not the host: the next kernel starts
+// when the operation ends, even one that reads no tensor, and waiting for a later collective of the group
+// covers an earlier one, not the other way round.
+TEST(Clocks, TheComputeStreamWaitsForWhatWaitWasCalledOnAndNoMore) {
+  auto two_buckets = [](bool wait_first, bool wait_second) {
+    return fill_after([=](Rank& r) {
+      Tensor a = r.phantom({16 << 20}), b = r.phantom({16 << 20});
+      Work first = r.all_reduce(a, ReduceOp::Sum, Async::Yes);
+      Work second = r.all_reduce(b, ReduceOp::Sum, Async::Yes);
+      if (wait_second) second.wait();
+      if (wait_first) first.wait();
+      const double host_us = r.now();
+      Tensor z = r.zeros({4});
+      EXPECT_LT(r.now() - host_us, 10) << "wait() does not hold the host";
+      r.synchronize();
+    });
+  };
+  const FillAfterCollectives first = two_buckets(true, false);
+  ASSERT_EQ(first.collective_end_us.size(), 2u);
+  EXPECT_LT(first.collective_end_us[0], first.collective_end_us[1]);
+  EXPECT_DOUBLE_EQ(first.fill_start_us, first.collective_end_us[0]);
+  // Waited for in reverse order: the earlier must not replace the later.
+  const FillAfterCollectives both = two_buckets(true, true);
+  EXPECT_DOUBLE_EQ(both.fill_start_us, both.collective_end_us[1]);
+  const FillAfterCollectives none = two_buckets(false, false);
+  EXPECT_LT(none.fill_start_us, none.collective_end_us[0]);
+}
+
+TEST(Clocks, AKernelAfterASynchronousCollectiveStartsAtItsEnd) {
+  const FillAfterCollectives sync = fill_after([](Rank& r) {
+    Tensor a = r.phantom({16 << 20});
+    r.all_reduce(a, ReduceOp::Sum);
+    Tensor z = r.zeros({4});
+    r.synchronize();
+  });
+  ASSERT_EQ(sync.collective_end_us.size(), 1u);
+  EXPECT_DOUBLE_EQ(sync.fill_start_us, sync.collective_end_us[0]);
+}
+
 TEST(Clocks, ReportSplitsComputeCommAndIdle) {
   SimBackend backend(quiet_config());
   RunReport rep = backend.launch(2, [](Rank& r) {
@@ -215,6 +272,20 @@ TEST(Faults, ARankThatSkipsACollectiveIsNamed) {
   EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
   EXPECT_NE(msg.find("rank 3 has not called it"), std::string::npos) << msg;
   EXPECT_NE(msg.find("rank 3: finished its program"), std::string::npos) << msg;
+}
+
+TEST(Faults, AWaitedCollectiveARankSkipsIsNamedAtTheNextKernel) {
+  const std::string msg = run_error_message(4, [](Rank& r) {
+    Tensor t = r.phantom({1024});
+    if (r.rank() != 3) r.all_reduce(t, ReduceOp::Sum, Async::Yes).wait();
+    r.relu(t);
+    r.synchronize();
+  });
+  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 0: relu (after wait() on an asynchronous all_reduce) waits for"),
+            std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("rank 3 has not called it"), std::string::npos) << msg;
 }
 
 TEST(Faults, BlockingSendsFacingEachOtherDeadlockAsOnNccl) {
