@@ -128,7 +128,7 @@ class PlanBuilder {
   // Room for `flows` flows of paths up to 8 links (the longest between nodes without a CPU hop).
   void reserve(std::size_t flows) {
     plan_.flows.reserve(flows);
-    plan_.links.reserve(flows * 8);
+    plan_.links.mutate().reserve(flows * 8);
   }
   // A flow from GPU `src` to GPU `dst` carrying `payload` (per byte of S).
   void send(int src, int dst, double payload) { send_via(src, src, dst, payload); }

@@ -72,11 +72,12 @@ std::optional<Protocol> parse_protocol(const std::string& name) {
 
 void CommPlan::add_flow(std::span<const LinkId> path, double payload, double occupied) {
   Flow f;
-  f.first = static_cast<std::uint32_t>(links.size());
+  std::vector<LinkId>& all = links.mutate();
+  f.first = static_cast<std::uint32_t>(all.size());
   f.length = static_cast<std::uint32_t>(path.size());
   f.bytes = occupied;
   f.payload_bytes = payload;
-  links.insert(links.end(), path.begin(), path.end());
+  all.insert(all.end(), path.begin(), path.end());
   flows.push_back(f);
 }
 
@@ -99,11 +100,12 @@ void count_copies(CommPlan& plan) {
     return std::tie(fa.bytes, fa.payload_bytes) < std::tie(fb.bytes, fb.payload_bytes);
   };
   std::stable_sort(order.begin(), order.end(), less);
-  plan.copies.assign(n, 0);
+  std::vector<std::uint32_t>& copies = plan.copies.mutate();
+  copies.assign(n, 0);
   for (std::uint32_t k = 0; k < n;) {
     std::uint32_t end = k + 1;
     while (end < n && !less(order[k], order[end])) ++end;
-    plan.copies[order[k]] = end - k;
+    copies[order[k]] = end - k;
     k = end;
   }
 }

@@ -8,7 +8,10 @@
 // what lets the simulator's engine re-share bandwidth whenever a transfer starts or ends.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -40,6 +43,40 @@ const char* protocol_name(Protocol p);  // "ll", "ll128", "simple"
 std::optional<Algorithm> parse_algorithm(const std::string& name);
 std::optional<Protocol> parse_protocol(const std::string& name);
 
+// A vector whose copies share one buffer until one of them changes (copy on write). Plans scaled from one
+// unit plan (NetworkModel::scaled) share its paths and copy counts: a world-wide collective's are megabytes,
+// which copying at every call would drag through the cache only to read them once more.
+template <typename T>
+class SharedVector {
+ public:
+  SharedVector() = default;
+  SharedVector(std::initializer_list<T> values) : v_(std::make_shared<std::vector<T>>(values)) {}
+
+  const T* data() const { return v_ ? v_->data() : nullptr; }
+  std::size_t size() const { return v_ ? v_->size() : 0; }
+  bool empty() const { return size() == 0; }
+  const T* begin() const { return data(); }
+  const T* end() const { return data() + size(); }
+  const T& operator[](std::size_t i) const { return (*v_)[i]; }
+  friend bool operator==(const SharedVector& a, const SharedVector& b) {
+    return std::equal(a.begin(), a.end(), b.begin(), b.end());
+  }
+
+  // The only way in to change it: its own buffer, copied first when another vector shares it.
+  std::vector<T>& mutate() {
+    if (!v_) {
+      v_ = std::make_shared<std::vector<T>>();
+    } else if (v_.use_count() > 1) {
+      v_ = std::make_shared<std::vector<T>>(*v_);
+    }
+    return *v_;
+  }
+  void clear() { v_.reset(); }
+
+ private:
+  std::shared_ptr<std::vector<T>> v_;
+};
+
 struct Flow {
   std::uint32_t first = 0;  // the path is CommPlan::links[first, first + length)
   std::uint32_t length = 0;
@@ -55,13 +92,13 @@ struct CommPlan {
   // Thread blocks NCCL launches on every member's GPU: one per channel, each resident on one SM for the
   // whole call (NCCL 2.21.5 src/enqueue.cc launches the kernel with a grid of nChannels blocks).
   int channels = 0;
-  std::vector<LinkId> links;  // every flow's path, back to back
+  SharedVector<LinkId> links;  // every flow's path, back to back
   std::vector<Flow> flows;
   // Per flow, when worked out (count_copies; empty otherwise): how many of the flows it stands for in the
   // transfer engine, itself included, and 0 for a copy of an earlier one. A ring's channels cross each
   // NVLink hop side by side with the same bytes: max-min sharing gives such copies one rate, so the engine
   // shares them as one flow (sim/net/sharing.h): a large world's step has a third to a quarter as many.
-  std::vector<std::uint32_t> copies;
+  SharedVector<std::uint32_t> copies;
 
   std::span<const LinkId> path(const Flow& f) const { return {links.data() + f.first, f.length}; }
   void add_flow(std::span<const LinkId> path, double payload_bytes, double bytes);
