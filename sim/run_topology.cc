@@ -1,6 +1,7 @@
 #include "sim/run_topology.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <unordered_set>
 
 namespace ranklab::sim {
@@ -58,10 +59,12 @@ RunTopology run_topology(const Topology& topo, int world) {
   world = std::min(world, topo.gpus());
   const int nodes_used = (world + topo.gpus_per_node() - 1) / topo.gpus_per_node();
   RunTopology out;
-  std::unordered_set<std::string> known;
+  // Devices seen, by kind and index: every link meets two, and naming each to look it up would build two
+  // strings per link (a 16,384-rank world has hundreds of thousands of links).
+  std::unordered_set<std::uint64_t> known;
   auto add_node = [&](Device d) {
-    TopologyNode n = node_of(topo, d);
-    if (known.insert(n.id).second) out.nodes.push_back(std::move(n));
+    const std::uint64_t key = static_cast<std::uint64_t>(d.kind) << 56 | static_cast<std::uint64_t>(d.index);
+    if (known.insert(key).second) out.nodes.push_back(node_of(topo, d));
   };
   for (int r = 0; r < world; ++r) add_node({DeviceKind::Gpu, r});
   for (LinkId l = 0; l < topo.link_count(); ++l) {
