@@ -1104,10 +1104,7 @@ Work SimRank::communicate(const CommCall& call) {
   world_.before_issue(rank_, call);
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
-    // A synchronous collective ends after every earlier operation of its group's stream (it depends on the
-    // stream's last one), so it stands for the earlier synchronous ones there: back-to-back collectives
-    // keep this list as short as the number of streams, not as long as the number of calls.
-    compute_stream_waits_for(s_, op);
+    compute_stream_waits_for(s_, op);  // the compute stream waits for it; the host goes on
     return Work();
   }
   for (const Tensor* t : {&call.input, &call.output}) {

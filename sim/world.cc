@@ -439,12 +439,14 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   } else {
     add_dep(stream.last);
   }
-  for (const auto& sync_op : s.unfolded_waits) {
+  // What the compute stream waits for (synchronous operations, and what wait() was called on): the NCCL
+  // stream waits for the compute stream before a collective.
+  for (const auto& waited : s.unfolded_waits) {
     // One on this stream ends no later than the stream's last operation before this one, which is a
     // dependency already: leaving it out changes no time, and keeps back-to-back synchronous collectives
     // from each depending on all the earlier ones.
-    if (sync_op != stream.last && stream_of(*sync_op, rank) == stream_id) continue;
-    add_dep(sync_op);
+    if (waited != stream.last && stream_of(*waited, rank) == stream_id) continue;
+    add_dep(waited);
   }
   stream.last = op;
   ++op->arrived;
