@@ -41,7 +41,7 @@ struct Stacks {
 #endif
 
 RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_limit,
-                     const std::function<void(Rank&)>& fn) {
+                     const std::function<void(Rank&)>& fn, std::int64_t& fiber_switches) {
   // Must come before any other fiber operation on this thread.
   boost::fibers::use_scheduling_algorithm<sim::VirtualTimeScheduler>();
   sim::SimWorld world(config, world_size);
@@ -73,6 +73,7 @@ RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_
       fibers.back().properties<sim::VirtualTimeProps>().requeue(rank->rank(), 0.0);
     }
     for (auto& f : fibers) f.join();
+    fiber_switches = world.fiber_switches();
     world.rethrow_if_failed();
     report = world.finish_report();
   }
@@ -101,9 +102,10 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
   // leaves the caller's thread as it was.
   RunReport report;
   std::exception_ptr error;
+  fiber_switches_ = 0;
   std::thread runner([&] {
     try {
-      report = run_fibers(config_, world, host_limit, fn);
+      report = run_fibers(config_, world, host_limit, fn, fiber_switches_);
     } catch (...) {
       error = std::current_exception();
     }

@@ -60,9 +60,15 @@ class SimBackend : public Backend {
   explicit SimBackend(Profile profile) : SimBackend(SimConfig{std::move(profile)}) {}
   std::string name() const override { return "sim"; }
   RunReport launch(int world, const std::function<void(Rank&)>& fn) override;
+  // The simulator's own work in the last launch: how many times its ranks' fibers gave way to one another,
+  // blocking on an outcome (a collective's end, a kernel's start) or yielding to ranks behind them in
+  // virtual time. What a run costs in real time at scale follows it; like the virtual times, it is the
+  // same in every run of the same program (bench/scale_lessons.cc prints it per rank).
+  std::int64_t fiber_switches() const { return fiber_switches_; }
 
  private:
   SimConfig config_;
+  std::int64_t fiber_switches_ = 0;
 };
 
 }  // namespace ranklab

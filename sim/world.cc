@@ -160,6 +160,7 @@ void SimWorld::block_until(int rank, const std::function<bool()>& pred,
       }
     }
     if (s.blocked) {
+      ++fiber_switches_;
       s.suspended = boost::fibers::context::active();
       s.suspended->suspend();  // until wake() schedules it
     }
@@ -660,6 +661,7 @@ void SimWorld::before_issue(int rank, const CommCall& call) {
     VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
     props.time_us = s.host_us;
     props.stack_hint = __builtin_frame_address(0);
+    ++fiber_switches_;
     boost::this_fiber::yield();
     check_aborted();
   }

@@ -181,6 +181,9 @@ class SimWorld {
   }
   // Rethrows the first error of the run, if any.
   void rethrow_if_failed() const;
+  // How many times a rank gave way to another so far: each block on an outcome, each yield to ranks behind
+  // it in virtual time (SimBackend::fiber_switches).
+  std::int64_t fiber_switches() const { return fiber_switches_; }
   // The report, but for its topology: see describe_topology.
   RunReport finish_report();
   // RunReport::topology for this run. Separate from finish_report so that the caller can build it after
@@ -301,6 +304,7 @@ class SimWorld {
   // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
   void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
   bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
+  std::int64_t fiber_switches_ = 0;
   int live_ = 0;
   int blocked_ = 0;
   bool aborted_ = false;
