@@ -15,7 +15,9 @@
 // Without cases, every case runs; without sizes, 512 and 1024. With --repeat N each case and size runs N
 // times, one after the other, and the fastest run's times are printed (the peak memory is the largest):
 // on a machine shared with other work, the fastest run is the one the others disturbed least, and a
-// 512-rank run's fraction of a second moves the most.
+// 512-rank run's fraction of a second moves the most. The last column, the times per rank that ranks gave
+// way to one another (SimBackend::fiber_switches), does not move between runs: at thousands of ranks each
+// switch costs a cache refill of the rank's state, so it tells where seconds go without their noise.
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -47,24 +49,42 @@ SimConfig config_for(int world) {
   return c;
 }
 
-RunReport run_lesson_case(const std::string& lesson, Options o, int world) {
+// What a case's run answers (its makespan) and what it cost the simulator in switches between ranks
+// (SimBackend::fiber_switches), per rank: unlike seconds, the same in every run.
+struct CaseResult {
+  double makespan_us = -1;
+  double switches_per_rank = 0;
+};
+
+CaseResult result_of(const SimBackend& backend, const RunReport& report, int ranks) {
+  return {report.makespan_us, static_cast<double>(backend.fiber_switches()) / ranks};
+}
+
+CaseResult run_lesson_case(const std::string& lesson, Options o, int world) {
   o.world = world;
   o.phantom = true;
   o.quiet = true;
   SimBackend backend(config_for(world));
-  return run_lesson(backend, lesson, o);
+  const RunReport report = run_lesson(backend, lesson, o);
+  return result_of(backend, report, world);
 }
 
-// What each case runs; returns the run's makespan in microseconds.
-const std::map<std::string, std::function<double(int)>>& cases() {
-  static const std::map<std::string, std::function<double(int)>> all = {
+CaseResult launch_case(int world, const std::function<void(Rank&)>& program) {
+  SimBackend backend(config_for(world));
+  const RunReport report = backend.launch(world, program);
+  return result_of(backend, report, world);
+}
+
+// What each case runs.
+const std::map<std::string, std::function<CaseResult(int)>>& cases() {
+  static const std::map<std::string, std::function<CaseResult(int)>> all = {
       {"dp",
        [](int w) {
          Options o;
          o.dim = 8192;
          o.layers = 16;
          o.batch = 8 * static_cast<std::int64_t>(w);
-         return run_lesson_case("data_parallel", o, w).makespan_us;
+         return run_lesson_case("data_parallel", o, w);
        }},
       {"dp-overlap",
        [](int w) {
@@ -73,7 +93,7 @@ const std::map<std::string, std::function<double(int)>>& cases() {
          o.layers = 16;
          o.batch = 8 * static_cast<std::int64_t>(w);
          o.overlap = true;
-         return run_lesson_case("data_parallel", o, w).makespan_us;
+         return run_lesson_case("data_parallel", o, w);
        }},
       {"tp",
        [](int w) {
@@ -81,7 +101,7 @@ const std::map<std::string, std::function<double(int)>>& cases() {
          o.dim = 16384;
          o.layers = 16;
          o.batch = 1024;
-         return run_lesson_case("tensor_parallel", o, w).makespan_us;
+         return run_lesson_case("tensor_parallel", o, w);
        }},
       {"pp",
        [](int w) {
@@ -89,56 +109,44 @@ const std::map<std::string, std::function<double(int)>>& cases() {
          o.dim = 8192;
          o.layers = w;
          o.micro_batches = 8;
-         return run_lesson_case("pipeline_parallel", o, w).makespan_us;
+         return run_lesson_case("pipeline_parallel", o, w);
        }},
       {"benchmark",
        [](int w) {
          // 4 MiB: reduce_scatter's input is W x count per rank, which must fit a device at 4,096 ranks.
          Options o;
          o.count = std::int64_t{1} << 20;
-         return run_lesson_case("benchmark", o, w).makespan_us;
+         return run_lesson_case("benchmark", o, w);
        }},
       {"sends",
        [](int w) {
-         SimBackend backend(config_for(w));
-         return backend
-             .launch(w,
-                     [](Rank& r) {
-                       const int n = r.world_size(), me = r.rank();
-                       Tensor out = r.phantom({1 << 20}), in = r.phantom({1 << 20});
-                       Work s = r.send(out, (me + 1) % n, Async::Yes);
-                       Work v = r.recv(in, (me + n - 1) % n, Async::Yes);
-                       s.wait();
-                       v.wait();
-                       r.synchronize();
-                     })
-             .makespan_us;
+         return launch_case(w, [](Rank& r) {
+           const int n = r.world_size(), me = r.rank();
+           Tensor out = r.phantom({1 << 20}), in = r.phantom({1 << 20});
+           Work s = r.send(out, (me + 1) % n, Async::Yes);
+           Work v = r.recv(in, (me + n - 1) % n, Async::Yes);
+           s.wait();
+           v.wait();
+           r.synchronize();
+         });
        }},
       {"b2b",
        [](int n) {
          // Here the size is not the world: 8 ranks post n synchronous all_reduces back to back and
          // synchronize once, so n operations wait in line on one stream.
-         SimBackend backend(config_for(8));
-         return backend
-             .launch(8,
-                     [n](Rank& r) {
-                       Tensor t = r.phantom({1 << 20});
-                       for (int i = 0; i < n; ++i) r.all_reduce(t, ReduceOp::Sum);
-                       r.synchronize();
-                     })
-             .makespan_us;
+         return launch_case(8, [n](Rank& r) {
+           Tensor t = r.phantom({1 << 20});
+           for (int i = 0; i < n; ++i) r.all_reduce(t, ReduceOp::Sum);
+           r.synchronize();
+         });
        }},
       {"allreduce",
        [](int w) {
-         SimBackend backend(config_for(w));
-         return backend
-             .launch(w,
-                     [](Rank& r) {
-                       Tensor t = r.phantom({std::int64_t{1} << 28});
-                       r.all_reduce(t, ReduceOp::Sum);
-                       r.synchronize();
-                     })
-             .makespan_us;
+         return launch_case(w, [](Rank& r) {
+           Tensor t = r.phantom({std::int64_t{1} << 28});
+           r.all_reduce(t, ReduceOp::Sum);
+           r.synchronize();
+         });
        }},
   };
   return all;
@@ -146,7 +154,8 @@ const std::map<std::string, std::function<double(int)>>& cases() {
 
 // One run of a case in a child process of its own, so that its peak resident memory is its alone.
 struct ChildRun {
-  double wall_s = 0, cpu_s = 0, makespan_us = -1, peak_rss_mib = 0;
+  double wall_s = 0, cpu_s = 0, peak_rss_mib = 0;
+  CaseResult result;
   bool ok = false;
 };
 
@@ -158,18 +167,17 @@ ChildRun run_in_child(const std::string& name, int w) {
   const pid_t child = fork();
   if (child == 0) {
     close(pipe_fd[0]);
-    double makespan_us = -1;
+    CaseResult result;
     try {
-      makespan_us = cases().at(name)(w);
+      result = cases().at(name)(w);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "%s at %d ranks: %s\n", name.c_str(), w, e.what());
     }
-    if (write(pipe_fd[1], &makespan_us, sizeof makespan_us) != sizeof makespan_us) _exit(1);
-    _exit(makespan_us < 0 ? 1 : 0);
+    if (write(pipe_fd[1], &result, sizeof result) != sizeof result) _exit(1);
+    _exit(result.makespan_us < 0 ? 1 : 0);
   }
   close(pipe_fd[1]);
-  if (read(pipe_fd[0], &run.makespan_us, sizeof run.makespan_us) != sizeof run.makespan_us)
-    run.makespan_us = -1;
+  if (read(pipe_fd[0], &run.result, sizeof run.result) != sizeof run.result) run.result = CaseResult{};
   close(pipe_fd[0]);
   int status = 0;
   rusage usage{};
@@ -217,8 +225,8 @@ int main(int argc, char** argv) {
   if (worlds.empty()) worlds = {512, 1024};
   // CPU time is printed next to wall time: on a machine shared with other work it is the steadier one. It
   // has three decimals: the small worlds take a few hundredths of a second, and their ratios need them.
-  std::printf("%-11s %8s %10s %10s %14s %12s\n", "case", "ranks", "wall s", "cpu s", "virtual us",
-              "peak RSS MiB");
+  std::printf("%-11s %8s %10s %10s %14s %12s %15s\n", "case", "ranks", "wall s", "cpu s", "virtual us",
+              "peak RSS MiB", "switches/rank");
   std::fflush(stdout);
   for (const std::string& name : names) {
     for (int w : worlds) {
@@ -227,14 +235,16 @@ int main(int argc, char** argv) {
       for (int k = 1; k < repeat; ++k) {
         const ChildRun again = run_in_child(name, w);
         best.ok = best.ok && again.ok;
-        same_virtual_time = same_virtual_time && again.makespan_us == best.makespan_us;
+        same_virtual_time = same_virtual_time && again.result.makespan_us == best.result.makespan_us &&
+                            again.result.switches_per_rank == best.result.switches_per_rank;
         best.wall_s = std::min(best.wall_s, again.wall_s);
         best.cpu_s = std::min(best.cpu_s, again.cpu_s);
         best.peak_rss_mib = std::max(best.peak_rss_mib, again.peak_rss_mib);
       }
-      std::printf("%-11s %8d %10.2f %10.3f %14.1f %12.1f%s%s\n", name.c_str(), w, best.wall_s, best.cpu_s,
-                  best.makespan_us, best.peak_rss_mib, best.ok ? "" : "  (failed)",
-                  same_virtual_time ? "" : "  (virtual times differ between runs)");
+      std::printf("%-11s %8d %10.2f %10.3f %14.1f %12.1f %15.1f%s%s\n", name.c_str(), w, best.wall_s,
+                  best.cpu_s, best.result.makespan_us, best.peak_rss_mib, best.result.switches_per_rank,
+                  best.ok ? "" : "  (failed)",
+                  same_virtual_time ? "" : "  (virtual times or switches differ between runs)");
       std::fflush(stdout);
     }
   }
