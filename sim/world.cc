@@ -369,10 +369,16 @@ void SimWorld::check_splits_agree(const CommOpState& op, int arriving_rank) cons
   }
 }
 
+std::pair<int, std::uint64_t> SimWorld::next_collective(int rank, const Group& group) const {
+  const auto& seqs = ranks_[rank]->collective_seq;
+  const auto seq = seqs.find(group.id());
+  return {group.id(), seq == seqs.end() ? 0 : seq->second};
+}
+
 std::shared_ptr<CommOpState> SimWorld::collective_op(int rank, const CommCall& call) {
-  const int gid = call.group.id();
-  const std::uint64_t seq = state(rank).collective_seq[gid]++;
-  auto key = std::make_pair(gid, seq);
+  const auto key = next_collective(rank, call.group);
+  const auto [gid, seq] = key;
+  state(rank).collective_seq[gid] = seq + 1;
   auto it = open_collectives_.find(key);
   if (it != open_collectives_.end()) return it->second;
   auto op = std::make_shared<CommOpState>();
@@ -636,10 +642,7 @@ bool SimWorld::arrival_only(int rank, const CommCall& call) const {
   // times need the operation's start, known only once its last member arrives: posted early, they would
   // wait longer to be settled, and be tried again more often.
   if (call.async == Async::Yes && config_.sm_contention) return false;
-  const int gid = call.group.id();
-  const auto& seqs = ranks_[rank]->collective_seq;
-  const auto seq = seqs.find(gid);
-  const auto open = open_collectives_.find({gid, seq == seqs.end() ? 0 : seq->second});
+  const auto open = open_collectives_.find(next_collective(rank, call.group));
   const int arrived = open == open_collectives_.end() ? 0 : open->second->arrived;
   return arrived + 1 < static_cast<int>(members(call.group).size());
 }

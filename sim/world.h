@@ -212,6 +212,8 @@ class SimWorld {
   void prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber = false) const;
   static constexpr std::size_t kPrefetchAhead = 8;
   std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
+  // The key of the collective `rank`'s next call on `group` joins: the group and the call's number in it.
+  std::pair<int, std::uint64_t> next_collective(int rank, const Group& group) const;
   std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
   void check_agreement(CommOpState& op, int arriving_rank) const;
   // An uneven all_to_all: the arriving member's splits against those of every member already there.
