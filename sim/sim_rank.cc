@@ -90,16 +90,17 @@ void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner)
 // The compute stream waits for `op` before its next kernel: `op` is synchronous, or wait() was called on it.
 // A group's collectives run one after another on its stream, so the later of two stands for both:
 // back-to-back collectives, or the buckets of a step waited on in turn, keep the list as short as the number
-// of streams.
+// of streams (at most one collective per group, which is what the search below relies on).
 void compute_stream_waits_for(RankState& s, const std::shared_ptr<CommOpState>& op) {
   if (op->op != CommOp::Send) {
-    auto same_stream = [&](const std::shared_ptr<CommOpState>& other) {
-      return other->op != CommOp::Send && other->group_id == op->group_id;
-    };
-    for (const auto& other : s.unfolded_waits) {
-      if (same_stream(other) && other->seq >= op->seq) return;
+    const auto same_stream = std::find_if(
+        s.unfolded_waits.begin(), s.unfolded_waits.end(), [&](const std::shared_ptr<CommOpState>& other) {
+          return other->op != CommOp::Send && other->group_id == op->group_id;
+        });
+    if (same_stream != s.unfolded_waits.end()) {
+      if ((*same_stream)->seq >= op->seq) return;  // a later one already stands for it
+      s.unfolded_waits.erase(same_stream);
     }
-    std::erase_if(s.unfolded_waits, same_stream);
   }
   s.unfolded_waits.push_back(op);
 }
