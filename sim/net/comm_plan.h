@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <span>
@@ -49,9 +48,6 @@ std::optional<Protocol> parse_protocol(const std::string& name);
 template <typename T>
 class SharedVector {
  public:
-  SharedVector() = default;
-  SharedVector(std::initializer_list<T> values) : v_(std::make_shared<std::vector<T>>(values)) {}
-
   const T* data() const { return v_ ? v_->data() : nullptr; }
   std::size_t size() const { return v_ ? v_->size() : 0; }
   bool empty() const { return size() == 0; }
