@@ -133,15 +133,11 @@ RunReport run_program(const std::vector<Step>& steps, std::uint32_t seed, bool i
           break;
         }
         case Step::WaitAll:
-          for (Work& work : pending) work.wait();
-          pending.clear();
-          keep.clear();
-          break;
         case Step::Synchronize:
           for (Work& work : pending) work.wait();
           pending.clear();
           keep.clear();
-          r.synchronize();
+          if (s.kind == Step::Synchronize) r.synchronize();
           break;
       }
     }
