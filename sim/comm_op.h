@@ -66,6 +66,9 @@ struct CommOpState {
   };
   std::vector<Dependent> dependents;
   int unfinished_deps = 0;  // the members' dependencies (counted per member) that have not finished
+  // Members posted while kernels before them were still to be timed: their ready time waits for those
+  // kernels' ends (RankState::deferred_posts), and the operation cannot start before it is known.
+  int unready = 0;
 
   // "collective #3 on world (all_reduce)", for messages (formatted only when one is needed).
   std::string label() const;

@@ -49,8 +49,10 @@ struct SimConfig {
   // Off: compute runs as if the GPU were its own, as before the mechanism existed.
   bool sm_contention = true;
   // Every communication call waits for the ranks whose clocks are behind its rank's, even one that only
-  // marks its rank arrived at a collective still waiting for another member (SimWorld::arrival_only).
-  // The times are the same either way, only slower to reach at scale; tests compare the two.
+  // marks its rank arrived at a collective still waiting for another member (SimWorld::arrival_only), and
+  // a collective posted behind kernels whose times are not known yet waits for them (no deferred posts,
+  // RankState::deferred_posts). The times are the same either way, only slower to reach at scale; tests
+  // compare the two.
   bool issue_in_clock_order = false;
 };
 

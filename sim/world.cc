@@ -226,6 +226,9 @@ std::string SimWorld::why_pending(const CommOpState& op) const {
         break;
       }
     }
+    if (std::isnan(m.issue_ready_us)) {
+      reasons.push_back(fmt::format("rank {} must first time the kernels before it", m.rank));
+    }
   }
   if (reasons.empty()) return "ready to run";
   return fmt::format("{}", fmt::join(reasons, "; "));
@@ -415,15 +418,36 @@ std::shared_ptr<CommOpState> SimWorld::p2p_op(int rank, const CommCall& call) {
 }
 
 std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
-  settle_compute(rank);  // the operation waits for the compute stream's kernels
   const bool p2p = call.op == CommOp::Send || call.op == CommOp::Recv;
+  RankState& s = state(rank);
+  // The operation waits for the compute stream's kernels. A collective whose kernels before it cannot be
+  // timed yet is posted without their end: the rank goes on, and the member becomes ready when the world
+  // times them (try_settle). Waiting here would cost every rank a fiber switch per bucket of an
+  // overlapped backward pass. (Not in symmetric runs, where the post also stands for other members, nor
+  // for point-to-point calls; nor when calls go in clock order, the reference the tests compare with.)
+  const bool may_defer = !p2p && rep_.empty() && !config_.issue_in_clock_order;
+  bool defer = false;
+  double kernels_end_us = 0;
+  if (!s.deferred_posts.empty() && may_defer) {
+    // The world times the kernels again whenever what they overlap changes (resettle): nothing new to
+    // learn here.
+    defer = true;
+  } else if (!s.pending_kernels.empty()) {
+    defer = !try_settle(rank, kernels_end_us) && may_defer;
+    if (!defer) settle_compute(rank);
+  }
   std::shared_ptr<CommOpState> op = p2p ? p2p_op(rank, call) : collective_op(rank, call);
 
-  RankState& s = state(rank);
   CommMember& m = op->member_of(rank);
   m.arrived = true;
   m.call = call;
-  m.issue_ready_us = std::max(s.host_us, s.compute_us);
+  if (defer) {
+    m.issue_ready_us = std::numeric_limits<double>::quiet_NaN();
+    ++op->unready;
+    s.deferred_posts.push_back({op, s.pending_kernels.size(), s.host_us});
+  } else {
+    m.issue_ready_us = std::max(s.host_us, s.compute_us);
+  }
   const int stream_id = stream_of(call);
   StreamState& stream = s.streams[stream_id];
   auto add_dep = [&](const std::shared_ptr<CommOpState>& dep) {
@@ -508,23 +532,27 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     if (op->all_arrived()) open_collectives_.erase({op->group_id, op->seq});
   }
   try_execute(op);
-  if (op->all_arrived() && !op->executed) {
+  if (op->all_arrived() && op->unready == 0 && !op->executed) {
     // A member waiting to know its kernel's end learns that this operation waits only for the engine now.
     for (const CommMember& x : op->members) {
-      if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) wake(x.rank);
+      if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) resettle_later(x.rank);
     }
   }
+  // The engine must not pass the kernels this member waits for.
+  if (defer && std::isnan(s.contention_wait_us)) watch_kernel_end(rank, kernels_end_us);
+  run_resettles();
   return op;
 }
 
 // ---- executing -------------------------------------------------------------------------------------
 
 void SimWorld::try_execute(const std::shared_ptr<CommOpState>& op) {
-  if (op->executed || !op->all_arrived() || op->unfinished_deps > 0) return;
+  if (op->executed || !op->all_arrived() || op->unfinished_deps > 0 || op->unready > 0) return;
   execute(op);
 }
 
 void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
+  ++changing_;
   // The engine hands out transfers; an operation ends when its own and (in a symmetric run) all its images'
   // have ended, at the latest of them.
   std::vector<std::shared_ptr<CommOpState>> ended;
@@ -584,8 +612,16 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       m.call.input = Tensor();
       m.call.output = Tensor();
       // A member waiting for another operation would only find it unfinished and block again.
-      const CommOpState* waited = state(m.rank).waiting_op;
-      if (waited == nullptr || waited == op.get()) wake(m.rank);
+      // One whose kernels this operation may have overlapped times them again (resettle), and is woken
+      // only if it waited for them and they are timed.
+      const RankState& ms = state(m.rank);
+      const CommOpState* waited = ms.waiting_op;
+      if (ms.settling) {
+        resettle_later(m.rank);
+      } else {
+        if (waited == nullptr || waited == op.get()) wake(m.rank);
+        if (!ms.deferred_posts.empty()) resettle_later(m.rank);
+      }
     }
   }
   // What waited for these can run now.
@@ -596,6 +632,8 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       if (auto d = dep.op.lock()) try_execute(d);
     }
   }
+  --changing_;
+  run_resettles();
 }
 
 void SimWorld::prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber) const {
@@ -638,10 +676,6 @@ bool SimWorld::arrival_only(int rank, const CommCall& call) const {
   if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv || !rep_.empty()) {
     return false;
   }
-  // An asynchronous call's rank goes on to launch kernels, and with communication sharing the GPU their
-  // times need the operation's start, known only once its last member arrives: posted early, they would
-  // wait longer to be settled, and be tried again more often.
-  if (call.async == Async::Yes && config_.sm_contention) return false;
   const auto open = open_collectives_.find(next_collective(rank, call.group));
   const int arrived = open == open_collectives_.end() ? 0 : open->second->arrived;
   return arrived + 1 < static_cast<int>(members(call.group).size());
@@ -671,6 +705,7 @@ void SimWorld::before_issue(int rank, const CommCall& call) {
 }
 
 void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
+  ++changing_;
   double start_us = 0;
   for (CommMember& m : op->members) {
     m.ready_us = m.issue_ready_us;
@@ -695,13 +730,15 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
     if (!runs(m.rank)) continue;
     add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
     // A member waiting to know its kernel's end learns this operation's start.
-    if (!std::isnan(state(m.rank).contention_wait_us)) wake(m.rank);
+    if (!std::isnan(state(m.rank).contention_wait_us)) resettle_later(m.rank);
   }
   if (!rep_.empty()) note_spine(plan);
   engine_.schedule(op, std::move(plan), start_us);
   if (!rep_.empty()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
+  --changing_;
+  run_resettles();
 }
 
 // ---- communication kernels beside compute kernels --------------------------------------------------
@@ -731,8 +768,8 @@ void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
   op.hbm_bytes_per_us = std::round(total_bytes / static_cast<double>(op.members.size())) / us;
 }
 
-double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known,
-                                  bool& started) {
+double SimWorld::contended_end_us(int rank, std::size_t kernel, double start_us, const KernelCost& cost,
+                                  bool& known, bool& started) {
   known = true;
   started = true;
   const double nominal_us = cost.us();
@@ -742,13 +779,22 @@ double SimWorld::contended_end_us(int rank, double start_us, const KernelCost& c
   std::vector<double>& changes_us = load_changes_us_;  // when the operations in flight change, after start_us
   loads.clear();
   changes_us.clear();
-  for (const auto& op : state(rank).beside_ops) {
+  const RankState& s = state(rank);
+  // The deferred posts behind this kernel wait for it (the NCCL stream waits for the compute stream), so
+  // they cannot overlap it. They are the last of beside_ops: a rank posts nothing else while it has
+  // deferred posts, and only finished operations leave the list.
+  std::size_t behind = 0;
+  for (auto d = s.deferred_posts.rbegin(); d != s.deferred_posts.rend() && d->kernels_before > kernel; ++d) {
+    ++behind;
+  }
+  for (auto it = s.beside_ops.begin(); it != s.beside_ops.end() - static_cast<std::ptrdiff_t>(behind); ++it) {
+    const std::shared_ptr<CommOpState>& op = *it;
     if (!op->executed) {
-      // Its start is not known: it may yet start during the kernel. With every member there, it waits only
-      // for operations before it on their streams, which end in the engine: it starts after the engine's
-      // next event.
+      // Its start is not known: it may yet start during the kernel. With every member there and ready,
+      // it waits only for operations before it on their streams, which end in the engine: it starts
+      // after the engine's next event.
       known = false;
-      if (!op->all_arrived()) started = false;
+      if (!op->all_arrived() || op->unready > 0) started = false;
       continue;
     }
     if (op->finished && op->end_us <= start_us) continue;
@@ -811,8 +857,50 @@ void SimWorld::wake_contention_waits() {
     const int rank = contention_waits_.begin()->second;
     contention_waits_.erase(contention_waits_.begin());
     state(rank).contention_wait_us = std::numeric_limits<double>::quiet_NaN();
-    wake(rank);
+    resettle(rank);
   }
+}
+
+void SimWorld::watch_kernel_end(int rank, double end_us) {
+  RankState& s = state(rank);
+  if (s.contention_wait_us == end_us) return;
+  clear_kernel_watch(rank);
+  s.contention_wait_us = end_us;
+  contention_waits_.emplace(end_us, rank);
+}
+
+void SimWorld::clear_kernel_watch(int rank) {
+  RankState& s = state(rank);
+  if (std::isnan(s.contention_wait_us)) return;
+  contention_waits_.erase({s.contention_wait_us, rank});
+  s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+}
+
+void SimWorld::resettle(int rank) {
+  RankState& s = state(rank);
+  double end_us = 0;
+  if (try_settle(rank, end_us)) {
+    clear_kernel_watch(rank);
+    if (s.settling) wake(rank);
+  } else if (s.settling || !s.deferred_posts.empty()) {
+    watch_kernel_end(rank, end_us);
+  } else {
+    clear_kernel_watch(rank);
+  }
+}
+
+void SimWorld::resettle_later(int rank) {
+  resettles_.push_back(rank);
+}
+
+void SimWorld::run_resettles() {
+  // Not half way through a change: operations about to start would be missing from what the engine
+  // holds. Nor inside the loop below, which takes what its own calls add.
+  if (changing_ > 0 || running_resettles_) return;
+  running_resettles_ = true;
+  for (std::size_t i = 0; i < resettles_.size(); ++i) resettle(resettles_[i]);
+  resettles_.clear();
+  running_resettles_ = false;
 }
 
 bool SimWorld::contention_settled(bool known, bool started, double end_us) {
@@ -849,19 +937,31 @@ void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
 
 bool SimWorld::try_settle(int rank, double& end_us) {
   RankState& s = state(rank);
-  bool known = true, started = true;
-  end_us = s.compute_us;
+  bool known = true, started = true, settling = true;
+  double t_us = s.compute_us;
+  std::size_t settled = 0;  // the kernels, from the first, whose times are final
+  std::size_t waiting = 0;  // the first deferred post the kernels timed so far do not ready
   pending_ends_us_.clear();
-  for (const RankState::PendingKernel& k : s.pending_kernels) {
+  for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
+    const RankState::PendingKernel& k = s.pending_kernels[i];
     bool k_known = false, k_started = false;
-    end_us = contended_end_us(rank, std::max(k.host_us, end_us), k.cost, k_known, k_started);
+    t_us = contended_end_us(rank, i, std::max(k.host_us, t_us), k.cost, k_known, k_started);
     known = known && k_known;
     started = started && k_started;
-    pending_ends_us_.push_back(end_us);
+    pending_ends_us_.push_back(t_us);
+    // Once a kernel's end is not final, no later one's is; the engine's stop is then the end of the
+    // last kernel before the first deferred post still waiting, and nothing after it is needed.
+    settling = settling && contention_settled(known, started, t_us);
+    if (settling) {
+      settled = i + 1;
+      continue;
+    }
+    while (waiting < s.deferred_posts.size() && s.deferred_posts[waiting].kernels_before <= settled)
+      ++waiting;
+    if (waiting < s.deferred_posts.size() && i + 1 >= s.deferred_posts[waiting].kernels_before) break;
   }
-  if (!contention_settled(known, started, end_us)) return false;
-  double t_us = s.compute_us;
-  for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
+  t_us = s.compute_us;
+  for (std::size_t i = 0; i < settled; ++i) {
     const RankState::PendingKernel& k = s.pending_kernels[i];
     const double start_us = std::max(k.host_us, t_us);
     t_us = pending_ends_us_[i];
@@ -869,25 +969,59 @@ bool SimWorld::try_settle(int rank, double& end_us) {
     s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());
   }
   s.compute_us = t_us;
-  s.pending_kernels.clear();
-  return true;
+  s.pending_kernels.erase(s.pending_kernels.begin(), s.pending_kernels.begin() + settled);
+  // The deferred posts behind the kernels timed now are ready at the end of the last kernel before them.
+  std::vector<std::shared_ptr<CommOpState>> readied;
+  std::erase_if(s.deferred_posts, [&](RankState::DeferredPost& d) {
+    if (d.kernels_before > settled) {
+      d.kernels_before -= settled;
+      return false;
+    }
+    d.op->member_of(rank).issue_ready_us = std::max(d.host_us, pending_ends_us_[d.kernels_before - 1]);
+    --d.op->unready;
+    readied.push_back(std::move(d.op));
+    return true;
+  });
+  // Where the engine must stop for this rank: the end of the last kernel the first deferred post waits for
+  // (it starts no earlier), or else, for settle_compute, that of the last kernel.
+  if (!s.deferred_posts.empty()) {
+    end_us = pending_ends_us_[settled + s.deferred_posts.front().kernels_before - 1];
+  } else {
+    end_us = pending_ends_us_.empty() ? s.compute_us : pending_ends_us_.back();
+  }
+  for (const auto& op : readied) {
+    try_execute(op);
+    if (op->all_arrived() && op->unready == 0 && !op->executed) {
+      // As in post: its members waiting to know a kernel's end learn that it waits only for the engine.
+      for (const CommMember& x : op->members) {
+        if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) resettle_later(x.rank);
+      }
+    }
+  }
+  return s.pending_kernels.empty();
 }
 
 void SimWorld::settle_compute(int rank) {
   RankState& s = state(rank);
   if (s.pending_kernels.empty()) return;
   double end_us = 0;
-  if (try_settle(rank, end_us)) return;
+  if (try_settle(rank, end_us)) {
+    clear_kernel_watch(rank);
+    return;
+  }
+  struct Settling {
+    RankState& s;
+    ~Settling() { s.settling = false; }
+  } settling{s};
+  s.settling = true;
   block_until(
       rank,
       [&] {
-        if (!std::isnan(s.contention_wait_us)) {
-          contention_waits_.erase({s.contention_wait_us, rank});
-          s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+        if (try_settle(rank, end_us)) {
+          clear_kernel_watch(rank);
+          return true;
         }
-        if (try_settle(rank, end_us)) return true;
-        s.contention_wait_us = end_us;
-        contention_waits_.emplace(end_us, rank);
+        watch_kernel_end(rank, end_us);
         return false;
       },
       [&s] {

@@ -81,9 +81,20 @@ struct RankState {
   // What the rank posted that a kernel launched from now on may still overlap: dropped once finished
   // before the compute stream's clock.
   std::vector<std::shared_ptr<CommOpState>> beside_ops;
-  // While the rank waits in settle_compute: its last kernel's end as far as known (the engine must not
-  // pass it); NaN otherwise.
+  // Collectives posted behind pending kernels: the member is ready when the first `kernels_before` of
+  // pending_kernels have ended (and not before `host_us`, the host clock at the post). The rank goes on
+  // instead of waiting for those kernels' times; the world settles them as the engine learns what they
+  // overlap (SimWorld::resettle), and the operation starts once every member's ready time is known.
+  struct DeferredPost {
+    std::shared_ptr<CommOpState> op;
+    std::size_t kernels_before;
+    double host_us;
+  };
+  std::vector<DeferredPost> deferred_posts;
+  // While the rank waits in settle_compute, or has deferred posts: the end, as far as known, of the kernel
+  // they wait for (the engine must not pass it); NaN otherwise.
   double contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+  bool settling = false;  // blocked in settle_compute
   std::shared_ptr<MemoryAccount> memory;
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
@@ -154,7 +165,8 @@ class SimWorld {
   // stream's clock (settle_compute). Adds the time lost to the rank's comm_slowed_compute_us.
   void launch_kernel(int rank, SpanName name, const KernelCost& cost);
   // Makes compute_us final: the pending kernels' times, once the engine knows the communication they
-  // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first.
+  // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first, but
+  // for a collective's post, which may go on without it (RankState::deferred_posts).
   void settle_compute(int rank);
   void check_aborted() const;
   // Whether posting `call` now only marks `rank` arrived: a collective that still waits for another member
@@ -163,7 +175,7 @@ class SimWorld {
   // but that the engine has not reached yet delays nothing (the member is ready at its clock anyway). The
   // member that completes the operation still waits its turn. Each rank of a world-wide collective then
   // switches fibers once per call instead of twice. (Not in symmetric runs, where a post also marks the
-  // members the rank stands for, nor for asynchronous calls while communication shares the GPU.)
+  // members the rank stands for.)
   bool arrival_only(int rank, const CommCall& call) const;
   // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
   void check_thread(int rank, const char* op) const;
@@ -283,10 +295,25 @@ class SimWorld {
   // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight, taking
   // an operation whose end is not known as running on; `known` is set when nothing unknown could change it,
   // `started` when every operation that could overlap the kernel has started.
-  double contended_end_us(int rank, double start_us, const KernelCost& cost, bool& known, bool& started);
-  // Times the pending kernels if what they overlap is known, and returns true; else returns false with
-  // `end_us` their end as far as known.
+  // `kernel` is the kernel's place in pending_kernels: deferred posts behind it cannot overlap it.
+  double contended_end_us(int rank, std::size_t kernel, double start_us, const KernelCost& cost, bool& known,
+                          bool& started);
+  // Times the pending kernels whose overlap is known, from the first, and readies the deferred posts
+  // behind them. Returns true when none is left pending; else `end_us` is, as far as known, the end of
+  // the kernel the engine must stop at: the last one before the first deferred post, or the last one.
   bool try_settle(int rank, double& end_us);
+  // try_settle from the world's side, when the engine reaches a waiting rank's kernel or an operation it
+  // overlaps starts or ends: wakes the rank if it waited in settle_compute and may go on, and keeps the
+  // engine's stop for it up to date.
+  void resettle(int rank);
+  void watch_kernel_end(int rank, double end_us);  // sets the rank's entry of contention_waits_
+  void clear_kernel_watch(int rank);
+  // resettle, queued while the engine or an operation is half way through a change, and run after it.
+  void resettle_later(int rank);
+  void run_resettles();
+  std::vector<int> resettles_;
+  bool running_resettles_ = false;
+  int changing_ = 0;  // on_finished and execute calls under way
   // When every live rank is blocked: moves the engine to its next event or to the first end a settling
   // rank waits for, whichever is first. False when there is neither.
   bool advance_when_stalled();

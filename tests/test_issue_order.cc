@@ -28,8 +28,7 @@ SimConfig config(bool in_clock_order, int nodes = 1, bool sm_contention = true) 
 }
 
 // Every rank computes, then posts an asynchronous all_reduce and notes it. Rank 0 runs first and its clock
-// is then ahead of the ranks that have not run: posting at once, it notes its post before they start. (An
-// asynchronous call is posted at once only where communication does not share the GPU.)
+// is then ahead of the ranks that have not run: posting at once, it notes its post before they start.
 std::vector<std::string> order_of_events(bool in_clock_order, bool sm_contention) {
   std::vector<std::string> events;
   SimBackend backend(config(in_clock_order, 1, sm_contention));
@@ -45,18 +44,49 @@ std::vector<std::string> order_of_events(bool in_clock_order, bool sm_contention
 }
 
 TEST(IssueOrder, AnArrivalIsPostedBeforeTheRanksBehindRun) {
-  const std::vector<std::string> ahead = order_of_events(false, false);
-  ASSERT_GE(ahead.size(), 3u);
-  EXPECT_EQ(ahead[0], "0 starts");
-  EXPECT_EQ(ahead[1], "0 posted");
-  EXPECT_EQ(ahead[2], "1 starts");
-  // In clock order, and for an asynchronous call while communication shares the GPU, rank 0 waits until
-  // every rank has reached the clock it posts at.
-  for (const bool in_clock_order : {true, false}) {
-    const std::vector<std::string> in_order = order_of_events(in_clock_order, !in_clock_order);
-    ASSERT_EQ(in_order.size(), 8u);
-    for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
+  // With communication sharing the GPU too: the kernels after the post wait to be timed, not the post.
+  for (const bool sm_contention : {false, true}) {
+    const std::vector<std::string> ahead = order_of_events(false, sm_contention);
+    ASSERT_GE(ahead.size(), 3u);
+    EXPECT_EQ(ahead[0], "0 starts") << "sm_contention " << sm_contention;
+    EXPECT_EQ(ahead[1], "0 posted") << "sm_contention " << sm_contention;
+    EXPECT_EQ(ahead[2], "1 starts") << "sm_contention " << sm_contention;
   }
+  // In clock order, rank 0 waits until every rank has reached the clock it posts at.
+  const std::vector<std::string> in_order = order_of_events(true, true);
+  ASSERT_EQ(in_order.size(), 8u);
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
+}
+
+// Every rank posts an asynchronous all_reduce, then computes beside it and posts a second one behind that
+// kernel: the kernel's time waits for the first all_reduce's start, which the other ranks decide. Rank 0
+// goes on past its second post without waiting for that (the post is deferred), and notes it before any
+// other rank has run; in clock order it waits.
+std::vector<std::string> deferred_events(bool in_clock_order) {
+  std::vector<std::string> events;
+  SimBackend backend(config(in_clock_order));
+  backend.launch(4, [&](Rank& r) {
+    events.push_back(fmt::format("{} starts", r.rank()));
+    Tensor grad = r.phantom({1024, 1024}), a = r.phantom({1024, 1024});
+    Work first = r.all_reduce(grad, ReduceOp::Sum, Async::Yes);
+    Tensor b = r.matmul(a, a);
+    Work second = r.all_reduce(b, ReduceOp::Sum, Async::Yes);
+    events.push_back(fmt::format("{} posted behind a kernel", r.rank()));
+    first.wait();
+    second.wait();
+    r.synchronize();
+  });
+  return events;
+}
+
+TEST(IssueOrder, APostBehindKernelsNotYetTimedDoesNotWaitForThem) {
+  const std::vector<std::string> ahead = deferred_events(false);
+  ASSERT_EQ(ahead.size(), 8u);
+  EXPECT_EQ(ahead[0], "0 starts");
+  EXPECT_EQ(ahead[1], "0 posted behind a kernel");
+  const std::vector<std::string> in_order = deferred_events(true);
+  ASSERT_EQ(in_order.size(), 8u);
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
 }
 
 // A random SPMD program: the same steps on every rank, with compute whose size differs by rank (so the
@@ -179,7 +209,7 @@ TEST(IssueOrder, RandomProgramsTakeTheTimesOfIssuingInClockOrder) {
     const std::vector<Step> steps = random_program(seed);
     const int nodes = seed % 3 == 0 ? 2 : 1;
     const int world = 8 * nodes;
-    // Without communication sharing the GPU, asynchronous calls are posted early too.
+    // With communication sharing the GPU, posts behind kernels not yet timed are deferred as well.
     const bool sm_contention = seed % 2 == 0;
     const RunReport ahead = run_program(steps, seed, false, world, nodes, sm_contention);
     const RunReport in_order = run_program(steps, seed, true, world, nodes, sm_contention);
@@ -201,6 +231,43 @@ TEST(IssueOrder, LessonsTakeTheTimesOfIssuingInClockOrder) {
     };
     expect_same_times(run(false), run(true), lesson);
   }
+}
+
+// Rank 0 posts X (with rank 2, which posts it late), launches a short kernel beside it, posts P (with rank
+// 1) behind that kernel and waits at a barrier with rank 2. The kernel's time needs X's start, so P is
+// deferred, and P's start is the kernel's end, long before X starts. Meanwhile ranks 1 and 2 run an
+// all_reduce of their own and synchronize: with every rank blocked, the engine must stop at rank 0's
+// kernel to start P there, not run on to the end of the ranks' all_reduce.
+RunReport run_deferred_past_a_block(bool in_clock_order) {
+  SimBackend backend(config(in_clock_order));
+  return backend.launch(3, [&](Rank& r) {
+    const Group x_group = r.new_group({0, 2}), p_group = r.new_group({0, 1}), other = r.new_group({1, 2});
+    Tensor x = r.phantom({1 << 24}), p = r.phantom({1 << 20}), small = r.phantom({64, 64});
+    if (r.rank() == 0) {
+      Work wx = r.all_reduce(x, ReduceOp::Sum, Async::Yes, x_group);
+      r.matmul(small, small);
+      Work wp = r.all_reduce(p, ReduceOp::Sum, Async::Yes, p_group);
+      r.barrier(x_group);
+      wx.wait();
+      wp.wait();
+    } else if (r.rank() == 1) {
+      Work wp = r.all_reduce(p, ReduceOp::Sum, Async::Yes, p_group);
+      r.all_reduce(x, ReduceOp::Sum, Async::No, other);
+      r.synchronize();
+      wp.wait();
+    } else {
+      r.all_reduce(x, ReduceOp::Sum, Async::No, other);
+      r.synchronize();
+      r.barrier(x_group);
+      r.all_reduce(x, ReduceOp::Sum, Async::Yes, x_group).wait();
+    }
+    r.synchronize();
+  });
+}
+
+TEST(IssueOrder, ADeferredPostHoldsTheEngineAtTheKernelsBeforeIt) {
+  const RunReport deferred = run_deferred_past_a_block(false), in_order = run_deferred_past_a_block(true);
+  expect_same_times(deferred, in_order, "a deferred post behind a barrier");
 }
 
 }  // namespace
