@@ -531,15 +531,9 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     if (call.op == CommOp::AllToAll && call.uneven()) check_splits_agree(*op, rank);
     if (op->all_arrived()) open_collectives_.erase({op->group_id, op->seq});
   }
-  try_execute(op);
-  if (op->all_arrived() && op->unready == 0 && !op->executed) {
-    // A member waiting to know its kernel's end learns that this operation waits only for the engine now.
-    for (const CommMember& x : op->members) {
-      if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) resettle_later(x.rank);
-    }
-  }
+  execute_readied(op);
   // The engine must not pass the kernels this member waits for.
-  if (defer && std::isnan(s.contention_wait_us)) watch_kernel_end(rank, kernels_end_us);
+  if (defer && std::isnan(s.watched_end_us)) watch_kernel_end(rank, kernels_end_us);
   run_resettles();
   return op;
 }
@@ -549,6 +543,14 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
 void SimWorld::try_execute(const std::shared_ptr<CommOpState>& op) {
   if (op->executed || !op->all_arrived() || op->unfinished_deps > 0 || op->unready > 0) return;
   execute(op);
+}
+
+void SimWorld::execute_readied(const std::shared_ptr<CommOpState>& op) {
+  try_execute(op);
+  if (op->executed || !op->all_arrived() || op->unready > 0) return;
+  for (const CommMember& x : op->members) {
+    if (runs(x.rank) && !std::isnan(state(x.rank).watched_end_us)) resettle_later(x.rank);
+  }
 }
 
 void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
@@ -616,12 +618,8 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       // only if it waited for them and they are timed.
       const RankState& ms = state(m.rank);
       const CommOpState* waited = ms.waiting_op;
-      if (ms.settling) {
-        resettle_later(m.rank);
-      } else {
-        if (waited == nullptr || waited == op.get()) wake(m.rank);
-        if (!ms.deferred_posts.empty()) resettle_later(m.rank);
-      }
+      if (!ms.settling && (waited == nullptr || waited == op.get())) wake(m.rank);
+      if (ms.settling || !ms.deferred_posts.empty()) resettle_later(m.rank);
     }
   }
   // What waited for these can run now.
@@ -657,9 +655,9 @@ bool SimWorld::advance_engine(double t_us) {
 }
 
 bool SimWorld::advance_when_stalled() {
-  if (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.next_event_us()) {
-    advance_engine(contention_waits_.begin()->first);
-    wake_contention_waits();
+  if (!kernel_watches_.empty() && kernel_watches_.begin()->first <= engine_.next_event_us()) {
+    advance_engine(kernel_watches_.begin()->first);
+    resettle_watched();
     return true;
   }
   return advance_engine_one_event();
@@ -690,9 +688,9 @@ void SimWorld::before_issue(int rank, const CommCall& call) {
     // A rank an ending woke joins the ready ranks with its clock: look again before going further. A rank
     // waiting to know its kernel's end issues nothing before that end: the engine stops there for it.
     double target_us = std::min(issue_us, earliest_other);
-    if (!contention_waits_.empty()) target_us = std::min(target_us, contention_waits_.begin()->first);
+    if (!kernel_watches_.empty()) target_us = std::min(target_us, kernel_watches_.begin()->first);
     if (advance_engine(target_us)) continue;
-    wake_contention_waits();
+    resettle_watched();
     if (!sched || sched->min_ready_time_us() >= s.host_us || arrival_only(rank, call)) return;
     // Ranks whose clocks are behind (some just woken by the engine) issue first.
     VirtualTimeProps& props = boost::this_fiber::properties<VirtualTimeProps>();
@@ -730,7 +728,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
     if (!runs(m.rank)) continue;
     add_span(m.rank, SpanKind::Idle, name, m.ready_us, op->start_us);
     // A member waiting to know its kernel's end learns this operation's start.
-    if (!std::isnan(state(m.rank).contention_wait_us)) resettle_later(m.rank);
+    if (!std::isnan(state(m.rank).watched_end_us)) resettle_later(m.rank);
   }
   if (!rep_.empty()) note_spine(plan);
   engine_.schedule(op, std::move(plan), start_us);
@@ -852,28 +850,28 @@ double SimWorld::contended_end_us(int rank, std::size_t kernel, double start_us,
   return end_us;
 }
 
-void SimWorld::wake_contention_waits() {
-  while (!contention_waits_.empty() && contention_waits_.begin()->first <= engine_.now_us()) {
-    const int rank = contention_waits_.begin()->second;
-    contention_waits_.erase(contention_waits_.begin());
-    state(rank).contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+void SimWorld::resettle_watched() {
+  while (!kernel_watches_.empty() && kernel_watches_.begin()->first <= engine_.now_us()) {
+    const int rank = kernel_watches_.begin()->second;
+    kernel_watches_.erase(kernel_watches_.begin());
+    state(rank).watched_end_us = std::numeric_limits<double>::quiet_NaN();
     resettle(rank);
   }
 }
 
 void SimWorld::watch_kernel_end(int rank, double end_us) {
   RankState& s = state(rank);
-  if (s.contention_wait_us == end_us) return;
+  if (s.watched_end_us == end_us) return;
   clear_kernel_watch(rank);
-  s.contention_wait_us = end_us;
-  contention_waits_.emplace(end_us, rank);
+  s.watched_end_us = end_us;
+  kernel_watches_.emplace(end_us, rank);
 }
 
 void SimWorld::clear_kernel_watch(int rank) {
   RankState& s = state(rank);
-  if (std::isnan(s.contention_wait_us)) return;
-  contention_waits_.erase({s.contention_wait_us, rank});
-  s.contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+  if (std::isnan(s.watched_end_us)) return;
+  kernel_watches_.erase({s.watched_end_us, rank});
+  s.watched_end_us = std::numeric_limits<double>::quiet_NaN();
 }
 
 void SimWorld::resettle(int rank) {
@@ -989,40 +987,24 @@ bool SimWorld::try_settle(int rank, double& end_us) {
   } else {
     end_us = pending_ends_us_.empty() ? s.compute_us : pending_ends_us_.back();
   }
-  for (const auto& op : readied) {
-    try_execute(op);
-    if (op->all_arrived() && op->unready == 0 && !op->executed) {
-      // As in post: its members waiting to know a kernel's end learn that it waits only for the engine.
-      for (const CommMember& x : op->members) {
-        if (runs(x.rank) && !std::isnan(state(x.rank).contention_wait_us)) resettle_later(x.rank);
-      }
-    }
-  }
+  for (const auto& op : readied) execute_readied(op);
   return s.pending_kernels.empty();
 }
 
 void SimWorld::settle_compute(int rank) {
   RankState& s = state(rank);
   if (s.pending_kernels.empty()) return;
-  double end_us = 0;
-  if (try_settle(rank, end_us)) {
-    clear_kernel_watch(rank);
-    return;
-  }
   struct Settling {
     RankState& s;
     ~Settling() { s.settling = false; }
   } settling{s};
   s.settling = true;
+  // The world times the kernels again as the engine moves (resettle) and wakes the rank once they are.
   block_until(
       rank,
       [&] {
-        if (try_settle(rank, end_us)) {
-          clear_kernel_watch(rank);
-          return true;
-        }
-        watch_kernel_end(rank, end_us);
-        return false;
+        resettle(rank);
+        return s.pending_kernels.empty();
       },
       [&s] {
         return fmt::format("the times of {} kernel(s) that communication in flight may slow",

@@ -93,7 +93,7 @@ struct RankState {
   std::vector<DeferredPost> deferred_posts;
   // While the rank waits in settle_compute, or has deferred posts: the end, as far as known, of the kernel
   // they wait for (the engine must not pass it); NaN otherwise.
-  double contention_wait_us = std::numeric_limits<double>::quiet_NaN();
+  double watched_end_us = std::numeric_limits<double>::quiet_NaN();
   bool settling = false;  // blocked in settle_compute
   std::shared_ptr<MemoryAccount> memory;
   std::map<int, std::uint64_t> collective_seq;  // per group id
@@ -289,9 +289,10 @@ class SimWorld {
   std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
   std::map<std::pair<int, int>, SpanName> plan_names_;
 
-  // settle_compute: the ranks waiting to know a kernel's end, by that end as far as known. The engine is
-  // not moved past the first: the rank issues nothing before its kernel ends.
-  std::set<std::pair<double, int>> contention_waits_;
+  // The ranks the engine must stop for (RankState::watched_end_us), by that kernel's end as far as known:
+  // those waiting in settle_compute, which issue nothing before it, and those with deferred posts, which
+  // start no earlier. The engine is not moved past the first.
+  std::set<std::pair<double, int>> kernel_watches_;
   // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight, taking
   // an operation whose end is not known as running on; `known` is set when nothing unknown could change it,
   // `started` when every operation that could overlap the kernel has started.
@@ -306,16 +307,20 @@ class SimWorld {
   // overlaps starts or ends: wakes the rank if it waited in settle_compute and may go on, and keeps the
   // engine's stop for it up to date.
   void resettle(int rank);
-  void watch_kernel_end(int rank, double end_us);  // sets the rank's entry of contention_waits_
+  void watch_kernel_end(int rank, double end_us);  // sets the rank's entry of kernel_watches_
   void clear_kernel_watch(int rank);
+  // Runs `op` if nothing holds it back any more (try_execute). One that still waits, but only for the
+  // engine (for operations before it), tells its members that watch a kernel's end: whether that kernel
+  // is final depends on it (contention_settled's `started`).
+  void execute_readied(const std::shared_ptr<CommOpState>& op);
   // resettle, queued while the engine or an operation is half way through a change, and run after it.
   void resettle_later(int rank);
   void run_resettles();
   std::vector<int> resettles_;
   bool running_resettles_ = false;
   int changing_ = 0;  // on_finished and execute calls under way
-  // When every live rank is blocked: moves the engine to its next event or to the first end a settling
-  // rank waits for, whichever is first. False when there is neither.
+  // When every live rank is blocked: moves the engine to its next event or to the first watched kernel end
+  // (kernel_watches_), whichever is first. False when there is neither.
   bool advance_when_stalled();
   // Whether the end contended_end_us gave is final: the engine has reached it, or nothing the engine
   // holds starts or ends before it, so each operation in flight lasts past it.
@@ -328,8 +333,8 @@ class SimWorld {
   std::vector<ContentionLoad> loads_;  // scratch of contended_end_us
   std::vector<double> load_changes_us_;
   std::vector<double> pending_ends_us_;  // scratch of try_settle
-  // Wakes the ranks of contention_waits_ whose kernel end the engine has reached.
-  void wake_contention_waits();
+  // Times again (resettle) the kernels of the ranks of kernel_watches_ whose end the engine has reached.
+  void resettle_watched();
   // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
   void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
   bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
