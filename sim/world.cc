@@ -444,7 +444,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   if (defer) {
     m.issue_ready_us = std::numeric_limits<double>::quiet_NaN();
     ++op->unready;
-    s.deferred_posts.push_back({op, s.pending_kernels.size(), s.host_us});
+    s.deferred_posts.push_back({op, s.kernels_timed + s.pending_kernels.size(), s.host_us});
   } else {
     m.issue_ready_us = std::max(s.host_us, s.compute_us);
   }
@@ -781,10 +781,10 @@ double SimWorld::contended_end_us(int rank, std::size_t kernel, double start_us,
   // The deferred posts behind this kernel wait for it (the NCCL stream waits for the compute stream), so
   // they cannot overlap it. They are the last of beside_ops: a rank posts nothing else while it has
   // deferred posts, and only finished operations leave the list.
-  std::size_t behind = 0;
-  for (auto d = s.deferred_posts.rbegin(); d != s.deferred_posts.rend() && d->kernels_before > kernel; ++d) {
-    ++behind;
-  }
+  const auto first_behind = std::upper_bound(
+      s.deferred_posts.begin(), s.deferred_posts.end(), s.kernels_timed + kernel,
+      [](std::uint64_t k, const RankState::DeferredPost& d) { return k < d.kernels_before; });
+  const std::size_t behind = static_cast<std::size_t>(s.deferred_posts.end() - first_behind);
   for (auto it = s.beside_ops.begin(); it != s.beside_ops.end() - static_cast<std::ptrdiff_t>(behind); ++it) {
     const std::shared_ptr<CommOpState>& op = *it;
     if (!op->executed) {
@@ -918,8 +918,7 @@ void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
   if (!s.beside_ops.empty()) {
     // No kernel from now on starts before the compute stream's clock (nor before this one, when none
     // waits): what ended by then is over for good.
-    const double from_us = s.pending_kernels.empty() ? start_us : s.compute_us;
-    std::erase_if(s.beside_ops, [from_us](const auto& op) { return op->finished && op->end_us <= from_us; });
+    drop_ops_over(s, s.pending_kernels.empty() ? start_us : s.compute_us);
   }
   if (s.pending_kernels.empty() && s.beside_ops.empty()) {
     s.compute_us = start_us + cost.us();
@@ -933,12 +932,26 @@ void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
   if (s.pending_kernels.size() == 1) try_settle(rank, end_us);
 }
 
+void SimWorld::drop_ops_over(RankState& s, double from_us) {
+  auto over = [from_us](const std::shared_ptr<CommOpState>& op) {
+    return op->finished && op->end_us <= from_us;
+  };
+  // From the front, where they mostly are; the whole list as it doubles, for those behind one still on.
+  s.beside_ops.pop_front(static_cast<std::size_t>(
+      std::find_if_not(s.beside_ops.begin(), s.beside_ops.end(), over) - s.beside_ops.begin()));
+  if (s.beside_ops.size() >= s.beside_ops_prune_at) {
+    s.beside_ops.erase_if(over);
+    s.beside_ops_prune_at = std::max<std::size_t>(16, 2 * s.beside_ops.size());
+  }
+}
+
 bool SimWorld::try_settle(int rank, double& end_us) {
   RankState& s = state(rank);
   bool known = true, started = true, settling = true;
   double t_us = s.compute_us;
   std::size_t settled = 0;  // the kernels, from the first, whose times are final
   std::size_t waiting = 0;  // the first deferred post the kernels timed so far do not ready
+  const std::uint64_t base = s.kernels_timed;  // the first pending kernel's number: pending_ends_us_[0]
   pending_ends_us_.clear();
   for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
     const RankState::PendingKernel& k = s.pending_kernels[i];
@@ -954,9 +967,9 @@ bool SimWorld::try_settle(int rank, double& end_us) {
       settled = i + 1;
       continue;
     }
-    while (waiting < s.deferred_posts.size() && s.deferred_posts[waiting].kernels_before <= settled)
+    while (waiting < s.deferred_posts.size() && s.deferred_posts[waiting].kernels_before - base <= settled)
       ++waiting;
-    if (waiting < s.deferred_posts.size() && i + 1 >= s.deferred_posts[waiting].kernels_before) break;
+    if (waiting < s.deferred_posts.size() && i + 1 >= s.deferred_posts[waiting].kernels_before - base) break;
   }
   t_us = s.compute_us;
   for (std::size_t i = 0; i < settled; ++i) {
@@ -967,23 +980,24 @@ bool SimWorld::try_settle(int rank, double& end_us) {
     s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());
   }
   s.compute_us = t_us;
-  s.pending_kernels.erase(s.pending_kernels.begin(), s.pending_kernels.begin() + settled);
+  s.pending_kernels.pop_front(settled);
+  s.kernels_timed += settled;
+  drop_ops_over(s, s.compute_us);  // no kernel left starts before the stream's clock
   // The deferred posts behind the kernels timed now are ready at the end of the last kernel before them.
   std::vector<std::shared_ptr<CommOpState>> readied;
-  std::erase_if(s.deferred_posts, [&](RankState::DeferredPost& d) {
-    if (d.kernels_before > settled) {
-      d.kernels_before -= settled;
-      return false;
-    }
-    d.op->member_of(rank).issue_ready_us = std::max(d.host_us, pending_ends_us_[d.kernels_before - 1]);
+  std::size_t ready = 0;
+  for (; ready < s.deferred_posts.size() && s.deferred_posts[ready].kernels_before <= s.kernels_timed;
+       ++ready) {
+    RankState::DeferredPost& d = s.deferred_posts[ready];
+    d.op->member_of(rank).issue_ready_us = std::max(d.host_us, pending_ends_us_[d.kernels_before - base - 1]);
     --d.op->unready;
     readied.push_back(std::move(d.op));
-    return true;
-  });
+  }
+  s.deferred_posts.pop_front(ready);
   // Where the engine must stop for this rank: the end of the last kernel the first deferred post waits for
   // (it starts no earlier), or else, for settle_compute, that of the last kernel.
   if (!s.deferred_posts.empty()) {
-    end_us = pending_ends_us_[settled + s.deferred_posts.front().kernels_before - 1];
+    end_us = pending_ends_us_[s.deferred_posts.front().kernels_before - base - 1];
   } else {
     end_us = pending_ends_us_.empty() ? s.compute_us : pending_ends_us_.back();
   }

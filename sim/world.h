@@ -16,6 +16,7 @@
 #pragma once
 
 #include <boost/fiber/context.hpp>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -31,6 +32,7 @@
 #include "common/report.h"
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
+#include "sim/front_queue.h"
 #include "sim/net/network_model.h"
 #include "sim/net/transfer_engine.h"
 #include "sim/sim_backend.h"
@@ -77,20 +79,23 @@ struct RankState {
     KernelCost cost;
     double host_us;  // the host clock at its launch: it starts no earlier
   };
-  std::vector<PendingKernel> pending_kernels;
+  FrontQueue<PendingKernel> pending_kernels;
+  std::uint64_t kernels_timed = 0;  // kernels launched before the first of pending_kernels
   // What the rank posted that a kernel launched from now on may still overlap: dropped once finished
   // before the compute stream's clock.
-  std::vector<std::shared_ptr<CommOpState>> beside_ops;
-  // Collectives posted behind pending kernels: the member is ready when the first `kernels_before` of
-  // pending_kernels have ended (and not before `host_us`, the host clock at the post). The rank goes on
-  // instead of waiting for those kernels' times; the world settles them as the engine learns what they
-  // overlap (SimWorld::resettle), and the operation starts once every member's ready time is known.
+  FrontQueue<std::shared_ptr<CommOpState>> beside_ops;
+  std::size_t beside_ops_prune_at = 16;
+  // Collectives posted behind pending kernels: the member is ready when the kernels launched before it
+  // (`kernels_before`, counted from the rank's first, as kernels_timed) have ended, and not before
+  // `host_us`, the host clock at the post. The rank goes on instead of waiting for those kernels' times;
+  // the world settles them as the engine learns what they overlap (SimWorld::resettle), and the operation
+  // starts once every member's ready time is known. In posting order, so readied from the front.
   struct DeferredPost {
     std::shared_ptr<CommOpState> op;
-    std::size_t kernels_before;
+    std::uint64_t kernels_before;
     double host_us;
   };
-  std::vector<DeferredPost> deferred_posts;
+  FrontQueue<DeferredPost> deferred_posts;
   // While the rank waits in settle_compute, or has deferred posts: the end, as far as known, of the kernel
   // they wait for (the engine must not pass it); NaN otherwise.
   double watched_end_us = std::numeric_limits<double>::quiet_NaN();
@@ -303,6 +308,8 @@ class SimWorld {
   // behind them. Returns true when none is left pending; else `end_us` is, as far as known, the end of
   // the kernel the engine must stop at: the last one before the first deferred post, or the last one.
   bool try_settle(int rank, double& end_us);
+  // Drops from s.beside_ops what ended by `from_us`, before which no kernel of the rank starts from now on.
+  static void drop_ops_over(RankState& s, double from_us);
   // try_settle from the world's side, when the engine reaches a waiting rank's kernel or an operation it
   // overlaps starts or ends: wakes the rank if it waited in settle_compute and may go on, and keeps the
   // engine's stop for it up to date.
