@@ -73,6 +73,9 @@ struct CommOpState {
   // "collective #3 on world (all_reduce)", for messages (formatted only when one is needed).
   std::string label() const;
   CommMember& member_of(int global_rank);
+  const CommMember& member_of(int global_rank) const {
+    return const_cast<CommOpState*>(this)->member_of(global_rank);
+  }
   bool all_arrived() const { return arrived == static_cast<int>(members.size()); }
 };
 

@@ -51,8 +51,9 @@ struct SimConfig {
   // Every communication call waits for the ranks whose clocks are behind its rank's, even one that only
   // marks its rank arrived at a collective still waiting for another member (SimWorld::arrival_only), and
   // a collective posted behind kernels whose times are not known yet waits for them (no deferred posts,
-  // RankState::deferred_posts). The times are the same either way, only slower to reach at scale; tests
-  // compare the two.
+  // RankState::deferred_posts), and a kernel after a collective blocks until the collective ends (no
+  // SimWorld::may_defer_waits). The times and the memory are the same either way, only slower to reach at
+  // scale; tests compare the two.
   bool issue_in_clock_order = false;
 };
 

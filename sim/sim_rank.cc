@@ -98,7 +98,11 @@ void compute_stream_waits_for(RankState& s, const std::shared_ptr<CommOpState>& 
           return other->op != CommOp::Send && other->group_id == op->group_id;
         });
     if (same_stream != s.unfolded_waits.end()) {
-      if ((*same_stream)->seq >= op->seq) return;  // a later one already stands for it
+      if ((*same_stream)->seq >= op->seq) {  // a later one already stands for it
+        if (!op->finished) s.folded_with.push_back(op);
+        return;
+      }
+      if (!(*same_stream)->finished) s.folded_with.push_back(*same_stream);
       s.unfolded_waits.erase(same_stream);
     }
   }
@@ -117,6 +121,7 @@ class SimWork : public WorkState {
     CommMember& m = op_->member_of(rank_);
     if (m.waited) return;
     m.waited = true;
+    world_.note_waited(rank_, op_);
     compute_stream_waits_for(world_.state(rank_), op_);
   }
   bool waited() const override { return op_->member_of(rank_).waited; }
@@ -200,6 +205,16 @@ void SimRank::fold_waits(const char* by) {
     s_.compute_us = std::max(s_.compute_us, op->end_us);
   }
   s_.unfolded_waits.clear();
+  s_.folded_with.clear();  // ended before those
+}
+
+void SimRank::waits_before_kernel(const char* by) {
+  if (s_.unfolded_waits.empty()) return;
+  if (world_.may_defer_waits(rank_)) {
+    world_.defer_waits(rank_);  // the kernel takes them along (SimWorld::launch_kernel)
+    return;
+  }
+  fold_waits(by);
 }
 
 void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const char* op) {
@@ -216,7 +231,7 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
     pending.clear();
     sim_storage(*t)->pending_reads_only.clear();
   }
-  fold_waits(op);
+  waits_before_kernel(op);
 }
 
 void SimRank::launch_kernel(const std::string& name, double flops, double bytes, DType dtype) {
@@ -224,7 +239,7 @@ void SimRank::launch_kernel(const std::string& name, double flops, double bytes,
 }
 
 void SimRank::launch_kernel_cost(const std::string& name, const KernelCost& cost) {
-  fold_waits(name.c_str());  // kernels that read no tensor (fills, random numbers) wait on the stream too
+  waits_before_kernel(name.c_str());  // kernels that read no tensor (fills, random numbers) wait too
   s_.host_us += world_.compute().launch_us();
   // Communication this GPU runs at the same time holds some of its SMs and HBM bandwidth.
   world_.launch_kernel(rank_, name, cost);
@@ -312,6 +327,7 @@ std::vector<float> SimRank::to_host(const Tensor& t) {
                                  where("to_host"), t.str()));
   }
   before_kernel({&t}, "to_host");
+  fold_waits("to_host");  // the copy needs the stream's clock
   world_.settle_compute(rank_);
   s_.host_us = std::max(s_.host_us, s_.compute_us);  // a device-to-host copy waits for the stream
   return std::vector<float>(sim_data(t), sim_data(t) + t.numel());
@@ -1108,6 +1124,7 @@ Work SimRank::communicate(const CommCall& call) {
     compute_stream_waits_for(s_, op);  // the compute stream waits for it; the host goes on
     return Work();
   }
+  world_.note_async_posted(rank_, op);
   for (const Tensor* t : {&call.input, &call.output}) {
     if (!t->defined()) continue;
     sim_storage(*t)->pending.push_back(op);

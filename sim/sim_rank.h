@@ -116,9 +116,12 @@ class SimRank : public Rank {
   // Before a kernel touches `tensors`: the compute stream waits for synchronous communication and for what
   // wait() was called on, and an async operation on one of them that was not waited on is an error.
   void before_kernel(std::initializer_list<const Tensor*> tensors, const char* op);
-  // The compute stream waits for every operation in RankState::unfolded_waits; `by` names the call, for
-  // deadlock reports.
+  // The compute stream waits for every operation in RankState::unfolded_waits, and the rank blocks until
+  // their ends are known; `by` names the call, for deadlock reports. For what needs the stream's clock.
   void fold_waits(const char* by);
+  // The same before a kernel, which need not block: when only the operations' ends are missing
+  // (SimWorld::may_defer_waits), the kernel waits for them on the stream and the rank goes on.
+  void waits_before_kernel(const char* by);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
   void launch_kernel_cost(const std::string& name, const KernelCost& cost);

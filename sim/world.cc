@@ -191,13 +191,11 @@ void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, c
   }
   // The callables capture at most two pointers, which std::function keeps without allocating.
   struct Wait {
+    int rank;
     const CommOpState* op;
     const char* by;
-    const char* after;  // what made the compute stream wait for it, or null
-  } const wait{op.get(), by,
-               !folded                                        ? nullptr
-               : op->member_of(rank).call.async == Async::Yes ? "wait() on an asynchronous"
-                                                              : "a synchronous"};
+    bool folded;
+  } const wait{rank, op.get(), by, folded};
   struct WaitingFor {
     RankState& s;
     ~WaitingFor() { s.waiting_op = nullptr; }
@@ -205,12 +203,19 @@ void SimWorld::wait_finished(int rank, const std::shared_ptr<CommOpState>& op, c
   waiting.s.waiting_op = op.get();
   block_until(
       rank, [&wait] { return wait.op->finished; },
-      [this, &wait] {
-        const std::string who =
-            wait.after ? fmt::format("{} (after {} {})", wait.by, wait.after, comm_op_name(wait.op->op))
-                       : std::string(wait.by);
-        return fmt::format("{} waits for {}: {}", who, wait.op->label(), why_pending(*wait.op));
-      });
+      [this, &wait] { return describe_wait(wait.rank, *wait.op, wait.by, wait.folded); });
+}
+
+std::string SimWorld::describe_wait(int rank, const CommOpState& op, const char* by, bool folded) const {
+  std::string who = by;
+  if (folded) {
+    // What made the compute stream wait for it.
+    who += fmt::format(
+        " (after {} {})",
+        op.member_of(rank).call.async == Async::Yes ? "wait() on an asynchronous" : "a synchronous",
+        comm_op_name(op.op));
+  }
+  return fmt::format("{} waits for {}: {}", who, op.label(), why_pending(op));
 }
 
 std::string SimWorld::why_pending(const CommOpState& op) const {
@@ -533,7 +538,9 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   }
   execute_readied(op);
   // The engine must not pass the kernels this member waits for.
-  if (defer && std::isnan(s.watched_end_us)) watch_kernel_end(rank, kernels_end_us);
+  if (defer && std::isnan(s.watched_end_us) && std::isfinite(kernels_end_us)) {
+    watch_kernel_end(rank, kernels_end_us);
+  }
   run_resettles();
   return op;
 }
@@ -613,6 +620,15 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       m.deps.clear();
       m.call.input = Tensor();
       m.call.output = Tensor();
+      if (m.call.async == Async::Yes && !m.waited && runs(m.rank)) {
+        std::vector<std::shared_ptr<CommOpState>>& unwaited =
+            state(m.rank).streams[stream_of(*op, m.rank)].unwaited;
+        const auto it = std::find(unwaited.begin(), unwaited.end(), op);
+        if (it != unwaited.end()) {  // else a later wait() covered it
+          unwaited.erase(it);
+          --state(m.rank).async_in_flight;
+        }
+      }
       // A member waiting for another operation would only find it unfinished and block again.
       // One whose kernels this operation may have overlapped times them again (resettle), and is woken
       // only if it waited for them and they are timed.
@@ -778,6 +794,7 @@ double SimWorld::contended_end_us(int rank, std::size_t kernel, double start_us,
   loads.clear();
   changes_us.clear();
   const RankState& s = state(rank);
+  if (s.beside_ops.empty()) return start_us + nominal_us;  // without sm_contention, always
   // The deferred posts behind this kernel wait for it (the NCCL stream waits for the compute stream), so
   // they cannot overlap it. They are the last of beside_ops: a rank posts nothing else while it has
   // deferred posts, and only finished operations leave the list.
@@ -880,9 +897,11 @@ void SimWorld::resettle(int rank) {
   if (try_settle(rank, end_us)) {
     clear_kernel_watch(rank);
     if (s.settling) wake(rank);
-  } else if (s.settling || !s.deferred_posts.empty()) {
+  } else if ((s.settling || !s.deferred_posts.empty()) && std::isfinite(end_us)) {
     watch_kernel_end(rank, end_us);
   } else {
+    // Nothing to watch, or the kernel waits for an operation to end: the engine reaches that end before
+    // the kernel's, and the operation's ending times the rank's kernels again (on_finished).
     clear_kernel_watch(rank);
   }
 }
@@ -912,20 +931,88 @@ bool SimWorld::contention_settled(bool known, bool started, double end_us) {
   return started && engine_.next_event_us() >= end_us;
 }
 
+void SimWorld::note_async_posted(int rank, const std::shared_ptr<CommOpState>& op) {
+  if (op->finished) return;
+  RankState& s = state(rank);
+  s.streams[stream_of(*op, rank)].unwaited.push_back(op);
+  ++s.async_in_flight;
+}
+
+void SimWorld::note_waited(int rank, const std::shared_ptr<CommOpState>& op) {
+  RankState& s = state(rank);
+  std::vector<std::shared_ptr<CommOpState>>& unwaited = s.streams[stream_of(*op, rank)].unwaited;
+  const auto it = std::find(unwaited.begin(), unwaited.end(), op);
+  if (it == unwaited.end()) return;
+  // Waiting for a collective waits for the ones before it on its group's stream: blocking for it would
+  // have seen them end too. (Not so for point-to-point operations, which a batch posts side by side.)
+  const auto from = op->op == CommOp::Send ? it : unwaited.begin();
+  s.folded_with.insert(s.folded_with.end(), from, it);
+  s.async_in_flight -= static_cast<int>(it - from) + 1;
+  unwaited.erase(from, it + 1);
+}
+
+bool SimWorld::may_defer_waits(int rank) const {
+  const RankState& s = *ranks_[rank];
+  if (!rep_.empty() || config_.issue_in_clock_order || s.async_in_flight > 0) return false;
+  // Only the ends may be missing: what an operation brings may be read by the kernel, and is let go of
+  // (defer_waits) for the ones these stand for too.
+  auto numbers_done = [rank](const std::shared_ptr<CommOpState>& op) {
+    if (op->finished || op->executed) return true;
+    const CommCall& call = op->member_of(rank).call;
+    return (!call.input.defined() || call.input.phantom()) &&
+           (!call.output.defined() || call.output.phantom());
+  };
+  const auto unfinished = std::count_if(s.unfolded_waits.begin(), s.unfolded_waits.end(),
+                                        [](const std::shared_ptr<CommOpState>& op) { return !op->finished; });
+  return unfinished <= 1 && std::all_of(s.unfolded_waits.begin(), s.unfolded_waits.end(), numbers_done) &&
+         std::all_of(s.folded_with.begin(), s.folded_with.end(), numbers_done);
+}
+
+void SimWorld::defer_waits(int rank) {
+  RankState& s = state(rank);
+  s.folded_with.insert(s.folded_with.end(), s.unfolded_waits.begin(), s.unfolded_waits.end());
+  for (const auto& op : s.folded_with) {
+    if (op->finished) continue;  // it let go of its tensors when it finished
+    if (!s.uncharged) {
+      auto account = std::make_shared<MemoryAccount>();
+      account->rank = rank;
+      s.uncharged = std::make_shared<SimStorage>(std::move(account), 0, DType::Float32, /*phantom=*/true);
+    }
+    CommCall& call = op->member_of(rank).call;
+    for (Tensor* t : {&call.input, &call.output}) {
+      if (t->defined() && t->storage() != s.uncharged.get()) *t = Tensor(t->shape(), t->dtype(), s.uncharged);
+    }
+  }
+  s.folded_with.clear();
+}
+
 void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
   RankState& s = state(rank);
+  // What the compute stream waits for and the rank did not block for (may_defer_waits): folded into the
+  // stream's clock when it is known, else the kernel takes it along.
+  double after_us = 0;
+  std::shared_ptr<CommOpState> after;
+  for (auto& op : s.unfolded_waits) {
+    if (op->finished) {
+      after_us = std::max(after_us, op->end_us);
+    } else {
+      after = std::move(op);
+    }
+  }
+  s.unfolded_waits.clear();
+  if (!after && s.pending_kernels.empty()) s.compute_us = std::max(s.compute_us, after_us);
   const double start_us = std::max(s.host_us, s.compute_us);
   if (!s.beside_ops.empty()) {
     // No kernel from now on starts before the compute stream's clock (nor before this one, when none
     // waits): what ended by then is over for good.
     drop_ops_over(s, s.pending_kernels.empty() ? start_us : s.compute_us);
   }
-  if (s.pending_kernels.empty() && s.beside_ops.empty()) {
+  if (s.pending_kernels.empty() && s.beside_ops.empty() && !after) {
     s.compute_us = start_us + cost.us();
     add_span(rank, SpanKind::Compute, name, start_us, s.compute_us);
     return;
   }
-  s.pending_kernels.push_back({name, cost, s.host_us});
+  s.pending_kernels.push_back({name, cost, s.host_us, after_us, std::move(after)});
   // At once when nothing it overlaps is still to be known. Behind kernels that could not be timed, it
   // waits with them: trying every launch again would cost the square of the kernels waiting.
   double end_us = 0;
@@ -945,6 +1032,13 @@ void SimWorld::drop_ops_over(RankState& s, double from_us) {
   }
 }
 
+double SimWorld::kernel_start_us(const RankState::PendingKernel& kernel, double stream_us) {
+  const double start_us = std::max({kernel.host_us, stream_us, kernel.after_us});
+  if (!kernel.after) return start_us;
+  return kernel.after->finished ? std::max(start_us, kernel.after->end_us)
+                                : std::numeric_limits<double>::infinity();
+}
+
 bool SimWorld::try_settle(int rank, double& end_us) {
   RankState& s = state(rank);
   bool known = true, started = true, settling = true;
@@ -955,8 +1049,10 @@ bool SimWorld::try_settle(int rank, double& end_us) {
   pending_ends_us_.clear();
   for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
     const RankState::PendingKernel& k = s.pending_kernels[i];
+    const double start_us = kernel_start_us(k, t_us);
+    if (std::isinf(start_us)) break;  // it waits for an operation that has not ended, as every later one
     bool k_known = false, k_started = false;
-    t_us = contended_end_us(rank, i, std::max(k.host_us, t_us), k.cost, k_known, k_started);
+    t_us = contended_end_us(rank, i, start_us, k.cost, k_known, k_started);
     known = known && k_known;
     started = started && k_started;
     pending_ends_us_.push_back(t_us);
@@ -974,7 +1070,7 @@ bool SimWorld::try_settle(int rank, double& end_us) {
   t_us = s.compute_us;
   for (std::size_t i = 0; i < settled; ++i) {
     const RankState::PendingKernel& k = s.pending_kernels[i];
-    const double start_us = std::max(k.host_us, t_us);
+    const double start_us = kernel_start_us(k, t_us);
     t_us = pending_ends_us_[i];
     add_span(rank, SpanKind::Compute, k.name, start_us, t_us);
     s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());
@@ -995,12 +1091,13 @@ bool SimWorld::try_settle(int rank, double& end_us) {
   }
   s.deferred_posts.pop_front(ready);
   // Where the engine must stop for this rank: the end of the last kernel the first deferred post waits for
-  // (it starts no earlier), or else, for settle_compute, that of the last kernel.
-  if (!s.deferred_posts.empty()) {
-    end_us = pending_ends_us_[s.deferred_posts.front().kernels_before - base - 1];
-  } else {
-    end_us = pending_ends_us_.empty() ? s.compute_us : pending_ends_us_.back();
-  }
+  // (it starts no earlier), or else, for settle_compute, that of the last kernel. Infinite when that
+  // kernel comes after one that waits for an operation to end (the loop above stopped there).
+  const std::size_t stop = !s.deferred_posts.empty() ? s.deferred_posts.front().kernels_before - base
+                                                     : settled + s.pending_kernels.size();
+  end_us = stop == 0                         ? s.compute_us
+           : stop <= pending_ends_us_.size() ? pending_ends_us_[stop - 1]
+                                             : std::numeric_limits<double>::infinity();
   for (const auto& op : readied) execute_readied(op);
   return s.pending_kernels.empty();
 }
@@ -1020,7 +1117,12 @@ void SimWorld::settle_compute(int rank) {
         resettle(rank);
         return s.pending_kernels.empty();
       },
-      [&s] {
+      [this, rank, &s] {
+        // A kernel that waits for an operation to end waits for what that operation waits for.
+        for (const RankState::PendingKernel& k : s.pending_kernels) {
+          if (k.after && !k.after->finished)
+            return describe_wait(rank, *k.after, k.name.c_str(), /*folded=*/true);
+        }
         return fmt::format("the times of {} kernel(s) that communication in flight may slow",
                            s.pending_kernels.size());
       });

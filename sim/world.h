@@ -6,7 +6,9 @@
 // numerics are done on the members' buffers and its start (the latest member's ready time) is known.
 // Its transfer then runs in the TransferEngine, sharing links with whatever else is in flight, and the
 // operation *finishes* when the engine reaches its end. A rank blocks, in real time, only when it needs
-// such an outcome: a kernel after a synchronous collective, wait(), synchronize(), to_host(), barrier().
+// such an outcome: synchronize(), to_host(), barrier(), and a kernel after a synchronous collective or a
+// wait() when it may need the collective's numbers (otherwise the kernel waits for it on the stream:
+// may_defer_waits).
 //
 // Virtual time moves in two ways. Before a rank issues communication at its clock t, the engine is
 // brought up to t as long as no other runnable rank is behind t (so a transfer issued at t sees every
@@ -58,6 +60,8 @@ struct StreamState {
   // waits for what the stream held before the group.
   std::uint64_t group = 0;
   std::shared_ptr<CommOpState> before_group;
+  // Asynchronous operations on it, in posting order, neither finished nor waited on (async_in_flight).
+  std::vector<std::shared_ptr<CommOpState>> unwaited;
 };
 
 struct RankState {
@@ -66,7 +70,16 @@ struct RankState {
   std::map<int, StreamState> streams;
   // Operations the compute stream must wait for before its next kernel: synchronous ones, and asynchronous
   // ones wait() was called on (at most one per collective stream; compute_stream_waits_for in sim_rank.cc).
+  // The next kernel takes them along when it need not block for them (SimWorld::may_defer_waits).
   std::vector<std::shared_ptr<CommOpState>> unfolded_waits;
+  // Earlier operations on the same streams that those stand for: blocking for the later would have seen
+  // these end too, and let go of their buffers (SimWorld::defer_waits).
+  std::vector<std::shared_ptr<CommOpState>> folded_with;
+  // Asynchronous operations posted and neither finished nor waited on, nor before one waited on on the
+  // same stream (StreamState::unwaited). Their buffers are let go when they end, wherever the rank's
+  // program then is, so a rank that ran ahead of its operations would see them later: the next kernel
+  // blocks for the compute stream's waits while there are any.
+  int async_in_flight = 0;
   // Everything this rank posted that has not executed (synchronize waits for all of it).
   std::vector<std::shared_ptr<CommOpState>> outstanding;
   std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
@@ -78,6 +91,11 @@ struct RankState {
     SpanName name;
     KernelCost cost;
     double host_us;  // the host clock at its launch: it starts no earlier
+    // What the compute stream waited for before it (unfolded_waits, when the rank did not block for them):
+    // it starts no earlier than `after_us`, the end of those that had ended, nor than the end of `after`,
+    // the one that had not (SimWorld::may_defer_waits lets one at most), and cannot be timed before then.
+    double after_us = 0;
+    std::shared_ptr<CommOpState> after;
   };
   FrontQueue<PendingKernel> pending_kernels;
   std::uint64_t kernels_timed = 0;  // kernels launched before the first of pending_kernels
@@ -101,6 +119,9 @@ struct RankState {
   double watched_end_us = std::numeric_limits<double>::quiet_NaN();
   bool settling = false;  // blocked in settle_compute
   std::shared_ptr<MemoryAccount> memory;
+  // A phantom buffer charged to no account, which an operation the rank no longer blocks for holds in
+  // place of the rank's tensors (SimWorld::defer_waits).
+  std::shared_ptr<Storage> uncharged;
   std::map<int, std::uint64_t> collective_seq;  // per group id
   std::map<int, std::uint64_t> barrier_seq;     // per group id
   int groups_created = 0;
@@ -153,6 +174,8 @@ class SimWorld {
 
   // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
   void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
+  // What a rank blocked until `op` finishes waits for, for deadlock reports; `by` and `folded` as below.
+  std::string describe_wait(int rank, const CommOpState& op, const char* by, bool folded) const;
   // Blocks until `op` has finished (its end time is final). `by` names the call that waits, for deadlock
   // reports; `folded` adds that `by` waits for `op` on the compute stream, after a synchronous call or a
   // wait() (formatted only when a report needs it, as a wait happens at every rank for every operation).
@@ -169,6 +192,18 @@ class SimWorld {
   // or end is not known yet, the kernel's times wait (pending_kernels) until something needs the compute
   // stream's clock (settle_compute). Adds the time lost to the rank's comm_slowed_compute_us.
   void launch_kernel(int rank, SpanName name, const KernelCost& cost);
+  // Asynchronous `op`, just posted by `rank`; wait() called on it (RankState::async_in_flight).
+  void note_async_posted(int rank, const std::shared_ptr<CommOpState>& op);
+  void note_waited(int rank, const std::shared_ptr<CommOpState>& op);
+  // Whether `rank`'s next kernel may take its unfolded_waits along instead of blocking for them: each has
+  // finished, or its numbers are done (it executed, or this rank's buffers are phantoms), so only its end
+  // is missing. Then the rank goes on, as a GPU's host does past a synchronous NCCL call, and its
+  // synchronous collectives cost it no fiber switch. (Not in symmetric runs nor in clock order.)
+  bool may_defer_waits(int rank) const;
+  // Lets the operations in unfolded_waits drop this rank's tensors, as the rank would see them freed had
+  // it blocked until they finished: its memory is then counted at the same points of its program whether
+  // it blocks or not. They keep the tensors' shapes (phantoms charged to no account).
+  void defer_waits(int rank);
   // Makes compute_us final: the pending kernels' times, once the engine knows the communication they
   // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first, but
   // for a collective's post, which may go on without it (RankState::deferred_posts).
@@ -310,6 +345,9 @@ class SimWorld {
   bool try_settle(int rank, double& end_us);
   // Drops from s.beside_ops what ended by `from_us`, before which no kernel of the rank starts from now on.
   static void drop_ops_over(RankState& s, double from_us);
+  // When `kernel` starts if the stream's kernels before it end at `stream_us`: infinity while an
+  // operation it waits for has not ended.
+  static double kernel_start_us(const RankState::PendingKernel& kernel, double stream_us);
   // try_settle from the world's side, when the engine reaches a waiting rank's kernel or an operation it
   // overlaps starts or ends: wakes the rank if it waited in settle_compute and may go on, and keeps the
   // engine's stop for it up to date.

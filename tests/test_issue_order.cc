@@ -89,6 +89,55 @@ TEST(IssueOrder, APostBehindKernelsNotYetTimedDoesNotWaitForThem) {
   for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order[rank], fmt::format("{} starts", rank));
 }
 
+// Every rank gathers a layer's weights into a buffer it drops after the layer's kernel, synchronously, 8
+// times; then posts three asynchronous all_reduces on buffers it drops at once, waits for the last one
+// only, computes and allocates. The kernels after the gathers and the wait need not wait for those
+// operations' ends, so rank 0 goes on past all of it before any other rank has run; in clock order it
+// waits. The buffers count until the point where waiting would have seen the operations end (for the
+// first two all_reduces too, which end before the last), so the peaks are the same either way.
+struct LayersRun {
+  std::vector<std::string> events;
+  std::vector<std::int64_t> peak_bytes;
+};
+
+LayersRun gather_layers(bool in_clock_order) {
+  LayersRun run;
+  run.peak_bytes.assign(4, 0);
+  SimBackend backend(config(in_clock_order));
+  backend.launch(4, [&](Rank& r) {
+    run.events.push_back(fmt::format("{} starts", r.rank()));
+    Tensor shard = r.phantom({1 << 16}), x = r.phantom({256, 256});
+    for (int layer = 0; layer < 8; ++layer) {
+      Tensor full = r.phantom({4 << 16});
+      r.all_gather(full, shard);
+      x = r.matmul(x, x);
+    }
+    std::vector<Work> works;
+    for (int i = 0; i < 3; ++i)
+      works.push_back(r.all_reduce(r.phantom({1 << 18}), ReduceOp::Sum, Async::Yes));
+    works.back().wait();
+    x = r.matmul(x, x);
+    Tensor activations = r.phantom({1 << 20});  // allocated after the kernel: the all_reduces are over
+    run.events.push_back(fmt::format("{} past the layers", r.rank()));
+    r.synchronize();
+    run.peak_bytes[r.rank()] = r.memory_peak();
+  });
+  return run;
+}
+
+TEST(IssueOrder, AKernelAfterASynchronousCollectiveDoesNotWaitForItsEnd) {
+  const LayersRun ahead = gather_layers(false), in_order = gather_layers(true);
+  ASSERT_EQ(ahead.events.size(), 8u);
+  EXPECT_EQ(ahead.events[0], "0 starts");
+  EXPECT_EQ(ahead.events[1], "0 past the layers");
+  ASSERT_EQ(in_order.events.size(), 8u);
+  for (int rank = 0; rank < 4; ++rank) EXPECT_EQ(in_order.events[rank], fmt::format("{} starts", rank));
+  EXPECT_EQ(ahead.peak_bytes, in_order.peak_bytes);
+  // Not the eight gathered layers at once that a rank running ahead would hold if each gather kept its
+  // buffer until it ended.
+  EXPECT_LT(ahead.peak_bytes[0], 8 * 4 * (4 << 16));
+}
+
 // A random SPMD program: the same steps on every rank, with compute whose size differs by rank (so the
 // ranks' clocks drift apart), collectives on the world and on two sub-groups, synchronous and not,
 // point-to-point rings, waits and synchronizes.

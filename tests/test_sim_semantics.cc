@@ -288,6 +288,19 @@ TEST(Faults, AWaitedCollectiveARankSkipsIsNamedAtTheNextKernel) {
   EXPECT_NE(msg.find("rank 3 has not called it"), std::string::npos) << msg;
 }
 
+// The kernel after a synchronous collective need not block for it, but the wait is still the kernel's.
+TEST(Faults, ASynchronousCollectiveARankSkipsIsNamedAtTheKernelAfterIt) {
+  const std::string msg = run_error_message(4, [](Rank& r) {
+    Tensor t = r.phantom({1024});
+    if (r.rank() != 3) r.all_reduce(t, ReduceOp::Sum);
+    r.relu(t);
+    r.synchronize();
+  });
+  EXPECT_NE(msg.find("deadlock"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 0: relu (after a synchronous all_reduce) waits for"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 3 has not called it"), std::string::npos) << msg;
+}
+
 TEST(Faults, BlockingSendsFacingEachOtherDeadlockAsOnNccl) {
   const std::string msg = run_error_message(2, [](Rank& r) {
     Tensor out = r.zeros({2}), in = r.zeros({2});
