@@ -907,6 +907,11 @@ void SimWorld::resettle(int rank) {
 }
 
 void SimWorld::resettle_later(int rank) {
+  // Once per rank until it runs: a rank that is a member of several operations ending together would
+  // otherwise be timed again once per operation, each pass repeating the first.
+  RankState& s = state(rank);
+  if (s.resettle_queued) return;
+  s.resettle_queued = true;
   resettles_.push_back(rank);
 }
 
@@ -915,7 +920,10 @@ void SimWorld::run_resettles() {
   // holds. Nor inside the loop below, which takes what its own calls add.
   if (changing_ > 0 || running_resettles_) return;
   running_resettles_ = true;
-  for (std::size_t i = 0; i < resettles_.size(); ++i) resettle(resettles_[i]);
+  for (std::size_t i = 0; i < resettles_.size(); ++i) {
+    state(resettles_[i]).resettle_queued = false;  // what changes from here on queues it again
+    resettle(resettles_[i]);
+  }
   resettles_.clear();
   running_resettles_ = false;
 }

@@ -117,7 +117,8 @@ struct RankState {
   // While the rank waits in settle_compute, or has deferred posts: the end, as far as known, of the kernel
   // they wait for (the engine must not pass it); NaN otherwise.
   double watched_end_us = std::numeric_limits<double>::quiet_NaN();
-  bool settling = false;  // blocked in settle_compute
+  bool settling = false;         // blocked in settle_compute
+  bool resettle_queued = false;  // in SimWorld::resettles_, not yet run
   std::shared_ptr<MemoryAccount> memory;
   // A phantom buffer charged to no account, which an operation the rank no longer blocks for holds in
   // place of the rank's tensors (SimWorld::defer_waits).
