@@ -561,7 +561,7 @@ void SimWorld::execute_readied(const std::shared_ptr<CommOpState>& op) {
 }
 
 void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
-  ++changing_;
+  Change change(changing_);
   // The engine hands out transfers; an operation ends when its own and (in a symmetric run) all its images'
   // have ended, at the latest of them.
   std::vector<std::shared_ptr<CommOpState>> ended;
@@ -646,7 +646,7 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       if (auto d = dep.op.lock()) try_execute(d);
     }
   }
-  --changing_;
+  change.done();
   run_resettles();
 }
 
@@ -719,7 +719,7 @@ void SimWorld::before_issue(int rank, const CommCall& call) {
 }
 
 void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
-  ++changing_;
+  Change change(changing_);
   double start_us = 0;
   for (CommMember& m : op->members) {
     m.ready_us = m.issue_ready_us;
@@ -751,7 +751,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   if (!rep_.empty()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
-  --changing_;
+  change.done();
   run_resettles();
 }
 

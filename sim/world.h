@@ -365,6 +365,25 @@ class SimWorld {
   std::vector<int> resettles_;
   bool running_resettles_ = false;
   int changing_ = 0;  // on_finished and execute calls under way
+  // One of them: raises changing_, and lowers it at done() or, should an exception leave first, on the
+  // way out (the run then aborts, but nothing is left counting a change that is over).
+  class Change {
+   public:
+    explicit Change(int& changing) : changing_(changing) { ++changing_; }
+    ~Change() {
+      if (!done_) --changing_;
+    }
+    Change(const Change&) = delete;
+    Change& operator=(const Change&) = delete;
+    void done() {
+      --changing_;
+      done_ = true;
+    }
+
+   private:
+    int& changing_;
+    bool done_ = false;
+  };
   // When every live rank is blocked: moves the engine to its next event or to the first watched kernel end
   // (kernel_watches_), whichever is first. False when there is neither.
   bool advance_when_stalled();
