@@ -199,7 +199,9 @@ class SimWorld {
   // Whether `rank`'s next kernel may take its unfolded_waits along instead of blocking for them: each has
   // finished, or its numbers are done (it executed, or this rank's buffers are phantoms), so only its end
   // is missing. Then the rank goes on, as a GPU's host does past a synchronous NCCL call, and its
-  // synchronous collectives cost it no fiber switch. (Not in symmetric runs nor in clock order.)
+  // synchronous collectives cost it no fiber switch. Not while an asynchronous operation the rank has not
+  // waited on is in flight (RankState::async_in_flight), nor with more than one unfinished operation to
+  // wait for, nor in symmetric runs or in clock order.
   bool may_defer_waits(int rank) const;
   // Lets the operations in unfolded_waits drop this rank's tensors, as the rank would see them freed had
   // it blocked until they finished: its memory is then counted at the same points of its program whether
