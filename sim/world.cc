@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <set>
+#include <stdexcept>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -620,15 +621,7 @@ void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engi
       m.deps.clear();
       m.call.input = Tensor();
       m.call.output = Tensor();
-      if (m.call.async == Async::Yes && !m.waited && runs(m.rank)) {
-        std::vector<std::shared_ptr<CommOpState>>& unwaited =
-            state(m.rank).streams[stream_of(*op, m.rank)].unwaited;
-        const auto it = std::find(unwaited.begin(), unwaited.end(), op);
-        if (it != unwaited.end()) {  // else a later wait() covered it
-          unwaited.erase(it);
-          --state(m.rank).async_in_flight;
-        }
-      }
+      if (m.call.async == Async::Yes && !m.waited && runs(m.rank)) forget_unwaited(m.rank, *op, false);
       // A member waiting for another operation would only find it unfinished and block again.
       // One whose kernels this operation may have overlapped times them again (resettle), and is woken
       // only if it waited for them and they are timed.
@@ -947,13 +940,18 @@ void SimWorld::note_async_posted(int rank, const std::shared_ptr<CommOpState>& o
 }
 
 void SimWorld::note_waited(int rank, const std::shared_ptr<CommOpState>& op) {
+  forget_unwaited(rank, *op, true);
+}
+
+void SimWorld::forget_unwaited(int rank, const CommOpState& op, bool waited) {
   RankState& s = state(rank);
-  std::vector<std::shared_ptr<CommOpState>>& unwaited = s.streams[stream_of(*op, rank)].unwaited;
-  const auto it = std::find(unwaited.begin(), unwaited.end(), op);
-  if (it == unwaited.end()) return;
+  std::vector<std::shared_ptr<CommOpState>>& unwaited = s.streams[stream_of(op, rank)].unwaited;
+  const auto it = std::find_if(unwaited.begin(), unwaited.end(),
+                               [&op](const std::shared_ptr<CommOpState>& o) { return o.get() == &op; });
+  if (it == unwaited.end()) return;  // a wait() for a later one covered it
   // Waiting for a collective waits for the ones before it on its group's stream: blocking for it would
   // have seen them end too. (Not so for point-to-point operations, which a batch posts side by side.)
-  const auto from = op->op == CommOp::Send ? it : unwaited.begin();
+  const auto from = waited && op.op != CommOp::Send ? unwaited.begin() : it;
   s.folded_with.insert(s.folded_with.end(), from, it);
   s.async_in_flight -= static_cast<int>(it - from) + 1;
   unwaited.erase(from, it + 1);
@@ -978,9 +976,8 @@ bool SimWorld::may_defer_waits(int rank) const {
 
 void SimWorld::defer_waits(int rank) {
   RankState& s = state(rank);
-  s.folded_with.insert(s.folded_with.end(), s.unfolded_waits.begin(), s.unfolded_waits.end());
-  for (const auto& op : s.folded_with) {
-    if (op->finished) continue;  // it let go of its tensors when it finished
+  auto hand_over = [&](const std::shared_ptr<CommOpState>& op) {
+    if (op->finished) return;  // it let go of its tensors when it finished
     if (!s.uncharged) {
       auto account = std::make_shared<MemoryAccount>();
       account->rank = rank;
@@ -990,7 +987,9 @@ void SimWorld::defer_waits(int rank) {
     for (Tensor* t : {&call.input, &call.output}) {
       if (t->defined() && t->storage() != s.uncharged.get()) *t = Tensor(t->shape(), t->dtype(), s.uncharged);
     }
-  }
+  };
+  std::for_each(s.unfolded_waits.begin(), s.unfolded_waits.end(), hand_over);
+  std::for_each(s.folded_with.begin(), s.folded_with.end(), hand_over);
   s.folded_with.clear();
 }
 
@@ -1004,6 +1003,8 @@ void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
     if (op->finished) {
       after_us = std::max(after_us, op->end_us);
     } else {
+      // may_defer_waits let one through at most; else the rank blocked until they ended (fold_waits).
+      if (after) throw std::logic_error("launch_kernel: a kernel waits for two unfinished operations");
       after = std::move(op);
     }
   }

@@ -193,7 +193,8 @@ class SimWorld {
   // or end is not known yet, the kernel's times wait (pending_kernels) until something needs the compute
   // stream's clock (settle_compute). Adds the time lost to the rank's comm_slowed_compute_us.
   void launch_kernel(int rank, SpanName name, const KernelCost& cost);
-  // Asynchronous `op`, just posted by `rank`; wait() called on it (RankState::async_in_flight).
+  // Asynchronous `op`, just posted by `rank`; wait() called on it (RankState::async_in_flight). Its end
+  // is noted by on_finished.
   void note_async_posted(int rank, const std::shared_ptr<CommOpState>& op);
   void note_waited(int rank, const std::shared_ptr<CommOpState>& op);
   // Whether `rank`'s next kernel may take its unfolded_waits along instead of blocking for them: each has
@@ -346,6 +347,9 @@ class SimWorld {
   // behind them. Returns true when none is left pending; else `end_us` is, as far as known, the end of
   // the kernel the engine must stop at: the last one before the first deferred post, or the last one.
   bool try_settle(int rank, double& end_us);
+  // Takes `op` off `rank`'s list of asynchronous operations not waited on, as it ends or (`waited`) is
+  // waited on; a wait takes the collectives before it on its stream along, into folded_with.
+  void forget_unwaited(int rank, const CommOpState& op, bool waited);
   // Drops from s.beside_ops what ended by `from_us`, before which no kernel of the rank starts from now on.
   static void drop_ops_over(RankState& s, double from_us);
   // When `kernel` starts if the stream's kernels before it end at `stream_us`: infinity while an
