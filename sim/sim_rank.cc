@@ -92,6 +92,7 @@ void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner)
 // back-to-back collectives, or the buckets of a step waited on in turn, keep the list as short as the number
 // of streams (at most one collective per group, which is what the search below relies on).
 void compute_stream_waits_for(RankState& s, const std::shared_ptr<CommOpState>& op) {
+  s.waits_deferred = false;
   if (op->op != CommOp::Send) {
     const auto same_stream = std::find_if(
         s.unfolded_waits.begin(), s.unfolded_waits.end(), [&](const std::shared_ptr<CommOpState>& other) {
@@ -209,7 +210,7 @@ void SimRank::fold_waits(const char* by) {
 }
 
 void SimRank::waits_before_kernel(const char* by) {
-  if (s_.unfolded_waits.empty()) return;
+  if (s_.unfolded_waits.empty() || s_.waits_deferred) return;
   if (world_.may_defer_waits(rank_)) {
     world_.defer_waits(rank_);  // the kernel takes them along (SimWorld::launch_kernel)
     return;

@@ -937,6 +937,7 @@ void SimWorld::note_async_posted(int rank, const std::shared_ptr<CommOpState>& o
   RankState& s = state(rank);
   s.streams[stream_of(*op, rank)].unwaited.push_back(op);
   ++s.async_in_flight;
+  s.waits_deferred = false;  // the next kernel may have to block now
 }
 
 void SimWorld::note_waited(int rank, const std::shared_ptr<CommOpState>& op) {
@@ -991,6 +992,7 @@ void SimWorld::defer_waits(int rank) {
   std::for_each(s.unfolded_waits.begin(), s.unfolded_waits.end(), hand_over);
   std::for_each(s.folded_with.begin(), s.folded_with.end(), hand_over);
   s.folded_with.clear();
+  s.waits_deferred = true;
 }
 
 void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {

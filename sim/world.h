@@ -75,6 +75,10 @@ struct RankState {
   // Earlier operations on the same streams that those stand for: blocking for the later would have seen
   // these end too, and let go of their buffers (SimWorld::defer_waits).
   std::vector<std::shared_ptr<CommOpState>> folded_with;
+  // defer_waits has run since unfolded_waits last grew (and no asynchronous operation was posted since):
+  // the kernel about to launch need not ask again (SimRank::waits_before_kernel, which a kernel calls
+  // before its numerics and again at its launch).
+  bool waits_deferred = false;
   // Asynchronous operations posted and neither finished nor waited on, nor before one waited on on the
   // same stream (StreamState::unwaited). Their buffers are let go when they end, wherever the rank's
   // program then is, so a rank that ran ahead of its operations would see them later: the next kernel
