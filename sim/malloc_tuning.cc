@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 namespace ranklab::sim {
 
@@ -12,8 +13,16 @@ void tune_malloc(char** argv) {
   if (std::getenv("RANKLAB_MALLOC_TUNED") != nullptr) return;
   const char* current = std::getenv("GLIBC_TUNABLES");
   std::string tunables = current ? current : "";
-  if (tunables.find("glibc.malloc.tcache_count") != std::string::npos) return;
-  tunables += (tunables.empty() ? "" : ":") + std::string("glibc.malloc.tcache_count=2000");
+  bool added = false;
+  // A setting the user made is kept as it is.
+  for (const char* setting : {"glibc.malloc.tcache_count=2000", "glibc.malloc.mxfast=0"}) {
+    const std::string_view name = std::string_view(setting).substr(0, std::string_view(setting).find('='));
+    if (tunables.find(name) != std::string::npos) continue;
+    if (!tunables.empty()) tunables += ':';
+    tunables += setting;
+    added = true;
+  }
+  if (!added) return;
   setenv("GLIBC_TUNABLES", tunables.c_str(), 1);
   setenv("RANKLAB_MALLOC_TUNED", "1", 1);
   execv("/proc/self/exe", argv);
