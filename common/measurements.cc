@@ -227,6 +227,13 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
       // iters: 1 validation: 1 graph: 0": the loop's counts (older versions print no warm-up count).
       if (!words.empty() && words[0] == "nThread") {
         for (std::size_t k = 0; k + 1 < words.size(); ++k) {
+          if (words[k] == "nGpus") {
+            if (!parse_number(words[k + 1], loop.gpus_per_thread) || loop.gpus_per_thread < 1) {
+              throw fail(n, fmt::format("the header's 'nGpus' is '{}': a thread drives 1 GPU or more",
+                                        words[k + 1]));
+            }
+            continue;
+          }
           if (words[k] != "iters:") continue;
           const std::string before = k > 0 ? words[k - 1] : "";
           int count = 0;
@@ -348,7 +355,9 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
 
   RunReport r = measured_report(fmt::format("{}{}", kNcclTestsLesson, comm_op_name(*op)), world);
   r.profile = gpu;
-  r.options = {{"warmup_iters", std::to_string(loop.warmup_iters)}, {"iters", std::to_string(loop.iters)}};
+  r.options = {{"warmup_iters", std::to_string(loop.warmup_iters)},
+               {"iters", std::to_string(loop.iters)},
+               {"gpus_per_thread", std::to_string(loop.gpus_per_thread)}};
   for (const Row& row : rows) {
     if (!row.type.empty() && element_bytes(row.type) == 0) {
       throw fail(row.line, fmt::format("unknown data type '{}'", row.type));
@@ -372,6 +381,7 @@ std::optional<NcclTestsLoop> nccl_tests_loop(const RunReport& r) {
   };
   count("warmup_iters", loop.warmup_iters, 0);
   count("iters", loop.iters, 1);
+  count("gpus_per_thread", loop.gpus_per_thread, 1);
   return loop;
 }
 

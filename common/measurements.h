@@ -44,13 +44,17 @@ std::optional<CommOp> comm_op_from_text(const std::string& text);
 struct NcclTestsLoop {
   int warmup_iters = 5;  // nccl-tests' default, -w 5
   int iters = 20;        // nccl-tests' default, -n 20
+  // GPUs one thread drives (-g, "nGpus" in the header). Every launch of the loop is then one
+  // ncclGroupStart, a call per GPU and ncclGroupEnd from that thread (startColl in src/common.cu), so the
+  // thread launches the kernels of all its GPUs, one after the other, in every iteration.
+  int gpus_per_thread = 1;
 };
 
 // nccl-tests output. `op` when known; otherwise inferred as above (UsageError when it cannot be).
 // The report has one collective per size and placement, in the order nccl-tests ran them: out-of-place on
 // group "world", then in-place on group kInPlaceGroup; world and GPU come from the "# Using devices" lines.
-// The loop's counts come from the header ("warmup iters: 5 iters: 20"), else nccl-tests' defaults, and are
-// kept in the report's options "warmup_iters" and "iters".
+// The loop's counts come from the header ("nGpus 8 ... warmup iters: 5 iters: 20"), else nccl-tests'
+// defaults, and are kept in the report's options "warmup_iters", "iters" and "gpus_per_thread".
 RunReport read_nccl_tests(const std::string& text, const std::string& origin, std::optional<CommOp> op);
 
 // The timing loop of a report read_nccl_tests made; nullopt for any other report (its times are each

@@ -8,6 +8,7 @@
 
 #include "common/compare.h"
 #include "common/errors.h"
+#include "common/measurements.h"
 #include "common/replay.h"
 #include "sim/net/network_model.h"
 #include "sim/sim_backend.h"
@@ -49,6 +50,13 @@ RunReport simulate_measured(const RunReport& measured, const Profile& profile, c
   }
   config.algorithm = algorithm;
   config.protocol = protocol;
+  // nccl-tests -g N: one thread launches the collective of each of its N GPUs in every iteration, one
+  // after the other, so each GPU's next launch comes N launches later. Every simulated rank has a host of
+  // its own, so each pays the launches of its thread's N GPUs: the loop runs at the rate the thread does
+  // (the 35 us a row that one thread driving 8 H100s measures at small sizes, docs/validation.md).
+  if (const std::optional<NcclTestsLoop> loop = nccl_tests_loop(measured)) {
+    config.profile.gpu.launch_overhead_us *= loop->gpus_per_thread;
+  }
   SimBackend sim(config);
   RunReport simulated = sim.launch(measured.world, replay_program(measured));
   label_as_replay(simulated, measured);

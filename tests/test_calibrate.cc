@@ -110,14 +110,15 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
 
 // nccl-tests' all_reduce_perf output for a sweep from `min_bytes` to `max_bytes` (factor 2) simulated on
 // `p` the way nccl-tests times it (20 launches and a synchronize per row, common/replay.h): the layout its
-// src/common.cu prints, times with two decimals as it rounds them.
+// src/common.cu prints, times with two decimals as it rounds them. One process per GPU (nGpus 1): the
+// simulation that makes the log gives every rank a host of its own.
 std::string nccl_tests_log(const Profile& p, int world, std::int64_t min_bytes, std::int64_t max_bytes) {
   const std::string header = fmt::format(
-      "# nThread 1 nGpus {} minBytes {} maxBytes {} step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 "
+      "# nThread 1 nGpus 1 minBytes {} maxBytes {} step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1 "
       "validation: 1 graph: 0\n#\n"
       "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw "
       "  busbw #wrong\n",
-      world, min_bytes, max_bytes);
+      min_bytes, max_bytes);
   auto rows = [&](const std::vector<double>& times_us) {
     std::string out;
     std::size_t k = 0;

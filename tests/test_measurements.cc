@@ -95,12 +95,19 @@ TEST(NcclTests, KeepsTheTimingLoopOfTheHeader) {
   ASSERT_TRUE(loop.has_value());
   EXPECT_EQ(loop->warmup_iters, 5);
   EXPECT_EQ(loop->iters, 20);
+  EXPECT_EQ(loop->gpus_per_thread, 1);
   std::string custom = all_reduce_log(8);
   custom.replace(custom.find("warmup iters: 5 iters: 20"), 25, "warmup iters: 2 iters: 50");
+  custom.replace(custom.find("nGpus 1"), 7, "nGpus 8");
   loop = nccl_tests_loop(read_nccl_tests(custom, "b.log", std::nullopt));
   ASSERT_TRUE(loop.has_value());
   EXPECT_EQ(loop->warmup_iters, 2);
   EXPECT_EQ(loop->iters, 50);
+  EXPECT_EQ(loop->gpus_per_thread, 8);
+  std::string no_gpus = custom;
+  no_gpus.replace(no_gpus.find("nGpus 8"), 7, "nGpus 0");
+  const std::string gpus_msg = error_of([&] { read_nccl_tests(no_gpus, "g.log", std::nullopt); });
+  EXPECT_TRUE(contains(gpus_msg, "g.log:1: the header's 'nGpus' is '0'")) << gpus_msg;
   const std::string no_header =
       devices(8, "A100") + kColumns + row(8, "float", 4, "sum", -1, 19.1, 18.9, 1.75);
   loop = nccl_tests_loop(read_nccl_tests(no_header, "c.log", CommOp::AllReduce));

@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <string>
@@ -6,6 +7,7 @@
 #include "common/errors.h"
 #include "common/measurements.h"
 #include "common/replay.h"
+#include "sim/measured_sim.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -68,19 +70,26 @@ TEST(Replay, KeepsTheMeasuredLabels) {
   EXPECT_EQ(compare_reports(measured, replayed).scored, 2);
 }
 
-TEST(Replay, TimesNcclTestsOutputAsNcclTestsDoes) {
-  // all_reduce_perf's rows are the host's time for 20 launches and a synchronize, over 20. With a launch
-  // overhead between the two sizes' collective times, the small one is timed at the launch rate and the
-  // large one at its own.
-  const std::string log =
-      "# nThread 1 nGpus 8 minBytes 8 maxBytes 268435456 step: 2(factor) warmup iters: 5 iters: 20 agg "
+// all_reduce_perf's output on 8 GPUs, a row of 8 B and one of 256 MiB, each thread driving `gpus_per_thread`.
+// The header names no collective: the tool's name in the origin does.
+std::string two_row_log(int gpus_per_thread) {
+  return fmt::format(
+      "# nThread 1 nGpus {} minBytes 8 maxBytes 268435456 step: 2(factor) warmup iters: 5 iters: 20 agg "
       "iters: 1 validation: 1 graph: 0\n"
       "#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw "
       "  busbw #wrong\n"
       "           8             2     float     sum      -1    20.00    0.00    0.00      0    20.00    0.00 "
       "   0.00      0\n"
       "   268435456      67108864     float     sum      -1  1000.00  268.44  469.76      0  1000.00  268.44 "
-      "469.76      0\n";
+      "469.76      0\n",
+      gpus_per_thread);
+}
+
+TEST(Replay, TimesNcclTestsOutputAsNcclTestsDoes) {
+  // all_reduce_perf's rows are the host's time for 20 launches and a synchronize, over 20. With a launch
+  // overhead between the two sizes' collective times, the small one is timed at the launch rate and the
+  // large one at its own.
+  const std::string log = two_row_log(1);
   const RunReport measured = read_nccl_tests(log, "all_reduce_perf.log", std::nullopt);
   ASSERT_EQ(measured.world, 8);
   SimConfig config = testing::quiet_config();
@@ -106,6 +115,29 @@ TEST(Replay, TimesNcclTestsOutputAsNcclTestsDoes) {
   const Comparison c = compare_reports(measured, replayed);
   EXPECT_EQ(c.scored, 4);
   EXPECT_EQ(c.only_in_a + c.only_in_b, 0);
+}
+
+TEST(Replay, OneThreadDrivingEightGpusLaunchesForAllOfThem) {
+  // With -g 8 every iteration is one thread's eight launches, one per GPU (startColl of nccl-tests), so
+  // the small row is timed at an eighth of the launch rate of -g 1. The large row is still the
+  // collective's own time.
+  Profile profile = testing::quiet_config().profile;
+  const double small_us = direct_us(CommOp::AllReduce, 8, 8);
+  const double large_us = direct_us(CommOp::AllReduce, 268435456, 8);
+  profile.gpu.launch_overhead_us = 3 * small_us;
+  const double launch_us = profile.gpu.launch_overhead_us;
+  ASSERT_LT(8 * launch_us, large_us);
+  const RunReport one =
+      simulate_measured(read_nccl_tests(two_row_log(1), "all_reduce_perf.g1.log", std::nullopt), profile);
+  const RunReport eight =
+      simulate_measured(read_nccl_tests(two_row_log(8), "all_reduce_perf.g8.log", std::nullopt), profile);
+  ASSERT_EQ(one.collectives.size(), 4u);
+  ASSERT_EQ(eight.collectives.size(), 4u);
+  EXPECT_NEAR(one.collectives[0].time_us(), launch_us + small_us / 20, 1e-9 * launch_us);
+  EXPECT_NEAR(eight.collectives[0].time_us(), 8 * launch_us + small_us / 20, 1e-9 * launch_us);
+  EXPECT_NEAR(eight.collectives[1].time_us(), 8 * launch_us + small_us / 20, 1e-9 * launch_us);
+  // The first of the loop's eight launches delays the first collective; the rest run back to back.
+  EXPECT_NEAR(eight.collectives[2].time_us(), large_us + 8 * launch_us / 20, 1e-9 * large_us);
 }
 
 TEST(Replay, RefusesWhatItCannotRebuild) {
