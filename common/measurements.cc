@@ -172,27 +172,61 @@ MeasurementFormat detect_measurement_format(const std::string& text, const std::
     if (text.find("\"traceEvents\"") != std::string::npos) return MeasurementFormat::Kineto;
     return MeasurementFormat::Report;
   }
+  // A CSV's header is its first line that is not a comment: a file may say where its numbers come from
+  // first. It is looked for before nccl-tests' words, which a CSV of bandwidths names too (algbw_gbps).
+  std::size_t j = i;
+  while (j != std::string::npos && text[j] == '#') {
+    const std::size_t end = text.find('\n', j);
+    j = end == std::string::npos ? std::string::npos : text.find_first_not_of(" \t\r\n", end);
+  }
+  const std::string first_line = j == std::string::npos ? "" : lower(text.substr(j, text.find('\n', j) - j));
+  if (first_line.find("op") != std::string::npos && first_line.find(',') != std::string::npos &&
+      (first_line.find("time_us") != std::string::npos ||
+       first_line.find("busbw_gbps") != std::string::npos ||
+       first_line.find("algbw_gbps") != std::string::npos)) {
+    return MeasurementFormat::Csv;
+  }
   if (text.find("out-of-place") != std::string::npos || text.find("# nThread") != std::string::npos ||
       text.find("algbw") != std::string::npos) {
     return MeasurementFormat::NcclTests;
   }
-  // A CSV's header is its first line that is not a comment: a file may say where its numbers come from first.
-  while (i != std::string::npos && text[i] == '#') {
-    const std::size_t end = text.find('\n', i);
-    i = end == std::string::npos ? std::string::npos : text.find_first_not_of(" \t\r\n", end);
-  }
-  const std::string first_line = i == std::string::npos ? "" : lower(text.substr(i, text.find('\n', i) - i));
-  if (first_line.find("op") != std::string::npos && first_line.find("time_us") != std::string::npos &&
-      first_line.find(',') != std::string::npos) {
-    return MeasurementFormat::Csv;
-  }
   throw UsageError(fmt::format(
       "{}: not a measurement ranklab reads (a report.json, nccl-tests output, a PyTorch profiler trace, or "
-      "a CSV with the header op,bytes,ranks,time_us)",
+      "a CSV with the header op,bytes,ranks,time_us or busbw_gbps)",
       origin));
 }
 
 // ---- nccl-tests ------------------------------------------------------------------------------------------
+
+// The loop's settings from the words of nccl-tests' header ("nGpus 8 ... warmup iters: 5 iters: 20 agg
+// iters: 1"), into `loop`; `where` ("file:line: ") opens the message of a setting no loop can have.
+void read_loop_settings(const std::vector<std::string>& words, NcclTestsLoop& loop,
+                        const std::string& where) {
+  for (std::size_t k = 0; k + 1 < words.size(); ++k) {
+    if (words[k] == "nGpus") {
+      if (!parse_number(words[k + 1], loop.gpus_per_thread) || loop.gpus_per_thread < 1) {
+        throw UsageError(fmt::format("{}the header's 'nGpus' is '{}': a thread drives 1 GPU or more", where,
+                                     words[k + 1]));
+      }
+      continue;
+    }
+    if (words[k] != "iters:") continue;
+    const std::string before = k > 0 ? words[k - 1] : "";
+    int count = 0;
+    if (before == "agg" || !parse_number(words[k + 1], count) || count < 0) continue;
+    (before == "warmup" ? loop.warmup_iters : loop.iters) = count;
+  }
+  if (loop.iters < 1) {
+    throw UsageError(fmt::format("{}the header's 'iters' is 0: nccl-tests times at least one launch", where));
+  }
+}
+
+// The loop's settings as a report keeps them (nccl_tests_loop reads them back).
+std::map<std::string, std::string> loop_options(const NcclTestsLoop& loop) {
+  return {{"warmup_iters", std::to_string(loop.warmup_iters)},
+          {"iters", std::to_string(loop.iters)},
+          {"gpus_per_thread", std::to_string(loop.gpus_per_thread)}};
+}
 
 RunReport read_nccl_tests(const std::string& text, const std::string& origin, std::optional<CommOp> op) {
   const std::vector<std::string> lines = split_lines(text);
@@ -225,23 +259,8 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
         words[0] = words[0].substr(1);
       // "# nThread 1 nGpus 8 minBytes 8 maxBytes 1073741824 step: 2(factor) warmup iters: 5 iters: 20 agg
       // iters: 1 validation: 1 graph: 0": the loop's counts (older versions print no warm-up count).
-      if (!words.empty() && words[0] == "nThread") {
-        for (std::size_t k = 0; k + 1 < words.size(); ++k) {
-          if (words[k] == "nGpus") {
-            if (!parse_number(words[k + 1], loop.gpus_per_thread) || loop.gpus_per_thread < 1) {
-              throw fail(n, fmt::format("the header's 'nGpus' is '{}': a thread drives 1 GPU or more",
-                                        words[k + 1]));
-            }
-            continue;
-          }
-          if (words[k] != "iters:") continue;
-          const std::string before = k > 0 ? words[k - 1] : "";
-          int count = 0;
-          if (before == "agg" || !parse_number(words[k + 1], count) || count < 0) continue;
-          (before == "warmup" ? loop.warmup_iters : loop.iters) = count;
-        }
-        if (loop.iters < 1) throw fail(n, "the header's 'iters' is 0: nccl-tests times at least one launch");
-      }
+      if (!words.empty() && words[0] == "nThread")
+        read_loop_settings(words, loop, fmt::format("{}:{}: ", origin, n + 1));
       if (words.size() >= 2 && words[0] == "Rank") {
         int r = 0;
         if (!parse_number(words[1], r) || r < 0)
@@ -355,9 +374,7 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
 
   RunReport r = measured_report(fmt::format("{}{}", kNcclTestsLesson, comm_op_name(*op)), world);
   r.profile = gpu;
-  r.options = {{"warmup_iters", std::to_string(loop.warmup_iters)},
-               {"iters", std::to_string(loop.iters)},
-               {"gpus_per_thread", std::to_string(loop.gpus_per_thread)}};
+  r.options = loop_options(loop);
   for (const Row& row : rows) {
     if (!row.type.empty() && element_bytes(row.type) == 0) {
       throw fail(row.line, fmt::format("unknown data type '{}'", row.type));
@@ -402,26 +419,52 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
     if (!line.empty() && line.back() == ',') out.push_back("");
     return out;
   };
-  int col_op = -1, col_bytes = -1, col_ranks = -1, col_time = -1;
+  // The measure of each row: a time, or a bandwidth the time follows from.
+  enum class Measure { TimeUs, BusbwGbps, AlgbwGbps };
+  const std::vector<std::pair<std::string, Measure>> measures = {
+      {"time_us", Measure::TimeUs}, {"busbw_gbps", Measure::BusbwGbps}, {"algbw_gbps", Measure::AlgbwGbps}};
+  int col_op = -1, col_bytes = -1, col_ranks = -1, col_value = -1;
+  Measure measure = Measure::TimeUs;
+  std::optional<NcclTestsLoop> loop;
   std::optional<RunReport> r;
   for (std::size_t n = 0; n < lines.size(); ++n) {
-    if (lines[n].find_first_not_of(" \t") == std::string::npos || lines[n][0] == '#') continue;
-    std::vector<std::string> row = cells(lines[n]);
     auto fail = [&](const std::string& what) {
       return UsageError(fmt::format("{}:{}: {}", origin, n + 1, what));
     };
+    if (lines[n].find_first_not_of(" \t") == std::string::npos) continue;
+    if (lines[n][0] == '#') {
+      // "# nccl-tests loop: nGpus 8 warmup iters: 5 iters: 40": the rows are nccl-tests rows, timed by
+      // its loop with these settings (the words of its own header).
+      std::vector<std::string> words = split_words(lines[n].substr(1));
+      if (words.size() >= 2 && words[0] == "nccl-tests" && words[1] == "loop:") {
+        if (loop) throw fail("a second '# nccl-tests loop:' line");
+        if (!header.empty()) throw fail("the '# nccl-tests loop:' line must come before the header");
+        loop.emplace();
+        read_loop_settings({words.begin() + 2, words.end()}, *loop, fmt::format("{}:{}: ", origin, n + 1));
+      }
+      continue;
+    }
+    std::vector<std::string> row = cells(lines[n]);
     if (header.empty()) {
       header = row;
+      std::vector<std::string> named;
       for (int k = 0; k < static_cast<int>(header.size()); ++k) {
         const std::string h = lower(header[k]);
         if (h == "op") col_op = k;
         if (h == "bytes") col_bytes = k;
         if (h == "ranks") col_ranks = k;
-        if (h == "time_us") col_time = k;
+        for (const auto& [name, m] : measures) {
+          if (h != name) continue;
+          col_value = k;
+          measure = m;
+          named.push_back(name);
+        }
       }
-      if (col_op < 0 || col_bytes < 0 || col_ranks < 0 || col_time < 0) {
-        throw fail(fmt::format("the header must name the columns op, bytes, ranks and time_us; it has '{}'",
-                               lines[n]));
+      if (col_op < 0 || col_bytes < 0 || col_ranks < 0 || named.size() != 1) {
+        throw fail(fmt::format(
+            "the header must name the columns op, bytes, ranks and one of time_us, busbw_gbps and "
+            "algbw_gbps; it has '{}'",
+            lines[n]));
       }
       continue;
     }
@@ -432,21 +475,48 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
     if (!op || *op == CommOp::Barrier) throw fail(fmt::format("unknown collective '{}'", row[col_op]));
     std::int64_t bytes = 0;
     int ranks = 0;
-    double time_us = 0;
+    double value = 0;
     if (!parse_number(row[col_bytes], bytes) || bytes < 0)
       throw fail(fmt::format("bytes '{}' is not a size", row[col_bytes]));
     if (!parse_number(row[col_ranks], ranks) || ranks < 1)
       throw fail(fmt::format("ranks '{}' is not a positive count", row[col_ranks]));
-    if (!parse_number(row[col_time], time_us) || !(time_us > 0))
-      throw fail(fmt::format("time_us '{}' is not a positive time", row[col_time]));
-    if (!r) r = measured_report("measured collectives", ranks);
+    if (!parse_number(row[col_value], value) || !(value > 0) || !std::isfinite(value)) {
+      throw fail(fmt::format("{} '{}' is not a positive {}", header[col_value], row[col_value],
+                             measure == Measure::TimeUs ? "time" : "bandwidth"));
+    }
+    if (measure != Measure::TimeUs && bytes == 0) {
+      throw fail("a bandwidth for 0 bytes gives no time; give time_us for such rows");
+    }
+    if (measure == Measure::BusbwGbps && !(bus_factor(*op, ranks) > 0)) {
+      throw fail(fmt::format("{} on {} rank{} moves nothing across a bus, so its busbw gives no time",
+                             comm_op_name(*op), ranks, ranks == 1 ? "" : "s"));
+    }
+    if (!r) {
+      r = measured_report(
+          loop ? fmt::format("{}{}", kNcclTestsLesson, comm_op_name(*op)) : "measured collectives", ranks);
+      if (loop) r->options = loop_options(*loop);
+    }
     if (ranks != r->world) {
       throw fail(fmt::format("{} ranks where the rows above have {}: one file describes one world", ranks,
                              r->world));
     }
+    if (loop && !r->collectives.empty() && *op != r->collectives.front().op) {
+      throw fail(fmt::format("{} in an nccl-tests loop of {}: nccl-tests times one collective a run",
+                             comm_op_name(*op), comm_op_name(r->collectives.front().op)));
+    }
+    // nccl-tests' bandwidths (doc/PERFORMANCE.md): algbw = bytes / time, busbw = algbw x the bus factor.
+    const double b = static_cast<double>(bytes);
+    const double time_us = measure == Measure::TimeUs      ? value
+                           : measure == Measure::AlgbwGbps ? b / (value * 1e3)
+                                                           : b * bus_factor(*op, ranks) / (value * 1e3);
     append_collective(*r, *op, bytes, ranks, time_us);
   }
-  if (!r) throw UsageError(fmt::format("{}: no rows under the header op,bytes,ranks,time_us", origin));
+  if (!r) {
+    throw UsageError(
+        fmt::format("{}: no rows under the header op,bytes,ranks and time_us (or busbw_gbps, "
+                    "algbw_gbps)",
+                    origin));
+  }
   return std::move(*r);
 }
 

@@ -8,7 +8,8 @@
 //  - a PyTorch profiler (Kineto) trace per rank: NCCL kernels become collectives (sized from the
 //    "In msg nelems" / "dtype" / "Group size" arguments PyTorch records, or from the kernel name), and
 //    every other GPU kernel becomes a compute region;
-//  - a CSV of timings typed by hand: `op,bytes,ranks,time_us`.
+//  - a CSV of timings typed by hand: `op,bytes,ranks,time_us`, or of bandwidths as benchmark summaries
+//    publish them (`busbw_gbps` or `algbw_gbps` in place of `time_us`).
 //
 // Every reader names the file and line (or trace event) of anything it cannot use.
 #pragma once
@@ -62,7 +63,12 @@ RunReport read_nccl_tests(const std::string& text, const std::string& origin, st
 std::optional<NcclTestsLoop> nccl_tests_loop(const RunReport& r);
 
 // `op,bytes,ranks,time_us` with a header line; op is a ranklab name (all_reduce) or an nccl-tests one
-// (allreduce). Every row must have the same number of ranks.
+// (allreduce). Every row must have the same number of ranks. In place of time_us a table may give
+// busbw_gbps or algbw_gbps, nccl-tests' bandwidths (doc/PERFORMANCE.md): the time is bytes / algbw, and
+// algbw is busbw over the operation's bus factor. A comment line before the header,
+// "# nccl-tests loop: nGpus 8 warmup iters: 5 iters: 40" (the words of nccl-tests' own header), says the
+// rows are one nccl-tests run's, timed by its loop (NcclTestsLoop): the report is then an nccl-tests
+// report of its one collective, replayed as one.
 RunReport read_measurement_csv(const std::string& text, const std::string& origin);
 
 // One Kineto trace per rank (Chrome trace JSON with "traceEvents"), given as (origin, text) in rank order

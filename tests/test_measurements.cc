@@ -218,6 +218,58 @@ TEST(MeasurementCsv, RowsByHand) {
   EXPECT_TRUE(contains(msg, "3 fields where the header has 4")) << msg;
 }
 
+TEST(MeasurementCsv, BandwidthsGiveTheTimes) {
+  // nccl-tests' bandwidths (doc/PERFORMANCE.md): algbw = bytes / time, busbw = algbw x 2(n-1)/n for an
+  // all_reduce on n ranks.
+  const RunReport bus =
+      read_measurement_csv("op,bytes,ranks,busbw_gbps\nall_reduce,1048576,8,52.96\n", "b.csv");
+  ASSERT_EQ(bus.collectives.size(), 1u);
+  EXPECT_NEAR(bus.collectives[0].time_us(), 1048576 * 1.75 / 52.96e3, 1e-9);
+  EXPECT_NEAR(bus.collectives[0].busbw_gbps, 52.96, 1e-9);
+  const RunReport alg = read_measurement_csv("op,bytes,ranks,algbw_gbps\nall_gather,4096,8,2\n", "a.csv");
+  EXPECT_NEAR(alg.collectives[0].time_us(), 4096 / 2e3, 1e-12);
+  EXPECT_FALSE(nccl_tests_loop(bus));  // without the loop's line, each row is a collective's own time
+  // Read as CSV although it names nccl-tests' algbw.
+  EXPECT_EQ(detect_measurement_format("# from a summary\nop,bytes,ranks,algbw_gbps\n", "a"),
+            MeasurementFormat::Csv);
+
+  std::string msg = error_of(
+      [] { read_measurement_csv("op,bytes,ranks,time_us,busbw_gbps\nall_reduce,8,8,20,1\n", "two.csv"); });
+  EXPECT_TRUE(contains(msg, "two.csv:1") && contains(msg, "one of time_us, busbw_gbps and algbw_gbps"))
+      << msg;
+  msg = error_of([] { read_measurement_csv("op,bytes,ranks,busbw_gbps\nall_reduce,8,1,3\n", "one.csv"); });
+  EXPECT_TRUE(contains(msg, "one.csv:2: all_reduce on 1 rank moves nothing")) << msg;
+  msg = error_of([] { read_measurement_csv("op,bytes,ranks,busbw_gbps\nall_reduce,8,8,-3\n", "neg.csv"); });
+  EXPECT_TRUE(contains(msg, "neg.csv:2: busbw_gbps '-3' is not a positive bandwidth")) << msg;
+}
+
+TEST(MeasurementCsv, AnNccltestsLoopLineTimesTheRowsAsNcclTestsDid) {
+  const std::string csv =
+      "# a benchmark's summary of all_reduce_perf -g 8 -n 40\n"
+      "# nccl-tests loop: nGpus 8 warmup iters: 5 iters: 40\n"
+      "op,bytes,ranks,busbw_gbps\nall_reduce,1048576,8,52.96\nall_reduce,2097152,8,88.78\n";
+  const RunReport r = read_measurement_csv(csv, "l.csv");
+  EXPECT_EQ(r.lesson, "nccl-tests all_reduce");
+  ASSERT_EQ(r.collectives.size(), 2u);
+  const std::optional<NcclTestsLoop> loop = nccl_tests_loop(r);
+  ASSERT_TRUE(loop.has_value());
+  EXPECT_EQ(loop->gpus_per_thread, 8);
+  EXPECT_EQ(loop->warmup_iters, 5);
+  EXPECT_EQ(loop->iters, 40);
+
+  std::string msg = error_of([&] { read_measurement_csv(csv + "all_gather,4096,8,3\n", "mix.csv"); });
+  EXPECT_TRUE(contains(msg, "mix.csv:6: all_gather in an nccl-tests loop of all_reduce")) << msg;
+  msg = error_of([] {
+    read_measurement_csv("op,bytes,ranks,time_us\n# nccl-tests loop: iters: 20\nall_reduce,8,8,20\n",
+                         "late.csv");
+  });
+  EXPECT_TRUE(contains(msg, "late.csv:2: the '# nccl-tests loop:' line must come before the header")) << msg;
+  msg = error_of([] {
+    read_measurement_csv("# nccl-tests loop: nGpus 0\nop,bytes,ranks,time_us\nall_reduce,8,8,20\n", "g.csv");
+  });
+  EXPECT_TRUE(contains(msg, "g.csv:1: the header's 'nGpus' is '0'")) << msg;
+}
+
 // A trace as torch.profiler exports it: kernels with ts and dur in microseconds, the collective's
 // parameters on the CPU op that launched it, matched by External id.
 std::string kineto_trace(int rank, int world, double shift_us) {
