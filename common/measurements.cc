@@ -198,6 +198,8 @@ MeasurementFormat detect_measurement_format(const std::string& text, const std::
 
 // ---- nccl-tests ------------------------------------------------------------------------------------------
 
+namespace {
+
 // The loop's settings from the words of nccl-tests' header ("nGpus 8 ... warmup iters: 5 iters: 20 agg
 // iters: 1"), into `loop`; `where` ("file:line: ") opens the message of a setting no loop can have.
 void read_loop_settings(const std::vector<std::string>& words, NcclTestsLoop& loop,
@@ -227,6 +229,8 @@ std::map<std::string, std::string> loop_options(const NcclTestsLoop& loop) {
           {"iters", std::to_string(loop.iters)},
           {"gpus_per_thread", std::to_string(loop.gpus_per_thread)}};
 }
+
+}  // namespace
 
 RunReport read_nccl_tests(const std::string& text, const std::string& origin, std::optional<CommOp> op) {
   const std::vector<std::string> lines = split_lines(text);
