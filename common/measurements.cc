@@ -513,6 +513,10 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
     const double time_us = measure == Measure::TimeUs      ? value
                            : measure == Measure::AlgbwGbps ? b / (value * 1e3)
                                                            : b * bus_factor(*op, ranks) / (value * 1e3);
+    if (!std::isfinite(time_us)) {
+      throw fail(
+          fmt::format("{} '{}' for {} bytes gives no finite time", header[col_value], row[col_value], bytes));
+    }
     append_collective(*r, *op, bytes, ranks, time_us);
   }
   if (!r) {

@@ -241,6 +241,9 @@ TEST(MeasurementCsv, BandwidthsGiveTheTimes) {
   EXPECT_TRUE(contains(msg, "one.csv:2: all_reduce on 1 rank moves nothing")) << msg;
   msg = error_of([] { read_measurement_csv("op,bytes,ranks,busbw_gbps\nall_reduce,8,8,-3\n", "neg.csv"); });
   EXPECT_TRUE(contains(msg, "neg.csv:2: busbw_gbps '-3' is not a positive bandwidth")) << msg;
+  msg = error_of(
+      [] { read_measurement_csv("op,bytes,ranks,algbw_gbps\nall_reduce,8,8,1e-320\n", "tiny.csv"); });
+  EXPECT_TRUE(contains(msg, "tiny.csv:2: algbw_gbps '1e-320' for 8 bytes gives no finite time")) << msg;
 }
 
 TEST(MeasurementCsv, AnNccltestsLoopLineTimesTheRowsAsNcclTestsDid) {
