@@ -54,8 +54,6 @@ void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, do
   auto t = std::make_unique<Transfer>();
   t->op = std::move(op);
   t->plan = std::move(plan);
-  t->start_bytes.reserve(t->plan.flows.size());
-  for (const Flow& f : t->plan.flows) t->start_bytes.push_back(f.bytes);
   Transfer* raw = t.get();
   slot_of_[raw] = transfers_.size();
   transfers_.push_back(std::move(t));
@@ -127,7 +125,7 @@ void TransferEngine::begin_flows(Transfer* t) {
     const Flow& flow = t->plan.flows[f];
     if (flow.bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
     if (copies(*t, f) == 0) continue;                   // moves with the flow it is a copy of
-    add_flow(t, f, t->start_bytes[f]);
+    add_flow(t, f, flow.bytes);                         // all of it is left to move when it starts
   }
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;

@@ -52,7 +52,6 @@ class TransferEngine {
   struct Transfer {
     std::shared_ptr<CommOpState> op;
     CommPlan plan;
-    std::vector<double> start_bytes;  // per flow: what it has left to move when it starts
     int flows_left = 0;
     double flows_done_us = -1;  // when the last flow finished; then the latency runs
   };
