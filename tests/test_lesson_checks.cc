@@ -58,28 +58,40 @@ TEST(LessonChecks, BenchmarkSumIsExactAt8192Ranks) {
   EXPECT_EQ(rep.checks.size(), 8192u);
 }
 
+void lesson_holds_at(const std::string& lesson, int world) {
+  SCOPED_TRACE(::testing::Message() << lesson << " at " << world);
+  Options o;
+  o.world = world;
+  o.dim = 64;
+  // The pipeline needs a layer a stage (64 layers: the deep case); tensor parallelism keeps the
+  // tour's 4 layers.
+  o.layers = lesson == "tensor_parallel" ? 4 : world;
+  o.batch = 4 * world;
+  o.quiet = true;
+  const RunReport rep = run(lesson, o, nodes_for(world));
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+}
+
 void training_lessons_hold_at(int world) {
-  for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
-    SCOPED_TRACE(::testing::Message() << lesson << " at " << world);
-    Options o;
-    o.world = world;
-    o.dim = 64;
-    // The pipeline needs a layer a stage (64 layers: the deep case); tensor parallelism keeps the
-    // tour's 4 layers.
-    o.layers = std::string(lesson) == "tensor_parallel" ? 4 : world;
-    o.batch = 4 * world;
-    o.quiet = true;
-    const RunReport rep = run(lesson, o, nodes_for(world));
-    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
-  }
+  for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"})
+    lesson_holds_at(lesson, world);
 }
 
 TEST(LessonChecks, TrainingLessonsHoldAt16Ranks) {
   training_lessons_hold_at(16);
 }
 
-TEST(LessonChecks, TrainingLessonsHoldAt64Ranks) {
-  training_lessons_hold_at(64);
+// At 64 ranks a lesson a test: together they take 20 s under the sanitizers.
+TEST(LessonChecks, DataParallelHoldsAt64Ranks) {
+  lesson_holds_at("data_parallel", 64);
+}
+
+TEST(LessonChecks, TensorParallelHoldsAt64Ranks) {
+  lesson_holds_at("tensor_parallel", 64);
+}
+
+TEST(LessonChecks, PipelineParallelHoldsAt64Ranks) {
+  lesson_holds_at("pipeline_parallel", 64);
 }
 
 Options tensor_parallel_at_64() {
