@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 #include "common/errors.h"
 #include "common/text.h"
@@ -110,6 +112,15 @@ int element_bytes(const std::string& dtype) {
   return it == sizes.end() ? 0 : it->second;
 }
 
+// What a CSV row measures, named by its column: a time, or one of nccl-tests' bandwidths, from which the
+// time follows. Read by the format's detection and by its reader.
+enum class CsvMeasure { TimeUs, BusbwGbps, AlgbwGbps };
+constexpr std::array<std::pair<std::string_view, CsvMeasure>, 3> kCsvMeasures = {{
+    {"time_us", CsvMeasure::TimeUs},
+    {"busbw_gbps", CsvMeasure::BusbwGbps},
+    {"algbw_gbps", CsvMeasure::AlgbwGbps},
+}};
+
 // A report of measured collectives, each after the last on one timeline, as nccl-tests runs them.
 RunReport measured_report(const std::string& lesson, int world) {
   RunReport r;
@@ -180,10 +191,11 @@ MeasurementFormat detect_measurement_format(const std::string& text, const std::
     j = end == std::string::npos ? std::string::npos : text.find_first_not_of(" \t\r\n", end);
   }
   const std::string first_line = j == std::string::npos ? "" : lower(text.substr(j, text.find('\n', j) - j));
+  const bool names_a_measure = std::any_of(kCsvMeasures.begin(), kCsvMeasures.end(), [&](const auto& m) {
+    return first_line.find(m.first) != std::string::npos;
+  });
   if (first_line.find("op") != std::string::npos && first_line.find(',') != std::string::npos &&
-      (first_line.find("time_us") != std::string::npos ||
-       first_line.find("busbw_gbps") != std::string::npos ||
-       first_line.find("algbw_gbps") != std::string::npos)) {
+      names_a_measure) {
     return MeasurementFormat::Csv;
   }
   if (text.find("out-of-place") != std::string::npos || text.find("# nThread") != std::string::npos ||
@@ -423,12 +435,8 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
     if (!line.empty() && line.back() == ',') out.push_back("");
     return out;
   };
-  // The measure of each row: a time, or a bandwidth the time follows from.
-  enum class Measure { TimeUs, BusbwGbps, AlgbwGbps };
-  const std::vector<std::pair<std::string, Measure>> measures = {
-      {"time_us", Measure::TimeUs}, {"busbw_gbps", Measure::BusbwGbps}, {"algbw_gbps", Measure::AlgbwGbps}};
   int col_op = -1, col_bytes = -1, col_ranks = -1, col_value = -1;
-  Measure measure = Measure::TimeUs;
+  CsvMeasure measure = CsvMeasure::TimeUs;
   std::optional<NcclTestsLoop> loop;
   std::optional<RunReport> r;
   for (std::size_t n = 0; n < lines.size(); ++n) {
@@ -451,20 +459,20 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
     std::vector<std::string> row = cells(lines[n]);
     if (header.empty()) {
       header = row;
-      std::vector<std::string> named;
+      int measures_named = 0;
       for (int k = 0; k < static_cast<int>(header.size()); ++k) {
         const std::string h = lower(header[k]);
         if (h == "op") col_op = k;
         if (h == "bytes") col_bytes = k;
         if (h == "ranks") col_ranks = k;
-        for (const auto& [name, m] : measures) {
+        for (const auto& [name, m] : kCsvMeasures) {
           if (h != name) continue;
           col_value = k;
           measure = m;
-          named.push_back(name);
+          ++measures_named;
         }
       }
-      if (col_op < 0 || col_bytes < 0 || col_ranks < 0 || named.size() != 1) {
+      if (col_op < 0 || col_bytes < 0 || col_ranks < 0 || measures_named != 1) {
         throw fail(fmt::format(
             "the header must name the columns op, bytes, ranks and one of time_us, busbw_gbps and "
             "algbw_gbps; it has '{}'",
@@ -486,12 +494,12 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
       throw fail(fmt::format("ranks '{}' is not a positive count", row[col_ranks]));
     if (!parse_number(row[col_value], value) || !(value > 0) || !std::isfinite(value)) {
       throw fail(fmt::format("{} '{}' is not a positive {}", header[col_value], row[col_value],
-                             measure == Measure::TimeUs ? "time" : "bandwidth"));
+                             measure == CsvMeasure::TimeUs ? "time" : "bandwidth"));
     }
-    if (measure != Measure::TimeUs && bytes == 0) {
+    if (measure != CsvMeasure::TimeUs && bytes == 0) {
       throw fail("a bandwidth for 0 bytes gives no time; give time_us for such rows");
     }
-    if (measure == Measure::BusbwGbps && !(bus_factor(*op, ranks) > 0)) {
+    if (measure == CsvMeasure::BusbwGbps && !(bus_factor(*op, ranks) > 0)) {
       throw fail(fmt::format("{} on {} rank{} moves nothing across a bus, so its busbw gives no time",
                              comm_op_name(*op), ranks, ranks == 1 ? "" : "s"));
     }
@@ -510,9 +518,9 @@ RunReport read_measurement_csv(const std::string& text, const std::string& origi
     }
     // nccl-tests' bandwidths (doc/PERFORMANCE.md): algbw = bytes / time, busbw = algbw x the bus factor.
     const double b = static_cast<double>(bytes);
-    const double time_us = measure == Measure::TimeUs      ? value
-                           : measure == Measure::AlgbwGbps ? b / (value * 1e3)
-                                                           : b * bus_factor(*op, ranks) / (value * 1e3);
+    const double time_us = measure == CsvMeasure::TimeUs      ? value
+                           : measure == CsvMeasure::AlgbwGbps ? b / (value * 1e3)
+                                                              : b * bus_factor(*op, ranks) / (value * 1e3);
     if (!std::isfinite(time_us)) {
       throw fail(
           fmt::format("{} '{}' for {} bytes gives no finite time", header[col_value], row[col_value], bytes));
