@@ -127,7 +127,7 @@ class PlanBuilder {
   PlanBuilder(const Topology& topo, Algorithm a) : topo_(topo) { plan_.algorithm = a; }
   // Room for `flows` flows of paths up to 8 links (the longest between nodes without a CPU hop).
   void reserve(std::size_t flows) {
-    plan_.flows.reserve(flows);
+    plan_.flows.mutate().reserve(flows);
     plan_.links.mutate().reserve(flows * 8);
   }
   // A flow from GPU `src` to GPU `dst` carrying `payload` (per byte of S).

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <compare>
 #include <numeric>
+#include <stdexcept>
 #include <tuple>
 
 namespace ranklab::sim {
@@ -75,10 +76,12 @@ void CommPlan::add_flow(std::span<const LinkId> path, double payload, double occ
   std::vector<LinkId>& all = links.mutate();
   f.first = static_cast<std::uint32_t>(all.size());
   f.length = static_cast<std::uint32_t>(path.size());
-  f.bytes = occupied;
-  f.payload_bytes = payload;
+  // Plans are built at scale 1 and scaled after (NetworkModel::scaled).
+  if (bytes_scale != 1 || payload_scale != 1) throw std::logic_error("CommPlan::add_flow on a scaled plan");
+  f.unscaled_bytes = occupied;
+  f.unscaled_payload_bytes = payload;
   all.insert(all.end(), path.begin(), path.end());
-  flows.push_back(f);
+  flows.mutate().push_back(f);
 }
 
 std::string CommPlan::name() const {
@@ -97,7 +100,8 @@ void count_copies(CommPlan& plan) {
     const std::span<const LinkId> pa = plan.path(fa), pb = plan.path(fb);
     const auto by_path = std::lexicographical_compare_three_way(pa.begin(), pa.end(), pb.begin(), pb.end());
     if (by_path != 0) return by_path < 0;
-    return std::tie(fa.bytes, fa.payload_bytes) < std::tie(fb.bytes, fb.payload_bytes);
+    return std::tie(fa.unscaled_bytes, fa.unscaled_payload_bytes) <
+           std::tie(fb.unscaled_bytes, fb.unscaled_payload_bytes);
   };
   std::stable_sort(order.begin(), order.end(), less);
   std::vector<std::uint32_t>& copies = plan.copies.mutate();

@@ -43,8 +43,8 @@ std::optional<Algorithm> parse_algorithm(const std::string& name);
 std::optional<Protocol> parse_protocol(const std::string& name);
 
 // A vector whose copies share one buffer until one of them changes (copy on write). Plans scaled from one
-// unit plan (NetworkModel::scaled) share its paths and copy counts: a world-wide collective's are megabytes,
-// which copying at every call would drag through the cache only to read them once more.
+// unit plan (NetworkModel::scaled) share its paths, flows and copy counts: a world-wide collective's are
+// megabytes, which copying at every call would drag through the cache only to read them once more.
 template <typename T>
 class SharedVector {
  public:
@@ -73,11 +73,13 @@ class SharedVector {
   std::shared_ptr<std::vector<T>> v_;
 };
 
+// A flow's bytes are its record's times its plan's scale (CommPlan::bytes, CommPlan::payload_bytes): plans
+// of one shape share their flows' records and differ in the scale only.
 struct Flow {
   std::uint32_t first = 0;  // the path is CommPlan::links[first, first + length)
   std::uint32_t length = 0;
-  double bytes = 0;          // what occupies the links: the payload over the protocol's efficiency
-  double payload_bytes = 0;  // the data itself: what the per-link byte counters record
+  double unscaled_bytes = 0;          // what occupies the links: the payload over the protocol's efficiency
+  double unscaled_payload_bytes = 0;  // the data itself: what the per-link byte counters record
 };
 
 struct CommPlan {
@@ -89,7 +91,11 @@ struct CommPlan {
   // whole call (NCCL 2.21.5 src/enqueue.cc launches the kernel with a grid of nChannels blocks).
   int channels = 0;
   SharedVector<LinkId> links;  // every flow's path, back to back
-  std::vector<Flow> flows;
+  SharedVector<Flow> flows;
+  // What every flow's record is multiplied by: 1 for a plan built flow by flow; the call's bytes (and the
+  // protocol's occupancy) for one scaled from a unit plan (NetworkModel::scaled), whose flows it shares.
+  double bytes_scale = 1;
+  double payload_scale = 1;
   // Per flow, when worked out (count_copies; empty otherwise): how many of the flows it stands for in the
   // transfer engine, itself included, and 0 for a copy of an earlier one. A ring's channels cross each
   // NVLink hop side by side with the same bytes: max-min sharing gives such copies one rate, so the engine
@@ -97,6 +103,8 @@ struct CommPlan {
   SharedVector<std::uint32_t> copies;
 
   std::span<const LinkId> path(const Flow& f) const { return {links.data() + f.first, f.length}; }
+  double bytes(const Flow& f) const { return f.unscaled_bytes * bytes_scale; }
+  double payload_bytes(const Flow& f) const { return f.unscaled_payload_bytes * payload_scale; }
   void add_flow(std::span<const LinkId> path, double payload_bytes, double bytes);
   std::string name() const;  // "ring/simple"
 };

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include "common/errors.h"
 #include "sim/net/nccl_tuning.h"
@@ -145,6 +146,7 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   // routes may add a hop NCCL's model does not see (PXN's NVLink hop; 0 for every other plan).
   plan.latency_us = c.latency_us * topo_.profile().nccl.latency_scale + s.unit.latency_us;
   plan.transfer_us = c.transfer_us;
+  // The unit plan's paths and flows, shared: a world-wide collective's are megabytes.
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
   plan.copies = s.unit.copies;
@@ -152,10 +154,9 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
   // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).
   const double occupy = c.transfer_us > 0 && s.unit_us > 0 ? c.transfer_us / (b * s.unit_us) : 1.0;
-  for (Flow& f : plan.flows) {
-    f.payload_bytes *= b;
-    f.bytes *= b * occupy;
-  }
+  if (s.unit.payload_scale != 1 || s.unit.bytes_scale != 1) throw std::logic_error("a unit plan is scaled");
+  plan.payload_scale = b;
+  plan.bytes_scale = b * occupy;
   return plan;
 }
 
@@ -225,11 +226,13 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   const GroupShape& gs = g.layout.shape;
   CommPlan plan = pairwise_uneven_plan(topo_, g.layout, pair_bytes);
   // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above) and
-  // through the pipeline of its pieces (nccl_p2p_slowdown).
-  for (Flow& f : plan.flows) {
-    const Protocol p = p2p_protocol(f.payload_bytes);
-    f.bytes = f.payload_bytes / nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p, gs) *
-              nccl_p2p_slowdown(nccl_p2p_launch(g.p2p, f.payload_bytes), p);
+  // through the pipeline of its pieces (nccl_p2p_slowdown). The plan is at scale 1: its flows' records are
+  // their bytes.
+  for (Flow& f : plan.flows.mutate()) {
+    const Protocol p = p2p_protocol(f.unscaled_payload_bytes);
+    f.unscaled_bytes = f.unscaled_payload_bytes /
+                       nccl_bandwidth_factor(CommOp::AllToAll, Algorithm::Pairwise, p, gs) *
+                       nccl_p2p_slowdown(nccl_p2p_launch(g.p2p, f.unscaled_payload_bytes), p);
   }
   // The kernel's latency is that of the largest message's protocol: the pair that ends last.
   plan.protocol = p2p_protocol(static_cast<double>(largest));
@@ -283,9 +286,10 @@ CommPlan NetworkModel::plan_p2p(int src, int dst, std::int64_t bytes) {
   plan.channels = pieces.parts;
   const double occupy =
       nccl_p2p_slowdown(pieces, p) / nccl_bandwidth_factor(CommOp::Send, Algorithm::Direct, p, gs);
-  for (Flow& f : plan.flows) {
-    f.payload_bytes *= b;
-    f.bytes = f.payload_bytes * occupy;
+  // A plan of its own, at scale 1: its records become the bytes (payload x b, then x occupy, as rounded).
+  for (Flow& f : plan.flows.mutate()) {
+    f.unscaled_payload_bytes *= b;
+    f.unscaled_bytes = f.unscaled_payload_bytes * occupy;
   }
   plan.transfer_us = transfer_us(topo_, plan);
   return plan;
@@ -314,7 +318,8 @@ void NetworkModel::record(const CommPlan& plan) {
   if (plan.flows.empty()) return;
   if (link_bytes_.empty()) link_bytes_.assign(topo_.link_count(), 0.0);
   for (const Flow& f : plan.flows) {
-    for (LinkId l : plan.path(f)) link_bytes_[l] += f.payload_bytes;
+    const double payload_bytes = plan.payload_bytes(f);
+    for (LinkId l : plan.path(f)) link_bytes_[l] += payload_bytes;
   }
 }
 
@@ -350,7 +355,7 @@ PlanFlows plan_flows(const Topology& topo, const std::vector<const CommPlan*>& p
         path.push_back(it->second);
       }
       out.network.add_flow(path);
-      out.bytes.push_back(f.bytes);
+      out.bytes.push_back(plan->bytes(f));
     }
   }
   return out;
@@ -362,7 +367,7 @@ double transfer_us(const Topology& topo, const CommPlan& plan) {
     const Flow& f = plan.flows[0];
     double slowest_gbps = std::numeric_limits<double>::infinity();
     for (LinkId l : plan.path(f)) slowest_gbps = std::min(slowest_gbps, topo.capacity_gbps(l));
-    return f.length == 0 ? 0 : f.bytes / (slowest_gbps * 1e3);
+    return f.length == 0 ? 0 : plan.bytes(f) / (slowest_gbps * 1e3);
   }
   // The busiest link's time: the bytes all flows put on it over its capacity. Every algorithm here loads
   // its links so that the busiest one stays busy to the end under max-min sharing, so this is exactly the
@@ -375,7 +380,7 @@ double transfer_us(const Topology& topo, const CommPlan& plan) {
   for (const Flow& f : plan.flows) {
     for (LinkId l : plan.path(f)) {
       if (load[l] == 0) touched.push_back(l);
-      load[l] += f.bytes;
+      load[l] += plan.bytes(f);
     }
   }
   double busiest_us = 0;

@@ -109,7 +109,7 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   r.rate_bytes_per_us = 0;
   r.since_us = now_us_;
   r.end_us = kInf;
-  r.done_bytes = t->plan.flows[flow].bytes * kDoneFraction;
+  r.done_bytes = t->plan.bytes(t->plan.flows[flow]) * kDoneFraction;
   ++versions_[id];
   ++t->flows_left;
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
@@ -123,9 +123,10 @@ void TransferEngine::begin_flows(Transfer* t) {
   t->flows_left = 0;
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
     const Flow& flow = t->plan.flows[f];
-    if (flow.bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
-    if (copies(*t, f) == 0) continue;                   // moves with the flow it is a copy of
-    add_flow(t, f, flow.bytes);                         // all of it is left to move when it starts
+    const double bytes = t->plan.bytes(flow);
+    if (bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
+    if (copies(*t, f) == 0) continue;              // moves with the flow it is a copy of
+    add_flow(t, f, bytes);                         // all of it is left to move when it starts
   }
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;
