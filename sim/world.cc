@@ -769,9 +769,8 @@ void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
     const std::span<const LinkId> path = plan.path(f);
     if (path.empty()) continue;
     const double payload_bytes = plan.payload_bytes(f);
-    if (topo.ends(path.front()).first.kind == DeviceKind::Gpu) total_bytes += payload_bytes;
-    if (topo.ends(path.back()).second.kind == DeviceKind::Gpu)
-      total_bytes += (reduces ? 2.0 : 1.0) * payload_bytes;
+    if (topo.leaves_gpu(path.front())) total_bytes += payload_bytes;
+    if (topo.enters_gpu(path.back())) total_bytes += (reduces ? 2.0 : 1.0) * payload_bytes;
   }
   op.hbm_bytes_per_us = std::round(total_bytes / static_cast<double>(op.members.size())) / us;
 }

@@ -68,7 +68,19 @@ TEST(Topology, EveryLinkJoinsTwoDevices) {
   for (LinkId l = 0; l < t.link_count(); ++l) {
     const auto [from, to] = t.ends(l);
     EXPECT_EQ(t.link_name(l), from.name() + "->" + to.name());
+    EXPECT_EQ(t.leaves_gpu(l), from.kind == DeviceKind::Gpu) << t.link_name(l);
+    EXPECT_EQ(t.enters_gpu(l), to.kind == DeviceKind::Gpu) << t.link_name(l);
   }
+  // Without NVLink a GPU's links go to its PCIe switch.
+  const Topology pcie(profile("pcie-4gpu", 2));
+  int gpu_ends = 0;
+  for (LinkId l = 0; l < pcie.link_count(); ++l) {
+    const auto [from, to] = pcie.ends(l);
+    EXPECT_EQ(pcie.leaves_gpu(l), from.kind == DeviceKind::Gpu) << pcie.link_name(l);
+    EXPECT_EQ(pcie.enters_gpu(l), to.kind == DeviceKind::Gpu) << pcie.link_name(l);
+    gpu_ends += pcie.leaves_gpu(l) + pcie.enters_gpu(l);
+  }
+  EXPECT_EQ(gpu_ends, 2 * 8);  // each of the 8 GPUs: a link to its switch and one back
   const auto [gpu, nvswitch] = t.ends(t.gpu_to_nvswitch(12));
   EXPECT_EQ(gpu.name(), "gpu12");
   EXPECT_EQ(nvswitch.name(), "nvswitch1");

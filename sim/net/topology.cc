@@ -195,6 +195,16 @@ std::pair<Device, Device> Topology::ends(LinkId id) const {
   throw UsageError(fmt::format("link {} does not exist ({} links)", id, link_count()));
 }
 
+bool Topology::leaves_gpu(LinkId id) const {
+  const int k = kind_of(id);
+  return k == kGpuToNvswitch || k == kGpuToPcie;
+}
+
+bool Topology::enters_gpu(LinkId id) const {
+  const int k = kind_of(id);
+  return k == kNvswitchToGpu || k == kPcieToGpu;
+}
+
 std::string Topology::link_name(LinkId id) const {
   const auto [from, to] = ends(id);
   return from.name() + "->" + to.name();

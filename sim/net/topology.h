@@ -88,6 +88,10 @@ class Topology {
   LinkInfo link(LinkId id) const;
   std::string link_name(LinkId id) const;           // "gpu3->nvswitch0": its two devices
   std::pair<Device, Device> ends(LinkId id) const;  // from, to
+  // Whether the link leaves a GPU, or arrives at one: the kinds of ends(id)'s devices, without working
+  // out which devices they are (read for every flow of every collective: SimWorld::set_hbm_rates).
+  bool leaves_gpu(LinkId id) const;
+  bool enters_gpu(LinkId id) const;
   // The node (server) a device is part of; -1 for the fabric's switches, which the nodes share.
   int node_of(Device d) const;
   Tier tier(LinkId id) const { return kind_tier_[kind_of(id)]; }
