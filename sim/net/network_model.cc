@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <stdexcept>
 
 #include "common/errors.h"
 #include "sim/net/nccl_tuning.h"
@@ -154,9 +153,10 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
   // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).
   const double occupy = c.transfer_us > 0 && s.unit_us > 0 ? c.transfer_us / (b * s.unit_us) : 1.0;
-  if (s.unit.payload_scale != 1 || s.unit.bytes_scale != 1) throw std::logic_error("a unit plan is scaled");
-  plan.payload_scale = b;
-  plan.bytes_scale = b * occupy;
+  // A unit plan is built at scale 1 (CommPlan::add_flow), so these are exactly b and b x occupy, and a
+  // flow's bytes are its unit record x b (x occupy), rounded once.
+  plan.payload_scale = s.unit.payload_scale * b;
+  plan.bytes_scale = s.unit.bytes_scale * (b * occupy);
   return plan;
 }
 
