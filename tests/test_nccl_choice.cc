@@ -178,6 +178,11 @@ struct Choice {
 //  2x 8 A100 all_reduce, 1 GiB: the ring's 192 x 16/30 = 102.4 beats the tree's 176.6 / 2 = 88.3. Its 8
 //    channels (one per 200 Gb/s NIC, at 24 GB/s) are not duplicated in the search (under 25 GB/s), only in
 //    ncclTopoPostset: comm->nChannels is 16.
+//  4x 8 H100 all_reduce, NCCL's predicted times (us): at 8 MiB tree LL128 122 against NVLSTree 133 and ring
+//    LL128 195; at 64 MiB NVLSTree 500 against tree LL128 516 (its size correction 0.9) and ring LL128 517;
+//    at 128 MiB tree LL128 876 (correction 1.0) against ring LL128 885; at 256 MiB ring LL128 1621 against
+//    tree LL128 1686. NVLSTree's network bandwidth is halved beyond two nodes, so it wins only where the
+//    tree's correction holds the tree back.
 const std::vector<Choice> kChoices = {
     {"dgx-h100", 1, 8, CommOp::AllReduce, 8, "ring/ll", 1},
     {"dgx-h100", 1, 8, CommOp::AllReduce, 1 << 20, "ring/ll", 24},
@@ -196,6 +201,10 @@ const std::vector<Choice> kChoices = {
     {"dgx-h100", 2, 16, CommOp::AllReduce, 256 << 10, "tree/ll128", 32},
     {"dgx-h100", 2, 16, CommOp::AllReduce, 1 << 20, "nvls_tree/simple", 16},
     {"dgx-a100", 2, 16, CommOp::AllReduce, 1 << 30, "ring/simple", 16},
+    {"dgx-h100", 4, 32, CommOp::AllReduce, 8 << 20, "tree/ll128", 32},
+    {"dgx-h100", 4, 32, CommOp::AllReduce, 64 << 20, "nvls_tree/simple", 16},
+    {"dgx-h100", 4, 32, CommOp::AllReduce, 128 << 20, "tree/ll128", 32},
+    {"dgx-h100", 4, 32, CommOp::AllReduce, 256 << 20, "ring/ll128", 32},
 };
 
 TEST(NcclModel, ChoiceFollowsNcclsTuning) {
