@@ -2,10 +2,12 @@
 // hand-solved cases, and thousands of random flow sets built up and torn down one flow at a time.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "sim/net/max_min.h"
@@ -159,6 +161,87 @@ TEST(Sharing, EqualsTheFullSolverOnRandomFlowSets) {
       }
     }
   }
+  EXPECT_GT(compared, 10000);
+}
+
+// Collectives come and go one after another: a batch of flows starts on links nothing crosses, ends, and
+// the next starts. solve() then shares the added flows without gathering their components; where one of
+// them crosses a link an earlier flow still holds, or a flow leaves beside others, it gathers them. Either
+// way the rates are the full solver's, and what solve() returns is every flow connected to a change.
+TEST(Sharing, FlowsStartingOnIdleLinksAreSharedAsTheGatheringWould) {
+  std::mt19937_64 rng(4242);
+  int compared = 0, idle_starts = 0, shared_starts = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    const int links = 4 + static_cast<int>(rng() % 28);
+    SharingNetwork net;
+    const std::vector<double> capacity = add_random_links(rng, links, {&net});
+    std::map<SharingNetwork::FlowId, Path> live;
+    for (int step = 0; step < 20; ++step) {
+      std::vector<bool> dirty(links, false);  // links whose flows changed since the last solve
+      auto remove = [&](std::map<SharingNetwork::FlowId, Path>::iterator it) {
+        for (std::uint32_t l : it->second) dirty[l] = true;
+        net.remove_flow(it->first);
+        return live.erase(it);
+      };
+      // Sometimes everything ends first, as a collective's flows do together; sometimes one flow.
+      if (rng() % 2 == 0) {
+        for (auto it = live.begin(); it != live.end();) it = remove(it);
+      } else if (!live.empty() && rng() % 3 == 0) {
+        remove(random_live(rng, live));
+      }
+      std::vector<bool> held(links, false);
+      for (const auto& [id, p] : live)
+        for (std::uint32_t l : p) held[l] = true;
+      bool onto_held = false;
+      const int starting = 1 + static_cast<int>(rng() % 12);
+      std::vector<SharingNetwork::FlowId> started;
+      auto start = [&] {
+        const Path p = random_path(rng, links, 1 + static_cast<int>(rng() % std::min(links, 4)));
+        for (std::uint32_t l : p) {
+          onto_held = onto_held || held[l];
+          dirty[l] = true;
+        }
+        started.push_back(net.add_flow(p));
+        live[started.back()] = p;
+      };
+      for (int k = 0; k < starting; ++k) start();
+      if (rng() % 3 == 0) {
+        // One of them ends before it was shared, and the next to start takes its id.
+        remove(live.find(started[rng() % started.size()]));
+        start();
+      }
+      ++(onto_held ? shared_starts : idle_starts);
+      const std::vector<SharingNetwork::FlowId> changed = net.solve();
+      // The flows connected, through links they share, to a link whose flows changed.
+      std::vector<bool> reached = dirty;
+      std::set<SharingNetwork::FlowId> want_changed;
+      for (bool grew = true; grew;) {
+        grew = false;
+        for (const auto& [id, p] : live) {
+          if (want_changed.count(id)) continue;
+          if (std::none_of(p.begin(), p.end(), [&](std::uint32_t l) { return reached[l]; })) continue;
+          want_changed.insert(id);
+          for (std::uint32_t l : p) reached[l] = true;
+          grew = true;
+        }
+      }
+      EXPECT_EQ(std::set<SharingNetwork::FlowId>(changed.begin(), changed.end()), want_changed)
+          << "trial " << trial << " step " << step;
+      EXPECT_EQ(changed.size(), want_changed.size()) << "each changed flow once";
+      std::vector<Path> paths;
+      for (const auto& [id, p] : live) paths.push_back(p);
+      const std::vector<double> want = reference(capacity, paths);
+      int i = 0;
+      for (const auto& [id, p] : live) {
+        EXPECT_NEAR(net.rate_gbps(id), want[i], 1e-12 * want[i]) << "trial " << trial << " step " << step;
+        ++i;
+        ++compared;
+      }
+    }
+  }
+  // Many starts onto idle links, and many onto links that earlier flows still held.
+  EXPECT_GT(idle_starts, 500);
+  EXPECT_GT(shared_starts, 500);
   EXPECT_GT(compared, 10000);
 }
 

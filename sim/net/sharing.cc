@@ -69,6 +69,17 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     id = static_cast<FlowId>(flows_.size());
     flows_.emplace_back();
   }
+  // The short way of solve() holds while the flows added since the last one are all in one batch and
+  // each link they cross carried none before them.
+  if (fresh_flows_.empty()) fresh_batch_ = batch_;
+  fresh_ = fresh_ && fresh_batch_ == batch_;
+  for (std::uint32_t l : path) {
+    Link& link = links_[l];
+    if (link.fresh_solve == solves_) continue;
+    fresh_ = fresh_ && link.flows.empty();
+    link.fresh_solve = solves_;
+  }
+  fresh_flows_.push_back(id);
   FlowRec& f = flows_[id];
   f.block = block;
   f.length = static_cast<std::uint16_t>(path.size());
@@ -94,6 +105,15 @@ void SharingNetwork::remove_flow(FlowId id) {
   if (!f.live) throw UsageError(fmt::format("flow {} is not in the network", id));
   const std::span<const std::uint32_t> path = this->path(f);
   const std::span<std::uint32_t> slot_of = slots(f);
+  // A flow removed where others remain changes their rates, and one added since the last solve() (its
+  // links are fresh, or it crosses none and waits in unlinked_new_) would leave the list of added flows:
+  // either way, solve() gathers the components.
+  if (fresh_) {
+    for (std::uint32_t l : path)
+      fresh_ = fresh_ && links_[l].flows.size() == 1 && links_[l].fresh_solve != solves_;
+    fresh_ = fresh_ && !(path.empty() &&
+                         std::find(unlinked_new_.begin(), unlinked_new_.end(), id) != unlinked_new_.end());
+  }
   for (size_t i = 0; i < path.size(); ++i) {
     Link& link = links_[path[i]];
     const std::uint32_t slot = slot_of[i];
@@ -128,6 +148,18 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   component_links_.clear();
   components_.clear();
   ++visit_;
+  const bool fresh = fresh_;
+  fresh_ = true;
+  if (++solves_ == 0) {
+    // Counted round: no link may look met in the run-up to the next solve.
+    for (Link& link : links_) link.fresh_solve = 0;
+    solves_ = 1;
+  }
+  if (fresh) {
+    solve_fresh();
+    return changed_;
+  }
+  fresh_flows_.clear();
   // Every link and flow connected to a changed link, through flows that cross links, component by
   // component; each component remembers the last batch that changed one of its links.
   std::vector<std::uint32_t>& stack = stack_;
@@ -194,6 +226,33 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   }
   unlinked_new_.clear();
   return changed_;
+}
+
+void SharingNetwork::solve_fresh() {
+  // The links the added flows cross are all dirty (add_flow) and carry only them; the other dirty links were
+  // left empty by removals and share nothing. One batch changed them all, so they are filled together, as
+  // the gathering would find them: component by component, in one fill.
+  for (std::uint32_t l : dirty_) {
+    Link& link = links_[l];
+    link.dirty = false;
+    if (link.flows.empty()) continue;
+    link_visit_[l] = visit_;
+    component_links_.push_back(l);
+  }
+  dirty_.clear();
+  end_batch();
+  for (FlowId f : fresh_flows_) {
+    if (flows_[f].length == 0) continue;  // over no link: solved below
+    flows_[f].visit = visit_;
+    changed_.push_back(f);
+  }
+  fresh_flows_.clear();
+  fill(component_links_, changed_);
+  for (FlowId f : unlinked_new_) {
+    flows_[f].rate_gbps = std::numeric_limits<double>::infinity();
+    changed_.push_back(f);
+  }
+  unlinked_new_.clear();
 }
 
 void SharingNetwork::fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows) {

@@ -10,6 +10,9 @@
 // the same progressive filling as max_min_rates (Bertsekas & Gallager, "Data Networks", 2nd ed., 6.5.2),
 // with the contended links in a heap instead of scanned at every level.
 //
+// A collective that starts on idle links (as one does after another in a training step) is a component of
+// its own, made of the flows just added: solve() then shares them without gathering it.
+//
 // Links and flows keep their ids for as long as they exist, so the engine need not renumber anything.
 // max_min_rates stays the reference: tests compare the two on random flow sets. They agree exactly except
 // where two components' bottleneck shares differ by less than the solvers' tie tolerance (1e-12 relative):
@@ -69,7 +72,11 @@ class SharingNetwork {
     std::uint32_t copies = 0;                         // their copies: how many flows share it
     std::uint32_t dirty_batch = 0;                    // the last batch that changed its flows, while dirty
     bool dirty = false;
+    // The solve() (solves_) before which add_flow last met it. While fresh_ holds it was empty then, so
+    // until that solve it carries only flows added since the previous one.
+    std::uint32_t fresh_solve = 0;
   };
+  static_assert(sizeof(Link) == 64, "a link's record is one cache line");
   // The solver's scratch per link, meaningful during solve() only, kept apart from the records so that the
   // passes that read only these read a dense array.
   struct LinkShare {
@@ -95,6 +102,10 @@ class SharingNetwork {
   std::uint32_t take_block(std::size_t length);
 
   void mark_dirty(std::uint32_t link);
+  // solve()'s short way, when every flow added since the last solve() went onto links that carried no
+  // other flow and nothing else changed (fresh_): the touched components are then exactly the added flows
+  // and their links, known without gathering them.
+  void solve_fresh();
   // Progressive filling over `links` and the flows crossing them (`flows`), which are whole components.
   void fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows);
 
@@ -113,6 +124,12 @@ class SharingNetwork {
   bool batch_open_ = false;           // whether the current batch has changes
   std::vector<FlowId> unlinked_new_;  // added flows over no link: solved trivially
   std::uint32_t visit_ = 0;
+  // Since the last solve(): whether every change was a flow added onto links that carried no flow then
+  // (or a flow removed leaving its links empty), in one batch; the flows added, in order; their batch.
+  bool fresh_ = true;
+  std::vector<FlowId> fresh_flows_;
+  std::uint32_t fresh_batch_ = 0;
+  std::uint32_t solves_ = 1;  // solve() calls so far, plus 1: Link::fresh_solve of the next one
   std::vector<std::uint32_t> component_links_;
   std::vector<FlowId> changed_;
   // Scratch of solve() and fill(), kept between calls so that a solve allocates nothing.
