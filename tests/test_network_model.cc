@@ -796,5 +796,59 @@ TEST(Copies, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
   }
 }
 
+// A collective that starts on links nothing else crosses gets the rates max-min sharing gave its plan's
+// flows the first time (CommPlan::idle_rates_gbps, kept per shape): the same, bit for bit, as sharing
+// them again. One that starts beside another is shared with it.
+TEST(IdleRates, ATransferAloneOnIdleLinksRunsAtItsShapesKeptRates) {
+  NetworkModel m(profile("dgx-h100", 2));
+  const std::vector<int> world = first(16);
+  const CommPlan reduce = m.plan_collective(CommOp::AllReduce, 64 << 20, world, -1);
+  const CommPlan gather = m.plan_collective(CommOp::AllGather, 32 << 20, world, -1);
+  const CommPlan bigger = m.plan_collective(CommOp::AllReduce, 256 << 20, world, -1);  // reduce's shape
+  const CommPlan node = m.plan_collective(CommOp::AllReduce, 64 << 20, first(8), -1);
+  ASSERT_TRUE(reduce.idle_rates_gbps && reduce.idle_rates_gbps == bigger.idle_rates_gbps);
+  ASSERT_NE(reduce.idle_rates_gbps, gather.idle_rates_gbps);
+  // One after another, each alone, then reduce and node together (they share NVLink ports); with the
+  // shapes' kept rates, or with every transfer shared afresh (a cell of its own, empty).
+  const std::vector<std::pair<const CommPlan*, double>> schedule = {
+      {&reduce, 0},    {&gather, 500},  {&bigger, 1000}, {&gather, 3000},
+      {&reduce, 3500}, {&reduce, 4500}, {&node, 4500}};
+  auto run = [&](bool kept) {
+    TransferEngine engine(m.topology());
+    std::vector<std::shared_ptr<CommOpState>> ops;
+    for (const auto& [plan, start_us] : schedule) {
+      CommPlan p = *plan;
+      if (!kept) p.idle_rates_gbps = std::make_shared<std::vector<double>>();
+      ops.push_back(std::make_shared<CommOpState>());
+      engine.schedule(ops.back(), std::move(p), start_us);
+    }
+    engine.advance_to(std::numeric_limits<double>::infinity());
+    std::vector<double> ends_us;
+    for (const auto& op : ops) ends_us.push_back(op->end_us);
+    return ends_us;
+  };
+  const std::vector<double> afresh = run(false), kept = run(true);
+  for (std::size_t i = 0; i < schedule.size(); ++i) {
+    EXPECT_EQ(kept[i], afresh[i]) << "transfer " << i;
+    if (i + 2 < schedule.size()) {
+      EXPECT_LT(kept[i], schedule[i + 1].second) << "transfer " << i << " is over before the next starts";
+    }
+  }
+  EXPECT_GT(kept[5] - 4500, (kept[0] - 0) * 1.05) << "reduce shared with the node's all_reduce";
+  EXPECT_EQ(reduce.idle_rates_gbps->size(),
+            static_cast<std::size_t>(std::count_if(reduce.copies.begin(), reduce.copies.end(),
+                                                   [](std::uint32_t c) { return c > 0; })));
+
+  // The kept rates are what the engine runs such a transfer at: halved, it takes twice as long to move
+  // its bytes.
+  const double moving_us = kept[1] - 500 - gather.latency_us;
+  for (double& r : *gather.idle_rates_gbps) r /= 2;
+  TransferEngine again(m.topology());
+  auto op = std::make_shared<CommOpState>();
+  again.schedule(op, gather, 0);
+  again.advance_to(std::numeric_limits<double>::infinity());
+  EXPECT_NEAR(op->end_us - gather.latency_us, 2 * moving_us, 1e-9 * moving_us);
+}
+
 }  // namespace
 }  // namespace ranklab::sim

@@ -8,6 +8,7 @@
 #include <map>
 #include <random>
 #include <set>
+#include <stdexcept>
 #include <vector>
 
 #include "sim/net/max_min.h"
@@ -243,6 +244,29 @@ TEST(Sharing, FlowsStartingOnIdleLinksAreSharedAsTheGatheringWould) {
   EXPECT_GT(idle_starts, 500);
   EXPECT_GT(shared_starts, 500);
   EXPECT_GT(compared, 10000);
+}
+
+// Rates given for flows that started on idle links are taken as they are, and refused where the links
+// were not idle or the count is not the flows'.
+TEST(Sharing, RatesGivenForAnIdleStartAreTakenAndCheckedAgainstIt) {
+  SharingNetwork shared, given;
+  for (SharingNetwork* net : {&shared, &given}) {
+    const std::uint32_t a = net->add_link(90), b = net->add_link(40);
+    net->add_flow(Path{a});
+    net->add_flow(Path{a, b});
+    net->add_flow(Path{});  // over no link: not among the rates
+    EXPECT_TRUE(net->idle_start());
+    EXPECT_EQ(net->added_linked_flows(), 2);
+  }
+  const std::vector<SharingNetwork::FlowId> changed = shared.solve();
+  EXPECT_THROW(given.solve_idle_start(std::vector<double>{50}), std::logic_error);
+  const std::vector<SharingNetwork::FlowId> taken = given.solve_idle_start(std::vector<double>{50, 40});
+  EXPECT_EQ(taken, changed);
+  for (SharingNetwork::FlowId id : changed) EXPECT_EQ(given.rate_gbps(id), shared.rate_gbps(id)) << id;
+  // A flow added beside one that is still there: its link was not idle.
+  given.add_flow(Path{0});
+  EXPECT_FALSE(given.idle_start());
+  EXPECT_THROW(given.solve_idle_start(std::vector<double>{30}), std::logic_error);
 }
 
 // A flow standing for k copies gets, bit for bit, the rate each of k separate flows on its path gets, and

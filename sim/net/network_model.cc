@@ -76,6 +76,7 @@ const NetworkModel::Shape& NetworkModel::shape(GroupEntry& g, CommOp op, Algorit
   s.unit = unit_plan(topo_, g.layout, op, a, root);
   s.unit_us = transfer_us(topo_, s.unit);
   count_copies(s.unit);
+  s.unit.idle_rates_gbps = std::make_shared<std::vector<double>>();
   return g.shapes.emplace(key, std::move(s)).first->second;
 }
 
@@ -149,6 +150,7 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   plan.links = s.unit.links;
   plan.flows = s.unit.flows;
   plan.copies = s.unit.copies;
+  plan.idle_rates_gbps = s.unit.idle_rates_gbps;
   const double b = static_cast<double>(bytes);
   // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
   // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).

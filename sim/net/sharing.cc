@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <stdexcept>
 
 #include "common/errors.h"
 
@@ -80,6 +81,7 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     link.fresh_solve = solves_;
   }
   fresh_flows_.push_back(id);
+  if (!path.empty()) ++added_linked_;
   FlowRec& f = flows_[id];
   f.block = block;
   f.length = static_cast<std::uint16_t>(path.size());
@@ -143,7 +145,7 @@ void SharingNetwork::remove_flow(FlowId id) {
   free_flows_.push_back(id);
 }
 
-const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
+bool SharingNetwork::begin_solve() {
   changed_.clear();
   component_links_.clear();
   components_.clear();
@@ -155,11 +157,16 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
     for (Link& link : links_) link.fresh_solve = 0;
     solves_ = 1;
   }
-  if (fresh) {
-    solve_fresh();
+  return fresh;
+}
+
+const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
+  if (begin_solve()) {
+    solve_fresh({});
     return changed_;
   }
   fresh_flows_.clear();
+  added_linked_ = 0;
   // Every link and flow connected to a changed link, through flows that cross links, component by
   // component; each component remembers the last batch that changed one of its links.
   std::vector<std::uint32_t>& stack = stack_;
@@ -228,7 +235,19 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   return changed_;
 }
 
-void SharingNetwork::solve_fresh() {
+const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve_idle_start(
+    std::span<const double> rates_gbps) {
+  if (!idle_start() || rates_gbps.size() != static_cast<std::size_t>(added_linked_)) {
+    throw std::logic_error(fmt::format(
+        "SharingNetwork::solve_idle_start: {} rates for {} flows started on {}", rates_gbps.size(),
+        added_linked_, idle_start() ? "idle links" : "links that were not idle"));
+  }
+  begin_solve();
+  solve_fresh(rates_gbps);
+  return changed_;
+}
+
+void SharingNetwork::solve_fresh(std::span<const double> rates_gbps) {
   // The links the added flows cross are all dirty (add_flow) and carry only them; the other dirty links were
   // left empty by removals and share nothing. One batch changed them all, so they are filled together, as
   // the gathering would find them: component by component, in one fill.
@@ -247,7 +266,12 @@ void SharingNetwork::solve_fresh() {
     changed_.push_back(f);
   }
   fresh_flows_.clear();
-  fill(component_links_, changed_);
+  added_linked_ = 0;
+  if (rates_gbps.empty()) {
+    fill(component_links_, changed_);
+  } else {
+    for (std::size_t i = 0; i < changed_.size(); ++i) flows_[changed_[i]].rate_gbps = rates_gbps[i];
+  }
   for (FlowId f : unlinked_new_) {
     flows_[f].rate_gbps = std::numeric_limits<double>::infinity();
     changed_.push_back(f);

@@ -58,6 +58,15 @@ class SharingNetwork {
   // those left are filled without the others, so where their shares differ by less than the tie tolerance
   // from the others' they keep their own (as the incremental solver does anyway; see above).
   const std::vector<FlowId>& solve();
+  // Whether every change since the last solve() added flows, in one batch, onto links that carried no
+  // other flow (removals that left their links empty aside): the added flows over links are then a set of
+  // components of their own, whose rates depend on nothing else. `added_linked_flows` counts them.
+  bool idle_start() const { return fresh_ && added_linked_ > 0; }
+  int added_linked_flows() const { return added_linked_; }
+  // solve() after an idle_start(), with the added flows' rates given, in the order they were added: those
+  // an earlier solve() gave the same flows over the same links, when they too started on idle links (the
+  // transfer engine keeps them per plan). std::logic_error unless idle_start() and one rate per flow.
+  const std::vector<FlowId>& solve_idle_start(std::span<const double> rates_gbps);
   // Closes the current batch of changes (see solve()); cheap, and a no-op when nothing changed.
   void end_batch();
 
@@ -102,10 +111,14 @@ class SharingNetwork {
   std::uint32_t take_block(std::size_t length);
 
   void mark_dirty(std::uint32_t link);
+  // What every solve starts with: scratch cleared, counters moved on. Returns whether the changes since
+  // the last solve allow the short way (fresh_).
+  bool begin_solve();
   // solve()'s short way, when every flow added since the last solve() went onto links that carried no
   // other flow and nothing else changed (fresh_): the touched components are then exactly the added flows
   // and their links, known without gathering them.
-  void solve_fresh();
+  // With `rates_gbps` empty it fills the flows; else it takes their rates from there (solve_idle_start).
+  void solve_fresh(std::span<const double> rates_gbps);
   // Progressive filling over `links` and the flows crossing them (`flows`), which are whole components.
   void fill(std::span<const std::uint32_t> links, std::span<const FlowId> flows);
 
@@ -128,6 +141,7 @@ class SharingNetwork {
   // (or a flow removed leaving its links empty), in one batch; the flows added, in order; their batch.
   bool fresh_ = true;
   std::vector<FlowId> fresh_flows_;
+  int added_linked_ = 0;  // of fresh_flows_, those over links
   std::uint32_t fresh_batch_ = 0;
   std::uint32_t solves_ = 1;  // solve() calls so far, plus 1: Link::fresh_solve of the next one
   std::vector<std::uint32_t> component_links_;

@@ -112,6 +112,8 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   r.done_bytes = t->plan.bytes(t->plan.flows[flow]) * kDoneFraction;
   ++versions_[id];
   ++t->flows_left;
+  ++added_;
+  begun_ = nullptr;  // begin_flows names its transfer when it added all of them
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
   // at the end and closed up by moving its last entry into the gap (see retire_done_flows).
   if (id >= position_.size()) position_.resize(id + 1);
@@ -120,6 +122,7 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
 }
 
 void TransferEngine::begin_flows(Transfer* t) {
+  const int added_before = added_;
   t->flows_left = 0;
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
     const Flow& flow = t->plan.flows[f];
@@ -128,6 +131,7 @@ void TransferEngine::begin_flows(Transfer* t) {
     if (copies(*t, f) == 0) continue;              // moves with the flow it is a copy of
     add_flow(t, f, bytes);                         // all of it is left to move when it starts
   }
+  if (added_before == 0 && added_ > 0) begun_ = t;
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;
     tails_.emplace(now_us_ + t->plan.latency_us, t);
@@ -156,7 +160,23 @@ void TransferEngine::flush() {
   unshared_ = false;
   fresh_ends_.clear();
   fresh_retires_.clear();
-  for (SharingNetwork::FlowId id : net_.solve()) {
+  // A transfer that starts alone on idle links gets the rates its plan's flows got the last time they did
+  // (every flow the engine adds crosses links, so the two counts agree); the first time, they are shared
+  // and kept.
+  std::vector<double>* idle_rates =
+      begun_ != nullptr && net_.idle_start() && net_.added_linked_flows() == added_
+          ? begun_->plan.idle_rates_gbps.get()
+          : nullptr;
+  const bool known = idle_rates != nullptr && idle_rates->size() == static_cast<std::size_t>(added_);
+  const std::vector<SharingNetwork::FlowId>& changed =
+      known ? net_.solve_idle_start(*idle_rates) : net_.solve();
+  if (idle_rates != nullptr && !known) {
+    idle_rates->clear();
+    for (SharingNetwork::FlowId id : changed) idle_rates->push_back(net_.rate_gbps(id));
+  }
+  begun_ = nullptr;
+  added_ = 0;
+  for (SharingNetwork::FlowId id : changed) {
     Running& r = running_[id];
     r.left_bytes = left_now(r);
     r.since_us = now_us_;

@@ -126,7 +126,11 @@ class TransferEngine {
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
-  bool unshared_ = false;                    // batches wait for flush()
+  bool unshared_ = false;  // batches wait for flush()
+  // Since the last flush(): the transfer whose begin_flows added every flow added (null when none was,
+  // or when others added some too), whose plan's idle rates may then serve (SharingNetwork::idle_start).
+  Transfer* begun_ = nullptr;
+  int added_ = 0;
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
   // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).
