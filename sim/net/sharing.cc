@@ -20,14 +20,15 @@ std::uint32_t SharingNetwork::add_link(double capacity_gbps) {
   links_.back().capacity_gbps = capacity_gbps;
   shares_.emplace_back();
   link_visit_.push_back(0);
+  link_dirty_.push_back(0);
   return static_cast<std::uint32_t>(links_.size() - 1);
 }
 
 void SharingNetwork::mark_dirty(std::uint32_t link) {
   batch_open_ = true;
   links_[link].dirty_batch = batch_;
-  if (links_[link].dirty) return;
-  links_[link].dirty = true;
+  if (link_dirty_[link]) return;
+  link_dirty_[link] = 1;
   dirty_.push_back(link);
 }
 
@@ -79,6 +80,7 @@ SharingNetwork::FlowId SharingNetwork::add_flow(std::span<const std::uint32_t> p
     if (link.fresh_solve == solves_) continue;
     fresh_ = fresh_ && link.flows.empty();
     link.fresh_solve = solves_;
+    fresh_links_.push_back(l);
   }
   fresh_flows_.push_back(id);
   if (!path.empty()) ++added_linked_;
@@ -167,6 +169,7 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
   }
   fresh_flows_.clear();
   added_linked_ = 0;
+  fresh_links_.clear();
   // Every link and flow connected to a changed link, through flows that cross links, component by
   // component; each component remembers the last batch that changed one of its links.
   std::vector<std::uint32_t>& stack = stack_;
@@ -181,8 +184,8 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve() {
       const std::uint32_t at = stack.back();
       stack.pop_back();
       component_links_.push_back(at);
-      if (links_[at].dirty) {
-        links_[at].dirty = false;
+      if (link_dirty_[at]) {
+        link_dirty_[at] = 0;
         c.batch = std::max(c.batch, links_[at].dirty_batch);
       }
       for (FlowId f : links_[at].flows) {
@@ -248,30 +251,28 @@ const std::vector<SharingNetwork::FlowId>& SharingNetwork::solve_idle_start(
 }
 
 void SharingNetwork::solve_fresh(std::span<const double> rates_gbps) {
-  // The links the added flows cross are all dirty (add_flow) and carry only them; the other dirty links were
-  // left empty by removals and share nothing. One batch changed them all, so they are filled together, as
-  // the gathering would find them: component by component, in one fill.
-  for (std::uint32_t l : dirty_) {
-    Link& link = links_[l];
-    link.dirty = false;
-    if (link.flows.empty()) continue;
-    link_visit_[l] = visit_;
-    component_links_.push_back(l);
-  }
+  // The links the added flows cross carry only them (add_flow met each empty, and no added flow left); the
+  // other dirty links were left empty by removals and share nothing. One batch changed them all, so they
+  // are filled together, as the gathering would find them: component by component, in one fill.
+  for (std::uint32_t l : dirty_) link_dirty_[l] = 0;
   dirty_.clear();
   end_batch();
-  for (FlowId f : fresh_flows_) {
-    if (flows_[f].length == 0) continue;  // over no link: solved below
-    flows_[f].visit = visit_;
-    changed_.push_back(f);
+  if (static_cast<std::size_t>(added_linked_) == fresh_flows_.size()) {
+    changed_.swap(fresh_flows_);
+  } else {
+    for (FlowId f : fresh_flows_) {
+      if (flows_[f].length > 0) changed_.push_back(f);  // over no link: solved below
+    }
   }
   fresh_flows_.clear();
   added_linked_ = 0;
   if (rates_gbps.empty()) {
-    fill(component_links_, changed_);
+    for (std::uint32_t l : fresh_links_) link_visit_[l] = visit_;  // what fill takes for its links
+    fill(fresh_links_, changed_);
   } else {
     for (std::size_t i = 0; i < changed_.size(); ++i) flows_[changed_[i]].rate_gbps = rates_gbps[i];
   }
+  fresh_links_.clear();
   for (FlowId f : unlinked_new_) {
     flows_[f].rate_gbps = std::numeric_limits<double>::infinity();
     changed_.push_back(f);

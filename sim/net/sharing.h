@@ -80,7 +80,6 @@ class SharingNetwork {
     boost::container::small_vector<FlowId, 3> flows;  // the flows crossing it, in no particular order
     std::uint32_t copies = 0;                         // their copies: how many flows share it
     std::uint32_t dirty_batch = 0;                    // the last batch that changed its flows, while dirty
-    bool dirty = false;
     // The solve() (solves_) before which add_flow last met it. While fresh_ holds it was empty then, so
     // until that solve it carries only flows added since the previous one.
     std::uint32_t fresh_solve = 0;
@@ -133,15 +132,20 @@ class SharingNetwork {
   std::vector<FlowId> free_flows_;
   int live_flows_ = 0;
   std::vector<std::uint32_t> dirty_;
+  // Per link, whether it is in dirty_: apart from the records, so that a solve that needs nothing else of
+  // the links it clears (solve_idle_start) reads a dense array instead of a cache line per link.
+  std::vector<char> link_dirty_;
   std::uint32_t batch_ = 0;           // the batch changes now belong to
   bool batch_open_ = false;           // whether the current batch has changes
   std::vector<FlowId> unlinked_new_;  // added flows over no link: solved trivially
   std::uint32_t visit_ = 0;
   // Since the last solve(): whether every change was a flow added onto links that carried no flow then
-  // (or a flow removed leaving its links empty), in one batch; the flows added, in order; their batch.
+  // (or a flow removed leaving its links empty), in one batch; the flows added, in order, and the links
+  // they cross; their batch.
   bool fresh_ = true;
   std::vector<FlowId> fresh_flows_;
-  int added_linked_ = 0;  // of fresh_flows_, those over links
+  int added_linked_ = 0;                    // of fresh_flows_, those over links
+  std::vector<std::uint32_t> fresh_links_;  // the links add_flow met, in the order it met them
   std::uint32_t fresh_batch_ = 0;
   std::uint32_t solves_ = 1;  // solve() calls so far, plus 1: Link::fresh_solve of the next one
   std::vector<std::uint32_t> component_links_;
