@@ -765,6 +765,20 @@ TEST(Copies, ChannelsThroughOneHopAreCountedOnTheFirst) {
 // each flow of the plan on its own: a ring all_reduce on one node (its channels through each NVLink hop
 // are copies), with a send between two of its GPUs and a second all_reduce starting while it runs, and
 // the same across two nodes.
+// Runs `transfers` (each a plan and when it starts) in one engine to the end; returns when each ended.
+std::vector<double> end_times_us(const Topology& topo, std::vector<std::pair<CommPlan, double>> transfers) {
+  TransferEngine engine(topo);
+  std::vector<std::shared_ptr<CommOpState>> ops;
+  for (auto& [plan, start_us] : transfers) {
+    ops.push_back(std::make_shared<CommOpState>());
+    engine.schedule(ops.back(), std::move(plan), start_us);
+  }
+  engine.advance_to(std::numeric_limits<double>::infinity());
+  std::vector<double> ends_us;
+  for (const auto& op : ops) ends_us.push_back(op->end_us);
+  return ends_us;
+}
+
 TEST(Copies, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
   for (int nodes : {1, 2}) {
     NetworkModel m(profile("dgx-h100", nodes), NetworkOptions{"ring", "simple"});
@@ -774,21 +788,10 @@ TEST(Copies, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
     plans.emplace_back(m.plan_p2p(0, 1, 256 << 20), 100);
     plans.emplace_back(m.plan_collective(CommOp::AllReduce, 96 << 20, ranks, -1), 2000);
     ASSERT_FALSE(plans[0].first.copies.empty());
-    auto run = [&](bool with_copies) {
-      TransferEngine engine(m.topology());
-      std::vector<std::shared_ptr<CommOpState>> ops;
-      for (const auto& [p, start_us] : plans) {
-        CommPlan plan = p;
-        if (!with_copies) plan.copies.clear();
-        ops.push_back(std::make_shared<CommOpState>());
-        engine.schedule(ops.back(), std::move(plan), start_us);
-      }
-      engine.advance_to(std::numeric_limits<double>::infinity());
-      std::vector<double> ends_us;
-      for (const auto& op : ops) ends_us.push_back(op->end_us);
-      return ends_us;
-    };
-    const std::vector<double> apart = run(false), copied = run(true);
+    std::vector<std::pair<CommPlan, double>> without = plans;
+    for (auto& [plan, start_us] : without) plan.copies.clear();
+    const std::vector<double> apart = end_times_us(m.topology(), without),
+                              copied = end_times_us(m.topology(), plans);
     for (std::size_t i = 0; i < plans.size(); ++i) {
       EXPECT_GT(apart[i], plans[i].second) << nodes << " nodes, transfer " << i;
       EXPECT_EQ(copied[i], apart[i]) << nodes << " nodes, transfer " << i;
@@ -813,28 +816,21 @@ TEST(IdleRates, ATransferAloneOnIdleLinksRunsAtItsShapesKeptRates) {
   const std::vector<std::pair<const CommPlan*, double>> schedule = {
       {&reduce, 0},    {&gather, 500},  {&bigger, 1000}, {&gather, 3000},
       {&reduce, 3500}, {&reduce, 4500}, {&node, 4500}};
-  auto run = [&](bool kept) {
-    TransferEngine engine(m.topology());
-    std::vector<std::shared_ptr<CommOpState>> ops;
-    for (const auto& [plan, start_us] : schedule) {
-      CommPlan p = *plan;
-      if (!kept) p.idle_rates_gbps = std::make_shared<std::vector<double>>();
-      ops.push_back(std::make_shared<CommOpState>());
-      engine.schedule(ops.back(), std::move(p), start_us);
-    }
-    engine.advance_to(std::numeric_limits<double>::infinity());
-    std::vector<double> ends_us;
-    for (const auto& op : ops) ends_us.push_back(op->end_us);
-    return ends_us;
-  };
-  const std::vector<double> afresh = run(false), kept = run(true);
+  std::vector<std::pair<CommPlan, double>> shared, own;
+  for (const auto& [plan, start_us] : schedule) {
+    shared.emplace_back(*plan, start_us);
+    own.emplace_back(*plan, start_us);
+    own.back().first.idle_rates_gbps = std::make_shared<std::vector<double>>();
+  }
+  const std::vector<double> afresh = end_times_us(m.topology(), own),
+                            kept = end_times_us(m.topology(), shared);
   for (std::size_t i = 0; i < schedule.size(); ++i) {
     EXPECT_EQ(kept[i], afresh[i]) << "transfer " << i;
     if (i + 2 < schedule.size()) {
       EXPECT_LT(kept[i], schedule[i + 1].second) << "transfer " << i << " is over before the next starts";
     }
   }
-  EXPECT_GT(kept[5] - 4500, (kept[0] - 0) * 1.05) << "reduce shared with the node's all_reduce";
+  EXPECT_GT(kept[5] - 4500, kept[0] * 1.05) << "reduce shared with the node's all_reduce";
   EXPECT_EQ(reduce.idle_rates_gbps->size(),
             static_cast<std::size_t>(std::count_if(reduce.copies.begin(), reduce.copies.end(),
                                                    [](std::uint32_t c) { return c > 0; })));

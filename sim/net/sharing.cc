@@ -110,14 +110,10 @@ void SharingNetwork::remove_flow(FlowId id) {
   const std::span<const std::uint32_t> path = this->path(f);
   const std::span<std::uint32_t> slot_of = slots(f);
   // A flow removed where others remain changes their rates, and one added since the last solve() (its
-  // links are fresh, or it crosses none and waits in unlinked_new_) would leave the list of added flows:
-  // either way, solve() gathers the components.
-  if (fresh_) {
-    for (std::uint32_t l : path)
-      fresh_ = fresh_ && links_[l].flows.size() == 1 && links_[l].fresh_solve != solves_;
-    fresh_ = fresh_ && !(path.empty() &&
-                         std::find(unlinked_new_.begin(), unlinked_new_.end(), id) != unlinked_new_.end());
-  }
+  // links are fresh, or it crosses none and waits in unlinked_new_, below) would leave the list of added
+  // flows: either way, solve() gathers the components.
+  for (std::uint32_t l : path)
+    fresh_ = fresh_ && links_[l].flows.size() == 1 && links_[l].fresh_solve != solves_;
   for (size_t i = 0; i < path.size(); ++i) {
     Link& link = links_[path[i]];
     const std::uint32_t slot = slot_of[i];
@@ -138,7 +134,7 @@ void SharingNetwork::remove_flow(FlowId id) {
     }
     mark_dirty(path[i]);
   }
-  std::erase(unlinked_new_, id);
+  if (std::erase(unlinked_new_, id) > 0) fresh_ = false;
   if (f.length >= free_blocks_.size()) free_blocks_.resize(f.length + 1);
   free_blocks_[f.length].push_back(f.block);
   f.live = false;

@@ -112,7 +112,6 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   r.done_bytes = t->plan.bytes(t->plan.flows[flow]) * kDoneFraction;
   ++versions_[id];
   ++t->flows_left;
-  ++added_;
   begun_ = nullptr;  // begin_flows names its transfer when it added all of them
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
   // at the end and closed up by moving its last entry into the gap (see retire_done_flows).
@@ -122,7 +121,7 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
 }
 
 void TransferEngine::begin_flows(Transfer* t) {
-  const int added_before = added_;
+  const bool first = net_.added_linked_flows() == 0;
   t->flows_left = 0;
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
     const Flow& flow = t->plan.flows[f];
@@ -131,7 +130,7 @@ void TransferEngine::begin_flows(Transfer* t) {
     if (copies(*t, f) == 0) continue;              // moves with the flow it is a copy of
     add_flow(t, f, bytes);                         // all of it is left to move when it starts
   }
-  if (added_before == 0 && added_ > 0) begun_ = t;
+  if (first && t->flows_left > 0) begun_ = t;
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;
     tails_.emplace(now_us_ + t->plan.latency_us, t);
@@ -160,14 +159,12 @@ void TransferEngine::flush() {
   unshared_ = false;
   fresh_ends_.clear();
   fresh_retires_.clear();
-  // A transfer that starts alone on idle links gets the rates its plan's flows got the last time they did
-  // (every flow the engine adds crosses links, so the two counts agree); the first time, they are shared
-  // and kept.
+  // A transfer that starts alone on idle links gets the rates its plan's flows got the last time they did;
+  // the first time, they are shared and kept.
   std::vector<double>* idle_rates =
-      begun_ != nullptr && net_.idle_start() && net_.added_linked_flows() == added_
-          ? begun_->plan.idle_rates_gbps.get()
-          : nullptr;
-  const bool known = idle_rates != nullptr && idle_rates->size() == static_cast<std::size_t>(added_);
+      begun_ != nullptr && net_.idle_start() ? begun_->plan.idle_rates_gbps.get() : nullptr;
+  const bool known =
+      idle_rates != nullptr && idle_rates->size() == static_cast<std::size_t>(net_.added_linked_flows());
   const std::vector<SharingNetwork::FlowId>& changed =
       known ? net_.solve_idle_start(*idle_rates) : net_.solve();
   if (idle_rates != nullptr && !known) {
@@ -175,7 +172,6 @@ void TransferEngine::flush() {
     for (SharingNetwork::FlowId id : changed) idle_rates->push_back(net_.rate_gbps(id));
   }
   begun_ = nullptr;
-  added_ = 0;
   for (SharingNetwork::FlowId id : changed) {
     Running& r = running_[id];
     r.left_bytes = left_now(r);

@@ -130,7 +130,6 @@ class TransferEngine {
   // Since the last flush(): the transfer whose begin_flows added every flow added (null when none was,
   // or when others added some too), whose plan's idle rates may then serve (SharingNetwork::idle_start).
   Transfer* begun_ = nullptr;
-  int added_ = 0;
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
   // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).
