@@ -76,7 +76,7 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
   Profile truth = profile;
   truth.gpu.compute_efficiency = 0.45;
   truth.gpu.memory_efficiency = 0.5;
-  truth.nvlink.efficiency = 0.55;
+  truth.nvlink.efficiency = 0.5;
   truth.nvlink.latency_us = 0.9;
   truth.nic.efficiency = 0.7;
   truth.nic.latency_us = 1.8;
@@ -101,7 +101,7 @@ TEST(Calibrate, FittedProfileBringsTheSimulationToTheMeasurement) {
   // The efficiencies are recovered (kernels and large messages pin them down).
   EXPECT_NEAR(fitted.gpu.compute_efficiency, 0.45, 0.01) << format_calibration(c);
   EXPECT_NEAR(fitted.gpu.memory_efficiency, 0.5, 0.01) << format_calibration(c);
-  EXPECT_NEAR(fitted.nvlink.efficiency, 0.55, 0.03) << format_calibration(c);
+  EXPECT_NEAR(fitted.nvlink.efficiency, 0.5, 0.03) << format_calibration(c);
   // Every value fitted says where it came from.
   EXPECT_TRUE(contains(text, "Fitted by `ranklab calibrate` on 2030-01-02 to measured.json")) << text;
   const std::string summary = format_calibration(c);

@@ -100,8 +100,8 @@ TEST(NcclModel, NvlsTreeChannelsCarryFourFifthsOfNvlsOnes) {
 }
 
 // NVLSTree's network hops weigh in its pipeline for the part of a loop they take: algorithm bandwidth /
-// (2 x NICs x a NIC's rate), at most 1. One loop (one chunk per channel) then takes 3 NVLS stages plus the
-// weighed hops, 2 per tree level.
+// (2 x NICs x a NIC's rate), at most 1. One loop (one chunk per channel) then takes the stage that paces
+// it, its two copy stages for the part of a loop each takes alone, and the weighed hops, 2 per tree level.
 TEST(NcclModel, NvlsTreeHopsWeighByTheirShareOfALoop) {
   const GroupShape h100x2 = shape_of("dgx-h100", 2, 16), h100x4 = shape_of("dgx-h100", 4, 32);
   ASSERT_EQ(h100x2.nics, 8);
@@ -117,9 +117,40 @@ TEST(NcclModel, NvlsTreeHopsWeighByTheirShareOfALoop) {
   EXPECT_EQ(four.net_hops, 4);
   ASSERT_EQ(two.chunks, 1);
   const double w = nccl_net_hop_weight(h100x2, 250);
+  const double copy = nccl_copy_stage_weight(h100x2, two, 250);
   EXPECT_DOUBLE_EQ(
       nccl_launch_slowdown(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2, two, 250),
-      3 + 2 * w);
+      1 + 2 * copy + 2 * w);
+}
+
+// NVLS's scatter and gather stages weigh for the part of a loop they take alone: each copies the chunks of
+// the other heads over the GPU's NVLink (what NCCL sustains there: 18 x 20.6 GB/s on H100), while a loop
+// moves all heads' chunks at the algorithm bandwidth. 8x H100 at NVLS's 274 GB/s: 7/8 x 274 / 370.8. At
+// most 1: a copy stage never takes longer than the loop it is part of. all_gather and reduce_scatter have
+// one copy stage, all_reduce two; rings and trees none.
+TEST(NcclModel, NvlsCopyStagesWeighByTheirShareOfALoop) {
+  const GroupShape h100 = shape_of("dgx-h100", 1, 8);
+  const double kib = 1024, mib = 1024 * kib;
+  const LaunchShape ar = nccl_launch(CommOp::AllReduce, Algorithm::Nvls, Protocol::Simple, h100, 2 * mib);
+  const LaunchShape ag = nccl_launch(CommOp::AllGather, Algorithm::Nvls, Protocol::Simple, h100, 2 * mib);
+  ASSERT_EQ(ar.heads, 8);
+  ASSERT_EQ(ar.depth, 3);
+  ASSERT_EQ(ag.depth, 2);
+  EXPECT_NEAR(h100.intra_gbps, 18 * 20.6, 0.01);
+  const double copy = nccl_copy_stage_weight(h100, ar, 274.0);
+  EXPECT_DOUBLE_EQ(copy, 7.0 / 8.0 * 274.0 / h100.intra_gbps);
+  EXPECT_DOUBLE_EQ(nccl_copy_stage_weight(h100, ar, 1e6), 1.0);
+  // 2 MiB on 8x H100 is one loop of 16 KiB chunks on each of the 16 channels.
+  ASSERT_EQ(ar.chunks, 1);
+  ASSERT_EQ(ar.chunk_bytes, 16 * kib);
+  EXPECT_DOUBLE_EQ(
+      nccl_launch_slowdown(CommOp::AllReduce, Algorithm::Nvls, Protocol::Simple, h100, ar, 274.0),
+      1 + 2 * copy);
+  EXPECT_DOUBLE_EQ(
+      nccl_launch_slowdown(CommOp::AllGather, Algorithm::Nvls, Protocol::Simple, h100, ag, 274.0),
+      (ag.chunks + copy) / ag.chunks);
+  const LaunchShape ring = nccl_launch(CommOp::AllReduce, Algorithm::Ring, Protocol::Simple, h100, 2 * mib);
+  EXPECT_EQ(ring.depth, 1);
 }
 
 // NCCL 2.21.5's pieces of one peer's message, by hand (ncclTopoComputeP2pChannels, scheduleP2pTasksToPlan,

@@ -76,9 +76,9 @@ TEST(Validation, H100NvlsAllReduce) {
   };
   // NVIDIA/nccl-tests issue 212: the reporter's algbw ~250 GB/s at 256 MiB (busbw ~440); the maintainer's
   // ~480 GB/s peak.
-  EXPECT_NEAR(busbw(256 << 20), 427.43, 0.01);
+  EXPECT_NEAR(busbw(256 << 20), 415.63, 0.01);
   EXPECT_LT(std::abs(busbw(256 << 20) / 437.5 - 1), 0.05);
-  EXPECT_NEAR(busbw(std::int64_t{4} << 30), 476.19, 0.01);
+  EXPECT_NEAR(busbw(std::int64_t{4} << 30), 477.49, 0.01);
   EXPECT_LT(std::abs(busbw(std::int64_t{4} << 30) / 480 - 1), 0.05);
 }
 
@@ -104,16 +104,16 @@ TEST(Validation, EveryRowOfTheSmallerTables) {
   const std::int64_t lecture = 400'000'000;  // 100M float32 on 4 GPUs
   const std::vector<TableRow> rows = {
       {"dgx-h100", 1, "", lecture, "ring/simple", 1646.92, 1600, 0.05},        // "about 1.6 ms"
-      {"dgx-h200", 1, "", gib4, "nvls/simple", 15784.18, 475, 0.01},           // [4]
+      {"dgx-h200", 1, "", gib4, "nvls/simple", 15741.20, 475, 0.01},           // [4]
       {"dgx-a100", 1, "", gib4, "ring/simple", 31373.47, 235, 0.03},           // [5], NCCL 2.8's cap
       {"dgx-b200", 1, "ring", gib4, "ring/simple", 10469.12, 695, 0.05},       // [3], 8x B300
-      {"dgx-b200", 1, "", gib4, "nvls/simple", 9032.46, 845, 0.02},            // [3], 8x B300: fitted
+      {"dgx-b200", 1, "", gib4, "nvls/simple", 8989.23, 845, 0.02},            // [3], 8x B300: fitted
       {"dgx-h100", 2, "nvls_tree", 8, "nvls_tree/simple", 53.00, 47, 0},       // [7]: +13%
       {"dgx-h100", 2, "ring", gib4, "ring/simple", 21631.64, 380, 0.03},       // [8]
       {"dgx-h100-roce", 4, "ring", gib4, "ring/simple", 26109.24, 325, 0.03},  // [9], fitted
       {"dgx-h100-roce", 4, "ring", gib8, "ring/simple", 51792.88, 325, 0.03},  // [9], fitted
       {"dgx-h100-roce", 4, "", gib4, "ring/simple", 26109.24, 320, 0.03},      // [9]: NVLS on or off
-      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 16919.11, 430, 0},    // [9]: +11%
+      {"dgx-h100-roce", 2, "", gib4, "nvls_tree/simple", 16867.87, 430, 0},    // [9]: +11%
       {"dgx-h100-roce", 2, "ring", gib4, "ring/simple", 25069.05, 330, 0.03},  // [9]
   };
   for (const TableRow& r : rows) {
@@ -149,11 +149,11 @@ TEST(Validation, H100TableRowByRow) {
       {1024, "ring/ll", "ring/ll", 15.15, 15.15},
       {65536, "ring/ll", "ring/ll", 19.88, 19.88},
       {1 << 20, "ring/ll", "ring/ll", 28.01, 28.01},
-      {16 << 20, "nvls/simple", "ring/ll128", 121.80, 126.67},
-      {256 << 20, "nvls/simple", "ring/simple", 1099.05, 1322.89},
-      {gib, "nvls/simple", "ring/simple", 4056.42, 5123.55},
-      {4 * gib, "nvls/simple", "ring/simple", 15784.18, 20326.21},
-      {16 * gib, "nvls/simple", "ring/simple", 62695.23, 81136.83},
+      {16 << 20, "nvls/simple", "ring/ll128", 118.70, 126.67},
+      {256 << 20, "nvls/simple", "ring/simple", 1130.25, 1322.89},
+      {gib, "nvls/simple", "ring/simple", 4013.43, 5123.55},
+      {4 * gib, "nvls/simple", "ring/simple", 15741.20, 20326.21},
+      {16 * gib, "nvls/simple", "ring/simple", 62652.25, 81136.83},
   };
   NetworkModel chosen(load_profile("dgx-h100"));
   NetworkModel ring(load_profile("dgx-h100"), NetworkOptions{"ring", ""});
@@ -166,7 +166,7 @@ TEST(Validation, H100TableRowByRow) {
     EXPECT_NEAR(duration_us(g), r.ring_us, 0.01) << r.bytes;
   }
   // The published: NVLS ~480 and the ring 365-370 GB/s at 4 GiB [1][2][3].
-  EXPECT_LT(std::abs(bus_gbps(4 * gib, 8, 15784.18) / 480 - 1), 0.01);
+  EXPECT_LT(std::abs(bus_gbps(4 * gib, 8, 15741.20) / 480 - 1), 0.01);
   EXPECT_LT(std::abs(bus_gbps(4 * gib, 8, 20326.21) / 367.5 - 1), 0.01);
 }
 

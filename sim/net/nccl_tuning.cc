@@ -492,8 +492,9 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
   // Pipeline stages a chunk passes through before the next can use them, from the kernels' structure
   // (src/device/all_reduce.h): NVLS all_reduce scatters into the switch buffer, reduces and multicasts
   // there, and gathers out (3); all_gather and reduce_scatter have one copy stage besides the switch (2);
-  // NVLSTree adds a network hop up and down per tree level. Rings and trees run every step on every rank
-  // at once, so NCCL's per-step latencies already hold their fill.
+  // NVLSTree adds a network hop up and down per tree level. The stage through the switch paces a loop;
+  // nccl_launch_slowdown weighs the others. Rings and trees run every step on every rank at once, so
+  // NCCL's per-step latencies already hold their fill.
   if (a == Algorithm::Nvls) l.depth = op == CommOp::AllReduce ? 3 : 2;
   if (a == Algorithm::NvlsTree) {
     l.depth = 3;
@@ -521,9 +522,16 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
     const double graph_channels = std::max(1, nccl_coll_channels(g) / 2);
     f *= std::max(1.0, graph_channels / l.channels);
   }
-  const double stages = l.depth + (l.net_hops > 0 ? l.net_hops * nccl_net_hop_weight(g, alg_gbps) : 0.0);
-  f *= (l.chunks + stages - 1) / l.chunks;
+  const double copies = l.depth > 1 ? (l.depth - 1) * nccl_copy_stage_weight(g, l, alg_gbps) : 0.0;
+  const double hops = l.net_hops > 0 ? l.net_hops * nccl_net_hop_weight(g, alg_gbps) : 0.0;
+  f *= (l.chunks + copies + hops) / l.chunks;
   return f;
+}
+
+double nccl_copy_stage_weight(const GroupShape& g, const LaunchShape& l, double alg_gbps) {
+  const int heads = std::max(1, l.heads);
+  const double nvlink_gbps = std::max(g.intra_gbps, 1e-9);
+  return std::min(1.0, (heads - 1.0) / heads * alg_gbps / nvlink_gbps);
 }
 
 namespace {

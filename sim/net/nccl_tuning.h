@@ -22,8 +22,9 @@
 //   src/graph/connect.cc  the second duplication of channels (ncclTopoPostset)
 //   src/transport/nvls.cc NCCL_NVLS_NCHANNELS (16) and NCCL_NVLS_CHUNKSIZE (128 KiB)
 // nccl_tuning.cc cites each one where it is used. ranklab's own part is how they are applied to flows
-// over links, the pipeline depth of NVLS (the stages of its kernel) and of a point-to-point piece, and the
-// two fitted NVLS constants (kNvlsChannelAlgGbps, kNvlsLoopOverheadUs), each said where it is used.
+// over links, the pipeline of NVLS (the stages of its kernel, each weighed by the rate of what it crosses)
+// and of a point-to-point piece, and the two fitted NVLS constants (kNvlsChannelAlgGbps,
+// kNvlsLoopOverheadUs), each said where it is used.
 //
 // NCCL picks, for each call, the (algorithm, protocol) with the least predicted time, latency + bytes /
 // bandwidth; ranklab predicts the bandwidth part from the flows of the plan on the modelled links instead
@@ -72,7 +73,7 @@ struct LaunchShape {
   int threads = 0;
   double chunk_bytes = 0;
   double chunks = 1;  // per channel, in sequence (at least 1)
-  int depth = 1;      // pipeline stages a chunk passes through; the first chunk fills them
+  int depth = 1;      // pipeline stages a chunk passes through: the one that paces a loop, and copies
   int net_hops = 0;   // NVLSTree: the network hops a chunk takes besides, up and down each tree level
   int heads = 1;      // NVLS and NVLSTree: the heads a loop's chunks go to, one per GPU of the node
 };
@@ -82,10 +83,19 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
 
 // The fraction of the full-channel transfer time that the launch adds: comm->nChannels / channels for
 // rings and trees (NCCL scales bandwidth with the channels used, ncclTopoGetAlgoTime), times the pipeline's
-// fill and drain (chunks + stages - 1) / chunks. NVLSTree's network hops count as stages for the part of a
-// loop's time they take (nccl_net_hop_weight), given the plan's algorithm bandwidth `alg_gbps`.
+// fill and drain (chunks + the other stages) / chunks. One stage, the one that reduces or multicasts
+// through the switch, sets the pace of a loop; the copy stages around it and NVLSTree's network hops each
+// count for the part of a loop's time they take alone (nccl_copy_stage_weight, nccl_net_hop_weight), given
+// the plan's algorithm bandwidth `alg_gbps`.
 double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
                             double alg_gbps);
+// How long one of NVLS's copy stages takes alone, as a fraction of a loop of its pipeline (at most 1): the
+// scatter group copies the loop's chunk for every other head out over NVLink, and the gather group copies
+// every other head's chunk in (all_reduce.h of 2.21.5), each at what NCCL sustains over the GPU's NVLink,
+// while a loop moves heads x chunk bytes of the message at the plan's algorithm bandwidth. So the fraction
+// is (heads - 1) / heads x alg_gbps / the NVLink rate: 7/8 x 274 / 371 = 0.65 on 8x H100, 7/8 x 482 / 722
+// = 0.58 on 8x B200, from the rates alone.
+double nccl_copy_stage_weight(const GroupShape& g, const LaunchShape& l, double alg_gbps);
 // How long one of NVLSTree's network hops takes, as a fraction of a loop of its pipeline (at most 1): a loop
 // moves channels x heads x chunk bytes of the message at the plan's algorithm bandwidth; a hop sends, from
 // each NIC, the chunks of the half of the channels whose tree sends that way from this node. So the
@@ -103,8 +113,10 @@ double nccl_net_hop_weight(const GroupShape& g, double alg_gbps);
 // same wait is spread over fewer bytes; this is why NVLS's bus bandwidth steps up where the chunk doubles (8x
 // H100: 437 GB/s at 512 MiB, 466 GB/s at 1 GiB [dgxc-benchmarking]; 8x B200: 722 and 816 GB/s at 1 and 2
 // GiB). Fitted, by least squares on the log of bus bandwidth, to the NVLS rows of one sweep: 8x H100 (8
-// heads), validation/h100x8-all_reduce-dgxc-benchmarking.log (docs/validation.md lists it as fitted).
-constexpr double kNvlsLoopOverheadUs = 2.3;
+// heads), validation/h100x8-all_reduce-dgxc-benchmarking.log (docs/validation.md lists it as fitted), with
+// the pipeline's copy stages weighed by nccl_copy_stage_weight (it was 2.3 while each stage counted for a
+// whole loop).
+constexpr double kNvlsLoopOverheadUs = 5.7;
 // The heads of the sweep kNvlsLoopOverheadUs is fitted to.
 constexpr int kNvlsLoopOverheadHeads = 8;
 // The time an NVLS or NVLSTree launch spends in its loops' waits beyond what NCCL's 5/6 holds (see
