@@ -761,10 +761,6 @@ TEST(Copies, ChannelsThroughOneHopAreCountedOnTheFirst) {
   }
 }
 
-// The engine sharing copies as one flow ends every transfer at the same time, to the bit, as sharing
-// each flow of the plan on its own: a ring all_reduce on one node (its channels through each NVLink hop
-// are copies), with a send between two of its GPUs and a second all_reduce starting while it runs, and
-// the same across two nodes.
 // Runs `transfers` (each a plan and when it starts) in one engine to the end; returns when each ended.
 std::vector<double> end_times_us(const Topology& topo, std::vector<std::pair<CommPlan, double>> transfers) {
   TransferEngine engine(topo);
@@ -779,6 +775,10 @@ std::vector<double> end_times_us(const Topology& topo, std::vector<std::pair<Com
   return ends_us;
 }
 
+// The engine sharing copies as one flow ends every transfer at the same time, to the bit, as sharing
+// each flow of the plan on its own: a ring all_reduce on one node (its channels through each NVLink hop
+// are copies), with a send between two of its GPUs and a second all_reduce starting while it runs, and
+// the same across two nodes.
 TEST(Copies, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
   for (int nodes : {1, 2}) {
     NetworkModel m(profile("dgx-h100", nodes), NetworkOptions{"ring", "simple"});

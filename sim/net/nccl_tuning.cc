@@ -522,8 +522,9 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
     const double graph_channels = std::max(1, nccl_coll_channels(g) / 2);
     f *= std::max(1.0, graph_channels / l.channels);
   }
-  const double copies = l.depth > 1 ? (l.depth - 1) * nccl_copy_stage_weight(g, l, alg_gbps) : 0.0;
-  const double hops = l.net_hops > 0 ? l.net_hops * nccl_net_hop_weight(g, alg_gbps) : 0.0;
+  // Rings and trees have one stage and no hops: nothing is added.
+  const double copies = (l.depth - 1) * nccl_copy_stage_weight(g, l, alg_gbps);
+  const double hops = l.net_hops * nccl_net_hop_weight(g, alg_gbps);
   f *= (l.chunks + copies + hops) / l.chunks;
   return f;
 }
