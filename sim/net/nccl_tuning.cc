@@ -503,9 +503,24 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
   return l;
 }
 
+namespace {
+
+// The part of a pipeline loop's time that one stage takes alone, at most the whole loop: the stage's
+// bytes come at `stage_gbps` (its part of the plan's algorithm bandwidth) and cross a resource that
+// carries `resource_gbps`.
+double loop_share(double stage_gbps, double resource_gbps) {
+  return std::min(1.0, stage_gbps / std::max(resource_gbps, 1e-9));
+}
+
+}  // namespace
+
 double nccl_net_hop_weight(const GroupShape& g, double alg_gbps) {
-  const double nics_gbps = 2.0 * std::max(1, g.nics) * std::max(g.nic_gbps, 1e-9);
-  return std::min(1.0, alg_gbps / nics_gbps);
+  return loop_share(alg_gbps, 2.0 * std::max(1, g.nics) * std::max(g.nic_gbps, 1e-9));
+}
+
+double nccl_copy_stage_weight(const GroupShape& g, const LaunchShape& l, double alg_gbps) {
+  const int heads = std::max(1, l.heads);
+  return loop_share((heads - 1.0) / heads * alg_gbps, g.intra_gbps);
 }
 
 double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
@@ -527,12 +542,6 @@ double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape
   const double hops = l.net_hops * nccl_net_hop_weight(g, alg_gbps);
   f *= (l.chunks + copies + hops) / l.chunks;
   return f;
-}
-
-double nccl_copy_stage_weight(const GroupShape& g, const LaunchShape& l, double alg_gbps) {
-  const int heads = std::max(1, l.heads);
-  const double nvlink_gbps = std::max(g.intra_gbps, 1e-9);
-  return std::min(1.0, (heads - 1.0) / heads * alg_gbps / nvlink_gbps);
 }
 
 namespace {
