@@ -118,9 +118,7 @@ TEST(NcclModel, NvlsTreeHopsWeighByTheirShareOfALoop) {
   ASSERT_EQ(two.chunks, 1);
   const double w = nccl_net_hop_weight(h100x2, 250);
   const double copy = nccl_copy_stage_weight(h100x2, two, 250);
-  EXPECT_DOUBLE_EQ(
-      nccl_launch_slowdown(CommOp::AllReduce, Algorithm::NvlsTree, Protocol::Simple, h100x2, two, 250),
-      1 + 2 * copy + 2 * w);
+  EXPECT_DOUBLE_EQ(nccl_launch_slowdown(Algorithm::NvlsTree, h100x2, two, 250), 1 + 2 * copy + 2 * w);
 }
 
 // NVLS's scatter and gather stages weigh for the part of a loop they take alone: each copies the chunks of
@@ -143,12 +141,8 @@ TEST(NcclModel, NvlsCopyStagesWeighByTheirShareOfALoop) {
   // 2 MiB on 8x H100 is one loop of 16 KiB chunks on each of the 16 channels.
   ASSERT_EQ(ar.chunks, 1);
   ASSERT_EQ(ar.chunk_bytes, 16 * kib);
-  EXPECT_DOUBLE_EQ(
-      nccl_launch_slowdown(CommOp::AllReduce, Algorithm::Nvls, Protocol::Simple, h100, ar, 274.0),
-      1 + 2 * copy);
-  EXPECT_DOUBLE_EQ(
-      nccl_launch_slowdown(CommOp::AllGather, Algorithm::Nvls, Protocol::Simple, h100, ag, 274.0),
-      (ag.chunks + copy) / ag.chunks);
+  EXPECT_DOUBLE_EQ(nccl_launch_slowdown(Algorithm::Nvls, h100, ar, 274.0), 1 + 2 * copy);
+  EXPECT_DOUBLE_EQ(nccl_launch_slowdown(Algorithm::Nvls, h100, ag, 274.0), (ag.chunks + copy) / ag.chunks);
   const LaunchShape ring = nccl_launch(CommOp::AllReduce, Algorithm::Ring, Protocol::Simple, h100, 2 * mib);
   EXPECT_EQ(ring.depth, 1);
 }

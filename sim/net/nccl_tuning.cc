@@ -523,10 +523,7 @@ double nccl_copy_stage_weight(const GroupShape& g, const LaunchShape& l, double 
   return loop_share((heads - 1.0) / heads * alg_gbps, g.intra_gbps);
 }
 
-double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
-                            double alg_gbps) {
-  (void)op;
-  (void)p;
+double nccl_launch_slowdown(Algorithm a, const GroupShape& g, const LaunchShape& l, double alg_gbps) {
   double f = 1.0;
   if (a == Algorithm::Ring || a == Algorithm::Tree) {
     // Bandwidth follows the channels used. ncclTopoGetAlgoTime scales it by nChannels / comm->nChannels;

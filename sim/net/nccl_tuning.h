@@ -87,8 +87,7 @@ LaunchShape nccl_launch(CommOp op, Algorithm a, Protocol p, const GroupShape& g,
 // through the switch, sets the pace of a loop; the copy stages around it and NVLSTree's network hops each
 // count for the part of a loop's time they take alone (nccl_copy_stage_weight, nccl_net_hop_weight), given
 // the plan's algorithm bandwidth `alg_gbps`.
-double nccl_launch_slowdown(CommOp op, Algorithm a, Protocol p, const GroupShape& g, const LaunchShape& l,
-                            double alg_gbps);
+double nccl_launch_slowdown(Algorithm a, const GroupShape& g, const LaunchShape& l, double alg_gbps);
 // How long one of NVLS's copy stages takes alone, as a fraction of a loop of its pipeline (at most 1): the
 // scatter group copies the loop's chunk for every other head out over NVLink, and the gather group copies
 // every other head's chunk in (all_reduce.h of 2.21.5), each at what NCCL sustains over the GPU's NVLink,

@@ -134,7 +134,7 @@ double NetworkModel::transfer_of(GroupEntry& g, CommOp op, const Candidate& c, s
   // through the two-stage pipeline of NCCL's send and receive.
   if (c.algorithm == Algorithm::Pairwise || c.algorithm == Algorithm::Direct)
     us *= nccl_p2p_slowdown(nccl_p2p_launch(g.p2p, s / std::max(1, gs.ranks)), c.protocol);
-  return us * nccl_launch_slowdown(op, c.algorithm, c.protocol, gs, launch, alg_gbps) +
+  return us * nccl_launch_slowdown(c.algorithm, gs, launch, alg_gbps) +
          nccl_loop_overhead_us(c.algorithm, launch);
 }
 
