@@ -515,7 +515,7 @@ double loop_share(double stage_gbps, double resource_gbps) {
 }  // namespace
 
 double nccl_net_hop_weight(const GroupShape& g, double alg_gbps) {
-  return loop_share(alg_gbps, 2.0 * std::max(1, g.nics) * std::max(g.nic_gbps, 1e-9));
+  return loop_share(alg_gbps, 2.0 * std::max(1, g.nics) * g.nic_gbps);
 }
 
 double nccl_copy_stage_weight(const GroupShape& g, const LaunchShape& l, double alg_gbps) {
@@ -535,10 +535,10 @@ double nccl_launch_slowdown(Algorithm a, const GroupShape& g, const LaunchShape&
     f *= std::max(1.0, graph_channels / l.channels);
   }
   // Rings and trees have one stage and no hops: nothing is added.
+  if (l.depth == 1 && l.net_hops == 0) return f;
   const double copies = (l.depth - 1) * nccl_copy_stage_weight(g, l, alg_gbps);
   const double hops = l.net_hops * nccl_net_hop_weight(g, alg_gbps);
-  f *= (l.chunks + copies + hops) / l.chunks;
-  return f;
+  return f * ((l.chunks + copies + hops) / l.chunks);
 }
 
 namespace {
