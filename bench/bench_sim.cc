@@ -46,10 +46,7 @@ void BM_BenchmarkSweep(benchmark::State& state) {
   const int ranks = static_cast<int>(state.range(0));
   for (auto _ : state) {
     ranklab::SimBackend backend(config_for(ranks));
-    ranklab::Options o;
-    o.world = ranks;
-    o.sweep = true;
-    o.quiet = true;
+    const ranklab::Settings o = {{"world", std::to_string(ranks)}, {"sweep", "true"}, {"quiet", "true"}};
     ranklab::RunReport rep = ranklab::run_lesson(backend, "benchmark", o);
     benchmark::DoNotOptimize(rep.makespan_us);
   }

@@ -33,10 +33,10 @@ int main(int argc, char** argv) {
   using namespace ranklab::plan;
   ranklab::sim::tune_malloc(argv);
   Request r;
-  r.model = "llama3-70b";
+  r.shape["model"] = ranklab::option_text("llama3-70b");
   r.profile = "dgx-h100";
   r.nodes = 64;
-  r.global_batch = 1024;
+  r.shape["global-batch"] = ranklab::option_text(1024);
   const Question q = make_question(r);
   std::vector<std::string> names(argv + 1, argv + argc);
   if (names.empty()) {

@@ -60,10 +60,10 @@ CaseResult result_of(const SimBackend& backend, const RunReport& report, int ran
   return {report.makespan_us, static_cast<double>(backend.fiber_switches()) / ranks};
 }
 
-CaseResult run_lesson_case(const std::string& lesson, Options o, int world) {
-  o.world = world;
-  o.phantom = true;
-  o.quiet = true;
+CaseResult run_lesson_case(const std::string& lesson, Settings o, int world) {
+  o["world"] = option_text(world);
+  o["phantom"] = option_text(true);
+  o["quiet"] = option_text(true);
   SimBackend backend(config_for(world));
   const RunReport report = run_lesson(backend, lesson, o);
   return result_of(backend, report, world);
@@ -80,42 +80,42 @@ const std::map<std::string, std::function<CaseResult(int)>>& cases() {
   static const std::map<std::string, std::function<CaseResult(int)>> all = {
       {"dp",
        [](int w) {
-         Options o;
-         o.dim = 8192;
-         o.layers = 16;
-         o.batch = 8 * static_cast<std::int64_t>(w);
+         Settings o;
+         o["dim"] = option_text(8192);
+         o["layers"] = option_text(16);
+         o["batch"] = option_text(8 * static_cast<std::int64_t>(w));
          return run_lesson_case("data_parallel", o, w);
        }},
       {"dp-overlap",
        [](int w) {
-         Options o;
-         o.dim = 8192;
-         o.layers = 16;
-         o.batch = 8 * static_cast<std::int64_t>(w);
-         o.overlap = true;
+         Settings o;
+         o["dim"] = option_text(8192);
+         o["layers"] = option_text(16);
+         o["batch"] = option_text(8 * static_cast<std::int64_t>(w));
+         o["overlap"] = option_text(true);
          return run_lesson_case("data_parallel", o, w);
        }},
       {"tp",
        [](int w) {
-         Options o;
-         o.dim = 16384;
-         o.layers = 16;
-         o.batch = 1024;
+         Settings o;
+         o["dim"] = option_text(16384);
+         o["layers"] = option_text(16);
+         o["batch"] = option_text(1024);
          return run_lesson_case("tensor_parallel", o, w);
        }},
       {"pp",
        [](int w) {
-         Options o;
-         o.dim = 8192;
-         o.layers = w;
-         o.micro_batches = 8;
+         Settings o;
+         o["dim"] = option_text(8192);
+         o["layers"] = option_text(w);
+         o["micro-batches"] = option_text(8);
          return run_lesson_case("pipeline_parallel", o, w);
        }},
       {"benchmark",
        [](int w) {
          // 4 MiB: reduce_scatter's input is W x count per rank, which must fit a device at 4,096 ranks.
-         Options o;
-         o.count = std::int64_t{1} << 20;
+         Settings o;
+         o["count"] = option_text(std::int64_t{1} << 20);
          return run_lesson_case("benchmark", o, w);
        }},
       {"sends",

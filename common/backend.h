@@ -4,6 +4,7 @@
 #include <functional>
 #include <string>
 
+#include "common/options.h"
 #include "common/rank.h"
 #include "common/report.h"
 
@@ -20,5 +21,19 @@ class Backend {
   // of them assembles the report; the others print and write nothing.
   virtual bool owns_report() const { return true; }
 };
+
+// What a run asks of its backend besides the lesson: NCCL's choice, forced as NCCL_ALGO and NCCL_PROTO
+// force it (both backends), and the simulator's switches of its model. `ranklab run` reads them from
+// its flags into the backend's configuration (SimConfig, CudaConfig); a report records them beside the
+// lesson's options, so that a replay configures its simulator the same way.
+struct BackendOptions {
+  std::string algo;
+  std::string proto;
+  bool no_sm_contention = false;
+  // gpt on the simulator, with --phantom: which replicas mirror a representative instead of running ("":
+  // none, "tp": the tensor-parallel ranks of each (stage, dp replica), "tp-dp": one rank per stage).
+  std::string symmetric;
+};
+const OptionTable<BackendOptions>& backend_options();
 
 }  // namespace ranklab

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -19,119 +18,48 @@ namespace ranklab {
 
 // ---- the configuration a report records ------------------------------------------------------------------
 
-namespace {
-
-// Every option a lesson reads, under its command-line name. One list serves writing and reading, so the
-// two cannot drift apart; a new option in Options belongs here too.
-template <class F>
-void for_each_option(F&& f) {
-  f("batch", &Options::batch);
-  f("dim", &Options::dim);
-  f("layers", &Options::layers);
-  f("steps", &Options::steps);
-  f("lr", &Options::lr);
-  f("optimizer", &Options::optimizer);
-  f("micro-batches", &Options::micro_batches);
-  f("schedule", &Options::schedule);
-  f("async-p2p", &Options::async_p2p);
-  f("overlap", &Options::overlap);
-  f("megatron", &Options::megatron);
-  f("bucket-mb", &Options::bucket_mb);
-  f("phantom", &Options::phantom);
-  f("op", &Options::op);
-  f("count", &Options::count);
-  f("wrong-order", &Options::wrong_order);
-  f("sweep", &Options::sweep);
-  f("algo", &Options::algo);
-  f("proto", &Options::proto);
-  f("no-sm-contention", &Options::no_sm_contention);
-  f("model", &Options::model);
-  f("hidden", &Options::hidden);
-  f("heads", &Options::heads);
-  f("seq", &Options::seq);
-  f("vocab", &Options::vocab);
-  f("global-batch", &Options::global_batch);
-  f("micro-batch", &Options::micro_batch);
-  f("tp", &Options::tp);
-  f("pp", &Options::pp);
-  f("dp", &Options::dp);
-  f("interleave", &Options::interleave);
-  f("zero", &Options::zero);
-  f("seq-parallel", &Options::seq_parallel);
-  f("recompute", &Options::recompute);
-  f("order", &Options::order);
-  f("dtype", &Options::dtype);
-  f("grad-reduce-dtype", &Options::grad_reduce_dtype);
-  f("dropout", &Options::dropout);
-  f("symmetric", &Options::symmetric);
-  f("experts", &Options::experts);
-  f("top-k", &Options::top_k);
-  f("capacity-factor", &Options::capacity_factor);
-  f("skew", &Options::skew);
-  f("break", &Options::broken);
-}
-
-template <class T>
-std::string option_text(const T& v) {
-  if constexpr (std::is_same_v<T, bool>) {
-    return v ? "true" : "false";
-  } else {
-    return fmt::format("{}", v);  // shortest text that reads back as the same number
-  }
-}
-
-template <class T>
-bool parse_option(const std::string& text, T& out) {
-  if constexpr (std::is_same_v<T, bool>) {
-    if (text != "true" && text != "false") return false;
-    out = text == "true";
-    return true;
-  } else if constexpr (std::is_same_v<T, std::string>) {
-    out = text;
-    return true;
-  } else {
-    T v{};
-    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-    if (ec != std::errc() || end != text.data() + text.size()) return false;
-    out = v;
-    return true;
-  }
-}
-
-}  // namespace
-
-std::map<std::string, std::string> options_record(const Options& options) {
-  std::map<std::string, std::string> record;
-  for_each_option([&](const char* name, auto member) { record[name] = option_text(options.*member); });
-  return record;
-}
-
-Options options_from_record(const std::map<std::string, std::string>& record, int world) {
-  Options o;
-  o.world = world;
-  o.quiet = true;
-  std::set<std::string> known;
-  for_each_option([&](const char* name, auto member) {
-    known.insert(name);
-    auto it = record.find(name);
-    if (it != record.end() && !parse_option(it->second, o.*member)) {
-      throw UsageError(
-          fmt::format("the report's option --{} has the value '{}', which does not parse", name, it->second));
-    }
-  });
-  for (const auto& [name, value] : record) {
-    if (!known.count(name)) {
+RecordedOptions read_recorded_options(const RunReport& report) {
+  const Lesson& lesson = find_lesson(report.lesson);
+  const OptionTable<BackendOptions>& backend = backend_options();
+  RecordedOptions out;
+  Settings backend_settings;
+  for (const auto& [name, value] : report.options) {
+    if (backend.find(name) != nullptr) {
+      backend_settings[name] = value;
+    } else if (lesson.option(name) != nullptr) {
+      out.lesson[name] = value;
+    } else {
       throw UsageError(fmt::format(
           "the report was run with an option this build does not know (--{} {}); it cannot be repeated here",
           name, value));
     }
   }
-  return o;
+  out.lesson["world"] = std::to_string(report.world);
+  try {
+    out.backend = backend.read(backend_settings, "the report's options");
+    lesson.prepare(out.lesson);  // refuses what does not parse
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("the report's options cannot be repeated here: {}", e.what()));
+  }
+  return out;
 }
 
-void record_run_config(RunReport& report, const Profile& profile, const Options& options) {
+Settings default_options(const std::string& lesson) {
+  Settings out = backend_options().write(BackendOptions{}, /*identity_only=*/true);
+  for (const Lesson& l : lessons()) {
+    if (l.name != lesson) continue;
+    for (const OptionSpec& s : l.options) {
+      if (s.identity && s.flag != "world") out[s.flag] = s.default_text;
+    }
+  }
+  return out;
+}
+
+void record_run_config(RunReport& report, const Profile& profile, const BackendOptions& backend) {
   report.gpus_per_node = profile.gpus_per_node;
-  report.options = options_record(options);
+  for (const auto& [name, value] : backend_options().write(backend, /*identity_only=*/true)) {
+    report.options[name] = value;
+  }
   // A link's capacity by its tier, where the backend did not know it: what each GPU has of that kind of link.
   for (LinkTraffic& l : report.links) {
     if (l.bandwidth_gbps > 0) continue;

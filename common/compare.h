@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/backend.h"
 #include "common/lesson.h"
 #include "common/profile.h"
 #include "common/report.h"
@@ -19,15 +20,21 @@ namespace ranklab {
 
 // ---- the configuration a report records ------------------------------------------------------------------
 
-// The lesson's options as name -> value text, for RunReport::options. World is the report's own field, and
-// --quiet is left out because it changes only what is printed.
-std::map<std::string, std::string> options_record(const Options& options);
-// The Options a record describes, with `world` ranks. A name this build does not know, or a value that does
-// not parse, is a UsageError: the run could not be repeated faithfully.
-Options options_from_record(const std::map<std::string, std::string>& record, int world);
-// Fills what `run` knows about a run beyond the backend's report: the profile's GPUs per node, the lesson's
-// options, and each link's capacity (from the profile's tier of that name) where the backend left it 0.
-void record_run_config(RunReport& report, const Profile& profile, const Options& options);
+// A report's options (RunReport::options) parted into the lesson's, with the report's world, and the
+// backend's. UsageError for a name neither the lesson nor the backend has, or a value its declaration
+// refuses: the run could not be repeated faithfully.
+struct RecordedOptions {
+  Settings lesson;
+  BackendOptions backend;
+};
+RecordedOptions read_recorded_options(const RunReport& report);
+// What RunReport::options holds for a run of `lesson` at its defaults (empty for a lesson this build
+// does not know but for the backend's).
+Settings default_options(const std::string& lesson);
+// Fills what `run` knows about a run beyond the backend's report: the profile's GPUs per node, the
+// backend's options beside the lesson's (RunReport::options), and each link's capacity (from the
+// profile's tier of that name) where the backend left it 0.
+void record_run_config(RunReport& report, const Profile& profile, const BackendOptions& backend);
 
 // ---- comparing -------------------------------------------------------------------------------------------
 

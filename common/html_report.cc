@@ -106,7 +106,7 @@ void config_section(std::string& out, const RunReport& r) {
   }
   row("makespan", human_time(r.makespan_us));
   // The options a run changed say what it was; the rest are listed, folded, for completeness.
-  const std::map<std::string, std::string> defaults = options_record(Options{});
+  const Settings defaults = default_options(r.lesson);
   std::vector<std::pair<std::string, std::string>> unchanged;
   for (const auto& [name, value] : r.options) {
     auto it = defaults.find(name);

@@ -6,8 +6,8 @@
 #include <map>
 
 #include "common/backend.h"
-#include "common/compare.h"
 #include "common/errors.h"
+#include "common/report.h"
 
 namespace ranklab {
 
@@ -27,11 +27,27 @@ int tour_position(const std::string& name) {
   }
   return static_cast<int>(std::size(order));
 }
+
+// Each of `over`'s settings in `into`, over what is there.
+void overlay(Settings& into, const Settings& over) {
+  for (const auto& [flag, value] : over) into[flag] = value;
+}
 }  // namespace
+
+const OptionSpec* Lesson::option(const std::string& flag) const {
+  for (const OptionSpec& s : options) {
+    if (s.flag == flag) return &s;
+  }
+  return nullptr;
+}
 
 bool register_lesson(Lesson lesson) {
   registry().push_back(std::move(lesson));
   return true;
+}
+
+bool register_lesson(std::string name, std::string summary, void (*fn)(Rank&, const LessonOptions&)) {
+  return register_lesson(std::move(name), std::move(summary), fn, OptionTable<LessonOptions>{});
 }
 
 std::vector<Lesson> lessons() {
@@ -52,65 +68,61 @@ const Lesson& find_lesson(const std::string& name) {
   throw UsageError(fmt::format("no lesson called '{}'; the lessons are: {}", name, fmt::join(names, ", ")));
 }
 
-Options with_lesson_defaults(const Lesson& lesson, const Options& given, const std::vector<std::string>& set,
-                             bool lecture) {
-  std::map<std::string, std::string> record = options_record(given);
-  int world = given.world;
-  auto apply = [&](const std::vector<LessonOption>& options) {
-    for (const LessonOption& opt : options) {
-      if (std::find(set.begin(), set.end(), opt.name) != set.end()) continue;  // the command line's wins
-      if (opt.name == "world") {
-        world = std::stoi(opt.value);
-      } else {
-        record[opt.name] = opt.value;
-      }
-    }
-  };
-  apply(lesson.options);
-  if (lecture) apply(lesson.lecture);
-  Options out = options_from_record(record, world);
-  out.quiet = given.quiet;
-  out.comm_algorithm = given.comm_algorithm;
+Settings resolve_settings(const Lesson& lesson, const Settings& given, bool lecture) {
+  Settings out;
+  if (lecture) {
+    for (const LectureSetting& s : lesson.lecture) out[s.flag] = s.value;
+  }
+  // What the options set so far expand to, then what the command line's own expand to; the command line's
+  // words win over both.
+  Settings expanded;
+  for (const Settings* source : {static_cast<const Settings*>(&out), &given}) {
+    for (const auto& [flag, value] : *source) overlay(expanded, lesson.expand(flag, value));
+  }
+  overlay(out, expanded);
+  overlay(out, given);
   return out;
 }
 
-std::string lesson_help(const Lesson& lesson) {
-  std::string out = fmt::format("ranklab run {}: {}\n", lesson.name, lesson.summary);
-  if (lesson.options.empty()) {
-    out += "\nThis lesson takes no options of its own.\n";
-  } else {
-    out += "\nOptions of this lesson, with its defaults:\n";
-    for (const LessonOption& o : lesson.options) {
-      const std::string flag = o.value == "true" || o.value == "false"
-                                   ? fmt::format("--{}", o.name)
-                                   : fmt::format("--{} {}", o.name, o.value);
-      out += fmt::format("  {:<26} {}{}\n", flag, o.help, o.value == "false" ? " (off)" : "");
-    }
-  }
-  if (!lesson.lecture.empty()) {
-    std::vector<std::string> parts;
-    for (const LessonOption& o : lesson.lecture) parts.push_back(fmt::format("--{} {}", o.name, o.value));
-    out += fmt::format("\n--lecture runs the lecture's own setup: {}\n", fmt::join(parts, " "));
-    for (const LessonOption& o : lesson.lecture) {
-      if (!o.help.empty()) out += fmt::format("  ({})\n", o.help);
-    }
-  }
-  out +=
-      "\nEvery lesson also takes --backend sim|cuda, --profile P, --nodes N, --report DIR, --quiet, --algo A "
-      "and --proto P (`ranklab run --help`).\n";
-  return out;
-}
-
-RunReport run_lesson(Backend& backend, const std::string& name, const Options& options) {
+RunReport run_lesson(Backend& backend, const std::string& name, const Settings& settings) {
   const Lesson& lesson = find_lesson(name);
+  const PreparedLesson prepared = lesson.prepare(settings);
   RunReport report;
   try {
-    report = backend.launch(options.world, [&](Rank& r) { lesson.fn(r, options); });
+    report = backend.launch(prepared.world, prepared.program);
   } catch (const ProgramError& e) {
     throw ProgramError(fmt::format("lesson {}: {}", name, e.what()));
   }
   report.lesson = name;
+  report.options = prepared.record;
   return report;
+}
+
+std::string lesson_help(const Lesson& lesson) {
+  std::string out = fmt::format("ranklab run {}: {}\n", lesson.name, lesson.summary);
+  out += "\nOptions of this lesson, with its defaults:\n";
+  for (const OptionSpec& o : lesson.options) {
+    std::string flag = fmt::format("--{}", o.flag);
+    if (o.kind != OptionKind::Switch && !o.default_text.empty()) flag += " " + o.default_text;
+    if (o.kind != OptionKind::Switch && !o.unit.empty()) flag += " " + o.unit;
+    std::string help = o.help;
+    const std::string range = o.range_text();
+    if (!range.empty()) help += fmt::format("; {}", range);
+    if (o.kind == OptionKind::Switch) help += o.default_text == "true" ? " (on)" : " (off)";
+    out += fmt::format("  {:<26} {}\n", flag, help);
+  }
+  if (!lesson.lecture.empty()) {
+    std::vector<std::string> parts;
+    for (const LectureSetting& s : lesson.lecture) parts.push_back(fmt::format("--{} {}", s.flag, s.value));
+    out += fmt::format("\n--lecture runs the lecture's own setup: {}\n", fmt::join(parts, " "));
+    for (const LectureSetting& s : lesson.lecture) {
+      if (!s.note.empty()) out += fmt::format("  ({})\n", s.note);
+    }
+  }
+  out +=
+      "\nEvery lesson also takes --backend sim|cuda, --profile P, --nodes N, --report DIR, --algo A and "
+      "--proto P (`ranklab run --help`).\n";
+  return out;
 }
 
 }  // namespace ranklab

@@ -1,124 +1,151 @@
-// Lessons and their registry. A lesson is one SPMD function; it registers itself with RANKLAB_LESSON
-// so that `ranklab list` and `ranklab run NAME` find it.
+// Lessons and their registry. A lesson is one SPMD function of the Rank and of its own options struct;
+// it registers itself, with the table that declares those options (common/options.h), so that `ranklab
+// list`, `ranklab run NAME` and `ranklab run NAME --help` find it:
+//
+//   struct RingOptions : LessonOptions {
+//     std::int64_t count = 1 << 20;
+//   };
+//   void ring(Rank& r, const RingOptions& o) { ... }
+//   RANKLAB_LESSON("ring", "all_reduce from send and recv", ring,
+//                  OptionTable<RingOptions>{{"world", &RingOptions::world, "ranks of the ring"},
+//                                           {"count", &RingOptions::count, "float32 elements"}});
+//
+// A lesson that takes nothing but its world needs no table: RANKLAB_LESSON("name", "summary", fn), with
+// fn taking `const LessonOptions&`.
 #pragma once
 
-#include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "common/options.h"
 #include "common/rank.h"
 
 namespace ranklab {
 
-// Every knob a lesson may read. The command line sets them (`ranklab run --help` lists them); each
-// lesson validates the ones it uses and names the option in its error.
-struct Options {
+// What every lesson's options hold: how many ranks it runs on, and whether it prints less. A lesson's own
+// struct derives from it.
+struct LessonOptions {
   int world = 4;
-  std::int64_t batch = 32;
-  std::int64_t dim = 64;
-  int layers = 4;
-  int steps = 3;
-  double lr = 0.01;
-  std::string optimizer = "sgd";  // sgd | adamw
-  int micro_batches = 4;
-  std::string schedule = "1f1b";     // naive | gpipe | 1f1b
-  bool async_p2p = false;            // pipeline: isend/irecv instead of send/recv
-  bool overlap = false;              // data parallel: all-reduce gradients during backward
-  bool megatron = false;             // tensor parallel: column-then-row pairs, one all_reduce each
-  double bucket_mb = 25;             // data parallel: gradient bucket size
-  bool phantom = false;              // time the lesson at its size without numbers
-  std::string op = "all_reduce";     // benchmark: which collective
-  std::int64_t count = 100'000'000;  // benchmark: float32 elements
-  bool wrong_order = false;          // benchmark: barrier before synchronize
-  bool sweep = false;                // benchmark: sizes from 8 B up
-  std::string algo{};                // force NCCL's algorithm, as NCCL_ALGO (simulator)
-  std::string proto{};               // force NCCL's protocol, as NCCL_PROTO (simulator)
-  // Simulator: compute kernels run as if communication kernels took none of the GPU's SMs and HBM.
-  bool no_sm_contention = false;
-  // The algorithm/protocol the backend runs a collective of the whole world with ("ring/simple"), when it
-  // can say: the simulator can, NCCL does not report it. Unset: unknown.
-  std::function<std::string(CommOp op, std::int64_t bytes, int world, int root)> comm_algorithm{};
-  bool quiet = false;  // fewer lines of output
-
-  // The gpt lesson: the model's shape (--layers above is shared), its parallel layout and precision.
-  std::string model{};  // the preset that filled the shape ("gpt3-175b"), or empty
-  std::int64_t hidden = 64;
-  int heads = 4;
-  int seq = 16;
-  std::int64_t vocab = 128;
-  std::int64_t global_batch = 8;
-  std::int64_t micro_batch = 2;
-  int tp = 1, pp = 1;
-  int dp = 0;  // 0: world / (tp pp)
-  int interleave = 1;
-  int zero = 0;
-  bool seq_parallel = false;
-  std::string recompute = "none";  // none | selective | full
-  std::string order = "tp-dp-pp";  // process-group layout, innermost first
-  std::string dtype = "bf16";      // bf16 | fp16 | fp32
-  std::string grad_reduce_dtype = "fp32";
-  double dropout = 0;  // gpt: probability of dropping an element of a residual branch
-  // gpt on the simulator: which replicas mirror a representative instead of running ("" none, "tp" the
-  // tensor-parallel ranks of each (stage, dp replica), "tp-dp" also the dp replicas: one rank per stage).
-  std::string symmetric;
-  // The moe lesson: experts over the world, each token routed to its top_k of them, at most
-  // capacity_factor times an even share per expert, and a router biased towards expert 0 by `skew`.
-  int experts = 4;
-  int top_k = 2;
-  double capacity_factor = 1.25;
-  double skew = 0;
-  std::string broken{};  // a deliberate bug the tests use to see the lesson's check fail
-  // The hardware, from the profile, for MFU and for saying whether a tp group fits in a node (0: unknown).
-  double peak_tflops_16bit = 0, peak_tflops_fp32 = 0;
-  int gpus_per_node = 0;
+  bool quiet = false;  // fewer lines of output; not part of the run's identity
 };
 
-using LessonFn = std::function<void(Rank&, const Options&)>;
-
-// One option a lesson reads: its name as the command line spells it without the dashes ("batch",
-// "world"), its value for this lesson as typed ("128"; "true" for a flag), and one line on what it does.
-struct LessonOption {
-  std::string name;
+// One option of the lecture's own setup of a lesson (--lecture): the flag, its value, and a note help
+// prints beside it ("" for none).
+struct LectureSetting {
+  std::string flag;
   std::string value;
-  std::string help;
+  std::string note;
+};
+
+// A lesson with its options read: what a backend launches.
+struct PreparedLesson {
+  int world = 0;
+  // The options that are part of the run's identity (all but --world, which the report holds itself),
+  // as the lesson's table writes them: RunReport::options.
+  Settings record;
+  std::function<void(Rank&)> program;
 };
 
 struct Lesson {
   std::string name;
   std::string summary;
-  LessonFn fn;
-  // What `ranklab run NAME --help` lists, with the defaults `run` gives this lesson.
-  std::vector<LessonOption> options{};
+  // Its options as declared, with its defaults: --world first, --quiet last.
+  std::vector<OptionSpec> options;
   // What --lecture sets: the lecture's own setup of this lesson.
-  std::vector<LessonOption> lecture{};
+  std::vector<LectureSetting> lecture;
+  // Reads `settings` (any of the lesson's options, as text; the others keep their defaults) into the
+  // lesson's struct. UsageError naming the lesson and the flag for an option it does not have or a value
+  // its declaration refuses.
+  std::function<PreparedLesson(const Settings&)> prepare;
+  // The settings an option with a value sets besides itself (`--model gpt3-175b` fills the shape); empty
+  // for an option that expands to nothing. UsageError for a value it does not know.
+  std::function<Settings(const std::string& flag, const std::string& value)> expand;
+
+  const OptionSpec* option(const std::string& flag) const;
 };
 
+// --break: a lesson's deliberate bugs, each a mistake the lesson's own check must catch. Declared with the
+// lesson's other options, so that help lists them and a wrong name is refused with the list.
+template <class O, class C>
+Option<O> break_option(std::string C::*member, std::vector<std::string> bugs) {
+  return Option<O>("break", member, "a deliberate bug, to see the lesson's own check catch it")
+      .choices(std::move(bugs));
+}
+
 // Registers at static-initialisation time; returns true so it can initialise a namespace-scope bool.
+// `table` declares the members of O that `fn` reads; --world (if the table leaves it out) and --quiet
+// are added to it.
+template <class O>
+bool register_lesson(std::string name, std::string summary, void (*fn)(Rank&, const O&), OptionTable<O> table,
+                     std::vector<LectureSetting> lecture = {});
+bool register_lesson(std::string name, std::string summary, void (*fn)(Rank&, const LessonOptions&));
 bool register_lesson(Lesson lesson);
+
 // Lessons in registration order of the tour (collectives first), then by name.
 std::vector<Lesson> lessons();
 // The lesson called `name`, or UsageError listing the ones there are.
 const Lesson& find_lesson(const std::string& name);
 
+// The settings a run of `lesson` reads, each source over the one before: with `lecture` the lecture's
+// setup; then what the options set so far expand to (Lesson::expand); then `given` (the command line),
+// and what `given` expands to under `given` itself.
+Settings resolve_settings(const Lesson& lesson, const Settings& given, bool lecture);
+
 class Backend;
 struct RunReport;
-// Runs lesson `name` on `backend` with `options.world` ranks and names the lesson in the report.
-RunReport run_lesson(Backend& backend, const std::string& name, const Options& options);
+// Runs lesson `name` on `backend` with `settings` over its defaults; names the lesson in the report and
+// records its identity options there (RunReport::options). UsageError for options the lesson refuses.
+RunReport run_lesson(Backend& backend, const std::string& name, const Settings& settings = {});
 
-#define RANKLAB_LESSON(name, summary, fn) \
-  static const bool ranklab_lesson_registered_##fn = ::ranklab::register_lesson({name, summary, fn})
-// The same, with the lesson's options (std::vector<LessonOption>) and the lecture's setup.
-#define RANKLAB_LESSON_WITH_OPTIONS(name, summary, fn, options, lecture) \
-  static const bool ranklab_lesson_registered_##fn =                     \
-      ::ranklab::register_lesson({name, summary, fn, options, lecture})
-
-// `given` with the lesson's defaults for every option the command line did not set (`set` holds the
-// names it did), and with --lecture the lecture's setup over those defaults. UsageError for a value that
-// does not parse.
-Options with_lesson_defaults(const Lesson& lesson, const Options& given, const std::vector<std::string>& set,
-                             bool lecture);
 // What `ranklab run NAME --help` prints.
 std::string lesson_help(const Lesson& lesson);
+
+#define RANKLAB_LESSON(name, summary, fn, ...)       \
+  static const bool ranklab_lesson_registered_##fn = \
+      ::ranklab::register_lesson(name, summary, fn __VA_OPT__(, ) __VA_ARGS__)
+
+// ---- implementation -------------------------------------------------------------------------------------
+
+// A lesson's table as the registry keeps it: --world first (the lesson's declaration, or one with a plain
+// help) and at least one rank, --quiet last.
+template <class O>
+OptionTable<O> lesson_table(OptionTable<O> table) {
+  OptionTable<O> out{Option<O>("world", &LessonOptions::world, "ranks")};
+  out.add(table.options());
+  const Option<O>* world = out.find("world");
+  if (!world->spec().min) out.add({Option<O>(*world).at_least(1)});
+  if (out.find("quiet") == nullptr) {
+    out.add({Option<O>("quiet", &LessonOptions::quiet, "print less").not_identity()});
+  }
+  return out;
+}
+
+template <class O>
+bool register_lesson(std::string name, std::string summary, void (*fn)(Rank&, const O&), OptionTable<O> table,
+                     std::vector<LectureSetting> lecture) {
+  static_assert(std::is_base_of_v<LessonOptions, O>, "a lesson's options struct derives from LessonOptions");
+  auto full = std::make_shared<const OptionTable<O>>(lesson_table(std::move(table)));
+  Lesson l;
+  l.name = name;
+  l.summary = std::move(summary);
+  l.options = full->specs();
+  l.lecture = std::move(lecture);
+  l.prepare = [full, fn, name](const Settings& settings) {
+    auto o = std::make_shared<const O>(full->read(settings, name));
+    PreparedLesson p;
+    p.world = o->world;
+    p.record = full->write(*o, /*identity_only=*/true);
+    p.record.erase("world");
+    p.program = [o, fn](Rank& r) { fn(r, *o); };
+    return p;
+  };
+  l.expand = [full](const std::string& flag, const std::string& value) {
+    const Option<O>* opt = full->find(flag);
+    return opt != nullptr && opt->expansion() ? opt->expansion()(value) : Settings{};
+  };
+  return register_lesson(std::move(l));
+}
 
 }  // namespace ranklab

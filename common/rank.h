@@ -1,6 +1,6 @@
 // Rank: everything an SPMD lesson can do, named after torch.distributed.
 //
-// A lesson is one function `void lesson(Rank& r, const Options& o)` that every rank runs. The same
+// A lesson is one function `void lesson(Rank& r, const MyOptions& o)` that every rank runs. The same
 // function runs on the simulator (ranks are fibers, time is virtual) and on the real backend (ranks are
 // GPUs). The semantics follow CUDA + NCCL so that what a lesson teaches is true on GPUs:
 //
@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/profile.h"
 #include "common/tensor.h"
 #include "common/training.h"
 
@@ -341,6 +342,15 @@ class Rank {
   // them on the GPU, microseconds: the simulator's model of their shared SMs and HBM (docs/model.md). A
   // real GPU does not report it: 0 there.
   virtual double comm_slowed_compute_us() { return 0; }
+
+  // ---- the hardware ---------------------------------------------------------------------------------
+  // The machine this rank's time is modelled on (the simulator) or that the run names to be compared
+  // with (the real backend): its GPU's peak rates, its GPUs per node.
+  virtual const Profile& profile() const = 0;
+  // The algorithm and protocol ("ring/simple") this backend runs a collective `op` of `bytes` over the
+  // whole world with (root `root` for the rooted ones), as NCCL would choose them; "" where the backend
+  // cannot say (NCCL does not report its choice).
+  virtual std::string collective_algorithm(CommOp /*op*/, std::int64_t /*bytes*/, int /*root*/) { return ""; }
 
   // ---- memory ---------------------------------------------------------------------------------------
   virtual std::int64_t memory_allocated() const = 0;  // bytes held by live tensors of this rank

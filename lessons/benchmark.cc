@@ -31,8 +31,17 @@ namespace {
 
 constexpr std::int64_t kFloat = 4;  // bytes of a float32
 
-std::string algorithm_of(const Options& o, CommOp op, std::int64_t bytes, int world, int root) {
-  return o.comm_algorithm ? o.comm_algorithm(op, bytes, world, root) : std::string("-");
+struct BenchmarkOptions : LessonOptions {
+  std::int64_t count = 100'000'000;  // float32 elements of the timed collective
+  bool wrong_order = false;          // barrier() before synchronize()
+  bool sweep = false;                // nccl-tests' table of --op from 8 B to 16 GiB
+  std::string op = "all_reduce";     // the collective --sweep times
+};
+
+// The algorithm the backend runs a collective of the world with, where it can say.
+std::string algorithm_of(Rank& r, CommOp op, std::int64_t bytes, int root) {
+  const std::string name = r.collective_algorithm(op, bytes, root);
+  return name.empty() ? "-" : name;
 }
 
 CommOp parse_op(const std::string& name) {
@@ -170,7 +179,7 @@ std::function<void()> uneven_work(Rank& r) {
   };
 }
 
-void lecture(Rank& r, const Options& o) {
+void lecture(Rank& r, const BenchmarkOptions& o) {
   const int w = r.world_size();
   const bool me = r.rank() == 0;
   if (o.op != "all_reduce") {
@@ -230,7 +239,7 @@ void lecture(Rank& r, const Options& o) {
     r.print(fmt::format(
         "{} of {}{} [{}]", comm_op_name(x.op), format_bytes(x.size_bytes),
         ar ? "" : fmt::format(" in (W x {} per rank), {} out", format_bytes(size), format_bytes(size)),
-        algorithm_of(o, x.op, static_cast<std::int64_t>(x.size_bytes), w, -1)));
+        algorithm_of(r, x.op, static_cast<std::int64_t>(x.size_bytes), -1)));
     r.print(fmt::format("  duration {:.3f} ms", x.time_us / 1e3));
     auto row = [&](const std::string& what, double gbps, const std::string& note) {
       r.print(fmt::format("  {:<58} = {:7.1f} GB/s  {}", what, gbps, note));
@@ -293,7 +302,7 @@ void lecture(Rank& r, const Options& o) {
   }
 }
 
-void sweep(Rank& r, const Options& o) {
+void sweep(Rank& r, const BenchmarkOptions& o) {
   const int w = r.world_size();
   const CommOp op = parse_op(o.op);
   const bool me = r.rank() == 0;
@@ -322,11 +331,11 @@ void sweep(Rank& r, const Options& o) {
     const double algbw = t_us > 0 ? static_cast<double>(bytes) / (t_us * 1e3) : 0;
     r.print(fmt::format("  {:>12} {:>13} {:>9} {:>6} {:>5} {:>10.2f} {:>8.2f} {:>8.2f}  {}", bytes, count,
                         "float", reduces(op) ? "sum" : "none", rooted(op) ? 0 : -1, t_us, algbw,
-                        algbw * bus_factor(op, w), algorithm_of(o, op, bytes, w, rooted(op) ? 0 : -1)));
+                        algbw * bus_factor(op, w), algorithm_of(r, op, bytes, rooted(op) ? 0 : -1)));
   }
 }
 
-void benchmark(Rank& r, const Options& o) {
+void benchmark(Rank& r, const BenchmarkOptions& o) {
   check_numerics(r);
   if (o.sweep) {
     sweep(r, o);
@@ -337,19 +346,23 @@ void benchmark(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks"},
-    {"count", "100000000",
-     "float32 elements of the timed all_reduce (381 MiB, the lecture's \"400 MB\" of 1e8 floats)"},
-    {"wrong-order", "false", "barrier() before synchronize(): see what that measures"},
-    {"sweep", "false", "nccl-tests' table of --op from 8 B to 16 GiB instead"},
-    {"op", "all_reduce", "with --sweep: the collective to time"},
+using O = BenchmarkOptions;
+const OptionTable<O> kOptions = {
+    {"world", &O::world, "ranks"},
+    Option<O>("count", &O::count,
+              "float32 elements of the timed all_reduce (381 MiB, the lecture's \"400 MB\" of 1e8 floats)")
+        .at_least(1)
+        .ignored_with("sweep", "which times every size from 8 B to 16 GiB"),
+    {"wrong-order", &O::wrong_order, "barrier() before synchronize(): see what that measures"},
+    {"sweep", &O::sweep, "nccl-tests' table of --op from 8 B to 16 GiB instead"},
+    Option<O>("op", &O::op, "with --sweep: the collective to time")
+        .choices({"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
+                  "scatter", "gather"}),
 };
-const std::vector<LessonOption> kLecture = {{"world", "4", ""}, {"count", "100000000", ""}};
+const std::vector<LectureSetting> kLecture = {{"world", "4", ""}, {"count", "100000000", ""}};
 
-RANKLAB_LESSON_WITH_OPTIONS(
-    "benchmark",
-    "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table", benchmark,
-    kOptions, kLecture);
+RANKLAB_LESSON("benchmark",
+               "time collectives as the lecture does: duration, algbw, busbw; --sweep for nccl-tests' table",
+               benchmark, kOptions, kLecture);
 
 }  // namespace ranklab

@@ -72,9 +72,8 @@ void heading(Rank& r, const std::string& title, const std::string& why) {
   r.print(why);
 }
 
-void collectives(Rank& r, const Options& o) {
+void collectives(Rank& r, const LessonOptions&) {
   const int w = r.world_size(), me = r.rank();
-  (void)o;
   if (me == 0) {
     r.print(fmt::format(
         "Collectives on {} ranks. Each rank is one GPU; every line below is one rank's tensor.", w));
@@ -241,11 +240,11 @@ void collectives(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: every line of output is one rank's tensor"}};
-const std::vector<LessonOption> kLecture = {{"world", "4", "the lecture's examples"}};
+const OptionTable<LessonOptions> kOptions = {
+    {"world", &LessonOptions::world, "ranks: every line of output is one rank's tensor"}};
+const std::vector<LectureSetting> kLecture = {{"world", "4", "the lecture's examples"}};
 
-RANKLAB_LESSON_WITH_OPTIONS("collectives", "every collective of the lecture on real numbers, checked",
-                            collectives, kOptions, kLecture);
+RANKLAB_LESSON("collectives", "every collective of the lecture on real numbers, checked", collectives,
+               kOptions, kLecture);
 
 }  // namespace ranklab

@@ -81,17 +81,15 @@ class GradBuckets {
   std::vector<Bucket> buckets_;
 };
 
-void data_parallel(Rank& r, const Options& o) {
-  mlp::validate(o, "data_parallel");
-  mlp::check_broken(o, "data_parallel", {"sum", "no-all-reduce"});
+struct DataParallelOptions : mlp::TrainingOptions {
+  bool overlap = false;   // all-reduce gradients in buckets during backward
+  double bucket_mb = 25;  // DDP's bucket_cap_mb
+};
+
+void data_parallel(Rank& r, const DataParallelOptions& o) {
   // --break sum: Sum instead of Avg (every gradient world times too large); no-all-reduce: none at all.
   const ReduceOp grad_op = o.broken == "sum" ? ReduceOp::Sum : ReduceOp::Avg;
   const bool reduce_grads = o.broken != "no-all-reduce";
-  // A bucket must hold something: 0, a negative size or NaN would make a bucket per gradient or none.
-  if (!(o.bucket_mb > 0) || o.bucket_mb > 1024 * 1024) {
-    throw UsageError(fmt::format(
-        "data_parallel: --bucket-mb must be more than 0 and at most 1048576 (got {})", o.bucket_mb));
-  }
   const int world = r.world_size(), rank = r.rank();
   // The lecture's constraints: every rank needs at least one sample, and equal slices need a batch that is
   // a multiple of the world size (otherwise the batch would be padded).
@@ -242,23 +240,25 @@ void data_parallel(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: each trains on batch/world samples"},
-    {"batch", "32", "global batch size (samples per step, all ranks together)"},
-    {"dim", "64", "model width: every layer is dim x dim"},
-    {"layers", "4", "number of layers"},
-    {"steps", "3", "training steps, each checked against one device"},
-    {"lr", "0.01", "learning rate"},
-    {"optimizer", "sgd", "sgd or adamw"},
-    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
-    {"overlap", "false", "all-reduce gradients in buckets during backward (DDP)"},
-    {"bucket-mb", "25", "with --overlap: gradient bucket size in MiB (DDP's bucket_cap_mb)"},
-};
-const std::vector<LessonOption> kLecture = {
+using O = DataParallelOptions;
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .add({
+            {"world", &O::world, "ranks: each trains on batch/world samples"},
+            {"overlap", &O::overlap, "all-reduce gradients in buckets during backward (DDP)"},
+            // A bucket must hold something: 0 or a negative size would make a bucket per gradient or none.
+            Option<O>("bucket-mb", &O::bucket_mb,
+                      "with --overlap: gradient bucket size (DDP's bucket_cap_mb)")
+                .unit("MiB")
+                .above(0)
+                .at_most(1024 * 1024),
+            break_option<O>(&O::broken, {"sum", "no-all-reduce"}),
+        });
+const std::vector<LectureSetting> kLecture = {
     {"world", "4", ""}, {"batch", "128", ""}, {"dim", "1024", ""}, {"layers", "4", ""}};
 
-RANKLAB_LESSON_WITH_OPTIONS("data_parallel",
-                            "split the batch, all_reduce(Avg) the gradients; --overlap hides it in backward",
-                            data_parallel, kOptions, kLecture);
+RANKLAB_LESSON("data_parallel",
+               "split the batch, all_reduce(Avg) the gradients; --overlap hides it in backward",
+               data_parallel, kOptions, kLecture);
 
 }  // namespace ranklab

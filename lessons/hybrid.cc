@@ -38,7 +38,21 @@ struct Result {
   double worst = 0, relative = 0;
 };
 
-Result train(Rank& r, const Options& o, const parallel::Layout& layout) {
+struct HybridOptions : mlp::TrainingOptions {
+  int tp = 4, pp = 2;
+  int dp = 0;                      // 0: world / (tp pp)
+  std::string order = "tp-dp-pp";  // the process-group layout, innermost first
+  int micro_batches = 4;
+  HybridOptions() {
+    world = 16;
+    batch = 64;
+    dim = 256;
+    layers = 8;
+    steps = 2;
+  }
+};
+
+Result train(Rank& r, const HybridOptions& o, const parallel::Layout& layout) {
   const parallel::Groups g = parallel::make_groups(r, layout);
   const int tp = layout.tp, pp = layout.pp, dp = layout.dp, m = o.micro_batches;
   const int per = o.layers / pp, first = g.me.pp * per;
@@ -146,12 +160,10 @@ Result train(Rank& r, const Options& o, const parallel::Layout& layout) {
   return res;
 }
 
-void hybrid(Rank& r, const Options& o) {
-  mlp::validate(o, "hybrid");
-  mlp::check_broken(o, "hybrid", {"no-tp-backward", "dp-sum"});
+void hybrid(Rank& r, const HybridOptions& o) {
   parallel::validate_order(o.order);
   const int world = r.world_size();
-  if (o.tp < 1 || o.pp < 1 || world % (o.tp * o.pp) != 0 || (o.dp > 0 && o.dp * o.tp * o.pp != world)) {
+  if (world % (o.tp * o.pp) != 0 || (o.dp > 0 && o.dp * o.tp * o.pp != world)) {
     throw UsageError(
         fmt::format("hybrid: --tp {} x --pp {} x --dp {} must be --world {} (--dp 0: world / (tp pp))", o.tp,
                     o.pp, o.dp, world));
@@ -168,7 +180,7 @@ void hybrid(Rank& r, const Options& o) {
         fmt::format("hybrid: --layers {} must divide by 2 x --pp {}: each stage holds whole column-row pairs",
                     o.layers, o.pp));
   }
-  if (o.micro_batches < 1 || o.batch % (layout.dp * o.micro_batches) != 0) {
+  if (o.batch % (layout.dp * o.micro_batches) != 0) {
     throw UsageError(fmt::format("hybrid: --batch {} must divide by dp {} x --micro-batches {}", o.batch,
                                  layout.dp, o.micro_batches));
   }
@@ -183,7 +195,7 @@ void hybrid(Rank& r, const Options& o) {
     if (r.rank() == 0) {
       r.print(fmt::format("hybrid: tp {} x dp {} x pp {} = {} ranks; {}; {} micro-batches of {}", l.tp, l.dp,
                           l.pp, world, mlp::describe(o), o.micro_batches, o.batch / l.dp / o.micro_batches));
-      for (const std::string& line : parallel::describe_groups(l, o.gpus_per_node)) r.print(line);
+      for (const std::string& line : parallel::describe_groups(l, r.profile().gpus_per_node)) r.print(line);
     }
     results.push_back(train(r, o, l));
   }
@@ -235,24 +247,21 @@ void hybrid(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "16", "ranks: tp x dp x pp (with --nodes, e.g. 2 nodes of 8 GPUs)"},
-    {"tp", "4", "tensor-parallel ranks: each layer pair split over them"},
-    {"pp", "2", "pipeline stages: each holds layers/pp layers"},
-    {"dp", "0", "data-parallel replicas (0: world / (tp pp))"},
-    {"order", "tp-dp-pp", "process-group layout, innermost first; the lesson also runs it reversed"},
-    {"batch", "64", "global batch size (samples per step, all ranks together)"},
-    {"dim", "256", "model width: every layer is dim x dim"},
-    {"layers", "8", "number of layers (a multiple of 2 pp)"},
-    {"micro-batches", "4", "micro-batches per dp rank's batch"},
-    {"steps", "2", "training steps, each checked against one device"},
-    {"lr", "0.01", "learning rate"},
-    {"optimizer", "sgd", "sgd or adamw"},
-    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
-};
+using O = HybridOptions;
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .add({
+            {"world", &O::world, "ranks: tp x dp x pp (with --nodes, e.g. 2 nodes of 8 GPUs)"},
+            Option<O>("tp", &O::tp, "tensor-parallel ranks: each layer pair split over them").at_least(1),
+            Option<O>("pp", &O::pp, "pipeline stages: each holds layers/pp layers").at_least(1),
+            Option<O>("dp", &O::dp, "data-parallel replicas (0: world / (tp pp))").at_least(0),
+            {"order", &O::order, "process-group layout, innermost first; the lesson also runs it reversed"},
+            Option<O>("layers", &O::layers, "number of layers (a multiple of 2 pp)").at_least(1),
+            Option<O>("micro-batches", &O::micro_batches, "micro-batches per dp rank's batch").at_least(1),
+            break_option<O>(&O::broken, {"no-tp-backward", "dp-sum"}),
+        });
 
-RANKLAB_LESSON_WITH_OPTIONS("hybrid",
-                            "TP in a node, DP across nodes, PP across groups: and the layout reversed",
-                            hybrid, kOptions, {});
+RANKLAB_LESSON("hybrid", "TP in a node, DP across nodes, PP across groups: and the layout reversed", hybrid,
+               kOptions);
 
 }  // namespace ranklab

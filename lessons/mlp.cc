@@ -28,26 +28,7 @@ float weight_std(std::int64_t dim) {
 
 // ---- options --------------------------------------------------------------------------------------------
 
-void validate(const Options& o, const std::string& lesson) {
-  auto fail = [&](const std::string& why) { throw UsageError(fmt::format("{}: {}", lesson, why)); };
-  if (o.batch < 1) fail(fmt::format("--batch must be at least 1 (got {})", o.batch));
-  if (o.dim < 1) fail(fmt::format("--dim must be at least 1 (got {})", o.dim));
-  if (o.layers < 1) fail(fmt::format("--layers must be at least 1 (got {})", o.layers));
-  if (o.steps < 1) fail(fmt::format("--steps must be at least 1 (got {})", o.steps));
-  if (!(o.lr > 0) || !std::isfinite(o.lr))
-    fail(fmt::format("--lr must be positive and finite (got {})", o.lr));
-  if (o.optimizer != "sgd" && o.optimizer != "adamw") {
-    fail(fmt::format("--optimizer must be sgd or adamw (got '{}')", o.optimizer));
-  }
-}
-
-void check_broken(const Options& o, const std::string& lesson, const std::vector<std::string>& bugs) {
-  if (o.broken.empty() || std::find(bugs.begin(), bugs.end(), o.broken) != bugs.end()) return;
-  throw UsageError(
-      fmt::format("{}: --break must be {} (got '{}')", lesson, fmt::join(bugs, " or "), o.broken));
-}
-
-std::string describe(const Options& o) {
+std::string describe(const TrainingOptions& o) {
   return fmt::format("{} layers of {} x {}, batch {}, {} lr {}, {} step{}{}", o.layers, o.dim, o.dim, o.batch,
                      o.optimizer, o.lr, o.steps, o.steps == 1 ? "" : "s",
                      o.phantom ? ", phantom tensors" : "");
@@ -55,7 +36,7 @@ std::string describe(const Options& o) {
 
 // ---- the numbers ------------------------------------------------------------------------------------------
 
-Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t count) {
+Tensor make_samples(Rank& r, const TrainingOptions& o, std::int64_t first, std::int64_t count) {
   if (o.phantom) return r.phantom({count, o.dim});
   std::vector<Tensor> rows;
   rows.reserve(count);
@@ -63,12 +44,13 @@ Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t 
   return rows.size() == 1 ? rows[0] : r.cat(rows, 0);
 }
 
-Tensor make_weight(Rank& r, const Options& o, int layer) {
+Tensor make_weight(Rank& r, const TrainingOptions& o, int layer) {
   if (o.phantom) return r.phantom({o.dim, o.dim});
   return r.randn({o.dim, o.dim}, kWeightSeed + layer, weight_std(o.dim));
 }
 
-Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols) {
+Tensor make_weight_columns(Rank& r, const TrainingOptions& o, int layer, std::int64_t first_col,
+                           std::int64_t cols) {
   if (o.phantom) return r.phantom({o.dim, cols});
   const float std = weight_std(o.dim);
   std::vector<float> v(o.dim * cols);
@@ -81,7 +63,8 @@ Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t fi
   return r.from_host({o.dim, cols}, v);
 }
 
-Tensor make_weight_rows(Rank& r, const Options& o, int layer, std::int64_t first_row, std::int64_t rows) {
+Tensor make_weight_rows(Rank& r, const TrainingOptions& o, int layer, std::int64_t first_row,
+                        std::int64_t rows) {
   if (o.phantom) return r.phantom({rows, o.dim});
   return r.randn_slice({o.dim, o.dim}, 0, first_row, rows, kWeightSeed + layer, weight_std(o.dim),
                        DType::Float32);
@@ -106,18 +89,18 @@ Tensor output_sum(Rank& r, const Tensor& y) {
   return r.sum(y);
 }
 
-Tensor loss_grad(Rank& r, const Options& o, const Shape& s, std::int64_t batch) {
+Tensor loss_grad(Rank& r, const TrainingOptions& o, const Shape& s, std::int64_t batch) {
   if (o.phantom) return r.phantom(s);
   return r.full(s, 1.0f / static_cast<float>(batch));
 }
 
-Tensor buffer(Rank& r, const Options& o, const Shape& s) {
+Tensor buffer(Rank& r, const TrainingOptions& o, const Shape& s) {
   return o.phantom ? r.phantom(s) : r.empty(s);
 }
 
 // ---- the optimizer ----------------------------------------------------------------------------------------
 
-Optimizer::Optimizer(Rank& r, const Options& o, std::vector<Tensor> params)
+Optimizer::Optimizer(Rank& r, const TrainingOptions& o, std::vector<Tensor> params)
     : r_(r), params_(std::move(params)), adamw_(o.optimizer == "adamw") {
   hyper_.lr = static_cast<float>(o.lr);
   if (!adamw_) return;
@@ -236,7 +219,7 @@ std::vector<float> to_float(const Matrix& m) {
 // computed in double; beside every value, a bound on how far a float32 training can be from it.
 class Training {
  public:
-  explicit Training(const Options& o);
+  explicit Training(const TrainingOptions& o);
   void step();
   double loss() const { return loss_; }
   double loss_bound() const { return loss_bound_; }
@@ -249,7 +232,7 @@ class Training {
   void adamw(int l);
   void sgd(int l);
 
-  Options o_;
+  TrainingOptions o_;
   Matrix x_;  // the batch, row-major batch x dim
   std::vector<Matrix> weights_, grads_, m_, v_;
   std::vector<Matrix> weight_bounds_, grad_bounds_, m_bounds_, v_bounds_;
@@ -259,7 +242,7 @@ class Training {
 
 }  // namespace
 
-Training::Training(const Options& o) : o_(o) {
+Training::Training(const TrainingOptions& o) : o_(o) {
   const std::int64_t d = o.dim;
   const float std = weight_std(d);
   for (int l = 0; l < o.layers; ++l) {
@@ -448,7 +431,7 @@ std::shared_ptr<const Reference::Result> snapshot(const Training& t) {
 // One training for every rank's reference. Step k's result is kept until every rank that shares the
 // training has taken it; a rank keeps the result of its last step for as long as it needs it.
 struct Reference::Shared {
-  explicit Shared(const Options& o) : training(o), initial(snapshot(training)) {}
+  explicit Shared(const TrainingOptions& o) : training(o), initial(snapshot(training)) {}
 
   // One reference fewer waits for result k: it took it, or it is gone.
   void release_one(size_t k) {
@@ -480,7 +463,7 @@ struct Reference::Shared {
 namespace {
 // The trainings in use, by the options that decide the numbers. A run's ranks all make their reference
 // before its first step, so they find each other here; when the last one is gone, so is the training.
-std::shared_ptr<Reference::Shared> shared_training(const Options& o) {
+std::shared_ptr<Reference::Shared> shared_training(const TrainingOptions& o) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<Reference::Shared>> trainings;
   const std::string key =
@@ -504,7 +487,8 @@ std::shared_ptr<Reference::Shared> shared_training(const Options& o) {
 }
 }  // namespace
 
-Reference::Reference(const Options& o) : dim_(o.dim), shared_(shared_training(o)), now_(shared_->initial) {}
+Reference::Reference(const TrainingOptions& o)
+    : dim_(o.dim), shared_(shared_training(o)), now_(shared_->initial) {}
 
 Reference::~Reference() {
   std::lock_guard<std::mutex> lock(shared_->mu);
@@ -716,7 +700,7 @@ std::string format_memory(const Memory& m) {
                      format_bytes(m.total()));
 }
 
-std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes) {
+std::int64_t optimizer_bytes(const TrainingOptions& o, std::int64_t param_bytes) {
   return o.optimizer == "adamw" ? 2 * param_bytes : 0;
 }
 
@@ -761,7 +745,7 @@ bool print_memory_plan(Rank& r, const std::string& who, const Memory& m) {
 
 // ---- RunSummary -------------------------------------------------------------------------------------------
 
-RunSummary::RunSummary(Rank& r, const Options& o, std::string lesson)
+RunSummary::RunSummary(Rank& r, const TrainingOptions& o, std::string lesson)
     : r_(r), o_(o), lesson_(std::move(lesson)), peak_(r) {
   if (!o.phantom) ref_ = std::make_unique<Reference>(o);
 }

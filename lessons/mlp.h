@@ -27,14 +27,35 @@ namespace ranklab::mlp {
 
 // ---- options --------------------------------------------------------------------------------------------
 
-// The checks every lesson shares (positive sizes, a known optimizer); throws UsageError naming the option.
-void validate(const Options& o, const std::string& lesson);
-// The hidden --break: a deliberate bug the tests use to see the lesson's own check fail. UsageError unless
-// it is empty or one of `bugs`.
-void check_broken(const Options& o, const std::string& lesson, const std::vector<std::string>& bugs);
+// What every lesson that trains the MLP reads besides its own options.
+struct TrainingOptions : LessonOptions {
+  std::int64_t batch = 32;  // samples per step, all ranks together
+  std::int64_t dim = 64;    // every layer is dim x dim
+  int layers = 4;
+  int steps = 3;
+  double lr = 0.01;
+  std::string optimizer = "sgd";  // sgd | adamw
+  bool phantom = false;           // time the lesson at its size without numbers (no check)
+  std::string broken;             // --break: a deliberate bug the lesson's check must catch
+};
+
+// The declarations of TrainingOptions' members for the table of a lesson whose options derive from it
+// (--break excepted: each lesson declares its own bugs). A lesson declares one again to say more of it.
+template <class O>
+std::vector<Option<O>> training_options() {
+  return {
+      Option<O>("batch", &O::batch, "global batch size (samples per step, all ranks together)").at_least(1),
+      Option<O>("dim", &O::dim, "model width: every layer is dim x dim").at_least(1),
+      Option<O>("layers", &O::layers, "number of layers").at_least(1),
+      Option<O>("steps", &O::steps, "training steps, each checked against one device").at_least(1),
+      Option<O>("lr", &O::lr, "learning rate").above(0),
+      Option<O>("optimizer", &O::optimizer, "the optimizer").choices({"sgd", "adamw"}),
+      Option<O>("phantom", &O::phantom, "time the lesson at its size without numbers (no check)"),
+  };
+}
 
 // "4 layers of 64 x 64, batch 32, sgd lr 0.01, 3 steps"
-std::string describe(const Options& o);
+std::string describe(const TrainingOptions& o);
 
 // ---- the numbers ------------------------------------------------------------------------------------------
 // Every number is a pure function of a seed (Rank::randn is counter-based), so any rank can make any part
@@ -43,17 +64,19 @@ std::string describe(const Options& o);
 
 // Samples [first, first + count) of the batch, one row each. Sample i has its own seed, like a file a data
 // loader reads, so a rank makes only the samples it trains on.
-Tensor make_samples(Rank& r, const Options& o, std::int64_t first, std::int64_t count);
+Tensor make_samples(Rank& r, const TrainingOptions& o, std::int64_t first, std::int64_t count);
 // Layer `layer`'s weight, dim x dim, normal with He's standard deviation sqrt(2 / dim), which keeps the
 // size of the activations steady through relu layers.
-Tensor make_weight(Rank& r, const Options& o, int layer);
+Tensor make_weight(Rank& r, const TrainingOptions& o, int layer);
 // Columns [first_col, first_col + cols) of layer `layer`'s weight, dim x cols, with the same numbers as
 // those columns of make_weight's; only the slice is made (on the host, then copied to the device), as a
 // framework reads only its shard from a checkpoint.
-Tensor make_weight_columns(Rank& r, const Options& o, int layer, std::int64_t first_col, std::int64_t cols);
+Tensor make_weight_columns(Rank& r, const TrainingOptions& o, int layer, std::int64_t first_col,
+                           std::int64_t cols);
 
 // Rows [first_row, first_row + rows) of layer `layer`'s weight, rows x dim, with make_weight's numbers.
-Tensor make_weight_rows(Rank& r, const Options& o, int layer, std::int64_t first_row, std::int64_t rows);
+Tensor make_weight_rows(Rank& r, const TrainingOptions& o, int layer, std::int64_t first_row,
+                        std::int64_t rows);
 
 // ---- one layer, forward and backward by hand --------------------------------------------------------------
 
@@ -74,9 +97,9 @@ LayerGrads backward_layer(Rank& r, const Tensor& x, const Tensor& y, const Tenso
 // sum(y), a scalar; the lessons divide by the batch on the host when they print it.
 Tensor output_sum(Rank& r, const Tensor& y);
 // d loss / d y, of shape `s`, when the loss is a mean over `batch` samples: 1 / batch everywhere.
-Tensor loss_grad(Rank& r, const Options& o, const Shape& s, std::int64_t batch);
+Tensor loss_grad(Rank& r, const TrainingOptions& o, const Shape& s, std::int64_t batch);
 // A tensor to receive into: empty, or phantom with --phantom.
-Tensor buffer(Rank& r, const Options& o, const Shape& s);
+Tensor buffer(Rank& r, const TrainingOptions& o, const Shape& s);
 
 // ---- the optimizer ----------------------------------------------------------------------------------------
 
@@ -85,7 +108,7 @@ Tensor buffer(Rank& r, const Options& o, const Shape& s);
 // before training rather than in the middle of a step.
 class Optimizer {
  public:
-  Optimizer(Rank& r, const Options& o, std::vector<Tensor> params);
+  Optimizer(Rank& r, const TrainingOptions& o, std::vector<Tensor> params);
   void step(const std::vector<Tensor>& grads);
 
  private:
@@ -110,7 +133,7 @@ class Optimizer {
 // thread per GPU).
 class Reference {
  public:
-  explicit Reference(const Options& o);
+  explicit Reference(const TrainingOptions& o);
   ~Reference();
   Reference(const Reference&) = delete;
   Reference& operator=(const Reference&) = delete;
@@ -230,7 +253,7 @@ inline std::int64_t f32_bytes(std::int64_t n) {
   return 4 * n;
 }
 // Optimizer state for `param_bytes` of parameters: AdamW keeps two moments, SGD nothing.
-std::int64_t optimizer_bytes(const Options& o, std::int64_t param_bytes);
+std::int64_t optimizer_bytes(const TrainingOptions& o, std::int64_t param_bytes);
 
 // When the host was still launching the step's kernels almost until the device finished them (`launched_us`
 // of `step_us`), the device spent the step waiting for launches, not computing: a line that says so, and
@@ -257,7 +280,7 @@ bool print_memory_plan(Rank& r, const std::string& who, const Memory& m);
 class RunSummary {
  public:
   // `lesson` names the checks: "<lesson> step <n>: ...".
-  RunSummary(Rank& r, const Options& o, std::string lesson);
+  RunSummary(Rank& r, const TrainingOptions& o, std::string lesson);
   ~RunSummary();
   RunSummary(const RunSummary&) = delete;
   RunSummary& operator=(const RunSummary&) = delete;
@@ -303,7 +326,7 @@ class RunSummary {
 
  private:
   Rank& r_;
-  const Options& o_;
+  const TrainingOptions& o_;
   std::string lesson_;
   PeakMemory peak_;
   std::unique_ptr<Reference> ref_;

@@ -148,12 +148,26 @@ std::vector<double> logit_grads(const Routing& ro, const std::vector<double>& dg
   return d;
 }
 
+struct MoeOptions : mlp::TrainingOptions {
+  int experts = 4;                // a multiple of the world: expert parallelism
+  int top_k = 2;                  // experts each token is routed to
+  double capacity_factor = 1.25;  // an expert takes at most this times an even share of a rank's tokens
+  double skew = 0;                // added to the router's logit of expert 0
+  std::int64_t hidden = 32;       // each expert's hidden width
+  MoeOptions() {
+    batch = 64;
+    dim = 16;
+    steps = 2;
+    lr = 0.05;
+  }
+};
+
 // ---- the one-device reference --------------------------------------------------------------------------
 // The same layer over the whole batch, in double precision on the host: routing in groups of one rank's
 // tokens (GShard's groups: capacity is per group), then every expert on all of its tokens.
 class Reference {
  public:
-  Reference(const Shape3& s, const Options& o) : s_(s), o_(o) {
+  Reference(const Shape3& s, const MoeOptions& o) : s_(s), o_(o) {
     x_ = seeded(s.batch * s.dim, kTokenSeed, 1.0f);
     wr_ = seeded(s.dim * s.experts, kRouterSeed, router_std(s.dim));
     for (int e = 0; e < s.experts; ++e) {
@@ -268,7 +282,7 @@ class Reference {
   }
 
   Shape3 s_;
-  Options o_;
+  MoeOptions o_;
   std::vector<double> x_, wr_, dwr_;
   std::vector<std::vector<double>> w1_, w2_, dw1_, dw2_, adam_m_, adam_v_;
   double loss_ = 0;
@@ -315,9 +329,7 @@ Tensor rows_of(Rank& r, const std::vector<std::pair<Tensor, std::pair<std::int64
   return pieces.size() == 1 ? pieces[0] : r.cat(pieces, 0);
 }
 
-void moe(Rank& r, const Options& o) {
-  mlp::validate(o, "moe");
-  mlp::check_broken(o, "moe", {"no-gate", "no-router-all-reduce"});
+void moe(Rank& r, const MoeOptions& o) {
   const int world = r.world_size(), rank = r.rank();
   auto fail = [](const std::string& why) { throw UsageError("moe: " + why); };
   if (o.experts < world || o.experts % world != 0) {
@@ -325,17 +337,11 @@ void moe(Rank& r, const Options& o) {
         "--experts {} must be a multiple of --world {}: every rank holds the same number of experts",
         o.experts, world));
   }
-  if (o.top_k < 1 || o.top_k > 2 || o.top_k > o.experts) {
-    fail(fmt::format("--top-k must be 1 or 2 and at most --experts (got {})", o.top_k));
-  }
+  if (o.top_k > o.experts) fail(fmt::format("--top-k {} is more than --experts {}", o.top_k, o.experts));
   if (o.batch % world != 0) {
     fail(fmt::format("--batch {} must be a multiple of --world {}: every rank routes batch/world tokens",
                      o.batch, world));
   }
-  if (!(o.capacity_factor > 0) || !std::isfinite(o.capacity_factor)) {
-    fail(fmt::format("--capacity-factor must be positive (got {})", o.capacity_factor));
-  }
-  if (!std::isfinite(o.skew)) fail("--skew must be finite");
 
   Shape3 s;
   s.world = world;
@@ -644,25 +650,33 @@ void moe(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: experts are spread over them (expert parallelism)"},
-    {"experts", "4", "experts, a multiple of --world"},
-    {"top-k", "2", "experts per token (1: Switch Transformer, 2: GShard)"},
-    {"capacity-factor", "1.25", "an expert takes at most this times an even share of each rank's tokens"},
-    {"skew", "0", "added to the router's logit of expert 0: an unbalanced load"},
-    {"batch", "64", "tokens per step, all ranks together"},
-    {"dim", "16", "model width: experts map dim -> hidden -> dim"},
-    {"hidden", "32", "each expert's hidden width"},
-    {"steps", "2", "training steps, each checked against one device"},
-    {"lr", "0.05", "learning rate"},
-    {"optimizer", "sgd", "sgd or adamw"},
-    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
-};
-const std::vector<LessonOption> kLecture = {};
+using O = MoeOptions;
+// One layer of experts: no --layers.
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .remove("layers")
+        .add({
+            {"world", &O::world, "ranks: experts are spread over them (expert parallelism)"},
+            Option<O>("experts", &O::experts, "experts, a multiple of --world").at_least(1),
+            Option<O>("top-k", &O::top_k, "experts per token (1: Switch Transformer, 2: GShard)")
+                .at_least(1)
+                .at_most(2),
+            Option<O>("capacity-factor", &O::capacity_factor,
+                      "an expert takes at most this times an even share of each rank's tokens")
+                .above(0),
+            // A bias of 100 already sends every token to expert 0 (e^100 against the other logits' e^0).
+            Option<O>("skew", &O::skew, "added to the router's logit of expert 0: an unbalanced load")
+                .at_least(-100)
+                .at_most(100),
+            Option<O>("batch", &O::batch, "tokens per step, all ranks together").at_least(1),
+            Option<O>("dim", &O::dim, "model width: experts map dim -> hidden -> dim").at_least(1),
+            Option<O>("hidden", &O::hidden, "each expert's hidden width").at_least(1),
+            break_option<O>(&O::broken, {"no-gate", "no-router-all-reduce"}),
+        });
 
-RANKLAB_LESSON_WITH_OPTIONS("moe",
-                            "mixture of experts: top-k routing, uneven all_to_all dispatch and combine, load "
-                            "imbalance as bubble",
-                            moe, kOptions, kLecture);
+RANKLAB_LESSON("moe",
+               "mixture of experts: top-k routing, uneven all_to_all dispatch and combine, load imbalance as "
+               "bubble",
+               moe, kOptions);
 
 }  // namespace ranklab

@@ -115,17 +115,17 @@ void print_gantt(Rank& r, const std::string& sched, int m, const std::vector<std
   r.print(fmt::format("  {:<8}0{:>{}}", "", mlp::format_time(window), width));
 }
 
-void pipeline_parallel(Rank& r, const Options& o) {
-  mlp::validate(o, "pipeline_parallel");
+struct PipelineOptions : mlp::TrainingOptions {
+  int micro_batches = 4;
+  std::string schedule = "1f1b";  // naive | gpipe | 1f1b
+  bool async_p2p = false;         // isend/irecv instead of send/recv
+};
+
+void pipeline_parallel(Rank& r, const PipelineOptions& o) {
   // --break micro-batch-mean: the last stage averages the loss over each micro-batch instead of the batch
   // (gradients micro-batches times too large); no-zero-grad: gradients accumulate across steps.
-  mlp::check_broken(o, "pipeline_parallel", {"micro-batch-mean", "no-zero-grad"});
   const int stages = r.world_size(), stage = r.rank();
   const std::string& sched = o.schedule;
-  if (sched != "naive" && sched != "gpipe" && sched != "1f1b") {
-    throw UsageError(
-        fmt::format("pipeline_parallel: --schedule must be naive, gpipe or 1f1b (got '{}')", sched));
-  }
   if (o.layers % stages != 0) {
     throw UsageError(
         fmt::format("pipeline_parallel: --layers {} is not divisible by --world {}: each stage holds "
@@ -133,9 +133,6 @@ void pipeline_parallel(Rank& r, const Options& o) {
                     o.layers, stages, stages, (o.layers / stages + 1) * stages));
   }
   const int m = sched == "naive" ? 1 : o.micro_batches;
-  if (m < 1) {
-    throw UsageError(fmt::format("pipeline_parallel: --micro-batches must be at least 1 (got {})", m));
-  }
   if (o.batch % m != 0) {
     throw UsageError(
         fmt::format("pipeline_parallel: --micro-batches {} does not divide --batch {}: micro-batches must be "
@@ -410,28 +407,26 @@ void pipeline_parallel(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: pipeline stages, each holding layers/world layers"},
-    {"batch", "32", "global batch size (samples per step, all ranks together)"},
-    {"dim", "64", "model width: every layer is dim x dim"},
-    {"layers", "4", "number of layers"},
-    {"steps", "3", "training steps, each checked against one device"},
-    {"lr", "0.01", "learning rate"},
-    {"optimizer", "sgd", "sgd or adamw"},
-    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
-    {"micro-batches", "4", "micro-batches per batch (must divide it)"},
-    {"schedule", "1f1b", "naive, gpipe or 1f1b"},
-    {"async-p2p", "false", "isend/irecv instead of blocking send/recv"},
-};
-const std::vector<LessonOption> kLecture = {
+using O = PipelineOptions;
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .add({
+            {"world", &O::world, "ranks: pipeline stages, each holding layers/world layers"},
+            Option<O>("micro-batches", &O::micro_batches, "micro-batches per batch (must divide it)")
+                .at_least(1),
+            Option<O>("schedule", &O::schedule, "the pipeline's schedule")
+                .choices({"naive", "gpipe", "1f1b"}),
+            {"async-p2p", &O::async_p2p, "isend/irecv instead of blocking send/recv"},
+            break_option<O>(&O::broken, {"micro-batch-mean", "no-zero-grad"}),
+        });
+const std::vector<LectureSetting> kLecture = {
     {"world", "2", "the lecture's code is forward only; the lesson also runs the backward, to train"},
     {"layers", "4", ""},
     {"micro-batches", "4", ""},
     {"batch", "128", ""},
     {"dim", "1024", ""}};
 
-RANKLAB_LESSON_WITH_OPTIONS("pipeline_parallel",
-                            "split the layers into stages: send/recv, micro-batches, the bubble",
-                            pipeline_parallel, kOptions, kLecture);
+RANKLAB_LESSON("pipeline_parallel", "split the layers into stages: send/recv, micro-batches, the bubble",
+               pipeline_parallel, kOptions, kLecture);
 
 }  // namespace ranklab

@@ -90,8 +90,18 @@ struct Run {
   double step_us = 0, forwards_per_layer = 0, worst = 0, relative = 0;
 };
 
+struct RecomputeOptions : mlp::TrainingOptions {
+  int micro_batches = 4;  // the pipeline's
+  RecomputeOptions() {
+    batch = 64;
+    dim = 256;
+    layers = 16;
+    steps = 2;
+  }
+};
+
 // Data parallel: every rank the whole model and batch/world samples; all_reduce(Avg) of the gradients.
-Run data_parallel(Rank& r, const Options& o, bool recompute, int k) {
+Run data_parallel(Rank& r, const RecomputeOptions& o, bool recompute, int k) {
   const int world = r.world_size(), rank = r.rank();
   const std::int64_t local = o.batch / world;
   std::vector<Tensor> w, grads;
@@ -140,7 +150,7 @@ Run data_parallel(Rank& r, const Options& o, bool recompute, int k) {
 
 // The pipeline: stage s holds layers [s L/W, (s+1) L/W); parallel::Pipeline runs the 1F1B schedule over
 // --micro-batches and calls back for each task's forward and backward.
-Run pipeline(Rank& r, const Options& o, bool recompute) {
+Run pipeline(Rank& r, const RecomputeOptions& o, bool recompute) {
   const int stages = r.world_size(), stage = r.rank(), per = o.layers / stages, first = stage * per;
   const int m = o.micro_batches;
   const std::int64_t mb = o.batch / m;
@@ -206,12 +216,8 @@ Run pipeline(Rank& r, const Options& o, bool recompute) {
   return run;
 }
 
-void recompute(Rank& r, const Options& o) {
-  mlp::validate(o, "recompute");
-  mlp::check_broken(o, "recompute", {"skip-layer"});
+void recompute(Rank& r, const RecomputeOptions& o) {
   const int world = r.world_size();
-  if (o.phantom)
-    throw UsageError("recompute: checks every step against one device, so it takes no --phantom");
   if (o.batch % world != 0) {
     throw UsageError(fmt::format("recompute: --batch {} is not divisible by --world {}", o.batch, world));
   }
@@ -221,7 +227,7 @@ void recompute(Rank& r, const Options& o) {
                     "layers/world layers",
                     o.layers, world));
   }
-  if (o.micro_batches < 1 || o.batch % o.micro_batches != 0) {
+  if (o.batch % o.micro_batches != 0) {
     throw UsageError(
         fmt::format("recompute: --micro-batches {} must divide --batch {}", o.micro_batches, o.batch));
   }
@@ -285,24 +291,26 @@ void recompute(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: data-parallel replicas, then pipeline stages"},
-    {"batch", "64", "global batch size (samples per step, all ranks together)"},
-    {"dim", "256", "model width: every layer is dim x dim"},
-    {"layers", "16", "number of layers (a multiple of --world)"},
-    {"micro-batches", "4", "the pipeline's micro-batches per batch (must divide it)"},
-    {"steps", "2", "training steps, each checked against one device"},
-    {"lr", "0.01", "learning rate"},
-    {"optimizer", "sgd", "sgd or adamw"},
-};
-const std::vector<LessonOption> kLecture = {{"world", "2", ""},
-                                            {"layers", "4", ""},
-                                            {"micro-batches", "4", ""},
-                                            {"batch", "128", ""},
-                                            {"dim", "1024", ""}};
+using O = RecomputeOptions;
+// No --phantom: the lesson checks every step against one device.
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .remove("phantom")
+        .add({
+            {"world", &O::world, "ranks: data-parallel replicas, then pipeline stages"},
+            Option<O>("layers", &O::layers, "number of layers (a multiple of --world)").at_least(1),
+            Option<O>("micro-batches", &O::micro_batches,
+                      "the pipeline's micro-batches per batch (must divide it)")
+                .at_least(1),
+            break_option<O>(&O::broken, {"skip-layer"}),
+        });
+const std::vector<LectureSetting> kLecture = {{"world", "2", ""},
+                                              {"layers", "4", ""},
+                                              {"micro-batches", "4", ""},
+                                              {"batch", "128", ""},
+                                              {"dim", "1024", ""}};
 
-RANKLAB_LESSON_WITH_OPTIONS("recompute",
-                            "activation checkpointing on DP and on the pipeline: memory saved, compute added",
-                            recompute, kOptions, kLecture);
+RANKLAB_LESSON("recompute", "activation checkpointing on DP and on the pipeline: memory saved, compute added",
+               recompute, kOptions, kLecture);
 
 }  // namespace ranklab

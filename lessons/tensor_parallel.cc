@@ -34,8 +34,13 @@ Tensor forward_columns(Rank& r, const Tensor& x, bool x_rows, const Tensor& w) {
   return r.relu(r.matmul(w, x, Trans::Yes, x_rows ? Trans::Yes : Trans::No));
 }
 
+struct TensorParallelOptions : mlp::TrainingOptions {
+  bool megatron = false;  // Megatron's column-then-row pairs instead of the all_gather scheme
+};
+
 // [dim/W, batch] on every rank -> [dim, batch]: every rank's columns of the output, transposed.
-Tensor all_gather_columns(Rank& r, const Options& o, const Tensor& part, mlp::Traffic& traffic) {
+Tensor all_gather_columns(Rank& r, const TensorParallelOptions& o, const Tensor& part,
+                          mlp::Traffic& traffic) {
   Tensor whole = mlp::buffer(r, o, {r.world_size() * part.size(0), part.size(1)});
   r.all_gather(whole, part);
   traffic.add(whole);
@@ -43,7 +48,8 @@ Tensor all_gather_columns(Rank& r, const Options& o, const Tensor& part, mlp::Tr
 }
 
 // [dim, batch] partial sums on every rank -> [dim/W, batch]: the sum over ranks of this rank's block.
-Tensor reduce_scatter_columns(Rank& r, const Options& o, const Tensor& whole, mlp::Traffic& traffic) {
+Tensor reduce_scatter_columns(Rank& r, const TensorParallelOptions& o, const Tensor& whole,
+                              mlp::Traffic& traffic) {
   Tensor mine = mlp::buffer(r, o, {whole.size(0) / r.world_size(), whole.size(1)});
   r.reduce_scatter(mine, whole, ReduceOp::Sum);
   traffic.add(whole);
@@ -58,7 +64,7 @@ Tensor reduce_scatter_columns(Rank& r, const Options& o, const Tensor& whole, ml
 // every one an all_reduce of [batch, dim]: what Megatron and every transformer's MLP and attention block
 // use inside a node. The lecture's scheme (all_gather after each layer) is simpler to write for any layer
 // and is what sequence parallelism builds on; the pairing is what is used when layers come in pairs.
-void megatron_pairs(Rank& r, const Options& o) {
+void megatron_pairs(Rank& r, const TensorParallelOptions& o) {
   const int world = r.world_size(), rank = r.rank(), layers = o.layers;
   if (layers % 2 != 0) {
     throw UsageError(fmt::format(
@@ -159,11 +165,9 @@ void megatron_pairs(Rank& r, const Options& o) {
   }
 }
 
-void tensor_parallel(Rank& r, const Options& o) {
-  mlp::validate(o, "tensor_parallel");
+void tensor_parallel(Rank& r, const TensorParallelOptions& o) {
   // --break no-reduce-scatter: each rank keeps its block of its own partial sum, unsummed; wrong-slice: each
   // rank makes the next rank's columns of the weights.
-  mlp::check_broken(o, "tensor_parallel", {"no-reduce-scatter", "wrong-slice"});
   if (o.megatron && !o.broken.empty()) {
     throw UsageError(fmt::format(
         "tensor_parallel: --break {} breaks the all_gather scheme, not --megatron's pairs", o.broken));
@@ -300,24 +304,22 @@ void tensor_parallel(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: each holds dim/world columns of every weight"},
-    {"batch", "32", "global batch size (samples per step, all ranks together)"},
-    {"dim", "64", "model width: every layer is dim x dim"},
-    {"layers", "4", "number of layers"},
-    {"steps", "3", "training steps, each checked against one device"},
-    {"lr", "0.01", "learning rate"},
-    {"optimizer", "sgd", "sgd or adamw"},
-    {"phantom", "false", "time the lesson at its size without numbers (no check)"},
-    {"megatron", "false", "Megatron's column-then-row pairs: one all_reduce per pair of layers each way"},
-};
-const std::vector<LessonOption> kLecture = {{"world", "4", "each rank holds 1024 x 256 of every weight"},
-                                            {"batch", "128", ""},
-                                            {"dim", "1024", ""},
-                                            {"layers", "4", ""}};
+using O = TensorParallelOptions;
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .add({
+            {"world", &O::world, "ranks: each holds dim/world columns of every weight"},
+            {"megatron", &O::megatron,
+             "Megatron's column-then-row pairs: one all_reduce per pair of layers each way"},
+            break_option<O>(&O::broken, {"no-reduce-scatter", "wrong-slice"}),
+        });
+const std::vector<LectureSetting> kLecture = {{"world", "4", "each rank holds 1024 x 256 of every weight"},
+                                              {"batch", "128", ""},
+                                              {"dim", "1024", ""},
+                                              {"layers", "4", ""}};
 
-RANKLAB_LESSON_WITH_OPTIONS("tensor_parallel",
-                            "split every weight by columns: all_gather forward, reduce_scatter backward",
-                            tensor_parallel, kOptions, kLecture);
+RANKLAB_LESSON("tensor_parallel",
+               "split every weight by columns: all_gather forward, reduce_scatter backward", tensor_parallel,
+               kOptions, kLecture);
 
 }  // namespace ranklab

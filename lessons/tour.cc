@@ -61,9 +61,11 @@ class Glossary {
 };
 
 // Runs one lesson inside the tour, with a heading, a short explanation and the new words its output uses,
-// on every rank.
-void section(Rank& r, const std::string& lesson, const Options& o, const std::vector<std::string>& text,
-             Glossary& glossary, const std::vector<std::string>& words = {}) {
+// on every rank. The lesson takes those of `settings` it has options for: the tour describes one model for
+// every lesson of a section.
+void section(Rank& r, const std::string& lesson, const Settings& settings,
+             const std::vector<std::string>& text, Glossary& glossary,
+             const std::vector<std::string>& words = {}) {
   r.synchronize();  // the sections follow each other; none overlaps the one before
   r.barrier();
   if (r.rank() == 0) {
@@ -75,7 +77,11 @@ void section(Rank& r, const std::string& lesson, const Options& o, const std::ve
   if (r.rank() == 0) r.print("");
   for (const Lesson& l : lessons()) {
     if (l.name != lesson) continue;
-    l.fn(r, o);
+    Settings taken{{"world", std::to_string(r.world_size())}};
+    for (const auto& [flag, value] : settings) {
+      if (l.option(flag) != nullptr) taken[flag] = value;
+    }
+    l.prepare(taken).program(r);
     return;
   }
   if (r.rank() == 0) r.print(fmt::format("(this build has no lesson '{}': skipped)", lesson));
@@ -86,23 +92,22 @@ std::int64_t multiple_of(std::int64_t n, std::int64_t w) {
   return (n + w - 1) / w * w;
 }
 
-void tour(Rank& r, const Options& given) {
+void tour(Rank& r, const LessonOptions& given) {
   const int w = r.world_size();
   // Sizes every lesson accepts at this world size: the batch and the dimension are multiples of it, and
   // the pipeline's layers too. Data and tensor parallelism keep 4 layers at any world size: a deep net
   // trained with plain SGD at these sizes becomes chaotic (a relu input within rounding of zero decides
   // whether a gradient flows), and then no float32 run, on one device or many, follows exact arithmetic.
-  Options o = given;
-  o.batch = multiple_of(32, 4 * w);  // and of 4, for the pipeline's four micro-batches
-  o.dim = multiple_of(64, w);
-  o.layers = 4;
-  o.steps = 3;
-  o.micro_batches = 4;
-  o.phantom = false;
-  o.overlap = false;
-  o.count = 1'000'000;  // the benchmark's collective: 3.81 MiB
-  o.sweep = false;
-  o.wrong_order = false;
+  auto text = [](std::int64_t v) { return std::to_string(v); };
+  const Settings o = {
+      {"batch", text(multiple_of(32, 4 * w))},  // and of 4, for the pipeline's four micro-batches
+      {"dim", text(multiple_of(64, w))},
+      {"layers", "4"},
+      {"steps", "3"},
+      {"micro-batches", "4"},
+      {"count", "1000000"},  // the benchmark's collective: 3.81 MiB
+      {"quiet", given.quiet ? "true" : "false"},
+  };
 
   if (r.rank() == 0) {
     r.print(
@@ -129,21 +134,20 @@ void tour(Rank& r, const Options& given) {
        "all_reduce(Avg) of the gradients after backward makes every rank take the same step, so the result "
        "is one device's training over the whole batch, which the lesson checks after every step."},
       glossary, {"launch overhead"});
-  Options big = o;  // a model large enough for the gradients' all_reduce to take time
-  big.phantom = true;
-  big.dim = multiple_of(8192, w);
-  big.layers = 8;
-  big.batch = multiple_of(1024, w);
-  big.steps = 1;
-  big.quiet = true;
-  big.bucket_mb = 25;
+  Settings big = o;  // a model large enough for the gradients' all_reduce to take time
+  big["phantom"] = "true";
+  big["dim"] = text(multiple_of(8192, w));
+  big["layers"] = "8";
+  big["batch"] = text(multiple_of(1024, w));
+  big["steps"] = "1";
+  big["quiet"] = "true";
   section(
       r, "data_parallel", big,
       {fmt::format("The same with {} layers of {} x {} (phantom tensors: shapes and time, no numbers), first "
                    "with the all_reduce after backward...",
-                   big.layers, big.dim, big.dim)},
+                   big["layers"], big["dim"], big["dim"])},
       glossary, {"phantom tensors"});
-  big.overlap = true;
+  big["overlap"] = "true";
   section(
       r, "data_parallel", big,
       {"...then with --overlap: each bucket of gradients is all-reduced while backward computes the layers "
@@ -155,31 +159,31 @@ void tour(Rank& r, const Options& given) {
        "forward and its gradient reduce-scattered in the backward: communication at every layer, which is "
        "why it stays inside a node's fast links."},
       glossary);
-  Options pipe = o;
-  pipe.layers = static_cast<int>(multiple_of(4, w));
-  pipe.schedule = "gpipe";
-  pipe.quiet = true;
+  Settings pipe = o;
+  pipe["layers"] = text(multiple_of(4, w));
+  pipe["schedule"] = "gpipe";
+  pipe["quiet"] = "true";
   section(
       r, "pipeline_parallel", pipe,
       {"Pipeline parallelism: the layers are split into stages that pass activations forward and gradients "
        "back with send/recv. First on real numbers, checked against one device..."},
       glossary, {"bubble"});
   // At the sizes above a task is as short as launching its kernels; the bubble needs tasks that compute.
-  pipe.phantom = true;
-  pipe.quiet = false;
-  pipe.steps = 1;
-  pipe.dim = multiple_of(4096, w);
-  pipe.layers = 4 * w;  // four layers a stage: tasks long against the transfers between them
-  pipe.micro_batches = 8;
-  pipe.batch = 1024;
+  pipe["phantom"] = "true";
+  pipe["quiet"] = "false";
+  pipe["steps"] = "1";
+  pipe["dim"] = text(multiple_of(4096, w));
+  pipe["layers"] = text(4 * w);  // four layers a stage: tasks long against the transfers between them
+  pipe["micro-batches"] = "8";
+  pipe["batch"] = "1024";
   section(
       r, "pipeline_parallel", pipe,
       {fmt::format("...then timed at {} layers of {} x {} (phantom tensors). GPipe runs every micro-batch's "
                    "forward, then every backward; the dots in the chart are the bubble, (p-1)/(m+p-1) of "
                    "the time when stages are uniform and communication is free.",
-                   pipe.layers, pipe.dim, pipe.dim)},
+                   pipe["layers"], pipe["dim"], pipe["dim"])},
       glossary);
-  pipe.schedule = "1f1b";
+  pipe["schedule"] = "1f1b";
   section(
       r, "pipeline_parallel", pipe,
       {"1F1B: the same bubble, but once the pipeline is full a stage alternates forward and backward, so it "
@@ -194,26 +198,28 @@ void tour(Rank& r, const Options& given) {
     glossary.explain(r, {"comm, comm wait, exposed, idle"});  // the report's columns, printed next
     return;
   }
-  Options huge = o;
-  huge.phantom = true;
-  huge.optimizer = "adamw";
-  huge.steps = 1;
-  huge.quiet = true;
-  huge.batch = multiple_of(64, 4 * w);
-  huge.micro_batches = 4;
-  huge.dim = multiple_of(8192, w);
+  Settings huge = o;
+  const std::int64_t huge_dim = multiple_of(8192, w);
   // AdamW holds four floats per parameter (weight, gradient, two moments): enough layers for 1.2 devices.
-  const double per_layer = 16.0 * static_cast<double>(huge.dim) * static_cast<double>(huge.dim);
+  const double per_layer = 16.0 * static_cast<double>(huge_dim) * static_cast<double>(huge_dim);
   const double layers = std::ceil(1.2 * static_cast<double>(r.memory_capacity()) / per_layer);
-  huge.layers = static_cast<int>(multiple_of(static_cast<std::int64_t>(layers), w));
+  const std::int64_t huge_layers = multiple_of(static_cast<std::int64_t>(layers), w);
+  huge["phantom"] = "true";
+  huge["optimizer"] = "adamw";
+  huge["steps"] = "1";
+  huge["quiet"] = "true";
+  huge["batch"] = text(multiple_of(64, 4 * w));
+  huge["micro-batches"] = "4";
+  huge["dim"] = text(huge_dim);
+  huge["layers"] = text(huge_layers);
   if (r.rank() == 0) {
     r.print("");
     r.print("==== a model larger than one device ====");
-    r.print(
-        fmt::format("{} layers of {} x {} with AdamW need {} for weights, gradients and optimizer state; one "
-                    "device holds {}.",
-                    huge.layers, huge.dim, huge.dim, format_bytes(per_layer * huge.layers),
-                    format_bytes(static_cast<double>(r.memory_capacity()))));
+    r.print(fmt::format(
+        "{} layers of {} x {} with AdamW need {} for weights, gradients and optimizer state; one "
+        "device holds {}.",
+        huge_layers, huge_dim, huge_dim, format_bytes(per_layer * static_cast<double>(huge_layers)),
+        format_bytes(static_cast<double>(r.memory_capacity()))));
   }
   try {
     section(r, "data_parallel", huge, {"Data parallelism keeps all of it on every rank:"}, glossary);
@@ -240,11 +246,11 @@ void tour(Rank& r, const Options& given) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks; the tour picks every lesson's sizes to fit them"}};
+const OptionTable<LessonOptions> kOptions = {
+    {"world", &LessonOptions::world, "ranks; the tour picks every lesson's sizes to fit them"}};
 
-RANKLAB_LESSON_WITH_OPTIONS(
-    "tour", "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour,
-    kOptions, {});
+RANKLAB_LESSON("tour",
+               "the lecture in one run: collectives, benchmark, data, tensor and pipeline parallelism", tour,
+               kOptions);
 
 }  // namespace ranklab

@@ -32,6 +32,15 @@
 namespace ranklab {
 namespace {
 
+struct ZeroOptions : mlp::TrainingOptions {
+  int zero = -1;  // the stage; -1 runs all four
+  ZeroOptions() {
+    steps = 2;
+    lr = 0.001;
+    optimizer = "adamw";  // the state ZeRO-1 shards
+  }
+};
+
 // One layer as a ZeRO rank holds it.
 struct Layer {
   Tensor w;       // what forward and backward read: the whole weight, or (ZeRO-3) this rank's rows
@@ -58,7 +67,7 @@ std::vector<float> rows_of(const std::vector<float>& m, std::int64_t dim, std::i
   return {m.begin() + first * dim, m.begin() + (first + rows) * dim};
 }
 
-StageResult train(Rank& r, const Options& o, int stage) {
+StageResult train(Rank& r, const ZeroOptions& o, int stage) {
   const int world = r.world_size(), rank = r.rank(), layers = o.layers;
   const std::int64_t local = o.batch / world, rows = o.dim / world, first = rank * rows;
   // --break sum: the gradient summed over ranks, not averaged; no-all-gather: ZeRO-1 and -2 never put the
@@ -194,14 +203,8 @@ StageResult train(Rank& r, const Options& o, int stage) {
   return res;
 }
 
-void zero(Rank& r, const Options& o) {
-  mlp::validate(o, "zero");
-  mlp::check_broken(o, "zero", {"sum", "no-all-gather"});
+void zero(Rank& r, const ZeroOptions& o) {
   const int world = r.world_size();
-  if (o.phantom) throw UsageError("zero: checks every step against one device, so it takes no --phantom");
-  if (o.zero < -1 || o.zero > 3) {
-    throw UsageError(fmt::format("zero: --zero must be 0, 1, 2 or 3, or -1 for all four (got {})", o.zero));
-  }
   if (o.batch % world != 0) {
     throw UsageError(
         fmt::format("zero: --batch {} is not divisible by --world {}: every rank trains on "
@@ -269,21 +272,24 @@ void zero(Rank& r, const Options& o) {
 
 }  // namespace
 
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "data-parallel ranks, each owning dim/world rows of every layer"},
-    {"zero", "-1", "ZeRO stage 0, 1, 2 or 3; -1 runs all four, side by side"},
-    {"batch", "32", "global batch size (samples per step, all ranks together)"},
-    {"dim", "64", "model width: every layer is dim x dim"},
-    {"layers", "4", "number of layers"},
-    {"steps", "2", "training steps, each checked against one device"},
-    {"lr", "0.001", "learning rate"},
-    {"optimizer", "adamw", "adamw (the state ZeRO-1 shards) or sgd"},
-};
-const std::vector<LessonOption> kLecture = {
+using O = ZeroOptions;
+// No --phantom: the lesson checks every step against one device.
+const OptionTable<O> kOptions =
+    OptionTable<O>(mlp::training_options<O>())
+        .remove("phantom")
+        .add({
+            {"world", &O::world, "data-parallel ranks, each owning dim/world rows of every layer"},
+            Option<O>("zero", &O::zero, "ZeRO stage 0, 1, 2 or 3; -1 runs all four, side by side")
+                .at_least(-1)
+                .at_most(3),
+            Option<O>("optimizer", &O::optimizer, "adamw (the state ZeRO-1 shards) or sgd")
+                .choices({"sgd", "adamw"}),
+            break_option<O>(&O::broken, {"sum", "no-all-gather"}),
+        });
+const std::vector<LectureSetting> kLecture = {
     {"world", "4", ""}, {"batch", "128", ""}, {"dim", "1024", ""}, {"layers", "4", ""}};
 
-RANKLAB_LESSON_WITH_OPTIONS("zero",
-                            "ZeRO-1/2/3 from reduce_scatter and all_gather: memory and traffic per rank",
-                            zero, kOptions, kLecture);
+RANKLAB_LESSON("zero", "ZeRO-1/2/3 from reduce_scatter and all_gather: memory and traffic per rank", zero,
+               kOptions, kLecture);
 
 }  // namespace ranklab

@@ -79,36 +79,23 @@ Layout parse_layout(const std::string& name) {
   return l;
 }
 
-Options lesson_options(const Question& q, const Layout& l) {
-  // The lesson's defaults for everything the question and the layout leave (the learning rate), as
-  // `ranklab run gpt` gives them.
-  static const Options defaults = with_lesson_defaults(find_lesson("gpt"), Options{}, {}, false);
-  Options o = defaults;
-  o.world = q.world();
-  o.model = q.model == "custom" ? "" : q.model;
-  o.layers = q.layers;
-  o.hidden = q.hidden;
-  o.heads = q.heads;
-  o.seq = q.seq;
-  o.vocab = q.vocab;
-  o.global_batch = q.global_batch;
-  o.dtype = q.dtype;
-  o.micro_batch = l.micro_batch;
-  o.tp = l.tp;
-  o.pp = l.pp;
-  o.dp = l.dp;
-  o.interleave = l.v;
-  o.zero = l.zero;
-  o.seq_parallel = l.sp;
-  o.recompute = l.recompute;
-  o.order = l.order;
-  o.phantom = true;
-  o.steps = 1;
-  o.quiet = true;
-  o.peak_tflops_16bit = q.profile.gpu.peak_tflops_bf16;
-  o.peak_tflops_fp32 = q.profile.gpu.peak_tflops_fp32;
-  o.gpus_per_node = q.profile.gpus_per_node;
-  return o;
+Settings lesson_settings(const Question& q, const Layout& l) {
+  auto text = [](std::int64_t v) { return std::to_string(v); };
+  return {{"world", text(q.world())}, {"model", q.model == "custom" ? "" : q.model},
+          {"layers", text(q.layers)}, {"hidden", text(q.hidden)},
+          {"heads", text(q.heads)},   {"seq", text(q.seq)},
+          {"vocab", text(q.vocab)},   {"global-batch", text(q.global_batch)},
+          {"dtype", q.dtype},         {"micro-batch", text(l.micro_batch)},
+          {"tp", text(l.tp)},         {"pp", text(l.pp)},
+          {"dp", text(l.dp)},         {"interleave", text(l.v)},
+          {"zero", text(l.zero)},     {"seq-parallel", l.sp ? "true" : "false"},
+          {"recompute", l.recompute}, {"order", l.order},
+          {"phantom", "true"},        {"steps", "1"},
+          {"quiet", "true"}};
+}
+
+gpt::Config lesson_config(const Question& q, const Layout& l) {
+  return gpt::resolve(gpt::options_table().read(lesson_settings(q, l), "gpt"), q.world());
 }
 
 const char* status_name(Status s) {
@@ -390,7 +377,7 @@ std::vector<Candidate> enumerate(const Question& q) {
                   k.name = k.layout.name();
                   k.capacity_bytes = capacity;
                   try {
-                    const gpt::Config c = gpt::config_from(lesson_options(q, k.layout), world);
+                    const gpt::Config c = lesson_config(q, k.layout);
                     k.planned_bytes = planned_peak_bytes(c);
                     k.bound_us = bound.us(c);
                     if (k.planned_bytes > capacity) {

@@ -2,7 +2,7 @@
 // said about each before simulating it: whether the gpt lesson accepts it at all, whether its memory plan
 // fits the device, and a lower bound on its step time.
 //
-// Nothing here re-derives the lesson's rules. A layout is valid when gpt::config_from accepts it (its
+// Nothing here re-derives the lesson's rules. A layout is valid when gpt::resolve accepts it (its
 // UsageError is kept as the reason), and it is over memory when the lesson's own memory plan
 // (gpt::memory_plan) exceeds the device on some stage: the lesson refuses exactly those before allocating,
 // with an OutOfMemoryError, so a layout rejected here runs out of memory in `ranklab run gpt` too. Whether
@@ -69,7 +69,9 @@ Layout parse_layout(const std::string& name);
 
 // The gpt lesson's options for a layout of the question: phantom tensors, one step, quiet; the lesson's
 // defaults for the rest.
-Options lesson_options(const Question& q, const Layout& l);
+Settings lesson_settings(const Question& q, const Layout& l);
+// Those options read and checked by the lesson (gpt::resolve): UsageError for a layout it refuses.
+gpt::Config lesson_config(const Question& q, const Layout& l);
 
 enum class Status {
   Invalid,         // the gpt lesson's checks refuse it

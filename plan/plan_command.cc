@@ -13,55 +13,70 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/output_files.h"
-#include "lessons/gpt/presets.h"
+#include "lessons/gpt/config.h"
 #include "plan/plan_report.h"
 #include "plan/search.h"
 
 namespace ranklab::plan {
 
-namespace {
-
-void at_least(std::int64_t v, std::int64_t minimum, const char* flag) {
-  if (v < minimum) throw UsageError(fmt::format("plan: {} must be at least {} (got {})", flag, minimum, v));
+const OptionTable<Request>& request_options() {
+  using O = Request;
+  static const OptionTable<O> table = {
+      {"profile", &O::profile, "hardware profile name or .toml file (see `ranklab profiles`)"},
+      Option<O>("nodes", &O::nodes, "nodes of the profile: the world is all of their GPUs").at_least(1),
+      Option<O>("top", &O::top, "how many layouts the table shows").at_least(1),
+      {"tp-across-nodes", &O::tp_across_nodes, "also try tensor-parallel groups larger than a node"},
+      Option<O>("max-interleave", &O::max_interleave, "the most model chunks per pipeline rank tried")
+          .at_least(1),
+      Option<O>("max-candidates", &O::max_candidates,
+                "simulate at most this many layouts (0: as many as the bound leaves)")
+          .at_least(0),
+      {"no-symmetry", &O::no_symmetry,
+       "simulate every rank, not one per class of identical ranks (slower; for checking)"},
+      Option<O>("jobs", &O::jobs,
+                "simulations at once, each on a thread (0: one per core); the answer is the same")
+          .at_least(0),
+      Option<O>("confirm", &O::confirm,
+                "the leading layouts simulated again with every rank running after screening")
+          .at_least(0),
+      Option<O>("confirm-margin", &O::confirm_margin,
+                "and every layout whose screened step is within this fraction of the best")
+          .at_least(0)
+          .below(1),
+      {"report", &O::report_dir, "write plan.json and plan.html to this folder"},
+      {"explain", &O::explain, "a layout as the table prints it: where its time goes against the winner's"},
+  };
+  return table;
 }
 
-}  // namespace
+const std::vector<std::string>& shape_flags() {
+  static const std::vector<std::string> flags = {"model", "layers", "hidden",       "heads",
+                                                 "seq",   "vocab",  "global-batch", "dtype"};
+  return flags;
+}
 
 Question make_question(const Request& r) {
-  at_least(r.top, 1, "--top");
-  at_least(r.nodes, 1, "--nodes");
-  at_least(r.max_candidates, 0, "--max-candidates");
-  at_least(r.max_interleave, 1, "--max-interleave");
-  at_least(r.jobs, 0, "--jobs");
-  at_least(r.confirm, 0, "--confirm");
-  if (!(r.confirm_margin >= 0 && r.confirm_margin < 1))
-    throw UsageError(
-        fmt::format("plan: --confirm-margin must be a fraction from 0 to 1 (got {})", r.confirm_margin));
+  request_options().check(r, "plan");
+  for (const auto& [flag, value] : r.shape) {
+    if (std::find(shape_flags().begin(), shape_flags().end(), flag) == shape_flags().end()) {
+      throw UsageError(fmt::format("plan: --{} is not part of a shape; the shape's flags are: --{}", flag,
+                                   fmt::join(shape_flags(), ", --")));
+    }
+  }
   // The gpt lesson's own defaults, then the preset for what the flags leave (as `ranklab run gpt --model`
   // fills them), then the flags.
-  Options o = with_lesson_defaults(find_lesson("gpt"), Options{}, {}, false);
-  o.model = r.model;
-  gpt::apply_preset(o, [&](const std::string& flag) {
-    return (flag == "--layers" && r.layers) || (flag == "--hidden" && r.hidden) ||
-           (flag == "--heads" && r.heads) || (flag == "--seq" && r.seq) || (flag == "--vocab" && r.vocab) ||
-           (flag == "--global-batch" && r.global_batch);
-  });
-  if (r.layers) o.layers = *r.layers;
-  if (r.hidden) o.hidden = *r.hidden;
-  if (r.heads) o.heads = *r.heads;
-  if (r.seq) o.seq = *r.seq;
-  if (r.vocab) o.vocab = *r.vocab;
-  if (r.global_batch) o.global_batch = *r.global_batch;
-  if (o.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", o.hidden));
+  const gpt::Config c =
+      gpt::options_table().read(resolve_settings(find_lesson("gpt"), r.shape, /*lecture=*/false), "plan");
+  if (c.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", c.hidden));
   Question q;
-  q.model = o.model.empty() ? "custom" : o.model;
-  q.layers = o.layers;
-  q.hidden = static_cast<int>(o.hidden);
-  q.heads = o.heads;
-  q.seq = o.seq;
-  q.vocab = o.vocab;
-  q.global_batch = o.global_batch;
-  q.dtype = r.dtype;
+  q.model = c.model_name();
+  q.layers = c.layers;
+  q.hidden = c.hidden;
+  q.heads = c.heads;
+  q.seq = c.seq;
+  q.vocab = c.vocab;
+  q.global_batch = c.global_batch;
+  q.dtype = gpt::options_table().find("dtype")->write(c);  // as the lesson spells it: "bf16"
   q.tp_across_nodes = r.tp_across_nodes;
   q.max_interleave = r.max_interleave;
   q.profile = load_profile(r.profile);
@@ -71,9 +86,9 @@ Question make_question(const Request& r) {
   }
   q.profile.nodes = r.nodes;
   // The shape and dtype on one rank: the lesson's checks of everything that is not the layout.
-  Options one = lesson_options(q, Layout{});
-  one.world = 1;
-  gpt::config_from(one, 1);
+  Settings one = lesson_settings(q, Layout{});
+  one["world"] = std::to_string(1);
+  gpt::resolve(gpt::options_table().read(one, "gpt"), 1);
   return q;
 }
 
@@ -83,7 +98,7 @@ int plan_command(const Request& r) {
   if (!r.explain.empty()) {
     explain = parse_layout(r.explain);
     try {
-      gpt::config_from(lesson_options(q, *explain), q.world());
+      lesson_config(q, *explain);
     } catch (const UsageError& e) {
       throw UsageError(fmt::format("--explain {}: the gpt lesson refuses it: {}", r.explain, e.what()));
     }
@@ -94,7 +109,7 @@ int plan_command(const Request& r) {
   std::fflush(stdout);
   SearchOptions options;
   options.max_candidates = r.max_candidates;
-  options.symmetry = r.symmetry;
+  options.symmetry = !r.no_symmetry;
   options.progress = r.progress;
   options.jobs = r.jobs > 0 ? r.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   options.confirm = r.confirm;
@@ -127,7 +142,7 @@ int plan_command(const Request& r) {
       if (res.candidate.name == name && (res.run || res.candidate.status == Status::RejectedMemory))
         asked = &res;
     // Not decided by the search (pruned, or not enumerated): run it now.
-    const Result ran = asked ? Result{} : simulate(q, *explain, r.symmetry);
+    const Result ran = asked ? Result{} : simulate(q, *explain, !r.no_symmetry);
     std::printf("\n%s", format_explain(asked ? *asked : ran, *ranked[0]).c_str());
   }
 

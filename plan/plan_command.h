@@ -7,20 +7,17 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
+#include "common/options.h"
 #include "plan/candidates.h"
 
 namespace ranklab::plan {
 
 struct Request {
-  // The shape: a preset (--model) and the flags that override it; what neither gives is the gpt lesson's
-  // default, as with `ranklab run gpt`.
-  std::string model;
-  std::optional<int> layers, heads, seq;
-  std::optional<std::int64_t> hidden, vocab, global_batch;
-  std::string dtype = "bf16";
+  // The shape: the gpt lesson's options as the command line gives them (shape_flags: --model, --layers, ...);
+  // the lesson's defaults and --model's preset fill the rest, as with `ranklab run gpt`.
+  Settings shape;
   std::string profile = "dgx-h100";
   int nodes = 1;
   bool tp_across_nodes = false;
@@ -28,14 +25,18 @@ struct Request {
   // The search and its output.
   int top = 10;
   int max_candidates = 0;  // 0: no limit
-  bool symmetry = true;
+  bool no_symmetry = false;
   int jobs = 0;     // simulations at once; 0: one per core
   int confirm = 1;  // see SearchOptions
   double confirm_margin = 0.01;
-  bool progress = true;
+  bool progress = true;    // the search's progress line (stderr, a terminal only)
   std::string report_dir;  // "": no report
   std::string explain;     // a layout name, or ""
 };
+// The flags of `ranklab plan` besides the shape's.
+const OptionTable<Request>& request_options();
+// The gpt lesson's options that make the shape a plan is asked for.
+const std::vector<std::string>& shape_flags();
 
 // The question a request asks; UsageError naming the flag for anything wrong with it.
 Question make_question(const Request& r);

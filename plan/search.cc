@@ -69,8 +69,7 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   out.candidate.layout = l;
   out.candidate.name = l.name();
   out.candidate.capacity_bytes = q.profile.hbm_capacity_bytes();
-  const Options o = lesson_options(q, l);
-  const gpt::Config c = gpt::config_from(o, q.world());  // UsageError for a layout the lesson refuses
+  const gpt::Config c = lesson_config(q, l);  // UsageError for a layout the lesson refuses
   out.candidate.bound_us = StepBound(q.profile).us(c);
   out.candidate.planned_bytes = planned_peak_bytes(c);
   SimConfig config;
@@ -81,7 +80,7 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   SimBackend backend(config);
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    const RunReport rep = run_lesson(backend, "gpt", o);
+    const RunReport rep = run_lesson(backend, "gpt", lesson_settings(q, l));
     if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
     out.run = read_run(rep, c);
     out.full = !symmetry;

@@ -127,6 +127,8 @@ class CudaRank : public Rank {
   Event record_event() override;
   double elapsed_us(const Event& start, const Event& end) override;
 
+  const Profile& profile() const override { return config_.profile; }
+
   std::int64_t memory_allocated() const override { return account_->in_use(); }
   std::int64_t memory_peak() const override { return account_->peak(); }
   std::int64_t memory_capacity() const override { return account_->capacity(); }

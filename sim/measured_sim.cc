@@ -2,30 +2,13 @@
 
 #include <fmt/format.h>
 
-#include <memory>
-#include <numeric>
-#include <vector>
-
 #include "common/compare.h"
 #include "common/errors.h"
 #include "common/measurements.h"
 #include "common/replay.h"
-#include "sim/net/network_model.h"
 #include "sim/sim_backend.h"
 
 namespace ranklab {
-
-Options with_algorithm_names(const Options& o, const std::string& backend_name, const Profile& profile) {
-  Options out = o;
-  if (backend_name != "sim") return out;
-  auto model = std::make_shared<sim::NetworkModel>(profile, sim::NetworkOptions{o.algo, o.proto});
-  out.comm_algorithm = [model](CommOp op, std::int64_t bytes, int world, int root) {
-    std::vector<int> ranks(world);
-    std::iota(ranks.begin(), ranks.end(), 0);
-    return model->plan_collective(op, bytes, ranks, root).name();
-  };
-  return out;
-}
 
 RunReport simulate_measured(const RunReport& measured, const Profile& profile, const std::string& algorithm,
                             const std::string& protocol) {
@@ -38,14 +21,15 @@ RunReport simulate_measured(const RunReport& measured, const Profile& profile, c
                       "again; write it with `ranklab run --report` of this version",
                       measured.lesson));
     }
-    const Options o = options_from_record(measured.options, measured.world);
-    find_lesson(measured.lesson);
-    config.algorithm = o.algo;
-    config.protocol = o.proto;
-    config.sm_contention = !o.no_sm_contention;
+    const RecordedOptions recorded = read_recorded_options(measured);
+    config.algorithm = recorded.backend.algo;
+    config.protocol = recorded.backend.proto;
+    config.sm_contention = !recorded.backend.no_sm_contention;
     SimBackend sim(config);
-    RunReport simulated = run_lesson(sim, measured.lesson, with_algorithm_names(o, "sim", profile));
-    record_run_config(simulated, profile, o);
+    Settings lesson = recorded.lesson;
+    lesson["quiet"] = "true";
+    RunReport simulated = run_lesson(sim, measured.lesson, lesson);
+    record_run_config(simulated, profile, recorded.backend);
     return simulated;
   }
   config.algorithm = algorithm;

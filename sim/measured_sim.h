@@ -12,11 +12,6 @@
 
 namespace ranklab {
 
-// The choice of algorithm the simulator makes for a lesson's collectives, answered by a network model of
-// its own so that lessons which print it (the benchmark's --sweep) can. Unchanged options for any backend
-// other than "sim", whose choice the simulator cannot know.
-Options with_algorithm_names(const Options& o, const std::string& backend_name, const Profile& profile);
-
 // `measured` simulated on `profile` (its `nodes` as set). `algorithm` and `protocol` force NCCL's choice
 // for replayed collectives, as NCCL_ALGO and NCCL_PROTO did where a measurement was made under them ("" =
 // the model chooses); a ranklab report keeps the choice its options record. UsageError for a ranklab

@@ -82,6 +82,10 @@ class SimRank : public Rank {
   Event record_event() override;
   double elapsed_us(const Event& start, const Event& end) override;
   double comm_slowed_compute_us() override { return s_.comm_slowed_compute_us; }
+  const Profile& profile() const override { return world_.profile(); }
+  std::string collective_algorithm(CommOp op, std::int64_t bytes, int root) override {
+    return world_.world_algorithm(op, bytes, root);
+  }
 
   std::int64_t memory_allocated() const override { return s_.memory->allocated; }
   std::int64_t memory_peak() const override { return s_.memory->peak; }

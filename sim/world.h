@@ -162,6 +162,11 @@ class SimWorld {
   const Profile& profile() const { return config_.profile; }
   const SimConfig& config() const { return config_; }
   const ComputeModel& compute() const { return compute_; }
+  // The algorithm and protocol the network model runs a collective `op` of `bytes` over the whole world
+  // with ("ring/simple"): SimRank::collective_algorithm.
+  std::string world_algorithm(CommOp op, std::int64_t bytes, int root) {
+    return network_->plan_collective(op, bytes, groups_[0], root).name();
+  }
   RankState& state(int rank) { return *ranks_[rank]; }
 
   // Runs one rank's program in its fiber: catches what it throws and finishes the rank.

@@ -4,8 +4,10 @@
 
 #include <functional>
 #include <numeric>
+#include <string>
 #include <vector>
 
+#include "common/options.h"
 #include "common/profile.h"
 #include "common/rank.h"
 #include "sim/sim_backend.h"
@@ -25,6 +27,11 @@ inline SimConfig quiet_config(int nodes = 1) {
   c.profile.nodes = nodes;
   c.echo_output = false;
   return c;
+}
+
+// A number of a lesson's Settings, as a test reads one back: number(o, "steps").
+inline std::int64_t number(const Settings& s, const std::string& flag) {
+  return std::stoll(s.at(flag));
 }
 
 // Runs `fn` on `world` ranks and returns what each rank put in its slot.

@@ -1,4 +1,4 @@
-// Each training lesson, deliberately broken with the hidden --break (Sum instead of Avg, no gradient
+// Each training lesson, deliberately broken with --break (Sum instead of Avg, no gradient
 // reduction, a dropped reduce_scatter, a wrong slice of the weights, a per-micro-batch mean, gradients
 // never zeroed, a stale ZeRO weight, a recomputed forward that skips a layer, a
 // tensor-parallel input gradient never summed, an ungated combine, a router gradient not summed over the
@@ -17,26 +17,29 @@
 namespace ranklab {
 namespace {
 
-Options small(const std::string& lesson, const std::string& broken) {
-  Options o;
-  o.world = 4;
-  o.batch = 12;
-  o.micro_batches = 4;
-  o.dim = 8;
-  o.layers = lesson == "pipeline_parallel" ? 8 : 4;
-  o.steps = 2;
-  o.lr = 0.05;
-  o.quiet = true;
-  o.broken = broken;
-  o.zero = -1;               // the zero lesson: every stage
-  if (lesson == "hybrid") {  // tp 2 x dp 2, two micro-batches of 3 samples per dp rank
-    o.tp = 2;
-    o.micro_batches = 2;
+Settings small(const std::string& lesson, const std::string& broken) {
+  Settings o;
+  o["world"] = option_text(4);
+  o["batch"] = option_text(12);
+  o["dim"] = option_text(8);
+  if (lesson != "moe") o["layers"] = option_text(lesson == "pipeline_parallel" ? 8 : 4);
+  o["steps"] = option_text(2);
+  o["lr"] = option_text(0.05);
+  o["optimizer"] = "sgd";
+  o["quiet"] = option_text(true);
+  o["break"] = option_text(broken);
+  if (lesson == "pipeline_parallel" || lesson == "recompute") o["micro-batches"] = "4";
+  if (lesson == "zero") o["zero"] = option_text(-1);  // every stage
+  if (lesson == "moe") o["hidden"] = "64";
+  if (lesson == "hybrid") {  // tp 2 x pp 1 x dp 2, two micro-batches of 3 samples per dp rank
+    o["tp"] = option_text(2);
+    o["pp"] = option_text(1);
+    o["micro-batches"] = option_text(2);
   }
   return o;
 }
 
-RunReport run(const std::string& lesson, const Options& o) {
+RunReport run(const std::string& lesson, const Settings& o) {
   SimBackend backend(testing::quiet_config());
   return run_lesson(backend, lesson, o);
 }

@@ -31,14 +31,18 @@ expect 1 "--world 4 fills only 1: give --world 9 to 16" run collectives --profil
 expect 1 "--world 4 fills only 1: give --world 9 to 16 to use 2 nodes, or drop --nodes" run collectives --nodes 2
 expect 0 "all_reduce" run benchmark --profile "$tmp/two.toml" --world 16 --count 1024 --quiet
 
-# Options that were accepted although they mean nothing, or silently changed.
-expect 105 "--world: must be at least 1, got 0" run collectives --world 0
-for bad in 0 -1 nan inf; do
-  expect 105 "--bucket-mb: must be a finite number above 0, got $bad" run data_parallel --bucket-mb "$bad"
+# Options that were accepted although they mean nothing, or silently changed: each value is checked against
+# its lesson's declaration, and a flag must be one of the lesson's.
+expect 1 "collectives: --world must be at least 1 (got 0)" run collectives --world 0
+for bad in 0 -1 nan inf 1e400; do
+  expect 1 "data_parallel: --bucket-mb must be a finite number above 0 and at most 1048576 (got $bad)" run data_parallel --bucket-mb "$bad"
 done
-expect 105 "--lr: must be a finite number above 0, got inf" run data_parallel --lr inf
+expect 1 "data_parallel: --lr must be a finite number above 0 (got inf)" run data_parallel --lr inf
+expect 1 "gpt: --hidden must be at least 1 and at most 2147483647 (got 4294967360)" run gpt --hidden 4294967360
+expect 1 "--overlap is not an option of lesson gpt (\`ranklab run gpt --help\` lists its options)" run gpt --overlap
+expect 1 "zero: --break must be sum or no-all-gather (got 'sp')" run zero --break sp
 expect 1 "--count 4611686018427387904: 4 ranks x 4611686018427387904 float32 is more bytes" run benchmark --count 4611686018427387904
-expect 1 "--op foo: the benchmark times all_reduce" run benchmark --op foo
+expect 1 "benchmark: --op must be all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to_all, scatter or gather (got 'foo')" run benchmark --op foo
 expect 1 "--op broadcast needs --sweep" run benchmark --op broadcast
 expect 0 "--count 10 is not a multiple of the 4 ranks (reduce_scatter gives each the same share): timing 8 float32" run benchmark --count 10
 expect 1 "--count has no effect with --sweep" run benchmark --sweep --count 10
@@ -68,7 +72,7 @@ expect 0 "gpt llama3-70b: 3 layers, hidden 8192, 64 heads, seq 8192, vocab 12825
 expect 1 "--model: no preset called 'gpt5'; the presets are: gpt3-125m" run gpt --model gpt5
 expect 0 "symmetric run: 2 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric
 expect 0 "symmetric run: 4 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric=tp
-expect 105 "--symmetric: tp-tp not in {tp,tp-dp}" run gpt --world 8 --tp 2 --phantom --symmetric=tp-tp
+expect 1 "--symmetric must be tp or tp-dp (got 'tp-tp')" run gpt --world 8 --tp 2 --phantom --symmetric=tp-tp
 
 # validate: a folder without sweeps, and a sweep without its "# ranklab:" line, are named.
 mkdir -p "$tmp/sweeps"

@@ -157,10 +157,9 @@ TEST(Compare, RefusesDifferentRuns) {
     EXPECT_TRUE(contains(e.what(), "8")) << e.what();
   }
   RunReport a = report("data_parallel", 4), b = report("data_parallel", 4);
-  Options o;
-  a.options = options_record(o);
-  o.dim = 128;
-  b.options = options_record(o);
+  a.options = default_options("data_parallel");
+  b.options = a.options;
+  b.options["dim"] = "128";
   try {
     compare_reports(a, b, "a.json", "b.json");
     FAIL() << "different options were compared";
@@ -173,30 +172,34 @@ TEST(Compare, RefusesDifferentRuns) {
 }
 
 TEST(RunConfig, OptionsRoundTrip) {
-  Options o;
-  o.batch = 48;
-  o.lr = 0.003;
-  o.optimizer = "adamw";
-  o.overlap = true;
-  o.bucket_mb = 12.5;
-  o.count = 123456789012;
-  o.schedule = "gpipe";
-  const auto record = options_record(o);
-  EXPECT_EQ(record.at("lr"), "0.003");
+  const Lesson& dp = find_lesson("data_parallel");
+  const Settings given = {{"world", "8"},         {"batch", "48"},     {"lr", "0.0030"},
+                          {"optimizer", "adamw"}, {"overlap", "true"}, {"bucket-mb", "12.5"}};
+  const Settings record = dp.prepare(given).record;
+  EXPECT_EQ(record.at("lr"), "0.003");  // as the table writes it
   EXPECT_EQ(record.at("overlap"), "true");
-  EXPECT_EQ(record.at("micro-batches"), "4");
-  EXPECT_FALSE(record.count("quiet"));
-  EXPECT_FALSE(record.count("world"));
-  const Options back = options_from_record(record, 8);
-  EXPECT_EQ(back.world, 8);
-  EXPECT_EQ(options_record(back), record);
+  EXPECT_EQ(record.at("layers"), "4");  // the lesson's default
+  EXPECT_FALSE(record.count("quiet"));  // not part of the run's identity
+  EXPECT_FALSE(record.count("world"));  // the report's own field
+  EXPECT_FALSE(record.count("count"));  // another lesson's option
 
-  auto bad = record;
-  bad["steps"] = "three";
-  EXPECT_THROW(options_from_record(bad, 8), UsageError);
-  auto unknown = record;
-  unknown["warp-speed"] = "9";
-  EXPECT_THROW(options_from_record(unknown, 8), UsageError);
+  RunReport r;
+  r.lesson = "data_parallel";
+  r.world = 8;
+  r.options = record;
+  r.options["algo"] = "ring";
+  const RecordedOptions back = read_recorded_options(r);
+  EXPECT_EQ(back.backend.algo, "ring");
+  EXPECT_EQ(back.lesson.at("world"), "8");
+  EXPECT_FALSE(back.lesson.count("algo"));
+  EXPECT_EQ(dp.prepare(back.lesson).record, record);
+
+  RunReport bad = r;
+  bad.options["steps"] = "three";
+  EXPECT_THROW(read_recorded_options(bad), UsageError);
+  RunReport unknown = r;
+  unknown.options["warp-speed"] = "9";
+  EXPECT_THROW(read_recorded_options(unknown), UsageError);
 }
 
 TEST(RunConfig, RecordsWhatRunKnows) {
@@ -207,11 +210,14 @@ TEST(RunConfig, RecordsWhatRunKnows) {
              {"nic0->leaf0", p.fabric.kind, 10},
              {"x->y", "mystery", 10},
              {"gpu1->gpu0", "nvlink", 10, 123}};
-  Options o;
-  o.steps = 7;
-  record_run_config(r, p, o);
+  r.options = {{"steps", "7"}};
+  BackendOptions backend;
+  backend.proto = "simple";
+  record_run_config(r, p, backend);
   EXPECT_EQ(r.gpus_per_node, p.gpus_per_node);
-  EXPECT_EQ(r.options.at("steps"), "7");
+  EXPECT_EQ(r.options.at("steps"), "7");  // the lesson's, kept
+  EXPECT_EQ(r.options.at("proto"), "simple");
+  EXPECT_EQ(r.options.at("no-sm-contention"), "false");
   EXPECT_DOUBLE_EQ(r.links[0].bandwidth_gbps, p.nvlink.gpu_bandwidth_gbps());
   EXPECT_DOUBLE_EQ(r.links[1].bandwidth_gbps, p.pcie.bandwidth_gbps);
   EXPECT_DOUBLE_EQ(r.links[2].bandwidth_gbps, p.nic.bandwidth_gbps);

@@ -12,20 +12,20 @@
 namespace ranklab {
 namespace {
 
-Options small(int world, const std::string& optimizer) {
-  Options o;
-  o.world = world;
-  o.batch = 12;  // divisible by 1, 2, 3 and 4
-  o.dim = 8;
-  o.layers = 4;
-  o.steps = 3;
-  o.optimizer = optimizer;
-  o.lr = optimizer == "adamw" ? 0.01 : 0.05;
-  o.quiet = true;
+Settings small(int world, const std::string& optimizer) {
+  Settings o;
+  o["world"] = option_text(world);
+  o["batch"] = option_text(12);  // divisible by 1, 2, 3 and 4
+  o["dim"] = option_text(8);
+  o["layers"] = option_text(4);
+  o["steps"] = option_text(3);
+  o["optimizer"] = option_text(optimizer);
+  o["lr"] = option_text(optimizer == "adamw" ? 0.01 : 0.05);
+  o["quiet"] = option_text(true);
   return o;
 }
 
-RunReport run(const Options& o, const std::string& profile = "dgx-h100") {
+RunReport run(const Settings& o, const std::string& profile = "dgx-h100") {
   SimConfig c = testing::quiet_config();
   c.profile = load_profile(profile);
   c.echo_output = false;
@@ -42,7 +42,7 @@ int passed_checks(const RunReport& rep, const std::string& prefix) {
   return n;
 }
 
-std::string error_of(const Options& o) {
+std::string error_of(const Settings& o) {
   try {
     run(o);
   } catch (const UsageError& e) {
@@ -57,13 +57,13 @@ TEST(DataParallel, EqualsOneDeviceAfterEveryStep) {
       for (bool overlap : {false, true}) {
         SCOPED_TRACE(::testing::Message()
                      << optimizer << ", world " << world << (overlap ? ", overlap" : ""));
-        Options o = small(world, optimizer);
-        o.overlap = overlap;
-        o.bucket_mb = 0.0003;  // about one 8 x 8 gradient: several buckets
+        Settings o = small(world, optimizer);
+        o["overlap"] = option_text(overlap);
+        o["bucket-mb"] = option_text(0.0003);  // about one 8 x 8 gradient: several buckets
         RunReport rep = run(o);
         EXPECT_TRUE(rep.all_checks_passed());
         // Every rank checks loss, gradients and weights after each step.
-        EXPECT_EQ(passed_checks(rep, "data_parallel step"), o.steps * world);
+        EXPECT_EQ(passed_checks(rep, "data_parallel step"), testing::number(o, "steps") * world);
         EXPECT_EQ(passed_checks(rep, "data_parallel: the weights are identical on every rank"), 1);
       }
     }
@@ -88,16 +88,16 @@ TEST(DataParallel, TheComparisonIsReal) {
 }
 
 TEST(DataParallel, BatchSmallerThanTheWorldIsAClearError) {
-  Options o = small(4, "sgd");
-  o.batch = 2;
+  Settings o = small(4, "sgd");
+  o["batch"] = option_text(2);
   const std::string msg = error_of(o);
   EXPECT_NE(msg.find("--batch 2"), std::string::npos) << msg;
   EXPECT_NE(msg.find("--world 4"), std::string::npos) << msg;
 }
 
 TEST(DataParallel, BatchNotDivisibleByTheWorldIsAClearError) {
-  Options o = small(4, "sgd");
-  o.batch = 10;
+  Settings o = small(4, "sgd");
+  o["batch"] = option_text(10);
   const std::string msg = error_of(o);
   EXPECT_NE(msg.find("--batch 10"), std::string::npos) << msg;
   EXPECT_NE(msg.find("not divisible by --world 4"), std::string::npos) << msg;
@@ -106,16 +106,16 @@ TEST(DataParallel, BatchNotDivisibleByTheWorldIsAClearError) {
 TEST(DataParallel, OverlapHidesCommunication) {
   // PCIe links and big gradients: the all_reduces take a good part of the step, but less than backward
   // (enough samples per rank), so there is compute to hide them under.
-  Options o;
-  o.world = 4;
-  o.phantom = true;
-  o.dim = 4096;
-  o.layers = 8;
-  o.batch = 4096;
-  o.steps = 1;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(4);
+  o["phantom"] = option_text(true);
+  o["dim"] = option_text(4096);
+  o["layers"] = option_text(8);
+  o["batch"] = option_text(4096);
+  o["steps"] = option_text(1);
+  o["quiet"] = option_text(true);
   RunReport plain = run(o, "pcie-4gpu");
-  o.overlap = true;
+  o["overlap"] = option_text(true);
   RunReport overlapped = run(o, "pcie-4gpu");
   for (int r = 0; r < 4; ++r) {
     const RankSummary& p = plain.ranks[r];
@@ -130,16 +130,16 @@ TEST(DataParallel, OverlapHidesCommunication) {
 
 TEST(DataParallel, AModelLargerThanOneDeviceRunsOutOfMemoryOnEveryWorldSize) {
   // AdamW's four floats per parameter; 100 layers of 8192 x 8192 is 100 GiB on every rank.
-  Options o;
-  o.phantom = true;
-  o.optimizer = "adamw";
-  o.dim = 8192;
-  o.layers = 100;
-  o.batch = 64;
-  o.steps = 1;
-  o.quiet = true;
+  Settings o;
+  o["phantom"] = option_text(true);
+  o["optimizer"] = option_text("adamw");
+  o["dim"] = option_text(8192);
+  o["layers"] = option_text(100);
+  o["batch"] = option_text(64);
+  o["steps"] = option_text(1);
+  o["quiet"] = option_text(true);
   for (int world : {1, 8}) {
-    o.world = world;
+    o["world"] = option_text(world);
     try {
       run(o);
       ADD_FAILURE() << "expected to run out of memory at world " << world;
@@ -153,15 +153,15 @@ TEST(DataParallel, AModelLargerThanOneDeviceRunsOutOfMemoryOnEveryWorldSize) {
 // A world of 1,024 ranks, overlapping all_reduces sharing links: two runs give the same report, to the
 // bit, whatever order the fibers happened to run in.
 TEST(DataParallel, TwoRunsOf1024RanksGiveIdenticalReports) {
-  Options o;
-  o.world = 1024;
-  o.phantom = true;
-  o.dim = 1024;
-  o.layers = 4;
-  o.batch = 8 * 1024;
-  o.steps = 2;
-  o.overlap = true;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(1024);
+  o["phantom"] = option_text(true);
+  o["dim"] = option_text(1024);
+  o["layers"] = option_text(4);
+  o["batch"] = option_text(8 * 1024);
+  o["steps"] = option_text(2);
+  o["overlap"] = option_text(true);
+  o["quiet"] = option_text(true);
   auto once = [&] {
     SimConfig c = testing::quiet_config();
     c.profile = load_profile("dgx-h100");

@@ -87,11 +87,11 @@ TEST(FiberSwitches, KernelsAfterSynchronousCollectivesDoNotBlock) {
 TEST(FiberSwitches, TheSameProgramSwitchesTheSameNumberOfTimes) {
   auto dp_overlap = [] {
     SimBackend backend(quiet_config());
-    Options o;
-    o.world = 8;
-    o.overlap = true;
-    o.bucket_mb = 0.01;
-    o.quiet = true;
+    Settings o;
+    o["world"] = option_text(8);
+    o["overlap"] = option_text(true);
+    o["bucket-mb"] = option_text(0.01);
+    o["quiet"] = option_text(true);
     run_lesson(backend, "data_parallel", o);
     return backend.fiber_switches();
   };

@@ -20,24 +20,24 @@
 namespace ranklab {
 namespace {
 
-RunReport run(const Options& o, int nodes = 1) {
+RunReport run(const Settings& o, int nodes = 1) {
   SimBackend backend(testing::quiet_config(nodes));
   return run_lesson(backend, "gpt", o);
 }
 
 // 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 8 in micro-batches of 2.
-Options tiny() {
-  Options o;
-  o.layers = 4;
-  o.hidden = 64;
-  o.heads = 4;
-  o.seq = 16;
-  o.vocab = 128;
-  o.global_batch = 8;
-  o.micro_batch = 2;
-  o.steps = 3;
-  o.lr = 1e-3;
-  o.quiet = true;
+Settings tiny() {
+  Settings o;
+  o["layers"] = option_text(4);
+  o["hidden"] = option_text(64);
+  o["heads"] = option_text(4);
+  o["seq"] = option_text(16);
+  o["vocab"] = option_text(128);
+  o["global-batch"] = option_text(8);
+  o["micro-batch"] = option_text(2);
+  o["steps"] = option_text(3);
+  o["lr"] = option_text(1e-3);
+  o["quiet"] = option_text(true);
   return o;
 }
 
@@ -57,29 +57,30 @@ enum class Pp { One, Two, TwoInterleaved };
 using Combo = std::tuple<Tp, Pp, int, std::string, std::string>;  // tp, pp, zero, recompute, dtype
 
 // The tiny model with a combination's switches, on dp 2 (so ZeRO has something to shard).
-Options combo_options(const Combo& combo) {
+Settings combo_options(const Combo& combo) {
   const auto [tp, pp, zero, recompute, dtype] = combo;
-  Options o = tiny();
-  o.tp = tp == Tp::One ? 1 : 2;
-  o.seq_parallel = tp == Tp::TwoSeqParallel;
-  o.pp = pp == Pp::One ? 1 : 2;
-  o.interleave = pp == Pp::TwoInterleaved ? 2 : 1;
-  o.zero = zero;
-  o.recompute = recompute;
-  o.dtype = dtype;
-  o.world = o.tp * o.pp * 2;
+  Settings o = tiny();
+  o["tp"] = option_text(tp == Tp::One ? 1 : 2);
+  o["seq-parallel"] = option_text(tp == Tp::TwoSeqParallel);
+  o["pp"] = option_text(pp == Pp::One ? 1 : 2);
+  o["interleave"] = option_text(pp == Pp::TwoInterleaved ? 2 : 1);
+  o["zero"] = option_text(zero);
+  o["recompute"] = option_text(recompute);
+  o["dtype"] = option_text(dtype);
+  o["world"] = option_text(testing::number(o, "tp") * testing::number(o, "pp") * 2);
   return o;
 }
 
 class GptEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
 
 TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
-  const Options o = combo_options(GetParam());
+  const Settings o = combo_options(GetParam());
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   int numeric = 0;
   for (const CheckRecord& c : rep.checks) numeric += c.what.find("one device") != std::string::npos;
-  EXPECT_GE(numeric, 2 * o.world);  // gradients and weights on every rank, the loss on the last stage
+  EXPECT_GE(numeric, 2 * testing::number(
+                             o, "world"));  // gradients and weights on every rank, the loss on the last stage
 }
 
 std::string combo_name(const ::testing::TestParamInfo<Combo>& info) {
@@ -116,8 +117,8 @@ INSTANTIATE_TEST_SUITE_P(Matrix, GptEqualsOneDevice,
 class GptWithDropout : public ::testing::TestWithParam<Combo> {};
 
 TEST_P(GptWithDropout, EqualsOneDevice) {
-  Options o = combo_options(GetParam());
-  o.dropout = 0.1;
+  Settings o = combo_options(GetParam());
+  o["dropout"] = option_text(0.1);
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 }
@@ -131,43 +132,43 @@ INSTANTIATE_TEST_SUITE_P(Cover, GptWithDropout,
 
 // Dropout is not free: its kernels add to a phantom step's time.
 TEST(Gpt, DropoutAddsItsKernels) {
-  Options o = tiny();
-  o.world = 2;
-  o.tp = 2;
-  o.phantom = true;
-  o.steps = 1;
+  Settings o = tiny();
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["phantom"] = option_text(true);
+  o["steps"] = option_text(1);
   const RunReport without = run(o);
-  o.dropout = 0.1;
+  o["dropout"] = option_text(0.1);
   const RunReport with = run(o);
   ASSERT_TRUE(without.training && with.training);
   EXPECT_GT(with.training->step_time_us, without.training->step_time_us);
 }
 
 TEST(Gpt, Float16AndBfloat16GradientReduction) {
-  Options o = tiny();
-  o.world = 8;
-  o.tp = 2;
-  o.pp = 2;
-  o.dtype = "fp16";
+  Settings o = tiny();
+  o["world"] = option_text(8);
+  o["tp"] = option_text(2);
+  o["pp"] = option_text(2);
+  o["dtype"] = option_text("fp16");
   EXPECT_TRUE(run(o).all_checks_passed());
-  o.dtype = "bf16";
-  o.grad_reduce_dtype = "bf16";
-  o.zero = 2;
+  o["dtype"] = option_text("bf16");
+  o["grad-reduce-dtype"] = option_text("bf16");
+  o["zero"] = option_text(2);
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 }
 
 TEST(Gpt, DeeperPipelineInterleaved) {
-  Options o = tiny();
-  o.layers = 8;
-  o.hidden = 32;  // narrower than tiny(): twice the layers at the same cost
-  o.heads = 2;
-  o.world = 4;
-  o.pp = 4;
-  o.interleave = 2;
-  o.global_batch = 8;
-  o.micro_batch = 2;  // m = 4, a multiple of pp
-  o.dtype = "fp32";
+  Settings o = tiny();
+  o["layers"] = option_text(8);
+  o["hidden"] = option_text(32);  // narrower than tiny(): twice the layers at the same cost
+  o["heads"] = option_text(2);
+  o["world"] = option_text(4);
+  o["pp"] = option_text(4);
+  o["interleave"] = option_text(2);
+  o["global-batch"] = option_text(8);
+  o["micro-batch"] = option_text(2);  // m = 4, a multiple of pp
+  o["dtype"] = option_text("fp32");
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   // The timeline's regions name each task's micro-batch and chunk: every stage runs each of the m = 4
@@ -177,8 +178,8 @@ TEST(Gpt, DeeperPipelineInterleaved) {
     if (g.rank == 3 && (g.name.starts_with("forward") || g.name.starts_with("backward"))) ++tasks[g.name];
   }
   EXPECT_EQ(tasks.size(), 2u * 4 * 2);
-  EXPECT_EQ(tasks["forward mb 3 chunk 1"], o.steps);
-  EXPECT_EQ(tasks["backward mb 0 chunk 0"], o.steps);
+  EXPECT_EQ(tasks["forward mb 3 chunk 1"], testing::number(o, "steps"));
+  EXPECT_EQ(tasks["backward mb 0 chunk 0"], testing::number(o, "steps"));
   // The report has the timed step's schedule as data: each stage's 16 tasks, and the chart draws them with
   // their chunks.
   ASSERT_EQ(rep.pipeline.size(), 4u * 16);
@@ -195,12 +196,12 @@ TEST(Gpt, DeeperPipelineInterleaved) {
 }
 
 TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
-  Options o = tiny();
-  o.world = 8;
-  o.tp = 2;
-  o.pp = 2;
-  o.order = "dp-pp-tp";  // tp outermost: ranks 0 and 4 form a tp group
-  o.dtype = "fp32";
+  Settings o = tiny();
+  o["world"] = option_text(8);
+  o["tp"] = option_text(2);
+  o["pp"] = option_text(2);
+  o["order"] = option_text("dp-pp-tp");  // tp outermost: ranks 0 and 4 form a tp group
+  o["dtype"] = option_text("fp32");
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 
@@ -220,15 +221,15 @@ TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
 class GptBroken : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GptBroken, FailsTheCheck) {
-  Options o = tiny();
-  o.world = 8;
-  o.tp = 2;
-  o.pp = 2;
-  o.dtype = "fp32";
-  o.broken = GetParam();
-  if (o.broken == "no-reduce-scatter") o.zero = 2;
-  if (o.broken == "no-sp-grad-sync") o.seq_parallel = true;
-  if (o.broken == "dropout-row") o.seq_parallel = true, o.dropout = 0.1;
+  Settings o = tiny();
+  o["world"] = option_text(8);
+  o["tp"] = option_text(2);
+  o["pp"] = option_text(2);
+  o["dtype"] = option_text("fp32");
+  o["break"] = option_text(GetParam());
+  if (GetParam() == "no-reduce-scatter") o["zero"] = "2";
+  if (GetParam() == "no-sp-grad-sync") o["seq-parallel"] = "true";
+  if (GetParam() == "dropout-row") o["seq-parallel"] = "true", o["dropout"] = "0.1";
   const RunReport rep = run(o);
   EXPECT_FALSE(rep.all_checks_passed());
   bool gradients_failed = false;
@@ -247,15 +248,15 @@ INSTANTIATE_TEST_SUITE_P(Bugs, GptBroken,
 
 TEST(Gpt, MemoryPlanEqualsWhatTheRunAllocates) {
   for (int zero : {0, 1, 3}) {
-    Options o = tiny();
-    o.world = 8;
-    o.tp = 2;
-    o.pp = 2;
-    o.interleave = 2;
-    o.seq_parallel = true;
-    o.zero = zero;
-    o.vocab = 120;  // 60 rows of the embedding per tp rank, 30 per ZeRO shard
-    o.recompute = zero == 3 ? "selective" : "none";
+    Settings o = tiny();
+    o["world"] = option_text(8);
+    o["tp"] = option_text(2);
+    o["pp"] = option_text(2);
+    o["interleave"] = option_text(2);
+    o["seq-parallel"] = option_text(true);
+    o["zero"] = option_text(zero);
+    o["vocab"] = option_text(120);  // 60 rows of the embedding per tp rank, 30 per ZeRO shard
+    o["recompute"] = option_text(zero == 3 ? "selective" : "none");
     const RunReport rep = run(o);
     int plan_checks = 0;
     for (const CheckRecord& c : rep.checks) {
@@ -268,27 +269,28 @@ TEST(Gpt, MemoryPlanEqualsWhatTheRunAllocates) {
 }
 
 TEST(Gpt, PaddedShardsWhenRowsDoNotDivide) {
-  Options o = tiny();
-  o.world = 3;  // dp 3: 64 rows of a norm, 128 of the embedding, 16 positions: none divides by 3
-  o.zero = 3;
-  o.global_batch = 6;
-  o.dtype = "fp32";
+  Settings o = tiny();
+  o["world"] =
+      option_text(3);  // dp 3: 64 rows of a norm, 128 of the embedding, 16 positions: none divides by 3
+  o["zero"] = option_text(3);
+  o["global-batch"] = option_text(6);
+  o["dtype"] = option_text("fp32");
   const RunReport rep = run(o);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 }
 
 TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
-  Options o;
-  o.world = 8;
-  o.layers = 96;
-  o.hidden = 12288;
-  o.heads = 96;
-  o.seq = 2048;
-  o.vocab = 51200;
-  o.global_batch = 8;
-  o.micro_batch = 1;
-  o.phantom = true;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(8);
+  o["layers"] = option_text(96);
+  o["hidden"] = option_text(12288);
+  o["heads"] = option_text(96);
+  o["seq"] = option_text(2048);
+  o["vocab"] = option_text(51200);
+  o["global-batch"] = option_text(8);
+  o["micro-batch"] = option_text(1);
+  o["phantom"] = option_text(true);
+  o["quiet"] = option_text(true);
   try {
     run(o);
     FAIL() << "expected OutOfMemoryError";
@@ -302,7 +304,7 @@ TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
 // ---- the clear errors
 // ----------------------------------------------------------------------------------------
 
-void expect_usage_error(Options o, const std::string& needle) {
+void expect_usage_error(Settings o, const std::string& needle) {
   try {
     run(o);
     FAIL() << "expected a UsageError mentioning " << needle;
@@ -312,44 +314,44 @@ void expect_usage_error(Options o, const std::string& needle) {
 }
 
 TEST(Gpt, BadOptionsNameTheOption) {
-  Options o = tiny();
-  o.world = 8;
-  o.tp = 8;
+  Settings o = tiny();
+  o["world"] = option_text(8);
+  o["tp"] = option_text(8);
   expect_usage_error(o, "--heads 4 is not divisible by --tp 8");
   o = tiny();
-  o.world = 6;
-  o.pp = 3;
+  o["world"] = option_text(6);
+  o["pp"] = option_text(3);
   expect_usage_error(o, "--layers 4 is not divisible by --pp 3");
   o = tiny();
-  o.world = 4;
-  o.pp = 2;
-  o.interleave = 2;
-  o.global_batch = 6;
-  o.micro_batch = 1;  // dp 2: m = 3, not a multiple of pp 2
+  o["world"] = option_text(4);
+  o["pp"] = option_text(2);
+  o["interleave"] = option_text(2);
+  o["global-batch"] = option_text(6);
+  o["micro-batch"] = option_text(1);  // dp 2: m = 3, not a multiple of pp 2
   expect_usage_error(o, "multiple of --pp 2");
   o = tiny();
-  o.world = 8;
-  o.tp = 2;
-  o.dp = 2;
+  o["world"] = option_text(8);
+  o["tp"] = option_text(2);
+  o["dp"] = option_text(2);
   expect_usage_error(o, "--world 8 is not --tp 2 x --pp 1 x --dp 2");
   o = tiny();
-  o.world = 2;
-  o.seq_parallel = true;
+  o["world"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
   expect_usage_error(o, "--seq-parallel");
   o = tiny();
-  o.order = "tp-pp";
+  o["order"] = option_text("tp-pp");
   expect_usage_error(o, "--order");
   o = tiny();
-  o.recompute = "some";
+  o["recompute"] = option_text("some");
   expect_usage_error(o, "--recompute");
   o = tiny();
-  o.world = 2;
-  o.tp = 2;
-  o.vocab = 127;
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["vocab"] = option_text(127);
   expect_usage_error(o, "--vocab 127 is not divisible by --tp 2");
   o = tiny();
-  o.world = 2;
-  o.global_batch = 7;
+  o["world"] = option_text(2);
+  o["global-batch"] = option_text(7);
   expect_usage_error(o, "--global-batch 7");
 }
 
@@ -357,22 +359,22 @@ TEST(Gpt, BadOptionsNameTheOption) {
 // ------------------------------------------------------------
 
 TEST(Gpt, PhantomStepTimeIsDeterministic) {
-  Options o;
-  o.world = 16;
-  o.tp = 2;
-  o.pp = 4;
-  o.interleave = 2;
-  o.zero = 1;
-  o.layers = 16;
-  o.hidden = 2048;
-  o.heads = 16;
-  o.seq = 1024;
-  o.vocab = 51200;
-  o.global_batch = 32;
-  o.micro_batch = 1;
-  o.steps = 2;
-  o.phantom = true;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(16);
+  o["tp"] = option_text(2);
+  o["pp"] = option_text(4);
+  o["interleave"] = option_text(2);
+  o["zero"] = option_text(1);
+  o["layers"] = option_text(16);
+  o["hidden"] = option_text(2048);
+  o["heads"] = option_text(16);
+  o["seq"] = option_text(1024);
+  o["vocab"] = option_text(51200);
+  o["global-batch"] = option_text(32);
+  o["micro-batch"] = option_text(1);
+  o["steps"] = option_text(2);
+  o["phantom"] = option_text(true);
+  o["quiet"] = option_text(true);
   const RunReport a = run(o, 2), b = run(o, 2);
   ASSERT_TRUE(a.training.has_value());
   ASSERT_TRUE(b.training.has_value());

@@ -272,10 +272,10 @@ TEST(IssueOrder, LessonsTakeTheTimesOfIssuingInClockOrder) {
   for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel", "benchmark"}) {
     auto run = [&](bool in_clock_order) {
       SimBackend backend(config(in_clock_order));
-      Options o;
-      o.world = 8;
-      o.layers = 8;
-      if (std::string(lesson) == "data_parallel") o.overlap = true;
+      Settings o;
+      o["world"] = option_text(8);
+      if (std::string(lesson) != "benchmark") o["layers"] = option_text(8);
+      if (std::string(lesson) == "data_parallel") o["overlap"] = option_text(true);
       return run_lesson(backend, lesson, o);
     };
     expect_same_times(run(false), run(true), lesson);

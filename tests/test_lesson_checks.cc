@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
 #include "lessons/mlp.h"
@@ -15,7 +16,7 @@
 namespace ranklab {
 namespace {
 
-RunReport run(const std::string& lesson, const Options& o, int nodes) {
+RunReport run(const std::string& lesson, const Settings& o, int nodes) {
   SimBackend backend(testing::quiet_config(nodes));
   return run_lesson(backend, lesson, o);
 }
@@ -40,34 +41,34 @@ TEST(LessonChecks, CollectivesHoldAtAnyWorldSize) {
   // largest factorial float32 holds, and the first that overflows; 1,000: sums past 2^24 in places.
   for (int world : {16, 24, 28, 31, 32, 34, 35, 64, 1000}) {
     SCOPED_TRACE(world);
-    Options o;
-    o.world = world;
-    o.quiet = true;
+    Settings o;
+    o["world"] = option_text(world);
+    o["quiet"] = option_text(true);
     const RunReport rep = run("collectives", o, nodes_for(world));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   }
 }
 
 TEST(LessonChecks, BenchmarkSumIsExactAt8192Ranks) {
-  Options o;
-  o.world = 8192;
-  o.count = 8192;
-  o.quiet = true;
-  const RunReport rep = run("benchmark", o, nodes_for(o.world));
+  Settings o;
+  o["world"] = option_text(8192);
+  o["count"] = option_text(8192);
+  o["quiet"] = option_text(true);
+  const RunReport rep = run("benchmark", o, nodes_for(testing::number(o, "world")));
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   EXPECT_EQ(rep.checks.size(), 8192u);
 }
 
 void lesson_holds_at(const std::string& lesson, int world) {
   SCOPED_TRACE(::testing::Message() << lesson << " at " << world);
-  Options o;
-  o.world = world;
-  o.dim = 64;
+  Settings o;
+  o["world"] = option_text(world);
+  o["dim"] = option_text(64);
   // The pipeline needs a layer a stage (64 layers: the deep case); tensor parallelism keeps the
   // tour's 4 layers.
-  o.layers = lesson == "tensor_parallel" ? 4 : world;
-  o.batch = 4 * world;
-  o.quiet = true;
+  o["layers"] = option_text(lesson == "tensor_parallel" ? 4 : world);
+  o["batch"] = option_text(4 * world);
+  o["quiet"] = option_text(true);
   const RunReport rep = run(lesson, o, nodes_for(world));
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 }
@@ -94,15 +95,16 @@ TEST(LessonChecks, PipelineParallelHoldsAt64Ranks) {
   lesson_holds_at("pipeline_parallel", 64);
 }
 
-Options tensor_parallel_at_64() {
+Settings tensor_parallel_at_64() {
   // The tour's batch and width at 64 ranks, 64 layers deep: one column a rank, every layer's input
   // gradient summed across all 64 ranks.
-  Options o;
-  o.world = 64;
-  o.dim = 64;
-  o.layers = 64;
-  o.batch = 256;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(64);
+  o["dim"] = option_text(64);
+  o["layers"] = option_text(64);
+  o["batch"] = option_text(256);
+  o["steps"] = option_text(3);
+  o["quiet"] = option_text(true);
   return o;
 }
 
@@ -111,18 +113,18 @@ TEST(LessonChecks, TensorParallelAtTheToursSizesOn64Ranks) {
   // rather than at lambda of it, their sum ran past its bound here on a correct run (143 failed checks).
   // Step 1 must be decided and pass on every rank; later steps pass or say that the bound has outgrown
   // the values, and none may fail.
-  Options o = tensor_parallel_at_64();
+  Settings o = tensor_parallel_at_64();
 #if defined(RANKLAB_SANITIZE)
-  o.steps = 1;  // the one-device reference in double costs seconds a step at this depth
+  o["steps"] = option_text(1);  // the one-device reference in double costs seconds a step at this depth
 #endif
-  const RunReport rep = run("tensor_parallel", o, nodes_for(o.world));
+  const RunReport rep = run("tensor_parallel", o, nodes_for(testing::number(o, "world")));
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   int first_step = 0;
   for (const CheckRecord& c : rep.checks) {
     first_step += c.passed && c.what.rfind("tensor_parallel step 1:", 0) == 0;
   }
   EXPECT_EQ(first_step, 64);
-  if (o.steps >= 3) {
+  if (testing::number(o, "steps") >= 3) {
     EXPECT_TRUE(printed(rep,
                         "tensor_parallel step 3: not decided: 129 of 129 tensors compared have a bound "
                         "as large as their values"));
@@ -131,10 +133,10 @@ TEST(LessonChecks, TensorParallelAtTheToursSizesOn64Ranks) {
 
 TEST(LessonChecks, AWrongSplitFailsAtTheToursSizesOn64Ranks) {
   // The looser bound still catches a wrong split at this depth, on every rank, at the first step.
-  Options o = tensor_parallel_at_64();
-  o.steps = 1;
-  o.broken = "wrong-slice";
-  const RunReport rep = run("tensor_parallel", o, nodes_for(o.world));
+  Settings o = tensor_parallel_at_64();
+  o["steps"] = option_text(1);
+  o["break"] = option_text("wrong-slice");
+  const RunReport rep = run("tensor_parallel", o, nodes_for(testing::number(o, "world")));
   int failed = 0;
   for (const CheckRecord& c : rep.checks) {
     failed += !c.passed && c.what.rfind("tensor_parallel step 1:", 0) == 0;
@@ -174,14 +176,14 @@ TEST(LessonChecks, ABoundAsLargeAsTheValuesDecidesNothing) {
 TEST(LessonChecks, TrainingLessonsHoldAt1000Ranks) {
   for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
     SCOPED_TRACE(lesson);
-    Options o;
-    o.world = 1000;
-    o.dim = std::string(lesson) == "tensor_parallel" ? 1000 : 8;
-    o.layers = std::string(lesson) == "pipeline_parallel" ? 1000 : 2;
-    o.batch = std::string(lesson) == "data_parallel" ? 1000 : 8;
-    o.steps = 1;
-    o.quiet = true;
-    const RunReport rep = run(lesson, o, nodes_for(o.world));
+    Settings o;
+    o["world"] = option_text(1000);
+    o["dim"] = option_text(std::string(lesson) == "tensor_parallel" ? 1000 : 8);
+    o["layers"] = option_text(std::string(lesson) == "pipeline_parallel" ? 1000 : 2);
+    o["batch"] = option_text(std::string(lesson) == "data_parallel" ? 1000 : 8);
+    o["steps"] = option_text(1);
+    o["quiet"] = option_text(true);
+    const RunReport rep = run(lesson, o, nodes_for(testing::number(o, "world")));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   }
 }
@@ -189,15 +191,16 @@ TEST(LessonChecks, TrainingLessonsHoldAt1000Ranks) {
 TEST(LessonChecks, ZeroHoldsAtEveryStageAndWorldSize) {
   for (int world : {1, 2, 16}) {
     SCOPED_TRACE(world);
-    Options o;
-    o.world = world;
-    o.zero = -1;  // all four stages, each checking its memory against parallel/zero's accounting
-    o.optimizer = "adamw";
-    o.lr = 0.001;
-    o.dim = 64;
-    o.batch = 2 * world;
-    o.steps = 2;
-    o.quiet = true;
+    Settings o;
+    o["world"] = option_text(world);
+    o["zero"] =
+        option_text(-1);  // all four stages, each checking its memory against parallel/zero's accounting
+    o["optimizer"] = option_text("adamw");
+    o["lr"] = option_text(0.001);
+    o["dim"] = option_text(64);
+    o["batch"] = option_text(2 * world);
+    o["steps"] = option_text(2);
+    o["quiet"] = option_text(true);
     const RunReport rep = run("zero", o, nodes_for(world));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
     EXPECT_TRUE(printed(rep, "ZeRO-3  sent")) << "the communication per stage";
@@ -207,14 +210,14 @@ TEST(LessonChecks, ZeroHoldsAtEveryStageAndWorldSize) {
 TEST(LessonChecks, RecomputeHoldsOnDataParallelAndThePipeline) {
   for (int world : {1, 2, 8}) {
     SCOPED_TRACE(world);
-    Options o;
-    o.world = world;
-    o.dim = 32;
-    o.layers = 8;
-    o.batch = 4 * world;
-    o.micro_batches = 4;
-    o.steps = 2;
-    o.quiet = true;
+    Settings o;
+    o["world"] = option_text(world);
+    o["dim"] = option_text(32);
+    o["layers"] = option_text(8);
+    o["batch"] = option_text(4 * world);
+    o["micro-batches"] = option_text(4);
+    o["steps"] = option_text(2);
+    o["quiet"] = option_text(true);
     const RunReport rep = run("recompute", o, nodes_for(world));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
     EXPECT_TRUE(printed(rep, "pipeline 1f1b, recompute each stage")) << "both ways, on both";
@@ -227,16 +230,16 @@ TEST(LessonChecks, HybridHoldsInBothLayouts) {
   };
   for (Shape sh : {Shape{1, 1, 1}, Shape{8, 2, 2}, Shape{16, 4, 2}}) {
     SCOPED_TRACE(sh.world);
-    Options o;
-    o.world = sh.world;
-    o.tp = sh.tp;
-    o.pp = sh.pp;
-    o.dim = 32;
-    o.layers = 4;
-    o.batch = 16;
-    o.micro_batches = 4;
-    o.steps = 2;
-    o.quiet = true;
+    Settings o;
+    o["world"] = option_text(sh.world);
+    o["tp"] = option_text(sh.tp);
+    o["pp"] = option_text(sh.pp);
+    o["dim"] = option_text(32);
+    o["layers"] = option_text(4);
+    o["batch"] = option_text(16);
+    o["micro-batches"] = option_text(4);
+    o["steps"] = option_text(2);
+    o["quiet"] = option_text(true);
     const RunReport rep = run("hybrid", o, nodes_for(sh.world));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
     EXPECT_TRUE(printed(rep, "order pp-dp-tp")) << "the reversed layout";
@@ -257,19 +260,19 @@ TEST(LessonChecks, MoeHoldsForEveryRoutingAndWorld) {
     SCOPED_TRACE(::testing::Message()
                  << c.world << " ranks, " << c.experts << " experts, top-" << c.top_k << ", factor "
                  << c.factor << ", skew " << c.skew << ", " << c.optimizer);
-    Options o;
-    o.world = c.world;
-    o.experts = c.experts;
-    o.top_k = c.top_k;
-    o.capacity_factor = c.factor;
-    o.skew = c.skew;
-    o.optimizer = c.optimizer;
-    o.batch = 8 * c.world;
-    o.dim = 16;
-    o.hidden = 32;
-    o.steps = 2;
-    o.lr = 0.05;
-    o.quiet = true;
+    Settings o;
+    o["world"] = option_text(c.world);
+    o["experts"] = option_text(c.experts);
+    o["top-k"] = option_text(c.top_k);
+    o["capacity-factor"] = option_text(c.factor);
+    o["skew"] = option_text(c.skew);
+    o["optimizer"] = option_text(c.optimizer);
+    o["batch"] = option_text(8 * c.world);
+    o["dim"] = option_text(16);
+    o["hidden"] = option_text(32);
+    o["steps"] = option_text(2);
+    o["lr"] = option_text(0.05);
+    o["quiet"] = option_text(true);
     const RunReport rep = run("moe", o, nodes_for(c.world));
     EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
     EXPECT_EQ(rep.checks.size(), static_cast<std::size_t>(2 * c.world));
@@ -285,15 +288,16 @@ void adamw_at_lecture_sizes(const std::string& lesson, int world) {
   // sizes check numerics, which the ordinary build does, and add no code path the smaller tests miss.
   GTEST_SKIP() << "the lecture's sizes run in the ordinary build";
 #endif
-  Options o;
-  o.world = world;
-  o.optimizer = "adamw";
-  o.lr = 0.001;
-  o.dim = 1024;
-  o.batch = 128;
-  o.layers = 4;
-  o.steps = world == 1 ? 2 : 1;  // the second step: the moments carry the first step's uncertainty
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(world);
+  o["optimizer"] = option_text("adamw");
+  o["lr"] = option_text(0.001);
+  o["dim"] = option_text(1024);
+  o["batch"] = option_text(128);
+  o["layers"] = option_text(4);
+  o["steps"] =
+      option_text(world == 1 ? 2 : 1);  // the second step: the moments carry the first step's uncertainty
+  o["quiet"] = option_text(true);
   const RunReport rep = run(lesson, o, 1);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
 }
@@ -318,11 +322,11 @@ TEST(LessonChecks, AdamWAtTheLecturesSizesPipelineParallelFourRanks) {
 
 TEST(LessonChecks, AFailedCheckPrintsExpectedAndActualWithEveryDigit) {
   // The deliberate bug of Sum instead of Avg: the check must fail and say where.
-  Options o;
-  o.world = 4;
-  o.steps = 2;
-  o.broken = "sum";
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(4);
+  o["steps"] = option_text(2);
+  o["break"] = option_text("sum");
+  o["quiet"] = option_text(true);
   const RunReport rep = run("data_parallel", o, 1);
   ASSERT_FALSE(rep.all_checks_passed());
   for (const CheckRecord& c : rep.checks) {
@@ -349,20 +353,61 @@ TEST(LessonOptions, HelpListsEachOptionWithThisLessonsDefault) {
 }
 
 TEST(LessonOptions, LectureSetsTheLecturesSetupAndTheCommandLineWins) {
-  Options given;
-  given.world = 8;
-  Options o = with_lesson_defaults(find_lesson("pipeline_parallel"), given, {}, true);
-  EXPECT_EQ(o.world, 2);
-  EXPECT_EQ(o.dim, 1024);
-  EXPECT_EQ(o.batch, 128);
-  EXPECT_EQ(o.micro_batches, 4);
-  o = with_lesson_defaults(find_lesson("pipeline_parallel"), given, {"world"}, true);
-  EXPECT_EQ(o.world, 8);  // --world 8 on the command line
-  o = with_lesson_defaults(find_lesson("tensor_parallel"), given, {"world"}, true);
-  EXPECT_EQ(o.dim / o.world, 128);
-  o = with_lesson_defaults(find_lesson("data_parallel"), Options{}, {}, false);
-  EXPECT_EQ(o.bucket_mb, 25);
-  EXPECT_FALSE(o.overlap);
+  Settings o = resolve_settings(find_lesson("pipeline_parallel"), {}, /*lecture=*/true);
+  EXPECT_EQ(testing::number(o, "world"), 2);
+  EXPECT_EQ(testing::number(o, "dim"), 1024);
+  EXPECT_EQ(testing::number(o, "batch"), 128);
+  EXPECT_EQ(testing::number(o, "micro-batches"), 4);
+  o = resolve_settings(find_lesson("pipeline_parallel"), {{"world", "8"}}, true);
+  EXPECT_EQ(testing::number(o, "world"), 8);  // --world 8 on the command line
+  o = resolve_settings(find_lesson("tensor_parallel"), {{"world", "8"}}, true);
+  EXPECT_EQ(testing::number(o, "dim") / testing::number(o, "world"), 128);
+  // Without --lecture, the lesson's own defaults: nothing is set, and its table's defaults apply.
+  EXPECT_TRUE(resolve_settings(find_lesson("data_parallel"), {}, false).empty());
+  const Settings record = find_lesson("data_parallel").prepare({}).record;
+  EXPECT_EQ(record.at("bucket-mb"), "25");
+  EXPECT_EQ(record.at("overlap"), "false");
+}
+
+TEST(LessonOptions, AnOptionThatExpandsFillsWhatTheCommandLineLeaves) {
+  const Settings o = resolve_settings(find_lesson("gpt"), {{"model", "gpt3-175b"}, {"seq", "1024"}}, false);
+  EXPECT_EQ(o.at("layers"), "96");
+  EXPECT_EQ(o.at("hidden"), "12288");
+  EXPECT_EQ(o.at("micro-batch"), "1");
+  EXPECT_EQ(o.at("seq"), "1024");  // given: the command line's wins over the preset's 2048
+  EXPECT_THROW(resolve_settings(find_lesson("gpt"), {{"model", "gpt5"}}, false), UsageError);
+}
+
+TEST(LessonOptions, EveryValueIsCheckedAgainstItsDeclaration) {
+  const Lesson& dp = find_lesson("data_parallel");
+  auto error_of = [&](const Settings& s) {
+    try {
+      dp.prepare(s);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error_of({{"batch", "0"}}), "data_parallel: --batch must be at least 1 (got 0)");
+  EXPECT_EQ(error_of({{"layers", "4294967360"}}),
+            "data_parallel: --layers must be at least 1 and at most 2147483647 (got 4294967360)");
+  EXPECT_EQ(error_of({{"dim", "6x"}}), "data_parallel: --dim takes a whole number, at least 1 (got '6x')");
+  EXPECT_EQ(error_of({{"lr", "nan"}}), "data_parallel: --lr must be a finite number above 0 (got nan)");
+  EXPECT_EQ(error_of({{"bucket-mb", "1e300"}}),
+            "data_parallel: --bucket-mb must be a finite number above 0 and at most 1048576 (got 1e300)");
+  EXPECT_EQ(error_of({{"optimizer", "adam"}}),
+            "data_parallel: --optimizer must be sgd or adamw (got 'adam')");
+  EXPECT_EQ(error_of({{"overlap", "yes"}}),
+            "data_parallel: --overlap is a switch: true or false (got 'yes')");
+  EXPECT_EQ(error_of({{"break", "everything"}}),
+            "data_parallel: --break must be sum or no-all-reduce (got 'everything')");
+  EXPECT_NE(
+      error_of({{"count", "8"}}).find("data_parallel: there is no option --count; the options are: --world"),
+      std::string::npos);
+  // A number past the range of the type it ends up in is refused, not turned into infinity.
+  EXPECT_NE(error_of({{"lr", "1e400"}}).find("--lr must be a finite number above 0"), std::string::npos);
+  // A float member is written as the float it holds.
+  EXPECT_EQ(find_lesson("gpt").prepare({{"dropout", "0.1"}}).record.at("dropout"), "0.1");
 }
 
 }  // namespace
@@ -379,14 +424,14 @@ bool printed(const RunReport& rep, const std::string& text) {
 }
 
 TEST(LessonOutput, SaysWhenLaunchOverheadDominates) {
-  Options o;  // 64 x 64 weights: kernels far shorter than their launches
-  o.world = 4;
-  o.quiet = true;
+  Settings o;  // 64 x 64 weights: kernels far shorter than their launches
+  o["world"] = option_text(4);
+  o["quiet"] = option_text(true);
   EXPECT_TRUE(printed(run("tensor_parallel", o, 1), "launch overhead dominates"));
-  o.phantom = true;  // 8192 x 8192 weights: the GPU computes most of the step
-  o.dim = 8192;
-  o.batch = 1024;
-  o.steps = 1;
+  o["phantom"] = option_text(true);  // 8192 x 8192 weights: the GPU computes most of the step
+  o["dim"] = option_text(8192);
+  o["batch"] = option_text(1024);
+  o["steps"] = option_text(1);
   EXPECT_FALSE(printed(run("tensor_parallel", o, 1), "launch overhead dominates"));
   EXPECT_FALSE(printed(run("data_parallel", o, 1), "launch overhead dominates"));
 }
@@ -400,9 +445,9 @@ namespace {
 TEST(Tour, RunsAtFourRanksWithEveryCheckPassing) {
   // What `make demo` runs. Its data parallel section runs out of memory on purpose; the regions open at
   // that moment must close with the exception.
-  Options o;
-  o.world = 4;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(4);
+  o["quiet"] = option_text(true);
   const RunReport rep = run("tour", o, 1);
   EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
   // Each word is explained once, before the first line that uses it.

@@ -670,7 +670,7 @@ TEST(Fidelity, TheLecturesAllReduceOfFourHundredMegabytes) {
 
 // ---- the benchmark lesson ------------------------------------------------------------------------
 
-RunReport run_benchmark(const Options& o) {
+RunReport run_benchmark(const Settings& o) {
   SimBackend backend(ranklab::testing::quiet_config());
   return run_lesson(backend, "benchmark", o);
 }
@@ -683,8 +683,8 @@ bool has_line(const RunReport& r, const std::string& text) {
 }
 
 TEST(BenchmarkLesson, TheLecturesMeasurement) {
-  Options o;
-  o.world = 4;
+  Settings o;
+  o["world"] = option_text(4);
   const RunReport r = run_benchmark(o);
   EXPECT_TRUE(r.all_checks_passed());
   ASSERT_EQ(r.checks.size(), 4u);  // every rank checks the numerics of a small all_reduce of real numbers
@@ -700,9 +700,9 @@ TEST(BenchmarkLesson, TheLecturesMeasurement) {
 }
 
 TEST(BenchmarkLesson, WrongOrderMakesRanksDisagree) {
-  Options o;
-  o.world = 4;
-  o.wrong_order = true;
+  Settings o;
+  o["world"] = option_text(4);
+  o["wrong-order"] = option_text(true);
   const RunReport r = run_benchmark(o);
   // Rank 0 also times the slower ranks' extra work; rank 3, the slowest, times the collective alone.
   EXPECT_TRUE(has_line(r, "all_reduce measured (ms) by rank0 = [2.75]"));
@@ -710,18 +710,29 @@ TEST(BenchmarkLesson, WrongOrderMakesRanksDisagree) {
 }
 
 TEST(BenchmarkLesson, SweepPrintsNcclTestsTable) {
-  Options o;
-  o.world = 8;
-  o.sweep = true;
-  o.op = "all_gather";
-  o.comm_algorithm = [](CommOp, std::int64_t bytes, int, int) { return bytes < 4096 ? "small" : "large"; };
+  Settings o;
+  o["world"] = option_text(8);
+  o["sweep"] = option_text(true);
+  o["op"] = option_text("all_gather");
   const RunReport r = run_benchmark(o);
   int rows = 0;
   for (const std::string& line : r.output) rows += line.find(" float ") != std::string::npos;
   EXPECT_EQ(rows, 30);  // 32 B (8 floats, one per rank) to 16 GiB
   EXPECT_TRUE(has_line(r, "   17179869184    4294967296     float   none    -1"));
-  EXPECT_TRUE(has_line(r, "  large"));
-  o.op = "all_reduces";
+  // Each row names the algorithm the simulator ran it with: the network model's choice for the world.
+  NetworkModel model(load_profile("dgx-h100"));
+  for (const std::int64_t bytes : {std::int64_t{256}, std::int64_t{1} << 34}) {
+    const std::string name = model.plan_collective(CommOp::AllGather, bytes, first(8), -1).name();
+    bool found = false;
+    for (const std::string& line : r.output) {
+      if (line.rfind(fmt::format("  {:>12} ", bytes), 0) == 0) {
+        found = true;
+        EXPECT_EQ(line.substr(line.size() - name.size() - 2), "  " + name) << line;
+      }
+    }
+    EXPECT_TRUE(found) << bytes;
+  }
+  o["op"] = option_text("all_reduces");
   EXPECT_THROW(run_benchmark(o), ranklab::UsageError);
 }
 

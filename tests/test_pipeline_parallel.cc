@@ -19,29 +19,30 @@
 namespace ranklab {
 namespace {
 
-RunReport run(const Options& o, const Profile& profile) {
+RunReport run(const Settings& o, const Profile& profile) {
   SimConfig c = testing::quiet_config();
   c.profile = profile;
   SimBackend backend(c);
   return run_lesson(backend, "pipeline_parallel", o);
 }
-RunReport run(const Options& o) {
+RunReport run(const Settings& o) {
   return run(o, testing::quiet_config().profile);
 }
 
-Options small(int world, const std::string& schedule, bool async, const std::string& optimizer) {
-  Options o;
-  o.world = world;
-  o.batch = 12;
-  o.micro_batches = 4;  // 3 samples each
-  o.dim = 16;  // at 8, twelve relu layers leave float32's bound on stage 0 as large as its values by step 3
-  o.layers = 12;  // divisible by 1, 2, 3 and 4
-  o.steps = 3;
-  o.schedule = schedule;
-  o.async_p2p = async;
-  o.optimizer = optimizer;
-  o.lr = optimizer == "adamw" ? 0.01 : 0.05;
-  o.quiet = true;
+Settings small(int world, const std::string& schedule, bool async, const std::string& optimizer) {
+  Settings o;
+  o["world"] = option_text(world);
+  o["batch"] = option_text(12);
+  o["micro-batches"] = option_text(4);  // 3 samples each
+  o["dim"] = option_text(
+      16);  // at 8, twelve relu layers leave float32's bound on stage 0 as large as its values by step 3
+  o["layers"] = option_text(12);  // divisible by 1, 2, 3 and 4
+  o["steps"] = option_text(3);
+  o["schedule"] = option_text(schedule);
+  o["async-p2p"] = option_text(async);
+  o["optimizer"] = option_text(optimizer);
+  o["lr"] = option_text(optimizer == "adamw" ? 0.01 : 0.05);
+  o["quiet"] = option_text(true);
   return o;
 }
 
@@ -120,17 +121,17 @@ int count(const std::string& text, const std::string& needle) {
   return n;
 }
 
-Options uniform_stages(int p, int m, const std::string& schedule) {
-  Options o;
-  o.world = p;
-  o.phantom = true;
-  o.dim = 4096;  // a matmul of tens of microseconds: large against a launch or a transfer
-  o.layers = 2 * p;
-  o.micro_batches = m;
-  o.batch = 64 * m;
-  o.steps = 1;
-  o.schedule = schedule;
-  o.quiet = true;
+Settings uniform_stages(int p, int m, const std::string& schedule) {
+  Settings o;
+  o["world"] = option_text(p);
+  o["phantom"] = option_text(true);
+  o["dim"] = option_text(4096);  // a matmul of tens of microseconds: large against a launch or a transfer
+  o["layers"] = option_text(2 * p);
+  o["micro-batches"] = option_text(m);
+  o["batch"] = option_text(64 * m);
+  o["steps"] = option_text(1);
+  o["schedule"] = option_text(schedule);
+  o["quiet"] = option_text(true);
   return o;
 }
 
@@ -141,14 +142,14 @@ TEST(PipelineParallel, EqualsOneDeviceForEverySchedule) {
         for (const char* optimizer : {"sgd", "adamw"}) {
           SCOPED_TRACE(::testing::Message() << schedule << ", world " << world
                                             << (async ? ", isend/irecv" : "") << ", " << optimizer);
-          const Options o = small(world, schedule, async, optimizer);
+          const Settings o = small(world, schedule, async, optimizer);
           RunReport rep = run(o);
           EXPECT_TRUE(rep.all_checks_passed());
           int steps_checked = 0;
           for (const CheckRecord& c : rep.checks) {
             if (c.what.rfind("pipeline_parallel step", 0) == 0 && c.passed) ++steps_checked;
           }
-          EXPECT_EQ(steps_checked, o.steps * world);  // every stage, every step
+          EXPECT_EQ(steps_checked, testing::number(o, "steps") * world);  // every stage, every step
         }
       }
     }
@@ -162,9 +163,9 @@ TEST(PipelineParallel, ManyStagesAndMicroBatchesNeverDeadlock) {
         for (bool async : {false, true}) {
           SCOPED_TRACE(::testing::Message()
                        << schedule << " p=" << p << " m=" << m << (async ? " async" : ""));
-          Options o = uniform_stages(p, m, schedule);
-          o.dim = 64;
-          o.async_p2p = async;
+          Settings o = uniform_stages(p, m, schedule);
+          o["dim"] = option_text(64);
+          o["async-p2p"] = option_text(async);
           EXPECT_NO_THROW(run(o));
         }
       }
@@ -185,11 +186,11 @@ TEST(PipelineParallel, BubbleOfUniformStagesIsTheFormulaWithinTheTransfers) {
         for (bool async : {false, true}) {
           SCOPED_TRACE(::testing::Message()
                        << schedule << " p=" << p << " m=" << m << (async ? " isend/irecv" : ""));
-          Options o = uniform_stages(p, m, schedule);
-          o.async_p2p = async;
+          Settings o = uniform_stages(p, m, schedule);
+          o["async-p2p"] = option_text(async);
           RunReport rep = run(o, prof);
           const double analytic = (p - 1.0) / (m + p - 1.0);
-          const double skew = 1.0 / (2 * o.dim);
+          const double skew = 1.0 / (2 * testing::number(o, "dim"));
           const double term = 2 * (m + p - 1) * 2 * longest_transfer(rep) / schedule_window(rep);
           const double measured = printed_bubble(rep);
           EXPECT_GE(measured, analytic - skew - 1e-4);
@@ -236,10 +237,10 @@ TEST(PipelineParallel, TheScheduleIsInTheReportAndDrawnAtTheTopOfThePage) {
   EXPECT_NE(html.find("(p-1)/(v&middot;m) = 3/(1&middot;8) = <b>37.5%</b>"), std::string::npos);
 
   // A run without a pipeline has no chart.
-  Options dp;
-  dp.world = 2;
-  dp.steps = 1;
-  dp.quiet = true;
+  Settings dp;
+  dp["world"] = option_text(2);
+  dp["steps"] = option_text(1);
+  dp["quiet"] = option_text(true);
   SimBackend backend(testing::quiet_config());
   const RunReport flat = run_lesson(backend, "data_parallel", dp);
   EXPECT_TRUE(flat.pipeline.empty());
@@ -252,9 +253,9 @@ TEST(PipelineParallel, IsendIrecvHideTransfersUnderCompute) {
   const Profile prof = compute_only_profile();
   for (const char* schedule : {"gpipe", "1f1b"}) {
     SCOPED_TRACE(schedule);
-    Options o = uniform_stages(4, 8, schedule);
+    Settings o = uniform_stages(4, 8, schedule);
     const double blocking = schedule_window(run(o, prof));
-    o.async_p2p = true;
+    o["async-p2p"] = option_text(true);
     const double overlapped = schedule_window(run(o, prof));
     EXPECT_LT(overlapped, blocking);
   }
@@ -268,7 +269,7 @@ TEST(PipelineParallel, LaunchOverheadWidensTheBubbleByAtMostItsTerm) {
     for (int m : {4, 8}) {
       const int p = 4;
       SCOPED_TRACE(::testing::Message() << schedule << " m=" << m);
-      Options o = uniform_stages(p, m, schedule);
+      Settings o = uniform_stages(p, m, schedule);
       RunReport rep = run(o, prof);
       const double analytic = (p - 1.0) / (m + p - 1.0);
       const double hand_over = 4 * prof.gpu.launch_overhead_us + 2 * longest_transfer(rep);
@@ -281,9 +282,10 @@ TEST(PipelineParallel, LaunchOverheadWidensTheBubbleByAtMostItsTerm) {
 }
 
 TEST(PipelineParallel, OneFOneBKeepsAtMostPMicroBatchesAlive) {
-  Options o = uniform_stages(4, 12, "1f1b");
-  o.dim = 256;
-  o.layers = 32;  // eight layers a stage: most of a micro-batch's activations never leave the stage
+  Settings o = uniform_stages(4, 12, "1f1b");
+  o["dim"] = option_text(256);
+  o["layers"] =
+      option_text(32);  // eight layers a stage: most of a micro-batch's activations never leave the stage
   RunReport f1b1 = run(o);
   int bounded = 0;
   for (const CheckRecord& c : f1b1.checks) {
@@ -293,13 +295,13 @@ TEST(PipelineParallel, OneFOneBKeepsAtMostPMicroBatchesAlive) {
   EXPECT_EQ(bounded, 4);  // every stage
   EXPECT_TRUE(f1b1.all_checks_passed());
   // GPipe keeps all twelve: the first stage's peak memory shows it.
-  o.schedule = "gpipe";
+  o["schedule"] = option_text("gpipe");
   RunReport gpipe = run(o);
   const double activation = 4.0 * 64 * 256;  // one layer's output for one micro-batch
   EXPECT_GT(static_cast<double>(gpipe.ranks[0].peak_bytes - f1b1.ranks[0].peak_bytes), (12 - 4) * activation);
 }
 
-std::string error_of(const Options& o) {
+std::string error_of(const Settings& o) {
   try {
     run(o);
   } catch (const UsageError& e) {
@@ -309,21 +311,21 @@ std::string error_of(const Options& o) {
 }
 
 TEST(PipelineParallel, LayersNotDivisibleByTheStagesIsAClearError) {
-  Options o = small(4, "gpipe", false, "sgd");
-  o.layers = 10;
+  Settings o = small(4, "gpipe", false, "sgd");
+  o["layers"] = option_text(10);
   const std::string msg = error_of(o);
   EXPECT_NE(msg.find("--layers 10 is not divisible by --world 4"), std::string::npos) << msg;
 }
 
 TEST(PipelineParallel, MicroBatchesThatDoNotDivideTheBatchAreAClearError) {
-  Options o = small(4, "gpipe", false, "sgd");
-  o.micro_batches = 5;
+  Settings o = small(4, "gpipe", false, "sgd");
+  o["micro-batches"] = option_text(5);
   const std::string msg = error_of(o);
   EXPECT_NE(msg.find("--micro-batches 5 does not divide --batch 12"), std::string::npos) << msg;
 }
 
 TEST(PipelineParallel, UnknownScheduleIsAClearError) {
-  Options o = small(2, "zigzag", false, "sgd");
+  Settings o = small(2, "zigzag", false, "sgd");
   EXPECT_NE(error_of(o).find("--schedule must be naive, gpipe or 1f1b"), std::string::npos);
 }
 

@@ -24,12 +24,12 @@ namespace {
 // 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 16 on one dgx-h100 node (8 ranks).
 Question tiny() {
   Request r;
-  r.layers = 4;
-  r.hidden = 64;
-  r.heads = 4;
-  r.seq = 16;
-  r.vocab = 128;
-  r.global_batch = 16;
+  r.shape["layers"] = option_text(4);
+  r.shape["hidden"] = option_text(64);
+  r.shape["heads"] = option_text(4);
+  r.shape["seq"] = option_text(16);
+  r.shape["vocab"] = option_text(128);
+  r.shape["global-batch"] = option_text(16);
   return make_question(r);
 }
 
@@ -45,9 +45,9 @@ SearchOptions quiet() {
 
 // `ranklab run gpt` with the layout: every rank, the lesson's default steps.
 RunReport run_gpt(const Question& q, const Layout& l, bool phantom) {
-  Options o = lesson_options(q, l);
-  o.phantom = phantom;
-  o.steps = 3;
+  Settings o = lesson_settings(q, l);
+  o["phantom"] = option_text(phantom);
+  o["steps"] = option_text(3);
   SimConfig c;
   c.profile = q.profile;
   c.echo_output = false;
@@ -89,12 +89,12 @@ TEST(Plan, TheBoundHoldsAcrossNodesAndPruningKeepsTheWinner) {
   GTEST_SKIP() << "hundreds of simulations: the ordinary build runs it";
 #endif
   Request r;
-  r.layers = 4;
-  r.hidden = 512;
-  r.heads = 8;
-  r.seq = 512;
-  r.vocab = 4096;
-  r.global_batch = 8;
+  r.shape["layers"] = option_text(4);
+  r.shape["hidden"] = option_text(512);
+  r.shape["heads"] = option_text(8);
+  r.shape["seq"] = option_text(512);
+  r.shape["vocab"] = option_text(4096);
+  r.shape["global-batch"] = option_text(8);
   r.nodes = 2;
   r.max_interleave = 2;
   const Question q = make_question(r);
@@ -160,12 +160,12 @@ TEST(Plan, TheSameQuestionGivesTheSameRanking) {
 // traffic crosses the spines, where ECMP's hashed routes make the replicas' transfers differ.
 Question across_spines() {
   Request r;
-  r.layers = 2;
-  r.hidden = 512;
-  r.heads = 2;
-  r.seq = 512;
-  r.vocab = 4096;
-  r.global_batch = 32;
+  r.shape["layers"] = option_text(2);
+  r.shape["hidden"] = option_text(512);
+  r.shape["heads"] = option_text(2);
+  r.shape["seq"] = option_text(512);
+  r.shape["vocab"] = option_text(4096);
+  r.shape["global-batch"] = option_text(32);
   r.nodes = 4;
   r.max_interleave = 1;
   Question q = make_question(r);
@@ -182,7 +182,7 @@ TrainingStats one_step(const Question& q, const Layout& l, bool symmetric) {
   c.echo_output = false;
   if (symmetric) c.symmetry = symmetry_of(l);
   SimBackend backend(c);
-  return *run_lesson(backend, "gpt", lesson_options(q, l)).training;
+  return *run_lesson(backend, "gpt", lesson_settings(q, l)).training;
 }
 
 // The leading rows are full runs: their figures are `run gpt`'s without the symmetry (here equal to the
@@ -265,22 +265,22 @@ void expect_usage_error(const std::function<void()>& f, const std::string& needl
 
 TEST(Plan, BadInputIsAClearUsageError) {
   Request r;
-  r.model = "gpt5";
+  r.shape["model"] = option_text("gpt5");
   expect_usage_error([&] { make_question(r); }, "no preset called 'gpt5'");
   r = Request{};
   r.top = 0;
   expect_usage_error([&] { make_question(r); }, "--top must be at least 1 (got 0)");
   r = Request{};
-  r.hidden = 65;
+  r.shape["hidden"] = option_text(65);
   expect_usage_error([&] { make_question(r); }, "--hidden 65 is not divisible by --heads 4");
   r = Request{};
   r.profile = "no-such-profile";
   EXPECT_THROW(make_question(r), ProfileError);
   // 2 heads and 2 layers on 8 ranks leave dp at 2 or more, and 3 sequences divide among none of them.
   r = Request{};
-  r.layers = 2;
-  r.heads = 2;
-  r.global_batch = 3;
+  r.shape["layers"] = option_text(2);
+  r.shape["heads"] = option_text(2);
+  r.shape["global-batch"] = option_text(3);
   const Question q = make_question(r);
   expect_usage_error([&] { search(q, quiet()); }, "the gpt lesson accepts none of the");
   expect_usage_error([&] { search(q, quiet()); }, "--global-batch 3 is not divisible");
@@ -292,8 +292,8 @@ TEST(Plan, BadInputIsAClearUsageError) {
 // --model fills the shape the flags leave, as `ranklab run gpt --model` does; a flag given wins.
 TEST(Plan, APresetFillsWhatTheFlagsLeave) {
   Request r;
-  r.model = "llama3-70b";
-  r.seq = 4096;
+  r.shape["model"] = option_text("llama3-70b");
+  r.shape["seq"] = option_text(4096);
   const Question q = make_question(r);
   EXPECT_EQ(q.model, "llama3-70b");
   EXPECT_EQ(q.layers, 80);

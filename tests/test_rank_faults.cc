@@ -71,7 +71,7 @@ TEST(RankFaults, TheErrorOfARankNamesItOnEitherBackend) {
   EXPECT_NE(of(std::runtime_error("x")).find(typeid(ProgramError).name()), std::string::npos);
 }
 
-void throwing_lesson(Rank& r, const Options&) {
+void throwing_lesson(Rank& r, const LessonOptions&) {
   if (r.rank() == 3) throw std::runtime_error("boom");
 }
 RANKLAB_LESSON("test_throwing", "throws from rank 3", throwing_lesson);
@@ -79,7 +79,7 @@ RANKLAB_LESSON("test_throwing", "throws from rank 3", throwing_lesson);
 TEST(RankFaults, AForeignExceptionInALessonNamesTheLesson) {
   SimBackend backend(quiet_config());
   try {
-    run_lesson(backend, "test_throwing", Options{});
+    run_lesson(backend, "test_throwing", Settings{});
     ADD_FAILURE() << "no error";
   } catch (const ProgramError& e) {
     EXPECT_STREQ(e.what(), "lesson test_throwing: rank 3 threw std::runtime_error: boom");

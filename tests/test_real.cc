@@ -1085,10 +1085,10 @@ class EveryLesson : public ::testing::TestWithParam<std::string> {};
 TEST_P(EveryLesson, MatchesTheSimulator) {
   REQUIRE_GPU();
   if (GetParam() == "none") GTEST_SKIP() << "no lessons registered";
-  Options o;
-  o.world = gpu_world(o.world);
-  o.quiet = true;
-  o.count = 1 << 20;  // the benchmark's size: enough to time, quick on both backends
+  Settings o;
+  o["world"] = option_text(gpu_world(testing::number(o, "world")));
+  o["quiet"] = option_text(true);
+  o["count"] = option_text(1 << 20);  // the benchmark's size: enough to time, quick on both backends
   SimBackend sim(testing::quiet_config());
   RunReport simulated;
   try {
@@ -1097,7 +1097,7 @@ TEST_P(EveryLesson, MatchesTheSimulator) {
     // A lesson that cannot run at this world (say it needs two ranks) must refuse on GPUs too.
     CudaBackend cuda(quiet_cuda());
     EXPECT_THROW(run_lesson(cuda, GetParam(), o), UsageError);
-    GTEST_SKIP() << "not runnable at world " << o.world << ": " << e.what();
+    GTEST_SKIP() << "not runnable at world " << testing::number(o, "world") << ": " << e.what();
   }
   CudaBackend cuda(quiet_cuda());
   const RunReport real = run_lesson(cuda, GetParam(), o);

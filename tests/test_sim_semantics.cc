@@ -231,8 +231,8 @@ TEST(Clocks, BookkeepingTakesItsTimeButStaysOutOfTheTables) {
 TEST(Determinism, TwoRunsGiveIdenticalNumbersAndTimes) {
   auto once = [] {
     SimBackend backend(quiet_config());
-    Options o;
-    o.world = 4;
+    Settings o;
+    o["world"] = option_text(4);
     return run_lesson(backend, "collectives", o);
   };
   const RunReport a = once(), b = once();

@@ -27,28 +27,26 @@ struct Layout {
 };
 
 RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = true) {
-  Options o;
-  o.layers = 4;
-  o.hidden = 512;
-  o.heads = 8;
-  o.seq = 256;
-  o.vocab = 1024;
-  o.global_batch = 8 * l.dp;
-  o.micro_batch = 1;
-  o.tp = l.tp;
-  o.pp = l.pp;
-  o.interleave = l.v;
-  o.zero = l.zero;
-  o.seq_parallel = l.sp;
-  o.recompute = l.recompute;
-  o.order = l.order;
-  o.world = l.tp * l.pp * l.dp;
-  o.steps = 1;
-  o.phantom = true;
-  o.quiet = true;
+  Settings o;
+  o["layers"] = option_text(4);
+  o["hidden"] = option_text(512);
+  o["heads"] = option_text(8);
+  o["seq"] = option_text(256);
+  o["vocab"] = option_text(1024);
+  o["global-batch"] = option_text(8 * l.dp);
+  o["micro-batch"] = option_text(1);
+  o["tp"] = option_text(l.tp);
+  o["pp"] = option_text(l.pp);
+  o["interleave"] = option_text(l.v);
+  o["zero"] = option_text(l.zero);
+  o["seq-parallel"] = option_text(l.sp);
+  o["recompute"] = option_text(l.recompute);
+  o["order"] = option_text(l.order);
+  o["world"] = option_text(l.tp * l.pp * l.dp);
+  o["steps"] = option_text(1);
+  o["phantom"] = option_text(true);
+  o["quiet"] = option_text(true);
   SimConfig c = testing::quiet_config(nodes);
-  o.peak_tflops_16bit = c.profile.gpu.peak_tflops_bf16;
-  o.gpus_per_node = c.profile.gpus_per_node;
   if (symmetric) {
     const parallel::Layout::Grid g = parallel::Layout{l.tp, l.pp, l.dp, l.order}.symmetry(mirror_dp);
     c.symmetry = SimSymmetry{g.sizes, g.replicated};

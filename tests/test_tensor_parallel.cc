@@ -13,20 +13,20 @@
 namespace ranklab {
 namespace {
 
-Options small(int world, const std::string& optimizer) {
-  Options o;
-  o.world = world;
-  o.batch = 8;
-  o.dim = 12;  // divisible by 1, 2, 3 and 4
-  o.layers = 4;
-  o.steps = 3;
-  o.optimizer = optimizer;
-  o.lr = optimizer == "adamw" ? 0.01 : 0.05;
-  o.quiet = true;
+Settings small(int world, const std::string& optimizer) {
+  Settings o;
+  o["world"] = option_text(world);
+  o["batch"] = option_text(8);
+  o["dim"] = option_text(12);  // divisible by 1, 2, 3 and 4
+  o["layers"] = option_text(4);
+  o["steps"] = option_text(3);
+  o["optimizer"] = option_text(optimizer);
+  o["lr"] = option_text(optimizer == "adamw" ? 0.01 : 0.05);
+  o["quiet"] = option_text(true);
   return o;
 }
 
-RunReport run(const std::string& lesson, const Options& o) {
+RunReport run(const std::string& lesson, const Settings& o) {
   SimBackend backend(testing::quiet_config());
   return run_lesson(backend, lesson, o);
 }
@@ -35,14 +35,14 @@ TEST(TensorParallel, EqualsOneDeviceAfterEveryStep) {
   for (const char* optimizer : {"sgd", "adamw"}) {
     for (int world : {1, 2, 3, 4}) {
       SCOPED_TRACE(::testing::Message() << optimizer << ", world " << world);
-      const Options o = small(world, optimizer);
+      const Settings o = small(world, optimizer);
       RunReport rep = run("tensor_parallel", o);
       EXPECT_TRUE(rep.all_checks_passed());
       int steps_checked = 0;
       for (const CheckRecord& c : rep.checks) {
         if (c.what.rfind("tensor_parallel step", 0) == 0 && c.passed) ++steps_checked;
       }
-      EXPECT_EQ(steps_checked, o.steps * world);  // every rank, every step
+      EXPECT_EQ(steps_checked, testing::number(o, "steps") * world);  // every rank, every step
     }
   }
 }
@@ -51,9 +51,9 @@ TEST(TensorParallel, MegatronPairsEqualOneDeviceWithOneAllReducePerPairEachWay) 
   for (const char* optimizer : {"sgd", "adamw"}) {
     for (int world : {1, 2, 3, 4, 16}) {
       SCOPED_TRACE(::testing::Message() << optimizer << ", world " << world);
-      Options o = small(world, optimizer);
-      o.megatron = true;
-      if (world == 16) o.dim = 64;
+      Settings o = small(world, optimizer);
+      o["megatron"] = option_text(true);
+      if (world == 16) o["dim"] = option_text(64);
       SimBackend backend(testing::quiet_config(world > 8 ? 2 : 1));
       RunReport rep = run_lesson(backend, "tensor_parallel", o);
       EXPECT_TRUE(rep.all_checks_passed());
@@ -61,15 +61,17 @@ TEST(TensorParallel, MegatronPairsEqualOneDeviceWithOneAllReducePerPairEachWay) 
       for (const CheckRecord& c : rep.checks)
         steps_checked += c.passed && c.what.find("--megatron step") != std::string::npos;
       for (const CollectiveRecord& c : rep.collectives) {
-        if (c.op == CommOp::AllReduce && c.bytes == o.batch * o.dim * 4) {
+        if (c.op == CommOp::AllReduce &&
+            c.bytes == testing::number(o, "batch") * testing::number(o, "dim") * 4) {
           ++all_reduces;
         } else if (c.op != CommOp::Gather) {
           ++others;  // the lesson's own; gather is the report's bookkeeping
         }
       }
-      EXPECT_EQ(steps_checked, o.steps * world);
+      EXPECT_EQ(steps_checked, testing::number(o, "steps") * world);
       if (world > 1) {
-        EXPECT_EQ(all_reduces, (o.layers - 1) * o.steps);  // 2 pairs: 2 forward, 1 backward
+        EXPECT_EQ(all_reduces, (testing::number(o, "layers") - 1) *
+                                   testing::number(o, "steps"));  // 2 pairs: 2 forward, 1 backward
       }
       EXPECT_EQ(others, 0);
     }
@@ -77,20 +79,21 @@ TEST(TensorParallel, MegatronPairsEqualOneDeviceWithOneAllReducePerPairEachWay) 
 }
 
 TEST(TensorParallel, AllGatherForwardReduceScatterBackwardAtEveryLayer) {
-  const Options o = small(4, "sgd");
+  const Settings o = small(4, "sgd");
   RunReport rep = run("tensor_parallel", o);
   int gathers = 0, scatters = 0;
   for (const CollectiveRecord& c : rep.collectives) {
     if (c.op == CommOp::AllGather) ++gathers;
     if (c.op == CommOp::ReduceScatter) ++scatters;
   }
-  EXPECT_EQ(gathers, o.layers * o.steps);
-  EXPECT_EQ(scatters, (o.layers - 1) * o.steps);  // the first layer's input needs no gradient
+  EXPECT_EQ(gathers, testing::number(o, "layers") * testing::number(o, "steps"));
+  EXPECT_EQ(scatters, (testing::number(o, "layers") - 1) *
+                          testing::number(o, "steps"));  // the first layer's input needs no gradient
 }
 
 TEST(TensorParallel, DimNotDivisibleByTheWorldIsAClearError) {
-  Options o = small(4, "sgd");
-  o.dim = 10;
+  Settings o = small(4, "sgd");
+  o["dim"] = option_text(10);
   try {
     run("tensor_parallel", o);
     ADD_FAILURE() << "expected a UsageError";
@@ -102,15 +105,15 @@ TEST(TensorParallel, DimNotDivisibleByTheWorldIsAClearError) {
 
 TEST(TensorParallel, FitsWhereDataParallelismRunsOutOfMemory) {
   // 100 layers of 8192 x 8192 with AdamW: 100 GiB of weights, gradients and moments, more than an H100.
-  Options o;
-  o.world = 8;
-  o.phantom = true;
-  o.optimizer = "adamw";
-  o.dim = 8192;
-  o.layers = 100;
-  o.batch = 64;
-  o.steps = 1;
-  o.quiet = true;
+  Settings o;
+  o["world"] = option_text(8);
+  o["phantom"] = option_text(true);
+  o["optimizer"] = option_text("adamw");
+  o["dim"] = option_text(8192);
+  o["layers"] = option_text(100);
+  o["batch"] = option_text(64);
+  o["steps"] = option_text(1);
+  o["quiet"] = option_text(true);
   EXPECT_THROW(run("data_parallel", o), OutOfMemoryError);
   RunReport rep = run("tensor_parallel", o);
   const double device = static_cast<double>(rep.ranks[0].capacity_bytes);

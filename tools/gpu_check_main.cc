@@ -60,7 +60,7 @@ struct Outcome {
   bool ok = false;
 };
 
-Outcome run(Backend& backend, const std::string& lesson, const Options& options, bool owner) {
+Outcome run(Backend& backend, const std::string& lesson, const Settings& options, bool owner) {
   Outcome o;
   try {
     RunReport report = run_lesson(backend, lesson, options);
@@ -135,10 +135,10 @@ int main(int argc, char** argv) {
     bool first = true;
     for (const Lesson& lesson : lessons()) {
       if (!only.empty() && std::find(only.begin(), only.end(), lesson.name) == only.end()) continue;
-      Options options;
-      options.world = world;
-      options.quiet = true;
-      if (count > 0) options.count = count;
+      Settings options;
+      options["world"] = option_text(world);
+      options["quiet"] = option_text(true);
+      if (count > 0 && lesson.option("count") != nullptr) options["count"] = option_text(count);
       if (owner) fmt::print("== {} ==\n", lesson.name);
       std::fflush(stdout);
       const Outcome real = run(cuda, lesson.name, options, owner);

@@ -39,7 +39,6 @@
 #include "common/text.h"
 #include "common/trace_writer.h"
 #include "lessons/gpt/config.h"
-#include "lessons/gpt/presets.h"
 #include "lessons/parallel/groups.h"
 #include "plan/plan_command.h"
 #include "real/launch_env.h"
@@ -74,124 +73,120 @@ CLI::Validator at_least(double minimum) {
       fmt::format(">= {}", minimum));
 }
 
-// A finite number above 0: nan, inf and 0 are refused where they would silently mean nothing.
-CLI::Validator positive_finite() {
-  return CLI::Validator(
-      [](std::string& text) -> std::string {
-        double v = 0;
-        if (!CLI::detail::lexical_cast(text, v)) return "not a number: " + text;
-        if (!(v > 0) || !std::isfinite(v))
-          return fmt::format("must be a finite number above 0, got {}", text);
-        return "";
-      },
-      "> 0");
+// Options as the command line gives them: each declared flag's text, and which were given.
+class FlagValues {
+ public:
+  // Adds `spec` to `app` as --flag, with `help` (the spec's own when empty), in CLI11's `group`.
+  void add(CLI::App& app, const OptionSpec& spec, const std::string& help = "",
+           const std::string& group = "") {
+    const std::string name = "--" + spec.flag;
+    CLI::Option* o = nullptr;
+    std::string& text = text_[spec.flag];
+    const std::string shown = help.empty() ? spec.help : help;
+    if (spec.kind == OptionKind::Switch) {
+      o = app.add_flag(name, switches_[spec.flag], shown);
+    } else if (!spec.implicit.empty()) {
+      o = app.add_flag(fmt::format("{}{{{}}}", name, spec.implicit), text, shown);
+    } else {
+      o = app.add_option(name, text, shown);
+    }
+    if (spec.kind == OptionKind::Integer) o->type_name("INT");
+    if (spec.kind == OptionKind::Number) o->type_name("NUMBER");
+    if (!group.empty()) o->group(group);
+    options_[spec.flag] = o;
+  }
+  // The flags the command line gave, as text ("true" for a switch); every one of `only` when not empty.
+  Settings given() const {
+    Settings out;
+    for (const auto& [flag, o] : options_) {
+      if (o->count() == 0) continue;
+      auto sw = switches_.find(flag);
+      out[flag] = sw != switches_.end() ? (sw->second ? "true" : "false") : text_.at(flag);
+    }
+    return out;
+  }
+
+ private:
+  std::map<std::string, CLI::Option*> options_;
+  std::map<std::string, std::string> text_;
+  std::map<std::string, bool> switches_;
+};
+
+// Every lesson's flags, each once, with the lessons that take it: what `ranklab run` accepts before it
+// knows the lesson. A flag two lessons declare as different kinds (a switch and a value) would mean two
+// things on one command line; the registry refuses that here, when the command line is built.
+struct LessonFlag {
+  OptionSpec spec;
+  std::vector<std::string> lessons;
+};
+std::map<std::string, LessonFlag> lesson_flags() {
+  std::map<std::string, LessonFlag> out;
+  for (const Lesson& l : lessons()) {
+    for (const OptionSpec& s : l.options) {
+      auto [it, fresh] = out.try_emplace(s.flag, LessonFlag{s, {}});
+      if (!fresh && (it->second.spec.kind == OptionKind::Switch) != (s.kind == OptionKind::Switch)) {
+        throw Error(fmt::format("--{} is a switch in lesson {} but takes a value in lesson {}", s.flag,
+                                it->second.lessons.front(), l.name));
+      }
+      if (s.help.size() < it->second.spec.help.size()) it->second.spec.help = s.help;  // the plainest says it
+      it->second.lessons.push_back(l.name);
+    }
+  }
+  return out;
 }
 
-void add_lesson_options(CLI::App& run, Options& o) {
-  run.add_option("--world", o.world, "number of ranks")->check(at_least(1));
-  run.add_option("--batch", o.batch, "global batch size (training lessons)");
-  run.add_option("--dim", o.dim, "model width (training lessons)");
-  run.add_option("--layers", o.layers, "number of layers (training lessons)");
-  run.add_option("--steps", o.steps, "training steps");
-  run.add_option("--lr", o.lr, "learning rate")->check(positive_finite());
-  run.add_option("--optimizer", o.optimizer, "sgd or adamw")->check(CLI::IsMember({"sgd", "adamw"}));
-  run.add_option("--micro-batches", o.micro_batches, "pipeline: micro-batches per batch");
-  run.add_option("--schedule", o.schedule, "pipeline: naive, gpipe or 1f1b")
-      ->check(CLI::IsMember({"naive", "gpipe", "1f1b"}));
-  run.add_flag("--async-p2p", o.async_p2p, "pipeline: isend/irecv instead of send/recv");
-  run.add_flag("--overlap", o.overlap, "data parallel: all-reduce gradients during backward");
-  run.add_flag("--megatron", o.megatron, "tensor parallel: Megatron's column-then-row pairs");
-  run.add_option("--bucket-mb", o.bucket_mb, "data parallel: gradient bucket size in MiB")
-      ->check(positive_finite());
-  run.add_flag("--phantom", o.phantom, "time the lesson without numbers (phantom tensors)");
-  run.add_option("--op", o.op, "benchmark: the collective to time");
-  run.add_option("--count", o.count, "benchmark: float32 elements");
-  run.add_flag("--wrong-order", o.wrong_order, "benchmark: barrier before synchronize");
-  run.add_flag("--sweep", o.sweep, "benchmark: sizes from 8 B up");
-  run.add_flag("--quiet", o.quiet, "print less");
-  run.add_option("--algo", o.algo, "force NCCL's algorithm, as NCCL_ALGO: ring, tree, nvls, nvls_tree");
-  run.add_option("--proto", o.proto, "force NCCL's protocol, as NCCL_PROTO: ll, ll128, simple");
-  run.add_flag("--no-sm-contention", o.no_sm_contention,
-               "simulator: compute kernels do not share the GPU's SMs and HBM with communication kernels "
-               "(the model before that sharing existed; docs/model.md)");
-  // The gpt lesson.
-  run.add_option("--model", o.model, "gpt: a preset that fills the shape flags (gpt3-175b, llama3-8b, ...)");
-  run.add_option("--hidden", o.hidden, "gpt: model width");
-  run.add_option("--heads", o.heads, "gpt: attention heads");
-  run.add_option("--seq", o.seq, "gpt: sequence length");
-  run.add_option("--vocab", o.vocab, "gpt: vocabulary size");
-  run.add_option("--global-batch", o.global_batch, "gpt: sequences per step");
-  run.add_option("--micro-batch", o.micro_batch, "gpt: sequences per micro-batch");
-  run.add_option("--tp", o.tp, "gpt: tensor-parallel size");
-  run.add_option("--pp", o.pp, "gpt: pipeline-parallel size");
-  run.add_option("--dp", o.dp, "gpt: data-parallel size (default world / (tp pp))");
-  run.add_option("--interleave", o.interleave, "gpt: model chunks per pipeline rank (interleaved 1F1B)");
-  run.add_option("--zero", o.zero, "gpt: ZeRO stage 0, 1, 2 or 3");
-  run.add_flag("--seq-parallel", o.seq_parallel, "gpt: sequence parallelism with tensor parallelism");
-  run.add_option("--recompute", o.recompute, "gpt: activation recomputation: none, selective or full");
-  run.add_option("--order", o.order, "gpt: process-group layout, innermost first (tp-dp-pp)");
-  run.add_option("--dtype", o.dtype, "gpt: bf16, fp16 or fp32 weights and activations");
-  run.add_option("--grad-reduce-dtype", o.grad_reduce_dtype,
-                 "gpt: dtype of the data-parallel gradient reduction");
-  run.add_option("--dropout", o.dropout,
-                 "gpt: dropout probability of the residual branches (GPT-2's resid_pdrop; default 0)")
-      ->check(CLI::Range(0.0, 0.99));
-  run.add_flag("--symmetric{tp-dp}", o.symmetric,
-               "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
-               "replicas mirror it (tp-dp, the default), or one per stage and dp replica (=tp); same "
-               "memory and traffic at a fraction of the cost (docs/lessons/gpt.md says how exact)")
-      ->check(CLI::IsMember({"tp", "tp-dp"}));
-  // The moe lesson.
-  run.add_option("--experts", o.experts, "moe: experts, a multiple of the world (expert parallelism)");
-  run.add_option("--top-k", o.top_k, "moe: experts each token is routed to (1 or 2)");
-  run.add_option("--capacity-factor", o.capacity_factor,
-                 "moe: an expert takes at most this times an even share of each rank's tokens")
-      ->check(positive_finite());
-  run.add_option("--skew", o.skew, "moe: added to the router's logit of expert 0, to unbalance the load");
-  run.add_option("--break", o.broken,
-                 "a deliberate bug, to see the check fail (gpt: dp-sum, no-reduce-scatter, no-sp-grad-sync; "
-                 "data_parallel: sum, no-all-reduce; tensor_parallel: no-reduce-scatter, wrong-slice; "
-                 "pipeline_parallel: micro-batch-mean, no-zero-grad; moe: no-gate, no-router-all-reduce)")
-      ->group("");
-}
-
-// --model fills the shape flags the command line left out (after the lesson's own defaults).
-void apply_gpt_defaults(const CLI::App& run, const std::string& lesson, Options& o) {
-  if (lesson != "gpt") return;
-  gpt::apply_preset(o, [&](const std::string& flag) { return run.count(flag) > 0; });
+// The lesson's options the command line gave, checked against its declarations: each flag must be one of
+// the lesson's, and a flag that would be ignored beside another is refused.
+Settings lesson_settings_given(const Lesson& lesson, const Settings& given) {
+  for (const auto& [flag, value] : given) {
+    if (lesson.option(flag) == nullptr) {
+      throw UsageError(
+          fmt::format("--{} is not an option of lesson {} (`ranklab run {} --help` lists its options)", flag,
+                      lesson.name, lesson.name));
+    }
+  }
+  for (const OptionSpec& s : lesson.options) {
+    if (!s.ignored_with.empty() && given.count(s.flag) && given.count(s.ignored_with)) {
+      throw UsageError(
+          fmt::format("--{} has no effect with --{}, {}", s.flag, s.ignored_with, s.ignored_why));
+    }
+  }
+  return given;
 }
 
 // --symmetric: the gpt layout's grid, its tp (and dp) dimensions replicated (parallel::Layout::symmetry).
-SimSymmetry symmetry_of(const std::string& lesson, const Options& o) {
+SimSymmetry symmetry_of(const std::string& lesson, const Settings& settings, const std::string& mode) {
   if (lesson != "gpt") throw UsageError("--symmetric: only the gpt lesson has a layout to mirror");
+  const gpt::Config o = gpt::options_table().read(settings, "gpt");
   if (!o.phantom) {
     throw UsageError(
         "--symmetric needs --phantom: mirrored ranks hold no numbers of their own, so a real run would train "
         "every replica on the same data");
   }
-  const gpt::Config c = gpt::config_from(o, o.world);
+  const gpt::Config c = gpt::resolve(o, o.world);
   const parallel::Layout::Grid grid =
-      parallel::Layout{c.tp, c.pp, c.dp, c.order}.symmetry(/*mirror_dp=*/o.symmetric == "tp-dp");
+      parallel::Layout{c.tp, c.pp, c.dp, c.order}.symmetry(/*mirror_dp=*/mode == "tp-dp");
   return SimSymmetry{grid.sizes, grid.replicated};
 }
 
 std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::string& name,
-                                      const Profile& profile, const Options& o, int stack_kib) {
+                                      const Profile& profile, const BackendOptions& b,
+                                      const Settings& settings, int stack_kib) {
   if (name == "sim") {
     SimConfig config{profile};
     config.stack_bytes = static_cast<std::size_t>(stack_kib) * 1024;
-    config.algorithm = o.algo;
-    config.protocol = o.proto;
-    config.sm_contention = !o.no_sm_contention;
-    if (!o.symmetric.empty()) config.symmetry = symmetry_of(lesson, o);
+    config.algorithm = b.algo;
+    config.protocol = b.proto;
+    config.sm_contention = !b.no_sm_contention;
+    if (!b.symmetric.empty()) config.symmetry = symmetry_of(lesson, settings, b.symmetric);
     return std::make_unique<SimBackend>(config);
   }
   if (name == "cuda") {
 #if defined(RANKLAB_HAVE_CUDA)
     CudaConfig config;
     config.profile = profile;  // names the run in the report; the GPU's numbers are measured
-    config.algorithm = o.algo;
-    config.protocol = o.proto;
+    config.algorithm = b.algo;
+    config.protocol = b.proto;
     return std::make_unique<CudaBackend>(config);
 #else
     throw UsageError(
@@ -231,31 +226,31 @@ int topo_command(const std::string& profile_name, const std::optional<int>& node
   return 0;
 }
 
-int run_command(const std::string& lesson, const std::string& backend_name, const std::string& profile_name,
-                const std::optional<int>& nodes, const std::string& report_dir, const Options& options,
-                int stack_kib) {
+int run_command(const std::string& lesson_name, const std::string& backend_name,
+                const std::string& profile_name, const std::optional<int>& nodes,
+                const std::string& report_dir, const Settings& settings,
+                const BackendOptions& backend_options, int stack_kib) {
   Profile profile = load_profile(profile_name);
-  apply_nodes(profile, nodes, options.world);
-  find_lesson(lesson);                                      // fail before launching when the name is wrong
+  const Lesson& lesson = find_lesson(lesson_name);
+  const PreparedLesson prepared = lesson.prepare(settings);  // bad options fail before anything is launched
+  apply_nodes(profile, nodes, prepared.world);
   if (!report_dir.empty()) prepare_report_dir(report_dir);  // before the run, not after it
-  Options o = options;
-  o.peak_tflops_16bit = profile.gpu.peak_tflops_bf16;
-  o.peak_tflops_fp32 = profile.gpu.peak_tflops_fp32;
-  o.gpus_per_node = profile.gpus_per_node;
-  std::unique_ptr<Backend> backend = make_backend(lesson, backend_name, profile, o, stack_kib);
+  std::unique_ptr<Backend> backend =
+      make_backend(lesson_name, backend_name, profile, backend_options, settings, stack_kib);
   // The first line says what the times below are: the model's for a profile's hardware, or measured.
   if (backend_name == "sim") {
-    std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson.c_str(), o.world,
+    std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson_name.c_str(), prepared.world,
                 profile.gpu.name.c_str(), profile.name.c_str(), profile.nodes, profile.nodes == 1 ? "" : "s");
   } else {
-    std::printf("%s: measured time on %d GPU%s of this machine (%s backend)\n", lesson.c_str(), o.world,
-                o.world == 1 ? "" : "s", backend_name.c_str());
+    std::printf("%s: measured time on %d GPU%s of this machine (%s backend)\n", lesson_name.c_str(),
+                prepared.world, prepared.world == 1 ? "" : "s", backend_name.c_str());
   }
-  RunReport report = run_lesson(*backend, lesson, with_algorithm_names(o, backend_name, profile));
+  RunReport report = run_lesson(*backend, lesson_name, settings);
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
-  record_run_config(report, profile, o);
+  record_run_config(report, profile, backend_options);
   const std::string summary = format_summary(report);
-  if (!o.quiet) std::fputs(("\n" + summary).c_str(), stdout);
+  const auto quiet = settings.find("quiet");
+  if (quiet == settings.end() || quiet->second != "true") std::fputs(("\n" + summary).c_str(), stdout);
   if (!report_dir.empty()) {
     write_file(std::filesystem::path(report_dir) / "summary.txt", summary);
     write_file(std::filesystem::path(report_dir) / "report.json", report_to_json(report));
@@ -266,7 +261,7 @@ int run_command(const std::string& lesson, const std::string& backend_name, cons
     std::printf("report written to %s%s\n", shown.c_str(), shown == "/" ? "" : "/");
   }
   if (!report.all_checks_passed()) {
-    std::fprintf(stderr, "ranklab: %s: a check failed (see CHECK FAILED above)\n", lesson.c_str());
+    std::fprintf(stderr, "ranklab: %s: a check failed (see CHECK FAILED above)\n", lesson_name.c_str());
     return 2;
   }
   return 0;
@@ -416,6 +411,8 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
 // loaded, with the executable's registry, whose symbols it resolves against.
 void load_lessons(const std::vector<std::string>& libraries) {
   for (const std::string& path : libraries) {
+    if (!std::filesystem::is_regular_file(path))
+      throw UsageError(fmt::format("--load {}: no such file", path));
     const std::size_t before = lessons().size();
     // A bare name would be searched for on the library path; a lesson library is a file the user names.
     const std::string file = path.find('/') == std::string::npos ? "./" + path : path;
@@ -431,11 +428,23 @@ void load_lessons(const std::vector<std::string>& libraries) {
   }
 }
 
-// Flags that would be silently ignored or contradict the way the run is launched.
-void check_run_flags(const CLI::App& run, const std::string& backend, const Options& o) {
-  if (o.sweep && run.count("--count") > 0) {
-    throw UsageError("--count has no effect with --sweep, which times every size from 8 B to 16 GiB");
+// The libraries `--load` names (before the subcommand): loaded before the command line is built, so that
+// their lessons' options are flags of `ranklab run`.
+std::vector<std::string> libraries_to_load(int argc, char** argv) {
+  std::vector<std::string> out;
+  for (int i = 1; i < argc && argv[i][0] == '-'; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--load" && i + 1 < argc) {
+      out.push_back(argv[++i]);
+    } else if (arg.rfind("--load=", 0) == 0) {
+      out.push_back(arg.substr(7));
+    }
   }
+  return out;
+}
+
+// A launch that would simulate the whole world in every process of a launcher's job.
+void check_launch(const std::string& backend) {
   const LaunchEnv launch = detect_launch_env();
   if (backend == "sim" && launch.under_launcher() && launch.world_size > 1) {
     throw UsageError(fmt::format(
@@ -475,7 +484,15 @@ int ranklab::main_of(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("ranklab ") + RANKLAB_VERSION);
 
-  std::vector<std::string> lesson_libraries;
+  std::map<std::string, LessonFlag> all_lesson_flags;
+  try {
+    load_lessons(libraries_to_load(argc, argv));
+    all_lesson_flags = lesson_flags();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "ranklab: error: %s\n", e.what());
+    return 1;
+  }
+  std::vector<std::string> lesson_libraries;  // loaded above
   app.add_option("--load", lesson_libraries,
                  "a lesson library built outside the tree (.so) whose lessons `list` and `run` then know; "
                  "repeat for several")
@@ -494,14 +511,33 @@ int ranklab::main_of(int argc, char** argv) {
   std::string lesson, backend = "sim", profile = "dgx-h100", report_dir;
   int nodes = 1;
   int stack_kib = 256;
-  Options options;
   run->add_option("lesson", lesson, "the lesson (see `ranklab list`)")->required();
   run->add_option("--backend", backend, "sim or cuda")->check(CLI::IsMember({"sim", "cuda"}));
   run->add_option("--profile", profile, "hardware profile name or .toml file (see `ranklab profiles`)");
   run->add_option("--nodes", nodes, "nodes of the profile to use")->check(at_least(1));
   run->add_option("--report", report_dir,
                   "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
-  add_lesson_options(*run, options);
+  FlagValues backend_flags, run_lesson_flags;
+  for (const OptionSpec& spec : backend_options().specs()) backend_flags.add(*run, spec);
+  // Every lesson's options; `ranklab run LESSON --help` lists one lesson's, with its defaults and ranges.
+  const std::size_t lesson_count = lessons().size();
+  for (const auto& [flag, f] : all_lesson_flags) {
+    const std::string who =
+        f.lessons.size() == lesson_count ? "every lesson" : fmt::format("{}", fmt::join(f.lessons, ", "));
+    std::string help = f.spec.help;
+    if (flag == "break") {
+      std::vector<std::string> bugs;
+      for (const Lesson& l : lessons()) {
+        if (const OptionSpec* b = l.option("break"))
+          bugs.push_back(fmt::format("{}: {}", l.name, fmt::join(b->choices, ", ")));
+      }
+      help += fmt::format(" ({})", fmt::join(bugs, "; "));
+    } else {
+      help += fmt::format(" [{}]", who);
+    }
+    run_lesson_flags.add(*run, f.spec, help,
+                         "Lesson options (`ranklab run LESSON --help`: a lesson's own, with its defaults)");
+  }
   run->add_option("--stack-kib", stack_kib, "simulator: each rank's stack in KiB (default 256)")
       ->check(CLI::Range(64, 1 << 20));
   bool lecture = false;
@@ -556,40 +592,13 @@ int ranklab::main_of(int argc, char** argv) {
 
   CLI::App* plan = app.add_subcommand(
       "plan", "the best parallel layout for a GPT on a cluster, found by simulating the candidates");
-  plan::Request plan_request;
-  int plan_layers = 0, plan_heads = 0, plan_seq = 0;
-  std::int64_t plan_hidden = 0, plan_vocab = 0, plan_global_batch = 0;
-  plan->add_option("--model", plan_request.model,
-                   "a preset that fills the shape (gpt3-175b, llama3-70b, ...)");
-  plan->add_option("--layers", plan_layers, "transformer blocks");
-  plan->add_option("--hidden", plan_hidden, "model width");
-  plan->add_option("--heads", plan_heads, "attention heads");
-  plan->add_option("--seq", plan_seq, "sequence length");
-  plan->add_option("--vocab", plan_vocab, "vocabulary size");
-  plan->add_option("--global-batch", plan_global_batch, "sequences per step");
-  plan->add_option("--dtype", plan_request.dtype, "bf16, fp16 or fp32 weights and activations");
-  plan->add_option("--profile", plan_request.profile,
-                   "hardware profile name or .toml file (see `ranklab profiles`)");
-  plan->add_option("--nodes", plan_request.nodes, "nodes of the profile: the world is all of their GPUs");
-  plan->add_option("--top", plan_request.top, "how many layouts the table shows (default 10)");
-  plan->add_flag("--tp-across-nodes", plan_request.tp_across_nodes,
-                 "also try tensor-parallel groups larger than a node");
-  plan->add_option("--max-interleave", plan_request.max_interleave,
-                   "the most model chunks per pipeline rank tried (default 4)");
-  plan->add_option("--max-candidates", plan_request.max_candidates,
-                   "simulate at most this many layouts (default 0: as many as the bound leaves)");
-  bool plan_no_symmetry = false;
-  plan->add_flag("--no-symmetry", plan_no_symmetry,
-                 "simulate every rank, not one per class of identical ranks (slower; for checking)");
-  plan->add_option("--jobs", plan_request.jobs,
-                   "simulations at once, each on a thread (default 0: one per core); the answer is the same");
-  plan->add_option("--confirm", plan_request.confirm,
-                   "the leading layouts simulated again with every rank running after screening (default 1)");
-  plan->add_option("--confirm-margin", plan_request.confirm_margin,
-                   "and every layout whose screened step is within this fraction of the best (default 0.01)");
-  plan->add_option("--report", plan_request.report_dir, "write plan.json and plan.html to this folder");
-  plan->add_option("--explain", plan_request.explain,
-                   "a layout as the table prints it: where its time goes against the winner's");
+  FlagValues plan_shape_flags, plan_flags;
+  for (const std::string& flag : plan::shape_flags()) {
+    for (const OptionSpec& spec : gpt::options_table().specs()) {
+      if (spec.flag == flag) plan_shape_flags.add(*plan, spec);
+    }
+  }
+  for (const OptionSpec& spec : plan::request_options().specs()) plan_flags.add(*plan, spec);
 
   // `ranklab run LESSON --help`: the lesson's own options and defaults.
   if (argc >= 4 && std::string(argv[1]) == "run" && argv[2][0] != '-') {
@@ -605,10 +614,11 @@ int ranklab::main_of(int argc, char** argv) {
     }
   }
   CLI11_PARSE(app, argc, argv);
+  std::optional<int> launcher_world;  // under mpirun or srun with --backend cuda: the launcher's world
 #if defined(RANKLAB_HAVE_CUDA)
   // Under mpirun or srun each process is one rank: the launcher says how many there are.
   if (run->parsed() && backend == "cuda" && run->count("--world") == 0 && cuda_launcher_world() > 0) {
-    options.world = cuda_launcher_world();
+    launcher_world = cuda_launcher_world();
   }
   // On GPUs the profile only names what the run is to be compared with: by default the one of this GPU.
   if (run->parsed() && backend == "cuda" && run->count("--profile") == 0) {
@@ -627,8 +637,7 @@ int ranklab::main_of(int argc, char** argv) {
   }
 #endif
   try {
-    load_lessons(lesson_libraries);
-    if (run->parsed()) check_run_flags(*run, backend, options);
+    if (run->parsed()) check_launch(backend);
     if (list->parsed()) {
       for (const Lesson& l : lessons()) std::printf("  %-20s %s\n", l.name.c_str(), l.summary.c_str());
       return 0;
@@ -647,33 +656,24 @@ int ranklab::main_of(int argc, char** argv) {
                           topo->count("--nodes") ? std::optional<int>(topo_nodes) : std::nullopt);
     }
     if (plan->parsed()) {
-      if (plan->count("--layers")) plan_request.layers = plan_layers;
-      if (plan->count("--hidden")) plan_request.hidden = plan_hidden;
-      if (plan->count("--heads")) plan_request.heads = plan_heads;
-      if (plan->count("--seq")) plan_request.seq = plan_seq;
-      if (plan->count("--vocab")) plan_request.vocab = plan_vocab;
-      if (plan->count("--global-batch")) plan_request.global_batch = plan_global_batch;
-      plan_request.symmetry = !plan_no_symmetry;
-      return plan::plan_command(plan_request);
+      plan::Request request = plan::request_options().read(plan_flags.given(), "plan");
+      request.shape = plan_shape_flags.given();
+      return plan::plan_command(request);
     }
     if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
     if (validate->parsed()) return validate_command(validate_dir_path, validate_doc);
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
     }
-    // The lesson's defaults (and with --lecture the lecture's setup) for what the command line left unset.
+    // The lesson's defaults, with --lecture the lecture's setup, and what --model and the like expand to,
+    // under what the command line gives.
     const Lesson& chosen = find_lesson(lesson);
-    std::vector<std::string> set;
-    for (const auto* list : {&chosen.options, &chosen.lecture}) {
-      for (const LessonOption& opt : *list) {
-        if (run->count("--" + opt.name) > 0) set.push_back(opt.name);
-      }
-    }
-    options = with_lesson_defaults(chosen, options, set, lecture);
-    apply_gpt_defaults(*run, lesson, options);
+    Settings given = lesson_settings_given(chosen, run_lesson_flags.given());
+    if (launcher_world) given["world"] = std::to_string(*launcher_world);
+    const BackendOptions backend_options_given = backend_options().read(backend_flags.given(), "");
     return run_command(lesson, backend, profile,
-                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, options,
-                       stack_kib);
+                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir,
+                       resolve_settings(chosen, given, lecture), backend_options_given, stack_kib);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
     return 1;

@@ -21,7 +21,13 @@ namespace {
 
 using namespace ranklab;
 
-void ring_all_reduce(Rank& r, const Options& o) {
+// The lesson's options: its own struct, each member with its default, declared below for the command line.
+struct RingOptions : LessonOptions {
+  std::int64_t count = 1 << 20;  // float32 elements of the buffer, all pieces together
+  bool phantom = false;          // time it without numbers (no check)
+};
+
+void ring_all_reduce(Rank& r, const RingOptions& o) {
   const int world = r.world_size(), me = r.rank();
   const int next = (me + 1) % world, prev = (me + world - 1) % world;
   const std::int64_t n = std::max<std::int64_t>(1, o.count / world);  // floats per piece (--count in all)
@@ -83,6 +89,13 @@ void ring_all_reduce(Rank& r, const Options& o) {
   }
 }
 
-RANKLAB_LESSON("ring_all_reduce", "all_reduce written by hand from send/recv around a ring", ring_all_reduce);
+const OptionTable<RingOptions> kOptions = {
+    {"world", &RingOptions::world, "ranks of the ring"},
+    Option<RingOptions>("count", &RingOptions::count, "float32 elements of the buffer").at_least(1),
+    {"phantom", &RingOptions::phantom, "time it without numbers (no check)"},
+};
+
+RANKLAB_LESSON("ring_all_reduce", "all_reduce written by hand from send/recv around a ring", ring_all_reduce,
+               kOptions);
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "common/errors.h"
+#include "lessons/gpt/presets.h"
 #include "lessons/parallel/groups.h"
 
 namespace ranklab::gpt {
@@ -33,64 +34,53 @@ std::string Config::shape() const {
   return fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq, vocab);
 }
 
-namespace {
-DType parse_dtype(const std::string& s, const char* option) {
-  if (s == "bf16" || s == "bfloat16") return DType::BFloat16;
-  if (s == "fp16" || s == "float16") return DType::Float16;
-  if (s == "fp32" || s == "float32") return DType::Float32;
-  throw UsageError(fmt::format("{} must be bf16, fp16 or fp32 (got '{}')", option, s));
+const OptionTable<Config>& options_table() {
+  using O = Config;
+  const std::vector<std::pair<std::string, DType>> dtypes = {
+      {"bf16", DType::BFloat16},     {"fp16", DType::Float16},    {"fp32", DType::Float32},
+      {"bfloat16", DType::BFloat16}, {"float16", DType::Float16}, {"float32", DType::Float32}};
+  // A laptop-sized GPT by default; --model fills the shape flags from a published model instead.
+  static const OptionTable<O> table = lesson_table<O>({
+      {"world", &O::world, "ranks: tp x pp x dp"},
+      Option<O>("model", &O::model,
+                "a preset that fills the shape flags (gpt3-175b, llama3-70b, ...; a wrong name lists them)")
+          .expands(preset_settings),
+      Option<O>("layers", &O::layers, "transformer blocks").at_least(1),
+      Option<O>("hidden", &O::hidden, "model width").at_least(1),
+      Option<O>("heads", &O::heads, "attention heads (divisible by --tp)").at_least(1),
+      Option<O>("seq", &O::seq, "sequence length").at_least(1),
+      Option<O>("vocab", &O::vocab, "vocabulary size (divisible by --tp)").at_least(1),
+      Option<O>("global-batch", &O::global_batch, "sequences per step").at_least(1),
+      Option<O>("micro-batch", &O::micro_batch, "sequences per micro-batch").at_least(1),
+      Option<O>("tp", &O::tp, "tensor-parallel size (Megatron's column-then-row pairs)").at_least(1),
+      {"seq-parallel", &O::seq_parallel,
+       "with --tp: reduce_scatter + all_gather, layernorm sharded along the sequence"},
+      Option<O>("pp", &O::pp, "pipeline-parallel size (1F1B)").at_least(1),
+      Option<O>("interleave", &O::v, "model chunks per pipeline rank (interleaved 1F1B)").at_least(1),
+      Option<O>("dp", &O::dp, "data-parallel size (0: world / (tp pp))").at_least(0),
+      Option<O>("zero", &O::zero, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
+          .at_least(0)
+          .at_most(3),
+      Option<O>("recompute", &O::recompute,
+                "activation recomputation: none, selective (the attention core) or full",
+                {{"none", Recompute::None}, {"selective", Recompute::Selective}, {"full", Recompute::Full}}),
+      {"order", &O::order, "process-group layout, innermost first"},
+      Option<O>("dtype", &O::dtype, "weights and activations", dtypes),
+      Option<O>("grad-reduce-dtype", &O::reduce_dtype, "dtype of the data-parallel gradient reduction",
+                dtypes),
+      Option<O>("dropout", &O::dropout, "dropout probability of the residual branches (GPT-2's resid_pdrop)")
+          .at_least(0)
+          .at_most(0.99),
+      Option<O>("steps", &O::steps, "training steps, each checked against one device").at_least(1),
+      Option<O>("lr", &O::lr, "AdamW's learning rate").above(0),
+      {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
+      break_option<O>(&O::broken, {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row"}),
+  });
+  return table;
 }
 
-void positive(std::int64_t v, const char* option) {
-  if (v < 1) throw UsageError(fmt::format("gpt: {} must be at least 1 (got {})", option, v));
-}
-}  // namespace
-
-Config config_from(const Options& o, int world) {
-  Config c;
-  c.model = o.model.empty() ? "custom" : o.model;
-  c.layers = o.layers;
-  c.hidden = static_cast<int>(o.hidden);
-  c.heads = o.heads;
-  c.seq = o.seq;
-  c.vocab = o.vocab;
-  c.global_batch = o.global_batch;
-  c.micro_batch = o.micro_batch;
-  c.tp = o.tp;
-  c.pp = o.pp;
-  c.v = o.interleave;
-  c.zero = o.zero;
-  c.seq_parallel = o.seq_parallel;
-  c.order = o.order;
-  c.phantom = o.phantom;
-  c.steps = o.steps;
-  c.lr = o.lr;
-  c.dropout = static_cast<float>(o.dropout);
-  c.broken = o.broken;
-  c.dtype = parse_dtype(o.dtype, "--dtype");
-  c.reduce_dtype = parse_dtype(o.grad_reduce_dtype, "--grad-reduce-dtype");
-  if (o.recompute == "none") {
-    c.recompute = Recompute::None;
-  } else if (o.recompute == "selective") {
-    c.recompute = Recompute::Selective;
-  } else if (o.recompute == "full") {
-    c.recompute = Recompute::Full;
-  } else {
-    throw UsageError(fmt::format("gpt: --recompute must be none, selective or full (got '{}')", o.recompute));
-  }
-  positive(c.layers, "--layers");
-  positive(c.hidden, "--hidden");
-  positive(c.heads, "--heads");
-  positive(c.seq, "--seq");
-  positive(c.vocab, "--vocab");
-  positive(c.global_batch, "--global-batch");
-  positive(c.micro_batch, "--micro-batch");
-  positive(c.tp, "--tp");
-  positive(c.pp, "--pp");
-  positive(c.v, "--interleave");
-  positive(c.steps, "--steps");
-  if (c.zero < 0 || c.zero > 3)
-    throw UsageError(fmt::format("gpt: --zero must be 0, 1, 2 or 3 (got {})", c.zero));
+Config resolve(Config c, int world) {
+  c.world = world;
   parallel::validate_order(c.order);
   if (c.hidden % c.heads != 0) {
     throw UsageError(
@@ -99,8 +89,7 @@ Config config_from(const Options& o, int world) {
                     c.hidden, c.heads));
   }
   const int model_ranks = c.tp * c.pp;
-  if (o.dp > 0) {
-    c.dp = o.dp;
+  if (c.dp > 0) {
     if (c.tp * c.pp * c.dp != world) {
       throw UsageError(
           fmt::format("gpt: --world {} is not --tp {} x --pp {} x --dp {} = {}; leave out --dp to "

@@ -1,5 +1,6 @@
-// The GPT lesson's configuration: the model's shape, the parallel layout and the precision, read from
-// Options and checked, with every error naming the option and saying what would fix it.
+// The GPT lesson's options: the model's shape, the parallel layout and the precision, each declared once
+// in the lesson's table (options_table), and checked against each other and the world (resolve), with every
+// error naming the option and saying what would fix it.
 #pragma once
 
 #include <cstdint>
@@ -13,11 +14,12 @@ namespace ranklab::gpt {
 enum class Recompute { None, Selective, Full };
 const char* recompute_name(Recompute r);
 
-struct Config {
-  std::string model = "custom";
+struct Config : LessonOptions {
+  std::string model;  // the preset that filled the shape ("gpt3-175b"), or "" for none
   int layers = 2, hidden = 64, heads = 4, seq = 16;
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
-  int tp = 1, pp = 1, dp = 1, v = 1;  // v: model chunks per pipeline rank (--interleave)
+  int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp pp), which resolve() sets
+  int v = 1;                   // model chunks per pipeline rank (--interleave)
   int zero = 0;
   bool seq_parallel = false;
   Recompute recompute = Recompute::None;
@@ -29,6 +31,8 @@ struct Config {
   float dropout = 0;  // of the residual branches (--dropout)
   std::string broken;
 
+  // The preset's name, or "custom".
+  std::string model_name() const { return model.empty() ? "custom" : model; }
   std::int64_t micro_batches() const { return global_batch / (micro_batch * dp); }  // m, per pipeline
   int layers_per_chunk() const { return layers / (pp * v); }
   int head_dim() const { return hidden / heads; }
@@ -42,7 +46,9 @@ struct Config {
   std::string shape() const;
 };
 
-// Reads and checks the options against a world of `world` ranks; throws UsageError.
-Config config_from(const Options& o, int world);
+// The lesson's table: the command line's flags, help and the report's record of a run.
+const OptionTable<Config>& options_table();
+// `c` checked against a world of `world` ranks, with dp set when it was 0; UsageError naming the options.
+Config resolve(Config c, int world);
 
 }  // namespace ranklab::gpt

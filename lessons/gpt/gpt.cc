@@ -82,14 +82,8 @@ struct Worst {
   }
 };
 
-void gpt_lesson(Rank& r, const Options& o) {
-  const Config c = gpt::config_from(o, r.world_size());
-  if (!c.broken.empty() && c.broken != "dp-sum" && c.broken != "no-reduce-scatter" &&
-      c.broken != "no-sp-grad-sync" && c.broken != "dropout-row") {
-    throw UsageError(fmt::format(
-        "gpt: --break must be dp-sum, no-reduce-scatter, no-sp-grad-sync or dropout-row (got '{}')",
-        c.broken));
-  }
+void gpt_lesson(Rank& r, const Config& o) {
+  const Config c = gpt::resolve(o, r.world_size());
   const bool root = r.rank() == 0;
   const std::int64_t m = c.micro_batches();
   const parallel::Layout layout{c.tp, c.pp, c.dp, c.order};
@@ -108,15 +102,15 @@ void gpt_lesson(Rank& r, const Options& o) {
     const std::string count = n >= 1e9   ? fmt::format("{:.3g}B", n / 1e9)
                               : n >= 1e6 ? fmt::format("{:.3g}M", n / 1e6)
                                          : fmt::format("{:.0f}", n);
-    r.print(
-        fmt::format("gpt{}: {}; {} parameters", c.model == "custom" ? "" : " " + c.model, c.shape(), count));
+    r.print(fmt::format("gpt{}: {}; {} parameters", c.model.empty() ? "" : " " + c.model, c.shape(), count));
     r.print(fmt::format(
         "  global batch {} x seq {} = {} tokens per step; micro-batch {}: m = {} micro-batches per "
         "pipeline; {} steps of AdamW lr {}",
         c.global_batch, c.seq, c.tokens_per_step(), c.micro_batch, m, c.steps, c.lr));
     r.print(fmt::format("layout: {} on {} ranks", c.layout(), r.world_size()));
     if (!o.quiet) {
-      for (const std::string& line : parallel::describe_groups(layout, o.gpus_per_node)) r.print(line);
+      for (const std::string& line : parallel::describe_groups(layout, r.profile().gpus_per_node))
+        r.print(line);
     }
     r.print(
         fmt::format("FLOPs per step: model 72 B s L h^2 (1 + s/(6h) + V/(12hL)) = {:.4g} PFLOP; hardware "
@@ -366,9 +360,10 @@ void gpt_lesson(Rank& r, const Options& o) {
   const double busy = avg[parallel::kDims], window = mx[nmax - 4];
   const double bubble = busy > 0 ? (window - busy) / busy : 0;
   const double formula = (c.pp - 1.0) / (c.v * static_cast<double>(m));
-  const double peak_tflops = c.dtype == DType::Float32 ? o.peak_tflops_fp32 : o.peak_tflops_16bit;
+  const double peak_tflops =
+      c.dtype == DType::Float32 ? r.profile().gpu.peak_tflops_fp32 : r.profile().gpu.peak_tflops_bf16;
   TrainingStats st;
-  st.model = c.model;
+  st.model = c.model_name();
   st.layout = c.layout();
   st.tokens_per_step = c.tokens_per_step();
   st.micro_batches = static_cast<int>(m);
@@ -433,36 +428,8 @@ void gpt_lesson(Rank& r, const Options& o) {
 
 }  // namespace
 
-// A laptop-sized GPT by default; --model fills the shape flags from a published model instead.
-const std::vector<LessonOption> kOptions = {
-    {"world", "4", "ranks: tp x pp x dp"},
-    {"model", "",
-     "a preset that fills the shape flags (gpt3-175b, llama3-70b, ...; a wrong name lists them)"},
-    {"layers", "2", "transformer blocks"},
-    {"hidden", "64", "model width"},
-    {"heads", "4", "attention heads (divisible by --tp)"},
-    {"seq", "16", "sequence length"},
-    {"vocab", "128", "vocabulary size (divisible by --tp)"},
-    {"global-batch", "8", "sequences per step"},
-    {"micro-batch", "2", "sequences per micro-batch"},
-    {"tp", "1", "tensor-parallel size (Megatron's column-then-row pairs)"},
-    {"seq-parallel", "false", "with --tp: reduce_scatter + all_gather, layernorm sharded along the sequence"},
-    {"pp", "1", "pipeline-parallel size (1F1B)"},
-    {"interleave", "1", "model chunks per pipeline rank (interleaved 1F1B)"},
-    {"dp", "0", "data-parallel size (0: world / (tp pp))"},
-    {"zero", "0", "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters"},
-    {"recompute", "none", "activation recomputation: none, selective (attention core) or full"},
-    {"order", "tp-dp-pp", "process-group layout, innermost first"},
-    {"dtype", "bf16", "weights and activations: bf16, fp16 or fp32"},
-    {"grad-reduce-dtype", "fp32", "dtype of the data-parallel gradient reduction"},
-    {"steps", "3", "training steps, each checked against one device"},
-    {"lr", "0.001", "AdamW's learning rate"},
-    {"phantom", "false", "time the step at its size without numbers (no check)"},
-};
-
-RANKLAB_LESSON_WITH_OPTIONS("gpt",
-                            "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and "
-                            "recompute",
-                            gpt_lesson, kOptions, {});
+RANKLAB_LESSON("gpt",
+               "a GPT trained with tensor, sequence, pipeline and data parallelism, ZeRO and recompute",
+               gpt_lesson, gpt::options_table());
 
 }  // namespace ranklab

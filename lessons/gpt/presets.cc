@@ -49,16 +49,13 @@ const Preset& find_preset(const std::string& name) {
       fmt::format("--model: no preset called '{}'; the presets are: {}", name, fmt::join(names, ", ")));
 }
 
-void apply_preset(Options& o, const std::function<bool(const std::string& flag)>& given) {
-  if (o.model.empty()) return;
-  const Preset& p = find_preset(o.model);
-  if (!given("--layers")) o.layers = p.layers;
-  if (!given("--hidden")) o.hidden = p.hidden;
-  if (!given("--heads")) o.heads = p.heads;
-  if (!given("--seq")) o.seq = p.seq;
-  if (!given("--vocab")) o.vocab = p.vocab;
-  if (!given("--global-batch")) o.global_batch = p.global_batch;
-  if (!given("--micro-batch")) o.micro_batch = 1;
+Settings preset_settings(const std::string& name) {
+  if (name.empty()) return {};
+  const Preset& p = find_preset(name);
+  auto text = [](std::int64_t v) { return std::to_string(v); };
+  return {{"layers", text(p.layers)}, {"hidden", text(p.hidden)}, {"heads", text(p.heads)},
+          {"seq", text(p.seq)},       {"vocab", text(p.vocab)},   {"global-batch", text(p.global_batch)},
+          {"micro-batch", "1"}};
 }
 
 }  // namespace ranklab::gpt

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,9 +20,10 @@ const std::vector<Preset>& presets();
 // The preset called `name`, or UsageError listing them.
 const Preset& find_preset(const std::string& name);
 
-// Fills from the preset `o.model` names (none when empty) the shape flags, the global batch and a
-// micro-batch of one sequence, except those `given("--layers")` (and so on) says were set explicitly.
-// `ranklab run gpt --model` and `ranklab plan --model` both fill their options this way.
-void apply_preset(Options& o, const std::function<bool(const std::string& flag)>& given);
+// What `--model NAME` sets: the shape flags, the global batch and a micro-batch of one sequence, as the
+// command line would spell them (none for ""); UsageError for a name that is no preset. The gpt lesson's
+// table declares it as what --model expands to, so that flags given explicitly win, for `ranklab run gpt`
+// and `ranklab plan` alike.
+Settings preset_settings(const std::string& name);
 
 }  // namespace ranklab::gpt

@@ -1,0 +1,23 @@
+#include "common/backend.h"
+
+namespace ranklab {
+
+const OptionTable<BackendOptions>& backend_options() {
+  using O = BackendOptions;
+  static const OptionTable<O> table = {
+      {"algo", &O::algo, "force NCCL's algorithm, as NCCL_ALGO: ring, tree, nvls, nvls_tree"},
+      {"proto", &O::proto, "force NCCL's protocol, as NCCL_PROTO: ll, ll128, simple"},
+      {"no-sm-contention", &O::no_sm_contention,
+       "simulator: compute kernels do not share the GPU's SMs and HBM with communication kernels "
+       "(docs/model.md)"},
+      Option<O>("symmetric", &O::symmetric,
+                "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
+                "replicas mirror it (tp-dp, the default), or one per stage and dp replica (=tp); same "
+                "memory and traffic at a fraction of the cost (docs/lessons/gpt.md says how exact)")
+          .choices({"tp", "tp-dp"})
+          .implicit("tp-dp"),
+  };
+  return table;
+}
+
+}  // namespace ranklab
