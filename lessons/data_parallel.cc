@@ -205,13 +205,13 @@ void data_parallel(Rank& r, const DataParallelOptions& o) {
       Tensor loss = r.from_host({1}, {static_cast<float>(mine)});
       r.all_reduce(loss, ReduceOp::Avg);  // to print the loss of the whole batch
       loss_all = r.to_host(loss)[0];
-      mlp::Diff diff = mlp::compare(loss_all, ref.loss(), ref.loss_bound(), "the loss");
+      check::Agreement diff = check::within_bound(loss_all, ref.loss(), ref.loss_bound(), "the loss");
       diff.merge(mlp::compare_layers(r, ref, grads, w, 0, 0, o.dim));
       return diff;
     });
     if (d) {
       line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, summary.reference()->loss(),
-                          mlp::verdict(*d));
+                          check::verdict(*d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }

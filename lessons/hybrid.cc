@@ -78,7 +78,7 @@ Result train(Rank& r, const HybridOptions& o, const parallel::Layout& layout) {
   std::unique_ptr<mlp::Reference> ref;
   if (!o.phantom) ref = std::make_unique<mlp::Reference>(o);
   Result res;
-  mlp::Diff worst;
+  check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
     for (Tensor& t : grads) r.scale_(t, 0.0f);
     r.synchronize();
@@ -128,7 +128,7 @@ Result train(Rank& r, const HybridOptions& o, const parallel::Layout& layout) {
 
     // The check against one device: my columns (or rows) of each of my stage's layers.
     ref->step();
-    mlp::Diff d;
+    check::Agreement d;
     for (int i = 0; i < per; ++i) {
       const int l = first + i;
       auto want = [&](const std::vector<float>& full) {
@@ -137,10 +137,10 @@ Result train(Rank& r, const HybridOptions& o, const parallel::Layout& layout) {
                    : std::vector<float>(full.begin() + col0 * o.dim, full.begin() + (col0 + cols) * o.dim);
       };
       const std::int64_t width = i % 2 == 0 ? cols : o.dim;
-      d.merge(mlp::compare(r.to_host(grads[i]), want(ref->grad(l)), want(ref->grad_bound(l)),
-                           fmt::format("layer {} gradient", l), width));
-      d.merge(mlp::compare(r.to_host(w[i]), want(ref->weight(l)), want(ref->weight_bound(l)),
-                           fmt::format("layer {} weight", l), width));
+      d.merge(check::within_bound(r.to_host(grads[i]), want(ref->grad(l)), want(ref->grad_bound(l)),
+                                  fmt::format("layer {} gradient", l), width));
+      d.merge(check::within_bound(r.to_host(w[i]), want(ref->weight(l)), want(ref->weight_bound(l)),
+                                  fmt::format("layer {} weight", l), width));
     }
     if (last_stage) {  // the loss: this dp rank's micro-batches, averaged over dp
       double mine = 0;
@@ -148,12 +148,12 @@ Result train(Rank& r, const HybridOptions& o, const parallel::Layout& layout) {
       Tensor loss = r.from_host({1}, {static_cast<float>(mine / static_cast<double>(local))});
       auto check = r.bookkeeping("check");
       if (dp > 1) r.all_reduce(loss, ReduceOp::Avg, Async::No, g.dp);
-      d.merge(mlp::compare(r.to_host(loss)[0], ref->loss(), ref->loss_bound(), "the loss"));
+      d.merge(check::within_bound(r.to_host(loss)[0], ref->loss(), ref->loss_bound(), "the loss"));
     }
     worst.merge(d);
-    mlp::check_step(r, fmt::format("hybrid {}", layout.order), step,
-                    "every rank's shard of gradients and weights", d,
-                    fmt::format("rank {} (tp {} dp {} pp {}): ", r.rank(), g.me.tp, g.me.dp, g.me.pp));
+    check::record_step(r, fmt::format("hybrid {}", layout.order), step,
+                       "every rank's shard of gradients and weights", d,
+                       fmt::format("rank {} (tp {} dp {} pp {}): ", r.rank(), g.me.tp, g.me.dp, g.me.pp));
   }
   res.worst = worst.worst;
   res.relative = worst.relative();
@@ -242,7 +242,7 @@ void hybrid(Rank& r, const HybridOptions& o) {
     return;
   }
   r.print(fmt::format("equal to one device over the full batch after every step, both layouts: {}",
-                      mlp::agreement(used, rel)));
+                      check::agreement(used, rel)));
 }
 
 }  // namespace

@@ -377,15 +377,14 @@ void Training::adamw(int l) {
   const Matrix &gr = grads_[l], &eg = grad_bounds_[l];
   for (size_t i = 0; i < w.size(); ++i) {
     const double g = gr[i], e = eg[i];
-    const double m1 = b1 * m[i] + (1 - b1) * g;
+    // The bounds of the moments, from their values before the step.
     em[i] = b1 * em[i] + (1 - b1) * e + 3 * u * (b1 * std::fabs(m[i]) + (1 - b1) * std::fabs(g));
     const double g2 = g * g, eg2 = e * (2 * std::fabs(g) + e) + u * g2;
-    const double v1 = b2 * v[i] + (1 - b2) * g2;
     ev[i] = b2 * ev[i] + (1 - b2) * eg2 + 3 * u * (b2 * v[i] + (1 - b2) * g2);
-    m[i] = m1;
-    v[i] = v1;
-    const double mh = m1 / c1, emh = em[i] / c1 + std::fabs(mh) * (rel1 + 2 * u);
-    const double vh = v1 / c2, evh = ev[i] / c2 + vh * (rel2 + 2 * u);
+    // The values, as every reference takes an AdamW step.
+    const double next = check::adamw_element(w[i], g, m[i], v[i], lr, h.weight_decay, h, c1, c2);
+    const double mh = m[i] / c1, emh = em[i] / c1 + std::fabs(mh) * (rel1 + 2 * u);
+    const double vh = v[i] / c2, evh = ev[i] / c2 + vh * (rel2 + 2 * u);
     const double upd = mh / (std::sqrt(vh) + eps);
     // The denominator's interval, widened for the square root's and the sum's roundings.
     const double den_lo = (std::sqrt(std::max(0.0, vh - evh)) + eps) * (1 - 2 * u);
@@ -393,7 +392,6 @@ void Training::adamw(int l) {
     const double lo = std::max(-most, std::min((mh - emh) / den_lo, (mh - emh) / den_hi));
     const double hi = std::min(most, std::max((mh + emh) / den_lo, (mh + emh) / den_hi));
     const double eupd = std::max(hi - upd, upd - lo) + 2 * u * std::fabs(upd);
-    const double next = w[i] - lr * (upd + h.weight_decay * w[i]);
     ew[i] = ew[i] * (1 - lr * h.weight_decay) + lr * eupd + 4 * u * (std::fabs(w[i]) + lr * std::fabs(upd));
     w[i] = next;
   }
@@ -529,150 +527,20 @@ std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::
   return out;
 }
 
-double Diff::relative() const {
-  return max_abs / (scale > 1e-30 ? scale : 1.0);
-}
-
-void Diff::merge(const Diff& d) {
-  tight += d.tight;
-  loose += d.loose;
-  if (d.loosest > loosest) {
-    loosest = d.loosest;
-    loosest_where = d.loosest_where;
-  }
-  // The worst element of either decides; the relative figure keeps the larger of the two.
-  const double rel = std::max(relative(), d.relative());
-  if (d.worst > worst) {
-    worst = d.worst;
-    where = d.where;
-  }
-  if (d.max_abs / std::max(d.scale, 1e-30) >= max_abs / std::max(scale, 1e-30)) {
-    max_abs = d.max_abs;
-    scale = d.scale;
-  }
-  (void)rel;
-}
-
-namespace {
-// got against want within bound: the share of the bound used, NaN counting as infinitely far.
-double used(double got, double want, double bound) {
-  const double e = std::fabs(got - want);
-  if (std::isnan(e)) return INFINITY;
-  if (e == 0) return 0;
-  return bound > 0 ? e / bound : INFINITY;
-}
-
-// A bound over the magnitude of what it bounds; infinite when the bound is, 0 when both are 0.
-double looseness(double bound, double magnitude) {
-  if (!(bound < INFINITY)) return INFINITY;
-  if (bound == 0) return 0;
-  return magnitude > 0 ? bound / magnitude : INFINITY;
-}
-}  // namespace
-
-Diff compare(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& bound,
-             const std::string& what, std::int64_t cols) {
-  Diff d;
-  if (got.size() != want.size()) {
-    d.worst = INFINITY;
-    d.where = fmt::format("{}: {} numbers where {} were expected", what, got.size(), want.size());
-    return d;
-  }
-  size_t at = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double e = std::fabs(static_cast<double>(got[i]) - want[i]);
-    d.max_abs = std::isnan(e) ? INFINITY : std::max(d.max_abs, e);
-    d.scale = std::max(d.scale, std::fabs(static_cast<double>(want[i])));
-    const double u = used(got[i], want[i], bound[i]);
-    if (u > d.worst || (i == 0 && u == 0)) {
-      d.worst = u;
-      at = i;
-    }
-  }
-  // How loose the bound is against what it bounds: its largest element over the tensor's largest value.
-  double widest = 0;
-  for (float b : bound) widest = std::max(widest, static_cast<double>(b));
-  d.loosest = looseness(widest, d.scale);
-  (d.loosest < 1 ? d.tight : d.loose) = 1;
-  d.loosest_where = fmt::format("{} (bound up to {:.3g}, values up to {:.3g})", what, widest, d.scale);
-  if (!got.empty()) {
-    const auto i = static_cast<std::int64_t>(at);
-    d.where = fmt::format("{} [{}, {}]: expected {:.9g}, got {:.9g}, difference {:.3g}, bound {:.3g}", what,
-                          i / cols, i % cols, want[at], got[at],
-                          static_cast<double>(got[at]) - static_cast<double>(want[at]), bound[at]);
-  }
-  return d;
-}
-
-Diff compare(double got, double want, double bound, const std::string& what) {
-  Diff d;
-  d.max_abs = std::isnan(got) ? INFINITY : std::fabs(got - want);
-  d.scale = std::fabs(want);
-  d.worst = used(got, want, bound);
-  d.where = fmt::format("{}: expected {:.17g}, got {:.17g}, difference {:.3g}, bound {:.3g}", what, want, got,
-                        got - want, bound);
-  d.loosest = looseness(bound, d.scale);
-  (d.loosest < 1 ? d.tight : d.loose) = 1;
-  d.loosest_where = fmt::format("{} (bound {:.3g}, value {:.3g})", what, bound, d.scale);
-  return d;
-}
-
-Diff compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& grads,
-                    const std::vector<Tensor>& weights, int first_layer, std::int64_t first_col,
-                    std::int64_t cols) {
+check::Agreement compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& grads,
+                                const std::vector<Tensor>& weights, int first_layer, std::int64_t first_col,
+                                std::int64_t cols) {
   const std::int64_t d = ref.dim();
   auto want = [&](const std::vector<float>& m) { return cols == d ? m : columns(m, d, d, first_col, cols); };
-  Diff diff;
+  check::Agreement diff;
   for (size_t i = 0; i < weights.size(); ++i) {
     const int l = first_layer + static_cast<int>(i);
-    diff.merge(compare(r.to_host(grads[i]), want(ref.grad(l)), want(ref.grad_bound(l)),
-                       fmt::format("layer {} gradient", l), cols));
-    diff.merge(compare(r.to_host(weights[i]), want(ref.weight(l)), want(ref.weight_bound(l)),
-                       fmt::format("layer {} weight", l), cols));
+    diff.merge(check::within_bound(r.to_host(grads[i]), want(ref.grad(l)), want(ref.grad_bound(l)),
+                                   fmt::format("layer {} gradient", l), cols));
+    diff.merge(check::within_bound(r.to_host(weights[i]), want(ref.weight(l)), want(ref.weight_bound(l)),
+                                   fmt::format("layer {} weight", l), cols));
   }
   return diff;
-}
-
-void check_step(Rank& r, const std::string& lesson, int step, const std::string& what, const Diff& d,
-                const std::string& where) {
-  // Within a bound as large as the values themselves a wrong number passes too. The bounds are the
-  // reference's alone, whatever the rank computed, so a broken lesson cannot make its check undecided by
-  // being wrong; only a training past what float32 can follow does: a relu input within rounding of zero
-  // decides whether a gradient flows, and after enough such layers no float32 run, on one device or many,
-  // is bound to exact arithmetic.
-  const std::string beyond =
-      d.loose == 0 ? ""
-                   : fmt::format(
-                         "{} of {} tensors compared have a bound as large as their values, so agreeing "
-                         "there proves nothing (the loosest: {}); ",
-                         d.loose, d.loose + d.tight, d.loosest_where);
-  if (!d.decided()) {
-    if (r.rank() == 0) {
-      r.print(fmt::format(
-          "{} step {}: not decided: {}every number is within its bound ({:.3g} used at worst), "
-          "but the training is past what float32 can follow (relu inputs within rounding of zero, "
-          "layer after layer)",
-          lesson, step, beyond, d.worst));
-    }
-    return;
-  }
-  r.check(
-      fmt::format("{} step {}: {} equal one device's within float32's rounding bound", lesson, step, what),
-      d.ok(),
-      fmt::format("{}{:.3g} of the bound used at worst; {}; largest relative difference {:.3g}{}", where,
-                  d.worst, d.where, d.relative(),
-                  d.loose == 0 ? "" : "; " + beyond.substr(0, beyond.size() - 2)));
-}
-
-std::string agreement(double worst, double relative, bool decided) {
-  return fmt::format("{} (at worst {:.3g} of float32's rounding bound; largest relative difference {:.3g}){}",
-                     worst <= 1 ? "yes" : "NO", worst, relative,
-                     decided || worst > 1 ? "" : "; but not decided at every step (see above)");
-}
-
-std::string verdict(const Diff& d) {
-  if (!d.ok()) return "DIFFERENT";
-  return d.decided() ? "ok" : "not decided";
 }
 
 std::vector<float> fingerprint(const std::vector<std::vector<float>>& tensors) {
@@ -752,20 +620,20 @@ RunSummary::RunSummary(Rank& r, const TrainingOptions& o, std::string lesson)
 
 RunSummary::~RunSummary() = default;
 
-std::optional<Diff> RunSummary::check_step(int step, const std::string& what,
-                                           const std::function<Diff(const Reference&)>& compare,
-                                           const std::string& where) {
+std::optional<check::Agreement> RunSummary::check_step(
+    int step, const std::string& what, const std::function<check::Agreement(const Reference&)>& compare,
+    const std::string& where) {
   if (!ref_) return std::nullopt;
   auto scope = r_.bookkeeping("reference");
   ref_->step();
-  Diff d = compare(*ref_);
+  check::Agreement d = compare(*ref_);
   worst_.merge_step(d);
-  mlp::check_step(r_, lesson_, step, what, d, where);
+  check::record_step(r_, lesson_, step, what, d, where);
   return d;
 }
 
 std::string RunSummary::agreement_of_this_rank() const {
-  return agreement(worst_.worst, worst_.relative(), worst_.undecided_steps == 0);
+  return check::agreement(worst_.worst, worst_.relative(), worst_.undecided_steps == 0);
 }
 
 void RunSummary::begin_report() {
@@ -826,7 +694,7 @@ void RunSummary::check_identical_weights() const {
 
 void RunSummary::print_agreement(const std::string& what) const {
   r_.print(fmt::format("equal to one device over the full batch after every step{}: {}", what,
-                       agreement(used_, relative_, worst_.undecided_steps == 0)));
+                       check::agreement(used_, relative_, worst_.undecided_steps == 0)));
 }
 
 }  // namespace ranklab::mlp

@@ -22,6 +22,7 @@
 #include "common/lesson.h"
 #include "common/rank.h"
 #include "common/units.h"
+#include "lessons/check.h"
 
 namespace ranklab::mlp {
 
@@ -165,52 +166,11 @@ class Reference {
 std::vector<float> columns(const std::vector<float>& m, std::int64_t rows, std::int64_t cols,
                            std::int64_t first, std::int64_t count);
 
-// How far a rank's numbers are from the reference's, element by element, against the bound on how far
-// float32 can take them. The check passes when no element uses more than all of its bound.
-struct Diff {
-  double worst = 0;    // the largest |got - want| / bound
-  std::string where;   // that element: what it is, expected and actual with full digits, the bound
-  double max_abs = 0;  // the largest |got - want|, and the largest |want| of the same tensor: for the
-  double scale = 0;    // relative difference the lessons print beside the check
-  // A tensor (or the loss) whose bound reaches as far as its largest value admits numbers as large as the
-  // values themselves: a wrong number may lie within it, so agreeing there proves nothing. Such tensors
-  // are counted apart; the comparison decides on the others, or when anything is outside its bound.
-  int tight = 0, loose = 0;   // tensors compared with a bound below their values, and the others
-  double loosest = 0;         // the largest bound over the largest value, of the loosest tensor
-  std::string loosest_where;  // that tensor, its largest bound and its largest value
-  double relative() const;
-  bool ok() const { return worst <= 1; }
-  bool decided() const { return worst > 1 || tight > 0; }
-  int undecided_steps = 0;  // counted by merge_step
-  void merge(const Diff& d);
-  // Merges one step's Diff into a run's, counting the steps that decided nothing.
-  void merge_step(const Diff& step) {
-    merge(step);
-    undecided_steps += step.decided() ? 0 : 1;
-  }
-};
-// `cols` lays the numbers out as rows for naming the worst element: "layer 2 weight [3, 7]".
-Diff compare(const std::vector<float>& got, const std::vector<float>& want, const std::vector<float>& bound,
-             const std::string& what, std::int64_t cols);
-Diff compare(double got, double want, double bound, const std::string& what);
 // After a step: this rank's gradients and weights of layers first_layer, first_layer + 1, ... against the
 // reference's, or against their columns [first_col, first_col + cols) when the rank holds a column slice.
-Diff compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& grads,
-                    const std::vector<Tensor>& weights, int first_layer, std::int64_t first_col,
-                    std::int64_t cols);
-// Records the check of one step ("<lesson> step <n>: <what> equal one device's") with its difference.
-// A step the check cannot decide (every tensor within a bound as large as its values) is not recorded as
-// passed: rank 0 prints why it was not decided instead. A decided step names the tensors it could not.
-void check_step(Rank& r, const std::string& lesson, int step, const std::string& what, const Diff& d,
-                const std::string& where = "");
-
-// "yes (at worst 0.31 of float32's rounding bound; largest relative difference 1.2e-06)", from the worst
-// of every rank's Diff::worst and Diff::relative().
-// `decided` false: some step was not decided (Diff::decided), and the line says so.
-std::string agreement(double worst, double relative, bool decided = true);
-// A step's word beside its loss: "ok", "DIFFERENT" or "not decided".
-std::string verdict(const Diff& d);
-
+check::Agreement compare_layers(Rank& r, const Reference& ref, const std::vector<Tensor>& grads,
+                                const std::vector<Tensor>& weights, int first_layer, std::int64_t first_col,
+                                std::int64_t cols);
 // A hash of tensors' bytes, as four 16-bit pieces (exact in float32, so a float tensor can carry them to
 // another rank): equal hashes mean, with overwhelming probability, the same bits.
 std::vector<float> fingerprint(const std::vector<std::vector<float>>& tensors);
@@ -293,11 +253,11 @@ class RunSummary {
   // After a timed step: one step of the reference, then `compare` (this rank's numbers against it), both as
   // bookkeeping that the step's timing and the report's communication leave out; the difference is
   // recorded as the step's check (mlp::check_step) and returned. Nothing with --phantom.
-  std::optional<Diff> check_step(int step, const std::string& what,
-                                 const std::function<Diff(const Reference&)>& compare,
-                                 const std::string& where = "");
+  std::optional<check::Agreement> check_step(int step, const std::string& what,
+                                             const std::function<check::Agreement(const Reference&)>& compare,
+                                             const std::string& where = "");
   // This rank's difference over every step so far.
-  const Diff& diff() const { return worst_; }
+  const check::Agreement& diff() const { return worst_; }
   // agreement() of this rank's steps alone.
   std::string agreement_of_this_rank() const;
 
@@ -330,7 +290,7 @@ class RunSummary {
   std::string lesson_;
   PeakMemory peak_;
   std::unique_ptr<Reference> ref_;
-  Diff worst_;
+  check::Agreement worst_;
   std::unique_ptr<Rank::Region> report_;
   std::vector<std::vector<float>> all_;  // rank 0: every rank's gathered figures
   double peak_bytes_ = 0, relative_ = 0, used_ = 0;

@@ -40,6 +40,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/random.h"
+#include "lessons/check.h"
 #include "lessons/mlp.h"
 
 namespace ranklab {
@@ -262,23 +263,14 @@ class Reference {
   std::int64_t dropped() const { return dropped_; }
 
  private:
-  // SGD or AdamW, as Rank::sgd_step and Rank::adamw_step compute them.
+  // SGD or AdamW, as Rank::sgd_step and Rank::adamw_step compute them (a float32 learning rate).
   void update(std::vector<double>& p, const std::vector<double>& g, int slot) {
     if (o_.optimizer != "adamw") {
       for (std::size_t i = 0; i < p.size(); ++i) p[i] -= o_.lr * g[i];
       return;
     }
-    AdamW h;
-    h.lr = static_cast<float>(o_.lr);
-    std::vector<double>&m = adam_m_[slot], &v = adam_v_[slot];
-    if (m.empty()) m.assign(p.size(), 0.0), v.assign(p.size(), 0.0);
-    const double c1 = 1 - std::pow(static_cast<double>(h.beta1), t_);
-    const double c2 = 1 - std::pow(static_cast<double>(h.beta2), t_);
-    for (std::size_t i = 0; i < p.size(); ++i) {
-      m[i] = h.beta1 * m[i] + (1 - h.beta1) * g[i];
-      v[i] = h.beta2 * v[i] + (1 - h.beta2) * g[i] * g[i];
-      p[i] -= h.lr * ((m[i] / c1) / (std::sqrt(v[i] / c2) + h.eps) + h.weight_decay * p[i]);
-    }
+    const AdamW h;
+    check::adamw_step(p, g, adam_m_[slot], adam_v_[slot], static_cast<float>(o_.lr), h.weight_decay, h, t_);
   }
 
   Shape3 s_;
@@ -291,24 +283,6 @@ class Reference {
   int t_ = 0;
 };
 
-// How far `got` is from `want`, relative to the largest |want| of the tensor; the worst element named.
-struct Agreement {
-  double worst = 0;
-  std::string where;
-  void add(const std::vector<float>& got, const std::vector<double>& want, const std::string& what,
-           std::int64_t cols) {
-    double scale = 1e-30;
-    for (double w : want) scale = std::max(scale, std::abs(w));
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      const double rel = std::abs(got[i] - want[i]) / scale;
-      if (rel > worst) {
-        worst = rel;
-        where = fmt::format("{} [{}, {}]: expected {:.9g}, got {:.9g}", what, i / cols, i % cols, want[i],
-                            got[i]);
-      }
-    }
-  }
-};
 // float32 forward and backward of this layer against double: a few units of float32's 6e-8 per operation
 // in a chain of a few dozen; 1e-4 leaves room and still catches any wrong term (a missing gate, a gradient
 // not summed over ranks are 1e-1 or more).
@@ -576,17 +550,17 @@ void moe(Rank& r, const MoeOptions& o) {
       Tensor loss = r.from_host({1}, {r.to_host(y_sum)[0] / static_cast<float>(s.batch)});
       r.all_reduce(loss, ReduceOp::Sum);
       const double loss_all = r.to_host(loss)[0];
-      Agreement a;
-      a.add({static_cast<float>(loss_all)}, {ref->loss()}, "the loss", 1);
+      check::Agreement a;
+      a.add_relative({static_cast<float>(loss_all)}, {ref->loss()}, "the loss", 1);
       for (int le = 0; le < per; ++le) {
         const int e = rank * per + le;
-        a.add(r.to_host(grads[2 * le]), ref->dw1(e), fmt::format("expert {} W1 gradient", e), H);
-        a.add(r.to_host(grads[2 * le + 1]), ref->dw2(e), fmt::format("expert {} W2 gradient", e), D);
-        a.add(r.to_host(w1[le]), ref->w1(e), fmt::format("expert {} W1", e), H);
-        a.add(r.to_host(w2[le]), ref->w2(e), fmt::format("expert {} W2", e), D);
+        a.add_relative(r.to_host(grads[2 * le]), ref->dw1(e), fmt::format("expert {} W1 gradient", e), H);
+        a.add_relative(r.to_host(grads[2 * le + 1]), ref->dw2(e), fmt::format("expert {} W2 gradient", e), D);
+        a.add_relative(r.to_host(w1[le]), ref->w1(e), fmt::format("expert {} W1", e), H);
+        a.add_relative(r.to_host(w2[le]), ref->w2(e), fmt::format("expert {} W2", e), D);
       }
-      a.add(r.to_host(dwr), ref->dwr(), "router gradient", E);
-      a.add(r.to_host(wr), ref->wr(), "router weight", E);
+      a.add_relative(r.to_host(dwr), ref->dwr(), "router gradient", E);
+      a.add_relative(r.to_host(wr), ref->wr(), "router weight", E);
       const bool ok = a.worst <= kTolerance;
       r.check(
           fmt::format("moe step {}: loss, expert and router gradients and weights equal one device's", step),

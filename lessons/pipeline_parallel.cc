@@ -343,18 +343,18 @@ void pipeline_parallel(Rank& r, const PipelineOptions& o) {
     const auto d = summary.check_step(
         step, "every stage's gradients and weights, and the loss,",
         [&](const mlp::Reference& ref) {
-          mlp::Diff diff = mlp::compare_layers(r, ref, st.grads, st.w, first, 0, o.dim);
+          check::Agreement diff = mlp::compare_layers(r, ref, st.grads, st.w, first, 0, o.dim);
           if (last_stage) {
             for (const Tensor& s : sums) loss += r.to_host(s)[0];
             loss /= static_cast<double>(o.batch);
-            diff.merge(mlp::compare(loss, ref.loss(), ref.loss_bound(), "the loss"));
+            diff.merge(check::within_bound(loss, ref.loss(), ref.loss_bound(), "the loss"));
           }
           return diff;
         },
         fmt::format("stage {}{}: ", stage, last_stage ? " (with the loss)" : ""));
     if (d && last_stage && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, summary.reference()->loss(), mlp::verdict(*d)));
+                          mlp::format_time(step_us), loss, summary.reference()->loss(), check::verdict(*d)));
     }
   }
 

@@ -115,7 +115,7 @@ Run data_parallel(Rank& r, const RecomputeOptions& o, bool recompute, int k) {
   mlp::Reference ref(o);
   Run run{recompute ? fmt::format("data parallel, checkpoint every {} layer{}", k, k == 1 ? "" : "s")
                     : "data parallel, keep every activation"};
-  mlp::Diff worst;
+  check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
     for (Tensor& g : grads) r.scale_(g, 0.0f);
     r.synchronize();
@@ -138,10 +138,10 @@ Run data_parallel(Rank& r, const RecomputeOptions& o, bool recompute, int k) {
     ref.step();
     Tensor loss = r.from_host({1}, {static_cast<float>(r.to_host(out_sum)[0] / static_cast<double>(local))});
     r.all_reduce(loss, ReduceOp::Avg);
-    mlp::Diff d = mlp::compare(r.to_host(loss)[0], ref.loss(), ref.loss_bound(), "the loss");
+    check::Agreement d = check::within_bound(r.to_host(loss)[0], ref.loss(), ref.loss_bound(), "the loss");
     d.merge(mlp::compare_layers(r, ref, grads, w, 0, 0, o.dim));
     worst.merge(d);
-    mlp::check_step(r, fmt::format("recompute, {}", run.name), step, "loss, gradients and weights", d);
+    check::record_step(r, fmt::format("recompute, {}", run.name), step, "loss, gradients and weights", d);
   }
   run.worst = worst.worst;
   run.relative = worst.relative();
@@ -167,7 +167,7 @@ Run pipeline(Rank& r, const RecomputeOptions& o, bool recompute) {
   parallel::Pipeline pipe(r, ranks, stage, 1, m, false, exposed);
   mlp::Reference ref(o);
   Run run{recompute ? "pipeline 1f1b, recompute each stage" : "pipeline 1f1b, keep every activation"};
-  mlp::Diff worst;
+  check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
     for (Tensor& g : grads) r.scale_(g, 0.0f);
     r.synchronize();
@@ -201,15 +201,16 @@ Run pipeline(Rank& r, const RecomputeOptions& o, bool recompute) {
     run.forwards_per_layer = seg.forwards / static_cast<double>(per * m);
 
     ref.step();
-    mlp::Diff d = mlp::compare_layers(r, ref, grads, w, first, 0, o.dim);
+    check::Agreement d = mlp::compare_layers(r, ref, grads, w, first, 0, o.dim);
     if (stage == stages - 1) {
       double loss = 0;
       for (const Tensor& s : sums) loss += r.to_host(s)[0];
-      d.merge(mlp::compare(loss / static_cast<double>(o.batch), ref.loss(), ref.loss_bound(), "the loss"));
+      d.merge(
+          check::within_bound(loss / static_cast<double>(o.batch), ref.loss(), ref.loss_bound(), "the loss"));
     }
     worst.merge(d);
-    mlp::check_step(r, fmt::format("recompute, {}", run.name), step, "every stage's gradients and weights", d,
-                    fmt::format("stage {}: ", stage));
+    check::record_step(r, fmt::format("recompute, {}", run.name), step, "every stage's gradients and weights",
+                       d, fmt::format("stage {}: ", stage));
   }
   run.worst = worst.worst;
   run.relative = worst.relative();
@@ -286,7 +287,7 @@ void recompute(Rank& r, const RecomputeOptions& o) {
         100 * (on.forwards_per_layer - 1) / 3));
   }
   r.print(fmt::format("equal to one device over the full batch after every step, all four ways: {}",
-                      mlp::agreement(used, rel)));
+                      check::agreement(used, rel)));
 }
 
 }  // namespace

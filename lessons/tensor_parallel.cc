@@ -134,23 +134,23 @@ void megatron_pairs(Rank& r, const TensorParallelOptions& o) {
     const auto d =
         summary.check_step(step, "loss, gradients and weight blocks", [&](const mlp::Reference& ref) {
           loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
-          mlp::Diff diff = mlp::compare(loss, ref.loss(), ref.loss_bound(), "the loss");
+          check::Agreement diff = check::within_bound(loss, ref.loss(), ref.loss_bound(), "the loss");
           for (int l = 0; l < layers; ++l) {
             auto mine = [&](const std::vector<float>& m) {
               if (l % 2 == 0) return mlp::columns(m, o.dim, o.dim, first, c);
               return std::vector<float>(m.begin() + first * o.dim, m.begin() + (first + c) * o.dim);
             };
             const std::int64_t cols = l % 2 == 0 ? c : o.dim;
-            diff.merge(mlp::compare(r.to_host(grads[l]), mine(ref.grad(l)), mine(ref.grad_bound(l)),
-                                    fmt::format("layer {} gradient", l), cols));
-            diff.merge(mlp::compare(r.to_host(w[l]), mine(ref.weight(l)), mine(ref.weight_bound(l)),
-                                    fmt::format("layer {} weight", l), cols));
+            diff.merge(check::within_bound(r.to_host(grads[l]), mine(ref.grad(l)), mine(ref.grad_bound(l)),
+                                           fmt::format("layer {} gradient", l), cols));
+            diff.merge(check::within_bound(r.to_host(w[l]), mine(ref.weight(l)), mine(ref.weight_bound(l)),
+                                           fmt::format("layer {} weight", l), cols));
           }
           return diff;
         });
     if (d && rank == 0 && !o.quiet) {
       r.print(fmt::format("step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", step, o.steps,
-                          mlp::format_time(step_us), loss, summary.reference()->loss(), mlp::verdict(*d)));
+                          mlp::format_time(step_us), loss, summary.reference()->loss(), check::verdict(*d)));
     }
   }
   if (rank != 0) return;
@@ -266,13 +266,13 @@ void tensor_parallel(Rank& r, const TensorParallelOptions& o) {
     const auto d =
         summary.check_step(step, "loss, gradients and weight columns", [&](const mlp::Reference& ref) {
           loss = r.to_host(out_sum)[0] / static_cast<double>(o.batch);
-          mlp::Diff diff = mlp::compare(loss, ref.loss(), ref.loss_bound(), "the loss");
+          check::Agreement diff = check::within_bound(loss, ref.loss(), ref.loss_bound(), "the loss");
           diff.merge(mlp::compare_layers(r, ref, grads, w, 0, first_col, cols));
           return diff;
         });
     if (d) {
       line += fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss, summary.reference()->loss(),
-                          mlp::verdict(*d));
+                          check::verdict(*d));
     }
     if (rank == 0 && !o.quiet) r.print(line);
   }

@@ -123,7 +123,7 @@ StageResult train(Rank& r, const ZeroOptions& o, int stage) {
   Tensor x = mlp::make_samples(r, o, rank * local, local);
   Tensor dloss = mlp::loss_grad(r, o, {local, o.dim}, local);  // this rank's mean; Avg makes the batch's
   mlp::Reference ref(o);
-  mlp::Diff worst;
+  check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
     r.synchronize();
     r.barrier();
@@ -175,27 +175,28 @@ StageResult train(Rank& r, const ZeroOptions& o, int stage) {
     Tensor loss = r.from_host({1}, {static_cast<float>(r.to_host(out_sum)[0] / static_cast<double>(local))});
     r.all_reduce(loss, ReduceOp::Avg);
     const double loss_all = r.to_host(loss)[0];
-    mlp::Diff d = mlp::compare(loss_all, ref.loss(), ref.loss_bound(), "the loss");
+    check::Agreement d = check::within_bound(loss_all, ref.loss(), ref.loss_bound(), "the loss");
     for (int l = 0; l < layers; ++l) {
       const bool whole_grad = avg[l].size(0) == o.dim, whole_master = model[l].master.size(0) == o.dim;
       auto want = [&](const std::vector<float>& m, bool whole) {
         return whole ? m : rows_of(m, o.dim, first, rows);
       };
-      d.merge(mlp::compare(r.to_host(avg[l]), want(ref.grad(l), whole_grad),
-                           want(ref.grad_bound(l), whole_grad), fmt::format("layer {} gradient", l), o.dim));
-      d.merge(mlp::compare(r.to_host(model[l].master), want(ref.weight(l), whole_master),
-                           want(ref.weight_bound(l), whole_master), fmt::format("layer {} weight", l),
-                           o.dim));
+      d.merge(check::within_bound(r.to_host(avg[l]), want(ref.grad(l), whole_grad),
+                                  want(ref.grad_bound(l), whole_grad), fmt::format("layer {} gradient", l),
+                                  o.dim));
+      d.merge(check::within_bound(r.to_host(model[l].master), want(ref.weight(l), whole_master),
+                                  want(ref.weight_bound(l), whole_master), fmt::format("layer {} weight", l),
+                                  o.dim));
       if (stage == 1 || stage == 2) {  // the gathered whole weight, which the next forward reads
-        d.merge(mlp::compare(r.to_host(model[l].w), ref.weight(l), ref.weight_bound(l),
-                             fmt::format("layer {} gathered weight", l), o.dim));
+        d.merge(check::within_bound(r.to_host(model[l].w), ref.weight(l), ref.weight_bound(l),
+                                    fmt::format("layer {} gathered weight", l), o.dim));
       }
     }
     worst.merge(d);
-    mlp::check_step(r, fmt::format("zero stage {}", stage), step, "loss, gradients and weights", d);
+    check::record_step(r, fmt::format("zero stage {}", stage), step, "loss, gradients and weights", d);
     if (rank == 0 && !o.quiet) {
       r.print(fmt::format("  ZeRO-{} step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", stage, step,
-                          o.steps, mlp::format_time(res.step_us), loss_all, ref.loss(), mlp::verdict(d)));
+                          o.steps, mlp::format_time(res.step_us), loss_all, ref.loss(), check::verdict(d)));
     }
   }
   res.worst = worst.worst;
@@ -267,7 +268,7 @@ void zero(Rank& r, const ZeroOptions& o) {
                         mlp::format_time(results[i].step_us)));
   }
   r.print(fmt::format("equal to one device over the full batch after every step, every stage: {}",
-                      mlp::agreement(used, rel)));
+                      check::agreement(used, rel)));
 }
 
 }  // namespace

@@ -146,30 +146,30 @@ TEST(LessonChecks, AWrongSplitFailsAtTheToursSizesOn64Ranks) {
 
 TEST(LessonChecks, ABoundAsLargeAsTheValuesDecidesNothing) {
   // Within a bound as large as the values, a wrong number passes too: the comparison does not decide.
-  const mlp::Diff loose = mlp::compare({0.5f, -0.25f}, {0.5f, 0.25f}, {1.0f, 1.0f}, "w", 2);
+  const check::Agreement loose = check::within_bound({0.5f, -0.25f}, {0.5f, 0.25f}, {1.0f, 1.0f}, "w", 2);
   EXPECT_TRUE(loose.ok());
   EXPECT_FALSE(loose.decided());
-  EXPECT_EQ(mlp::verdict(loose), "not decided");
+  EXPECT_EQ(check::verdict(loose), "not decided");
   // A number outside its bound decides, whatever the other bounds.
-  mlp::Diff d = loose;
-  d.merge(mlp::compare({0.5f}, {0.25f}, {0.01f}, "v", 1));
+  check::Agreement d = loose;
+  d.merge(check::within_bound({0.5f}, {0.25f}, {0.01f}, "v", 1));
   EXPECT_TRUE(d.decided());
-  EXPECT_EQ(mlp::verdict(d), "DIFFERENT");
+  EXPECT_EQ(check::verdict(d), "DIFFERENT");
   // A tight tensor decides the step; the loose one is only counted.
-  mlp::Diff mixed = loose;
-  mixed.merge(mlp::compare({0.5f}, {0.5f}, {0.01f}, "v", 1));
+  check::Agreement mixed = loose;
+  mixed.merge(check::within_bound({0.5f}, {0.5f}, {0.01f}, "v", 1));
   EXPECT_TRUE(mixed.decided());
   EXPECT_EQ(mixed.tight, 1);
   EXPECT_EQ(mixed.loose, 1);
-  EXPECT_EQ(mlp::verdict(mixed), "ok");
+  EXPECT_EQ(check::verdict(mixed), "ok");
   // An infinite bound on the loss is loose, however large the loss.
-  EXPECT_FALSE(mlp::compare(1e30, 1e30, INFINITY, "the loss").decided());
+  EXPECT_FALSE(check::within_bound(1e30, 1e30, INFINITY, "the loss").decided());
   // Across steps: one undecided step is counted and said in the run's last line.
-  mlp::Diff run;
+  check::Agreement run;
   run.merge_step(mixed);
   run.merge_step(loose);
   EXPECT_EQ(run.undecided_steps, 1);
-  EXPECT_NE(mlp::agreement(run.worst, run.relative(), run.undecided_steps == 0).find("not decided"),
+  EXPECT_NE(check::agreement(run.worst, run.relative(), run.undecided_steps == 0).find("not decided"),
             std::string::npos);
 }
 

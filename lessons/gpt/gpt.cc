@@ -20,6 +20,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/check.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/model.h"
@@ -72,15 +73,6 @@ std::vector<double> local_part(const std::vector<double>& full, const Param& p, 
       out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
   return out;
 }
-
-// The worst comparison of a kind, with what to print about it.
-struct Worst {
-  double rel = 0;
-  std::string detail = "every tensor equal";
-  void merge(double r, const std::string& d) {
-    if (!(r <= rel)) rel = r, detail = d;  // NaN wins
-  }
-};
 
 void gpt_lesson(Rank& r, const Config& o) {
   const Config c = gpt::resolve(o, r.world_size());
@@ -170,7 +162,9 @@ void gpt_lesson(Rank& r, const Config& o) {
   std::vector<std::int64_t> stash_measured(c.v, -1);
   const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};
 
-  Worst worst_grad, worst_weight, worst_loss;
+  // The worst of each kind of comparison over the steps: gradients, weight updates and the loss.
+  check::Agreement worst_grad, worst_weight, worst_loss;
+  for (check::Agreement* a : {&worst_grad, &worst_weight, &worst_loss}) a->where = "every tensor equal";
   std::vector<double> losses;
   double step_us = 0;
   std::array<double, parallel::kDims> exposed_us{};
@@ -308,14 +302,13 @@ void gpt_lesson(Rank& r, const Config& o) {
   }
   if (ref) {
     const std::string who = fmt::format(" ({})", c.layout());
-    r.check("gpt: every step's gradients equal one device's" + who, worst_grad.rel <= tol.grad,
-            fmt::format("{} (tolerance {:.2g} for {})", worst_grad.detail, tol.grad, dtype_name(c.dtype)));
-    r.check(
-        "gpt: every step's weight updates equal one device's" + who, worst_weight.rel <= tol.weight,
-        fmt::format("{} (tolerance {:.2g} for {})", worst_weight.detail, tol.weight, dtype_name(c.dtype)));
+    r.check("gpt: every step's gradients equal one device's" + who, worst_grad.worst <= tol.grad,
+            fmt::format("{} (tolerance {:.2g} for {})", worst_grad.where, tol.grad, dtype_name(c.dtype)));
+    r.check("gpt: every step's weight updates equal one device's" + who, worst_weight.worst <= tol.weight,
+            fmt::format("{} (tolerance {:.2g} for {})", worst_weight.where, tol.weight, dtype_name(c.dtype)));
     if (model.has_head()) {
-      r.check("gpt: every step's loss equals one device's" + who, worst_loss.rel <= tol.loss,
-              fmt::format("{} (tolerance {:.2g} for {})", worst_loss.detail, tol.loss, dtype_name(c.dtype)));
+      r.check("gpt: every step's loss equals one device's" + who, worst_loss.worst <= tol.loss,
+              fmt::format("{} (tolerance {:.2g} for {})", worst_loss.where, tol.loss, dtype_name(c.dtype)));
     }
   }
 
@@ -345,9 +338,9 @@ void gpt_lesson(Rank& r, const Config& o) {
     }
     // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
     maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
-    maxes[nmax - 3] = static_cast<float>(worst_grad.rel);
-    maxes[nmax - 2] = static_cast<float>(worst_weight.rel);
-    maxes[nmax - 1] = static_cast<float>(worst_loss.rel);
+    maxes[nmax - 3] = static_cast<float>(worst_grad.worst);
+    maxes[nmax - 2] = static_cast<float>(worst_weight.worst);
+    maxes[nmax - 1] = static_cast<float>(worst_loss.worst);
     Tensor most = r.from_host({nmax}, maxes);
     r.all_reduce(most, ReduceOp::Max);
     avg = r.to_host(mean);

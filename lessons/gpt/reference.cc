@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/random.h"
+#include "lessons/check.h"
 #include "lessons/gpt/model.h"
 
 namespace ranklab::gpt {
@@ -317,15 +318,9 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
 
     // ---- AdamW (Loshchilov & Hutter), weight decay only on the matrices and embeddings
     const AdamW hyper;
-    const double c1 = 1 - std::pow(static_cast<double>(hyper.beta1), step);
-    const double c2 = 1 - std::pow(static_cast<double>(hyper.beta2), step);
     for (int i = 0; i < count; ++i) {
-      const double wd = specs[i].decay ? hyper.weight_decay : 0.0;
-      for (size_t e = 0; e < w[i].size(); ++e) {
-        m[i][e] = hyper.beta1 * m[i][e] + (1 - hyper.beta1) * g[i][e];
-        v[i][e] = hyper.beta2 * v[i][e] + (1 - hyper.beta2) * g[i][e] * g[i][e];
-        w[i][e] -= c_.lr * ((m[i][e] / c1) / (std::sqrt(v[i][e] / c2) + hyper.eps) + wd * w[i][e]);
-      }
+      check::adamw_step(w[i], g[i], m[i], v[i], c_.lr, specs[i].decay ? hyper.weight_decay : 0.0, hyper,
+                        step);
     }
     grads_.push_back(std::move(g));
     weights_.push_back(w);
