@@ -10,6 +10,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/figures.h"
 #include "lessons/mlp.h"
 #include "sim_fixture.h"
 
@@ -479,6 +480,38 @@ TEST(Tour, RunsAtFourRanksWithEveryCheckPassing) {
     } else {
       EXPECT_LT(first("  " + word + " "), first(use));
     }
+  }
+}
+
+}  // namespace
+}  // namespace ranklab
+
+namespace ranklab {
+namespace {
+
+struct Figures {
+  float step_us, worst;
+};
+
+TEST(LessonFigures, GatherAndReduceNamedFigures) {
+  const auto got = testing::run_collect<std::vector<Figures>>(4, [](Rank& r) {
+    const Figures mine{10.0f * static_cast<float>(r.rank()), 0.5f + static_cast<float>(r.rank())};
+    std::vector<Figures> out = gather_figures(r, mine);
+    out.push_back(reduce_figures(r, mine, ReduceOp::Max));
+    out.push_back(reduce_figures(r, mine, ReduceOp::Sum));
+    return out;
+  });
+  ASSERT_EQ(got[0].size(), 6u);  // rank 0: every rank's, then the maxima and the sums
+  for (int k = 0; k < 4; ++k) {
+    EXPECT_EQ(got[0][k].step_us, 10.0f * k);
+    EXPECT_EQ(got[0][k].worst, 0.5f + k);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const std::vector<Figures>& f = got[k];
+    ASSERT_EQ(f.size(), k == 0 ? 6u : 2u);  // the others gather nothing
+    EXPECT_EQ(f[f.size() - 2].step_us, 30.0f);
+    EXPECT_EQ(f[f.size() - 2].worst, 3.5f);
+    EXPECT_EQ(f[f.size() - 1].step_us, 60.0f);
   }
 }
 
