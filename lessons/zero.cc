@@ -28,6 +28,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "lessons/mlp.h"
+#include "lessons/step.h"
 
 namespace ranklab {
 namespace {
@@ -67,9 +68,16 @@ std::vector<float> rows_of(const std::vector<float>& m, std::int64_t dim, std::i
   return {m.begin() + first * dim, m.begin() + (first + rows) * dim};
 }
 
+std::vector<Layer> make_model(Rank& r, const ZeroOptions& o, int stage, bool sharded);
+mlp::Memory check_memory(Rank& r, const ZeroOptions& o, int stage, const std::vector<Layer>& model,
+                         std::int64_t before);
+check::Agreement check_step(Rank& r, const ZeroOptions& o, int stage, int step, double step_us,
+                            mlp::Reference& ref, const Tensor& out_sum, const std::vector<Tensor>& avg,
+                            const std::vector<Layer>& model);
+
 StageResult train(Rank& r, const ZeroOptions& o, int stage) {
   const int world = r.world_size(), rank = r.rank(), layers = o.layers;
-  const std::int64_t local = o.batch / world, rows = o.dim / world, first = rank * rows;
+  const std::int64_t local = o.batch / world, rows = o.dim / world;
   // --break sum: the gradient summed over ranks, not averaged; no-all-gather: ZeRO-1 and -2 never put the
   // weight back together, so the rows other ranks updated stay stale.
   const ReduceOp op = o.broken == "sum" ? ReduceOp::Sum : ReduceOp::Avg;
@@ -78,38 +86,12 @@ StageResult train(Rank& r, const ZeroOptions& o, int stage) {
 
   // The model state, made from the seeds: every rank makes only what it keeps.
   const std::int64_t before = r.memory_allocated();
-  std::vector<Layer> model(layers);
+  std::vector<Layer> model = make_model(r, o, stage, sharded);
   std::vector<Tensor> masters;
-  for (int l = 0; l < layers; ++l) {
-    Layer& s = model[l];
-    s.w = stage == 3 && sharded ? mlp::make_weight_rows(r, o, l, first, rows) : mlp::make_weight(r, o, l);
-    s.master = stage == 0 || stage == 3 || !sharded ? s.w : mlp::make_weight_rows(r, o, l, first, rows);
-    s.grad = r.zeros({stage >= 2 && sharded ? rows : o.dim, o.dim});
-    masters.push_back(s.master);
-  }
+  for (const Layer& s : model) masters.push_back(s.master);
   mlp::Optimizer opt(r, o, masters);  // Adam's two moments, shaped like the masters
   StageResult res;
-  res.held.params =
-      model[0].w.bytes() + (model[0].master.same_storage(model[0].w) ? 0 : model[0].master.bytes());
-  res.held.params *= layers;
-  res.held.grads = layers * model[0].grad.bytes();
-  res.held.optimizer = r.memory_allocated() - before - res.held.params - res.held.grads;
-
-  // The production accounting, for the same shapes: it must say the same.
-  parallel::ZeroConfig zc;
-  zc.stage = stage;
-  zc.dtype = DType::Float32;
-  zc.dp_rank = rank;
-  zc.dp_size = world;
-  parallel::ParamSpec spec;
-  spec.full = {o.dim, o.dim};
-  const parallel::DataParallel::Bytes per_layer = parallel::DataParallel::bytes(spec, zc);
-  const std::int64_t expected =
-      layers * (per_layer.weights + per_layer.grads + (o.optimizer == "adamw" ? per_layer.optimizer : 0));
-  r.check(fmt::format("zero stage {}: the memory a rank holds equals parallel/zero's accounting", stage),
-          r.memory_allocated() - before == expected,
-          fmt::format("rank {}: holds {} bytes, parallel::DataParallel::bytes says {}", rank,
-                      r.memory_allocated() - before, expected));
+  res.held = check_memory(r, o, stage, model, before);
 
   // The whole weight of layer l, as forward and backward read it: ZeRO-3 gathers it from every rank.
   auto weight = [&](int l) {
@@ -125,9 +107,7 @@ StageResult train(Rank& r, const ZeroOptions& o, int stage) {
   mlp::Reference ref(o);
   check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
-    r.synchronize();
-    r.barrier();
-    const double t0 = r.now();
+    TimedStep timed(r);
     sent.bytes = 0;
     std::vector<Tensor> acts{x};
     for (int l = 0; l < layers; ++l) acts.push_back(mlp::forward_layer(r, acts[l], weight(l)));
@@ -165,43 +145,91 @@ StageResult train(Rank& r, const ZeroOptions& o, int stage) {
         sent.whole(s.w, 1);
       }
     }
-    r.synchronize();
-    res.step_us = r.now() - t0;
+    res.step_us = timed.finish();
     res.sent_bytes = sent.bytes;
-
-    // The check against one device: this rank's rows of every gradient and weight.
-    auto check = r.bookkeeping("check");
-    ref.step();
-    Tensor loss = r.from_host({1}, {static_cast<float>(r.to_host(out_sum)[0] / static_cast<double>(local))});
-    r.all_reduce(loss, ReduceOp::Avg);
-    const double loss_all = r.to_host(loss)[0];
-    check::Agreement d = check::within_bound(loss_all, ref.loss(), ref.loss_bound(), "the loss");
-    for (int l = 0; l < layers; ++l) {
-      const bool whole_grad = avg[l].size(0) == o.dim, whole_master = model[l].master.size(0) == o.dim;
-      auto want = [&](const std::vector<float>& m, bool whole) {
-        return whole ? m : rows_of(m, o.dim, first, rows);
-      };
-      d.merge(check::within_bound(r.to_host(avg[l]), want(ref.grad(l), whole_grad),
-                                  want(ref.grad_bound(l), whole_grad), fmt::format("layer {} gradient", l),
-                                  o.dim));
-      d.merge(check::within_bound(r.to_host(model[l].master), want(ref.weight(l), whole_master),
-                                  want(ref.weight_bound(l), whole_master), fmt::format("layer {} weight", l),
-                                  o.dim));
-      if (stage == 1 || stage == 2) {  // the gathered whole weight, which the next forward reads
-        d.merge(check::within_bound(r.to_host(model[l].w), ref.weight(l), ref.weight_bound(l),
-                                    fmt::format("layer {} gathered weight", l), o.dim));
-      }
-    }
-    worst.merge(d);
-    check::record_step(r, fmt::format("zero stage {}", stage), step, "loss, gradients and weights", d);
-    if (rank == 0 && !o.quiet) {
-      r.print(fmt::format("  ZeRO-{} step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", stage, step,
-                          o.steps, mlp::format_time(res.step_us), loss_all, ref.loss(), check::verdict(d)));
-    }
+    worst.merge(check_step(r, o, stage, step, res.step_us, ref, out_sum, avg, model));
   }
   res.worst = worst.worst;
   res.relative = worst.relative();
   return res;
+}
+
+// ---- the model's state and the checks -------------------------------------------------------------------
+
+// Every layer as the stage keeps it on this rank: the whole weight or (ZeRO-3) its rows, a float32 master
+// of its rows where the update is split off (ZeRO-1, -2), and the gradient whole or (ZeRO-2, -3) its rows.
+std::vector<Layer> make_model(Rank& r, const ZeroOptions& o, int stage, bool sharded) {
+  const std::int64_t rows = o.dim / r.world_size(), first = r.rank() * rows;
+  std::vector<Layer> model(o.layers);
+  for (int l = 0; l < o.layers; ++l) {
+    Layer& s = model[l];
+    s.w = stage == 3 && sharded ? mlp::make_weight_rows(r, o, l, first, rows) : mlp::make_weight(r, o, l);
+    s.master = stage == 0 || stage == 3 || !sharded ? s.w : mlp::make_weight_rows(r, o, l, first, rows);
+    s.grad = r.zeros({stage >= 2 && sharded ? rows : o.dim, o.dim});
+  }
+  return model;
+}
+
+// What the rank holds, by kind, since `before`; checked against the production accounting
+// (parallel::DataParallel::bytes), which must say the same for the same shapes.
+mlp::Memory check_memory(Rank& r, const ZeroOptions& o, int stage, const std::vector<Layer>& model,
+                         std::int64_t before) {
+  mlp::Memory held;
+  held.params = model[0].w.bytes() + (model[0].master.same_storage(model[0].w) ? 0 : model[0].master.bytes());
+  held.params *= o.layers;
+  held.grads = o.layers * model[0].grad.bytes();
+  held.optimizer = r.memory_allocated() - before - held.params - held.grads;
+  parallel::ZeroConfig zc;
+  zc.stage = stage;
+  zc.dtype = DType::Float32;
+  zc.dp_rank = r.rank();
+  zc.dp_size = r.world_size();
+  parallel::ParamSpec spec;
+  spec.full = {o.dim, o.dim};
+  const parallel::DataParallel::Bytes per_layer = parallel::DataParallel::bytes(spec, zc);
+  const std::int64_t expected =
+      o.layers * (per_layer.weights + per_layer.grads + (o.optimizer == "adamw" ? per_layer.optimizer : 0));
+  r.check(fmt::format("zero stage {}: the memory a rank holds equals parallel/zero's accounting", stage),
+          r.memory_allocated() - before == expected,
+          fmt::format("rank {}: holds {} bytes, parallel::DataParallel::bytes says {}", r.rank(),
+                      r.memory_allocated() - before, expected));
+  return held;
+}
+
+// The check against one device, after the timed step: this rank's rows of every gradient and weight, and
+// the gathered whole weights the next forward reads; rank 0's line for the step.
+check::Agreement check_step(Rank& r, const ZeroOptions& o, int stage, int step, double step_us,
+                            mlp::Reference& ref, const Tensor& out_sum, const std::vector<Tensor>& avg,
+                            const std::vector<Layer>& model) {
+  const std::int64_t local = o.batch / r.world_size(), rows = o.dim / r.world_size(), first = r.rank() * rows;
+  auto check = r.bookkeeping("check");
+  ref.step();
+  Tensor loss = r.from_host({1}, {static_cast<float>(r.to_host(out_sum)[0] / static_cast<double>(local))});
+  r.all_reduce(loss, ReduceOp::Avg);
+  const double loss_all = r.to_host(loss)[0];
+  check::Agreement d = check::within_bound(loss_all, ref.loss(), ref.loss_bound(), "the loss");
+  for (int l = 0; l < o.layers; ++l) {
+    const bool whole_grad = avg[l].size(0) == o.dim, whole_master = model[l].master.size(0) == o.dim;
+    auto want = [&](const std::vector<float>& m, bool whole) {
+      return whole ? m : rows_of(m, o.dim, first, rows);
+    };
+    d.merge(check::within_bound(r.to_host(avg[l]), want(ref.grad(l), whole_grad),
+                                want(ref.grad_bound(l), whole_grad), fmt::format("layer {} gradient", l),
+                                o.dim));
+    d.merge(check::within_bound(r.to_host(model[l].master), want(ref.weight(l), whole_master),
+                                want(ref.weight_bound(l), whole_master), fmt::format("layer {} weight", l),
+                                o.dim));
+    if (stage == 1 || stage == 2) {  // the gathered whole weight, which the next forward reads
+      d.merge(check::within_bound(r.to_host(model[l].w), ref.weight(l), ref.weight_bound(l),
+                                  fmt::format("layer {} gathered weight", l), o.dim));
+    }
+  }
+  check::record_step(r, fmt::format("zero stage {}", stage), step, "loss, gradients and weights", d);
+  if (r.rank() == 0 && !o.quiet) {
+    r.print(fmt::format("  ZeRO-{} step {}/{}  time {}  loss {:.6f} (one device {:.6f})  {}", stage, step,
+                        o.steps, mlp::format_time(step_us), loss_all, ref.loss(), check::verdict(d)));
+  }
+  return d;
 }
 
 void zero(Rank& r, const ZeroOptions& o) {
