@@ -24,6 +24,7 @@
 #include "common/lesson.h"
 #include "lessons/mlp.h"
 #include "lessons/parallel/pipeline.h"
+#include "lessons/step.h"
 
 namespace ranklab {
 namespace {
@@ -118,9 +119,7 @@ Run data_parallel(Rank& r, const RecomputeOptions& o, bool recompute, int k) {
   check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
     for (Tensor& g : grads) r.scale_(g, 0.0f);
-    r.synchronize();
-    r.barrier();
-    const double t0 = r.now();
+    TimedStep timed(r);
     std::int64_t kept = 0;
     Segments seg{r, w, recompute ? k : o.layers + 1, recompute, o.broken == "skip-layer", kept};
     std::vector<Tensor> acts;
@@ -129,8 +128,7 @@ Run data_parallel(Rank& r, const RecomputeOptions& o, bool recompute, int k) {
     seg.backward(acts, dloss, grads, false, all);
     for (Tensor& g : grads) r.all_reduce(g, ReduceOp::Avg);
     opt.step(grads);
-    r.synchronize();
-    run.step_us = r.now() - t0;
+    run.step_us = timed.finish();
     run.kept_bytes = kept;
     run.forwards_per_layer = seg.forwards / static_cast<double>(o.layers);
 
@@ -170,9 +168,7 @@ Run pipeline(Rank& r, const RecomputeOptions& o, bool recompute) {
   check::Agreement worst;
   for (int step = 1; step <= o.steps; ++step) {
     for (Tensor& g : grads) r.scale_(g, 0.0f);
-    r.synchronize();
-    r.barrier();
-    const double t0 = r.now();
+    TimedStep timed(r);
     std::int64_t kept = 0;
     Segments seg{r, w, recompute ? per : per + 1, recompute, o.broken == "skip-layer", kept};
     std::vector<std::vector<Tensor>> acts(m);
@@ -195,8 +191,7 @@ Run pipeline(Rank& r, const RecomputeOptions& o, bool recompute) {
     };
     pipe.run({mb, o.dim}, DType::Float32, forward, backward, false);
     opt.step(grads);
-    r.synchronize();
-    run.step_us = r.now() - t0;
+    run.step_us = timed.finish();
     run.kept_bytes = kept;
     run.forwards_per_layer = seg.forwards / static_cast<double>(per * m);
 
