@@ -92,30 +92,30 @@ std::int64_t multiple_of(std::int64_t n, std::int64_t w) {
   return (n + w - 1) / w * w;
 }
 
-void tour(Rank& r, const LessonOptions& given) {
-  const int w = r.world_size();
+// A size as an option's text.
+std::string text(std::int64_t v) {
+  return std::to_string(v);
+}
+
+// The small model of the tour's first sections: sizes every lesson accepts at `w` ranks.
+Settings small_model(int w, bool quiet) {
   // Sizes every lesson accepts at this world size: the batch and the dimension are multiples of it, and
   // the pipeline's layers too. Data and tensor parallelism keep 4 layers at any world size: a deep net
   // trained with plain SGD at these sizes becomes chaotic (a relu input within rounding of zero decides
   // whether a gradient flows), and then no float32 run, on one device or many, follows exact arithmetic.
-  auto text = [](std::int64_t v) { return std::to_string(v); };
-  const Settings o = {
+  return {
       {"batch", text(multiple_of(32, 4 * w))},  // and of 4, for the pipeline's four micro-batches
       {"dim", text(multiple_of(64, w))},
       {"layers", "4"},
       {"steps", "3"},
       {"micro-batches", "4"},
       {"count", "1000000"},  // the benchmark's collective: 3.81 MiB
-      {"quiet", given.quiet ? "true" : "false"},
+      {"quiet", quiet ? "true" : "false"},
   };
+}
 
-  if (r.rank() == 0) {
-    r.print(
-        fmt::format("The tour: {} ranks, one program (SPMD). Every lesson below is a short file in lessons/; "
-                    "docs/lessons/ explains each.",
-                    w));
-  }
-  Glossary glossary;
+// Collectives, and measuring them.
+void the_primitives(Rank& r, const Settings& o, Glossary& glossary) {
   section(
       r, "collectives", o,
       {"The primitives. Every rank runs the same program on its own data; a collective is a call every rank "
@@ -128,6 +128,11 @@ void tour(Rank& r, const LessonOptions& given) {
        "rank that was ready early also times the wait for the others. Bandwidth is bytes over time, and "
        "the bus bandwidth compares algorithms fairly."},
       glossary, {"ring/ll, nvls/simple", "algbw, busbw"});
+}
+
+// Data parallelism on the small model, then timed on a large one without and with --overlap.
+void splitting_the_batch(Rank& r, const Settings& o, Glossary& glossary) {
+  const int w = r.world_size();
   section(
       r, "data_parallel", o,
       {"Data parallelism: every rank holds the whole model and trains on batch/world samples. One "
@@ -153,6 +158,11 @@ void tour(Rank& r, const LessonOptions& given) {
       {"...then with --overlap: each bucket of gradients is all-reduced while backward computes the layers "
        "before it. Compare the communication left after backward."},
       glossary);
+}
+
+// Tensor parallelism, then the pipeline on real numbers and timed, with GPipe and 1F1B.
+void splitting_the_model(Rank& r, const Settings& o, Glossary& glossary) {
+  const int w = r.world_size();
   section(
       r, "tensor_parallel", o,
       {"Tensor parallelism: every weight is split by columns. Each layer's output is all-gathered in the "
@@ -189,15 +199,11 @@ void tour(Rank& r, const LessonOptions& given) {
       {"1F1B: the same bubble, but once the pipeline is full a stage alternates forward and backward, so it "
        "keeps at most p micro-batches of activations instead of all m."},
       glossary);
+}
 
-  // Why the strategies exist: a model that does not fit one device.
-  r.synchronize();
-  r.barrier();
-  if (w == 1) {
-    if (r.rank() == 0) r.print("\n(with --world 2 or more the tour ends by growing a model past one device)");
-    glossary.explain(r, {"comm, comm wait, exposed, idle"});  // the report's columns, printed next
-    return;
-  }
+// Why the strategies exist: a model that does not fit one device, on each of them.
+void a_model_larger_than_one_device(Rank& r, const Settings& o, Glossary& glossary) {
+  const int w = r.world_size();
   Settings huge = o;
   const std::int64_t huge_dim = multiple_of(8192, w);
   // AdamW holds four floats per parameter (weight, gradient, two moments): enough layers for 1.2 devices.
@@ -233,6 +239,29 @@ void tour(Rank& r, const LessonOptions& given) {
           {fmt::format("Tensor parallelism keeps 1/{} of every weight on each rank:", w)}, glossary);
   section(r, "pipeline_parallel", huge,
           {fmt::format("Pipeline parallelism keeps 1/{} of the layers on each rank:", w)}, glossary);
+}
+
+void tour(Rank& r, const LessonOptions& given) {
+  const int w = r.world_size();
+  const Settings o = small_model(w, given.quiet);
+  if (r.rank() == 0) {
+    r.print(
+        fmt::format("The tour: {} ranks, one program (SPMD). Every lesson below is a short file in lessons/; "
+                    "docs/lessons/ explains each.",
+                    w));
+  }
+  Glossary glossary;
+  the_primitives(r, o, glossary);
+  splitting_the_batch(r, o, glossary);
+  splitting_the_model(r, o, glossary);
+  r.synchronize();
+  r.barrier();
+  if (w == 1) {
+    if (r.rank() == 0) r.print("\n(with --world 2 or more the tour ends by growing a model past one device)");
+    glossary.explain(r, {"comm, comm wait, exposed, idle"});  // the report's columns, printed next
+    return;
+  }
+  a_model_larger_than_one_device(r, o, glossary);
   r.synchronize();
   r.barrier();
   if (r.rank() == 0) {
