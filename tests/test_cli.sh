@@ -73,6 +73,7 @@ expect 1 "--model: no preset called 'gpt5'; the presets are: gpt3-125m" run gpt 
 expect 0 "symmetric run: 2 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric
 expect 0 "symmetric run: 4 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric=tp
 expect 1 "--symmetric must be tp or tp-dp (got 'tp-tp')" run gpt --world 8 --tp 2 --phantom --symmetric=tp-tp
+expect 1 "--symmetric is a setting of the simulator's model" run gpt --backend cuda --phantom --symmetric
 
 # validate: a folder without sweeps, and a sweep without its "# ranklab:" line, are named.
 mkdir -p "$tmp/sweeps"

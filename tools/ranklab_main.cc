@@ -182,6 +182,12 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
     return std::make_unique<SimBackend>(config);
   }
   if (name == "cuda") {
+    if (!b.symmetric.empty() || b.no_sm_contention) {
+      throw UsageError(
+          fmt::format("--{} is a setting of the simulator's model; --backend cuda runs every rank on a GPU "
+                      "and measures it",
+                      b.symmetric.empty() ? "no-sm-contention" : "symmetric"));
+    }
 #if defined(RANKLAB_HAVE_CUDA)
     CudaConfig config;
     config.profile = profile;  // names the run in the report; the GPU's numbers are measured
