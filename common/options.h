@@ -90,13 +90,10 @@ class Option {
  public:
   // A member of O, or of a base of O (shared options: mlp::TrainingOptions).
   template <class T, class C>
-  requires std::is_base_of_v<C, O> &&
-      (!std::is_enum_v<T>)Option(std::string flag, T C::*member, std::string help);
+  Option(std::string flag, T C::*member, std::string help);
   // An enum member, spelled on the command line as `names` say.
   template <class E, class C>
-  requires std::is_base_of_v<C, O> && std::is_enum_v<E> Option(std::string flag, E C::*member,
-                                                               std::string help,
-                                                               std::vector<std::pair<std::string, E>> names);
+  Option(std::string flag, E C::*member, std::string help, std::vector<std::pair<std::string, E>> names);
 
   Option& unit(std::string u) { return spec_.unit = std::move(u), *this; }
   Option& at_least(double v) { return spec_.min = v, spec_.min_open = false, *this; }
@@ -245,8 +242,8 @@ std::string option_text(const T& v) {
 
 template <class O>
 template <class T, class C>
-requires std::is_base_of_v<C, O> &&
-    (!std::is_enum_v<T>)Option<O>::Option(std::string flag, T C::*member, std::string help) {
+Option<O>::Option(std::string flag, T C::*member, std::string help) {
+  static_assert(std::is_base_of_v<C, O>, "an option is a member of its struct or of a base of it");
   spec_.flag = std::move(flag);
   spec_.help = std::move(help);
   spec_.kind = option_detail::kind_of<T>();
@@ -260,8 +257,10 @@ requires std::is_base_of_v<C, O> &&
 
 template <class O>
 template <class E, class C>
-requires std::is_base_of_v<C, O> && std::is_enum_v<E> Option<O>::Option(
-    std::string flag, E C::*member, std::string help, std::vector<std::pair<std::string, E>> names) {
+Option<O>::Option(std::string flag, E C::*member, std::string help,
+                  std::vector<std::pair<std::string, E>> names) {
+  static_assert(std::is_base_of_v<C, O> && std::is_enum_v<E>,
+                "an enum member of the struct or of a base of it");
   spec_.flag = std::move(flag);
   spec_.help = std::move(help);
   spec_.kind = OptionKind::Text;
