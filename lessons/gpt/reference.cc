@@ -98,232 +98,345 @@ double gelu_grad(double u) {
   const double t = std::tanh(kGeluC * (u + 0.044715 * u * u * u));
   return 0.5 * (1 + t) + 0.5 * u * (1 - t * t) * kGeluC * (1 + 3 * 0.044715 * u * u);
 }
+
+// What a block's forward keeps for its backward.
+struct BlockActs {
+  Norm ln1, ln2;           // the two layernorms' outputs and statistics
+  Vec qkv, att;            // qkv's output; attention's, the heads side by side
+  std::vector<Vec> probs;  // attention's probabilities per (sample, head): S x S, causal
+  Vec u, g;                // fc1's output and its gelu
+};
+
+// The reference's training run: the sizes in the notation of the comments, the parameters with Adam's
+// moments, and the data. The parameters are the blocks' first (layer-major), then the others (OtherParam).
+// A step (step()) is the forward of the whole batch, its backward, and AdamW on every parameter.
+class Training {
+ public:
+  explicit Training(const Config& c);
+  // Returns the step's loss (the mean over its tokens, before the update) and leaves its gradients in `g`.
+  double step(int step, std::vector<Vec>& g);
+  const std::vector<Vec>& weights() const { return w_; }
+
+ private:
+  const Vec& block_weight(int layer, int k) const { return w_[layer * kBlockParams + k]; }
+  const Vec& other_weight(OtherParam k) const { return w_[other_ + k]; }
+
+  // ---- forward
+  Vec embed() const;
+  Vec block_forward(int step, int layer, const Vec& x, BlockActs& a) const;
+  void attention(BlockActs& a) const;
+  void attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const;
+  // The loss summed over the tokens; `dlogits` becomes the loss's gradient by the logits (of the mean).
+  double head_forward(const Norm& lnf, Vec& dlogits) const;
+  // The residual dropout at `site` (0 after attention, 1 after the MLP) of `layer`, on a [n, h] branch or
+  // its gradient.
+  void drop(Vec& branch, int step, int layer, int site) const;
+
+  // ---- backward: each adds its parameters' gradients into `g` and returns its input's gradient
+  Vec head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const;
+  Vec block_backward(int step, int layer, const BlockActs& a, const Vec& dx, std::vector<Vec>& g) const;
+  Vec attention_backward(const BlockActs& a, const Vec& datt) const;
+  void attention_head_backward(const BlockActs& a, const Vec& datt, std::int64_t b, std::int64_t head,
+                               Vec& dqkv) const;
+  void embed_backward(const Vec& dx, std::vector<Vec>& g) const;
+
+  // ---- the optimizer
+  void adamw(int step, const std::vector<Vec>& g);
+
+  const Config& c_;
+  // sequences, positions, features, vocabulary, heads; features per head, tokens (B S), blocks
+  const std::int64_t B, S, h, V, H, hd, n, L;
+  const double scale_;  // attention's 1 / sqrt(hd)
+  const int count_;     // the parameters
+  const int other_;     // the index of the first that is not a block's
+  std::vector<parallel::ParamSpec> specs_;
+  std::vector<Vec> w_, m_, v_;           // the parameters and Adam's two moments
+  std::vector<std::int64_t> tok_, tgt_;  // the inputs and the next tokens, row = sample * S + position
+};
+
+Training::Training(const Config& c)
+    : c_(c),
+      B(c.global_batch),
+      S(c.seq),
+      h(c.hidden),
+      V(c.vocab),
+      H(c.heads),
+      hd(h / H),
+      n(B * S),
+      L(c.layers),
+      scale_(1.0 / std::sqrt(static_cast<double>(hd))),
+      count_(static_cast<int>(L * kBlockParams + kOtherParams)),
+      other_(static_cast<int>(L * kBlockParams)),
+      specs_(count_),
+      w_(count_),
+      m_(count_),
+      v_(count_),
+      tok_(n),
+      tgt_(n) {
+  for (int l = 0; l < L; ++l)
+    for (int k = 0; k < kBlockParams; ++k)
+      specs_[l * kBlockParams + k] = block_spec(c_, l, static_cast<BlockParam>(k));
+  for (int k = 0; k < kOtherParams; ++k) specs_[other_ + k] = other_spec(c_, static_cast<OtherParam>(k));
+  for (int i = 0; i < count_; ++i) {
+    const parallel::ParamSpec& spec = specs_[i];
+    const std::int64_t size = spec.full.numel();
+    w_[i].resize(size);
+    for (std::int64_t e = 0; e < size; ++e)
+      w_[i][e] = spec.std > 0 ? static_cast<double>(spec.std * normal_at(spec.seed, e)) : spec.value;
+    m_[i].assign(size, 0.0);
+    v_[i].assign(size, 0.0);
+  }
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t s = 0; s < S; ++s) {
+      tok_[b * S + s] = token(c_, b, s);
+      tgt_[b * S + s] = token(c_, b, s + 1);
+    }
+  }
+}
+
+double Training::step(int step, std::vector<Vec>& g) {
+  Vec x = embed();
+  std::vector<BlockActs> acts(L);
+  for (int l = 0; l < L; ++l) x = block_forward(step, l, x, acts[l]);
+  const Norm lnf = layernorm(x, other_weight(kLnfG), other_weight(kLnfB), n, h);
+  Vec dlogits(n * V);
+  const double loss = head_forward(lnf, dlogits) / static_cast<double>(n);
+
+  g.assign(count_, Vec());
+  for (int i = 0; i < count_; ++i) g[i].assign(w_[i].size(), 0.0);
+  Vec dx = head_backward(lnf, dlogits, g);
+  for (int l = static_cast<int>(L) - 1; l >= 0; --l) dx = block_backward(step, l, acts[l], dx, g);
+  embed_backward(dx, g);
+
+  adamw(step, g);
+  return loss;
+}
+
+// ---- forward
+
+// x = wte[token] + wpe[position]
+Vec Training::embed() const {
+  const Vec &wte = other_weight(kWte), &wpe = other_weight(kWpe);
+  Vec x(n * h);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < h; ++j) x[i * h + j] = wte[tok_[i] * h + j] + wpe[(i % S) * h + j];
+  return x;
+}
+
+// x1 = x + dropout(proj(attention(qkv(layernorm1(x))))); returns x1 + dropout(fc2(gelu(fc1(layernorm2(x1)))))
+Vec Training::block_forward(int step, int layer, const Vec& x, BlockActs& a) const {
+  auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
+  a.ln1 = layernorm(x, W(kLn1G), W(kLn1B), n, h);
+  a.qkv = mm(a.ln1.y, W(kQkvW), n, h, 3 * h);
+  add_bias(a.qkv, W(kQkvB), n);
+  attention(a);
+  Vec proj = mm(a.att, W(kProjW), n, h, h);
+  add_bias(proj, W(kProjB), n);
+  drop(proj, step, layer, 0);
+  Vec x1 = x;
+  for (std::int64_t i = 0; i < n * h; ++i) x1[i] += proj[i];
+
+  a.ln2 = layernorm(x1, W(kLn2G), W(kLn2B), n, h);
+  a.u = mm(a.ln2.y, W(kFc1W), n, h, 4 * h);
+  add_bias(a.u, W(kFc1B), n);
+  a.g = a.u;
+  for (double& e : a.g) e = gelu(e);
+  Vec o = mm(a.g, W(kFc2W), n, 4 * h, h);
+  add_bias(o, W(kFc2B), n);
+  drop(o, step, layer, 1);
+  Vec x2 = x1;
+  for (std::int64_t i = 0; i < n * h; ++i) x2[i] += o[i];
+  return x2;
+}
+
+void Training::attention(BlockActs& a) const {
+  a.att.assign(n * h, 0.0);
+  a.probs.assign(B * H, Vec(S * S, 0.0));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t head = 0; head < H; ++head) attention_head(a, b, head);
+}
+
+// softmax(q k^T / sqrt(hd)) v over the positions up to each query's, for sample b's head `head`. qkv's
+// columns are per head: q, k, v of head 0, then of head 1, ...
+void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const {
+  Vec& p = a.probs[b * H + head];
+  auto qkv = [&](std::int64_t s, int part, std::int64_t d) {
+    return a.qkv[(b * S + s) * 3 * h + head * 3 * hd + part * hd + d];
+  };
+  for (std::int64_t i = 0; i < S; ++i) {
+    double mx = -1e300;
+    for (std::int64_t j = 0; j <= i; ++j) {
+      double sc = 0;
+      for (std::int64_t d = 0; d < hd; ++d) sc += qkv(i, 0, d) * qkv(j, 1, d);
+      p[i * S + j] = sc * scale_;
+      mx = std::max(mx, p[i * S + j]);
+    }
+    double sum = 0;
+    for (std::int64_t j = 0; j <= i; ++j) sum += (p[i * S + j] = std::exp(p[i * S + j] - mx));
+    for (std::int64_t j = 0; j <= i; ++j) p[i * S + j] /= sum;
+    for (std::int64_t d = 0; d < hd; ++d) {
+      double o = 0;
+      for (std::int64_t j = 0; j <= i; ++j) o += p[i * S + j] * qkv(j, 2, d);
+      a.att[(b * S + i) * h + head * hd + d] = o;
+    }
+  }
+}
+
+// logits = layernorm_f(x) @ wte^T; the loss is the cross-entropy of each token's next.
+double Training::head_forward(const Norm& lnf, Vec& dlogits) const {
+  const Vec& wte = other_weight(kWte);
+  double loss = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    double mx = -1e300;
+    for (std::int64_t t = 0; t < V; ++t) {
+      double z = 0;
+      for (std::int64_t j = 0; j < h; ++j) z += lnf.y[i * h + j] * wte[t * h + j];
+      dlogits[i * V + t] = z;
+      mx = std::max(mx, z);
+    }
+    double sum = 0;
+    for (std::int64_t t = 0; t < V; ++t) sum += std::exp(dlogits[i * V + t] - mx);
+    loss += std::log(sum) + mx - dlogits[i * V + tgt_[i]];
+    for (std::int64_t t = 0; t < V; ++t) {
+      dlogits[i * V + t] =
+          (std::exp(dlogits[i * V + t] - mx) / sum - (t == tgt_[i] ? 1.0 : 0.0)) / static_cast<double>(n);
+    }
+  }
+  return loss;
+}
+
+// The element of sample b, position s is row s * micro_batch + b % micro_batch of the (b / micro_batch)-th
+// micro-batch: the lesson's mask of that row (dropout_row).
+void Training::drop(Vec& branch, int step, int layer, int site) const {
+  if (c_.dropout == 0) return;
+  const std::uint64_t seed = dropout_seed(step, layer, site);
+  const double kept = 1.0 / (1.0 - static_cast<double>(c_.dropout));
+  const std::int64_t mb = c_.micro_batch;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t b = i / S, s = i % S, row = dropout_row(c_, b / mb, s * mb + b % mb);
+    for (std::int64_t j = 0; j < h; ++j)
+      branch[i * h + j] *= dropout_keeps(seed, row, j, c_.dropout) ? kept : 0.0;
+  }
+}
+
+// ---- backward
+
+Vec Training::head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const {
+  const Vec& wte = other_weight(kWte);
+  Vec& dwte = g[other_ + kWte];
+  Vec dy(n * h, 0.0);
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t t = 0; t < V; ++t) {
+      const double d = dlogits[i * V + t];
+      for (std::int64_t j = 0; j < h; ++j) {
+        dwte[t * h + j] += d * lnf.y[i * h + j];
+        dy[i * h + j] += d * wte[t * h + j];
+      }
+    }
+  }
+  return layernorm_backward(lnf, other_weight(kLnfG), dy, n, h, g[other_ + kLnfG], g[other_ + kLnfB]);
+}
+
+// `dx` is the gradient by the block's output x2 = x1 + mlp(x1), x1 = x + attention(x).
+Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec& dx,
+                             std::vector<Vec>& g) const {
+  auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
+  auto G = [&](int k) -> Vec& { return g[layer * kBlockParams + k]; };
+  // the MLP
+  Vec dout = dx;
+  drop(dout, step, layer, 1);
+  bias_backward(dout, n, G(kFc2B));
+  Vec dg(n * 4 * h);
+  mm_backward(a.g, W(kFc2W), dout, n, 4 * h, h, G(kFc2W), &dg);
+  for (std::int64_t i = 0; i < n * 4 * h; ++i) dg[i] *= gelu_grad(a.u[i]);
+  bias_backward(dg, n, G(kFc1B));
+  Vec dy2(n * h);
+  mm_backward(a.ln2.y, W(kFc1W), dg, n, h, 4 * h, G(kFc1W), &dy2);
+  Vec dx1 = layernorm_backward(a.ln2, W(kLn2G), dy2, n, h, G(kLn2G), G(kLn2B));
+  for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
+
+  // attention
+  Vec dproj = dx1;
+  drop(dproj, step, layer, 0);
+  bias_backward(dproj, n, G(kProjB));
+  Vec datt(n * h);
+  mm_backward(a.att, W(kProjW), dproj, n, h, h, G(kProjW), &datt);
+  const Vec dqkv = attention_backward(a, datt);
+  bias_backward(dqkv, n, G(kQkvB));
+  Vec dy1(n * h);
+  mm_backward(a.ln1.y, W(kQkvW), dqkv, n, h, 3 * h, G(kQkvW), &dy1);
+  const Vec dxl = layernorm_backward(a.ln1, W(kLn1G), dy1, n, h, G(kLn1G), G(kLn1B));
+  Vec dx0(n * h);
+  for (std::int64_t i = 0; i < n * h; ++i) dx0[i] = dx1[i] + dxl[i];
+  return dx0;
+}
+
+Vec Training::attention_backward(const BlockActs& a, const Vec& datt) const {
+  Vec dqkv(n * 3 * h, 0.0);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t head = 0; head < H; ++head) attention_head_backward(a, datt, b, head, dqkv);
+  return dqkv;
+}
+
+// Through o = p v, then the softmax (ds = p (dp - sum_j p dp) / sqrt(hd)), then s = q k^T.
+void Training::attention_head_backward(const BlockActs& a, const Vec& datt, std::int64_t b, std::int64_t head,
+                                       Vec& dqkv) const {
+  const Vec& p = a.probs[b * H + head];
+  auto col = [&](std::int64_t s, int part, std::int64_t d) {
+    return (b * S + s) * 3 * h + head * 3 * hd + part * hd + d;
+  };
+  for (std::int64_t i = 0; i < S; ++i) {
+    const double* dout = &datt[(b * S + i) * h + head * hd];
+    Vec dp(i + 1);
+    double dot = 0;
+    for (std::int64_t j = 0; j <= i; ++j) {
+      double s = 0;
+      for (std::int64_t d = 0; d < hd; ++d) {
+        s += dout[d] * a.qkv[col(j, 2, d)];
+        dqkv[col(j, 2, d)] += p[i * S + j] * dout[d];
+      }
+      dp[j] = s;
+      dot += p[i * S + j] * s;
+    }
+    for (std::int64_t j = 0; j <= i; ++j) {
+      const double ds = p[i * S + j] * (dp[j] - dot) * scale_;
+      for (std::int64_t d = 0; d < hd; ++d) {
+        dqkv[col(i, 0, d)] += ds * a.qkv[col(j, 1, d)];
+        dqkv[col(j, 1, d)] += ds * a.qkv[col(i, 0, d)];
+      }
+    }
+  }
+}
+
+void Training::embed_backward(const Vec& dx, std::vector<Vec>& g) const {
+  Vec &dwte = g[other_ + kWte], &dwpe = g[other_ + kWpe];
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < h; ++j) {
+      dwte[tok_[i] * h + j] += dx[i * h + j];
+      dwpe[(i % S) * h + j] += dx[i * h + j];
+    }
+  }
+}
+
+// ---- AdamW (Loshchilov & Hutter), weight decay only on the matrices and embeddings
+void Training::adamw(int step, const std::vector<Vec>& g) {
+  const AdamW hyper;
+  for (int i = 0; i < count_; ++i) {
+    check::adamw_step(w_[i], g[i], m_[i], v_[i], c_.lr, specs_[i].decay ? hyper.weight_decay : 0.0, hyper,
+                      step);
+  }
+}
+
 }  // namespace
 
 Reference::Reference(const Config& cfg) : c_(cfg) {
-  const std::int64_t B = c_.global_batch, S = c_.seq, h = c_.hidden, V = c_.vocab, H = c_.heads;
-  const std::int64_t hd = h / H, n = B * S, L = c_.layers;
-  // Parameters: blocks first (layer-major), then the others.
-  const int count = static_cast<int>(L * kBlockParams + kOtherParams);
-  std::vector<parallel::ParamSpec> specs(count);
-  for (int l = 0; l < L; ++l)
-    for (int k = 0; k < kBlockParams; ++k)
-      specs[l * kBlockParams + k] = block_spec(c_, l, static_cast<BlockParam>(k));
-  for (int k = 0; k < kOtherParams; ++k)
-    specs[L * kBlockParams + k] = other_spec(c_, static_cast<OtherParam>(k));
-  std::vector<Vec> w(count), m(count), v(count);
-  for (int i = 0; i < count; ++i) {
-    const std::int64_t size = specs[i].full.numel();
-    w[i].resize(size);
-    for (std::int64_t e = 0; e < size; ++e) {
-      w[i][e] =
-          specs[i].std > 0 ? static_cast<double>(specs[i].std * normal_at(specs[i].seed, e)) : specs[i].value;
-    }
-    m[i].assign(size, 0.0);
-    v[i].assign(size, 0.0);
-  }
-  auto P = [&](int layer, int k) -> Vec& { return w[layer * kBlockParams + k]; };
-  const int other = static_cast<int>(L * kBlockParams);
-  std::vector<std::int64_t> tok(n), tgt(n);
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t s = 0; s < S; ++s) {
-      tok[b * S + s] = token(c_, b, s);
-      tgt[b * S + s] = token(c_, b, s + 1);
-    }
-  }
-
-  struct Acts {
-    Vec x;
-    Norm ln1;
-    Vec qkv, att, x1;
-    Norm ln2;
-    Vec u, g;
-    std::vector<Vec> probs;  // per (sample, head): S x S
-  };
-  weights_.push_back(w);  // step 0: the initial values
+  Training run(c_);
+  weights_.push_back(run.weights());  // step 0: the initial values
   for (int step = 1; step <= c_.steps; ++step) {
-    // The residual dropout at `site` of layer l, on a [n, h] branch or its gradient: the element of sample
-    // b, position s is row s * micro_batch + b % micro_batch of the (b / micro_batch)-th micro-batch.
-    auto drop = [&](Vec& branch, int l, int site) {
-      if (c_.dropout == 0) return;
-      const std::uint64_t seed = dropout_seed(step, l, site);
-      const double kept = 1.0 / (1.0 - static_cast<double>(c_.dropout));
-      const std::int64_t mb = c_.micro_batch;
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::int64_t b = i / S, s = i % S, row = dropout_row(c_, b / mb, s * mb + b % mb);
-        for (std::int64_t j = 0; j < h; ++j)
-          branch[i * h + j] *= dropout_keeps(seed, row, j, c_.dropout) ? kept : 0.0;
-      }
-    };
-    // ---- forward
-    Vec x(n * h);
-    for (std::int64_t i = 0; i < n; ++i)
-      for (std::int64_t j = 0; j < h; ++j)
-        x[i * h + j] = w[other + kWte][tok[i] * h + j] + w[other + kWpe][(i % S) * h + j];
-    std::vector<Acts> acts(L);
-    const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
-    for (int l = 0; l < L; ++l) {
-      Acts& a = acts[l];
-      a.x = x;
-      a.ln1 = layernorm(x, P(l, kLn1G), P(l, kLn1B), n, h);
-      a.qkv = mm(a.ln1.y, P(l, kQkvW), n, h, 3 * h);
-      add_bias(a.qkv, P(l, kQkvB), n);
-      a.att.assign(n * h, 0.0);
-      a.probs.assign(B * H, Vec(S * S, 0.0));
-      for (std::int64_t b = 0; b < B; ++b) {
-        for (std::int64_t hh = 0; hh < H; ++hh) {
-          Vec& p = a.probs[b * H + hh];
-          auto q = [&](std::int64_t s, std::int64_t d) {
-            return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + d];
-          };
-          auto k = [&](std::int64_t s, std::int64_t d) {
-            return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + hd + d];
-          };
-          auto vv = [&](std::int64_t s, std::int64_t d) {
-            return a.qkv[(b * S + s) * 3 * h + hh * 3 * hd + 2 * hd + d];
-          };
-          for (std::int64_t i = 0; i < S; ++i) {
-            double mx = -1e300;
-            for (std::int64_t j = 0; j <= i; ++j) {
-              double sc = 0;
-              for (std::int64_t d = 0; d < hd; ++d) sc += q(i, d) * k(j, d);
-              p[i * S + j] = sc * scale;
-              mx = std::max(mx, p[i * S + j]);
-            }
-            double sum = 0;
-            for (std::int64_t j = 0; j <= i; ++j) sum += (p[i * S + j] = std::exp(p[i * S + j] - mx));
-            for (std::int64_t j = 0; j <= i; ++j) p[i * S + j] /= sum;
-            for (std::int64_t d = 0; d < hd; ++d) {
-              double o = 0;
-              for (std::int64_t j = 0; j <= i; ++j) o += p[i * S + j] * vv(j, d);
-              a.att[(b * S + i) * h + hh * hd + d] = o;
-            }
-          }
-        }
-      }
-      Vec proj = mm(a.att, P(l, kProjW), n, h, h);
-      add_bias(proj, P(l, kProjB), n);
-      drop(proj, l, 0);
-      a.x1 = x;
-      for (std::int64_t i = 0; i < n * h; ++i) a.x1[i] += proj[i];
-      a.ln2 = layernorm(a.x1, P(l, kLn2G), P(l, kLn2B), n, h);
-      a.u = mm(a.ln2.y, P(l, kFc1W), n, h, 4 * h);
-      add_bias(a.u, P(l, kFc1B), n);
-      a.g = a.u;
-      for (double& e : a.g) e = gelu(e);
-      Vec o = mm(a.g, P(l, kFc2W), n, 4 * h, h);
-      add_bias(o, P(l, kFc2B), n);
-      drop(o, l, 1);
-      x = a.x1;
-      for (std::int64_t i = 0; i < n * h; ++i) x[i] += o[i];
-    }
-    Norm lnf = layernorm(x, w[other + kLnfG], w[other + kLnfB], n, h);
-    const Vec& wte = w[other + kWte];
-    Vec dlog(n * V);
-    double loss = 0;
-    for (std::int64_t i = 0; i < n; ++i) {
-      double mx = -1e300;
-      for (std::int64_t t = 0; t < V; ++t) {
-        double z = 0;
-        for (std::int64_t j = 0; j < h; ++j) z += lnf.y[i * h + j] * wte[t * h + j];
-        dlog[i * V + t] = z;
-        mx = std::max(mx, z);
-      }
-      double sum = 0;
-      for (std::int64_t t = 0; t < V; ++t) sum += std::exp(dlog[i * V + t] - mx);
-      loss += std::log(sum) + mx - dlog[i * V + tgt[i]];
-      for (std::int64_t t = 0; t < V; ++t) {
-        dlog[i * V + t] =
-            (std::exp(dlog[i * V + t] - mx) / sum - (t == tgt[i] ? 1.0 : 0.0)) / static_cast<double>(n);
-      }
-    }
-    loss_.push_back(loss / static_cast<double>(n));
-
-    // ---- backward
-    std::vector<Vec> g(count);
-    for (int i = 0; i < count; ++i) g[i].assign(w[i].size(), 0.0);
-    Vec dyf(n * h, 0.0);
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t t = 0; t < V; ++t) {
-        const double d = dlog[i * V + t];
-        for (std::int64_t j = 0; j < h; ++j) {
-          g[other + kWte][t * h + j] += d * lnf.y[i * h + j];
-          dyf[i * h + j] += d * wte[t * h + j];
-        }
-      }
-    }
-    Vec dx = layernorm_backward(lnf, w[other + kLnfG], dyf, n, h, g[other + kLnfG], g[other + kLnfB]);
-    for (int l = static_cast<int>(L) - 1; l >= 0; --l) {
-      Acts& a = acts[l];
-      auto G = [&](int k) -> Vec& { return g[l * kBlockParams + k]; };
-      // MLP
-      Vec dout = dx;
-      drop(dout, l, 1);
-      bias_backward(dout, n, G(kFc2B));
-      Vec dg(n * 4 * h);
-      mm_backward(a.g, P(l, kFc2W), dout, n, 4 * h, h, G(kFc2W), &dg);
-      for (std::int64_t i = 0; i < n * 4 * h; ++i) dg[i] *= gelu_grad(a.u[i]);
-      bias_backward(dg, n, G(kFc1B));
-      Vec dy2(n * h);
-      mm_backward(a.ln2.y, P(l, kFc1W), dg, n, h, 4 * h, G(kFc1W), &dy2);
-      Vec dx1 = layernorm_backward(a.ln2, P(l, kLn2G), dy2, n, h, G(kLn2G), G(kLn2B));
-      for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
-      // attention
-      Vec dproj = dx1;
-      drop(dproj, l, 0);
-      bias_backward(dproj, n, G(kProjB));
-      Vec datt(n * h);
-      mm_backward(a.att, P(l, kProjW), dproj, n, h, h, G(kProjW), &datt);
-      Vec dqkv(n * 3 * h, 0.0);
-      for (std::int64_t b = 0; b < B; ++b) {
-        for (std::int64_t hh = 0; hh < H; ++hh) {
-          const Vec& p = a.probs[b * H + hh];
-          auto col = [&](std::int64_t s, int part, std::int64_t d) {
-            return (b * S + s) * 3 * h + hh * 3 * hd + part * hd + d;
-          };
-          for (std::int64_t i = 0; i < S; ++i) {
-            Vec dp(i + 1);
-            double dot = 0;
-            for (std::int64_t j = 0; j <= i; ++j) {
-              double s = 0;
-              for (std::int64_t d = 0; d < hd; ++d) {
-                s += datt[(b * S + i) * h + hh * hd + d] * a.qkv[col(j, 2, d)];
-                dqkv[col(j, 2, d)] += p[i * S + j] * datt[(b * S + i) * h + hh * hd + d];
-              }
-              dp[j] = s;
-              dot += p[i * S + j] * s;
-            }
-            for (std::int64_t j = 0; j <= i; ++j) {
-              const double ds = p[i * S + j] * (dp[j] - dot) * scale;
-              for (std::int64_t d = 0; d < hd; ++d) {
-                dqkv[col(i, 0, d)] += ds * a.qkv[col(j, 1, d)];
-                dqkv[col(j, 1, d)] += ds * a.qkv[col(i, 0, d)];
-              }
-            }
-          }
-        }
-      }
-      bias_backward(dqkv, n, G(kQkvB));
-      Vec dy1(n * h);
-      mm_backward(a.ln1.y, P(l, kQkvW), dqkv, n, h, 3 * h, G(kQkvW), &dy1);
-      Vec dxl = layernorm_backward(a.ln1, P(l, kLn1G), dy1, n, h, G(kLn1G), G(kLn1B));
-      for (std::int64_t i = 0; i < n * h; ++i) dx[i] = dx1[i] + dxl[i];
-    }
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t j = 0; j < h; ++j) {
-        g[other + kWte][tok[i] * h + j] += dx[i * h + j];
-        g[other + kWpe][(i % S) * h + j] += dx[i * h + j];
-      }
-    }
-
-    // ---- AdamW (Loshchilov & Hutter), weight decay only on the matrices and embeddings
-    const AdamW hyper;
-    for (int i = 0; i < count; ++i) {
-      check::adamw_step(w[i], g[i], m[i], v[i], c_.lr, specs[i].decay ? hyper.weight_decay : 0.0, hyper,
-                        step);
-    }
+    std::vector<std::vector<double>> g;
+    loss_.push_back(run.step(step, g));
     grads_.push_back(std::move(g));
-    weights_.push_back(w);
+    weights_.push_back(run.weights());
   }
 }
 
