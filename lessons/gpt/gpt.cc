@@ -20,8 +20,8 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
-#include "lessons/check.h"
 #include "lessons/gpt/accounting.h"
+#include "lessons/gpt/check.h"
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/model.h"
 #include "lessons/gpt/reference.h"
@@ -35,52 +35,13 @@ namespace {
 using gpt::Config;
 using parallel::Param;
 
-// How close to the double-precision reference a run must come, per dtype. float32 keeps about 7 digits;
-// the sums of a step (over tokens, features and micro-batches, in another order than the reference's) lose
-// a few, and a bias gradient, a column sum that mostly cancels, loses more (4e-4 of its largest element
-// with 8 layers on one device). bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) and every
-// activation and weight copy is rounded to it, so a gradient is good to a few percent and Adam's update,
-// which divides by the gradient's size, can flip sign where a gradient is near zero. float16 has 11 bits.
-// Gradients: largest error over the largest value, per tensor (a bias gradient sums a column of 16-bit values
-// that mostly cancel, so its error is large against its largest element: 14% at bf16 on the tiny model).
-// Weights: the error of the step's update relative to the update, root of summed squares over the rank's
-// parameters. Loss: relative. The bounds are about twice what the tiny model shows on one device; every
-// deliberate bug of --break is off by 50% or more.
-struct Tolerance {
-  double loss, grad, weight;
-};
-Tolerance tolerance(DType d) {
-  switch (d) {
-    case DType::Float32:
-      return {1e-5, 1e-3, 2e-3};
-    case DType::Float16:
-      return {1e-3, 5e-2, 0.2};
-    case DType::BFloat16:
-      return {2e-3, 0.25, 0.3};
-  }
-  return {0, 0, 0};
-}
-
-// Rows [first, first + rows) of a rank's tensor-parallel part of a full reference tensor.
-std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
-                               std::int64_t rows) {
-  const Shape& f = p.spec.full;
-  const std::int64_t cols = f.ndim() == 2 ? p.local[1] : 1, full_cols = f.ndim() == 2 ? f[1] : 1;
-  const std::int64_t row0 = p.spec.tp_dim == 0 ? p.tp_start : 0, col0 = p.spec.tp_dim == 1 ? p.tp_start : 0;
-  std::vector<double> out(rows * cols);
-  for (std::int64_t i = 0; i < rows; ++i)
-    for (std::int64_t j = 0; j < cols; ++j)
-      out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
-  return out;
-}
-
 void gpt_lesson(Rank& r, const Config& o) {
   const Config c = gpt::resolve(o, r.world_size());
   const bool root = r.rank() == 0;
   const std::int64_t m = c.micro_batches();
   const parallel::Layout layout{c.tp, c.pp, c.dp, c.order};
   const gpt::Flops flops = gpt::step_flops(c);
-  const Tolerance tol = tolerance(c.dtype);
+  const gpt::Tolerance tol = gpt::tolerance(c.dtype);
 
   // ---- the plan, before anything is allocated ------------------------------------------------------------
   std::vector<gpt::MemoryPlan> plans;
@@ -152,20 +113,14 @@ void gpt_lesson(Rank& r, const Config& o) {
   const std::int64_t model_bytes = r.memory_allocated() - before_model;
   std::vector<Param*> params = model.params();
   parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(m), c.phantom, exposed);
-  std::shared_ptr<const gpt::Reference> ref;
-  if (!c.phantom) ref = gpt::Reference::get(c);
+  gpt::OneDeviceCheck check(r, c, me);
 
   // What the run allocates against the plan: the parameters (and data) exactly, and what one micro-batch
   // keeps for its backward.
   const gpt::MemoryPlan& mine = plans[me.pp];
-  const std::int64_t data_bytes = mine.activations - mine.stash - mine.transient;
   std::vector<std::int64_t> stash_measured(c.v, -1);
   const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};
 
-  // The worst of each kind of comparison over the steps: gradients, weight updates and the loss.
-  check::Agreement worst_grad, worst_weight, worst_loss;
-  for (check::Agreement* a : {&worst_grad, &worst_weight, &worst_loss}) a->where = "every tensor equal";
-  std::vector<double> losses;
   double step_us = 0;
   std::array<double, parallel::kDims> exposed_us{};
   parallel::PipelineTimes ptimes;
@@ -218,99 +173,10 @@ void gpt_lesson(Rank& r, const Config& o) {
       exposed.enable(false);
     }
 
-    if (!ref) continue;
-    // ---- the check against one device
-    // ----------------------------------------------------------------------
-    auto scope = r.bookkeeping("check");
-    // Weight updates are compared over all of the rank's parameters together: Adam divides by the
-    // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
-    // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
-    // are few; a wrong shard or a skipped update moves all of them.
-    double step_num = 0, step_den = 0, most_num = -1;
-    std::string most_where;
-    for (const gpt::Model::Named& n : model.named_params()) {
-      const Param& p = *n.p;
-      const std::int64_t cols = p.local.numel() / p.rows;
-      auto compare = [&](const Tensor& t, bool sharded, bool is_grad) {
-        const std::int64_t first = sharded ? dp.shard_first_row(p) : 0;
-        const std::int64_t rows = sharded ? dp.shard_valid_rows(p) : p.rows;
-        std::vector<float> got = r.to_host(t);
-        got.resize(rows * cols);
-        const std::vector<double> want = local_part(
-            is_grad ? ref->grad(step, n.kind, n.layer) : ref->weight(step, n.kind, n.layer), p, first, rows);
-        double err = 0, scale = 0, num = 0, den = 0;
-        std::int64_t at = 0;
-        const std::vector<double> before =
-            is_grad ? std::vector<double>()
-                    : local_part(ref->weight(step - 1, n.kind, n.layer), p, first, rows);
-        for (size_t i = 0; i < want.size(); ++i) {
-          const double d = std::fabs(got[i] - want[i]);
-          if (!(d <= err)) err = d, at = static_cast<std::int64_t>(i);
-          scale = std::max(scale, std::fabs(want[i]));
-          if (!is_grad) num += d * d, den += (want[i] - before[i]) * (want[i] - before[i]);
-        }
-        const double rel = is_grad ? err / std::max(scale, 1e-30) : std::sqrt(num / std::max(den, 1e-60));
-        const std::string where = fmt::format(
-            "rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
-            r.rank(), me.tp, me.dp, me.pp, p.spec.name, is_grad ? "gradient" : "value", at, first,
-            first + rows, want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
-        if (is_grad) {
-          worst_grad.merge(
-              rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}", where,
-                               err, scale, rel));
-        } else {
-          step_num += num, step_den += den;
-          if (num > most_num) {
-            most_num = num;
-            most_where = where;
-          }
-        }
-      };
-      compare(p.grad, c.zero >= 2, true);
-      compare(p.master, c.zero >= 1, false);
-    }
-    const double wrel = std::sqrt(step_num / std::max(step_den, 1e-60));
-    worst_weight.merge(
-        wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
-                          "parameters; most of it at {}",
-                          step, std::sqrt(step_num), std::sqrt(step_den), wrel, most_where));
-    if (model.has_head()) {
-      Tensor total = r.cast(model.loss_sum, DType::Float32);
-      r.all_reduce(total, ReduceOp::Sum, Async::No, groups.dp);
-      const double loss = r.to_host(total)[0] / static_cast<double>(c.tokens_per_step());
-      const double want = ref->loss(step), rel = std::fabs(loss - want) / std::fabs(want);
-      losses.push_back(loss);
-      worst_loss.merge(
-          rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, loss, want, rel));
-    }
+    check.compare_step(step, model, dp, groups.dp);
   }
-
-  // ---- what the run allocated against the plan ------------------------------------------------------------
-  r.check(
-      "gpt: the parameters (and data) take what the memory plan says",
-      model_bytes == mine.fixed() + data_bytes,
-      fmt::format(
-          "rank {} stage {}: allocated {} bytes, planned {} (weights {} + grads {} + optimizer {} + data {})",
-          r.rank(), me.pp, model_bytes, mine.fixed() + data_bytes, mine.weights, mine.grads, mine.optimizer,
-          data_bytes));
-  for (int k = 0; k < c.v; ++k) {
-    const int vs = k * c.pp + me.pp;
-    const std::int64_t want = gpt::stash_bytes(c, c.layers_per_chunk(), vs == 0, vs == c.pp * c.v - 1);
-    r.check("gpt: a micro-batch keeps for backward what the memory plan says", stash_measured[k] == want,
-            fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k, stash_measured[k],
-                        want));
-  }
-  if (ref) {
-    const std::string who = fmt::format(" ({})", c.layout());
-    r.check("gpt: every step's gradients equal one device's" + who, worst_grad.worst <= tol.grad,
-            fmt::format("{} (tolerance {:.2g} for {})", worst_grad.where, tol.grad, dtype_name(c.dtype)));
-    r.check("gpt: every step's weight updates equal one device's" + who, worst_weight.worst <= tol.weight,
-            fmt::format("{} (tolerance {:.2g} for {})", worst_weight.where, tol.weight, dtype_name(c.dtype)));
-    if (model.has_head()) {
-      r.check("gpt: every step's loss equals one device's" + who, worst_loss.worst <= tol.loss,
-              fmt::format("{} (tolerance {:.2g} for {})", worst_loss.where, tol.loss, dtype_name(c.dtype)));
-    }
-  }
+  gpt::check_memory_plan(r, c, me, mine, model_bytes, stash_measured);
+  check.record(model.has_head());
 
   // ---- the figures, gathered to rank 0 --------------------------------------------------------------------
   // Means over the ranks of replica 0: exposed communication per dimension, the pipeline's busy and idle
@@ -334,13 +200,13 @@ void gpt_lesson(Rank& r, const Config& o) {
     std::vector<float> maxes(nmax, 0.0f);
     if (me.tp == 0 && me.dp == 0) {
       maxes[me.pp] = static_cast<float>(peak);
-      for (size_t i = 0; i < losses.size(); ++i) maxes[c.pp + i] = static_cast<float>(losses[i]);
+      for (size_t i = 0; i < check.losses.size(); ++i) maxes[c.pp + i] = static_cast<float>(check.losses[i]);
     }
     // The pipeline's window is the longest of the ranks': the schedule ends when the last rank's does.
     maxes[nmax - 4] = static_cast<float>(ptimes.window_us);
-    maxes[nmax - 3] = static_cast<float>(worst_grad.worst);
-    maxes[nmax - 2] = static_cast<float>(worst_weight.worst);
-    maxes[nmax - 1] = static_cast<float>(worst_loss.worst);
+    maxes[nmax - 3] = static_cast<float>(check.grad.worst);
+    maxes[nmax - 2] = static_cast<float>(check.weight.worst);
+    maxes[nmax - 1] = static_cast<float>(check.loss.worst);
     Tensor most = r.from_host({nmax}, maxes);
     r.all_reduce(most, ReduceOp::Max);
     avg = r.to_host(mean);
@@ -376,9 +242,9 @@ void gpt_lesson(Rank& r, const Config& o) {
   st.activations_bytes = peak - plans[0].fixed();
   r.report_training(st);
 
-  for (int s = 0; s < c.steps && ref; ++s) {
+  for (int s = 0; s < c.steps && check.compares(); ++s) {
     r.print(fmt::format("step {}/{}  loss {:.6f} (one device {:.6f})", s + 1, c.steps, mx[c.pp + s],
-                        ref->loss(s + 1)));
+                        check.reference().loss(s + 1)));
   }
   r.print(fmt::format("step time {} (the last step, events on rank 0's compute stream); {:.0f} tokens/s",
                       human_time(step_us), c.tokens_per_step() / (step_us * 1e-6)));
@@ -407,7 +273,7 @@ void gpt_lesson(Rank& r, const Config& o) {
                         format_bytes(plans[s].weights), format_bytes(plans[s].grads),
                         format_bytes(plans[s].optimizer), format_bytes(mx[s] - plans[s].fixed())));
   }
-  if (!ref) {
+  if (!check.compares()) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;
   }

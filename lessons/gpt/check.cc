@@ -1,0 +1,160 @@
+#include "lessons/gpt/check.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+namespace ranklab::gpt {
+
+using parallel::Param;
+
+Tolerance tolerance(DType d) {
+  switch (d) {
+    case DType::Float32:
+      return {1e-5, 1e-3, 2e-3};
+    case DType::Float16:
+      return {1e-3, 5e-2, 0.2};
+    case DType::BFloat16:
+      return {2e-3, 0.25, 0.3};
+  }
+  return {0, 0, 0};
+}
+
+namespace {
+
+// Rows [first, first + rows) of a rank's tensor-parallel part of a full reference tensor.
+std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
+                               std::int64_t rows) {
+  const Shape& f = p.spec.full;
+  const std::int64_t cols = f.ndim() == 2 ? p.local[1] : 1, full_cols = f.ndim() == 2 ? f[1] : 1;
+  const std::int64_t row0 = p.spec.tp_dim == 0 ? p.tp_start : 0, col0 = p.spec.tp_dim == 1 ? p.tp_start : 0;
+  std::vector<double> out(rows * cols);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (std::int64_t j = 0; j < cols; ++j)
+      out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
+  return out;
+}
+
+// A rank's tensor (its rows [first, first + rows)) against the reference's.
+struct TensorDifference {
+  double largest_error = 0;  // the largest |got - want|
+  double largest_want = 0;   // the largest |want|
+  std::int64_t at = 0;       // the element of the largest error
+  double squared_error = 0;  // weights: sum of (got - want)^2, and of the update's (want - before)^2
+  double squared_update = 0;
+};
+TensorDifference difference(const std::vector<float>& got, const std::vector<double>& want,
+                            const std::vector<double>* before) {
+  TensorDifference t;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(got[i] - want[i]);
+    if (!(d <= t.largest_error)) t.largest_error = d, t.at = static_cast<std::int64_t>(i);
+    t.largest_want = std::max(t.largest_want, std::fabs(want[i]));
+    if (before) {
+      t.squared_error += d * d;
+      t.squared_update += (want[i] - (*before)[i]) * (want[i] - (*before)[i]);
+    }
+  }
+  return t;
+}
+
+}  // namespace
+
+OneDeviceCheck::OneDeviceCheck(Rank& r, const Config& c, const parallel::Layout::Coord& me)
+    : r_(r), c_(c), me_(me) {
+  for (check::Agreement* a : {&grad, &weight, &loss}) a->where = "every tensor equal";
+  if (!c.phantom) ref_ = Reference::get(c);
+}
+
+void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataParallel& dp, Group dp_group) {
+  if (!ref_) return;
+  auto scope = r_.bookkeeping("check");
+  // Weight updates are compared over all of the rank's parameters together: Adam divides by the
+  // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
+  // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
+  // are few; a wrong shard or a skipped update moves all of them.
+  double step_error = 0, step_update = 0, most_error = -1;
+  std::string most_where;
+  for (const Model::Named& n : model.named_params()) {
+    const Param& p = *n.p;
+    const std::int64_t cols = p.local.numel() / p.rows;
+    auto compare = [&](const Tensor& t, bool sharded, bool is_grad) {
+      const std::int64_t first = sharded ? dp.shard_first_row(p) : 0;
+      const std::int64_t rows = sharded ? dp.shard_valid_rows(p) : p.rows;
+      std::vector<float> got = r_.to_host(t);
+      got.resize(rows * cols);
+      const std::vector<double> want = local_part(
+          is_grad ? ref_->grad(step, n.kind, n.layer) : ref_->weight(step, n.kind, n.layer), p, first, rows);
+      const std::vector<double> before =
+          is_grad ? std::vector<double>()
+                  : local_part(ref_->weight(step - 1, n.kind, n.layer), p, first, rows);
+      const TensorDifference d = difference(got, want, is_grad ? nullptr : &before);
+      const std::string where = fmt::format(
+          "rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
+          r_.rank(), me_.tp, me_.dp, me_.pp, p.spec.name, is_grad ? "gradient" : "value", d.at, first,
+          first + rows, want.empty() ? 0.0 : got[d.at], want.empty() ? 0.0 : want[d.at]);
+      if (is_grad) {
+        const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
+        grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
+                                    where, d.largest_error, d.largest_want, rel));
+      } else {
+        step_error += d.squared_error, step_update += d.squared_update;
+        if (d.squared_error > most_error) {
+          most_error = d.squared_error;
+          most_where = where;
+        }
+      }
+    };
+    compare(p.grad, c_.zero >= 2, true);
+    compare(p.master, c_.zero >= 1, false);
+  }
+  const double wrel = std::sqrt(step_error / std::max(step_update, 1e-60));
+  weight.merge(wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
+                                 "parameters; most of it at {}",
+                                 step, std::sqrt(step_error), std::sqrt(step_update), wrel, most_where));
+  if (!model.has_head()) return;
+  Tensor total = r_.cast(model.loss_sum, DType::Float32);
+  r_.all_reduce(total, ReduceOp::Sum, Async::No, dp_group);
+  const double got = r_.to_host(total)[0] / static_cast<double>(c_.tokens_per_step());
+  const double want = ref_->loss(step), rel = std::fabs(got - want) / std::fabs(want);
+  losses.push_back(got);
+  loss.merge(rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, got, want, rel));
+}
+
+void OneDeviceCheck::record(bool has_head) const {
+  if (!ref_) return;
+  const Tolerance tol = tolerance(c_.dtype);
+  const std::string who = fmt::format(" ({})", c_.layout());
+  r_.check("gpt: every step's gradients equal one device's" + who, grad.worst <= tol.grad,
+           fmt::format("{} (tolerance {:.2g} for {})", grad.where, tol.grad, dtype_name(c_.dtype)));
+  r_.check("gpt: every step's weight updates equal one device's" + who, weight.worst <= tol.weight,
+           fmt::format("{} (tolerance {:.2g} for {})", weight.where, tol.weight, dtype_name(c_.dtype)));
+  if (has_head) {
+    r_.check("gpt: every step's loss equals one device's" + who, loss.worst <= tol.loss,
+             fmt::format("{} (tolerance {:.2g} for {})", loss.where, tol.loss, dtype_name(c_.dtype)));
+  }
+}
+
+void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& me, const MemoryPlan& plan,
+                       std::int64_t model_bytes, const std::vector<std::int64_t>& stash_measured_bytes) {
+  const std::int64_t data_bytes = plan.activations - plan.stash - plan.transient;
+  r.check(
+      "gpt: the parameters (and data) take what the memory plan says",
+      model_bytes == plan.fixed() + data_bytes,
+      fmt::format(
+          "rank {} stage {}: allocated {} bytes, planned {} (weights {} + grads {} + optimizer {} + data {})",
+          r.rank(), me.pp, model_bytes, plan.fixed() + data_bytes, plan.weights, plan.grads, plan.optimizer,
+          data_bytes));
+  for (int k = 0; k < c.v; ++k) {
+    const int vs = k * c.pp + me.pp;
+    const std::int64_t want = stash_bytes(c, c.layers_per_chunk(), vs == 0, vs == c.pp * c.v - 1);
+    r.check("gpt: a micro-batch keeps for backward what the memory plan says",
+            stash_measured_bytes[k] == want,
+            fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k,
+                        stash_measured_bytes[k], want));
+  }
+}
+
+}  // namespace ranklab::gpt

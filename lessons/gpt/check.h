@@ -1,0 +1,66 @@
+// The GPT lesson's checks: every step's gradients, weight updates and loss against the one-device
+// reference (reference.h), and what the run allocates against the memory plan made before it (accounting.h).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "common/rank.h"
+#include "lessons/check.h"
+#include "lessons/gpt/accounting.h"
+#include "lessons/gpt/config.h"
+#include "lessons/gpt/model.h"
+#include "lessons/gpt/reference.h"
+#include "lessons/parallel/groups.h"
+#include "lessons/parallel/zero.h"
+
+namespace ranklab::gpt {
+
+// How close to the double-precision reference a run must come, per dtype. float32 keeps about 7 digits;
+// the sums of a step (over tokens, features and micro-batches, in another order than the reference's) lose
+// a few, and a bias gradient, a column sum that mostly cancels, loses more (4e-4 of its largest element
+// with 8 layers on one device). bfloat16 keeps 8 bits of mantissa (relative rounding 2^-9 = 0.2%) and every
+// activation and weight copy is rounded to it, so a gradient is good to a few percent and Adam's update,
+// which divides by the gradient's size, can flip sign where a gradient is near zero. float16 has 11 bits.
+// Gradients: largest error over the largest value, per tensor (a bias gradient sums a column of 16-bit values
+// that mostly cancel, so its error is large against its largest element: 14% at bf16 on the tiny model).
+// Weights: the error of the step's update relative to the update, root of summed squares over the rank's
+// parameters. Loss: relative. The bounds are about twice what the tiny model shows on one device; every
+// deliberate bug of --break is off by 50% or more.
+struct Tolerance {
+  double loss, grad, weight;
+};
+Tolerance tolerance(DType d);
+
+// A rank's comparison with one device over the run. With phantom tensors there are no numbers to compare:
+// it has no reference, compares nothing and records nothing.
+class OneDeviceCheck {
+ public:
+  OneDeviceCheck(Rank& r, const Config& c, const parallel::Layout::Coord& me);
+  bool compares() const { return ref_ != nullptr; }
+  const Reference& reference() const { return *ref_; }
+
+  // After step `step`: the rank's gradients and weights against the reference's, and on the last stage the
+  // loss, summed over `dp_group` (one all_reduce).
+  void compare_step(int step, Model& model, const parallel::DataParallel& dp, Group dp_group);
+  // The three checks, each with the worst step.
+  void record(bool has_head) const;
+
+  // The worst over the steps of each kind of comparison; "every tensor equal" while nothing differs.
+  check::Agreement grad, weight, loss;
+  std::vector<double> losses;  // each step's, on the ranks that hold the head
+
+ private:
+  Rank& r_;
+  const Config& c_;
+  parallel::Layout::Coord me_;
+  std::shared_ptr<const Reference> ref_;
+};
+
+// The parameters (and data) a stage allocates, and what a micro-batch keeps for its backward on each of
+// the rank's chunks (`stash_measured_bytes`, measured on step 1's micro-batch 0), equal what `plan` says.
+void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& me, const MemoryPlan& plan,
+                       std::int64_t model_bytes, const std::vector<std::int64_t>& stash_measured_bytes);
+
+}  // namespace ranklab::gpt
