@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "common/errors.h"
 #include "common/tensor.h"
 #include "lessons/gpt/model.h"
 #include "lessons/parallel/pipeline.h"
@@ -92,6 +93,26 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   p.transient = std::max({block, out, emb}) + (c.zero == 3 ? 2 * 12 * h * hl * dt : 0);
   p.activations = p.stash + data + p.transient;
   return p;
+}
+
+std::vector<MemoryPlan> memory_plans(const Config& c) {
+  std::vector<MemoryPlan> plans;
+  for (int s = 0; s < c.pp; ++s) plans.push_back(memory_plan(c, s));
+  return plans;
+}
+
+void check_fits(const Config& c, const std::vector<MemoryPlan>& plans, std::int64_t capacity_bytes) {
+  int worst_stage = 0;  // the first of those that need the most
+  for (int s = 0; s < c.pp; ++s)
+    if (plans[s].total() > plans[worst_stage].total()) worst_stage = s;
+  const MemoryPlan& worst = plans[worst_stage];
+  if (worst.total() <= capacity_bytes) return;
+  throw OutOfMemoryError(
+      fmt::format("gpt: out of memory: pipeline stage {} needs {} per GPU and the device holds {}; the "
+                  "largest part is {}. "
+                  "To fit: {}",
+                  worst_stage, format_bytes(worst.total()), format_bytes(capacity_bytes), worst.largest(),
+                  memory_advice(c, worst)));
 }
 
 std::string memory_advice(const Config& c, const MemoryPlan& p) {

@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "lessons/gpt/config.h"
 
@@ -42,6 +43,11 @@ struct MemoryPlan {
 };
 // The plan of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
 MemoryPlan memory_plan(const Config& c, int stage);
+// Every stage's plan, stage 0 first.
+std::vector<MemoryPlan> memory_plans(const Config& c);
+// OutOfMemoryError when the stage that needs the most does not fit a device of `capacity_bytes`: the
+// message names the stage, what it needs, its largest part and what would make it fit (memory_advice).
+void check_fits(const Config& c, const std::vector<MemoryPlan>& plans, std::int64_t capacity_bytes);
 
 // What would make a plan that does not fit smaller, starting with its largest part.
 std::string memory_advice(const Config& c, const MemoryPlan& p);
