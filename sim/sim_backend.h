@@ -19,7 +19,9 @@ namespace ranklab {
 // moves what the whole group moves, and the traffic the other classes' groups would put on the network
 // at the same moment (their images under the symmetry) runs beside it as flows. Times, memory and link
 // traffic are those of the full run; the cost is that of one rank per class. Only phantom tensors:
-// a mirror holds no numbers of its own.
+// a mirror holds no numbers of its own. A mirror's pieces of an uneven all_to_all are its representative's
+// moved by its distance from it in the group: what a program whose pieces depend on where their peers sit
+// relative to it (a shift around a ring) does.
 struct SimSymmetry {
   std::vector<int> dims;         // the world as a grid, innermost first: rank = i0 + d0 (i1 + d1 (i2 ...))
   std::vector<bool> replicated;  // per dimension: do ranks that differ only here do the same work?

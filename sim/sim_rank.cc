@@ -218,6 +218,31 @@ void SimRank::waits_before_kernel(const char* by) {
   fold_waits(by);
 }
 
+void SimRank::before_reading(std::initializer_list<const Tensor*> tensors, const char* op) {
+  for (const Tensor* t : tensors) {
+    SimStorage& st = *sim_storage(*t);
+    bool all_read = true;
+    for (std::size_t i = 0; i < st.pending.size(); ++i) {
+      if (!st.pending[i]->member_of(rank_).waited && !st.pending_reads_only[i]) all_read = false;
+    }
+    if (!all_read) {
+      before_kernel({t}, op);
+      continue;
+    }
+    // The readers in flight stay recorded, so that a kernel writing the buffer later is still caught.
+    std::size_t kept = 0;
+    for (std::size_t i = 0; i < st.pending.size(); ++i) {
+      if (st.pending[i]->member_of(rank_).waited) continue;
+      st.pending[kept] = st.pending[i];
+      st.pending_reads_only[kept] = true;
+      ++kept;
+    }
+    st.pending.resize(kept);
+    st.pending_reads_only.resize(kept);
+  }
+  waits_before_kernel(op);
+}
+
 void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const char* op) {
   for (const Tensor* t : tensors) {
     auto& pending = sim_storage(*t)->pending;
@@ -351,7 +376,7 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
                                  a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
   }
   Tensor c = allocate({m, n}, a.dtype(), a.phantom() || b.phantom(), "matmul");
-  before_kernel({&a, &b}, "matmul");
+  before_reading({&a, &b}, "matmul");
   if (!c.phantom()) {
     // 16-bit inputs are already rounded; the float32 product stands for the tensor cores' float32
     // accumulation, and the output is rounded once.

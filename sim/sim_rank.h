@@ -120,6 +120,9 @@ class SimRank : public Rank {
   // Before a kernel touches `tensors`: the compute stream waits for synchronous communication and for what
   // wait() was called on, and an async operation on one of them that was not waited on is an error.
   void before_kernel(std::initializer_list<const Tensor*> tensors, const char* op);
+  // The same for a kernel that only reads `tensors`: beside a send or another operation that only reads
+  // one of them it may run (on a GPU, two readers of a buffer do not race).
+  void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
   // The compute stream waits for every operation in RankState::unfolded_waits, and the rank blocks until
   // their ends are known; `by` names the call, for deadlock reports. For what needs the stream's clock.
   void fold_waits(const char* by);
