@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/model.h"
+#include "lessons/gpt/presets.h"
 #include "lessons/parallel/groups.h"
 #include "sim/compute_model.h"
 #include "sim/net/network_model.h"
@@ -81,17 +82,20 @@ Layout parse_layout(const std::string& name) {
 
 Settings lesson_settings(const Question& q, const Layout& l) {
   auto text = [](std::int64_t v) { return std::to_string(v); };
-  return {{"world", text(q.world())}, {"model", q.model == "custom" ? "" : q.model},
-          {"layers", text(q.layers)}, {"hidden", text(q.hidden)},
-          {"heads", text(q.heads)},   {"seq", text(q.seq)},
-          {"vocab", text(q.vocab)},   {"global-batch", text(q.global_batch)},
-          {"dtype", q.dtype},         {"micro-batch", text(l.micro_batch)},
-          {"tp", text(l.tp)},         {"pp", text(l.pp)},
-          {"dp", text(l.dp)},         {"interleave", text(l.v)},
-          {"zero", text(l.zero)},     {"seq-parallel", l.sp ? "true" : "false"},
-          {"recompute", l.recompute}, {"order", l.order},
-          {"phantom", "true"},        {"steps", "1"},
-          {"quiet", "true"}};
+  Settings s = gpt::framework_settings(q.framework);
+  s["framework"] = q.framework;
+  s.merge(Settings{{"world", text(q.world())}, {"model", q.model == "custom" ? "" : q.model},
+                   {"layers", text(q.layers)}, {"hidden", text(q.hidden)},
+                   {"heads", text(q.heads)},   {"seq", text(q.seq)},
+                   {"vocab", text(q.vocab)},   {"global-batch", text(q.global_batch)},
+                   {"dtype", q.dtype},         {"micro-batch", text(l.micro_batch)},
+                   {"tp", text(l.tp)},         {"pp", text(l.pp)},
+                   {"dp", text(l.dp)},         {"interleave", text(l.v)},
+                   {"zero", text(l.zero)},     {"seq-parallel", l.sp ? "true" : "false"},
+                   {"recompute", l.recompute}, {"order", l.order},
+                   {"phantom", "true"},        {"steps", "1"},
+                   {"quiet", "true"}});
+  return s;
 }
 
 gpt::Config lesson_config(const Question& q, const Layout& l) {
@@ -198,9 +202,15 @@ double StepBound::us(const gpt::Config& c) {
   };
   const Gemm linears[] = {{h, 3 * h / t}, {h / t, h}, {h, 4 * h / t}, {4 * h / t, h}};  // qkv, proj, fc1, fc2
   double forward_us = 0, backward_us = 0;
+  // With --tp-comm-overlap the forward GEMMs and the input gradients' run as tp GEMMs of R / tp rows each,
+  // the pieces the ring passes on (TensorParallel's rings); the weight gradients stay whole.
+  const bool rings = c.tp_comm_overlap;
+  auto rows_gemm_us = [&](std::int64_t n, std::int64_t kk) {
+    return rings ? static_cast<double>(t) * k.gemm_us(R / t, n, kk, d) : k.gemm_us(R, n, kk, d);
+  };
   for (const Gemm& g : linears) {
-    forward_us += k.gemm_us(R, g.out, g.in, d);
-    backward_us += k.gemm_us(g.in, g.out, R, d) + k.gemm_us(R, g.in, g.out, d);  // x^T dy, dy w^T
+    forward_us += rows_gemm_us(g.out, g.in);
+    backward_us += k.gemm_us(g.in, g.out, R, d) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
   }
   const double attention_fwd =
       k.attention_us(c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, false, d);
@@ -216,10 +226,11 @@ double StepBound::us(const gpt::Config& c) {
   // an all-gather before and a reduce-scatter after each pair forward (2 + 2), and backward a
   // reduce-scatter and two all-gathers per pair (the output gradient's, and the input again for the weight
   // gradient) (2 + 4). The sizes are as nccl-tests counts them: the whole [s b, h] tensor for all three.
-  // Recomputation's collectives are left out.
+  // Recomputation's collectives are left out, and with --tp-comm-overlap all of them: the GEMMs may hide
+  // them.
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
   const std::int64_t act_bytes = c.rows() * c.hidden * dtype_bytes(c.dtype);
-  if (c.tp > 1) {
+  if (c.tp > 1 && !rings) {
     std::vector<int> tp_ranks;
     for (int i = 0; i < c.tp; ++i) tp_ranks.push_back(grid.rank_of(i, 0, 0));
     if (c.seq_parallel) {

@@ -12,7 +12,8 @@
 // its GEMMs and attention, each at the time the simulator's compute model charges for its shape on the
 // profile's GPU, its memory-bound kernels (layernorms, bias and residual adds, GELU, the softmax's passes
 // over the logits, gradient accumulation) each at no less than its bytes at the HBM's bandwidth, and the
-// tensor-parallel collectives the compute stream waits for (Megatron's f and g are blocking), each at the
+// tensor-parallel collectives the compute stream waits for (Megatron's f and g block unless
+// --tp-comm-overlap pipelines them with the GEMMs, which the bound then takes as tp GEMMs), each at the
 // time the network model gives it with the machine to itself; plus the pipeline's fill and drain (the
 // first micro-batch's forward through the stages before it, and the last one's backward through them after
 // it, with their sends), then rank 0's optimizer step. With ZeRO 2 or 3 the step is also no shorter than
@@ -47,6 +48,8 @@ struct Question {
   int layers = 2, hidden = 64, heads = 4, seq = 16;
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
+  // The framework whose overlaps the layouts run with (gpt's --framework).
+  std::string framework = "megatron-core";
   Profile profile;  // with `nodes` set
   bool tp_across_nodes = false;
   int max_interleave = 4;  // the most model chunks per pipeline rank tried

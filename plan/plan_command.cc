@@ -14,6 +14,7 @@
 #include "common/lesson.h"
 #include "common/output_files.h"
 #include "lessons/gpt/config.h"
+#include "lessons/gpt/presets.h"
 #include "plan/plan_report.h"
 #include "plan/search.h"
 
@@ -24,6 +25,9 @@ const OptionTable<Request>& request_options() {
   static const OptionTable<O> table = {
       {"profile", &O::profile, "hardware profile name or .toml file (see `ranklab profiles`)"},
       Option<O>("nodes", &O::nodes, "nodes of the profile: the world is all of their GPUs").at_least(1),
+      {"framework", &O::framework,
+       "the framework to plan for: its overlaps (megatron-lm-2021, megatron-lm-2022, megatron-core, "
+       "torchtitan)"},
       Option<O>("top", &O::top, "how many layouts the table shows").at_least(1),
       {"tp-across-nodes", &O::tp_across_nodes, "also try tensor-parallel groups larger than a node"},
       Option<O>("max-interleave", &O::max_interleave, "the most model chunks per pipeline rank tried")
@@ -79,6 +83,8 @@ Question make_question(const Request& r) {
   q.dtype = gpt::options_table().find("dtype")->write(c);  // as the lesson spells it: "bf16"
   q.tp_across_nodes = r.tp_across_nodes;
   q.max_interleave = r.max_interleave;
+  gpt::framework_settings(r.framework);  // UsageError naming --framework for one it does not know
+  q.framework = r.framework;
   q.profile = load_profile(r.profile);
   if (!q.profile.nodes_at.empty() && r.nodes != q.profile.nodes) {
     throw UsageError(fmt::format("--nodes {} contradicts the profile's 'nodes = {}' ({}); drop one of them",

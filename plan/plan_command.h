@@ -22,6 +22,7 @@ struct Request {
   int nodes = 1;
   bool tp_across_nodes = false;
   int max_interleave = 4;
+  std::string framework = "megatron-core";
   // The search and its output.
   int top = 10;
   int max_candidates = 0;  // 0: no limit

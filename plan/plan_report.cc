@@ -84,10 +84,11 @@ std::string bytes(std::int64_t b) {
 
 std::string describe_question(const Question& q) {
   return fmt::format(
-      "{}{} layers, hidden {}, {} heads, seq {}, vocab {}; global batch {}; {} on {} x {} ({}, {} node{})",
+      "{}{} layers, hidden {}, {} heads, seq {}, vocab {}; global batch {}; {} on {} x {} ({}, {} node{}); "
+      "{}",
       q.model == "custom" ? "" : q.model + ": ", q.layers, q.hidden, q.heads, q.seq, q.vocab, q.global_batch,
       q.dtype, q.world(), q.profile.gpu.name, q.profile.name, q.profile.nodes,
-      q.profile.nodes == 1 ? "" : "s");
+      q.profile.nodes == 1 ? "" : "s", q.framework);
 }
 
 std::string format_counts(const Plan& p) {
@@ -298,6 +299,7 @@ std::string plan_to_json(const Plan& p) {
                    {"vocab", q.vocab},
                    {"global_batch", q.global_batch},
                    {"dtype", q.dtype},
+                   {"framework", q.framework},
                    {"profile", q.profile.name},
                    {"nodes", q.profile.nodes},
                    {"world", q.world()},

@@ -107,7 +107,7 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
         }
       }
     };
-    compare(p.grad, c_.zero >= 2, true);
+    compare(dp.final_grad(p), c_.zero >= 1, true);
     compare(p.master, c_.zero >= 1, false);
   }
   const double wrel = std::sqrt(step_error / std::max(step_update, 1e-60));

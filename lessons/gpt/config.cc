@@ -1,6 +1,10 @@
 #include "lessons/gpt/config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <limits>
+#include <vector>
 
 #include "common/errors.h"
 #include "lessons/gpt/presets.h"
@@ -27,6 +31,11 @@ std::string Config::layout() const {
                   dp, zero, recompute_name(recompute), dtype_name(dtype));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
   if (dropout > 0) s += fmt::format(", dropout {}", dropout);
+  std::vector<std::string> overlaps;
+  if (overlap_grad_reduce) overlaps.push_back("grad reduce");
+  if (overlap_param_gather) overlaps.push_back("param gather");
+  if (tp_comm_overlap) overlaps.push_back("tp comm");
+  if (!overlaps.empty()) s += fmt::format(", overlapped {}", fmt::join(overlaps, ", "));
   return s;
 }
 
@@ -71,6 +80,18 @@ const OptionTable<Config>& options_table() {
       Option<O>("dropout", &O::dropout, "dropout probability of the residual branches (GPT-2's resid_pdrop)")
           .at_least(0)
           .at_most(0.99),
+      Option<O>("framework", &O::framework,
+                "sets the overlap flags as a framework runs them (megatron-lm-2021, megatron-lm-2022, "
+                "megatron-core, torchtitan)")
+          .expands(framework_settings),
+      {"overlap-grad-reduce", &O::overlap_grad_reduce,
+       "each gradient bucket's reduction starts when backward has made it (Megatron-LM's flag)"},
+      {"overlap-param-gather", &O::overlap_param_gather,
+       "with --zero 1 or more: the weights' all-gathers start ahead of the forward that reads them"},
+      {"tp-comm-overlap", &O::tp_comm_overlap,
+       "with --seq-parallel: each all-gather + GEMM and GEMM + reduce-scatter pipelined in tp chunks"},
+      {"ddp-bucket-size", &O::ddp_bucket_size,
+       "parameters per gradient bucket with --overlap-grad-reduce; auto: Megatron's max(40M, 1M x dp)"},
       Option<O>("steps", &O::steps, "training steps, each checked against one device").at_least(1),
       Option<O>("lr", &O::lr, "AdamW's learning rate").above(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
@@ -78,6 +99,47 @@ const OptionTable<Config>& options_table() {
   });
   return table;
 }
+
+namespace {
+// The overlap flags checked against the layout. A framework's tp-comm-overlap applies where the layout
+// has what it overlaps (tp > 1 with sequence parallelism); asked for alone, it must.
+void resolve_overlaps(Config& c) {
+  if (c.ddp_bucket_size != "auto") {
+    OptionSpec spec;
+    spec.flag = "ddp-bucket-size";
+    spec.kind = OptionKind::Integer;
+    spec.min = 1;
+    c.bucket_params =
+        read_integer(spec, c.ddp_bucket_size, "gpt", 1, std::numeric_limits<std::int64_t>::max());
+  }
+  if (c.overlap_param_gather && c.zero == 0 && !c.framework.empty()) c.overlap_param_gather = false;
+  if (c.overlap_param_gather && c.zero == 0) {
+    throw UsageError(
+        "gpt: --overlap-param-gather overlaps the all-gather of the weights the sharded optimizer updated; "
+        "it needs --zero 1 or more (with --zero 0 every rank updates all of its weights)");
+  }
+  if (c.overlap_param_gather && c.zero <= 2 && !c.overlap_grad_reduce) {
+    throw UsageError(
+        "gpt: --overlap-param-gather with --zero 1 or 2 gathers the weights bucket by bucket; it needs "
+        "--overlap-grad-reduce, which makes the buckets (Megatron-LM requires the same)");
+  }
+  const bool can_overlap_tp = c.tp > 1 && c.seq_parallel;
+  if (c.tp_comm_overlap && !can_overlap_tp) {
+    if (!c.framework.empty()) {
+      c.tp_comm_overlap = false;
+    } else if (c.tp == 1) {
+      throw UsageError(
+          "gpt: --tp-comm-overlap pipelines tensor-parallel communication with the GEMMs; with --tp 1 there "
+          "is none: give --tp 2 or more with --seq-parallel");
+    } else {
+      throw UsageError(
+          "gpt: --tp-comm-overlap splits the sequence-parallel all-gathers and reduce-scatters into chunks; "
+          "it "
+          "needs --seq-parallel (TransformerEngine's overlap requires it too)");
+    }
+  }
+}
+}  // namespace
 
 Config resolve(Config c, int world) {
   c.world = world;
@@ -128,6 +190,7 @@ Config resolve(Config c, int world) {
                     "(--seq-parallel)",
                     c.seq, c.micro_batch, c.tp));
   }
+  resolve_overlaps(c);
   if (c.v > 1 && c.pp == 1) {
     throw UsageError(
         "gpt: --interleave gives each pipeline rank several model chunks; it needs --pp 2 or more");

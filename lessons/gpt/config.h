@@ -29,6 +29,12 @@ struct Config : LessonOptions {
   int steps = 3;
   double lr = 1e-3;
   float dropout = 0;  // of the residual branches (--dropout)
+  // The overlaps production frameworks use (Megatron-LM's flags), all off in the plain schedule; --framework
+  // sets them as a framework's release does.
+  std::string framework;  // the preset that set them, or ""
+  bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false;
+  std::string ddp_bucket_size = "auto";  // parameters per bucket, or Megatron's rule
+  std::int64_t bucket_params = 0;        // what resolve() read from it; 0: Megatron's rule
   std::string broken;
 
   // The preset's name, or "custom".

@@ -51,12 +51,16 @@ void gpt_lesson(Rank& r, const Config& o) {
   const parallel::Layout::Coord me = groups.me;
   parallel::ExposedComm exposed(r);  // what the compute stream waits for, per dimension, in the timed step
   parallel::TensorParallel tp{r, groups.tp, c.tp, c.seq_parallel, c.phantom, exposed};
+  tp.comm_overlap = c.tp_comm_overlap;
+  tp.ranks = groups.tp.ranks(r.world_size());
+  tp.index = groups.tp.index_of(r.rank());
   parallel::DataParallel dp(r, zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.
   const std::int64_t before_model_bytes = r.memory_allocated();
   gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp);
   const std::int64_t model_bytes = r.memory_allocated() - before_model_bytes;
   const std::vector<Param*> params = model.params();
+  dp.set_buckets(model.params_in_backward_order());
   parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(c.micro_batches()), c.phantom,
                           exposed);
   gpt::OneDeviceCheck check(r, c, me);
@@ -79,6 +83,7 @@ void gpt_lesson(Rank& r, const Config& o) {
     exposed.enable(timed && measures);
     const double start_us = r.now();
     const Event start = r.record_event();
+    dp.start_step();
     {
       auto region = r.region("step");
       // A task is one micro-batch through one of this rank's chunks, in 1F1B's order (parallel/pipeline.h).
@@ -133,6 +138,9 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
   zc.seq_parallel = c.seq_parallel;
   zc.embedding_group = c.pp > 1;  // the first and last stages add up the shared embedding's gradient
   zc.broken = c.broken;
+  zc.overlap_grad_reduce = c.overlap_grad_reduce;
+  zc.overlap_param_gather = c.overlap_param_gather;
+  zc.bucket_params = c.bucket_params;
   return zc;
 }
 

@@ -268,6 +268,25 @@ std::vector<Param*> Model::params() {
   return out;
 }
 
+std::vector<Param*> Model::params_in_backward_order() {
+  std::vector<Param*> out;
+  for (auto ch = chunks_.rbegin(); ch != chunks_.rend(); ++ch) {
+    if (ch->head) {
+      out.push_back(&lnf_b_);
+      out.push_back(&lnf_g_);
+      if (!chunks_.front().embedding) out.push_back(&wte_);  // else final after the embedding's backward
+    }
+    for (auto b = ch->blocks.rbegin(); b != ch->blocks.rend(); ++b) {
+      for (auto p = b->p.rbegin(); p != b->p.rend(); ++p) out.push_back(&*p);
+    }
+    if (ch->embedding) {
+      out.push_back(&wpe_);
+      out.push_back(&wte_);
+    }
+  }
+  return out;
+}
+
 std::vector<Model::Named> Model::named_params() {
   std::vector<Named> out;
   for (Chunk& ch : chunks_) {
@@ -307,16 +326,16 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   // Attention: layernorm on this rank's tokens; f; qkv for this rank's heads; attention; proj's partial
   // sum; g; bias and residual.
   Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
-  Tensor qkv = parallel::linear(r, tp_.enter(ln1.y), w[kQkvW], w[kQkvB]);
+  Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB]);
   Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true);
-  Tensor p = tp_.leave(r.matmul(att.out, w[kProjW]));
+  Tensor p = tp_.row_linear(att.out, w[kProjW]);
   r.add_bias_(p, w[kProjB]);
   Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
   // MLP: the same shape of computation with fc1 (column-parallel, 4h) and fc2 (row-parallel).
   Rank::LayerNormOut ln2 = r.layernorm(x1, w[kLn2G], w[kLn2B], kEps);
-  Tensor u = parallel::linear(r, tp_.enter(ln2.y), w[kFc1W], w[kFc1B]);
+  Tensor u = tp_.column_linear(ln2.y, w[kFc1W], w[kFc1B]);
   Tensor g = r.gelu(u);
-  Tensor o = tp_.leave(r.matmul(g, w[kFc2W]));
+  Tensor o = tp_.row_linear(g, w[kFc2W]);
   r.add_bias_(o, w[kFc2B]);
   Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
@@ -341,31 +360,27 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
   dp_.add_grad(b.p[kFc2B], r.sum_rows(dout));
-  const Tensor dy = tp_.leave_backward(dout);
-  parallel::LinearGrads fc2 = parallel::linear_backward(r, a.g, w[kFc2W], dy, false, true);
+  parallel::TensorParallel::Grads fc2 = tp_.row_linear_backward(a.g, w[kFc2W], dout);
   dp_.add_grad(b.p[kFc2W], fc2.dw);
   const Tensor du = r.gelu_backward(fc2.dx, a.u);
-  parallel::LinearGrads fc1 = parallel::linear_backward(r, tp_.enter(a.y2), w[kFc1W], du, true, true);
+  parallel::TensorParallel::Grads fc1 = tp_.column_linear_backward(a.y2, w[kFc1W], du);
   dp_.add_grad(b.p[kFc1W], fc1.dw);
   dp_.add_grad(b.p[kFc1B], fc1.db);
-  Rank::LayerNormGrads ln2 =
-      r.layernorm_backward(tp_.enter_backward(fc1.dx), a.x1, w[kLn2G], a.mean2, a.rstd2);
+  Rank::LayerNormGrads ln2 = r.layernorm_backward(fc1.dx, a.x1, w[kLn2G], a.mean2, a.rstd2);
   dp_.add_grad(b.p[kLn2G], ln2.dgamma);
   dp_.add_grad(b.p[kLn2B], ln2.dbeta);
   const Tensor dx1 = r.add(dx2, ln2.dx);
   // Attention backward.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
   dp_.add_grad(b.p[kProjB], r.sum_rows(dp));
-  const Tensor dproj = tp_.leave_backward(dp);
-  parallel::LinearGrads proj = parallel::linear_backward(r, a.out, w[kProjW], dproj, false, true);
+  parallel::TensorParallel::Grads proj = tp_.row_linear_backward(a.out, w[kProjW], dp);
   dp_.add_grad(b.p[kProjW], proj.dw);
   const Tensor dqkv =
       r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp, true);
-  parallel::LinearGrads qkv = parallel::linear_backward(r, tp_.enter(a.y1), w[kQkvW], dqkv, true, true);
+  parallel::TensorParallel::Grads qkv = tp_.column_linear_backward(a.y1, w[kQkvW], dqkv);
   dp_.add_grad(b.p[kQkvW], qkv.dw);
   dp_.add_grad(b.p[kQkvB], qkv.db);
-  Rank::LayerNormGrads ln1 =
-      r.layernorm_backward(tp_.enter_backward(qkv.dx), a.x, w[kLn1G], a.mean1, a.rstd1);
+  Rank::LayerNormGrads ln1 = r.layernorm_backward(qkv.dx, a.x, w[kLn1G], a.mean1, a.rstd1);
   dp_.add_grad(b.p[kLn1G], ln1.dgamma);
   dp_.add_grad(b.p[kLn1B], ln1.dbeta);
   return r.add(dx1, ln1.dx);
@@ -389,7 +404,7 @@ void Model::embed_backward(int mb, const Tensor& dx, bool last) {
   Tensor dwte = dp_.embedding_grad_target(wte_);
   r_.embedding_backward_(dwte, tp_.leave_backward(dx), ids_[mb], vocab_start_);
   dp_.embedding_grad_done(wte_, dwte);
-  if (last) dp_.bucket_ready({&wte_, &wpe_});
+  if (last) dp_.grads_ready({&wte_, &wpe_});
 }
 
 void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
@@ -424,9 +439,9 @@ Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
   dp_.add_grad(lnf_b_, ln.dbeta);
   if (last) {
     if (chunks_.front().embedding) {
-      dp_.bucket_ready({&lnf_g_, &lnf_b_});  // the embedding's backward adds to wte later in this task
+      dp_.grads_ready({&lnf_g_, &lnf_b_});  // the embedding's backward adds to wte later in this task
     } else {
-      dp_.bucket_ready({&lnf_g_, &lnf_b_, &wte_});
+      dp_.grads_ready({&lnf_g_, &lnf_b_, &wte_});
     }
   }
   return ln.dx;
@@ -472,7 +487,7 @@ Tensor Model::backward(const parallel::Task& t, const Tensor& dout) {
     if (last) {
       std::vector<Param*> ps;
       for (Param& p : ch.blocks[i].p) ps.push_back(&p);
-      dp_.bucket_ready(ps);
+      dp_.grads_ready(ps);
     }
   }
   if (ch.embedding) {

@@ -77,6 +77,8 @@ class Model {
   Tensor backward(const parallel::Task& t, const Tensor& dout);
 
   std::vector<parallel::Param*> params();
+  // The parameters in the order a step's backward makes their gradients final: the data-parallel buckets.
+  std::vector<parallel::Param*> params_in_backward_order();
   // Parameters for the check against the reference: (kind, layer) and the parameter; layer -1 for the
   // embedding and final layernorm.
   struct Named {

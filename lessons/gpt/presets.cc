@@ -58,4 +58,46 @@ Settings preset_settings(const std::string& name) {
           {"micro-batch", "1"}};
 }
 
+const std::vector<Framework>& frameworks() {
+  static const std::vector<Framework> all = {
+      // Megatron-LM as Narayanan et al. 2021 ran it (SC'21; release v2.x): gradients all-reduced after the
+      // backward, no distributed optimizer, blocking tensor-parallel collectives.
+      {"megatron-lm-2021", false, false, false,
+       "Megatron-LM v2 (Narayanan et al. 2021): no gradient, parameter or tensor-parallel overlap"},
+      // Korthikanti et al. 2022 (release v3.0) adds sequence parallelism and selective recompute, which
+      // are layout flags here; the communication still waits.
+      {"megatron-lm-2022", false, false, false,
+       "Megatron-LM v3 (Korthikanti et al. 2022): no gradient, parameter or tensor-parallel overlap"},
+      // Megatron-Core's performance settings, as NVIDIA's recipes set them (NeMo's
+      // llm/recipes/tp_overlap_configs, Megatron-LM's --overlap-grad-reduce --overlap-param-gather
+      // --tp-comm-overlap): bucketed gradient reduce-scatter during backward, parameter all-gather during
+      // forward, TransformerEngine's userbuffers overlap where tp > 1 with sequence parallelism.
+      {"megatron-core", true, true, true,
+       "Megatron-Core (core_r0.9 and later) with --overlap-grad-reduce --overlap-param-gather "
+       "--tp-comm-overlap"},
+      // torchtitan's FSDP2 (docs/fsdp.md): reduce-scatter during backward and the next layer's all-gather
+      // prefetched, forward and backward; asynchronous tensor parallelism off unless asked
+      // (parallelism.enable_async_tensor_parallel defaults to false).
+      {"torchtitan", true, true, false,
+       "torchtitan with FSDP2 prefetching and overlapped reduce-scatter; async TP off (its default)"},
+  };
+  return all;
+}
+
+Settings framework_settings(const std::string& name) {
+  if (name.empty()) return {};
+  std::vector<std::string> names;
+  for (const Framework& f : frameworks()) {
+    if (f.name == name) {
+      auto on = [](bool b) { return std::string(b ? "true" : "false"); };
+      return {{"overlap-grad-reduce", on(f.overlap_grad_reduce)},
+              {"overlap-param-gather", on(f.overlap_param_gather)},
+              {"tp-comm-overlap", on(f.tp_comm_overlap)}};
+    }
+    names.push_back(f.name);
+  }
+  throw UsageError(fmt::format("--framework: no framework called '{}'; the frameworks are: {}", name,
+                               fmt::join(names, ", ")));
+}
+
 }  // namespace ranklab::gpt

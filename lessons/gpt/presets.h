@@ -26,4 +26,15 @@ const Preset& find_preset(const std::string& name);
 // and `ranklab plan` alike.
 Settings preset_settings(const std::string& name);
 
+// Framework presets: `--framework NAME` sets the overlap flags as a framework's release runs them, and
+// nothing else; flags given explicitly win.
+struct Framework {
+  std::string name;
+  bool overlap_grad_reduce, overlap_param_gather, tp_comm_overlap;
+  std::string source;
+};
+const std::vector<Framework>& frameworks();
+// What `--framework NAME` sets (none for ""); UsageError listing the frameworks for another name.
+Settings framework_settings(const std::string& name);
+
 }  // namespace ranklab::gpt

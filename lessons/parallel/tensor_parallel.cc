@@ -41,6 +41,113 @@ Tensor TensorParallel::leave_backward(const Tensor& dy) {
   return seq_parallel ? all_gather(dy) : dy;
 }
 
+// ---- the linear layers of a pair ------------------------------------------------------------------------
+
+Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+  if (!overlapped()) return linear(r, enter(x), w, b);
+  return ring_gather_gemm(x, w, b, Trans::No, nullptr);
+}
+
+Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w) {
+  if (!overlapped()) return leave(r.matmul(x, w));
+  return ring_gemm_scatter(x, w, Trans::No);
+}
+
+TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, const Tensor& w,
+                                                             const Tensor& dy) {
+  if (!overlapped()) {
+    LinearGrads g = linear_backward(r, enter(x), w, dy, true, true);
+    return {g.dw, g.db, enter_backward(g.dx)};
+  }
+  // The input's all-gather (for the weight gradient) runs beside the input gradient's ring.
+  Tensor whole = buffer(r, phantom, x.shape().with_dim(0, x.size(0) * size), x.dtype());
+  Work gathered = r.all_gather(whole, x, Async::Yes, group);
+  Grads g;
+  g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
+  const Event e = exposed.before();
+  gathered.wait();
+  exposed.after(Dim::Sp, e);
+  g.dw = r.matmul(whole, dy, Trans::Yes, Trans::No);
+  g.db = r.sum_rows(dy);
+  return g;
+}
+
+TensorParallel::Grads TensorParallel::row_linear_backward(const Tensor& x, const Tensor& w,
+                                                          const Tensor& dy) {
+  if (!overlapped()) {
+    LinearGrads g = linear_backward(r, x, w, leave_backward(dy), false, true);
+    return {g.dw, Tensor(), g.dx};
+  }
+  Grads g;
+  Tensor dy_whole;
+  g.dx = ring_gather_gemm(dy, w, Tensor(), Trans::Yes, &dy_whole);
+  g.dw = r.matmul(x, dy_whole, Trans::Yes, Trans::No);
+  return g;
+}
+
+// ---- the rings ------------------------------------------------------------------------------------------
+
+std::vector<Work> TensorParallel::ring_exchange(const Tensor& out, const Tensor& in) {
+  // A shift around the ring is an all-to-all whose one non-empty piece goes to the next rank: the same
+  // grouped sends and receives NCCL runs for it, and one call the whole group makes together.
+  std::vector<std::int64_t> sent(size, 0), received(size, 0);
+  sent[(index + 1) % size] = out.size(0);
+  received[(index + size - 1) % size] = in.size(0);
+  return {r.all_to_all(in, out, received, sent, Async::Yes, group)};
+}
+
+void TensorParallel::wait_ring(std::vector<Work>& works) {
+  const Event e = exposed.before();
+  for (Work& w : works) w.wait();
+  exposed.after(Dim::Sp, e);
+}
+
+Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, const Tensor& b, Trans tw,
+                                        Tensor* keep_gathered) {
+  // Step s holds the rows of rank index - s: its own first, then each one the previous rank passes on.
+  std::vector<Tensor> products(size), pieces(size);
+  Tensor held = local;
+  for (int s = 0; s < size; ++s) {
+    const int from = (index - s + size) % size;
+    std::vector<Work> exchange;
+    Tensor next;
+    if (s + 1 < size) {
+      next = buffer(r, phantom, local.shape(), local.dtype());
+      exchange = ring_exchange(held, next);
+    }
+    products[from] = r.matmul(held, w, Trans::No, tw);
+    if (b.defined()) r.add_bias_(products[from], b);
+    pieces[from] = held;
+    if (s + 1 < size) {
+      wait_ring(exchange);
+      held = next;
+    }
+  }
+  if (keep_gathered != nullptr) *keep_gathered = r.cat(pieces, 0);
+  return r.cat(products, 0);
+}
+
+Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw) {
+  // The sum for rank j's rows starts at rank j + 1 and gathers one partial product per hop; after size - 1
+  // hops it reaches rank j. At step s this rank adds its part for the rows of rank index - 1 - s.
+  const std::int64_t rows = whole.size(0) / size;
+  auto partial = [&](int s) {
+    const int of = (index - 1 - s + 2 * size) % size;
+    return r.matmul(r.slice(whole, 0, of * rows, rows), w, Trans::No, tw);
+  };
+  Tensor sum = partial(0);
+  std::vector<Tensor> sent;  // alive until their sends are done
+  for (int s = 1; s < size; ++s) {
+    Tensor received = buffer(r, phantom, sum.shape(), sum.dtype());
+    std::vector<Work> exchange = ring_exchange(sum, received);
+    sent.push_back(sum);
+    Tensor mine = partial(s);
+    wait_ring(exchange);
+    sum = r.add(received, mine);
+  }
+  return sum;
+}
+
 Tensor linear(Rank& r, const Tensor& x, const Tensor& w, const Tensor& b) {
   Tensor y = r.matmul(x, w);
   if (b.defined()) r.add_bias_(y, b);

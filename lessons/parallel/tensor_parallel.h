@@ -19,7 +19,19 @@
 //
 // Rows are tokens in sequence-major order, so "split along the sequence" is "split along dim 0", which is
 // what all_gather and reduce_scatter do.
+//
+// Communication overlap (`comm_overlap`, Megatron's --tp-comm-overlap; Wang et al. 2022, "Overlap
+// Communication with Dependent Computation via Decomposition", as TransformerEngine's userbuffers and
+// torch's AsyncTP do it): with sequence parallelism an all-gather followed by the GEMM that consumes it is
+// tp GEMMs on the tp pieces of the rows, each piece passed on to the next rank around the ring while the
+// GEMM of the one before runs; a GEMM followed by a reduce-scatter is tp partial GEMMs whose sums travel
+// around the ring, each hop hidden under the next partial GEMM. The same bytes move, point to point, and
+// the compute stream waits only for what a GEMM did not hide. In backward, the column-parallel layer's
+// input is all-gathered (for the weight gradient) while its input gradient's GEMMs and reduce-scatter run.
+// The pieces are put together with a copy, which the userbuffers avoid by writing into one buffer.
 #pragma once
+
+#include <vector>
 
 #include "common/rank.h"
 #include "lessons/parallel/exposed.h"
@@ -33,6 +45,9 @@ struct TensorParallel {
   bool seq_parallel = false;
   bool phantom = false;
   ExposedComm& exposed;
+  bool comm_overlap = false;  // with seq_parallel: the ring decompositions above
+  int index = 0;              // this rank's place in the group
+  std::vector<int> ranks{};   // the group's global ranks, in order
 
   Dim dim() const { return seq_parallel ? Dim::Sp : Dim::Tp; }
   // f, forward: the input of a column-parallel layer, whole (SP: gathered from every rank's tokens).
@@ -44,9 +59,34 @@ struct TensorParallel {
   // g, backward: the output gradient as the row-parallel layer needs it (SP: gathered).
   Tensor leave_backward(const Tensor& dy);
 
+  // The pairs' linear layers with their communication: the column-parallel layer y = f(x) @ w + b, the
+  // row-parallel one y = g(x @ w), and their backwards (dx reduced as f's backward reduces it; for the
+  // row-parallel layer dy is the output gradient before g's backward). With comm_overlap they run as the
+  // ring decompositions; without, as f or g and one GEMM.
+  Tensor column_linear(const Tensor& x, const Tensor& w, const Tensor& b);
+  Tensor row_linear(const Tensor& x, const Tensor& w);
+  struct Grads {
+    Tensor dw, db, dx;
+  };
+  Grads column_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy);
+  Grads row_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy);
+
   Tensor all_reduce(const Tensor& t, Dim d);   // in place, returns t
   Tensor all_gather(const Tensor& local);      // along rows
   Tensor reduce_scatter(const Tensor& whole);  // along rows
+
+ private:
+  bool overlapped() const { return comm_overlap && seq_parallel && size > 1; }
+  // Each rank's rows `local` times w, every rank's pieces in turn as they come around the ring; the
+  // products in the group's row order. `keep_gathered`: also the gathered rows.
+  Tensor ring_gather_gemm(const Tensor& local, const Tensor& w, const Tensor& b, Trans tw,
+                          Tensor* keep_gathered);
+  // The rows of `whole` this rank keeps of the sum over ranks of whole @ op(w), the sums passed on around
+  // the ring.
+  Tensor ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw);
+  // Sends `out` to the next rank and receives into `in` from the previous one.
+  std::vector<Work> ring_exchange(const Tensor& out, const Tensor& in);
+  void wait_ring(std::vector<Work>& works);
 };
 
 // A linear layer y = x @ w (+ b) and its backward, the same whether w is a column block or a row block:

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "common/errors.h"
+
 namespace ranklab::parallel {
 
 namespace {
@@ -98,25 +100,94 @@ void DataParallel::init(Param& p) {
   p.v = zeros(r_, c_.phantom, p.master.shape(), DType::Float32);
 }
 
+std::int64_t default_bucket_params(int dp_size) {
+  // Megatron-Core's DistributedDataParallelConfig.bucket_size default: larger data-parallel groups need
+  // larger buckets for their collectives not to be bound by latency.
+  return std::max<std::int64_t>(40'000'000, std::int64_t{1'000'000} * dp_size);
+}
+
+void DataParallel::set_buckets(const std::vector<Param*>& backward_order) {
+  buckets_.clear();
+  const std::int64_t limit = c_.bucket_params > 0 ? c_.bucket_params : default_bucket_params(c_.dp_size);
+  std::int64_t numel = 0;
+  for (Param* p : backward_order) {
+    // The tied embedding on two stages gets a bucket of its own, as Megatron gives it: its gradient is
+    // final only after the other stage's part is added.
+    const bool alone = p->spec.tied && c_.embedding_group;
+    if (buckets_.empty() || (c_.overlap_grad_reduce && (numel >= limit || alone))) {
+      buckets_.emplace_back();
+      numel = 0;
+    }
+    p->bucket = static_cast<int>(buckets_.size()) - 1;
+    buckets_.back().params.push_back(p);
+    numel += p->local.numel();
+    if (alone) numel = limit;  // and nothing after it
+  }
+}
+
+void DataParallel::start_step() {
+  for (Bucket& b : buckets_) b.ready = 0, b.reducing = false;
+  next_gather_bucket_ = static_cast<int>(buckets_.size()) - 1;
+  if (!gathers_.empty()) issue_gathers(next_gather_bucket_);
+}
+
+void DataParallel::wait(Work& w) {
+  const Event e = exposed_.before();
+  w.wait();
+  exposed_.after(Dim::Dp, e);
+}
+
+void DataParallel::issue_gathers(int bucket) {
+  if (bucket < 0 || bucket != next_gather_bucket_) return;
+  --next_gather_bucket_;
+  for (Param* p : buckets_[bucket].params) {
+    if (p->gather_slot < 0) continue;
+    Pending& q = gathers_[p->gather_slot];
+    q.work = r_.all_gather(q.out, q.in, Async::Yes, c_.dp);
+  }
+}
+
 DataParallel::Gathered DataParallel::gather(Param& p) {
-  if (c_.stage < 3 || c_.dp_size == 1) return {&p, p.copy, Work()};
+  if (p.gather_slot >= 0) {  // zero 1, 2: the previous step's update, this bucket's and the next one's
+    issue_gathers(p.bucket);
+    issue_gathers(p.bucket - 1);
+    return {&p, p.copy, Work()};
+  }
+  if (c_.stage < 3 || !sharded()) return {&p, p.copy, Work()};
   Gathered g{&p, buffer(r_, c_.phantom, rows_shape(p.local, p.rows_padded), c_.dtype), Work()};
-  g.work = r_.all_gather(g.full, p.copy, Async::Yes, c_.dp);
+  if (c_.overlap_param_gather) {
+    g.work = r_.all_gather(g.full, p.copy, Async::Yes, c_.dp);
+  } else {
+    const Event e = exposed_.before();
+    r_.all_gather(g.full, p.copy, Async::No, c_.dp);
+    exposed_.after(Dim::Dp, e);
+    g.full = unpad(p, g.full);
+  }
   return g;
 }
 
 Tensor DataParallel::get(Gathered& g) {
-  if (!g.work.waited()) {
-    const Event e = exposed_.before();
-    g.work.wait();
-    exposed_.after(Dim::Dp, e);
-    g.full = unpad(*g.p, g.full);
+  Param& p = *g.p;
+  if (p.gather_slot >= 0) {
+    Pending& q = gathers_[p.gather_slot];
+    wait(q.work);
+    if (p.rows_padded == p.rows) {
+      p.copy = q.out;
+    } else {
+      r_.copy_(p.copy, unpad(p, q.out));
+    }
+    p.gather_slot = -1;
+    q = Pending{};
+    g.full = p.copy;
+  } else if (!g.work.waited()) {
+    wait(g.work);
+    g.full = unpad(p, g.full);
   }
   return g.full;
 }
 
 void DataParallel::add_grad(Param& p, const Tensor& g) {
-  if (c_.stage <= 1 || c_.dp_size == 1) {
+  if (c_.stage <= 1 || !sharded()) {
     r_.add_(p.grad, g, 1.0f);
     return;
   }
@@ -128,10 +199,11 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
   Pending q{&p, buffer(r_, c_.phantom, rows_shape(p.local, p.shard_rows), c_.reduce_dtype), t, Work()};
   q.work = r_.reduce_scatter(q.out, t, dp_op(), Async::Yes, c_.dp);
   pending_.push_back(std::move(q));
+  if (!c_.overlap_grad_reduce) drain();  // the plain schedule waits at once
 }
 
 Tensor DataParallel::embedding_grad_target(Param& p) {
-  if (c_.stage <= 1 || c_.dp_size == 1) return p.grad;
+  if (c_.stage <= 1 || !sharded()) return p.grad;
   return zeros(r_, c_.phantom, p.local, DType::Float32);
 }
 
@@ -141,68 +213,102 @@ void DataParallel::embedding_grad_done(Param& p, const Tensor& target) {
 
 void DataParallel::drain() {
   for (Pending& q : pending_) {
-    const Event e = exposed_.before();
-    q.work.wait();
-    exposed_.after(Dim::Dp, e);
+    wait(q.work);
     r_.add_(q.p->grad, q.out, 1.0f);
   }
   pending_.clear();
 }
 
-void DataParallel::bucket_ready(const std::vector<Param*>& ps) {
-  if (c_.stage >= 2 || c_.dp_size == 1) return;
+void DataParallel::grads_ready(const std::vector<Param*>& ps) {
+  if (c_.stage >= 2 || !sharded() || !c_.overlap_grad_reduce) return;
   for (Param* p : ps) {
-    Tensor t = c_.reduce_dtype == DType::Float32 ? p->grad : r_.cast(p->grad, c_.reduce_dtype);
-    Work w = r_.all_reduce(t, dp_op(), Async::Yes, c_.dp);
-    reduces_.push_back({p, t, Tensor(), std::move(w)});
+    Bucket& b = buckets_[p->bucket];
+    if (++b.ready == static_cast<int>(b.params.size())) issue_reduction(b);
   }
+}
+
+void DataParallel::issue_reduction(Bucket& b) {
+  b.reducing = true;
+  for (Param* p : b.params) {
+    Tensor t = c_.reduce_dtype == DType::Float32 ? p->grad : r_.cast(p->grad, c_.reduce_dtype);
+    if (c_.stage == 0) {
+      Work w = r_.all_reduce(t, dp_op(), Async::Yes, c_.dp);
+      reduces_.push_back({p, t, Tensor(), std::move(w)});
+    } else {  // the distributed optimizer: each rank receives its shard's sum
+      Tensor out = buffer(r_, c_.phantom, rows_shape(p->local, p->shard_rows), c_.reduce_dtype);
+      Tensor in = pad(*p, t);
+      Work w = r_.reduce_scatter(out, in, dp_op(), Async::Yes, c_.dp);
+      reduces_.push_back({p, out, in, std::move(w)});
+    }
+  }
+}
+
+void DataParallel::finish_reduction(Pending& q) {
+  wait(q.work);
+  Param& p = *q.p;
+  if (c_.stage == 0) {
+    if (!q.out.same_storage(p.grad)) r_.copy_(p.grad, q.out);
+  } else {
+    p.reduced = q.out.dtype() == DType::Float32 ? q.out : r_.cast(q.out, DType::Float32);
+  }
+}
+
+const Tensor& DataParallel::final_grad(const Param& p) const {
+  return c_.stage == 1 && sharded() ? p.reduced : p.grad;
 }
 
 void DataParallel::finish(const std::vector<Param*>& ps) {
   drain();
-  for (Pending& q : reduces_) {
-    const Event e = exposed_.before();
-    q.work.wait();
-    exposed_.after(Dim::Dp, e);
-    if (!q.out.same_storage(q.p->grad)) r_.copy_(q.p->grad, q.out);
+  if (c_.stage <= 1 && sharded()) {
+    for (Bucket& b : buckets_) {
+      if (!b.reducing) issue_reduction(b);
+    }
   }
+  for (Pending& q : reduces_) finish_reduction(q);
   reduces_.clear();
   for (Param* p : ps) {
+    const Tensor& g = final_grad(*p);
     if (p->spec.sp_partial && c_.seq_parallel && c_.tp_size > 1 && c_.broken != "no-sp-grad-sync") {
       const Event e = exposed_.before();
-      r_.all_reduce(p->grad, ReduceOp::Sum, Async::No, c_.tp);
+      r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.tp);
       exposed_.after(Dim::Sp, e);
     }
     if (p->spec.tied && c_.embedding_group) {
       const Event e = exposed_.before();
-      r_.all_reduce(p->grad, ReduceOp::Sum, Async::No, c_.embedding);
+      r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.embedding);
       exposed_.after(Dim::Pp, e);
     }
   }
 }
 
 void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
-  const bool sharded = c_.dp_size > 1;
+  for (Pending& q : gathers_) {  // every one was read by this step's forward
+    if (q.p != nullptr)
+      throw Error("DataParallel::step: " + q.p->spec.name + "'s weights were never gathered");
+  }
+  gathers_.clear();
   std::vector<Pending> gathers;
   for (Param* p : ps) {
     AdamW hp = h;
     if (!p->spec.decay) hp.weight_decay = 0;
-    const Tensor g = c_.stage == 1 && sharded ? shard_of(*p, p->grad) : p->grad;
-    r_.adamw_step(p->master, g, p->m, p->v, hp, t);
-    if (c_.stage == 0 || c_.stage == 3 || !sharded) {
+    r_.adamw_step(p->master, final_grad(*p), p->m, p->v, hp, t);
+    if (c_.stage == 0 || c_.stage == 3 || !sharded()) {
       if (!p->copy.same_storage(p->master)) r_.copy_(p->copy, p->master);
       continue;
     }
     // zero 1 and 2: every rank updated its shard; an all_gather puts the 16-bit weights back together.
     Tensor mine = c_.dtype == DType::Float32 ? p->master : r_.cast(p->master, c_.dtype);
     Pending q{p, buffer(r_, c_.phantom, rows_shape(p->local, p->rows_padded), c_.dtype), mine, Work()};
+    if (c_.overlap_param_gather) {  // started by the next step's forward (start_step, gather)
+      p->gather_slot = static_cast<int>(gathers_.size());
+      gathers_.push_back(std::move(q));
+      continue;
+    }
     q.work = r_.all_gather(q.out, mine, Async::Yes, c_.dp);
     gathers.push_back(std::move(q));
   }
   for (Pending& q : gathers) {
-    const Event e = exposed_.before();
-    q.work.wait();
-    exposed_.after(Dim::Dp, e);
+    wait(q.work);
     if (q.p->rows_padded == q.p->rows) {
       q.p->copy = q.out;
     } else {

@@ -6,20 +6,35 @@
 // in stages; each rank of the dp group owns 1/dp of every tensor's rows (its shard):
 //
 //   zero 0  everything whole. After the step's last backward, all_reduce(Avg) the gradients.
-//   zero 1  the optimizer state (master weights, moments) is sharded: the gradient is still all-reduced
-//           whole, each rank updates its shard, and an all_gather rebuilds the 16-bit weights.
+//   zero 1  the optimizer state (master weights, moments) is sharded: the gradient is reduce-scattered
+//           after the step's last backward, each rank updates its shard, and an all_gather rebuilds the
+//           16-bit weights.
 //   zero 2  the gradients are sharded too: each micro-batch's gradient is reduce-scattered as soon as
 //           backward makes it, and each rank keeps only its shard's sum. More traffic (once per
 //           micro-batch, not per step), a 1/dp gradient buffer.
 //   zero 3  the 16-bit weights are sharded as well (FSDP): a layer's weights are all-gathered just before
 //           its forward and again before its backward, and freed after use.
 //
-// Overlap: the reductions are asynchronous. With zero 0 and 1 a layer's gradients are final when its last
-// micro-batch's backward is done; that layer is a bucket and its all-reduces start at once, while the
-// layers below it are still in backward. With zero 2 and 3 each micro-batch's reduce-scatters start as
-// the layer's backward produces them and are waited on one task later. zero 3 gathers the next layer's
-// weights while the current one computes.
+// Overlap, as Megatron-LM's distributed data parallelism does it (megatron/core/distributed): the
+// parameters are grouped into buckets in the order backward makes their gradients final (the reverse of
+// the forward's), each bucket at least `bucket_params` parameters, max(40M, 1M x dp) unless set
+// (DistributedDataParallelConfig.bucket_size, Megatron-Core 0.7).
 //
+//   plain                  zero 0 and 1 reduce every gradient after the last backward, the compute stream
+//                          waiting for each; zero 2 and 3 reduce-scatter each micro-batch's gradient as
+//                          backward makes it and wait at once; zero 1 and 2 all-gather the updated weights
+//                          at the end of the step; zero 3 gathers a layer's weights when it needs them.
+//   overlap_grad_reduce    a bucket's reductions start when its last gradient of the step is final, while
+//                          the layers below it are still in backward (zero 0, 1); each micro-batch's
+//                          reduce-scatters are waited on one task later (zero 2, 3).
+//   overlap_param_gather   zero 1 and 2: the step's first bucket's all_gather starts as the next step
+//                          begins and each bucket's forward starts the next one's, so the forward waits only
+//                          for what has not arrived (Megatron's forward pre-hook); zero 3: the next layer's
+//                          weights are gathered while the current one computes, forward and backward.
+//
+// Zero 1 is Megatron's distributed optimizer: the gradient is reduce-scattered, each rank updates its
+// shard, and an all_gather rebuilds the 16-bit weights: the traffic of one all-reduce, as data parallelism
+// (Rajbhandari et al. 2020, section 7.2.1).
 // Shards are rows (dim 0), the dimension reduce_scatter and all_gather split. A tensor whose rows do not
 // divide by dp is padded with zero rows; the padding stays zero.
 #pragma once
@@ -54,6 +69,10 @@ struct Param {
   Tensor master;  // float32: the local part (zero >= 1: the shard)
   Tensor grad;    // float32: the local part (zero >= 2: the shard)
   Tensor m, v;    // float32, like master
+  // zero 1: this rank's shard of the reduced gradient (float32), from finish() to the next step.
+  Tensor reduced;
+  int bucket = -1;       // the bucket of its gradient and of its weights' gather
+  int gather_slot = -1;  // overlap_param_gather: its pending all_gather of updated weights, or -1
 };
 
 struct ZeroConfig {
@@ -66,7 +85,12 @@ struct ZeroConfig {
   bool seq_parallel = false;
   bool embedding_group = false;  // the tied embedding lives on two ranks (pp > 1)
   std::string broken;            // a deliberate bug for the tests: dp-sum, no-reduce-scatter
+  bool overlap_grad_reduce = false;
+  bool overlap_param_gather = false;
+  std::int64_t bucket_params = 0;  // 0: max(40M, 1M x dp)
 };
+// The parameters of one bucket by Megatron's rule, for a data-parallel group of `dp_size`.
+std::int64_t default_bucket_params(int dp_size);
 
 class DataParallel {
  public:
@@ -80,8 +104,17 @@ class DataParallel {
   };
   static Bytes bytes(const ParamSpec& s, const ZeroConfig& c);
 
-  // The weight as the GEMMs read it. zero 3: an asynchronous all_gather of the shards, prefetched before
-  // the layer before it computes; get() waits for it.
+  // Groups the parameters into buckets: `backward_order` lists them as backward makes their gradients
+  // final. Without overlap_grad_reduce they are one bucket.
+  void set_buckets(const std::vector<Param*>& backward_order);
+  // The step begins: the buckets' gradients are not final yet, and with overlap_param_gather the first
+  // bucket's all_gather of the weights the previous step updated starts.
+  void start_step();
+
+  // The weight as the GEMMs read it. zero 3: an all_gather of the shards (asynchronous with
+  // overlap_param_gather, prefetched before the layer before it computes); zero 1 and 2 with
+  // overlap_param_gather: the all_gather of the previous step's update, its bucket's and the next bucket's
+  // started here. get() waits for it.
   struct Gathered {
     Param* p = nullptr;
     Tensor full;
@@ -95,14 +128,18 @@ class DataParallel {
   // The float32 tensor the embedding's backward adds into, and its hand-over.
   Tensor embedding_grad_target(Param& p);
   void embedding_grad_done(Param& p, const Tensor& target);
-  // These parameters' gradients are final for this step (their last micro-batch's backward is done).
-  void bucket_ready(const std::vector<Param*>& ps);
+  // These parameters' gradients are final for this step (their last micro-batch's backward is done); a
+  // bucket whose gradients all are starts its reduction (overlap_grad_reduce).
+  void grads_ready(const std::vector<Param*>& ps);
   // Waits for the reductions ZeRO 2 and 3 started one task ago.
   void drain();
-  // After the last backward: waits for every reduction, then adds the gradients of sequence-parallel
-  // parameters over tp and those of the tied embedding over its two stages.
+  // After the last backward: starts the reductions not started yet and waits for every one, then adds the
+  // gradients of sequence-parallel parameters over tp and those of the tied embedding over its two stages.
   void finish(const std::vector<Param*>& ps);
-  // AdamW on this rank's part, then the 16-bit weights rebuilt (all_gather for zero 1 and 2).
+  // The gradient the optimizer reads after finish(): zero 1's reduced shard, else the gradient.
+  const Tensor& final_grad(const Param& p) const;
+  // AdamW on this rank's part, then the 16-bit weights rebuilt (all_gather for zero 1 and 2, at once or,
+  // with overlap_param_gather, during the next step's forward).
   void step(const std::vector<Param*>& ps, const AdamW& h, int t);
   void zero_grads(const std::vector<Param*>& ps);
 
@@ -111,20 +148,37 @@ class DataParallel {
   std::int64_t shard_valid_rows(const Param& p) const;
 
  private:
+  // An operation in flight on the dp group: a reduction of `p`'s gradient into `out`, or a gather of its
+  // weights into `out`; `in` is kept alive until it finishes.
+  struct Pending {
+    Param* p;
+    Tensor out, in;
+    Work work;
+  };
+  struct Bucket {
+    std::vector<Param*> params;
+    int ready = 0;  // parameters whose gradient is final this step
+    bool reducing = false;
+  };
+
   Tensor pad(const Param& p, const Tensor& t);    // rows up to rows_padded
   Tensor unpad(const Param& p, const Tensor& t);  // back to rows
   Tensor shard_of(const Param& p, const Tensor& local);
   ReduceOp dp_op() const;
+  bool sharded() const { return c_.dp_size > 1; }
+  // Waits on the compute stream, counting the wait as exposed data-parallel communication.
+  void wait(Work& w);
+  void issue_reduction(Bucket& b);
+  void issue_gathers(int bucket);
+  void finish_reduction(Pending& q);
 
   Rank& r_;
   ZeroConfig c_;
   ExposedComm& exposed_;
-  struct Pending {
-    Param* p;
-    Tensor out, in;  // in: kept alive until the reduction finishes
-    Work work;
-  };
-  std::vector<Pending> pending_, pending_prev_, reduces_;
+  std::vector<Pending> pending_, reduces_;
+  std::vector<Bucket> buckets_;   // in backward order
+  std::vector<Pending> gathers_;  // overlap_param_gather: the weights' all_gathers, by Param::gather_slot
+  int next_gather_bucket_ = 0;    // in forward order: buckets_.size() - 1 down to 0
 };
 
 }  // namespace ranklab::parallel
