@@ -375,6 +375,50 @@ TEST(AttentionKernels, BatchedGemmTilesShareTheWaves) {
               33 * model.gemm_us(1024, 1024, 512, DType::BFloat16) * (32.0 / 132), 1e-9);
 }
 
+TEST(AttentionShapeModel, EfficiencyRisesWithSeqAndStaysBelowTheCeiling) {
+  for (const std::string& name : list_profiles()) {
+    const GpuModel gpu = load_profile(name).gpu;
+    if (!gpu.attention_fwd_shape.enabled()) continue;
+    const sim::ComputeModel model(gpu);
+    for (bool backward : {false, true}) {
+      const double ceiling = (backward ? gpu.attention_bwd_shape : gpu.attention_fwd_shape).ceiling;
+      for (std::int64_t hd : {64, 80, 128}) {
+        for (bool causal : {false, true}) {
+          double previous = 0;
+          for (std::int64_t s = 256; s <= 65536; s *= 2) {
+            const double e = model.flash_attention_efficiency({1, s, 16, hd, causal, 0}, backward);
+            EXPECT_GT(e, previous) << name << " s=" << s << " hd=" << hd;
+            EXPECT_LT(e, ceiling) << name << " s=" << s << " hd=" << hd;
+            previous = e;
+          }
+        }
+        // Causal and a smaller head dim cost efficiency.
+        EXPECT_LT(model.flash_attention_efficiency({1, 2048, 16, hd, true, 0}, backward),
+                  model.flash_attention_efficiency({1, 2048, 16, hd, false, 0}, backward));
+      }
+      EXPECT_LT(model.flash_attention_efficiency({1, 2048, 16, 64, false, 0}, backward),
+                model.flash_attention_efficiency({1, 2048, 16, 128, false, 0}, backward));
+    }
+  }
+}
+
+TEST(AttentionShapeModel, H100ReproducesTheFlashAttention3BarsItCameFrom) {
+  // FlashAttention-3 paper, Figure 5, head dim 128 non-causal: 467 TFLOPS at 512, 648 at 16k, and within
+  // 6% of the bars between (565, 625, 638, 646).
+  const sim::ComputeModel model = h100_model();
+  const double bars[] = {467, 565, 625, 638, 646, 648};
+  int i = 0;
+  for (std::int64_t s = 512; s <= 16384; s *= 2, ++i) {
+    const double tflops = model.flash_attention_efficiency({1, s, 16, 128, false, 0}, false) * 989.4;
+    EXPECT_NEAR(tflops / bars[i], 1.0, i == 0 || i == 5 ? 0.002 : 0.06) << "s=" << s;
+  }
+  // The time is the flops at that rate.
+  const AttentionShape a{8, 2048, 16, 128, false, 0};
+  const double flops = 4.0 * 8 * 2048 * 2048 * 16 * 128;
+  EXPECT_DOUBLE_EQ(model.attention_us(a, AttentionKernel::Flash, false, DType::BFloat16),
+                   flops / (989.4e6 * model.flash_attention_efficiency(a, false)));
+}
+
 TEST(AttentionShapeModel, ProfileWithoutShapeDataKeepsTheFlatFractions) {
   const std::string text = R"(
 name = "flat"
@@ -467,5 +511,17 @@ launch_overhead_us = 1
   EXPECT_EQ(error("attention_fwd_ceiling = 0.5\nattention_fwd_seq_half = 100\n"), "");
 }
 
+TEST(AttentionShapeModel, Gpt3TwoPointSevenBLayerFlashAgainstUnfused) {
+  // Batch 1, seq 2048, 32 heads of 80, bf16, attention dropout 0.1 for the unfused path.
+  for (const std::string& name : {std::string("dgx-a100"), std::string("dgx-h100")}) {
+    const sim::ComputeModel model = profile_model(name);
+    const double flash = fwd_bwd_us(model, gpt3_2p7b(true, 0), AttentionKernel::Flash);
+    const double unfused = fwd_bwd_us(model, gpt3_2p7b(true, 0.1f), AttentionKernel::Unfused);
+    const double flat = model.attention_us(1, 2048, 32, 80, true, false, DType::BFloat16) +
+                        model.attention_us(1, 2048, 32, 80, true, true, DType::BFloat16);
+    EXPECT_GT(flash, flat) << name;  // the shape model is slower than the flat best-case fractions here
+    EXPECT_GT(unfused, 2 * flash) << name;
+  }
+}
 }  // namespace
 }  // namespace ranklab
