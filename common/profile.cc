@@ -364,6 +364,28 @@ constexpr int kMaxSmCount = 4096;     // streaming multiprocessors of one GPU
 constexpr int kMaxTile = 4096;        // a GEMM tile's side, and the k a tile's overhead is worth
 constexpr int kMaxGemmDim = 1 << 24;  // a measured GEMM's m, n or k
 
+constexpr double kMaxAttentionTokens = 1 << 24;  // a sequence-length constant of the attention model
+
+// The attention shape model of one pass (`pass` is "fwd" or "bwd"): attention_<pass>_ceiling turns it on,
+// and the other three need it (without a ceiling they would silently do nothing).
+AttentionShapeModel read_attention_shape(TableReader& gpu, const std::string& pass,
+                                         const std::string& origin) {
+  const std::string ceiling = "attention_" + pass + "_ceiling";
+  AttentionShapeModel m;
+  m.ceiling = gpu.efficiency(ceiling, 0);
+  for (const char* rest : {"_seq_half", "_hdim64_factor", "_causal_tokens"}) {
+    const std::string key = "attention_" + pass + rest;
+    if (gpu.has(key) && !gpu.has(ceiling)) {
+      fail_at(gpu.at(key), origin,
+              fmt::format("'gpu.{}' needs 'gpu.{}', the shape model's ceiling", key, ceiling));
+    }
+  }
+  m.seq_half = gpu.at_least("attention_" + pass + "_seq_half", 0, kMaxAttentionTokens, 0);
+  m.hdim64_factor = gpu.efficiency("attention_" + pass + "_hdim64_factor", 1.0);
+  m.causal_tokens = gpu.at_least("attention_" + pass + "_causal_tokens", 0, kMaxAttentionTokens, 0);
+  return m;
+}
+
 Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader top(root, "", origin,
                   {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "nvlink",
@@ -396,7 +418,15 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
                    "gemm_mamf_n",
                    "gemm_mamf_k",
                    "attention_fwd_efficiency",
-                   "attention_bwd_efficiency"});
+                   "attention_bwd_efficiency",
+                   "attention_fwd_ceiling",
+                   "attention_fwd_seq_half",
+                   "attention_fwd_hdim64_factor",
+                   "attention_fwd_causal_tokens",
+                   "attention_bwd_ceiling",
+                   "attention_bwd_seq_half",
+                   "attention_bwd_hdim64_factor",
+                   "attention_bwd_causal_tokens"});
   p.gpu.name = gpu.require_string("name");
   p.gpu.peak_tflops_fp32 = gpu.positive("peak_tflops_fp32", kMinTflops, kMaxTflops);
   p.gpu.peak_tflops_tf32 = gpu.positive("peak_tflops_tf32", kMinTflops, kMaxTflops);
@@ -430,6 +460,8 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   }
   p.gpu.attention_fwd_efficiency = gpu.efficiency("attention_fwd_efficiency", 0);
   p.gpu.attention_bwd_efficiency = gpu.efficiency("attention_bwd_efficiency", 0);
+  p.gpu.attention_fwd_shape = read_attention_shape(gpu, "fwd", origin);
+  p.gpu.attention_bwd_shape = read_attention_shape(gpu, "bwd", origin);
 
   if (const toml::table* t = top.optional_table("nvlink")) {
     TableReader nv(

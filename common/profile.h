@@ -12,6 +12,19 @@
 
 namespace ranklab {
 
+// How fused (FlashAttention-style) attention's rate depends on its shape, from kernel benchmarks:
+//   efficiency = ceiling * seq / (seq + seq_half) * head_dim factor * (causal: seq / (seq + causal_tokens))
+// where the head_dim factor is hdim64_factor at head_dim <= 64, 1 at head_dim >= 128, linear between.
+// ceiling 0 means no shape model: the flat attention_*_efficiency applies.
+struct AttentionShapeModel {
+  double ceiling = 0;        // the fraction of peak at head_dim 128, non-causal, as seq grows without bound
+  double seq_half = 0;       // tokens at which a non-causal head_dim-128 pass reaches half the ceiling
+  double hdim64_factor = 1;  // head_dim 64's rate as a fraction of head_dim 128's
+  double causal_tokens =
+      0;  // the causal mask's cost: causal runs at seq / (seq + causal_tokens) of non-causal
+  bool enabled() const { return ceiling > 0; }
+};
+
 struct GpuModel {
   std::string name;
   double peak_tflops_fp32 = 0;    // dense, without tensor cores
@@ -32,9 +45,13 @@ struct GpuModel {
   double gemm_k_overhead = 0;   // a tile's pipeline fill and drain, in elements of k
   double gemm_mamf_tflops = 0;  // a measured large 16-bit GEMM: its TFLOP/s and its shape
   int gemm_mamf_m = 0, gemm_mamf_n = 0, gemm_mamf_k = 0;
-  // Fused attention's throughput as a fraction of the 16-bit peak; 0 means compute_efficiency.
+  // Fused attention's throughput as a fraction of the 16-bit peak; 0 means compute_efficiency. The flat
+  // fractions, used where the profile gives no shape model below.
   double attention_fwd_efficiency = 0;
   double attention_bwd_efficiency = 0;
+  // Fused attention's fraction of the 16-bit peak by shape (docs/model.md, "Compute"), one per pass.
+  AttentionShapeModel attention_fwd_shape;
+  AttentionShapeModel attention_bwd_shape;
 };
 
 // The NVLink ports of each GPU, all wired to the node's NVSwitch fabric, so any two GPUs of a node (an

@@ -16,13 +16,20 @@ double ceil_div(std::int64_t a, std::int64_t b) {
 
 // The fraction of the SMs' tile slots doing useful work: each SM computes whole tm x tn tiles (a partial
 // tile at an edge costs a whole one), in waves of one tile per SM (the last wave may leave SMs idle).
-double tile_wave_efficiency(std::int64_t m, std::int64_t n, std::int64_t tm, std::int64_t tn, int sms) {
+// `batch` GEMMs of one shape in one call put all their tiles into the same waves.
+double tile_wave_efficiency(std::int64_t m, std::int64_t n, std::int64_t tm, std::int64_t tn, int sms,
+                            std::int64_t batch) {
   const double tiles = ceil_div(m, tm) * ceil_div(n, tn);
-  const double waves = std::ceil(tiles / sms);
+  const double all_tiles = tiles * static_cast<double>(batch);
+  const double waves = std::ceil(all_tiles / sms);
   const double tile_fill =
       static_cast<double>(m) * static_cast<double>(n) / (tiles * static_cast<double>(tm * tn));
-  const double wave_fill = tiles / (waves * sms);
+  const double wave_fill = all_tiles / (waves * sms);
   return tile_fill * wave_fill;
+}
+
+double d(std::int64_t v) {
+  return static_cast<double>(v);
 }
 }  // namespace
 
@@ -43,12 +50,12 @@ ComputeModel::ComputeModel(const GpuModel& gpu) : gpu_(gpu) {
   }
 }
 
-double ComputeModel::gemm_quantization(std::int64_t m, std::int64_t n) const {
-  if (gpu_.sm_count <= 0 || m <= 0 || n <= 0) return 1.0;
+double ComputeModel::gemm_quantization(std::int64_t m, std::int64_t n, std::int64_t batch) const {
+  if (gpu_.sm_count <= 0 || m <= 0 || n <= 0 || batch <= 0) return 1.0;
   const std::int64_t tm = gpu_.gemm_tile_m, tn = gpu_.gemm_tile_n;
   // cuBLAS's heuristics pick among tile shapes; the model takes the better orientation of the profile's.
-  return std::max(tile_wave_efficiency(m, n, tm, tn, gpu_.sm_count),
-                  tile_wave_efficiency(m, n, tn, tm, gpu_.sm_count));
+  return std::max(tile_wave_efficiency(m, n, tm, tn, gpu_.sm_count, batch),
+                  tile_wave_efficiency(m, n, tn, tm, gpu_.sm_count, batch));
 }
 
 double ComputeModel::gemm_k_efficiency(std::int64_t k) const {
@@ -79,34 +86,116 @@ double ComputeModel::memory_us(double bytes) const {
 }
 
 KernelCost ComputeModel::gemm_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const {
+  return batched_gemm_cost(1, m, n, k, dtype);
+}
+
+KernelCost ComputeModel::batched_gemm_cost(std::int64_t batch, std::int64_t m, std::int64_t n, std::int64_t k,
+                                           DType dtype) const {
   const double e = static_cast<double>(dtype_bytes(dtype));
-  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  const double bytes = e * static_cast<double>(m * k + k * n + m * n);
+  const double flops =
+      d(batch) * (2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
+  const double bytes = d(batch) * (e * static_cast<double>(m * k + k * n + m * n));
   // float32 runs on CUDA cores: the plain roofline, as before 16-bit types existed.
   if (dtype == DType::Float32 || !gemm_shape_model() || flops == 0) return kernel_cost(flops, bytes, dtype);
   const double rate =
-      peak_tflops(dtype) * 1e6 * gemm_ceiling_ * gemm_quantization(m, n) * gemm_k_efficiency(k);
+      peak_tflops(dtype) * 1e6 * gemm_ceiling_ * gemm_quantization(m, n, batch) * gemm_k_efficiency(k);
   return {flops / rate, memory_us(bytes)};
 }
 
 KernelCost ComputeModel::attention_cost(std::int64_t batch, std::int64_t seq, std::int64_t heads,
                                         std::int64_t head_dim, bool causal, bool backward,
                                         DType dtype) const {
-  // Two GEMMs of 2 s^2 d flops per head forward (Q K^T and P V); causal masking skips half of them.
-  double flops = 4.0 * static_cast<double>(batch) * static_cast<double>(seq) * static_cast<double>(seq) *
-                 static_cast<double>(heads) * static_cast<double>(head_dim);
-  if (causal) flops /= 2;
-  if (backward) flops *= 2.5;  // five GEMMs instead of two (FlashAttention-2 paper, section 4.1)
-  const double e = static_cast<double>(dtype_bytes(dtype));
-  const double tokens = static_cast<double>(batch * seq);
-  const double width = static_cast<double>(heads * head_dim);
-  // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d qkv.
-  const double bytes = backward ? e * tokens * width * 8 + 4.0 * tokens * heads
-                                : e * tokens * width * 4 + 4.0 * tokens * heads;
-  if (dtype == DType::Float32) return kernel_cost(flops, bytes, dtype);
   const double measured = backward ? gpu_.attention_bwd_efficiency : gpu_.attention_fwd_efficiency;
   const double efficiency = measured > 0 ? measured : gpu_.compute_efficiency;
+  return flash_attention_cost({batch, seq, heads, head_dim, causal, 0.0f}, backward, dtype, efficiency);
+}
+
+KernelCost ComputeModel::flash_attention_cost(const AttentionShape& a, bool backward, DType dtype,
+                                              double efficiency) const {
+  // Two GEMMs of 2 s^2 d flops per head forward (Q K^T and P V); causal masking skips half of them.
+  double flops = 4.0 * d(a.batch) * d(a.seq) * d(a.seq) * d(a.heads) * d(a.head_dim);
+  if (a.causal) flops /= 2;
+  if (backward) flops *= 2.5;  // five GEMMs instead of two (FlashAttention-2 paper, section 4.1)
+  const double e = static_cast<double>(dtype_bytes(dtype));
+  const double tokens = d(a.batch * a.seq);
+  const double width = d(a.heads * a.head_dim);
+  // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d qkv.
+  const double bytes = backward ? e * tokens * width * 8 + 4.0 * tokens * d(a.heads)
+                                : e * tokens * width * 4 + 4.0 * tokens * d(a.heads);
+  if (dtype == DType::Float32) return kernel_cost(flops, bytes, dtype);
   return {flops / (peak_tflops(dtype) * 1e6 * efficiency), memory_us(bytes)};
+}
+
+double ComputeModel::flash_attention_efficiency(const AttentionShape& a, bool backward) const {
+  const AttentionShapeModel& m = backward ? gpu_.attention_bwd_shape : gpu_.attention_fwd_shape;
+  if (!m.enabled()) {
+    const double measured = backward ? gpu_.attention_bwd_efficiency : gpu_.attention_fwd_efficiency;
+    return measured > 0 ? measured : gpu_.compute_efficiency;
+  }
+  const double s = d(std::max<std::int64_t>(a.seq, 1));
+  // A short sequence gives each (batch, head) few query blocks and each block few key blocks: the
+  // pipeline's start and end and the softmax rescaling are a larger share (FlashAttention-2 paper,
+  // section 3.2; FlashAttention-3 paper, section 3.1).
+  double efficiency = m.ceiling * s / (s + m.seq_half);
+  // Head dim 64 does half the tensor-core work per element of the scores that 128 does, so the softmax
+  // (on the slower exponential units) weighs twice as much; measured, not derived.
+  const double hd = std::clamp(d(a.head_dim), 64.0, 128.0);
+  efficiency *= m.hdim64_factor + (1 - m.hdim64_factor) * (hd - 64) / 64;
+  // The causal mask leaves the blocks on the diagonal partly wasted and the rows unequal in work.
+  if (a.causal) efficiency *= s / (s + m.causal_tokens);
+  return efficiency;
+}
+
+std::vector<KernelCost> ComputeModel::attention_kernels(const AttentionShape& a, AttentionKernel kernel,
+                                                        bool backward, DType dtype) const {
+  if (kernel == AttentionKernel::Flash) {
+    return {flash_attention_cost(a, backward, dtype, flash_attention_efficiency(a, backward))};
+  }
+  const std::int64_t bh = a.batch * a.heads, s = a.seq, hd = a.head_dim;
+  const double e = static_cast<double>(dtype_bytes(dtype));
+  const double scores = d(bh) * d(s) * d(s);  // elements of one s x s tensor over every (batch, head)
+  const bool dropout = a.dropout > 0;
+  // Megatron-LM's kernels: torch.baddbmm and torch.bmm over [b h, s, d] (ParallelAttention/CoreAttention
+  // in megatron/model/transformer.py), FusedScaleMaskSoftmax (scaled_upper_triang_masked_softmax_cuda for
+  // causal masks, computed in-kernel), and torch's dropout, which writes the output and a 1-byte mask.
+  std::vector<KernelCost> out;
+  if (!backward) {
+    out.push_back(batched_gemm_cost(bh, s, s, hd, dtype));  // scores = Q K^T
+    out.push_back(memory_cost(2 * e * scores));             // softmax: read the scores, write probabilities
+    if (dropout) out.push_back(memory_cost((2 * e + 1) * scores));  // read P, write P' and the mask
+    out.push_back(batched_gemm_cost(bh, s, hd, s, dtype));          // out = P' V
+  } else {
+    out.push_back(batched_gemm_cost(bh, s, s, hd, dtype));          // dP' = dO V^T
+    out.push_back(batched_gemm_cost(bh, s, hd, s, dtype));          // dV = P'^T dO
+    if (dropout) out.push_back(memory_cost((2 * e + 1) * scores));  // read dP' and the mask, write dP
+    out.push_back(memory_cost(3 * e * scores));                     // read dP and P, write dS
+    out.push_back(batched_gemm_cost(bh, s, hd, s, dtype));          // dQ = dS K
+    out.push_back(batched_gemm_cost(bh, s, hd, s, dtype));          // dK = dS^T Q
+  }
+  return out;
+}
+
+int ComputeModel::attention_kernel_count(const AttentionShape& a, AttentionKernel kernel, bool backward) {
+  if (kernel == AttentionKernel::Flash) return 1;
+  return (backward ? 5 : 3) + (a.dropout > 0 ? 1 : 0);
+}
+
+KernelCost ComputeModel::attention_cost(const AttentionShape& a, AttentionKernel kernel, bool backward,
+                                        DType dtype) const {
+  const std::vector<KernelCost> kernels = attention_kernels(a, kernel, backward, dtype);
+  if (kernels.size() == 1) return kernels[0];
+  KernelCost sum;
+  for (const KernelCost& k : kernels) {
+    sum.math_us += k.us();
+    sum.memory_us += k.memory_us;
+  }
+  return sum;
+}
+
+std::int64_t ComputeModel::unfused_attention_kept_bytes(const AttentionShape& a, DType dtype) {
+  const std::int64_t scores = a.batch * a.heads * a.seq * a.seq;
+  const std::int64_t e = dtype_bytes(dtype);
+  return a.dropout > 0 ? scores * (2 * e + 1) : scores * e;
 }
 
 }  // namespace ranklab::sim

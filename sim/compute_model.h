@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/profile.h"
 #include "common/tensor.h"
@@ -22,6 +23,23 @@ struct KernelCost {
   double us() const { return math_us > memory_us ? math_us : memory_us; }
 };
 
+// Which kernels compute attention.
+enum class AttentionKernel {
+  // One fused kernel (FlashAttention-2 and -3, cuDNN): the s x s scores stay on chip.
+  Flash,
+  // The path of Megatron-LM's 2021-2022 runs: a batched Q K^T GEMM, a fused scale-mask-softmax over the
+  // s x s scores in HBM, attention dropout over the probabilities, and a batched P V GEMM.
+  Unfused,
+};
+
+// One attention call on one GPU: `batch` sequences of `seq` tokens, `heads` heads of `head_dim`.
+struct AttentionShape {
+  std::int64_t batch = 1, seq = 0;
+  std::int64_t heads = 1, head_dim = 0;
+  bool causal = false;
+  float dropout = 0;  // attention-dropout probability (Megatron-LM: 0.1); > 0 adds the unfused dropout passes
+};
+
 class ComputeModel {
  public:
   // UsageError when the profile's measured GEMM is faster than the model's shape factors allow.
@@ -34,14 +52,50 @@ class ComputeModel {
     return gemm_cost(m, n, k, dtype).us();
   }
   KernelCost gemm_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const;
+  // `batch` independent GEMMs of one shape in one strided-batched call (cuBLAS's
+  // cublasGemmStridedBatchedEx): the output tiles of all entries share the waves over the SMs, so a batch
+  // of small GEMMs fills the GPU where one alone would not.
+  KernelCost batched_gemm_cost(std::int64_t batch, std::int64_t m, std::int64_t n, std::int64_t k,
+                               DType dtype) const;
+
   // Fused attention (FlashAttention-style) over `batch` sequences of `seq` tokens, `heads` heads of
-  // `head_dim`; the backward when `backward`.
+  // `head_dim`; the backward when `backward`. It runs at the profile's flat fractions of peak
+  // (attention_fwd_efficiency, attention_bwd_efficiency) whatever the shape: the overload taking an
+  // AttentionShape applies the shape model where the profile has one.
   double attention_us(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
                       bool causal, bool backward, DType dtype) const {
     return attention_cost(batch, seq, heads, head_dim, causal, backward, dtype).us();
   }
   KernelCost attention_cost(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
                             bool causal, bool backward, DType dtype) const;
+  // Attention by `kernel`, forward or backward. Flash is one kernel at flash_attention_efficiency. Unfused
+  // is the sequence attention_kernels lists, run one after another: math_us is the sum of their times
+  // (so us() is the sequence's time) and memory_us the sum of their HBM times, so that communication
+  // beside it slows it by the SMs it takes over all of it and by the HBM bandwidth it takes over the
+  // traffic. The causal mask does not shorten the unfused GEMMs: they compute all s x s scores.
+  double attention_us(const AttentionShape& shape, AttentionKernel kernel, bool backward, DType dtype) const {
+    return attention_cost(shape, kernel, backward, dtype).us();
+  }
+  KernelCost attention_cost(const AttentionShape& shape, AttentionKernel kernel, bool backward,
+                            DType dtype) const;
+  // Each kernel of an attention pass, in launch order; a caller timing them one by one charges one launch
+  // each. Unfused forward: Q K^T, scale-mask-softmax, dropout (when shape.dropout > 0), P V. Unfused
+  // backward: dP = dO V^T, dV = P^T dO, dropout backward (when shape.dropout > 0), softmax backward,
+  // dQ = dS K, dK = dS^T Q.
+  std::vector<KernelCost> attention_kernels(const AttentionShape& shape, AttentionKernel kernel,
+                                            bool backward, DType dtype) const;
+  // How many kernels attention_kernels lists.
+  static int attention_kernel_count(const AttentionShape& shape, AttentionKernel kernel, bool backward);
+  // The bytes the unfused forward keeps for its backward beyond q, k, v: the softmax output (b h s^2
+  // elements of `dtype`, which the softmax backward reads) and, with dropout, the dropout mask (1 byte per
+  // element) and the dropout output (b h s^2 of `dtype`, which dV = P^T dO reads). Korthikanti et al. 2022,
+  // "Reducing Activation Recomputation in Large Transformer Models", section 4.1: with a heads, sequence s,
+  // micro-batch b in 16-bit, 2as^2b for the softmax, as^2b for the mask and 2as^2b for the dropout output,
+  // 5as^2b in all.
+  static std::int64_t unfused_attention_kept_bytes(const AttentionShape& shape, DType dtype);
+  // Fused attention's fraction of the 16-bit peak for `shape`: the profile's shape model for the pass when
+  // it has one (AttentionShapeModel in common/profile.h), its flat fraction otherwise.
+  double flash_attention_efficiency(const AttentionShape& shape, bool backward) const;
   // A memory-bound kernel moving `bytes` to and from HBM.
   double memory_us(double bytes) const;
   KernelCost memory_cost(double bytes) const { return {0, memory_us(bytes)}; }
@@ -51,7 +105,8 @@ class ComputeModel {
   // The factors of a 16-bit GEMM's rate, each in (0, 1]: the output tiles' fill of their last partial tile
   // times the last wave's fill of the SMs (for the better of the two tile orientations), k / (k + k0), and
   // the ceiling that makes the model reproduce the profile's measured GEMM. Exposed for tests and docs.
-  double gemm_quantization(std::int64_t m, std::int64_t n) const;
+  // With `batch`, the tiles of that many GEMMs of this shape share the waves (batched_gemm_cost).
+  double gemm_quantization(std::int64_t m, std::int64_t n, std::int64_t batch = 1) const;
   double gemm_k_efficiency(std::int64_t k) const;
   double gemm_ceiling() const { return gemm_ceiling_; }
   // Whether 16-bit GEMMs use the shape model (the profile has sm_count and a measured GEMM).
@@ -59,6 +114,8 @@ class ComputeModel {
 
  private:
   double peak_tflops(DType dtype) const;
+  KernelCost flash_attention_cost(const AttentionShape& shape, bool backward, DType dtype,
+                                  double efficiency) const;
   GpuModel gpu_;
   double gemm_ceiling_ = 0;
 };

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/profile.h"
@@ -261,5 +262,266 @@ TEST(ComputeModel, MemoryBoundKernelsRunAtHbmBandwidth) {
   EXPECT_NEAR(bf16, model.launch_us() + bytes / (3350.0 * 0.8 * 1e3), 1e-9);
 }
 
+// ---- attention by kernel kind and by shape (docs/model.md, "Compute") ----------------------------------
+
+sim::ComputeModel profile_model(const std::string& name) {
+  return sim::ComputeModel(load_profile(name).gpu);
+}
+
+using sim::AttentionKernel;
+using sim::AttentionShape;
+
+// A GPT-3 2.7B-like layer on one GPU: 32 heads of 80, sequence 2048, one sequence.
+AttentionShape gpt3_2p7b(bool causal, float dropout) {
+  return {1, 2048, 32, 80, causal, dropout};
+}
+
+double fwd_bwd_us(const sim::ComputeModel& model, const AttentionShape& a, AttentionKernel kernel) {
+  return model.attention_us(a, kernel, false, DType::BFloat16) +
+         model.attention_us(a, kernel, true, DType::BFloat16);
+}
+
+TEST(AttentionKernels, UnfusedIsSlowerThanFlashAtSeq2048Hidden2048OnA100) {
+  const sim::ComputeModel model = profile_model("dgx-a100");
+  const AttentionShape a{4, 2048, 16, 128, true, 0.1f};  // hidden 2048
+  EXPECT_GT(model.attention_us(a, AttentionKernel::Unfused, false, DType::BFloat16),
+            1.5 * model.attention_us(a, AttentionKernel::Flash, false, DType::BFloat16));
+  EXPECT_GT(model.attention_us(a, AttentionKernel::Unfused, true, DType::BFloat16),
+            1.5 * model.attention_us(a, AttentionKernel::Flash, true, DType::BFloat16));
+}
+
+TEST(AttentionKernels, UnfusedGrowsAsSeqSquaredAndFlashPerTokenAsSeq) {
+  for (const std::string& name : {std::string("dgx-a100"), std::string("dgx-h100")}) {
+    const sim::ComputeModel model = profile_model(name);
+    // Long enough that both GEMMs fill whole waves and the shape factors have settled.
+    const AttentionShape s8k{1, 8192, 32, 128, true, 0.1f}, s16k{1, 16384, 32, 128, true, 0.1f};
+    const double unfused =
+        fwd_bwd_us(model, s16k, AttentionKernel::Unfused) / fwd_bwd_us(model, s8k, AttentionKernel::Unfused);
+    EXPECT_NEAR(unfused, 4.0, 0.1) << name;
+    // Flash's time per token doubles with the sequence, up to its efficiency's slow rise.
+    const double flash_per_token = (fwd_bwd_us(model, s16k, AttentionKernel::Flash) / 16384) /
+                                   (fwd_bwd_us(model, s8k, AttentionKernel::Flash) / 8192);
+    EXPECT_GT(flash_per_token, 1.9) << name;
+    EXPECT_LE(flash_per_token, 2.0) << name;
+  }
+}
+
+TEST(AttentionKernels, UnfusedMemoryPassesAreBytesOverHbm) {
+  const sim::ComputeModel model = profile_model("dgx-a100");
+  const GpuModel gpu = load_profile("dgx-a100").gpu;
+  const AttentionShape a{2, 1024, 8, 64, true, 0.1f};
+  const double scores = 2.0 * 8 * 1024 * 1024, rate = gpu.hbm_bandwidth_gbps * 1e3 * gpu.memory_efficiency;
+  const std::vector<sim::KernelCost> fwd =
+      model.attention_kernels(a, AttentionKernel::Unfused, false, DType::BFloat16);
+  ASSERT_EQ(fwd.size(), 4u);
+  EXPECT_EQ(fwd[1].math_us, 0);
+  EXPECT_DOUBLE_EQ(fwd[1].memory_us, 2 * 2 * scores / rate);        // softmax: read and write, 2 bytes each
+  EXPECT_DOUBLE_EQ(fwd[2].memory_us, (2 * 2 + 1) * scores / rate);  // dropout: read, write, 1-byte mask
+  const std::vector<sim::KernelCost> bwd =
+      model.attention_kernels(a, AttentionKernel::Unfused, true, DType::BFloat16);
+  ASSERT_EQ(bwd.size(), 6u);
+  EXPECT_DOUBLE_EQ(bwd[2].memory_us, (2 * 2 + 1) * scores / rate);  // dropout backward
+  EXPECT_DOUBLE_EQ(bwd[3].memory_us, 3 * 2 * scores / rate);        // softmax backward: dP, P in; dS out
+  // The GEMMs are the batched GEMM model's, with b h entries sharing the waves.
+  EXPECT_DOUBLE_EQ(fwd[0].us(), model.batched_gemm_cost(16, 1024, 1024, 64, DType::BFloat16).us());
+  EXPECT_DOUBLE_EQ(fwd[3].us(), model.batched_gemm_cost(16, 1024, 64, 1024, DType::BFloat16).us());
+  // The sum: every kernel's time, and their HBM times.
+  const sim::KernelCost sum = model.attention_cost(a, AttentionKernel::Unfused, false, DType::BFloat16);
+  double total = 0, memory = 0;
+  for (const sim::KernelCost& k : fwd) total += k.us(), memory += k.memory_us;
+  EXPECT_DOUBLE_EQ(sum.us(), total);
+  EXPECT_DOUBLE_EQ(sum.memory_us, memory);
+}
+
+TEST(AttentionKernels, DropoutAddsOnePassEachWayAndTheCausalMaskSavesNothingUnfused) {
+  const sim::ComputeModel model = profile_model("dgx-h100");
+  const AttentionShape with = gpt3_2p7b(true, 0.1f), without = gpt3_2p7b(true, 0), full = gpt3_2p7b(false, 0);
+  EXPECT_EQ(sim::ComputeModel::attention_kernel_count(with, AttentionKernel::Unfused, false), 4);
+  EXPECT_EQ(sim::ComputeModel::attention_kernel_count(without, AttentionKernel::Unfused, false), 3);
+  EXPECT_EQ(sim::ComputeModel::attention_kernel_count(with, AttentionKernel::Unfused, true), 6);
+  EXPECT_EQ(sim::ComputeModel::attention_kernel_count(without, AttentionKernel::Unfused, true), 5);
+  EXPECT_EQ(sim::ComputeModel::attention_kernel_count(with, AttentionKernel::Flash, true), 1);
+  for (bool backward : {false, true}) {
+    EXPECT_EQ(model.attention_kernels(with, AttentionKernel::Unfused, backward, DType::BFloat16).size(),
+              static_cast<std::size_t>(
+                  sim::ComputeModel::attention_kernel_count(with, AttentionKernel::Unfused, backward)));
+    EXPECT_GT(model.attention_us(with, AttentionKernel::Unfused, backward, DType::BFloat16),
+              model.attention_us(without, AttentionKernel::Unfused, backward, DType::BFloat16));
+    EXPECT_DOUBLE_EQ(model.attention_us(without, AttentionKernel::Unfused, backward, DType::BFloat16),
+                     model.attention_us(full, AttentionKernel::Unfused, backward, DType::BFloat16));
+  }
+}
+
+TEST(AttentionKernels, UnfusedKeptBytesAreKorthikantisFiveAs2b) {
+  // Korthikanti et al. 2022, section 4.1: 5 a s^2 b bytes in 16-bit with dropout.
+  const std::int64_t a = 32, s = 2048, b = 2;
+  EXPECT_EQ(sim::ComputeModel::unfused_attention_kept_bytes({b, s, a, 80, true, 0.1f}, DType::BFloat16),
+            5 * a * s * s * b);
+  EXPECT_EQ(sim::ComputeModel::unfused_attention_kept_bytes({b, s, a, 80, true, 0}, DType::BFloat16),
+            2 * a * s * s * b);
+  EXPECT_EQ(sim::ComputeModel::unfused_attention_kept_bytes({b, s, a, 80, true, 0.1f}, DType::Float32),
+            9 * a * s * s * b);
+}
+
+TEST(AttentionKernels, BatchedGemmTilesShareTheWaves) {
+  const sim::ComputeModel model = profile_model("dgx-h100");
+  // One 1024 x 1024 output is 8 x 4 = 32 tiles of 128x256 on 132 SMs; 33 of them are 1056 tiles, 8 full
+  // waves.
+  EXPECT_NEAR(model.gemm_quantization(1024, 1024), 32.0 / 132, 1e-12);
+  EXPECT_NEAR(model.gemm_quantization(1024, 1024, 33), 1.0, 1e-12);
+  EXPECT_DOUBLE_EQ(model.batched_gemm_cost(1, 1000, 3000, 500, DType::BFloat16).us(),
+                   model.gemm_us(1000, 3000, 500, DType::BFloat16));
+  EXPECT_NEAR(model.batched_gemm_cost(33, 1024, 1024, 512, DType::BFloat16).us(),
+              33 * model.gemm_us(1024, 1024, 512, DType::BFloat16) * (32.0 / 132), 1e-9);
+}
+
+TEST(AttentionShapeModel, EfficiencyRisesWithSeqAndStaysBelowTheCeiling) {
+  for (const std::string& name : list_profiles()) {
+    const GpuModel gpu = load_profile(name).gpu;
+    if (!gpu.attention_fwd_shape.enabled()) continue;
+    const sim::ComputeModel model(gpu);
+    for (bool backward : {false, true}) {
+      const double ceiling = (backward ? gpu.attention_bwd_shape : gpu.attention_fwd_shape).ceiling;
+      for (std::int64_t hd : {64, 80, 128}) {
+        for (bool causal : {false, true}) {
+          double previous = 0;
+          for (std::int64_t s = 256; s <= 65536; s *= 2) {
+            const double e = model.flash_attention_efficiency({1, s, 16, hd, causal, 0}, backward);
+            EXPECT_GT(e, previous) << name << " s=" << s << " hd=" << hd;
+            EXPECT_LT(e, ceiling) << name << " s=" << s << " hd=" << hd;
+            previous = e;
+          }
+        }
+        // Causal and a smaller head dim cost efficiency.
+        EXPECT_LT(model.flash_attention_efficiency({1, 2048, 16, hd, true, 0}, backward),
+                  model.flash_attention_efficiency({1, 2048, 16, hd, false, 0}, backward));
+      }
+      EXPECT_LT(model.flash_attention_efficiency({1, 2048, 16, 64, false, 0}, backward),
+                model.flash_attention_efficiency({1, 2048, 16, 128, false, 0}, backward));
+    }
+  }
+}
+
+TEST(AttentionShapeModel, H100ReproducesTheFlashAttention3BarsItCameFrom) {
+  // FlashAttention-3 paper, Figure 5, head dim 128 non-causal: 467 TFLOPS at 512, 648 at 16k, and within
+  // 6% of the bars between (565, 625, 638, 646).
+  const sim::ComputeModel model = h100_model();
+  const double bars[] = {467, 565, 625, 638, 646, 648};
+  int i = 0;
+  for (std::int64_t s = 512; s <= 16384; s *= 2, ++i) {
+    const double tflops = model.flash_attention_efficiency({1, s, 16, 128, false, 0}, false) * 989.4;
+    EXPECT_NEAR(tflops / bars[i], 1.0, i == 0 || i == 5 ? 0.002 : 0.06) << "s=" << s;
+  }
+  // The time is the flops at that rate.
+  const AttentionShape a{8, 2048, 16, 128, false, 0};
+  const double flops = 4.0 * 8 * 2048 * 2048 * 16 * 128;
+  EXPECT_DOUBLE_EQ(model.attention_us(a, AttentionKernel::Flash, false, DType::BFloat16),
+                   flops / (989.4e6 * model.flash_attention_efficiency(a, false)));
+}
+
+TEST(AttentionShapeModel, ProfileWithoutShapeDataKeepsTheFlatFractions) {
+  const std::string text = R"(
+name = "flat"
+gpus_per_node = 1
+barrier_latency_us = 1
+[gpu]
+name = "G"
+peak_tflops_fp32 = 10
+peak_tflops_tf32 = 100
+peak_tflops_bf16 = 200
+hbm_bandwidth_gbps = 1000
+hbm_capacity_gib = 10
+launch_overhead_us = 1
+attention_fwd_efficiency = 0.5
+attention_bwd_efficiency = 0.4
+[pcie]
+generation = "x"
+bandwidth_gbps = 10
+latency_us = 1
+[nic]
+name = "n"
+count = 1
+bandwidth_gbps = 10
+latency_us = 1
+[fabric]
+kind = "infiniband"
+switch = "s"
+switch_radix = 8
+switch_latency_us = 0.1
+)";
+  const sim::ComputeModel model(parse_profile(text, "flat.toml").gpu);
+  for (bool causal : {false, true}) {
+    for (bool backward : {false, true}) {
+      const AttentionShape a{2, 512, 8, 64, causal, 0};
+      EXPECT_EQ(model.attention_us(a, AttentionKernel::Flash, backward, DType::BFloat16),
+                model.attention_us(2, 512, 8, 64, causal, backward, DType::BFloat16));
+      EXPECT_EQ(model.flash_attention_efficiency(a, backward), backward ? 0.4 : 0.5);
+    }
+  }
+}
+
+TEST(AttentionShapeModel, ProfileErrorsNameTheFileAndLine) {
+  const std::string base = R"(
+name = "p"
+gpus_per_node = 1
+barrier_latency_us = 1
+[pcie]
+generation = "x"
+bandwidth_gbps = 10
+latency_us = 1
+[nic]
+name = "n"
+count = 1
+bandwidth_gbps = 10
+latency_us = 1
+[fabric]
+kind = "infiniband"
+switch = "s"
+switch_radix = 8
+switch_latency_us = 0.1
+[gpu]
+name = "G"
+peak_tflops_fp32 = 10
+peak_tflops_tf32 = 100
+peak_tflops_bf16 = 200
+hbm_bandwidth_gbps = 1000
+hbm_capacity_gib = 10
+launch_overhead_us = 1
+)";
+  auto error = [&](const std::string& extra) {
+    try {
+      parse_profile(base + extra, "p.toml");
+    } catch (const ProfileError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(error("attention_fwd_seq_half = 100\n")
+                .find("p.toml:27: 'gpu.attention_fwd_seq_half' needs "
+                      "'gpu.attention_fwd_ceiling'"),
+            std::string::npos)
+      << error("attention_fwd_seq_half = 100\n");
+  EXPECT_NE(
+      error("attention_bwd_ceiling = 1.5\n").find("p.toml:27: 'gpu.attention_bwd_ceiling' must be in (0, 1]"),
+      std::string::npos)
+      << error("attention_bwd_ceiling = 1.5\n");
+  EXPECT_NE(error("attention_fwd_ceiling = 0.5\nattention_fwd_causal_tokens = -1\n")
+                .find("p.toml:28: 'gpu.attention_fwd_causal_tokens' must be at least 0"),
+            std::string::npos);
+  EXPECT_EQ(error("attention_fwd_ceiling = 0.5\nattention_fwd_seq_half = 100\n"), "");
+}
+
+TEST(AttentionShapeModel, Gpt3TwoPointSevenBLayerFlashAgainstUnfused) {
+  // Batch 1, seq 2048, 32 heads of 80, bf16, attention dropout 0.1 for the unfused path.
+  for (const std::string& name : {std::string("dgx-a100"), std::string("dgx-h100")}) {
+    const sim::ComputeModel model = profile_model(name);
+    const double flash = fwd_bwd_us(model, gpt3_2p7b(true, 0), AttentionKernel::Flash);
+    const double unfused = fwd_bwd_us(model, gpt3_2p7b(true, 0.1f), AttentionKernel::Unfused);
+    const double flat = model.attention_us(1, 2048, 32, 80, true, false, DType::BFloat16) +
+                        model.attention_us(1, 2048, 32, 80, true, true, DType::BFloat16);
+    EXPECT_GT(flash, flat) << name;  // the shape model is slower than the flat best-case fractions here
+    EXPECT_GT(unfused, 2 * flash) << name;
+  }
+}
 }  // namespace
 }  // namespace ranklab
