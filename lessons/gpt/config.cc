@@ -109,6 +109,7 @@ void resolve_overlaps(Config& c) {
     spec.flag = "ddp-bucket-size";
     spec.kind = OptionKind::Integer;
     spec.min = 1;
+    spec.max = 1e12;  // a trillion parameters
     c.bucket_params =
         read_integer(spec, c.ddp_bucket_size, "gpt", 1, std::numeric_limits<std::int64_t>::max());
   }

@@ -118,6 +118,7 @@ void gpt_lesson(Rank& r, const Config& o) {
     check.compare_step(step, model, dp, groups.dp);
   }
 
+  dp.finish_gathers();
   gpt::check_memory_plan(r, c, me, plans[me.pp], model_bytes, stash_measured_bytes);
   check.record(model.has_head());
   const gpt::StepFigures figures = gpt::gather_step_figures(r, c, me, measures, measured, check);

@@ -404,7 +404,7 @@ void Model::embed_backward(int mb, const Tensor& dx, bool last) {
   Tensor dwte = dp_.embedding_grad_target(wte_);
   r_.embedding_backward_(dwte, tp_.leave_backward(dx), ids_[mb], vocab_start_);
   dp_.embedding_grad_done(wte_, dwte);
-  if (last) dp_.grads_ready({&wte_, &wpe_});
+  if (last) dp_.grads_ready({&wpe_, &wte_});  // in the order their gradients were made
 }
 
 void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {

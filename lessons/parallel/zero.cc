@@ -317,6 +317,18 @@ void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
   }
 }
 
+void DataParallel::finish_gathers() {
+  if (gathers_.empty()) return;
+  next_gather_bucket_ = static_cast<int>(buckets_.size()) - 1;
+  while (next_gather_bucket_ >= 0) issue_gathers(next_gather_bucket_);
+  for (Pending& q : gathers_) {
+    if (q.p == nullptr) continue;
+    Gathered g{q.p, Tensor(), Work()};
+    get(g);
+  }
+  gathers_.clear();
+}
+
 void DataParallel::zero_grads(const std::vector<Param*>& ps) {
   for (Param* p : ps) r_.scale_(p->grad, 0.0f);
 }

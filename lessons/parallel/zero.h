@@ -142,6 +142,9 @@ class DataParallel {
   // with overlap_param_gather, during the next step's forward).
   void step(const std::vector<Param*>& ps, const AdamW& h, int t);
   void zero_grads(const std::vector<Param*>& ps);
+  // After the last step: the all_gathers the next step's forward would have started, so that every rank
+  // ends with whole weights, as the plain schedule does.
+  void finish_gathers();
 
   // Rows [first, first + count) of the local part this rank's shard holds that are real (not padding).
   std::int64_t shard_first_row(const Param& p) const;

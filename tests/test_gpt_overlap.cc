@@ -1,0 +1,302 @@
+// The gpt lesson's framework overlaps (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap,
+// --framework): they change only time. With real numbers every switch on trains equal to one device; with
+// phantom tensors a run moves the same bytes with each switch on and off; with free communication the
+// overlapped step equals the plain one; with slow communication the overlap saves exactly the exposed time
+// it hides; gradient buckets follow Megatron's rule and start in the order backward completes them; bad
+// combinations name the flag.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "lessons/parallel/zero.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+// As the command line runs it: --framework expands into its flags.
+RunReport run(const Settings& o, SimConfig config) {
+  config.echo_output = false;
+  SimBackend backend(config);
+  return run_lesson(backend, "gpt", resolve_settings(find_lesson("gpt"), o, /*lecture=*/false));
+}
+RunReport run(const Settings& o, int nodes = 1) {
+  return run(o, testing::quiet_config(nodes));
+}
+
+Settings tiny(int world) {
+  Settings o;
+  o["world"] = option_text(world);
+  o["layers"] = option_text(4);
+  o["hidden"] = option_text(64);
+  o["heads"] = option_text(4);
+  o["seq"] = option_text(16);
+  o["vocab"] = option_text(128);
+  o["global-batch"] = option_text(8);
+  o["micro-batch"] = option_text(2);
+  o["steps"] = option_text(3);
+  o["quiet"] = option_text(true);
+  return o;
+}
+
+// A phantom step big enough that communication and compute both matter: tp 2 inside a node, dp across two.
+Settings phantom(int zero) {
+  Settings o;
+  o["world"] = option_text(16);
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["zero"] = option_text(zero);
+  o["layers"] = option_text(4);
+  o["hidden"] = option_text(2048);
+  o["heads"] = option_text(16);
+  o["seq"] = option_text(2048);
+  o["vocab"] = option_text(51200);
+  o["global-batch"] = option_text(32);
+  o["micro-batch"] = option_text(1);
+  o["steps"] = option_text(2);
+  o["phantom"] = option_text(true);
+  o["quiet"] = option_text(true);
+  return o;
+}
+
+Settings with(Settings o, const std::vector<std::string>& switches) {
+  for (const std::string& s : switches) o[s] = option_text(true);
+  return o;
+}
+
+std::string failures(const RunReport& rep) {
+  std::string s;
+  for (const CheckRecord& c : rep.checks) {
+    if (!c.passed) s += "rank " + std::to_string(c.rank) + ": " + c.what + ": " + c.detail + "\n";
+  }
+  return s;
+}
+
+const std::vector<std::string> kDpSwitches = {"overlap-grad-reduce", "overlap-param-gather"};
+const std::vector<std::string> kAllSwitches = {"overlap-grad-reduce", "overlap-param-gather",
+                                               "tp-comm-overlap"};
+
+// ---- the numbers ----------------------------------------------------------------------------------------
+
+using Combo =
+    std::tuple<int, int, int, std::string>;  // tp (with sequence parallelism when 2), pp, zero, dtype
+
+class GptOverlapEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(GptOverlapEqualsOneDevice, EverySwitchOn) {
+  const auto [tp, pp, zero, dtype] = GetParam();
+  Settings o = tiny(tp * pp * 2);
+  o["tp"] = option_text(tp);
+  o["seq-parallel"] = option_text(tp > 1);
+  o["pp"] = option_text(pp);
+  o["zero"] = option_text(zero);
+  o["dtype"] = option_text(dtype);
+  o["ddp-bucket-size"] = option_text(5000);  // several buckets in the tiny model
+  std::vector<std::string> on = {"overlap-grad-reduce"};
+  if (zero > 0) on.push_back("overlap-param-gather");
+  if (tp > 1) on.push_back("tp-comm-overlap");
+  const RunReport rep = run(with(o, on));
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_NE(rep.training->layout.find("overlapped grad reduce"), std::string::npos) << rep.training->layout;
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, GptOverlapEqualsOneDevice,
+                         ::testing::Values(Combo{2, 1, 1, "fp32"}, Combo{2, 1, 1, "bf16"},
+                                           Combo{2, 2, 1, "bf16"}, Combo{1, 2, 0, "fp32"},
+                                           Combo{2, 1, 2, "bf16"}, Combo{2, 1, 3, "fp32"},
+                                           Combo{2, 2, 3, "bf16"}, Combo{4, 1, 0, "fp32"}));
+
+// ---- the bytes ------------------------------------------------------------------------------------------
+
+std::map<std::string, std::int64_t> bytes_per_tier(const RunReport& rep) {
+  std::map<std::string, std::int64_t> out;
+  for (const LinkTraffic& l : rep.links) out[l.tier] += l.bytes;
+  return out;
+}
+// The lesson's collectives as (op, group, size), in no order.
+std::vector<std::tuple<int, std::string, std::int64_t>> collectives(const RunReport& rep) {
+  std::vector<std::tuple<int, std::string, std::int64_t>> out;
+  for (const CollectiveRecord& c : rep.collectives) {
+    if (!c.bookkeeping) out.emplace_back(static_cast<int>(c.op), std::string(c.group), c.bytes);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+TEST(GptOverlap, EachSwitchMovesTheSameBytes) {
+  for (int zero : {0, 1, 3}) {
+    const RunReport plain = run(phantom(zero), 2);
+    for (const std::string& s : kAllSwitches) {
+      if (s == "overlap-param-gather" && zero == 0) continue;
+      std::vector<std::string> on = {s};
+      if (s == "overlap-param-gather" && zero < 3) on.push_back("overlap-grad-reduce");
+      const RunReport rep = run(with(phantom(zero), on), 2);
+      SCOPED_TRACE("zero " + std::to_string(zero) + " --" + s);
+      EXPECT_EQ(bytes_per_tier(rep), bytes_per_tier(plain));
+      // The data-parallel overlaps move their collectives in time, not in kind or size.
+      if (s != "tp-comm-overlap") {
+        EXPECT_EQ(collectives(rep), collectives(plain));
+      }
+    }
+  }
+}
+
+// ---- the time -------------------------------------------------------------------------------------------
+
+// A machine on which communication costs next to nothing: links at the profile format's largest
+// bandwidth, no latency but NCCL's least (a hundredth of its model's), the Simple protocol (LL and LL128
+// cap a channel's rate whatever the link), and communication kernels that leave the GPU to compute.
+SimConfig free_communication() {
+  SimConfig c = testing::quiet_config(2);
+  c.profile.nvlink.link_bandwidth_gbps = 1e6;
+  c.profile.nvlink.latency_us = 0;
+  c.profile.nic.bandwidth_gbps = 1e6;
+  c.profile.nic.latency_us = 0;
+  c.profile.pcie.bandwidth_gbps = 1e6;
+  c.profile.pcie.latency_us = 0;
+  c.profile.fabric.switch_latency_us = 0;
+  c.profile.nccl.latency_scale = 0.01;
+  c.protocol = "simple";
+  c.sm_contention = false;
+  return c;
+}
+
+// What issuing the data-parallel collectives of one step costs the host (a launch each): the overlaps
+// issue them during backward, where that time may delay the compute kernels' launches.
+double dp_launches_us(const RunReport& rep, int dp, int steps) {
+  int n = 0;
+  for (const CollectiveRecord& c : rep.collectives) n += !c.bookkeeping && c.group_size == dp;
+  return n * testing::quiet_config().profile.gpu.launch_overhead_us / steps;
+}
+
+TEST(GptOverlap, WithFreeCommunicationTheDataParallelOverlapsChangeNothing) {
+  for (int zero : {0, 1, 2}) {
+    const RunReport plain = run(phantom(zero), free_communication());
+    const RunReport overlapped =
+        run(with(phantom(zero), zero == 0 ? std::vector<std::string>{"overlap-grad-reduce"} : kDpSwitches),
+            free_communication());
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    // The overlap can hide no more than what is left of the communication (the reductions' passes over
+    // HBM), and moving the launches costs the host no more than they take.
+    const double left_us = plain.training->exposed_comm_us.at("dp");
+    EXPECT_LE(plain.training->step_time_us - overlapped.training->step_time_us, left_us);
+    EXPECT_LE(overlapped.training->step_time_us - plain.training->step_time_us, dp_launches_us(plain, 8, 2));
+  }
+}
+
+TEST(GptOverlap, TheOverlapSavesWhatItHides) {
+  // tp 1, pp 1: the step is its compute plus what the compute stream waits for, so what the overlap saves
+  // is the data-parallel wait it takes away, and never more than there was.
+  Settings o = phantom(1);
+  o["tp"] = option_text(1);
+  o["seq-parallel"] = option_text(false);  // dp 16
+  SimConfig config = testing::quiet_config(2);
+  config.sm_contention = false;
+  const RunReport plain = run(o, config), overlapped = run(with(o, kDpSwitches), config);
+  const double saved = plain.training->step_time_us - overlapped.training->step_time_us;
+  const double hidden =
+      plain.training->exposed_comm_us.at("dp") - overlapped.training->exposed_comm_us.at("dp");
+  EXPECT_GT(saved, 0);
+  EXPECT_LE(saved, hidden);
+  EXPECT_GE(saved, hidden - dp_launches_us(plain, 16, 2));
+  EXPECT_GT(overlapped.training->exposed_comm_us.at("dp"), 0);  // the last bucket has nothing to hide it
+}
+
+TEST(GptOverlap, TensorParallelRingsHideTheSequenceParallelWaits) {
+  const RunReport plain = run(phantom(0), 2), rings = run(with(phantom(0), {"tp-comm-overlap"}), 2);
+  EXPECT_LT(rings.training->exposed_comm_us.at("sp"), plain.training->exposed_comm_us.at("sp") / 2);
+}
+
+// ---- the buckets ----------------------------------------------------------------------------------------
+
+TEST(GptOverlap, BucketsFollowMegatronsRule) {
+  EXPECT_EQ(parallel::default_bucket_params(8), 40'000'000);
+  EXPECT_EQ(parallel::default_bucket_params(40), 40'000'000);
+  EXPECT_EQ(parallel::default_bucket_params(64), 64'000'000);
+}
+
+TEST(GptOverlap, BucketsStartInTheOrderBackwardCompletesThem) {
+  // One parameter per bucket (--ddp-bucket-size 1), zero 0, one micro-batch per step: the all-reduces
+  // start as backward reaches each parameter, from the final layernorm (hidden floats) to the word
+  // embedding (vocab x hidden floats), which the embedding's backward completes last.
+  Settings o = tiny(2);
+  o["global-batch"] = option_text(4);
+  o["ddp-bucket-size"] = option_text(1);
+  o["steps"] = option_text(1);
+  const RunReport rep = run(with(o, {"overlap-grad-reduce"}));
+  ASSERT_TRUE(rep.all_checks_passed()) << failures(rep);
+  std::vector<const CollectiveRecord*> reduces;
+  for (const CollectiveRecord& c : rep.collectives) {
+    if (!c.bookkeeping && c.op == CommOp::AllReduce && c.group_size == 2) reduces.push_back(&c);
+  }
+  ASSERT_EQ(reduces.size(), 4u * 12 + 4);  // every parameter once
+  for (std::size_t i = 1; i < reduces.size(); ++i) EXPECT_LE(reduces[i - 1]->start_us, reduces[i]->start_us);
+  EXPECT_EQ(reduces.front()->bytes, 64 * 4);                   // the final layernorm's beta
+  EXPECT_EQ(reduces.back()->bytes, 128 * 64 * 4);              // the word embedding
+  EXPECT_EQ(reduces[reduces.size() - 2]->bytes, 16 * 64 * 4);  // the position embedding before it
+}
+
+// ---- the presets and bad input --------------------------------------------------------------------------
+
+TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
+  Settings o = tiny(4);
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["zero"] = option_text(1);
+  o["framework"] = option_text("megatron-core");
+  const RunReport core = run(o);
+  EXPECT_NE(core.training->layout.find("overlapped grad reduce, param gather, tp comm"), std::string::npos)
+      << core.training->layout;
+  o["tp-comm-overlap"] = option_text(false);
+  const RunReport no_tp = run(o);
+  EXPECT_NE(no_tp.training->layout.find("overlapped grad reduce, param gather"), std::string::npos);
+  EXPECT_EQ(no_tp.training->layout.find("tp comm"), std::string::npos);
+  // Where the layout has nothing to overlap, the framework's switch does not apply: tp 1, zero 0.
+  Settings plain = tiny(2);
+  plain["framework"] = option_text("megatron-core");
+  EXPECT_TRUE(run(plain).all_checks_passed());
+}
+
+void expect_usage_error(const Settings& o, const std::string& needle) {
+  try {
+    run(o);
+    FAIL() << "expected a UsageError mentioning " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(GptOverlap, BadCombinationsNameTheFlag) {
+  Settings o = tiny(2);
+  o["ddp-bucket-size"] = option_text(0);
+  expect_usage_error(o, "--ddp-bucket-size");
+  o["ddp-bucket-size"] = option_text("nan");
+  expect_usage_error(o, "--ddp-bucket-size");
+  o["ddp-bucket-size"] = option_text(-4);
+  expect_usage_error(o, "--ddp-bucket-size");
+  o = tiny(2);
+  o["tp-comm-overlap"] = option_text(true);
+  expect_usage_error(o, "--tp-comm-overlap");
+  o = tiny(2);
+  o["tp"] = option_text(2);
+  o["tp-comm-overlap"] = option_text(true);
+  expect_usage_error(o, "needs --seq-parallel");
+  o = tiny(2);
+  o["overlap-param-gather"] = option_text(true);
+  expect_usage_error(o, "needs --zero 1 or more");
+  o["zero"] = option_text(1);
+  expect_usage_error(o, "needs --overlap-grad-reduce");
+  o = tiny(2);
+  o["framework"] = option_text("deepspeed");
+  expect_usage_error(o, "--framework: no framework called 'deepspeed'");
+}
+
+}  // namespace
+}  // namespace ranklab
