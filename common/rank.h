@@ -70,6 +70,9 @@ class WorkState {
   virtual ~WorkState() = default;
   virtual void wait() = 0;
   virtual bool waited() const = 0;
+  // Device time the operation took on its stream, from its start to its end, in microseconds (events
+  // around it on its stream, cudaEventElapsedTime); the host waits for its end.
+  virtual double elapsed_us() = 0;
 };
 
 // A recorded point on a rank's compute stream; see Rank::record_event.
@@ -96,6 +99,8 @@ class Work {
     if (state_) state_->wait();
   }
   bool waited() const { return !state_ || state_->waited(); }
+  // See WorkState::elapsed_us; 0 for a Work that stands for no operation (a barrier's).
+  double elapsed_us() { return state_ ? state_->elapsed_us() : 0; }
 
  private:
   std::shared_ptr<WorkState> state_;

@@ -423,6 +423,15 @@ std::string format_training(const TrainingStats& t) {
     }
     out += fmt::format("  {:<24}{}\n", "exposed communication", parts);
   }
+  if (!t.communicated_comm_us.empty()) {
+    std::string parts;
+    for (const auto& [dim, us] : t.communicated_comm_us) {
+      const auto hidden = t.hidden_comm_us.find(dim);
+      parts += fmt::format("{}{} {} ({} hidden)", parts.empty() ? "" : ", ", dim, human_time(us),
+                           human_time(hidden == t.hidden_comm_us.end() ? 0.0 : hidden->second));
+    }
+    out += fmt::format("  {:<24}{}\n", "communicated", parts);
+  }
   out += fmt::format("  {:<24}{} = weights {} + grads {} + optimizer {} + activations {}\n", "peak memory",
                      format_bytes(static_cast<double>(t.peak_memory_bytes)),
                      format_bytes(static_cast<double>(t.weights_bytes)),
@@ -644,6 +653,8 @@ struct Shape<TrainingStats> {
       required("bubble_fraction", &TrainingStats::bubble_fraction),
       required("bubble_fraction_formula", &TrainingStats::bubble_fraction_formula),
       required("exposed_comm_us", &TrainingStats::exposed_comm_us),
+      optional("communicated_comm_us", &TrainingStats::communicated_comm_us),
+      optional("hidden_comm_us", &TrainingStats::hidden_comm_us),
       required("peak_memory_bytes", &TrainingStats::peak_memory_bytes),
       required("weights_bytes", &TrainingStats::weights_bytes),
       required("grads_bytes", &TrainingStats::grads_bytes),

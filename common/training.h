@@ -28,6 +28,10 @@ struct TrainingStats {
   double bubble_fraction_formula = 0;  // (p - 1) / (v m)
   // Communication the compute stream waited for, per parallel dimension ("tp", "sp", "pp", "dp").
   std::map<std::string, double> exposed_comm_us;
+  // Per dimension: the time its operations took on their streams, and of it what the compute stream did
+  // not wait for (communicated - exposed, where positive).
+  std::map<std::string, double> communicated_comm_us;
+  std::map<std::string, double> hidden_comm_us;
   // Peak memory of the rank that reports, and its parts at that peak.
   std::int64_t peak_memory_bytes = 0;
   std::int64_t weights_bytes = 0;

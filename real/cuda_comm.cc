@@ -47,13 +47,38 @@ ncclDataType_t nccl_type(DType t) {
   return ncclFloat32;
 }
 
+// Device time from `start` to `end` on the communication stream; the host waits for `end`.
+double elapsed_between(const CudaEvent& start, const CudaEvent& end) {
+  RANKLAB_CUDA(cudaEventSynchronize(end.get()));
+  float ms = 0;
+  RANKLAB_CUDA(cudaEventElapsedTime(&ms, start.get(), end.get()));
+  return 1000.0 * static_cast<double>(ms);
+}
+
+// A synchronous call: the compute stream already waits for it; it only reports its time.
+class CudaDoneWork : public WorkState {
+ public:
+  CudaDoneWork(std::shared_ptr<CudaEvent> started, std::shared_ptr<CudaEvent> done)
+      : started_(std::move(started)), done_(std::move(done)) {}
+  void wait() override {}
+  bool waited() const override { return true; }
+  double elapsed_us() override { return elapsed_between(*started_, *done_); }
+
+ private:
+  std::shared_ptr<CudaEvent> started_, done_;
+};
+
 // An asynchronous call in flight. It keeps its tensors alive until the compute stream waits for it: their
 // memory is freed in compute-stream order, and must not be reused while NCCL still reads or writes it.
 class CudaWork : public WorkState {
  public:
-  CudaWork(std::shared_ptr<DeviceAccount> account, std::shared_ptr<CudaEvent> done,
-           std::shared_ptr<AsyncOp> op, std::vector<Tensor> keep)
-      : account_(std::move(account)), done_(std::move(done)), op_(std::move(op)), keep_(std::move(keep)) {}
+  CudaWork(std::shared_ptr<DeviceAccount> account, std::shared_ptr<CudaEvent> started,
+           std::shared_ptr<CudaEvent> done, std::shared_ptr<AsyncOp> op, std::vector<Tensor> keep)
+      : account_(std::move(account)),
+        started_(std::move(started)),
+        done_(std::move(done)),
+        op_(std::move(op)),
+        keep_(std::move(keep)) {}
   ~CudaWork() override {
     // Dropped without wait(): the compute stream still waits, so later work cannot reuse the memory under
     // it (its tensors still count as in use, as in the simulator).
@@ -72,9 +97,11 @@ class CudaWork : public WorkState {
   }
   // True after wait(), or after a synchronize() that found it finished.
   bool waited() const override { return op_->waited; }
+  double elapsed_us() override { return elapsed_between(*started_, *done_); }
 
  private:
   std::shared_ptr<DeviceAccount> account_;
+  std::shared_ptr<CudaEvent> started_;
   std::shared_ptr<CudaEvent> done_;
   std::shared_ptr<AsyncOp> op_;
   std::vector<Tensor> keep_;
@@ -300,7 +327,8 @@ CommTiming CudaRank::timing_of(const CommCall& call, const Resolved& r) {
 }
 
 // The Work of an asynchronous call that ends with `done`: its tensors are off limits until it is waited on.
-Work CudaRank::async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& done) {
+Work CudaRank::async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& started,
+                          const std::shared_ptr<CudaEvent>& done) {
   std::vector<Tensor> keep;
   for (const Tensor* t : {&call.input, &call.output}) {
     if (t->defined()) keep.push_back(*t);
@@ -308,7 +336,7 @@ Work CudaRank::async_work(const CommCall& call, const std::shared_ptr<CudaEvent>
   auto op = std::make_shared<AsyncOp>(AsyncOp{call.describe(), false});
   for (const Tensor& t : keep) static_cast<CudaStorage*>(t.storage())->add_pending(op);
   outstanding_.push_back(op);
-  return Work(std::make_shared<CudaWork>(account_, done, op, std::move(keep)));
+  return Work(std::make_shared<CudaWork>(account_, started, done, op, std::move(keep)));
 }
 
 Work CudaRank::communicate(const CommCall& call) {
@@ -325,19 +353,21 @@ Work CudaRank::communicate(const CommCall& call) {
   // The communication stream starts after every kernel issued so far on the compute stream.
   RANKLAB_CUDA(cudaEventRecord(issue_, compute_));
   RANKLAB_CUDA(cudaStreamWaitEvent(comm_, issue_, 0));
+  auto started = std::make_shared<CudaEvent>(/*timing=*/true);
+  RANKLAB_CUDA(cudaEventRecord(started->get(), comm_));
   const int interval = timeline_.begin(comm_);
   launch_nccl(call, r);
   timeline_.end(interval, comm_);
-  auto done = std::make_shared<CudaEvent>(/*timing=*/false);
+  auto done = std::make_shared<CudaEvent>(/*timing=*/true);
   RANKLAB_CUDA(cudaEventRecord(done->get(), comm_));
   watchdog_.track(call.describe(), done);
   if (interval >= 0) comm_timings_.push_back(TimedComm{std::move(timing), interval});
 
   if (call.async == Async::No) {
     RANKLAB_CUDA(cudaStreamWaitEvent(compute_, done->get(), 0));
-    return Work();
+    return Work(std::make_shared<CudaDoneWork>(started, done));
   }
-  return async_work(call, done);
+  return async_work(call, started, done);
 }
 
 // torch.distributed.batch_isend_irecv: every send and receive inside one ncclGroupStart/End, so NCCL posts
@@ -368,6 +398,8 @@ std::vector<Work> CudaRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
 
   RANKLAB_CUDA(cudaEventRecord(issue_, compute_));
   RANKLAB_CUDA(cudaStreamWaitEvent(comm_, issue_, 0));
+  auto started = std::make_shared<CudaEvent>(/*timing=*/true);
+  RANKLAB_CUDA(cudaEventRecord(started->get(), comm_));
   const int interval = timeline_.begin(comm_);
   RANKLAB_NCCL(ncclGroupStart(), comm);
   for (const CommCall& c : calls) {
@@ -384,7 +416,7 @@ std::vector<Work> CudaRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
   }
   settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (batch_isend_irecv)");
   timeline_.end(interval, comm_);
-  auto done = std::make_shared<CudaEvent>(/*timing=*/false);
+  auto done = std::make_shared<CudaEvent>(/*timing=*/true);
   RANKLAB_CUDA(cudaEventRecord(done->get(), comm_));
   watchdog_.track(
       fmt::format("batch_isend_irecv of {} operations, the first {}", calls.size(), calls.front().describe()),
@@ -392,7 +424,7 @@ std::vector<Work> CudaRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
   std::vector<Work> works;
   for (size_t i = 0; i < calls.size(); ++i) {
     if (interval >= 0) comm_timings_.push_back(TimedComm{std::move(timings[i]), interval});
-    works.push_back(async_work(calls[i], done));
+    works.push_back(async_work(calls[i], started, done));
   }
   return works;
 }

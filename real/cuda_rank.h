@@ -176,7 +176,9 @@ class CudaRank : public Rank {
   Resolved resolve(const CommCall& call) const;
   void launch_nccl(const CommCall& call, const Resolved& r);
   CommTiming timing_of(const CommCall& call, const Resolved& r);
-  Work async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& done);
+  // `started` and `done` are timing events around the call on the communication stream.
+  Work async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& started,
+                  const std::shared_ptr<CudaEvent>& done);
   void settle(ncclResult_t r, ncclComm_t comm, const char* what);
 
   int rank_;

@@ -126,6 +126,29 @@ class SimWork : public WorkState {
     compute_stream_waits_for(world_.state(rank_), op_);
   }
   bool waited() const override { return op_->member_of(rank_).waited; }
+  double elapsed_us() override {
+    if (!op_->finished) world_.wait_finished(rank_, op_, "Work::elapsed_us()");
+    return op_->end_us - op_->start_us;
+  }
+
+ private:
+  SimWorld& world_;
+  int rank_;
+  std::shared_ptr<CommOpState> op_;
+};
+
+// The Work of a synchronous call: complete as far as the program can tell (the compute stream waits for
+// it), with the operation's time.
+class SimDoneWork : public WorkState {
+ public:
+  SimDoneWork(SimWorld& world, int rank, std::shared_ptr<CommOpState> op)
+      : world_(world), rank_(rank), op_(std::move(op)) {}
+  void wait() override {}
+  bool waited() const override { return true; }
+  double elapsed_us() override {
+    if (!op_->finished) world_.wait_finished(rank_, op_, "Work::elapsed_us()");
+    return op_->end_us - op_->start_us;
+  }
 
  private:
   SimWorld& world_;
@@ -1148,7 +1171,7 @@ Work SimRank::communicate(const CommCall& call) {
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
     compute_stream_waits_for(s_, op);  // the compute stream waits for it; the host goes on
-    return Work();
+    return Work(std::make_shared<SimDoneWork>(world_, rank_, op));
   }
   world_.note_async_posted(rank_, op);
   for (const Tensor* t : {&call.input, &call.output}) {

@@ -109,6 +109,7 @@ void gpt_lesson(Rank& r, const Config& o) {
     if (timed) {
       measured.step_us = r.elapsed_us(start, end);
       measured.exposed_us = exposed.totals();
+      measured.communicated_us = exposed.communicated_totals();
       measured.pipeline = pipe.times();
       // The schedule, task by task, for the report's chart: replica 0's ranks, which timed it.
       if (c.pp > 1 && measures) r.report_pipeline(pipe.tasks(start, start_us));

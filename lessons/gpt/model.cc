@@ -417,8 +417,7 @@ void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
   h.row_max = r_.row_max(h.logits);
   if (c_.tp > 1) {
     const Event e = tp_.exposed.before();
-    r_.all_reduce(h.row_max, ReduceOp::Max, Async::No, tp_.group);
-    tp_.exposed.after(parallel::Dim::Tp, e);
+    tp_.exposed.after(parallel::Dim::Tp, e, r_.all_reduce(h.row_max, ReduceOp::Max, Async::No, tp_.group));
   }
   h.stats =
       tp_.all_reduce(r_.softmax_stats(h.logits, h.row_max, targets_[mb], vocab_start_), parallel::Dim::Tp);

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -78,7 +80,12 @@ TrainingStats training_stats(Rank& r, const Config& c, const std::vector<MemoryP
   st.mfu = peak > 0 ? st.model_tflops_per_gpu / peak : 0;
   st.bubble_fraction = bubble(f);
   st.bubble_fraction_formula = (c.pp - 1.0) / (c.v * static_cast<double>(c.micro_batches()));
-  for (int d = 0; d < parallel::kDims; ++d) st.exposed_comm_us[parallel::kDimNames[d]] = f.mean.exposed_us[d];
+  for (int d = 0; d < parallel::kDims; ++d) {
+    const char* dim = parallel::kDimNames[d];
+    st.exposed_comm_us[dim] = f.mean.exposed_us[d];
+    st.communicated_comm_us[dim] = f.mean.communicated_us[d];
+    st.hidden_comm_us[dim] = std::max(0.0f, f.mean.communicated_us[d] - f.mean.exposed_us[d]);
+  }
   st.peak_memory_bytes = mine.peak_bytes;
   st.weights_bytes = plans[0].weights;
   st.grads_bytes = plans[0].grads;
@@ -123,7 +130,10 @@ StepFigures gather_step_figures(Rank& r, const Config& c, const parallel::Layout
                                 const StepMeasures& mine, const OneDeviceCheck& check) {
   auto gathering = r.bookkeeping("figures");  // collectives for the printout, not the training step
   SummedFigures summed;
-  for (int d = 0; d < parallel::kDims; ++d) summed.exposed_us[d] = static_cast<float>(mine.exposed_us[d]);
+  for (int d = 0; d < parallel::kDims; ++d) {
+    summed.exposed_us[d] = static_cast<float>(mine.exposed_us[d]);
+    summed.communicated_us[d] = static_cast<float>(mine.communicated_us[d]);
+  }
   summed.busy_us = static_cast<float>(mine.pipeline.busy_us);
   summed.window_us = static_cast<float>(mine.pipeline.window_us);
   summed.measuring_ranks = measures ? 1.0f : 0.0f;
@@ -149,6 +159,7 @@ StepFigures gather_step_figures(Rank& r, const Config& c, const parallel::Layout
   f.mean = read<SummedFigures>(r.to_host(sum), 0);
   const float measured = f.mean.measuring_ranks;
   for (float& e : f.mean.exposed_us) e /= measured;
+  for (float& e : f.mean.communicated_us) e /= measured;
   f.mean.busy_us /= measured;
   f.mean.window_us /= measured;
   f.mean.measuring_ranks /= measured;
@@ -187,6 +198,14 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
       "  exposed communication (the compute stream waiting, mean per rank of replica 0): tp {}  sp {}  pp {} "
       "(receives include the bubble)  dp {}",
       human_time(exposed[0]), human_time(exposed[1]), human_time(exposed[2]), human_time(exposed[3])));
+  std::string parts;
+  for (int d = 0; d < parallel::kDims; ++d) {
+    if (f.mean.communicated_us[d] == 0) continue;
+    const char* dim = parallel::kDimNames[d];
+    parts += fmt::format("{}{} {} ({} hidden)", parts.empty() ? "" : "  ", dim,
+                         human_time(st.communicated_comm_us.at(dim)), human_time(st.hidden_comm_us.at(dim)));
+  }
+  if (!parts.empty()) r.print("  communicated (the operations' own time, mean per rank of replica 0): " + parts);
   r.print("  peak memory per stage, measured (planned):");
   each_shown_stage(r, c.pp, "    ", [&](int s) {
     const float peak_bytes = f.stage_peak_bytes[s];

@@ -25,6 +25,7 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
 struct StepMeasures {
   double step_us = 0;                                // by events on the rank's compute stream
   std::array<double, parallel::kDims> exposed_us{};  // the compute stream waiting, per dimension
+  std::array<double, parallel::kDims> communicated_us{};  // the dimension's operations' own time
   parallel::PipelineTimes pipeline;                  // its tasks' busy time and the schedule's span
   std::int64_t peak_bytes = 0;                       // the rank's peak memory during the step
 };
@@ -34,6 +35,7 @@ struct StepMeasures {
 // symmetric simulation the mirrors of replica 0 contribute its figures once more each).
 struct SummedFigures {
   std::array<float, parallel::kDims> exposed_us{};
+  std::array<float, parallel::kDims> communicated_us{};
   float busy_us = 0;
   float window_us = 0;  // travels with the others; the printout takes the largest (LargestFigures)
   float measuring_ranks = 0;

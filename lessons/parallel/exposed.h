@@ -7,8 +7,14 @@
 // the wait, whatever its cause: the transfer itself, or the other members arriving late (for pipeline
 // receives, that includes the bubble). Communication hidden under compute costs nothing here, which is
 // the point. The events are read once, after the step, so timing never makes the host wait mid-step.
+//
+// Beside it, the time each dimension communicated: every operation's own time on its stream
+// (Work::elapsed_us), summed. What it communicated and did not expose was hidden under compute (or under
+// other communication); for pipeline receives the exposed time also holds the bubble, so less shows as
+// hidden there than was.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <vector>
 
@@ -27,15 +33,39 @@ class ExposedComm {
   void enable(bool on) {
     on_ = on;
     waits_.clear();
+    works_.clear();
   }
   Event before() { return on_ ? r_.record_event() : Event(); }
   void after(Dim d, const Event& start) {
     if (on_) waits_.push_back({d, start, r_.record_event()});
   }
+  // An operation of dimension `d` (synchronous or not), for the time communicated.
+  void communicated(Dim d, const Work& w) {
+    if (on_) works_.push_back({d, {w}});
+  }
+  // Operations posted together (batch_isend_irecv), which run at once: the longest of them.
+  void communicated(Dim d, const std::vector<Work>& together) {
+    if (on_) works_.push_back({d, together});
+  }
+  // The wait on a synchronous operation `w` whose call began after `start`.
+  void after(Dim d, const Event& start, const Work& w) {
+    after(d, start);
+    communicated(d, w);
+  }
   // Microseconds per dimension; the host waits for the last event.
   std::array<double, kDims> totals() {
     std::array<double, kDims> t{};
     for (const Wait& w : waits_) t[static_cast<int>(w.dim)] += r_.elapsed_us(w.start, w.end);
+    return t;
+  }
+  // Microseconds per dimension that its operations took; the host waits for the last of them.
+  std::array<double, kDims> communicated_totals() {
+    std::array<double, kDims> t{};
+    for (Timed& w : works_) {
+      double longest = 0;
+      for (Work& one : w.works) longest = std::max(longest, one.elapsed_us());
+      t[static_cast<int>(w.dim)] += longest;
+    }
     return t;
   }
 
@@ -44,9 +74,14 @@ class ExposedComm {
     Dim dim;
     Event start, end;
   };
+  struct Timed {
+    Dim dim;
+    std::vector<Work> works;
+  };
   Rank& r_;
   bool on_ = false;
   std::vector<Wait> waits_;
+  std::vector<Timed> works_;
 };
 
 // A tensor to receive into: empty, or phantom in a phantom run.

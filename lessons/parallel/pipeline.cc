@@ -65,7 +65,9 @@ void Pipeline::run(const Shape& act, DType dtype, const Fn& forward, const Fn& b
       ops.push_back({CommOp::Recv, in.t, upcoming->forward ? prev : next});
     }
     if (ops.empty()) return std::vector<Work>();
-    return r_.batch_isend_irecv(ops);
+    std::vector<Work> works = r_.batch_isend_irecv(ops);
+    exposed_.communicated(Dim::Pp, works);
+    return works;
   };
 
   Incoming in;

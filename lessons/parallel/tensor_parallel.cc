@@ -5,8 +5,7 @@ namespace ranklab::parallel {
 Tensor TensorParallel::all_reduce(const Tensor& t, Dim d) {
   if (size == 1) return t;
   const Event e = exposed.before();
-  r.all_reduce(t, ReduceOp::Sum, Async::No, group);
-  exposed.after(d, e);
+  exposed.after(d, e, r.all_reduce(t, ReduceOp::Sum, Async::No, group));
   return t;
 }
 
@@ -14,8 +13,7 @@ Tensor TensorParallel::all_gather(const Tensor& local) {
   if (size == 1) return local;
   Tensor out = buffer(r, phantom, local.shape().with_dim(0, local.size(0) * size), local.dtype());
   const Event e = exposed.before();
-  r.all_gather(out, local, Async::No, group);
-  exposed.after(Dim::Sp, e);
+  exposed.after(Dim::Sp, e, r.all_gather(out, local, Async::No, group));
   return out;
 }
 
@@ -23,8 +21,7 @@ Tensor TensorParallel::reduce_scatter(const Tensor& whole) {
   if (size == 1) return whole;
   Tensor out = buffer(r, phantom, whole.shape().with_dim(0, whole.size(0) / size), whole.dtype());
   const Event e = exposed.before();
-  r.reduce_scatter(out, whole, ReduceOp::Sum, Async::No, group);
-  exposed.after(Dim::Sp, e);
+  exposed.after(Dim::Sp, e, r.reduce_scatter(out, whole, ReduceOp::Sum, Async::No, group));
   return out;
 }
 
@@ -62,6 +59,7 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
   // The input's all-gather (for the weight gradient) runs beside the input gradient's ring.
   Tensor whole = buffer(r, phantom, x.shape().with_dim(0, x.size(0) * size), x.dtype());
   Work gathered = r.all_gather(whole, x, Async::Yes, group);
+  exposed.communicated(Dim::Sp, gathered);
   Grads g;
   g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
   const Event e = exposed.before();
@@ -93,7 +91,9 @@ std::vector<Work> TensorParallel::ring_exchange(const Tensor& out, const Tensor&
   std::vector<std::int64_t> sent(size, 0), received(size, 0);
   sent[(index + 1) % size] = out.size(0);
   received[(index + size - 1) % size] = in.size(0);
-  return {r.all_to_all(in, out, received, sent, Async::Yes, group)};
+  Work shift = r.all_to_all(in, out, received, sent, Async::Yes, group);
+  exposed.communicated(Dim::Sp, shift);
+  return {shift};
 }
 
 void TensorParallel::wait_ring(std::vector<Work>& works) {

@@ -144,6 +144,7 @@ void DataParallel::issue_gathers(int bucket) {
     if (p->gather_slot < 0) continue;
     Pending& q = gathers_[p->gather_slot];
     q.work = r_.all_gather(q.out, q.in, Async::Yes, c_.dp);
+    exposed_.communicated(Dim::Dp, q.work);
   }
 }
 
@@ -157,10 +158,10 @@ DataParallel::Gathered DataParallel::gather(Param& p) {
   Gathered g{&p, buffer(r_, c_.phantom, rows_shape(p.local, p.rows_padded), c_.dtype), Work()};
   if (c_.overlap_param_gather) {
     g.work = r_.all_gather(g.full, p.copy, Async::Yes, c_.dp);
+    exposed_.communicated(Dim::Dp, g.work);
   } else {
     const Event e = exposed_.before();
-    r_.all_gather(g.full, p.copy, Async::No, c_.dp);
-    exposed_.after(Dim::Dp, e);
+    exposed_.after(Dim::Dp, e, r_.all_gather(g.full, p.copy, Async::No, c_.dp));
     g.full = unpad(p, g.full);
   }
   return g;
@@ -198,6 +199,7 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
   }
   Pending q{&p, buffer(r_, c_.phantom, rows_shape(p.local, p.shard_rows), c_.reduce_dtype), t, Work()};
   q.work = r_.reduce_scatter(q.out, t, dp_op(), Async::Yes, c_.dp);
+  exposed_.communicated(Dim::Dp, q.work);
   pending_.push_back(std::move(q));
   if (!c_.overlap_grad_reduce) drain();  // the plain schedule waits at once
 }
@@ -233,11 +235,13 @@ void DataParallel::issue_reduction(Bucket& b) {
     Tensor t = c_.reduce_dtype == DType::Float32 ? p->grad : r_.cast(p->grad, c_.reduce_dtype);
     if (c_.stage == 0) {
       Work w = r_.all_reduce(t, dp_op(), Async::Yes, c_.dp);
+      exposed_.communicated(Dim::Dp, w);
       reduces_.push_back({p, t, Tensor(), std::move(w)});
     } else {  // the distributed optimizer: each rank receives its shard's sum
       Tensor out = buffer(r_, c_.phantom, rows_shape(p->local, p->shard_rows), c_.reduce_dtype);
       Tensor in = pad(*p, t);
       Work w = r_.reduce_scatter(out, in, dp_op(), Async::Yes, c_.dp);
+      exposed_.communicated(Dim::Dp, w);
       reduces_.push_back({p, out, in, std::move(w)});
     }
   }
@@ -270,13 +274,11 @@ void DataParallel::finish(const std::vector<Param*>& ps) {
     const Tensor& g = final_grad(*p);
     if (p->spec.sp_partial && c_.seq_parallel && c_.tp_size > 1 && c_.broken != "no-sp-grad-sync") {
       const Event e = exposed_.before();
-      r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.tp);
-      exposed_.after(Dim::Sp, e);
+      exposed_.after(Dim::Sp, e, r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.tp));
     }
     if (p->spec.tied && c_.embedding_group) {
       const Event e = exposed_.before();
-      r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.embedding);
-      exposed_.after(Dim::Pp, e);
+      exposed_.after(Dim::Pp, e, r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.embedding));
     }
   }
 }
@@ -305,6 +307,7 @@ void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
       continue;
     }
     q.work = r_.all_gather(q.out, mine, Async::Yes, c_.dp);
+    exposed_.communicated(Dim::Dp, q.work);
     gathers.push_back(std::move(q));
   }
   for (Pending& q : gathers) {
