@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/profile.h"
 #include "common/tensor.h"
@@ -20,6 +21,15 @@ struct KernelCost {
   double math_us = 0;
   double memory_us = 0;
   double us() const { return math_us > memory_us ? math_us : memory_us; }
+};
+
+// One way cuBLAS can run a 16-bit GEMM: output tiles of tile_m x tile_n, each tile's k-loop split over
+// `splits` SMs (1: no split), and the time it takes (docs/model.md, "Compute").
+struct GemmCandidate {
+  int tile_m = 0;
+  int tile_n = 0;
+  int splits = 1;
+  double us = 0;
 };
 
 class ComputeModel {
@@ -49,16 +59,24 @@ class ComputeModel {
   double launch_us() const { return gpu_.launch_overhead_us; }
 
   // The factors of a 16-bit GEMM's rate, each in (0, 1]: the output tiles' fill of their last partial tile
-  // times the last wave's fill of the SMs (for the better of the two tile orientations), k / (k + k0), and
-  // the ceiling that makes the model reproduce the profile's measured GEMM. Exposed for tests and docs.
+  // times the last wave's fill of the SMs (for the better orientation of the profile's tile), k / (k + k0),
+  // a tile's rate against the largest tile's, and the ceiling that makes the model reproduce the profile's
+  // measured GEMM. Exposed for tests and docs.
   double gemm_quantization(std::int64_t m, std::int64_t n) const;
   double gemm_k_efficiency(std::int64_t k) const;
+  double gemm_tile_efficiency(std::int64_t tile_m, std::int64_t tile_n, DType dtype) const;
   double gemm_ceiling() const { return gemm_ceiling_; }
+  // Every way the model considers running a 16-bit GEMM, each with its time; gemm_cost takes the fastest.
+  // The profile's tile and its transpose; with gemm_ridge_flops_per_byte, also the smaller tiles and, for
+  // a GEMM whose tiles do not fill the SMs, each tile with its k-loop split.
+  std::vector<GemmCandidate> gemm_candidates(std::int64_t m, std::int64_t n, std::int64_t k,
+                                             DType dtype) const;
   // Whether 16-bit GEMMs use the shape model (the profile has sm_count and a measured GEMM).
   bool gemm_shape_model() const { return gemm_ceiling_ > 0; }
 
  private:
   double peak_tflops(DType dtype) const;
+  GemmCandidate gemm_fastest(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const;
   GpuModel gpu_;
   double gemm_ceiling_ = 0;
 };
