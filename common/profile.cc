@@ -413,6 +413,7 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
                    "gemm_tile_m",
                    "gemm_tile_n",
                    "gemm_k_overhead",
+                   "gemm_ridge_flops_per_byte",
                    "gemm_mamf_tflops",
                    "gemm_mamf_m",
                    "gemm_mamf_n",
@@ -443,6 +444,7 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.gpu.gemm_tile_m = gpu.count("gemm_tile_m", false, 1, kMaxTile).value_or(p.gpu.gemm_tile_m);
   p.gpu.gemm_tile_n = gpu.count("gemm_tile_n", false, 1, kMaxTile).value_or(p.gpu.gemm_tile_n);
   p.gpu.gemm_k_overhead = gpu.at_least("gemm_k_overhead", 0, kMaxTile, 0);
+  p.gpu.gemm_ridge_flops_per_byte = gpu.at_least("gemm_ridge_flops_per_byte", 0, kMaxTile, 0);
   p.gpu.gemm_mamf_tflops = gpu.at_least("gemm_mamf_tflops", 0, kMaxTflops, 0);
   p.gpu.gemm_mamf_m = gpu.count("gemm_mamf_m", false, 1, kMaxGemmDim).value_or(0);
   p.gpu.gemm_mamf_n = gpu.count("gemm_mamf_n", false, 1, kMaxGemmDim).value_or(0);

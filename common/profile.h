@@ -45,6 +45,10 @@ struct GpuModel {
   double gemm_k_overhead = 0;   // a tile's pipeline fill and drain, in elements of k
   double gemm_mamf_tflops = 0;  // a measured large 16-bit GEMM: its TFLOP/s and its shape
   int gemm_mamf_m = 0, gemm_mamf_n = 0, gemm_mamf_k = 0;
+  // The operand intensity (flops per byte an SM loads) at which an SM's operand feed keeps its tensor
+  // cores busy. With it, a 16-bit GEMM runs as the fastest of several tile shapes and split-K; 0 keeps
+  // the one tile and its transpose.
+  double gemm_ridge_flops_per_byte = 0;
   // Fused attention's throughput as a fraction of the 16-bit peak; 0 means compute_efficiency. The flat
   // fractions, used where the profile gives no shape model below.
   double attention_fwd_efficiency = 0;

@@ -40,6 +40,15 @@ struct AttentionShape {
   float dropout = 0;  // attention-dropout probability (Megatron-LM: 0.1); > 0 adds the unfused dropout passes
 };
 
+// One way cuBLAS can run a 16-bit GEMM: output tiles of tile_m x tile_n, each tile's k-loop split over
+// `splits` SMs (1: no split), and the time it takes (docs/model.md, "Compute").
+struct GemmCandidate {
+  int tile_m = 0;
+  int tile_n = 0;
+  int splits = 1;
+  double us = 0;
+};
+
 class ComputeModel {
  public:
   // UsageError when the profile's measured GEMM is faster than the model's shape factors allow.
@@ -103,12 +112,20 @@ class ComputeModel {
   double launch_us() const { return gpu_.launch_overhead_us; }
 
   // The factors of a 16-bit GEMM's rate, each in (0, 1]: the output tiles' fill of their last partial tile
-  // times the last wave's fill of the SMs (for the better of the two tile orientations), k / (k + k0), and
-  // the ceiling that makes the model reproduce the profile's measured GEMM. Exposed for tests and docs.
-  // With `batch`, the tiles of that many GEMMs of this shape share the waves (batched_gemm_cost).
+  // times the last wave's fill of the SMs (for the better orientation of the profile's tile), k / (k + k0),
+  // a tile's rate against the largest tile's, and the ceiling that makes the model reproduce the profile's
+  // measured GEMM. Exposed for tests and docs. With `batch`, the tiles of that many GEMMs of this shape
+  // share the waves (batched_gemm_cost).
   double gemm_quantization(std::int64_t m, std::int64_t n, std::int64_t batch = 1) const;
   double gemm_k_efficiency(std::int64_t k) const;
+  double gemm_tile_efficiency(std::int64_t tile_m, std::int64_t tile_n, DType dtype) const;
   double gemm_ceiling() const { return gemm_ceiling_; }
+  // Every way the model considers running a 16-bit GEMM, each with its time; gemm_cost takes the fastest.
+  // The profile's tile and its transpose; with gemm_ridge_flops_per_byte, also the smaller tiles and, for
+  // a GEMM whose tiles do not fill the SMs, each tile with its k-loop split.
+  // With `batch`, that many GEMMs of this shape in one call (strided-batched), their tiles in the same waves.
+  std::vector<GemmCandidate> gemm_candidates(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
+                                             std::int64_t batch = 1) const;
   // Whether 16-bit GEMMs use the shape model (the profile has sm_count and a measured GEMM).
   bool gemm_shape_model() const { return gemm_ceiling_ > 0; }
 
@@ -116,6 +133,8 @@ class ComputeModel {
   double peak_tflops(DType dtype) const;
   KernelCost flash_attention_cost(const AttentionShape& shape, bool backward, DType dtype,
                                   double efficiency) const;
+  GemmCandidate gemm_fastest(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
+                             std::int64_t batch = 1) const;
   GpuModel gpu_;
   double gemm_ceiling_ = 0;
 };

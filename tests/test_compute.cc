@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -188,14 +189,143 @@ TEST(ComputeModel, Bf16GemmOfA8192CubeByHand) {
   EXPECT_NEAR(model.gemm_us(8192, 8192, 8192, DType::Float16), want, 1e-9 * want);  // same peak on H100
 }
 
-TEST(ComputeModel, OneTileMoreThanAFullWaveCostsTwoWaves) {
-  const sim::ComputeModel model = h100_model();
+// A profile without gemm_ridge_flops_per_byte: the profile's one tile and its transpose, no split-K.
+GpuModel shapeless_h100() {
+  GpuModel gpu = quiet_config().profile.gpu;
+  gpu.gemm_ridge_flops_per_byte = 0;
+  return gpu;
+}
+
+TEST(ComputeModel, ShapelessProfileOneTileMoreThanAFullWaveCostsTwoWaves) {
+  const sim::ComputeModel model(shapeless_h100());
   // 1536 x 2816 is 12 x 11 = 132 tiles of 128x256: one full wave on 132 SMs. 2432 x 1792 is 19 x 7 = 133.
   const double one_wave = model.gemm_us(1536, 2816, 8192, DType::BFloat16);
   const double two_waves = model.gemm_us(2432, 1792, 8192, DType::BFloat16);
   EXPECT_NEAR(two_waves / one_wave, 2.0, 1e-9);
   EXPECT_DOUBLE_EQ(model.gemm_quantization(1536, 2816), 1.0);
   EXPECT_NEAR(model.gemm_quantization(2432, 1792), 133.0 / 264, 1e-12);
+}
+
+TEST(ComputeModel, ShapelessProfileKeepsTheOneTileRate) {
+  // rate = peak x ceiling x quantization x k / (k + k0), for the better orientation of 128x256.
+  const sim::ComputeModel model(shapeless_h100());
+  EXPECT_EQ(model.gemm_candidates(512, 2688, 7168, DType::BFloat16).size(), 2u);
+  for (const auto& [m, n, k] : std::vector<std::array<std::int64_t, 3>>{
+           {512, 2688, 7168}, {2048, 2560, 2560}, {4096, 4096, 4096}, {100, 3000, 700}}) {
+    const double rate =
+        989.4e6 * model.gemm_ceiling() * model.gemm_quantization(m, n) * model.gemm_k_efficiency(k);
+    const double want = 2.0 * m * n * k / rate;
+    EXPECT_NEAR(model.gemm_cost(m, n, k, DType::BFloat16).math_us, want, 1e-9 * want) << m << "x" << n;
+  }
+}
+
+TEST(ComputeModel, MoreThanAFullWaveRunsOnSmallerTiles) {
+  // 133 tiles of 128x256 need two waves; 266 tiles of 128x128 need three waves of a tile half as large
+  // at 0.822 of its rate: 3 / 2 / 0.822 = 1.82 times one full wave, less than 2.
+  const sim::ComputeModel model = h100_model();
+  const double one_wave = model.gemm_us(1536, 2816, 8192, DType::BFloat16);
+  const double two_waves = model.gemm_us(2432, 1792, 8192, DType::BFloat16);
+  EXPECT_LT(two_waves / one_wave, 1.9);
+  EXPECT_GT(two_waves / one_wave, 1.5);
+}
+
+// Measured H100 bf16 GEMMs: XLA's GEMM table for sm_90 (kDefaultMatmulPTable in
+// xla/service/gpu/model/matmul_interpolator_data.h of openxla/xla), TFLOPS at m x n x k.
+struct MeasuredGemm {
+  std::int64_t m, n, k;
+  double tflops;
+};
+constexpr MeasuredGemm kXlaH100[] = {
+    {4096, 4096, 4096, 783.3}, {2048, 4096, 4096, 753.6}, {512, 4096, 4096, 644.1},
+    {1024, 2048, 4096, 653.5}, {512, 2048, 4096, 430.5},  {2048, 512, 4096, 451.2},
+    {1024, 1024, 4096, 470.1}, {256, 4096, 4096, 412.0},
+};
+
+double model_tflops(const sim::ComputeModel& model, std::int64_t m, std::int64_t n, std::int64_t k) {
+  return 2.0 * m * n * k / model.gemm_us(m, n, k, DType::BFloat16) / 1e6;
+}
+
+TEST(ComputeModel, H100GemmsByShapeMatchMeasuredWithinFifteenPercent) {
+  // The one-tile model is 0.41 to 0.59 of the measured rate at every shape here below 1024 x 4096.
+  const sim::ComputeModel model = h100_model();
+  for (const MeasuredGemm& g : kXlaH100) {
+    EXPECT_NEAR(model_tflops(model, g.m, g.n, g.k) / g.tflops, 1.0, 0.15) << g.m << "x" << g.n << "x" << g.k;
+  }
+}
+
+TEST(ComputeModel, ATensorParallelChunkOfH100GemmKeepsMostOfTheLargeGemmRate) {
+  // XLA's table measures 512 x 2048 x 4096 at 430.5 / 783.3 = 0.55 of 4096^3's rate and 512 x 4096 x 4096
+  // at 0.82; 512 x 2688 x 7168 has more columns and a longer k than the first.
+  const sim::ComputeModel model = h100_model();
+  const double fraction = model_tflops(model, 512, 2688, 7168) / model_tflops(model, 4096, 4096, 4096);
+  EXPECT_GE(fraction, 430.5 / 783.3);
+  EXPECT_LE(fraction, 1.0);
+}
+
+TEST(ComputeModel, MoreRowsNeverTakeLessTime) {
+  for (const std::string& name :
+       {std::string("dgx-h100"), std::string("dgx-a100"), std::string("dgx-b200")}) {
+    const sim::ComputeModel model(load_profile(name).gpu);
+    for (const auto& [n, k] : std::vector<std::pair<std::int64_t, std::int64_t>>{
+             {2688, 7168}, {7168, 896}, {2560, 2560}, {10240, 2560}, {64, 4096}}) {
+      double previous_us = 0;
+      for (std::int64_t m = 16; m <= 8192; m += 16) {
+        const double us = model.gemm_us(m, n, k, DType::BFloat16);
+        EXPECT_GE(us, previous_us) << name << " " << m << "x" << n << "x" << k;
+        previous_us = us;
+      }
+    }
+  }
+}
+
+TEST(ComputeModel, TheGemmRunsAsTheFastestCandidate) {
+  const sim::ComputeModel model = h100_model();
+  for (const auto& [m, n, k] : std::vector<std::array<std::int64_t, 3>>{
+           {512, 2688, 7168}, {4096, 2688, 7168}, {512, 7168, 896}, {2048, 2560, 2560}, {256, 256, 4096}}) {
+    const std::vector<sim::GemmCandidate> all = model.gemm_candidates(m, n, k, DType::BFloat16);
+    ASSERT_GT(all.size(), 2u);
+    const double us = model.gemm_cost(m, n, k, DType::BFloat16).math_us;
+    double fastest_us = all[0].us;
+    for (const sim::GemmCandidate& c : all) fastest_us = std::min(fastest_us, c.us);
+    EXPECT_EQ(us, fastest_us) << m << "x" << n << "x" << k;
+  }
+}
+
+TEST(ComputeModel, SplitKOnlyWhenTheTilesDoNotFillTheSms) {
+  const sim::ComputeModel model = h100_model();
+  for (const auto& [m, n, k] : std::vector<std::array<std::int64_t, 3>>{{512, 2688, 7168},
+                                                                        {4096, 2688, 7168},
+                                                                        {1536, 2816, 8192},
+                                                                        {256, 4096, 4096},
+                                                                        {8192, 8192, 8192}}) {
+    const std::vector<sim::GemmCandidate> all = model.gemm_candidates(m, n, k, DType::BFloat16);
+    for (const sim::GemmCandidate& c : all) {
+      if (c.splits == 1) continue;
+      const std::int64_t tiles = ((m + c.tile_m - 1) / c.tile_m) * ((n + c.tile_n - 1) / c.tile_n);
+      EXPECT_LE(tiles * c.splits, 132) << c.tile_m << "x" << c.tile_n << "/" << c.splits;
+    }
+  }
+  // 512 x 2688: 44 tiles of 128x256 in a third of a wave; split three ways they fill the SMs.
+  const std::vector<sim::GemmCandidate> all = model.gemm_candidates(512, 2688, 7168, DType::BFloat16);
+  const auto fastest =
+      *std::min_element(all.begin(), all.end(), [](const auto& a, const auto& b) { return a.us < b.us; });
+  EXPECT_GT(fastest.splits, 1);
+  // 1536 x 2816 fills every SM with 128x256 tiles: nothing splits.
+  for (const sim::GemmCandidate& c : model.gemm_candidates(1536, 2816, 8192, DType::BFloat16)) {
+    if (c.tile_m * c.tile_n >= 128 * 256) {
+      EXPECT_EQ(c.splits, 1);
+    }
+  }
+}
+
+TEST(ComputeModel, SmallerTilesRunAtTheirOperandIntensityBelowTheRidge) {
+  const sim::ComputeModel model = h100_model();
+  // bf16: 128x256 does 85.3 flops per operand byte, above the ridge 77.8; 128x128 64, 128x64 42.7.
+  EXPECT_DOUBLE_EQ(model.gemm_tile_efficiency(128, 256, DType::BFloat16), 1.0);
+  EXPECT_DOUBLE_EQ(model.gemm_tile_efficiency(256, 128, DType::BFloat16), 1.0);
+  EXPECT_NEAR(model.gemm_tile_efficiency(128, 128, DType::BFloat16), 64 / 77.8, 1e-12);
+  EXPECT_NEAR(model.gemm_tile_efficiency(128, 64, DType::BFloat16), (2.0 * 128 * 64 / (192 * 2)) / 77.8,
+              1e-12);
 }
 
 TEST(ComputeModel, SmallKAndSmallNAreLessEfficient) {
@@ -364,7 +494,10 @@ TEST(AttentionKernels, UnfusedKeptBytesAreKorthikantisFiveAs2b) {
 }
 
 TEST(AttentionKernels, BatchedGemmTilesShareTheWaves) {
-  const sim::ComputeModel model = profile_model("dgx-h100");
+  // The one-tile model (no ridge intensity), where the waves can be counted by hand.
+  GpuModel one_tile = load_profile("dgx-h100").gpu;
+  one_tile.gemm_ridge_flops_per_byte = 0;
+  const sim::ComputeModel model(one_tile);
   // One 1024 x 1024 output is 8 x 4 = 32 tiles of 128x256 on 132 SMs; 33 of them are 1056 tiles, 8 full
   // waves.
   EXPECT_NEAR(model.gemm_quantization(1024, 1024), 32.0 / 132, 1e-12);
@@ -373,6 +506,10 @@ TEST(AttentionKernels, BatchedGemmTilesShareTheWaves) {
                    model.gemm_us(1000, 3000, 500, DType::BFloat16));
   EXPECT_NEAR(model.batched_gemm_cost(33, 1024, 1024, 512, DType::BFloat16).us(),
               33 * model.gemm_us(1024, 1024, 512, DType::BFloat16) * (32.0 / 132), 1e-9);
+  // With every tile shape and split-K, a batch is never slower than its GEMMs one after another.
+  const sim::ComputeModel shapes = profile_model("dgx-h100");
+  EXPECT_LE(shapes.batched_gemm_cost(33, 1024, 1024, 512, DType::BFloat16).us(),
+            33 * shapes.gemm_us(1024, 1024, 512, DType::BFloat16));
 }
 
 TEST(AttentionShapeModel, EfficiencyRisesWithSeqAndStaysBelowTheCeiling) {

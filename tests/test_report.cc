@@ -484,7 +484,9 @@ TEST(ReportJson, EveryRequiredFieldIsRequiredAndEveryOptionalOneIsNot) {
     const std::string leaf = path.substr(path.find_last_of(".]") + 1);
     return path == "gpus_per_node" || path == "options" || path == "late_starts" || path == "topology" ||
            path == "training" || path == "pipeline" || path.rfind("options.", 0) == 0 ||
-           path.rfind("training.exposed_comm_us.", 0) == 0 ||
+           path.rfind("training.exposed_comm_us.", 0) == 0 || path == "training.communicated_comm_us" ||
+           path == "training.hidden_comm_us" || path.rfind("training.communicated_comm_us.", 0) == 0 ||
+           path.rfind("training.hidden_comm_us.", 0) == 0 ||
            (path.rfind("collectives[", 0) == 0 && leaf == "bookkeeping") ||
            (path.rfind("ranks[", 0) == 0 && leaf == "comm_slowed_compute_us") ||
            (path.rfind("links[", 0) == 0 && leaf == "bandwidth_gbps");
@@ -579,6 +581,8 @@ TrainingStats sample_training() {
   t.bubble_fraction = 0.061;
   t.bubble_fraction_formula = 0.0547;
   t.exposed_comm_us = {{"dp", 1250.0}, {"pp", 310.5}, {"tp", 80000.0}};
+  t.communicated_comm_us = {{"dp", 2500.0}, {"pp", 400.0}, {"tp", 90000.0}};
+  t.hidden_comm_us = {{"dp", 1250.0}, {"pp", 89.5}, {"tp", 10000.0}};
   t.peak_memory_bytes = 60'000'000'000;
   t.weights_bytes = 12'000'000'000;
   t.grads_bytes = 8'000'000'000;
@@ -632,6 +636,8 @@ TEST(ReportJson, TrainingRoundTripsAndIsOptional) {
   EXPECT_EQ(t.bubble_fraction, want.bubble_fraction);
   EXPECT_EQ(t.bubble_fraction_formula, want.bubble_fraction_formula);
   EXPECT_EQ(t.exposed_comm_us, want.exposed_comm_us);
+  EXPECT_EQ(t.communicated_comm_us, want.communicated_comm_us);
+  EXPECT_EQ(t.hidden_comm_us, want.hidden_comm_us);
   EXPECT_EQ(t.peak_memory_bytes, want.peak_memory_bytes);
   EXPECT_EQ(t.weights_bytes, want.weights_bytes);
   EXPECT_EQ(t.grads_bytes, want.grads_bytes);
