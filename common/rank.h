@@ -36,6 +36,11 @@ namespace ranklab {
 enum class ReduceOp { Sum, Avg, Max, Min, Prod };
 enum class Async { No, Yes };
 enum class Trans { No, Yes };
+// Which kernels compute attention (Rank::attention): one fused kernel (FlashAttention-2 and -3, cuDNN)
+// whose s x s scores stay on chip, or the path of Megatron-LM's 2021-2022 runs: a batched Q K^T GEMM, a
+// fused scale-mask-softmax over the scores in HBM and a batched P V GEMM, the probabilities kept for the
+// backward.
+enum class AttentionKernel { Flash, Unfused };
 
 const char* reduce_op_name(ReduceOp op);
 
@@ -261,13 +266,20 @@ class Rank {
   //   out  [seq * batch, heads * head_dim], column = head * head_dim + d;
   //   lse  float32 [batch, heads, seq]: each query's log-sum-exp of scaled scores, for the backward.
   // Scores are scaled by 1 / sqrt(head_dim); `causal` masks keys after the query's position.
+  // `kernel` says how a GPU computes it: the numbers are the same, the time and the memory are not. With
+  // AttentionKernel::Unfused the result also holds the probabilities the unfused backward reads, a
+  // phantom [batch * heads, seq, seq] tensor of qkv's dtype: their memory is real, their numbers are
+  // recomputed from lse.
   struct AttentionOut {
     Tensor out, lse;
+    Tensor probs;  // AttentionKernel::Unfused only
   };
-  virtual AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) = 0;
+  virtual AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                                 AttentionKernel kernel = AttentionKernel::Flash) = 0;
   // d qkv (like qkv) from d out, recomputing the probabilities from lse (FlashAttention's backward).
   virtual Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                    const Tensor& lse, std::int64_t batch, int heads, bool causal) = 0;
+                                    const Tensor& lse, std::int64_t batch, int heads, bool causal,
+                                    AttentionKernel kernel = AttentionKernel::Flash) = 0;
 
   // Embedding lookup, vocabulary-parallel (Megatron's VocabParallelEmbedding): `table` holds rows
   // [vocab_start, vocab_start + table rows) of the vocabulary; `ids` is a float32 [rows] tensor of token

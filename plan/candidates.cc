@@ -212,9 +212,9 @@ double StepBound::us(const gpt::Config& c) {
     forward_us += rows_gemm_us(g.out, g.in);
     backward_us += k.gemm_us(g.in, g.out, R, d) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
   }
-  const double attention_fwd =
-      k.attention_us(c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, false, d);
-  backward_us += k.attention_us(c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, true, d);
+  const sim::AttentionShape attention{c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, 0.0f};
+  const double attention_fwd = k.attention_us(attention, c.attention, false, d);
+  backward_us += k.attention_us(attention, c.attention, true, d);
   const MemoryBound mem = memory_bound_bytes(c);
   forward_us += k.memory_us(mem.forward_bytes);
   backward_us += k.memory_us(mem.backward_bytes);

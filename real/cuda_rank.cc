@@ -755,7 +755,10 @@ kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, std::int64_
   return a;
 }
 
-Rank::AttentionOut CudaRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) {
+// The GPU runs its own fused kernel whichever `kernel` is asked for; the unfused path's probabilities are
+// allocated, so that its memory is what that path keeps.
+Rank::AttentionOut CudaRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                                       AttentionKernel kernel) {
   const char* op = "attention";
   const void* pq = require(qkv, op, "qkv");
   const kernels::AttentionShape a = attention_shape(qkv, batch, heads, causal, op);
@@ -765,12 +768,16 @@ Rank::AttentionOut CudaRank::attention(const Tensor& qkv, std::int64_t batch, in
   void* po = require(out.out, op, "out");
   float* pl = require_f32(out.lse, op, "lse");
   before_kernel({&qkv}, op);
-  kernel(op, [&] { kernels::attention(po, pl, pq, qkv.dtype(), a, compute_); });
+  if (kernel == AttentionKernel::Unfused) {
+    out.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
+  }
+  this->kernel(op, [&] { kernels::attention(po, pl, pq, qkv.dtype(), a, compute_); });
   return out;
 }
 
 Tensor CudaRank::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                    const Tensor& lse, std::int64_t batch, int heads, bool causal) {
+                                    const Tensor& lse, std::int64_t batch, int heads, bool causal,
+                                    AttentionKernel /*kernel*/) {
   const char* op = "attention_backward";
   const void* pdo = require(dout, op, "dout");
   const void* pq = require(qkv, op, "qkv");

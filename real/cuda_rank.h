@@ -105,9 +105,10 @@ class CudaRank : public Rank {
   Tensor gelu(const Tensor& x) override;
   Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
   Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) override;
-  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) override;
+  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                         AttentionKernel kernel) override;
   Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                            std::int64_t batch, int heads, bool causal) override;
+                            std::int64_t batch, int heads, bool causal, AttentionKernel kernel) override;
   Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
   void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
                            std::int64_t vocab_start) override;

@@ -183,14 +183,6 @@ KernelCost ComputeModel::batched_gemm_cost(std::int64_t batch, std::int64_t m, s
   return {gemm_fastest(m, n, k, dtype, batch).us, memory_us(bytes)};
 }
 
-KernelCost ComputeModel::attention_cost(std::int64_t batch, std::int64_t seq, std::int64_t heads,
-                                        std::int64_t head_dim, bool causal, bool backward,
-                                        DType dtype) const {
-  const double measured = backward ? gpu_.attention_bwd_efficiency : gpu_.attention_fwd_efficiency;
-  const double efficiency = measured > 0 ? measured : gpu_.compute_efficiency;
-  return flash_attention_cost({batch, seq, heads, head_dim, causal, 0.0f}, backward, dtype, efficiency);
-}
-
 KernelCost ComputeModel::flash_attention_cost(const AttentionShape& a, bool backward, DType dtype,
                                               double efficiency) const {
   // Two GEMMs of 2 s^2 d flops per head forward (Q K^T and P V); causal masking skips half of them.

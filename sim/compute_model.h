@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/profile.h"
+#include "common/rank.h"
 #include "common/tensor.h"
 
 namespace ranklab::sim {
@@ -23,14 +24,8 @@ struct KernelCost {
   double us() const { return math_us > memory_us ? math_us : memory_us; }
 };
 
-// Which kernels compute attention.
-enum class AttentionKernel {
-  // One fused kernel (FlashAttention-2 and -3, cuDNN): the s x s scores stay on chip.
-  Flash,
-  // The path of Megatron-LM's 2021-2022 runs: a batched Q K^T GEMM, a fused scale-mask-softmax over the
-  // s x s scores in HBM, attention dropout over the probabilities, and a batched P V GEMM.
-  Unfused,
-};
+// Which kernels compute attention: common/rank.h.
+using ranklab::AttentionKernel;
 
 // One attention call on one GPU: `batch` sequences of `seq` tokens, `heads` heads of `head_dim`.
 struct AttentionShape {
@@ -67,16 +62,6 @@ class ComputeModel {
   KernelCost batched_gemm_cost(std::int64_t batch, std::int64_t m, std::int64_t n, std::int64_t k,
                                DType dtype) const;
 
-  // Fused attention (FlashAttention-style) over `batch` sequences of `seq` tokens, `heads` heads of
-  // `head_dim`; the backward when `backward`. It runs at the profile's flat fractions of peak
-  // (attention_fwd_efficiency, attention_bwd_efficiency) whatever the shape: the overload taking an
-  // AttentionShape applies the shape model where the profile has one.
-  double attention_us(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
-                      bool causal, bool backward, DType dtype) const {
-    return attention_cost(batch, seq, heads, head_dim, causal, backward, dtype).us();
-  }
-  KernelCost attention_cost(std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t head_dim,
-                            bool causal, bool backward, DType dtype) const;
   // Attention by `kernel`, forward or backward. Flash is one kernel at flash_attention_efficiency. Unfused
   // is the sequence attention_kernels lists, run one after another: math_us is the sum of their times
   // (so us() is the sequence's time) and memory_us the sum of their HBM times, so that communication

@@ -849,7 +849,8 @@ struct AttnDims {
 };
 }  // namespace
 
-Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) {
+Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                                      AttentionKernel kernel) {
   const char* op = "attention";
   require(qkv, op, "qkv");
   check_attention(rank_, op, qkv, batch, heads);
@@ -893,13 +894,25 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int
     }
     round_to_dtype(o.out);
   }
-  launch_kernel_cost(kAttention, world_.compute().attention_cost(batch, a.seq, heads, a.head_dim, causal,
-                                                                 false, qkv.dtype()));
+  const AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f};
+  if (kernel == AttentionKernel::Unfused) {
+    o.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
+  }
+  launch_attention(kAttention, shape, kernel, false, qkv.dtype());
   return o;
 }
 
+void SimRank::launch_attention(const std::string& name, const AttentionShape& shape, AttentionKernel kernel,
+                               bool backward, DType dtype) {
+  // The unfused path is several kernels, timed as one sequence; the host launches each.
+  s_.host_us +=
+      (ComputeModel::attention_kernel_count(shape, kernel, backward) - 1) * world_.compute().launch_us();
+  launch_kernel_cost(name, world_.compute().attention_cost(shape, kernel, backward, dtype));
+}
+
 Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                   const Tensor& lse, std::int64_t batch, int heads, bool causal) {
+                                   const Tensor& lse, std::int64_t batch, int heads, bool causal,
+                                   AttentionKernel kernel) {
   const char* op = "attention_backward";
   require(dout, op, "dout");
   require(qkv, op, "qkv");
@@ -950,8 +963,8 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
     }
     round_to_dtype(dqkv);
   }
-  launch_kernel_cost(kAttentionBackward, world_.compute().attention_cost(batch, a.seq, heads, a.head_dim,
-                                                                         causal, true, qkv.dtype()));
+  launch_attention(kAttentionBackward, AttentionShape{batch, a.seq, heads, a.head_dim, causal, 0.0f}, kernel,
+                   true, qkv.dtype());
   return dqkv;
 }
 

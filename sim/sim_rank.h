@@ -60,9 +60,10 @@ class SimRank : public Rank {
   Tensor gelu(const Tensor& x) override;
   Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
   Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) override;
-  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal) override;
+  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                         AttentionKernel kernel) override;
   Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                            std::int64_t batch, int heads, bool causal) override;
+                            std::int64_t batch, int heads, bool causal, AttentionKernel kernel) override;
   Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
   void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
                            std::int64_t vocab_start) override;
@@ -131,6 +132,9 @@ class SimRank : public Rank {
   void waits_before_kernel(const char* by);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
+  // Attention as `kernel` computes it, one launch per kernel of the path.
+  void launch_attention(const std::string& name, const AttentionShape& shape, AttentionKernel kernel,
+                        bool backward, DType dtype);
   void launch_kernel_cost(const std::string& name, const KernelCost& cost);
   void validate(const CommCall& call) const;
   std::string where(const char* op) const;

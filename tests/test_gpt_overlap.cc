@@ -243,6 +243,29 @@ TEST(GptOverlap, BucketsStartInTheOrderBackwardCompletesThem) {
   EXPECT_EQ(reduces[reduces.size() - 2]->bytes, 16 * 64 * 4);  // the position embedding before it
 }
 
+// ---- the attention kernel -------------------------------------------------------------------------------
+
+TEST(GptAttention, UnfusedTrainsTheSameAndKeepsItsScores) {
+  for (const std::string recompute : {"none", "selective"}) {
+    Settings o = tiny(4);
+    o["tp"] = option_text(2);
+    o["recompute"] = option_text(recompute);
+    o["attention"] = option_text("unfused");
+    const RunReport rep = run(o);  // its memory checks hold the stash to the plan, scores included
+    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_NE(rep.training->layout.find("unfused attention"), std::string::npos);
+  }
+  // At size: the s x s scores in HBM take time and memory that the fused kernel does not.
+  Settings o = phantom(0);
+  const RunReport flash = run(o, 2);
+  o["attention"] = option_text("unfused");
+  const RunReport unfused = run(o, 2);
+  EXPECT_GT(unfused.training->step_time_us, flash.training->step_time_us);
+  // A micro-batch's scores: 16 / 2 heads x 2048^2 x 2 bytes per layer, kept for every micro-batch in flight.
+  EXPECT_GE(unfused.training->peak_memory_bytes - flash.training->peak_memory_bytes,
+            std::int64_t{8} * 2048 * 2048 * 2);
+}
+
 // ---- the presets and bad input --------------------------------------------------------------------------
 
 TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
@@ -258,6 +281,12 @@ TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
   const RunReport no_tp = run(o);
   EXPECT_NE(no_tp.training->layout.find("overlapped grad reduce, param gather"), std::string::npos);
   EXPECT_EQ(no_tp.training->layout.find("tp comm"), std::string::npos);
+  EXPECT_EQ(core.training->layout.find("unfused attention"), std::string::npos);
+  o["framework"] = option_text("megatron-lm-2021");
+  o.erase("tp-comm-overlap");
+  const RunReport v2 = run(o);
+  EXPECT_NE(v2.training->layout.find("unfused attention"), std::string::npos) << v2.training->layout;
+  EXPECT_EQ(v2.training->layout.find("overlapped"), std::string::npos) << v2.training->layout;
   // Where the layout has nothing to overlap, the framework's switch does not apply: tp 1, zero 0.
   Settings plain = tiny(2);
   plain["framework"] = option_text("megatron-core");

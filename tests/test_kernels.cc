@@ -459,8 +459,9 @@ TEST(Attention, PhantomAdvancesTimeByTheModel) {
     return Doubles{r.elapsed_us(a, b)};
   });
   const sim::ComputeModel model(quiet_config().profile.gpu);
-  EXPECT_DOUBLE_EQ(
-      got[0], model.launch_us() + model.attention_us(batch, seq, heads, hd, true, false, DType::BFloat16));
+  EXPECT_DOUBLE_EQ(got[0],
+                   model.launch_us() + model.attention_us(sim::AttentionShape{batch, seq, heads, hd, true, 0},
+                                                          AttentionKernel::Flash, false, DType::BFloat16));
 }
 
 // ---- embedding and cross-entropy ---------------------------------------------------------------------

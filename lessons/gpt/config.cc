@@ -36,6 +36,7 @@ std::string Config::layout() const {
   if (overlap_param_gather) overlaps.push_back("param gather");
   if (tp_comm_overlap) overlaps.push_back("tp comm");
   if (!overlaps.empty()) s += fmt::format(", overlapped {}", fmt::join(overlaps, ", "));
+  if (attention == AttentionKernel::Unfused) s += ", unfused attention";
   return s;
 }
 
@@ -84,6 +85,11 @@ const OptionTable<Config>& options_table() {
                 "sets the overlap flags as a framework runs them (megatron-lm-2021, megatron-lm-2022, "
                 "megatron-core, torchtitan)")
           .expands(framework_settings),
+      Option<O>(
+          "attention", &O::attention,
+          "attention kernels: flash (one fused kernel) or unfused (batched GEMMs and a softmax over the "
+          "s x s scores in HBM, as Megatron-LM's 2021-2022 runs)",
+          {{"flash", AttentionKernel::Flash}, {"unfused", AttentionKernel::Unfused}}),
       {"overlap-grad-reduce", &O::overlap_grad_reduce,
        "each gradient bucket's reduction starts when backward has made it (Megatron-LM's flag)"},
       {"overlap-param-gather", &O::overlap_param_gather,

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/lesson.h"
+#include "common/rank.h"
 #include "common/tensor.h"
 
 namespace ranklab::gpt {
@@ -32,6 +33,7 @@ struct Config : LessonOptions {
   // The overlaps production frameworks use (Megatron-LM's flags), all off in the plain schedule; --framework
   // sets them as a framework's release does.
   std::string framework;  // the preset that set them, or ""
+  AttentionKernel attention = AttentionKernel::Flash;
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false;
   std::string ddp_bucket_size = "auto";  // parameters per bucket, or Megatron's rule
   std::int64_t bucket_params = 0;        // what resolve() read from it; 0: Megatron's rule

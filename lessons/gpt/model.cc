@@ -153,7 +153,11 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
              + 3 * lr * h * dt       // y1, x1, y2 (local rows: 1/tp of them with sequence parallelism)
              + r * 3 * hl * dt       // qkv
              + 2 * r * 4 * hl * dt;  // fc1's output u and gelu(u)
-    if (c.recompute == Recompute::None) block += r * hl * dt + 4 * r * heads;  // attention out and lse
+    if (c.recompute == Recompute::None) {
+      block += r * hl * dt + 4 * r * heads;  // attention out and lse
+      // The unfused path's probabilities: [micro-batch x heads, seq, seq] of the compute dtype.
+      if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
+    }
   }
   std::int64_t total = layers * block;
   if (head) {
@@ -237,8 +241,8 @@ std::int64_t Model::kept_bytes(int chunk, int mb) const {
   std::int64_t n = 0;
   auto add = [&](const Tensor& t) { n += t.defined() ? t.bytes() : 0; };
   for (const BlockActs& a : st.blocks) {
-    for (const Tensor* t : {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.x1, &a.mean2,
-                            &a.rstd2, &a.y2, &a.u, &a.g}) {
+    for (const Tensor* t : {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.probs, &a.x1,
+                            &a.mean2, &a.rstd2, &a.y2, &a.u, &a.g}) {
       add(*t);
     }
   }
@@ -327,7 +331,7 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   // sum; g; bias and residual.
   Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
   Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB]);
-  Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true);
+  Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true, c_.attention);
   Tensor p = tp_.row_linear(att.out, w[kProjW]);
   r.add_bias_(p, w[kProjB]);
   Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
@@ -342,7 +346,7 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
     a.mean1 = ln1.mean, a.rstd1 = ln1.rstd, a.y1 = ln1.y, a.qkv = qkv;
     a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.y2 = ln2.y, a.u = u, a.g = g;
     // Selective recomputation drops the attention core's output: backward recomputes it from qkv.
-    if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse;
+    if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
   return x2;
 }
@@ -354,8 +358,8 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
     block_forward(w, a.x, again, true, b.layer, mb);  // the forward once more, its communication included
     a = std::move(again);
   } else if (c_.recompute == Recompute::Selective) {
-    Rank::AttentionOut att = r.attention(a.qkv, c_.micro_batch, c_.heads / c_.tp, true);
-    a.out = att.out, a.lse = att.lse;
+    Rank::AttentionOut att = r.attention(a.qkv, c_.micro_batch, c_.heads / c_.tp, true, c_.attention);
+    a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
@@ -375,8 +379,8 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   dp_.add_grad(b.p[kProjB], r.sum_rows(dp));
   parallel::TensorParallel::Grads proj = tp_.row_linear_backward(a.out, w[kProjW], dp);
   dp_.add_grad(b.p[kProjW], proj.dw);
-  const Tensor dqkv =
-      r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp, true);
+  const Tensor dqkv = r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp,
+                                           true, c_.attention);
   parallel::TensorParallel::Grads qkv = tp_.column_linear_backward(a.y1, w[kQkvW], dqkv);
   dp_.add_grad(b.p[kQkvW], qkv.dw);
   dp_.add_grad(b.p[kQkvB], qkv.db);

@@ -106,7 +106,7 @@ class Model {
   };
   // What a block keeps for its backward. Full recompute keeps only x; selective drops the attention core.
   struct BlockActs {
-    Tensor x, mean1, rstd1, y1, qkv, out, lse, x1, mean2, rstd2, y2, u, g;
+    Tensor x, mean1, rstd1, y1, qkv, out, lse, probs, x1, mean2, rstd2, y2, u, g;
   };
   struct HeadActs {
     Tensor x, mean, rstd, y, logits, row_max, stats;

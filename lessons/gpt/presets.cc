@@ -61,24 +61,31 @@ Settings preset_settings(const std::string& name) {
 const std::vector<Framework>& frameworks() {
   static const std::vector<Framework> all = {
       // Megatron-LM as Narayanan et al. 2021 ran it (SC'21; release v2.x): gradients all-reduced after the
-      // backward, no distributed optimizer, blocking tensor-parallel collectives.
-      {"megatron-lm-2021", false, false, false,
-       "Megatron-LM v2 (Narayanan et al. 2021): no gradient, parameter or tensor-parallel overlap"},
+      // backward, no distributed optimizer, blocking tensor-parallel collectives, and attention as batched
+      // GEMMs around a fused scale-mask-softmax (megatron/model/fused_softmax.py; FlashAttention came in
+      // 2022 and Megatron-LM took it up as --use-flash-attn in 2023).
+      {"megatron-lm-2021", false, false, false, false,
+       "Megatron-LM v2 (Narayanan et al. 2021): no gradient, parameter or tensor-parallel overlap; unfused "
+       "attention"},
       // Korthikanti et al. 2022 (release v3.0) adds sequence parallelism and selective recompute, which
-      // are layout flags here; the communication still waits.
-      {"megatron-lm-2022", false, false, false,
-       "Megatron-LM v3 (Korthikanti et al. 2022): no gradient, parameter or tensor-parallel overlap"},
+      // are layout flags here; the communication still waits, and attention is still unfused (selective
+      // recompute exists because its s x s scores fill the memory).
+      {"megatron-lm-2022", false, false, false, false,
+       "Megatron-LM v3 (Korthikanti et al. 2022): no gradient, parameter or tensor-parallel overlap; unfused "
+       "attention"},
       // Megatron-Core's performance settings, as NVIDIA's recipes set them (NeMo's
       // llm/recipes/tp_overlap_configs, Megatron-LM's --overlap-grad-reduce --overlap-param-gather
       // --tp-comm-overlap): bucketed gradient reduce-scatter during backward, parameter all-gather during
-      // forward, TransformerEngine's userbuffers overlap where tp > 1 with sequence parallelism.
-      {"megatron-core", true, true, true,
+      // forward, TransformerEngine's userbuffers overlap where tp > 1 with sequence parallelism, and
+      // TransformerEngine's fused attention (cuDNN / FlashAttention).
+      {"megatron-core", true, true, true, true,
        "Megatron-Core (core_r0.9 and later) with --overlap-grad-reduce --overlap-param-gather "
        "--tp-comm-overlap"},
       // torchtitan's FSDP2 (docs/fsdp.md): reduce-scatter during backward and the next layer's all-gather
       // prefetched, forward and backward; asynchronous tensor parallelism off unless asked
-      // (parallelism.enable_async_tensor_parallel defaults to false).
-      {"torchtitan", true, true, false,
+      // (parallelism.enable_async_tensor_parallel defaults to false); attention by torch's
+      // scaled_dot_product_attention, whose flash kernel it picks on these GPUs.
+      {"torchtitan", true, true, false, true,
        "torchtitan with FSDP2 prefetching and overlapped reduce-scatter; async TP off (its default)"},
   };
   return all;
@@ -92,7 +99,8 @@ Settings framework_settings(const std::string& name) {
       auto on = [](bool b) { return std::string(b ? "true" : "false"); };
       return {{"overlap-grad-reduce", on(f.overlap_grad_reduce)},
               {"overlap-param-gather", on(f.overlap_param_gather)},
-              {"tp-comm-overlap", on(f.tp_comm_overlap)}};
+              {"tp-comm-overlap", on(f.tp_comm_overlap)},
+              {"attention", f.fused_attention ? "flash" : "unfused"}};
     }
     names.push_back(f.name);
   }

@@ -31,6 +31,7 @@ Settings preset_settings(const std::string& name);
 struct Framework {
   std::string name;
   bool overlap_grad_reduce, overlap_param_gather, tp_comm_overlap;
+  bool fused_attention;
   std::string source;
 };
 const std::vector<Framework>& frameworks();
