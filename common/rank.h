@@ -272,7 +272,7 @@ class Rank {
   // recomputed from lse.
   struct AttentionOut {
     Tensor out, lse;
-    Tensor probs;  // AttentionKernel::Unfused only
+    Tensor probs{};  // AttentionKernel::Unfused only
   };
   virtual AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
                                  AttentionKernel kernel = AttentionKernel::Flash) = 0;
