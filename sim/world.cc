@@ -561,18 +561,20 @@ void SimWorld::execute_readied(const std::shared_ptr<CommOpState>& op) {
   }
 }
 
-void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
+void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
   Change change(changing_);
-  // The engine hands out transfers; an operation ends when its own and (in a symmetric run) all its images'
-  // have ended, at the latest of them.
+  // The engine hands out transfers, each owned by the operation (or image) that scheduled it; an operation
+  // ends when its own and (in a symmetric run) all its images' have ended, at the latest of them.
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.reserve(engine_ended.size());
-  for (const auto& transfer : engine_ended) {
-    const std::shared_ptr<CommOpState>& op = transfer->image ? transfer->image_of : transfer;
-    op->end_us = std::max(op->end_us, transfer->end_us);
-    if (--op->transfers_left > 0) continue;
-    op->finished = true;
-    ended.push_back(op);
+  for (const EndedTransfer& e : engine_ended) {
+    CommOpState& transfer = *static_cast<CommOpState*>(e.owner.get());
+    transfer.end_us = e.end_us;
+    CommOpState& op = transfer.image ? *transfer.image_of : transfer;
+    op.end_us = std::max(op.end_us, transfer.end_us);
+    if (--op.transfers_left > 0) continue;
+    op.finished = true;
+    ended.push_back(transfer.image ? transfer.image_of : std::static_pointer_cast<CommOpState>(e.owner));
   }
   // Every operation that waited for these has one unfinished dependency less per edge. All of them are
   // counted before any dependent runs, so what runs, and in what order, is as if each dependent looked
@@ -656,7 +658,7 @@ void SimWorld::prefetch_state(const CommOpState& op, std::size_t member, bool wi
 bool SimWorld::advance_engine(double t_us) {
   woke_ = false;
   while (true) {
-    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us, /*stop_at_end=*/true);
+    std::vector<EndedTransfer> ended = engine_.advance_to(t_us, /*stop_at_end=*/true);
     if (ended.empty()) return false;
     on_finished(ended);  // may schedule more transfers at or before t_us
     if (woke_) return true;

@@ -264,7 +264,7 @@ class SimWorld {
   void try_execute(const std::shared_ptr<CommOpState>& op);
   void execute(const std::shared_ptr<CommOpState>& op);
   // Records what finished in the engine and executes what waited for it.
-  void on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended);
+  void on_finished(const std::vector<EndedTransfer>& ended);
   // Moves the engine up to t_us, one ending at a time; stops early, returning true, when an ending woke a
   // rank: that rank may issue communication before t_us, and must find the engine no further than that.
   bool advance_engine(double t_us);
