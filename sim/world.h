@@ -34,6 +34,7 @@
 #include "common/report.h"
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
+#include "sim/contention_model.h"
 #include "sim/front_queue.h"
 #include "sim/net/network_model.h"
 #include "sim/net/transfer_engine.h"
@@ -322,6 +323,7 @@ class SimWorld {
   ComputeModel compute_;
   std::unique_ptr<NetworkModel> network_;
   TransferEngine engine_;
+  ContentionModel contention_;
   std::vector<std::unique_ptr<RankState>> ranks_;
   std::vector<std::vector<int>> groups_;  // id -> members; id 0 is the world
   std::map<std::pair<int, std::uint64_t>, std::shared_ptr<CommOpState>> open_collectives_;
@@ -346,10 +348,9 @@ class SimWorld {
   // those waiting in settle_compute, which issue nothing before it, and those with deferred posts, which
   // start no earlier. The engine is not moved past the first.
   std::set<std::pair<double, int>> kernel_watches_;
-  // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight, taking
-  // an operation whose end is not known as running on; `known` is set when nothing unknown could change it,
-  // `started` when every operation that could overlap the kernel has started.
-  // `kernel` is the kernel's place in pending_kernels: deferred posts behind it cannot overlap it.
+  // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight
+  // (ContentionModel::kernel_end_us over the operations that may overlap it). `kernel` is the kernel's
+  // place in pending_kernels: deferred posts behind it cannot overlap it.
   double contended_end_us(int rank, std::size_t kernel, double start_us, const KernelCost& cost, bool& known,
                           bool& started);
   // Times the pending kernels whose overlap is known, from the first, and readies the deferred posts
@@ -372,7 +373,7 @@ class SimWorld {
   void clear_kernel_watch(int rank);
   // Runs `op` if nothing holds it back any more (try_execute). One that still waits, but only for the
   // engine (for operations before it), tells its members that watch a kernel's end: whether that kernel
-  // is final depends on it (contention_settled's `started`).
+  // is final depends on it (ContentionModel::settled's `started`).
   void execute_readied(const std::shared_ptr<CommOpState>& op);
   // resettle, queued while the engine or an operation is half way through a change, and run after it.
   void resettle_later(int rank);
@@ -402,21 +403,9 @@ class SimWorld {
   // When every live rank is blocked: moves the engine to its next event or to the first watched kernel end
   // (kernel_watches_), whichever is first. False when there is neither.
   bool advance_when_stalled();
-  // Whether the end contended_end_us gave is final: the engine has reached it, or nothing the engine
-  // holds starts or ends before it, so each operation in flight lasts past it.
-  bool contention_settled(bool known, bool started, double end_us);
-  struct ContentionLoad {
-    double from_us, to_us;
-    int channels;
-    double hbm_bytes_per_us;
-  };
-  std::vector<ContentionLoad> loads_;  // scratch of contended_end_us
-  std::vector<double> load_changes_us_;
   std::vector<double> pending_ends_us_;  // scratch of try_settle
   // Times again (resettle) the kernels of the ranks of kernel_watches_ whose end the engine has reached.
   void resettle_watched();
-  // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
-  void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
   bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   std::int64_t fiber_switches_ = 0;
   int live_ = 0;
