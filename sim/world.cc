@@ -49,6 +49,7 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
     : config_(config),
       compute_(config.profile.gpu),
       network_(make_network_model(config)),
+      symmetry_(config.symmetry, world_size),
       engine_(network_->topology()),
       contention_(config_.profile.gpu, network_->topology(), engine_),
       progress_("simulating", 0, config.progress ? stderr : nullptr) {
@@ -64,8 +65,11 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   }
   groups_.emplace_back(world_size);  // group 0 is the world
   for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
-  init_symmetry(config.symmetry);
-  live_ = running_;
+  for (int r = 0; r < world_size; ++r) {
+    // Mirrors never run: they are neither live nor able to block.
+    if (!runs(r)) state(r).finished = true;
+  }
+  live_ = symmetry_.running();
   thread_ = std::this_thread::get_id();
   report_.backend = "sim";
   report_.profile = config.profile.name;
@@ -289,7 +293,7 @@ Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
           id, fmt::join(groups_[id], ", "), rank, fmt::join(ranks, ", ")));
     }
   } else {
-    check_symmetric_group(ranks);
+    symmetry_.check_group(ranks);
     groups_.push_back(ranks);
   }
   return Group(id, ranks);
@@ -432,7 +436,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   // times them (try_settle). Waiting here would cost every rank a fiber switch per bucket of an
   // overlapped backward pass. (Not in symmetric runs, where the post also stands for other members, nor
   // for point-to-point calls; nor when calls go in clock order, the reference the tests compare with.)
-  const bool may_defer = !p2p && rep_.empty() && !config_.issue_in_clock_order;
+  const bool may_defer = !p2p && !symmetry_.enabled() && !config_.issue_in_clock_order;
   bool defer = false;
   double kernels_end_us = 0;
   if (!s.deferred_posts.empty() && may_defer) {
@@ -501,7 +505,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   }
   s.outstanding.push_back(op);
   if (config_.sm_contention) s.beside_ops.push_back(op);
-  if (!rep_.empty()) {
+  if (symmetry_.enabled()) {
     if (p2p && !runs(call.peer)) {
       throw UsageError(fmt::format(
           "rank {}: {} with rank {}, which mirrors rank {} in this symmetric run: point-to-point traffic "
@@ -513,7 +517,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     // every member running the same program.
     if (!p2p) {
       for (CommMember& x : op->members) {
-        if (x.arrived || rep_[x.rank] != rank) continue;
+        if (x.arrived || symmetry_.representative(x.rank) != rank) continue;
         x.arrived = true;
         x.call = call;
         x.issue_ready_us = m.issue_ready_us;
@@ -683,7 +687,8 @@ bool SimWorld::advance_engine_one_event() {
 }
 
 bool SimWorld::arrival_only(int rank, const CommCall& call) const {
-  if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv || !rep_.empty()) {
+  if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv ||
+      symmetry_.enabled()) {
     return false;
   }
   const auto open = open_collectives_.find(next_collective(rank, call.group));
@@ -742,9 +747,9 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
     // A member waiting to know its kernel's end learns this operation's start.
     if (!std::isnan(state(m.rank).watched_end_us)) resettle_later(m.rank);
   }
-  if (!rep_.empty()) note_spine(plan);
+  if (symmetry_.enabled()) symmetry_.note_spine(plan, network_->topology());
   engine_.schedule(op, std::move(plan), start_us);
-  if (!rep_.empty()) schedule_images(op, start_us);
+  if (symmetry_.enabled()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
   change.done();
@@ -860,7 +865,7 @@ void SimWorld::forget_unwaited(int rank, const CommOpState& op, bool waited) {
 
 bool SimWorld::may_defer_waits(int rank) const {
   const RankState& s = *ranks_[rank];
-  if (!rep_.empty() || config_.issue_in_clock_order || s.async_in_flight > 0) return false;
+  if (symmetry_.enabled() || config_.issue_in_clock_order || s.async_in_flight > 0) return false;
   // Only the ends may be missing: what an operation brings may be read by the kernel, and is let go of
   // (defer_waits) for the ones these stand for too.
   auto numbers_done = [rank](const std::shared_ptr<CommOpState>& op) {
@@ -1075,7 +1080,7 @@ void SimWorld::barrier(int rank, const Group& group) {
 void SimWorld::show(int rank, const std::string& label, const std::string& values) {
   RankState& s = state(rank);
   const std::uint64_t seq = s.shows++;
-  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), running_);
+  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), symmetry_.running());
   if (h.arrived == 0) {
     h.label = label;
     h.first_rank = rank;
@@ -1153,10 +1158,10 @@ void SimWorld::add_check(int rank, const std::string& what, bool passed, const s
 }
 
 RunReport SimWorld::finish_report() {
-  if (!rep_.empty()) {
+  if (symmetry_.enabled()) {
     print(fmt::format(
-        "symmetric run: {} of {} ranks ran, the others mirrored them{}", running_, size(),
-        spine_crossed_
+        "symmetric run: {} of {} ranks ran, the others mirrored them{}", symmetry_.running(), size(),
+        symmetry_.spine_crossed()
             ? "; traffic crossed the fabric's spines, whose hashed routes and leaf boundaries need not map "
               "onto each other as the ranks do: each operation waited for its slowest replica, which errs "
               "long where replicas that seldom meet are slow at different times (mirroring dp replicas "
@@ -1181,10 +1186,10 @@ RunReport SimWorld::finish_report() {
   report_.late_starts = engine_.late_starts();
   summarize_spans(report_);
   // A mirror's figures are its representative's.
-  if (!rep_.empty()) {
+  if (symmetry_.enabled()) {
     for (int r = 0; r < size(); ++r) {
       if (runs(r)) continue;
-      report_.ranks[r] = report_.ranks[rep_[r]];
+      report_.ranks[r] = report_.ranks[symmetry_.representative(r)];
       report_.ranks[r].rank = r;
     }
   }
@@ -1195,106 +1200,7 @@ RunTopology SimWorld::describe_topology() const {
   return run_topology(network_->topology(), size());
 }
 
-// ---- symmetry --------------------------------------------------------------------------------------
-
-void SimWorld::init_symmetry(const SimSymmetry& symmetry) {
-  running_ = size();
-  if (!symmetry.enabled()) return;
-  std::int64_t product = 1;
-  for (int d : symmetry.dims) {
-    if (d < 1) throw UsageError(fmt::format("symmetry: a dimension of size {} (each must be at least 1)", d));
-    product *= d;
-  }
-  if (product != size() || symmetry.replicated.size() != symmetry.dims.size()) {
-    throw UsageError(
-        fmt::format("symmetry: the grid {{{}}} ({} replicated flags) does not describe a world of {} ranks",
-                    fmt::join(symmetry.dims, " x "), symmetry.replicated.size(), size()));
-  }
-  dims_ = symmetry.dims;
-  for (size_t i = 0; i < dims_.size(); ++i) {
-    if (symmetry.replicated[i] && dims_[i] > 1) {
-      replicated_dims_.push_back(static_cast<int>(i));
-      translations_ *= dims_[i];
-    }
-  }
-  rep_.resize(size());
-  running_ = 0;
-  for (int r = 0; r < size(); ++r) {
-    // Zero the replicated coordinates.
-    int rest = r, stride = 1, rep = 0;
-    for (size_t i = 0; i < dims_.size(); ++i) {
-      const int coord = rest % dims_[i];
-      rest /= dims_[i];
-      if (!symmetry.replicated[i]) rep += coord * stride;
-      stride *= dims_[i];
-    }
-    rep_[r] = rep;
-    if (rep == r) ++running_;
-  }
-  for (int r = 0; r < size(); ++r) {
-    // Mirrors never run: they are neither live nor able to block.
-    if (!runs(r)) state(r).finished = true;
-  }
-}
-
-int SimWorld::translate(int rank, int t) const {
-  int out = 0, stride = 1, rest = rank;
-  size_t next = 0;
-  for (size_t i = 0; i < dims_.size(); ++i) {
-    int coord = rest % dims_[i];
-    rest /= dims_[i];
-    if (next < replicated_dims_.size() && replicated_dims_[next] == static_cast<int>(i)) {
-      coord = (coord + t % dims_[i]) % dims_[i];
-      t /= dims_[i];
-      ++next;
-    }
-    out += coord * stride;
-    stride *= dims_[i];
-  }
-  return out;
-}
-
-void SimWorld::check_symmetric_group(const std::vector<int>& ranks) const {
-  if (rep_.empty()) return;
-  if (std::none_of(ranks.begin(), ranks.end(), [this](int r) { return runs(r); })) return;
-  const std::set<int> in(ranks.begin(), ranks.end());
-  for (int r : ranks) {
-    if (!in.count(rep_[r])) {
-      throw UsageError(fmt::format(
-          "symmetric run: group {{{}}} holds rank {} but not rank {}, which it mirrors: nobody would call "
-          "the group's collectives for it (the program does not have the symmetry SimConfig::symmetry "
-          "declares)",
-          fmt::join(ranks, ", "), r, rep_[r]));
-    }
-  }
-}
-
-const std::vector<std::vector<int>>& SimWorld::images(const CommOpState& op) {
-  const bool p2p = op.op == CommOp::Send;
-  auto [it, inserted] =
-      images_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
-  if (!inserted) return it->second;
-  const std::vector<int>& ranks = op.ranks;
-  std::set<std::vector<int>> seen;
-  std::vector<int> key(ranks);
-  std::sort(key.begin(), key.end());
-  seen.insert(key);
-  for (int t = 1; t < translations_; ++t) {
-    std::vector<int> image(ranks.size());
-    for (size_t i = 0; i < ranks.size(); ++i) image[i] = translate(ranks[i], t);
-    key = image;
-    std::sort(key.begin(), key.end());
-    if (seen.insert(key).second) it->second.push_back(std::move(image));
-  }
-  return it->second;
-}
-
-void SimWorld::note_spine(const CommPlan& plan) {
-  if (spine_crossed_) return;
-  const Topology& topo = network_->topology();
-  spine_crossed_ =
-      std::any_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.is_spine_link(l); });
-}
+// ---- images of a symmetric run ------------------------------------------------------------------
 
 void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double start_us) {
   const CommOpState& op = *of;
@@ -1304,13 +1210,13 @@ void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double st
   const int root_pos =
       p2p ? -1 : static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), lead.peer) - op.ranks.begin());
   const std::int64_t bytes = p2p ? lead.input.bytes() : nccl_size_bytes(op);
-  for (const std::vector<int>& image : images(op)) {
+  for (const std::vector<int>& image : symmetry_.images(op)) {
     const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
     CommPlan plan = p2p                     ? network_->plan_p2p(image[0], image[1], bytes)
                     : uneven_all_to_all(op) ? network_->plan_all_to_all(image, all_to_all_pair_bytes(op))
                                             : network_->plan_collective(op.op, bytes, image, root);
     if (!lead.bookkeeping) network_->record(plan);
-    note_spine(plan);
+    symmetry_.note_spine(plan, network_->topology());
     auto shadow = std::make_shared<CommOpState>();
     shadow->op = op.op;
     shadow->image = true;

@@ -40,6 +40,7 @@
 #include "sim/net/transfer_engine.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
+#include "sim/symmetry.h"
 
 namespace ranklab::sim {
 
@@ -157,9 +158,9 @@ class SimWorld {
   int size() const { return static_cast<int>(ranks_.size()); }
   // Symmetric runs (SimConfig::symmetry): whether `rank` runs a program of its own (it is a
   // representative) or mirrors its representative; every rank runs when there is no symmetry.
-  bool runs(int rank) const { return rep_.empty() || rep_[rank] == rank; }
-  int representative(int rank) const { return rep_.empty() ? rank : rep_[rank]; }
-  int running_ranks() const { return running_; }
+  bool runs(int rank) const { return symmetry_.runs(rank); }
+  int representative(int rank) const { return symmetry_.representative(rank); }
+  int running_ranks() const { return symmetry_.running(); }
   const Profile& profile() const { return config_.profile; }
   const SimConfig& config() const { return config_; }
   const ComputeModel& compute() const { return compute_; }
@@ -285,29 +286,9 @@ class SimWorld {
   // An uneven all_to_all: the arriving member's splits against those of every member already there.
   void check_splits_agree(const CommOpState& op, int arriving_rank) const;
 
-  // ---- symmetry ----
-  void init_symmetry(const SimSymmetry& symmetry);
-  // `rank` moved by translation number `t` along the replicated dimensions.
-  int translate(int rank, int t) const;
-  // UsageError unless a group that holds a representative holds the representative of each member.
-  void check_symmetric_group(const std::vector<int>& ranks) const;
-  // The groups the symmetry maps `op`'s ranks to, other than theirs, each in the same member order; made
-  // once per group (or pair), as group_names_ is keyed.
-  const std::vector<std::vector<int>>& images(const CommOpState& op);
-  // Runs the images of an operation that starts at `start_us` beside it: what the other classes do at
-  // the same moment.
+  // Runs the images of an operation that starts at `start_us` beside it (Symmetry::images): what the
+  // other classes do at the same moment.
   void schedule_images(const std::shared_ptr<CommOpState>& op, double start_us);
-  std::vector<int> rep_;              // per rank: its representative; empty without symmetry
-  std::vector<int> dims_;             // the grid, innermost first
-  std::vector<int> replicated_dims_;  // indices into dims_
-  int translations_ = 1;              // the product of the replicated dimensions
-  int running_ = 0;
-  std::map<std::pair<int, int>, std::vector<std::vector<int>>> images_;  // (group id, -1) or (src, dst)
-  // Whether some transfer crossed a spine: the fabric's leaves and its hashed spine choice (ECMP) need not
-  // map onto each other as the ranks do, so the replicas' transfers may share links otherwise than the
-  // representatives' and the run is no longer exactly the full one.
-  bool spine_crossed_ = false;
-  void note_spine(const CommPlan& plan);
 
   struct HostRendezvous {
     int expected = 0;
@@ -322,6 +303,7 @@ class SimWorld {
   SimConfig config_;
   ComputeModel compute_;
   std::unique_ptr<NetworkModel> network_;
+  Symmetry symmetry_;
   TransferEngine engine_;
   ContentionModel contention_;
   std::vector<std::unique_ptr<RankState>> ranks_;
