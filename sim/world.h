@@ -55,6 +55,12 @@ inline int collective_stream(int group_id) {
   return -1 - group_id;
 }
 
+// The stream `op` runs on for member `rank`.
+inline int stream_of(const CommOpState& op, int rank) {
+  if (op.op != CommOp::Send) return collective_stream(op.group_id);
+  return rank == op.ranks[0] ? op.ranks[1] : op.ranks[0];
+}
+
 struct StreamState {
   double end_us = 0;                  // when the last executed operation on it ended
   std::shared_ptr<CommOpState> last;  // the last operation posted on it
