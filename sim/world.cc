@@ -49,7 +49,9 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
     : config_(config),
       compute_(config.profile.gpu),
       network_(make_network_model(config)),
+      symmetry_(config.symmetry, world_size),
       engine_(network_->topology()),
+      contention_(config_.profile.gpu, network_->topology(), engine_),
       progress_("simulating", 0, config.progress ? stderr : nullptr) {
   // Sends run on the world's communicator: only its GPUs relay them (PXN).
   network_->set_world_ranks(world_size);
@@ -63,8 +65,11 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   }
   groups_.emplace_back(world_size);  // group 0 is the world
   for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
-  init_symmetry(config.symmetry);
-  live_ = running_;
+  for (int r = 0; r < world_size; ++r) {
+    // Mirrors never run: they are neither live nor able to block.
+    if (!runs(r)) state(r).finished = true;
+  }
+  live_ = symmetry_.running();
   thread_ = std::this_thread::get_id();
   report_.backend = "sim";
   report_.profile = config.profile.name;
@@ -288,7 +293,7 @@ Group SimWorld::new_group(int rank, const std::vector<int>& ranks) {
           id, fmt::join(groups_[id], ", "), rank, fmt::join(ranks, ", ")));
     }
   } else {
-    check_symmetric_group(ranks);
+    symmetry_.check_group(ranks);
     groups_.push_back(ranks);
   }
   return Group(id, ranks);
@@ -329,12 +334,6 @@ Signature signature(const CommCall& c) {
 
 int stream_of(const CommCall& c) {
   return (c.op == CommOp::Send || c.op == CommOp::Recv) ? c.peer : collective_stream(c.group.id());
-}
-
-// The stream `op` runs on for member `rank`.
-int stream_of(const CommOpState& op, int rank) {
-  if (op.op != CommOp::Send) return collective_stream(op.group_id);
-  return rank == op.ranks[0] ? op.ranks[1] : op.ranks[0];
 }
 
 }  // namespace
@@ -431,7 +430,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   // times them (try_settle). Waiting here would cost every rank a fiber switch per bucket of an
   // overlapped backward pass. (Not in symmetric runs, where the post also stands for other members, nor
   // for point-to-point calls; nor when calls go in clock order, the reference the tests compare with.)
-  const bool may_defer = !p2p && rep_.empty() && !config_.issue_in_clock_order;
+  const bool may_defer = !p2p && !symmetry_.enabled() && !config_.issue_in_clock_order;
   bool defer = false;
   double kernels_end_us = 0;
   if (!s.deferred_posts.empty() && may_defer) {
@@ -500,7 +499,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   }
   s.outstanding.push_back(op);
   if (config_.sm_contention) s.beside_ops.push_back(op);
-  if (!rep_.empty()) {
+  if (symmetry_.enabled()) {
     if (p2p && !runs(call.peer)) {
       throw UsageError(fmt::format(
           "rank {}: {} with rank {}, which mirrors rank {} in this symmetric run: point-to-point traffic "
@@ -515,7 +514,7 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
         return static_cast<int>(std::find(op->ranks.begin(), op->ranks.end(), r) - op->ranks.begin());
       };
       for (CommMember& x : op->members) {
-        if (x.arrived || rep_[x.rank] != rank) continue;
+        if (x.arrived || symmetry_.representative(x.rank) != rank) continue;
         x.arrived = true;
         x.call = call;
         // An uneven all_to_all's pieces, as the mirror's copy of the program makes them: where they go
@@ -575,18 +574,20 @@ void SimWorld::execute_readied(const std::shared_ptr<CommOpState>& op) {
   }
 }
 
-void SimWorld::on_finished(const std::vector<std::shared_ptr<CommOpState>>& engine_ended) {
+void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
   Change change(changing_);
-  // The engine hands out transfers; an operation ends when its own and (in a symmetric run) all its images'
-  // have ended, at the latest of them.
+  // The engine hands out transfers, each owned by the operation (or image) that scheduled it; an operation
+  // ends when its own and (in a symmetric run) all its images' have ended, at the latest of them.
   std::vector<std::shared_ptr<CommOpState>> ended;
   ended.reserve(engine_ended.size());
-  for (const auto& transfer : engine_ended) {
-    const std::shared_ptr<CommOpState>& op = transfer->image ? transfer->image_of : transfer;
-    op->end_us = std::max(op->end_us, transfer->end_us);
-    if (--op->transfers_left > 0) continue;
-    op->finished = true;
-    ended.push_back(op);
+  for (const EndedTransfer& e : engine_ended) {
+    CommOpState& transfer = *static_cast<CommOpState*>(e.owner.get());
+    transfer.end_us = e.end_us;
+    CommOpState& op = transfer.image ? *transfer.image_of : transfer;
+    op.end_us = std::max(op.end_us, transfer.end_us);
+    if (--op.transfers_left > 0) continue;
+    op.finished = true;
+    ended.push_back(transfer.image ? transfer.image_of : std::static_pointer_cast<CommOpState>(e.owner));
   }
   // Every operation that waited for these has one unfinished dependency less per edge. All of them are
   // counted before any dependent runs, so what runs, and in what order, is as if each dependent looked
@@ -670,7 +671,7 @@ void SimWorld::prefetch_state(const CommOpState& op, std::size_t member, bool wi
 bool SimWorld::advance_engine(double t_us) {
   woke_ = false;
   while (true) {
-    std::vector<std::shared_ptr<CommOpState>> ended = engine_.advance_to(t_us, /*stop_at_end=*/true);
+    std::vector<EndedTransfer> ended = engine_.advance_to(t_us, /*stop_at_end=*/true);
     if (ended.empty()) return false;
     on_finished(ended);  // may schedule more transfers at or before t_us
     if (woke_) return true;
@@ -694,7 +695,8 @@ bool SimWorld::advance_engine_one_event() {
 }
 
 bool SimWorld::arrival_only(int rank, const CommCall& call) const {
-  if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv || !rep_.empty()) {
+  if (config_.issue_in_clock_order || call.op == CommOp::Send || call.op == CommOp::Recv ||
+      symmetry_.enabled()) {
     return false;
   }
   const auto open = open_collectives_.find(next_collective(rank, call.group));
@@ -742,7 +744,7 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
   // The lesson's bookkeeping (Rank::bookkeeping) takes its time but stays out of the link traffic.
   if (!lead.bookkeeping) network_->record(plan);
   op->algorithm = plan_name(plan);
-  if (config_.sm_contention) set_hbm_rates(*op, plan);
+  if (config_.sm_contention) contention_.set_hbm_rates(*op, plan);
   op->start_us = start_us;
   op->executed = true;
   run_numerics(*op);
@@ -753,662 +755,16 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
     // A member waiting to know its kernel's end learns this operation's start.
     if (!std::isnan(state(m.rank).watched_end_us)) resettle_later(m.rank);
   }
-  if (!rep_.empty()) note_spine(plan);
+  if (symmetry_.enabled()) symmetry_.note_spine(plan, network_->topology());
   engine_.schedule(op, std::move(plan), start_us);
-  if (!rep_.empty()) schedule_images(op, start_us);
+  if (symmetry_.enabled()) schedule_images(op, start_us);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
   change.done();
   run_resettles();
 }
 
-// ---- communication kernels beside compute kernels --------------------------------------------------
-
-void SimWorld::set_hbm_rates(CommOpState& op, const CommPlan& plan) const {
-  op.channels = plan.channels;
-  const double us = duration_us(plan);
-  if (plan.flows.empty() || us <= 0) return;
-  const Topology& topo = network_->topology();
-  // A flow that leaves a GPU reads its bytes from that GPU's HBM, one that arrives writes them; a ring or
-  // tree reduction adds each arriving piece to the GPU's own, which reads that much again (NVLS adds in
-  // the switch). Spread over the time the plan takes alone on the machine, that is the rate.
-  const bool reduces =
-      (op.op == CommOp::AllReduce || op.op == CommOp::ReduceScatter || op.op == CommOp::Reduce) &&
-      (plan.algorithm == Algorithm::Ring || plan.algorithm == Algorithm::Tree);
-  // Spread evenly over the members: a double binary tree gives each GPU an inner node's place in one
-  // tree and a leaf's in the other, which balance, and replicas of a symmetric run must see the same rate
-  // to the bit whatever their place in a ring or tree. (A root's extra traffic is spread over its group.)
-  double total_bytes = 0;
-  for (const Flow& f : plan.flows) {
-    const std::span<const LinkId> path = plan.path(f);
-    if (path.empty()) continue;
-    const double payload_bytes = plan.payload_bytes(f);
-    if (topo.leaves_gpu(path.front())) total_bytes += payload_bytes;
-    if (topo.enters_gpu(path.back())) total_bytes += (reduces ? 2.0 : 1.0) * payload_bytes;
-  }
-  op.hbm_bytes_per_us = std::round(total_bytes / static_cast<double>(op.members.size())) / us;
-}
-
-double SimWorld::contended_end_us(int rank, std::size_t kernel, double start_us, const KernelCost& cost,
-                                  bool& known, bool& started) {
-  known = true;
-  started = true;
-  const double nominal_us = cost.us();
-  if (nominal_us <= 0) return start_us;
-  const GpuModel& gpu = profile().gpu;
-  std::vector<ContentionLoad>& loads = loads_;
-  std::vector<double>& changes_us = load_changes_us_;  // when the operations in flight change, after start_us
-  loads.clear();
-  changes_us.clear();
-  const RankState& s = state(rank);
-  if (s.beside_ops.empty()) return start_us + nominal_us;  // without sm_contention, always
-  // The deferred posts behind this kernel wait for it (the NCCL stream waits for the compute stream), so
-  // they cannot overlap it. They are the last of beside_ops: a rank posts nothing else while it has
-  // deferred posts, and only finished operations leave the list.
-  const auto first_behind = std::upper_bound(
-      s.deferred_posts.begin(), s.deferred_posts.end(), s.kernels_timed + kernel,
-      [](std::uint64_t k, const RankState::DeferredPost& d) { return k < d.kernels_before; });
-  const std::size_t behind = static_cast<std::size_t>(s.deferred_posts.end() - first_behind);
-  for (auto it = s.beside_ops.begin(); it != s.beside_ops.end() - static_cast<std::ptrdiff_t>(behind); ++it) {
-    const std::shared_ptr<CommOpState>& op = *it;
-    if (!op->executed) {
-      // Its start is not known: it may yet start during the kernel. With every member there and ready,
-      // it waits only for operations before it on their streams, which end in the engine: it starts
-      // after the engine's next event.
-      known = false;
-      if (!op->all_arrived() || op->unready > 0) started = false;
-      continue;
-    }
-    if (op->finished && op->end_us <= start_us) continue;
-    const int channels = gpu.sm_count > 0 ? op->channels : 0;
-    const double hbm = op->hbm_bytes_per_us;
-    if (channels <= 0 && hbm <= 0) continue;  // takes nothing from the kernel
-    const double to_us = op->finished ? op->end_us : std::numeric_limits<double>::infinity();
-    loads.push_back({op->start_us, to_us, channels, hbm});
-    if (op->start_us > start_us) changes_us.push_back(op->start_us);
-    if (std::isfinite(to_us)) changes_us.push_back(to_us);
-  }
-  if (loads.empty()) return start_us + nominal_us;
-  std::sort(changes_us.begin(), changes_us.end());
-  // How much longer the kernel runs, per unit of its own time, with these operations beside it.
-  const double hbm_peak_bytes_per_us = gpu.hbm_bandwidth_gbps * 1e3;
-  auto stretch = [&](double t_us) {
-    int channels = 0;
-    double hbm = 0;
-    for (const ContentionLoad& l : loads) {
-      if (l.from_us <= t_us && t_us < l.to_us) {
-        channels += l.channels;
-        hbm += l.hbm_bytes_per_us;
-      }
-    }
-    if (channels == 0 && hbm == 0) return 1.0;
-    // The SMs NCCL's blocks hold are not the kernel's; one SM at least stays its own.
-    const double sm_share =
-        channels > 0 ? static_cast<double>(std::max(1, gpu.sm_count - channels)) / gpu.sm_count : 1.0;
-    // HBM shared with the communication's traffic; when both ask for more than it has, each gets an even
-    // share at least, as the links share bandwidth max-min fairly (sim/net/sharing.h).
-    const double hbm_share =
-        hbm_peak_bytes_per_us > 0 ? std::max(0.5, 1.0 - hbm / hbm_peak_bytes_per_us) : 1.0;
-    return std::max(cost.math_us / sm_share, cost.memory_us / hbm_share) / nominal_us;
-  };
-  double t_us = start_us, left_us = nominal_us;  // left_us: the kernel's own time still to run
-  double end_us = start_us + nominal_us;
-  std::size_t next = 0;
-  while (true) {
-    while (next < changes_us.size() && changes_us[next] <= t_us) ++next;
-    const double until_us =
-        next < changes_us.size() ? changes_us[next] : std::numeric_limits<double>::infinity();
-    const double f = stretch(t_us);
-    if (t_us == start_us && f == 1.0 && until_us - t_us >= left_us) break;  // untouched: exactly as alone
-    if ((until_us - t_us) / f >= left_us) {
-      end_us = t_us + left_us * f;
-      break;
-    }
-    left_us -= (until_us - t_us) / f;
-    t_us = until_us;
-  }
-  // An operation in flight whose end is not known yet may end before the kernel does.
-  for (const ContentionLoad& l : loads) {
-    if (!std::isfinite(l.to_us) && l.from_us < end_us) known = false;
-  }
-  return end_us;
-}
-
-void SimWorld::resettle_watched() {
-  while (!kernel_watches_.empty() && kernel_watches_.begin()->first <= engine_.now_us()) {
-    const int rank = kernel_watches_.begin()->second;
-    kernel_watches_.erase(kernel_watches_.begin());
-    state(rank).watched_end_us = std::numeric_limits<double>::quiet_NaN();
-    resettle(rank);
-  }
-}
-
-void SimWorld::watch_kernel_end(int rank, double end_us) {
-  RankState& s = state(rank);
-  if (s.watched_end_us == end_us) return;
-  clear_kernel_watch(rank);
-  s.watched_end_us = end_us;
-  kernel_watches_.emplace(end_us, rank);
-}
-
-void SimWorld::clear_kernel_watch(int rank) {
-  RankState& s = state(rank);
-  if (std::isnan(s.watched_end_us)) return;
-  kernel_watches_.erase({s.watched_end_us, rank});
-  s.watched_end_us = std::numeric_limits<double>::quiet_NaN();
-}
-
-void SimWorld::resettle(int rank) {
-  RankState& s = state(rank);
-  double end_us = 0;
-  if (try_settle(rank, end_us)) {
-    clear_kernel_watch(rank);
-    if (s.settling) wake(rank);
-  } else if ((s.settling || !s.deferred_posts.empty()) && std::isfinite(end_us)) {
-    watch_kernel_end(rank, end_us);
-  } else {
-    // Nothing to watch, or the kernel waits for an operation to end: the engine reaches that end before
-    // the kernel's, and the operation's ending times the rank's kernels again (on_finished).
-    clear_kernel_watch(rank);
-  }
-}
-
-void SimWorld::resettle_later(int rank) {
-  // Once per rank until it runs: a rank that is a member of several operations ending together would
-  // otherwise be timed again once per operation, each pass repeating the first.
-  RankState& s = state(rank);
-  if (s.resettle_queued) return;
-  s.resettle_queued = true;
-  resettles_.push_back(rank);
-}
-
-void SimWorld::run_resettles() {
-  // Not half way through a change: operations about to start would be missing from what the engine
-  // holds. Nor inside the loop below, which takes what its own calls add.
-  if (changing_ > 0 || running_resettles_) return;
-  running_resettles_ = true;
-  for (std::size_t i = 0; i < resettles_.size(); ++i) {
-    state(resettles_[i]).resettle_queued = false;  // what changes from here on queues it again
-    resettle(resettles_[i]);
-  }
-  resettles_.clear();
-  running_resettles_ = false;
-}
-
-bool SimWorld::contention_settled(bool known, bool started, double end_us) {
-  if (known) return true;
-  // Once the engine has reached the end so computed, every operation still in flight lasts past it and
-  // none that has not started can start before it.
-  if (engine_.now_us() >= end_us) return true;
-  // Every operation that could overlap has started, and the engine holds no start or end before the
-  // kernel's end: those in flight end after it. (Transfers other ranks start before then take bandwidth;
-  // they could move an end earlier only through max-min's second-order shifts, which this leaves out.)
-  return started && engine_.next_event_us() >= end_us;
-}
-
-void SimWorld::note_async_posted(int rank, const std::shared_ptr<CommOpState>& op) {
-  if (op->finished) return;
-  RankState& s = state(rank);
-  s.streams[stream_of(*op, rank)].unwaited.push_back(op);
-  ++s.async_in_flight;
-  s.waits_deferred = false;  // the next kernel may have to block now
-}
-
-void SimWorld::note_waited(int rank, const std::shared_ptr<CommOpState>& op) {
-  forget_unwaited(rank, *op, true);
-}
-
-void SimWorld::forget_unwaited(int rank, const CommOpState& op, bool waited) {
-  RankState& s = state(rank);
-  std::vector<std::shared_ptr<CommOpState>>& unwaited = s.streams[stream_of(op, rank)].unwaited;
-  const auto it = std::find_if(unwaited.begin(), unwaited.end(),
-                               [&op](const std::shared_ptr<CommOpState>& o) { return o.get() == &op; });
-  if (it == unwaited.end()) return;  // a wait() for a later one covered it
-  // Waiting for a collective waits for the ones before it on its group's stream: blocking for it would
-  // have seen them end too. (Not so for point-to-point operations, which a batch posts side by side.)
-  const auto from = waited && op.op != CommOp::Send ? unwaited.begin() : it;
-  s.folded_with.insert(s.folded_with.end(), from, it);
-  s.async_in_flight -= static_cast<int>(it - from) + 1;
-  unwaited.erase(from, it + 1);
-}
-
-bool SimWorld::may_defer_waits(int rank) const {
-  const RankState& s = *ranks_[rank];
-  if (!rep_.empty() || config_.issue_in_clock_order || s.async_in_flight > 0) return false;
-  // Only the ends may be missing: what an operation brings may be read by the kernel, and is let go of
-  // (defer_waits) for the ones these stand for too.
-  auto numbers_done = [rank](const std::shared_ptr<CommOpState>& op) {
-    if (op->finished || op->executed) return true;
-    const CommCall& call = op->member_of(rank).call;
-    return (!call.input.defined() || call.input.phantom()) &&
-           (!call.output.defined() || call.output.phantom());
-  };
-  const auto unfinished = std::count_if(s.unfolded_waits.begin(), s.unfolded_waits.end(),
-                                        [](const std::shared_ptr<CommOpState>& op) { return !op->finished; });
-  return unfinished <= 1 && std::all_of(s.unfolded_waits.begin(), s.unfolded_waits.end(), numbers_done) &&
-         std::all_of(s.folded_with.begin(), s.folded_with.end(), numbers_done);
-}
-
-void SimWorld::defer_waits(int rank) {
-  RankState& s = state(rank);
-  auto hand_over = [&](const std::shared_ptr<CommOpState>& op) {
-    if (op->finished) return;  // it let go of its tensors when it finished
-    if (!s.uncharged) {
-      auto account = std::make_shared<MemoryAccount>();
-      account->rank = rank;
-      s.uncharged = std::make_shared<SimStorage>(std::move(account), 0, DType::Float32, /*phantom=*/true);
-    }
-    CommCall& call = op->member_of(rank).call;
-    for (Tensor* t : {&call.input, &call.output}) {
-      if (t->defined() && t->storage() != s.uncharged.get()) *t = Tensor(t->shape(), t->dtype(), s.uncharged);
-    }
-  };
-  std::for_each(s.unfolded_waits.begin(), s.unfolded_waits.end(), hand_over);
-  std::for_each(s.folded_with.begin(), s.folded_with.end(), hand_over);
-  s.folded_with.clear();
-  s.waits_deferred = true;
-}
-
-void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
-  RankState& s = state(rank);
-  // What the compute stream waits for and the rank did not block for (may_defer_waits): folded into the
-  // stream's clock when it is known, else the kernel takes it along.
-  double after_us = 0;
-  std::shared_ptr<CommOpState> after;
-  for (auto& op : s.unfolded_waits) {
-    if (op->finished) {
-      after_us = std::max(after_us, op->end_us);
-    } else {
-      // may_defer_waits let one through at most; else the rank blocked until they ended (fold_waits).
-      if (after) throw std::logic_error("launch_kernel: a kernel waits for two unfinished operations");
-      after = std::move(op);
-    }
-  }
-  s.unfolded_waits.clear();
-  if (!after && s.pending_kernels.empty()) s.compute_us = std::max(s.compute_us, after_us);
-  const double start_us = std::max(s.host_us, s.compute_us);
-  if (!s.beside_ops.empty()) {
-    // No kernel from now on starts before the compute stream's clock (nor before this one, when none
-    // waits): what ended by then is over for good.
-    drop_ops_over(s, s.pending_kernels.empty() ? start_us : s.compute_us);
-  }
-  if (s.pending_kernels.empty() && s.beside_ops.empty() && !after) {
-    s.compute_us = start_us + cost.us();
-    add_span(rank, SpanKind::Compute, name, start_us, s.compute_us);
-    return;
-  }
-  s.pending_kernels.push_back({name, cost, s.host_us, after_us, std::move(after)});
-  // At once when nothing it overlaps is still to be known. Behind kernels that could not be timed, it
-  // waits with them: trying every launch again would cost the square of the kernels waiting.
-  double end_us = 0;
-  if (s.pending_kernels.size() == 1) try_settle(rank, end_us);
-}
-
-void SimWorld::drop_ops_over(RankState& s, double from_us) {
-  auto over = [from_us](const std::shared_ptr<CommOpState>& op) {
-    return op->finished && op->end_us <= from_us;
-  };
-  // From the front, where they mostly are; the whole list as it doubles, for those behind one still on.
-  s.beside_ops.pop_front(static_cast<std::size_t>(
-      std::find_if_not(s.beside_ops.begin(), s.beside_ops.end(), over) - s.beside_ops.begin()));
-  if (s.beside_ops.size() >= s.beside_ops_prune_at) {
-    s.beside_ops.erase_if(over);
-    s.beside_ops_prune_at = std::max<std::size_t>(16, 2 * s.beside_ops.size());
-  }
-}
-
-double SimWorld::kernel_start_us(const RankState::PendingKernel& kernel, double stream_us) {
-  const double start_us = std::max({kernel.host_us, stream_us, kernel.after_us});
-  if (!kernel.after) return start_us;
-  return kernel.after->finished ? std::max(start_us, kernel.after->end_us)
-                                : std::numeric_limits<double>::infinity();
-}
-
-bool SimWorld::try_settle(int rank, double& end_us) {
-  RankState& s = state(rank);
-  bool known = true, started = true, settling = true;
-  double t_us = s.compute_us;
-  std::size_t settled = 0;  // the kernels, from the first, whose times are final
-  std::size_t waiting = 0;  // the first deferred post the kernels timed so far do not ready
-  const std::uint64_t base = s.kernels_timed;  // the first pending kernel's number: pending_ends_us_[0]
-  pending_ends_us_.clear();
-  for (std::size_t i = 0; i < s.pending_kernels.size(); ++i) {
-    const RankState::PendingKernel& k = s.pending_kernels[i];
-    const double start_us = kernel_start_us(k, t_us);
-    if (std::isinf(start_us)) break;  // it waits for an operation that has not ended, as every later one
-    bool k_known = false, k_started = false;
-    t_us = contended_end_us(rank, i, start_us, k.cost, k_known, k_started);
-    known = known && k_known;
-    started = started && k_started;
-    pending_ends_us_.push_back(t_us);
-    // Once a kernel's end is not final, no later one's is; the engine's stop is then the end of the
-    // last kernel before the first deferred post still waiting, and nothing after it is needed.
-    settling = settling && contention_settled(known, started, t_us);
-    if (settling) {
-      settled = i + 1;
-      continue;
-    }
-    while (waiting < s.deferred_posts.size() && s.deferred_posts[waiting].kernels_before - base <= settled)
-      ++waiting;
-    if (waiting < s.deferred_posts.size() && i + 1 >= s.deferred_posts[waiting].kernels_before - base) break;
-  }
-  t_us = s.compute_us;
-  for (std::size_t i = 0; i < settled; ++i) {
-    const RankState::PendingKernel& k = s.pending_kernels[i];
-    const double start_us = kernel_start_us(k, t_us);
-    t_us = pending_ends_us_[i];
-    add_span(rank, SpanKind::Compute, k.name, start_us, t_us);
-    s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());
-  }
-  s.compute_us = t_us;
-  s.pending_kernels.pop_front(settled);
-  s.kernels_timed += settled;
-  drop_ops_over(s, s.compute_us);  // no kernel left starts before the stream's clock
-  // The deferred posts behind the kernels timed now are ready at the end of the last kernel before them.
-  std::vector<std::shared_ptr<CommOpState>> readied;
-  std::size_t ready = 0;
-  for (; ready < s.deferred_posts.size() && s.deferred_posts[ready].kernels_before <= s.kernels_timed;
-       ++ready) {
-    RankState::DeferredPost& d = s.deferred_posts[ready];
-    d.op->member_of(rank).issue_ready_us = std::max(d.host_us, pending_ends_us_[d.kernels_before - base - 1]);
-    --d.op->unready;
-    readied.push_back(std::move(d.op));
-  }
-  s.deferred_posts.pop_front(ready);
-  // Where the engine must stop for this rank: the end of the last kernel the first deferred post waits for
-  // (it starts no earlier), or else, for settle_compute, that of the last kernel. Infinite when that
-  // kernel comes after one that waits for an operation to end (the loop above stopped there).
-  const std::size_t stop = !s.deferred_posts.empty() ? s.deferred_posts.front().kernels_before - base
-                                                     : settled + s.pending_kernels.size();
-  end_us = stop == 0                         ? s.compute_us
-           : stop <= pending_ends_us_.size() ? pending_ends_us_[stop - 1]
-                                             : std::numeric_limits<double>::infinity();
-  for (const auto& op : readied) execute_readied(op);
-  return s.pending_kernels.empty();
-}
-
-void SimWorld::settle_compute(int rank) {
-  RankState& s = state(rank);
-  if (s.pending_kernels.empty()) return;
-  struct Settling {
-    RankState& s;
-    ~Settling() { s.settling = false; }
-  } settling{s};
-  s.settling = true;
-  // The world times the kernels again as the engine moves (resettle) and wakes the rank once they are.
-  block_until(
-      rank,
-      [&] {
-        resettle(rank);
-        return s.pending_kernels.empty();
-      },
-      [this, rank, &s] {
-        // A kernel that waits for an operation to end waits for what that operation waits for.
-        for (const RankState::PendingKernel& k : s.pending_kernels) {
-          if (k.after && !k.after->finished)
-            return describe_wait(rank, *k.after, k.name.c_str(), /*folded=*/true);
-        }
-        return fmt::format("the times of {} kernel(s) that communication in flight may slow",
-                           s.pending_kernels.size());
-      });
-}
-
-// ---- host rendezvous: barrier and show -------------------------------------------------------------
-
-SimWorld::HostRendezvous& SimWorld::host_rendezvous(const std::string& key, int expected) {
-  HostRendezvous& h = host_rendezvous_[key];
-  h.expected = expected;
-  if (h.payload.empty()) h.payload.resize(size());
-  return h;
-}
-
-void SimWorld::barrier(int rank, const Group& group) {
-  const std::vector<int>& group_ranks = members(group);
-  RankState& s = state(rank);
-  const std::uint64_t seq = s.barrier_seq[group.id()]++;
-  const std::string key = fmt::format("barrier {} {}", group.id(), seq);
-  const int expected = static_cast<int>(
-      std::count_if(group_ranks.begin(), group_ranks.end(), [this](int r) { return runs(r); }));
-  HostRendezvous& h = host_rendezvous(key, expected);
-  ++h.arrived;
-  h.latest_host_us = std::max(h.latest_host_us, s.host_us);
-  if (h.arrived == h.expected) {
-    for (int r : group_ranks) {
-      if (runs(r)) wake(r);
-    }
-  }
-  block_until(
-      rank, [&] { return h.arrived == h.expected; },
-      [&h, &group, seq] {
-        return fmt::format("barrier #{} on {}: {} of {} ranks have arrived", seq, group.str(), h.arrived,
-                           h.expected);
-      });
-  s.host_us = std::max(s.host_us, h.latest_host_us + profile().barrier_latency_us);
-}
-
-void SimWorld::show(int rank, const std::string& label, const std::string& values) {
-  RankState& s = state(rank);
-  const std::uint64_t seq = s.shows++;
-  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), running_);
-  if (h.arrived == 0) {
-    h.label = label;
-    h.first_rank = rank;
-  } else if (label != h.label) {
-    // Printing every rank's values under the first rank's label would present them as the same thing.
-    throw MismatchError(
-        fmt::format("ranks disagree on show() call #{}: rank {} shows \"{}\", rank {} shows \"{}\"", seq,
-                    h.first_rank, h.label, rank, label));
-  }
-  h.payload[rank] = values;
-  ++h.arrived;
-  if (h.arrived == h.expected) {
-    const std::string pad(h.label.size(), ' ');
-    for (int r = 0; r < size(); ++r) {
-      if (runs(r)) print(fmt::format("{} rank{} = {}", r == 0 ? h.label : pad, r, h.payload[r]));
-    }
-    for (int r = 0; r < size(); ++r) wake(r);
-  }
-  block_until(
-      rank, [&] { return h.arrived == h.expected; },
-      [&h, label] {
-        return fmt::format("show(\"{}\"): {} of {} ranks have called it", label, h.arrived, h.expected);
-      });
-}
-
-// ---- report ----------------------------------------------------------------------------------------
-
-void SimWorld::print(const std::string& line) {
-  report_.output.push_back(line);
-  if (config_.echo_output) {
-    Progress::erase_shown();
-    std::fputs(line.c_str(), stdout);
-    std::fputc('\n', stdout);
-    // A run that aborts (out of memory in a huge world, a fiber stack overflow) must not lose what it
-    // printed; stdout is block-buffered when it is a file or a pipe.
-    std::fflush(stdout);
-  }
-}
-
-SpanName SimWorld::op_name(CommOp op) {
-  auto [it, inserted] = op_names_.try_emplace(static_cast<int>(op));
-  if (inserted) it->second = op == CommOp::Send ? "send/recv" : comm_op_name(op);
-  return it->second;
-}
-
-SpanName SimWorld::group_name(const CommOpState& op) {
-  const bool p2p = op.op == CommOp::Send;
-  auto [it, inserted] = group_names_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1])
-                                                     : std::make_pair(op.group_id, -1));
-  if (inserted) {
-    it->second =
-        p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : op.members[0].call.group.str();
-  }
-  return it->second;
-}
-
-SpanName SimWorld::plan_name(const CommPlan& plan) {
-  auto [it, inserted] =
-      plan_names_.try_emplace({static_cast<int>(plan.algorithm), static_cast<int>(plan.protocol)});
-  if (inserted) it->second = plan.name();
-  return it->second;
-}
-
-void SimWorld::add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us) {
-  if (end_us <= start_us) return;
-  report_.spans.push_back({rank, kind, name, start_us, end_us});
-}
-
-void SimWorld::add_region(int rank, const std::string& name, double start_us, double end_us) {
-  report_.regions.push_back({rank, name, start_us, end_us});
-}
-
-void SimWorld::add_check(int rank, const std::string& what, bool passed, const std::string& detail) {
-  report_.checks.push_back({rank, what, passed, detail});
-}
-
-RunReport SimWorld::finish_report() {
-  if (!rep_.empty()) {
-    print(fmt::format(
-        "symmetric run: {} of {} ranks ran, the others mirrored them{}", running_, size(),
-        spine_crossed_
-            ? "; traffic crossed the fabric's spines, whose hashed routes and leaf boundaries need not map "
-              "onto each other as the ranks do: each operation waited for its slowest replica, which errs "
-              "long where replicas that seldom meet are slow at different times (mirroring dp replicas "
-              "errs most; docs/lessons/gpt.md; run without the symmetry for the exact figures)"
-            : "; every figure is the full run's"));
-  }
-  report_.ranks.clear();
-  report_.makespan_us = 0;
-  for (int r = 0; r < size(); ++r) {
-    const RankState& s = state(representative(r));
-    RankSummary sum;
-    sum.rank = r;
-    sum.end_us = s.host_us;
-    sum.comm_slowed_compute_us = s.comm_slowed_compute_us;
-    sum.peak_bytes = s.memory->peak;
-    sum.capacity_bytes = s.memory->capacity;
-    report_.ranks.push_back(sum);
-    report_.makespan_us = std::max(report_.makespan_us, s.host_us);
-  }
-  progress_.finish();
-  report_.links = network_->link_traffic();
-  report_.late_starts = engine_.late_starts();
-  summarize_spans(report_);
-  // A mirror's figures are its representative's.
-  if (!rep_.empty()) {
-    for (int r = 0; r < size(); ++r) {
-      if (runs(r)) continue;
-      report_.ranks[r] = report_.ranks[rep_[r]];
-      report_.ranks[r].rank = r;
-    }
-  }
-  return std::move(report_);
-}
-
-RunTopology SimWorld::describe_topology() const {
-  return run_topology(network_->topology(), size());
-}
-
-// ---- symmetry --------------------------------------------------------------------------------------
-
-void SimWorld::init_symmetry(const SimSymmetry& symmetry) {
-  running_ = size();
-  if (!symmetry.enabled()) return;
-  std::int64_t product = 1;
-  for (int d : symmetry.dims) {
-    if (d < 1) throw UsageError(fmt::format("symmetry: a dimension of size {} (each must be at least 1)", d));
-    product *= d;
-  }
-  if (product != size() || symmetry.replicated.size() != symmetry.dims.size()) {
-    throw UsageError(
-        fmt::format("symmetry: the grid {{{}}} ({} replicated flags) does not describe a world of {} ranks",
-                    fmt::join(symmetry.dims, " x "), symmetry.replicated.size(), size()));
-  }
-  dims_ = symmetry.dims;
-  for (size_t i = 0; i < dims_.size(); ++i) {
-    if (symmetry.replicated[i] && dims_[i] > 1) {
-      replicated_dims_.push_back(static_cast<int>(i));
-      translations_ *= dims_[i];
-    }
-  }
-  rep_.resize(size());
-  running_ = 0;
-  for (int r = 0; r < size(); ++r) {
-    // Zero the replicated coordinates.
-    int rest = r, stride = 1, rep = 0;
-    for (size_t i = 0; i < dims_.size(); ++i) {
-      const int coord = rest % dims_[i];
-      rest /= dims_[i];
-      if (!symmetry.replicated[i]) rep += coord * stride;
-      stride *= dims_[i];
-    }
-    rep_[r] = rep;
-    if (rep == r) ++running_;
-  }
-  for (int r = 0; r < size(); ++r) {
-    // Mirrors never run: they are neither live nor able to block.
-    if (!runs(r)) state(r).finished = true;
-  }
-}
-
-int SimWorld::translate(int rank, int t) const {
-  int out = 0, stride = 1, rest = rank;
-  size_t next = 0;
-  for (size_t i = 0; i < dims_.size(); ++i) {
-    int coord = rest % dims_[i];
-    rest /= dims_[i];
-    if (next < replicated_dims_.size() && replicated_dims_[next] == static_cast<int>(i)) {
-      coord = (coord + t % dims_[i]) % dims_[i];
-      t /= dims_[i];
-      ++next;
-    }
-    out += coord * stride;
-    stride *= dims_[i];
-  }
-  return out;
-}
-
-void SimWorld::check_symmetric_group(const std::vector<int>& ranks) const {
-  if (rep_.empty()) return;
-  if (std::none_of(ranks.begin(), ranks.end(), [this](int r) { return runs(r); })) return;
-  const std::set<int> in(ranks.begin(), ranks.end());
-  for (int r : ranks) {
-    if (!in.count(rep_[r])) {
-      throw UsageError(fmt::format(
-          "symmetric run: group {{{}}} holds rank {} but not rank {}, which it mirrors: nobody would call "
-          "the group's collectives for it (the program does not have the symmetry SimConfig::symmetry "
-          "declares)",
-          fmt::join(ranks, ", "), r, rep_[r]));
-    }
-  }
-}
-
-const std::vector<std::vector<int>>& SimWorld::images(const CommOpState& op) {
-  const bool p2p = op.op == CommOp::Send;
-  auto [it, inserted] =
-      images_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
-  if (!inserted) return it->second;
-  const std::vector<int>& ranks = op.ranks;
-  std::set<std::vector<int>> seen;
-  std::vector<int> key(ranks);
-  std::sort(key.begin(), key.end());
-  seen.insert(key);
-  for (int t = 1; t < translations_; ++t) {
-    std::vector<int> image(ranks.size());
-    for (size_t i = 0; i < ranks.size(); ++i) image[i] = translate(ranks[i], t);
-    key = image;
-    std::sort(key.begin(), key.end());
-    if (seen.insert(key).second) it->second.push_back(std::move(image));
-  }
-  return it->second;
-}
-
-void SimWorld::note_spine(const CommPlan& plan) {
-  if (spine_crossed_) return;
-  const Topology& topo = network_->topology();
-  spine_crossed_ =
-      std::any_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.is_spine_link(l); });
-}
+// ---- images of a symmetric run ------------------------------------------------------------------
 
 void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double start_us) {
   const CommOpState& op = *of;
@@ -1418,13 +774,13 @@ void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double st
   const int root_pos =
       p2p ? -1 : static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), lead.peer) - op.ranks.begin());
   const std::int64_t bytes = p2p ? lead.input.bytes() : nccl_size_bytes(op);
-  for (const std::vector<int>& image : images(op)) {
+  for (const std::vector<int>& image : symmetry_.images(op)) {
     const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
     CommPlan plan = p2p                     ? network_->plan_p2p(image[0], image[1], bytes)
                     : uneven_all_to_all(op) ? network_->plan_all_to_all(image, all_to_all_pair_bytes(op))
                                             : network_->plan_collective(op.op, bytes, image, root);
     if (!lead.bookkeeping) network_->record(plan);
-    note_spine(plan);
+    symmetry_.note_spine(plan, network_->topology());
     auto shadow = std::make_shared<CommOpState>();
     shadow->op = op.op;
     shadow->image = true;

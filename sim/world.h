@@ -34,11 +34,13 @@
 #include "common/report.h"
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
+#include "sim/contention_model.h"
 #include "sim/front_queue.h"
 #include "sim/net/network_model.h"
 #include "sim/net/transfer_engine.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
+#include "sim/symmetry.h"
 
 namespace ranklab::sim {
 
@@ -51,6 +53,12 @@ struct RunAborted {};
 // rank), as NCCL-backed torch.distributed gives each peer pair its own.
 inline int collective_stream(int group_id) {
   return -1 - group_id;
+}
+
+// The stream `op` runs on for member `rank`.
+inline int stream_of(const CommOpState& op, int rank) {
+  if (op.op != CommOp::Send) return collective_stream(op.group_id);
+  return rank == op.ranks[0] ? op.ranks[1] : op.ranks[0];
 }
 
 struct StreamState {
@@ -156,9 +164,9 @@ class SimWorld {
   int size() const { return static_cast<int>(ranks_.size()); }
   // Symmetric runs (SimConfig::symmetry): whether `rank` runs a program of its own (it is a
   // representative) or mirrors its representative; every rank runs when there is no symmetry.
-  bool runs(int rank) const { return rep_.empty() || rep_[rank] == rank; }
-  int representative(int rank) const { return rep_.empty() ? rank : rep_[rank]; }
-  int running_ranks() const { return running_; }
+  bool runs(int rank) const { return symmetry_.runs(rank); }
+  int representative(int rank) const { return symmetry_.representative(rank); }
+  int running_ranks() const { return symmetry_.running(); }
   const Profile& profile() const { return config_.profile; }
   const SimConfig& config() const { return config_; }
   const ComputeModel& compute() const { return compute_; }
@@ -264,7 +272,7 @@ class SimWorld {
   void try_execute(const std::shared_ptr<CommOpState>& op);
   void execute(const std::shared_ptr<CommOpState>& op);
   // Records what finished in the engine and executes what waited for it.
-  void on_finished(const std::vector<std::shared_ptr<CommOpState>>& ended);
+  void on_finished(const std::vector<EndedTransfer>& ended);
   // Moves the engine up to t_us, one ending at a time; stops early, returning true, when an ending woke a
   // rank: that rank may issue communication before t_us, and must find the engine no further than that.
   bool advance_engine(double t_us);
@@ -284,29 +292,9 @@ class SimWorld {
   // An uneven all_to_all: the arriving member's splits against those of every member already there.
   void check_splits_agree(const CommOpState& op, int arriving_rank) const;
 
-  // ---- symmetry ----
-  void init_symmetry(const SimSymmetry& symmetry);
-  // `rank` moved by translation number `t` along the replicated dimensions.
-  int translate(int rank, int t) const;
-  // UsageError unless a group that holds a representative holds the representative of each member.
-  void check_symmetric_group(const std::vector<int>& ranks) const;
-  // The groups the symmetry maps `op`'s ranks to, other than theirs, each in the same member order; made
-  // once per group (or pair), as group_names_ is keyed.
-  const std::vector<std::vector<int>>& images(const CommOpState& op);
-  // Runs the images of an operation that starts at `start_us` beside it: what the other classes do at
-  // the same moment.
+  // Runs the images of an operation that starts at `start_us` beside it (Symmetry::images): what the
+  // other classes do at the same moment.
   void schedule_images(const std::shared_ptr<CommOpState>& op, double start_us);
-  std::vector<int> rep_;              // per rank: its representative; empty without symmetry
-  std::vector<int> dims_;             // the grid, innermost first
-  std::vector<int> replicated_dims_;  // indices into dims_
-  int translations_ = 1;              // the product of the replicated dimensions
-  int running_ = 0;
-  std::map<std::pair<int, int>, std::vector<std::vector<int>>> images_;  // (group id, -1) or (src, dst)
-  // Whether some transfer crossed a spine: the fabric's leaves and its hashed spine choice (ECMP) need not
-  // map onto each other as the ranks do, so the replicas' transfers may share links otherwise than the
-  // representatives' and the run is no longer exactly the full one.
-  bool spine_crossed_ = false;
-  void note_spine(const CommPlan& plan);
 
   struct HostRendezvous {
     int expected = 0;
@@ -321,7 +309,9 @@ class SimWorld {
   SimConfig config_;
   ComputeModel compute_;
   std::unique_ptr<NetworkModel> network_;
+  Symmetry symmetry_;
   TransferEngine engine_;
+  ContentionModel contention_;
   std::vector<std::unique_ptr<RankState>> ranks_;
   std::vector<std::vector<int>> groups_;  // id -> members; id 0 is the world
   std::map<std::pair<int, std::uint64_t>, std::shared_ptr<CommOpState>> open_collectives_;
@@ -346,10 +336,9 @@ class SimWorld {
   // those waiting in settle_compute, which issue nothing before it, and those with deferred posts, which
   // start no earlier. The engine is not moved past the first.
   std::set<std::pair<double, int>> kernel_watches_;
-  // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight, taking
-  // an operation whose end is not known as running on; `known` is set when nothing unknown could change it,
-  // `started` when every operation that could overlap the kernel has started.
-  // `kernel` is the kernel's place in pending_kernels: deferred posts behind it cannot overlap it.
+  // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight
+  // (ContentionModel::kernel_end_us over the operations that may overlap it). `kernel` is the kernel's
+  // place in pending_kernels: deferred posts behind it cannot overlap it.
   double contended_end_us(int rank, std::size_t kernel, double start_us, const KernelCost& cost, bool& known,
                           bool& started);
   // Times the pending kernels whose overlap is known, from the first, and readies the deferred posts
@@ -372,7 +361,7 @@ class SimWorld {
   void clear_kernel_watch(int rank);
   // Runs `op` if nothing holds it back any more (try_execute). One that still waits, but only for the
   // engine (for operations before it), tells its members that watch a kernel's end: whether that kernel
-  // is final depends on it (contention_settled's `started`).
+  // is final depends on it (ContentionModel::settled's `started`).
   void execute_readied(const std::shared_ptr<CommOpState>& op);
   // resettle, queued while the engine or an operation is half way through a change, and run after it.
   void resettle_later(int rank);
@@ -402,21 +391,9 @@ class SimWorld {
   // When every live rank is blocked: moves the engine to its next event or to the first watched kernel end
   // (kernel_watches_), whichever is first. False when there is neither.
   bool advance_when_stalled();
-  // Whether the end contended_end_us gave is final: the engine has reached it, or nothing the engine
-  // holds starts or ends before it, so each operation in flight lasts past it.
-  bool contention_settled(bool known, bool started, double end_us);
-  struct ContentionLoad {
-    double from_us, to_us;
-    int channels;
-    double hbm_bytes_per_us;
-  };
-  std::vector<ContentionLoad> loads_;  // scratch of contended_end_us
-  std::vector<double> load_changes_us_;
   std::vector<double> pending_ends_us_;  // scratch of try_settle
   // Times again (resettle) the kernels of the ranks of kernel_watches_ whose end the engine has reached.
   void resettle_watched();
-  // The HBM traffic `plan` puts on each member's GPU, set on the members of `op`.
-  void set_hbm_rates(CommOpState& op, const CommPlan& plan) const;
   bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
   std::int64_t fiber_switches_ = 0;
   int live_ = 0;

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -775,14 +776,15 @@ TEST(Copies, ChannelsThroughOneHopAreCountedOnTheFirst) {
 // Runs `transfers` (each a plan and when it starts) in one engine to the end; returns when each ended.
 std::vector<double> end_times_us(const Topology& topo, std::vector<std::pair<CommPlan, double>> transfers) {
   TransferEngine engine(topo);
-  std::vector<std::shared_ptr<CommOpState>> ops;
+  std::vector<TransferOwner> owners;
   for (auto& [plan, start_us] : transfers) {
-    ops.push_back(std::make_shared<CommOpState>());
-    engine.schedule(ops.back(), std::move(plan), start_us);
+    owners.push_back(std::make_shared<int>(0));
+    engine.schedule(owners.back(), std::move(plan), start_us);
   }
-  engine.advance_to(std::numeric_limits<double>::infinity());
-  std::vector<double> ends_us;
-  for (const auto& op : ops) ends_us.push_back(op->end_us);
+  std::vector<double> ends_us(owners.size());
+  for (const EndedTransfer& e : engine.advance_to(std::numeric_limits<double>::infinity())) {
+    ends_us[std::find(owners.begin(), owners.end(), e.owner) - owners.begin()] = e.end_us;
+  }
   return ends_us;
 }
 
@@ -851,10 +853,10 @@ TEST(IdleRates, ATransferAloneOnIdleLinksRunsAtItsShapesKeptRates) {
   const double moving_us = kept[1] - 500 - gather.latency_us;
   for (double& r : *gather.idle_rates_gbps) r /= 2;
   TransferEngine again(m.topology());
-  auto op = std::make_shared<CommOpState>();
-  again.schedule(op, gather, 0);
-  again.advance_to(std::numeric_limits<double>::infinity());
-  EXPECT_NEAR(op->end_us - gather.latency_us, 2 * moving_us, 1e-9 * moving_us);
+  again.schedule(std::make_shared<int>(0), gather, 0);
+  const std::vector<EndedTransfer> ended = again.advance_to(std::numeric_limits<double>::infinity());
+  ASSERT_EQ(ended.size(), 1u);
+  EXPECT_NEAR(ended[0].end_us - gather.latency_us, 2 * moving_us, 1e-9 * moving_us);
 }
 
 }  // namespace

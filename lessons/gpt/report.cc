@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-
 #include <cstring>
 #include <string>
 #include <type_traits>
@@ -205,7 +204,8 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
     parts += fmt::format("{}{} {} ({} hidden)", parts.empty() ? "" : "  ", dim,
                          human_time(st.communicated_comm_us.at(dim)), human_time(st.hidden_comm_us.at(dim)));
   }
-  if (!parts.empty()) r.print("  communicated (the operations' own time, mean per rank of replica 0): " + parts);
+  if (!parts.empty())
+    r.print("  communicated (the operations' own time, mean per rank of replica 0): " + parts);
   r.print("  peak memory per stage, measured (planned):");
   each_shown_stage(r, c.pp, "    ", [&](int s) {
     const float peak_bytes = f.stage_peak_bytes[s];

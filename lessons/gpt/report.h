@@ -23,11 +23,11 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
 
 // What a rank measured in the timed step (the last).
 struct StepMeasures {
-  double step_us = 0;                                // by events on the rank's compute stream
-  std::array<double, parallel::kDims> exposed_us{};  // the compute stream waiting, per dimension
+  double step_us = 0;                                     // by events on the rank's compute stream
+  std::array<double, parallel::kDims> exposed_us{};       // the compute stream waiting, per dimension
   std::array<double, parallel::kDims> communicated_us{};  // the dimension's operations' own time
-  parallel::PipelineTimes pipeline;                  // its tasks' busy time and the schedule's span
-  std::int64_t peak_bytes = 0;                       // the rank's peak memory during the step
+  parallel::PipelineTimes pipeline;                       // its tasks' busy time and the schedule's span
+  std::int64_t peak_bytes = 0;                            // the rank's peak memory during the step
 };
 
 // The figures summed over the world. Only the ranks that measure (replica 0's) contribute, and each counts

@@ -50,9 +50,9 @@ double TransferEngine::left_now(const Running& r) const {
   return std::max(0.0, r.left_bytes - r.rate_bytes_per_us * (now_us_ - r.since_us));
 }
 
-void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, double start_us) {
+void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_us) {
   auto t = std::make_unique<Transfer>();
-  t->op = std::move(op);
+  t->owner = std::move(owner);
   t->plan = std::move(plan);
   Transfer* raw = t.get();
   slot_of_[raw] = transfers_.size();
@@ -66,10 +66,11 @@ void TransferEngine::schedule(std::shared_ptr<CommOpState> op, CommPlan plan, do
   ++late_starts_;
   TransferEngine alone(topo_);
   alone.now_us_ = start_us;
-  alone.schedule(raw->op, raw->plan, start_us);
-  if (!alone.advance_to(now_us_).empty()) {
-    // It ended in the past, alone (the copy shares the operation); nobody has seen its end yet.
-    ended_.push_back(raw->op);
+  alone.schedule(raw->owner, raw->plan, start_us);
+  std::vector<EndedTransfer> ended_alone = alone.advance_to(now_us_);
+  if (!ended_alone.empty()) {
+    // It ended in the past, alone (the copy shares the owner); nobody has seen its end yet.
+    ended_.push_back(std::move(ended_alone.front()));
     end_transfer(raw);
     return;
   }
@@ -291,8 +292,8 @@ void TransferEngine::end_transfer(Transfer* t) {
   --in_flight_;
 }
 
-std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us, bool stop_at_end) {
-  std::vector<std::shared_ptr<CommOpState>> ended;
+std::vector<EndedTransfer> TransferEngine::advance_to(double t_us, bool stop_at_end) {
+  std::vector<EndedTransfer> ended;
   ended.swap(ended_);
   while (true) {
     if (stop_at_end && !ended.empty()) return ended;
@@ -310,8 +311,7 @@ std::vector<std::shared_ptr<CommOpState>> TransferEngine::advance_to(double t_us
       while (!tails_.empty() && tails_.begin()->first <= now_us_) {
         Transfer* t = tails_.begin()->second;
         tails_.erase(tails_.begin());
-        t->op->end_us = now_us_;
-        ended.push_back(t->op);
+        ended.push_back({t->owner, now_us_});
         end_transfer(t);
         any = true;
       }

@@ -24,33 +24,42 @@
 #include <utility>
 #include <vector>
 
-#include "sim/comm_op.h"
 #include "sim/net/comm_plan.h"
 #include "sim/net/sharing.h"
 #include "sim/net/topology.h"
 
 namespace ranklab::sim {
 
+// Whoever a transfer moves bytes for: the engine holds it while the transfer is in flight and hands it back,
+// untouched, when the transfer ends. Opaque to the network model, which needs to know nothing of the
+// operations the simulator builds on it (sim/comm_op.h); the simulator knows what it scheduled.
+using TransferOwner = std::shared_ptr<void>;
+
+// A transfer that has ended: its owner and when.
+struct EndedTransfer {
+  TransferOwner owner;
+  double end_us = 0;
+};
+
 class TransferEngine {
  public:
   explicit TransferEngine(const Topology& topology) : topo_(topology) {}
 
   double now_us() const { return now_us_; }
-  // `op` moves `plan` from `start_us` on.
-  void schedule(std::shared_ptr<CommOpState> op, CommPlan plan, double start_us);
+  // `owner` moves `plan` from `start_us` on.
+  void schedule(TransferOwner owner, CommPlan plan, double start_us);
   // When the next start or end happens (+infinity when nothing is in flight).
   double next_event_us();
   // Processes every start and end up to `t_us` and moves the present there (never backwards). Returns the
-  // operations whose transfers ended, with end_us set, in the order they ended (the simulator decides when
-  // an operation has finished: sim/world.cc). With
-  // `stop_at_end`, stops at the first moment an operation ends instead (the present is then that moment),
-  // so that whoever waited for it can act before anything later happens.
-  std::vector<std::shared_ptr<CommOpState>> advance_to(double t_us, bool stop_at_end = false);
+  // transfers that ended, in the order they ended (the simulator decides when an operation has finished:
+  // SimWorld::on_finished). With `stop_at_end`, stops at the first moment a transfer ends instead (the
+  // present is then that moment), so that whoever waited for it can act before anything later happens.
+  std::vector<EndedTransfer> advance_to(double t_us, bool stop_at_end = false);
   long late_starts() const { return late_starts_; }
 
  private:
   struct Transfer {
-    std::shared_ptr<CommOpState> op;
+    TransferOwner owner;
     CommPlan plan;
     int flows_left = 0;
     double flows_done_us = -1;  // when the last flow finished; then the latency runs
@@ -134,7 +143,7 @@ class TransferEngine {
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
   // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).
   mutable std::vector<Due> ends_, retires_;
-  std::vector<std::shared_ptr<CommOpState>> ended_;  // finished but not yet handed out
+  std::vector<EndedTransfer> ended_;  // finished but not yet handed out
   long late_starts_ = 0;
 };
 

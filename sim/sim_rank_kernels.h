@@ -1,0 +1,75 @@
+// What SimRank's kernels share (sim/sim_rank_kernels.cc, sim/sim_rank_transformer.cc): views of a tensor's
+// host buffer, rounding to a dtype, the cost model's byte counts and the kernels' names on the timeline.
+// Internal to the simulator's SimRank; lessons never see it.
+#pragma once
+
+#include <Eigen/Dense>
+#include <cstdint>
+#include <string>
+
+#include "common/dtype_round.h"
+#include "common/tensor.h"
+#include "sim/storage.h"
+
+namespace ranklab::sim::kernels {
+
+using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using MatrixMap = Eigen::Map<RowMatrix>;
+using ArrayMap = Eigen::Map<Eigen::ArrayXf>;
+
+inline ArrayMap array(const Tensor& t) {
+  return ArrayMap(sim_data(t), t.numel());
+}
+
+constexpr double kF = sizeof(float);  // bytes per element of a float32 tensor, for the cost model
+
+inline double bytes_of(const Tensor& t) {
+  return static_cast<double>(t.bytes());
+}
+
+// Rounds a real tensor's values to its dtype after a kernel wrote them (a no-op for float32).
+inline void round_to_dtype(const Tensor& t) {
+  if (t.phantom()) return;
+  float* d = sim_data(t);
+  const std::int64_t n = t.numel();
+  if (t.dtype() == DType::BFloat16) {
+    for (std::int64_t i = 0; i < n; ++i) d[i] = round_to_bfloat16(d[i]);
+  } else if (t.dtype() == DType::Float16) {
+    for (std::int64_t i = 0; i < n; ++i) d[i] = round_to_float16(d[i]);
+  }
+}
+
+inline float round_value(float x, DType dtype) {
+  switch (dtype) {
+    case DType::BFloat16:
+      return round_to_bfloat16(x);
+    case DType::Float16:
+      return round_to_float16(x);
+    case DType::Float32:
+      break;
+  }
+  return x;
+}
+
+// Kernel names for the timeline, made once: a phantom step launches millions of kernels.
+inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", kCopyH2D = "copy_h2d",
+                         kMatmul = "matmul", kRelu = "relu", kReluBackward = "relu_backward", kAdd = "add",
+                         kAddInPlace = "add_", kScale = "scale_", kCopy = "copy", kCast = "cast",
+                         kSum = "sum", kSlice = "slice", kCat = "cat", kSgd = "sgd_step",
+                         kAdamw = "adamw_step", kAddBias = "add_bias_", kSumRows = "sum_rows",
+                         kLayernorm = "layernorm", kLayernormBackward = "layernorm_backward", kGelu = "gelu",
+                         kGeluBackward = "gelu_backward", kDropout = "dropout", kAttention = "attention",
+                         kAttentionBackward = "attention_backward", kEmbedding = "embedding",
+                         kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
+                         kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
+                         kCrossEntropyBackward = "cross_entropy_backward";
+
+// Splits a shape around `dim` into [outer, dim, inner] so slicing and concatenation are block copies.
+inline void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {
+  outer = 1;
+  inner = 1;
+  for (int i = 0; i < dim; ++i) outer *= s[i];
+  for (int i = dim + 1; i < s.ndim(); ++i) inner *= s[i];
+}
+
+}  // namespace ranklab::sim::kernels

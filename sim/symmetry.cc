@@ -1,0 +1,107 @@
+#include "sim/symmetry.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <set>
+
+#include "common/errors.h"
+
+namespace ranklab::sim {
+
+Symmetry::Symmetry(const SimSymmetry& symmetry, int world_size) {
+  running_ = world_size;
+  if (!symmetry.enabled()) return;
+  std::int64_t product = 1;
+  for (int d : symmetry.dims) {
+    if (d < 1) throw UsageError(fmt::format("symmetry: a dimension of size {} (each must be at least 1)", d));
+    product *= d;
+  }
+  if (product != world_size || symmetry.replicated.size() != symmetry.dims.size()) {
+    throw UsageError(
+        fmt::format("symmetry: the grid {{{}}} ({} replicated flags) does not describe a world of {} ranks",
+                    fmt::join(symmetry.dims, " x "), symmetry.replicated.size(), world_size));
+  }
+  dims_ = symmetry.dims;
+  for (size_t i = 0; i < dims_.size(); ++i) {
+    if (symmetry.replicated[i] && dims_[i] > 1) {
+      replicated_dims_.push_back(static_cast<int>(i));
+      translations_ *= dims_[i];
+    }
+  }
+  rep_.resize(world_size);
+  running_ = 0;
+  for (int r = 0; r < world_size; ++r) {
+    // Zero the replicated coordinates.
+    int rest = r, stride = 1, rep = 0;
+    for (size_t i = 0; i < dims_.size(); ++i) {
+      const int coord = rest % dims_[i];
+      rest /= dims_[i];
+      if (!symmetry.replicated[i]) rep += coord * stride;
+      stride *= dims_[i];
+    }
+    rep_[r] = rep;
+    if (rep == r) ++running_;
+  }
+}
+
+int Symmetry::translate(int rank, int t) const {
+  int out = 0, stride = 1, rest = rank;
+  size_t next = 0;
+  for (size_t i = 0; i < dims_.size(); ++i) {
+    int coord = rest % dims_[i];
+    rest /= dims_[i];
+    if (next < replicated_dims_.size() && replicated_dims_[next] == static_cast<int>(i)) {
+      coord = (coord + t % dims_[i]) % dims_[i];
+      t /= dims_[i];
+      ++next;
+    }
+    out += coord * stride;
+    stride *= dims_[i];
+  }
+  return out;
+}
+
+void Symmetry::check_group(const std::vector<int>& ranks) const {
+  if (rep_.empty()) return;
+  if (std::none_of(ranks.begin(), ranks.end(), [this](int r) { return runs(r); })) return;
+  const std::set<int> in(ranks.begin(), ranks.end());
+  for (int r : ranks) {
+    if (!in.count(rep_[r])) {
+      throw UsageError(fmt::format(
+          "symmetric run: group {{{}}} holds rank {} but not rank {}, which it mirrors: nobody would call "
+          "the group's collectives for it (the program does not have the symmetry SimConfig::symmetry "
+          "declares)",
+          fmt::join(ranks, ", "), r, rep_[r]));
+    }
+  }
+}
+
+const std::vector<std::vector<int>>& Symmetry::images(const CommOpState& op) {
+  const bool p2p = op.op == CommOp::Send;
+  auto [it, inserted] =
+      images_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
+  if (!inserted) return it->second;
+  const std::vector<int>& ranks = op.ranks;
+  std::set<std::vector<int>> seen;
+  std::vector<int> key(ranks);
+  std::sort(key.begin(), key.end());
+  seen.insert(key);
+  for (int t = 1; t < translations_; ++t) {
+    std::vector<int> image(ranks.size());
+    for (size_t i = 0; i < ranks.size(); ++i) image[i] = translate(ranks[i], t);
+    key = image;
+    std::sort(key.begin(), key.end());
+    if (seen.insert(key).second) it->second.push_back(std::move(image));
+  }
+  return it->second;
+}
+
+void Symmetry::note_spine(const CommPlan& plan, const Topology& topo) {
+  if (spine_crossed_) return;
+  spine_crossed_ =
+      std::any_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.is_spine_link(l); });
+}
+
+}  // namespace ranklab::sim

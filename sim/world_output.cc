@@ -1,0 +1,182 @@
+// SimWorld's host rendezvous (barrier(), show()) and what the run leaves: printed lines, spans, and
+// the report.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <boost/fiber/operations.hpp>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include "common/errors.h"
+#include "common/progress.h"
+#include "sim/rank_faults.h"
+#include "sim/reduce.h"
+#include "sim/run_topology.h"
+#include "sim/scheduler.h"
+#include "sim/world.h"
+
+namespace ranklab::sim {
+
+// ---- host rendezvous: barrier and show -------------------------------------------------------------
+
+SimWorld::HostRendezvous& SimWorld::host_rendezvous(const std::string& key, int expected) {
+  HostRendezvous& h = host_rendezvous_[key];
+  h.expected = expected;
+  if (h.payload.empty()) h.payload.resize(size());
+  return h;
+}
+
+void SimWorld::barrier(int rank, const Group& group) {
+  const std::vector<int>& group_ranks = members(group);
+  RankState& s = state(rank);
+  const std::uint64_t seq = s.barrier_seq[group.id()]++;
+  const std::string key = fmt::format("barrier {} {}", group.id(), seq);
+  const int expected = static_cast<int>(
+      std::count_if(group_ranks.begin(), group_ranks.end(), [this](int r) { return runs(r); }));
+  HostRendezvous& h = host_rendezvous(key, expected);
+  ++h.arrived;
+  h.latest_host_us = std::max(h.latest_host_us, s.host_us);
+  if (h.arrived == h.expected) {
+    for (int r : group_ranks) {
+      if (runs(r)) wake(r);
+    }
+  }
+  block_until(
+      rank, [&] { return h.arrived == h.expected; },
+      [&h, &group, seq] {
+        return fmt::format("barrier #{} on {}: {} of {} ranks have arrived", seq, group.str(), h.arrived,
+                           h.expected);
+      });
+  s.host_us = std::max(s.host_us, h.latest_host_us + profile().barrier_latency_us);
+}
+
+void SimWorld::show(int rank, const std::string& label, const std::string& values) {
+  RankState& s = state(rank);
+  const std::uint64_t seq = s.shows++;
+  HostRendezvous& h = host_rendezvous(fmt::format("show {}", seq), symmetry_.running());
+  if (h.arrived == 0) {
+    h.label = label;
+    h.first_rank = rank;
+  } else if (label != h.label) {
+    // Printing every rank's values under the first rank's label would present them as the same thing.
+    throw MismatchError(
+        fmt::format("ranks disagree on show() call #{}: rank {} shows \"{}\", rank {} shows \"{}\"", seq,
+                    h.first_rank, h.label, rank, label));
+  }
+  h.payload[rank] = values;
+  ++h.arrived;
+  if (h.arrived == h.expected) {
+    const std::string pad(h.label.size(), ' ');
+    for (int r = 0; r < size(); ++r) {
+      if (runs(r)) print(fmt::format("{} rank{} = {}", r == 0 ? h.label : pad, r, h.payload[r]));
+    }
+    for (int r = 0; r < size(); ++r) wake(r);
+  }
+  block_until(
+      rank, [&] { return h.arrived == h.expected; },
+      [&h, label] {
+        return fmt::format("show(\"{}\"): {} of {} ranks have called it", label, h.arrived, h.expected);
+      });
+}
+
+// ---- report ----------------------------------------------------------------------------------------
+
+void SimWorld::print(const std::string& line) {
+  report_.output.push_back(line);
+  if (config_.echo_output) {
+    Progress::erase_shown();
+    std::fputs(line.c_str(), stdout);
+    std::fputc('\n', stdout);
+    // A run that aborts (out of memory in a huge world, a fiber stack overflow) must not lose what it
+    // printed; stdout is block-buffered when it is a file or a pipe.
+    std::fflush(stdout);
+  }
+}
+
+SpanName SimWorld::op_name(CommOp op) {
+  auto [it, inserted] = op_names_.try_emplace(static_cast<int>(op));
+  if (inserted) it->second = op == CommOp::Send ? "send/recv" : comm_op_name(op);
+  return it->second;
+}
+
+SpanName SimWorld::group_name(const CommOpState& op) {
+  const bool p2p = op.op == CommOp::Send;
+  auto [it, inserted] = group_names_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1])
+                                                     : std::make_pair(op.group_id, -1));
+  if (inserted) {
+    it->second =
+        p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : op.members[0].call.group.str();
+  }
+  return it->second;
+}
+
+SpanName SimWorld::plan_name(const CommPlan& plan) {
+  auto [it, inserted] =
+      plan_names_.try_emplace({static_cast<int>(plan.algorithm), static_cast<int>(plan.protocol)});
+  if (inserted) it->second = plan.name();
+  return it->second;
+}
+
+void SimWorld::add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us) {
+  if (end_us <= start_us) return;
+  report_.spans.push_back({rank, kind, name, start_us, end_us});
+}
+
+void SimWorld::add_region(int rank, const std::string& name, double start_us, double end_us) {
+  report_.regions.push_back({rank, name, start_us, end_us});
+}
+
+void SimWorld::add_check(int rank, const std::string& what, bool passed, const std::string& detail) {
+  report_.checks.push_back({rank, what, passed, detail});
+}
+
+RunReport SimWorld::finish_report() {
+  if (symmetry_.enabled()) {
+    print(fmt::format(
+        "symmetric run: {} of {} ranks ran, the others mirrored them{}", symmetry_.running(), size(),
+        symmetry_.spine_crossed()
+            ? "; traffic crossed the fabric's spines, whose hashed routes and leaf boundaries need not map "
+              "onto each other as the ranks do: each operation waited for its slowest replica, which errs "
+              "long where replicas that seldom meet are slow at different times (mirroring dp replicas "
+              "errs most; docs/lessons/gpt.md; run without the symmetry for the exact figures)"
+            : "; every figure is the full run's"));
+  }
+  report_.ranks.clear();
+  report_.makespan_us = 0;
+  for (int r = 0; r < size(); ++r) {
+    const RankState& s = state(representative(r));
+    RankSummary sum;
+    sum.rank = r;
+    sum.end_us = s.host_us;
+    sum.comm_slowed_compute_us = s.comm_slowed_compute_us;
+    sum.peak_bytes = s.memory->peak;
+    sum.capacity_bytes = s.memory->capacity;
+    report_.ranks.push_back(sum);
+    report_.makespan_us = std::max(report_.makespan_us, s.host_us);
+  }
+  progress_.finish();
+  report_.links = network_->link_traffic();
+  report_.late_starts = engine_.late_starts();
+  summarize_spans(report_);
+  // A mirror's figures are its representative's.
+  if (symmetry_.enabled()) {
+    for (int r = 0; r < size(); ++r) {
+      if (runs(r)) continue;
+      report_.ranks[r] = report_.ranks[symmetry_.representative(r)];
+      report_.ranks[r].rank = r;
+    }
+  }
+  return std::move(report_);
+}
+
+RunTopology SimWorld::describe_topology() const {
+  return run_topology(network_->topology(), size());
+}
+
+}  // namespace ranklab::sim
