@@ -58,18 +58,26 @@ class SimWork : public WorkState {
  public:
   SimWork(SimWorld& world, int rank, std::shared_ptr<CommOpState> op)
       : world_(world), rank_(rank), op_(std::move(op)) {}
+  // A synchronous call's: complete as far as the program can tell (the compute stream waits for it), with
+  // the operation's time.
+  static std::shared_ptr<SimWork> done(SimWorld& world, int rank, std::shared_ptr<CommOpState> op) {
+    auto w = std::make_shared<SimWork>(world, rank, std::move(op));
+    w->synchronous_ = true;
+    return w;
+  }
   // As torch's work.wait() on NCCL: the compute stream waits for the operation, the host does not. The
   // rank goes on at once; its next kernel (or anything else that needs the compute stream's clock or the
   // operation's numbers) waits for the operation's end. Waiting for every bucket of a step then blocks once,
   // on the last one, instead of once per bucket.
   void wait() override {
+    if (synchronous_) return;
     CommMember& m = op_->member_of(rank_);
     if (m.waited) return;
     m.waited = true;
     world_.note_waited(rank_, op_);
     compute_stream_waits_for(world_.state(rank_), op_);
   }
-  bool waited() const override { return op_->member_of(rank_).waited; }
+  bool waited() const override { return synchronous_ || op_->member_of(rank_).waited; }
   double elapsed_us() override {
     if (!op_->finished) world_.wait_finished(rank_, op_, "Work::elapsed_us()");
     return op_->end_us - op_->start_us;
@@ -79,25 +87,7 @@ class SimWork : public WorkState {
   SimWorld& world_;
   int rank_;
   std::shared_ptr<CommOpState> op_;
-};
-
-// The Work of a synchronous call: complete as far as the program can tell (the compute stream waits for
-// it), with the operation's time.
-class SimDoneWork : public WorkState {
- public:
-  SimDoneWork(SimWorld& world, int rank, std::shared_ptr<CommOpState> op)
-      : world_(world), rank_(rank), op_(std::move(op)) {}
-  void wait() override {}
-  bool waited() const override { return true; }
-  double elapsed_us() override {
-    if (!op_->finished) world_.wait_finished(rank_, op_, "Work::elapsed_us()");
-    return op_->end_us - op_->start_us;
-  }
-
- private:
-  SimWorld& world_;
-  int rank_;
-  std::shared_ptr<CommOpState> op_;
+  bool synchronous_ = false;
 };
 
 }  // namespace
@@ -308,7 +298,7 @@ Work SimRank::communicate(const CommCall& call) {
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
     compute_stream_waits_for(s_, op);  // the compute stream waits for it; the host goes on
-    return Work(std::make_shared<SimDoneWork>(world_, rank_, op));
+    return Work(SimWork::done(world_, rank_, op));
   }
   world_.note_async_posted(rank_, op);
   for (const Tensor* t : {&call.input, &call.output}) {

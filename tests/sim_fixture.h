@@ -10,6 +10,7 @@
 #include "common/options.h"
 #include "common/profile.h"
 #include "common/rank.h"
+#include "common/report.h"
 #include "sim/sim_backend.h"
 
 namespace ranklab::testing {
@@ -27,6 +28,15 @@ inline SimConfig quiet_config(int nodes = 1) {
   c.profile.nodes = nodes;
   c.echo_output = false;
   return c;
+}
+
+// Every failed check of a run, with its detail (expected and actual, full digits), for a test's message.
+inline std::string failed_checks(const RunReport& rep) {
+  std::string s;
+  for (const CheckRecord& c : rep.checks) {
+    if (!c.passed) s += "rank " + std::to_string(c.rank) + ": " + c.what + ": " + c.detail + "\n";
+  }
+  return s;
 }
 
 // A number of a lesson's Settings, as a test reads one back: number(o, "steps").

@@ -41,15 +41,6 @@ Settings tiny() {
   return o;
 }
 
-// Every failed check, with its detail (expected and actual, full digits).
-std::string failures(const RunReport& rep) {
-  std::string s;
-  for (const CheckRecord& c : rep.checks) {
-    if (!c.passed) s += "rank " + std::to_string(c.rank) + ": " + c.what + ": " + c.detail + "\n";
-  }
-  return s;
-}
-
 // ---- equal to one device ----------------------------------------------------------------------------------
 
 enum class Tp { One, Two, TwoSeqParallel };
@@ -76,7 +67,7 @@ class GptEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
 TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
   const Settings o = combo_options(GetParam());
   const RunReport rep = run(o);
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   int numeric = 0;
   for (const CheckRecord& c : rep.checks) numeric += c.what.find("one device") != std::string::npos;
   EXPECT_GE(numeric, 2 * testing::number(
@@ -120,7 +111,7 @@ TEST_P(GptWithDropout, EqualsOneDevice) {
   Settings o = combo_options(GetParam());
   o["dropout"] = option_text(0.1);
   const RunReport rep = run(o);
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cover, GptWithDropout,
@@ -155,7 +146,7 @@ TEST(Gpt, Float16AndBfloat16GradientReduction) {
   o["grad-reduce-dtype"] = option_text("bf16");
   o["zero"] = option_text(2);
   const RunReport rep = run(o);
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
 TEST(Gpt, DeeperPipelineInterleaved) {
@@ -170,7 +161,7 @@ TEST(Gpt, DeeperPipelineInterleaved) {
   o["micro-batch"] = option_text(2);  // m = 4, a multiple of pp
   o["dtype"] = option_text("fp32");
   const RunReport rep = run(o);
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   // The timeline's regions name each task's micro-batch and chunk: every stage runs each of the m = 4
   // micro-batches forward and backward through both of its chunks, once per step.
   std::map<std::string, int> tasks;
@@ -203,7 +194,7 @@ TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
   o["order"] = option_text("dp-pp-tp");  // tp outermost: ranks 0 and 4 form a tp group
   o["dtype"] = option_text("fp32");
   const RunReport rep = run(o);
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 
   parallel::Layout megatron{8, 1, 2, "tp-dp-pp"}, across{8, 1, 2, "dp-tp-pp"};
   EXPECT_EQ(megatron.rank_of(7, 1, 0), 15);
@@ -237,7 +228,7 @@ TEST_P(GptBroken, FailsTheCheck) {
     gradients_failed =
         gradients_failed || (!c.passed && c.what.find("gradients equal one device") != std::string::npos);
   }
-  EXPECT_TRUE(gradients_failed) << failures(rep);
+  EXPECT_TRUE(gradients_failed) << testing::failed_checks(rep);
 }
 
 INSTANTIATE_TEST_SUITE_P(Bugs, GptBroken,
@@ -276,7 +267,7 @@ TEST(Gpt, PaddedShardsWhenRowsDoNotDivide) {
   o["global-batch"] = option_text(6);
   o["dtype"] = option_text("fp32");
   const RunReport rep = run(o);
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
 TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
@@ -383,7 +374,7 @@ TEST(Gpt, PhantomStepTimeIsDeterministic) {
   EXPECT_EQ(a.training->peak_memory_bytes, b.training->peak_memory_bytes);
   EXPECT_GT(a.training->bubble_fraction, 0);
   EXPECT_GT(a.training->exposed_comm_us.at("tp"), 0);
-  EXPECT_TRUE(a.all_checks_passed()) << failures(a);
+  EXPECT_TRUE(a.all_checks_passed()) << testing::failed_checks(a);
 }
 
 // ---- the schedules

@@ -71,14 +71,6 @@ Settings with(Settings o, const std::vector<std::string>& switches) {
   return o;
 }
 
-std::string failures(const RunReport& rep) {
-  std::string s;
-  for (const CheckRecord& c : rep.checks) {
-    if (!c.passed) s += "rank " + std::to_string(c.rank) + ": " + c.what + ": " + c.detail + "\n";
-  }
-  return s;
-}
-
 const std::vector<std::string> kDpSwitches = {"overlap-grad-reduce", "overlap-param-gather"};
 const std::vector<std::string> kAllSwitches = {"overlap-grad-reduce", "overlap-param-gather",
                                                "tp-comm-overlap"};
@@ -103,7 +95,7 @@ TEST_P(GptOverlapEqualsOneDevice, EverySwitchOn) {
   if (zero > 0) on.push_back("overlap-param-gather");
   if (tp > 1) on.push_back("tp-comm-overlap");
   const RunReport rep = run(with(o, on));
-  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   EXPECT_NE(rep.training->layout.find("overlapped grad reduce"), std::string::npos) << rep.training->layout;
 }
 
@@ -231,7 +223,7 @@ TEST(GptOverlap, BucketsStartInTheOrderBackwardCompletesThem) {
   o["ddp-bucket-size"] = option_text(1);
   o["steps"] = option_text(1);
   const RunReport rep = run(with(o, {"overlap-grad-reduce"}));
-  ASSERT_TRUE(rep.all_checks_passed()) << failures(rep);
+  ASSERT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   std::vector<const CollectiveRecord*> reduces;
   for (const CollectiveRecord& c : rep.collectives) {
     if (!c.bookkeeping && c.op == CommOp::AllReduce && c.group_size == 2) reduces.push_back(&c);
@@ -252,7 +244,7 @@ TEST(GptAttention, UnfusedTrainsTheSameAndKeepsItsScores) {
     o["recompute"] = option_text(recompute);
     o["attention"] = option_text("unfused");
     const RunReport rep = run(o);  // its memory checks hold the stash to the plan, scores included
-    EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+    EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
     EXPECT_NE(rep.training->layout.find("unfused attention"), std::string::npos);
   }
   // At size: the s x s scores in HBM take time and memory that the fused kernel does not.
