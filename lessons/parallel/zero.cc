@@ -138,13 +138,15 @@ void DataParallel::wait(Work& w) {
 }
 
 void DataParallel::issue_gathers(int bucket) {
-  if (bucket < 0 || bucket != next_gather_bucket_) return;
-  --next_gather_bucket_;
-  for (Param* p : buckets_[bucket].params) {
-    if (p->gather_slot < 0) continue;
-    Pending& q = gathers_[p->gather_slot];
-    q.work = r_.all_gather(q.out, q.in, Async::Yes, c_.dp);
-    exposed_.communicated(Dim::Dp, q.work);
+  // In forward order, every bucket up to this one: a forward that reaches a bucket early starts the ones
+  // before it too, so no weight is read before its gather is issued.
+  for (; next_gather_bucket_ >= std::max(bucket, 0); --next_gather_bucket_) {
+    for (Param* p : buckets_[next_gather_bucket_].params) {
+      if (p->gather_slot < 0) continue;
+      Pending& q = gathers_[p->gather_slot];
+      q.work = r_.all_gather(q.out, q.in, Async::Yes, c_.dp);
+      exposed_.communicated(Dim::Dp, q.work);
+    }
   }
 }
 
@@ -323,7 +325,7 @@ void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
 void DataParallel::finish_gathers() {
   if (gathers_.empty()) return;
   next_gather_bucket_ = static_cast<int>(buckets_.size()) - 1;
-  while (next_gather_bucket_ >= 0) issue_gathers(next_gather_bucket_);
+  issue_gathers(0);
   for (Pending& q : gathers_) {
     if (q.p == nullptr) continue;
     Gathered g{q.p, Tensor(), Work()};
