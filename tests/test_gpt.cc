@@ -344,6 +344,14 @@ TEST(Gpt, BadOptionsNameTheOption) {
   o["world"] = option_text(2);
   o["global-batch"] = option_text(7);
   expect_usage_error(o, "--global-batch 7");
+  o = tiny();
+  o["world"] = option_text(2);
+  o["micro-batch"] = option_text(std::int64_t{4611686018427387904});
+  expect_usage_error(o, "--micro-batch x dp = 4611686018427387904 x 2 is more than a 64-bit count holds");
+  o = tiny();
+  o["global-batch"] = option_text(std::int64_t{9223372036854775807});
+  o["seq"] = option_text(4096);
+  expect_usage_error(o, "tokens per step");
 }
 
 // ---- phantom: time without numbers, deterministic

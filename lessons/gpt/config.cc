@@ -107,6 +107,27 @@ const OptionTable<Config>& options_table() {
 }
 
 namespace {
+// a x b, or UsageError naming the product when a 64-bit count cannot hold it.
+std::int64_t product(std::int64_t a, std::int64_t b, const char* what) {
+  std::int64_t out = 0;
+  if (__builtin_mul_overflow(a, b, &out)) {
+    throw UsageError(fmt::format("gpt: {} = {} x {} is more than a 64-bit count holds", what, a, b));
+  }
+  return out;
+}
+
+// The sizes the lesson multiplies, each within a 64-bit count.
+void check_products(const Config& c) {
+  product(c.micro_batch, c.dp, "--micro-batch x dp");
+  product(c.global_batch, c.seq, "--global-batch x --seq (tokens per step)");
+  product(c.micro_batch, c.seq, "--micro-batch x --seq (tokens per micro-batch)");
+  product(product(c.micro_batch, c.seq, "--micro-batch x --seq"), c.seq,
+          "--micro-batch x --seq x --seq (attention scores)");
+  product(c.vocab, c.hidden, "--vocab x --hidden (the embedding)");
+  product(product(product(12, c.hidden, "12 x --hidden"), c.hidden, "12 x --hidden^2"), c.layers,
+          "12 x --hidden^2 x --layers (the blocks' parameters)");
+}
+
 // The overlap flags checked against the layout. A framework's tp-comm-overlap applies where the layout
 // has what it overlaps (tp > 1 with sequence parallelism); asked for alone, it must.
 void resolve_overlaps(Config& c) {
@@ -174,6 +195,7 @@ Config resolve(Config c, int world) {
     }
     c.dp = world / model_ranks;
   }
+  check_products(c);
   if (c.heads % c.tp != 0) {
     throw UsageError(
         fmt::format("gpt: --heads {} is not divisible by --tp {}: tensor parallelism gives each "
