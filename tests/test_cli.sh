@@ -105,6 +105,17 @@ expect 1 "--report /proc/x: cannot create the folder" plan --report /proc/x
 expect 0 "report written to $tmp/plan/ (plan.json, plan.html)" plan --layers 2 --global-batch 8 --top 3 --max-candidates 20 --report "$tmp/plan"
 expect 0 "explain tp2-pp1-v1-dp4-zero1-mb2-none-tp-dp-pp:" plan --layers 2 --global-batch 8 --max-candidates 5 --explain tp2-pp1-v1-dp4-zero1-mb2-none-tp-dp-pp
 
+# A command never writes over a file it reads: the measurement, or the profile it starts from.
+log="$(dirname "$0")/../validation/h100x8-all_reduce-nccl-tests-290.log"
+cp "$log" "$tmp/in.log"
+expect 1 "-o $tmp/in.log: that is a file this command reads" calibrate "$tmp/in.log" -o "$tmp/in.log"
+expect 1 "that is a file this command reads" calibrate "$tmp/in.log" -o "$profile_dir/dgx-h100.toml"
+expect 1 "--html $tmp/./in.log: that is a file this command reads" compare "$tmp/in.log" --html "$tmp/./in.log"
+if ! cmp -s "$log" "$tmp/in.log"; then
+  echo "FAILED: a refused command changed its input $tmp/in.log"
+  failures=$((failures + 1))
+fi
+
 # One simulated world per job, not one per process of a launcher.
 OMPI_COMM_WORLD_SIZE=2 OMPI_COMM_WORLD_RANK=0 expect 1 "the simulator (--backend sim) simulates the whole world in one process" run collectives
 

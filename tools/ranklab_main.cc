@@ -323,6 +323,7 @@ std::optional<CommOp> op_named(const std::string& name) {
 // hold it against; without one, the measured collectives are simulated here.
 int compare_command(std::vector<std::string> files, const std::string& profile_name, const std::string& op,
                     const std::string& html_path) {
+  if (!html_path.empty()) refuse_input_as_output("--html", html_path, files);
   std::string simulated_path;
   if (files.size() >= 2) {
     std::ifstream last(files.back(), std::ios::binary);
@@ -380,6 +381,9 @@ int calibrate_command(const std::vector<std::string>& measured_paths, const std:
   const std::string measured_path =
       measured_paths.size() == 1 ? measured_paths[0] : fmt::format("{} traces", measured_paths.size());
   Profile profile = measurement_profile(measured, profile_name);
+  std::vector<std::string> inputs = measured_paths;
+  inputs.push_back(profile.source_file);
+  refuse_input_as_output("-o", out_path, inputs);
   std::ifstream original_file(profile.source_file, std::ios::binary);
   std::ostringstream original;
   original << original_file.rdbuf();
