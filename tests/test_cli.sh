@@ -39,6 +39,7 @@ for bad in 0 -1 nan inf 1e400; do
 done
 expect 1 "data_parallel: --lr must be a finite number above 0 (got inf)" run data_parallel --lr inf
 expect 1 "gpt: --hidden must be at least 1 and at most 2147483647 (got 4294967360)" run gpt --hidden 4294967360
+expect 1 "gpt: --world 4 is not divisible by --tp 65536 x --pp 65536 = 4294967296" run gpt --world 4 --tp 65536 --pp 65536
 expect 1 "--overlap is not an option of lesson gpt (\`ranklab run gpt --help\` lists its options)" run gpt --overlap
 expect 1 "zero: --break must be sum or no-all-gather (got 'sp')" run zero --break sp
 expect 1 "--count 4611686018427387904: 4 ranks x 4611686018427387904 float32 is more bytes" run benchmark --count 4611686018427387904

@@ -178,13 +178,14 @@ Config resolve(Config c, int world) {
                     "features",
                     c.hidden, c.heads));
   }
-  const int model_ranks = c.tp * c.pp;
+  // In 64 bits: --tp and --pp may each be up to 2^31.
+  const std::int64_t model_ranks = std::int64_t{c.tp} * c.pp;
   if (c.dp > 0) {
-    if (c.tp * c.pp * c.dp != world) {
+    if (product(model_ranks, c.dp, "--tp x --pp x --dp") != world) {
       throw UsageError(
           fmt::format("gpt: --world {} is not --tp {} x --pp {} x --dp {} = {}; leave out --dp to "
                       "get world / (tp pp)",
-                      world, c.tp, c.pp, c.dp, c.tp * c.pp * c.dp));
+                      world, c.tp, c.pp, c.dp, model_ranks * c.dp));
     }
   } else {
     if (world % model_ranks != 0) {
@@ -193,7 +194,7 @@ Config resolve(Config c, int world) {
                       "replicates groups of tp x pp ranks",
                       world, c.tp, c.pp, model_ranks));
     }
-    c.dp = world / model_ranks;
+    c.dp = static_cast<int>(world / model_ranks);
   }
   check_products(c);
   if (c.heads % c.tp != 0) {
@@ -224,11 +225,11 @@ Config resolve(Config c, int world) {
     throw UsageError(
         "gpt: --interleave gives each pipeline rank several model chunks; it needs --pp 2 or more");
   }
-  if (c.layers % (c.pp * c.v) != 0) {
+  if (c.layers % (std::int64_t{c.pp} * c.v) != 0) {
     throw UsageError(
         fmt::format("gpt: --layers {} is not divisible by --pp {} x --interleave {} = {}: every "
                     "model chunk holds the same number of layers",
-                    c.layers, c.pp, c.v, c.pp * c.v));
+                    c.layers, c.pp, c.v, std::int64_t{c.pp} * c.v));
   }
   if (c.global_batch % (c.micro_batch * c.dp) != 0) {
     throw UsageError(
