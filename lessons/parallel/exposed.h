@@ -47,6 +47,12 @@ class ExposedComm {
   void communicated(Dim d, const std::vector<Work>& together) {
     if (on_) works_.push_back({d, together});
   }
+  // The compute stream waits for `w`, counted as dimension `d`'s exposed time.
+  void wait(Dim d, Work& w) {
+    const Event e = before();
+    w.wait();
+    after(d, e);
+  }
   // The wait on a synchronous operation `w` whose call began after `start`.
   void after(Dim d, const Event& start, const Work& w) {
     after(d, start);

@@ -81,11 +81,7 @@ void Pipeline::run(const Shape& act, DType dtype, const Fn& forward, const Fn& b
   }
   for (size_t i = 0; i < order_.size(); ++i) {
     const Task& t = order_[i];
-    if (pp_ > 1 && needs_input(t)) {
-      const Event e = exposed_.before();
-      in.work.wait();
-      exposed_.after(Dim::Pp, e);
-    }
+    if (pp_ > 1 && needs_input(t)) exposed_.wait(Dim::Pp, in.work);
     if (timed) task_events_.push_back(r_.record_event());
     Tensor out = t.forward ? forward(t, needs_input(t) ? in.t : Tensor())
                            : backward(t, needs_input(t) ? in.t : Tensor());
@@ -99,11 +95,7 @@ void Pipeline::run(const Shape& act, DType dtype, const Fn& forward, const Fn& b
     if (send) sends.push_back(w.front());
     if (upcoming != nullptr) in.work = w.back();
   }
-  for (Work& w : sends) {
-    const Event e = exposed_.before();
-    w.wait();
-    exposed_.after(Dim::Pp, e);
-  }
+  for (Work& w : sends) exposed_.wait(Dim::Pp, w);
 }
 
 PipelineTimes Pipeline::times() {

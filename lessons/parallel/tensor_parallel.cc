@@ -62,9 +62,7 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
   exposed.communicated(Dim::Sp, gathered);
   Grads g;
   g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
-  const Event e = exposed.before();
-  gathered.wait();
-  exposed.after(Dim::Sp, e);
+  exposed.wait(Dim::Sp, gathered);
   g.dw = r.matmul(whole, dy, Trans::Yes, Trans::No);
   g.db = r.sum_rows(dy);
   return g;
@@ -85,7 +83,7 @@ TensorParallel::Grads TensorParallel::row_linear_backward(const Tensor& x, const
 
 // ---- the rings ------------------------------------------------------------------------------------------
 
-std::vector<Work> TensorParallel::ring_exchange(const Tensor& out, const Tensor& in) {
+Work TensorParallel::ring_exchange(const Tensor& out, const Tensor& in) {
   // A shift around the ring is an all-to-all whose one non-empty piece goes to the next rank: the same
   // grouped sends and receives NCCL runs for it, and one call the whole group makes together.
   std::vector<std::int64_t> sent(size, 0), received(size, 0);
@@ -93,13 +91,7 @@ std::vector<Work> TensorParallel::ring_exchange(const Tensor& out, const Tensor&
   received[(index + size - 1) % size] = in.size(0);
   Work shift = r.all_to_all(in, out, received, sent, Async::Yes, group);
   exposed.communicated(Dim::Sp, shift);
-  return {shift};
-}
-
-void TensorParallel::wait_ring(std::vector<Work>& works) {
-  const Event e = exposed.before();
-  for (Work& w : works) w.wait();
-  exposed.after(Dim::Sp, e);
+  return shift;
 }
 
 Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, const Tensor& b, Trans tw,
@@ -109,7 +101,7 @@ Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, co
   Tensor held = local;
   for (int s = 0; s < size; ++s) {
     const int from = (index - s + size) % size;
-    std::vector<Work> exchange;
+    Work exchange;
     Tensor next;
     if (s + 1 < size) {
       next = buffer(r, phantom, local.shape(), local.dtype());
@@ -119,7 +111,7 @@ Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, co
     if (b.defined()) r.add_bias_(products[from], b);
     pieces[from] = held;
     if (s + 1 < size) {
-      wait_ring(exchange);
+      exposed.wait(Dim::Sp, exchange);
       held = next;
     }
   }
@@ -139,10 +131,10 @@ Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w, T
   std::vector<Tensor> sent;  // alive until their sends are done
   for (int s = 1; s < size; ++s) {
     Tensor received = buffer(r, phantom, sum.shape(), sum.dtype());
-    std::vector<Work> exchange = ring_exchange(sum, received);
+    Work exchange = ring_exchange(sum, received);
     sent.push_back(sum);
     Tensor mine = partial(s);
-    wait_ring(exchange);
+    exposed.wait(Dim::Sp, exchange);
     sum = r.add(received, mine);
   }
   return sum;

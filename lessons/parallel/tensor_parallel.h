@@ -85,8 +85,7 @@ struct TensorParallel {
   // the ring.
   Tensor ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw);
   // Sends `out` to the next rank and receives into `in` from the previous one.
-  std::vector<Work> ring_exchange(const Tensor& out, const Tensor& in);
-  void wait_ring(std::vector<Work>& works);
+  Work ring_exchange(const Tensor& out, const Tensor& in);
 };
 
 // A linear layer y = x @ w (+ b) and its backward, the same whether w is a column block or a row block:

@@ -131,10 +131,12 @@ void DataParallel::start_step() {
   if (!gathers_.empty()) issue_gathers(next_gather_bucket_);
 }
 
-void DataParallel::wait(Work& w) {
-  const Event e = exposed_.before();
-  w.wait();
-  exposed_.after(Dim::Dp, e);
+void DataParallel::take_gathered(Param& p, const Tensor& whole) {
+  if (p.rows_padded == p.rows) {
+    p.copy = whole;
+  } else {
+    r_.copy_(p.copy, unpad(p, whole));
+  }
 }
 
 void DataParallel::issue_gathers(int bucket) {
@@ -173,17 +175,13 @@ Tensor DataParallel::get(Gathered& g) {
   Param& p = *g.p;
   if (p.gather_slot >= 0) {
     Pending& q = gathers_[p.gather_slot];
-    wait(q.work);
-    if (p.rows_padded == p.rows) {
-      p.copy = q.out;
-    } else {
-      r_.copy_(p.copy, unpad(p, q.out));
-    }
+    exposed_.wait(Dim::Dp, q.work);
+    take_gathered(p, q.out);
     p.gather_slot = -1;
     q = Pending{};
     g.full = p.copy;
   } else if (!g.work.waited()) {
-    wait(g.work);
+    exposed_.wait(Dim::Dp, g.work);
     g.full = unpad(p, g.full);
   }
   return g.full;
@@ -217,7 +215,7 @@ void DataParallel::embedding_grad_done(Param& p, const Tensor& target) {
 
 void DataParallel::drain() {
   for (Pending& q : pending_) {
-    wait(q.work);
+    exposed_.wait(Dim::Dp, q.work);
     r_.add_(q.p->grad, q.out, 1.0f);
   }
   pending_.clear();
@@ -250,7 +248,7 @@ void DataParallel::issue_reduction(Bucket& b) {
 }
 
 void DataParallel::finish_reduction(Pending& q) {
-  wait(q.work);
+  exposed_.wait(Dim::Dp, q.work);
   Param& p = *q.p;
   if (c_.stage == 0) {
     if (!q.out.same_storage(p.grad)) r_.copy_(p.grad, q.out);
@@ -313,12 +311,8 @@ void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
     gathers.push_back(std::move(q));
   }
   for (Pending& q : gathers) {
-    wait(q.work);
-    if (q.p->rows_padded == q.p->rows) {
-      q.p->copy = q.out;
-    } else {
-      r_.copy_(q.p->copy, unpad(*q.p, q.out));
-    }
+    exposed_.wait(Dim::Dp, q.work);
+    take_gathered(*q.p, q.out);
   }
 }
 

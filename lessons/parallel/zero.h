@@ -169,8 +169,8 @@ class DataParallel {
   Tensor shard_of(const Param& p, const Tensor& local);
   ReduceOp dp_op() const;
   bool sharded() const { return c_.dp_size > 1; }
-  // Waits on the compute stream, counting the wait as exposed data-parallel communication.
-  void wait(Work& w);
+  // The 16-bit weights of `p` from the all_gather of its shards (`whole`, padded rows and all).
+  void take_gathered(Param& p, const Tensor& whole);
   void issue_reduction(Bucket& b);
   void issue_gathers(int bucket);
   void finish_reduction(Pending& q);
