@@ -510,18 +510,21 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
     // nothing of their own, so the operation starts when the representatives are ready, as it would with
     // every member running the same program.
     if (!p2p) {
-      const auto place = [&](int r) {
-        return static_cast<int>(std::find(op->ranks.begin(), op->ranks.end(), r) - op->ranks.begin());
-      };
-      for (CommMember& x : op->members) {
+      const int n = static_cast<int>(op->ranks.size());
+      const bool uneven_all_to_all = call.op == CommOp::AllToAll && call.uneven();
+      const int mine =
+          uneven_all_to_all
+              ? static_cast<int>(std::find(op->ranks.begin(), op->ranks.end(), rank) - op->ranks.begin())
+              : 0;
+      for (int i = 0; i < n; ++i) {  // members are indexed like ranks
+        CommMember& x = op->members[i];
         if (x.arrived || symmetry_.representative(x.rank) != rank) continue;
         x.arrived = true;
         x.call = call;
         // An uneven all_to_all's pieces, as the mirror's copy of the program makes them: where they go
         // relative to its own place in the group (a ring shift sends to the next member, whichever it is).
-        if (call.op == CommOp::AllToAll && call.uneven()) {
-          const int n = static_cast<int>(op->ranks.size());
-          const int shift = ((place(x.rank) - place(rank)) % n + n) % n;
+        if (uneven_all_to_all) {
+          const int shift = ((i - mine) % n + n) % n;
           auto rotate = [&](std::vector<std::int64_t>& v) {
             if (!v.empty()) std::rotate(v.rbegin(), v.rbegin() + shift, v.rend());
           };
