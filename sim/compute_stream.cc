@@ -73,7 +73,7 @@ void SimWorld::resettle(int rank) {
   double end_us = 0;
   if (try_settle(rank, end_us)) {
     clear_kernel_watch(rank);
-    if (s.settling) wake(rank);
+    if (s.settling) scheduler_.wake(rank);
   } else if ((s.settling || !s.deferred_posts.empty()) && std::isfinite(end_us)) {
     watch_kernel_end(rank, end_us);
   } else {
@@ -103,6 +103,88 @@ void SimWorld::run_resettles() {
   }
   resettles_.clear();
   running_resettles_ = false;
+}
+
+// ---- the host clock and the compute stream's waits ------------------------------------------------
+
+void SimWorld::host_waits_until(int rank, double t_us) {
+  RankState& s = state(rank);
+  s.host_us = std::max(s.host_us, t_us);
+}
+
+double SimWorld::stream_time_us(int rank, const char* by) {
+  fold_waits(rank, by);
+  settle_compute(rank);
+  const RankState& s = state(rank);
+  return std::max(s.host_us, s.compute_us);
+}
+
+void SimWorld::host_waits_for_stream(int rank, const char* by) {
+  host_waits_until(rank, stream_time_us(rank, by));
+}
+
+void SimWorld::synchronize(int rank) {
+  RankState& s = state(rank);
+  fold_waits(rank, "synchronize()");
+  settle_compute(rank);  // while the operations its kernels overlap are still listed
+  for (const auto& op : s.outstanding) {
+    wait_finished(rank, op, "synchronize()");
+    op->member_of(rank).waited = true;  // the device is idle: nothing is in flight any more
+  }
+  s.outstanding.clear();
+  double t = std::max(s.host_us, s.compute_us);
+  for (const auto& [key, stream] : s.streams) t = std::max(t, stream.end_us);
+  s.host_us = t;
+}
+
+// Back-to-back collectives, or the buckets of a step waited on in turn, keep the list as short as the number
+// of streams (at most one collective per group, which is what the search below relies on).
+void SimWorld::stream_waits_for(int rank, const std::shared_ptr<CommOpState>& op) {
+  RankState& s = state(rank);
+  s.waits_deferred = false;
+  if (op->op != CommOp::Send) {
+    const auto same_stream = std::find_if(
+        s.unfolded_waits.begin(), s.unfolded_waits.end(), [&](const std::shared_ptr<CommOpState>& other) {
+          return other->op != CommOp::Send && other->group_id == op->group_id;
+        });
+    if (same_stream != s.unfolded_waits.end()) {
+      if ((*same_stream)->seq >= op->seq) {  // a later one already stands for it
+        if (!op->finished) s.folded_with.push_back(op);
+        return;
+      }
+      if (!(*same_stream)->finished) s.folded_with.push_back(*same_stream);
+      s.unfolded_waits.erase(same_stream);
+    }
+  }
+  s.unfolded_waits.push_back(op);
+}
+
+void SimWorld::fold_waits(int rank, const char* by) {
+  RankState& s = state(rank);
+  if (!s.unfolded_waits.empty()) settle_compute(rank);
+  for (const auto& op : s.unfolded_waits) {
+    if (!op->finished) {
+      wait_finished(rank, op, by, /*folded=*/true);
+    }
+    s.compute_us = std::max(s.compute_us, op->end_us);
+  }
+  s.unfolded_waits.clear();
+  s.folded_with.clear();  // ended before those
+}
+
+void SimWorld::waits_before_kernel(int rank, const char* by) {
+  const RankState& s = state(rank);
+  if (s.unfolded_waits.empty() || s.waits_deferred) return;
+  if (may_defer_waits(rank)) {
+    defer_waits(rank);  // the kernel takes them along (launch_kernel)
+    return;
+  }
+  fold_waits(rank, by);
+}
+
+void SimWorld::begin_p2p_group(int rank) {
+  RankState& s = state(rank);
+  s.p2p_group = ++s.p2p_groups_posted;
 }
 
 void SimWorld::note_async_posted(int rank, const std::shared_ptr<CommOpState>& op) {

@@ -73,8 +73,8 @@ RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_
       fibers.back().properties<sim::VirtualTimeProps>().requeue(rank->rank(), 0.0);
     }
     for (auto& f : fibers) f.join();
-    fiber_switches = world.fiber_switches();
-    world.rethrow_if_failed();
+    fiber_switches = world.scheduler().fiber_switches();
+    world.scheduler().rethrow_if_failed();
     report = world.finish_report();
   }
   // Described once the stacks are unmapped, into the memory they held.

@@ -31,29 +31,6 @@ class SimEvent : public EventState {
   double time_us;
 };
 
-// The compute stream waits for `op` before its next kernel: `op` is synchronous, or wait() was called on it.
-// A group's collectives run one after another on its stream, so the later of two stands for both:
-// back-to-back collectives, or the buckets of a step waited on in turn, keep the list as short as the number
-// of streams (at most one collective per group, which is what the search below relies on).
-void compute_stream_waits_for(RankState& s, const std::shared_ptr<CommOpState>& op) {
-  s.waits_deferred = false;
-  if (op->op != CommOp::Send) {
-    const auto same_stream = std::find_if(
-        s.unfolded_waits.begin(), s.unfolded_waits.end(), [&](const std::shared_ptr<CommOpState>& other) {
-          return other->op != CommOp::Send && other->group_id == op->group_id;
-        });
-    if (same_stream != s.unfolded_waits.end()) {
-      if ((*same_stream)->seq >= op->seq) {  // a later one already stands for it
-        if (!op->finished) s.folded_with.push_back(op);
-        return;
-      }
-      if (!(*same_stream)->finished) s.folded_with.push_back(*same_stream);
-      s.unfolded_waits.erase(same_stream);
-    }
-  }
-  s.unfolded_waits.push_back(op);
-}
-
 class SimWork : public WorkState {
  public:
   SimWork(SimWorld& world, int rank, std::shared_ptr<CommOpState> op)
@@ -75,7 +52,7 @@ class SimWork : public WorkState {
     if (m.waited) return;
     m.waited = true;
     world_.note_waited(rank_, op_);
-    compute_stream_waits_for(world_.state(rank_), op_);
+    world_.stream_waits_for(rank_, op_);
   }
   bool waited() const override { return synchronous_ || op_->member_of(rank_).waited; }
   double elapsed_us() override {
@@ -99,8 +76,8 @@ std::string SimRank::where(const char* op) const {
 }
 
 void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
-  world_.check_thread(rank_, op);
-  world_.check_aborted();
+  world_.scheduler().check_thread(rank_, op);
+  world_.scheduler().check_aborted();
   if (!t.defined()) throw UsageError(fmt::format("{}: '{}' is an undefined tensor", where(op), arg));
   if (t.owner_rank() != rank_) {
     throw UsageError(fmt::format("{}: '{}' ({}) belongs to rank {}; a rank can only use tensors it made",
@@ -129,9 +106,9 @@ void SimRank::require_shape(const Tensor& t, const Shape& want, const char* op, 
 }
 
 Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* op) {
-  world_.check_thread(rank_, op);
-  world_.check_aborted();
-  MemoryAccount& m = *s_.memory;
+  world_.scheduler().check_thread(rank_, op);
+  world_.scheduler().check_aborted();
+  MemoryAccount& m = *memory_;
   const std::int64_t bytes = s.numel() * dtype_bytes(dtype);
   if (m.allocated + bytes > m.capacity) {
     throw OutOfMemoryError(fmt::format(
@@ -151,28 +128,7 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
           format_bytes(static_cast<double>(m.host->used)), format_bytes(static_cast<double>(m.host->limit))));
     }
   }
-  return Tensor(s, dtype, std::make_shared<SimStorage>(s_.memory, s.numel(), dtype, phantom));
-}
-
-void SimRank::fold_waits(const char* by) {
-  if (!s_.unfolded_waits.empty()) world_.settle_compute(rank_);
-  for (const auto& op : s_.unfolded_waits) {
-    if (!op->finished) {
-      world_.wait_finished(rank_, op, by, /*folded=*/true);
-    }
-    s_.compute_us = std::max(s_.compute_us, op->end_us);
-  }
-  s_.unfolded_waits.clear();
-  s_.folded_with.clear();  // ended before those
-}
-
-void SimRank::waits_before_kernel(const char* by) {
-  if (s_.unfolded_waits.empty() || s_.waits_deferred) return;
-  if (world_.may_defer_waits(rank_)) {
-    world_.defer_waits(rank_);  // the kernel takes them along (SimWorld::launch_kernel)
-    return;
-  }
-  fold_waits(by);
+  return Tensor(s, dtype, std::make_shared<SimStorage>(memory_, s.numel(), dtype, phantom));
 }
 
 void SimRank::before_reading(std::initializer_list<const Tensor*> tensors, const char* op) {
@@ -197,7 +153,7 @@ void SimRank::before_reading(std::initializer_list<const Tensor*> tensors, const
     st.pending.resize(kept);
     st.pending_reads_only.resize(kept);
   }
-  waits_before_kernel(op);
+  world_.waits_before_kernel(rank_, op);
 }
 
 void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const char* op) {
@@ -214,7 +170,7 @@ void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const 
     pending.clear();
     sim_storage(*t)->pending_reads_only.clear();
   }
-  waits_before_kernel(op);
+  world_.waits_before_kernel(rank_, op);
 }
 
 void SimRank::launch_kernel(const std::string& name, double flops, double bytes, DType dtype) {
@@ -222,8 +178,9 @@ void SimRank::launch_kernel(const std::string& name, double flops, double bytes,
 }
 
 void SimRank::launch_kernel_cost(const std::string& name, const KernelCost& cost) {
-  waits_before_kernel(name.c_str());  // kernels that read no tensor (fills, random numbers) wait too
-  s_.host_us += world_.compute().launch_us();
+  // Kernels that read no tensor (fills, random numbers) wait too.
+  world_.waits_before_kernel(rank_, name.c_str());
+  world_.advance_host(rank_, world_.compute().launch_us());
   // Communication this GPU runs at the same time holds some of its SMs and HBM bandwidth.
   world_.launch_kernel(rank_, name, cost);
 }
@@ -237,16 +194,14 @@ std::vector<float> SimRank::to_host(const Tensor& t) {
                                  where("to_host"), t.str()));
   }
   before_kernel({&t}, "to_host");
-  fold_waits("to_host");  // the copy needs the stream's clock
-  world_.settle_compute(rank_);
-  s_.host_us = std::max(s_.host_us, s_.compute_us);  // a device-to-host copy waits for the stream
+  world_.host_waits_for_stream(rank_, "to_host");  // a device-to-host copy waits for the stream
   return std::vector<float>(sim_data(t), sim_data(t) + t.numel());
 }
 
 // ---- communication ---------------------------------------------------------------------------------
 
 void SimRank::validate(const CommCall& call) const {
-  world_.check_group(rank_, call.group, comm_op_name(call.op));  // before anything indexes by it
+  world_.operations().check_group(rank_, call.group, comm_op_name(call.op));  // before anything indexes by it
   check_comm_call(call, rank_, world_.size(),
                   [&](const Tensor& t, const char* arg) { require(t, comm_op_name(call.op), arg); });
   if (call.input.defined() && call.output.defined() && call.input.dtype() != call.output.dtype()) {
@@ -285,19 +240,19 @@ void SimRank::check_no_race(const CommCall& call) const {
 }
 
 Work SimRank::communicate(const CommCall& call) {
-  world_.check_thread(rank_, comm_op_name(call.op));
-  world_.check_aborted();
+  world_.scheduler().check_thread(rank_, comm_op_name(call.op));
+  world_.scheduler().check_aborted();
   validate(call);
   check_no_race(call);
   if (call.op == CommOp::Barrier) {
     world_.barrier(rank_, call.group);
     return Work();
   }
-  s_.host_us += world_.compute().launch_us();
+  world_.advance_host(rank_, world_.compute().launch_us());
   world_.before_issue(rank_, call);
   std::shared_ptr<CommOpState> op = world_.post(rank_, call);
   if (call.async == Async::No) {
-    compute_stream_waits_for(s_, op);  // the compute stream waits for it; the host goes on
+    world_.stream_waits_for(rank_, op);  // the compute stream waits for it; the host goes on
     return Work(SimWork::done(world_, rank_, op));
   }
   world_.note_async_posted(rank_, op);
@@ -310,7 +265,7 @@ Work SimRank::communicate(const CommCall& call) {
 }
 
 std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
-  world_.check_aborted();
+  world_.scheduler().check_aborted();
   // Every operation is checked before any is posted, so a bad one leaves nothing half issued.
   for (size_t i = 0; i < ops.size(); ++i) {
     if (ops[i].op != CommOp::Send && ops[i].op != CommOp::Recv) {
@@ -323,10 +278,11 @@ std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
   std::vector<Work> works;
   works.reserve(ops.size());
   struct GroupScope {
-    RankState& s;
-    ~GroupScope() { s.p2p_group = 0; }
-  } scope{s_};
-  s_.p2p_group = ++s_.p2p_groups_posted;
+    SimWorld& world;
+    int rank;
+    ~GroupScope() { world.end_p2p_group(rank); }
+  } scope{world_, rank_};
+  world_.begin_p2p_group(rank_);
   for (const P2POp& p : ops) {
     works.push_back(p.op == CommOp::Send ? send(p.tensor, p.peer, Async::Yes)
                                          : recv(p.tensor, p.peer, Async::Yes));
@@ -337,49 +293,39 @@ std::vector<Work> SimRank::batch_isend_irecv(const std::vector<P2POp>& ops) {
 // ---- time, regions, output -------------------------------------------------------------------------
 
 void SimRank::synchronize() {
-  world_.check_thread(rank_, "synchronize()");
-  world_.check_aborted();
-  fold_waits("synchronize()");
-  world_.settle_compute(rank_);  // while the operations its kernels overlap are still listed
-  for (const auto& op : s_.outstanding) {
-    world_.wait_finished(rank_, op, "synchronize()");
-    op->member_of(rank_).waited = true;  // the device is idle: nothing is in flight any more
-  }
-  s_.outstanding.clear();
-  double t = std::max(s_.host_us, s_.compute_us);
-  for (const auto& [key, stream] : s_.streams) t = std::max(t, stream.end_us);
-  s_.host_us = t;
+  world_.scheduler().check_thread(rank_, "synchronize()");
+  world_.scheduler().check_aborted();
+  world_.synchronize(rank_);
 }
 
 double SimRank::now() {
-  world_.check_thread(rank_, "now()");
-  world_.check_aborted();
+  world_.scheduler().check_thread(rank_, "now()");
+  world_.scheduler().check_aborted();
   // The host clock moves only with the rank's own calls, so a loop waiting on now() would never end.
   constexpr std::int64_t kSpinLimit = 10'000'000;
-  if (s_.host_us != last_now_us_) {
-    last_now_us_ = s_.host_us;
+  const double host_us = world_.host_us(rank_);
+  if (host_us != last_now_us_) {
+    last_now_us_ = host_us;
     same_now_calls_ = 0;
   } else if (++same_now_calls_ >= kSpinLimit) {
     throw UsageError(fmt::format(
         "{}: returned the same time ({} us) {} times in a row; the simulated host clock moves only with "
         "the rank's own calls (kernels, communication, synchronize()), so a loop that waits for time to "
         "pass never ends",
-        where("now()"), s_.host_us, kSpinLimit));
+        where("now()"), host_us, kSpinLimit));
   }
-  return s_.host_us;
+  return host_us;
 }
 
 Event SimRank::record_event() {
-  world_.check_aborted();
+  world_.scheduler().check_aborted();
   // The stream reaches the marker when its earlier kernels (and any synchronous collective it waits
   // for) are done, and not before the host enqueues it.
-  fold_waits("record_event");
-  world_.settle_compute(rank_);
-  return Event(std::make_shared<SimEvent>(rank_, std::max(s_.host_us, s_.compute_us)));
+  return Event(std::make_shared<SimEvent>(rank_, world_.stream_time_us(rank_, "record_event")));
 }
 
 double SimRank::elapsed_us(const Event& start, const Event& end) {
-  world_.check_aborted();
+  world_.scheduler().check_aborted();
   const SimEvent* e[2] = {nullptr, nullptr};
   const Event* ev[2] = {&start, &end};
   const char* names[2] = {"start", "end"};
@@ -395,19 +341,19 @@ double SimRank::elapsed_us(const Event& start, const Event& end) {
                       names[i], e[i] ? fmt::format("rank {}", e[i]->rank) : std::string("another backend")));
     }
   }
-  s_.host_us = std::max(s_.host_us, e[1]->time_us);  // cudaEventSynchronize on `end`
+  world_.host_waits_until(rank_, e[1]->time_us);  // cudaEventSynchronize on `end`
   return e[1]->time_us - e[0]->time_us;
 }
 
 void SimRank::region_begin(const std::string& name) {
-  regions_.emplace_back(name, s_.host_us);
+  regions_.emplace_back(name, world_.host_us(rank_));
 }
 
 void SimRank::region_end() {
   // Regions end in destructors, also while an out-of-memory error unwinds the rank's stack.
   unpoison_dead_stack();
   if (regions_.empty()) throw UsageError(where("region_end") + ": no region is open");
-  world_.add_region(rank_, regions_.back().first, regions_.back().second, s_.host_us);
+  world_.add_region(rank_, regions_.back().first, regions_.back().second, world_.host_us(rank_));
   regions_.pop_back();
 }
 

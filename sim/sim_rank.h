@@ -13,12 +13,12 @@ namespace ranklab::sim {
 
 class SimRank : public Rank {
  public:
-  SimRank(SimWorld& world, int rank) : world_(world), rank_(rank), s_(world.state(rank)) {}
+  SimRank(SimWorld& world, int rank) : world_(world), rank_(rank), memory_(world.memory(rank)) {}
 
   int rank() const override { return rank_; }
   int world_size() const override { return world_.size(); }
   // Counts this rank's real tensors against the host memory of the launch (sim/host_memory.h).
-  void set_host_memory(std::shared_ptr<HostMemory> host) { s_.memory->host = std::move(host); }
+  void set_host_memory(std::shared_ptr<HostMemory> host) { memory_->host = std::move(host); }
 
   using Rank::empty;
   using Rank::from_host;
@@ -82,16 +82,16 @@ class SimRank : public Rank {
   double now() override;
   Event record_event() override;
   double elapsed_us(const Event& start, const Event& end) override;
-  double comm_slowed_compute_us() override { return s_.comm_slowed_compute_us; }
+  double comm_slowed_compute_us() override { return world_.comm_slowed_compute_us(rank_); }
   const Profile& profile() const override { return world_.profile(); }
   std::string collective_algorithm(CommOp op, std::int64_t bytes, int root) override {
     return world_.world_algorithm(op, bytes, root);
   }
 
-  std::int64_t memory_allocated() const override { return s_.memory->allocated; }
-  std::int64_t memory_peak() const override { return s_.memory->peak; }
-  std::int64_t memory_capacity() const override { return s_.memory->capacity; }
-  void reset_peak_memory() override { s_.memory->peak = s_.memory->allocated; }
+  std::int64_t memory_allocated() const override { return memory_->allocated; }
+  std::int64_t memory_peak() const override { return memory_->peak; }
+  std::int64_t memory_capacity() const override { return memory_->capacity; }
+  void reset_peak_memory() override { memory_->peak = memory_->allocated; }
 
   void region_begin(const std::string& name) override;
   void region_end() override;
@@ -124,12 +124,6 @@ class SimRank : public Rank {
   // The same for a kernel that only reads `tensors`: beside a send or another operation that only reads
   // one of them it may run (on a GPU, two readers of a buffer do not race).
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
-  // The compute stream waits for every operation in RankState::unfolded_waits, and the rank blocks until
-  // their ends are known; `by` names the call, for deadlock reports. For what needs the stream's clock.
-  void fold_waits(const char* by);
-  // The same before a kernel, which need not block: when only the operations' ends are missing
-  // (SimWorld::may_defer_waits), the kernel waits for them on the stream and the rank goes on.
-  void waits_before_kernel(const char* by);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
   // Attention as `kernel` computes it, one launch per kernel of the path.
@@ -141,7 +135,7 @@ class SimRank : public Rank {
 
   SimWorld& world_;
   int rank_;
-  RankState& s_;
+  std::shared_ptr<MemoryAccount> memory_;  // the rank's device memory
   // now() calls in a row that found the host clock where the last one did: a rank spinning on now().
   void check_no_race(const CommCall& call) const;
   double last_now_us_ = -1;

@@ -63,7 +63,7 @@ Tensor SimRank::randn(const Shape& s, std::uint64_t seed, float std, DType dtype
 
 Tensor SimRank::randn_slice(const Shape& full, int dim, std::int64_t start, std::int64_t length,
                             std::uint64_t seed, float std, DType dtype) {
-  world_.check_aborted();
+  world_.scheduler().check_aborted();
   check_randn_slice(rank_, full, dim, start, length);
   Tensor t = allocate(full.with_dim(dim, length), dtype, false, "randn_slice");
   std::int64_t outer, inner;

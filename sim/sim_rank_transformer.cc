@@ -294,8 +294,8 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int
 void SimRank::launch_attention(const std::string& name, const AttentionShape& shape, AttentionKernel kernel,
                                bool backward, DType dtype) {
   // The unfused path is several kernels, timed as one sequence; the host launches each.
-  s_.host_us +=
-      (ComputeModel::attention_kernel_count(shape, kernel, backward) - 1) * world_.compute().launch_us();
+  world_.advance_host(rank_, (ComputeModel::attention_kernel_count(shape, kernel, backward) - 1) *
+                                 world_.compute().launch_us());
   launch_kernel_cost(name, world_.compute().attention_cost(shape, kernel, backward, dtype));
 }
 

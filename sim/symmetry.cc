@@ -104,4 +104,43 @@ void Symmetry::note_spine(const CommPlan& plan, const Topology& topo) {
       std::any_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.is_spine_link(l); });
 }
 
+void Symmetry::join_mirrors(CommOpState& op, int rank) const {
+  const CommMember& m = op.member_of(rank);
+  const CommCall& call = m.call;
+  if (op.op == CommOp::Send) {
+    const int peer = call.peer;
+    if (runs(peer)) return;
+    throw UsageError(fmt::format(
+        "rank {}: {} with rank {}, which mirrors rank {} in this symmetric run: point-to-point traffic "
+        "between classes breaks the symmetry (SimConfig::symmetry)",
+        rank, comm_op_name(call.op), peer, representative(peer)));
+  }
+  // They wait for nothing of their own, so the operation starts when the representatives are ready, as it
+  // would with every member running the same program.
+  const int n = static_cast<int>(op.ranks.size());
+  const bool uneven_all_to_all = call.op == CommOp::AllToAll && call.uneven();
+  const int mine =
+      uneven_all_to_all
+          ? static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), rank) - op.ranks.begin())
+          : 0;
+  for (int i = 0; i < n; ++i) {  // members are indexed like ranks
+    CommMember& x = op.members[i];
+    if (x.arrived || representative(x.rank) != rank) continue;
+    x.arrived = true;
+    x.call = call;
+    // An uneven all_to_all's pieces, as the mirror's copy of the program makes them: where they go
+    // relative to its own place in the group (a ring shift sends to the next member, whichever it is).
+    if (uneven_all_to_all) {
+      const int shift = ((i - mine) % n + n) % n;
+      auto rotate = [&](std::vector<std::int64_t>& v) {
+        if (!v.empty()) std::rotate(v.rbegin(), v.rbegin() + shift, v.rend());
+      };
+      rotate(x.call.input_splits);
+      rotate(x.call.output_splits);
+    }
+    x.issue_ready_us = m.issue_ready_us;
+    ++op.arrived;
+  }
+}
+
 }  // namespace ranklab::sim

@@ -31,6 +31,9 @@ class Symmetry {
   int representative(int rank) const { return rep_.empty() ? rank : rep_[rank]; }
   int running() const { return running_; }
 
+  // Marks the members `rank` stands for in `op` arrived, as copies of its member: the same call, ready at the
+  // same moment. UsageError for a send or receive with a mirror: traffic between classes breaks the symmetry.
+  void join_mirrors(CommOpState& op, int rank) const;
   // UsageError unless a group that holds a representative holds the representative of each member.
   void check_group(const std::vector<int>& ranks) const;
   // The groups the symmetry maps `op`'s ranks to, other than theirs, each in the same member order; made

@@ -1,5 +1,12 @@
-// SimWorld: the state every simulated rank shares — clocks, groups, the rendezvous of communication,
-// the execution of operations in dependency order, blocking and deadlock detection, and the report.
+// SimWorld: what the simulated ranks share, and the parts that run it. It owns each rank's clocks and
+// streams (RankState) and brings together the parts that each own one job:
+//   RankScheduler   blocking, waking, failing the run, deadlock reports (sim/rank_scheduler.h)
+//   Operations      groups, the matching of calls into operations, their agreement, the order they run in
+//                   and their completion (sim/operations.h)
+//   Symmetry        which ranks run and which mirror them (sim/symmetry.h)
+//   ContentionModel compute kernels slowed by communication beside them (sim/contention_model.h)
+//   NetworkModel, TransferEngine   what an operation moves over which links, and when it ends (sim/net/)
+// SimRank (the Rank interface) talks to it through the methods below.
 //
 // How an operation runs: a rank *posts* its part (the host does not wait, as with NCCL); when every
 // member has posted and every operation it depends on has finished, the operation *executes*: its
@@ -17,16 +24,13 @@
 // deadlock, reported with every rank's pending operation.
 #pragma once
 
-#include <boost/fiber/context.hpp>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "common/profile.h"
@@ -38,14 +42,13 @@
 #include "sim/front_queue.h"
 #include "sim/net/network_model.h"
 #include "sim/net/transfer_engine.h"
+#include "sim/operations.h"
+#include "sim/rank_scheduler.h"
 #include "sim/sim_backend.h"
 #include "sim/storage.h"
 #include "sim/symmetry.h"
 
 namespace ranklab::sim {
-
-// Thrown inside a rank's fiber to unwind it after another rank failed; never escapes launch().
-struct RunAborted {};
 
 // The key of a rank's communication streams. Each group's collectives have their own stream (-1 - group
 // id), as each torch.distributed process group has its own NCCL communicator and stream, so collectives
@@ -77,14 +80,14 @@ struct RankState {
   double compute_us = 0;  // when the compute stream's last kernel ends
   std::map<int, StreamState> streams;
   // Operations the compute stream must wait for before its next kernel: synchronous ones, and asynchronous
-  // ones wait() was called on (at most one per collective stream; compute_stream_waits_for in sim_rank.cc).
+  // ones wait() was called on (at most one per collective stream; SimWorld::stream_waits_for).
   // The next kernel takes them along when it need not block for them (SimWorld::may_defer_waits).
   std::vector<std::shared_ptr<CommOpState>> unfolded_waits;
   // Earlier operations on the same streams that those stand for: blocking for the later would have seen
   // these end too, and let go of their buffers (SimWorld::defer_waits).
   std::vector<std::shared_ptr<CommOpState>> folded_with;
   // defer_waits has run since unfolded_waits last grew (and no asynchronous operation was posted since):
-  // the kernel about to launch need not ask again (SimRank::waits_before_kernel, which a kernel calls
+  // the kernel about to launch need not ask again (SimWorld::waits_before_kernel, which a kernel calls
   // before its numerics and again at its launch).
   bool waits_deferred = false;
   // Asynchronous operations posted and neither finished nor waited on, nor before one waited on on the
@@ -135,26 +138,10 @@ struct RankState {
   // A phantom buffer charged to no account, which an operation the rank no longer blocks for holds in
   // place of the rank's tensors (SimWorld::defer_waits).
   std::shared_ptr<Storage> uncharged;
-  std::map<int, std::uint64_t> collective_seq;  // per group id
-  std::map<int, std::uint64_t> barrier_seq;     // per group id
-  int groups_created = 0;
+  std::map<int, std::uint64_t> barrier_seq;  // per group id
   std::uint64_t p2p_group = 0;  // nonzero while a batch of point-to-point operations is being posted
   std::uint64_t p2p_groups_posted = 0;
   std::uint64_t shows = 0;
-
-  // Blocking.
-  bool finished = false;
-  bool blocked = false;
-  // What it waits for, for deadlock reports: block_until's description, valid while the rank is blocked
-  // (pointed to, not copied: a copy would cost an allocation per rank at every wait).
-  const std::function<std::string()>* waiting_for = nullptr;
-  // The rank's fiber while it is suspended in block_until; wake() hands it back to the scheduler. (Suspending
-  // and scheduling the fiber directly does what a fiber mutex and condition variable would, without their
-  // locks: every fiber runs on one thread, and a wait happens at every rank for every operation.)
-  boost::fibers::context* suspended = nullptr;
-  // The operation wait_finished waits for (null in any other wait): an operation that finishes wakes those
-  // of its members that wait for it, or for something else than an operation, and leaves the others be.
-  const CommOpState* waiting_op = nullptr;
 };
 
 class SimWorld {
@@ -173,9 +160,10 @@ class SimWorld {
   // The algorithm and protocol the network model runs a collective `op` of `bytes` over the whole world
   // with ("ring/simple"): SimRank::collective_algorithm.
   std::string world_algorithm(CommOp op, std::int64_t bytes, int root) {
-    return network_->plan_collective(op, bytes, groups_[0], root).name();
+    return network_->plan_collective(op, bytes, operations_.world(), root).name();
   }
-  RankState& state(int rank) { return *ranks_[rank]; }
+  // The rank's device memory account.
+  const std::shared_ptr<MemoryAccount>& memory(int rank) const { return ranks_[rank]->memory; }
 
   // Runs one rank's program in its fiber: catches what it throws and finishes the rank.
   void run_rank(int rank, const std::function<void()>& program);
@@ -185,13 +173,12 @@ class SimWorld {
   void barrier(int rank, const Group& group);
   void show(int rank, const std::string& label, const std::string& values);
   Group new_group(int rank, const std::vector<int>& ranks);
-  // The members of `group` (global ranks); UsageError if the group is unknown.
-  const std::vector<int>& members(const Group& group) const;
-  // UsageError naming `rank` and `op` unless `group` is the world or exactly a group new_group made.
-  void check_group(int rank, const Group& group, const char* op) const;
+  // Groups, the matching of calls into operations, their agreement and order.
+  const Operations& operations() const { return operations_; }
 
-  // Blocks the calling rank's fiber until pred() holds; `what` describes the wait for deadlock reports.
-  void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what);
+  // Blocking, waking, failing the run and deadlock reports.
+  RankScheduler& scheduler() { return scheduler_; }
+  const RankScheduler& scheduler() const { return scheduler_; }
   // What a rank blocked until `op` finishes waits for, for deadlock reports; `by` and `folded` as below.
   std::string describe_wait(int rank, const CommOpState& op, const char* by, bool folded) const;
   // Blocks until `op` has finished (its end time is final). `by` names the call that waits, for deadlock
@@ -210,10 +197,69 @@ class SimWorld {
   // or end is not known yet, the kernel's times wait (pending_kernels) until something needs the compute
   // stream's clock (settle_compute). Adds the time lost to the rank's comm_slowed_compute_us.
   void launch_kernel(int rank, SpanName name, const KernelCost& cost);
+  // Makes compute_us final: the pending kernels' times, once the engine knows the communication they
+  // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first, but
+  // for a collective's post, which may go on without it (RankState::deferred_posts).
+  void settle_compute(int rank);
+  // Device time the rank's compute stream lost to communication kernels running beside it.
+  double comm_slowed_compute_us(int rank) const { return ranks_[rank]->comm_slowed_compute_us; }
+
+  // A rank's host clock and what moves it.
+  double host_us(int rank) const { return ranks_[rank]->host_us; }
+  void advance_host(int rank, double us) { ranks_[rank]->host_us += us; }
+  // The host waits (cudaEventSynchronize) until `t_us`.
+  void host_waits_until(int rank, double t_us);
+  // When the compute stream reaches a marker the host enqueues now: after its kernels and what it waits for
+  // (RankState::unfolded_waits, folded: the rank blocks until their ends are known). `by` names the call.
+  double stream_time_us(int rank, const char* by);
+  // The host waits for the compute stream (a device-to-host copy).
+  void host_waits_for_stream(int rank, const char* by);
+  // The host waits for every stream: the compute stream and everything the rank posted (synchronize()).
+  void synchronize(int rank);
+
+  // What the compute stream waits for.
+  // Before its next kernel: `op`, synchronous or waited on. A group's collectives run one after another on
+  // its stream, so the later of two stands for both.
+  void stream_waits_for(int rank, const std::shared_ptr<CommOpState>& op);
+  // Before a kernel: what it waits for is folded into the stream's clock (the rank blocks until their ends
+  // are known), or, when only the ends are missing (may_defer_waits), taken along by the kernel while the
+  // rank goes on. `by` names the kernel, for deadlock reports.
+  void waits_before_kernel(int rank, const char* by);
   // Asynchronous `op`, just posted by `rank`; wait() called on it (RankState::async_in_flight). Its end
   // is noted by on_finished.
   void note_async_posted(int rank, const std::shared_ptr<CommOpState>& op);
   void note_waited(int rank, const std::shared_ptr<CommOpState>& op);
+  // batch_isend_irecv: the point-to-point operations posted between these do not wait for each other.
+  void begin_p2p_group(int rank);
+  void end_p2p_group(int rank) { ranks_[rank]->p2p_group = 0; }
+
+  // Whether posting `call` now only marks `rank` arrived: a collective that still waits for another member
+  // after it. Such a post starts no transfer, so it need not wait for the ranks whose clocks are behind:
+  // the engine stays behind their clocks either way, and a dependency that ends before this rank's clock
+  // but that the engine has not reached yet delays nothing (the member is ready at its clock anyway). The
+  // member that completes the operation still waits its turn. Each rank of a world-wide collective then
+  // switches fibers once per call instead of twice. (Not in symmetric runs, where a post also marks the
+  // members the rank stands for.)
+  bool arrival_only(int rank, const CommCall& call) const;
+
+  // Output and report.
+  void print(const std::string& line);
+  void add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us);
+  void add_region(int rank, const std::string& name, double start_us, double end_us);
+  void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
+  void set_training(const TrainingStats& stats) { report_.training = stats; }
+  void add_pipeline(const std::vector<PipelineTask>& tasks) {
+    report_.pipeline.insert(report_.pipeline.end(), tasks.begin(), tasks.end());
+  }
+  // The report, but for its topology: see describe_topology.
+  RunReport finish_report();
+  // RunReport::topology for this run. Separate from finish_report so that the caller can build it after
+  // releasing the ranks' stacks: at 8,192 servers it is about a hundred megabytes of names, which would
+  // otherwise add to the run's peak memory.
+  RunTopology describe_topology() const;
+
+ private:
+  RankState& state(int rank) { return *ranks_[rank]; }
   // Whether `rank`'s next kernel may take its unfolded_waits along instead of blocking for them: each has
   // finished, or its numbers are done (it executed, or this rank's buffers are phantoms), so only its end
   // is missing. Then the rank goes on, as a GPU's host does past a synchronous NCCL call, and its
@@ -225,50 +271,11 @@ class SimWorld {
   // it blocked until they finished: its memory is then counted at the same points of its program whether
   // it blocks or not. They keep the tensors' shapes (phantoms charged to no account).
   void defer_waits(int rank);
-  // Makes compute_us final: the pending kernels' times, once the engine knows the communication they
-  // overlap (the rank waits for that, in real time). Everything that reads compute_us calls it first, but
-  // for a collective's post, which may go on without it (RankState::deferred_posts).
-  void settle_compute(int rank);
-  void check_aborted() const;
-  // Whether posting `call` now only marks `rank` arrived: a collective that still waits for another member
-  // after it. Such a post starts no transfer, so it need not wait for the ranks whose clocks are behind:
-  // the engine stays behind their clocks either way, and a dependency that ends before this rank's clock
-  // but that the engine has not reached yet delays nothing (the member is ready at its clock anyway). The
-  // member that completes the operation still waits its turn. Each rank of a world-wide collective then
-  // switches fibers once per call instead of twice. (Not in symmetric runs, where a post also marks the
-  // members the rank stands for.)
-  bool arrival_only(int rank, const CommCall& call) const;
-  // Ends the process naming `rank` and `op` unless called on the thread that runs the fibers.
-  void check_thread(int rank, const char* op) const;
-  // Why `op` has not executed yet: the members that have not called it, or what they still wait for.
-  std::string why_pending(const CommOpState& op) const;
-
-  // Output and report.
-  void print(const std::string& line);
-  void add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us);
-  void add_region(int rank, const std::string& name, double start_us, double end_us);
-  void add_check(int rank, const std::string& what, bool passed, const std::string& detail);
-  void set_training(const TrainingStats& stats) { report_.training = stats; }
-  void add_pipeline(const std::vector<PipelineTask>& tasks) {
-    report_.pipeline.insert(report_.pipeline.end(), tasks.begin(), tasks.end());
-  }
-  // Rethrows the first error of the run, if any.
-  void rethrow_if_failed() const;
-  // How many times a rank gave way to another so far: each block on an outcome, each yield to ranks behind
-  // it in virtual time (SimBackend::fiber_switches).
-  std::int64_t fiber_switches() const { return fiber_switches_; }
-  // The report, but for its topology: see describe_topology.
-  RunReport finish_report();
-  // RunReport::topology for this run. Separate from finish_report so that the caller can build it after
-  // releasing the ranks' stacks: at 8,192 servers it is about a hundred megabytes of names, which would
-  // otherwise add to the run's peak memory.
-  RunTopology describe_topology() const;
-
- private:
-  void fail(std::exception_ptr error);
-  void wake(int rank);
-  void wake_all();
-  void declare_deadlock();
+  // The compute stream's waits folded into its clock: the rank blocks until their ends are known.
+  void fold_waits(int rank, const char* by);
+  // Blocks `rank` until pred() holds (RankScheduler::block_until, queued by the rank's host clock).
+  void block_until(int rank, const std::function<bool()>& pred, const std::function<std::string()>& what,
+                   const CommOpState* op = nullptr);
   void try_execute(const std::shared_ptr<CommOpState>& op);
   void execute(const std::shared_ptr<CommOpState>& op);
   // Records what finished in the engine and executes what waited for it.
@@ -284,13 +291,6 @@ class SimWorld {
   // members ahead.
   void prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber = false) const;
   static constexpr std::size_t kPrefetchAhead = 8;
-  std::shared_ptr<CommOpState> collective_op(int rank, const CommCall& call);
-  // The key of the collective `rank`'s next call on `group` joins: the group and the call's number in it.
-  std::pair<int, std::uint64_t> next_collective(int rank, const Group& group) const;
-  std::shared_ptr<CommOpState> p2p_op(int rank, const CommCall& call);
-  void check_agreement(CommOpState& op, int arriving_rank) const;
-  // An uneven all_to_all: the arriving member's splits against those of every member already there.
-  void check_splits_agree(const CommOpState& op, int arriving_rank) const;
 
   // Runs the images of an operation that starts at `start_us` beside it (Symmetry::images): what the
   // other classes do at the same moment.
@@ -310,13 +310,11 @@ class SimWorld {
   ComputeModel compute_;
   std::unique_ptr<NetworkModel> network_;
   Symmetry symmetry_;
+  RankScheduler scheduler_;
+  Operations operations_;
   TransferEngine engine_;
   ContentionModel contention_;
   std::vector<std::unique_ptr<RankState>> ranks_;
-  std::vector<std::vector<int>> groups_;  // id -> members; id 0 is the world
-  std::map<std::pair<int, std::uint64_t>, std::shared_ptr<CommOpState>> open_collectives_;
-  std::map<std::pair<int, int>, std::vector<std::shared_ptr<CommOpState>>> unmatched_p2p_;
-  std::map<std::pair<int, int>, std::uint64_t> p2p_created_;  // per (src, dst)
   std::map<std::string, HostRendezvous> host_rendezvous_;
   RunReport report_;
   // A large world's run shows its communication finishing on stderr (a terminal only).
@@ -394,13 +392,6 @@ class SimWorld {
   std::vector<double> pending_ends_us_;  // scratch of try_settle
   // Times again (resettle) the kernels of the ranks of kernel_watches_ whose end the engine has reached.
   void resettle_watched();
-  bool woke_ = false;  // wake() woke a blocked rank since advance_engine last looked
-  std::int64_t fiber_switches_ = 0;
-  int live_ = 0;
-  int blocked_ = 0;
-  bool aborted_ = false;
-  std::exception_ptr error_;
-  std::thread::id thread_;
 };
 
 }  // namespace ranklab::sim

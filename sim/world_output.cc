@@ -33,7 +33,7 @@ SimWorld::HostRendezvous& SimWorld::host_rendezvous(const std::string& key, int 
 }
 
 void SimWorld::barrier(int rank, const Group& group) {
-  const std::vector<int>& group_ranks = members(group);
+  const std::vector<int>& group_ranks = operations_.members(group);
   RankState& s = state(rank);
   const std::uint64_t seq = s.barrier_seq[group.id()]++;
   const std::string key = fmt::format("barrier {} {}", group.id(), seq);
@@ -44,7 +44,7 @@ void SimWorld::barrier(int rank, const Group& group) {
   h.latest_host_us = std::max(h.latest_host_us, s.host_us);
   if (h.arrived == h.expected) {
     for (int r : group_ranks) {
-      if (runs(r)) wake(r);
+      if (runs(r)) scheduler_.wake(r);
     }
   }
   block_until(
@@ -76,7 +76,7 @@ void SimWorld::show(int rank, const std::string& label, const std::string& value
     for (int r = 0; r < size(); ++r) {
       if (runs(r)) print(fmt::format("{} rank{} = {}", r == 0 ? h.label : pad, r, h.payload[r]));
     }
-    for (int r = 0; r < size(); ++r) wake(r);
+    for (int r = 0; r < size(); ++r) scheduler_.wake(r);
   }
   block_until(
       rank, [&] { return h.arrived == h.expected; },
