@@ -52,6 +52,16 @@ void need_vocab_start(int rank, const char* op, std::int64_t vocab_start) {
 
 }  // namespace
 
+void check_view(int rank, const Tensor& base, std::int64_t offset, const Shape& shape) {
+  const std::int64_t n = shape.numel();
+  if (offset < 0 || offset > base.numel() - n) {  // no overflow near INT64_MAX
+    std::int64_t end = 0;
+    if (__builtin_add_overflow(offset, n, &end)) end = std::numeric_limits<std::int64_t>::max();
+    throw UsageError(fmt::format("{}: elements [{}, {}) for shape {} are outside {}, which has {}",
+                                 where(rank, "view"), offset, end, shape.str(), base.str(), base.numel()));
+  }
+}
+
 void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length) {
   const char* op = "randn_slice";
   if (dim < 0 || dim >= full.ndim()) {

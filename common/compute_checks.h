@@ -11,6 +11,8 @@
 
 namespace ranklab {
 
+// Rank::view: [offset, offset + shape.numel()) must lie within base's elements.
+void check_view(int rank, const Tensor& base, std::int64_t offset, const Shape& shape);
 void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length);
 void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps);
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,

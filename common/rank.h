@@ -194,6 +194,12 @@ class Rank {
   Tensor phantom(const Shape& s) { return phantom(s, DType::Float32); }
   // Copies a tensor to the host as floats (waits for the work that writes it).
   virtual std::vector<float> to_host(const Tensor& t) = 0;
+  // A tensor that is part of `base`'s memory, not a copy: its shape.numel() elements are base's elements
+  // [offset, offset + numel) in order (torch's base.view(-1)[offset:offset + numel].view(shape)), of base's
+  // dtype. Writing either writes both. It takes no memory of its own and keeps base's alive; making it runs
+  // no kernel. Flat buffers are built with it: Megatron's gradient buckets (each parameter's gradient a view
+  // of its bucket, reduced in one collective), the pieces of a gathered tensor received in place.
+  virtual Tensor view(const Tensor& base, std::int64_t offset, const Shape& shape) = 0;
 
   // ---- compute (kernels on the compute stream) ------------------------------------------------------
   // Unless said otherwise, a kernel's inputs share one dtype and its output has that dtype; arithmetic

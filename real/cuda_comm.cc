@@ -134,7 +134,9 @@ void CudaRank::validate(const CommCall& call) const {
                                  where(comm_op_name(call.op)), call.input.str(), call.output.str()));
   }
   // NCCL's sends and receives of one group run at once: in place they would overwrite what is unsent.
-  if (call.op == CommOp::AllToAll && call.group.size(world_) > 1 && call.input.same_storage(call.output)) {
+  if (call.op == CommOp::AllToAll && call.group.size(world_) > 1 &&
+      static_cast<CudaStorage*>(call.input.storage())
+          ->overlaps(*static_cast<CudaStorage*>(call.output.storage()))) {
     throw UsageError(
         fmt::format("{}: 'in' and 'out' must be different tensors on GPUs", where(comm_op_name(call.op))));
   }

@@ -347,6 +347,12 @@ Tensor CudaRank::phantom(const Shape& s, DType dtype) {
   return allocate(s, dtype, true, "phantom");
 }
 
+Tensor CudaRank::view(const Tensor& base, std::int64_t offset, const Shape& shape) {
+  require(base, "view", "base");
+  check_view(rank_, base, offset, shape);
+  return Tensor(shape, base.dtype(), std::make_shared<CudaStorage>(base, offset, shape.numel()));
+}
+
 std::vector<float> CudaRank::to_host(const Tensor& t) {
   void* p = require(t, "to_host", "t");
   if (t.phantom()) {

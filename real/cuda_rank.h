@@ -79,6 +79,7 @@ class CudaRank : public Rank {
                      float std, DType dtype) override;
   Tensor from_host(const Shape& s, const std::vector<float>& values, DType dtype) override;
   Tensor phantom(const Shape& s, DType dtype) override;
+  Tensor view(const Tensor& base, std::int64_t offset, const Shape& shape) override;
   std::vector<float> to_host(const Tensor& t) override;
 
   using Rank::matmul;

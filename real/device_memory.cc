@@ -84,17 +84,30 @@ CudaStorage::CudaStorage(std::shared_ptr<DeviceAccount> account, const Shape& sh
                          bool phantom, const char* op)
     : Storage(account->rank(), shape.numel() * dtype_bytes(dtype)),
       account_(std::move(account)),
-      phantom_(phantom) {
+      phantom_(phantom),
+      end_(shape.numel()) {
   data_ = account_->allocate(shape, dtype, op);
 }
 
+CudaStorage::CudaStorage(const Tensor& base, std::int64_t offset, std::int64_t numel)
+    : Storage(base.owner_rank(), numel * dtype_bytes(base.dtype())), phantom_(base.phantom()), base_(base) {
+  const CudaStorage& b = *static_cast<const CudaStorage*>(base.storage());
+  if (b.data_ != nullptr) data_ = static_cast<char*>(b.data_) + offset * dtype_bytes(base.dtype());
+  root_ = b.root_;
+  begin_ = b.begin_ + offset;
+  end_ = begin_ + numel;
+}
+
 CudaStorage::~CudaStorage() {
-  account_->release(data_, bytes());
+  if (account_) account_->release(data_, bytes());
 }
 
 const AsyncOp* CudaStorage::unwaited() {
-  std::erase_if(pending_, [](const std::shared_ptr<AsyncOp>& op) { return op->waited; });
-  return pending_.empty() ? nullptr : pending_.front().get();
+  std::erase_if(root_->pending_, [](const Use& u) { return u.op->waited; });
+  for (const Use& u : root_->pending_) {
+    if (u.begin < end_ && begin_ < u.end) return u.op.get();
+  }
+  return nullptr;
 }
 
 }  // namespace ranklab

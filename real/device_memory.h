@@ -68,19 +68,34 @@ class CudaStorage : public Storage {
  public:
   CudaStorage(std::shared_ptr<DeviceAccount> account, const Shape& shape, DType dtype, bool phantom,
               const char* op);
+  // A view (Rank::view): `numel` elements of `base` from its element `offset` on. Charged to no account; it
+  // keeps `base` alive.
+  CudaStorage(const Tensor& base, std::int64_t offset, std::int64_t numel);
   ~CudaStorage() override;
   bool phantom() const override { return phantom_; }
   void* data() const { return data_; }
 
-  void add_pending(std::shared_ptr<AsyncOp> op) { pending_.push_back(std::move(op)); }
-  // The first asynchronous call on this tensor that has not been waited on, or null. Forgets the others.
+  // Asynchronous calls are recorded on the allocation (a view's and its base's are one list), each with the
+  // elements it uses.
+  void add_pending(std::shared_ptr<AsyncOp> op) { root_->pending_.push_back({std::move(op), begin_, end_}); }
+  // The first asynchronous call on this tensor's elements that has not been waited on, or null. Forgets the
+  // calls waited on.
   const AsyncOp* unwaited();
+  // Whether the two share any element.
+  bool overlaps(const CudaStorage& o) const { return root_ == o.root_ && begin_ < o.end_ && o.begin_ < end_; }
 
  private:
-  std::shared_ptr<DeviceAccount> account_;
+  struct Use {
+    std::shared_ptr<AsyncOp> op;
+    std::int64_t begin, end;
+  };
+  std::shared_ptr<DeviceAccount> account_;  // null for a view
   void* data_ = nullptr;
   bool phantom_;
-  std::vector<std::shared_ptr<AsyncOp>> pending_;
+  Tensor base_;                       // a view's base
+  CudaStorage* root_ = this;          // the allocation: itself, or its base's root
+  std::int64_t begin_ = 0, end_ = 0;  // its elements within root_
+  std::vector<Use> pending_;          // the root's only
 };
 
 }  // namespace ranklab

@@ -134,41 +134,32 @@ Tensor SimRank::allocate(const Shape& s, DType dtype, bool phantom, const char* 
 void SimRank::before_reading(std::initializer_list<const Tensor*> tensors, const char* op) {
   for (const Tensor* t : tensors) {
     SimStorage& st = *sim_storage(*t);
-    bool all_read = true;
-    for (std::size_t i = 0; i < st.pending.size(); ++i) {
-      if (!st.pending[i]->member_of(rank_).waited && !st.pending_reads_only[i]) all_read = false;
-    }
+    const bool all_read = std::all_of(st.uses().begin(), st.uses().end(), [&](const PendingUse& u) {
+      return !st.overlaps(u) || u.reads_only || u.op->member_of(rank_).waited;
+    });
     if (!all_read) {
       before_kernel({t}, op);
       continue;
     }
     // The readers in flight stay recorded, so that a kernel writing the buffer later is still caught.
-    std::size_t kept = 0;
-    for (std::size_t i = 0; i < st.pending.size(); ++i) {
-      if (st.pending[i]->member_of(rank_).waited) continue;
-      st.pending[kept] = st.pending[i];
-      st.pending_reads_only[kept] = true;
-      ++kept;
-    }
-    st.pending.resize(kept);
-    st.pending_reads_only.resize(kept);
+    std::erase_if(st.uses(),
+                  [&](const PendingUse& u) { return st.overlaps(u) && u.op->member_of(rank_).waited; });
   }
   world_.waits_before_kernel(rank_, op);
 }
 
 void SimRank::before_kernel(std::initializer_list<const Tensor*> tensors, const char* op) {
   for (const Tensor* t : tensors) {
-    auto& pending = sim_storage(*t)->pending;
-    for (const auto& p : pending) {
-      if (!p->member_of(rank_).waited) {
+    SimStorage& st = *sim_storage(*t);
+    for (const PendingUse& u : st.uses()) {
+      if (st.overlaps(u) && !u.op->member_of(rank_).waited) {
         throw UsageError(fmt::format(
             "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
             "before touching the tensor (on a GPU this would be a silent race)",
-            where(op), t->str(), p->label()));
+            where(op), t->str(), u.op->label()));
       }
     }
-    pending.clear();
-    sim_storage(*t)->pending_reads_only.clear();
+    std::erase_if(st.uses(), [&](const PendingUse& u) { return st.overlaps(u); });
   }
   world_.waits_before_kernel(rank_, op);
 }
@@ -218,7 +209,7 @@ bool only_reads(const CommCall& call, const Tensor& t) {
                             call.op == CommOp::AllToAll || call.op == CommOp::Scatter ||
                             call.op == CommOp::Gather;
   return out_of_place && call.input.defined() && t.storage() == call.input.storage() &&
-         (!call.output.defined() || call.output.storage() != call.input.storage());
+         (!call.output.defined() || !sim_storage(call.output)->overlaps(*sim_storage(call.input)));
 }
 }  // namespace
 
@@ -227,14 +218,13 @@ bool only_reads(const CommCall& call, const Tensor& t) {
 void SimRank::check_no_race(const CommCall& call) const {
   for (const Tensor* t : {&call.input, &call.output}) {
     if (!t->defined()) continue;
-    const SimStorage& st = *sim_storage(*t);
-    for (std::size_t i = 0; i < st.pending.size(); ++i) {
-      const auto& p = st.pending[i];
-      if (p->member_of(rank_).waited || (st.pending_reads_only[i] && only_reads(call, *t))) continue;
+    SimStorage& st = *sim_storage(*t);
+    for (const PendingUse& u : st.uses()) {
+      if (!st.overlaps(u) || u.op->member_of(rank_).waited || (u.reads_only && only_reads(call, *t))) continue;
       throw UsageError(fmt::format(
           "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
           "first (on a GPU the two would race on different streams)",
-          where(comm_op_name(call.op)), t->str(), p->label()));
+          where(comm_op_name(call.op)), t->str(), u.op->label()));
     }
   }
 }
@@ -258,8 +248,7 @@ Work SimRank::communicate(const CommCall& call) {
   world_.note_async_posted(rank_, op);
   for (const Tensor* t : {&call.input, &call.output}) {
     if (!t->defined()) continue;
-    sim_storage(*t)->pending.push_back(op);
-    sim_storage(*t)->pending_reads_only.push_back(only_reads(call, *t));
+    sim_storage(*t)->add_use(op, only_reads(call, *t));
   }
   return Work(std::make_shared<SimWork>(world_, rank_, op));
 }

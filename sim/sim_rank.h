@@ -35,6 +35,7 @@ class SimRank : public Rank {
                      float std, DType dtype) override;
   Tensor from_host(const Shape& s, const std::vector<float>& values, DType dtype) override;
   Tensor phantom(const Shape& s, DType dtype) override;
+  Tensor view(const Tensor& base, std::int64_t offset, const Shape& shape) override;
   std::vector<float> to_host(const Tensor& t) override;
 
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;

@@ -99,6 +99,12 @@ Tensor SimRank::phantom(const Shape& s, DType dtype) {
   return allocate(s, dtype, true, "phantom");
 }
 
+Tensor SimRank::view(const Tensor& base, std::int64_t offset, const Shape& shape) {
+  require(base, "view", "base");
+  check_view(rank_, base, offset, shape);
+  return Tensor(shape, base.dtype(), std::make_shared<SimStorage>(base, offset, shape.numel()));
+}
+
 // ---- compute ---------------------------------------------------------------------------------------
 
 Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {

@@ -1033,6 +1033,28 @@ TEST(CudaBackend, SixteenBitCollectivesAndBatchedPointToPoint) {
   EXPECT_EQ(got[1], std::vector<float>(64, 0.0f));
 }
 
+TEST(CudaBackend, ViewsMatchTheSimulator) {
+  REQUIRE_GPU();
+  const int w = gpu_world(2);
+  // Writes through views of one buffer, and NCCL's in-place all-gather and reduce-scatter on them.
+  const Both b = run_both(w, [w](Rank& r) {
+    const std::int64_t n = 5;
+    Tensor gathered = r.full({w * n}, -3.0f, DType::BFloat16);
+    Tensor mine = r.view(gathered, r.rank() * n, {n});
+    r.copy_(mine, r.arange(Shape{n}, 10.0f * r.rank()));
+    r.all_gather(gathered, mine);
+    Tensor grads = r.arange(Shape{w * n}, 1.0f + r.rank());
+    Tensor shard = r.view(grads, r.rank() * n, {n});
+    r.reduce_scatter(shard, grads, ReduceOp::Sum);
+    r.scale_(r.view(grads, 0, {2, 2}), 0.5f);
+    std::vector<float> out = r.to_host(gathered);
+    const std::vector<float> g = r.to_host(grads);
+    out.insert(out.end(), g.begin(), g.end());
+    return out;
+  });
+  expect_close(b, "views");
+}
+
 TEST(CudaBackend, WatchdogTurnsAStuckCollectiveIntoAnError) {
   REQUIRE_GPU();
   if (cuda_device_count() < 2) GTEST_SKIP() << "needs two GPUs";
