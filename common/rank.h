@@ -229,6 +229,14 @@ class Rank {
   // are float32 (mixed precision keeps the optimizer in float32).
   virtual void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                           const AdamW& h, int step) = 0;
+  // One AdamW step on several tensors at once, as the frameworks' optimizers run it: apex's and
+  // TransformerEngine's FusedAdam over a parameter group's tensors (multi_tensor_apply). Each part's numbers
+  // are adamw_step's, with h.weight_decay where `decay` is set and none where it is not.
+  struct AdamWPart {
+    Tensor param, grad, m, v;
+    bool decay = true;
+  };
+  virtual void fused_adamw_step(const std::vector<AdamWPart>& parts, const AdamW& h, int step) = 0;
 
   // ---- transformer kernels ----------------------------------------------------------------------------
   // Activations are 2-D, one row per token, rows in sequence-major order: row = position * batch + sample

@@ -641,6 +641,14 @@ void CudaRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor&
   });
 }
 
+void CudaRank::fused_adamw_step(const std::vector<AdamWPart>& parts, const AdamW& h, int step) {
+  for (const AdamWPart& part : parts) {
+    AdamW hp = h;
+    if (!part.decay) hp.weight_decay = 0;
+    adamw_step(part.param, part.grad, part.m, part.v, hp, step);
+  }
+}
+
 // ---- transformer kernels -------------------------------------------------------------------------------
 
 void CudaRank::add_bias_(const Tensor& x, const Tensor& bias) {

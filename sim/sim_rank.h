@@ -52,6 +52,7 @@ class SimRank : public Rank {
   void sgd_step(const Tensor& param, const Tensor& grad, float lr) override;
   void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamW& h,
                   int step) override;
+  void fused_adamw_step(const std::vector<AdamWPart>& parts, const AdamW& h, int step) override;
 
   void add_bias_(const Tensor& x, const Tensor& bias) override;
   Tensor sum_rows(const Tensor& x) override;
@@ -126,6 +127,9 @@ class SimRank : public Rank {
   // one of them it may run (on a GPU, two readers of a buffer do not race).
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
+  // AdamW's checks and numbers on one tensor, for adamw_step and fused_adamw_step (`op`).
+  void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                     const AdamW& h, int step, const char* op);
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
   // Attention as `kernel` computes it, one launch per kernel of the path.
   void launch_attention(const std::string& name, const AttentionShape& shape, AttentionKernel kernel,

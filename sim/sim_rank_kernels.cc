@@ -330,22 +330,22 @@ void SimRank::sgd_step(const Tensor& param, const Tensor& grad, float lr) {
   launch_kernel(kSgd, 2.0 * param.numel(), 2 * bytes_of(param) + bytes_of(grad), param.dtype());
 }
 
-void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                         const AdamW& h, int step) {
-  require(param, "adamw_step", "param");
-  require(grad, "adamw_step", "grad");
-  require(m, "adamw_step", "m");
-  require(v, "adamw_step", "v");
-  require_same_shape("adamw_step", param, grad);
-  require_same_shape("adamw_step", param, m);
-  require_same_shape("adamw_step", param, v);
-  require_same_kind("adamw_step", param, grad);
-  require_dtype(param, DType::Float32, "adamw_step", "param");
-  require_dtype(grad, DType::Float32, "adamw_step", "grad");
-  require_dtype(m, DType::Float32, "adamw_step", "m");
-  require_dtype(v, DType::Float32, "adamw_step", "v");
-  if (step < 1) throw UsageError(fmt::format("{}: step counts from 1; got {}", where("adamw_step"), step));
-  before_kernel({&param, &grad, &m, &v}, "adamw_step");
+void SimRank::adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                            const AdamW& h, int step, const char* op) {
+  require(param, op, "param");
+  require(grad, op, "grad");
+  require(m, op, "m");
+  require(v, op, "v");
+  require_same_shape(op, param, grad);
+  require_same_shape(op, param, m);
+  require_same_shape(op, param, v);
+  require_same_kind(op, param, grad);
+  require_dtype(param, DType::Float32, op, "param");
+  require_dtype(grad, DType::Float32, op, "grad");
+  require_dtype(m, DType::Float32, op, "m");
+  require_dtype(v, DType::Float32, op, "v");
+  if (step < 1) throw UsageError(fmt::format("{}: step counts from 1; got {}", where(op), step));
+  before_kernel({&param, &grad, &m, &v}, op);
   if (!param.phantom()) {
     auto p = array(param), g = array(grad), mm = array(m), vv = array(v);
     mm = h.beta1 * mm + (1 - h.beta1) * g;
@@ -354,7 +354,30 @@ void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& 
     const float c2 = 1 - std::pow(h.beta2, static_cast<float>(step));
     p -= h.lr * ((mm / c1) / ((vv / c2).sqrt() + h.eps) + h.weight_decay * p);
   }
+}
+
+void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                         const AdamW& h, int step) {
+  adamw_numbers(param, grad, m, v, h, step, "adamw_step");
   launch_kernel(kAdamw, 12.0 * param.numel(), 7 * kF * param.numel());
+}
+
+void SimRank::fused_adamw_step(const std::vector<AdamWPart>& parts, const AdamW& h, int step) {
+  std::int64_t n = 0;
+  for (const AdamWPart& part : parts) {
+    AdamW hp = h;
+    if (!part.decay) hp.weight_decay = 0;
+    adamw_numbers(part.param, part.grad, part.m, part.v, hp, step, "fused_adamw_step");
+    n += part.param.numel();
+  }
+  if (parts.empty()) return;
+  // apex's multi_tensor_apply launches one kernel per 320 blocks of 65,536 elements
+  // (csrc/multi_tensor_apply.cuh, depth_to_max_blocks; multi_tensor_apply.py, chunk size 2048 x 32): the host
+  // pays each launch, and the kernels stream the elements as one.
+  constexpr std::int64_t kElementsPerLaunch = std::int64_t{320} * 65536;
+  const std::int64_t launches = std::max<std::int64_t>(1, (n + kElementsPerLaunch - 1) / kElementsPerLaunch);
+  world_.advance_host(rank_, static_cast<double>(launches - 1) * world_.compute().launch_us());
+  launch_kernel(kFusedAdamw, 12.0 * static_cast<double>(n), 7 * kF * static_cast<double>(n));
 }
 
 }  // namespace ranklab::sim

@@ -117,6 +117,41 @@ TEST(Compute, OptimizerStepsFollowTheirFormulas) {
   }
 }
 
+TEST(Compute, FusedAdamWIsEachPartsAdamWInOneKernel) {
+  // Two parts, one without weight decay, against adamw_step on each; then the fused step's kernels.
+  AdamW h;
+  h.lr = 0.1f;
+  h.weight_decay = 0.5f;
+  auto got = on_one_rank<std::pair<Values, Values>>([&](Rank& r) {
+    Tensor g = r.from_host({3}, {0.5f, 0.25f, -1.0f});
+    Tensor p1 = r.from_host({3}, {1.0f, -2.0f, 3.0f}), m1 = r.zeros({3}), v1 = r.zeros({3});
+    Tensor p2 = r.from_host({3}, {1.0f, -2.0f, 3.0f}), m2 = r.zeros({3}), v2 = r.zeros({3});
+    Tensor q1 = r.from_host({3}, {1.0f, -2.0f, 3.0f}), n1 = r.zeros({3}), w1 = r.zeros({3});
+    Tensor q2 = r.from_host({3}, {1.0f, -2.0f, 3.0f}), n2 = r.zeros({3}), w2 = r.zeros({3});
+    AdamW none = h;
+    none.weight_decay = 0;
+    for (int t = 1; t <= 2; ++t) {
+      r.adamw_step(p1, g, m1, v1, h, t);
+      r.adamw_step(p2, g, m2, v2, none, t);
+      r.fused_adamw_step({{q1, g, n1, w1, true}, {q2, g, n2, w2, false}}, h, t);
+    }
+    Values separate = r.to_host(p1), fused = r.to_host(q1);
+    for (float x : r.to_host(p2)) separate.push_back(x);
+    for (float x : r.to_host(q2)) fused.push_back(x);
+    return std::make_pair(separate, fused);
+  });
+  EXPECT_EQ(got.first, got.second);
+  EXPECT_NE(got.first[0], got.first[3]);  // the decay made a difference
+  SimBackend backend(testing::quiet_config());
+  const RunReport rep = backend.launch(1, [](Rank& r) {
+    Tensor a = r.phantom({1 << 20}), b = r.phantom({1 << 20});
+    r.fused_adamw_step({{a, a, a, a, true}, {b, b, b, b, false}}, AdamW{}, 1);
+  });
+  int fused = 0;
+  for (const Span& s : rep.spans) fused += std::string(s.name) == "fused_adamw_step";
+  EXPECT_EQ(fused, 1);
+}
+
 TEST(Compute, RandnIsTheCounterBasedStream) {
   auto got = on_one_rank<Values>([](Rank& r) { return r.to_host(r.randn({3, 2}, 99, 2.0f)); });
   for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(got[i], 2.0f * normal_at(99, i));
