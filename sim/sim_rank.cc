@@ -220,7 +220,8 @@ void SimRank::check_no_race(const CommCall& call) const {
     if (!t->defined()) continue;
     SimStorage& st = *sim_storage(*t);
     for (const PendingUse& u : st.uses()) {
-      if (!st.overlaps(u) || u.op->member_of(rank_).waited || (u.reads_only && only_reads(call, *t))) continue;
+      if (!st.overlaps(u) || u.op->member_of(rank_).waited || (u.reads_only && only_reads(call, *t)))
+        continue;
       throw UsageError(fmt::format(
           "{}: {} is still in use by {}, issued with Async::Yes and not waited on; call wait() on its Work "
           "first (on a GPU the two would race on different streams)",

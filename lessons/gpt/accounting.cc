@@ -35,19 +35,38 @@ std::string MemoryPlan::largest() const {
   return fmt::format("{} {}", big->second, format_bytes(static_cast<double>(big->first)));
 }
 
-MemoryPlan memory_plan(const Config& c, int stage) {
-  MemoryPlan p;
+parallel::ZeroConfig zero_config(const Config& c) {
   parallel::ZeroConfig z;
   z.stage = c.zero;
   z.dtype = c.dtype;
+  z.reduce_dtype = c.reduce_dtype;
+  z.phantom = c.phantom;
   z.tp_size = c.tp;
   z.dp_size = c.dp;
-  auto add = [&](const parallel::ParamSpec& s) {
-    const parallel::DataParallel::Bytes b = parallel::DataParallel::bytes(s, z);
-    p.weights += b.weights;
-    p.grads += b.grads;
-    p.optimizer += b.optimizer;
-  };
+  z.seq_parallel = c.seq_parallel;
+  z.embedding_group = c.pp > 1;  // the first and last stages add up the shared embedding's gradient
+  z.broken = c.broken;
+  z.overlap_grad_reduce = c.overlap_grad_reduce;
+  z.overlap_param_gather = c.overlap_param_gather;
+  z.bucket_params = c.bucket_params;
+  return z;
+}
+
+namespace {
+std::vector<parallel::ParamSpec> param_specs(const Config& c, int stage) {
+  std::vector<parallel::ParamSpec> specs;
+  for (ParamId id : backward_order(c, stage)) specs.push_back(param_spec(c, id));
+  return specs;
+}
+}  // namespace
+
+MemoryPlan memory_plan(const Config& c, int stage) {
+  MemoryPlan p;
+  const parallel::DataParallel::Bytes b =
+      parallel::DataParallel::bytes(param_specs(c, stage), zero_config(c));
+  p.weights = b.weights;
+  p.grads = b.grads;
+  p.optimizer = b.optimizer;
   const int lpc = c.layers_per_chunk();
   bool embedding = false, head = false;
   std::vector<std::int64_t> stash(c.v);
@@ -56,15 +75,7 @@ MemoryPlan memory_plan(const Config& c, int stage) {
     const bool e = vs == 0, hd = vs == c.pp * c.v - 1;
     embedding = embedding || e;
     head = head || hd;
-    for (int i = 0; i < lpc; ++i)
-      for (int q = 0; q < kBlockParams; ++q) add(block_spec(c, vs * lpc + i, static_cast<BlockParam>(q)));
     stash[k] = stash_bytes(c, lpc, e, hd);
-  }
-  if (embedding || head) add(other_spec(c, kWte));
-  if (embedding) add(other_spec(c, kWpe));
-  if (head) {
-    add(other_spec(c, kLnfG));
-    add(other_spec(c, kLnfB));
   }
   // The most activations alive at once, walking this rank's schedule.
   const std::vector<parallel::Task> order =

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "lessons/gpt/config.h"
+#include "lessons/parallel/zero.h"
 
 namespace ranklab::gpt {
 
@@ -41,6 +42,8 @@ struct MemoryPlan {
   // "optimizer state (Adam m, v) 12.0 GiB"
   std::string largest() const;
 };
+// The ZeRO settings of a configuration, all but the ranks and groups (which the run adds).
+parallel::ZeroConfig zero_config(const Config& c);
 // The plan of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
 MemoryPlan memory_plan(const Config& c, int stage);
 // Every stage's plan, stage 0 first.

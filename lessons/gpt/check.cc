@@ -24,20 +24,21 @@ Tolerance tolerance(DType d) {
 
 namespace {
 
-// Rows [first, first + rows) of a rank's tensor-parallel part of a full reference tensor.
+// Elements [first, first + count) (row-major) of a rank's tensor-parallel part of a full reference tensor.
 std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
-                               std::int64_t rows) {
+                               std::int64_t count) {
   const Shape& f = p.spec.full;
   const std::int64_t cols = f.ndim() == 2 ? p.local[1] : 1, full_cols = f.ndim() == 2 ? f[1] : 1;
   const std::int64_t row0 = p.spec.tp_dim == 0 ? p.tp_start : 0, col0 = p.spec.tp_dim == 1 ? p.tp_start : 0;
-  std::vector<double> out(rows * cols);
-  for (std::int64_t i = 0; i < rows; ++i)
-    for (std::int64_t j = 0; j < cols; ++j)
-      out[i * cols + j] = full[(row0 + first + i) * full_cols + col0 + j];
+  std::vector<double> out(count);
+  for (std::int64_t e = 0; e < count; ++e) {
+    const std::int64_t i = (first + e) / cols, j = (first + e) % cols;
+    out[e] = full[(row0 + i) * full_cols + col0 + j];
+  }
   return out;
 }
 
-// A rank's tensor (its rows [first, first + rows)) against the reference's.
+// A rank's tensor (its elements [first, first + count)) against the reference's.
 struct TensorDifference {
   double largest_error = 0;  // the largest |got - want|
   double largest_want = 0;   // the largest |want|
@@ -79,22 +80,22 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
   std::string most_where;
   for (const Model::Named& n : model.named_params()) {
     const Param& p = *n.p;
-    const std::int64_t cols = p.local.numel() / p.rows;
-    auto compare = [&](const Tensor& t, bool sharded, bool is_grad) {
-      const std::int64_t first = sharded ? dp.shard_first_row(p) : 0;
-      const std::int64_t rows = sharded ? dp.shard_valid_rows(p) : p.rows;
+    // The elements this rank reduced and updated: all of the local part, or its shard of them.
+    const parallel::DataParallel::Held held = dp.held(p);
+    const std::int64_t first = held.first, count = held.count;
+    auto compare = [&](const Tensor& t, bool is_grad) {
       std::vector<float> got = r_.to_host(t);
-      got.resize(rows * cols);
+      got.resize(count);
       const std::vector<double> want = local_part(
-          is_grad ? ref_->grad(step, n.kind, n.layer) : ref_->weight(step, n.kind, n.layer), p, first, rows);
+          is_grad ? ref_->grad(step, n.kind, n.layer) : ref_->weight(step, n.kind, n.layer), p, first, count);
       const std::vector<double> before =
           is_grad ? std::vector<double>()
-                  : local_part(ref_->weight(step - 1, n.kind, n.layer), p, first, rows);
+                  : local_part(ref_->weight(step - 1, n.kind, n.layer), p, first, count);
       const TensorDifference d = difference(got, want, is_grad ? nullptr : &before);
       const std::string where = fmt::format(
-          "rank {} (tp {}, dp {}, pp {}) {} {} element {} of rows [{}, {}): got {:.9g}, want {:.9g}",
-          r_.rank(), me_.tp, me_.dp, me_.pp, p.spec.name, is_grad ? "gradient" : "value", d.at, first,
-          first + rows, want.empty() ? 0.0 : got[d.at], want.empty() ? 0.0 : want[d.at]);
+          "rank {} (tp {}, dp {}, pp {}) {} {} element {} of its elements [{}, {}): got {:.9g}, want {:.9g}",
+          r_.rank(), me_.tp, me_.dp, me_.pp, p.spec.name, is_grad ? "gradient" : "value", first + d.at, first,
+          first + count, want.empty() ? 0.0 : got[d.at], want.empty() ? 0.0 : want[d.at]);
       if (is_grad) {
         const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
         grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
@@ -107,8 +108,8 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
         }
       }
     };
-    compare(dp.final_grad(p), c_.zero >= 1, true);
-    compare(p.master, c_.zero >= 1, false);
+    compare(held.grad, true);
+    compare(held.master, false);
   }
   const double wrel = std::sqrt(step_error / std::max(step_update, 1e-60));
   weight.merge(wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "

@@ -60,7 +60,6 @@ void gpt_lesson(Rank& r, const Config& o) {
   gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp);
   const std::int64_t model_bytes = r.memory_allocated() - before_model_bytes;
   const std::vector<Param*> params = model.params();
-  dp.set_buckets(model.params_in_backward_order());
   parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(c.micro_batches()), c.phantom,
                           exposed);
   gpt::OneDeviceCheck check(r, c, me);
@@ -129,20 +128,10 @@ void gpt_lesson(Rank& r, const Config& o) {
 // What ZeRO needs of the layout: this rank's place in it, its groups, and the precision of the weights and
 // of the gradients' reduction.
 parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups) {
+  parallel::ZeroConfig zc = gpt::zero_config(c);
   const parallel::Layout::Coord me = groups.me;
-  parallel::ZeroConfig zc;
-  zc.stage = c.zero;
-  zc.dtype = c.dtype;
-  zc.reduce_dtype = c.reduce_dtype;
-  zc.phantom = c.phantom;
-  zc.tp_rank = me.tp, zc.tp_size = c.tp, zc.dp_rank = me.dp, zc.dp_size = c.dp;
+  zc.tp_rank = me.tp, zc.dp_rank = me.dp;
   zc.tp = groups.tp, zc.dp = groups.dp, zc.embedding = groups.embedding;
-  zc.seq_parallel = c.seq_parallel;
-  zc.embedding_group = c.pp > 1;  // the first and last stages add up the shared embedding's gradient
-  zc.broken = c.broken;
-  zc.overlap_grad_reduce = c.overlap_grad_reduce;
-  zc.overlap_param_gather = c.overlap_param_gather;
-  zc.bucket_params = c.bucket_params;
   return zc;
 }
 

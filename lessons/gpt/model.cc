@@ -171,39 +171,23 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
              parallel::DataParallel& dp)
     : r_(r), c_(c), tp_rank_(tp_rank), dp_rank_(dp_rank), pp_rank_(pp_rank), tp_(tp), dp_(dp) {
   const int lpc = c.layers_per_chunk();
-  bool embedding = false, head = false;
   for (int k = 0; k < c.v; ++k) {
     const int virtual_stage = k * c.pp + pp_rank;  // rank p holds chunks p, p + pp, p + 2 pp, ...
     Chunk ch;
     ch.embedding = virtual_stage == 0;
     ch.head = virtual_stage == c.pp * c.v - 1;
-    embedding = embedding || ch.embedding;
-    head = head || ch.head;
+    embedding_ = embedding_ || ch.embedding;
+    head_ = head_ || ch.head;
     ch.blocks.resize(lpc);
-    for (int i = 0; i < lpc; ++i) {
-      Block& b = ch.blocks[i];
-      b.layer = virtual_stage * lpc + i;
-      for (int k2 = 0; k2 < kBlockParams; ++k2) {
-        b.p[k2].spec = block_spec(c, b.layer, static_cast<BlockParam>(k2));
-        dp.init(b.p[k2]);
-      }
-    }
+    for (int i = 0; i < lpc; ++i) ch.blocks[i].layer = virtual_stage * lpc + i;
     chunks_.push_back(std::move(ch));
   }
-  if (embedding || head) {
-    wte_.spec = other_spec(c, kWte);
-    dp.init(wte_);
-  }
-  if (embedding) {
-    wpe_.spec = other_spec(c, kWpe);
-    dp.init(wpe_);
-  }
-  if (head) {
-    lnf_g_.spec = other_spec(c, kLnfG);
-    lnf_b_.spec = other_spec(c, kLnfB);
-    dp.init(lnf_g_);
-    dp.init(lnf_b_);
-  }
+  // The data-parallel buckets are laid out first: zero 0's and 1's tensors are views of their buffers.
+  const std::vector<ParamId> order = backward_order(c, pp_rank);
+  for (ParamId id : order) param(id).spec = param_spec(c, id);
+  dp.set_buckets(params_in_backward_order());
+  for (Param* p : params()) dp.init(*p);
+  const bool embedding = embedding_, head = head_;
   vocab_start_ = tp_rank * (c.vocab / c.tp);
 
   // The data: this data-parallel rank's samples, one micro-batch after another; rows sequence-major.
@@ -272,22 +256,53 @@ std::vector<Param*> Model::params() {
   return out;
 }
 
-std::vector<Param*> Model::params_in_backward_order() {
-  std::vector<Param*> out;
-  for (auto ch = chunks_.rbegin(); ch != chunks_.rend(); ++ch) {
-    if (ch->head) {
-      out.push_back(&lnf_b_);
-      out.push_back(&lnf_g_);
-      if (!chunks_.front().embedding) out.push_back(&wte_);  // else final after the embedding's backward
+std::vector<ParamId> backward_order(const Config& c, int stage) {
+  const int lpc = c.layers_per_chunk();
+  auto other = [](OtherParam which) { return ParamId{int{kBlockParams} + which, -1}; };
+  std::vector<ParamId> out;
+  for (int k = c.v - 1; k >= 0; --k) {
+    const int vs = k * c.pp + stage;
+    if (vs == c.pp * c.v - 1) {  // the head
+      out.push_back(other(kLnfB));
+      out.push_back(other(kLnfG));
+      if (stage != 0) out.push_back(other(kWte));  // else final after the embedding's backward
     }
-    for (auto b = ch->blocks.rbegin(); b != ch->blocks.rend(); ++b) {
-      for (auto p = b->p.rbegin(); p != b->p.rend(); ++p) out.push_back(&*p);
+    for (int layer = (vs + 1) * lpc - 1; layer >= vs * lpc; --layer) {
+      for (int q = kBlockParams - 1; q >= 0; --q) out.push_back({q, layer});
     }
-    if (ch->embedding) {
-      out.push_back(&wpe_);
-      out.push_back(&wte_);
+    if (vs == 0) {  // the embedding
+      out.push_back(other(kWpe));
+      out.push_back(other(kWte));
     }
   }
+  return out;
+}
+
+ParamSpec param_spec(const Config& c, ParamId id) {
+  return id.kind < kBlockParams ? block_spec(c, id.layer, static_cast<BlockParam>(id.kind))
+                                : other_spec(c, static_cast<OtherParam>(id.kind - kBlockParams));
+}
+
+Param& Model::param(ParamId id) {
+  if (id.kind < kBlockParams) {
+    const int lpc = c_.layers_per_chunk(), virtual_stage = id.layer / lpc;
+    return chunks_[virtual_stage / c_.pp].blocks[id.layer % lpc].p[id.kind];
+  }
+  switch (static_cast<OtherParam>(id.kind - kBlockParams)) {
+    case kWte:
+      return wte_;
+    case kWpe:
+      return wpe_;
+    case kLnfG:
+      return lnf_g_;
+    default:
+      return lnf_b_;
+  }
+}
+
+std::vector<Param*> Model::params_in_backward_order() {
+  std::vector<Param*> out;
+  for (ParamId id : backward_order(c_, pp_rank_)) out.push_back(&param(id));
   return out;
 }
 
@@ -298,9 +313,9 @@ std::vector<Model::Named> Model::named_params() {
       for (int k = 0; k < kBlockParams; ++k) out.push_back({k, b.layer, &b.p[k]});
     }
   }
-  if (wte_.master.defined()) out.push_back({int{kBlockParams} + kWte, -1, &wte_});
-  if (wpe_.master.defined()) out.push_back({int{kBlockParams} + kWpe, -1, &wpe_});
-  if (lnf_g_.master.defined()) {
+  if (embedding_ || head_) out.push_back({int{kBlockParams} + kWte, -1, &wte_});
+  if (embedding_) out.push_back({int{kBlockParams} + kWpe, -1, &wpe_});
+  if (head_) {
     out.push_back({int{kBlockParams} + kLnfG, -1, &lnf_g_});
     out.push_back({int{kBlockParams} + kLnfB, -1, &lnf_b_});
   }

@@ -46,6 +46,16 @@ enum BlockParam {
 parallel::ParamSpec block_spec(const Config& c, int layer, BlockParam which);
 enum OtherParam { kWte, kWpe, kLnfG, kLnfB, kOtherParams };
 parallel::ParamSpec other_spec(const Config& c, OtherParam which);
+// A parameter of the model: its kind (a BlockParam, or kBlockParams + an OtherParam) and its layer (-1 for
+// the embeddings and the final layernorm).
+struct ParamId {
+  int kind;
+  int layer;
+};
+parallel::ParamSpec param_spec(const Config& c, ParamId id);
+// Pipeline rank `stage`'s parameters in the order a step's backward makes their gradients final: the
+// data-parallel buckets follow it.
+std::vector<ParamId> backward_order(const Config& c, int stage);
 // The number of parameters of the model (the word embedding counted once).
 std::int64_t parameter_count(const Config& c);
 
@@ -79,10 +89,9 @@ class Model {
   std::vector<parallel::Param*> params();
   // The parameters in the order a step's backward makes their gradients final: the data-parallel buckets.
   std::vector<parallel::Param*> params_in_backward_order();
-  // Parameters for the check against the reference: (kind, layer) and the parameter; layer -1 for the
-  // embedding and final layernorm.
+  // Parameters for the check against the reference: (kind, layer) and the parameter.
   struct Named {
-    int kind;  // BlockParam, or kBlockParams + OtherParam
+    int kind;
     int layer;
     parallel::Param* p;
   };
@@ -128,6 +137,7 @@ class Model {
   void head_forward(int mb, const Tensor& x, HeadActs& h);
   Tensor head_backward(int mb, HeadActs& h, bool last);
   std::vector<parallel::DataParallel::Gathered> gather(Block& b);
+  parallel::Param& param(ParamId id);
   Weights get(std::vector<parallel::DataParallel::Gathered>& g);
 
   Rank& r_;
@@ -136,6 +146,7 @@ class Model {
   parallel::TensorParallel& tp_;
   parallel::DataParallel& dp_;
   std::vector<Chunk> chunks_;
+  bool embedding_ = false, head_ = false;      // this rank holds the embedding, the output layer
   parallel::Param wte_, wpe_, lnf_g_, lnf_b_;  // wte: the embedding's copy or the head's (or both, pp = 1)
   std::vector<Tensor> ids_, pos_ids_, targets_;
   std::vector<std::vector<Stash>> stash_;  // [chunk][micro-batch]

@@ -1,3 +1,5 @@
+// DataParallel: what every ZeRO stage shares, and zero 2 and 3, which shard tensor by tensor. Zero 0's and
+// 1's flat buckets are in zero_buckets.cc.
 #include "lessons/parallel/zero.h"
 
 #include <algorithm>
@@ -16,6 +18,10 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
 }
 }  // namespace
 
+Shape local_shape(const ParamSpec& s, int tp_size) {
+  return s.tp_dim < 0 ? s.full : s.full.with_dim(s.tp_dim, s.full[s.tp_dim] / tp_size);
+}
+
 DataParallel::DataParallel(Rank& r, ZeroConfig c, ExposedComm& exposed)
     : r_(r), c_(std::move(c)), exposed_(exposed) {}
 
@@ -23,34 +29,13 @@ ReduceOp DataParallel::dp_op() const {
   return c_.broken == "dp-sum" ? ReduceOp::Sum : ReduceOp::Avg;
 }
 
-Tensor DataParallel::pad(const Param& p, const Tensor& t) {
-  if (p.rows_padded == p.rows) return t;
-  Tensor fill = zeros(r_, c_.phantom, rows_shape(t.shape(), p.rows_padded - p.rows), t.dtype());
-  return r_.cat({t, fill}, 0);
+std::int64_t default_bucket_params(int dp_size) {
+  // Megatron-Core's DistributedDataParallelConfig.bucket_size default: larger data-parallel groups need
+  // larger buckets for their collectives not to be bound by latency.
+  return std::max<std::int64_t>(40'000'000, std::int64_t{1'000'000} * dp_size);
 }
 
-Tensor DataParallel::unpad(const Param& p, const Tensor& t) {
-  return p.rows_padded == p.rows ? t : r_.slice(t, 0, 0, p.rows);
-}
-
-Tensor DataParallel::shard_of(const Param& p, const Tensor& local) {
-  if (c_.dp_size == 1) return local;
-  return r_.slice(pad(p, local), 0, c_.dp_rank * p.shard_rows, p.shard_rows);
-}
-
-std::int64_t DataParallel::shard_first_row(const Param& p) const {
-  return c_.stage >= 1 && c_.dp_size > 1 ? c_.dp_rank * p.shard_rows : 0;
-}
-std::int64_t DataParallel::shard_valid_rows(const Param& p) const {
-  if (c_.stage == 0 || c_.dp_size == 1) return p.rows;
-  return std::clamp<std::int64_t>(p.rows - shard_first_row(p), 0, p.shard_rows);
-}
-
-namespace {
-Shape local_shape(const ParamSpec& s, int tp_size) {
-  return s.tp_dim < 0 ? s.full : s.full.with_dim(s.tp_dim, s.full[s.tp_dim] / tp_size);
-}
-}  // namespace
+// ---- the parameters' tensors -------------------------------------------------------------------------
 
 DataParallel::Bytes DataParallel::bytes(const ParamSpec& s, const ZeroConfig& c) {
   const Shape local = local_shape(s, c.tp_size);
@@ -68,14 +53,39 @@ DataParallel::Bytes DataParallel::bytes(const ParamSpec& s, const ZeroConfig& c)
   return b;
 }
 
+DataParallel::Bytes DataParallel::bytes(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c) {
+  Bytes b;
+  if (c.stage >= 2) {
+    for (const ParamSpec& s : backward_order) {
+      const Bytes one = bytes(s, c);
+      b.weights += one.weights;
+      b.grads += one.grads;
+      b.optimizer += one.optimizer;
+    }
+    return b;
+  }
+  const BucketLayout layout = layout_buckets(backward_order, c);
+  for (std::int64_t e : layout.elements) b.grads += e * dtype_bytes(c.reduce_dtype);
+  if (c.stage == 0 || c.dp_size == 1) {  // every parameter's own copy, master and moments
+    for (const ParamSpec& s : backward_order) {
+      const std::int64_t n = local_shape(s, c.tp_size).numel();
+      b.weights += 4 * n + (c.dtype == DType::Float32 ? 0 : n * dtype_bytes(c.dtype));
+      b.optimizer += 8 * n;
+    }
+    return b;
+  }
+  // The distributed optimizer: the flat weights, and the float32 master (unless the weights are float32)
+  // and moments of this rank's shard of each bucket.
+  for (std::int64_t e : layout.elements) {
+    const std::int64_t shard = e / c.dp_size;
+    b.weights += e * dtype_bytes(c.dtype) + (c.dtype == DType::Float32 ? 0 : 4 * shard);
+    b.optimizer += 8 * shard;
+  }
+  return b;
+}
+
 void DataParallel::init(Param& p) {
   const ParamSpec& s = p.spec;
-  p.local = local_shape(s, c_.tp_size);
-  p.tp_start = s.tp_dim < 0 ? 0 : c_.tp_rank * p.local[s.tp_dim];
-  p.rows = p.local[0];
-  p.shard_rows = ceil_div(p.rows, c_.dp_size);
-  p.rows_padded = p.shard_rows * c_.dp_size;
-
   Tensor local;
   if (c_.phantom) {
     local = r_.phantom(p.local, DType::Float32);
@@ -85,67 +95,70 @@ void DataParallel::init(Param& p) {
   } else {
     local = r_.full(p.local, s.value, DType::Float32);
   }
+  if (flat()) {
+    init_flat(p, local);
+    return;
+  }
   auto to_dtype = [&](const Tensor& t) { return c_.dtype == DType::Float32 ? t : r_.cast(t, c_.dtype); };
-  const bool sharded = c_.dp_size > 1;
-  if (c_.stage == 0 || !sharded) {
+  if (!sharded()) {
     p.master = local;
     p.copy = to_dtype(local);
   } else {
     p.master = shard_of(p, local);
     p.copy = c_.stage == 3 ? to_dtype(p.master) : to_dtype(local);
   }
-  const Shape grad_shape = c_.stage >= 2 && sharded ? rows_shape(p.local, p.shard_rows) : p.local;
+  const Shape grad_shape = sharded() ? rows_shape(p.local, p.shard_rows) : p.local;
   p.grad = zeros(r_, c_.phantom, grad_shape, DType::Float32);
   p.m = zeros(r_, c_.phantom, p.master.shape(), DType::Float32);
   p.v = zeros(r_, c_.phantom, p.master.shape(), DType::Float32);
 }
 
-std::int64_t default_bucket_params(int dp_size) {
-  // Megatron-Core's DistributedDataParallelConfig.bucket_size default: larger data-parallel groups need
-  // larger buckets for their collectives not to be bound by latency.
-  return std::max<std::int64_t>(40'000'000, std::int64_t{1'000'000} * dp_size);
-}
-
 void DataParallel::set_buckets(const std::vector<Param*>& backward_order) {
-  buckets_.clear();
-  const std::int64_t limit = c_.bucket_params > 0 ? c_.bucket_params : default_bucket_params(c_.dp_size);
-  std::int64_t numel = 0;
+  std::vector<ParamSpec> specs;
   for (Param* p : backward_order) {
-    // The tied embedding on two stages gets a bucket of its own, as Megatron gives it: its gradient is
-    // final only after the other stage's part is added.
-    const bool alone = p->spec.tied && c_.embedding_group;
-    if (buckets_.empty() || (c_.overlap_grad_reduce && (numel >= limit || alone))) {
-      buckets_.emplace_back();
-      numel = 0;
-    }
-    p->bucket = static_cast<int>(buckets_.size()) - 1;
-    buckets_.back().params.push_back(p);
-    numel += p->local.numel();
-    if (alone) numel = limit;  // and nothing after it
+    p->local = local_shape(p->spec, c_.tp_size);
+    p->tp_start = p->spec.tp_dim < 0 ? 0 : c_.tp_rank * p->local[p->spec.tp_dim];
+    p->rows = p->local[0];
+    p->shard_rows = ceil_div(p->rows, c_.dp_size);
+    p->rows_padded = p->shard_rows * c_.dp_size;
+    specs.push_back(p->spec);
+  }
+  const BucketLayout layout = layout_buckets(specs, c_);
+  buckets_.assign(layout.elements.size(), Bucket{});
+  for (std::size_t i = 0; i < backward_order.size(); ++i) {
+    Param* p = backward_order[i];
+    p->bucket = layout.bucket[i];
+    p->offset = layout.offset[i];
+    buckets_[p->bucket].params.push_back(p);
+  }
+  for (std::size_t k = 0; k < buckets_.size(); ++k) {
+    buckets_[k].elements = layout.elements[k];
+    if (flat()) make_buffers(buckets_[k]);
   }
 }
+
+// ---- the step ----------------------------------------------------------------------------------------
 
 void DataParallel::start_step() {
   for (Bucket& b : buckets_) b.ready = 0, b.reducing = false;
   next_gather_bucket_ = static_cast<int>(buckets_.size()) - 1;
-  if (!gathers_.empty()) issue_gathers(next_gather_bucket_);
-}
-
-void DataParallel::take_gathered(Param& p, const Tensor& whole) {
-  if (p.rows_padded == p.rows) {
-    p.copy = whole;
-  } else {
-    r_.copy_(p.copy, unpad(p, whole));
-  }
+  issue_gathers(next_gather_bucket_);
 }
 
 void DataParallel::issue_gathers(int bucket) {
   // In forward order, every bucket up to this one: a forward that reaches a bucket early starts the ones
   // before it too, so no weight is read before its gather is issued.
   for (; next_gather_bucket_ >= std::max(bucket, 0); --next_gather_bucket_) {
-    for (Param* p : buckets_[next_gather_bucket_].params) {
-      if (p->gather_slot < 0) continue;
-      Pending& q = gathers_[p->gather_slot];
+    Bucket& b = buckets_[next_gather_bucket_];
+    if (b.gather_due) {
+      b.gather_due = false;
+      const std::int64_t shard = shard_elements(b);
+      b.gather =
+          r_.all_gather(b.weights, r_.view(b.weights, c_.dp_rank * shard, Shape{shard}), Async::Yes, c_.dp);
+      exposed_.communicated(Dim::Dp, b.gather);
+    }
+    for (Pending& q : b.gathers) {
+      if (q.p == nullptr) continue;  // read already
       q.work = r_.all_gather(q.out, q.in, Async::Yes, c_.dp);
       exposed_.communicated(Dim::Dp, q.work);
     }
@@ -153,7 +166,7 @@ void DataParallel::issue_gathers(int bucket) {
 }
 
 DataParallel::Gathered DataParallel::gather(Param& p) {
-  if (p.gather_slot >= 0) {  // zero 1, 2: the previous step's update, this bucket's and the next one's
+  if (c_.overlap_param_gather && c_.stage <= 2) {  // the previous step's update: its bucket's and the next
     issue_gathers(p.bucket);
     issue_gathers(p.bucket - 1);
     return {&p, p.copy, Work()};
@@ -173,18 +186,22 @@ DataParallel::Gathered DataParallel::gather(Param& p) {
 
 Tensor DataParallel::get(Gathered& g) {
   Param& p = *g.p;
-  if (p.gather_slot >= 0) {
-    Pending& q = gathers_[p.gather_slot];
+  if (c_.stage == 3) {
+    if (!g.work.waited()) {
+      exposed_.wait(Dim::Dp, g.work);
+      g.full = unpad(p, g.full);
+    }
+    return g.full;
+  }
+  Bucket& b = buckets_[p.bucket];
+  if (!b.gather.waited()) exposed_.wait(Dim::Dp, b.gather);
+  for (Pending& q : b.gathers) {
+    if (q.p != &p) continue;
     exposed_.wait(Dim::Dp, q.work);
     take_gathered(p, q.out);
-    p.gather_slot = -1;
     q = Pending{};
-    g.full = p.copy;
-  } else if (!g.work.waited()) {
-    exposed_.wait(Dim::Dp, g.work);
-    g.full = unpad(p, g.full);
   }
-  return g.full;
+  return p.copy;
 }
 
 void DataParallel::add_grad(Param& p, const Tensor& g) {
@@ -205,7 +222,7 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
 }
 
 Tensor DataParallel::embedding_grad_target(Param& p) {
-  if (c_.stage <= 1 || !sharded()) return p.grad;
+  if ((c_.stage <= 1 || !sharded()) && p.grad.dtype() == DType::Float32) return p.grad;
   return zeros(r_, c_.phantom, p.local, DType::Float32);
 }
 
@@ -222,88 +239,56 @@ void DataParallel::drain() {
 }
 
 void DataParallel::grads_ready(const std::vector<Param*>& ps) {
-  if (c_.stage >= 2 || !sharded() || !c_.overlap_grad_reduce) return;
+  if (!flat() || !sharded() || !c_.overlap_grad_reduce) return;
   for (Param* p : ps) {
     Bucket& b = buckets_[p->bucket];
     if (++b.ready == static_cast<int>(b.params.size())) issue_reduction(b);
   }
 }
 
-void DataParallel::issue_reduction(Bucket& b) {
-  b.reducing = true;
-  for (Param* p : b.params) {
-    Tensor t = c_.reduce_dtype == DType::Float32 ? p->grad : r_.cast(p->grad, c_.reduce_dtype);
-    if (c_.stage == 0) {
-      Work w = r_.all_reduce(t, dp_op(), Async::Yes, c_.dp);
-      exposed_.communicated(Dim::Dp, w);
-      reduces_.push_back({p, t, Tensor(), std::move(w)});
-    } else {  // the distributed optimizer: each rank receives its shard's sum
-      Tensor out = buffer(r_, c_.phantom, rows_shape(p->local, p->shard_rows), c_.reduce_dtype);
-      Tensor in = pad(*p, t);
-      Work w = r_.reduce_scatter(out, in, dp_op(), Async::Yes, c_.dp);
-      exposed_.communicated(Dim::Dp, w);
-      reduces_.push_back({p, out, in, std::move(w)});
-    }
-  }
-}
-
-void DataParallel::finish_reduction(Pending& q) {
-  exposed_.wait(Dim::Dp, q.work);
-  Param& p = *q.p;
-  if (c_.stage == 0) {
-    if (!q.out.same_storage(p.grad)) r_.copy_(p.grad, q.out);
-  } else {
-    p.reduced = q.out.dtype() == DType::Float32 ? q.out : r_.cast(q.out, DType::Float32);
-  }
-}
-
-const Tensor& DataParallel::final_grad(const Param& p) const {
-  return c_.stage == 1 && sharded() ? p.reduced : p.grad;
-}
-
 void DataParallel::finish(const std::vector<Param*>& ps) {
-  drain();
-  if (c_.stage <= 1 && sharded()) {
-    for (Bucket& b : buckets_) {
-      if (!b.reducing) issue_reduction(b);
-    }
+  if (flat()) {
+    finish_flat(ps);
+    return;
   }
-  for (Pending& q : reduces_) finish_reduction(q);
-  reduces_.clear();
+  drain();
   for (Param* p : ps) {
-    const Tensor& g = final_grad(*p);
     if (p->spec.sp_partial && c_.seq_parallel && c_.tp_size > 1 && c_.broken != "no-sp-grad-sync") {
       const Event e = exposed_.before();
-      exposed_.after(Dim::Sp, e, r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.tp));
+      exposed_.after(Dim::Sp, e, r_.all_reduce(p->grad, ReduceOp::Sum, Async::No, c_.tp));
     }
     if (p->spec.tied && c_.embedding_group) {
       const Event e = exposed_.before();
-      exposed_.after(Dim::Pp, e, r_.all_reduce(g, ReduceOp::Sum, Async::No, c_.embedding));
+      exposed_.after(Dim::Pp, e, r_.all_reduce(p->grad, ReduceOp::Sum, Async::No, c_.embedding));
     }
   }
 }
 
 void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
-  for (Pending& q : gathers_) {  // every one was read by this step's forward
-    if (q.p != nullptr)
-      throw Error("DataParallel::step: " + q.p->spec.name + "'s weights were never gathered");
+  for (const Bucket& b : buckets_) {  // every one was read by this step's forward
+    const bool unread = b.gather_due || std::any_of(b.gathers.begin(), b.gathers.end(),
+                                                    [](const Pending& q) { return q.p != nullptr; });
+    if (unread) throw Error("DataParallel::step: a bucket's weights were never gathered");
   }
-  gathers_.clear();
+  if (flat()) {
+    step_flat(ps, h, t);
+    return;
+  }
+  std::vector<Rank::AdamWPart> parts;
+  for (Param* p : ps) parts.push_back({p->master, p->grad, p->m, p->v, p->spec.decay});
+  r_.fused_adamw_step(parts, h, t);
   std::vector<Pending> gathers;
+  for (Bucket& b : buckets_) b.gathers.clear();
   for (Param* p : ps) {
-    AdamW hp = h;
-    if (!p->spec.decay) hp.weight_decay = 0;
-    r_.adamw_step(p->master, final_grad(*p), p->m, p->v, hp, t);
-    if (c_.stage == 0 || c_.stage == 3 || !sharded()) {
+    if (c_.stage == 3 || !sharded()) {
       if (!p->copy.same_storage(p->master)) r_.copy_(p->copy, p->master);
       continue;
     }
-    // zero 1 and 2: every rank updated its shard; an all_gather puts the 16-bit weights back together.
+    // zero 2: every rank updated its shard; an all_gather puts the 16-bit weights back together.
     Tensor mine = c_.dtype == DType::Float32 ? p->master : r_.cast(p->master, c_.dtype);
     Pending q{p, buffer(r_, c_.phantom, rows_shape(p->local, p->rows_padded), c_.dtype), mine, Work()};
     if (c_.overlap_param_gather) {  // started by the next step's forward (start_step, gather)
-      p->gather_slot = static_cast<int>(gathers_.size());
-      gathers_.push_back(std::move(q));
+      buckets_[p->bucket].gathers.push_back(std::move(q));
       continue;
     }
     q.work = r_.all_gather(q.out, mine, Async::Yes, c_.dp);
@@ -317,19 +302,67 @@ void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {
 }
 
 void DataParallel::finish_gathers() {
-  if (gathers_.empty()) return;
   next_gather_bucket_ = static_cast<int>(buckets_.size()) - 1;
   issue_gathers(0);
-  for (Pending& q : gathers_) {
-    if (q.p == nullptr) continue;
-    Gathered g{q.p, Tensor(), Work()};
-    get(g);
+  for (Bucket& b : buckets_) {
+    for (Param* p : b.params) {
+      Gathered g{p, Tensor(), Work()};
+      if (c_.stage != 3) get(g);
+    }
+    b.gathers.clear();
   }
-  gathers_.clear();
 }
 
 void DataParallel::zero_grads(const std::vector<Param*>& ps) {
+  if (flat()) {
+    for (Bucket& b : buckets_) r_.scale_(b.grads, 0.0f);
+    return;
+  }
   for (Param* p : ps) r_.scale_(p->grad, 0.0f);
+}
+
+DataParallel::Held DataParallel::held(const Param& p) const {
+  if (distributed_optimizer()) {
+    const Bucket& b = buckets_[p.bucket];
+    const InShard s = in_shard(p);  // (no elements at all on some ranks: then empty views, read alike)
+    return {s.first, s.count, r_.view(b.shard_grad, s.at, Shape{s.count}),
+            r_.view(b.master, s.at, Shape{s.count})};
+  }
+  if (flat() || !sharded()) return {0, p.local.numel(), p.grad, p.master};
+  const std::int64_t cols = p.local.numel() / p.rows;
+  return {shard_first_row(p) * cols, shard_valid_rows(p) * cols, p.grad, p.master};
+}
+
+// ---- zero 2 and 3: shards of rows --------------------------------------------------------------------
+
+Tensor DataParallel::pad(const Param& p, const Tensor& t) {
+  if (p.rows_padded == p.rows) return t;
+  Tensor fill = zeros(r_, c_.phantom, rows_shape(t.shape(), p.rows_padded - p.rows), t.dtype());
+  return r_.cat({t, fill}, 0);
+}
+
+Tensor DataParallel::unpad(const Param& p, const Tensor& t) {
+  return p.rows_padded == p.rows ? t : r_.slice(t, 0, 0, p.rows);
+}
+
+Tensor DataParallel::shard_of(const Param& p, const Tensor& local) {
+  if (c_.dp_size == 1) return local;
+  return r_.slice(pad(p, local), 0, c_.dp_rank * p.shard_rows, p.shard_rows);
+}
+
+std::int64_t DataParallel::shard_first_row(const Param& p) const {
+  return c_.dp_rank * p.shard_rows;
+}
+std::int64_t DataParallel::shard_valid_rows(const Param& p) const {
+  return std::clamp<std::int64_t>(p.rows - shard_first_row(p), 0, p.shard_rows);
+}
+
+void DataParallel::take_gathered(Param& p, const Tensor& whole) {
+  if (p.rows_padded == p.rows) {
+    p.copy = whole;
+  } else {
+    r_.copy_(p.copy, unpad(p, whole));
+  }
 }
 
 }  // namespace ranklab::parallel

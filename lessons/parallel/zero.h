@@ -1,42 +1,50 @@
 // Data parallelism with mixed precision and ZeRO (Rajbhandari et al. 2020).
 //
 // Mixed precision keeps, for every parameter, a 16-bit copy the GEMMs read (2 bytes), a float32 master
-// copy the optimizer updates (4), a float32 gradient the micro-batches add into (4) and Adam's two float32
-// moments (8): 18 bytes per parameter, the same on every data-parallel rank. ZeRO removes the redundancy
-// in stages; each rank of the dp group owns 1/dp of every tensor's rows (its shard):
+// copy the optimizer updates (4), a gradient the micro-batches add into (4 in float32) and Adam's two
+// float32 moments (8): 18 bytes per parameter, the same on every data-parallel rank. ZeRO removes the
+// redundancy in stages; each rank of the dp group owns 1/dp of it (its shard):
 //
 //   zero 0  everything whole. After the step's last backward, all_reduce(Avg) the gradients.
-//   zero 1  the optimizer state (master weights, moments) is sharded: the gradient is reduce-scattered
+//   zero 1  the optimizer state (master weights, moments) is sharded: the gradients are reduce-scattered
 //           after the step's last backward, each rank updates its shard, and an all_gather rebuilds the
-//           16-bit weights.
+//           16-bit weights: the traffic of one all-reduce (Rajbhandari et al. 2020, section 7.2.1).
 //   zero 2  the gradients are sharded too: each micro-batch's gradient is reduce-scattered as soon as
 //           backward makes it, and each rank keeps only its shard's sum. More traffic (once per
 //           micro-batch, not per step), a 1/dp gradient buffer.
 //   zero 3  the 16-bit weights are sharded as well (FSDP): a layer's weights are all-gathered just before
 //           its forward and again before its backward, and freed after use.
 //
-// Overlap, as Megatron-LM's distributed data parallelism does it (megatron/core/distributed): the
-// parameters are grouped into buckets in the order backward makes their gradients final (the reverse of
-// the forward's), each bucket at least `bucket_params` parameters, max(40M, 1M x dp) unless set
-// (DistributedDataParallelConfig.bucket_size, Megatron-Core 0.7).
+// Zero 0 and 1 lay the parameters out as Megatron-LM's distributed data parallelism does
+// (megatron/core/distributed/param_and_grad_buffer.py, Megatron-Core 0.7 on): the parameters are grouped
+// into buckets in the order backward makes their gradients final (the reverse of the forward's), and each
+// bucket is one flat buffer of gradients, every parameter's gradient a view of it (Rank::view), so a
+// bucket is reduced by one collective however many parameters it holds. The gradients are kept and reduced
+// in the reduction dtype (float32 unless --grad-reduce-dtype says otherwise). Zero 1 is Megatron's
+// distributed optimizer: the bucket's weights are a flat buffer too; each rank's shard is a contiguous
+// 1/dp of the bucket, across parameter boundaries, reduce-scattered in place, updated, and all-gathered in
+// place into the weights. Its buckets are padded to a multiple of lcm(dp, 128) elements and each parameter
+// starts on a multiple of 64 (aligned addresses for cuBLAS and NCCL), and the tied embedding of a pipeline
+// has a bucket of its own, so that both stages shard it alike. A bucket holds at least `bucket_params`
+// parameters, max(40M, 1M x dp) unless set (DistributedDataParallelConfig.bucket_size); without
+// overlap_grad_reduce the stage is one bucket, as Megatron makes it.
 //
-//   plain                  zero 0 and 1 reduce every gradient after the last backward, the compute stream
+// Zero 2 and 3 shard tensor by tensor: each rank owns 1/dp of every tensor's rows (dim 0, the dimension
+// reduce_scatter and all_gather split); a tensor whose rows do not divide by dp is padded with zero rows.
+//
+// Overlap, as Megatron-LM and FSDP schedule it:
+//
+//   plain                  zero 0 and 1 reduce every bucket after the last backward, the compute stream
 //                          waiting for each; zero 2 and 3 reduce-scatter each micro-batch's gradient as
 //                          backward makes it and wait at once; zero 1 and 2 all-gather the updated weights
 //                          at the end of the step; zero 3 gathers a layer's weights when it needs them.
-//   overlap_grad_reduce    a bucket's reductions start when its last gradient of the step is final, while
+//   overlap_grad_reduce    a bucket's reduction starts when its last gradient of the step is final, while
 //                          the layers below it are still in backward (zero 0, 1); each micro-batch's
 //                          reduce-scatters are waited on one task later (zero 2, 3).
 //   overlap_param_gather   zero 1 and 2: the step's first bucket's all_gather starts as the next step
 //                          begins and each bucket's forward starts the next one's, so the forward waits only
 //                          for what has not arrived (Megatron's forward pre-hook); zero 3: the next layer's
 //                          weights are gathered while the current one computes, forward and backward.
-//
-// Zero 1 is Megatron's distributed optimizer: the gradient is reduce-scattered, each rank updates its
-// shard, and an all_gather rebuilds the 16-bit weights: the traffic of one all-reduce, as data parallelism
-// (Rajbhandari et al. 2020, section 7.2.1).
-// Shards are rows (dim 0), the dimension reduce_scatter and all_gather split. A tensor whose rows do not
-// divide by dp is padded with zero rows; the padding stays zero.
 #pragma once
 
 #include <cstdint>
@@ -64,21 +72,24 @@ struct Param {
   ParamSpec spec;
   Shape local;                // this tp rank's part
   std::int64_t tp_start = 0;  // where it starts along spec.tp_dim
-  std::int64_t rows = 0, rows_padded = 0, shard_rows = 0;
-  Tensor copy;    // compute dtype: the local part (zero 3: this rank's shard)
-  Tensor master;  // float32: the local part (zero >= 1: the shard)
-  Tensor grad;    // float32: the local part (zero >= 2: the shard)
-  Tensor m, v;    // float32, like master
-  // zero 1: this rank's shard of the reduced gradient (float32), from finish() to the next step.
-  Tensor reduced;
-  int bucket = -1;       // the bucket of its gradient and of its weights' gather
-  int gather_slot = -1;  // overlap_param_gather: its pending all_gather of updated weights, or -1
+  std::int64_t rows = 0;      // of the local part
+  Tensor copy;    // compute dtype: the local part (zero 1: a view of its bucket's weights; zero 3: this
+                  // rank's rows)
+  Tensor master;  // float32: the local part (zero 1: none, the bucket holds its shard; zero 2, 3: this rank's
+                  // rows)
+  Tensor grad;  // zero 0, 1: a view of its bucket's gradients (the reduction dtype); zero 2, 3: float32, this
+                // rank's rows
+  Tensor m, v;  // float32, like master
+  int bucket = -1;          // the bucket of its gradient and of its weights' gather
+  std::int64_t offset = 0;  // zero 0, 1: its first element in the bucket's buffers
+  // zero 2, 3: rows of each rank's shard, and the local rows padded to dp of them.
+  std::int64_t shard_rows = 0, rows_padded = 0;
 };
 
 struct ZeroConfig {
   int stage = 0;
   DType dtype = DType::BFloat16;        // weights and activations
-  DType reduce_dtype = DType::Float32;  // the gradient reduction
+  DType reduce_dtype = DType::Float32;  // the gradients of zero 0 and 1, and every reduction
   bool phantom = false;
   int tp_rank = 0, tp_size = 1, dp_rank = 0, dp_size = 1;
   Group tp, dp, embedding;
@@ -91,22 +102,34 @@ struct ZeroConfig {
 };
 // The parameters of one bucket by Megatron's rule, for a data-parallel group of `dp_size`.
 std::int64_t default_bucket_params(int dp_size);
+// The part of `s` a rank of a tensor-parallel group of `tp_size` holds.
+Shape local_shape(const ParamSpec& s, int tp_size);
+
+// Zero 0 and 1: where each parameter (in backward order) lies in which bucket, and each bucket's elements.
+struct BucketLayout {
+  std::vector<int> bucket;             // per parameter
+  std::vector<std::int64_t> offset;    // per parameter: its first element in the bucket
+  std::vector<std::int64_t> elements;  // per bucket, padded as the distributed optimizer pads it
+};
+BucketLayout layout_buckets(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c);
 
 class DataParallel {
  public:
   DataParallel(Rank& r, ZeroConfig c, ExposedComm& exposed);
 
+  // Groups the parameters into buckets (`backward_order` lists them as backward makes their gradients
+  // final) and makes zero 0's and 1's flat buffers; then init() makes each parameter's tensors.
+  void set_buckets(const std::vector<Param*>& backward_order);
   // Makes the parameter's tensors: the local part of the seeded full tensor, cast and sharded.
   void init(Param& p);
-  // Bytes one parameter takes, by kind, before it is made (the pre-flight estimate uses it too).
+  // Bytes the parameters take, by kind, before they are made (the pre-flight estimate uses it too): the
+  // whole set as the lesson lays it out, or one tensor sharded by rows (zero 2 and 3; the zero lesson's way).
   struct Bytes {
     std::int64_t weights = 0, grads = 0, optimizer = 0;
   };
+  static Bytes bytes(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c);
   static Bytes bytes(const ParamSpec& s, const ZeroConfig& c);
 
-  // Groups the parameters into buckets: `backward_order` lists them as backward makes their gradients
-  // final. Without overlap_grad_reduce they are one bucket.
-  void set_buckets(const std::vector<Param*>& backward_order);
   // The step begins: the buckets' gradients are not final yet, and with overlap_param_gather the first
   // bucket's all_gather of the weights the previous step updated starts.
   void start_step();
@@ -123,7 +146,7 @@ class DataParallel {
   Gathered gather(Param& p);
   Tensor get(Gathered& g);
 
-  // A micro-batch's gradient (any dtype, the local part's shape) into the parameter's float32 gradient.
+  // A micro-batch's gradient (any dtype, the local part's shape) into the parameter's gradient.
   void add_grad(Param& p, const Tensor& g);
   // The float32 tensor the embedding's backward adds into, and its hand-over.
   Tensor embedding_grad_target(Param& p);
@@ -136,8 +159,6 @@ class DataParallel {
   // After the last backward: starts the reductions not started yet and waits for every one, then adds the
   // gradients of sequence-parallel parameters over tp and those of the tied embedding over its two stages.
   void finish(const std::vector<Param*>& ps);
-  // The gradient the optimizer reads after finish(): zero 1's reduced shard, else the gradient.
-  const Tensor& final_grad(const Param& p) const;
   // AdamW on this rank's part, then the 16-bit weights rebuilt (all_gather for zero 1 and 2, at once or,
   // with overlap_param_gather, during the next step's forward).
   void step(const std::vector<Param*>& ps, const AdamW& h, int t);
@@ -146,9 +167,14 @@ class DataParallel {
   // ends with whole weights, as the plain schedule does.
   void finish_gathers();
 
-  // Rows [first, first + count) of the local part this rank's shard holds that are real (not padding).
-  std::int64_t shard_first_row(const Param& p) const;
-  std::int64_t shard_valid_rows(const Param& p) const;
+  // The part of a parameter's local part this rank reduces and updates, between finish() and the next
+  // step: elements [first, first + count) of the local part (row-major), their reduced gradient and their
+  // float32 master (each holding at least `count` elements, the first of them `first`'s).
+  struct Held {
+    std::int64_t first = 0, count = 0;
+    Tensor grad, master;
+  };
+  Held held(const Param& p) const;
 
  private:
   // An operation in flight on the dp group: a reduction of `p`'s gradient into `out`, or a gather of its
@@ -160,27 +186,54 @@ class DataParallel {
   };
   struct Bucket {
     std::vector<Param*> params;
-    int ready = 0;  // parameters whose gradient is final this step
+    std::int64_t elements = 0;
+    Tensor grads;         // zero 0, 1: the flat gradients, in the reduction dtype
+    Tensor weights;       // zero 1: the flat compute-dtype weights
+    Tensor master, m, v;  // zero 1: this rank's shard, float32 (master a view of weights in float32)
+    Tensor shard_grad;    // zero 1: the shard's reduced gradient in float32, after finish()
+    int initialized = 0;  // parameters made (init)
+    int ready = 0;        // parameters whose gradient is final this step
     bool reducing = false;
+    Work reduction;                // zero 0, 1
+    bool gather_due = false;       // zero 1, overlap_param_gather: the update's all_gather awaits the forward
+    Work gather;                   // zero 1: the all_gather of the updated weights
+    std::vector<Pending> gathers;  // zero 2, overlap_param_gather: its parameters' all_gathers
   };
 
+  bool sharded() const { return c_.dp_size > 1; }
+  bool flat() const { return c_.stage <= 1; }
+  bool distributed_optimizer() const { return c_.stage == 1 && sharded(); }
+  std::int64_t shard_elements(const Bucket& b) const { return b.elements / c_.dp_size; }
+  ReduceOp dp_op() const;
+
+  // ---- zero 0 and 1: flat buckets (zero_buckets.cc)
+  void make_buffers(Bucket& b);
+  void init_flat(Param& p, const Tensor& local);
+  void issue_reduction(Bucket& b);
+  void finish_flat(const std::vector<Param*>& ps);
+  void step_flat(const std::vector<Param*>& ps, const AdamW& h, int t);
+  // A distributed optimizer's parameter: the elements [first, first + count) of it in this rank's shard,
+  // at element `at` of the shard.
+  struct InShard {
+    std::int64_t first = 0, count = 0, at = 0;
+  };
+  InShard in_shard(const Param& p) const;
+
+  // ---- zero 2 and 3: row shards (zero.cc)
   Tensor pad(const Param& p, const Tensor& t);    // rows up to rows_padded
   Tensor unpad(const Param& p, const Tensor& t);  // back to rows
   Tensor shard_of(const Param& p, const Tensor& local);
-  ReduceOp dp_op() const;
-  bool sharded() const { return c_.dp_size > 1; }
+  std::int64_t shard_first_row(const Param& p) const;
+  std::int64_t shard_valid_rows(const Param& p) const;
   // The 16-bit weights of `p` from the all_gather of its shards (`whole`, padded rows and all).
   void take_gathered(Param& p, const Tensor& whole);
-  void issue_reduction(Bucket& b);
   void issue_gathers(int bucket);
-  void finish_reduction(Pending& q);
 
   Rank& r_;
   ZeroConfig c_;
   ExposedComm& exposed_;
-  std::vector<Pending> pending_, reduces_;
+  std::vector<Pending> pending_;  // zero 2, 3: this task's reduce-scatters
   std::vector<Bucket> buckets_;   // in backward order
-  std::vector<Pending> gathers_;  // overlap_param_gather: the weights' all_gathers, by Param::gather_slot
   int next_gather_bucket_ = 0;    // in forward order: buckets_.size() - 1 down to 0
 };
 
