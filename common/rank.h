@@ -209,6 +209,9 @@ class Rank {
   // with float32 accumulation (cuBLAS's CUBLAS_COMPUTE_32F), and the product is rounded once.
   virtual Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
   Tensor matmul(const Tensor& a, const Tensor& b) { return matmul(a, b, Trans::No, Trans::No); }
+  // The same product written into `out` (cuBLAS's C with beta 0), which may be a view: a GEMM whose output is
+  // part of a larger buffer, as TransformerEngine's overlapped GEMMs write each chunk in place.
+  virtual void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
   virtual Tensor relu(const Tensor& x) = 0;
   // grad_out where x > 0, else 0: the backward of relu given its input x.
   virtual Tensor relu_backward(const Tensor& grad_out, const Tensor& x) = 0;

@@ -391,26 +391,33 @@ cudaDataType_t cublas_type(DType t) {
 
 }  // namespace
 
-Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const void* pa = require(a, "matmul", "a");
-  const void* pb = require(b, "matmul", "b");
+Shape CudaRank::matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const {
+  require(a, op, "a");
+  require(b, op, "b");
   if (a.ndim() != 2 || b.ndim() != 2) {
-    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where("matmul"), a.str(), b.str()));
+    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where(op), a.str(), b.str()));
   }
-  require_same_dtype(a, b, "matmul");
+  require_same_dtype(a, b, op);
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
   const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
   if (k != kb) {
-    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where("matmul"),
-                                 a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
+    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where(op), a.str(),
+                                 at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
   }
+  return Shape{m, n};
+}
+
+void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) {
+  const void* pa = require(a, op, "a");
+  const void* pb = require(b, op, "b");
+  void* pc = require(c, op, "out");
+  const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
+  const std::int64_t m = c.size(0), n = c.size(1), k = at ? a.size(0) : a.size(1);
   const DType dtype = a.dtype();
-  Tensor c = allocate(Shape{m, n}, dtype, a.phantom() || b.phantom(), "matmul");
-  void* pc = require(c, "matmul", "out");
-  before_kernel({&a, &b}, "matmul");
-  if (m == 0 || n == 0) return c;
-  kernel("matmul", [&] {
+  before_kernel({&a, &b, &c}, op);
+  if (m == 0 || n == 0) return;
+  kernel(op, [&] {
     if (k == 0) {
       RANKLAB_CUDA(cudaMemsetAsync(pc, 0, static_cast<size_t>(c.bytes()), compute_));
       return;
@@ -434,7 +441,26 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   });
+}
+
+Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const Shape s = matmul_shape(a, b, ta, tb, "matmul");
+  Tensor c = allocate(s, a.dtype(), a.phantom() || b.phantom(), "matmul");
+  gemm(c, a, b, ta, tb, "matmul");
   return c;
+}
+
+void CudaRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const char* op = "matmul_";
+  const Shape s = matmul_shape(a, b, ta, tb, op);
+  require(out, op, "out");
+  if (out.shape() != s) {
+    throw UsageError(fmt::format("{}: 'out' is {}; the product is {}", where(op), out.str(), s.str()));
+  }
+  require_same_dtype(out, a, op);
+  require_same_kind(out, a, op);
+  require_same_kind(out, b, op);
+  gemm(out, a, b, ta, tb, op);
 }
 
 Tensor CudaRank::relu(const Tensor& x) {

@@ -84,6 +84,7 @@ class CudaRank : public Rank {
 
   using Rank::matmul;
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
+  void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
   Tensor add(const Tensor& a, const Tensor& b) override;
@@ -149,6 +150,10 @@ class CudaRank : public Rank {
   }
 
  private:
+  // matmul's checks: the product's shape, [m, n].
+  Shape matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const;
+  // c = op(a) @ op(b) on cuBLAS (c's shape checked).
+  void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op);
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
 
   void init();

@@ -39,6 +39,7 @@ class SimRank : public Rank {
   std::vector<float> to_host(const Tensor& t) override;
 
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
+  void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
   Tensor add(const Tensor& a, const Tensor& b) override;
@@ -127,6 +128,10 @@ class SimRank : public Rank {
   // one of them it may run (on a GPU, two readers of a buffer do not race).
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
   // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
+  // matmul's checks: the product's shape, [m, n].
+  Shape matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const;
+  // c = op(a) @ op(b), numbers and time (c's shape checked).
+  void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb);
   // AdamW's checks and numbers on one tensor, for adamw_step and fused_adamw_step (`op`).
   void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamW& h, int step, const char* op);

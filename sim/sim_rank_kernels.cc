@@ -107,21 +107,26 @@ Tensor SimRank::view(const Tensor& base, std::int64_t offset, const Shape& shape
 
 // ---- compute ---------------------------------------------------------------------------------------
 
-Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  require(a, "matmul", "a");
-  require(b, "matmul", "b");
+Shape SimRank::matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const {
+  require(a, op, "a");
+  require(b, op, "b");
   if (a.ndim() != 2 || b.ndim() != 2) {
-    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where("matmul"), a.str(), b.str()));
+    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where(op), a.str(), b.str()));
   }
-  require_same_dtype(a, b, "matmul");
+  require_same_dtype(a, b, op);
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
   const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
   if (k != kb) {
-    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where("matmul"),
-                                 a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
+    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where(op), a.str(),
+                                 at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
   }
-  Tensor c = allocate({m, n}, a.dtype(), a.phantom() || b.phantom(), "matmul");
+  return Shape{m, n};
+}
+
+void SimRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
+  const std::int64_t m = c.size(0), n = c.size(1), k = at ? a.size(0) : a.size(1);
   before_reading({&a, &b}, "matmul");
   if (!c.phantom()) {
     // 16-bit inputs are already rounded; the float32 product stands for the tensor cores' float32
@@ -135,7 +140,25 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
     round_to_dtype(c);
   }
   launch_kernel_cost(kMatmul, world_.compute().gemm_cost(m, n, k, a.dtype()));
+}
+
+Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const Shape s = matmul_shape(a, b, ta, tb, "matmul");
+  Tensor c = allocate(s, a.dtype(), a.phantom() || b.phantom(), "matmul");
+  gemm(c, a, b, ta, tb);
   return c;
+}
+
+void SimRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const char* op = "matmul_";
+  const Shape s = matmul_shape(a, b, ta, tb, op);
+  require(out, op, "out");
+  require_shape(out, s, op, "out");
+  require_dtype(out, a.dtype(), op, "out");
+  require_same_kind(op, out, a);
+  require_same_kind(op, out, b);
+  before_kernel({&out}, op);
+  gemm(out, a, b, ta, tb);
 }
 
 void SimRank::require_same_shape(const char* op, const Tensor& a, const Tensor& b) const {

@@ -1047,6 +1047,10 @@ TEST(CudaBackend, ViewsMatchTheSimulator) {
     Tensor shard = r.view(grads, r.rank() * n, {n});
     r.reduce_scatter(shard, grads, ReduceOp::Sum);
     r.scale_(r.view(grads, 0, {2, 2}), 0.5f);
+    r.matmul_(r.view(gathered, 0, {1, 2}), r.view(gathered, 2, {1, 2}),
+              r.full({2, 2}, 0.25f, DType::BFloat16), Trans::No,
+              Trans::No);  // a product into a view of another part of the same buffer
+
     std::vector<float> out = r.to_host(gathered);
     const std::vector<float> g = r.to_host(grads);
     out.insert(out.end(), g.begin(), g.end());

@@ -60,6 +60,25 @@ TEST(Views, TakeNoMemoryAndKeepTheirBaseAlive) {
   EXPECT_EQ(bytes[0], (std::vector<std::int64_t>{0, 2048, 2048, 2048, 0}));
 }
 
+TEST(Views, AGemmWritesItsProductIntoAView) {
+  const auto seen = run_collect<std::vector<float>>(1, [](Rank& r) {
+    Tensor a = r.arange(Shape{2, 3}, 1.0f), b = r.arange(Shape{3, 2}, -2.0f);
+    Tensor out = r.full(Shape{4, 2}, 9.0f);
+    r.matmul_(r.view(out, 4, Shape{2, 2}), a, b, Trans::No, Trans::No);  // the lower two rows
+    std::vector<float> got = r.to_host(out);
+    const std::vector<float> want = r.to_host(r.matmul(a, b));
+    got.insert(got.end(), want.begin(), want.end());
+    return got;
+  });
+  const std::vector<float>& v = seen[0];
+  EXPECT_EQ(std::vector<float>(v.begin(), v.begin() + 4), std::vector<float>(4, 9.0f));
+  EXPECT_EQ(std::vector<float>(v.begin() + 4, v.begin() + 8), std::vector<float>(v.begin() + 8, v.end()));
+  const std::string msg = error_of(1, [](Rank& r) {
+    r.matmul_(r.zeros(Shape{3, 2}), r.zeros(Shape{2, 3}), r.zeros(Shape{3, 2}), Trans::No, Trans::No);
+  });
+  EXPECT_NE(msg.find("rank 0: matmul_: 'out'"), std::string::npos) << msg;
+}
+
 TEST(Views, OfAPhantomArePhantoms) {
   const auto phantom = run_collect<bool>(1, [](Rank& r) {
     Tensor base = r.phantom(Shape{1 << 20});

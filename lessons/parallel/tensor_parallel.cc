@@ -96,36 +96,36 @@ Work TensorParallel::ring_exchange(const Tensor& out, const Tensor& in) {
 
 Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, const Tensor& b, Trans tw,
                                         Tensor* keep_gathered) {
+  // One buffer of every rank's rows (the userbuffer): this rank's copied in, the others' received in place,
+  // each GEMM writing its rows of the output in place.
+  const std::int64_t rows = local.size(0), out_cols = tw == Trans::No ? w.size(1) : w.size(0);
+  Tensor gathered = buffer(r, phantom, local.shape().with_dim(0, rows * size), local.dtype());
+  Tensor out = buffer(r, phantom, Shape{rows * size, out_cols}, local.dtype());
+  auto rows_of = [&](const Tensor& t, int rank) {
+    return r.view(t, rank * rows * t.size(1), Shape{rows, t.size(1)});
+  };
+  r.copy_(rows_of(gathered, index), local);
   // Step s holds the rows of rank index - s: its own first, then each one the previous rank passes on.
-  std::vector<Tensor> products(size), pieces(size);
-  Tensor held = local;
   for (int s = 0; s < size; ++s) {
     const int from = (index - s + size) % size;
     Work exchange;
-    Tensor next;
-    if (s + 1 < size) {
-      next = buffer(r, phantom, local.shape(), local.dtype());
-      exchange = ring_exchange(held, next);
-    }
-    products[from] = r.matmul(held, w, Trans::No, tw);
-    if (b.defined()) r.add_bias_(products[from], b);
-    pieces[from] = held;
-    if (s + 1 < size) {
-      exposed.wait(Dim::Sp, exchange);
-      held = next;
-    }
+    if (s + 1 < size)
+      exchange = ring_exchange(rows_of(gathered, from), rows_of(gathered, (from + size - 1) % size));
+    r.matmul_(rows_of(out, from), rows_of(gathered, from), w, Trans::No, tw);
+    if (b.defined()) r.add_bias_(rows_of(out, from), b);
+    if (s + 1 < size) exposed.wait(Dim::Sp, exchange);
   }
-  if (keep_gathered != nullptr) *keep_gathered = r.cat(pieces, 0);
-  return r.cat(products, 0);
+  if (keep_gathered != nullptr) *keep_gathered = gathered;
+  return out;
 }
 
 Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw) {
   // The sum for rank j's rows starts at rank j + 1 and gathers one partial product per hop; after size - 1
   // hops it reaches rank j. At step s this rank adds its part for the rows of rank index - 1 - s.
-  const std::int64_t rows = whole.size(0) / size;
+  const std::int64_t rows = whole.size(0) / size, cols = whole.size(1);
   auto partial = [&](int s) {
     const int of = (index - 1 - s + 2 * size) % size;
-    return r.matmul(r.slice(whole, 0, of * rows, rows), w, Trans::No, tw);
+    return r.matmul(r.view(whole, of * rows * cols, Shape{rows, cols}), w, Trans::No, tw);
   };
   Tensor sum = partial(0);
   std::vector<Tensor> sent;  // alive until their sends are done

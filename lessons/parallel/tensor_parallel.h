@@ -28,7 +28,8 @@
 // around the ring, each hop hidden under the next partial GEMM. The same bytes move, point to point, and
 // the compute stream waits only for what a GEMM did not hide. In backward, the column-parallel layer's
 // input is all-gathered (for the weight gradient) while its input gradient's GEMMs and reduce-scatter run.
-// The pieces are put together with a copy, which the userbuffers avoid by writing into one buffer.
+// As the userbuffers do, the pieces live in one buffer (views of it): each arrives in its place and each
+// GEMM writes its rows of the output in place; only this rank's own rows are copied in.
 #pragma once
 
 #include <vector>
