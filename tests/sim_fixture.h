@@ -44,6 +44,17 @@ inline std::int64_t number(const Settings& s, const std::string& flag) {
   return std::stoll(s.at(flag));
 }
 
+// What a run of `fn` on `world` ranks fails with, or "" when it does not.
+inline std::string run_error_message(int world, const std::function<void(Rank&)>& fn) {
+  SimBackend backend(quiet_config());
+  try {
+    backend.launch(world, fn);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Runs `fn` on `world` ranks and returns what each rank put in its slot.
 template <typename T>
 std::vector<T> run_collect(int world, const std::function<T(Rank&)>& fn, int nodes = 1) {

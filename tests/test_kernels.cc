@@ -20,22 +20,13 @@ namespace {
 
 using testing::quiet_config;
 using testing::run_collect;
+using testing::run_error_message;
 using Values = std::vector<float>;
 using Doubles = std::vector<double>;
 
 template <typename T>
 T on_one_rank(const std::function<T(Rank&)>& fn) {
   return run_collect<T>(1, fn)[0];
-}
-
-std::string run_error_message(int world, const std::function<void(Rank&)>& fn) {
-  SimBackend backend(quiet_config());
-  try {
-    backend.launch(world, fn);
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
 }
 
 Values random_values(std::size_t n, std::uint64_t seed, float scale = 1.0f) {

@@ -14,6 +14,7 @@ namespace {
 
 using testing::quiet_config;
 using testing::run_collect;
+using testing::run_error_message;
 
 // The message of what `fn` throws, or "" when it throws nothing.
 template <typename E>
@@ -21,16 +22,6 @@ std::string error_of(const std::function<void()>& fn) {
   try {
     fn();
   } catch (const E& e) {
-    return e.what();
-  }
-  return "";
-}
-
-std::string run_error_message(int world, const std::function<void(Rank&)>& fn) {
-  SimBackend backend(quiet_config());
-  try {
-    backend.launch(world, fn);
-  } catch (const std::exception& e) {
     return e.what();
   }
   return "";

@@ -13,18 +13,8 @@
 namespace ranklab {
 namespace {
 
-using testing::quiet_config;
 using testing::run_collect;
-
-std::string error_of(int world, const std::function<void(Rank&)>& fn) {
-  SimBackend backend(quiet_config());
-  try {
-    backend.launch(world, fn);
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::run_error_message;
 
 TEST(Views, ShareTheBasesElements) {
   const auto seen = run_collect<std::vector<float>>(1, [](Rank& r) {
@@ -73,7 +63,7 @@ TEST(Views, AGemmWritesItsProductIntoAView) {
   const std::vector<float>& v = seen[0];
   EXPECT_EQ(std::vector<float>(v.begin(), v.begin() + 4), std::vector<float>(4, 9.0f));
   EXPECT_EQ(std::vector<float>(v.begin() + 4, v.begin() + 8), std::vector<float>(v.begin() + 8, v.end()));
-  const std::string msg = error_of(1, [](Rank& r) {
+  const std::string msg = run_error_message(1, [](Rank& r) {
     r.matmul_(r.zeros(Shape{3, 2}), r.zeros(Shape{2, 3}), r.zeros(Shape{3, 2}), Trans::No, Trans::No);
   });
   EXPECT_NE(msg.find("rank 0: matmul_: 'out'"), std::string::npos) << msg;
@@ -88,7 +78,7 @@ TEST(Views, OfAPhantomArePhantoms) {
 }
 
 TEST(Views, OutsideTheBaseIsAnErrorNamingTheRankAndTheRange) {
-  const std::string msg = error_of(1, [](Rank& r) {
+  const std::string msg = run_error_message(1, [](Rank& r) {
     Tensor base = r.zeros(Shape{8, 4});
     r.view(base, 24, Shape{3, 4});
   });
@@ -96,13 +86,13 @@ TEST(Views, OutsideTheBaseIsAnErrorNamingTheRankAndTheRange) {
       msg.find("rank 0: view: elements [24, 36) for shape [3, 4] are outside float32[8, 4], which has 32"),
       std::string::npos)
       << msg;
-  EXPECT_NE(error_of(1, [](Rank& r) { r.view(r.zeros(Shape{8}), -1, Shape{2}); }).find("outside"),
+  EXPECT_NE(run_error_message(1, [](Rank& r) { r.view(r.zeros(Shape{8}), -1, Shape{2}); }).find("outside"),
             std::string::npos);
 }
 
 // Two ranks exchange half a buffer asynchronously; each then touches the other half, or the half in flight.
 std::string touch_while_receiving(bool same_half) {
-  return error_of(2, [same_half](Rank& r) {
+  return run_error_message(2, [same_half](Rank& r) {
     Tensor buf = r.zeros(Shape{2, 64});
     Tensor in_flight = r.view(buf, 0, Shape{64});
     Tensor other = r.view(buf, 64, Shape{64});
@@ -121,7 +111,7 @@ TEST(Views, AsyncCommunicationGuardsOnlyTheElementsItUses) {
 }
 
 TEST(Views, TheBaseOfAViewInFlightIsGuardedToo) {
-  const std::string msg = error_of(2, [](Rank& r) {
+  const std::string msg = run_error_message(2, [](Rank& r) {
     Tensor buf = r.zeros(Shape{128});
     Work w = r.all_reduce(r.view(buf, 32, Shape{32}), ReduceOp::Sum, Async::Yes);
     r.scale_(buf, 2.0f);
