@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <limits>
 #include <string>
 
@@ -87,6 +88,46 @@ void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tenso
   if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(rank, op), eps));
 }
 
+void check_rmsnorm(int rank, const Tensor& x, const Tensor& gamma, float eps) {
+  const char* op = "rmsnorm";
+  need_ndim(rank, op, x, 2, "x", "[rows, cols]");
+  need_shape(rank, op, gamma, Shape{x.size(1)}, "gamma", "the columns of x");
+  need_same_dtype(rank, op, x, gamma);
+  if (!(eps >= 0)) throw UsageError(fmt::format("{}: eps must be >= 0; got {}", where(rank, op), eps));
+}
+
+void check_rmsnorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                            const Tensor& rstd) {
+  const char* op = "rmsnorm_backward";
+  need_ndim(rank, op, x, 2, "x", "[rows, cols]");
+  need_shape(rank, op, dy, x.shape(), "dy", "the shape of x");
+  need_shape(rank, op, gamma, Shape{x.size(1)}, "gamma", "the columns of x");
+  need_shape(rank, op, rstd, Shape{x.size(0)}, "rstd", "the rows of x");
+  need_same_dtype(rank, op, x, dy);
+  need_same_dtype(rank, op, x, gamma);
+  need_dtype(rank, op, rstd, DType::Float32, "rstd");
+}
+
+void check_swiglu(int rank, const Tensor& x) {
+  const char* op = "swiglu";
+  need_ndim(rank, op, x, 2, "x", "[rows, 2 f]");
+  if (x.size(1) % 2 != 0) {
+    throw UsageError(
+        fmt::format("{}: x is {}; its columns must be pairs (gate, value)", where(rank, op), x.str()));
+  }
+}
+
+void check_swiglu_backward(int rank, const Tensor& dy, const Tensor& x) {
+  const char* op = "swiglu_backward";
+  need_ndim(rank, op, x, 2, "x", "[rows, 2 f]");
+  if (x.size(1) % 2 != 0) {
+    throw UsageError(
+        fmt::format("{}: x is {}; its columns must be pairs (gate, value)", where(rank, op), x.str()));
+  }
+  need_shape(rank, op, dy, Shape{x.size(0), x.size(1) / 2}, "dy", "[rows of x, half its columns]");
+  need_same_dtype(rank, op, x, dy);
+}
+
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
                               const Tensor& mean, const Tensor& rstd) {
   const char* op = "layernorm_backward";
@@ -121,27 +162,53 @@ void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row) {
   }
 }
 
-AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, std::int64_t batch, int heads) {
-  if (qkv.ndim() != 2 || batch < 1 || heads < 1 || qkv.size(0) % batch != 0 ||
-      qkv.size(1) % (3 * static_cast<std::int64_t>(heads)) != 0 || qkv.size(1) == 0) {
+AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, const AttentionSpec& spec) {
+  const std::int64_t heads = spec.heads, groups = spec.groups(), batch = spec.batch;
+  if (heads < 1 || groups < 1 || heads % groups != 0) {
     throw UsageError(
-        fmt::format("{}: qkv must be [seq * batch, heads * 3 * head_dim]; got {} with batch {} and {} heads",
-                    where(rank, op), qkv.str(), batch, heads));
+        fmt::format("{}: {} heads cannot share {} key-value heads: the query heads must be a "
+                    "multiple of the key-value heads",
+                    where(rank, op), heads, groups));
   }
-  return {qkv.size(0) / batch, qkv.size(1) / (3 * static_cast<std::int64_t>(heads))};
+  const std::int64_t width = heads + 2 * groups;  // head_dim columns each
+  if (qkv.ndim() != 2 || batch < 1 || qkv.size(0) % batch != 0 || qkv.size(1) % width != 0 ||
+      qkv.size(1) == 0) {
+    throw UsageError(fmt::format(
+        "{}: qkv must be [seq * batch, (heads + 2 kv_heads) * head_dim]; got {} with batch {}, {} heads and "
+        "{} key-value heads",
+        where(rank, op), qkv.str(), batch, heads, groups));
+  }
+  return {qkv.size(0) / batch, qkv.size(1) / width};
 }
 
 AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                       const Tensor& lse, std::int64_t batch, int heads) {
+                                       const Tensor& lse, const AttentionSpec& spec) {
   const char* op = "attention_backward";
-  const AttentionDims a = check_attention(rank, op, qkv, batch, heads);
-  const Shape out_shape{qkv.size(0), heads * a.head_dim};
+  const AttentionDims a = check_attention(rank, op, qkv, spec);
+  const Shape out_shape{qkv.size(0), spec.heads * a.head_dim};
   need_shape(rank, op, out, out_shape, "out", "attention's output for qkv");
   need_shape(rank, op, dout, out_shape, "dout", "attention's output for qkv");
-  need_shape(rank, op, lse, Shape{batch, heads, a.seq}, "lse", "[batch, heads, seq]");
+  need_shape(rank, op, lse, Shape{spec.batch, spec.heads, a.seq}, "lse", "[batch, heads, seq]");
   need_same_dtype(rank, op, qkv, out);
   need_same_dtype(rank, op, qkv, dout);
   need_dtype(rank, op, lse, DType::Float32, "lse");
+  return a;
+}
+
+AttentionDims check_rope(int rank, const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position,
+                         double base) {
+  const char* op = "rope_";
+  const AttentionDims a = check_attention(rank, op, qkv, spec);
+  if (a.head_dim % 2 != 0) {
+    throw UsageError(fmt::format("{}: head_dim {} is odd; rotary embeddings rotate pairs of columns",
+                                 where(rank, op), a.head_dim));
+  }
+  if (first_position < 0) {
+    throw UsageError(fmt::format("{}: first_position must be >= 0; got {}", where(rank, op), first_position));
+  }
+  if (!(base > 1) || !std::isfinite(base)) {
+    throw UsageError(fmt::format("{}: base must be a finite number above 1; got {}", where(rank, op), base));
+  }
   return a;
 }
 

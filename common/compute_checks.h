@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/rank.h"
 #include "common/tensor.h"
 
 namespace ranklab {
@@ -18,16 +19,23 @@ void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tenso
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
                               const Tensor& mean, const Tensor& rstd);
 void check_gelu_backward(int rank, const Tensor& dy, const Tensor& x);
+void check_rmsnorm(int rank, const Tensor& x, const Tensor& gamma, float eps);
+void check_rmsnorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                            const Tensor& rstd);
+void check_swiglu(int rank, const Tensor& x);
+void check_swiglu_backward(int rank, const Tensor& dy, const Tensor& x);
 void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row);
 
-// The shape of an attention call, from qkv [seq * batch, heads * 3 * head_dim].
+// The shape of an attention call, from qkv [seq * batch, (heads + 2 kv_heads) * head_dim].
 struct AttentionDims {
   std::int64_t seq = 0, head_dim = 0;
 };
-// `op` is "attention" or "attention_backward".
-AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, std::int64_t batch, int heads);
+// `op` is "attention", "attention_backward" or "rope_".
+AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, const AttentionSpec& spec);
 AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                       const Tensor& lse, std::int64_t batch, int heads);
+                                       const Tensor& lse, const AttentionSpec& spec);
+AttentionDims check_rope(int rank, const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position,
+                         double base);
 
 void check_embedding(int rank, const Tensor& ids, const Tensor& table, std::int64_t vocab_start);
 void check_embedding_backward(int rank, const Tensor& dtable, const Tensor& dy, const Tensor& ids,

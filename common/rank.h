@@ -42,6 +42,19 @@ enum class Trans { No, Yes };
 // backward.
 enum class AttentionKernel { Flash, Unfused };
 
+// An attention call's heads and kernels. `heads` query heads share `kv_heads` key-value heads in groups of
+// heads / kv_heads (grouped-query attention, Ainslie et al. 2023; kv_heads = heads is multi-head attention,
+// 0 means heads). qkv's columns hold each group's q heads, then its k, then its v, head_dim each
+// (Megatron-Core's layout, so a tensor-parallel rank's groups are one contiguous block).
+struct AttentionSpec {
+  std::int64_t batch = 1;  // sequences per call; rows are position * batch + sample
+  int heads = 1;
+  int kv_heads = 0;
+  bool causal = true;
+  AttentionKernel kernel = AttentionKernel::Flash;
+  int groups() const { return kv_heads > 0 ? kv_heads : heads; }
+};
+
 const char* reduce_op_name(ReduceOp op);
 
 // A set of global ranks that communicate together. The default-constructed Group is the whole world.
@@ -265,6 +278,27 @@ class Rank {
   virtual LayerNormGrads layernorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                             const Tensor& mean, const Tensor& rstd) = 0;
 
+  // RMSNorm (Zhang & Sennrich 2019) over the columns of each row: y = x * rstd * gamma with
+  // rstd = 1 / sqrt(mean(x^2) + eps), as Llama normalises. rstd is float32 [rows], kept for the backward.
+  struct RmsNormOut {
+    Tensor y, rstd;
+  };
+  virtual RmsNormOut rmsnorm(const Tensor& x, const Tensor& gamma, float eps) = 0;
+  struct RmsNormGrads {
+    Tensor dx;      // like x
+    Tensor dgamma;  // float32 [cols]
+  };
+  virtual RmsNormGrads rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                        const Tensor& rstd) = 0;
+
+  // SwiGLU (Shazeer 2020) of a [rows, 2 f] tensor whose columns 2j and 2j + 1 are the gate and the value
+  // of output column j: y[:, j] = silu(x[:, 2j]) * x[:, 2j + 1], silu(a) = a / (1 + exp(-a)). The pairs are
+  // adjacent so that any block of whole pairs, a tensor-parallel rank's columns of the fused gate-and-up
+  // projection, holds gates and values that belong together.
+  virtual Tensor swiglu(const Tensor& x) = 0;
+  // d x ([rows, 2 f]) from d y.
+  virtual Tensor swiglu_backward(const Tensor& dy, const Tensor& x) = 0;
+
   // GELU, tanh approximation as GPT-2 uses it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   virtual Tensor gelu(const Tensor& x) = 0;
   virtual Tensor gelu_backward(const Tensor& dy, const Tensor& x) = 0;
@@ -278,8 +312,7 @@ class Rank {
 
   // Scaled dot-product attention computed FlashAttention-style (Dao et al. 2022): one pass over keys
   // with an online softmax, never materialising the seq x seq scores, so its memory is O(seq).
-  //   qkv  [seq * batch, heads * 3 * head_dim]: per head, its q, k and v columns side by side (Megatron's
-  //        interleaved layout, so the heads of one tensor-parallel rank are one contiguous block);
+  //   qkv  [seq * batch, (heads + 2 kv_heads) * head_dim]: each group's q heads, k and v (AttentionSpec);
   //   out  [seq * batch, heads * head_dim], column = head * head_dim + d;
   //   lse  float32 [batch, heads, seq]: each query's log-sum-exp of scaled scores, for the backward.
   // Scores are scaled by 1 / sqrt(head_dim); `causal` masks keys after the query's position.
@@ -291,12 +324,27 @@ class Rank {
     Tensor out, lse;
     Tensor probs{};  // AttentionKernel::Unfused only
   };
-  virtual AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
-                                 AttentionKernel kernel = AttentionKernel::Flash) = 0;
+  virtual AttentionOut attention(const Tensor& qkv, const AttentionSpec& spec) = 0;
   // d qkv (like qkv) from d out, recomputing the probabilities from lse (FlashAttention's backward).
   virtual Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                    const Tensor& lse, std::int64_t batch, int heads, bool causal,
-                                    AttentionKernel kernel = AttentionKernel::Flash) = 0;
+                                    const Tensor& lse, const AttentionSpec& spec) = 0;
+  // Multi-head attention: every head its own k and v.
+  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
+                         AttentionKernel kernel = AttentionKernel::Flash) {
+    return attention(qkv, AttentionSpec{batch, heads, heads, causal, kernel});
+  }
+  Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
+                            std::int64_t batch, int heads, bool causal,
+                            AttentionKernel kernel = AttentionKernel::Flash) {
+    return attention_backward(dout, qkv, out, lse, AttentionSpec{batch, heads, heads, causal, kernel});
+  }
+  // Rotary position embeddings (Su et al. 2021, RoFormer), in place on qkv's q and k heads (laid out as
+  // attention takes them): in each head the pairs (d, d + head_dim / 2) are rotated by position * base^(-2d /
+  // head_dim), the "rotate half" form of GPT-NeoX, Llama's Hugging Face weights and Megatron-Core. A row's
+  // position is first_position + row / batch. `inverse` rotates back: the backward of a rotation on its
+  // output's gradient.
+  virtual void rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
+                     bool inverse) = 0;
 
   // Embedding lookup, vocabulary-parallel (Megatron's VocabParallelEmbedding): `table` holds rows
   // [vocab_start, vocab_start + table rows) of the vocabulary; `ids` is a float32 [rows] tensor of token

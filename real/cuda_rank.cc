@@ -777,19 +777,20 @@ Tensor CudaRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int6
   return y;
 }
 
-kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, std::int64_t batch, int heads,
-                                                  bool causal, const char* op) const {
-  const AttentionDims dims = check_attention(rank_, op, qkv, batch, heads);
+kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, const AttentionSpec& spec,
+                                                  const char* op) const {
+  const AttentionDims dims = check_attention(rank_, op, qkv, spec);
   kernels::AttentionShape a;
-  a.batch = batch;
+  a.batch = spec.batch;
   a.seq = dims.seq;
-  a.heads = heads;
-  a.causal = causal;
+  a.heads = spec.heads;
+  a.kv_heads = spec.groups();
+  a.causal = spec.causal;
   const std::int64_t head_dim = dims.head_dim;
   if (head_dim > kernels::kMaxHeadDim) {
     throw UsageError(
         fmt::format("{}: head_dim {} (from qkv {} and {} heads) is more than the {} the kernel takes",
-                    where(op), head_dim, qkv.str(), heads, kernels::kMaxHeadDim));
+                    where(op), head_dim, qkv.str(), spec.heads, kernels::kMaxHeadDim));
   }
   a.head_dim = static_cast<int>(head_dim);
   return a;
@@ -797,18 +798,17 @@ kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, std::int64_
 
 // The GPU runs its own fused kernel whichever `kernel` is asked for; the unfused path's probabilities are
 // allocated, so that its memory is what that path keeps.
-Rank::AttentionOut CudaRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
-                                       AttentionKernel kernel) {
+Rank::AttentionOut CudaRank::attention(const Tensor& qkv, const AttentionSpec& spec) {
   const char* op = "attention";
   const void* pq = require(qkv, op, "qkv");
-  const kernels::AttentionShape a = attention_shape(qkv, batch, heads, causal, op);
-  AttentionOut out{allocate(Shape{qkv.size(0), static_cast<std::int64_t>(heads) * a.head_dim}, qkv.dtype(),
-                            qkv.phantom(), op),
+  const kernels::AttentionShape a = attention_shape(qkv, spec, op);
+  const std::int64_t batch = spec.batch, heads = spec.heads;
+  AttentionOut out{allocate(Shape{qkv.size(0), heads * a.head_dim}, qkv.dtype(), qkv.phantom(), op),
                    allocate(Shape{batch, heads, a.seq}, DType::Float32, qkv.phantom(), op)};
   void* po = require(out.out, op, "out");
   float* pl = require_f32(out.lse, op, "lse");
   before_kernel({&qkv}, op);
-  if (kernel == AttentionKernel::Unfused) {
+  if (spec.kernel == AttentionKernel::Unfused) {
     out.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
   }
   this->kernel(op, [&] { kernels::attention(po, pl, pq, qkv.dtype(), a, compute_); });
@@ -816,24 +816,89 @@ Rank::AttentionOut CudaRank::attention(const Tensor& qkv, std::int64_t batch, in
 }
 
 Tensor CudaRank::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                    const Tensor& lse, std::int64_t batch, int heads, bool causal,
-                                    AttentionKernel /*kernel*/) {
+                                    const Tensor& lse, const AttentionSpec& spec) {
   const char* op = "attention_backward";
   const void* pdo = require(dout, op, "dout");
   const void* pq = require(qkv, op, "qkv");
   const void* po = require(out, op, "out");
   const float* pl = require_f32(lse, op, "lse");
-  check_attention_backward(rank_, dout, qkv, out, lse, batch, heads);
-  const kernels::AttentionShape a = attention_shape(qkv, batch, heads, causal, op);
+  check_attention_backward(rank_, dout, qkv, out, lse, spec);
+  const kernels::AttentionShape a = attention_shape(qkv, spec, op);
   const bool ph = dout.phantom() || qkv.phantom() || out.phantom() || lse.phantom();
   Tensor dqkv = allocate(qkv.shape(), qkv.dtype(), ph, op);
   void* pd = require(dqkv, op, "dqkv");
   // Each query's dout . out, which both backward kernels need: scratch, freed in stream order after them.
-  Tensor delta = allocate(Shape{batch, heads, a.seq}, DType::Float32, ph, op);
+  Tensor delta = allocate(Shape{spec.batch, spec.heads, a.seq}, DType::Float32, ph, op);
   float* pdelta = require_f32(delta, op, "delta");
   before_kernel({&dout, &qkv, &out, &lse}, op);
   kernel(op, [&] { kernels::attention_backward(pd, pdelta, pdo, pq, po, pl, qkv.dtype(), a, compute_); });
   return dqkv;
+}
+
+void CudaRank::rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
+                     bool inverse) {
+  const char* op = "rope_";
+  void* pq = require(qkv, op, "qkv");
+  check_rope(rank_, qkv, spec, first_position, base);
+  const kernels::AttentionShape a = attention_shape(qkv, spec, op);
+  before_kernel({&qkv}, op);
+  kernel(op, [&] { kernels::rope(pq, qkv.dtype(), a, first_position, base, inverse, compute_); });
+}
+
+Rank::RmsNormOut CudaRank::rmsnorm(const Tensor& x, const Tensor& gamma, float eps) {
+  const char* op = "rmsnorm";
+  const void* px = require(x, op, "x");
+  const void* pg = require(gamma, op, "gamma");
+  check_rmsnorm(rank_, x, gamma, eps);
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  const bool ph = x.phantom() || gamma.phantom();
+  RmsNormOut out{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{rows}, DType::Float32, ph, op)};
+  void* py = require(out.y, op, "y");
+  float* pr = require_f32(out.rstd, op, "rstd");
+  before_kernel({&x, &gamma}, op);
+  kernel(op, [&] { kernels::rmsnorm(py, pr, px, x.dtype(), pg, rows, cols, eps, compute_); });
+  return out;
+}
+
+Rank::RmsNormGrads CudaRank::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                              const Tensor& rstd) {
+  const char* op = "rmsnorm_backward";
+  const void* pdy = require(dy, op, "dy");
+  const void* px = require(x, op, "x");
+  const void* pg = require(gamma, op, "gamma");
+  const float* pr = require_f32(rstd, op, "rstd");
+  check_rmsnorm_backward(rank_, dy, x, gamma, rstd);
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || rstd.phantom();
+  RmsNormGrads g{allocate(x.shape(), x.dtype(), ph, op), allocate(Shape{cols}, DType::Float32, ph, op)};
+  void* pdx = require(g.dx, op, "dx");
+  float* pdg = require_f32(g.dgamma, op, "dgamma");
+  before_kernel({&dy, &x, &gamma, &rstd}, op);
+  kernel(op, [&] { kernels::rmsnorm_backward(pdx, pdg, pdy, px, x.dtype(), pg, pr, rows, cols, compute_); });
+  return g;
+}
+
+Tensor CudaRank::swiglu(const Tensor& x) {
+  const char* op = "swiglu";
+  const void* px = require(x, op, "x");
+  check_swiglu(rank_, x);
+  Tensor y = allocate(Shape{x.size(0), x.size(1) / 2}, x.dtype(), x.phantom(), op);
+  void* py = require(y, op, "y");
+  before_kernel({&x}, op);
+  kernel(op, [&] { kernels::swiglu(py, px, x.dtype(), y.numel(), compute_); });
+  return y;
+}
+
+Tensor CudaRank::swiglu_backward(const Tensor& dy, const Tensor& x) {
+  const char* op = "swiglu_backward";
+  const void* pdy = require(dy, op, "dy");
+  const void* px = require(x, op, "x");
+  check_swiglu_backward(rank_, dy, x);
+  Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), op);
+  void* pdx = require(dx, op, "dx");
+  before_kernel({&dy, &x}, op);
+  kernel(op, [&] { kernels::swiglu_backward(pdx, pdy, px, x.dtype(), dy.numel(), compute_); });
+  return dx;
 }
 
 Tensor CudaRank::embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) {

@@ -109,10 +109,18 @@ class CudaRank : public Rank {
   Tensor gelu(const Tensor& x) override;
   Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
   Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) override;
-  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
-                         AttentionKernel kernel) override;
+  using Rank::attention;
+  using Rank::attention_backward;
+  AttentionOut attention(const Tensor& qkv, const AttentionSpec& spec) override;
   Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                            std::int64_t batch, int heads, bool causal, AttentionKernel kernel) override;
+                            const AttentionSpec& spec) override;
+  void rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
+             bool inverse) override;
+  RmsNormOut rmsnorm(const Tensor& x, const Tensor& gamma, float eps) override;
+  RmsNormGrads rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                const Tensor& rstd) override;
+  Tensor swiglu(const Tensor& x) override;
+  Tensor swiglu_backward(const Tensor& dy, const Tensor& x) override;
   Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
   void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
                            std::int64_t vocab_start) override;
@@ -174,9 +182,8 @@ class CudaRank : public Rank {
   // `t` has shape `s`; `why` says where the expected shape comes from ("the columns of x").
   void require_shape(const Tensor& t, const Shape& s, const char* op, const char* arg, const char* why) const;
   Tensor allocate(const Shape& s, DType dtype, bool phantom, const char* op);
-  // An attention call's sizes from qkv [seq * batch, heads * 3 * head_dim], checked.
-  kernels::AttentionShape attention_shape(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
-                                          const char* op) const;
+  // An attention call's sizes from qkv [seq * batch, (heads + 2 kv_heads) * head_dim], checked.
+  kernels::AttentionShape attention_shape(const Tensor& qkv, const AttentionSpec& spec, const char* op) const;
   // Runs `launch` on the compute stream between a timed pair of events named `name`.
   template <typename Launch>
   void kernel(const char* name, Launch&& launch);

@@ -416,6 +416,85 @@ __global__ void layernorm_dparams_kernel(float* dgamma, float* dbeta, const T* d
   }
 }
 
+// ---- RMSNorm and SwiGLU ----------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void rmsnorm_kernel(T* y, float* rstd_out, const T* x, const T* gamma, std::int64_t cols,
+                               float eps) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  float sq = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) sq += to_f(xr[c]) * to_f(xr[c]);
+  const float rstd = 1.0f / sqrtf(block_sum_f(sq, scratch) / static_cast<float>(cols) + eps);
+  T* yr = y + row * cols;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+    yr[c] = from_f<T>(to_f(xr[c]) * rstd * to_f(gamma[c]));
+  if (threadIdx.x == 0) rstd_out[row] = rstd;
+}
+
+// dx = rstd (g - xhat mean(g xhat)), with g = dy gamma and xhat = x rstd.
+template <typename T>
+__global__ void rmsnorm_dx_kernel(T* dx, const T* dy, const T* x, const T* gamma, const float* rstd,
+                                  std::int64_t cols) {
+  __shared__ float scratch[32];
+  const std::int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  const T* dyr = dy + row * cols;
+  const float rs = rstd[row];
+  float sgx = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    sgx += to_f(dyr[c]) * to_f(gamma[c]) * to_f(xr[c]) * rs;
+  }
+  const float mean_gx = block_sum_f(sgx, scratch) / static_cast<float>(cols);
+  T* dxr = dx + row * cols;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    dxr[c] = from_f<T>(rs * (to_f(dyr[c]) * to_f(gamma[c]) - to_f(xr[c]) * rs * mean_gx));
+  }
+}
+
+// dgamma[c] = sum_r dy x rstd: a column reduction as in sum_rows.
+template <typename T>
+__global__ void rmsnorm_dgamma_kernel(float* dgamma, const T* dy, const T* x, const float* rstd,
+                                      std::int64_t rows, std::int64_t cols) {
+  __shared__ float pg[kRowLanes][kColTile];
+  const std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * kColTile + threadIdx.x;
+  float ag = 0;
+  if (c < cols) {
+    for (std::int64_t r = threadIdx.y; r < rows; r += kRowLanes) {
+      ag += to_f(dy[r * cols + c]) * to_f(x[r * cols + c]) * rstd[r];
+    }
+  }
+  pg[threadIdx.y][threadIdx.x] = ag;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float g = pg[0][threadIdx.x];
+    for (int k = 1; k < kRowLanes; ++k) g += pg[k][threadIdx.x];
+    dgamma[c] = g;
+  }
+}
+
+__device__ inline float sigmoidf(float a) {
+  return 1.0f / (1.0f + expf(-a));
+}
+
+template <typename T>
+__global__ void swiglu_kernel(T* y, const T* x, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const float a = to_f(x[2 * i]), b = to_f(x[2 * i + 1]);
+    y[i] = from_f<T>(a * sigmoidf(a) * b);
+  }
+}
+
+template <typename T>
+__global__ void swiglu_backward_kernel(T* dx, const T* dy, const T* x, std::int64_t n) {
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const float a = to_f(x[2 * i]), b = to_f(x[2 * i + 1]), sa = sigmoidf(a), g = to_f(dy[i]);
+    dx[2 * i] = from_f<T>(g * b * sa * (1.0f + a * (1.0f - sa)));
+    dx[2 * i + 1] = from_f<T>(g * a * sa);
+  }
+}
+
 // ---- attention -----------------------------------------------------------------------------------------
 
 // One block per (sample, head, query or key position); the block's threads first take one key (or query)
@@ -438,13 +517,16 @@ __device__ inline AttnIndex attn_index(const AttentionShape& a) {
   return ix;
 }
 
-// Where a token's q (part 0), k (1) or v (2) of head h starts in qkv, and its row of out.
+// Where a token's q (part 0) of head h, or the k (1) or v (2) of h's group, starts in qkv: each group's q
+// heads, then its k and v (common/rank.h).
 template <typename T>
 __device__ inline const T* qkv_at(const T* qkv, const AttentionShape& a, std::int64_t pos, std::int64_t b,
                                   int h, int part) {
   const std::int64_t row = pos * a.batch + b;
-  return qkv + row * (static_cast<std::int64_t>(a.heads) * 3 * a.head_dim) +
-         (static_cast<std::int64_t>(h) * 3 + part) * a.head_dim;
+  const int per_group = a.heads / a.kv_heads, group = h / per_group;
+  const std::int64_t first = static_cast<std::int64_t>(group) * (per_group + 2);
+  const std::int64_t head = part == 0 ? first + h % per_group : first + per_group + part - 1;
+  return qkv + row * (static_cast<std::int64_t>(a.heads + 2 * a.kv_heads) * a.head_dim) + head * a.head_dim;
 }
 template <typename T>
 __device__ inline std::int64_t out_offset(const AttentionShape& a, std::int64_t pos, std::int64_t b, int h) {
@@ -562,58 +644,87 @@ __global__ void attention_dq_kernel(T* dqkv, float* delta_out, const T* dout, co
   }
 }
 
+// One block per (sample, key-value head, key position): the sums run over every query of every q head of
+// the group.
 template <typename T>
 __global__ void attention_dkv_kernel(T* dqkv, const float* delta, const T* dout, const T* qkv,
                                      const float* lse, AttentionShape a, float scale) {
   extern __shared__ float smem[];
-  float* kv = smem;                    // [head_dim]: this key
-  float* vv = kv + a.head_dim;         // [head_dim]: its value
-  float* p = vv + a.head_dim;          // [kAttnTile]
-  float* ds = p + kAttnTile;           // [kAttnTile]
-  const AttnIndex ix = attn_index(a);  // ix.pos is the key's position here
+  float* kv = smem;             // [head_dim]: this key
+  float* vv = kv + a.head_dim;  // [head_dim]: its value
+  float* p = vv + a.head_dim;   // [kAttnTile]
+  float* ds = p + kAttnTile;    // [kAttnTile]
+  const std::int64_t id = blockIdx.x;
+  const std::int64_t pos = id % a.seq, b = id / (static_cast<std::int64_t>(a.seq) * a.kv_heads);
+  const int group = static_cast<int>((id / a.seq) % a.kv_heads), per_group = a.heads / a.kv_heads;
   const int tid = threadIdx.x;
-  const T* krow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 1);
-  const T* vrow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 2);
+  const T* krow = qkv_at(qkv, a, pos, b, group * per_group, 1);
+  const T* vrow = qkv_at(qkv, a, pos, b, group * per_group, 2);
   for (int d = tid; d < a.head_dim; d += blockDim.x) {
     kv[d] = to_f(krow[d]);
     vv[d] = to_f(vrow[d]);
   }
   __syncthreads();
-  const std::int64_t stats = (ix.b * a.heads + ix.h) * a.seq;
   // Under the causal mask only queries at or after the key see it.
-  const std::int64_t first = a.causal ? ix.pos : 0;
+  const std::int64_t first = a.causal ? pos : 0;
   float acc_k[kDimsPerThread], acc_v[kDimsPerThread];
   for (int k = 0; k < kDimsPerThread; ++k) acc_k[k] = acc_v[k] = 0;
-  for (std::int64_t i0 = first; i0 < a.seq; i0 += kAttnTile) {
-    const std::int64_t i = i0 + tid;
-    float pi = 0, dsi = 0;
-    if (i < a.seq) {
-      pi = expf(dot(kv, qkv_at(qkv, a, i, ix.b, ix.h, 0), a.head_dim) * scale - lse[stats + i]);
-      const float dpi = dot(vv, dout + out_offset<T>(a, i, ix.b, ix.h), a.head_dim);
-      dsi = pi * (dpi - delta[stats + i]);
-    }
-    p[tid] = pi;
-    ds[tid] = dsi;
-    __syncthreads();
-    const int n = static_cast<int>(a.seq - i0 < kAttnTile ? a.seq - i0 : kAttnTile);
-    for (int k = 0; k < kDimsPerThread; ++k) {
-      const int d = tid + k * kAttnTile;
-      if (d >= a.head_dim) break;
-      for (int t = 0; t < n; ++t) {
-        acc_v[k] += p[t] * to_f(dout[out_offset<T>(a, i0 + t, ix.b, ix.h) + d]);
-        acc_k[k] += ds[t] * to_f(qkv_at(qkv, a, i0 + t, ix.b, ix.h, 0)[d]);
+  for (int h = group * per_group; h < (group + 1) * per_group; ++h) {
+    const std::int64_t stats = (b * a.heads + h) * a.seq;
+    for (std::int64_t i0 = first; i0 < a.seq; i0 += kAttnTile) {
+      const std::int64_t i = i0 + tid;
+      float pi = 0, dsi = 0;
+      if (i < a.seq) {
+        pi = expf(dot(kv, qkv_at(qkv, a, i, b, h, 0), a.head_dim) * scale - lse[stats + i]);
+        const float dpi = dot(vv, dout + out_offset<T>(a, i, b, h), a.head_dim);
+        dsi = pi * (dpi - delta[stats + i]);
       }
+      p[tid] = pi;
+      ds[tid] = dsi;
+      __syncthreads();
+      const int n = static_cast<int>(a.seq - i0 < kAttnTile ? a.seq - i0 : kAttnTile);
+      for (int k = 0; k < kDimsPerThread; ++k) {
+        const int d = tid + k * kAttnTile;
+        if (d >= a.head_dim) break;
+        for (int t = 0; t < n; ++t) {
+          acc_v[k] += p[t] * to_f(dout[out_offset<T>(a, i0 + t, b, h) + d]);
+          acc_k[k] += ds[t] * to_f(qkv_at(qkv, a, i0 + t, b, h, 0)[d]);
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
-  T* dk = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, ix.pos, ix.b, ix.h, 1));
-  T* dv = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, ix.pos, ix.b, ix.h, 2));
+  T* dk = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, pos, b, group * per_group, 1));
+  T* dv = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, pos, b, group * per_group, 2));
   for (int k = 0; k < kDimsPerThread; ++k) {
     const int d = tid + k * kAttnTile;
     if (d < a.head_dim) {
       dk[d] = from_f<T>(scale * acc_k[k]);
       dv[d] = from_f<T>(acc_v[k]);
     }
+  }
+}
+
+// Rotary embeddings: one thread per (row, rotated head, pair).
+template <typename T>
+__global__ void rope_kernel(T* qkv, AttentionShape a, std::int64_t first_position, double base, bool inverse,
+                            std::int64_t n) {
+  const int half = a.head_dim / 2, rotated = a.heads + a.kv_heads, per_group = a.heads / a.kv_heads;
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const int pair = static_cast<int>(i % half);
+    const int head = static_cast<int>((i / half) % rotated);
+    const std::int64_t row = i / (static_cast<std::int64_t>(half) * rotated);
+    // The q heads first, then each group's k.
+    const int h = head < a.heads ? head : (head - a.heads) * per_group;
+    T* x = const_cast<T*>(
+        qkv_at(static_cast<const T*>(qkv), a, row / a.batch, row % a.batch, h, head < a.heads ? 0 : 1));
+    const double angle =
+        static_cast<double>(first_position + row / a.batch) * pow(base, -2.0 * pair / a.head_dim);
+    const float c = static_cast<float>(cos(angle)),
+                sn = static_cast<float>(inverse ? -sin(angle) : sin(angle));
+    const float x1 = to_f(x[pair]), x2 = to_f(x[pair + half]);
+    x[pair] = from_f<T>(x1 * c - x2 * sn);
+    x[pair + half] = from_f<T>(x2 * c + x1 * sn);
   }
 }
 
@@ -868,6 +979,65 @@ void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, c
   check_launch("layernorm_backward kernel launch");
 }
 
+void rmsnorm(void* y, float* rstd, const void* x, DType t, const void* gamma, std::int64_t rows,
+             std::int64_t cols, float eps, cudaStream_t s) {
+  if (rows == 0 || cols == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    rmsnorm_kernel<T><<<row_blocks(rows, "rmsnorm"), kThreads, 0, s>>>(
+        static_cast<T*>(y), rstd, static_cast<const T*>(x), static_cast<const T*>(gamma), cols, eps);
+  });
+  check_launch("rmsnorm kernel launch");
+}
+
+void rmsnorm_backward(void* dx, float* dgamma, const void* dy, const void* x, DType t, const void* gamma,
+                      const float* rstd, std::int64_t rows, std::int64_t cols, cudaStream_t s) {
+  if (cols == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    if (rows > 0) {
+      rmsnorm_dx_kernel<T><<<row_blocks(rows, "rmsnorm_backward"), kThreads, 0, s>>>(
+          static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x),
+          static_cast<const T*>(gamma), rstd, cols);
+      check_launch("rmsnorm_backward kernel launch");
+    }
+    rmsnorm_dgamma_kernel<T><<<column_blocks(cols), dim3(kColTile, kRowLanes), 0, s>>>(
+        dgamma, static_cast<const T*>(dy), static_cast<const T*>(x), rstd, rows, cols);
+  });
+  check_launch("rmsnorm_backward kernel launch");
+}
+
+void swiglu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    swiglu_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(y), static_cast<const T*>(x), n);
+  });
+  check_launch("swiglu kernel launch");
+}
+
+void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    swiglu_backward_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(
+        static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x), n);
+  });
+  check_launch("swiglu_backward kernel launch");
+}
+
+void rope(void* qkv, DType t, const AttentionShape& a, std::int64_t first_position, double base, bool inverse,
+          cudaStream_t s) {
+  const std::int64_t n = a.seq * a.batch * (a.heads + a.kv_heads) * (a.head_dim / 2);
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    rope_kernel<T>
+        <<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(qkv), a, first_position, base, inverse, n);
+  });
+  check_launch("rope kernel launch");
+}
+
 void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s) {
   if (n == 0) return;
   dispatch(t, [&](auto tag) {
@@ -925,8 +1095,11 @@ void attention_backward(void* dqkv, float* delta, const void* dout, const void* 
         static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv),
         static_cast<const T*>(out), lse, a, scale);
     check_launch("attention_backward kernel launch");
-    attention_dkv_kernel<T><<<grid, kAttnTile, shared, s>>>(
-        static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv), lse, a, scale);
+    // One block per (sample, key-value head, key).
+    attention_dkv_kernel<T>
+        <<<row_blocks(a.batch * a.kv_heads * a.seq, "attention_backward"), kAttnTile, shared, s>>>(
+            static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv), lse, a,
+            scale);
   });
   check_launch("attention_backward kernel launch");
 }

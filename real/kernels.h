@@ -55,6 +55,14 @@ void layernorm(void* y, float* mean, float* rstd, const void* x, DType t, const 
 void layernorm_backward(void* dx, float* dgamma, float* dbeta, const void* dy, const void* x, DType t,
                         const void* gamma, DType param_t, const float* mean, const float* rstd,
                         std::int64_t rows, std::int64_t cols, cudaStream_t s);
+// y = x * rstd * gamma per row, rstd = 1 / sqrt(mean(x^2) + eps); gamma has x's dtype.
+void rmsnorm(void* y, float* rstd, const void* x, DType t, const void* gamma, std::int64_t rows,
+             std::int64_t cols, float eps, cudaStream_t s);
+void rmsnorm_backward(void* dx, float* dgamma, const void* dy, const void* x, DType t, const void* gamma,
+                      const float* rstd, std::int64_t rows, std::int64_t cols, cudaStream_t s);
+// y[i] = silu(x[2i]) x[2i + 1] over n outputs, and its backward into dx (2n).
+void swiglu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
+void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
 // y = x * keep / (1 - p) over [rows, cols], keep = dropout_keeps(seed, first_row + i, j, p).
@@ -66,9 +74,13 @@ constexpr int kMaxHeadDim = 512;
 struct AttentionShape {
   std::int64_t seq = 0, batch = 0;
   int heads = 0, head_dim = 0;
+  int kv_heads = 0;  // groups of heads / kv_heads query heads share a k and a v (common/rank.h)
   bool causal = false;
 };
 void attention(void* out, float* lse, const void* qkv, DType t, const AttentionShape& a, cudaStream_t s);
+// Rotary embeddings in place on qkv's q heads and each group's k (common/rank.h, Rank::rope_).
+void rope(void* qkv, DType t, const AttentionShape& a, std::int64_t first_position, double base, bool inverse,
+          cudaStream_t s);
 // `delta` is float32 scratch of batch * heads * seq: each query's sum of d out * out.
 void attention_backward(void* dqkv, float* delta, const void* dout, const void* qkv, const void* out,
                         const float* lse, DType t, const AttentionShape& a, cudaStream_t s);

@@ -191,10 +191,10 @@ KernelCost ComputeModel::flash_attention_cost(const AttentionShape& a, bool back
   if (backward) flops *= 2.5;  // five GEMMs instead of two (FlashAttention-2 paper, section 4.1)
   const double e = static_cast<double>(dtype_bytes(dtype));
   const double tokens = d(a.batch * a.seq);
-  const double width = d(a.heads * a.head_dim);
+  const double q = d(a.heads * a.head_dim), kv = d(2 * a.groups() * a.head_dim);  // per token
   // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d qkv.
-  const double bytes = backward ? e * tokens * width * 8 + 4.0 * tokens * d(a.heads)
-                                : e * tokens * width * 4 + 4.0 * tokens * d(a.heads);
+  const double bytes = backward ? e * tokens * (2 * (q + kv) + 2 * q) + 4.0 * tokens * d(a.heads)
+                                : e * tokens * (q + kv + q) + 4.0 * tokens * d(a.heads);
   if (dtype == DType::Float32) return kernel_cost(flops, bytes, dtype);
   return {flops / (peak_tflops(dtype) * 1e6 * efficiency), memory_us(bytes)};
 }

@@ -33,6 +33,8 @@ struct AttentionShape {
   std::int64_t heads = 1, head_dim = 0;
   bool causal = false;
   float dropout = 0;  // attention-dropout probability (Megatron-LM: 0.1); > 0 adds the unfused dropout passes
+  std::int64_t kv_heads = 0;  // key-value heads (grouped-query attention); 0: heads
+  std::int64_t groups() const { return kv_heads > 0 ? kv_heads : heads; }
 };
 
 // One way cuBLAS can run a 16-bit GEMM: output tiles of tile_m x tile_n, each tile's k-loop split over

@@ -63,10 +63,18 @@ class SimRank : public Rank {
   Tensor gelu(const Tensor& x) override;
   Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
   Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) override;
-  AttentionOut attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
-                         AttentionKernel kernel) override;
+  using Rank::attention;
+  using Rank::attention_backward;
+  AttentionOut attention(const Tensor& qkv, const AttentionSpec& spec) override;
   Tensor attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
-                            std::int64_t batch, int heads, bool causal, AttentionKernel kernel) override;
+                            const AttentionSpec& spec) override;
+  void rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
+             bool inverse) override;
+  RmsNormOut rmsnorm(const Tensor& x, const Tensor& gamma, float eps) override;
+  RmsNormGrads rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                const Tensor& rstd) override;
+  Tensor swiglu(const Tensor& x) override;
+  Tensor swiglu_backward(const Tensor& dy, const Tensor& x) override;
   Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
   void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
                            std::int64_t vocab_start) override;

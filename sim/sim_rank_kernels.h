@@ -59,10 +59,13 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
                          kAdamw = "adamw_step", kFusedAdamw = "fused_adamw_step", kAddBias = "add_bias_",
                          kSumRows = "sum_rows", kLayernorm = "layernorm",
                          kLayernormBackward = "layernorm_backward", kGelu = "gelu",
-                         kGeluBackward = "gelu_backward", kDropout = "dropout", kAttention = "attention",
-                         kAttentionBackward = "attention_backward", kEmbedding = "embedding",
-                         kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
-                         kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
+                         kGeluBackward = "gelu_backward", kRmsnorm = "rmsnorm",
+                         kRmsnormBackward = "rmsnorm_backward", kSwiglu = "swiglu",
+                         kSwigluBackward = "swiglu_backward", kRope = "rope_", kDropout = "dropout",
+                         kAttention = "attention", kAttentionBackward = "attention_backward",
+                         kEmbedding = "embedding", kEmbeddingBackward = "embedding_backward_",
+                         kRowMax = "row_max", kSoftmaxStats = "softmax_stats",
+                         kCrossEntropyLoss = "cross_entropy_loss",
                          kCrossEntropyBackward = "cross_entropy_backward";
 
 // Splits a shape around `dim` into [outer, dim, inner] so slicing and concatenation are block copies.

@@ -229,21 +229,33 @@ Tensor SimRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int64
 }
 
 namespace {
-// The shape of an attention call, from qkv [seq * batch, heads * 3 * head_dim].
+// The shape of an attention call, from qkv [seq * batch, (heads + 2 kv_heads) * head_dim].
 struct AttnDims {
-  std::int64_t seq, batch, heads, head_dim, width;  // width: heads * 3 * head_dim
-  // Column of element d of head h's q (part 0), k (1) or v (2).
-  std::int64_t col(std::int64_t h, int part, std::int64_t d) const { return (h * 3 + part) * head_dim + d; }
+  AttnDims(const Tensor& qkv, const AttentionSpec& spec)
+      : seq(qkv.size(0) / spec.batch),
+        batch(spec.batch),
+        heads(spec.heads),
+        per_group(spec.heads / spec.groups()),
+        head_dim(qkv.size(1) / (spec.heads + 2 * spec.groups())),
+        width(qkv.size(1)) {}
+  std::int64_t seq, batch, heads, per_group, head_dim, width;
+  // Column of element d of head h's q (part 0), or of the k (1) or v (2) its group shares.
+  std::int64_t col(std::int64_t h, int part, std::int64_t d) const {
+    const std::int64_t group = h / per_group, first = group * (per_group + 2);
+    return (part == 0 ? first + h % per_group : first + per_group + part - 1) * head_dim + d;
+  }
   std::int64_t row(std::int64_t pos, std::int64_t b) const { return pos * batch + b; }
 };
 }  // namespace
 
-Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int heads, bool causal,
-                                      AttentionKernel kernel) {
+Rank::AttentionOut SimRank::attention(const Tensor& qkv, const AttentionSpec& spec) {
   const char* op = "attention";
   require(qkv, op, "qkv");
-  check_attention(rank_, op, qkv, batch, heads);
-  const AttnDims a{qkv.size(0) / batch, batch, heads, qkv.size(1) / (3 * heads), qkv.size(1)};
+  check_attention(rank_, op, qkv, spec);
+  const std::int64_t batch = spec.batch, heads = spec.heads;
+  const bool causal = spec.causal;
+  const AttentionKernel kernel = spec.kernel;
+  const AttnDims a(qkv, spec);
   AttentionOut o;
   o.out = allocate(Shape{qkv.size(0), a.heads * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
   o.lse = allocate(Shape{batch, heads, a.seq}, DType::Float32, qkv.phantom(), op);
@@ -283,7 +295,7 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, std::int64_t batch, int
     }
     round_to_dtype(o.out);
   }
-  const AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f};
+  const AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()};
   if (kernel == AttentionKernel::Unfused) {
     o.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
   }
@@ -300,15 +312,16 @@ void SimRank::launch_attention(const std::string& name, const AttentionShape& sh
 }
 
 Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                                   const Tensor& lse, std::int64_t batch, int heads, bool causal,
-                                   AttentionKernel kernel) {
+                                   const Tensor& lse, const AttentionSpec& spec) {
   const char* op = "attention_backward";
   require(dout, op, "dout");
   require(qkv, op, "qkv");
   require(out, op, "out");
   require(lse, op, "lse");
-  check_attention_backward(rank_, dout, qkv, out, lse, batch, heads);
-  const AttnDims a{qkv.size(0) / batch, batch, heads, qkv.size(1) / (3 * heads), qkv.size(1)};
+  check_attention_backward(rank_, dout, qkv, out, lse, spec);
+  const std::int64_t batch = spec.batch, heads = spec.heads;
+  const bool causal = spec.causal;
+  const AttnDims a(qkv, spec);
   const std::int64_t out_w = a.heads * a.head_dim;
   const bool ph = dout.phantom() || qkv.phantom() || out.phantom() || lse.phantom();
   Tensor dqkv = allocate(qkv.shape(), qkv.dtype(), ph, op);
@@ -352,9 +365,166 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
     }
     round_to_dtype(dqkv);
   }
-  launch_attention(kAttentionBackward, AttentionShape{batch, a.seq, heads, a.head_dim, causal, 0.0f}, kernel,
+  launch_attention(kAttentionBackward,
+                   AttentionShape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()}, spec.kernel,
                    true, qkv.dtype());
   return dqkv;
+}
+
+void SimRank::rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
+                    bool inverse) {
+  const char* op = "rope_";
+  require(qkv, op, "qkv");
+  check_rope(rank_, qkv, spec, first_position, base);
+  before_kernel({&qkv}, op);
+  const AttnDims a(qkv, spec);
+  if (!qkv.phantom()) {
+    float* QKV = sim_data(qkv);
+    const std::int64_t half = a.head_dim / 2, groups = spec.groups();
+    // Each q head and each group's k, in every row.
+    std::vector<std::int64_t> starts;
+    for (std::int64_t h = 0; h < a.heads; ++h) starts.push_back(a.col(h, 0, 0));
+    for (std::int64_t g = 0; g < groups; ++g) starts.push_back(a.col(g * a.per_group, 1, 0));
+    for (std::int64_t r = 0; r < qkv.size(0); ++r) {
+      const double pos = static_cast<double>(first_position + r / a.batch);
+      for (std::int64_t i = 0; i < half; ++i) {
+        const double angle =
+            pos * std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim));
+        const float c = static_cast<float>(std::cos(angle));
+        const float sn = static_cast<float>(inverse ? -std::sin(angle) : std::sin(angle));
+        for (std::int64_t start : starts) {
+          float* x = QKV + r * a.width + start;
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * c - x2 * sn;
+          x[i + half] = x2 * c + x1 * sn;
+        }
+      }
+    }
+    round_to_dtype(qkv);
+  }
+  // Reads and writes the q and k columns.
+  const double rotated = static_cast<double>(qkv.size(0)) * (spec.heads + spec.groups()) * a.head_dim;
+  launch_kernel_cost(kRope, world_.compute().memory_cost(2 * rotated * dtype_bytes(qkv.dtype())));
+}
+
+Rank::RmsNormOut SimRank::rmsnorm(const Tensor& x, const Tensor& gamma, float eps) {
+  const char* op = "rmsnorm";
+  require(x, op, "x");
+  require(gamma, op, "gamma");
+  check_rmsnorm(rank_, x, gamma, eps);
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  const bool ph = x.phantom() || gamma.phantom();
+  RmsNormOut o;
+  o.y = allocate(x.shape(), x.dtype(), ph, op);
+  o.rstd = allocate(Shape{rows}, DType::Float32, ph, op);
+  before_kernel({&x, &gamma}, op);
+  if (!ph) {
+    const float *X = cdata(x), *G = cdata(gamma);
+    float *Y = sim_data(o.y), *R = sim_data(o.rstd);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const float* xr = X + r * cols;
+      double ss = 0;
+      for (std::int64_t c = 0; c < cols; ++c) ss += static_cast<double>(xr[c]) * xr[c];
+      const float rstd = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(cols) + eps));
+      R[r] = rstd;
+      for (std::int64_t c = 0; c < cols; ++c) Y[r * cols + c] = xr[c] * rstd * G[c];
+    }
+    round_to_dtype(o.y);
+  }
+  launch_kernel_cost(kRmsnorm, world_.compute().memory_cost(bytes_of(x) + bytes_of(gamma) + bytes_of(o.y) +
+                                                            bytes_of(o.rstd)));
+  return o;
+}
+
+Rank::RmsNormGrads SimRank::rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
+                                             const Tensor& rstd) {
+  const char* op = "rmsnorm_backward";
+  require(dy, op, "dy");
+  require(x, op, "x");
+  require(gamma, op, "gamma");
+  require(rstd, op, "rstd");
+  check_rmsnorm_backward(rank_, dy, x, gamma, rstd);
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  const bool ph = dy.phantom() || x.phantom() || gamma.phantom() || rstd.phantom();
+  RmsNormGrads g;
+  g.dx = allocate(x.shape(), x.dtype(), ph, op);
+  g.dgamma = allocate(Shape{cols}, DType::Float32, ph, op);
+  before_kernel({&dy, &x, &gamma, &rstd}, op);
+  if (!ph) {
+    const float *DY = cdata(dy), *X = cdata(x), *G = cdata(gamma), *R = cdata(rstd);
+    float* DX = sim_data(g.dx);
+    std::vector<double> dgamma(static_cast<size_t>(cols), 0.0);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      // y = xhat gamma with xhat = x rstd: dx = rstd (dxhat - xhat mean(dxhat xhat)), dxhat = dy gamma.
+      double dot = 0;
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::int64_t i = r * cols + c;
+        const double xhat = static_cast<double>(X[i]) * R[r];
+        dot += static_cast<double>(DY[i]) * G[c] * xhat;
+        dgamma[c] += static_cast<double>(DY[i]) * xhat;
+      }
+      const double mean = dot / static_cast<double>(cols);
+      for (std::int64_t c = 0; c < cols; ++c) {
+        const std::int64_t i = r * cols + c;
+        const double xhat = static_cast<double>(X[i]) * R[r];
+        DX[i] = static_cast<float>(R[r] * (static_cast<double>(DY[i]) * G[c] - xhat * mean));
+      }
+    }
+    for (std::int64_t c = 0; c < cols; ++c) sim_data(g.dgamma)[c] = static_cast<float>(dgamma[c]);
+    round_to_dtype(g.dx);
+  }
+  launch_kernel_cost(kRmsnormBackward,
+                     world_.compute().memory_cost(bytes_of(dy) + bytes_of(x) + bytes_of(gamma) +
+                                                  bytes_of(rstd) + bytes_of(g.dx) + bytes_of(g.dgamma)));
+  return g;
+}
+
+namespace {
+float sigmoid(float a) {
+  return 1.0f / (1.0f + std::exp(-a));
+}
+}  // namespace
+
+Tensor SimRank::swiglu(const Tensor& x) {
+  const char* op = "swiglu";
+  require(x, op, "x");
+  check_swiglu(rank_, x);
+  const std::int64_t rows = x.size(0), f = x.size(1) / 2;
+  Tensor y = allocate(Shape{rows, f}, x.dtype(), x.phantom(), op);
+  before_kernel({&x}, op);
+  if (!y.phantom()) {
+    const float* X = cdata(x);
+    float* Y = sim_data(y);
+    for (std::int64_t i = 0; i < rows * f; ++i) {
+      const float a = X[2 * i], b = X[2 * i + 1];
+      Y[i] = a * sigmoid(a) * b;
+    }
+    round_to_dtype(y);
+  }
+  launch_kernel_cost(kSwiglu, world_.compute().memory_cost(bytes_of(x) + bytes_of(y)));
+  return y;
+}
+
+Tensor SimRank::swiglu_backward(const Tensor& dy, const Tensor& x) {
+  const char* op = "swiglu_backward";
+  require(dy, op, "dy");
+  require(x, op, "x");
+  check_swiglu_backward(rank_, dy, x);
+  Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), op);
+  before_kernel({&dy, &x}, op);
+  if (!dx.phantom()) {
+    const float *X = cdata(x), *DY = cdata(dy);
+    float* DX = sim_data(dx);
+    for (std::int64_t i = 0; i < dy.numel(); ++i) {
+      const float a = X[2 * i], b = X[2 * i + 1], sa = sigmoid(a);
+      DX[2 * i] = DY[i] * b * sa * (1.0f + a * (1.0f - sa));  // d silu(a) / da
+      DX[2 * i + 1] = DY[i] * a * sa;
+    }
+    round_to_dtype(dx);
+  }
+  launch_kernel_cost(kSwigluBackward,
+                     world_.compute().memory_cost(bytes_of(dy) + bytes_of(x) + bytes_of(dx)));
+  return dx;
 }
 
 namespace {

@@ -81,9 +81,18 @@ TEST(ComputeChecks, Dropout) {
 TEST(ComputeChecks, Attention) {
   EXPECT_ERROR(
       r.attention(r.zeros({6, 10}), 2, 1, true),
-      "rank 1: attention: qkv must be [seq * batch, heads * 3 * head_dim]; got float32[6, 10] with batch "
-      "2 and 1 heads");
-  EXPECT_ERROR(r.attention(r.zeros({6, 12}), 0, 1, true), "with batch 0 and 1 heads");
+      "rank 1: attention: qkv must be [seq * batch, (heads + 2 kv_heads) * head_dim]; got float32[6, 10] "
+      "with batch 2, 1 heads and 1 key-value heads");
+  EXPECT_ERROR(r.attention(r.zeros({6, 12}), 0, 1, true), "with batch 0, 1 heads");
+  EXPECT_ERROR(r.attention(r.zeros({6, 12}), AttentionSpec{2, 4, 3, true}),
+               "rank 1: attention: 4 heads cannot share 3 key-value heads");
+  // Grouped: 4 heads sharing 2 kv heads take (4 + 2 * 2) head_dim columns.
+  EXPECT_ERROR(r.attention(r.zeros({6, 12}), AttentionSpec{2, 4, 2, true}), "qkv must be");
+  EXPECT_ERROR(r.rope_(r.zeros({6, 3}), AttentionSpec{2, 1, 1, true}, 0, 10000, false),
+               "rank 1: rope_: head_dim 1 is odd");
+  EXPECT_ERROR(r.rope_(r.zeros({6, 12}), AttentionSpec{2, 1, 1, true}, -1, 10000, false),
+               "first_position must be >= 0");
+  EXPECT_ERROR(r.rope_(r.zeros({6, 12}), AttentionSpec{2, 1, 1, true}, 0, 1.0, false), "base must be");
   EXPECT_ERROR(r.attention(r.zeros({6, 12}), 4, 1, true), "rank 1: attention: qkv must be");
   // qkv [seq 3 * batch 2, 2 heads * 3 * head_dim 2]: out is [6, 4], lse [2, 2, 3].
   EXPECT_ERROR(
@@ -96,6 +105,17 @@ TEST(ComputeChecks, Attention) {
   EXPECT_ERROR(r.attention_backward(r.zeros({6, 4}), r.zeros({6, 12}), r.zeros({6, 4}, DType::BFloat16),
                                     r.zeros({2, 2, 3}), 2, 2, true),
                "rank 1: attention_backward: dtypes differ");
+}
+
+TEST(ComputeChecks, RmsNormAndSwiGlu) {
+  EXPECT_ERROR(r.rmsnorm(r.zeros({4, 6}), r.zeros({5}), 1e-5f),
+               "rank 1: rmsnorm: 'gamma' is float32[5]; expected shape [6] (the columns of x)");
+  EXPECT_ERROR(r.rmsnorm(r.zeros({4, 6}), r.zeros({6}), -1.0f), "rank 1: rmsnorm: eps must be >= 0");
+  EXPECT_ERROR(r.rmsnorm_backward(r.zeros({4, 6}), r.zeros({4, 6}), r.zeros({6}), r.zeros({3})),
+               "rank 1: rmsnorm_backward: 'rstd' is float32[3]; expected shape [4] (the rows of x)");
+  EXPECT_ERROR(r.swiglu(r.zeros({4, 5})), "rank 1: swiglu: x is float32[4, 5]; its columns must be pairs");
+  EXPECT_ERROR(r.swiglu_backward(r.zeros({4, 4}), r.zeros({4, 6})),
+               "rank 1: swiglu_backward: 'dy' is float32[4, 4]; expected shape [4, 3]");
 }
 
 TEST(ComputeChecks, Embedding) {

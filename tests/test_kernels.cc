@@ -378,6 +378,142 @@ TEST(Attention, ForwardAndBackwardMatchTheReference) {
   }
 }
 
+// Grouped-query attention is multi-head attention whose heads of a group read the same k and v: its
+// numbers are those of the multi-head call on qkv with each group's k and v copied to each of its heads.
+Doubles expand_groups(const Doubles& qkv, int rows, int heads, int groups, int hd) {
+  const int per = heads / groups, width = (heads + 2 * groups) * hd;
+  Doubles out(static_cast<std::size_t>(rows * heads * 3 * hd));
+  for (int r = 0; r < rows; ++r) {
+    for (int h = 0; h < heads; ++h) {
+      const int g = h / per, first = g * (per + 2);
+      for (int part = 0; part < 3; ++part) {
+        const int from = part == 0 ? first + h % per : first + per + part - 1;
+        for (int d = 0; d < hd; ++d) {
+          out[(r * heads + h) * 3 * hd + part * hd + d] = qkv[r * width + from * hd + d];
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(Attention, GroupedQueryAttentionSharesEachGroupsKeysAndValues) {
+  for (const AttnCase& c : {AttnCase{4, 2, 4, 2, true}, AttnCase{3, 1, 6, 4, false}}) {
+    for (int groups : {1, 2}) {
+      const int rows = c.seq * c.batch, width = (c.heads + 2 * groups) * c.hd, out_w = c.heads * c.hd;
+      const Values qkv = random_values(rows * width, 40), w = random_values(rows * out_w, 41);
+      const AttentionSpec spec{c.batch, c.heads, groups, c.causal};
+      auto got = on_one_rank<std::vector<Values>>([&](Rank& r) {
+        Tensor x = r.from_host({rows, width}, qkv);
+        Rank::AttentionOut o = r.attention(x, spec);
+        Tensor d = r.attention_backward(r.from_host({rows, out_w}, w), x, o.out, o.lse, spec);
+        return std::vector<Values>{r.to_host(o.out), r.to_host(d)};
+      });
+      const std::string what = fmt::format("{} heads in {} groups, causal {}", c.heads, groups, c.causal);
+      auto ref = [&](const Doubles& v) {
+        return attention_ref(expand_groups(v, rows, c.heads, groups, c.hd), c.seq, c.batch, c.heads, c.hd,
+                             c.causal);
+      };
+      const Doubles xd = to_doubles(qkv);
+      expect_near_all(got[0], ref(xd), 1e-5, "out " + what);
+      expect_near_all(got[1], fd_grad(ref, xd, w), 1e-4, "dqkv " + what);
+    }
+  }
+}
+
+Doubles rope_ref(const Doubles& qkv, int rows, int batch, int heads, int groups, int hd, int first,
+                 double base) {
+  const int per = heads / groups, width = (heads + 2 * groups) * hd, half = hd / 2;
+  Doubles out = qkv;
+  for (int r = 0; r < rows; ++r) {
+    for (int g = 0; g < groups; ++g) {
+      for (int j = 0; j < per + 1; ++j) {  // the group's q heads and its k
+        const int col = (g * (per + 2) + j) * hd;
+        for (int i = 0; i < half; ++i) {
+          const double a = (first + r / batch) * std::pow(base, -2.0 * i / hd);
+          const double x1 = qkv[r * width + col + i], x2 = qkv[r * width + col + i + half];
+          out[r * width + col + i] = x1 * std::cos(a) - x2 * std::sin(a);
+          out[r * width + col + i + half] = x2 * std::cos(a) + x1 * std::sin(a);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(Kernels, RotaryEmbeddingsRotateQAndKAndInvertTheirGradient) {
+  const int seq = 3, batch = 2, heads = 4, groups = 2, hd = 4, rows = seq * batch;
+  const int width = (heads + 2 * groups) * hd, first = 5;
+  const double base = 10000;
+  const Values qkv = random_values(rows * width, 50), w = random_values(rows * width, 51);
+  const AttentionSpec spec{batch, heads, groups, true};
+  auto got = on_one_rank<std::vector<Values>>([&](Rank& r) {
+    Tensor x = r.from_host({rows, width}, qkv), g = r.from_host({rows, width}, w);
+    r.rope_(x, spec, first, base, false);
+    r.rope_(g, spec, first, base, true);  // the backward: the gradient rotated back
+    Tensor back = r.from_host({rows, width}, r.to_host(x));
+    r.rope_(back, spec, first, base, true);
+    return std::vector<Values>{r.to_host(x), r.to_host(g), r.to_host(back)};
+  });
+  const Doubles xd = to_doubles(qkv);
+  auto ref = [&](const Doubles& v) { return rope_ref(v, rows, batch, heads, groups, hd, first, base); };
+  expect_near_all(got[0], ref(xd), 1e-5, "rope");
+  expect_near_all(got[1], fd_grad(ref, xd, w), 1e-4, "rope's backward");
+  expect_near_all(got[2], xd, 1e-5, "rope then its inverse");
+}
+
+Doubles rmsnorm_ref(const Doubles& x, const Doubles& gamma, int rows, int cols, double eps) {
+  Doubles y(x.size());
+  for (int r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int c = 0; c < cols; ++c) ss += x[r * cols + c] * x[r * cols + c];
+    const double rstd = 1 / std::sqrt(ss / cols + eps);
+    for (int c = 0; c < cols; ++c) y[r * cols + c] = x[r * cols + c] * rstd * gamma[c];
+  }
+  return y;
+}
+
+TEST(Kernels, RmsNormForwardAndBackward) {
+  const int rows = 3, cols = 5;
+  const float eps = 1e-5f;
+  const Values x = random_values(rows * cols, 60, 2.0f), gamma = random_values(cols, 61),
+               w = random_values(rows * cols, 62);
+  auto got = on_one_rank<std::vector<Values>>([&](Rank& r) {
+    Tensor xt = r.from_host({rows, cols}, x), g = r.from_host({cols}, gamma);
+    Rank::RmsNormOut o = r.rmsnorm(xt, g, eps);
+    Rank::RmsNormGrads d = r.rmsnorm_backward(r.from_host({rows, cols}, w), xt, g, o.rstd);
+    return std::vector<Values>{r.to_host(o.y), r.to_host(d.dx), r.to_host(d.dgamma)};
+  });
+  const Doubles xd = to_doubles(x), gd = to_doubles(gamma);
+  expect_near_all(got[0], rmsnorm_ref(xd, gd, rows, cols, eps), 1e-5, "y");
+  expect_near_all(got[1],
+                  fd_grad([&](const Doubles& v) { return rmsnorm_ref(v, gd, rows, cols, eps); }, xd, w), 1e-4,
+                  "dx");
+  expect_near_all(got[2],
+                  fd_grad([&](const Doubles& v) { return rmsnorm_ref(xd, v, rows, cols, eps); }, gd, w), 1e-4,
+                  "dgamma");
+}
+
+Doubles swiglu_ref(const Doubles& x) {
+  Doubles y(x.size() / 2);
+  for (std::size_t i = 0; i < y.size(); ++i) {
+    const double a = x[2 * i], b = x[2 * i + 1];
+    y[i] = a / (1 + std::exp(-a)) * b;
+  }
+  return y;
+}
+
+TEST(Kernels, SwiGluForwardAndBackward) {
+  const Values x = random_values(24, 70, 2.0f), w = random_values(12, 71);
+  auto got = on_one_rank<std::vector<Values>>([&](Rank& r) {
+    Tensor xt = r.from_host({4, 6}, x);
+    return std::vector<Values>{r.to_host(r.swiglu(xt)),
+                               r.to_host(r.swiglu_backward(r.from_host({4, 3}, w), xt))};
+  });
+  expect_near_all(got[0], swiglu_ref(to_doubles(x)), 1e-6, "swiglu");
+  expect_near_all(got[1], fd_grad(swiglu_ref, to_doubles(x), w), 1e-5, "swiglu_backward");
+}
+
 TEST(Attention, EachHeadReadsItsOwnInterleavedQKV) {
   const int seq = 3, batch = 2, heads = 2, hd = 2, width = heads * 3 * hd, rows = seq * batch;
   Values qkv = random_values(rows * width, 40);
@@ -431,7 +567,9 @@ TEST(Attention, CausalFirstPositionIsItsOwnValuePerSample) {
 TEST(Attention, BadShapesNameRankOperationAndShape) {
   const std::string msg = run_error_message(1, [](Rank& r) { r.attention(r.zeros({6, 10}), 2, 2, true); });
   EXPECT_NE(
-      msg.find("rank 0: attention: qkv must be [seq * batch, heads * 3 * head_dim]; got float32[6, 10]"),
+      msg.find(
+          "rank 0: attention: qkv must be [seq * batch, (heads + 2 kv_heads) * head_dim]; got float32[6, "
+          "10]"),
       std::string::npos)
       << msg;
 }

@@ -891,6 +891,42 @@ TEST(CudaBackend, AttentionMatchesAHostReference) {
   });
 }
 
+TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
+  REQUIRE_GPU();
+  // RMSNorm, SwiGLU, rotary embeddings and grouped-query attention (a head_dim over the block's 128 threads,
+  // more keys than one tile), forward and backward, on both backends from the same seeded inputs.
+  for (DType t : {DType::Float32, DType::BFloat16}) {
+    const Both b = run_both(1, [t](Rank& r) {
+      std::vector<float> all;
+      auto keep = [&](const Tensor& x) {
+        const std::vector<float> v = r.to_host(x);
+        all.insert(all.end(), v.begin(), v.end());
+      };
+      Tensor x = r.randn({6, 136}, 51, 1.0f, t), g = r.randn({136}, 52, 1.0f, t),
+             dy = r.randn({6, 136}, 53, 1.0f, t);
+      Rank::RmsNormOut n = r.rmsnorm(x, g, 1e-5f);
+      Rank::RmsNormGrads dn = r.rmsnorm_backward(dy, x, g, n.rstd);
+      keep(n.y), keep(n.rstd), keep(dn.dx), keep(dn.dgamma);
+      Tensor u = r.randn({6, 136}, 54, 1.0f, t);
+      keep(r.swiglu(u)), keep(r.swiglu_backward(r.randn({6, 68}, 55, 1.0f, t), u));
+      for (const AttentionSpec spec : {AttentionSpec{2, 4, 2, true}, AttentionSpec{1, 3, 1, false}}) {
+        const std::int64_t seq = spec.batch == 2 ? 70 : 140, hd = 130, rows = seq * spec.batch;
+        Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 56, 1.0f, t);
+        r.rope_(qkv, spec, 3, 500000.0, false);
+        keep(qkv);
+        Rank::AttentionOut o = r.attention(qkv, spec);
+        Tensor d =
+            r.attention_backward(r.randn({rows, spec.heads * hd}, 57, 1.0f, t), qkv, o.out, o.lse, spec);
+        r.rope_(d, spec, 3, 500000.0, true);
+        keep(o.out), keep(o.lse), keep(d);
+      }
+      return all;
+    });
+    const double tol = t == DType::Float32 ? 1e-4 : 5e-2;
+    expect_close(b, std::string("llama kernels ") + dtype_name(t), tol, tol);
+  }
+}
+
 TEST(CudaBackend, VocabParallelEmbeddingAndCrossEntropyMatchHostReferences) {
   REQUIRE_GPU();
   on_gpu([](Rank& r) {
