@@ -84,16 +84,30 @@ Settings lesson_settings(const Question& q, const Layout& l) {
   auto text = [](std::int64_t v) { return std::to_string(v); };
   Settings s = gpt::framework_settings(q.framework);
   s["framework"] = q.framework;
-  s.merge(Settings{{"world", text(q.world())}, {"model", q.model == "custom" ? "" : q.model},
-                   {"layers", text(q.layers)}, {"hidden", text(q.hidden)},
-                   {"heads", text(q.heads)},   {"seq", text(q.seq)},
-                   {"vocab", text(q.vocab)},   {"global-batch", text(q.global_batch)},
-                   {"dtype", q.dtype},         {"micro-batch", text(l.micro_batch)},
-                   {"tp", text(l.tp)},         {"pp", text(l.pp)},
-                   {"dp", text(l.dp)},         {"interleave", text(l.v)},
-                   {"zero", text(l.zero)},     {"seq-parallel", l.sp ? "true" : "false"},
-                   {"recompute", l.recompute}, {"order", l.order},
-                   {"phantom", "true"},        {"steps", "1"},
+  s.merge(Settings{{"world", text(q.world())},
+                   {"model", q.model == "custom" ? "" : q.model},
+                   {"block", q.block},
+                   {"kv-heads", text(q.kv_heads)},
+                   {"ffn-hidden", text(q.ffn_hidden)},
+                   {"rope-theta", fmt::format("{}", q.rope_theta)},
+                   {"layers", text(q.layers)},
+                   {"hidden", text(q.hidden)},
+                   {"heads", text(q.heads)},
+                   {"seq", text(q.seq)},
+                   {"vocab", text(q.vocab)},
+                   {"global-batch", text(q.global_batch)},
+                   {"dtype", q.dtype},
+                   {"micro-batch", text(l.micro_batch)},
+                   {"tp", text(l.tp)},
+                   {"pp", text(l.pp)},
+                   {"dp", text(l.dp)},
+                   {"interleave", text(l.v)},
+                   {"zero", text(l.zero)},
+                   {"seq-parallel", l.sp ? "true" : "false"},
+                   {"recompute", l.recompute},
+                   {"order", l.order},
+                   {"phantom", "true"},
+                   {"steps", "1"},
                    {"quiet", "true"}});
   return s;
 }
@@ -138,7 +152,37 @@ struct MemoryBound {
   double forward_bytes = 0, backward_bytes = 0;
 };
 
+// The llama block's: two RMSNorms, the rotation of q and k, SwiGLU and two residual adds, no biases.
+MemoryBound llama_memory_bound_bytes(const gpt::Config& c) {
+  const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
+  const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
+  const double h = static_cast<double>(c.hidden), d = c.head_dim();
+  const double a = static_cast<double>(c.heads) / c.tp, g = static_cast<double>(c.kv()) / c.tp;
+  const double f = static_cast<double>(c.ffn()) / c.tp;
+  const double stream = lr * h * dt;
+  // rmsnorm reads x and gamma and writes y and rstd (float32 per row); its backward reads dy, x, gamma and
+  // rstd and writes dx and dgamma (float32).
+  const double norm_fwd = 2 * stream + h * dt + lr * f32;
+  const double norm_bwd = 3 * stream + h * dt + lr * f32 + h * f32;
+  const double rope = 2 * R * (a + g) * d * dt;  // reads and writes q and k
+  const double add = 3 * stream;
+  MemoryBound b;
+  // Forward: two norms, the rotation, swiglu (reads [R, 2f], writes [R, f]), two residual adds.
+  b.forward_bytes = 2 * norm_fwd + rope + 3 * R * f * dt + 2 * add;
+  // Backward: two norm backwards, the rotation back, swiglu's backward (reads dy and u, writes du), two
+  // residual adds.
+  b.backward_bytes = 2 * norm_bwd + rope + 5 * R * f * dt + 2 * add;
+  const double weights = (h * (a + 2 * g) * d + a * d * h + 3 * h * f);
+  if (c.zero <= 1 || c.dp == 1) {
+    b.backward_bytes += weights * (2 * f32 + dt);
+  } else if (c.reduce_dtype != c.dtype) {
+    b.backward_bytes += weights * (dt + static_cast<double>(dtype_bytes(c.reduce_dtype)));
+  }
+  return b;
+}
+
 MemoryBound memory_bound_bytes(const gpt::Config& c) {
+  if (c.llama()) return llama_memory_bound_bytes(c);
   const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
   const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
   const double h = static_cast<double>(c.hidden), hl = h / c.tp;
@@ -200,7 +244,10 @@ double StepBound::us(const gpt::Config& c) {
   struct Gemm {
     std::int64_t in, out;
   };
-  const Gemm linears[] = {{h, 3 * h / t}, {h / t, h}, {h, 4 * h / t}, {4 * h / t, h}};  // qkv, proj, fc1, fc2
+  // qkv, proj, fc1, fc2 (llama: wqkv, wo, w13, w2)
+  const std::int64_t hd = c.head_dim(), qkv = (c.heads + 2 * std::int64_t{c.kv()}) * hd / t;
+  const Gemm linears[] = {
+      {h, qkv}, {c.heads * hd / t, h}, {h, (c.llama() ? 2 : 1) * c.ffn() / t}, {c.ffn() / t, h}};
   double forward_us = 0, backward_us = 0;
   // With --tp-comm-overlap the forward GEMMs and the input gradients' run as tp GEMMs of R / tp rows each,
   // the pieces the ring passes on (TensorParallel's rings); the weight gradients stay whole.
@@ -212,7 +259,8 @@ double StepBound::us(const gpt::Config& c) {
     forward_us += rows_gemm_us(g.out, g.in);
     backward_us += k.gemm_us(g.in, g.out, R, d) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
   }
-  const sim::AttentionShape attention{c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, 0.0f};
+  const sim::AttentionShape attention{c.micro_batch, c.seq, c.heads / t, c.head_dim(),
+                                      true,          0.0f,  c.kv() / t};
   const double attention_fwd = k.attention_us(attention, c.attention, false, d);
   backward_us += k.attention_us(attention, c.attention, true, d);
   const MemoryBound mem = memory_bound_bytes(c);
@@ -318,8 +366,8 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
     return comm_us(CommOp::ReduceScatter, padded_elements(p) * dtype_bytes(c.reduce_dtype), dp_ranks);
   };
   double block_gathers = 0, block_reductions = 0;
-  for (int q = 0; q < gpt::kBlockParams; ++q) {
-    const parallel::ParamSpec p = gpt::block_spec(c, 0, static_cast<gpt::BlockParam>(q));
+  for (int q = 0; q < gpt::block_params(c); ++q) {
+    const parallel::ParamSpec p = gpt::block_spec(c, 0, q);
     block_gathers += gather_us(p);
     block_reductions += reduce_us(p);
   }
@@ -331,7 +379,23 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   // the output layer or the embedding when its chunk holds them.
   double last = lpc * (block_gathers + block_reductions);
   const parallel::ParamSpec wte = gpt::other_spec(c, gpt::kWte), wpe = gpt::other_spec(c, gpt::kWpe),
-                            lnf_g = gpt::other_spec(c, gpt::kLnfG), lnf_b = gpt::other_spec(c, gpt::kLnfB);
+                            lnf_g = gpt::other_spec(c, gpt::kLnfG), lnf_b = gpt::other_spec(c, gpt::kLnfB),
+                            output = gpt::other_spec(c, gpt::kOutput);
+  if (c.llama()) {
+    // The word embedding gathered forward and its gradient reduced per micro-batch on the first stage; the
+    // final norm's and the output layer's gathered forward and backward and reduced on the last.
+    if (stage == 0) {
+      total += m * (gather_us(wte) + reduce_us(wte));
+      last += reduce_us(wte);
+    }
+    if (stage == c.pp - 1) {
+      const double gathers = gather_us(lnf_g) + gather_us(output),
+                   reductions = reduce_us(lnf_g) + reduce_us(output);
+      total += m * (2 * gathers + reductions);
+      if (c.v == 1) last += gathers + reductions;
+    }
+    return total - last;
+  }
   if (stage == 0) {
     // Per micro-batch: the word and position embeddings gathered forward; both gradients reduced.
     const double reductions = reduce_us(wte) + reduce_us(wpe);

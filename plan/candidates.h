@@ -45,7 +45,11 @@ namespace ranklab::plan {
 // What is asked: a model shape and batch on `profile.nodes` nodes of a profile.
 struct Question {
   std::string model = "custom";  // the preset that filled the shape, or "custom"
+  std::string block = "gpt";     // gpt's --block
   int layers = 2, hidden = 64, heads = 4, seq = 16;
+  int kv_heads = 0;  // the llama block's --kv-heads, --ffn-hidden and --rope-theta
+  std::int64_t ffn_hidden = 0;
+  double rope_theta = 10000;
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
   // The framework whose overlaps the layouts run with (gpt's --framework).

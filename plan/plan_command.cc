@@ -54,8 +54,9 @@ const OptionTable<Request>& request_options() {
 }
 
 const std::vector<std::string>& shape_flags() {
-  static const std::vector<std::string> flags = {"model", "layers", "hidden",       "heads",
-                                                 "seq",   "vocab",  "global-batch", "dtype"};
+  static const std::vector<std::string> flags = {"model", "block",    "layers",       "hidden",
+                                                 "heads", "kv-heads", "ffn-hidden",   "rope-theta",
+                                                 "seq",   "vocab",    "global-batch", "dtype"};
   return flags;
 }
 
@@ -74,9 +75,13 @@ Question make_question(const Request& r) {
   if (c.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", c.hidden));
   Question q;
   q.model = c.model_name();
+  q.block = gpt::block_name(c.block);
   q.layers = c.layers;
   q.hidden = c.hidden;
   q.heads = c.heads;
+  q.kv_heads = c.kv_heads;
+  q.ffn_hidden = c.ffn_hidden;
+  q.rope_theta = c.rope_theta;
   q.seq = c.seq;
   q.vocab = c.vocab;
   q.global_batch = c.global_batch;

@@ -83,12 +83,17 @@ std::string bytes(std::int64_t b) {
 }  // namespace
 
 std::string describe_question(const Question& q) {
+  const std::string heads =
+      q.block == "llama"
+          ? fmt::format("{} heads ({} key-value), SwiGLU {}", q.heads, q.kv_heads > 0 ? q.kv_heads : q.heads,
+                        q.ffn_hidden > 0 ? q.ffn_hidden : 4 * std::int64_t{q.hidden})
+          : fmt::format("{} heads", q.heads);
   return fmt::format(
-      "{}{} layers, hidden {}, {} heads, seq {}, vocab {}; global batch {}; {} on {} x {} ({}, {} node{}); "
+      "{}{}{} layers, hidden {}, {}, seq {}, vocab {}; global batch {}; {} on {} x {} ({}, {} node{}); "
       "{}",
-      q.model == "custom" ? "" : q.model + ": ", q.layers, q.hidden, q.heads, q.seq, q.vocab, q.global_batch,
-      q.dtype, q.world(), q.profile.gpu.name, q.profile.name, q.profile.nodes,
-      q.profile.nodes == 1 ? "" : "s", q.framework);
+      q.model == "custom" ? "" : q.model + ": ", q.block == "llama" ? "llama block, " : "", q.layers,
+      q.hidden, heads, q.seq, q.vocab, q.global_batch, q.dtype, q.world(), q.profile.gpu.name, q.profile.name,
+      q.profile.nodes, q.profile.nodes == 1 ? "" : "s", q.framework);
 }
 
 std::string format_counts(const Plan& p) {
@@ -292,6 +297,10 @@ std::string plan_to_json(const Plan& p) {
   const Question& q = p.question;
   nlohmann::json j;
   j["question"] = {{"model", q.model},
+                   {"block", q.block},
+                   {"kv_heads", q.kv_heads},
+                   {"ffn_hidden", q.ffn_hidden},
+                   {"rope_theta", q.rope_theta},
                    {"layers", q.layers},
                    {"hidden", q.hidden},
                    {"heads", q.heads},

@@ -69,7 +69,7 @@ fi
 
 # The gpt lesson's shape and layout flags reach the lesson, and a preset fills only what was not given.
 expect 0 "layout: tp 2 x pp 2 x dp 2, zero 1, recompute full" run gpt --world 8 --tp 2 --pp 2 --zero 1 --recompute full --global-batch 8 --micro-batch 1 --steps 1
-expect 0 "gpt llama3-70b: 3 layers, hidden 8192, 64 heads, seq 8192, vocab 128256" run gpt --model llama3-70b --layers 3 --world 8 --tp 8 --global-batch 1 --micro-batch 1 --steps 1 --phantom
+expect 0 "gpt llama3-70b: llama block, 3 layers, hidden 8192, 64 heads (8 key-value), SwiGLU 28672, seq 8192, vocab 128256" run gpt --model llama3-70b --layers 3 --world 8 --tp 8 --global-batch 1 --micro-batch 1 --steps 1 --phantom
 expect 1 "--model: no preset called 'gpt5'; the presets are: gpt3-125m" run gpt --model gpt5
 expect 0 "symmetric run: 2 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric
 expect 0 "symmetric run: 4 of 8 ranks ran, the others mirrored them" run gpt --world 8 --tp 2 --pp 2 --global-batch 8 --micro-batch 1 --steps 1 --phantom --symmetric=tp

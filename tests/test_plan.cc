@@ -81,6 +81,33 @@ TEST(Plan, NoSimulatedStepBeatsItsLowerBound) {
   EXPECT_GT(p.pruned, 0);  // the bound does its work on this question
 }
 
+// The llama block: its shapes bound every layout and its winner trains equal to one device.
+TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
+  Request r;
+  r.shape["block"] = "llama";
+  r.shape["layers"] = option_text(4);
+  r.shape["hidden"] = option_text(64);
+  r.shape["heads"] = option_text(4);
+  r.shape["kv-heads"] = option_text(2);
+  r.shape["ffn-hidden"] = option_text(96);
+  r.shape["seq"] = option_text(16);
+  r.shape["vocab"] = option_text(128);
+  r.shape["global-batch"] = option_text(16);
+  const Question q = make_question(r);
+  EXPECT_NE(describe_question(q).find("llama block, 4 layers, hidden 64, 4 heads (2 key-value), SwiGLU 96"),
+            std::string::npos)
+      << describe_question(q);
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan p = search(q, all);
+  ASSERT_FALSE(p.ranked().empty());
+  for (const Result* res : p.ranked()) {
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  }
+  const RunReport rep = run_gpt(q, p.ranked()[0]->candidate.layout, false);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
 // Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
 // the bound: every layout simulated, none faster than its bound, and the pruned search finds the same
 // winner.
@@ -88,24 +115,32 @@ TEST(Plan, TheBoundHoldsAcrossNodesAndPruningKeepsTheWinner) {
 #if defined(RANKLAB_SANITIZE)
   GTEST_SKIP() << "hundreds of simulations: the ordinary build runs it";
 #endif
-  Request r;
-  r.shape["layers"] = option_text(4);
-  r.shape["hidden"] = option_text(512);
-  r.shape["heads"] = option_text(8);
-  r.shape["seq"] = option_text(512);
-  r.shape["vocab"] = option_text(4096);
-  r.shape["global-batch"] = option_text(8);
-  r.nodes = 2;
-  r.max_interleave = 2;
-  const Question q = make_question(r);
-  SearchOptions all = quiet();
-  all.prune = false;
-  const Plan every = search(q, all), pruned = search(q, quiet());
-  ASSERT_GT(every.simulated, 100);
-  for (const Result* res : every.ranked())
-    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
-  EXPECT_LT(pruned.simulated, every.simulated);
-  EXPECT_EQ(pruned.ranked().at(0)->candidate.name, every.ranked().at(0)->candidate.name);
+  for (const char* block : {"gpt", "llama"}) {
+    SCOPED_TRACE(block);
+    Request r;
+    r.shape["block"] = block;
+    r.shape["layers"] = option_text(4);
+    r.shape["hidden"] = option_text(512);
+    r.shape["heads"] = option_text(8);
+    if (std::string(block) == "llama") {
+      r.shape["kv-heads"] = option_text(4);
+      r.shape["ffn-hidden"] = option_text(1408);
+    }
+    r.shape["seq"] = option_text(512);
+    r.shape["vocab"] = option_text(4096);
+    r.shape["global-batch"] = option_text(8);
+    r.nodes = 2;
+    r.max_interleave = 2;
+    const Question q = make_question(r);
+    SearchOptions all = quiet();
+    all.prune = false;
+    const Plan every = search(q, all), pruned = search(q, quiet());
+    ASSERT_GT(every.simulated, 100);
+    for (const Result* res : every.ranked())
+      EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+    EXPECT_LT(pruned.simulated, every.simulated);
+    EXPECT_EQ(pruned.ranked().at(0)->candidate.name, every.ranked().at(0)->candidate.name);
+  }
 }
 
 TEST(Plan, AcceptedLayoutsFitAndRejectedOnesRunOutOfMemory) {

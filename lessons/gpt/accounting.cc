@@ -17,6 +17,18 @@ Flops step_flops(const Config& c) {
   const double B = static_cast<double>(c.global_batch), s = c.seq, L = c.layers, h = c.hidden,
                V = static_cast<double>(c.vocab);
   Flops f;
+  if (c.llama()) {
+    // Per token and layer, forward: 2 FLOPs per weight of wqkv (h x (a + 2 g) d), wo (a d x h) and the
+    // three SwiGLU matrices (3 h f), and attention's two products over s keys (4 s a d = 4 s h, counted
+    // whole as for GPT); the output layer 2 h V. Backward twice the forward.
+    const double d = c.head_dim(), a = c.heads, g = c.kv(), ffn = static_cast<double>(c.ffn());
+    const double layer = 2 * (h * (a + 2 * g) * d + a * d * h + 3 * h * ffn) + 4 * s * a * d;
+    f.model = 3 * B * s * (L * layer + 2 * h * V);
+    f.hardware = f.model;
+    if (c.recompute == Recompute::Full) f.hardware += B * s * L * layer;
+    if (c.recompute == Recompute::Selective) f.hardware += B * s * L * 4 * s * a * d;
+    return f;
+  }
   f.model = 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L));
   f.hardware = f.model;
   if (c.recompute == Recompute::Full) f.hardware += B * s * L * h * h * (24 + 4 * s / h);

@@ -10,7 +10,10 @@
 //
 // which is 6 N tokens plus attention (N ~ 12 L h^2 + V h). Attention is counted whole (s^2), not causal
 // (s^2 / 2), as the paper does. Hardware FLOPs add what recomputation runs again: a block's forward for
-// --recompute full, the attention core (4 B s^2 h per layer) for selective.
+// --recompute full, the attention core (4 B s^2 h per layer) for selective. The llama block counts its
+// own matrices the same way: per token and layer 2 h (a + 2 g) d for wqkv with a heads and g key-value
+// heads of d features, 2 a d h for wo and 6 h f for SwiGLU's three, plus 4 s h of attention, and 2 h V for
+// its output layer (the embedding is a lookup).
 //
 // Memory per rank: parameters at 2 + 4 bytes (16-bit copy, float32 master), float32 gradients, Adam's two
 // float32 moments, each sharded as ZeRO says (parallel/zero.h); activations: what each micro-batch keeps

@@ -24,6 +24,10 @@ const char* recompute_name(Recompute r) {
   return "?";
 }
 
+const char* block_name(Block b) {
+  return b == Block::Llama ? "llama" : "gpt";
+}
+
 std::string Config::layout() const {
   std::string s =
       fmt::format("tp {}{} x pp {}{} x dp {}, zero {}, recompute {}, {}", tp,
@@ -41,6 +45,11 @@ std::string Config::layout() const {
 }
 
 std::string Config::shape() const {
+  if (llama()) {
+    return fmt::format(
+        "llama block, {} layers, hidden {}, {} heads ({} key-value), SwiGLU {}, seq {}, vocab {}", layers,
+        hidden, heads, kv(), ffn(), seq, vocab);
+  }
   return fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq, vocab);
 }
 
@@ -55,9 +64,18 @@ const OptionTable<Config>& options_table() {
       Option<O>("model", &O::model,
                 "a preset that fills the shape flags (gpt3-175b, llama3-70b, ...; a wrong name lists them)")
           .expands(preset_settings),
+      Option<O>("block", &O::block,
+                "the transformer block: gpt (layernorm, GELU MLP, biases, learned positions, tied output) or "
+                "llama (RMSNorm, SwiGLU, grouped-query attention, rotary positions, untied output)",
+                {{"gpt", Block::Gpt}, {"llama", Block::Llama}}),
       Option<O>("layers", &O::layers, "transformer blocks").at_least(1),
       Option<O>("hidden", &O::hidden, "model width").at_least(1),
       Option<O>("heads", &O::heads, "attention heads (divisible by --tp)").at_least(1),
+      Option<O>("kv-heads", &O::kv_heads,
+                "llama: key-value heads of grouped-query attention, dividing --heads (0: --heads)")
+          .at_least(0),
+      Option<O>("ffn-hidden", &O::ffn_hidden, "llama: the SwiGLU MLP's width (0: 4 x --hidden)").at_least(0),
+      Option<O>("rope-theta", &O::rope_theta, "llama: the rotary embeddings' base").above(1),
       Option<O>("seq", &O::seq, "sequence length").at_least(1),
       Option<O>("vocab", &O::vocab, "vocabulary size (divisible by --tp)").at_least(1),
       Option<O>("global-batch", &O::global_batch, "sequences per step").at_least(1),
@@ -101,7 +119,8 @@ const OptionTable<Config>& options_table() {
       Option<O>("steps", &O::steps, "training steps, each checked against one device").at_least(1),
       Option<O>("lr", &O::lr, "AdamW's learning rate").above(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
-      break_option<O>(&O::broken, {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row"}),
+      break_option<O>(&O::broken,
+                      {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "no-rope-backward"}),
   });
   return table;
 }
@@ -126,6 +145,53 @@ void check_products(const Config& c) {
   product(c.vocab, c.hidden, "--vocab x --hidden (the embedding)");
   product(product(product(12, c.hidden, "12 x --hidden"), c.hidden, "12 x --hidden^2"), c.layers,
           "12 x --hidden^2 x --layers (the blocks' parameters)");
+  product(product(product(3, c.ffn(), "3 x --ffn-hidden"), c.hidden, "3 x --ffn-hidden x --hidden"), c.layers,
+          "3 x --ffn-hidden x --hidden x --layers (the MLPs' parameters)");
+}
+
+// The block's own flags, each refused where the block has nothing it sets.
+void resolve_block(const Config& c) {
+  if (!c.llama()) {
+    if (c.kv_heads > 0 && c.kv_heads != c.heads) {
+      throw UsageError(
+          fmt::format("gpt: --kv-heads {}: the gpt block's attention gives every head its own keys and "
+                      "values; grouped-query "
+                      "attention is the llama block's (--block llama)",
+                      c.kv_heads));
+    }
+    if (c.ffn_hidden > 0 && c.ffn_hidden != 4 * std::int64_t{c.hidden}) {
+      throw UsageError(
+          fmt::format("gpt: --ffn-hidden {}: the gpt block's MLP is 4 x --hidden = {} wide; a width "
+                      "of its own is the llama block's (--block llama)",
+                      c.ffn_hidden, 4 * std::int64_t{c.hidden}));
+    }
+    return;
+  }
+  if (c.kv_heads > c.heads || c.heads % c.kv() != 0) {
+    throw UsageError(
+        fmt::format("gpt: --kv-heads {} does not divide --heads {}: each key-value head serves a "
+                    "group of heads / kv-heads query heads",
+                    c.kv(), c.heads));
+  }
+  if (c.kv() % c.tp != 0) {
+    throw UsageError(fmt::format(
+        "gpt: --kv-heads {} is not divisible by --tp {}: tensor parallelism gives each rank whole groups of "
+        "query heads with their key-value head (copying key-value heads across ranks, as Megatron-Core does "
+        "when tp exceeds them, is not built)",
+        c.kv(), c.tp));
+  }
+  if (c.ffn() % c.tp != 0) {
+    throw UsageError(
+        fmt::format("gpt: --ffn-hidden {} is not divisible by --tp {}: each rank holds ffn/tp of the "
+                    "SwiGLU MLP's columns",
+                    c.ffn(), c.tp));
+  }
+  if (c.head_dim() % 2 != 0) {
+    throw UsageError(
+        fmt::format("gpt: --hidden {} / --heads {} = {} features per head is odd; rotary "
+                    "embeddings rotate pairs of them",
+                    c.hidden, c.heads, c.head_dim()));
+  }
 }
 
 // The overlap flags checked against the layout. A framework's tp-comm-overlap applies where the layout
@@ -197,6 +263,7 @@ Config resolve(Config c, int world) {
     c.dp = static_cast<int>(world / model_ranks);
   }
   check_products(c);
+  resolve_block(c);
   if (c.heads % c.tp != 0) {
     throw UsageError(
         fmt::format("gpt: --heads {} is not divisible by --tp {}: tensor parallelism gives each "

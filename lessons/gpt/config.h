@@ -15,9 +15,20 @@ namespace ranklab::gpt {
 enum class Recompute { None, Selective, Full };
 const char* recompute_name(Recompute r);
 
+// The transformer block. gpt: GPT-2/3's (Radford et al. 2019): layernorm, multi-head attention, a 4h GELU
+// MLP, biases, learned positions, the output layer tied to the embedding. llama: Llama's (Touvron et al.
+// 2023; Dubey et al. 2024): RMSNorm, grouped-query attention (--kv-heads) with rotary positions, a SwiGLU
+// MLP (--ffn-hidden), no biases, an output layer of its own.
+enum class Block { Gpt, Llama };
+const char* block_name(Block b);
+
 struct Config : LessonOptions {
   std::string model;  // the preset that filled the shape ("gpt3-175b"), or "" for none
+  Block block = Block::Gpt;
   int layers = 2, hidden = 64, heads = 4, seq = 16;
+  int kv_heads = 0;             // llama: key-value heads (0: --heads)
+  std::int64_t ffn_hidden = 0;  // llama: SwiGLU's width (0: 4 hidden, as GPT's MLP)
+  double rope_theta = 10000;    // llama: the rotary embeddings' base
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
   int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp pp), which resolve() sets
   int v = 1;                   // model chunks per pipeline rank (--interleave)
@@ -44,13 +55,16 @@ struct Config : LessonOptions {
   std::int64_t micro_batches() const { return global_batch / (micro_batch * dp); }  // m, per pipeline
   int layers_per_chunk() const { return layers / (pp * v); }
   int head_dim() const { return hidden / heads; }
+  bool llama() const { return block == Block::Llama; }
+  int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
+  std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width
   std::int64_t rows() const { return seq * micro_batch; }  // tokens of a micro-batch
   // Rows a rank holds between tensor-parallel pairs: all of them, or 1/tp with sequence parallelism.
   std::int64_t local_rows() const { return seq_parallel ? rows() / tp : rows(); }
   std::int64_t tokens_per_step() const { return global_batch * seq; }
   // "tp 8 (seq-parallel) x pp 8 (interleave 2) x dp 24, zero 1, recompute none, bf16"
   std::string layout() const;
-  // "96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200"
+  // "96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200" (llama: with its key-value heads and MLP)
   std::string shape() const;
 };
 

@@ -19,7 +19,55 @@ std::string layer_name(int layer, const char* what) {
 }
 }  // namespace
 
-ParamSpec block_spec(const Config& c, int layer, BlockParam which) {
+int block_params(const Config& c) {
+  return c.llama() ? kLlamaParams : kBlockParams;
+}
+
+namespace {
+ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
+  static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2"};
+  const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.ffn();
+  const float residual_std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
+  ParamSpec s;
+  s.name = layer_name(layer, names[which]);
+  s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + 32 + which;
+  switch (which) {
+    case kNorm1:
+    case kNorm2:
+      s.full = Shape{h};
+      s.decay = false;
+      s.sp_partial = true;
+      s.value = 1.0f;
+      break;
+    case kWqkv:
+      s.full = Shape{h, (c.heads + 2 * std::int64_t{c.kv()}) * hd};
+      s.tp_dim = 1;
+      s.std = kStd;
+      break;
+    case kWo:
+      s.full = Shape{c.heads * hd, h};
+      s.tp_dim = 0;
+      s.std = residual_std;
+      break;
+    case kW13:
+      s.full = Shape{h, 2 * f};
+      s.tp_dim = 1;
+      s.std = kStd;
+      break;
+    case kW2:
+      s.full = Shape{f, h};
+      s.tp_dim = 0;
+      s.std = residual_std;
+      break;
+    default:
+      break;
+  }
+  return s;
+}
+}  // namespace
+
+ParamSpec block_spec(const Config& c, int layer, int which) {
+  if (c.llama()) return llama_spec(c, layer, static_cast<LlamaParam>(which));
   static const char* names[kBlockParams] = {"ln1 gamma",   "ln1 beta",  "qkv weight", "qkv bias",
                                             "proj weight", "proj bias", "ln2 gamma",  "ln2 beta",
                                             "fc1 weight",  "fc1 bias",  "fc2 weight", "fc2 bias"};
@@ -36,7 +84,7 @@ ParamSpec block_spec(const Config& c, int layer, BlockParam which) {
     s.sp_partial = true;
     s.value = value;
   };
-  switch (which) {
+  switch (static_cast<BlockParam>(which)) {
     case kLn1G:
     case kLn2G:
       norm(1.0f);
@@ -101,7 +149,13 @@ ParamSpec other_spec(const Config& c, OtherParam which) {
       s.full = Shape{c.vocab, h};
       s.tp_dim = 0;
       s.std = kStd;
-      s.tied = true;
+      s.tied = !c.llama();
+      break;
+    case kOutput:
+      s.name = "output layer";
+      s.full = Shape{c.vocab, h};
+      s.tp_dim = 0;
+      s.std = kStd;
       break;
     case kWpe:
       s.name = "position embedding";
@@ -128,8 +182,25 @@ ParamSpec other_spec(const Config& c, OtherParam which) {
   return s;
 }
 
+bool has_other(const Config& c, OtherParam which) {
+  switch (which) {
+    case kWpe:
+    case kLnfB:
+      return !c.llama();
+    case kOutput:
+      return c.llama();
+    default:
+      return true;
+  }
+}
+
 std::int64_t parameter_count(const Config& c) {
   const std::int64_t h = c.hidden;
+  if (c.llama()) {
+    const std::int64_t attention =
+        h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() + c.heads * c.head_dim() * h;
+    return c.layers * (attention + 3 * h * c.ffn() + 2 * h) + 2 * c.vocab * h + h;
+  }
   return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h;
 }
 
@@ -148,7 +219,17 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
   const std::int64_t dt = dtype_bytes(c.dtype), r = c.rows(), lr = c.local_rows();
   const std::int64_t h = c.hidden, hl = h / c.tp, heads = c.heads / c.tp;
   std::int64_t block = lr * h * dt;  // x, the block's input: all that full recomputation keeps
-  if (c.recompute != Recompute::Full) {
+  if (c.llama() && c.recompute != Recompute::Full) {
+    const std::int64_t hd = c.head_dim(), f = c.ffn() / c.tp, kv = c.kv() / c.tp;
+    block += 2 * lr * 4                        // the two RMSNorms' reciprocal deviations, float32
+             + 3 * lr * h * dt                 // y1, x1, y2
+             + r * (heads + 2 * kv) * hd * dt  // qkv (rotated)
+             + r * 2 * f * dt + r * f * dt;    // w13's output u and swiglu(u)
+    if (c.recompute == Recompute::None) {
+      block += r * heads * hd * dt + 4 * r * heads;  // attention out and lse
+      if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
+    }
+  } else if (c.recompute != Recompute::Full) {
     block += 4 * lr * 4              // layernorm means and reciprocal deviations, float32
              + 3 * lr * h * dt       // y1, x1, y2 (local rows: 1/tp of them with sequence parallelism)
              + r * 3 * hl * dt       // qkv
@@ -161,8 +242,8 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
   }
   std::int64_t total = layers * block;
   if (head) {
-    total += 2 * lr * h * dt + 2 * lr * 4              // x, y, mean, rstd of the final layernorm
-             + r * (c.vocab / c.tp) * dt + 3 * r * 4;  // logits, row max, softmax statistics
+    total += 2 * lr * h * dt + (c.llama() ? 1 : 2) * lr * 4  // x, y and the statistics of the final norm
+             + r * (c.vocab / c.tp) * dt + 3 * r * 4;        // logits, row max, softmax statistics
   }
   return total;
 }
@@ -263,15 +344,20 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
   for (int k = c.v - 1; k >= 0; --k) {
     const int vs = k * c.pp + stage;
     if (vs == c.pp * c.v - 1) {  // the head
-      out.push_back(other(kLnfB));
-      out.push_back(other(kLnfG));
-      if (stage != 0) out.push_back(other(kWte));  // else final after the embedding's backward
+      if (c.llama()) {
+        out.push_back(other(kOutput));
+        out.push_back(other(kLnfG));
+      } else {
+        out.push_back(other(kLnfB));
+        out.push_back(other(kLnfG));
+        if (stage != 0) out.push_back(other(kWte));  // else final after the embedding's backward
+      }
     }
     for (int layer = (vs + 1) * lpc - 1; layer >= vs * lpc; --layer) {
-      for (int q = kBlockParams - 1; q >= 0; --q) out.push_back({q, layer});
+      for (int q = block_params(c) - 1; q >= 0; --q) out.push_back({q, layer});
     }
     if (vs == 0) {  // the embedding
-      out.push_back(other(kWpe));
+      if (!c.llama()) out.push_back(other(kWpe));
       out.push_back(other(kWte));
     }
   }
@@ -279,7 +365,7 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
 }
 
 ParamSpec param_spec(const Config& c, ParamId id) {
-  return id.kind < kBlockParams ? block_spec(c, id.layer, static_cast<BlockParam>(id.kind))
+  return id.kind < kBlockParams ? block_spec(c, id.layer, id.kind)
                                 : other_spec(c, static_cast<OtherParam>(id.kind - kBlockParams));
 }
 
@@ -295,6 +381,8 @@ Param& Model::param(ParamId id) {
       return wpe_;
     case kLnfG:
       return lnf_g_;
+    case kOutput:
+      return output_;
     default:
       return lnf_b_;
   }
@@ -310,28 +398,31 @@ std::vector<Model::Named> Model::named_params() {
   std::vector<Named> out;
   for (Chunk& ch : chunks_) {
     for (Block& b : ch.blocks) {
-      for (int k = 0; k < kBlockParams; ++k) out.push_back({k, b.layer, &b.p[k]});
+      for (int k = 0; k < block_params(c_); ++k) out.push_back({k, b.layer, &b.p[k]});
     }
   }
-  if (embedding_ || head_) out.push_back({int{kBlockParams} + kWte, -1, &wte_});
-  if (embedding_) out.push_back({int{kBlockParams} + kWpe, -1, &wpe_});
-  if (head_) {
-    out.push_back({int{kBlockParams} + kLnfG, -1, &lnf_g_});
-    out.push_back({int{kBlockParams} + kLnfB, -1, &lnf_b_});
-  }
+  auto other = [&](OtherParam which, bool here) {
+    if (here && has_other(c_, which))
+      out.push_back({int{kBlockParams} + which, -1, &param({kBlockParams + which, -1})});
+  };
+  other(kWte, embedding_ || (head_ && !c_.llama()));
+  other(kWpe, embedding_);
+  other(kLnfG, head_);
+  other(kLnfB, head_);
+  other(kOutput, head_);
   return out;
 }
 
 std::vector<parallel::DataParallel::Gathered> Model::gather(Block& b) {
   std::vector<parallel::DataParallel::Gathered> g;
   g.reserve(kBlockParams);
-  for (Param& p : b.p) g.push_back(dp_.gather(p));
+  for (int k = 0; k < block_params(c_); ++k) g.push_back(dp_.gather(b.p[k]));
   return g;
 }
 
 Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
   Weights w;
-  for (int k = 0; k < kBlockParams; ++k) w[k] = dp_.get(g[k]);
+  for (int k = 0; k < block_params(c_); ++k) w[k] = dp_.get(g[k]);
   return w;
 }
 
@@ -340,6 +431,7 @@ Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
 
 Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all, int layer,
                             int mb) {
+  if (c_.llama()) return llama_forward(w, x, a, keep_all, layer, mb);
   Rank& r = r_;
   a.x = x;
   // Attention: layernorm on this rank's tokens; f; qkv for this rank's heads; attention; proj's partial
@@ -367,6 +459,7 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
 }
 
 Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
+  if (c_.llama()) return llama_backward(b, w, a, dx2, mb);
   Rank& r = r_;
   if (c_.recompute == Recompute::Full) {
     BlockActs again;
@@ -405,10 +498,79 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   return r.add(dx1, ln1.dx);
 }
 
+// ---- the llama block
+// ----------------------------------------------------------------------------------------------
+
+AttentionSpec Model::attention_spec() const {
+  return AttentionSpec{c_.micro_batch, c_.heads / c_.tp, c_.kv() / c_.tp, true, c_.attention};
+}
+
+Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all, int layer,
+                            int mb) {
+  Rank& r = r_;
+  a.x = x;
+  // Attention: RMSNorm on this rank's tokens; f; q, k and v of this rank's key-value groups, k and q rotated
+  // by their positions (the gathered rows: every position of the micro-batch); attention; wo's partial sum;
+  // g; residual.
+  Rank::RmsNormOut n1 = r.rmsnorm(x, w[kNorm1], kEps);
+  Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor());
+  r.rope_(qkv, attention_spec(), 0, c_.rope_theta, false);
+  Rank::AttentionOut att = r.attention(qkv, attention_spec());
+  Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo]), layer, 0, mb));
+  // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
+  Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
+  Tensor u = tp_.column_linear(n2.y, w[kW13], Tensor());
+  Tensor g = r.swiglu(u);
+  Tensor x2 = r.add(x1, residual_dropout(tp_.row_linear(g, w[kW2]), layer, 1, mb));
+  if (keep_all || c_.recompute != Recompute::Full) {
+    a.rstd1 = n1.rstd, a.y1 = n1.y, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.y2 = n2.y, a.u = u, a.g = g;
+    if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
+  }
+  return x2;
+}
+
+Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
+  Rank& r = r_;
+  if (c_.recompute == Recompute::Full) {
+    BlockActs again;
+    llama_forward(w, a.x, again, true, b.layer, mb);
+    a = std::move(again);
+  } else if (c_.recompute == Recompute::Selective) {
+    Rank::AttentionOut att = r.attention(a.qkv, attention_spec());
+    a.out = att.out, a.lse = att.lse, a.probs = att.probs;
+  }
+  // MLP backward.
+  const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
+  parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout);
+  dp_.add_grad(b.p[kW2], w2.dw);
+  const Tensor du = r.swiglu_backward(w2.dx, a.u);
+  parallel::TensorParallel::Grads w13 = tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false);
+  dp_.add_grad(b.p[kW13], w13.dw);
+  Rank::RmsNormGrads n2 = r.rmsnorm_backward(w13.dx, a.x1, w[kNorm2], a.rstd2);
+  dp_.add_grad(b.p[kNorm2], n2.dgamma);
+  const Tensor dx1 = r.add(dx2, n2.dx);
+  // Attention backward: the rotation's backward is the rotation back.
+  const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
+  parallel::TensorParallel::Grads wo = tp_.row_linear_backward(a.out, w[kWo], dp);
+  dp_.add_grad(b.p[kWo], wo.dw);
+  const Tensor dqkv = r.attention_backward(wo.dx, a.qkv, a.out, a.lse, attention_spec());
+  // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)
+  if (c_.broken != "no-rope-backward") r.rope_(dqkv, attention_spec(), 0, c_.rope_theta, true);
+  parallel::TensorParallel::Grads wqkv = tp_.column_linear_backward(a.y1, w[kWqkv], dqkv, /*bias=*/false);
+  dp_.add_grad(b.p[kWqkv], wqkv.dw);
+  Rank::RmsNormGrads n1 = r.rmsnorm_backward(wqkv.dx, a.x, w[kNorm1], a.rstd1);
+  dp_.add_grad(b.p[kNorm1], n1.dgamma);
+  return r.add(dx1, n1.dx);
+}
+
 // ---- the embedding and the output layer
 // ---------------------------------------------------------------------
 
 Tensor Model::embed_forward(int mb) {
+  if (c_.llama()) {  // no positions: the blocks rotate q and k
+    parallel::DataParallel::Gathered wte = dp_.gather(wte_);
+    return tp_.leave(r_.embedding(ids_[mb], dp_.get(wte), vocab_start_));
+  }
   parallel::DataParallel::Gathered wte = dp_.gather(wte_), wpe = dp_.gather(wpe_);
   // Each tp rank looks up the tokens in its part of the vocabulary (zeros elsewhere); g adds the parts
   // (and with sequence parallelism leaves each rank its tokens).
@@ -417,6 +579,13 @@ Tensor Model::embed_forward(int mb) {
 }
 
 void Model::embed_backward(int mb, const Tensor& dx, bool last) {
+  if (c_.llama()) {
+    Tensor dwte = dp_.embedding_grad_target(wte_);
+    r_.embedding_backward_(dwte, tp_.leave_backward(dx), ids_[mb], vocab_start_);
+    dp_.embedding_grad_done(wte_, dwte);
+    if (last) dp_.grads_ready({&wte_});
+    return;
+  }
   Tensor dwpe = dp_.embedding_grad_target(wpe_);
   r_.embedding_backward_(dwpe, dx, pos_ids_[0], 0);
   dp_.embedding_grad_done(wpe_, dwpe);
@@ -427,12 +596,22 @@ void Model::embed_backward(int mb, const Tensor& dx, bool last) {
 }
 
 void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
-  parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), b = dp_.gather(lnf_b_), wte = dp_.gather(wte_);
-  Rank::LayerNormOut ln = r_.layernorm(x, dp_.get(g), dp_.get(b), kEps);
-  h.x = x, h.mean = ln.mean, h.rstd = ln.rstd, h.y = ln.y;
+  h.x = x;
+  Tensor out_w;
+  if (c_.llama()) {
+    parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), w = dp_.gather(output_);
+    Rank::RmsNormOut n = r_.rmsnorm(x, dp_.get(g), kEps);
+    h.rstd = n.rstd, h.y = n.y;
+    out_w = dp_.get(w);
+  } else {
+    parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), b = dp_.gather(lnf_b_), wte = dp_.gather(wte_);
+    Rank::LayerNormOut ln = r_.layernorm(x, dp_.get(g), dp_.get(b), kEps);
+    h.mean = ln.mean, h.rstd = ln.rstd, h.y = ln.y;
+    out_w = dp_.get(wte);
+  }
   // Logits for this rank's part of the vocabulary; the softmax needs every part's max and sum of
   // exponentials: two small all-reduces instead of gathering [tokens, vocab].
-  h.logits = r_.matmul(tp_.enter(ln.y), dp_.get(wte), Trans::No, Trans::Yes);
+  h.logits = r_.matmul(tp_.enter(h.y), out_w, Trans::No, Trans::Yes);
   h.row_max = r_.row_max(h.logits);
   if (c_.tp > 1) {
     const Event e = tp_.exposed.before();
@@ -444,14 +623,21 @@ void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
 }
 
 Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
-  parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), wte = dp_.gather(wte_);
+  Param& out_p = c_.llama() ? output_ : wte_;
+  parallel::DataParallel::Gathered g = dp_.gather(lnf_g_), wte = dp_.gather(out_p);
   // The loss is the mean over the step's tokens of this pipeline; averaging over dp makes it the global mean.
   const float scale = 1.0f / static_cast<float>(c_.micro_batches() * c_.rows());
   Tensor dlogits = r_.cross_entropy_backward(h.logits, h.row_max, h.stats, targets_[mb], vocab_start_, scale);
   h.logits = Tensor();
   const Tensor w = dp_.get(wte);
-  dp_.add_grad(wte_, r_.matmul(dlogits, tp_.enter(h.y), Trans::Yes, Trans::No));
+  dp_.add_grad(out_p, r_.matmul(dlogits, tp_.enter(h.y), Trans::Yes, Trans::No));
   Tensor dy = tp_.enter_backward(r_.matmul(dlogits, w));
+  if (c_.llama()) {
+    Rank::RmsNormGrads n = r_.rmsnorm_backward(dy, h.x, dp_.get(g), h.rstd);
+    dp_.add_grad(lnf_g_, n.dgamma);
+    if (last) dp_.grads_ready({&output_, &lnf_g_});  // in backward order
+    return n.dx;
+  }
   Rank::LayerNormGrads ln = r_.layernorm_backward(dy, h.x, dp_.get(g), h.mean, h.rstd);
   dp_.add_grad(lnf_g_, ln.dgamma);
   dp_.add_grad(lnf_b_, ln.dbeta);
@@ -504,7 +690,7 @@ Tensor Model::backward(const parallel::Task& t, const Tensor& dout) {
     st.blocks[i] = {};
     if (last) {
       std::vector<Param*> ps;
-      for (Param& p : ch.blocks[i].p) ps.push_back(&p);
+      for (int k = 0; k < block_params(c_); ++k) ps.push_back(&ch.blocks[i].p[k]);
       dp_.grads_ready(ps);
     }
   }

@@ -8,6 +8,14 @@
 //   logits = layernorm_f(x) @ wte^T                        the output layer shares the embedding
 //   loss = mean cross-entropy of the next token
 //
+// With --block llama (Touvron et al. 2023, Dubey et al. 2024) the same frame holds Llama's block:
+//
+//   x = wte[tokens]                                        no learned positions
+//   for each block:
+//     x = x + wo(attention(rope(wqkv(rmsnorm1(x)))))       grouped-query: kv heads shared by groups of q
+//     x = x + w2(swiglu(w13(rmsnorm2(x))))                 w13: the gate and up projections, fused
+//   logits = rmsnorm_f(x) @ output^T                       an output layer of its own; no biases anywhere
+//
 // Activations are [tokens, features] with tokens in sequence-major order (row = position * batch + sample).
 // Weights and activations are in the compute dtype (bf16 by default); layernorm statistics, the loss and
 // every gradient the optimizer sees are float32.
@@ -41,13 +49,24 @@ enum BlockParam {
   kFc2B,
   kBlockParams
 };
-// Their initial values and how tensor parallelism splits them. qkv's columns are per head (q, k, v of head
-// 0, then of head 1, ...), so a column block is whole heads.
-parallel::ParamSpec block_spec(const Config& c, int layer, BlockParam which);
-enum OtherParam { kWte, kWpe, kLnfG, kLnfB, kOtherParams };
+// The llama block's parameters, in this order. wqkv's columns hold each key-value group's q heads, then
+// its k and v (Rank::attention's layout); w13's are the gate and up projections' columns in adjacent pairs
+// (Rank::swiglu's layout). Both keep a tensor-parallel rank's block of columns whole groups and pairs.
+enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kLlamaParams };
+// The parameters of the configuration's block: kBlockParams or kLlamaParams.
+int block_params(const Config& c);
+// A block parameter's initial values and how tensor parallelism splits them (`which` a BlockParam or a
+// LlamaParam, as the block is). The gpt block's qkv columns are per head (q, k, v of head 0, then of head
+// 1, ...), so a column block is whole heads.
+parallel::ParamSpec block_spec(const Config& c, int layer, int which);
+// The embedding, the final norm (gamma, and beta for the gpt block) and the llama block's output layer.
+enum OtherParam { kWte, kWpe, kLnfG, kLnfB, kOutput, kOtherParams };
 parallel::ParamSpec other_spec(const Config& c, OtherParam which);
-// A parameter of the model: its kind (a BlockParam, or kBlockParams + an OtherParam) and its layer (-1 for
-// the embeddings and the final layernorm).
+// Whether the block has `which`: the gpt block has no output layer of its own, the llama block no
+// positions and no final beta.
+bool has_other(const Config& c, OtherParam which);
+// A parameter of the model: its kind (a block's parameter, or kBlockParams + an OtherParam) and its layer
+// (-1 for the embeddings, the final norm and the output layer).
 struct ParamId {
   int kind;
   int layer;
@@ -129,6 +148,11 @@ class Model {
   // `layer` and `mb` (this rank's micro-batch) place the block's dropout masks.
   Tensor block_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
   Tensor block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
+  // The llama block's, as block_forward's and block_backward's.
+  Tensor llama_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
+  Tensor llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
+  // The attention of this rank's heads: Rank::attention's spec.
+  AttentionSpec attention_spec() const;
   // The residual branch's dropout (GPT-2's resid_pdrop; nothing when --dropout is 0). The backward is the
   // same call on the gradient: the same mask and scale.
   Tensor residual_dropout(const Tensor& branch, int layer, int site, int mb);
@@ -148,6 +172,7 @@ class Model {
   std::vector<Chunk> chunks_;
   bool embedding_ = false, head_ = false;      // this rank holds the embedding, the output layer
   parallel::Param wte_, wpe_, lnf_g_, lnf_b_;  // wte: the embedding's copy or the head's (or both, pp = 1)
+  parallel::Param output_;                     // the llama block's output layer
   std::vector<Tensor> ids_, pos_ids_, targets_;
   std::vector<std::vector<Stash>> stash_;  // [chunk][micro-batch]
   std::int64_t vocab_start_ = 0;

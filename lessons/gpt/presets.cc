@@ -12,13 +12,18 @@ const std::vector<Preset>& presets() {
   // 13B: d_model 5140) the heads are d_model / d_head and d_model 5120. Vocabulary: GPT-2's 50,257 BPE
   // tokens padded up as Megatron-LM pads it (to a multiple of 128 x tp): 51,200 divides by any tp up to 16
   // (a multiple of 1024 x 50).
-  // Llama 3 8B: Meta's model card (github.com/meta-llama/llama3, MODEL_CARD.md) and Dubey et al. 2024,
-  // Table 3: 32 layers, 4096, 32 heads, vocabulary 128,256, context 8192. Llama uses RMSNorm, SwiGLU
-  // (14,336 wide) and grouped-query attention (8 key-value heads); this lesson's block is GPT's, so the
-  // preset only fills the shape flags and the FLOPs and memory are those of a GPT of that shape. Its batch
-  // (128 sequences, 1M tokens) is a choice of this preset, not of the source.
-  // Llama 3 70B: the same sources: 80 layers, 8192, 64 heads (28,672-wide SwiGLU, 8 key-value heads in
-  // the original); 512 sequences (4M tokens) is again this preset's choice.
+  // The Llama presets have the llama block, each from its model's config.json as Meta published it
+  // (huggingface.co/meta-llama: hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+  // num_key_value_heads, vocab_size, rope_theta) and its paper's context length:
+  //   Llama 2 (Touvron et al. 2023, "Llama 2", Table 1 and section 2.2): context 4096, a global batch of 4M
+  //   tokens (1,024 sequences); 7B with multi-head attention, 70B with 8 key-value heads.
+  //   Llama 3 8B and 70B (Dubey et al. 2024, "The Llama 3 Herd of Models", Table 3; the model card,
+  //   github.com/meta-llama/llama3): context 8192; the paper gives no batch for them, so 1M and 4M tokens
+  //   (128 and 512 sequences) are this preset's choice.
+  //   Llama 3.1 405B (the same paper, Table 3 and section 3.4.1): 126 layers, 16,384 wide, 128 heads, 8
+  //   key-value heads, SwiGLU 53,248, pre-trained at context 8192 with batches of 16M tokens (2,048
+  //   sequences). Its rope_theta is 500,000; the long-context frequency scaling of 3.1's rope_scaling
+  //   changes the numbers, not the cost, and is left out.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -31,10 +36,16 @@ const std::vector<Preset>& presets() {
        "Brown et al. 2020, Table 2.1 (GPT-3 175B; 3.2M tokens there, 1536 sequences as Megatron-LM's runs)"},
       {"megatron-1t", 128, 25600, 160, 2048, 51200, 3072,
        "Narayanan et al. 2021, Table 1 (the 1T model: 3,072 GPUs with tp 8, pp 64)"},
+      {"llama2-7b", 32, 4096, 32, 4096, 32000, 1024,
+       "Llama-2-7b config.json; Touvron et al. 2023 (4M tokens)", 32, 11008, 10000},
+      {"llama2-70b", 80, 8192, 64, 4096, 32000, 1024,
+       "Llama-2-70b config.json; Touvron et al. 2023 (4M tokens)", 8, 28672, 10000},
       {"llama3-8b", 32, 4096, 32, 8192, 128256, 128,
-       "Meta Llama 3 model card; shape only (GPT block, not RMSNorm/SwiGLU/GQA)"},
+       "Meta-Llama-3-8B config.json; Dubey et al. 2024, Table 3", 8, 14336, 500000},
       {"llama3-70b", 80, 8192, 64, 8192, 128256, 512,
-       "Meta Llama 3 model card; shape only (GPT block, not RMSNorm/SwiGLU/GQA)"},
+       "Meta-Llama-3-70B config.json; Dubey et al. 2024, Table 3", 8, 28672, 500000},
+      {"llama3.1-405b", 126, 16384, 128, 8192, 128256, 2048,
+       "Meta-Llama-3.1-405B config.json; Dubey et al. 2024, Table 3 (16M tokens)", 8, 53248, 500000},
   };
   return all;
 }
@@ -53,9 +64,20 @@ Settings preset_settings(const std::string& name) {
   if (name.empty()) return {};
   const Preset& p = find_preset(name);
   auto text = [](std::int64_t v) { return std::to_string(v); };
-  return {{"layers", text(p.layers)}, {"hidden", text(p.hidden)}, {"heads", text(p.heads)},
-          {"seq", text(p.seq)},       {"vocab", text(p.vocab)},   {"global-batch", text(p.global_batch)},
-          {"micro-batch", "1"}};
+  Settings out = {{"block", p.kv_heads > 0 ? "llama" : "gpt"},
+                  {"layers", text(p.layers)},
+                  {"hidden", text(p.hidden)},
+                  {"heads", text(p.heads)},
+                  {"seq", text(p.seq)},
+                  {"vocab", text(p.vocab)},
+                  {"global-batch", text(p.global_batch)},
+                  {"micro-batch", "1"}};
+  if (p.kv_heads > 0) {
+    out["kv-heads"] = text(p.kv_heads);
+    out["ffn-hidden"] = text(p.ffn_hidden);
+    out["rope-theta"] = fmt::format("{}", p.rope_theta);
+  }
+  return out;
 }
 
 const std::vector<Framework>& frameworks() {

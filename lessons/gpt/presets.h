@@ -15,6 +15,10 @@ struct Preset {
   int layers, hidden, heads, seq;
   std::int64_t vocab, global_batch;
   std::string source;
+  // The llama block's own (left at 0 for a GPT block).
+  int kv_heads = 0;
+  std::int64_t ffn_hidden = 0;
+  double rope_theta = 0;
 };
 const std::vector<Preset>& presets();
 // The preset called `name`, or UsageError listing them.

@@ -90,6 +90,43 @@ Vec layernorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t
   return dx;
 }
 
+// RMSNorm: y = xhat g with xhat = x rstd, rstd = 1 / sqrt(mean(x^2) + eps).
+Norm rmsnorm(const Vec& x, const Vec& g, std::int64_t n, std::int64_t h) {
+  Norm o{Vec(n * h), Vec(n * h), Vec(n)};
+  for (std::int64_t i = 0; i < n; ++i) {
+    double ss = 0;
+    for (std::int64_t j = 0; j < h; ++j) ss += x[i * h + j] * x[i * h + j];
+    o.rstd[i] = 1.0 / std::sqrt(ss / h + 1e-5);
+    for (std::int64_t j = 0; j < h; ++j) {
+      o.xhat[i * h + j] = x[i * h + j] * o.rstd[i];
+      o.y[i * h + j] = o.xhat[i * h + j] * g[j];
+    }
+  }
+  return o;
+}
+Vec rmsnorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t n, std::int64_t h, Vec& dg) {
+  Vec dx(n * h);
+  for (std::int64_t i = 0; i < n; ++i) {
+    double b = 0;
+    for (std::int64_t j = 0; j < h; ++j) {
+      b += dy[i * h + j] * g[j] * nm.xhat[i * h + j];
+      dg[j] += dy[i * h + j] * nm.xhat[i * h + j];
+    }
+    b /= h;
+    for (std::int64_t j = 0; j < h; ++j)
+      dx[i * h + j] = nm.rstd[i] * (dy[i * h + j] * g[j] - nm.xhat[i * h + j] * b);
+  }
+  return dx;
+}
+
+double silu(double a) {
+  return a / (1 + std::exp(-a));
+}
+double silu_grad(double a) {
+  const double s = 1 / (1 + std::exp(-a));
+  return s * (1 + a * (1 - s));
+}
+
 constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
 double gelu(double u) {
   return 0.5 * u * (1 + std::tanh(kGeluC * (u + 0.044715 * u * u * u)));
@@ -101,10 +138,10 @@ double gelu_grad(double u) {
 
 // What a block's forward keeps for its backward.
 struct BlockActs {
-  Norm ln1, ln2;           // the two layernorms' outputs and statistics
-  Vec qkv, att;            // qkv's output; attention's, the heads side by side
+  Norm ln1, ln2;           // the two norms' outputs and statistics
+  Vec qkv, att;            // qkv's output (llama: rotated); attention's, the heads side by side
   std::vector<Vec> probs;  // attention's probabilities per (sample, head): S x S, causal
-  Vec u, g;                // fc1's output and its gelu
+  Vec u, g;                // fc1's output and its gelu (llama: w13's and its swiglu)
 };
 
 // The reference's training run: the sizes in the notation of the comments, the parameters with Adam's
@@ -118,12 +155,20 @@ class Training {
   const std::vector<Vec>& weights() const { return w_; }
 
  private:
-  const Vec& block_weight(int layer, int k) const { return w_[layer * kBlockParams + k]; }
+  const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
   const Vec& other_weight(OtherParam k) const { return w_[other_ + k]; }
 
   // ---- forward
   Vec embed() const;
   Vec block_forward(int step, int layer, const Vec& x, BlockActs& a) const;
+  Vec llama_forward(int step, int layer, const Vec& x, BlockActs& a) const;
+  // Rotary embeddings on qkv's q heads and each group's k, by each row's position; `inverse` rotates back.
+  void rope(Vec& qkv, bool inverse) const;
+  // The column of element d of head `head`'s q (part 0), or of its group's k (1) or v (2).
+  std::int64_t col(std::int64_t head, int part, std::int64_t d) const {
+    const std::int64_t group = head / per_, first = group * (per_ + 2);
+    return (part == 0 ? first + head % per_ : first + per_ + part - 1) * hd + d;
+  }
   void attention(BlockActs& a) const;
   void attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const;
   // The loss summed over the tokens; `dlogits` becomes the loss's gradient by the logits (of the mean).
@@ -135,6 +180,7 @@ class Training {
   // ---- backward: each adds its parameters' gradients into `g` and returns its input's gradient
   Vec head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const;
   Vec block_backward(int step, int layer, const BlockActs& a, const Vec& dx, std::vector<Vec>& g) const;
+  Vec llama_backward(int step, int layer, const BlockActs& a, const Vec& dx, std::vector<Vec>& g) const;
   Vec attention_backward(const BlockActs& a, const Vec& datt) const;
   void attention_head_backward(const BlockActs& a, const Vec& datt, std::int64_t b, std::int64_t head,
                                Vec& dqkv) const;
@@ -144,8 +190,10 @@ class Training {
   void adamw(int step, const std::vector<Vec>& g);
 
   const Config& c_;
-  // sequences, positions, features, vocabulary, heads; features per head, tokens (B S), blocks
-  const std::int64_t B, S, h, V, H, hd, n, L;
+  // sequences, positions, features, vocabulary, heads; features per head, tokens (B S), blocks; key-value
+  // heads, q heads per key-value head, qkv's columns, the MLP's width; the block's parameters
+  const std::int64_t B, S, h, V, H, hd, n, L, G, per_, qkv_cols_, F;
+  const int nb_;
   const double scale_;  // attention's 1 / sqrt(hd)
   const int count_;     // the parameters
   const int other_;     // the index of the first that is not a block's
@@ -164,9 +212,14 @@ Training::Training(const Config& c)
       hd(h / H),
       n(B * S),
       L(c.layers),
+      G(c.kv()),
+      per_(H / G),
+      qkv_cols_((H + 2 * G) * hd),
+      F(c.ffn()),
+      nb_(block_params(c)),
       scale_(1.0 / std::sqrt(static_cast<double>(hd))),
-      count_(static_cast<int>(L * kBlockParams + kOtherParams)),
-      other_(static_cast<int>(L * kBlockParams)),
+      count_(static_cast<int>(L * nb_ + kOtherParams)),
+      other_(static_cast<int>(L * nb_)),
       specs_(count_),
       w_(count_),
       m_(count_),
@@ -174,9 +227,12 @@ Training::Training(const Config& c)
       tok_(n),
       tgt_(n) {
   for (int l = 0; l < L; ++l)
-    for (int k = 0; k < kBlockParams; ++k)
-      specs_[l * kBlockParams + k] = block_spec(c_, l, static_cast<BlockParam>(k));
-  for (int k = 0; k < kOtherParams; ++k) specs_[other_ + k] = other_spec(c_, static_cast<OtherParam>(k));
+    for (int k = 0; k < nb_; ++k) specs_[l * nb_ + k] = block_spec(c_, l, k);
+  for (int k = 0; k < kOtherParams; ++k) {
+    // A parameter the block does not have stays empty.
+    if (has_other(c_, static_cast<OtherParam>(k)))
+      specs_[other_ + k] = other_spec(c_, static_cast<OtherParam>(k));
+  }
   for (int i = 0; i < count_; ++i) {
     const parallel::ParamSpec& spec = specs_[i];
     const std::int64_t size = spec.full.numel();
@@ -197,15 +253,19 @@ Training::Training(const Config& c)
 double Training::step(int step, std::vector<Vec>& g) {
   Vec x = embed();
   std::vector<BlockActs> acts(L);
-  for (int l = 0; l < L; ++l) x = block_forward(step, l, x, acts[l]);
-  const Norm lnf = layernorm(x, other_weight(kLnfG), other_weight(kLnfB), n, h);
+  for (int l = 0; l < L; ++l)
+    x = c_.llama() ? llama_forward(step, l, x, acts[l]) : block_forward(step, l, x, acts[l]);
+  const Norm lnf = c_.llama() ? rmsnorm(x, other_weight(kLnfG), n, h)
+                              : layernorm(x, other_weight(kLnfG), other_weight(kLnfB), n, h);
   Vec dlogits(n * V);
   const double loss = head_forward(lnf, dlogits) / static_cast<double>(n);
 
   g.assign(count_, Vec());
   for (int i = 0; i < count_; ++i) g[i].assign(w_[i].size(), 0.0);
   Vec dx = head_backward(lnf, dlogits, g);
-  for (int l = static_cast<int>(L) - 1; l >= 0; --l) dx = block_backward(step, l, acts[l], dx, g);
+  for (int l = static_cast<int>(L) - 1; l >= 0; --l) {
+    dx = c_.llama() ? llama_backward(step, l, acts[l], dx, g) : block_backward(step, l, acts[l], dx, g);
+  }
   embed_backward(dx, g);
 
   adamw(step, g);
@@ -214,13 +274,57 @@ double Training::step(int step, std::vector<Vec>& g) {
 
 // ---- forward
 
-// x = wte[token] + wpe[position]
+// x = wte[token] + wpe[position] (llama: wte[token])
 Vec Training::embed() const {
   const Vec &wte = other_weight(kWte), &wpe = other_weight(kWpe);
   Vec x(n * h);
   for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = 0; j < h; ++j) x[i * h + j] = wte[tok_[i] * h + j] + wpe[(i % S) * h + j];
+    for (std::int64_t j = 0; j < h; ++j)
+      x[i * h + j] = wte[tok_[i] * h + j] + (c_.llama() ? 0.0 : wpe[(i % S) * h + j]);
   return x;
+}
+
+// x1 = x + wo(attention(rope(wqkv(rmsnorm1(x))))); returns x1 + w2(swiglu(w13(rmsnorm2(x1))))
+Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) const {
+  auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
+  a.ln1 = rmsnorm(x, W(kNorm1), n, h);
+  a.qkv = mm(a.ln1.y, W(kWqkv), n, h, qkv_cols_);
+  rope(a.qkv, false);
+  attention(a);
+  Vec proj = mm(a.att, W(kWo), n, H * hd, h);
+  drop(proj, step, layer, 0);
+  Vec x1 = x;
+  for (std::int64_t i = 0; i < n * h; ++i) x1[i] += proj[i];
+  a.ln2 = rmsnorm(x1, W(kNorm2), n, h);
+  a.u = mm(a.ln2.y, W(kW13), n, h, 2 * F);
+  a.g.assign(n * F, 0.0);
+  for (std::int64_t i = 0; i < n * F; ++i) a.g[i] = silu(a.u[2 * i]) * a.u[2 * i + 1];
+  Vec o = mm(a.g, W(kW2), n, F, h);
+  drop(o, step, layer, 1);
+  Vec x2 = x1;
+  for (std::int64_t i = 0; i < n * h; ++i) x2[i] += o[i];
+  return x2;
+}
+
+// The pairs (d, d + hd / 2) of each q head and each group's k, rotated by position * theta^(-2d / hd).
+void Training::rope(Vec& qkv, bool inverse) const {
+  const std::int64_t half = hd / 2;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const double pos = static_cast<double>(i % S);
+    for (std::int64_t head = 0; head < H + G; ++head) {
+      const std::int64_t first = head < H ? col(head, 0, 0) : col((head - H) * per_, 1, 0);
+      for (std::int64_t d = 0; d < half; ++d) {
+        const double angle =
+            pos * std::pow(c_.rope_theta, -2.0 * static_cast<double>(d) / static_cast<double>(hd));
+        const double cs = std::cos(angle), sn = inverse ? -std::sin(angle) : std::sin(angle);
+        double& x1 = qkv[i * qkv_cols_ + first + d];
+        double& x2 = qkv[i * qkv_cols_ + first + d + half];
+        const double a = x1, b = x2;
+        x1 = a * cs - b * sn;
+        x2 = b * cs + a * sn;
+      }
+    }
+  }
 }
 
 // x1 = x + dropout(proj(attention(qkv(layernorm1(x))))); returns x1 + dropout(fc2(gelu(fc1(layernorm2(x1)))))
@@ -261,7 +365,7 @@ void Training::attention(BlockActs& a) const {
 void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const {
   Vec& p = a.probs[b * H + head];
   auto qkv = [&](std::int64_t s, int part, std::int64_t d) {
-    return a.qkv[(b * S + s) * 3 * h + head * 3 * hd + part * hd + d];
+    return a.qkv[(b * S + s) * qkv_cols_ + col(head, part, d)];
   };
   for (std::int64_t i = 0; i < S; ++i) {
     double mx = -1e300;
@@ -284,7 +388,7 @@ void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) c
 
 // logits = layernorm_f(x) @ wte^T; the loss is the cross-entropy of each token's next.
 double Training::head_forward(const Norm& lnf, Vec& dlogits) const {
-  const Vec& wte = other_weight(kWte);
+  const Vec& wte = other_weight(c_.llama() ? kOutput : kWte);
   double loss = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     double mx = -1e300;
@@ -322,8 +426,9 @@ void Training::drop(Vec& branch, int step, int layer, int site) const {
 // ---- backward
 
 Vec Training::head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const {
-  const Vec& wte = other_weight(kWte);
-  Vec& dwte = g[other_ + kWte];
+  const OtherParam out = c_.llama() ? kOutput : kWte;
+  const Vec& wte = other_weight(out);
+  Vec& dwte = g[other_ + out];
   Vec dy(n * h, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t t = 0; t < V; ++t) {
@@ -334,6 +439,7 @@ Vec Training::head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec
       }
     }
   }
+  if (c_.llama()) return rmsnorm_backward(lnf, other_weight(kLnfG), dy, n, h, g[other_ + kLnfG]);
   return layernorm_backward(lnf, other_weight(kLnfG), dy, n, h, g[other_ + kLnfG], g[other_ + kLnfB]);
 }
 
@@ -341,7 +447,7 @@ Vec Training::head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec
 Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec& dx,
                              std::vector<Vec>& g) const {
   auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
-  auto G = [&](int k) -> Vec& { return g[layer * kBlockParams + k]; };
+  auto G = [&](int k) -> Vec& { return g[layer * nb_ + k]; };
   // the MLP
   Vec dout = dx;
   drop(dout, step, layer, 1);
@@ -371,8 +477,42 @@ Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec&
   return dx0;
 }
 
+Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec& dx,
+                             std::vector<Vec>& g) const {
+  auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
+  auto Gr = [&](int k) -> Vec& { return g[layer * nb_ + k]; };
+  // the MLP
+  Vec dout = dx;
+  drop(dout, step, layer, 1);
+  Vec dg(n * F);
+  mm_backward(a.g, W(kW2), dout, n, F, h, Gr(kW2), &dg);
+  Vec du(n * 2 * F);
+  for (std::int64_t i = 0; i < n * F; ++i) {
+    const double ga = a.u[2 * i], gb = a.u[2 * i + 1];
+    du[2 * i] = dg[i] * gb * silu_grad(ga);
+    du[2 * i + 1] = dg[i] * silu(ga);
+  }
+  Vec dy2(n * h);
+  mm_backward(a.ln2.y, W(kW13), du, n, h, 2 * F, Gr(kW13), &dy2);
+  Vec dx1 = rmsnorm_backward(a.ln2, W(kNorm2), dy2, n, h, Gr(kNorm2));
+  for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
+  // attention
+  Vec dproj = dx1;
+  drop(dproj, step, layer, 0);
+  Vec datt(n * H * hd);
+  mm_backward(a.att, W(kWo), dproj, n, H * hd, h, Gr(kWo), &datt);
+  Vec dqkv = attention_backward(a, datt);
+  rope(dqkv, true);
+  Vec dy1(n * h);
+  mm_backward(a.ln1.y, W(kWqkv), dqkv, n, h, qkv_cols_, Gr(kWqkv), &dy1);
+  const Vec dxl = rmsnorm_backward(a.ln1, W(kNorm1), dy1, n, h, Gr(kNorm1));
+  Vec dx0(n * h);
+  for (std::int64_t i = 0; i < n * h; ++i) dx0[i] = dx1[i] + dxl[i];
+  return dx0;
+}
+
 Vec Training::attention_backward(const BlockActs& a, const Vec& datt) const {
-  Vec dqkv(n * 3 * h, 0.0);
+  Vec dqkv(n * qkv_cols_, 0.0);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t head = 0; head < H; ++head) attention_head_backward(a, datt, b, head, dqkv);
   return dqkv;
@@ -383,7 +523,7 @@ void Training::attention_head_backward(const BlockActs& a, const Vec& datt, std:
                                        Vec& dqkv) const {
   const Vec& p = a.probs[b * H + head];
   auto col = [&](std::int64_t s, int part, std::int64_t d) {
-    return (b * S + s) * 3 * h + head * 3 * hd + part * hd + d;
+    return (b * S + s) * qkv_cols_ + this->col(head, part, d);
   };
   for (std::int64_t i = 0; i < S; ++i) {
     const double* dout = &datt[(b * S + i) * h + head * hd];
@@ -413,7 +553,7 @@ void Training::embed_backward(const Vec& dx, std::vector<Vec>& g) const {
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < h; ++j) {
       dwte[tok_[i] * h + j] += dx[i * h + j];
-      dwpe[(i % S) * h + j] += dx[i * h + j];
+      if (!c_.llama()) dwpe[(i % S) * h + j] += dx[i * h + j];
     }
   }
 }
@@ -441,7 +581,8 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
 }
 
 int Reference::index(int kind, int layer) const {
-  return kind < kBlockParams ? layer * kBlockParams + kind : c_.layers * kBlockParams + (kind - kBlockParams);
+  const int nb = block_params(c_);
+  return kind < kBlockParams ? layer * nb + kind : c_.layers * nb + (kind - kBlockParams);
 }
 const std::vector<double>& Reference::grad(int step, int kind, int layer) const {
   return grads_[step - 1][index(kind, layer)];
@@ -457,6 +598,7 @@ std::shared_ptr<const Reference> Reference::get(const Config& c) {
   std::string key = c.shape() + " batch " + std::to_string(c.global_batch) + " steps " +
                     std::to_string(c.steps) + " lr " + std::to_string(c.lr);
   if (c.dropout > 0) key += " dropout " + std::to_string(c.dropout) + " mb " + std::to_string(c.micro_batch);
+  if (c.llama()) key += " rope theta " + std::to_string(c.rope_theta);
   static std::mutex mu;
   static std::string cached_key;
   static std::shared_ptr<const Reference> cached;

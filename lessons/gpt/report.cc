@@ -109,10 +109,10 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
     for (const std::string& line : parallel::describe_groups(layout, r.profile().gpus_per_node))
       r.print(line);
   }
-  r.print(
-      fmt::format("FLOPs per step: model 72 B s L h^2 (1 + s/(6h) + V/(12hL)) = {:.4g} PFLOP; hardware "
-                  "(with recompute {}) {:.4g} PFLOP",
-                  flops.model / 1e15, recompute_name(c.recompute), flops.hardware / 1e15));
+  const char* formula = c.llama() ? "6 B s (L (h (a + 2 g) d + a d h + 3 h f + 2 s a d) + h V)"
+                                  : "72 B s L h^2 (1 + s/(6h) + V/(12hL))";
+  r.print(fmt::format("FLOPs per step: model {} = {:.4g} PFLOP; hardware (with recompute {}) {:.4g} PFLOP",
+                      formula, flops.model / 1e15, recompute_name(c.recompute), flops.hardware / 1e15));
   r.print(fmt::format("memory per rank, estimated before allocating (device {}):",
                       format_bytes(r.memory_capacity())));
   each_shown_stage(r, c.pp, "  ", [&](int s) {

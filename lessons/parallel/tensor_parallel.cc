@@ -51,9 +51,9 @@ Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w) {
 }
 
 TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, const Tensor& w,
-                                                             const Tensor& dy) {
+                                                             const Tensor& dy, bool bias) {
   if (!overlapped()) {
-    LinearGrads g = linear_backward(r, enter(x), w, dy, true, true);
+    LinearGrads g = linear_backward(r, enter(x), w, dy, bias, true);
     return {g.dw, g.db, enter_backward(g.dx)};
   }
   // The input's all-gather (for the weight gradient) runs beside the input gradient's ring.
@@ -64,7 +64,7 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
   g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
   exposed.wait(Dim::Sp, gathered);
   g.dw = r.matmul(whole, dy, Trans::Yes, Trans::No);
-  g.db = r.sum_rows(dy);
+  if (bias) g.db = r.sum_rows(dy);
   return g;
 }
 

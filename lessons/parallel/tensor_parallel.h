@@ -69,7 +69,8 @@ struct TensorParallel {
   struct Grads {
     Tensor dw, db, dx;
   };
-  Grads column_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy);
+  // `bias`: whether the layer has one (db).
+  Grads column_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, bool bias = true);
   Grads row_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy);
 
   Tensor all_reduce(const Tensor& t, Dim d);   // in place, returns t

@@ -1,0 +1,164 @@
+// The gpt lesson's llama block (RMSNorm, grouped-query attention with rotary positions, SwiGLU, no
+// biases, an untied output layer): every layout trains equal to one device; the presets carry their
+// models' shapes and parameter counts; a gradient left in the rotated frame fails the check; the block's
+// flags are refused where they do not fit.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <tuple>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "lessons/gpt/accounting.h"
+#include "lessons/gpt/config.h"
+#include "lessons/gpt/model.h"
+#include "lessons/gpt/presets.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+RunReport run(const Settings& o, int nodes = 1) {
+  SimBackend backend(testing::quiet_config(nodes));
+  return run_lesson(backend, "gpt", o);
+}
+
+// 4 layers, hidden 64, 4 heads sharing 2 key-value heads, SwiGLU 96, seq 16, vocab 128, 8 sequences.
+Settings tiny_llama() {
+  Settings o;
+  o["block"] = "llama";
+  o["layers"] = option_text(4);
+  o["hidden"] = option_text(64);
+  o["heads"] = option_text(4);
+  o["kv-heads"] = option_text(2);
+  o["ffn-hidden"] = option_text(96);
+  o["seq"] = option_text(16);
+  o["vocab"] = option_text(128);
+  o["global-batch"] = option_text(8);
+  o["micro-batch"] = option_text(2);
+  o["steps"] = option_text(3);
+  o["quiet"] = option_text(true);
+  return o;
+}
+
+// A layout's flags on top of the tiny model.
+using Case = std::tuple<std::string, Settings>;
+
+class LlamaEqualsOneDevice : public ::testing::TestWithParam<Case> {};
+
+TEST_P(LlamaEqualsOneDevice, ThreeStepsOfAdamW) {
+  Settings o = tiny_llama();
+  for (const auto& [flag, value] : std::get<1>(GetParam())) o[flag] = value;
+  const RunReport rep = run(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  int numeric = 0;
+  for (const CheckRecord& c : rep.checks) numeric += c.what.find("one device") != std::string::npos;
+  EXPECT_GE(numeric, 2 * testing::number(o, "world"));
+  ASSERT_TRUE(rep.training);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, LlamaEqualsOneDevice,
+    ::testing::Values(
+        Case{"tp2_kv2_fp32", {{"world", "2"}, {"tp", "2"}, {"dtype", "fp32"}}},
+        Case{"tp2_sp_zero1_bf16", {{"world", "4"}, {"tp", "2"}, {"seq-parallel", "true"}, {"zero", "1"}}},
+        Case{"tp2_pp2_zero1_8_ranks", {{"world", "8"}, {"tp", "2"}, {"pp", "2"}, {"zero", "1"}}},
+        Case{"pp2_interleaved_zero3_full",
+             {{"world", "4"}, {"pp", "2"}, {"interleave", "2"}, {"zero", "3"}, {"recompute", "full"}}},
+        Case{"mqa_zero2_selective",
+             {{"world", "2"}, {"kv-heads", "1"}, {"zero", "2"}, {"recompute", "selective"}}},
+        Case{"mha_tp4", {{"world", "4"}, {"tp", "4"}, {"kv-heads", "4"}, {"dtype", "fp32"}}},
+        Case{"megatron_core_rings_dropout",
+             {{"world", "4"},
+              {"tp", "2"},
+              {"seq-parallel", "true"},
+              {"zero", "1"},
+              {"framework", "megatron-core"},
+              {"dropout", "0.1"}}}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::get<0>(info.param); });
+
+TEST(Llama, AGradientLeftInTheRotatedFrameFailsTheCheck) {
+  Settings o = tiny_llama();
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["break"] = "no-rope-backward";
+  const RunReport rep = run(o);
+  EXPECT_FALSE(rep.all_checks_passed());
+}
+
+TEST(Llama, PresetsCarryTheirModelsShapes) {
+  gpt::Config c = gpt::options_table().read(gpt::preset_settings("llama3-8b"), "gpt");
+  EXPECT_TRUE(c.llama());
+  EXPECT_EQ(c.kv(), 8);
+  EXPECT_EQ(c.ffn(), 14336);
+  // Meta's published counts: 8.03B and 70.6B parameters.
+  EXPECT_EQ(gpt::parameter_count(c), 8'030'261'248);
+  c = gpt::options_table().read(gpt::preset_settings("llama3-70b"), "gpt");
+  EXPECT_EQ(gpt::parameter_count(c), 70'553'706'496);
+  c = gpt::options_table().read(gpt::preset_settings("llama3.1-405b"), "gpt");
+  EXPECT_EQ(c.layers, 126);
+  EXPECT_EQ(c.global_batch * c.seq, 2048 * 8192);  // 16M tokens
+  // A GPT preset keeps the gpt block.
+  EXPECT_FALSE(gpt::options_table().read(gpt::preset_settings("gpt3-175b"), "gpt").llama());
+}
+
+TEST(Llama, FlopsCountTheBlocksOwnMatrices) {
+  // Per token and layer, forward: 2 (h (a + 2g) d + a d h + 3 h f) + 4 s a d; three times that per step with
+  // the backward, plus the output layer.
+  gpt::Config c = gpt::options_table().read(tiny_llama(), "gpt");
+  c = gpt::resolve(c, 1);
+  const double h = 64, a = 4, g = 2, d = 16, f = 96, s = 16, L = 4, V = 128, tokens = 8 * 16;
+  const double layer = 2 * (h * (a + 2 * g) * d + a * d * h + 3 * h * f) + 4 * s * a * d;
+  EXPECT_DOUBLE_EQ(gpt::step_flops(c).model, 3 * tokens * (L * layer + 2 * h * V));
+}
+
+TEST(Llama, ThePhantom8BStepRuns) {
+  Settings o = gpt::preset_settings("llama3-8b");
+  o["world"] = option_text(8);
+  o["tp"] = option_text(8);
+  o["seq-parallel"] = option_text(true);
+  o["global-batch"] = option_text(2);
+  o["layers"] = option_text(2);
+  o["phantom"] = option_text(true);
+  o["steps"] = option_text(1);
+  o["quiet"] = option_text(true);
+  const RunReport rep = run(o);
+  ASSERT_TRUE(rep.training);
+  EXPECT_GT(rep.training->step_time_us, 0);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);  // the memory plan's
+}
+
+void expect_usage_error(Settings o, const std::string& needle) {
+  try {
+    run(o);
+    FAIL() << "expected a UsageError mentioning " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Llama, BadFlagsNameTheFlag) {
+  Settings o = tiny_llama();
+  o["kv-heads"] = option_text(3);
+  expect_usage_error(o, "--kv-heads 3 does not divide --heads 4");
+  o = tiny_llama();
+  o["world"] = option_text(4);
+  o["tp"] = option_text(4);
+  expect_usage_error(o, "--kv-heads 2 is not divisible by --tp 4");
+  o = tiny_llama();
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["ffn-hidden"] = option_text(95);
+  expect_usage_error(o, "--ffn-hidden 95 is not divisible by --tp 2");
+  o = tiny_llama();
+  o["block"] = "gpt";
+  expect_usage_error(o, "--kv-heads 2: the gpt block's attention");
+  o = tiny_llama();
+  o["hidden"] = option_text(12);
+  o["kv-heads"] = option_text(4);
+  expect_usage_error(o, "features per head is odd");
+}
+
+}  // namespace
+}  // namespace ranklab
