@@ -237,6 +237,10 @@ class Rank {
   // A new tensor of `dtype` with t's values.
   virtual Tensor cast(const Tensor& t, DType dtype) = 0;
   virtual Tensor sum(const Tensor& t) = 0;  // a scalar (shape [])
+  // The sum of the squares of every element of every tensor, a float32 scalar accumulated in double: the
+  // squared L2 norm of them all, one kernel as apex's multi_tensor_l2norm computes it for gradient
+  // clipping.
+  virtual Tensor squared_norm(const std::vector<Tensor>& ts) = 0;
   // A copy of `length` entries of `t` along `dim` starting at `start`.
   virtual Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) = 0;
   virtual Tensor cat(const std::vector<Tensor>& parts, int dim) = 0;

@@ -96,8 +96,8 @@ void CudaRank::init() {
   account_ =
       std::make_shared<DeviceAccount>(rank_, device_, fmt::format("{} (GPU {})", device_name_, device_),
                                       compute_, static_cast<std::int64_t>(total_bytes));
-  RANKLAB_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&sum_scratch_), sizeof(double) * kernels::kSumBlocks,
-                               compute_));
+  RANKLAB_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&sum_scratch_),
+                               sizeof(double) * (kernels::kSumBlocks + 1), compute_));
   // cuBLAS's workspace from the same stream-ordered pool, so a GEMM never calls cudaMalloc behind our back
   // (32 MiB is what NVIDIA recommends for Hopper; less is enough elsewhere).
   RANKLAB_CUDA(cudaMallocAsync(&cublas_workspace_, kCublasWorkspaceBytes, compute_));
@@ -552,6 +552,27 @@ Tensor CudaRank::sum(const Tensor& t) {
   before_kernel({&t}, "sum");
   // Accumulated in double, like the simulator, so results agree to float rounding.
   kernel("sum", [&] { kernels::sum(po, p, t.dtype(), t.numel(), sum_scratch_, compute_); });
+  return out;
+}
+
+Tensor CudaRank::squared_norm(const std::vector<Tensor>& ts) {
+  bool phantom = false;
+  std::vector<std::pair<const void*, std::int64_t>> parts;
+  for (const Tensor& t : ts) {
+    parts.emplace_back(require(t, "squared_norm", "ts[i]"), t.numel());
+    phantom = phantom || t.phantom();
+  }
+  Tensor out = allocate(Shape{}, DType::Float32, phantom, "squared_norm");
+  float* po = require_f32(out, "squared_norm", "out");
+  for (const Tensor& t : ts) before_kernel({&t}, "squared_norm");
+  // Accumulated in double, like the simulator.
+  kernel("squared_norm", [&] {
+    kernels::squared_norm_begin(sum_scratch_, compute_);
+    for (std::size_t i = 0; i < ts.size(); ++i) {
+      kernels::squared_norm_add(sum_scratch_, parts[i].first, ts[i].dtype(), parts[i].second, compute_);
+    }
+    kernels::squared_norm_end(po, sum_scratch_, compute_);
+  });
   return out;
 }
 

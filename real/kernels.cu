@@ -305,6 +305,30 @@ __global__ void sum_final_kernel(T* out, const double* scratch, int parts) {
   if (threadIdx.x == 0) out[0] = from_f<T>(static_cast<float>(total));
 }
 
+template <typename T>
+__global__ void sumsq_partial_kernel(double* scratch, const T* x, std::int64_t n) {
+  double acc = 0;
+  for (std::int64_t i = first_index(); i < n; i += stride())
+    acc += static_cast<double>(to_f(x[i])) * to_f(x[i]);
+  const double total = block_sum_d(acc);
+  if (threadIdx.x == 0) scratch[blockIdx.x] = total;
+}
+
+__global__ void accumulate_partials_kernel(double* scratch, int parts) {
+  double acc = 0;
+  for (int i = threadIdx.x; i < parts; i += blockDim.x) acc += scratch[i];
+  const double total = block_sum_d(acc);
+  if (threadIdx.x == 0) scratch[parts] += total;
+}
+
+__global__ void zero_accumulator_kernel(double* scratch, int parts) {
+  scratch[parts] = 0;
+}
+
+__global__ void store_accumulator_kernel(float* out, const double* scratch, int parts) {
+  out[0] = static_cast<float>(scratch[parts]);
+}
+
 // Column reductions over rows: a block of 32 x 8 threads owns 32 adjacent columns (coalesced reads of a
 // row); its 8 thread rows stride down the rows and meet in shared memory, in a fixed order.
 constexpr int kColTile = 32;
@@ -926,6 +950,27 @@ void sum(void* out, const void* x, DType t, std::int64_t n, double* scratch, cud
     sum_final_kernel<T><<<1, kThreads, 0, s>>>(static_cast<T*>(out), scratch, kSumBlocks);
   });
   check_launch("sum kernel launch");
+}
+
+void squared_norm_begin(double* scratch, cudaStream_t s) {
+  zero_accumulator_kernel<<<1, 1, 0, s>>>(scratch, kSumBlocks);
+  check_launch("squared_norm kernel launch");
+}
+
+void squared_norm_add(double* scratch, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    sumsq_partial_kernel<T><<<kSumBlocks, kThreads, 0, s>>>(scratch, static_cast<const T*>(x), n);
+    check_launch("squared_norm kernel launch");
+    accumulate_partials_kernel<<<1, kThreads, 0, s>>>(scratch, kSumBlocks);
+  });
+  check_launch("squared_norm kernel launch");
+}
+
+void squared_norm_end(float* out, const double* scratch, cudaStream_t s) {
+  store_accumulator_kernel<<<1, 1, 0, s>>>(out, scratch, kSumBlocks);
+  check_launch("squared_norm kernel launch");
 }
 
 void add_bias(void* x, const void* bias, DType t, std::int64_t rows, std::int64_t cols, cudaStream_t s) {

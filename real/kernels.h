@@ -38,6 +38,11 @@ void adamw_step(float* param, const float* grad, float* m, float* v, float lr, f
 
 // Scratch doubles sum() needs: one partial per block of the first pass.
 constexpr int kSumBlocks = 256;
+// The squared norm of several tensors: begin zeroes the double accumulator kept after the kSumBlocks
+// partial sums of `scratch` (which has kSumBlocks + 1 doubles), add adds a tensor's squares, end stores it.
+void squared_norm_begin(double* scratch, cudaStream_t s);
+void squared_norm_add(double* scratch, const void* x, DType t, std::int64_t n, cudaStream_t s);
+void squared_norm_end(float* out, const double* scratch, cudaStream_t s);
 // out[0] = the sum of x[0..n), accumulated in double in a fixed order, so it is deterministic; out has
 // x's dtype.
 void sum(void* out, const void* x, DType t, std::int64_t n, double* scratch, cudaStream_t s);

@@ -48,6 +48,7 @@ class SimRank : public Rank {
   void copy_(const Tensor& dst, const Tensor& src) override;
   Tensor cast(const Tensor& t, DType dtype) override;
   Tensor sum(const Tensor& t) override;
+  Tensor squared_norm(const std::vector<Tensor>& ts) override;
   Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) override;
   Tensor cat(const std::vector<Tensor>& parts, int dim) override;
   void sgd_step(const Tensor& param, const Tensor& grad, float lr) override;

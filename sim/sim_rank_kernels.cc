@@ -275,6 +275,34 @@ Tensor SimRank::sum(const Tensor& t) {
   return out;
 }
 
+Tensor SimRank::squared_norm(const std::vector<Tensor>& ts) {
+  bool phantom = false;
+  double bytes = 0;
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < ts.size(); ++i) {
+    require(ts[i], "squared_norm", "ts[i]");
+    phantom = phantom || ts[i].phantom();
+    bytes += bytes_of(ts[i]);
+    n += ts[i].numel();
+  }
+  Tensor out = allocate(Shape{}, DType::Float32, phantom, "squared_norm");
+  for (const Tensor& t : ts) before_reading({&t}, "squared_norm");
+  if (!out.phantom()) {
+    double acc = 0;
+    for (const Tensor& t : ts) {
+      const float* d = sim_data(t);
+      for (std::int64_t i = 0; i < t.numel(); ++i) acc += static_cast<double>(d[i]) * d[i];
+    }
+    sim_data(out)[0] = static_cast<float>(acc);
+  }
+  // One pass over every element, launched as multi_tensor_apply launches it (fused_adamw_step).
+  constexpr std::int64_t kElementsPerLaunch = std::int64_t{320} * 65536;
+  const std::int64_t launches = std::max<std::int64_t>(1, (n + kElementsPerLaunch - 1) / kElementsPerLaunch);
+  world_.advance_host(rank_, static_cast<double>(launches - 1) * world_.compute().launch_us());
+  launch_kernel(kSquaredNorm, 2.0 * static_cast<double>(n), bytes);
+  return out;
+}
+
 Tensor SimRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) {
   require(t, "slice", "t");
   if (dim < 0 || dim >= t.ndim()) {

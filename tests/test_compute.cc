@@ -152,6 +152,15 @@ TEST(Compute, FusedAdamWIsEachPartsAdamWInOneKernel) {
   EXPECT_EQ(fused, 1);
 }
 
+TEST(Compute, SquaredNormSumsTheSquaresOfEveryTensor) {
+  const float got = on_one_rank<float>([](Rank& r) {
+    Tensor a = r.from_host({3}, {1.0f, -2.0f, 3.0f}), b = r.from_host({2, 1}, {0.5f, 4.0f}, DType::BFloat16);
+    return r.to_host(r.squared_norm({a, b, r.view(a, 0, {0})}))[0];
+  });
+  EXPECT_FLOAT_EQ(got, 1 + 4 + 9 + 0.25f + 16);
+  EXPECT_FLOAT_EQ(on_one_rank<float>([](Rank& r) { return r.to_host(r.squared_norm({}))[0]; }), 0.0f);
+}
+
 TEST(Compute, RandnIsTheCounterBasedStream) {
   auto got = on_one_rank<Values>([](Rank& r) { return r.to_host(r.randn({3, 2}, 99, 2.0f)); });
   for (int i = 0; i < 6; ++i) EXPECT_FLOAT_EQ(got[i], 2.0f * normal_at(99, i));

@@ -907,6 +907,7 @@ TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
       Rank::RmsNormOut n = r.rmsnorm(x, g, 1e-5f);
       Rank::RmsNormGrads dn = r.rmsnorm_backward(dy, x, g, n.rstd);
       keep(n.y), keep(n.rstd), keep(dn.dx), keep(dn.dgamma);
+      keep(r.squared_norm({x, dy, r.randn({300}, 58, 1.0f, t)}));
       Tensor u = r.randn({6, 136}, 54, 1.0f, t);
       keep(r.swiglu(u)), keep(r.swiglu_backward(r.randn({6, 68}, 55, 1.0f, t), u));
       for (const AttentionSpec spec : {AttentionSpec{2, 4, 2, true}, AttentionSpec{1, 3, 1, false}}) {
