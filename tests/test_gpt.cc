@@ -4,6 +4,7 @@
 // a phantom run's time is deterministic; a deliberately broken reduction fails the lesson's own check.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <tuple>
@@ -13,6 +14,7 @@
 #include "common/html_report.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/gpt/config.h"
 #include "lessons/parallel/groups.h"
 #include "lessons/parallel/pipeline.h"
 #include "sim_fixture.h"
@@ -133,6 +135,49 @@ TEST(Gpt, DropoutAddsItsKernels) {
   const RunReport with = run(o);
   ASSERT_TRUE(without.training && with.training);
   EXPECT_GT(with.training->step_time_us, without.training->step_time_us);
+}
+
+// The training recipe: gradients clipped to a global norm that counts every parameter once over tp
+// copies, pipeline copies of the tied embedding, dp replicas and ZeRO's shards, and a warmed-up cosine
+// learning rate, all as one device does them.
+TEST(Gpt, ClippedAndScheduledTrainingEqualsOneDevice) {
+  const std::vector<Settings> layouts = {
+      {{"world", "8"}, {"tp", "2"}, {"pp", "2"}, {"zero", "1"}},
+      {{"world", "8"}, {"tp", "2"}, {"pp", "2"}, {"zero", "3"}},
+      {{"world", "4"}, {"tp", "2"}, {"seq-parallel", "true"}, {"zero", "0"}},
+      {{"world", "4"}, {"tp", "2"}, {"zero", "2"}, {"block", "llama"}, {"kv-heads", "2"}}};
+  for (const Settings& layout : layouts) {
+    Settings o = tiny();
+    o["dtype"] = option_text("fp32");
+    o["steps"] = option_text(4);
+    for (const auto& [flag, value] : layout) o[flag] = value;
+    const RunReport plain = run(o);
+    o["clip-grad"] = option_text(0.05);
+    o["lr-warmup-steps"] = option_text(1);
+    o["lr-decay-style"] = option_text("cosine");
+    o["min-lr"] = option_text(1e-4);
+    const RunReport recipe = run(o);
+    SCOPED_TRACE(recipe.training->layout);
+    EXPECT_TRUE(recipe.all_checks_passed()) << testing::failed_checks(recipe);
+    // The clipping and the schedule changed the training: the last step's loss differs from the plain run's.
+    ASSERT_TRUE(plain.training && recipe.training);
+    EXPECT_NE(plain.output.back(), recipe.output.back());
+  }
+}
+
+TEST(Gpt, TheLearningRateWarmsUpThenFollowsACosine) {
+  gpt::Config c;
+  c.lr = 1e-3;
+  c.min_lr = 1e-4;
+  c.steps = 5;
+  c.lr_warmup_steps = 1;
+  c.lr_decay_style = gpt::Config::LrDecay::Cosine;
+  EXPECT_DOUBLE_EQ(c.lr_at(1), 0.5e-3);  // warmup: 1 / (1 + 1) of the peak
+  EXPECT_DOUBLE_EQ(c.lr_at(2), 1e-3);    // the peak, then down along a cosine...
+  EXPECT_NEAR(c.lr_at(4), 1e-4 + 0.5 * 0.9e-3 * (1 + std::cos(M_PI * 2 / 3)), 1e-15);
+  EXPECT_DOUBLE_EQ(c.lr_at(5), 1e-4);  // ...to min-lr at the last step
+  c.lr_decay_style = gpt::Config::LrDecay::Constant;
+  EXPECT_DOUBLE_EQ(c.lr_at(5), 1e-3);
 }
 
 TEST(Gpt, Float16AndBfloat16GradientReduction) {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -42,6 +43,14 @@ std::string Config::layout() const {
   if (!overlaps.empty()) s += fmt::format(", overlapped {}", fmt::join(overlaps, ", "));
   if (attention == AttentionKernel::Unfused) s += ", unfused attention";
   return s;
+}
+
+double Config::lr_at(int step) const {
+  if (step <= lr_warmup_steps) return lr * step / (lr_warmup_steps + 1.0);
+  if (lr_decay_style != LrDecay::Cosine || steps <= lr_warmup_steps + 1) return lr;
+  // From lr just after warmup to min_lr at the last step (Megatron's OptimizerParamScheduler, cosine).
+  const double done = static_cast<double>(step - lr_warmup_steps - 1) / (steps - lr_warmup_steps - 1);
+  return min_lr + 0.5 * (lr - min_lr) * (1 + std::cos(M_PI * done));
 }
 
 std::string Config::shape() const {
@@ -117,7 +126,16 @@ const OptionTable<Config>& options_table() {
       {"ddp-bucket-size", &O::ddp_bucket_size,
        "parameters per gradient bucket with --overlap-grad-reduce; auto: Megatron's max(40M, 1M x dp)"},
       Option<O>("steps", &O::steps, "training steps, each checked against one device").at_least(1),
-      Option<O>("lr", &O::lr, "AdamW's learning rate").above(0),
+      Option<O>("lr", &O::lr, "AdamW's learning rate (the peak, with a schedule)").above(0),
+      Option<O>("lr-decay-style", &O::lr_decay_style,
+                "the learning rate after warmup: constant, or cosine to --min-lr at the last step",
+                {{"constant", O::LrDecay::Constant}, {"cosine", O::LrDecay::Cosine}}),
+      Option<O>("lr-warmup-steps", &O::lr_warmup_steps, "steps of linear warmup to --lr").at_least(0),
+      Option<O>("min-lr", &O::min_lr, "the learning rate a cosine decay ends at").at_least(0),
+      Option<O>("clip-grad", &O::clip_grad,
+                "clip the gradients to this global L2 norm, summed over every shard of every parameter "
+                "once (0: no clipping)")
+          .at_least(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
       break_option<O>(&O::broken,
                       {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "no-rope-backward"}),

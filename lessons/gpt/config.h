@@ -40,6 +40,14 @@ struct Config : LessonOptions {
   bool phantom = false;
   int steps = 3;
   double lr = 1e-3;
+  // The training recipe: the learning rate warmed up linearly over lr_warmup_steps, then constant or
+  // decayed along a cosine to min_lr at the last step (Megatron's --lr-decay-style); gradients clipped to a
+  // global L2 norm of clip_grad (0: not clipped; Megatron's and torchtitan's runs use 1.0).
+  enum class LrDecay { Constant, Cosine };
+  LrDecay lr_decay_style = LrDecay::Constant;
+  int lr_warmup_steps = 0;
+  double min_lr = 0;
+  double clip_grad = 0;
   float dropout = 0;  // of the residual branches (--dropout)
   // The overlaps production frameworks use (Megatron-LM's flags), all off in the plain schedule; --framework
   // sets them as a framework's release does.
@@ -50,6 +58,8 @@ struct Config : LessonOptions {
   std::int64_t bucket_params = 0;        // what resolve() read from it; 0: Megatron's rule
   std::string broken;
 
+  // The learning rate of training step `step` (from 1), as the recipe says.
+  double lr_at(int step) const;
   // The preset's name, or "custom".
   std::string model_name() const { return model.empty() ? "custom" : model; }
   std::int64_t micro_batches() const { return global_batch / (micro_batch * dp); }  // m, per pipeline

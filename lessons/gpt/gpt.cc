@@ -64,7 +64,7 @@ void gpt_lesson(Rank& r, const Config& o) {
                           exposed);
   gpt::OneDeviceCheck check(r, c, me);
 
-  const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};
+  const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};  // lr: the schedule's, per step
   std::vector<std::int64_t> stash_measured_bytes(c.v, -1);  // what micro-batch 0 keeps in step 1, per chunk
   gpt::StepMeasures measured;
   // The ranks of data-parallel replica 0 time their tasks and communication waits: the replicas run the
@@ -101,7 +101,10 @@ void gpt_lesson(Rank& r, const Config& o) {
       // Then the gradients reduced over dp and AdamW on this rank's part, as the ZeRO stage says.
       auto scope = r.region("optimizer");
       dp.finish(params);
-      dp.step(params, hyper, step);
+      if (c.clip_grad > 0) dp.clip_grads(params, c.clip_grad);
+      AdamW at = hyper;
+      at.lr = static_cast<float>(c.lr_at(step));
+      dp.step(params, at, step);
     }
     const Event end = r.record_event();
     r.synchronize();
@@ -132,6 +135,7 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
   const parallel::Layout::Coord me = groups.me;
   zc.tp_rank = me.tp, zc.dp_rank = me.dp;
   zc.tp = groups.tp, zc.dp = groups.dp, zc.embedding = groups.embedding;
+  zc.counts_tied = me.pp == 0;  // of the tied embedding's two copies, the first stage's
   return zc;
 }
 

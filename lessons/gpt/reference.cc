@@ -187,7 +187,7 @@ class Training {
   void embed_backward(const Vec& dx, std::vector<Vec>& g) const;
 
   // ---- the optimizer
-  void adamw(int step, const std::vector<Vec>& g);
+  void adamw(int step, std::vector<Vec>& g);
 
   const Config& c_;
   // sequences, positions, features, vocabulary, heads; features per head, tokens (B S), blocks; key-value
@@ -558,12 +558,23 @@ void Training::embed_backward(const Vec& dx, std::vector<Vec>& g) const {
   }
 }
 
-// ---- AdamW (Loshchilov & Hutter), weight decay only on the matrices and embeddings
-void Training::adamw(int step, const std::vector<Vec>& g) {
+// ---- AdamW (Loshchilov & Hutter), weight decay only on the matrices and embeddings, at the schedule's
+// learning rate, after clipping the gradients to the global norm (every parameter once)
+void Training::adamw(int step, std::vector<Vec>& g) {
+  if (c_.clip_grad > 0) {
+    double squares = 0;
+    for (const Vec& gi : g)
+      for (double e : gi) squares += e * e;
+    const double coeff = c_.clip_grad / (std::sqrt(squares) + 1e-6);
+    if (coeff < 1) {
+      for (Vec& gi : g)
+        for (double& e : gi) e *= coeff;
+    }
+  }
   const AdamW hyper;
   for (int i = 0; i < count_; ++i) {
-    check::adamw_step(w_[i], g[i], m_[i], v_[i], c_.lr, specs_[i].decay ? hyper.weight_decay : 0.0, hyper,
-                      step);
+    check::adamw_step(w_[i], g[i], m_[i], v_[i], c_.lr_at(step), specs_[i].decay ? hyper.weight_decay : 0.0,
+                      hyper, step);
   }
 }
 
@@ -599,6 +610,8 @@ std::shared_ptr<const Reference> Reference::get(const Config& c) {
                     std::to_string(c.steps) + " lr " + std::to_string(c.lr);
   if (c.dropout > 0) key += " dropout " + std::to_string(c.dropout) + " mb " + std::to_string(c.micro_batch);
   if (c.llama()) key += " rope theta " + std::to_string(c.rope_theta);
+  key += " clip " + std::to_string(c.clip_grad) + " lr";
+  for (int step = 1; step <= c.steps; ++step) key += " " + std::to_string(c.lr_at(step));
   static std::mutex mu;
   static std::string cached_key;
   static std::shared_ptr<const Reference> cached;

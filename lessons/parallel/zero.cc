@@ -3,6 +3,7 @@
 #include "lessons/parallel/zero.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "common/errors.h"
 
@@ -262,6 +263,35 @@ void DataParallel::finish(const std::vector<Param*>& ps) {
       exposed_.after(Dim::Pp, e, r_.all_reduce(p->grad, ReduceOp::Sum, Async::No, c_.embedding));
     }
   }
+}
+
+double DataParallel::clip_grads(const std::vector<Param*>& ps, double max_norm) {
+  std::vector<Tensor> mine;
+  for (Param* p : ps) {
+    if (p->spec.tp_dim < 0 && c_.tp_rank != 0) continue;
+    if (p->spec.tied && c_.embedding_group && !c_.counts_tied) continue;
+    if (!sharded_grads() && c_.dp_rank != 0) continue;
+    const Held h = held(*p);
+    mine.push_back(r_.view(h.grad, 0, Shape{h.count}));
+  }
+  Tensor squares = r_.squared_norm(mine);
+  r_.all_reduce(squares, ReduceOp::Sum);
+  if (squares.phantom()) {
+    r_.synchronize();  // the host waits to read it
+    return 0;
+  }
+  const double norm = std::sqrt(static_cast<double>(r_.to_host(squares)[0]));
+  const double coeff = max_norm / (norm + 1e-6);
+  if (coeff >= 1) return norm;
+  const float scale = static_cast<float>(coeff);
+  if (distributed_optimizer()) {
+    for (Bucket& b : buckets_) r_.scale_(b.shard_grad, scale);
+  } else if (flat()) {
+    for (Bucket& b : buckets_) r_.scale_(b.grads, scale);
+  } else {
+    for (Param* p : ps) r_.scale_(p->grad, scale);
+  }
+  return norm;
 }
 
 void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {

@@ -95,6 +95,7 @@ struct ZeroConfig {
   Group tp, dp, embedding;
   bool seq_parallel = false;
   bool embedding_group = false;  // the tied embedding lives on two ranks (pp > 1)
+  bool counts_tied = true;       // this rank's copy of the tied embedding counts in the gradient norm
   std::string broken;            // a deliberate bug for the tests: dp-sum, no-reduce-scatter
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
@@ -159,6 +160,13 @@ class DataParallel {
   // After the last backward: starts the reductions not started yet and waits for every one, then adds the
   // gradients of sequence-parallel parameters over tp and those of the tied embedding over its two stages.
   void finish(const std::vector<Param*>& ps);
+  // Gradient clipping by the global norm: the squares of every gradient element this rank holds, each
+  // parameter's counted once over the world (a tensor every tp rank holds whole on tp rank 0 only, the tied
+  // embedding on its first stage only, zero 0's gradients, the same on every dp rank, on dp rank 0 only),
+  // summed over the world; the host reads the norm (it waits for the stream, as Megatron's does), and when
+  // it exceeds `max_norm` every gradient is scaled by max_norm / (norm + 1e-6). Returns the norm (0 for
+  // phantom tensors).
+  double clip_grads(const std::vector<Param*>& ps, double max_norm);
   // AdamW on this rank's part, then the 16-bit weights rebuilt (all_gather for zero 1 and 2, at once or,
   // with overlap_param_gather, during the next step's forward).
   void step(const std::vector<Param*>& ps, const AdamW& h, int t);
@@ -203,6 +211,8 @@ class DataParallel {
   bool sharded() const { return c_.dp_size > 1; }
   bool flat() const { return c_.stage <= 1; }
   bool distributed_optimizer() const { return c_.stage == 1 && sharded(); }
+  // Whether each dp rank holds a part of the gradients of its own (else every one holds them all).
+  bool sharded_grads() const { return c_.stage >= 1 && sharded(); }
   std::int64_t shard_elements(const Bucket& b) const { return b.elements / c_.dp_size; }
   ReduceOp dp_op() const;
 
