@@ -2,11 +2,15 @@
 // program on it and collect one value per rank.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <functional>
 #include <numeric>
 #include <string>
 #include <vector>
 
+#include "common/errors.h"
+#include "common/lesson.h"
 #include "common/options.h"
 #include "common/profile.h"
 #include "common/rank.h"
@@ -53,6 +57,18 @@ inline std::string run_error_message(int world, const std::function<void(Rank&)>
     return e.what();
   }
   return "";
+}
+
+// Runs `lesson` with `o` on a quiet one-node simulator, expecting a UsageError whose message holds `needle`.
+inline void expect_usage_error(const Settings& o, const std::string& needle,
+                               const std::string& lesson = "gpt") {
+  SimBackend backend(quiet_config());
+  try {
+    run_lesson(backend, lesson, resolve_settings(find_lesson(lesson), o, /*lecture=*/false));
+    ADD_FAILURE() << "expected a UsageError mentioning " << needle;
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
 }
 
 // Runs `fn` on `world` ranks and returns what each rank put in its slot.

@@ -22,6 +22,8 @@
 namespace ranklab {
 namespace {
 
+using testing::expect_usage_error;
+
 RunReport run(const Settings& o, int nodes = 1) {
   SimBackend backend(testing::quiet_config(nodes));
   return run_lesson(backend, "gpt", o);
@@ -339,15 +341,6 @@ TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
 
 // ---- the clear errors
 // ----------------------------------------------------------------------------------------
-
-void expect_usage_error(Settings o, const std::string& needle) {
-  try {
-    run(o);
-    FAIL() << "expected a UsageError mentioning " << needle;
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 TEST(Gpt, BadOptionsNameTheOption) {
   Settings o = tiny();

@@ -21,6 +21,8 @@
 namespace ranklab {
 namespace {
 
+using testing::expect_usage_error;
+
 // As the command line runs it: --framework expands into its flags.
 RunReport run(const Settings& o, SimConfig config) {
   config.echo_output = false;
@@ -299,15 +301,6 @@ TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
   Settings plain = tiny(2);
   plain["framework"] = option_text("megatron-core");
   EXPECT_TRUE(run(plain).all_checks_passed());
-}
-
-void expect_usage_error(const Settings& o, const std::string& needle) {
-  try {
-    run(o);
-    FAIL() << "expected a UsageError mentioning " << needle;
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 TEST(GptOverlap, BadCombinationsNameTheFlag) {

@@ -19,6 +19,8 @@
 namespace ranklab {
 namespace {
 
+using testing::expect_usage_error;
+
 RunReport run(const Settings& o, int nodes = 1) {
   SimBackend backend(testing::quiet_config(nodes));
   return run_lesson(backend, "gpt", o);
@@ -127,15 +129,6 @@ TEST(Llama, ThePhantom8BStepRuns) {
   ASSERT_TRUE(rep.training);
   EXPECT_GT(rep.training->step_time_us, 0);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);  // the memory plan's
-}
-
-void expect_usage_error(Settings o, const std::string& needle) {
-  try {
-    run(o);
-    FAIL() << "expected a UsageError mentioning " << needle;
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 TEST(Llama, BadFlagsNameTheFlag) {
