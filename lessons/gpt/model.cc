@@ -20,7 +20,7 @@ std::string layer_name(int layer, const char* what) {
 }  // namespace
 
 int block_params(const Config& c) {
-  return c.llama() ? kLlamaParams : kBlockParams;
+  return c.llama() ? int{kLlamaParams} : int{kBlockParams};
 }
 
 namespace {
@@ -403,7 +403,7 @@ std::vector<Model::Named> Model::named_params() {
   }
   auto other = [&](OtherParam which, bool here) {
     if (here && has_other(c_, which))
-      out.push_back({int{kBlockParams} + which, -1, &param({kBlockParams + which, -1})});
+      out.push_back({int{kBlockParams} + which, -1, &param({int{kBlockParams} + which, -1})});
   };
   other(kWte, embedding_ || (head_ && !c_.llama()));
   other(kWpe, embedding_);

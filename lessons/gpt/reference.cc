@@ -1,5 +1,7 @@
 #include "lessons/gpt/reference.h"
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <mutex>
 #include <string>
@@ -605,13 +607,12 @@ const std::vector<double>& Reference::weight(int step, int kind, int layer) cons
 std::shared_ptr<const Reference> Reference::get(const Config& c) {
   // Only what defines the problem goes into the key: the shape, the data, the optimizer, the steps, and
   // with dropout its probability and the micro-batch size (the masks follow the micro-batches' rows, as a
-  // framework's random stream follows its kernels).
-  std::string key = c.shape() + " batch " + std::to_string(c.global_batch) + " steps " +
-                    std::to_string(c.steps) + " lr " + std::to_string(c.lr);
-  if (c.dropout > 0) key += " dropout " + std::to_string(c.dropout) + " mb " + std::to_string(c.micro_batch);
-  if (c.llama()) key += " rope theta " + std::to_string(c.rope_theta);
-  key += " clip " + std::to_string(c.clip_grad) + " lr";
-  for (int step = 1; step <= c.steps; ++step) key += " " + std::to_string(c.lr_at(step));
+  // framework's random stream follows its kernels); the llama block's rotary base; the recipe.
+  std::string key = fmt::format("{} batch {} steps {} lr {}", c.shape(), c.global_batch, c.steps, c.lr);
+  if (c.dropout > 0) key += fmt::format(" dropout {} mb {}", c.dropout, c.micro_batch);
+  if (c.llama()) key += fmt::format(" rope theta {}", c.rope_theta);
+  key += fmt::format(" clip {} lr", c.clip_grad);
+  for (int step = 1; step <= c.steps; ++step) key += fmt::format(" {}", c.lr_at(step));
   static std::mutex mu;
   static std::string cached_key;
   static std::shared_ptr<const Reference> cached;
