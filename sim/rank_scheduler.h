@@ -52,13 +52,11 @@ class RankScheduler {
   // until one can go on.
   void finish(int rank);
 
-  bool finished(int rank) const { return ranks_[rank].finished; }
   // The operation `rank` is blocked for (null while it waits for anything else, or does not wait).
   const CommOpState* waiting_op(int rank) const { return ranks_[rank].waiting_op; }
 
   // Ends the run with `error` (the first one wins): every blocked rank is woken to unwind.
   void fail(std::exception_ptr error);
-  bool aborted() const { return aborted_; }
   // Throws RunAborted once the run has failed.
   void check_aborted() const {
     if (aborted_) throw RunAborted{};
