@@ -145,6 +145,8 @@ class SimRank : public Rank {
   void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamW& h, int step, const char* op);
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
+  // A kernel over several tensors' `elements`, launched as apex's multi_tensor_apply launches it.
+  void launch_multi_tensor(const std::string& name, std::int64_t elements, double flops, double bytes);
   // Attention as `kernel` computes it, one launch per kernel of the path.
   void launch_attention(const std::string& name, const AttentionShape& shape, AttentionKernel kernel,
                         bool backward, DType dtype);

@@ -295,12 +295,20 @@ Tensor SimRank::squared_norm(const std::vector<Tensor>& ts) {
     }
     sim_data(out)[0] = static_cast<float>(acc);
   }
-  // One pass over every element, launched as multi_tensor_apply launches it (fused_adamw_step).
-  constexpr std::int64_t kElementsPerLaunch = std::int64_t{320} * 65536;
-  const std::int64_t launches = std::max<std::int64_t>(1, (n + kElementsPerLaunch - 1) / kElementsPerLaunch);
-  world_.advance_host(rank_, static_cast<double>(launches - 1) * world_.compute().launch_us());
-  launch_kernel(kSquaredNorm, 2.0 * static_cast<double>(n), bytes);
+  launch_multi_tensor(kSquaredNorm, n, 2.0 * static_cast<double>(n), bytes);  // one pass over every element
   return out;
+}
+
+void SimRank::launch_multi_tensor(const std::string& name, std::int64_t elements, double flops,
+                                  double bytes) {
+  // apex's multi_tensor_apply launches one kernel per 320 blocks of 65,536 elements
+  // (csrc/multi_tensor_apply.cuh, depth_to_max_blocks; multi_tensor_apply.py, chunk size 2048 x 32): the host
+  // pays each launch, and the kernels stream the elements as one.
+  constexpr std::int64_t kElementsPerLaunch = std::int64_t{320} * 65536;
+  const std::int64_t launches =
+      std::max<std::int64_t>(1, (elements + kElementsPerLaunch - 1) / kElementsPerLaunch);
+  world_.advance_host(rank_, static_cast<double>(launches - 1) * world_.compute().launch_us());
+  launch_kernel(name, flops, bytes);
 }
 
 Tensor SimRank::slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) {
@@ -381,6 +389,10 @@ void SimRank::sgd_step(const Tensor& param, const Tensor& grad, float lr) {
   launch_kernel(kSgd, 2.0 * param.numel(), 2 * bytes_of(param) + bytes_of(grad), param.dtype());
 }
 
+// AdamW per element: 12 flops, and 7 float32 numbers moved (master, gradient, m and v read; master, m and v
+// written).
+constexpr double kAdamwFlops = 12, kAdamwBytes = 7 * kF;
+
 void SimRank::adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                             const AdamW& h, int step, const char* op) {
   require(param, op, "param");
@@ -410,7 +422,7 @@ void SimRank::adamw_numbers(const Tensor& param, const Tensor& grad, const Tenso
 void SimRank::adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                          const AdamW& h, int step) {
   adamw_numbers(param, grad, m, v, h, step, "adamw_step");
-  launch_kernel(kAdamw, 12.0 * param.numel(), 7 * kF * param.numel());
+  launch_kernel(kAdamw, kAdamwFlops * param.numel(), kAdamwBytes * param.numel());
 }
 
 void SimRank::fused_adamw_step(const std::vector<AdamWPart>& parts, const AdamW& h, int step) {
@@ -422,13 +434,8 @@ void SimRank::fused_adamw_step(const std::vector<AdamWPart>& parts, const AdamW&
     n += part.param.numel();
   }
   if (parts.empty()) return;
-  // apex's multi_tensor_apply launches one kernel per 320 blocks of 65,536 elements
-  // (csrc/multi_tensor_apply.cuh, depth_to_max_blocks; multi_tensor_apply.py, chunk size 2048 x 32): the host
-  // pays each launch, and the kernels stream the elements as one.
-  constexpr std::int64_t kElementsPerLaunch = std::int64_t{320} * 65536;
-  const std::int64_t launches = std::max<std::int64_t>(1, (n + kElementsPerLaunch - 1) / kElementsPerLaunch);
-  world_.advance_host(rank_, static_cast<double>(launches - 1) * world_.compute().launch_us());
-  launch_kernel(kFusedAdamw, 12.0 * static_cast<double>(n), 7 * kF * static_cast<double>(n));
+  launch_multi_tensor(kFusedAdamw, n, kAdamwFlops * static_cast<double>(n),
+                      kAdamwBytes * static_cast<double>(n));
 }
 
 }  // namespace ranklab::sim
