@@ -385,11 +385,13 @@ void SimRank::rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t f
     std::vector<std::int64_t> starts;
     for (std::int64_t h = 0; h < a.heads; ++h) starts.push_back(a.col(h, 0, 0));
     for (std::int64_t g = 0; g < groups; ++g) starts.push_back(a.col(g * a.per_group, 1, 0));
+    std::vector<double> frequency(static_cast<std::size_t>(half));
+    for (std::int64_t i = 0; i < half; ++i)
+      frequency[i] = std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim));
     for (std::int64_t r = 0; r < qkv.size(0); ++r) {
       const double pos = static_cast<double>(first_position + r / a.batch);
       for (std::int64_t i = 0; i < half; ++i) {
-        const double angle =
-            pos * std::pow(base, -2.0 * static_cast<double>(i) / static_cast<double>(a.head_dim));
+        const double angle = pos * frequency[i];
         const float c = static_cast<float>(std::cos(angle));
         const float sn = static_cast<float>(inverse ? -std::sin(angle) : std::sin(angle));
         for (std::int64_t start : starts) {

@@ -311,19 +311,23 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
 // The pairs (d, d + hd / 2) of each q head and each group's k, rotated by position * theta^(-2d / hd).
 void Training::rope(Vec& qkv, bool inverse) const {
   const std::int64_t half = hd / 2;
+  Vec frequency(half), cs(half), sn(half);
+  for (std::int64_t d = 0; d < half; ++d)
+    frequency[d] = std::pow(c_.rope_theta, -2.0 * static_cast<double>(d) / static_cast<double>(hd));
   for (std::int64_t i = 0; i < n; ++i) {
     const double pos = static_cast<double>(i % S);
+    for (std::int64_t d = 0; d < half; ++d) {
+      cs[d] = std::cos(pos * frequency[d]);
+      sn[d] = inverse ? -std::sin(pos * frequency[d]) : std::sin(pos * frequency[d]);
+    }
     for (std::int64_t head = 0; head < H + G; ++head) {
       const std::int64_t first = head < H ? col(head, 0, 0) : col((head - H) * per_, 1, 0);
       for (std::int64_t d = 0; d < half; ++d) {
-        const double angle =
-            pos * std::pow(c_.rope_theta, -2.0 * static_cast<double>(d) / static_cast<double>(hd));
-        const double cs = std::cos(angle), sn = inverse ? -std::sin(angle) : std::sin(angle);
         double& x1 = qkv[i * qkv_cols_ + first + d];
         double& x2 = qkv[i * qkv_cols_ + first + d + half];
         const double a = x1, b = x2;
-        x1 = a * cs - b * sn;
-        x2 = b * cs + a * sn;
+        x1 = a * cs[d] - b * sn[d];
+        x2 = b * cs[d] + a * sn[d];
       }
     }
   }
