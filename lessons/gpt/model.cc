@@ -268,7 +268,6 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
   for (ParamId id : order) param(id).spec = param_spec(c, id);
   dp.set_buckets(params_in_backward_order());
   for (Param* p : params()) dp.init(*p);
-  const bool embedding = embedding_, head = head_;
   vocab_start_ = tp_rank * (c.vocab / c.tp);
 
   // The data: this data-parallel rank's samples, one micro-batch after another; rows sequence-major.
@@ -284,16 +283,16 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
   };
   const std::int64_t first = dp_rank * (c.global_batch / c.dp);
   for (std::int64_t k = 0; k < m; ++k) {
-    if (embedding) ids_.push_back(make(first + k * mb, 0));
-    if (head) targets_.push_back(make(first + k * mb, 1));
+    if (embedding_) ids_.push_back(make(first + k * mb, 0));
+    if (head_) targets_.push_back(make(first + k * mb, 1));
   }
-  if (embedding) {  // the positions of this rank's rows (its part of the sequence with --seq-parallel)
+  if (embedding_) {  // the positions of this rank's rows (its part of the sequence with --seq-parallel)
     const std::int64_t lr = c.local_rows(), start = tp_rank * lr * (c.seq_parallel ? 1 : 0);
     std::vector<float> v(lr);
     for (std::int64_t i = 0; i < lr; ++i) v[i] = static_cast<float>((start + i) / mb);
     pos_ids_.push_back(c.phantom ? r.phantom({lr}, DType::Float32) : r.from_host({lr}, v));
   }
-  if (head) loss_sum = c.phantom ? r.phantom({}, DType::Float32) : r.zeros({}, DType::Float32);
+  if (head_) loss_sum = c.phantom ? r.phantom({}, DType::Float32) : r.zeros({}, DType::Float32);
   stash_.assign(c.v, std::vector<Stash>(m));
 }
 
