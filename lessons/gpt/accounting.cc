@@ -104,7 +104,9 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   }
   // The data: token ids and targets of every micro-batch, the positions, the loss.
   const std::int64_t m = c.micro_batches(), r = c.rows(), lr = c.local_rows();
-  std::int64_t data = (embedding ? m * r * 4 + lr * 4 : 0) + (head ? m * r * 4 + 4 : 0);
+  // (The llama block looks up no positions: its blocks rotate q and k.)
+  const std::int64_t positions = c.llama() ? 0 : lr * 4;
+  std::int64_t data = (embedding ? m * r * 4 + positions : 0) + (head ? m * r * 4 + 4 : 0);
   // Temporaries of one task: a block's whole forward (what recomputation rebuilds) and its gradients of the
   // widest layer; the output layer's logits' gradient and the embedding's; zero 3's gathered weights.
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;

@@ -286,7 +286,8 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
     if (embedding_) ids_.push_back(make(first + k * mb, 0));
     if (head_) targets_.push_back(make(first + k * mb, 1));
   }
-  if (embedding_) {  // the positions of this rank's rows (its part of the sequence with --seq-parallel)
+  if (embedding_ &&
+      !c.llama()) {  // the positions of this rank's rows (its part of the sequence with --seq-parallel)
     const std::int64_t lr = c.local_rows(), start = tp_rank * lr * (c.seq_parallel ? 1 : 0);
     std::vector<float> v(lr);
     for (std::int64_t i = 0; i < lr; ++i) v[i] = static_cast<float>((start + i) / mb);
