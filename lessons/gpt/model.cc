@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 
 #include "common/random.h"
 
@@ -17,6 +18,33 @@ constexpr float kEps = 1e-5f;                // layernorm
 std::string layer_name(int layer, const char* what) {
   return "layer " + std::to_string(layer) + " " + what;
 }
+
+// A block's two kinds of linear layer. A column-parallel one splits its output features over tp, its bias
+// with them. A row-parallel one splits its input features and writes into the residual stream, which GPT-2
+// keeps from growing with depth by starting those weights smaller, by 1/sqrt(2 L).
+void column_parallel(ParamSpec& s, Shape full) {
+  s.full = std::move(full);
+  s.tp_dim = 1;
+  s.std = kStd;
+}
+void column_parallel_bias(ParamSpec& s, std::int64_t features) {
+  s.full = Shape{features};
+  s.tp_dim = 0;
+  s.decay = false;
+}
+void row_parallel(ParamSpec& s, Shape full, const Config& c) {
+  s.full = std::move(full);
+  s.tp_dim = 0;
+  s.std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
+}
+// A vector per hidden feature (a norm's gain or shift, the bias after a row-parallel layer): every tp rank
+// holds all of it and, under sequence parallelism, sees the gradient of its own tokens only.
+void per_feature(ParamSpec& s, const Config& c, float value) {
+  s.full = Shape{c.hidden};
+  s.decay = false;
+  s.sp_partial = true;
+  s.value = value;
+}
 }  // namespace
 
 int block_params(const Config& c) {
@@ -27,37 +55,25 @@ namespace {
 ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
   static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2"};
   const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.ffn();
-  const float residual_std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
   ParamSpec s;
   s.name = layer_name(layer, names[which]);
   s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + 32 + which;
   switch (which) {
     case kNorm1:
     case kNorm2:
-      s.full = Shape{h};
-      s.decay = false;
-      s.sp_partial = true;
-      s.value = 1.0f;
+      per_feature(s, c, 1.0f);
       break;
     case kWqkv:
-      s.full = Shape{h, (c.heads + 2 * std::int64_t{c.kv()}) * hd};
-      s.tp_dim = 1;
-      s.std = kStd;
+      column_parallel(s, Shape{h, (c.heads + 2 * std::int64_t{c.kv()}) * hd});
       break;
     case kWo:
-      s.full = Shape{c.heads * hd, h};
-      s.tp_dim = 0;
-      s.std = residual_std;
+      row_parallel(s, Shape{c.heads * hd, h}, c);
       break;
     case kW13:
-      s.full = Shape{h, 2 * f};
-      s.tp_dim = 1;
-      s.std = kStd;
+      column_parallel(s, Shape{h, 2 * f});
       break;
     case kW2:
-      s.full = Shape{f, h};
-      s.tp_dim = 0;
-      s.std = residual_std;
+      row_parallel(s, Shape{f, h}, c);
       break;
     default:
       break;
@@ -72,66 +88,37 @@ ParamSpec block_spec(const Config& c, int layer, int which) {
                                             "proj weight", "proj bias", "ln2 gamma",  "ln2 beta",
                                             "fc1 weight",  "fc1 bias",  "fc2 weight", "fc2 bias"};
   const std::int64_t h = c.hidden;
-  // GPT-2 scales the layers that write into the residual stream by 1/sqrt(2 L), so that the stream's size
-  // does not grow with depth.
-  const float residual_std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
   ParamSpec s;
   s.name = layer_name(layer, names[which]);
   s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + which;
-  auto norm = [&](float value) {
-    s.full = Shape{h};
-    s.decay = false;
-    s.sp_partial = true;
-    s.value = value;
-  };
   switch (static_cast<BlockParam>(which)) {
     case kLn1G:
     case kLn2G:
-      norm(1.0f);
+      per_feature(s, c, 1.0f);
       break;
     case kLn1B:
     case kLn2B:
-      norm(0.0f);
+    case kProjB:
+    case kFc2B:
+      per_feature(s, c, 0.0f);
       break;
     case kQkvW:
-      s.full = Shape{h, 3 * h};
-      s.tp_dim = 1;
-      s.std = kStd;
+      column_parallel(s, Shape{h, 3 * h});
       break;
     case kQkvB:
-      s.full = Shape{3 * h};
-      s.tp_dim = 0;
-      s.decay = false;
+      column_parallel_bias(s, 3 * h);
       break;
     case kProjW:
-      s.full = Shape{h, h};
-      s.tp_dim = 0;
-      s.std = residual_std;
-      break;
-    case kProjB:
-      s.full = Shape{h};
-      s.decay = false;
-      s.sp_partial = true;
+      row_parallel(s, Shape{h, h}, c);
       break;
     case kFc1W:
-      s.full = Shape{h, 4 * h};
-      s.tp_dim = 1;
-      s.std = kStd;
+      column_parallel(s, Shape{h, 4 * h});
       break;
     case kFc1B:
-      s.full = Shape{4 * h};
-      s.tp_dim = 0;
-      s.decay = false;
+      column_parallel_bias(s, 4 * h);
       break;
     case kFc2W:
-      s.full = Shape{4 * h, h};
-      s.tp_dim = 0;
-      s.std = residual_std;
-      break;
-    case kFc2B:
-      s.full = Shape{h};
-      s.decay = false;
-      s.sp_partial = true;
+      row_parallel(s, Shape{4 * h, h}, c);
       break;
     default:
       break;
