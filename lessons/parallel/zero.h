@@ -73,13 +73,11 @@ struct Param {
   Shape local;                // this tp rank's part
   std::int64_t tp_start = 0;  // where it starts along spec.tp_dim
   std::int64_t rows = 0;      // of the local part
-  // Its tensors, by ZeRO stage (zero 1 on one dp rank is zero 0):
-  //   copy    compute dtype: the local part; zero 1: a view of its bucket's weights; zero 3: this rank's rows
-  //   master  float32: the local part; zero 1: none (its bucket holds the shard's); zero 2, 3: this rank's
-  //   rows grad    zero 0, 1: a view of its bucket's gradients, in the reduction dtype; zero 2, 3: float32,
-  //   this
-  //           rank's rows
-  //   m, v    float32, like master
+  // Its tensors by ZeRO stage (zero 1 on one dp rank is zero 0); "rows": this rank's rows of the local part
+  //   copy:   compute dtype, the local part; zero 1: a view of its bucket's weights; zero 3: rows
+  //   master: float32, the local part; zero 1: none, its bucket holds the shard's; zero 2, 3: rows
+  //   grad:   zero 0, 1: a view of its bucket's gradients, in the reduction dtype; zero 2, 3: float32 rows
+  //   m, v:   float32, like master
   Tensor copy, master, grad, m, v;
   int bucket = -1;          // the bucket of its gradient and of its weights' gather
   std::int64_t offset = 0;  // zero 0, 1: its first element in the bucket's buffers
