@@ -14,6 +14,7 @@
 #include "common/html_report.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "gpt_fixture.h"
 #include "lessons/gpt/config.h"
 #include "lessons/parallel/groups.h"
 #include "lessons/parallel/pipeline.h"
@@ -23,25 +24,12 @@ namespace ranklab {
 namespace {
 
 using testing::expect_usage_error;
+using testing::run_gpt;
 
-RunReport run(const Settings& o, int nodes = 1) {
-  SimBackend backend(testing::quiet_config(nodes));
-  return run_lesson(backend, "gpt", o);
-}
-
-// 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 8 in micro-batches of 2.
+// The tiny model at learning rate 1e-3.
 Settings tiny() {
-  Settings o;
-  o["layers"] = option_text(4);
-  o["hidden"] = option_text(64);
-  o["heads"] = option_text(4);
-  o["seq"] = option_text(16);
-  o["vocab"] = option_text(128);
-  o["global-batch"] = option_text(8);
-  o["micro-batch"] = option_text(2);
-  o["steps"] = option_text(3);
+  Settings o = testing::tiny_gpt();
   o["lr"] = option_text(1e-3);
-  o["quiet"] = option_text(true);
   return o;
 }
 
@@ -70,7 +58,7 @@ class GptEqualsOneDevice : public ::testing::TestWithParam<Combo> {};
 
 TEST_P(GptEqualsOneDevice, ThreeStepsOfAdamW) {
   const Settings o = combo_options(GetParam());
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   int numeric = 0;
   for (const CheckRecord& c : rep.checks) numeric += c.what.find("one device") != std::string::npos;
@@ -114,7 +102,7 @@ class GptWithDropout : public ::testing::TestWithParam<Combo> {};
 TEST_P(GptWithDropout, EqualsOneDevice) {
   Settings o = combo_options(GetParam());
   o["dropout"] = option_text(0.1);
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
@@ -132,9 +120,9 @@ TEST(Gpt, DropoutAddsItsKernels) {
   o["tp"] = option_text(2);
   o["phantom"] = option_text(true);
   o["steps"] = option_text(1);
-  const RunReport without = run(o);
+  const RunReport without = run_gpt(o);
   o["dropout"] = option_text(0.1);
-  const RunReport with = run(o);
+  const RunReport with = run_gpt(o);
   ASSERT_TRUE(without.training && with.training);
   EXPECT_GT(with.training->step_time_us, without.training->step_time_us);
 }
@@ -153,12 +141,12 @@ TEST(Gpt, ClippedAndScheduledTrainingEqualsOneDevice) {
     o["dtype"] = option_text("fp32");
     o["steps"] = option_text(4);
     for (const auto& [flag, value] : layout) o[flag] = value;
-    const RunReport plain = run(o);
+    const RunReport plain = run_gpt(o);
     o["clip-grad"] = option_text(0.05);
     o["lr-warmup-steps"] = option_text(1);
     o["lr-decay-style"] = option_text("cosine");
     o["min-lr"] = option_text(1e-4);
-    const RunReport recipe = run(o);
+    const RunReport recipe = run_gpt(o);
     SCOPED_TRACE(recipe.training->layout);
     EXPECT_TRUE(recipe.all_checks_passed()) << testing::failed_checks(recipe);
     // The clipping and the schedule changed the training: the last step's loss differs from the plain run's.
@@ -188,11 +176,11 @@ TEST(Gpt, Float16AndBfloat16GradientReduction) {
   o["tp"] = option_text(2);
   o["pp"] = option_text(2);
   o["dtype"] = option_text("fp16");
-  EXPECT_TRUE(run(o).all_checks_passed());
+  EXPECT_TRUE(run_gpt(o).all_checks_passed());
   o["dtype"] = option_text("bf16");
   o["grad-reduce-dtype"] = option_text("bf16");
   o["zero"] = option_text(2);
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
@@ -207,7 +195,7 @@ TEST(Gpt, DeeperPipelineInterleaved) {
   o["global-batch"] = option_text(8);
   o["micro-batch"] = option_text(2);  // m = 4, a multiple of pp
   o["dtype"] = option_text("fp32");
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   // The timeline's regions name each task's micro-batch and chunk: every stage runs each of the m = 4
   // micro-batches forward and backward through both of its chunks, once per step.
@@ -240,7 +228,7 @@ TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
   o["pp"] = option_text(2);
   o["order"] = option_text("dp-pp-tp");  // tp outermost: ranks 0 and 4 form a tp group
   o["dtype"] = option_text("fp32");
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 
   parallel::Layout megatron{8, 1, 2, "tp-dp-pp"}, across{8, 1, 2, "dp-tp-pp"};
@@ -268,7 +256,7 @@ TEST_P(GptBroken, FailsTheCheck) {
   if (GetParam() == "no-reduce-scatter") o["zero"] = "2";
   if (GetParam() == "no-sp-grad-sync") o["seq-parallel"] = "true";
   if (GetParam() == "dropout-row") o["seq-parallel"] = "true", o["dropout"] = "0.1";
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_FALSE(rep.all_checks_passed());
   bool gradients_failed = false;
   for (const CheckRecord& c : rep.checks) {
@@ -295,7 +283,7 @@ TEST(Gpt, MemoryPlanEqualsWhatTheRunAllocates) {
     o["zero"] = option_text(zero);
     o["vocab"] = option_text(120);  // 60 rows of the embedding per tp rank, 30 per ZeRO shard
     o["recompute"] = option_text(zero == 3 ? "selective" : "none");
-    const RunReport rep = run(o);
+    const RunReport rep = run_gpt(o);
     int plan_checks = 0;
     for (const CheckRecord& c : rep.checks) {
       if (c.what.find("memory plan") == std::string::npos) continue;
@@ -313,7 +301,7 @@ TEST(Gpt, PaddedShardsWhenRowsDoNotDivide) {
   o["zero"] = option_text(3);
   o["global-batch"] = option_text(6);
   o["dtype"] = option_text("fp32");
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
@@ -330,7 +318,7 @@ TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
   o["phantom"] = option_text(true);
   o["quiet"] = option_text(true);
   try {
-    run(o);
+    run_gpt(o);
     FAIL() << "expected OutOfMemoryError";
   } catch (const OutOfMemoryError& e) {
     const std::string m = e.what();
@@ -412,7 +400,7 @@ TEST(Gpt, PhantomStepTimeIsDeterministic) {
   o["steps"] = option_text(2);
   o["phantom"] = option_text(true);
   o["quiet"] = option_text(true);
-  const RunReport a = run(o, 2), b = run(o, 2);
+  const RunReport a = run_gpt(o, 2), b = run_gpt(o, 2);
   ASSERT_TRUE(a.training.has_value());
   ASSERT_TRUE(b.training.has_value());
   EXPECT_GT(a.training->step_time_us, 0);

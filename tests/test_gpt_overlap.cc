@@ -15,6 +15,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "gpt_fixture.h"
 #include "lessons/parallel/zero.h"
 #include "sim_fixture.h"
 
@@ -34,17 +35,8 @@ RunReport run(const Settings& o, int nodes = 1) {
 }
 
 Settings tiny(int world) {
-  Settings o;
+  Settings o = testing::tiny_gpt();
   o["world"] = option_text(world);
-  o["layers"] = option_text(4);
-  o["hidden"] = option_text(64);
-  o["heads"] = option_text(4);
-  o["seq"] = option_text(16);
-  o["vocab"] = option_text(128);
-  o["global-batch"] = option_text(8);
-  o["micro-batch"] = option_text(2);
-  o["steps"] = option_text(3);
-  o["quiet"] = option_text(true);
   return o;
 }
 

@@ -10,6 +10,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "gpt_fixture.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/model.h"
@@ -20,27 +21,14 @@ namespace ranklab {
 namespace {
 
 using testing::expect_usage_error;
+using testing::run_gpt;
 
-RunReport run(const Settings& o, int nodes = 1) {
-  SimBackend backend(testing::quiet_config(nodes));
-  return run_lesson(backend, "gpt", o);
-}
-
-// 4 layers, hidden 64, 4 heads sharing 2 key-value heads, SwiGLU 96, seq 16, vocab 128, 8 sequences.
+// The tiny model with the llama block: its 4 heads share 2 key-value heads, SwiGLU 96.
 Settings tiny_llama() {
-  Settings o;
+  Settings o = testing::tiny_gpt();
   o["block"] = "llama";
-  o["layers"] = option_text(4);
-  o["hidden"] = option_text(64);
-  o["heads"] = option_text(4);
   o["kv-heads"] = option_text(2);
   o["ffn-hidden"] = option_text(96);
-  o["seq"] = option_text(16);
-  o["vocab"] = option_text(128);
-  o["global-batch"] = option_text(8);
-  o["micro-batch"] = option_text(2);
-  o["steps"] = option_text(3);
-  o["quiet"] = option_text(true);
   return o;
 }
 
@@ -52,7 +40,7 @@ class LlamaEqualsOneDevice : public ::testing::TestWithParam<Case> {};
 TEST_P(LlamaEqualsOneDevice, ThreeStepsOfAdamW) {
   Settings o = tiny_llama();
   for (const auto& [flag, value] : std::get<1>(GetParam())) o[flag] = value;
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   int numeric = 0;
   for (const CheckRecord& c : rep.checks) numeric += c.what.find("one device") != std::string::npos;
@@ -85,7 +73,7 @@ TEST(Llama, AGradientLeftInTheRotatedFrameFailsTheCheck) {
   o["world"] = option_text(2);
   o["tp"] = option_text(2);
   o["break"] = "no-rope-backward";
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   EXPECT_FALSE(rep.all_checks_passed());
 }
 
@@ -125,7 +113,7 @@ TEST(Llama, ThePhantom8BStepRuns) {
   o["phantom"] = option_text(true);
   o["steps"] = option_text(1);
   o["quiet"] = option_text(true);
-  const RunReport rep = run(o);
+  const RunReport rep = run_gpt(o);
   ASSERT_TRUE(rep.training);
   EXPECT_GT(rep.training->step_time_us, 0);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);  // the memory plan's

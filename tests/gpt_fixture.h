@@ -1,0 +1,32 @@
+// Shared by the gpt lesson's tests: its tiny model, and a run of it on a quiet simulator.
+#pragma once
+
+#include "common/lesson.h"
+#include "common/options.h"
+#include "common/report.h"
+#include "sim_fixture.h"
+
+namespace ranklab::testing {
+
+// 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 8 in micro-batches of 2, 3 steps.
+inline Settings tiny_gpt() {
+  Settings o;
+  o["layers"] = option_text(4);
+  o["hidden"] = option_text(64);
+  o["heads"] = option_text(4);
+  o["seq"] = option_text(16);
+  o["vocab"] = option_text(128);
+  o["global-batch"] = option_text(8);
+  o["micro-batch"] = option_text(2);
+  o["steps"] = option_text(3);
+  o["quiet"] = option_text(true);
+  return o;
+}
+
+// The gpt lesson with `o` as given (no --framework expansion) on a quiet simulator of `nodes` nodes.
+inline RunReport run_gpt(const Settings& o, int nodes = 1) {
+  SimBackend backend(quiet_config(nodes));
+  return run_lesson(backend, "gpt", o);
+}
+
+}  // namespace ranklab::testing
