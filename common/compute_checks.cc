@@ -63,6 +63,33 @@ void check_view(int rank, const Tensor& base, std::int64_t offset, const Shape& 
   }
 }
 
+Shape check_matmul(int rank, const char* op, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  if (a.ndim() != 2 || b.ndim() != 2) {
+    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where(rank, op), a.str(), b.str()));
+  }
+  need_same_dtype(rank, op, a, b);
+  const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
+  const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
+  const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
+  if (k != kb) {
+    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where(rank, op),
+                                 a.str(), at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
+  }
+  return Shape{m, n};
+}
+
+void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const char* op = "matmul_";
+  need_shape(rank, op, out, check_matmul(rank, op, a, b, ta, tb), "out", "the product");
+  need_dtype(rank, op, out, a.dtype(), "out");
+  for (const Tensor* in : {&a, &b}) {
+    if (!out.phantom() && in->phantom()) {
+      throw UsageError(fmt::format("{}: writes phantom {} into real {}; make both phantom or both real",
+                                   where(rank, op), in->str(), out.str()));
+    }
+  }
+}
+
 void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length) {
   const char* op = "randn_slice";
   if (dim < 0 || dim >= full.ndim()) {

@@ -391,23 +391,6 @@ cudaDataType_t cublas_type(DType t) {
 
 }  // namespace
 
-Shape CudaRank::matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const {
-  require(a, op, "a");
-  require(b, op, "b");
-  if (a.ndim() != 2 || b.ndim() != 2) {
-    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where(op), a.str(), b.str()));
-  }
-  require_same_dtype(a, b, op);
-  const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
-  const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
-  const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
-  if (k != kb) {
-    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where(op), a.str(),
-                                 at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
-  }
-  return Shape{m, n};
-}
-
 void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) {
   const void* pa = require(a, op, "a");
   const void* pb = require(b, op, "b");
@@ -444,7 +427,9 @@ void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta,
 }
 
 Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const Shape s = matmul_shape(a, b, ta, tb, "matmul");
+  require(a, "matmul", "a");
+  require(b, "matmul", "b");
+  const Shape s = check_matmul(rank_, "matmul", a, b, ta, tb);
   Tensor c = allocate(s, a.dtype(), a.phantom() || b.phantom(), "matmul");
   gemm(c, a, b, ta, tb, "matmul");
   return c;
@@ -452,14 +437,10 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
 
 void CudaRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   const char* op = "matmul_";
-  const Shape s = matmul_shape(a, b, ta, tb, op);
+  require(a, op, "a");
+  require(b, op, "b");
   require(out, op, "out");
-  if (out.shape() != s) {
-    throw UsageError(fmt::format("{}: 'out' is {}; the product is {}", where(op), out.str(), s.str()));
-  }
-  require_same_dtype(out, a, op);
-  require_same_kind(out, a, op);
-  require_same_kind(out, b, op);
+  check_matmul_out(rank_, out, a, b, ta, tb);
   gemm(out, a, b, ta, tb, op);
 }
 

@@ -159,9 +159,7 @@ class CudaRank : public Rank {
   }
 
  private:
-  // matmul's checks: the product's shape, [m, n].
-  Shape matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const;
-  // c = op(a) @ op(b) on cuBLAS (c's shape checked).
+  // c = op(a) @ op(b) on cuBLAS (the arguments checked).
   void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op);
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
 

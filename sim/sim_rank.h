@@ -136,14 +136,12 @@ class SimRank : public Rank {
   // The same for a kernel that only reads `tensors`: beside a send or another operation that only reads
   // one of them it may run (on a GPU, two readers of a buffer do not race).
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
-  // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
-  // matmul's checks: the product's shape, [m, n].
-  Shape matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const;
-  // c = op(a) @ op(b), numbers and time (c's shape checked).
+  // c = op(a) @ op(b), numbers and time (the arguments checked).
   void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb);
   // AdamW's checks and numbers on one tensor, for adamw_step and fused_adamw_step (`op`).
   void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamW& h, int step, const char* op);
+  // Advances the host by the launch overhead and the compute stream by the kernel's modeled time.
   void launch_kernel(const std::string& name, double flops, double bytes, DType dtype = DType::Float32);
   // A kernel over several tensors' `elements`, launched as apex's multi_tensor_apply launches it.
   void launch_multi_tensor(const std::string& name, std::int64_t elements, double flops, double bytes);

@@ -107,23 +107,6 @@ Tensor SimRank::view(const Tensor& base, std::int64_t offset, const Shape& shape
 
 // ---- compute ---------------------------------------------------------------------------------------
 
-Shape SimRank::matmul_shape(const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) const {
-  require(a, op, "a");
-  require(b, op, "b");
-  if (a.ndim() != 2 || b.ndim() != 2) {
-    throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where(op), a.str(), b.str()));
-  }
-  require_same_dtype(a, b, op);
-  const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
-  const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
-  const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
-  if (k != kb) {
-    throw UsageError(fmt::format("{}: inner dimensions differ: {}{} @ {}{} ({} vs {})", where(op), a.str(),
-                                 at ? ".T" : "", b.str(), bt ? ".T" : "", k, kb));
-  }
-  return Shape{m, n};
-}
-
 void SimRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = c.size(0), n = c.size(1), k = at ? a.size(0) : a.size(1);
@@ -143,7 +126,9 @@ void SimRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, 
 }
 
 Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const Shape s = matmul_shape(a, b, ta, tb, "matmul");
+  require(a, "matmul", "a");
+  require(b, "matmul", "b");
+  const Shape s = check_matmul(rank_, "matmul", a, b, ta, tb);
   Tensor c = allocate(s, a.dtype(), a.phantom() || b.phantom(), "matmul");
   gemm(c, a, b, ta, tb);
   return c;
@@ -151,12 +136,10 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
 
 void SimRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   const char* op = "matmul_";
-  const Shape s = matmul_shape(a, b, ta, tb, op);
+  require(a, op, "a");
+  require(b, op, "b");
   require(out, op, "out");
-  require_shape(out, s, op, "out");
-  require_dtype(out, a.dtype(), op, "out");
-  require_same_kind(op, out, a);
-  require_same_kind(op, out, b);
+  check_matmul_out(rank_, out, a, b, ta, tb);
   before_kernel({&out}, op);
   gemm(out, a, b, ta, tb);
 }

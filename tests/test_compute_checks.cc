@@ -41,6 +41,26 @@ TEST(ComputeChecks, RandnSlice) {
   EXPECT_ERROR(r.randn_slice({4, 6}, 0, -1, 1, 1, 1.0f, DType::Float32), "[-1, 0) is outside dimension 0");
 }
 
+TEST(ComputeChecks, Matmul) {
+  EXPECT_ERROR(r.matmul(r.zeros({6}), r.zeros({6, 2})),
+               "rank 1: matmul: needs 2-D tensors; got float32[6] and float32[6, 2]");
+  EXPECT_ERROR(r.matmul(r.zeros({2, 3}), r.zeros({2, 3}), Trans::No, Trans::No),
+               "rank 1: matmul: inner dimensions differ: float32[2, 3] @ float32[2, 3] (3 vs 2)");
+  EXPECT_ERROR(r.matmul(r.zeros({2, 3}), r.zeros({3, 2}, DType::BFloat16)), "rank 1: matmul: dtypes differ");
+}
+
+TEST(ComputeChecks, MatmulInto) {
+  EXPECT_ERROR(r.matmul_(r.zeros({2, 3}), r.zeros({2, 4}), r.zeros({4, 2}), Trans::No, Trans::No),
+               "rank 1: matmul_: 'out' is float32[2, 3]; expected shape [2, 2] (the product)");
+  EXPECT_ERROR(
+      r.matmul_(r.zeros({2, 2}, DType::BFloat16), r.zeros({2, 4}), r.zeros({4, 2}), Trans::No, Trans::No),
+      "rank 1: matmul_: 'out' is bfloat16[2, 2]; it must be float32");
+  EXPECT_ERROR(r.matmul_(r.zeros({2, 2}), r.phantom({2, 4}), r.zeros({4, 2}), Trans::No, Trans::No),
+               "rank 1: matmul_: writes phantom");
+  EXPECT_ERROR(r.matmul_(r.zeros({2, 2}), r.zeros({2, 4}), r.zeros({3, 2}), Trans::No, Trans::No),
+               "rank 1: matmul_: inner dimensions differ");
+}
+
 TEST(ComputeChecks, Layernorm) {
   EXPECT_ERROR(r.layernorm(r.zeros({4}), r.zeros({4}), r.zeros({4}), 1e-5f),
                "rank 1: layernorm: 'x' must be 2-D [rows, cols]; got float32[4]");
