@@ -153,9 +153,7 @@ void DataParallel::issue_gathers(int bucket) {
     Bucket& b = buckets_[next_gather_bucket_];
     if (b.gather_due) {
       b.gather_due = false;
-      const std::int64_t shard = shard_elements(b);
-      b.gather =
-          r_.all_gather(b.weights, r_.view(b.weights, c_.dp_rank * shard, Shape{shard}), Async::Yes, c_.dp);
+      b.gather = r_.all_gather(b.weights, shard_of(b, b.weights), Async::Yes, c_.dp);
       exposed_.communicated(Dim::Dp, b.gather);
     }
     for (Pending& q : b.gathers) {

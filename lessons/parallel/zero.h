@@ -213,6 +213,10 @@ class DataParallel {
   // Whether each dp rank holds a part of the gradients of its own (else every one holds them all).
   bool sharded_grads() const { return c_.stage >= 1 && sharded(); }
   std::int64_t shard_elements(const Bucket& b) const { return b.elements / c_.dp_size; }
+  // This rank's shard of one of a bucket's flat buffers (its gradients or weights), a view.
+  Tensor shard_of(const Bucket& b, const Tensor& flat) const {
+    return r_.view(flat, c_.dp_rank * shard_elements(b), Shape{shard_elements(b)});
+  }
   ReduceOp dp_op() const;
 
   // ---- zero 0 and 1: flat buckets (zero_buckets.cc)

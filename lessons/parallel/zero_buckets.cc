@@ -52,7 +52,7 @@ void DataParallel::make_buffers(Bucket& b) {
   if (!distributed_optimizer()) return;
   const std::int64_t shard = shard_elements(b);
   b.weights = zeros(r_, c_.phantom, Shape{b.elements}, c_.dtype);
-  b.master = c_.dtype == DType::Float32 ? r_.view(b.weights, c_.dp_rank * shard, Shape{shard})
+  b.master = c_.dtype == DType::Float32 ? shard_of(b, b.weights)
                                         : zeros(r_, c_.phantom, Shape{shard}, DType::Float32);
   b.m = zeros(r_, c_.phantom, Shape{shard}, DType::Float32);
   b.v = zeros(r_, c_.phantom, Shape{shard}, DType::Float32);
@@ -81,8 +81,7 @@ void DataParallel::init_flat(Param& p, const Tensor& local) {
   // Once the bucket's weights are all made, the float32 master of this rank's shard starts from them, as
   // Megatron's distributed optimizer makes it (shard_model_param.clone().float()).
   if (++b.initialized == static_cast<int>(b.params.size()) && c_.dtype != DType::Float32) {
-    const std::int64_t shard = shard_elements(b);
-    r_.copy_(b.master, r_.view(b.weights, c_.dp_rank * shard, Shape{shard}));
+    r_.copy_(b.master, shard_of(b, b.weights));
   }
 }
 
@@ -90,9 +89,7 @@ void DataParallel::issue_reduction(Bucket& b) {
   b.reducing = true;
   if (!sharded()) return;
   if (distributed_optimizer()) {  // each rank receives its shard's sum, in place
-    const std::int64_t shard = shard_elements(b);
-    b.reduction = r_.reduce_scatter(r_.view(b.grads, c_.dp_rank * shard, Shape{shard}), b.grads, dp_op(),
-                                    Async::Yes, c_.dp);
+    b.reduction = r_.reduce_scatter(shard_of(b, b.grads), b.grads, dp_op(), Async::Yes, c_.dp);
   } else {
     b.reduction = r_.all_reduce(b.grads, dp_op(), Async::Yes, c_.dp);
   }
@@ -132,8 +129,7 @@ void DataParallel::finish_flat(const std::vector<Param*>& ps) {
   }
   if (!distributed_optimizer()) return;
   for (Bucket& b : buckets_) {
-    const std::int64_t shard = shard_elements(b);
-    Tensor mine = r_.view(b.grads, c_.dp_rank * shard, Shape{shard});
+    Tensor mine = shard_of(b, b.grads);
     b.shard_grad = c_.reduce_dtype == DType::Float32 ? mine : r_.cast(mine, DType::Float32);
   }
 }
@@ -171,8 +167,7 @@ void DataParallel::step_flat(const std::vector<Param*>& ps, const AdamW& h, int 
   r_.fused_adamw_step(parts, h, t);
   // Every rank updated its shard; an all_gather in place puts each bucket's weights back together.
   for (Bucket& b : buckets_) {
-    const std::int64_t shard = shard_elements(b);
-    Tensor mine = r_.view(b.weights, c_.dp_rank * shard, Shape{shard});
+    Tensor mine = shard_of(b, b.weights);
     if (c_.dtype != DType::Float32) r_.copy_(mine, b.master);
     if (c_.overlap_param_gather) {  // started by the next step's forward (start_step, gather)
       b.gather_due = true;
