@@ -273,8 +273,9 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
     if (embedding_) ids_.push_back(make(first + k * mb, 0));
     if (head_) targets_.push_back(make(first + k * mb, 1));
   }
-  if (embedding_ &&
-      !c.llama()) {  // the positions of this rank's rows (its part of the sequence with --seq-parallel)
+  // The positions of this rank's rows (its part of the sequence with --seq-parallel); llama's blocks rotate
+  // q and k instead.
+  if (embedding_ && !c.llama()) {
     const std::int64_t lr = c.local_rows(), start = tp_rank * lr * (c.seq_parallel ? 1 : 0);
     std::vector<float> v(lr);
     for (std::int64_t i = 0; i < lr; ++i) v[i] = static_cast<float>((start + i) / mb);
@@ -413,8 +414,7 @@ Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
   return w;
 }
 
-// ---- one block
-// ----------------------------------------------------------------------------------------------
+// ---- one block --------------------------------------------------------------------------------------------
 
 Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all, int layer,
                             int mb) {
@@ -485,8 +485,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   return r.add(dx1, ln1.dx);
 }
 
-// ---- the llama block
-// ----------------------------------------------------------------------------------------------
+// ---- the llama block --------------------------------------------------------------------------------------
 
 AttentionSpec Model::attention_spec() const {
   return AttentionSpec{c_.micro_batch, c_.heads / c_.tp, c_.kv() / c_.tp, true, c_.attention};
@@ -550,8 +549,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   return r.add(dx1, n1.dx);
 }
 
-// ---- the embedding and the output layer
-// ---------------------------------------------------------------------
+// ---- the embedding and the output layer -------------------------------------------------------------------
 
 Tensor Model::embed_forward(int mb) {
   if (c_.llama()) {  // no positions: the blocks rotate q and k
@@ -566,20 +564,18 @@ Tensor Model::embed_forward(int mb) {
 }
 
 void Model::embed_backward(int mb, const Tensor& dx, bool last) {
-  if (c_.llama()) {
-    Tensor dwte = dp_.embedding_grad_target(wte_);
-    r_.embedding_backward_(dwte, tp_.leave_backward(dx), ids_[mb], vocab_start_);
-    dp_.embedding_grad_done(wte_, dwte);
-    if (last) dp_.grads_ready({&wte_});
-    return;
+  std::vector<Param*> made;  // in the order their gradients are made
+  if (!c_.llama()) {
+    Tensor dwpe = dp_.embedding_grad_target(wpe_);
+    r_.embedding_backward_(dwpe, dx, pos_ids_[0], 0);
+    dp_.embedding_grad_done(wpe_, dwpe);
+    made.push_back(&wpe_);
   }
-  Tensor dwpe = dp_.embedding_grad_target(wpe_);
-  r_.embedding_backward_(dwpe, dx, pos_ids_[0], 0);
-  dp_.embedding_grad_done(wpe_, dwpe);
   Tensor dwte = dp_.embedding_grad_target(wte_);
   r_.embedding_backward_(dwte, tp_.leave_backward(dx), ids_[mb], vocab_start_);
   dp_.embedding_grad_done(wte_, dwte);
-  if (last) dp_.grads_ready({&wpe_, &wte_});  // in the order their gradients were made
+  made.push_back(&wte_);
+  if (last) dp_.grads_ready(made);
 }
 
 void Model::head_forward(int mb, const Tensor& x, HeadActs& h) {
@@ -638,8 +634,7 @@ Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
   return ln.dx;
 }
 
-// ---- a pipeline task: one micro-batch through one chunk
-// -------------------------------------------------------
+// ---- a pipeline task: one micro-batch through one chunk ---------------------------------------------------
 
 Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
   Chunk& ch = chunks_[t.chunk];
