@@ -155,6 +155,20 @@ TEST(Gpt, ClippedAndScheduledTrainingEqualsOneDevice) {
   }
 }
 
+// A cosine down to a min-lr of 0 makes the last step's update zero; the weights' error built up by the
+// steps before it is measured against their updates, so the check still passes, and still fails a
+// broken reduction.
+TEST(Gpt, AStepWithoutAnUpdateIsJudgedByTheUpdatesBeforeIt) {
+  Settings o = tiny();
+  o["world"] = option_text(4);
+  o["tp"] = option_text(2);
+  o["lr-decay-style"] = option_text("cosine");
+  const RunReport rep = run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  o["break"] = option_text("dp-sum");
+  EXPECT_FALSE(run_gpt(o).all_checks_passed());
+}
+
 TEST(Gpt, TheLearningRateWarmsUpThenFollowsACosine) {
   gpt::Config c;
   c.lr = 1e-3;

@@ -111,10 +111,14 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
     compare(held.grad, true);
     compare(held.master, false);
   }
-  const double wrel = std::sqrt(step_error / std::max(step_update, 1e-60));
-  weight.merge(wrel, fmt::format("step {}: |got - want| {:.3e} over |update| {:.3e} = {:.3e} over the rank's "
-                                 "parameters; most of it at {}",
-                                 step, std::sqrt(step_error), std::sqrt(step_update), wrel, most_where));
+  // The weights' error builds up over the steps so far, so it is measured against the largest update among
+  // them: a step the schedule makes small (a learning rate decayed to 0) is not judged by its own update.
+  largest_update_ = std::max(largest_update_, step_update);
+  const double wrel = std::sqrt(step_error / std::max(largest_update_, 1e-60));
+  weight.merge(wrel,
+               fmt::format("step {}: |got - want| {:.3e} over the largest |update| so far {:.3e} = {:.3e} "
+                           "over the rank's parameters; most of it at {}",
+                           step, std::sqrt(step_error), std::sqrt(largest_update_), wrel, most_where));
   if (!model.has_head()) return;
   Tensor total = r_.cast(model.loss_sum, DType::Float32);
   r_.all_reduce(total, ReduceOp::Sum, Async::No, dp_group);

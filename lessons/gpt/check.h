@@ -56,6 +56,8 @@ class OneDeviceCheck {
   const Config& c_;
   parallel::Layout::Coord me_;
   std::shared_ptr<const Reference> ref_;
+  double largest_update_ =
+      0;  // the largest squared norm of a step's update so far, over the rank's parameters
 };
 
 // The parameters (and data) a stage allocates, and what a micro-batch keeps for its backward on each of
