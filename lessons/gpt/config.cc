@@ -173,22 +173,21 @@ void resolve_block(const Config& c) {
     if (c.kv_heads > 0 && c.kv_heads != c.heads) {
       throw UsageError(
           fmt::format("gpt: --kv-heads {}: the gpt block's attention gives every head its own keys and "
-                      "values; grouped-query "
-                      "attention is the llama block's (--block llama)",
+                      "values; grouped-query attention is the llama block's (--block llama)",
                       c.kv_heads));
     }
     if (c.ffn_hidden > 0 && c.ffn_hidden != 4 * std::int64_t{c.hidden}) {
       throw UsageError(
-          fmt::format("gpt: --ffn-hidden {}: the gpt block's MLP is 4 x --hidden = {} wide; a width "
-                      "of its own is the llama block's (--block llama)",
+          fmt::format("gpt: --ffn-hidden {}: the gpt block's MLP is 4 x --hidden = {} wide; a width of its "
+                      "own is the llama block's (--block llama)",
                       c.ffn_hidden, 4 * std::int64_t{c.hidden}));
     }
     return;
   }
   if (c.kv_heads > c.heads || c.heads % c.kv() != 0) {
     throw UsageError(
-        fmt::format("gpt: --kv-heads {} does not divide --heads {}: each key-value head serves a "
-                    "group of heads / kv-heads query heads",
+        fmt::format("gpt: --kv-heads {} does not divide --heads {}: each key-value head serves a group of "
+                    "heads / kv-heads query heads",
                     c.kv(), c.heads));
   }
   if (c.kv() % c.tp != 0) {
@@ -200,14 +199,14 @@ void resolve_block(const Config& c) {
   }
   if (c.ffn() % c.tp != 0) {
     throw UsageError(
-        fmt::format("gpt: --ffn-hidden {} is not divisible by --tp {}: each rank holds ffn/tp of the "
-                    "SwiGLU MLP's columns",
+        fmt::format("gpt: --ffn-hidden {} is not divisible by --tp {}: each rank holds ffn/tp of the SwiGLU "
+                    "MLP's columns",
                     c.ffn(), c.tp));
   }
   if (c.head_dim() % 2 != 0) {
     throw UsageError(
-        fmt::format("gpt: --hidden {} / --heads {} = {} features per head is odd; rotary "
-                    "embeddings rotate pairs of them",
+        fmt::format("gpt: --hidden {} / --heads {} = {} features per head is odd; rotary embeddings "
+                    "rotate pairs of them",
                     c.hidden, c.heads, c.head_dim()));
   }
 }
