@@ -8,6 +8,8 @@
 
 #include "common/html_report.h"
 #include "common/report.h"
+#include "lessons/gpt/config.h"
+#include "plan/candidates.h"
 
 namespace ranklab::plan {
 
@@ -83,17 +85,12 @@ std::string bytes(std::int64_t b) {
 }  // namespace
 
 std::string describe_question(const Question& q) {
-  const std::string heads =
-      q.block == "llama"
-          ? fmt::format("{} heads ({} key-value), SwiGLU {}", q.heads, q.kv_heads > 0 ? q.kv_heads : q.heads,
-                        q.ffn_hidden > 0 ? q.ffn_hidden : 4 * std::int64_t{q.hidden})
-          : fmt::format("{} heads", q.heads);
-  return fmt::format(
-      "{}{}{} layers, hidden {}, {}, seq {}, vocab {}; global batch {}; {} on {} x {} ({}, {} node{}); "
-      "{}",
-      q.model == "custom" ? "" : q.model + ": ", q.block == "llama" ? "llama block, " : "", q.layers,
-      q.hidden, heads, q.seq, q.vocab, q.global_batch, q.dtype, q.world(), q.profile.gpu.name, q.profile.name,
-      q.profile.nodes, q.profile.nodes == 1 ? "" : "s", q.framework);
+  // The model's shape as the lesson reads and says it (gpt::Config::shape).
+  const gpt::Config model = gpt::options_table().read(lesson_settings(q, Layout{}), "gpt");
+  return fmt::format("{}{}; global batch {}; {} on {} x {} ({}, {} node{}); {}",
+                     q.model == "custom" ? "" : q.model + ": ", model.shape(), q.global_batch, q.dtype,
+                     q.world(), q.profile.gpu.name, q.profile.name, q.profile.nodes,
+                     q.profile.nodes == 1 ? "" : "s", q.framework);
 }
 
 std::string format_counts(const Plan& p) {
