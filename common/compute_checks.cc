@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "common/errors.h"
 
@@ -78,10 +79,15 @@ Shape check_matmul(int rank, const char* op, const Tensor& a, const Tensor& b, T
   return Shape{m, n};
 }
 
-void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const char* op = "matmul_";
+void check_matmul_out(int rank, const char* op, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta,
+                      Trans tb) {
   need_shape(rank, op, out, check_matmul(rank, op, a, b, ta, tb), "out", "the product");
-  need_dtype(rank, op, out, a.dtype(), "out");
+  if (std::string_view(op) != "matmul_add_") {
+    need_dtype(rank, op, out, a.dtype(), "out");
+  } else if (out.dtype() != a.dtype() && out.dtype() != DType::Float32) {
+    throw UsageError(fmt::format("{}: 'out' is {}; it must be {} or float32", where(rank, op), out.str(),
+                                 dtype_name(a.dtype())));
+  }
   for (const Tensor* in : {&a, &b}) {
     if (!out.phantom() && in->phantom()) {
       throw UsageError(fmt::format("{}: writes phantom {} into real {}; make both phantom or both real",

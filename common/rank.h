@@ -225,6 +225,10 @@ class Rank {
   // The same product written into `out` (cuBLAS's C with beta 0), which may be a view: a GEMM whose output is
   // part of a larger buffer, as TransformerEngine's overlapped GEMMs write each chunk in place.
   virtual void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
+  // out += op(a) @ op(b) (cuBLAS's C with beta 1): a weight gradient summed into its gradient buffer by the
+  // GEMM that computes it, as Megatron-LM's gradient-accumulation fusion does (wgrad_gemm_accum_fp32).
+  // `out` has a's dtype or is float32 under 16-bit inputs; then the float32 sum is never rounded to 16 bits.
+  virtual void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
   virtual Tensor relu(const Tensor& x) = 0;
   // grad_out where x > 0, else 0: the backward of relu given its input x.
   virtual Tensor relu_backward(const Tensor& grad_out, const Tensor& x) = 0;

@@ -391,7 +391,8 @@ cudaDataType_t cublas_type(DType t) {
 
 }  // namespace
 
-void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op) {
+void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op,
+                    bool accumulate) {
   const void* pa = require(a, op, "a");
   const void* pb = require(b, op, "b");
   void* pc = require(c, op, "out");
@@ -402,25 +403,26 @@ void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta,
   if (m == 0 || n == 0) return;
   kernel(op, [&] {
     if (k == 0) {
-      RANKLAB_CUDA(cudaMemsetAsync(pc, 0, static_cast<size_t>(c.bytes()), compute_));
+      if (!accumulate) RANKLAB_CUDA(cudaMemsetAsync(pc, 0, static_cast<size_t>(c.bytes()), compute_));
       return;
     }
     // cuBLAS is column-major and ours are row-major: a row-major X is a column-major X^T, so compute
     // C^T = op(B)^T op(A)^T, which cuBLAS sees as op(B) times op(A) on the same buffers.
     const float one = 1.0f, zero = 0.0f;
+    const float* beta = accumulate ? &one : &zero;
     const cublasOperation_t opb = bt ? CUBLAS_OP_T : CUBLAS_OP_N, opa = at ? CUBLAS_OP_T : CUBLAS_OP_N;
     const int ldb = as_int(std::max<std::int64_t>(1, b.size(1)), "ldb");
     const int lda = as_int(std::max<std::int64_t>(1, a.size(1)), "lda");
     if (dtype == DType::Float32) {
       RANKLAB_CUBLAS(cublasSgemm(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one,
                                  static_cast<const float*>(pb), ldb, static_cast<const float*>(pa), lda,
-                                 &zero, static_cast<float*>(pc), as_int(n, "ldc")));
+                                 beta, static_cast<float*>(pc), as_int(n, "ldc")));
     } else {
       // 16-bit inputs on tensor cores, float32 accumulation and float scalars; the product is rounded once,
-      // to the output's 16-bit type.
+      // to the output's type (16-bit, or float32 where matmul_add_ sums into a float32 gradient).
       const cudaDataType_t type = cublas_type(dtype);
       RANKLAB_CUBLAS(cublasGemmEx(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one, pb,
-                                  type, ldb, pa, type, lda, &zero, pc, type, as_int(n, "ldc"),
+                                  type, ldb, pa, type, lda, beta, pc, cublas_type(c.dtype()), as_int(n, "ldc"),
                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   });
@@ -440,8 +442,17 @@ void CudaRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Tran
   require(a, op, "a");
   require(b, op, "b");
   require(out, op, "out");
-  check_matmul_out(rank_, out, a, b, ta, tb);
+  check_matmul_out(rank_, op, out, a, b, ta, tb);
   gemm(out, a, b, ta, tb, op);
+}
+
+void CudaRank::matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const char* op = "matmul_add_";
+  require(a, op, "a");
+  require(b, op, "b");
+  require(out, op, "out");
+  check_matmul_out(rank_, op, out, a, b, ta, tb);
+  gemm(out, a, b, ta, tb, op, /*accumulate=*/true);
 }
 
 Tensor CudaRank::relu(const Tensor& x) {

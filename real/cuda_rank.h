@@ -85,6 +85,7 @@ class CudaRank : public Rank {
   using Rank::matmul;
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
+  void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
   Tensor add(const Tensor& a, const Tensor& b) override;
@@ -159,8 +160,9 @@ class CudaRank : public Rank {
   }
 
  private:
-  // c = op(a) @ op(b) on cuBLAS (the arguments checked).
-  void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op);
+  // c = op(a) @ op(b) on cuBLAS, or c += op(a) @ op(b) when `accumulate` (beta 1); the arguments checked.
+  void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op,
+            bool accumulate = false);
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
 
   void init();

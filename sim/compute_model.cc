@@ -172,6 +172,15 @@ KernelCost ComputeModel::gemm_cost(std::int64_t m, std::int64_t n, std::int64_t 
   return batched_gemm_cost(1, m, n, k, dtype);
 }
 
+KernelCost ComputeModel::gemm_accumulate_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
+                                              DType out_dtype) const {
+  const double e = static_cast<double>(dtype_bytes(dtype)),
+               out_e = static_cast<double>(dtype_bytes(out_dtype));
+  KernelCost cost = gemm_cost(m, n, k, dtype);
+  cost.memory_us = memory_us(e * static_cast<double>(m * k + k * n) + 2 * out_e * static_cast<double>(m * n));
+  return cost;
+}
+
 KernelCost ComputeModel::batched_gemm_cost(std::int64_t batch, std::int64_t m, std::int64_t n, std::int64_t k,
                                            DType dtype) const {
   const double e = static_cast<double>(dtype_bytes(dtype));

@@ -58,6 +58,10 @@ class ComputeModel {
     return gemm_cost(m, n, k, dtype).us();
   }
   KernelCost gemm_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype) const;
+  // The same GEMM adding its product into an output of `out_dtype` (cuBLAS's C with beta 1): the same
+  // arithmetic, and the output read as well as written at its own width.
+  KernelCost gemm_accumulate_cost(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
+                                  DType out_dtype) const;
   // `batch` independent GEMMs of one shape in one strided-batched call (cuBLAS's
   // cublasGemmStridedBatchedEx): the output tiles of all entries share the waves over the SMs, so a batch
   // of small GEMMs fills the GPU where one alone would not.

@@ -40,6 +40,7 @@ class SimRank : public Rank {
 
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
+  void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
   Tensor add(const Tensor& a, const Tensor& b) override;
@@ -136,8 +137,8 @@ class SimRank : public Rank {
   // The same for a kernel that only reads `tensors`: beside a send or another operation that only reads
   // one of them it may run (on a GPU, two readers of a buffer do not race).
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
-  // c = op(a) @ op(b), numbers and time (the arguments checked).
-  void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb);
+  // c = op(a) @ op(b), or c += op(a) @ op(b) when `accumulate`: numbers and time (the arguments checked).
+  void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate = false);
   // AdamW's checks and numbers on one tensor, for adamw_step and fused_adamw_step (`op`).
   void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamW& h, int step, const char* op);

@@ -107,22 +107,32 @@ Tensor SimRank::view(const Tensor& base, std::int64_t offset, const Shape& shape
 
 // ---- compute ---------------------------------------------------------------------------------------
 
-void SimRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+void SimRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate) {
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = c.size(0), n = c.size(1), k = at ? a.size(0) : a.size(1);
   before_reading({&a, &b}, "matmul");
   if (!c.phantom()) {
-    // 16-bit inputs are already rounded; the float32 product stands for the tensor cores' float32
+    // 16-bit inputs are already rounded; the float32 product (and sum) stands for the tensor cores' float32
     // accumulation, and the output is rounded once.
     MatrixMap A(sim_data(a), a.size(0), a.size(1)), B(sim_data(b), b.size(0), b.size(1)),
         C(sim_data(c), m, n);
-    if (!at && !bt) C.noalias() = A * B;
-    if (at && !bt) C.noalias() = A.transpose() * B;
-    if (!at && bt) C.noalias() = A * B.transpose();
-    if (at && bt) C.noalias() = A.transpose() * B.transpose();
+    auto store = [&](const auto& product) {
+      if (accumulate) {
+        C.noalias() += product;
+      } else {
+        C.noalias() = product;
+      }
+    };
+    if (!at && !bt) store(A * B);
+    if (at && !bt) store(A.transpose() * B);
+    if (!at && bt) store(A * B.transpose());
+    if (at && bt) store(A.transpose() * B.transpose());
     round_to_dtype(c);
   }
-  launch_kernel_cost(kMatmul, world_.compute().gemm_cost(m, n, k, a.dtype()));
+  const ComputeModel& model = world_.compute();
+  launch_kernel_cost(accumulate ? kMatmulAdd : kMatmul,
+                     accumulate ? model.gemm_accumulate_cost(m, n, k, a.dtype(), c.dtype())
+                                : model.gemm_cost(m, n, k, a.dtype()));
 }
 
 Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
@@ -139,9 +149,19 @@ void SimRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans
   require(a, op, "a");
   require(b, op, "b");
   require(out, op, "out");
-  check_matmul_out(rank_, out, a, b, ta, tb);
+  check_matmul_out(rank_, op, out, a, b, ta, tb);
   before_kernel({&out}, op);
   gemm(out, a, b, ta, tb);
+}
+
+void SimRank::matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+  const char* op = "matmul_add_";
+  require(a, op, "a");
+  require(b, op, "b");
+  require(out, op, "out");
+  check_matmul_out(rank_, op, out, a, b, ta, tb);
+  before_kernel({&out}, op);
+  gemm(out, a, b, ta, tb, /*accumulate=*/true);
 }
 
 void SimRank::require_same_shape(const char* op, const Tensor& a, const Tensor& b) const {

@@ -53,11 +53,12 @@ inline float round_value(float x, DType dtype) {
 
 // Kernel names for the timeline, made once: a phantom step launches millions of kernels.
 inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", kCopyH2D = "copy_h2d",
-                         kMatmul = "matmul", kRelu = "relu", kReluBackward = "relu_backward", kAdd = "add",
-                         kAddInPlace = "add_", kScale = "scale_", kCopy = "copy", kCast = "cast",
-                         kSum = "sum", kSquaredNorm = "squared_norm", kSlice = "slice", kCat = "cat",
-                         kSgd = "sgd_step", kAdamw = "adamw_step", kFusedAdamw = "fused_adamw_step",
-                         kAddBias = "add_bias_", kSumRows = "sum_rows", kLayernorm = "layernorm",
+                         kMatmul = "matmul", kMatmulAdd = "matmul_add_", kRelu = "relu",
+                         kReluBackward = "relu_backward", kAdd = "add", kAddInPlace = "add_",
+                         kScale = "scale_", kCopy = "copy", kCast = "cast", kSum = "sum",
+                         kSquaredNorm = "squared_norm", kSlice = "slice", kCat = "cat", kSgd = "sgd_step",
+                         kAdamw = "adamw_step", kFusedAdamw = "fused_adamw_step", kAddBias = "add_bias_",
+                         kSumRows = "sum_rows", kLayernorm = "layernorm",
                          kLayernormBackward = "layernorm_backward", kGelu = "gelu",
                          kGeluBackward = "gelu_backward", kRmsnorm = "rmsnorm",
                          kRmsnormBackward = "rmsnorm_backward", kSwiglu = "swiglu",

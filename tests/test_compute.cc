@@ -54,6 +54,56 @@ TEST(Compute, MatmulWithEveryTransposeMatchesLoops) {
   }
 }
 
+TEST(Compute, MatmulAddSumsTheProductIntoAFloat32GradientWithoutRoundingItTo16Bits) {
+  // Two bf16 products summed into a float32 buffer, as a weight gradient accumulates over micro-batches:
+  // each product is the float32 sum of rounded inputs, kept in float32; matmul then add_ rounds each
+  // product to bf16 first, which the fused sum does not.
+  auto got = on_one_rank<std::array<Values, 4>>([](Rank& r) {
+    Tensor x = r.cast(r.randn({6, 4}, 1), DType::BFloat16), dy = r.cast(r.randn({6, 3}, 2), DType::BFloat16);
+    Tensor fused = r.zeros({4, 3});
+    r.matmul_add_(fused, x, dy, Trans::Yes, Trans::No);
+    r.matmul_add_(fused, x, dy, Trans::Yes, Trans::No);
+    Tensor separate = r.zeros({4, 3});
+    for (int i = 0; i < 2; ++i) r.add_(separate, r.matmul(x, dy, Trans::Yes, Trans::No), 1.0f);
+    return std::array<Values, 4>{r.to_host(fused), r.to_host(separate), r.to_host(x), r.to_host(dy)};
+  });
+  const Values &fused = got[0], &separate = got[1], &x = got[2], &dy = got[3];
+  bool rounding_differs = false;
+  for (int i = 0; i < 4; ++i) {
+    for (int j = 0; j < 3; ++j) {
+      double want = 0;
+      for (int p = 0; p < 6; ++p) want += static_cast<double>(x[p * 4 + i]) * dy[p * 3 + j];
+      EXPECT_NEAR(fused[i * 3 + j], 2 * want, 1e-5) << i << "," << j;
+      rounding_differs |= fused[i * 3 + j] != separate[i * 3 + j];
+    }
+  }
+  EXPECT_TRUE(rounding_differs) << "the separate sum should carry the bf16 rounding of each product";
+}
+
+TEST(Compute, MatmulAddReadsItsFloat32OutputAsWellAsWritingIt) {
+  // A bf16 GEMM small enough to be bound by its traffic: the accumulating one moves its float32 output
+  // twice (read and write) where the plain one writes a bf16 output once.
+  const Profile p = quiet_config().profile;
+  const std::int64_t m = 8192, n = 8192, k = 8;
+  auto got = on_one_rank<std::pair<double, double>>([&](Rank& r) {
+    Tensor a = r.phantom({k, m}, DType::BFloat16), b = r.phantom({k, n}, DType::BFloat16);
+    Tensor out = r.phantom({m, n});
+    r.synchronize();
+    double t0 = r.now();
+    r.matmul(a, b, Trans::Yes, Trans::No);
+    r.synchronize();
+    const double plain_us = r.now() - t0;
+    t0 = r.now();
+    r.matmul_add_(out, a, b, Trans::Yes, Trans::No);
+    r.synchronize();
+    return std::make_pair(plain_us, r.now() - t0);
+  });
+  const double per_us = p.gpu.hbm_bandwidth_gbps * 1e3 * p.gpu.memory_efficiency;
+  const double inputs = 2.0 * static_cast<double>(m * k + k * n), mn = static_cast<double>(m * n);
+  EXPECT_NEAR(got.first, p.gpu.launch_overhead_us + (inputs + 2 * mn) / per_us, 1e-6);
+  EXPECT_NEAR(got.second, p.gpu.launch_overhead_us + (inputs + 8 * mn) / per_us, 1e-6);
+}
+
 TEST(Compute, ElementwiseOps) {
   auto got = on_one_rank<std::vector<Values>>([](Rank& r) {
     Tensor x = r.from_host({2, 3}, {-2, -1, 0, 1, 2, 3});

@@ -61,6 +61,16 @@ TEST(ComputeChecks, MatmulInto) {
                "rank 1: matmul_: inner dimensions differ");
 }
 
+TEST(ComputeChecks, MatmulAdd) {
+  EXPECT_ERROR(r.matmul_add_(r.zeros({2, 2}, DType::Float16), r.zeros({2, 4}, DType::BFloat16),
+                             r.zeros({4, 2}, DType::BFloat16), Trans::No, Trans::No),
+               "rank 1: matmul_add_: 'out' is float16[2, 2]; it must be bfloat16 or float32");
+  EXPECT_ERROR(r.matmul_add_(r.zeros({3, 2}), r.zeros({2, 4}), r.zeros({4, 2}), Trans::No, Trans::No),
+               "rank 1: matmul_add_: 'out' is float32[3, 2]; expected shape [2, 2] (the product)");
+  EXPECT_ERROR(r.matmul_add_(r.zeros({2, 2}), r.zeros({2, 4}), r.phantom({4, 2}), Trans::No, Trans::No),
+               "rank 1: matmul_add_: writes phantom");
+}
+
 TEST(ComputeChecks, Layernorm) {
   EXPECT_ERROR(r.layernorm(r.zeros({4}), r.zeros({4}), r.zeros({4}), 1e-5f),
                "rank 1: layernorm: 'x' must be 2-D [rows, cols]; got float32[4]");

@@ -1087,10 +1087,16 @@ TEST(CudaBackend, ViewsMatchTheSimulator) {
     r.matmul_(r.view(gathered, 0, {1, 2}), r.view(gathered, 2, {1, 2}),
               r.full({2, 2}, 0.25f, DType::BFloat16), Trans::No,
               Trans::No);  // a product into a view of another part of the same buffer
+    // bf16 products summed into a float32 gradient (gradient-accumulation fusion).
+    Tensor main_grad = r.full({2, 2}, 0.5f);
+    r.matmul_add_(main_grad, r.view(gathered, 0, {2, 2}), r.full({2, 2}, 0.25f, DType::BFloat16), Trans::Yes,
+                  Trans::No);
+    r.matmul_add_(main_grad, r.view(gathered, 4, {2, 2}), r.view(gathered, 0, {2, 2}), Trans::No, Trans::No);
 
     std::vector<float> out = r.to_host(gathered);
-    const std::vector<float> g = r.to_host(grads);
+    const std::vector<float> g = r.to_host(grads), mg = r.to_host(main_grad);
     out.insert(out.end(), g.begin(), g.end());
+    out.insert(out.end(), mg.begin(), mg.end());
     return out;
   });
   expect_close(b, "views");
