@@ -204,10 +204,10 @@ MemoryBound memory_bound_bytes(const gpt::Config& c) {
                      (R * 3 * hl * dt + 3 * hl * f32) + 3 * R * 4 * hl * dt + 2 * ln_bwd + 2 * add;
   // The four weight gradients (12 h^2 / tp elements, in the compute dtype): added into the float32
   // gradient (reads both, writes it), or with zero 2 and 3 cast to the reduction's dtype for the
-  // reduce-scatter.
+  // reduce-scatter. With gradient-accumulation fusion their GEMMs sum into the gradient: no pass of its own.
   const double weights = 12 * h * hl;
   if (c.zero <= 1 || c.dp == 1) {
-    b.backward_bytes += weights * (2 * f32 + dt);
+    if (!c.grad_accum_fusion) b.backward_bytes += weights * (2 * f32 + dt);
   } else if (c.reduce_dtype != c.dtype) {
     b.backward_bytes += weights * (dt + static_cast<double>(dtype_bytes(c.reduce_dtype)));
   }

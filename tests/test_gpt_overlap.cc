@@ -1,9 +1,9 @@
-// The gpt lesson's framework overlaps (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap,
-// --framework): they change only time. With real numbers every switch on trains equal to one device; with
-// phantom tensors a run moves the same bytes with each switch on and off; with free communication the
-// overlapped step equals the plain one; with slow communication the overlap saves exactly the exposed time
-// it hides; gradient buckets follow Megatron's rule and start in the order backward completes them; bad
-// combinations name the flag.
+// The gpt lesson's framework overlaps and fusions (--overlap-grad-reduce, --overlap-param-gather,
+// --tp-comm-overlap, --gradient-accumulation-fusion, --framework): they change only time. With real numbers
+// every switch on trains equal to one device; with phantom tensors a run moves the same bytes with each
+// switch on and off; with free communication the overlapped step equals the plain one; with slow
+// communication the overlap saves exactly the exposed time it hides; gradient buckets follow Megatron's rule
+// and start in the order backward completes them; bad combinations name the flag.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -88,9 +88,12 @@ TEST_P(GptOverlapEqualsOneDevice, EverySwitchOn) {
   std::vector<std::string> on = {"overlap-grad-reduce"};
   if (zero > 0) on.push_back("overlap-param-gather");
   if (tp > 1) on.push_back("tp-comm-overlap");
+  if (zero <= 1) on.push_back("gradient-accumulation-fusion");
   const RunReport rep = run(with(o, on));
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   EXPECT_NE(rep.training->layout.find("overlapped grad reduce"), std::string::npos) << rep.training->layout;
+  EXPECT_EQ(rep.training->layout.find("fused gradient accumulation") != std::string::npos, zero <= 1)
+      << rep.training->layout;
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, GptOverlapEqualsOneDevice,
@@ -211,6 +214,17 @@ TEST(GptOverlap, TheOverlapSavesWhatItHides) {
   EXPECT_GT(overlapped.training->exposed_comm_us.at("dp"), 0);  // the last bucket has nothing to hide it
 }
 
+TEST(GptOverlap, FusedGradientAccumulationSavesTheSeparateAddsAndMovesTheSameBytes) {
+  for (int zero : {0, 1}) {
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    const RunReport plain = run(phantom(zero), 2),
+                    fused = run(with(phantom(zero), {"gradient-accumulation-fusion"}), 2);
+    EXPECT_LT(fused.training->step_time_us, plain.training->step_time_us);
+    EXPECT_EQ(collectives(fused), collectives(plain));
+    EXPECT_EQ(bytes_per_tier(fused), bytes_per_tier(plain));
+  }
+}
+
 TEST(GptOverlap, TensorParallelRingsHideTheSequenceParallelWaits) {
   const RunReport plain = run(phantom(0), 2), rings = run(with(phantom(0), {"tp-comm-overlap"}), 2);
   EXPECT_LT(rings.training->exposed_comm_us.at("sp"), plain.training->exposed_comm_us.at("sp") / 2);
@@ -289,10 +303,20 @@ TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
   const RunReport v2 = run(o);
   EXPECT_NE(v2.training->layout.find("unfused attention"), std::string::npos) << v2.training->layout;
   EXPECT_EQ(v2.training->layout.find("overlapped"), std::string::npos) << v2.training->layout;
-  // Where the layout has nothing to overlap, the framework's switch does not apply: tp 1, zero 0.
+  EXPECT_EQ(v2.training->layout.find("fused gradient accumulation"), std::string::npos);
+  o["framework"] = option_text("megatron-lm-2022");
+  EXPECT_NE(run(o).training->layout.find("fused gradient accumulation"), std::string::npos);
+  o["framework"] = option_text("torchtitan");
+  EXPECT_EQ(run(o).training->layout.find("fused gradient accumulation"), std::string::npos);
+  // Where the layout has nothing to overlap, the framework's switch does not apply: tp 1, zero 0; and
+  // with zero 3 there is no gradient buffer of the step to fuse into.
   Settings plain = tiny(2);
   plain["framework"] = option_text("megatron-core");
   EXPECT_TRUE(run(plain).all_checks_passed());
+  plain["zero"] = option_text(3);
+  const RunReport fsdp = run(plain);
+  EXPECT_TRUE(fsdp.all_checks_passed()) << testing::failed_checks(fsdp);
+  EXPECT_EQ(fsdp.training->layout.find("fused gradient accumulation"), std::string::npos);
 }
 
 TEST(GptOverlap, BadCombinationsNameTheFlag) {
@@ -318,6 +342,10 @@ TEST(GptOverlap, BadCombinationsNameTheFlag) {
   o = tiny(2);
   o["framework"] = option_text("deepspeed");
   expect_usage_error(o, "--framework: no framework called 'deepspeed'");
+  o = tiny(2);
+  o["zero"] = option_text(2);
+  o["gradient-accumulation-fusion"] = option_text(true);
+  expect_usage_error(o, "--gradient-accumulation-fusion");
 }
 
 }  // namespace

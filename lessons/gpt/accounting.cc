@@ -60,6 +60,7 @@ parallel::ZeroConfig zero_config(const Config& c) {
   z.broken = c.broken;
   z.overlap_grad_reduce = c.overlap_grad_reduce;
   z.overlap_param_gather = c.overlap_param_gather;
+  z.grad_accum_fusion = c.grad_accum_fusion;
   z.bucket_params = c.bucket_params;
   return z;
 }

@@ -41,6 +41,7 @@ std::string Config::layout() const {
   if (overlap_param_gather) overlaps.push_back("param gather");
   if (tp_comm_overlap) overlaps.push_back("tp comm");
   if (!overlaps.empty()) s += fmt::format(", overlapped {}", fmt::join(overlaps, ", "));
+  if (grad_accum_fusion) s += ", fused gradient accumulation";
   if (attention == AttentionKernel::Unfused) s += ", unfused attention";
   return s;
 }
@@ -123,6 +124,9 @@ const OptionTable<Config>& options_table() {
        "with --zero 1 or more: the weights' all-gathers start ahead of the forward that reads them"},
       {"tp-comm-overlap", &O::tp_comm_overlap,
        "with --seq-parallel: each all-gather + GEMM and GEMM + reduce-scatter pipelined in tp chunks"},
+      {"gradient-accumulation-fusion", &O::grad_accum_fusion,
+       "with --zero 0 or 1: each weight-gradient GEMM sums into the gradient buffer, with no separate add "
+       "(Megatron-LM's fusion)"},
       {"ddp-bucket-size", &O::ddp_bucket_size,
        "parameters per gradient bucket with --overlap-grad-reduce; auto: Megatron's max(40M, 1M x dp)"},
       Option<O>("steps", &O::steps, "training steps, each checked against one device").at_least(1),
@@ -211,8 +215,9 @@ void resolve_block(const Config& c) {
   }
 }
 
-// The overlap flags checked against the layout. A framework's tp-comm-overlap applies where the layout
-// has what it overlaps (tp > 1 with sequence parallelism); asked for alone, it must.
+// The overlap flags checked against the layout. A framework's tp-comm-overlap and gradient-accumulation
+// fusion apply where the layout has what they work on (tp > 1 with sequence parallelism; a gradient buffer
+// of the whole step); asked for alone, they must.
 void resolve_overlaps(Config& c) {
   if (c.ddp_bucket_size != "auto") {
     OptionSpec spec;
@@ -245,8 +250,17 @@ void resolve_overlaps(Config& c) {
     } else {
       throw UsageError(
           "gpt: --tp-comm-overlap splits the sequence-parallel all-gathers and reduce-scatters into chunks; "
-          "it "
-          "needs --seq-parallel (TransformerEngine's overlap requires it too)");
+          "it needs --seq-parallel (TransformerEngine's overlap requires it too)");
+    }
+  }
+  if (c.grad_accum_fusion && c.zero >= 2 && c.dp > 1) {
+    if (!c.framework.empty()) {
+      c.grad_accum_fusion = false;
+    } else {
+      throw UsageError(
+          "gpt: --gradient-accumulation-fusion sums each weight gradient into the step's gradient buffer; "
+          "with --zero 2 or 3 each micro-batch's gradient is reduce-scattered instead, so there is none: "
+          "give --zero 0 or 1");
     }
   }
 }

@@ -54,6 +54,7 @@ struct Config : LessonOptions {
   std::string framework;  // the preset that set them, or ""
   AttentionKernel attention = AttentionKernel::Flash;
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false;
+  bool grad_accum_fusion = false;        // weight-gradient GEMMs sum into the float32 gradients (zero 0, 1)
   std::string ddp_bucket_size = "auto";  // parameters per bucket, or Megatron's rule
   std::int64_t bucket_params = 0;        // what resolve() read from it; 0: Megatron's rule
   std::string broken;

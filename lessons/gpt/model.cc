@@ -459,10 +459,12 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
   dp_.add_grad(b.p[kFc2B], r.sum_rows(dout));
-  parallel::TensorParallel::Grads fc2 = tp_.row_linear_backward(a.g, w[kFc2W], dout);
+  parallel::TensorParallel::Grads fc2 =
+      tp_.row_linear_backward(a.g, w[kFc2W], dout, dp_.wgrad_into(b.p[kFc2W]));
   dp_.add_grad(b.p[kFc2W], fc2.dw);
   const Tensor du = r.gelu_backward(fc2.dx, a.u);
-  parallel::TensorParallel::Grads fc1 = tp_.column_linear_backward(a.y2, w[kFc1W], du);
+  parallel::TensorParallel::Grads fc1 =
+      tp_.column_linear_backward(a.y2, w[kFc1W], du, /*bias=*/true, dp_.wgrad_into(b.p[kFc1W]));
   dp_.add_grad(b.p[kFc1W], fc1.dw);
   dp_.add_grad(b.p[kFc1B], fc1.db);
   Rank::LayerNormGrads ln2 = r.layernorm_backward(fc1.dx, a.x1, w[kLn2G], a.mean2, a.rstd2);
@@ -472,11 +474,13 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   // Attention backward.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
   dp_.add_grad(b.p[kProjB], r.sum_rows(dp));
-  parallel::TensorParallel::Grads proj = tp_.row_linear_backward(a.out, w[kProjW], dp);
+  parallel::TensorParallel::Grads proj =
+      tp_.row_linear_backward(a.out, w[kProjW], dp, dp_.wgrad_into(b.p[kProjW]));
   dp_.add_grad(b.p[kProjW], proj.dw);
   const Tensor dqkv = r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp,
                                            true, c_.attention);
-  parallel::TensorParallel::Grads qkv = tp_.column_linear_backward(a.y1, w[kQkvW], dqkv);
+  parallel::TensorParallel::Grads qkv =
+      tp_.column_linear_backward(a.y1, w[kQkvW], dqkv, /*bias=*/true, dp_.wgrad_into(b.p[kQkvW]));
   dp_.add_grad(b.p[kQkvW], qkv.dw);
   dp_.add_grad(b.p[kQkvB], qkv.db);
   Rank::LayerNormGrads ln1 = r.layernorm_backward(qkv.dx, a.x, w[kLn1G], a.mean1, a.rstd1);
@@ -527,22 +531,24 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   }
   // MLP backward.
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
-  parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout);
+  parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
   dp_.add_grad(b.p[kW2], w2.dw);
   const Tensor du = r.swiglu_backward(w2.dx, a.u);
-  parallel::TensorParallel::Grads w13 = tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false);
+  parallel::TensorParallel::Grads w13 =
+      tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));
   dp_.add_grad(b.p[kW13], w13.dw);
   Rank::RmsNormGrads n2 = r.rmsnorm_backward(w13.dx, a.x1, w[kNorm2], a.rstd2);
   dp_.add_grad(b.p[kNorm2], n2.dgamma);
   const Tensor dx1 = r.add(dx2, n2.dx);
   // Attention backward: the rotation's backward is the rotation back.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
-  parallel::TensorParallel::Grads wo = tp_.row_linear_backward(a.out, w[kWo], dp);
+  parallel::TensorParallel::Grads wo = tp_.row_linear_backward(a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
   dp_.add_grad(b.p[kWo], wo.dw);
   const Tensor dqkv = r.attention_backward(wo.dx, a.qkv, a.out, a.lse, attention_spec());
   // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)
   if (c_.broken != "no-rope-backward") r.rope_(dqkv, attention_spec(), 0, c_.rope_theta, true);
-  parallel::TensorParallel::Grads wqkv = tp_.column_linear_backward(a.y1, w[kWqkv], dqkv, /*bias=*/false);
+  parallel::TensorParallel::Grads wqkv =
+      tp_.column_linear_backward(a.y1, w[kWqkv], dqkv, /*bias=*/false, dp_.wgrad_into(b.p[kWqkv]));
   dp_.add_grad(b.p[kWqkv], wqkv.dw);
   Rank::RmsNormGrads n1 = r.rmsnorm_backward(wqkv.dx, a.x, w[kNorm1], a.rstd1);
   dp_.add_grad(b.p[kNorm1], n1.dgamma);
@@ -613,7 +619,7 @@ Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
   Tensor dlogits = r_.cross_entropy_backward(h.logits, h.row_max, h.stats, targets_[mb], vocab_start_, scale);
   h.logits = Tensor();
   const Tensor w = dp_.get(wte);
-  dp_.add_grad(out_p, r_.matmul(dlogits, tp_.enter(h.y), Trans::Yes, Trans::No));
+  dp_.add_grad(out_p, parallel::weight_grad(r_, dlogits, tp_.enter(h.y), dp_.wgrad_into(out_p)));
   Tensor dy = tp_.enter_backward(r_.matmul(dlogits, w));
   if (c_.llama()) {
     Rank::RmsNormGrads n = r_.rmsnorm_backward(dy, h.x, dp_.get(g), h.rstd);

@@ -85,29 +85,35 @@ const std::vector<Framework>& frameworks() {
       // Megatron-LM as Narayanan et al. 2021 ran it (SC'21; release v2.x): gradients all-reduced after the
       // backward, no distributed optimizer, blocking tensor-parallel collectives, and attention as batched
       // GEMMs around a fused scale-mask-softmax (megatron/model/fused_softmax.py; FlashAttention came in
-      // 2022 and Megatron-LM took it up as --use-flash-attn in 2023).
-      {"megatron-lm-2021", false, false, false, false,
+      // 2022 and Megatron-LM took it up as --use-flash-attn in 2023). Each weight gradient is a GEMM's
+      // output added to the float32 gradient by a separate kernel: gradient-accumulation fusion came in
+      // February 2022 (Megatron-LM commit 83b1e42, "gradient accumulation fusion").
+      {"megatron-lm-2021", false, false, false, false, false,
        "Megatron-LM v2 (Narayanan et al. 2021): no gradient, parameter or tensor-parallel overlap; unfused "
        "attention"},
       // Korthikanti et al. 2022 (release v3.0) adds sequence parallelism and selective recompute, which
       // are layout flags here; the communication still waits, and attention is still unfused (selective
-      // recompute exists because its s x s scores fill the memory).
-      {"megatron-lm-2022", false, false, false, false,
+      // recompute exists because its s x s scores fill the memory). The weight-gradient GEMMs sum into the
+      // float32 gradients (gradient-accumulation fusion, on by default since February 2022:
+      // --no-gradient-accumulation-fusion turns it off).
+      {"megatron-lm-2022", false, false, false, false, true,
        "Megatron-LM v3 (Korthikanti et al. 2022): no gradient, parameter or tensor-parallel overlap; unfused "
-       "attention"},
+       "attention; gradient-accumulation fusion"},
       // Megatron-Core's performance settings, as NVIDIA's recipes set them (NeMo's
       // llm/recipes/tp_overlap_configs, Megatron-LM's --overlap-grad-reduce --overlap-param-gather
       // --tp-comm-overlap): bucketed gradient reduce-scatter during backward, parameter all-gather during
       // forward, TransformerEngine's userbuffers overlap where tp > 1 with sequence parallelism, and
-      // TransformerEngine's fused attention (cuDNN / FlashAttention).
-      {"megatron-core", true, true, true, true,
+      // TransformerEngine's fused attention (cuDNN / FlashAttention), and gradient-accumulation fusion
+      // (Megatron-Core's default, TransformerEngine's fuse_wgrad_accumulation).
+      {"megatron-core", true, true, true, true, true,
        "Megatron-Core (core_r0.9 and later) with --overlap-grad-reduce --overlap-param-gather "
-       "--tp-comm-overlap"},
+       "--tp-comm-overlap and gradient-accumulation fusion"},
       // torchtitan's FSDP2 (docs/fsdp.md): reduce-scatter during backward and the next layer's all-gather
       // prefetched, forward and backward; asynchronous tensor parallelism off unless asked
       // (parallelism.enable_async_tensor_parallel defaults to false); attention by torch's
-      // scaled_dot_product_attention, whose flash kernel it picks on these GPUs.
-      {"torchtitan", true, true, false, true,
+      // scaled_dot_product_attention, whose flash kernel it picks on these GPUs. Autograd makes each weight
+      // gradient a tensor of its own: no gradient-accumulation fusion.
+      {"torchtitan", true, true, false, true, false,
        "torchtitan with FSDP2 prefetching and overlapped reduce-scatter; async TP off (its default)"},
   };
   return all;
@@ -122,7 +128,8 @@ Settings framework_settings(const std::string& name) {
       return {{"overlap-grad-reduce", on(f.overlap_grad_reduce)},
               {"overlap-param-gather", on(f.overlap_param_gather)},
               {"tp-comm-overlap", on(f.tp_comm_overlap)},
-              {"attention", f.fused_attention ? "flash" : "unfused"}};
+              {"attention", f.fused_attention ? "flash" : "unfused"},
+              {"gradient-accumulation-fusion", on(f.grad_accum_fusion)}};
     }
     names.push_back(f.name);
   }

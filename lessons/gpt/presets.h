@@ -36,6 +36,7 @@ struct Framework {
   std::string name;
   bool overlap_grad_reduce, overlap_param_gather, tp_comm_overlap;
   bool fused_attention;
+  bool grad_accum_fusion;
   std::string source;
 };
 const std::vector<Framework>& frameworks();

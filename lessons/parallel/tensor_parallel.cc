@@ -51,9 +51,10 @@ Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w) {
 }
 
 TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, const Tensor& w,
-                                                             const Tensor& dy, bool bias) {
+                                                             const Tensor& dy, bool bias,
+                                                             const Tensor& dw_into) {
   if (!overlapped()) {
-    LinearGrads g = linear_backward(r, enter(x), w, dy, bias, true);
+    LinearGrads g = linear_backward(r, enter(x), w, dy, bias, true, dw_into);
     return {g.dw, g.db, enter_backward(g.dx)};
   }
   // The input's all-gather (for the weight gradient) runs beside the input gradient's ring.
@@ -63,21 +64,21 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
   Grads g;
   g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
   exposed.wait(Dim::Sp, gathered);
-  g.dw = r.matmul(whole, dy, Trans::Yes, Trans::No);
+  g.dw = weight_grad(r, whole, dy, dw_into);
   if (bias) g.db = r.sum_rows(dy);
   return g;
 }
 
-TensorParallel::Grads TensorParallel::row_linear_backward(const Tensor& x, const Tensor& w,
-                                                          const Tensor& dy) {
+TensorParallel::Grads TensorParallel::row_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy,
+                                                          const Tensor& dw_into) {
   if (!overlapped()) {
-    LinearGrads g = linear_backward(r, x, w, leave_backward(dy), false, true);
+    LinearGrads g = linear_backward(r, x, w, leave_backward(dy), false, true, dw_into);
     return {g.dw, Tensor(), g.dx};
   }
   Grads g;
   Tensor dy_whole;
   g.dx = ring_gather_gemm(dy, w, Tensor(), Trans::Yes, &dy_whole);
-  g.dw = r.matmul(x, dy_whole, Trans::Yes, Trans::No);
+  g.dw = weight_grad(r, x, dy_whole, dw_into);
   return g;
 }
 
@@ -146,10 +147,16 @@ Tensor linear(Rank& r, const Tensor& x, const Tensor& w, const Tensor& b) {
   return y;
 }
 
+Tensor weight_grad(Rank& r, const Tensor& x, const Tensor& dy, const Tensor& into) {
+  if (!into.defined()) return r.matmul(x, dy, Trans::Yes, Trans::No);
+  r.matmul_add_(into, x, dy, Trans::Yes, Trans::No);
+  return Tensor();
+}
+
 LinearGrads linear_backward(Rank& r, const Tensor& x, const Tensor& w, const Tensor& dy, bool bias,
-                            bool want_dx) {
+                            bool want_dx, const Tensor& dw_into) {
   LinearGrads g;
-  g.dw = r.matmul(x, dy, Trans::Yes, Trans::No);  // x^T dy
+  g.dw = weight_grad(r, x, dy, dw_into);
   if (bias) g.db = r.sum_rows(dy);
   if (want_dx) g.dx = r.matmul(dy, w, Trans::No, Trans::Yes);  // dy w^T
   return g;

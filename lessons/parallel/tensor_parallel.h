@@ -69,9 +69,12 @@ struct TensorParallel {
   struct Grads {
     Tensor dw, db, dx;
   };
-  // `bias`: whether the layer has one (db).
-  Grads column_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, bool bias = true);
-  Grads row_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy);
+  // `bias`: whether the layer has one (db). `dw_into`, when given, is the weight's gradient buffer: the
+  // weight-gradient GEMM sums into it (gradient-accumulation fusion) and Grads::dw stays undefined.
+  Grads column_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, bool bias = true,
+                               const Tensor& dw_into = Tensor());
+  Grads row_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy,
+                            const Tensor& dw_into = Tensor());
 
   Tensor all_reduce(const Tensor& t, Dim d);   // in place, returns t
   Tensor all_gather(const Tensor& local);      // along rows
@@ -97,6 +100,9 @@ struct LinearGrads {
   Tensor dw, db, dx;  // db: float32 (undefined without a bias)
 };
 LinearGrads linear_backward(Rank& r, const Tensor& x, const Tensor& w, const Tensor& dy, bool bias,
-                            bool want_dx);
+                            bool want_dx, const Tensor& dw_into = Tensor());
+// x^T dy, the weight gradient of y = x @ w: a new tensor, or, when `into` is defined, summed into it by the
+// GEMM (Megatron-LM's gradient-accumulation fusion) and an undefined tensor returned.
+Tensor weight_grad(Rank& r, const Tensor& x, const Tensor& dy, const Tensor& into);
 
 }  // namespace ranklab::parallel

@@ -203,7 +203,14 @@ Tensor DataParallel::get(Gathered& g) {
   return p.copy;
 }
 
+Tensor DataParallel::wgrad_into(Param& p) const {
+  if (!c_.grad_accum_fusion || (c_.stage >= 2 && sharded())) return Tensor();
+  const DType d = p.grad.dtype();
+  return d == c_.dtype || d == DType::Float32 ? p.grad : Tensor();
+}
+
 void DataParallel::add_grad(Param& p, const Tensor& g) {
+  if (!g.defined()) return;  // summed into p.grad by its GEMM (wgrad_into)
   if (c_.stage <= 1 || !sharded()) {
     r_.add_(p.grad, g, 1.0f);
     return;

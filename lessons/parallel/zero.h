@@ -98,6 +98,7 @@ struct ZeroConfig {
   std::string broken;            // a deliberate bug for the tests: dp-sum, no-reduce-scatter
   bool overlap_grad_reduce = false;
   bool overlap_param_gather = false;
+  bool grad_accum_fusion = false;  // weight-gradient GEMMs sum into the gradients (wgrad_into)
   std::int64_t bucket_params = 0;  // 0: max(40M, 1M x dp)
 };
 // The parameters of one bucket by Megatron's rule, for a data-parallel group of `dp_size`.
@@ -146,8 +147,13 @@ class DataParallel {
   Gathered gather(Param& p);
   Tensor get(Gathered& g);
 
-  // A micro-batch's gradient (any dtype, the local part's shape) into the parameter's gradient.
+  // A micro-batch's gradient (any dtype, the local part's shape) into the parameter's gradient. An undefined
+  // `g` is one its GEMM already summed into wgrad_into(p).
   void add_grad(Param& p, const Tensor& g);
+  // With grad_accum_fusion, where the parameter's gradient is its whole local part (zero 0 and 1, or one
+  // dp rank) in the compute dtype or float32: that gradient, for a weight-gradient GEMM to sum into
+  // (Rank::matmul_add_). Otherwise undefined: the GEMM makes a tensor for add_grad.
+  Tensor wgrad_into(Param& p) const;
   // The float32 tensor the embedding's backward adds into, and its hand-over.
   Tensor embedding_grad_target(Param& p);
   void embedding_grad_done(Param& p, const Tensor& target);
