@@ -415,15 +415,15 @@ void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta,
     const int lda = as_int(std::max<std::int64_t>(1, a.size(1)), "lda");
     if (dtype == DType::Float32) {
       RANKLAB_CUBLAS(cublasSgemm(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one,
-                                 static_cast<const float*>(pb), ldb, static_cast<const float*>(pa), lda,
-                                 beta, static_cast<float*>(pc), as_int(n, "ldc")));
+                                 static_cast<const float*>(pb), ldb, static_cast<const float*>(pa), lda, beta,
+                                 static_cast<float*>(pc), as_int(n, "ldc")));
     } else {
       // 16-bit inputs on tensor cores, float32 accumulation and float scalars; the product is rounded once,
       // to the output's type (16-bit, or float32 where matmul_add_ sums into a float32 gradient).
       const cudaDataType_t type = cublas_type(dtype);
       RANKLAB_CUBLAS(cublasGemmEx(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one, pb,
-                                  type, ldb, pa, type, lda, beta, pc, cublas_type(c.dtype()), as_int(n, "ldc"),
-                                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                  type, ldb, pa, type, lda, beta, pc, cublas_type(c.dtype()),
+                                  as_int(n, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
     }
   });
 }
