@@ -5,7 +5,6 @@
 #include <cmath>
 #include <limits>
 #include <string>
-#include <string_view>
 
 #include "common/errors.h"
 
@@ -79,10 +78,11 @@ Shape check_matmul(int rank, const char* op, const Tensor& a, const Tensor& b, T
   return Shape{m, n};
 }
 
-void check_matmul_out(int rank, const char* op, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta,
-                      Trans tb) {
+void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                      bool accumulate) {
+  const char* op = accumulate ? "matmul_add_" : "matmul_";
   need_shape(rank, op, out, check_matmul(rank, op, a, b, ta, tb), "out", "the product");
-  if (std::string_view(op) != "matmul_add_") {
+  if (!accumulate) {
     need_dtype(rank, op, out, a.dtype(), "out");
   } else if (out.dtype() != a.dtype() && out.dtype() != DType::Float32) {
     throw UsageError(fmt::format("{}: 'out' is {}; it must be {} or float32", where(rank, op), out.str(),

@@ -16,10 +16,10 @@ namespace ranklab {
 void check_view(int rank, const Tensor& base, std::int64_t offset, const Shape& shape);
 // Rank::matmul (`op`) and the product's shape: a and b 2-D, of one dtype, their inner dimensions equal.
 Shape check_matmul(int rank, const char* op, const Tensor& a, const Tensor& b, Trans ta, Trans tb);
-// Rank::matmul_ and matmul_add_ (`op`): the product's checks, and `out` of its shape and dtype (or, for
-// matmul_add_, float32), real unless a and b are phantoms.
-void check_matmul_out(int rank, const char* op, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta,
-                      Trans tb);
+// Rank::matmul_, or matmul_add_ when `accumulate`: the product's checks, and `out` of its shape and dtype
+// (accumulating, float32 too), real unless a and b are phantoms.
+void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                      bool accumulate);
 void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length);
 void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps);
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,

@@ -438,21 +438,21 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
 }
 
 void CudaRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const char* op = "matmul_";
-  require(a, op, "a");
-  require(b, op, "b");
-  require(out, op, "out");
-  check_matmul_out(rank_, op, out, a, b, ta, tb);
-  gemm(out, a, b, ta, tb, op);
+  matmul_into(out, a, b, ta, tb, false);
 }
 
 void CudaRank::matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const char* op = "matmul_add_";
+  matmul_into(out, a, b, ta, tb, true);
+}
+
+void CudaRank::matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                           bool accumulate) {
+  const char* op = accumulate ? "matmul_add_" : "matmul_";
   require(a, op, "a");
   require(b, op, "b");
   require(out, op, "out");
-  check_matmul_out(rank_, op, out, a, b, ta, tb);
-  gemm(out, a, b, ta, tb, op, /*accumulate=*/true);
+  check_matmul_out(rank_, out, a, b, ta, tb, accumulate);
+  gemm(out, a, b, ta, tb, op, accumulate);
 }
 
 Tensor CudaRank::relu(const Tensor& x) {

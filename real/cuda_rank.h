@@ -163,6 +163,8 @@ class CudaRank : public Rank {
   // c = op(a) @ op(b) on cuBLAS, or c += op(a) @ op(b) when `accumulate` (beta 1); the arguments checked.
   void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op,
             bool accumulate = false);
+  // matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
+  void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate);
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
 
   void init();

@@ -139,6 +139,8 @@ class SimRank : public Rank {
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
   // c = op(a) @ op(b), or c += op(a) @ op(b) when `accumulate`: numbers and time (the arguments checked).
   void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate = false);
+  // matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
+  void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate);
   // AdamW's checks and numbers on one tensor, for adamw_step and fused_adamw_step (`op`).
   void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamW& h, int step, const char* op);

@@ -145,23 +145,22 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
 }
 
 void SimRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const char* op = "matmul_";
-  require(a, op, "a");
-  require(b, op, "b");
-  require(out, op, "out");
-  check_matmul_out(rank_, op, out, a, b, ta, tb);
-  before_kernel({&out}, op);
-  gemm(out, a, b, ta, tb);
+  matmul_into(out, a, b, ta, tb, false);
 }
 
 void SimRank::matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  const char* op = "matmul_add_";
+  matmul_into(out, a, b, ta, tb, true);
+}
+
+void SimRank::matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                          bool accumulate) {
+  const char* op = accumulate ? "matmul_add_" : "matmul_";
   require(a, op, "a");
   require(b, op, "b");
   require(out, op, "out");
-  check_matmul_out(rank_, op, out, a, b, ta, tb);
+  check_matmul_out(rank_, out, a, b, ta, tb, accumulate);
   before_kernel({&out}, op);
-  gemm(out, a, b, ta, tb, /*accumulate=*/true);
+  gemm(out, a, b, ta, tb, accumulate);
 }
 
 void SimRank::require_same_shape(const char* op, const Tensor& a, const Tensor& b) const {
