@@ -204,14 +204,14 @@ Tensor DataParallel::get(Gathered& g) {
 }
 
 Tensor DataParallel::wgrad_into(Param& p) const {
-  if (!c_.grad_accum_fusion || (c_.stage >= 2 && sharded())) return Tensor();
+  if (!c_.grad_accum_fusion || !whole_grads()) return Tensor();
   const DType d = p.grad.dtype();
   return d == c_.dtype || d == DType::Float32 ? p.grad : Tensor();
 }
 
 void DataParallel::add_grad(Param& p, const Tensor& g) {
   if (!g.defined()) return;  // summed into p.grad by its GEMM (wgrad_into)
-  if (c_.stage <= 1 || !sharded()) {
+  if (whole_grads()) {
     r_.add_(p.grad, g, 1.0f);
     return;
   }
@@ -228,7 +228,7 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
 }
 
 Tensor DataParallel::embedding_grad_target(Param& p) {
-  if ((c_.stage <= 1 || !sharded()) && p.grad.dtype() == DType::Float32) return p.grad;
+  if (whole_grads() && p.grad.dtype() == DType::Float32) return p.grad;
   return zeros(r_, c_.phantom, p.local, DType::Float32);
 }
 

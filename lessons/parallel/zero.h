@@ -215,6 +215,9 @@ class DataParallel {
 
   bool sharded() const { return c_.dp_size > 1; }
   bool flat() const { return c_.stage <= 1; }
+  // Whether a parameter's gradient is its whole local part, summed over the step's micro-batches (zero 0 and
+  // 1, or one dp rank), rather than rows reduce-scattered micro-batch by micro-batch.
+  bool whole_grads() const { return c_.stage <= 1 || !sharded(); }
   bool distributed_optimizer() const { return c_.stage == 1 && sharded(); }
   // Whether each dp rank holds a part of the gradients of its own (else every one holds them all).
   bool sharded_grads() const { return c_.stage >= 1 && sharded(); }
