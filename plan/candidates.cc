@@ -275,7 +275,8 @@ double StepBound::us(const gpt::Config& c) {
   // reduce-scatter and two all-gathers per pair (the output gradient's, and the input again for the weight
   // gradient) (2 + 4). The sizes are as nccl-tests counts them: the whole [s b, h] tensor for all three.
   // Recomputation's collectives are left out, and with --tp-comm-overlap all of them: the GEMMs may hide
-  // them.
+  // them. With --async-tensor-model-parallel-allreduce the column-parallel backward's gather and reduction
+  // may hide under its GEMMs too: only the row-parallel backward's all-gathers are left.
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
   const std::int64_t act_bytes = c.rows() * c.hidden * dtype_bytes(c.dtype);
   if (c.tp > 1 && !rings) {
@@ -285,11 +286,11 @@ double StepBound::us(const gpt::Config& c) {
       const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
                    scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
       forward_us += 2 * gather + 2 * scatter;
-      backward_us += 4 * gather + 2 * scatter;
+      backward_us += c.async_tp_allreduce ? 2 * gather : 4 * gather + 2 * scatter;
     } else {
       const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
       forward_us += 2 * reduce;
-      backward_us += 2 * reduce;
+      if (!c.async_tp_allreduce) backward_us += 2 * reduce;
     }
   }
   const double layer_us = forward_us + backward_us;

@@ -1,9 +1,10 @@
 // The gpt lesson's framework overlaps and fusions (--overlap-grad-reduce, --overlap-param-gather,
-// --tp-comm-overlap, --gradient-accumulation-fusion, --framework): they change only time. With real numbers
-// every switch on trains equal to one device; with phantom tensors a run moves the same bytes with each
-// switch on and off; with free communication the overlapped step equals the plain one; with slow
-// communication the overlap saves exactly the exposed time it hides; gradient buckets follow Megatron's rule
-// and start in the order backward completes them; bad combinations name the flag.
+// --tp-comm-overlap, --async-tensor-model-parallel-allreduce, --gradient-accumulation-fusion, --framework):
+// they change only time. With real numbers every switch on trains equal to one device; with phantom tensors a
+// run moves the same bytes with each switch on and off; with free communication the overlapped step equals
+// the plain one; with slow communication the overlap saves exactly the exposed time it hides; gradient
+// buckets follow Megatron's rule and start in the order backward completes them; bad combinations name the
+// flag.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -101,6 +102,23 @@ INSTANTIATE_TEST_SUITE_P(Layouts, GptOverlapEqualsOneDevice,
                                            Combo{2, 2, 1, "bf16"}, Combo{1, 2, 0, "fp32"},
                                            Combo{2, 1, 2, "bf16"}, Combo{2, 1, 3, "fp32"},
                                            Combo{2, 2, 3, "bf16"}, Combo{4, 1, 0, "fp32"}));
+
+TEST(GptOverlap, AsyncTensorParallelBackwardTrainsEqualToOneDevice) {
+  // With and without sequence parallelism (reduce-scatter or all-reduce beside the weight gradient), with a
+  // pipeline, and with the gradients summed into their buffers by the GEMMs.
+  for (const auto& [tp, seq_parallel, pp] : {std::tuple{2, true, 1}, {2, false, 2}, {4, false, 1}}) {
+    Settings o = tiny(tp * pp);
+    o["tp"] = option_text(tp);
+    o["seq-parallel"] = option_text(seq_parallel);
+    o["pp"] = option_text(pp);
+    o["dtype"] = option_text("bf16");
+    const RunReport rep =
+        run(with(o, {"async-tensor-model-parallel-allreduce", "gradient-accumulation-fusion"}));
+    SCOPED_TRACE(rep.training->layout);
+    EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+    EXPECT_NE(rep.training->layout.find("overlapped tp backward"), std::string::npos);
+  }
+}
 
 // ---- the bytes ------------------------------------------------------------------------------------------
 
@@ -225,6 +243,23 @@ TEST(GptOverlap, FusedGradientAccumulationSavesTheSeparateAddsAndMovesTheSameByt
   }
 }
 
+TEST(GptOverlap, AsyncTensorParallelBackwardHidesItsCollectivesAndMovesTheSameBytes) {
+  for (bool seq_parallel : {true, false}) {
+    SCOPED_TRACE(seq_parallel ? "sequence parallel" : "all-reduce");
+    Settings o = phantom(1);
+    o["seq-parallel"] = option_text(seq_parallel);
+    const RunReport plain = run(o, 2), async = run(with(o, {"async-tensor-model-parallel-allreduce"}), 2);
+    EXPECT_EQ(collectives(async), collectives(plain));
+    EXPECT_EQ(bytes_per_tier(async), bytes_per_tier(plain));
+    const std::string dim = seq_parallel ? "sp" : "tp";
+    const double hidden = plain.training->exposed_comm_us.at(dim) - async.training->exposed_comm_us.at(dim);
+    EXPECT_GT(hidden, 0);
+    EXPECT_LT(async.training->step_time_us, plain.training->step_time_us);
+    // Without sequence parallelism the forward's all-reduces stay blocking: exposed time remains.
+    EXPECT_GT(async.training->exposed_comm_us.at(dim), 0);
+  }
+}
+
 TEST(GptOverlap, TensorParallelRingsHideTheSequenceParallelWaits) {
   const RunReport plain = run(phantom(0), 2), rings = run(with(phantom(0), {"tp-comm-overlap"}), 2);
   EXPECT_LT(rings.training->exposed_comm_us.at("sp"), plain.training->exposed_comm_us.at("sp") / 2);
@@ -305,9 +340,18 @@ TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
   EXPECT_EQ(v2.training->layout.find("overlapped"), std::string::npos) << v2.training->layout;
   EXPECT_EQ(v2.training->layout.find("fused gradient accumulation"), std::string::npos);
   o["framework"] = option_text("megatron-lm-2022");
-  EXPECT_NE(run(o).training->layout.find("fused gradient accumulation"), std::string::npos);
+  const RunReport v3 = run(o);
+  EXPECT_NE(v3.training->layout.find("fused gradient accumulation"), std::string::npos);
+  EXPECT_NE(v3.training->layout.find("overlapped tp backward"), std::string::npos) << v3.training->layout;
   o["framework"] = option_text("torchtitan");
-  EXPECT_EQ(run(o).training->layout.find("fused gradient accumulation"), std::string::npos);
+  const RunReport titan = run(o);
+  EXPECT_EQ(titan.training->layout.find("fused gradient accumulation"), std::string::npos);
+  EXPECT_EQ(titan.training->layout.find("tp backward"), std::string::npos) << titan.training->layout;
+  // Megatron-Core's column-parallel backward is asynchronous wherever the userbuffers' rings do not apply.
+  o["framework"] = option_text("megatron-core");
+  o["seq-parallel"] = option_text(false);
+  EXPECT_NE(run(o).training->layout.find("overlapped grad reduce, param gather, tp backward"),
+            std::string::npos);
   // Where the layout has nothing to overlap, the framework's switch does not apply: tp 1, zero 0; and
   // with zero 3 there is no gradient buffer of the step to fuse into.
   Settings plain = tiny(2);
@@ -346,6 +390,9 @@ TEST(GptOverlap, BadCombinationsNameTheFlag) {
   o["zero"] = option_text(2);
   o["gradient-accumulation-fusion"] = option_text(true);
   expect_usage_error(o, "--gradient-accumulation-fusion");
+  o = tiny(2);
+  o["async-tensor-model-parallel-allreduce"] = option_text(true);
+  expect_usage_error(o, "--async-tensor-model-parallel-allreduce");
 }
 
 }  // namespace

@@ -40,6 +40,7 @@ std::string Config::layout() const {
   if (overlap_grad_reduce) overlaps.push_back("grad reduce");
   if (overlap_param_gather) overlaps.push_back("param gather");
   if (tp_comm_overlap) overlaps.push_back("tp comm");
+  if (async_tp_allreduce && !tp_comm_overlap) overlaps.push_back("tp backward");
   if (!overlaps.empty()) s += fmt::format(", overlapped {}", fmt::join(overlaps, ", "));
   if (grad_accum_fusion) s += ", fused gradient accumulation";
   if (attention == AttentionKernel::Unfused) s += ", unfused attention";
@@ -124,6 +125,10 @@ const OptionTable<Config>& options_table() {
        "with --zero 1 or more: the weights' all-gathers start ahead of the forward that reads them"},
       {"tp-comm-overlap", &O::tp_comm_overlap,
        "with --seq-parallel: each all-gather + GEMM and GEMM + reduce-scatter pipelined in tp chunks"},
+      {"async-tensor-model-parallel-allreduce", &O::async_tp_allreduce,
+       "with --tp 2 or more: in each column-parallel layer's backward, the input gradient's all-reduce "
+       "(reduce-scatter with --seq-parallel) runs beside the weight-gradient GEMM, and the input's "
+       "all-gather beside the input-gradient GEMM (Megatron-LM's)"},
       {"gradient-accumulation-fusion", &O::grad_accum_fusion,
        "with --zero 0 or 1: each weight-gradient GEMM sums into the gradient buffer, with no separate add "
        "(Megatron-LM's fusion)"},
@@ -251,6 +256,15 @@ void resolve_overlaps(Config& c) {
       throw UsageError(
           "gpt: --tp-comm-overlap splits the sequence-parallel all-gathers and reduce-scatters into chunks; "
           "it needs --seq-parallel (TransformerEngine's overlap requires it too)");
+    }
+  }
+  if (c.async_tp_allreduce && c.tp == 1) {
+    if (!c.framework.empty()) {
+      c.async_tp_allreduce = false;
+    } else {
+      throw UsageError(
+          "gpt: --async-tensor-model-parallel-allreduce runs the tensor-parallel backward's collectives "
+          "beside its GEMMs; with --tp 1 there are none: give --tp 2 or more");
     }
   }
   if (c.grad_accum_fusion && c.zero >= 2 && c.dp > 1) {

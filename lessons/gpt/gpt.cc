@@ -52,6 +52,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   parallel::ExposedComm exposed(r);  // what the compute stream waits for, per dimension, in the timed step
   parallel::TensorParallel tp{r, groups.tp, c.tp, c.seq_parallel, c.phantom, exposed};
   tp.comm_overlap = c.tp_comm_overlap;
+  tp.async_backward = c.async_tp_allreduce;
   tp.ranks = groups.tp.ranks(r.world_size());
   tp.index = groups.tp.index_of(r.rank());
   parallel::DataParallel dp(r, zero_config(c, groups), exposed);

@@ -619,8 +619,13 @@ Tensor Model::head_backward(int mb, HeadActs& h, bool last) {
   Tensor dlogits = r_.cross_entropy_backward(h.logits, h.row_max, h.stats, targets_[mb], vocab_start_, scale);
   h.logits = Tensor();
   const Tensor w = dp_.get(wte);
-  dp_.add_grad(out_p, parallel::weight_grad(r_, dlogits, tp_.enter(h.y), dp_.wgrad_into(out_p)));
-  Tensor dy = tp_.enter_backward(r_.matmul(dlogits, w));
+  // The output layer is column-parallel over the vocabulary, its weight stored [V / tp, h]: the weight
+  // gradient is dlogits^T y.
+  Tensor dy = tp_.column_backward(
+      h.y, [&] { return r_.matmul(dlogits, w); },
+      [&](const Tensor& y) {
+        dp_.add_grad(out_p, parallel::weight_grad(r_, dlogits, y, dp_.wgrad_into(out_p)));
+      });
   if (c_.llama()) {
     Rank::RmsNormGrads n = r_.rmsnorm_backward(dy, h.x, dp_.get(g), h.rstd);
     dp_.add_grad(lnf_g_, n.dgamma);

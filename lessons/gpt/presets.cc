@@ -87,33 +87,39 @@ const std::vector<Framework>& frameworks() {
       // GEMMs around a fused scale-mask-softmax (megatron/model/fused_softmax.py; FlashAttention came in
       // 2022 and Megatron-LM took it up as --use-flash-attn in 2023). Each weight gradient is a GEMM's
       // output added to the float32 gradient by a separate kernel: gradient-accumulation fusion came in
-      // February 2022 (Megatron-LM commit 83b1e42, "gradient accumulation fusion").
-      {"megatron-lm-2021", false, false, false, false, false,
+      // February 2022 (Megatron-LM commit 83b1e42, "gradient accumulation fusion"), and the column-parallel
+      // backward's asynchronous all-reduce in September 2021 (commit cf7efd4, on by default from 3f65246).
+      {"megatron-lm-2021", false, false, false, false, false, false,
        "Megatron-LM v2 (Narayanan et al. 2021): no gradient, parameter or tensor-parallel overlap; unfused "
        "attention"},
       // Korthikanti et al. 2022 (release v3.0) adds sequence parallelism and selective recompute, which
       // are layout flags here; the communication still waits, and attention is still unfused (selective
       // recompute exists because its s x s scores fill the memory). The weight-gradient GEMMs sum into the
       // float32 gradients (gradient-accumulation fusion, on by default since February 2022:
-      // --no-gradient-accumulation-fusion turns it off).
-      {"megatron-lm-2022", false, false, false, false, true,
-       "Megatron-LM v3 (Korthikanti et al. 2022): no gradient, parameter or tensor-parallel overlap; unfused "
-       "attention; gradient-accumulation fusion"},
+      // --no-gradient-accumulation-fusion turns it off). The column-parallel backward's collectives run
+      // beside its GEMMs (--no-async-tensor-model-parallel-allreduce turns the all-reduce's off; with
+      // sequence parallelism the all-gather and reduce-scatter always do, commit 02bb1f5).
+      {"megatron-lm-2022", false, false, false, false, true, true,
+       "Megatron-LM v3 (Korthikanti et al. 2022): no gradient or parameter overlap; the tensor-parallel "
+       "backward's collectives beside its GEMMs; unfused attention; gradient-accumulation fusion"},
       // Megatron-Core's performance settings, as NVIDIA's recipes set them (NeMo's
       // llm/recipes/tp_overlap_configs, Megatron-LM's --overlap-grad-reduce --overlap-param-gather
       // --tp-comm-overlap): bucketed gradient reduce-scatter during backward, parameter all-gather during
       // forward, TransformerEngine's userbuffers overlap where tp > 1 with sequence parallelism, and
       // TransformerEngine's fused attention (cuDNN / FlashAttention), and gradient-accumulation fusion
-      // (Megatron-Core's default, TransformerEngine's fuse_wgrad_accumulation).
-      {"megatron-core", true, true, true, true, true,
+      // (Megatron-Core's default, TransformerEngine's fuse_wgrad_accumulation); where the userbuffers do not
+      // apply, the column-parallel backward's collectives beside its GEMMs (TransformerEngine's Linear and
+      // Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication both do).
+      {"megatron-core", true, true, true, true, true, true,
        "Megatron-Core (core_r0.9 and later) with --overlap-grad-reduce --overlap-param-gather "
        "--tp-comm-overlap and gradient-accumulation fusion"},
       // torchtitan's FSDP2 (docs/fsdp.md): reduce-scatter during backward and the next layer's all-gather
       // prefetched, forward and backward; asynchronous tensor parallelism off unless asked
       // (parallelism.enable_async_tensor_parallel defaults to false); attention by torch's
       // scaled_dot_product_attention, whose flash kernel it picks on these GPUs. Autograd makes each weight
-      // gradient a tensor of its own: no gradient-accumulation fusion.
-      {"torchtitan", true, true, false, true, false,
+      // gradient a tensor of its own: no gradient-accumulation fusion; and autograd reduces a column-parallel
+      // layer's input gradient after its node has made both gradients.
+      {"torchtitan", true, true, false, true, false, false,
        "torchtitan with FSDP2 prefetching and overlapped reduce-scatter; async TP off (its default)"},
   };
   return all;
@@ -129,7 +135,8 @@ Settings framework_settings(const std::string& name) {
               {"overlap-param-gather", on(f.overlap_param_gather)},
               {"tp-comm-overlap", on(f.tp_comm_overlap)},
               {"attention", f.fused_attention ? "flash" : "unfused"},
-              {"gradient-accumulation-fusion", on(f.grad_accum_fusion)}};
+              {"gradient-accumulation-fusion", on(f.grad_accum_fusion)},
+              {"async-tensor-model-parallel-allreduce", on(f.async_tp_allreduce)}};
     }
     names.push_back(f.name);
   }

@@ -37,6 +37,7 @@ struct Framework {
   bool overlap_grad_reduce, overlap_param_gather, tp_comm_overlap;
   bool fused_attention;
   bool grad_accum_fusion;
+  bool async_tp_allreduce;
   std::string source;
 };
 const std::vector<Framework>& frameworks();

@@ -38,6 +38,38 @@ Tensor TensorParallel::leave_backward(const Tensor& dy) {
   return seq_parallel ? all_gather(dy) : dy;
 }
 
+Tensor TensorParallel::column_backward(const Tensor& x, const std::function<Tensor()>& dgrad,
+                                       const std::function<void(const Tensor&)>& wgrad) {
+  if (!async_backward || size == 1) {
+    wgrad(enter(x));
+    return enter_backward(dgrad());
+  }
+  // The input's all-gather runs while the input gradient's GEMM does; that gradient's reduction, while the
+  // weight gradient's GEMM does. The GEMMs are issued after the collective they hide, so that it starts
+  // first (Megatron-LM runs with one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1, for the same reason).
+  Tensor whole = x;
+  Work gathered;
+  if (seq_parallel) {
+    whole = buffer(r, phantom, x.shape().with_dim(0, x.size(0) * size), x.dtype());
+    gathered = r.all_gather(whole, x, Async::Yes, group);
+    exposed.communicated(Dim::Sp, gathered);
+  }
+  Tensor dx = dgrad();
+  if (seq_parallel) exposed.wait(Dim::Sp, gathered);
+  Tensor reduced = dx;
+  Work reduction;
+  if (seq_parallel) {
+    reduced = buffer(r, phantom, dx.shape().with_dim(0, dx.size(0) / size), dx.dtype());
+    reduction = r.reduce_scatter(reduced, dx, ReduceOp::Sum, Async::Yes, group);
+  } else {
+    reduction = r.all_reduce(dx, ReduceOp::Sum, Async::Yes, group);
+  }
+  exposed.communicated(dim(), reduction);
+  wgrad(whole);
+  exposed.wait(dim(), reduction);
+  return reduced;
+}
+
 // ---- the linear layers of a pair ------------------------------------------------------------------------
 
 Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
@@ -54,8 +86,14 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
                                                              const Tensor& dy, bool bias,
                                                              const Tensor& dw_into) {
   if (!overlapped()) {
-    LinearGrads g = linear_backward(r, enter(x), w, dy, bias, true, dw_into);
-    return {g.dw, g.db, enter_backward(g.dx)};
+    Grads g;
+    g.dx = column_backward(
+        x, [&] { return r.matmul(dy, w, Trans::No, Trans::Yes); },
+        [&](const Tensor& whole) {
+          g.dw = weight_grad(r, whole, dy, dw_into);
+          if (bias) g.db = r.sum_rows(dy);
+        });
+    return g;
   }
   // The input's all-gather (for the weight gradient) runs beside the input gradient's ring.
   Tensor whole = buffer(r, phantom, x.shape().with_dim(0, x.size(0) * size), x.dtype());

@@ -32,6 +32,7 @@
 // GEMM writes its rows of the output in place; only this rank's own rows are copied in.
 #pragma once
 
+#include <functional>
 #include <vector>
 
 #include "common/rank.h"
@@ -46,9 +47,10 @@ struct TensorParallel {
   bool seq_parallel = false;
   bool phantom = false;
   ExposedComm& exposed;
-  bool comm_overlap = false;  // with seq_parallel: the ring decompositions above
-  int index = 0;              // this rank's place in the group
-  std::vector<int> ranks{};   // the group's global ranks, in order
+  bool comm_overlap = false;    // with seq_parallel: the ring decompositions above
+  bool async_backward = false;  // column_backward's collectives beside its GEMMs (see there)
+  int index = 0;                // this rank's place in the group
+  std::vector<int> ranks{};     // the group's global ranks, in order
 
   Dim dim() const { return seq_parallel ? Dim::Sp : Dim::Tp; }
   // f, forward: the input of a column-parallel layer, whole (SP: gathered from every rank's tokens).
@@ -59,6 +61,16 @@ struct TensorParallel {
   Tensor leave(const Tensor& y);
   // g, backward: the output gradient as the row-parallel layer needs it (SP: gathered).
   Tensor leave_backward(const Tensor& dy);
+
+  // f's backward around a column-parallel layer's two gradient GEMMs. `dgrad()` gives the input gradient
+  // before the reduction; `wgrad(whole)` makes the weight's gradients from the whole input (with sequence
+  // parallelism gathered again: forward kept only this rank's tokens). Returns the reduced input gradient.
+  // Plain, each collective waits. With async_backward, as Megatron-LM's
+  // LinearWithGradAccumulationAndAsyncCommunication (since September 2021, commit cf7efd4; the sequence-
+  // parallel form since March 2022, commit 02bb1f5), the gather runs beside dgrad and the reduction beside
+  // wgrad.
+  Tensor column_backward(const Tensor& x, const std::function<Tensor()>& dgrad,
+                         const std::function<void(const Tensor&)>& wgrad);
 
   // The pairs' linear layers with their communication: the column-parallel layer y = f(x) @ w + b, the
   // row-parallel one y = g(x @ w), and their backwards (dx reduced as f's backward reduces it; for the
