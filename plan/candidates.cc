@@ -109,6 +109,12 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"phantom", "true"},
                    {"steps", "1"},
                    {"quiet", "true"}});
+  // Where the layers do not divide among the stages, the first and last stages hold one fewer, as Llama 3
+  // 405B's training split its 126 layers over 16 stages (Dubey et al. 2024, section 3.3.2).
+  if (l.v == 1 && l.pp > 2 && q.layers % l.pp != 0 && (q.layers + 2) % l.pp == 0) {
+    s["decoder-first-pipeline-num-layers"] = s["decoder-last-pipeline-num-layers"] =
+        text((q.layers + 2) / l.pp - 1);
+  }
   return s;
 }
 
@@ -298,7 +304,6 @@ double StepBound::us(const gpt::Config& c) {
   // softmax reads the logits three times (row max, statistics, the gradient) and writes their gradient.
   const double head_us = k.gemm_us(R, V / t, h, d) + k.gemm_us(V / t, h, R, d) + k.gemm_us(R, h, V / t, d) +
                          k.memory_us(4.0 * static_cast<double>(R * (V / t) * dtype_bytes(d)));
-  const int lpc = c.layers_per_chunk();
   const double m = static_cast<double>(c.micro_batches());
   // A micro-batch's activations (or their gradient) between two stages: a send each way per hop.
   const std::int64_t hop_bytes = c.local_rows() * c.hidden * dtype_bytes(c.dtype);
@@ -316,7 +321,7 @@ double StepBound::us(const gpt::Config& c) {
   std::vector<double> drain_us(c.pp, 0.0);
   for (int stage = 0; stage < c.pp; ++stage) {
     // Every micro-batch through every chunk of this stage, one after another on its compute stream...
-    double per_micro_batch = c.v * lpc * layer_us;
+    double per_micro_batch = c.stage_layers(stage) * layer_us;
     if (stage == c.pp - 1) per_micro_batch += head_us;  // the head is on the last virtual stage
     // ...after the first micro-batch's forward through the chunks ahead of it, and before the last one's
     // backward through them (a stage's last task is the last micro-batch's backward of its first chunk).
@@ -324,15 +329,16 @@ double StepBound::us(const gpt::Config& c) {
     if (stage + 1 < c.pp) {
       const std::vector<int> hop = {grid.rank_of(0, 0, stage), grid.rank_of(0, 0, stage + 1)};
       const double back_us = comm_us(CommOp::Send, hop_bytes, {hop[1], hop[0]});
-      ahead_us += lpc * layer_us + comm_us(CommOp::Send, hop_bytes, hop) + back_us;
-      drain_us[stage + 1] = drain_us[stage] + back_us + lpc * backward_us;
+      ahead_us += c.chunk_layers(stage) * layer_us + comm_us(CommOp::Send, hop_bytes, hop) + back_us;
+      drain_us[stage + 1] = drain_us[stage] + back_us + c.chunk_layers(stage) * backward_us;
     }
   }
   if (c.zero >= 2 && c.dp > 1) {
     // After the data-parallel stream's work ahead of its last task, the stage's last task computes the
     // backward of its chunk's blocks, then the drain and rank 0's optimizer.
     for (int stage = 0; stage < c.pp; ++stage) {
-      bound = std::max(bound, zero_stream_us(c, stage) + lpc * backward_us + drain_us[stage] + optimizer_us);
+      bound = std::max(bound, zero_stream_us(c, stage) + c.chunk_layers(stage) * backward_us +
+                                  drain_us[stage] + optimizer_us);
     }
   }
   return bound;
@@ -372,9 +378,9 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
     block_gathers += gather_us(p);
     block_reductions += reduce_us(p);
   }
-  const int lpc = c.layers_per_chunk();
+  const int lpc = c.chunk_layers(stage);
   const double m = static_cast<double>(c.micro_batches());
-  const double blocks = m * c.v * lpc;
+  const double blocks = m * c.stage_layers(stage);
   double total = blocks * (2 * block_gathers + block_reductions);
   // What the stage's last task itself issues, at most: its blocks' gathers and reductions, and those of
   // the output layer or the embedding when its chunk holds them.

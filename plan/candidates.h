@@ -75,7 +75,8 @@ struct Layout {
 Layout parse_layout(const std::string& name);
 
 // The gpt lesson's options for a layout of the question: phantom tensors, one step, quiet; the lesson's
-// defaults for the rest.
+// defaults for the rest. Where the layers do not divide among pp stages but two more would, the first and
+// last stages hold one layer fewer than the others (Llama 3 405B's split).
 Settings lesson_settings(const Question& q, const Layout& l);
 // Those options read and checked by the lesson (gpt::resolve): UsageError for a layout it refuses.
 gpt::Config lesson_config(const Question& q, const Layout& l);

@@ -2,6 +2,7 @@
 // ZeRO stage and recomputation trains equal to one device for 3 steps of AdamW (float32 and bfloat16, with
 // the lesson's tolerances per dtype); the memory plan equals what the run allocates; the clear errors;
 // a phantom run's time is deterministic; a deliberately broken reduction fails the lesson's own check.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -235,6 +236,54 @@ TEST(Gpt, DeeperPipelineInterleaved) {
   EXPECT_NE(html.find("v = 2 chunks per stage"), std::string::npos);
 }
 
+TEST(Gpt, UnevenPipelineStagesTrainEqualToOneDevice) {
+  // Llama 3 405B's split in small: the first and last stages hold fewer layers than the middle ones. Plain
+  // (1 | 2 | 2 | 1 layers), with an interleaved schedule (2 | 4 | 2: chunks of 1, 2, 1 layers), and the
+  // first stage alone with tensor parallelism and ZeRO 1 (1 | 3); each checks its memory plan per chunk.
+  struct Split {
+    int layers, pp, v, first, last, tp, zero;
+  };
+  for (const Split& k :
+       {Split{6, 4, 1, 1, 1, 1, 0}, Split{8, 3, 2, 2, 2, 1, 0}, Split{4, 2, 1, 1, 0, 2, 1}}) {
+    Settings o = tiny();
+    o["layers"] = option_text(k.layers);
+    o["hidden"] = option_text(32);
+    o["heads"] = option_text(2);
+    o["pp"] = option_text(k.pp);
+    o["interleave"] = option_text(k.v);
+    o["tp"] = option_text(k.tp);
+    o["zero"] = option_text(k.zero);
+    o["world"] = option_text(k.pp * k.tp * (k.zero > 0 ? 2 : 1));
+    o["global-batch"] = option_text(k.pp * 2 * (k.zero > 0 ? 2 : 1));
+    o["micro-batch"] = option_text(1);
+    o["dtype"] = option_text("fp32");
+    o["decoder-first-pipeline-num-layers"] = option_text(k.first);
+    o["decoder-last-pipeline-num-layers"] = option_text(k.last);
+    const RunReport rep = run_gpt(o);
+    SCOPED_TRACE(
+        fmt::format("{} layers on pp {} v {}, first {} last {}", k.layers, k.pp, k.v, k.first, k.last));
+    EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  }
+}
+
+TEST(Gpt, UnevenStagesGiveEachStageItsLayers) {
+  gpt::Config c;
+  c.layers = 126;
+  c.pp = 16;
+  c.first_stage_layers = c.last_stage_layers = 7;
+  EXPECT_EQ(c.stage_layers(0), 7);
+  EXPECT_EQ(c.stage_layers(1), 8);
+  EXPECT_EQ(c.stage_layers(14), 8);
+  EXPECT_EQ(c.stage_layers(15), 7);
+  EXPECT_EQ(c.chunk_first_layer(15), 7 + 14 * 8);
+  c.layers = 10, c.pp = 2, c.v = 2, c.first_stage_layers = 4, c.last_stage_layers = 0;
+  // Virtual stages 0, 1, 2, 3 are stage 0's first chunk, stage 1's, stage 0's second, stage 1's.
+  EXPECT_EQ(c.chunk_layers(0), 2);
+  EXPECT_EQ(c.chunk_layers(1), 3);
+  EXPECT_EQ(c.chunk_first_layer(2), 5);
+  EXPECT_EQ(c.chunk_first_layer(3), 7);
+}
+
 TEST(Gpt, AnotherGroupOrderTrainsTheSameAndIsPrinted) {
   Settings o = tiny();
   o["world"] = option_text(8);
@@ -353,6 +402,21 @@ TEST(Gpt, BadOptionsNameTheOption) {
   o["world"] = option_text(6);
   o["pp"] = option_text(3);
   expect_usage_error(o, "--layers 4 is not divisible by --pp 3");
+  o["layers"] = option_text(10);  // (10 + 2) / 3: the first and last one fewer, as Llama 3 405B
+  expect_usage_error(o, "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 3");
+  o["decoder-first-pipeline-num-layers"] = option_text(5);
+  expect_usage_error(o, "the 5 layers that --decoder-first-pipeline-num-layers 5");
+  o["decoder-first-pipeline-num-layers"] = option_text(9);
+  expect_usage_error(o, "leave 1 of --layers 10 for the other 2 stages");
+  o = tiny();
+  o["decoder-last-pipeline-num-layers"] = option_text(1);
+  expect_usage_error(o, "--decoder-last-pipeline-num-layers sets a pipeline stage's layers; it needs --pp 2");
+  o = tiny();
+  o["world"] = option_text(2);
+  o["pp"] = option_text(2);
+  o["interleave"] = option_text(2);
+  o["decoder-first-pipeline-num-layers"] = option_text(1);
+  expect_usage_error(o, "pipeline stage 0 holds 1 layers, not divisible by --interleave 2");
   o = tiny();
   o["world"] = option_text(4);
   o["pp"] = option_text(2);

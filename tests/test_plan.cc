@@ -71,6 +71,30 @@ TEST(Plan, TheWinnerTrainsEqualToOneDevice) {
   EXPECT_NE(format_table(p, 3).find(ranked[0]->candidate.name), std::string::npos);
 }
 
+TEST(Plan, LayersThatDoNotDivideGiveTheFirstAndLastStagesOneFewer) {
+  Request r;
+  r.shape["layers"] = option_text(6);  // on pp 4: 1 | 2 | 2 | 1
+  r.shape["hidden"] = option_text(64);
+  r.shape["heads"] = option_text(4);
+  r.shape["seq"] = option_text(16);
+  r.shape["vocab"] = option_text(128);
+  r.shape["global-batch"] = option_text(16);
+  const Question q = make_question(r);
+  int uneven = 0;
+  for (const Candidate& k : enumerate(q)) {
+    if (k.layout.pp != 4 || k.layout.v != 1) continue;
+    EXPECT_NE(k.status, Status::Invalid) << k.name << ": " << k.reason;
+    if (k.layout.tp != 1 || k.layout.zero != 0 || k.layout.recompute != "none" || k.layout.micro_batch != 1)
+      continue;
+    ++uneven;
+    EXPECT_EQ(lesson_settings(q, k.layout).at("decoder-first-pipeline-num-layers"), "1");
+    EXPECT_LE(k.bound_us, run_gpt(q, k.layout, true).training->step_time_us) << k.name;
+    const RunReport rep = run_gpt(q, k.layout, false);
+    EXPECT_TRUE(rep.all_checks_passed()) << k.name << ": " << testing::failed_checks(rep);
+  }
+  EXPECT_EQ(uneven, 1);
+}
+
 TEST(Plan, NoSimulatedStepBeatsItsLowerBound) {
   const Plan p = search(tiny(), quiet());
   ASSERT_FALSE(p.ranked().empty());

@@ -80,7 +80,6 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   p.weights = b.weights;
   p.grads = b.grads;
   p.optimizer = b.optimizer;
-  const int lpc = c.layers_per_chunk();
   bool embedding = false, head = false;
   std::vector<std::int64_t> stash(c.v);
   for (int k = 0; k < c.v; ++k) {
@@ -88,7 +87,7 @@ MemoryPlan memory_plan(const Config& c, int stage) {
     const bool e = vs == 0, hd = vs == c.pp * c.v - 1;
     embedding = embedding || e;
     head = head || hd;
-    stash[k] = stash_bytes(c, lpc, e, hd);
+    stash[k] = stash_bytes(c, c.chunk_layers(vs), e, hd);
   }
   // The most activations alive at once, walking this rank's schedule.
   const std::vector<parallel::Task> order =

@@ -154,7 +154,7 @@ void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& 
           data_bytes));
   for (int k = 0; k < c.v; ++k) {
     const int vs = k * c.pp + me.pp;
-    const std::int64_t want = stash_bytes(c, c.layers_per_chunk(), vs == 0, vs == c.pp * c.v - 1);
+    const std::int64_t want = stash_bytes(c, c.chunk_layers(vs), vs == 0, vs == c.pp * c.v - 1);
     r.check("gpt: a micro-batch keeps for backward what the memory plan says",
             stash_measured_bytes[k] == want,
             fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k,

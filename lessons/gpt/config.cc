@@ -47,6 +47,19 @@ std::string Config::layout() const {
   return s;
 }
 
+int Config::stage_layers(int stage) const {
+  if (stage == 0 && first_stage_layers > 0) return first_stage_layers;
+  if (stage == pp - 1 && last_stage_layers > 0) return last_stage_layers;
+  const int given = (first_stage_layers > 0) + (last_stage_layers > 0);
+  return (layers - first_stage_layers - last_stage_layers) / (pp - given);
+}
+
+int Config::chunk_first_layer(int virtual_stage) const {
+  int first = 0;
+  for (int u = 0; u < virtual_stage; ++u) first += chunk_layers(u);
+  return first;
+}
+
 double Config::lr_at(int step) const {
   if (step <= lr_warmup_steps) return lr * step / (lr_warmup_steps + 1.0);
   if (lr_decay_style != LrDecay::Cosine || steps <= lr_warmup_steps + 1) return lr;
@@ -96,6 +109,12 @@ const OptionTable<Config>& options_table() {
        "with --tp: reduce_scatter + all_gather, layernorm sharded along the sequence"},
       Option<O>("pp", &O::pp, "pipeline-parallel size (1F1B)").at_least(1),
       Option<O>("interleave", &O::v, "model chunks per pipeline rank (interleaved 1F1B)").at_least(1),
+      Option<O>("decoder-first-pipeline-num-layers", &O::first_stage_layers,
+                "layers of the first pipeline stage (0: as the others; Megatron-Core's flag)")
+          .at_least(0),
+      Option<O>("decoder-last-pipeline-num-layers", &O::last_stage_layers,
+                "layers of the last pipeline stage (0: as the others; Megatron-Core's flag)")
+          .at_least(0),
       Option<O>("dp", &O::dp, "data-parallel size (0: world / (tp pp))").at_least(0),
       Option<O>("zero", &O::zero, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
           .at_least(0)
@@ -223,6 +242,56 @@ void resolve_block(const Config& c) {
 // The overlap flags checked against the layout. A framework's tp-comm-overlap and gradient-accumulation
 // fusion apply where the layout has what they work on (tp > 1 with sequence parallelism; a gradient buffer
 // of the whole step); asked for alone, they must.
+// The layers of each pipeline stage: the first's and the last's as given, the rest split evenly, each
+// stage's split evenly among its chunks (Megatron-Core's get_num_layers_to_build requires the same).
+void resolve_stages(const Config& c) {
+  const int first = c.first_stage_layers, last = c.last_stage_layers;
+  const int given = (first > 0) + (last > 0);
+  if (given == 0) {
+    if (c.layers % (std::int64_t{c.pp} * c.v) == 0) return;
+    std::string hint;
+    if (c.v == 1 && c.pp > 2 && (c.layers + 2) % c.pp == 0) {
+      hint = fmt::format(
+          " (Llama 3 405B's training gave the first and last stages one layer fewer: "
+          "--decoder-first-pipeline-num-layers {0} --decoder-last-pipeline-num-layers {0})",
+          (c.layers + 2) / c.pp - 1);
+    }
+    throw UsageError(fmt::format(
+        "gpt: --layers {} is not divisible by --pp {} x --interleave {} = {}: every model chunk holds the "
+        "same number of layers, unless --decoder-first-pipeline-num-layers and "
+        "--decoder-last-pipeline-num-layers set the first and last stages'{}",
+        c.layers, c.pp, c.v, std::int64_t{c.pp} * c.v, hint));
+  }
+  const char* flag = first > 0 ? "--decoder-first-pipeline-num-layers" : "--decoder-last-pipeline-num-layers";
+  if (c.pp == 1) {
+    throw UsageError(fmt::format("gpt: {} sets a pipeline stage's layers; it needs --pp 2 or more", flag));
+  }
+  const std::int64_t rest = std::int64_t{c.layers} - first - last;
+  const int others = c.pp - given;
+  if (rest < others || (others == 0 && rest != 0)) {
+    throw UsageError(fmt::format(
+        "gpt: --decoder-first-pipeline-num-layers {} and --decoder-last-pipeline-num-layers {} leave {} of "
+        "--layers {} for the other {} stages; each needs at least one{}",
+        first, last, rest, c.layers, others,
+        others == 0 ? ", and with --pp 2 the two must add up to --layers" : ""));
+  }
+  if (others > 0 && rest % others != 0) {
+    throw UsageError(
+        fmt::format("gpt: the {} layers that --decoder-first-pipeline-num-layers {} and "
+                    "--decoder-last-pipeline-num-layers "
+                    "{} leave of --layers {} do not divide among the other {} stages",
+                    rest, first, last, c.layers, others));
+  }
+  for (int stage = 0; stage < c.pp; ++stage) {
+    if (c.stage_layers(stage) % c.v != 0) {
+      throw UsageError(fmt::format(
+          "gpt: pipeline stage {} holds {} layers, not divisible by --interleave {}: each of its chunks "
+          "holds the same number of layers",
+          stage, c.stage_layers(stage), c.v));
+    }
+  }
+}
+
 void resolve_overlaps(Config& c) {
   if (c.ddp_bucket_size != "auto") {
     OptionSpec spec;
@@ -337,12 +406,7 @@ Config resolve(Config c, int world) {
     throw UsageError(
         "gpt: --interleave gives each pipeline rank several model chunks; it needs --pp 2 or more");
   }
-  if (c.layers % (std::int64_t{c.pp} * c.v) != 0) {
-    throw UsageError(
-        fmt::format("gpt: --layers {} is not divisible by --pp {} x --interleave {} = {}: every "
-                    "model chunk holds the same number of layers",
-                    c.layers, c.pp, c.v, std::int64_t{c.pp} * c.v));
-  }
+  resolve_stages(c);
   if (c.global_batch % (c.micro_batch * c.dp) != 0) {
     throw UsageError(
         fmt::format("gpt: --global-batch {} is not divisible by --micro-batch {} x dp {} = {}: each "

@@ -32,6 +32,11 @@ struct Config : LessonOptions {
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
   int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp pp), which resolve() sets
   int v = 1;                   // model chunks per pipeline rank (--interleave)
+  // The first and the last pipeline stage's layers (Megatron-Core's --decoder-first-pipeline-num-layers and
+  // --decoder-last-pipeline-num-layers; 0: as many as the others); the other stages split the rest evenly.
+  // Llama 3 405B's 126 layers ran on 16 stages with one fewer on the first and the last (Dubey et al. 2024,
+  // section 3.3.2), whose embedding and output layer take the place of a layer's time and memory.
+  int first_stage_layers = 0, last_stage_layers = 0;
   int zero = 0;
   bool seq_parallel = false;
   Recompute recompute = Recompute::None;
@@ -65,7 +70,9 @@ struct Config : LessonOptions {
   // The preset's name, or "custom".
   std::string model_name() const { return model.empty() ? "custom" : model; }
   std::int64_t micro_batches() const { return global_batch / (micro_batch * dp); }  // m, per pipeline
-  int layers_per_chunk() const { return layers / (pp * v); }
+  int stage_layers(int stage) const;  // the layers of pipeline stage `stage`, all its chunks
+  int chunk_layers(int virtual_stage) const { return stage_layers(virtual_stage % pp) / v; }
+  int chunk_first_layer(int virtual_stage) const;  // the index of its first layer
   int head_dim() const { return hidden / heads; }
   bool llama() const { return block == Block::Llama; }
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads

@@ -1,6 +1,7 @@
 #include "lessons/gpt/model.h"
 
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -238,7 +239,6 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
 Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
              parallel::DataParallel& dp)
     : r_(r), c_(c), tp_rank_(tp_rank), dp_rank_(dp_rank), pp_rank_(pp_rank), tp_(tp), dp_(dp) {
-  const int lpc = c.layers_per_chunk();
   for (int k = 0; k < c.v; ++k) {
     const int virtual_stage = k * c.pp + pp_rank;  // rank p holds chunks p, p + pp, p + 2 pp, ...
     Chunk ch;
@@ -246,8 +246,9 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
     ch.head = virtual_stage == c.pp * c.v - 1;
     embedding_ = embedding_ || ch.embedding;
     head_ = head_ || ch.head;
-    ch.blocks.resize(lpc);
-    for (int i = 0; i < lpc; ++i) ch.blocks[i].layer = virtual_stage * lpc + i;
+    ch.blocks.resize(c.chunk_layers(virtual_stage));
+    const int first = c.chunk_first_layer(virtual_stage);
+    for (std::size_t i = 0; i < ch.blocks.size(); ++i) ch.blocks[i].layer = first + static_cast<int>(i);
     chunks_.push_back(std::move(ch));
   }
   // The data-parallel buckets are laid out first: zero 0's and 1's tensors are views of their buffers.
@@ -326,7 +327,6 @@ std::vector<Param*> Model::params() {
 }
 
 std::vector<ParamId> backward_order(const Config& c, int stage) {
-  const int lpc = c.layers_per_chunk();
   auto other = [](OtherParam which) { return ParamId{int{kBlockParams} + which, -1}; };
   std::vector<ParamId> out;
   for (int k = c.v - 1; k >= 0; --k) {
@@ -341,7 +341,8 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
         if (stage != 0) out.push_back(other(kWte));  // else final after the embedding's backward
       }
     }
-    for (int layer = (vs + 1) * lpc - 1; layer >= vs * lpc; --layer) {
+    const int first = c.chunk_first_layer(vs);
+    for (int layer = first + c.chunk_layers(vs) - 1; layer >= first; --layer) {
       for (int q = block_params(c) - 1; q >= 0; --q) out.push_back({q, layer});
     }
     if (vs == 0) {  // the embedding
@@ -359,8 +360,12 @@ ParamSpec param_spec(const Config& c, ParamId id) {
 
 Param& Model::param(ParamId id) {
   if (id.kind < kBlockParams) {
-    const int lpc = c_.layers_per_chunk(), virtual_stage = id.layer / lpc;
-    return chunks_[virtual_stage / c_.pp].blocks[id.layer % lpc].p[id.kind];
+    for (Chunk& ch : chunks_) {
+      const int first = ch.blocks.front().layer;
+      if (id.layer >= first && id.layer < first + static_cast<int>(ch.blocks.size()))
+        return ch.blocks[id.layer - first].p[id.kind];
+    }
+    throw std::logic_error("gpt: layer " + std::to_string(id.layer) + " is not on this pipeline rank");
   }
   switch (static_cast<OtherParam>(id.kind - kBlockParams)) {
     case kWte:
