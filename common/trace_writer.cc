@@ -43,7 +43,33 @@ struct Slice {
   const std::string* name;  // points into the report, or at a constant
   const char* category;
   int tid = 0;
+  double hidden_us = -1;  // a transfer: how much of it ran beside the rank's kernels (-1: not a transfer)
 };
+
+// The union of a track's slices as sorted disjoint ranges.
+std::vector<TimeRange> merged(std::vector<Slice> slices) {
+  std::sort(slices.begin(), slices.end(),
+            [](const Slice& a, const Slice& b) { return a.start_us < b.start_us; });
+  std::vector<TimeRange> out;
+  for (const Slice& s : slices) {
+    if (!out.empty() && s.start_us <= out.back().end_us) {
+      out.back().end_us = std::max(out.back().end_us, s.end_us);
+    } else {
+      out.push_back({s.start_us, s.end_us});
+    }
+  }
+  return out;
+}
+
+// How much of [start, end] the sorted disjoint ranges cover.
+double covered_us(const std::vector<TimeRange>& ranges, double start_us, double end_us) {
+  auto it = std::lower_bound(ranges.begin(), ranges.end(), start_us,
+                             [](const TimeRange& r, double t) { return r.end_us <= t; });
+  double covered = 0;
+  for (; it != ranges.end() && it->start_us < end_us; ++it)
+    covered += std::min(end_us, it->end_us) - std::max(start_us, it->start_us);
+  return covered;
+}
 
 // Greedy interval partitioning: each slice goes to the first lane free at its start. Sorted by start, this
 // uses as few lanes as the deepest overlap needs.
@@ -154,6 +180,13 @@ std::string report_to_trace_json(const RunReport& report) {
   for (const RegionRecord& g : report.regions) {
     if (g.rank >= 0) tracks[g.rank][kRegions].push_back({g.start_us, g.end_us, &g.name, "region"});
   }
+  // Each transfer's time beside the rank's kernels is hidden under them; the rest the rank could not hide.
+  for (int r = 0; r < n; ++r) {
+    const std::vector<TimeRange> kernels = merged(tracks[r][kCompute]);
+    for (Slice& s : tracks[r][kComm]) {
+      if (s.category == std::string_view("comm")) s.hidden_us = covered_us(kernels, s.start_us, s.end_us);
+    }
+  }
 
   std::string out;
   out.reserve(160 * (report.spans.size() + report.regions.size()) + 4096);
@@ -184,9 +217,13 @@ std::string report_to_trace_json(const RunReport& report) {
       }
       for (const Slice& s : slices) {
         const std::string name = s.category == std::string_view("wait") ? "wait " + *s.name : *s.name;
-        event(fmt::format(R"({{"ph":"X","name":{},"cat":"{}","pid":{},"tid":{},"ts":{},"dur":{}}})",
-                          quoted(name), s.category, r, s.tid, number(s.start_us),
-                          number(s.end_us - s.start_us)));
+        const double dur_us = s.end_us - s.start_us;
+        const std::string args =
+            s.hidden_us < 0 ? std::string()
+                            : fmt::format(R"(,"args":{{"hidden_us":{},"exposed_us":{}}})",
+                                          number(s.hidden_us), number(std::max(0.0, dur_us - s.hidden_us)));
+        event(fmt::format(R"({{"ph":"X","name":{},"cat":"{}","pid":{},"tid":{},"ts":{},"dur":{}{}}})",
+                          quoted(name), s.category, r, s.tid, number(s.start_us), number(dur_us), args));
       }
     }
   }

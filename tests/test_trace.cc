@@ -153,6 +153,27 @@ TEST(Trace, ProcessesTracksSlicesAndFlows) {
   }
 }
 
+TEST(Trace, EachTransferSaysHowMuchOfItTheKernelsHid) {
+  RunReport r = small_report();
+  // On rank 1 a transfer [8, 18] beside the kernel [0, 14]: 6 us hidden, 4 exposed. Rank 0's all_reduce
+  // [14, 20] runs after its kernels (the lanes [0, 10] and [5, 12]): all exposed.
+  r.spans.push_back(span(1, SpanKind::Comm, 8, 18, "reduce_scatter"));
+  summarize_spans(r);
+  const json trace = json::parse(report_to_trace_json(r));
+  std::map<std::pair<int, std::string>, std::pair<double, double>> seen;
+  for (const json& e : trace["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    ASSERT_EQ(e.contains("args"), e["cat"] == "comm") << e.dump();
+    if (e["cat"] == "comm" && e["ts"] != 25)
+      seen[{e["pid"].get<int>(), e["name"].get<std::string>()}] = {e["args"]["hidden_us"],
+                                                                   e["args"]["exposed_us"]};
+  }
+  using P = std::pair<double, double>;
+  EXPECT_EQ(seen.at({1, "reduce_scatter"}), (P{6, 4}));
+  EXPECT_EQ(seen.at({0, "all_reduce"}), (P{0, 6}));
+  EXPECT_EQ(seen.at({1, "all_reduce"}), (P{0, 6}));
+}
+
 TEST(Trace, EmptyReportIsValidJson) {
   const json trace = json::parse(report_to_trace_json(RunReport{}));
   EXPECT_TRUE(trace["traceEvents"].is_array());
