@@ -414,6 +414,7 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
                    "gemm_tile_n",
                    "gemm_k_overhead",
                    "gemm_ridge_flops_per_byte",
+                   "gemm_fixed_us",
                    "gemm_mamf_tflops",
                    "gemm_mamf_m",
                    "gemm_mamf_n",
@@ -445,6 +446,7 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.gpu.gemm_tile_n = gpu.count("gemm_tile_n", false, 1, kMaxTile).value_or(p.gpu.gemm_tile_n);
   p.gpu.gemm_k_overhead = gpu.at_least("gemm_k_overhead", 0, kMaxTile, 0);
   p.gpu.gemm_ridge_flops_per_byte = gpu.at_least("gemm_ridge_flops_per_byte", 0, kMaxTile, 0);
+  p.gpu.gemm_fixed_us = gpu.at_least("gemm_fixed_us", 0, kMaxLatencyUs, 0);
   p.gpu.gemm_mamf_tflops = gpu.at_least("gemm_mamf_tflops", 0, kMaxTflops, 0);
   p.gpu.gemm_mamf_m = gpu.count("gemm_mamf_m", false, 1, kMaxGemmDim).value_or(0);
   p.gpu.gemm_mamf_n = gpu.count("gemm_mamf_n", false, 1, kMaxGemmDim).value_or(0);

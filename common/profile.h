@@ -49,6 +49,9 @@ struct GpuModel {
   // cores busy. With it, a 16-bit GEMM runs as the fastest of several tile shapes and split-K; 0 keeps
   // the one tile and its transpose.
   double gemm_ridge_flops_per_byte = 0;
+  // A GEMM kernel's device time that does not grow with its work (its start, prologue and the last tile's
+  // epilogue), added to every 16-bit GEMM; the ceiling is solved with it.
+  double gemm_fixed_us = 0;
   // Fused attention's throughput as a fraction of the 16-bit peak; 0 means compute_efficiency. The flat
   // fractions, used where the profile gives no shape model below.
   double attention_fwd_efficiency = 0;

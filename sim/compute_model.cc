@@ -53,12 +53,15 @@ ComputeModel::ComputeModel(const GpuModel& gpu) : gpu_(gpu) {
   if (gpu_.sm_count > 0 && gpu_.gemm_mamf_tflops > 0) {
     // The measured GEMM ran at ceiling x (the rate of the fastest candidate at a ceiling of 1); solve for the
     // ceiling. It scales every candidate alike, so the fastest one does not depend on it.
+    // With the fixed time: measured = fixed + (the time at a ceiling of 1) / ceiling.
     gemm_ceiling_ = 1.0;
     const double flops = 2.0 * static_cast<double>(gpu_.gemm_mamf_m) * static_cast<double>(gpu_.gemm_mamf_n) *
                          static_cast<double>(gpu_.gemm_mamf_k);
-    const double model_tflops =
-        flops / gemm_fastest(gpu_.gemm_mamf_m, gpu_.gemm_mamf_n, gpu_.gemm_mamf_k, DType::BFloat16).us / 1e6;
-    gemm_ceiling_ = gpu_.gemm_mamf_tflops / model_tflops;
+    const double measured_us = flops / (gpu_.gemm_mamf_tflops * 1e6);
+    const double work_us =
+        gemm_fastest(gpu_.gemm_mamf_m, gpu_.gemm_mamf_n, gpu_.gemm_mamf_k, DType::BFloat16).us -
+        gpu_.gemm_fixed_us;
+    gemm_ceiling_ = measured_us > gpu_.gemm_fixed_us ? work_us / (measured_us - gpu_.gemm_fixed_us) : 2.0;
     if (gemm_ceiling_ > 1) {
       throw UsageError(fmt::format(
           "profile GPU {}: the measured GEMM ({} TFLOPS at {}x{}x{}) is faster than {} of peak, which the "
@@ -124,7 +127,7 @@ std::vector<GemmCandidate> ComputeModel::gemm_candidates(std::int64_t m, std::in
     // Data-parallel: waves of one tile per SM, each tile the whole k-loop and its pipeline fill and drain.
     const double waves = std::ceil(tiles_count / sms);
     out.push_back({static_cast<int>(tm), static_cast<int>(tn), 1,
-                   waves * tile_flops_per_k * (static_cast<double>(k) + k0) / sm_rate});
+                   gpu_.gemm_fixed_us + waves * tile_flops_per_k * (static_cast<double>(k) + k0) / sm_rate});
     if (!shapes) continue;
     // Split-K (what stream-K does when the tiles do not fill the SMs): each tile's k-loop in `splits`
     // slices on as many SMs, all in one wave; no slice shorter than its own pipeline. The slices write
@@ -133,7 +136,8 @@ std::vector<GemmCandidate> ComputeModel::gemm_candidates(std::int64_t m, std::in
       const double slice_us = tile_flops_per_k * (ceil_div(k, splits) + k0) / sm_rate;
       const double fixup_us = memory_us(2.0 * splits * kPartialSumBytes * static_cast<double>(m) *
                                         static_cast<double>(n) * static_cast<double>(batch));
-      out.push_back({static_cast<int>(tm), static_cast<int>(tn), splits, slice_us + fixup_us});
+      out.push_back(
+          {static_cast<int>(tm), static_cast<int>(tn), splits, gpu_.gemm_fixed_us + slice_us + fixup_us});
     }
   }
   return out;
