@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 
@@ -47,6 +48,12 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
     ranks_.push_back(std::move(s));
   }
   scheduler_.set_stall_handler([this] { return advance_when_stalled(); });
+  if (symmetry_.enabled()) {
+    const Topology& topo = network_->topology();
+    node_runs_.assign(static_cast<std::size_t>(topo.nodes()), 0);
+    for (int r = 0; r < world_size; ++r)
+      if (symmetry_.runs(r)) node_runs_[static_cast<std::size_t>(topo.node_of(r))] = 1;
+  }
   report_.backend = "sim";
   report_.profile = config.profile.name;
   report_.world = world_size;
@@ -354,9 +361,15 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
     // A member waiting to know its kernel's end learns this operation's start.
     if (!std::isnan(state(m.rank).watched_end_us)) resettle_later(m.rank);
   }
-  if (symmetry_.enabled()) symmetry_.note_spine(plan, network_->topology());
+  std::optional<CommPlan> in_nodes;  // the plan, kept for the images where it stays inside nodes
+  if (symmetry_.enabled()) {
+    const Topology& topo = network_->topology();
+    symmetry_.note_spine(plan, topo);
+    if (std::all_of(plan.links.begin(), plan.links.end(), [&](LinkId l) { return topo.in_node(l); }))
+      in_nodes = plan;
+  }
   engine_.schedule(op, std::move(plan), start_us);
-  if (symmetry_.enabled()) schedule_images(op, start_us);
+  if (symmetry_.enabled()) schedule_images(op, start_us, in_nodes ? &*in_nodes : nullptr);
   // A transfer that started late may already have ended.
   on_finished(engine_.advance_to(engine_.now_us()));
   change.done();
@@ -365,15 +378,32 @@ void SimWorld::execute(const std::shared_ptr<CommOpState>& op) {
 
 // ---- images of a symmetric run ------------------------------------------------------------------
 
-void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double start_us) {
+void SimWorld::schedule_images(const std::shared_ptr<CommOpState>& of, double start_us,
+                               const CommPlan* in_nodes) {
   const CommOpState& op = *of;
   const bool p2p = op.op == CommOp::Send;
   const CommCall& lead = op.members[0].call;
+  const Topology& topo = network_->topology();
+  // Whether `image` is the operation's ranks moved by `gpus`, into nodes where no rank runs.
+  auto idle_translate = [&](const std::vector<int>& image, int& gpus) {
+    gpus = image[0] - op.ranks[0];
+    if (!topo.shifts_in_nodes(gpus)) return false;
+    for (std::size_t i = 0; i < image.size(); ++i) {
+      if (image[i] - op.ranks[i] != gpus || node_runs_[static_cast<std::size_t>(topo.node_of(image[i]))])
+        return false;
+    }
+    return true;
+  };
   // Where the root sits in the group, so that each image has the root's image.
   const int root_pos =
       p2p ? -1 : static_cast<int>(std::find(op.ranks.begin(), op.ranks.end(), lead.peer) - op.ranks.begin());
   const std::int64_t bytes = p2p ? lead.input.bytes() : nccl_size_bytes(op);
   for (const std::vector<int>& image : symmetry_.images(op)) {
+    int gpus = 0;
+    if (in_nodes != nullptr && idle_translate(image, gpus)) {
+      if (!lead.bookkeeping) network_->record_shifted(*in_nodes, gpus);
+      continue;
+    }
     const int root = root_pos >= 0 && root_pos < static_cast<int>(image.size()) ? image[root_pos] : lead.peer;
     CommPlan plan = p2p                     ? network_->plan_p2p(image[0], image[1], bytes)
                     : uneven_all_to_all(op) ? network_->plan_all_to_all(image, all_to_all_pair_bytes(op))

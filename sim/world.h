@@ -293,8 +293,12 @@ class SimWorld {
   static constexpr std::size_t kPrefetchAhead = 8;
 
   // Runs the images of an operation that starts at `start_us` beside it (Symmetry::images): what the
-  // other classes do at the same moment.
-  void schedule_images(const std::shared_ptr<CommOpState>& op, double start_us);
+  // other classes do at the same moment. `in_nodes`: the operation's plan, where it stays inside nodes, so
+  // that an image in nodes where no rank runs need only count its traffic: its links are its node's own,
+  // which only other images cross, and their copies in the representatives' nodes see all of theirs.
+  void schedule_images(const std::shared_ptr<CommOpState>& op, double start_us, const CommPlan* in_nodes);
+  // Per node: whether a rank of it runs (a representative).
+  std::vector<char> node_runs_;
 
   struct HostRendezvous {
     int expected = 0;

@@ -155,8 +155,10 @@ INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricAcrossLeaves,
 
 // Data parallelism across nodes (the images share the network), tensor parallelism with and without
 // sequence parallelism, interleaved pipelines, every ZeRO stage, and the group order that puts dp inside.
+// Where a tp group fills a node, its images lie in nodes where no rank runs and only count their traffic.
 INSTANTIATE_TEST_SUITE_P(Layouts, SymmetricGpt,
                          ::testing::Values(Layout{4, 2, 4, 1, 1, true, "none", "tp-dp-pp"},
+                                           Layout{8, 2, 4, 1, 1, true, "none", "tp-dp-pp"},
                                            Layout{2, 2, 4, 2, 0, false, "selective", "tp-dp-pp"},
                                            Layout{2, 2, 4, 1, 2, true, "full", "tp-dp-pp"},
                                            Layout{4, 1, 4, 1, 3, false, "none", "tp-dp-pp"},

@@ -325,6 +325,15 @@ void NetworkModel::record(const CommPlan& plan) {
   }
 }
 
+void NetworkModel::record_shifted(const CommPlan& plan, int gpus) {
+  if (plan.flows.empty()) return;
+  if (link_bytes_.empty()) link_bytes_.assign(topo_.link_count(), 0.0);
+  for (const Flow& f : plan.flows) {
+    const double payload_bytes = plan.payload_bytes(f);
+    for (LinkId l : plan.path(f)) link_bytes_[topo_.shifted(l, gpus)] += payload_bytes;
+  }
+}
+
 std::vector<LinkTraffic> NetworkModel::link_traffic() const {
   std::vector<LinkTraffic> out;
   for (std::size_t l = 0; l < link_bytes_.size(); ++l) {

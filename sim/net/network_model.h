@@ -90,6 +90,8 @@ class NetworkModel {
   // ---- traffic --------------------------------------------------------------------------------------
   // Counts a plan's payload on every link it crosses.
   void record(const CommPlan& plan);
+  // record() of the plan's image `gpus` GPUs further on, for a plan inside nodes (Topology::shifted).
+  void record_shifted(const CommPlan& plan, int gpus);
   // Bytes carried by each directed link so far (links that carried none are left out), in link order.
   std::vector<LinkTraffic> link_traffic() const;
 

@@ -120,6 +120,13 @@ int Topology::nic_of(int gpu) const {
   return node_of(gpu) * nics_per_node() + local_of(gpu) / gpus_per_nic;
 }
 
+LinkId Topology::shifted(LinkId id, int gpus) const {
+  // The GPUs' links are numbered by GPU, the switches' by switch (node by node, in the GPUs' order).
+  const int k = kind_of(id);
+  const std::int64_t step = k == kPcieToCpu || k == kCpuToPcie ? gpus / profile_.pcie.gpus_per_switch : gpus;
+  return static_cast<LinkId>(static_cast<std::int64_t>(id) + step);
+}
+
 int Topology::switch_of_gpu(int gpu) const {
   return node_of(gpu) * pcie_switches_per_node() + local_of(gpu) / profile_.pcie.gpus_per_switch;
 }

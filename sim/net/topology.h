@@ -131,6 +131,14 @@ class Topology {
   bool is_spine_link(LinkId id) const {
     return id >= offsets_[kLeafToSpine] && id < offsets_[kSpineToLeaf + 1];
   }
+  // Whether `id` lies inside one node, short of its NICs: NVLink, a GPU's PCIe link, or a PCIe switch's
+  // link to the CPU.
+  bool in_node(LinkId id) const { return id < offsets_[kCpuToPcie + 1]; }
+  // The same in-node link `gpus` GPUs further on, `gpus` a multiple of the GPUs per PCIe switch: where a
+  // translation of the ranks by `gpus` takes it.
+  LinkId shifted(LinkId id, int gpus) const;
+  // Whether shifted() applies to a translation by `gpus`.
+  bool shifts_in_nodes(int gpus) const { return gpus % profile_.pcie.gpus_per_switch == 0; }
 
  private:
   enum Kind {
