@@ -407,7 +407,11 @@ TEST(Gpt, BadOptionsNameTheOption) {
   o["decoder-first-pipeline-num-layers"] = option_text(5);
   expect_usage_error(o, "the 5 layers that --decoder-first-pipeline-num-layers 5");
   o["decoder-first-pipeline-num-layers"] = option_text(9);
-  expect_usage_error(o, "leave 1 of --layers 10 for the other 2 stages");
+  expect_usage_error(o, "take 9 of --layers 10, leaving 1 for the other 2 stages");
+  o["pp"] = option_text(2);
+  o["world"] = option_text(2);
+  o["decoder-last-pipeline-num-layers"] = option_text(2);
+  expect_usage_error(o, "must add up to --layers 10");
   o = tiny();
   o["decoder-last-pipeline-num-layers"] = option_text(1);
   expect_usage_error(o, "--decoder-last-pipeline-num-layers sets a pipeline stage's layers; it needs --pp 2");

@@ -268,12 +268,18 @@ void resolve_stages(const Config& c) {
   }
   const std::int64_t rest = std::int64_t{c.layers} - first - last;
   const int others = c.pp - given;
-  if (rest < others || (others == 0 && rest != 0)) {
+  if (others == 0 && rest != 0) {
+    throw UsageError(
+        fmt::format("gpt: with --pp 2 the first and the last stage are all the stages: "
+                    "--decoder-first-pipeline-num-layers "
+                    "{} and --decoder-last-pipeline-num-layers {} must add up to --layers {}",
+                    first, last, c.layers));
+  }
+  if (rest < others) {
     throw UsageError(fmt::format(
-        "gpt: --decoder-first-pipeline-num-layers {} and --decoder-last-pipeline-num-layers {} leave {} of "
-        "--layers {} for the other {} stages; each needs at least one{}",
-        first, last, rest, c.layers, others,
-        others == 0 ? ", and with --pp 2 the two must add up to --layers" : ""));
+        "gpt: --decoder-first-pipeline-num-layers {} and --decoder-last-pipeline-num-layers {} take {} of "
+        "--layers {}, leaving {} for the other {} stages; each needs at least one",
+        first, last, std::int64_t{first} + last, c.layers, std::max<std::int64_t>(rest, 0), others));
   }
   if (others > 0 && rest % others != 0) {
     throw UsageError(
