@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/errors.h"
 #include "plan/plan_command.h"
 #include "plan/search.h"
 #include "sim/malloc_tuning.h"
@@ -44,10 +45,20 @@ int main(int argc, char** argv) {
              "tp4-pp4-v4-dp32-zero1-sp-mb1-none-tp-pp-dp", "tp4-pp4-v2-dp32-zero2-sp-mb1-none-tp-dp-pp",
              "tp4-pp4-v4-dp32-zero2-sp-mb1-none-tp-dp-pp", "tp4-pp4-v4-dp32-zero1-sp-mb1-selective-tp-dp-pp"};
   }
+  std::vector<Layout> layouts;
+  for (const std::string& name : names) {
+    try {
+      layouts.push_back(parse_layout(name));
+    } catch (const ranklab::UsageError& e) {
+      std::fprintf(stderr, "ranklab_plan_symmetry: its arguments are layouts: %s\n", e.what());
+      return 2;
+    }
+  }
   std::printf("%-50s %15s %15s %10s %10s %10s  %s\n", "layout", "symmetric (us)", "full (us)", "full/sym-1",
               "peak sym", "peak full", "wall and CPU s: symmetric, full");
-  for (const std::string& name : names) {
-    const Layout l = parse_layout(name);
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const std::string& name = names[i];
+    const Layout& l = layouts[i];
     double wall[2], cpu[2];
     Result run[2];
     for (int full = 0; full < 2; ++full) {
