@@ -239,9 +239,6 @@ void resolve_block(const Config& c) {
   }
 }
 
-// The overlap flags checked against the layout. A framework's tp-comm-overlap and gradient-accumulation
-// fusion apply where the layout has what they work on (tp > 1 with sequence parallelism; a gradient buffer
-// of the whole step); asked for alone, they must.
 // The layers of each pipeline stage: the first's and the last's as given, the rest split evenly, each
 // stage's split evenly among its chunks (Megatron-Core's get_num_layers_to_build requires the same).
 void resolve_stages(const Config& c) {
@@ -298,6 +295,9 @@ void resolve_stages(const Config& c) {
   }
 }
 
+// The overlap flags checked against the layout. A framework's tp-comm-overlap, asynchronous tensor-parallel
+// backward and gradient-accumulation fusion apply where the layout has what they work on (tp > 1, with
+// sequence parallelism for the first; a gradient buffer of the whole step); asked for alone, they must.
 void resolve_overlaps(Config& c) {
   if (c.ddp_bucket_size != "auto") {
     OptionSpec spec;
