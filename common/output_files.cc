@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <regex>
+#include <string_view>
 
 #include "common/errors.h"
 
@@ -38,17 +40,103 @@ void refuse_input_as_output(const std::string& flag, const std::string& out,
   }
 }
 
-void prepare_report_dir(const std::string& dir) {
+bool written_by_ranklab(const std::filesystem::path& path) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) throw UsageError(fmt::format("--report {}: cannot create the folder: {}", dir, ec.message()));
-  const std::filesystem::path probe = std::filesystem::path(dir) / ".ranklab-write-test";
-  {
-    std::ofstream f(probe);
-    if (!f)
-      throw UsageError(fmt::format("--report {}: cannot write in the folder: {}", dir, std::strerror(errno)));
+  if (!std::filesystem::exists(path, ec)) return true;
+  std::ifstream f(path, std::ios::binary);
+  std::string head(1024, '\0');
+  f.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<std::size_t>(f.gcount()));
+  auto starts = [&](std::string_view p) { return head.starts_with(p); };
+  // report.json, trace.json, plan.json (nlohmann's pretty print, keys in order), and every page.
+  if (starts("{\"schema_version\":") || starts("{\"traceEvents\":[") || starts("{\n \"candidates\": ["))
+    return true;
+  if (starts("<!doctype html>") && head.find("<title>ranklab") != std::string::npos) return true;
+  // summary.txt: "gpt on sim (dgx-h100), 8 ranks: 1.2 ms" (format_summary).
+  static const std::regex summary(R"(^[^\s]+ on [^\s,]+( \([^)\n]*\))?, [0-9]+ ranks?: [^\n]*\n)");
+  return std::regex_search(head, summary);
+}
+
+namespace {
+// The folders of `folder`'s path that do not exist, the outermost first.
+std::vector<std::filesystem::path> missing_folders(const std::filesystem::path& folder) {
+  std::error_code ec;
+  std::vector<std::filesystem::path> missing;
+  for (std::filesystem::path p = std::filesystem::absolute(folder, ec);
+       !p.empty() && !std::filesystem::exists(p, ec); p = p.parent_path()) {
+    missing.insert(missing.begin(), p);
+    if (p == p.parent_path()) break;
   }
-  std::filesystem::remove(probe, ec);
+  return missing;
+}
+}  // namespace
+
+ReportFolder::ReportFolder(std::string flag, std::string dir, std::vector<std::string> names, bool force)
+    : flag_(std::move(flag)), dir_(std::move(dir)) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path folder(dir_);
+  if (fs::exists(folder, ec)) {
+    if (!fs::is_directory(folder, ec))
+      throw UsageError(fmt::format("{} {}: that is a file, not a folder", flag_, dir_));
+    const fs::path probe = folder / ".ranklab-write-test";
+    {
+      std::ofstream f(probe);
+      if (!f)
+        throw UsageError(
+            fmt::format("{} {}: cannot write in the folder: {}", flag_, dir_, std::strerror(errno)));
+    }
+    fs::remove(probe, ec);
+    for (const std::string& name : names) {
+      if (!force && !written_by_ranklab(folder / name)) {
+        throw UsageError(fmt::format(
+            "{} {}: {} is not a file ranklab wrote; give --force to replace it, or another folder", flag_,
+            dir_, (folder / name).string()));
+      }
+    }
+    return;
+  }
+  // Made and tried now, and removed again: the folder is made for the files at the end.
+  const std::vector<fs::path> missing = missing_folders(folder);
+  fs::create_directories(folder, ec);
+  if (ec) throw UsageError(fmt::format("{} {}: cannot create the folder: {}", flag_, dir_, ec.message()));
+  const fs::path probe = folder / ".ranklab-write-test";
+  const bool writable = static_cast<bool>(std::ofstream(probe));
+  const int error = errno;
+  fs::remove(probe, ec);
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) fs::remove(*it, ec);
+  if (!writable)
+    throw UsageError(fmt::format("{} {}: cannot write in the folder: {}", flag_, dir_, std::strerror(error)));
+}
+
+ReportFolder::~ReportFolder() {
+  if (committed_) return;
+  std::error_code ec;
+  for (const auto& [temporary, final_path] : written_) std::filesystem::remove(temporary, ec);
+  for (auto it = made_.rbegin(); it != made_.rend(); ++it) std::filesystem::remove(*it, ec);  // if empty
+}
+
+void ReportFolder::write(const std::string& name, const std::string& text) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path folder(dir_);
+  if (written_.empty() && !fs::exists(folder, ec)) {
+    made_ = missing_folders(folder);
+    fs::create_directories(folder, ec);
+    if (ec) throw UsageError(fmt::format("{} {}: cannot create the folder: {}", flag_, dir_, ec.message()));
+  }
+  const fs::path final_path = folder / name, temporary = folder / ("." + name + ".ranklab-partial");
+  written_.emplace_back(temporary, final_path);
+  write_file(temporary, text);
+}
+
+void ReportFolder::commit() {
+  for (const auto& [temporary, final_path] : written_) {
+    std::error_code ec;
+    std::filesystem::rename(temporary, final_path, ec);
+    if (ec) throw UsageError(fmt::format("cannot write {}: {}", final_path.string(), ec.message()));
+  }
+  committed_ = true;
 }
 
 }  // namespace ranklab

@@ -5,13 +5,36 @@
 
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace ranklab {
 
-// Creates `dir` (and its parents) and checks that a file can be written in it; UsageError naming
-// `--report DIR` otherwise.
-void prepare_report_dir(const std::string& dir);
+// Whether the file at `path` is one ranklab writes (a run's summary, report or trace, a plan, a page), by
+// its opening: what a command replaces without --force. One that does not exist loses nothing: true.
+bool written_by_ranklab(const std::filesystem::path& path);
+
+// The files a command writes into its --report folder at its end. Checked before the run, so that a run of
+// minutes does not fail at its end: the folder exists and takes files, or can be made; none of `names` in it
+// is a file ranklab did not write, unless `force`. UsageError naming `flag DIR` (and the file) otherwise.
+// Nothing is made before the first write: the files go to temporary names beside theirs, the folder made
+// then, and commit() renames them. A run that fails, or a write that fails, before commit() leaves the
+// folder as it was: its temporaries removed, and the folder too where this made it.
+class ReportFolder {
+ public:
+  ReportFolder(std::string flag, std::string dir, std::vector<std::string> names, bool force);
+  ReportFolder(const ReportFolder&) = delete;
+  ReportFolder& operator=(const ReportFolder&) = delete;
+  ~ReportFolder();
+  void write(const std::string& name, const std::string& text);
+  void commit();
+
+ private:
+  std::string flag_, dir_;
+  std::vector<std::filesystem::path> made_;  // the folders write() made, the outermost first
+  std::vector<std::pair<std::filesystem::path, std::filesystem::path>> written_;  // temporary, final
+  bool committed_ = false;
+};
 
 // UsageError naming `flag` when `out` is one of `inputs` (the same file, however spelled): a command
 // never writes over a file it reads.

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <thread>
 
 #include "common/errors.h"
@@ -48,6 +49,7 @@ const OptionTable<Request>& request_options() {
           .at_least(0)
           .below(1),
       {"report", &O::report_dir, "write plan.json and plan.html to this folder"},
+      {"force", &O::force, "with --report: replace files in the folder that ranklab did not write"},
       {"explain", &O::explain, "a layout as the table prints it: where its time goes against the winner's"},
   };
   return table;
@@ -114,7 +116,9 @@ int plan_command(const Request& r) {
       throw UsageError(fmt::format("--explain {}: the gpt lesson refuses it: {}", r.explain, e.what()));
     }
   }
-  if (!r.report_dir.empty()) prepare_report_dir(r.report_dir);
+  std::optional<ReportFolder> folder;
+  if (!r.report_dir.empty())
+    folder.emplace("--report", r.report_dir, std::vector<std::string>{"plan.json", "plan.html"}, r.force);
 
   std::printf("plan: %s\n", describe_question(q).c_str());
   std::fflush(stdout);
@@ -158,8 +162,9 @@ int plan_command(const Request& r) {
   }
 
   if (!r.report_dir.empty()) {
-    write_file(std::filesystem::path(r.report_dir) / "plan.json", plan_to_json(plan));
-    write_file(std::filesystem::path(r.report_dir) / "plan.html", plan_to_html(plan));
+    folder->write("plan.json", plan_to_json(plan));
+    folder->write("plan.html", plan_to_html(plan));
+    folder->commit();
     std::string shown = r.report_dir;
     while (shown.size() > 1 && shown.back() == '/') shown.pop_back();
     std::printf("\nreport written to %s%s (plan.json, plan.html)\n", shown.c_str(), shown == "/" ? "" : "/");

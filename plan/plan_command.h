@@ -32,6 +32,7 @@ struct Request {
   double confirm_margin = 0.01;
   bool progress = true;    // the search's progress line (stderr, a terminal only)
   std::string report_dir;  // "": no report
+  bool force = false;      // replace files in report_dir that ranklab did not write
   std::string explain;     // a layout name, or ""
 };
 // The flags of `ranklab plan` besides the shape's.

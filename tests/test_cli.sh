@@ -52,6 +52,23 @@ expect 0 "ranklab " --version
 # Where the output goes.
 expect 1 "--report /proc/x: cannot create the folder" run collectives --report /proc/x
 expect 0 "report written to $tmp/out/" run collectives --quiet --report "$tmp/out//"
+# A run that fails leaves no folder behind; a file ranklab did not write is replaced only with --force, and
+# a folder of ranklab's own files is written over.
+expect 1 "--world 4 is not divisible by --tp 3" run gpt --report "$tmp/failed/deep" --tp 3
+if [[ -e "$tmp/failed" ]]; then
+  echo "FAILED: a run that failed left $tmp/failed behind"
+  failures=$((failures + 1))
+fi
+mkdir -p "$tmp/theirs" && echo '{"mine": true}' >"$tmp/theirs/report.json"
+expect 1 "--report $tmp/theirs: $tmp/theirs/report.json is not a file ranklab wrote; give --force" run collectives --quiet --report "$tmp/theirs"
+if [[ "$(cat "$tmp/theirs/report.json")" != '{"mine": true}' ]]; then
+  echo "FAILED: a refused --report replaced $tmp/theirs/report.json"
+  failures=$((failures + 1))
+fi
+expect 0 "report written to $tmp/theirs/" run collectives --quiet --report "$tmp/theirs" --force
+expect 0 "report written to $tmp/theirs/" run collectives --quiet --report "$tmp/theirs"
+touch "$tmp/afile"
+expect 1 "--report $tmp/afile: that is a file, not a folder" run collectives --report "$tmp/afile"
 
 # A report that does not read says which file and which value, and never truncates an integer.
 sed 's/"world":4,/"world":4294967300,/' "$tmp/out/report.json" >"$tmp/wide.json"
@@ -104,6 +121,8 @@ expect 1 "--explain 'tp9': too few parts" plan --explain tp9
 expect 1 "the gpt lesson refuses it: gpt: --heads 4 is not divisible by --tp 8" plan --explain tp8-pp1-v1-dp1-zero0-mb1-none-tp-dp-pp
 expect 1 "--report /proc/x: cannot create the folder" plan --report /proc/x
 expect 0 "report written to $tmp/plan/ (plan.json, plan.html)" plan --layers 2 --global-batch 8 --top 3 --max-candidates 20 --report "$tmp/plan"
+echo 'notes' >"$tmp/plan/plan.html"
+expect 1 "$tmp/plan/plan.html is not a file ranklab wrote" plan --layers 2 --global-batch 8 --top 3 --max-candidates 20 --report "$tmp/plan"
 expect 0 "explain tp2-pp1-v1-dp4-zero1-mb2-none-tp-dp-pp:" plan --layers 2 --global-batch 8 --max-candidates 5 --explain tp2-pp1-v1-dp4-zero1-mb2-none-tp-dp-pp
 
 # A command never writes over a file it reads: the measurement, or the profile it starts from.

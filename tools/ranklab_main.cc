@@ -234,13 +234,18 @@ int topo_command(const std::string& profile_name, const std::optional<int>& node
 
 int run_command(const std::string& lesson_name, const std::string& backend_name,
                 const std::string& profile_name, const std::optional<int>& nodes,
-                const std::string& report_dir, const Settings& settings,
+                const std::string& report_dir, bool force, const Settings& settings,
                 const BackendOptions& backend_options, int stack_kib) {
   Profile profile = load_profile(profile_name);
   const Lesson& lesson = find_lesson(lesson_name);
   const PreparedLesson prepared = lesson.prepare(settings);  // bad options fail before anything is launched
   apply_nodes(profile, nodes, prepared.world);
-  if (!report_dir.empty()) prepare_report_dir(report_dir);  // before the run, not after it
+  // Checked before the run, not after it; written at its end.
+  std::optional<ReportFolder> folder;
+  if (!report_dir.empty())
+    folder.emplace("--report", report_dir,
+                   std::vector<std::string>{"summary.txt", "report.json", "trace.json", "report.html"},
+                   force);
   std::unique_ptr<Backend> backend =
       make_backend(lesson_name, backend_name, profile, backend_options, settings, stack_kib);
   // The first line says what the times below are: the model's for a profile's hardware, or measured.
@@ -258,10 +263,11 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
   const auto quiet = settings.find("quiet");
   if (quiet == settings.end() || quiet->second != "true") std::fputs(("\n" + summary).c_str(), stdout);
   if (!report_dir.empty()) {
-    write_file(std::filesystem::path(report_dir) / "summary.txt", summary);
-    write_file(std::filesystem::path(report_dir) / "report.json", report_to_json(report));
-    write_file(std::filesystem::path(report_dir) / "trace.json", report_to_trace_json(report));
-    write_file(std::filesystem::path(report_dir) / "report.html", report_to_html(report));
+    folder->write("summary.txt", summary);
+    folder->write("report.json", report_to_json(report));
+    folder->write("trace.json", report_to_trace_json(report));
+    folder->write("report.html", report_to_html(report));
+    folder->commit();
     std::string shown = report_dir;
     while (shown.size() > 1 && shown.back() == '/') shown.pop_back();
     std::printf("report written to %s%s\n", shown.c_str(), shown == "/" ? "" : "/");
@@ -527,6 +533,8 @@ int ranklab::main_of(int argc, char** argv) {
   run->add_option("--nodes", nodes, "nodes of the profile to use")->check(at_least(1));
   run->add_option("--report", report_dir,
                   "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
+  bool force = false;
+  run->add_flag("--force", force, "with --report: replace files in the folder that ranklab did not write");
   FlagValues backend_flags, run_lesson_flags;
   for (const OptionSpec& spec : backend_options().specs()) backend_flags.add(*run, spec);
   // Every lesson's options; `ranklab run LESSON --help` lists one lesson's, with its defaults and ranges.
@@ -682,7 +690,7 @@ int ranklab::main_of(int argc, char** argv) {
     if (launcher_world) given["world"] = std::to_string(*launcher_world);
     const BackendOptions backend_options_given = backend_options().read(backend_flags.given(), "");
     return run_command(lesson, backend, profile,
-                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir,
+                       run->count("--nodes") ? std::optional<int>(nodes) : std::nullopt, report_dir, force,
                        resolve_settings(chosen, given, lecture), backend_options_given, stack_kib);
   } catch (const Error& e) {
     std::fprintf(stderr, "ranklab: error: %s\n", e.what());
