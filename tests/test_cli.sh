@@ -131,6 +131,10 @@ cp "$log" "$tmp/in.log"
 expect 1 "-o $tmp/in.log: that is a file this command reads" calibrate "$tmp/in.log" -o "$tmp/in.log"
 expect 1 "that is a file this command reads" calibrate "$tmp/in.log" -o "$profile_dir/dgx-h100.toml"
 expect 1 "--html $tmp/./in.log: that is a file this command reads" compare "$tmp/in.log" --html "$tmp/./in.log"
+echo '<p>my notes</p>' >"$tmp/notes.html"
+expect 1 "--html $tmp/notes.html: that is not a page ranklab wrote; give --force" compare "$tmp/in.log" --html "$tmp/notes.html"
+expect 0 "comparison written to $tmp/notes.html" compare "$tmp/in.log" --html "$tmp/notes.html" --force
+expect 0 "comparison written to $tmp/notes.html" compare "$tmp/in.log" --html "$tmp/notes.html"
 if ! cmp -s "$log" "$tmp/in.log"; then
   echo "FAILED: a refused command changed its input $tmp/in.log"
   failures=$((failures + 1))

@@ -328,8 +328,13 @@ std::optional<CommOp> op_named(const std::string& name) {
 // `files`: a measurement (one file, or one profiler trace per rank), then optionally the simulated report to
 // hold it against; without one, the measured collectives are simulated here.
 int compare_command(std::vector<std::string> files, const std::string& profile_name, const std::string& op,
-                    const std::string& html_path) {
+                    const std::string& html_path, bool force) {
   if (!html_path.empty()) refuse_input_as_output("--html", html_path, files);
+  if (!html_path.empty() && !force && !written_by_ranklab(html_path)) {
+    throw UsageError(fmt::format(
+        "--html {}: that is not a page ranklab wrote; give --force to replace it, or another path",
+        html_path));
+  }
   std::string simulated_path;
   if (files.size() >= 2) {
     std::ifstream last(files.back(), std::ios::binary);
@@ -591,6 +596,8 @@ int ranklab::main_of(int argc, char** argv) {
   compare->add_option("--op", compare_op,
                       "the collective an nccl-tests log measured, when it cannot be told");
   compare->add_option("--html", compare_html, "write the comparison with its plot here (\"\" for none)");
+  bool compare_force = false;
+  compare->add_flag("--force", compare_force, "replace the --html file though ranklab did not write it");
 
   CLI::App* calibrate = app.add_subcommand("calibrate", "fit a profile to a measurement");
   std::vector<std::string> measured_paths;
@@ -678,7 +685,8 @@ int ranklab::main_of(int argc, char** argv) {
       request.shape = plan_shape_flags.given();
       return plan::plan_command(request);
     }
-    if (compare->parsed()) return compare_command(compare_files, compare_profile, compare_op, compare_html);
+    if (compare->parsed())
+      return compare_command(compare_files, compare_profile, compare_op, compare_html, compare_force);
     if (validate->parsed()) return validate_command(validate_dir_path, validate_doc);
     if (calibrate->parsed()) {
       return calibrate_command(measured_paths, calibrate_profile, calibrate_op, fitted_path);
