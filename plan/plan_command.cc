@@ -38,8 +38,10 @@ const OptionTable<Request>& request_options() {
           .at_least(0),
       {"no-symmetry", &O::no_symmetry,
        "simulate every rank, not one per class of identical ranks (slower; for checking)"},
-      Option<O>("jobs", &O::jobs,
-                "simulations at once, each on a thread (0: one per core); the answer is the same")
+      Option<O>(
+          "jobs", &O::jobs,
+          "simulations at once, each on a thread, at most one per core (0: one per core); the answer is "
+          "the same")
           .at_least(0),
       Option<O>("confirm", &O::confirm,
                 "the leading layouts simulated again with every rank running after screening")
@@ -116,6 +118,15 @@ int plan_command(const Request& r) {
       throw UsageError(fmt::format("--explain {}: the gpt lesson refuses it: {}", r.explain, e.what()));
     }
   }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (r.jobs > cores) {
+    throw UsageError(fmt::format(
+        "plan: --jobs {} is more than this machine's {} cores: each job is a simulation on a thread of its "
+        "own, "
+        "holding its run's memory, and more of them than cores only share the cores; give --jobs {} or fewer "
+        "(0: one per core)",
+        r.jobs, cores, cores));
+  }
   std::optional<ReportFolder> folder;
   if (!r.report_dir.empty())
     folder.emplace("--report", r.report_dir, std::vector<std::string>{"plan.json", "plan.html"}, r.force);
@@ -126,7 +137,7 @@ int plan_command(const Request& r) {
   options.max_candidates = r.max_candidates;
   options.symmetry = !r.no_symmetry;
   options.progress = r.progress;
-  options.jobs = r.jobs > 0 ? r.jobs : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  options.jobs = r.jobs > 0 ? r.jobs : cores;
   options.confirm = r.confirm;
   options.confirm_margin = r.confirm_margin;
   const Plan plan = search(q, options);

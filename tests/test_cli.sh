@@ -120,6 +120,7 @@ expect 1 "layouts of 8 ranks for this question; the first, tp1-pp1-v1-dp8-zero0-
 expect 1 "--explain 'tp9': too few parts" plan --explain tp9
 expect 1 "the gpt lesson refuses it: gpt: --heads 4 is not divisible by --tp 8" plan --explain tp8-pp1-v1-dp1-zero0-mb1-none-tp-dp-pp
 expect 1 "--report /proc/x: cannot create the folder" plan --report /proc/x
+expect 1 "plan: --jobs 100000 is more than this machine's" plan --jobs 100000
 expect 0 "report written to $tmp/plan/ (plan.json, plan.html)" plan --layers 2 --global-batch 8 --top 3 --max-candidates 20 --report "$tmp/plan"
 echo 'notes' >"$tmp/plan/plan.html"
 expect 1 "$tmp/plan/plan.html is not a file ranklab wrote" plan --layers 2 --global-batch 8 --top 3 --max-candidates 20 --report "$tmp/plan"
