@@ -240,14 +240,14 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
   const Lesson& lesson = find_lesson(lesson_name);
   const PreparedLesson prepared = lesson.prepare(settings);  // bad options fail before anything is launched
   apply_nodes(profile, nodes, prepared.world);
-  // Checked before the run, not after it; written at its end.
+  std::unique_ptr<Backend> backend =
+      make_backend(lesson_name, backend_name, profile, backend_options, settings, stack_kib);
+  // Checked before the run, not after it, by the process that writes it; written at the run's end.
   std::optional<ReportFolder> folder;
-  if (!report_dir.empty())
+  if (!report_dir.empty() && backend->owns_report())
     folder.emplace("--report", report_dir,
                    std::vector<std::string>{"summary.txt", "report.json", "trace.json", "report.html"},
                    force);
-  std::unique_ptr<Backend> backend =
-      make_backend(lesson_name, backend_name, profile, backend_options, settings, stack_kib);
   // The first line says what the times below are: the model's for a profile's hardware, or measured.
   if (backend_name == "sim") {
     std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson_name.c_str(), prepared.world,
