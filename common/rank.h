@@ -224,11 +224,15 @@ class Rank {
   Tensor matmul(const Tensor& a, const Tensor& b) { return matmul(a, b, Trans::No, Trans::No); }
   // The same product written into `out` (cuBLAS's C with beta 0), which may be a view: a GEMM whose output is
   // part of a larger buffer, as TransformerEngine's overlapped GEMMs write each chunk in place.
-  virtual void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
+  void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+    matmul_into(out, a, b, ta, tb, false);
+  }
   // out += op(a) @ op(b) (cuBLAS's C with beta 1): a weight gradient summed into its gradient buffer by the
   // GEMM that computes it, as Megatron-LM's gradient-accumulation fusion does (wgrad_gemm_accum_fp32).
   // `out` has a's dtype or is float32 under 16-bit inputs; then the float32 sum is never rounded to 16 bits.
-  virtual void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
+  void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
+    matmul_into(out, a, b, ta, tb, true);
+  }
   virtual Tensor relu(const Tensor& x) = 0;
   // grad_out where x > 0, else 0: the backward of relu given its input x.
   virtual Tensor relu_backward(const Tensor& grad_out, const Tensor& x) = 0;
@@ -485,6 +489,11 @@ class Rank {
   // This rank's tasks of a pipeline schedule (the step it timed), for the report's schedule chart. Each
   // rank that runs a stage reports its own; the report keeps them all.
   virtual void report_pipeline(const std::vector<PipelineTask>& tasks) = 0;
+
+ protected:
+  // matmul_, or matmul_add_ when `accumulate`: the one entry each backend implements.
+  virtual void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                           bool accumulate) = 0;
 
  private:
   // communicate() with the call marked as bookkeeping when a bookkeeping region is open.

@@ -437,14 +437,6 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   return c;
 }
 
-void CudaRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  matmul_into(out, a, b, ta, tb, false);
-}
-
-void CudaRank::matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  matmul_into(out, a, b, ta, tb, true);
-}
-
 void CudaRank::matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
                            bool accumulate) {
   const char* op = accumulate ? "matmul_add_" : "matmul_";

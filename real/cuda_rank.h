@@ -84,8 +84,6 @@ class CudaRank : public Rank {
 
   using Rank::matmul;
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
-  void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
-  void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
   Tensor add(const Tensor& a, const Tensor& b) override;
@@ -163,8 +161,9 @@ class CudaRank : public Rank {
   // c = op(a) @ op(b) on cuBLAS, or c += op(a) @ op(b) when `accumulate` (beta 1); the arguments checked.
   void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, const char* op,
             bool accumulate = false);
-  // matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
-  void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate);
+  // Rank::matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
+  void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                   bool accumulate) override;
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
 
   void init();

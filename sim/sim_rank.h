@@ -39,8 +39,6 @@ class SimRank : public Rank {
   std::vector<float> to_host(const Tensor& t) override;
 
   Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
-  void matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
-  void matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) override;
   Tensor relu(const Tensor& x) override;
   Tensor relu_backward(const Tensor& grad_out, const Tensor& x) override;
   Tensor add(const Tensor& a, const Tensor& b) override;
@@ -139,8 +137,9 @@ class SimRank : public Rank {
   void before_reading(std::initializer_list<const Tensor*> tensors, const char* op);
   // c = op(a) @ op(b), or c += op(a) @ op(b) when `accumulate`: numbers and time (the arguments checked).
   void gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate = false);
-  // matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
-  void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate);
+  // Rank::matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
+  void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                   bool accumulate) override;
   // AdamW's checks and numbers on one tensor, for adamw_step and fused_adamw_step (`op`).
   void adamw_numbers(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamW& h, int step, const char* op);

@@ -144,14 +144,6 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   return c;
 }
 
-void SimRank::matmul_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  matmul_into(out, a, b, ta, tb, false);
-}
-
-void SimRank::matmul_add_(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
-  matmul_into(out, a, b, ta, tb, true);
-}
-
 void SimRank::matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
                           bool accumulate) {
   const char* op = accumulate ? "matmul_add_" : "matmul_";
