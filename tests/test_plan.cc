@@ -22,7 +22,7 @@ namespace ranklab::plan {
 namespace {
 
 // 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 16 on one dgx-h100 node (8 ranks).
-Question tiny() {
+Request tiny_request() {
   Request r;
   r.shape["layers"] = option_text(4);
   r.shape["hidden"] = option_text(64);
@@ -30,7 +30,10 @@ Question tiny() {
   r.shape["seq"] = option_text(16);
   r.shape["vocab"] = option_text(128);
   r.shape["global-batch"] = option_text(16);
-  return make_question(r);
+  return r;
+}
+Question tiny() {
+  return make_question(tiny_request());
 }
 
 SearchOptions quiet() {
@@ -72,13 +75,8 @@ TEST(Plan, TheWinnerTrainsEqualToOneDevice) {
 }
 
 TEST(Plan, LayersThatDoNotDivideGiveTheFirstAndLastStagesOneFewer) {
-  Request r;
+  Request r = tiny_request();
   r.shape["layers"] = option_text(6);  // on pp 4: 1 | 2 | 2 | 1
-  r.shape["hidden"] = option_text(64);
-  r.shape["heads"] = option_text(4);
-  r.shape["seq"] = option_text(16);
-  r.shape["vocab"] = option_text(128);
-  r.shape["global-batch"] = option_text(16);
   const Question q = make_question(r);
   int uneven = 0;
   for (const Candidate& k : enumerate(q)) {
@@ -107,16 +105,10 @@ TEST(Plan, NoSimulatedStepBeatsItsLowerBound) {
 
 // The llama block: its shapes bound every layout and its winner trains equal to one device.
 TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
-  Request r;
+  Request r = tiny_request();
   r.shape["block"] = "llama";
-  r.shape["layers"] = option_text(4);
-  r.shape["hidden"] = option_text(64);
-  r.shape["heads"] = option_text(4);
   r.shape["kv-heads"] = option_text(2);
   r.shape["ffn-hidden"] = option_text(96);
-  r.shape["seq"] = option_text(16);
-  r.shape["vocab"] = option_text(128);
-  r.shape["global-batch"] = option_text(16);
   const Question q = make_question(r);
   EXPECT_NE(describe_question(q).find("llama block, 4 layers, hidden 64, 4 heads (2 key-value), SwiGLU 96"),
             std::string::npos)
