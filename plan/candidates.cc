@@ -109,12 +109,9 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"phantom", "true"},
                    {"steps", "1"},
                    {"quiet", "true"}});
-  // Where the layers do not divide among the stages, the first and last stages hold one fewer, as Llama 3
-  // 405B's training split its 126 layers over 16 stages (Dubey et al. 2024, section 3.3.2).
-  if (l.v == 1 && l.pp > 2 && q.layers % l.pp != 0 && (q.layers + 2) % l.pp == 0) {
-    s["decoder-first-pipeline-num-layers"] = s["decoder-last-pipeline-num-layers"] =
-        text((q.layers + 2) / l.pp - 1);
-  }
+  // Where the layers do not divide among the stages, Llama 3 405B's split.
+  if (const int ends = gpt::one_fewer_at_the_ends(q.layers, l.pp); l.v == 1 && ends > 0)
+    s["decoder-first-pipeline-num-layers"] = s["decoder-last-pipeline-num-layers"] = text(ends);
   return s;
 }
 

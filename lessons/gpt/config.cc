@@ -239,6 +239,14 @@ void resolve_block(const Config& c) {
   }
 }
 
+}  // namespace
+
+int one_fewer_at_the_ends(int layers, int pp) {
+  if (pp <= 2 || layers % pp == 0 || (std::int64_t{layers} + 2) % pp != 0) return 0;
+  return static_cast<int>((std::int64_t{layers} + 2) / pp - 1);
+}
+
+namespace {
 // The layers of each pipeline stage: the first's and the last's as given, the rest split evenly, each
 // stage's split evenly among its chunks (Megatron-Core's get_num_layers_to_build requires the same).
 void resolve_stages(const Config& c) {
@@ -247,11 +255,11 @@ void resolve_stages(const Config& c) {
   if (given == 0) {
     if (c.layers % (std::int64_t{c.pp} * c.v) == 0) return;
     std::string hint;
-    if (c.v == 1 && c.pp > 2 && (c.layers + 2) % c.pp == 0) {
+    if (const int ends = one_fewer_at_the_ends(c.layers, c.pp); c.v == 1 && ends > 0) {
       hint = fmt::format(
           " (Llama 3 405B's training gave the first and last stages one layer fewer: "
           "--decoder-first-pipeline-num-layers {0} --decoder-last-pipeline-num-layers {0})",
-          (c.layers + 2) / c.pp - 1);
+          ends);
     }
     throw UsageError(fmt::format(
         "gpt: --layers {} is not divisible by --pp {} x --interleave {} = {}: every model chunk holds the "
@@ -308,50 +316,36 @@ void resolve_overlaps(Config& c) {
     c.bucket_params =
         read_integer(spec, c.ddp_bucket_size, "gpt", 1, std::numeric_limits<std::int64_t>::max());
   }
-  if (c.overlap_param_gather && c.zero == 0 && !c.framework.empty()) c.overlap_param_gather = false;
-  if (c.overlap_param_gather && c.zero == 0) {
-    throw UsageError(
-        "gpt: --overlap-param-gather overlaps the all-gather of the weights the sharded optimizer updated; "
-        "it needs --zero 1 or more (with --zero 0 every rank updates all of its weights)");
-  }
+  // A framework's switch is dropped where the layout has nothing for it to work on; given alone, it is
+  // refused with `why`.
+  auto only_where = [&c](bool& on, bool applies, const char* why) {
+    if (!on || applies) return;
+    if (c.framework.empty()) throw UsageError(why);
+    on = false;
+  };
+  only_where(
+      c.overlap_param_gather, c.zero > 0,
+      "gpt: --overlap-param-gather overlaps the all-gather of the weights the sharded optimizer updated; "
+      "it needs --zero 1 or more (with --zero 0 every rank updates all of its weights)");
   if (c.overlap_param_gather && c.zero <= 2 && !c.overlap_grad_reduce) {
     throw UsageError(
         "gpt: --overlap-param-gather with --zero 1 or 2 gathers the weights bucket by bucket; it needs "
         "--overlap-grad-reduce, which makes the buckets (Megatron-LM requires the same)");
   }
-  const bool can_overlap_tp = c.tp > 1 && c.seq_parallel;
-  if (c.tp_comm_overlap && !can_overlap_tp) {
-    if (!c.framework.empty()) {
-      c.tp_comm_overlap = false;
-    } else if (c.tp == 1) {
-      throw UsageError(
-          "gpt: --tp-comm-overlap pipelines tensor-parallel communication with the GEMMs; with --tp 1 there "
-          "is none: give --tp 2 or more with --seq-parallel");
-    } else {
-      throw UsageError(
-          "gpt: --tp-comm-overlap splits the sequence-parallel all-gathers and reduce-scatters into chunks; "
-          "it needs --seq-parallel (TransformerEngine's overlap requires it too)");
-    }
-  }
-  if (c.async_tp_allreduce && c.tp == 1) {
-    if (!c.framework.empty()) {
-      c.async_tp_allreduce = false;
-    } else {
-      throw UsageError(
-          "gpt: --async-tensor-model-parallel-allreduce runs the tensor-parallel backward's collectives "
-          "beside its GEMMs; with --tp 1 there are none: give --tp 2 or more");
-    }
-  }
-  if (c.grad_accum_fusion && c.zero >= 2 && c.dp > 1) {
-    if (!c.framework.empty()) {
-      c.grad_accum_fusion = false;
-    } else {
-      throw UsageError(
-          "gpt: --gradient-accumulation-fusion sums each weight gradient into the step's gradient buffer; "
-          "with --zero 2 or 3 each micro-batch's gradient is reduce-scattered instead, so there is none: "
-          "give --zero 0 or 1");
-    }
-  }
+  only_where(c.tp_comm_overlap, c.tp > 1 && c.seq_parallel,
+             c.tp == 1
+                 ? "gpt: --tp-comm-overlap pipelines tensor-parallel communication with the GEMMs; with "
+                   "--tp 1 there is none: give --tp 2 or more with --seq-parallel"
+                 : "gpt: --tp-comm-overlap splits the sequence-parallel all-gathers and reduce-scatters "
+                   "into chunks; it needs --seq-parallel (TransformerEngine's overlap requires it too)");
+  only_where(
+      c.async_tp_allreduce, c.tp > 1,
+      "gpt: --async-tensor-model-parallel-allreduce runs the tensor-parallel backward's collectives beside "
+      "its GEMMs; with --tp 1 there are none: give --tp 2 or more");
+  only_where(c.grad_accum_fusion, c.zero <= 1 || c.dp == 1,
+             "gpt: --gradient-accumulation-fusion sums each weight gradient into the step's gradient buffer; "
+             "with --zero 2 or 3 each micro-batch's gradient is reduce-scattered instead, so there is none: "
+             "give --zero 0 or 1");
 }
 }  // namespace
 

@@ -92,4 +92,9 @@ const OptionTable<Config>& options_table();
 // `c` checked against a world of `world` ranks, with dp set when it was 0; UsageError naming the options.
 Config resolve(Config c, int world);
 
+// Llama 3 405B's pipeline split (Dubey et al. 2024, section 3.3.2: 126 layers on 16 stages), for `layers`
+// that do not divide among `pp` stages but two more would: the first and the last stage one layer fewer
+// than the others, whose count it returns; 0 where it does not apply.
+int one_fewer_at_the_ends(int layers, int pp);
+
 }  // namespace ranklab::gpt
