@@ -69,6 +69,15 @@ std::vector<std::filesystem::path> missing_folders(const std::filesystem::path& 
   }
   return missing;
 }
+
+// 0 when a file can be made in `folder` (one is, and removed again), else the errno of the attempt.
+int write_error(const std::filesystem::path& folder) {
+  const std::filesystem::path probe = folder / ".ranklab-write-test";
+  if (!std::ofstream(probe)) return errno != 0 ? errno : EIO;
+  std::error_code ec;
+  std::filesystem::remove(probe, ec);
+  return 0;
+}
 }  // namespace
 
 ReportFolder::ReportFolder(std::string flag, std::string dir, std::vector<std::string> names, bool force)
@@ -79,14 +88,9 @@ ReportFolder::ReportFolder(std::string flag, std::string dir, std::vector<std::s
   if (fs::exists(folder, ec)) {
     if (!fs::is_directory(folder, ec))
       throw UsageError(fmt::format("{} {}: that is a file, not a folder", flag_, dir_));
-    const fs::path probe = folder / ".ranklab-write-test";
-    {
-      std::ofstream f(probe);
-      if (!f)
-        throw UsageError(
-            fmt::format("{} {}: cannot write in the folder: {}", flag_, dir_, std::strerror(errno)));
-    }
-    fs::remove(probe, ec);
+    if (const int error = write_error(folder))
+      throw UsageError(
+          fmt::format("{} {}: cannot write in the folder: {}", flag_, dir_, std::strerror(error)));
     for (const std::string& name : names) {
       if (!force && !written_by_ranklab(folder / name)) {
         throw UsageError(fmt::format(
@@ -100,12 +104,9 @@ ReportFolder::ReportFolder(std::string flag, std::string dir, std::vector<std::s
   const std::vector<fs::path> missing = missing_folders(folder);
   fs::create_directories(folder, ec);
   if (ec) throw UsageError(fmt::format("{} {}: cannot create the folder: {}", flag_, dir_, ec.message()));
-  const fs::path probe = folder / ".ranklab-write-test";
-  const bool writable = static_cast<bool>(std::ofstream(probe));
-  const int error = errno;
-  fs::remove(probe, ec);
+  const int error = write_error(folder);
   for (auto it = missing.rbegin(); it != missing.rend(); ++it) fs::remove(*it, ec);
-  if (!writable)
+  if (error)
     throw UsageError(fmt::format("{} {}: cannot write in the folder: {}", flag_, dir_, std::strerror(error)));
 }
 
