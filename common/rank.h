@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,10 @@ class WorkState {
   // Device time the operation took on its stream, from its start to its end, in microseconds (events
   // around it on its stream, cudaEventElapsedTime); the host waits for its end.
   virtual double elapsed_us() = 0;
+  // The same time where the operation has already ended and reading it makes nothing wait (the device
+  // reached its end event); nullopt otherwise. A long step folds its finished operations' times as it goes
+  // instead of keeping every operation alive to read at its end.
+  virtual std::optional<double> elapsed_us_if_ended() = 0;
 };
 
 // A recorded point on a rank's compute stream; see Rank::record_event.
@@ -119,6 +124,9 @@ class Work {
   bool waited() const { return !state_ || state_->waited(); }
   // See WorkState::elapsed_us; 0 for a Work that stands for no operation (a barrier's).
   double elapsed_us() { return state_ ? state_->elapsed_us() : 0; }
+  std::optional<double> elapsed_us_if_ended() {
+    return state_ ? state_->elapsed_us_if_ended() : std::optional<double>(0.0);
+  }
 
  private:
   std::shared_ptr<WorkState> state_;

@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
 #include "common/comm_checks.h"
@@ -55,6 +56,14 @@ double elapsed_between(const CudaEvent& start, const CudaEvent& end) {
   return 1000.0 * static_cast<double>(ms);
 }
 
+// The same where `end` has been reached; nullopt while it has not.
+std::optional<double> elapsed_if_reached(const CudaEvent& start, const CudaEvent& end) {
+  const cudaError_t reached = cudaEventQuery(end.get());
+  if (reached == cudaErrorNotReady) return std::nullopt;
+  RANKLAB_CUDA(reached);
+  return elapsed_between(start, end);
+}
+
 // A synchronous call: the compute stream already waits for it; it only reports its time.
 class CudaDoneWork : public WorkState {
  public:
@@ -63,6 +72,7 @@ class CudaDoneWork : public WorkState {
   void wait() override {}
   bool waited() const override { return true; }
   double elapsed_us() override { return elapsed_between(*started_, *done_); }
+  std::optional<double> elapsed_us_if_ended() override { return elapsed_if_reached(*started_, *done_); }
 
  private:
   std::shared_ptr<CudaEvent> started_, done_;
@@ -98,6 +108,7 @@ class CudaWork : public WorkState {
   // True after wait(), or after a synchronize() that found it finished.
   bool waited() const override { return op_->waited; }
   double elapsed_us() override { return elapsed_between(*started_, *done_); }
+  std::optional<double> elapsed_us_if_ended() override { return elapsed_if_reached(*started_, *done_); }
 
  private:
   std::shared_ptr<DeviceAccount> account_;

@@ -59,6 +59,10 @@ class SimWork : public WorkState {
     if (!op_->finished) world_.wait_finished(rank_, op_, "Work::elapsed_us()");
     return op_->end_us - op_->start_us;
   }
+  std::optional<double> elapsed_us_if_ended() override {
+    if (!op_->finished) return std::nullopt;
+    return op_->end_us - op_->start_us;
+  }
 
  private:
   SimWorld& world_;

@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/parallel/exposed.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -120,6 +121,32 @@ TEST(TensorParallel, FitsWhereDataParallelismRunsOutOfMemory) {
   for (const RankSummary& s : rep.ranks) {
     EXPECT_LT(static_cast<double>(s.peak_bytes), device);
     EXPECT_GT(static_cast<double>(s.peak_bytes), 0.1 * device);  // an eighth of 100 GiB, and activations
+  }
+}
+
+// A step of many operations keeps only those not ended yet, and counts every one's time.
+TEST(ExposedComm, FoldsEndedOperationsIntoTheTotalsAsTheStepGoes) {
+  constexpr int kOperations = 5000;
+  SimBackend backend(testing::quiet_config());
+  std::vector<double> summed(2, 0), counted(2, 0);
+  std::vector<std::size_t> kept(2, 0);
+  backend.launch(2, [&](Rank& r) {
+    parallel::ExposedComm exposed(r);
+    exposed.enable(true);
+    Tensor t = r.phantom(Shape{1 << 16}, DType::BFloat16);
+    for (int i = 0; i < kOperations; ++i) {
+      Work w = r.all_reduce(t, ReduceOp::Sum, Async::Yes);
+      exposed.communicated(parallel::Dim::Dp, w);
+      exposed.wait(parallel::Dim::Dp, w);
+      summed[r.rank()] += w.elapsed_us();
+    }
+    kept[r.rank()] = exposed.kept();
+    counted[r.rank()] = exposed.communicated_totals()[static_cast<int>(parallel::Dim::Dp)];
+  });
+  for (int rank : {0, 1}) {
+    EXPECT_LT(kept[rank], 2048u) << "rank " << rank;
+    EXPECT_GT(summed[rank], 0);
+    EXPECT_NEAR(counted[rank], summed[rank], 1e-9 * summed[rank]) << "rank " << rank;
   }
 }
 

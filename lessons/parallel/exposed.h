@@ -12,10 +12,15 @@
 // (Work::elapsed_us), summed. What it communicated and did not expose was hidden under compute (or under
 // other communication); for pipeline receives the exposed time also holds the bubble, so less shows as
 // hidden there than was.
+//
+// A step of thousands of micro-batches issues millions of operations: those already ended are folded into
+// the totals as the step goes (Work::elapsed_us_if_ended, which waits for nothing), so what is kept does not
+// grow with the step.
 #pragma once
 
 #include <algorithm>
 #include <array>
+#include <optional>
 #include <vector>
 
 #include "common/rank.h"
@@ -34,18 +39,20 @@ class ExposedComm {
     on_ = on;
     waits_.clear();
     works_.clear();
+    ended_ = {};
+    fold_at_ = kFoldAtLeast;
   }
   Event before() { return on_ ? r_.record_event() : Event(); }
   void after(Dim d, const Event& start) {
     if (on_) waits_.push_back({d, start, r_.record_event()});
   }
   // An operation of dimension `d` (synchronous or not), for the time communicated.
-  void communicated(Dim d, const Work& w) {
-    if (on_) works_.push_back({d, {w}});
-  }
+  void communicated(Dim d, const Work& w) { communicated(d, std::vector<Work>{w}); }
   // Operations posted together (batch_isend_irecv), which run at once: the longest of them.
   void communicated(Dim d, const std::vector<Work>& together) {
-    if (on_) works_.push_back({d, together});
+    if (!on_) return;
+    works_.push_back({d, together});
+    if (works_.size() >= fold_at_) fold_ended();
   }
   // The compute stream waits for `w`, counted as dimension `d`'s exposed time.
   void wait(Dim d, Work& w) {
@@ -58,6 +65,8 @@ class ExposedComm {
     after(d, start);
     communicated(d, w);
   }
+  // Operations recorded and not folded into the totals yet.
+  std::size_t kept() const { return works_.size(); }
   // Microseconds per dimension; the host waits for the last event.
   std::array<double, kDims> totals() {
     std::array<double, kDims> t{};
@@ -66,7 +75,7 @@ class ExposedComm {
   }
   // Microseconds per dimension that its operations took; the host waits for the last of them.
   std::array<double, kDims> communicated_totals() {
-    std::array<double, kDims> t{};
+    std::array<double, kDims> t = ended_;
     for (Timed& w : works_) {
       double longest = 0;
       for (Work& one : w.works) longest = std::max(longest, one.elapsed_us());
@@ -84,10 +93,37 @@ class ExposedComm {
     Dim dim;
     std::vector<Work> works;
   };
+  // Moves the operations that have ended into ended_; the next fold comes when as many again are kept, so
+  // folding costs a constant per operation.
+  void fold_ended() {
+    std::size_t kept = 0;
+    for (Timed& w : works_) {
+      double longest = 0;
+      bool ended = true;
+      for (Work& one : w.works) {
+        const std::optional<double> us = one.elapsed_us_if_ended();
+        if (!us) {
+          ended = false;
+          break;
+        }
+        longest = std::max(longest, *us);
+      }
+      if (ended)
+        ended_[static_cast<int>(w.dim)] += longest;
+      else if (&works_[kept++] != &w)
+        works_[kept - 1] = std::move(w);
+    }
+    works_.resize(kept);
+    fold_at_ = std::max(kFoldAtLeast, 2 * kept);
+  }
+
+  static constexpr std::size_t kFoldAtLeast = 1024;
   Rank& r_;
   bool on_ = false;
   std::vector<Wait> waits_;
-  std::vector<Timed> works_;
+  std::vector<Timed> works_;           // not folded yet
+  std::array<double, kDims> ended_{};  // the time of those folded, per dimension
+  std::size_t fold_at_ = kFoldAtLeast;
 };
 
 // A tensor to receive into: empty, or phantom in a phantom run.
