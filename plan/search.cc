@@ -75,7 +75,8 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   SimConfig config;
   config.profile = q.profile;
   config.echo_output = false;
-  config.progress = false;  // the search shows its own
+  config.progress = false;       // the search shows its own
+  config.keep_timeline = false;  // it reads the training figures and the peaks only
   if (symmetry) config.symmetry = symmetry_of(l);
   SimBackend backend(config);
   const auto t0 = std::chrono::steady_clock::now();

@@ -46,6 +46,10 @@ struct SimConfig {
   // The "[simulating] N operations" line on stderr (shown only when it is a terminal). Off where the
   // caller shows progress of its own across many runs (`ranklab plan`).
   bool progress = true;
+  // The report's timeline: every kernel's and transfer's span and every collective's record. Off where the
+  // caller reads only the training figures and the memory peaks (`ranklab plan`): a step of thousands of
+  // micro-batches then keeps nothing per operation, and the ranks' busy times read 0.
+  bool keep_timeline = true;
   // A compute kernel that runs while communication is in flight on its GPU gets the SMs the communication
   // kernel leaves and the HBM bandwidth it leaves (docs/model.md, "Communication kernels share the GPU").
   // Off: compute runs as if the GPU were its own, as before the mechanism existed.

@@ -210,6 +210,23 @@ void SimWorld::execute_readied(const std::shared_ptr<CommOpState>& op) {
   }
 }
 
+CollectiveRecord SimWorld::collective_record(const CommOpState& op) {
+  const int n = static_cast<int>(op.members.size());
+  CollectiveRecord rec;
+  rec.op = op.op;
+  rec.group = group_name(op);
+  rec.group_size = n;
+  rec.bytes = op.op == CommOp::Send ? op.members[0].call.input.bytes() : nccl_size_bytes(op);
+  rec.algorithm = op.algorithm;
+  rec.start_us = op.start_us;
+  rec.end_us = op.end_us;
+  rec.bookkeeping = op.members[0].call.bookkeeping;
+  const double t_us = op.end_us - op.start_us;
+  rec.algbw_gbps = t_us > 0 ? static_cast<double>(rec.bytes) / (t_us * 1e3) : 0;
+  rec.busbw_gbps = rec.algbw_gbps * bus_factor(op.op, n);
+  return rec;
+}
+
 void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
   Change change(changing_);
   const std::vector<std::shared_ptr<CommOpState>> ended = Operations::complete(engine_ended);
@@ -226,20 +243,7 @@ void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
       s.streams[stream].end_us = std::max(s.streams[stream].end_us, op->end_us);
       add_span(m.rank, SpanKind::Comm, name, op->start_us, op->end_us);
     }
-    const int n = static_cast<int>(op->members.size());
-    CollectiveRecord rec;
-    rec.op = op->op;
-    rec.group = group_name(*op);
-    rec.group_size = n;
-    rec.bytes = p2p ? op->members[0].call.input.bytes() : nccl_size_bytes(*op);
-    rec.algorithm = op->algorithm;
-    rec.start_us = op->start_us;
-    rec.end_us = op->end_us;
-    rec.bookkeeping = op->members[0].call.bookkeeping;
-    const double t_us = op->end_us - op->start_us;
-    rec.algbw_gbps = t_us > 0 ? static_cast<double>(rec.bytes) / (t_us * 1e3) : 0;
-    rec.busbw_gbps = rec.algbw_gbps * bus_factor(op->op, n);
-    report_.collectives.push_back(rec);
+    if (config_.keep_timeline) report_.collectives.push_back(collective_record(*op));
     if (size() >= 256) {
       if (progress_detail_.empty()) progress_detail_ = fmt::format("operations, {} ranks", size());
       progress_.update(++finished_ops_, progress_detail_);

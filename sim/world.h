@@ -280,6 +280,8 @@ class SimWorld {
   void execute(const std::shared_ptr<CommOpState>& op);
   // Records what finished in the engine and executes what waited for it.
   void on_finished(const std::vector<EndedTransfer>& ended);
+  // The report's record of an ended operation.
+  CollectiveRecord collective_record(const CommOpState& op);
   // Moves the engine up to t_us, one ending at a time; stops early, returning true, when an ending woke a
   // rank: that rank may issue communication before t_us, and must find the engine no further than that.
   bool advance_engine(double t_us);

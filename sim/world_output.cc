@@ -124,7 +124,7 @@ SpanName SimWorld::plan_name(const CommPlan& plan) {
 }
 
 void SimWorld::add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us) {
-  if (end_us <= start_us) return;
+  if (end_us <= start_us || !config_.keep_timeline) return;
   report_.spans.push_back({rank, kind, name, start_us, end_us});
 }
 

@@ -466,5 +466,37 @@ TEST(Memory, CommunicatedTensorsAreFreedOnceTheirOperationsFinish) {
   EXPECT_EQ(left[1], 0);
 }
 
+// Without the timeline (SimConfig::keep_timeline, as `plan` runs) a run keeps no span and no collective
+// record, and its clocks, memory peaks and results are the same.
+TEST(Timeline, LeftOutItChangesNeitherTimeNorMemory) {
+  auto run = [](bool keep) {
+    SimConfig c = quiet_config();
+    c.keep_timeline = keep;
+    SimBackend backend(c);
+    return backend.launch(4, [](Rank& r) {
+      Tensor a = r.phantom(Shape{1 << 20}, DType::BFloat16);
+      Tensor w = r.phantom(Shape{1024, 1024}, DType::BFloat16);
+      for (int i = 0; i < 8; ++i) {
+        Work w_reduce = r.all_reduce(a, ReduceOp::Sum, Async::Yes);
+        Tensor y = r.matmul(r.phantom(Shape{1024, 1024}, DType::BFloat16), w);
+        w_reduce.wait();
+      }
+      r.synchronize();
+    });
+  };
+  const RunReport with = run(true), without = run(false);
+  EXPECT_FALSE(with.spans.empty());
+  EXPECT_FALSE(with.collectives.empty());
+  EXPECT_TRUE(without.spans.empty());
+  EXPECT_TRUE(without.collectives.empty());
+  EXPECT_EQ(without.makespan_us, with.makespan_us);
+  ASSERT_EQ(without.ranks.size(), with.ranks.size());
+  for (std::size_t r = 0; r < with.ranks.size(); ++r) {
+    EXPECT_EQ(without.ranks[r].end_us, with.ranks[r].end_us) << "rank " << r;
+    EXPECT_EQ(without.ranks[r].peak_bytes, with.ranks[r].peak_bytes) << "rank " << r;
+  }
+  EXPECT_EQ(without.total_link_bytes(), with.total_link_bytes());
+}
+
 }  // namespace
 }  // namespace ranklab
