@@ -38,6 +38,9 @@ const OptionTable<Request>& request_options() {
           .at_least(0),
       {"no-symmetry", &O::no_symmetry,
        "simulate every rank, not one per class of identical ranks (slower; for checking)"},
+      {"no-extrapolation", &O::no_extrapolation,
+       "screen every layout over its whole step, not a step of m >= 12 p micro-batches from steps of 2 p and "
+       "4 p (slower; for checking)"},
       Option<O>(
           "jobs", &O::jobs,
           "simulations at once, each on a thread, at most one per core (0: one per core); the answer is "
@@ -136,6 +139,7 @@ int plan_command(const Request& r) {
   SearchOptions options;
   options.max_candidates = r.max_candidates;
   options.symmetry = !r.no_symmetry;
+  options.extrapolate = !r.no_extrapolation;
   options.progress = r.progress;
   options.jobs = r.jobs > 0 ? r.jobs : cores;
   options.confirm = r.confirm;
@@ -168,7 +172,7 @@ int plan_command(const Request& r) {
       if (res.candidate.name == name && (res.run || res.candidate.status == Status::RejectedMemory))
         asked = &res;
     // Not decided by the search (pruned, or not enumerated): run it now.
-    const Result ran = asked ? Result{} : simulate(q, *explain, !r.no_symmetry);
+    const Result ran = asked ? Result{} : simulate(q, *explain, !r.no_symmetry, !r.no_extrapolation);
     std::printf("\n%s", format_explain(asked ? *asked : ran, *ranked[0]).c_str());
   }
 

@@ -118,6 +118,16 @@ std::string format_counts(const Plan& p) {
   return out;
 }
 
+namespace {
+
+// The table's `run` column: how the figures of a row were simulated.
+const char* run_kind(const Result& r) {
+  if (r.full) return "full";
+  return r.run->extrapolated_from > 0 ? "ext" : "sym";
+}
+
+}  // namespace
+
 std::string format_table(const Plan& p, int top) {
   const std::vector<const Result*> ranked = p.ranked();
   if (ranked.empty()) return "no layout finished a step\n";
@@ -137,15 +147,16 @@ std::string format_table(const Plan& p, int top) {
     screened = screened || !r.full;
     out += fmt::format(
         "{:>4}  {:<{}}  {:>8}  {:<4}  {:>7.1f}  {:>4.1f}%  {:>5.1f}%  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n",
-        i + 1, r.candidate.name, width, short_time(t.step_time_us), r.full ? "full" : "sym",
-        t.model_tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_fraction, short_time(exposed(t, "tp")),
-        short_time(exposed(t, "sp")), short_time(exposed(t, "pp")), short_time(exposed(t, "dp")),
-        bytes(r.run->peak_bytes), r.run->peak_part);
+        i + 1, r.candidate.name, width, short_time(t.step_time_us), run_kind(r), t.model_tflops_per_gpu,
+        100 * t.mfu, 100 * t.bubble_fraction, short_time(exposed(t, "tp")), short_time(exposed(t, "sp")),
+        short_time(exposed(t, "pp")), short_time(exposed(t, "dp")), bytes(r.run->peak_bytes),
+        r.run->peak_part);
   }
   if (screened) {
     out +=
         "run: full, every rank simulated; sym, the screening's symmetric run (one rank per pipeline stage, "
-        "the replicas mirroring it: close to the full run, not equal, where traffic crosses the spines)\n";
+        "the replicas mirroring it: close to the full run, not equal, where traffic crosses the spines); "
+        "ext, a symmetric screening of steps of 2 p and 4 p micro-batches extended to the step's m\n";
   }
   return out;
 }
@@ -201,6 +212,9 @@ std::string format_explain(const Result& asked, const Result& winner) {
   std::string out = fmt::format("explain {}:\n", asked.candidate.name);
   if (asked.run && !asked.full)
     out += "  (the figures of its symmetric screening, one rank per stage running)\n";
+  if (asked.run && asked.run->extrapolated_from > 0)
+    out += fmt::format("  (its step extended from steps of {} and {} micro-batches)\n",
+                       asked.run->extrapolated_from, 2 * asked.run->extrapolated_from);
   if (asked.candidate.status != Status::Simulated) {
     return out + fmt::format("  {}: {}\n", status_name(asked.candidate.status), asked.candidate.reason);
   }
@@ -262,6 +276,7 @@ nlohmann::json result_json(const Result& r, int rank) {
   if (!k.reason.empty()) j["reason"] = k.reason;
   if (r.wall_s > 0) j["simulation_wall_s"] = r.wall_s;
   if (r.run) j["simulation"] = r.full ? "full" : "symmetric";
+  if (r.run && r.run->extrapolated_from > 0) j["extrapolated_from_micro_batches"] = r.run->extrapolated_from;
   if (r.screening) j["screening_step_time_us"] = r.screening->stats.step_time_us;
   if (r.run) {
     const TrainingStats& t = r.run->stats;

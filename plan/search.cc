@@ -64,14 +64,52 @@ Simulated read_run(const RunReport& rep, const gpt::Config& c) {
 
 }  // namespace
 
-Result simulate(const Question& q, const Layout& l, bool symmetry) {
-  Result out;
-  out.candidate.layout = l;
-  out.candidate.name = l.name();
-  out.candidate.capacity_bytes = q.profile.hbm_capacity_bytes();
-  const gpt::Config c = lesson_config(q, l);  // UsageError for a layout the lesson refuses
-  out.candidate.bound_us = StepBound(q.profile).us(c);
-  out.candidate.planned_bytes = planned_peak_bytes(c);
+TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::int64_t m) {
+  const double ma = static_cast<double>(a.micro_batches), mb = static_cast<double>(b.micro_batches);
+  auto line = [&](double ya, double yb) {
+    return yb + (yb - ya) / (mb - ma) * (static_cast<double>(m) - mb);
+  };
+  auto lines = [&](const std::map<std::string, double>& ya, const std::map<std::string, double>& yb) {
+    std::map<std::string, double> out;
+    for (const auto& [dim, y] : yb) {
+      const auto it = ya.find(dim);
+      out[dim] = std::max(0.0, line(it == ya.end() ? 0.0 : it->second, y));
+    }
+    return out;
+  };
+  TrainingStats t = b;
+  const double more = static_cast<double>(m) / mb;  // FLOPs and tokens grow in proportion
+  t.micro_batches = static_cast<int>(m);
+  t.tokens_per_step = static_cast<std::int64_t>(static_cast<double>(b.tokens_per_step) * more);
+  t.step_time_us = line(a.step_time_us, b.step_time_us);
+  t.model_flops = b.model_flops * more;
+  t.hardware_flops = b.hardware_flops * more;
+  const double faster = more * b.step_time_us / t.step_time_us;  // FLOP/s against the longer run's
+  t.model_tflops_per_gpu = b.model_tflops_per_gpu * faster;
+  t.hardware_tflops_per_gpu = b.hardware_tflops_per_gpu * faster;
+  t.mfu = b.mfu * faster;
+  // The idle time is bubble x busy, and the busy time is in proportion to m.
+  t.bubble_fraction =
+      std::max(0.0, line(a.bubble_fraction * ma, b.bubble_fraction * mb)) / static_cast<double>(m);
+  t.bubble_fraction_formula = b.bubble_fraction_formula * mb / static_cast<double>(m);
+  t.exposed_comm_us = lines(a.exposed_comm_us, b.exposed_comm_us);
+  t.communicated_comm_us = lines(a.communicated_comm_us, b.communicated_comm_us);
+  t.hidden_comm_us = lines(a.hidden_comm_us, b.hidden_comm_us);
+  auto bytes_line = [&](std::int64_t ya, std::int64_t yb) {
+    return yb + static_cast<std::int64_t>(static_cast<double>(yb - ya) / (mb - ma) *
+                                          (static_cast<double>(m) - mb));
+  };
+  t.peak_memory_bytes = bytes_line(a.peak_memory_bytes, b.peak_memory_bytes);
+  t.activations_bytes = bytes_line(a.activations_bytes, b.activations_bytes);
+  return t;
+}
+
+namespace {
+
+// One run of the gpt lesson for layout `l`; nullopt with the simulator's message in `reason` when it ran out
+// of memory.
+std::optional<Simulated> run_step(const Question& q, const Layout& l, bool symmetry, std::string& reason) {
+  const gpt::Config c = lesson_config(q, l);
   SimConfig config;
   config.profile = q.profile;
   config.echo_output = false;
@@ -79,17 +117,60 @@ Result simulate(const Question& q, const Layout& l, bool symmetry) {
   config.keep_timeline = false;  // it reads the training figures and the peaks only
   if (symmetry) config.symmetry = symmetry_of(l);
   SimBackend backend(config);
-  const auto t0 = std::chrono::steady_clock::now();
   try {
     const RunReport rep = run_lesson(backend, "gpt", lesson_settings(q, l));
     if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
-    out.run = read_run(rep, c);
+    return read_run(rep, c);
+  } catch (const OutOfMemoryError& e) {
+    reason = e.what();
+    return std::nullopt;
+  }
+}
+
+}  // namespace
+
+Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapolate_step) {
+  Result out;
+  out.candidate.layout = l;
+  out.candidate.name = l.name();
+  out.candidate.capacity_bytes = q.profile.hbm_capacity_bytes();
+  const gpt::Config c = lesson_config(q, l);  // UsageError for a layout the lesson refuses
+  out.candidate.bound_us = StepBound(q.profile).us(c);
+  out.candidate.planned_bytes = planned_peak_bytes(c);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::int64_t m = c.micro_batches(), short_m = 2 * c.pp;
+  std::optional<Simulated> run;
+  if (symmetry && extrapolate_step && m >= 6 * short_m) {
+    Question shorter = q;
+    shorter.global_batch = short_m * l.micro_batch * l.dp;
+    std::optional<Simulated> a = run_step(shorter, l, symmetry, out.candidate.reason);
+    shorter.global_batch *= 2;
+    if (a) run = run_step(shorter, l, symmetry, out.candidate.reason);
+    if (run) {
+      // What grows with m past 2 p is the step's data (its tokens), on the same line as the times.
+      const std::int64_t a_bytes = a->peak_bytes, b_bytes = run->peak_bytes;
+      run->peak_bytes = b_bytes + (b_bytes - a_bytes) * (m - 2 * short_m) / short_m;
+      run->stats = extrapolate(a->stats, run->stats, m);
+      run->extrapolated_from = short_m;
+      if (run->peak_bytes > out.candidate.capacity_bytes) {
+        out.candidate.reason = fmt::format(
+            "steps of {} and {} micro-batches peak at {} and {}: the step of {} at {}, over the {} of a GPU",
+            short_m, 2 * short_m, format_bytes(static_cast<double>(a_bytes)),
+            format_bytes(static_cast<double>(b_bytes)), m, format_bytes(static_cast<double>(run->peak_bytes)),
+            format_bytes(static_cast<double>(out.candidate.capacity_bytes)));
+        run.reset();
+      }
+    }
+  } else {
+    run = run_step(q, l, symmetry, out.candidate.reason);
+  }
+  if (run) {
+    out.run = std::move(run);
     out.full = !symmetry;
     if (symmetry) out.screening = out.run;
     out.candidate.status = Status::Simulated;
-  } catch (const OutOfMemoryError& e) {
+  } else {
     out.candidate.status = Status::RejectedMemory;
-    out.candidate.reason = e.what();
   }
   out.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return out;
@@ -265,7 +346,8 @@ class Search {
     };
     auto start = [&](std::size_t pos) {
       const Candidate& k = pending_[order[pos]].candidate;
-      pool_.start(pos, k.name, [this, l = k.layout] { return simulate(q_, l, options_.symmetry); });
+      pool_.start(pos, k.name,
+                  [this, l = k.layout] { return simulate(q_, l, options_.symmetry, options_.extrapolate); });
     };
     auto drop = [&](std::size_t pos) {
       finished.erase(pos);

@@ -18,6 +18,15 @@
 // than its screening, a layout pruned against the screened step may beat it after all: any such layout is
 // screened then, and the leaders confirmed again, until neither changes.
 //
+// Screening a step of many micro-batches. Once 1F1B's schedule (interleaved or not) is full, each further
+// micro-batch adds the same forward and backward to every stage, so the step's times grow linearly with
+// the micro-batches m once the schedule's communication has settled too, and 1F1B keeps no more
+// micro-batches alive for a longer step: what memory grows by is the step's data. The line starts at m =
+// 2 p (measured: a tiny GPT with pp 4, whose latency-bound pipeline settles last, is linear within 0.3% from
+// m = 8 on and not below; Llama 3 70B with tp 8 x pp 4, plain and interleaved, from m = 4). Where m is at
+// least 12 p, a screening runs steps of 2 p and 4 p micro-batches (6 p in all, half the step or less) and
+// extends the line through them to m (extrapolate()); a confirmation runs the whole step.
+//
 // Simulations run `jobs` at a time, each on a thread of its own. The decisions are taken in the order of
 // the bound as a one-at-a-time search would take them, whatever order the runs finish in, so the answer
 // does not depend on `jobs`: a layout is simulated speculatively only when what is known could not prune
@@ -43,6 +52,9 @@ struct Simulated {
   // The largest part of that rank's memory at its peak: "activations 31.20 GiB" (weights, grads and
   // optimizer as the memory plan has them, which the run allocates exactly; activations the rest).
   std::string peak_part;
+  // 0: the whole step ran. Otherwise steps of this many micro-batches and twice as many ran, and the
+  // figures are those steps' extended to the layout's micro-batches (see the top of this file).
+  std::int64_t extrapolated_from = 0;
 };
 
 struct Result {
@@ -56,11 +68,12 @@ struct Result {
 };
 
 struct SearchOptions {
-  int max_candidates = 0;  // the most layouts screened; 0: no limit
-  bool symmetry = true;    // screen with SimConfig::symmetry (false: every run has every rank running)
-  bool progress = true;    // a progress line on stderr when it is a terminal
-  bool prune = true;       // false: simulate every layout that fits the plan (to check the bound)
-  int jobs = 1;            // simulations at once, each on a thread
+  int max_candidates = 0;   // the most layouts screened; 0: no limit
+  bool symmetry = true;     // screen with SimConfig::symmetry (false: every run has every rank running)
+  bool extrapolate = true;  // screen long steps from two short ones (false: every run runs the whole step)
+  bool progress = true;     // a progress line on stderr when it is a terminal
+  bool prune = true;        // false: simulate every layout that fits the plan (to check the bound)
+  int jobs = 1;             // simulations at once, each on a thread
   // After symmetric screening, the layouts simulated again with every rank running: the first `confirm`
   // of the ranking, and every one whose screened step is within `confirm_margin` (a fraction) of the best
   // step. Unused without symmetry.
@@ -87,9 +100,16 @@ struct Plan {
 SimSymmetry symmetry_of(const Layout& l);
 
 // Simulates one layout; a Result of status Simulated, or RejectedMemory when the run ran out of memory.
-// With `symmetry`, one rank per pipeline stage runs (the result is a screening: `full` false).
+// With `symmetry`, one rank per pipeline stage runs (the result is a screening: `full` false); with
+// `extrapolate` as well, a step of at least 12 p micro-batches is extended from steps of 2 p and 4 p.
 // UsageError when the gpt lesson refuses the layout.
-Result simulate(const Question& q, const Layout& l, bool symmetry);
+Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapolate = false);
+
+// The figures of a step of `m` micro-batches from those of steps of m_a and m_b > m_a of the same layout:
+// every time (the step, each dimension's communicated, exposed and hidden time, and the pipeline's idle
+// time, bubble x m) and the reporting rank's peak memory on the line through the two, the FLOPs and tokens
+// in proportion.
+TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::int64_t m);
 
 Plan search(const Question& q, const SearchOptions& options);
 

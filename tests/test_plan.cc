@@ -276,6 +276,48 @@ TEST(Plan, TheLeadingRowsAreFullRunsEqualToRunGpt) {
 
 // Simulations at once change the time taken, not the answer: the same statuses, step times and table as
 // one at a time, with and without a limit on the simulations.
+// A screening of a long step extends steps of 2 p and 4 p micro-batches to m; what it gives is the whole
+// step's, plain and interleaved, with the memory of the whole step. On a model whose micro-batches take
+// milliseconds every figure is; on a tiny one, whose pipeline is bound by the transfers' latency and settles
+// later, the step is and the exposed times are not.
+TEST(Plan, ALongStepScreenedFromTwoShortOnesIsTheWholeStep) {
+  Request r = tiny_request();
+  r.shape["layers"] = option_text(8);
+  r.shape["hidden"] = option_text(2048);
+  r.shape["heads"] = option_text(16);
+  r.shape["seq"] = option_text(1024);
+  r.shape["vocab"] = option_text(32768);
+  r.shape["global-batch"] = option_text(96);  // m = 48 with dp 2: 12 p with pp 4
+  for (const bool tiny_model : {false, true}) {
+    const Question q = tiny_model ? [] {
+      Question t = tiny();
+      t.global_batch = 96;
+      return t;
+    }()
+                                  : make_question(r);
+    for (const Layout& l : {Layout{1, 4, 1, 2, 1, false, 1, "none", "tp-dp-pp"},
+                            Layout{2, 2, 2, 2, 1, true, 1, "none", "tp-dp-pp"}}) {
+      SCOPED_TRACE(l.name() + (tiny_model ? ", tiny model" : ""));
+      const Result whole = simulate(q, l, true, false), screened = simulate(q, l, true, true);
+      ASSERT_EQ(whole.candidate.status, Status::Simulated) << whole.candidate.reason;
+      ASSERT_EQ(screened.candidate.status, Status::Simulated) << screened.candidate.reason;
+      EXPECT_EQ(whole.run->extrapolated_from, 0);
+      EXPECT_EQ(screened.run->extrapolated_from, 2 * l.pp);
+      const TrainingStats &w = whole.run->stats, &s = screened.run->stats;
+      EXPECT_EQ(s.micro_batches, w.micro_batches);
+      EXPECT_EQ(s.tokens_per_step, w.tokens_per_step);
+      EXPECT_NEAR(s.step_time_us, w.step_time_us, 2e-3 * w.step_time_us);
+      EXPECT_NEAR(s.mfu, w.mfu, 2e-3 * w.mfu);
+      if (tiny_model) continue;
+      EXPECT_NEAR(s.bubble_fraction, w.bubble_fraction, 0.002);
+      for (const auto& [dim, us] : w.exposed_comm_us)
+        EXPECT_NEAR(s.exposed_comm_us.at(dim), us, 2e-3 * w.step_time_us) << dim;
+      EXPECT_NEAR(static_cast<double>(screened.run->peak_bytes), static_cast<double>(whole.run->peak_bytes),
+                  1e-4 * static_cast<double>(whole.run->peak_bytes));
+    }
+  }
+}
+
 TEST(Plan, JobsDoNotChangeTheAnswer) {
   for (const bool limited : {false, true}) {
     const Question q = limited ? tiny() : across_spines();
