@@ -1,5 +1,6 @@
 // The gpt lesson's framework overlaps and fusions (--overlap-grad-reduce, --overlap-param-gather,
-// --tp-comm-overlap, --async-tensor-model-parallel-allreduce, --gradient-accumulation-fusion, --framework):
+// --tp-comm-overlap, --async-tensor-model-parallel-allreduce, --overlap-p2p-communication,
+// --gradient-accumulation-fusion, --framework):
 // they change only time. With real numbers every switch on trains equal to one device; with phantom tensors a
 // run moves the same bytes with each switch on and off; with free communication the overlapped step equals
 // the plain one; with slow communication the overlap saves exactly the exposed time it hides; gradient
@@ -117,6 +118,23 @@ TEST(GptOverlap, AsyncTensorParallelBackwardTrainsEqualToOneDevice) {
     SCOPED_TRACE(rep.training->layout);
     EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
     EXPECT_NE(rep.training->layout.find("overlapped tp backward"), std::string::npos);
+  }
+}
+
+TEST(GptOverlap, PipelineReceivesPostedEarlyTrainEqualToOneDevice) {
+  for (const auto& [tp, pp, v] : {std::tuple{1, 2, 2}, {1, 4, 2}, {2, 2, 3}}) {
+    Settings o = tiny(tp * pp);
+    o["layers"] = option_text(pp * v);
+    o["tp"] = option_text(tp);
+    o["seq-parallel"] = option_text(tp > 1);
+    o["pp"] = option_text(pp);
+    o["interleave"] = option_text(v);
+    o["global-batch"] = option_text(4 * pp);
+    o["micro-batch"] = option_text(1);
+    const RunReport rep = run(with(o, {"overlap-p2p-communication"}));
+    SCOPED_TRACE(rep.training->layout);
+    EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+    EXPECT_NE(rep.training->layout.find("pp transfers"), std::string::npos);
   }
 }
 
@@ -265,6 +283,19 @@ TEST(GptOverlap, TensorParallelRingsHideTheSequenceParallelWaits) {
   EXPECT_LT(rings.training->exposed_comm_us.at("sp"), plain.training->exposed_comm_us.at("sp") / 2);
 }
 
+// Pipeline stages on two nodes, interleaved: receives posted a task early move the same bytes, and the
+// transfers they hide shorten the step.
+TEST(GptOverlap, PipelineReceivesPostedEarlyHideTransfersAndMoveTheSameBytes) {
+  Settings o = phantom(1);
+  o["pp"] = option_text(2);
+  o["interleave"] = option_text(2);
+  const RunReport plain = run(o, 2), early = run(with(o, {"overlap-p2p-communication"}), 2);
+  EXPECT_EQ(collectives(early), collectives(plain));
+  EXPECT_EQ(bytes_per_tier(early), bytes_per_tier(plain));
+  EXPECT_LT(early.training->exposed_comm_us.at("pp"), plain.training->exposed_comm_us.at("pp"));
+  EXPECT_LT(early.training->step_time_us, plain.training->step_time_us);
+}
+
 // ---- the buckets ----------------------------------------------------------------------------------------
 
 TEST(GptOverlap, BucketsFollowMegatronsRule) {
@@ -361,6 +392,15 @@ TEST(GptOverlap, AFrameworkSetsItsFlagsAndExplicitFlagsWin) {
   const RunReport fsdp = run(plain);
   EXPECT_TRUE(fsdp.all_checks_passed()) << testing::failed_checks(fsdp);
   EXPECT_EQ(fsdp.training->layout.find("fused gradient accumulation"), std::string::npos);
+  // Megatron-Core posts the pipeline's receives early with the interleaved schedule only.
+  Settings piped = tiny(2);
+  piped["pp"] = option_text(2);
+  piped["framework"] = option_text("megatron-core");
+  EXPECT_EQ(run(piped).training->layout.find("pp transfers"), std::string::npos);
+  piped["interleave"] = option_text(2);
+  EXPECT_NE(run(piped).training->layout.find("pp transfers"), std::string::npos);
+  piped["framework"] = option_text("torchtitan");
+  EXPECT_EQ(run(piped).training->layout.find("pp transfers"), std::string::npos);
 }
 
 TEST(GptOverlap, BadCombinationsNameTheFlag) {
@@ -393,6 +433,10 @@ TEST(GptOverlap, BadCombinationsNameTheFlag) {
   o = tiny(2);
   o["async-tensor-model-parallel-allreduce"] = option_text(true);
   expect_usage_error(o, "--async-tensor-model-parallel-allreduce");
+  o = tiny(2);
+  o["pp"] = option_text(2);
+  o["overlap-p2p-communication"] = option_text(true);
+  expect_usage_error(o, "--overlap-p2p-communication");
 }
 
 }  // namespace

@@ -41,6 +41,7 @@ std::string Config::layout() const {
   if (overlap_param_gather) overlaps.push_back("param gather");
   if (tp_comm_overlap) overlaps.push_back("tp comm");
   if (async_tp_allreduce && !tp_comm_overlap) overlaps.push_back("tp backward");
+  if (overlap_p2p_comm) overlaps.push_back("pp transfers");
   if (!overlaps.empty()) s += fmt::format(", overlapped {}", fmt::join(overlaps, ", "));
   if (grad_accum_fusion) s += ", fused gradient accumulation";
   if (attention == AttentionKernel::Unfused) s += ", unfused attention";
@@ -148,6 +149,9 @@ const OptionTable<Config>& options_table() {
        "with --tp 2 or more: in each column-parallel layer's backward, the input gradient's all-reduce "
        "(reduce-scatter with --seq-parallel) runs beside the weight-gradient GEMM, and the input's "
        "all-gather beside the input-gradient GEMM (Megatron-LM's)"},
+      {"overlap-p2p-communication", &O::overlap_p2p_comm,
+       "with --interleave 2 or more: each pipeline receive is posted one task earlier, so that the transfer "
+       "runs beside the task before the one that reads it (Megatron-LM's overlap_p2p_comm)"},
       {"gradient-accumulation-fusion", &O::grad_accum_fusion,
        "with --zero 0 or 1: each weight-gradient GEMM sums into the gradient buffer, with no separate add "
        "(Megatron-LM's fusion)"},
@@ -342,6 +346,10 @@ void resolve_overlaps(Config& c) {
       c.async_tp_allreduce, c.tp > 1,
       "gpt: --async-tensor-model-parallel-allreduce runs the tensor-parallel backward's collectives beside "
       "its GEMMs; with --tp 1 there are none: give --tp 2 or more");
+  only_where(c.overlap_p2p_comm, c.pp > 1 && c.v > 1,
+             "gpt: --overlap-p2p-communication posts the interleaved schedule's pipeline receives a task "
+             "early; it needs --pp 2 or more with --interleave 2 or more (Megatron-LM turns it off without "
+             "the interleaved schedule)");
   only_where(c.grad_accum_fusion, c.zero <= 1 || c.dp == 1,
              "gpt: --gradient-accumulation-fusion sums each weight gradient into the step's gradient buffer; "
              "with --zero 2 or 3 each micro-batch's gradient is reduce-scattered instead, so there is none: "

@@ -61,6 +61,7 @@ struct Config : LessonOptions {
   bool overlap_grad_reduce = false, overlap_param_gather = false, tp_comm_overlap = false;
   bool grad_accum_fusion = false;        // weight-gradient GEMMs sum into the float32 gradients (zero 0, 1)
   bool async_tp_allreduce = false;       // column-parallel backward: collectives beside the GEMMs (tp > 1)
+  bool overlap_p2p_comm = false;         // pipeline receives posted a task earlier (interleaved, v > 1)
   std::string ddp_bucket_size = "auto";  // parameters per bucket, or Megatron's rule
   std::int64_t bucket_params = 0;        // what resolve() read from it; 0: Megatron's rule
   std::string broken;

@@ -63,6 +63,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   const std::vector<Param*> params = model.params();
   parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(c.micro_batches()), c.phantom,
                           exposed);
+  pipe.overlap_p2p = c.overlap_p2p_comm;
   gpt::OneDeviceCheck check(r, c, me);
 
   const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};  // lr: the schedule's, per step

@@ -89,7 +89,7 @@ const std::vector<Framework>& frameworks() {
       // output added to the float32 gradient by a separate kernel: gradient-accumulation fusion came in
       // February 2022 (Megatron-LM commit 83b1e42, "gradient accumulation fusion"), and the column-parallel
       // backward's asynchronous all-reduce in September 2021 (commit cf7efd4, on by default from 3f65246).
-      {"megatron-lm-2021", false, false, false, false, false, false,
+      {"megatron-lm-2021", false, false, false, false, false, false, false,
        "Megatron-LM v2 (Narayanan et al. 2021): no gradient, parameter or tensor-parallel overlap; unfused "
        "attention"},
       // Korthikanti et al. 2022 (release v3.0) adds sequence parallelism and selective recompute, which
@@ -99,7 +99,7 @@ const std::vector<Framework>& frameworks() {
       // --no-gradient-accumulation-fusion turns it off). The column-parallel backward's collectives run
       // beside its GEMMs (--no-async-tensor-model-parallel-allreduce turns the all-reduce's off; with
       // sequence parallelism the all-gather and reduce-scatter always do, commit 02bb1f5).
-      {"megatron-lm-2022", false, false, false, false, true, true,
+      {"megatron-lm-2022", false, false, false, false, true, true, false,
        "Megatron-LM v3 (Korthikanti et al. 2022): no gradient or parameter overlap; the tensor-parallel "
        "backward's collectives beside its GEMMs; unfused attention; gradient-accumulation fusion"},
       // Megatron-Core's performance settings, as NVIDIA's recipes set them (NeMo's
@@ -109,17 +109,22 @@ const std::vector<Framework>& frameworks() {
       // TransformerEngine's fused attention (cuDNN / FlashAttention), and gradient-accumulation fusion
       // (Megatron-Core's default, TransformerEngine's fuse_wgrad_accumulation); where the userbuffers do not
       // apply, the column-parallel backward's collectives beside its GEMMs (TransformerEngine's Linear and
-      // Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication both do).
-      {"megatron-core", true, true, true, true, true, true,
+      // Megatron-Core's LinearWithGradAccumulationAndAsyncCommunication both do). With the interleaved
+      // schedule, each pipeline receive posted a task early (overlap_p2p_comm: added in Megatron-LM commit
+      // f9283c5, May 2023, on by default since 4eeff55, October 2023; --no-overlap-p2p-communication turns
+      // it off, and Megatron-LM turns it off without interleaving).
+      {"megatron-core", true, true, true, true, true, true, true,
        "Megatron-Core (core_r0.9 and later) with --overlap-grad-reduce --overlap-param-gather "
-       "--tp-comm-overlap and gradient-accumulation fusion"},
+       "--tp-comm-overlap, gradient-accumulation fusion and, interleaved, --overlap-p2p-communication"},
       // torchtitan's FSDP2 (docs/fsdp.md): reduce-scatter during backward and the next layer's all-gather
       // prefetched, forward and backward; asynchronous tensor parallelism off unless asked
       // (parallelism.enable_async_tensor_parallel defaults to false); attention by torch's
       // scaled_dot_product_attention, whose flash kernel it picks on these GPUs. Autograd makes each weight
       // gradient a tensor of its own: no gradient-accumulation fusion; and autograd reduces a column-parallel
-      // layer's input gradient after its node has made both gradients.
-      {"torchtitan", true, true, false, true, false, false,
+      // layer's input gradient after its node has made both gradients. Its pipeline schedules
+      // (torch.distributed.pipelining) post a stage's receives for its next action and wait for them
+      // before it: no receive a task early.
+      {"torchtitan", true, true, false, true, false, false, false,
        "torchtitan with FSDP2 prefetching and overlapped reduce-scatter; async TP off (its default)"},
   };
   return all;
@@ -136,7 +141,8 @@ Settings framework_settings(const std::string& name) {
               {"tp-comm-overlap", on(f.tp_comm_overlap)},
               {"attention", f.fused_attention ? "flash" : "unfused"},
               {"gradient-accumulation-fusion", on(f.grad_accum_fusion)},
-              {"async-tensor-model-parallel-allreduce", on(f.async_tp_allreduce)}};
+              {"async-tensor-model-parallel-allreduce", on(f.async_tp_allreduce)},
+              {"overlap-p2p-communication", on(f.overlap_p2p_comm)}};
     }
     names.push_back(f.name);
   }

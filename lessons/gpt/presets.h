@@ -38,6 +38,7 @@ struct Framework {
   bool fused_attention;
   bool grad_accum_fusion;
   bool async_tp_allreduce;
+  bool overlap_p2p_comm;
   std::string source;
 };
 const std::vector<Framework>& frameworks();

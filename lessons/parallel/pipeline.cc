@@ -1,6 +1,7 @@
 #include "lessons/parallel/pipeline.h"
 
 #include <algorithm>
+#include <map>
 
 namespace ranklab::parallel {
 
@@ -52,48 +53,64 @@ void Pipeline::run(const Shape& act, DType dtype, const Fn& forward, const Fn& b
   task_events_.clear();
   if (timed) start_ = r_.record_event();
 
-  // The receive of task i's input, posted with the send of task i-1's output.
+  // Each task's input is received into a buffer of its own, posted with the send of an earlier task's
+  // output.
   struct Incoming {
     Tensor t;
     Work work;
   };
-  auto post = [&](const Tensor* out, const Task* done, const Task* upcoming, Incoming& in) {
+  std::map<std::size_t, Incoming> incoming;  // by task index
+  std::size_t posted = 0;                    // tasks whose receives are posted
+  // The receives to post once task i has run: up to the next task, or with overlap_p2p up to the next task
+  // in task i's direction (Megatron's schedule posts the next forward's receive after a forward and the
+  // next backward's after a backward), so that in the steady state the task between runs beside it.
+  auto post_until = [&](std::size_t i) {
+    std::size_t j = i + 1;
+    if (overlap_p2p)
+      while (j < order_.size() && order_[j].forward != order_[i].forward) ++j;
+    return (j < order_.size() ? j : i + 1) + 1;
+  };
+  auto post = [&](const Tensor* out, const Task* done, std::size_t upto) {
     std::vector<Rank::P2POp> ops;
     if (out != nullptr) ops.push_back({CommOp::Send, *out, done->forward ? next : prev});
-    if (upcoming != nullptr) {
+    std::vector<std::size_t> receiving;
+    for (; posted < std::min(upto, order_.size()); ++posted) {
+      const Task& t = order_[posted];
+      if (!needs_input(t)) continue;
+      Incoming& in = incoming[posted];
       in.t = buffer(r_, phantom_, act, dtype);
-      ops.push_back({CommOp::Recv, in.t, upcoming->forward ? prev : next});
+      ops.push_back({CommOp::Recv, in.t, t.forward ? prev : next});
+      receiving.push_back(posted);
     }
-    if (ops.empty()) return std::vector<Work>();
+    if (ops.empty()) return Work();
     std::vector<Work> works = r_.batch_isend_irecv(ops);
     exposed_.communicated(Dim::Pp, works);
-    return works;
+    const std::size_t first_recv = out != nullptr ? 1 : 0;
+    for (std::size_t k = 0; k < receiving.size(); ++k) incoming[receiving[k]].work = works[first_recv + k];
+    return out != nullptr ? works.front() : Work();
   };
 
-  Incoming in;
   // Sends are waited on only at the end: a send completes when its receiver posts the receive, which in the
   // interleaved schedule can be several tasks later, and a rank that waited for it earlier would stop
   // posting the receives its neighbours' sends need. The operation keeps the tensor until it has gone.
   std::vector<Work> sends;
-  if (pp_ > 1 && needs_input(order_[0])) {
-    std::vector<Work> w = post(nullptr, nullptr, &order_[0], in);
-    in.work = w.back();
-  }
+  if (pp_ > 1) post(nullptr, nullptr, 1);
   for (size_t i = 0; i < order_.size(); ++i) {
     const Task& t = order_[i];
-    if (pp_ > 1 && needs_input(t)) exposed_.wait(Dim::Pp, in.work);
+    Incoming in;
+    if (pp_ > 1 && needs_input(t)) {
+      in = std::move(incoming.at(i));
+      incoming.erase(i);
+      exposed_.wait(Dim::Pp, in.work);
+    }
     if (timed) task_events_.push_back(r_.record_event());
-    Tensor out = t.forward ? forward(t, needs_input(t) ? in.t : Tensor())
-                           : backward(t, needs_input(t) ? in.t : Tensor());
+    Tensor out = t.forward ? forward(t, in.t) : backward(t, in.t);
     if (timed) task_events_.push_back(r_.record_event());
     in = {};
     if (pp_ == 1) continue;
-    const bool more = i + 1 < order_.size();
-    const Task* upcoming = more && needs_input(order_[i + 1]) ? &order_[i + 1] : nullptr;
     const bool send = sends_output(t);
-    std::vector<Work> w = post(send ? &out : nullptr, &t, upcoming, in);
-    if (send) sends.push_back(w.front());
-    if (upcoming != nullptr) in.work = w.back();
+    Work sent = post(send ? &out : nullptr, &t, post_until(i));
+    if (send) sends.push_back(sent);
   }
   for (Work& w : sends) exposed_.wait(Dim::Pp, w);
 }

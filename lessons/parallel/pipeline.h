@@ -16,7 +16,11 @@
 //
 // Each transition sends the task's result and receives the next task's input in one batch_isend_irecv
 // (as Megatron's send_forward_recv_backward does), so two neighbours exchanging in both directions never
-// wait on each other.
+// wait on each other. The compute stream waits for the receive just before the task that reads it: the
+// transfer itself is exposed. With overlap_p2p (Megatron-LM's overlap_p2p_comm, which its interleaved
+// schedule runs by default) each receive is posted one task earlier, with the send of the task before, so
+// in the steady state a forward's input arrives while the rank runs a backward, and the other way round,
+// at the cost of one more activation-sized buffer alive.
 #pragma once
 
 #include <functional>
@@ -60,6 +64,8 @@ class Pipeline {
   // its host clock read `origin_us` with the device idle.
   std::vector<PipelineTask> tasks(const Event& origin, double origin_us);
   const std::vector<Task>& order() const { return order_; }
+
+  bool overlap_p2p = false;  // receives posted a task earlier (see the top of this file)
 
  private:
   bool first_virtual(const Task& t) const { return t.chunk == 0 && stage_ == 0; }
