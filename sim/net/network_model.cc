@@ -49,6 +49,16 @@ NetworkModel::NetworkModel(const Profile& profile, NetworkOptions options)
   }
 }
 
+std::size_t NetworkModel::PairBytesHash::operator()(const std::vector<std::int64_t>& v) const {
+  // FNV-1a over the sizes.
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::int64_t b : v) {
+    h ^= static_cast<std::uint64_t>(b);
+    h *= 1099511628211ull;
+  }
+  return static_cast<std::size_t>(h);
+}
+
 std::size_t NetworkModel::RanksHash::operator()(const std::vector<int>& v) const {
   // FNV-1a over the ranks.
   std::uint64_t h = 1469598103934665603ull;
@@ -225,6 +235,7 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
     return plan_collective(CommOp::AllToAll, largest * static_cast<std::int64_t>(n), ranks, -1);
 
   GroupEntry& g = group(ranks);
+  if (const auto known = g.uneven.find(pair_bytes); known != g.uneven.end()) return known->second;
   const GroupShape& gs = g.layout.shape;
   CommPlan plan = pairwise_uneven_plan(topo_, g.layout, pair_bytes);
   // Each message runs at its own protocol's efficiency (LL up to NCCL_P2P_LL_THRESHOLD, Simple above) and
@@ -250,6 +261,8 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   plan.channels =
       nccl_launch(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total))
           .channels;
+  if (g.uneven.size() >= kUnevenPlansKept) g.uneven.clear();
+  g.uneven.emplace(pair_bytes, plan);
   return plan;
 }
 

@@ -100,11 +100,19 @@ class NetworkModel {
     CommPlan unit;       // flows for a one-byte message; latency_us: what its routes add (PXN's hop)
     double unit_us = 0;  // their time alone, at Simple's efficiency
   };
+  struct PairBytesHash {
+    std::size_t operator()(const std::vector<std::int64_t>& v) const;
+  };
   struct GroupEntry {
     GroupLayout layout;
     P2pComm p2p;  // what NCCL gives each peer of the group's grouped point-to-point calls
     std::unordered_map<std::uint64_t, Shape> shapes;  // by (op, algorithm, root)
+    // Uneven all-to-alls' plans by their pair sizes: a tensor-parallel ring passes the same pieces around
+    // millions of times, and each plan's fluid transfer time is a max-min solve. At most
+    // kUnevenPlansKept; routing that varies every call (a mixture of experts) starts it over.
+    std::unordered_map<std::vector<std::int64_t>, CommPlan, PairBytesHash> uneven;
   };
+  static constexpr std::size_t kUnevenPlansKept = 256;
   struct RanksHash {
     std::size_t operator()(const std::vector<int>& v) const;
   };
