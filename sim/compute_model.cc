@@ -50,6 +50,19 @@ double tile_flops_per_byte(std::int64_t tm, std::int64_t tn, double element_byte
 }  // namespace
 
 ComputeModel::ComputeModel(const GpuModel& gpu) : gpu_(gpu) {
+  // The profile's tile and its transpose, and with the shape model cuBLAS's smaller kernels: every tile of
+  // kTileSides no larger than the profile's.
+  const std::int64_t tm0 = gpu_.gemm_tile_m, tn0 = gpu_.gemm_tile_n;
+  gemm_tiles_ = {{tm0, tn0}, {tn0, tm0}};
+  if (gpu_.gemm_ridge_flops_per_byte > 0) {
+    for (std::int64_t a : kTileSides) {
+      for (std::int64_t b : kTileSides) {
+        if (a * b <= tm0 * tn0 &&
+            std::find(gemm_tiles_.begin(), gemm_tiles_.end(), std::make_pair(a, b)) == gemm_tiles_.end())
+          gemm_tiles_.emplace_back(a, b);
+      }
+    }
+  }
   if (gpu_.sm_count > 0 && gpu_.gemm_mamf_tflops > 0) {
     // The measured GEMM ran at ceiling x (the rate of the fastest candidate at a ceiling of 1); solve for the
     // ceiling. It scales every candidate alike, so the fastest one does not depend on it.
@@ -103,31 +116,27 @@ double ComputeModel::gemm_tile_efficiency(std::int64_t tile_m, std::int64_t tile
 std::vector<GemmCandidate> ComputeModel::gemm_candidates(std::int64_t m, std::int64_t n, std::int64_t k,
                                                          DType dtype, std::int64_t batch) const {
   std::vector<GemmCandidate> out;
-  if (!gemm_shape_model() || m <= 0 || n <= 0 || k <= 0) return out;
-  const std::int64_t tm0 = gpu_.gemm_tile_m, tn0 = gpu_.gemm_tile_n;
-  std::vector<std::pair<std::int64_t, std::int64_t>> tiles = {{tm0, tn0}, {tn0, tm0}};
+  each_gemm_candidate(m, n, k, dtype, batch, [&](const GemmCandidate& c) { out.push_back(c); });
+  return out;
+}
+
+void ComputeModel::each_gemm_candidate(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
+                                       std::int64_t batch,
+                                       const std::function<void(const GemmCandidate&)>& visit) const {
+  if (!gemm_shape_model() || m <= 0 || n <= 0 || k <= 0) return;
   const bool shapes = gpu_.gemm_ridge_flops_per_byte > 0;
-  if (shapes) {
-    // cuBLAS's smaller kernels: every tile of kTileSides no larger than the profile's tile.
-    for (std::int64_t a : kTileSides) {
-      for (std::int64_t b : kTileSides) {
-        if (a * b <= tm0 * tn0 && std::find(tiles.begin(), tiles.end(), std::make_pair(a, b)) == tiles.end())
-          tiles.emplace_back(a, b);
-      }
-    }
-  }
   const int sms = gpu_.sm_count;
   // One SM's share of the peak at the ceiling, in flop per microsecond.
   const double sm_flops_per_us = peak_tflops(dtype) * 1e6 * gemm_ceiling_ / sms;
   const double k0 = gpu_.gemm_k_overhead;
-  for (const auto& [tm, tn] : tiles) {
+  for (const auto& [tm, tn] : gemm_tiles_) {
     const double tiles_count = ceil_div(m, tm) * ceil_div(n, tn) * static_cast<double>(batch);
     const double tile_flops_per_k = 2.0 * static_cast<double>(tm) * static_cast<double>(tn);
     const double sm_rate = sm_flops_per_us * gemm_tile_efficiency(tm, tn, dtype);
     // Data-parallel: waves of one tile per SM, each tile the whole k-loop and its pipeline fill and drain.
     const double waves = std::ceil(tiles_count / sms);
-    out.push_back({static_cast<int>(tm), static_cast<int>(tn), 1,
-                   gpu_.gemm_fixed_us + waves * tile_flops_per_k * (static_cast<double>(k) + k0) / sm_rate});
+    visit({static_cast<int>(tm), static_cast<int>(tn), 1,
+           gpu_.gemm_fixed_us + waves * tile_flops_per_k * (static_cast<double>(k) + k0) / sm_rate});
     if (!shapes) continue;
     // Split-K (what stream-K does when the tiles do not fill the SMs): each tile's k-loop in `splits`
     // slices on as many SMs, all in one wave; no slice shorter than its own pipeline. The slices write
@@ -136,19 +145,21 @@ std::vector<GemmCandidate> ComputeModel::gemm_candidates(std::int64_t m, std::in
       const double slice_us = tile_flops_per_k * (ceil_div(k, splits) + k0) / sm_rate;
       const double fixup_us = memory_us(2.0 * splits * kPartialSumBytes * static_cast<double>(m) *
                                         static_cast<double>(n) * static_cast<double>(batch));
-      out.push_back(
-          {static_cast<int>(tm), static_cast<int>(tn), splits, gpu_.gemm_fixed_us + slice_us + fixup_us});
+      visit({static_cast<int>(tm), static_cast<int>(tn), splits, gpu_.gemm_fixed_us + slice_us + fixup_us});
     }
   }
-  return out;
 }
 
 GemmCandidate ComputeModel::gemm_fastest(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
                                          std::int64_t batch) const {
-  const std::vector<GemmCandidate> all = gemm_candidates(m, n, k, dtype, batch);
   // cuBLAS's heuristics intend the fastest kernel; ties go to the first (the profile's tile, unsplit).
-  return *std::min_element(all.begin(), all.end(),
-                           [](const GemmCandidate& a, const GemmCandidate& b) { return a.us < b.us; });
+  GemmCandidate best;
+  bool any = false;
+  each_gemm_candidate(m, n, k, dtype, batch, [&](const GemmCandidate& c) {
+    if (!any || c.us < best.us) best = c;
+    any = true;
+  });
+  return best;
 }
 
 double ComputeModel::peak_tflops(DType dtype) const {

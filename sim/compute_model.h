@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "common/profile.h"
@@ -126,8 +127,13 @@ class ComputeModel {
                                   double efficiency) const;
   GemmCandidate gemm_fastest(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
                              std::int64_t batch = 1) const;
+  // Calls `visit` with each of gemm_candidates' candidates, in its order, building no list: a large run
+  // times millions of GEMMs.
+  void each_gemm_candidate(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, std::int64_t batch,
+                           const std::function<void(const GemmCandidate&)>& visit) const;
   GpuModel gpu_;
   double gemm_ceiling_ = 0;
+  std::vector<std::pair<std::int64_t, std::int64_t>> gemm_tiles_;  // (m, n) of each tile considered
 };
 
 }  // namespace ranklab::sim
