@@ -47,7 +47,8 @@ const OptionTable<Request>& request_options() {
           "the same")
           .at_least(0),
       Option<O>("confirm", &O::confirm,
-                "the leading layouts simulated again with every rank running after screening")
+                "the leading layouts simulated again with every rank running after screening (0: none, "
+                "the screenings are the answer)")
           .at_least(0),
       Option<O>("confirm-margin", &O::confirm_margin,
                 "and every layout whose screened step is within this fraction of the best")

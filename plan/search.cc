@@ -417,6 +417,7 @@ class Search {
 
   // Simulates the leading layouts again with every rank running, until the leaders are all full runs.
   void confirm() {
+    if (options_.confirm == 0) return;  // the screenings are the answer
     while (true) {
       std::vector<std::size_t> ranked;
       for (std::size_t i = 0; i < pending_.size(); ++i)

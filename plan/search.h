@@ -76,7 +76,7 @@ struct SearchOptions {
   int jobs = 1;             // simulations at once, each on a thread
   // After symmetric screening, the layouts simulated again with every rank running: the first `confirm`
   // of the ranking, and every one whose screened step is within `confirm_margin` (a fraction) of the best
-  // step. Unused without symmetry.
+  // step; none with confirm 0 (a world too large to run whole here). Unused without symmetry.
   int confirm = 1;
   double confirm_margin = 0.01;
 };

@@ -236,6 +236,16 @@ TrainingStats one_step(const Question& q, const Layout& l, bool symmetric) {
   return *run_lesson(backend, "gpt", lesson_settings(q, l)).training;
 }
 
+// --confirm 0 takes the screenings as the answer: no layout runs again, not even the best.
+TEST(Plan, ConfirmingNoneRunsNothingAgain) {
+  SearchOptions o = quiet();
+  o.confirm = 0;
+  const Plan p = search(tiny(), o);
+  ASSERT_FALSE(p.ranked().empty());
+  EXPECT_EQ(p.confirmed, 0);
+  for (const Result* r : p.ranked()) EXPECT_FALSE(r->full) << r->candidate.name;
+}
+
 // The leading rows are full runs: their figures are `run gpt`'s without the symmetry (here equal to the
 // screening's, since a symmetric operation waits for its replicas' copies; they need not be in general);
 // the rows after them are labelled as the screening's.
