@@ -440,6 +440,8 @@ class Rank {
   // Device time from `start` to `end` in microseconds (cudaEventElapsedTime); the host waits for `end`
   // to complete (cudaEventSynchronize).
   virtual double elapsed_us(const Event& start, const Event& end) = 0;
+  // The same where `end` has completed by now (cudaEventQuery), waiting for nothing; nullopt otherwise.
+  virtual std::optional<double> elapsed_us_if_ended(const Event& start, const Event& end) = 0;
   // Device time this rank's compute kernels have lost so far to communication kernels running beside
   // them on the GPU, microseconds: the simulator's model of their shared SMs and HBM (docs/model.md). A
   // real GPU does not report it: 0 there.

@@ -1035,21 +1035,34 @@ Event CudaRank::record_event() {
   return Event(std::move(state));
 }
 
+cudaEvent_t CudaRank::own_event(const Event& e, const char* arg, const char* op) const {
+  auto* s = dynamic_cast<CudaEventState*>(e.state());
+  if (s == nullptr || s->rank != rank_) {
+    throw UsageError(fmt::format("{}: '{}' is {}; pass an Event this rank's record_event() returned",
+                                 where(op), arg,
+                                 e.defined() ? "another rank's or backend's event" : "an undefined event"));
+  }
+  return s->event.get();
+}
+
 double CudaRank::elapsed_us(const Event& start, const Event& end) {
-  auto mine = [&](const Event& e, const char* arg) {
-    auto* s = dynamic_cast<CudaEventState*>(e.state());
-    if (s == nullptr || s->rank != rank_) {
-      throw UsageError(fmt::format("{}: '{}' is {}; pass an Event this rank's record_event() returned",
-                                   where("elapsed_us"), arg,
-                                   e.defined() ? "another rank's or backend's event" : "an undefined event"));
-    }
-    return s->event.get();
-  };
-  cudaEvent_t s = mine(start, "start"), e = mine(end, "end");
+  cudaEvent_t s = own_event(start, "start", "elapsed_us"), e = own_event(end, "end", "elapsed_us");
   // cudaEventSynchronize in effect, through the watchdog, so a stuck collective before `end` becomes an
   // error instead of a hang. Both events: one recorded after `end` would not be complete yet.
   watchdog_.wait_event(e, "elapsed_us");
   watchdog_.wait_event(s, "elapsed_us");
+  float ms = 0;
+  RANKLAB_CUDA(cudaEventElapsedTime(&ms, s, e));
+  return static_cast<double>(ms) * 1000.0;
+}
+
+std::optional<double> CudaRank::elapsed_us_if_ended(const Event& start, const Event& end) {
+  cudaEvent_t s = own_event(start, "start", "elapsed_us_if_ended"),
+              e = own_event(end, "end", "elapsed_us_if_ended");
+  // `start` was recorded before `end` on the same stream: once `end` has completed, so has `start`.
+  const cudaError_t reached = cudaEventQuery(e);
+  if (reached == cudaErrorNotReady) return std::nullopt;
+  RANKLAB_CUDA(reached);
   float ms = 0;
   RANKLAB_CUDA(cudaEventElapsedTime(&ms, s, e));
   return static_cast<double>(ms) * 1000.0;

@@ -139,6 +139,7 @@ class CudaRank : public Rank {
   double now() override;
   Event record_event() override;
   double elapsed_us(const Event& start, const Event& end) override;
+  std::optional<double> elapsed_us_if_ended(const Event& start, const Event& end) override;
 
   const Profile& profile() const override { return config_.profile; }
 
@@ -171,6 +172,8 @@ class CudaRank : public Rank {
 
   // Argument checks, in the simulator's words.
   std::string where(const char* op) const;  // "rank 1: matmul"
+  // `e` as this rank's CUDA event; UsageError naming `arg` of `op` for an undefined or foreign one.
+  cudaEvent_t own_event(const Event& e, const char* arg, const char* op) const;
   // The tensor's device buffer, after checking it is defined and this rank's.
   void* require(const Tensor& t, const char* op, const char* arg) const;
   // require(), plus: the tensor is float32 (statistics, ids, optimizer state).

@@ -318,25 +318,45 @@ Event SimRank::record_event() {
   return Event(std::make_shared<SimEvent>(rank_, world_.stream_time_us(rank_, "record_event")));
 }
 
-double SimRank::elapsed_us(const Event& start, const Event& end) {
-  world_.scheduler().check_aborted();
+namespace {
+
+// The two events a rank times, each checked to be one its own record_event() made.
+// `where` names the call in an error (formatted only for one).
+template <class Where>
+std::pair<const SimEvent*, const SimEvent*> own_events(const Event& start, const Event& end, int rank,
+                                                       const Where& where) {
   const SimEvent* e[2] = {nullptr, nullptr};
   const Event* ev[2] = {&start, &end};
   const char* names[2] = {"start", "end"};
   for (int i = 0; i < 2; ++i) {
     if (!ev[i]->defined()) {
-      throw UsageError(fmt::format("{}: '{}' is an undefined event; make it with record_event()",
-                                   where("elapsed_us"), names[i]));
+      throw UsageError(
+          fmt::format("{}: '{}' is an undefined event; make it with record_event()", where(), names[i]));
     }
     e[i] = dynamic_cast<const SimEvent*>(ev[i]->state());
-    if (e[i] == nullptr || e[i]->rank != rank_) {
+    if (e[i] == nullptr || e[i]->rank != rank) {
       throw UsageError(
-          fmt::format("{}: '{}' was recorded by {}; a rank can only time its own events", where("elapsed_us"),
-                      names[i], e[i] ? fmt::format("rank {}", e[i]->rank) : std::string("another backend")));
+          fmt::format("{}: '{}' was recorded by {}; a rank can only time its own events", where(), names[i],
+                      e[i] ? fmt::format("rank {}", e[i]->rank) : std::string("another backend")));
     }
   }
-  world_.host_waits_until(rank_, e[1]->time_us);  // cudaEventSynchronize on `end`
-  return e[1]->time_us - e[0]->time_us;
+  return {e[0], e[1]};
+}
+
+}  // namespace
+
+double SimRank::elapsed_us(const Event& start, const Event& end) {
+  world_.scheduler().check_aborted();
+  const auto [s, e] = own_events(start, end, rank_, [&] { return where("elapsed_us"); });
+  world_.host_waits_until(rank_, e->time_us);  // cudaEventSynchronize on `end`
+  return e->time_us - s->time_us;
+}
+
+std::optional<double> SimRank::elapsed_us_if_ended(const Event& start, const Event& end) {
+  world_.scheduler().check_aborted();
+  const auto [s, e] = own_events(start, end, rank_, [&] { return where("elapsed_us_if_ended"); });
+  if (world_.host_us(rank_) < e->time_us) return std::nullopt;  // cudaEventQuery: not ready
+  return e->time_us - s->time_us;
 }
 
 void SimRank::region_begin(const std::string& name) {

@@ -128,25 +128,33 @@ TEST(TensorParallel, FitsWhereDataParallelismRunsOutOfMemory) {
 TEST(ExposedComm, FoldsEndedOperationsIntoTheTotalsAsTheStepGoes) {
   constexpr int kOperations = 5000;
   SimBackend backend(testing::quiet_config());
-  std::vector<double> summed(2, 0), counted(2, 0);
+  std::vector<double> summed(2, 0), counted(2, 0), waited(2, 0), exposed_us(2, 0);
   std::vector<std::size_t> kept(2, 0);
   backend.launch(2, [&](Rank& r) {
     parallel::ExposedComm exposed(r);
     exposed.enable(true);
     Tensor t = r.phantom(Shape{1 << 16}, DType::BFloat16);
+    Tensor w_gemm = r.phantom(Shape{256, 256}, DType::BFloat16);
     for (int i = 0; i < kOperations; ++i) {
       Work w = r.all_reduce(t, ReduceOp::Sum, Async::Yes);
       exposed.communicated(parallel::Dim::Dp, w);
+      if (i % 2 == 0) r.matmul(w_gemm, w_gemm);  // some of the transfer hidden, some not
+      const Event before = r.record_event();
       exposed.wait(parallel::Dim::Dp, w);
+      const Event after = r.record_event();
       summed[r.rank()] += w.elapsed_us();
+      waited[r.rank()] += r.elapsed_us(before, after);
     }
     kept[r.rank()] = exposed.kept();
     counted[r.rank()] = exposed.communicated_totals()[static_cast<int>(parallel::Dim::Dp)];
+    exposed_us[r.rank()] = exposed.totals()[static_cast<int>(parallel::Dim::Dp)];
   });
   for (int rank : {0, 1}) {
-    EXPECT_LT(kept[rank], 2048u) << "rank " << rank;
+    EXPECT_LT(kept[rank], 2 * 2048u) << "rank " << rank;
     EXPECT_GT(summed[rank], 0);
     EXPECT_NEAR(counted[rank], summed[rank], 1e-9 * summed[rank]) << "rank " << rank;
+    EXPECT_GT(waited[rank], 0);
+    EXPECT_NEAR(exposed_us[rank], waited[rank], 1e-9 * waited[rank]) << "rank " << rank;
   }
 }
 

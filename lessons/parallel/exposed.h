@@ -13,9 +13,9 @@
 // other communication); for pipeline receives the exposed time also holds the bubble, so less shows as
 // hidden there than was.
 //
-// A step of thousands of micro-batches issues millions of operations: those already ended are folded into
-// the totals as the step goes (Work::elapsed_us_if_ended, which waits for nothing), so what is kept does not
-// grow with the step.
+// A step of thousands of micro-batches issues millions of operations and waits: those already ended are
+// folded into the totals as the step goes (Work::elapsed_us_if_ended and Rank::elapsed_us_if_ended, which
+// wait for nothing), so what is kept does not grow with the step.
 #pragma once
 
 #include <algorithm>
@@ -40,11 +40,14 @@ class ExposedComm {
     waits_.clear();
     works_.clear();
     ended_ = {};
-    fold_at_ = kFoldAtLeast;
+    waited_ = {};
+    fold_at_ = fold_waits_at_ = kFoldAtLeast;
   }
   Event before() { return on_ ? r_.record_event() : Event(); }
   void after(Dim d, const Event& start) {
-    if (on_) waits_.push_back({d, start, r_.record_event()});
+    if (!on_) return;
+    waits_.push_back({d, start, r_.record_event()});
+    if (waits_.size() >= fold_waits_at_) fold_waits();
   }
   // An operation of dimension `d` (synchronous or not), for the time communicated.
   void communicated(Dim d, const Work& w) { communicated(d, std::vector<Work>{w}); }
@@ -66,10 +69,10 @@ class ExposedComm {
     communicated(d, w);
   }
   // Operations recorded and not folded into the totals yet.
-  std::size_t kept() const { return works_.size(); }
+  std::size_t kept() const { return works_.size() + waits_.size(); }
   // Microseconds per dimension; the host waits for the last event.
   std::array<double, kDims> totals() {
-    std::array<double, kDims> t{};
+    std::array<double, kDims> t = waited_;
     for (const Wait& w : waits_) t[static_cast<int>(w.dim)] += r_.elapsed_us(w.start, w.end);
     return t;
   }
@@ -117,13 +120,27 @@ class ExposedComm {
     fold_at_ = std::max(kFoldAtLeast, 2 * kept);
   }
 
+  // The same for the waits whose end the device has passed.
+  void fold_waits() {
+    std::size_t kept = 0;
+    for (Wait& w : waits_) {
+      if (const std::optional<double> us = r_.elapsed_us_if_ended(w.start, w.end))
+        waited_[static_cast<int>(w.dim)] += *us;
+      else if (&waits_[kept++] != &w)
+        waits_[kept - 1] = std::move(w);
+    }
+    waits_.resize(kept);
+    fold_waits_at_ = std::max(kFoldAtLeast, 2 * kept);
+  }
+
   static constexpr std::size_t kFoldAtLeast = 1024;
   Rank& r_;
   bool on_ = false;
   std::vector<Wait> waits_;
-  std::vector<Timed> works_;           // not folded yet
-  std::array<double, kDims> ended_{};  // the time of those folded, per dimension
-  std::size_t fold_at_ = kFoldAtLeast;
+  std::vector<Timed> works_;            // not folded yet
+  std::array<double, kDims> ended_{};   // the time of those folded, per dimension
+  std::array<double, kDims> waited_{};  // the waits folded, per dimension
+  std::size_t fold_at_ = kFoldAtLeast, fold_waits_at_ = kFoldAtLeast;
 };
 
 // A tensor to receive into: empty, or phantom in a phantom run.
