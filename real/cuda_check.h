@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <optional>
 #include <string>
 
 namespace ranklab {
@@ -31,6 +32,11 @@ inline ncclResult_t nccl_check(ncclResult_t r, const char* call, ncclComm_t comm
   if (r != ncclSuccess && r != ncclInProgress) throw_nccl_error(r, call, comm);
   return r;
 }
+
+// Device time from `start` to `end` in microseconds where `end` has completed (cudaEventQuery), waiting
+// for nothing; nullopt while it has not. `start` was recorded before `end` on the same stream, so it has
+// completed too.
+std::optional<double> elapsed_us_if_reached(cudaEvent_t start, cudaEvent_t end);
 
 }  // namespace ranklab
 

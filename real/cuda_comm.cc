@@ -56,14 +56,6 @@ double elapsed_between(const CudaEvent& start, const CudaEvent& end) {
   return 1000.0 * static_cast<double>(ms);
 }
 
-// The same where `end` has been reached; nullopt while it has not.
-std::optional<double> elapsed_if_reached(const CudaEvent& start, const CudaEvent& end) {
-  const cudaError_t reached = cudaEventQuery(end.get());
-  if (reached == cudaErrorNotReady) return std::nullopt;
-  RANKLAB_CUDA(reached);
-  return elapsed_between(start, end);
-}
-
 // A synchronous call: the compute stream already waits for it; it only reports its time.
 class CudaDoneWork : public WorkState {
  public:
@@ -72,7 +64,9 @@ class CudaDoneWork : public WorkState {
   void wait() override {}
   bool waited() const override { return true; }
   double elapsed_us() override { return elapsed_between(*started_, *done_); }
-  std::optional<double> elapsed_us_if_ended() override { return elapsed_if_reached(*started_, *done_); }
+  std::optional<double> elapsed_us_if_ended() override {
+    return elapsed_us_if_reached(started_->get(), done_->get());
+  }
 
  private:
   std::shared_ptr<CudaEvent> started_, done_;
@@ -108,7 +102,9 @@ class CudaWork : public WorkState {
   // True after wait(), or after a synchronize() that found it finished.
   bool waited() const override { return op_->waited; }
   double elapsed_us() override { return elapsed_between(*started_, *done_); }
-  std::optional<double> elapsed_us_if_ended() override { return elapsed_if_reached(*started_, *done_); }
+  std::optional<double> elapsed_us_if_ended() override {
+    return elapsed_us_if_reached(started_->get(), done_->get());
+  }
 
  private:
   std::shared_ptr<DeviceAccount> account_;

@@ -1059,13 +1059,7 @@ double CudaRank::elapsed_us(const Event& start, const Event& end) {
 std::optional<double> CudaRank::elapsed_us_if_ended(const Event& start, const Event& end) {
   cudaEvent_t s = own_event(start, "start", "elapsed_us_if_ended"),
               e = own_event(end, "end", "elapsed_us_if_ended");
-  // `start` was recorded before `end` on the same stream: once `end` has completed, so has `start`.
-  const cudaError_t reached = cudaEventQuery(e);
-  if (reached == cudaErrorNotReady) return std::nullopt;
-  RANKLAB_CUDA(reached);
-  float ms = 0;
-  RANKLAB_CUDA(cudaEventElapsedTime(&ms, s, e));
-  return static_cast<double>(ms) * 1000.0;
+  return elapsed_us_if_reached(s, e);
 }
 
 // ---- output --------------------------------------------------------------------------------------------
