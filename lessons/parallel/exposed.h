@@ -50,7 +50,9 @@ class ExposedComm {
     if (waits_.size() >= fold_waits_at_) fold_waits();
   }
   // An operation of dimension `d` (synchronous or not), for the time communicated.
-  void communicated(Dim d, const Work& w) { communicated(d, std::vector<Work>{w}); }
+  void communicated(Dim d, const Work& w) {
+    if (on_) communicated(d, std::vector<Work>{w});
+  }
   // Operations posted together (batch_isend_irecv), which run at once: the longest of them.
   void communicated(Dim d, const std::vector<Work>& together) {
     if (!on_) return;
@@ -96,41 +98,28 @@ class ExposedComm {
     Dim dim;
     std::vector<Work> works;
   };
-  // Moves the operations that have ended into ended_; the next fold comes when as many again are kept, so
-  // folding costs a constant per operation.
+  // Moves the operations that have ended into ended_, and the waits whose end the device has passed into
+  // waited_; the next fold comes when as many again are kept, so folding costs a constant per record.
   void fold_ended() {
-    std::size_t kept = 0;
-    for (Timed& w : works_) {
+    std::erase_if(works_, [&](Timed& w) {
       double longest = 0;
-      bool ended = true;
       for (Work& one : w.works) {
         const std::optional<double> us = one.elapsed_us_if_ended();
-        if (!us) {
-          ended = false;
-          break;
-        }
+        if (!us) return false;
         longest = std::max(longest, *us);
       }
-      if (ended)
-        ended_[static_cast<int>(w.dim)] += longest;
-      else if (&works_[kept++] != &w)
-        works_[kept - 1] = std::move(w);
-    }
-    works_.resize(kept);
-    fold_at_ = std::max(kFoldAtLeast, 2 * kept);
+      ended_[static_cast<int>(w.dim)] += longest;
+      return true;
+    });
+    fold_at_ = std::max(kFoldAtLeast, 2 * works_.size());
   }
-
-  // The same for the waits whose end the device has passed.
   void fold_waits() {
-    std::size_t kept = 0;
-    for (Wait& w : waits_) {
-      if (const std::optional<double> us = r_.elapsed_us_if_ended(w.start, w.end))
-        waited_[static_cast<int>(w.dim)] += *us;
-      else if (&waits_[kept++] != &w)
-        waits_[kept - 1] = std::move(w);
-    }
-    waits_.resize(kept);
-    fold_waits_at_ = std::max(kFoldAtLeast, 2 * kept);
+    std::erase_if(waits_, [&](const Wait& w) {
+      const std::optional<double> us = r_.elapsed_us_if_ended(w.start, w.end);
+      if (us) waited_[static_cast<int>(w.dim)] += *us;
+      return us.has_value();
+    });
+    fold_waits_at_ = std::max(kFoldAtLeast, 2 * waits_.size());
   }
 
   static constexpr std::size_t kFoldAtLeast = 1024;
