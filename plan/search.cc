@@ -64,11 +64,18 @@ Simulated read_run(const RunReport& rep, const gpt::Config& c) {
 
 }  // namespace
 
+namespace {
+
+// The value at x of the line through (xa, ya) and (xb, yb).
+double on_line(double xa, double ya, double xb, double yb, double x) {
+  return yb + (yb - ya) / (xb - xa) * (x - xb);
+}
+
+}  // namespace
+
 TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::int64_t m) {
   const double ma = static_cast<double>(a.micro_batches), mb = static_cast<double>(b.micro_batches);
-  auto line = [&](double ya, double yb) {
-    return yb + (yb - ya) / (mb - ma) * (static_cast<double>(m) - mb);
-  };
+  auto line = [&](double ya, double yb) { return on_line(ma, ya, mb, yb, static_cast<double>(m)); };
   auto lines = [&](const std::map<std::string, double>& ya, const std::map<std::string, double>& yb) {
     std::map<std::string, double> out;
     for (const auto& [dim, y] : yb) {
@@ -76,6 +83,9 @@ TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::i
       out[dim] = std::max(0.0, line(it == ya.end() ? 0.0 : it->second, y));
     }
     return out;
+  };
+  auto bytes_line = [&](std::int64_t ya, std::int64_t yb) {
+    return static_cast<std::int64_t>(line(static_cast<double>(ya), static_cast<double>(yb)));
   };
   TrainingStats t = b;
   const double more = static_cast<double>(m) / mb;  // FLOPs and tokens grow in proportion
@@ -95,10 +105,6 @@ TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::i
   t.exposed_comm_us = lines(a.exposed_comm_us, b.exposed_comm_us);
   t.communicated_comm_us = lines(a.communicated_comm_us, b.communicated_comm_us);
   t.hidden_comm_us = lines(a.hidden_comm_us, b.hidden_comm_us);
-  auto bytes_line = [&](std::int64_t ya, std::int64_t yb) {
-    return yb + static_cast<std::int64_t>(static_cast<double>(yb - ya) / (mb - ma) *
-                                          (static_cast<double>(m) - mb));
-  };
   t.peak_memory_bytes = bytes_line(a.peak_memory_bytes, b.peak_memory_bytes);
   t.activations_bytes = bytes_line(a.activations_bytes, b.activations_bytes);
   return t;
@@ -149,7 +155,9 @@ Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapol
     if (run) {
       // What grows with m past 2 p is the step's data (its tokens), on the same line as the times.
       const std::int64_t a_bytes = a->peak_bytes, b_bytes = run->peak_bytes;
-      run->peak_bytes = b_bytes + (b_bytes - a_bytes) * (m - 2 * short_m) / short_m;
+      run->peak_bytes = static_cast<std::int64_t>(
+          on_line(static_cast<double>(short_m), static_cast<double>(a_bytes),
+                  static_cast<double>(2 * short_m), static_cast<double>(b_bytes), static_cast<double>(m)));
       run->stats = extrapolate(a->stats, run->stats, m);
       run->extrapolated_from = short_m;
       if (run->peak_bytes > out.candidate.capacity_bytes) {
