@@ -343,14 +343,14 @@ double StepBound::us(const gpt::Config& c) {
 
 double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   // ZeRO 2 and 3 talk to the data-parallel group inside every task (parallel/zero.h, model.cc): zero 3
-  // all-gathers each parameter of a block before the block runs, forward and again backward (and the
-  // embedding's and the output layer's where they are used), and both reduce-scatter each parameter's
-  // gradient as its backward makes it, padded to a multiple of dp rows. A group's collectives follow each
-  // other on its one stream, in the order the tasks issue them, each no faster than alone on the machine.
-  // The stage's last task (a backward) starts computing only when the stream has done everything issued
-  // before it: zero 2 waits at its start for the previous backward's reduce-scatters (and with them for
-  // all before), zero 3 for its first block's gather, issued after all the rest. So the step is no
-  // shorter than that stream work, followed by the last task's own computation. (The overlap that hides
+  // all-gathers a block's parameters, one unit, before the block runs, forward and again backward (and
+  // the embedding's and the output layer's where they are used), and both reduce-scatter the block's
+  // gradients once its backward has made them, each parameter padded to a multiple of dp rows. A group's
+  // collectives follow each other on its one stream, in the order the tasks issue them, each no faster than
+  // alone on the machine. The stage's last task (a backward) starts computing only when the stream has done
+  // everything issued before it: zero 2 waits at its start for the previous backward's reduce-scatters (and
+  // with them for all before), zero 3 for its first block's gather, issued after all the rest. So the step is
+  // no shorter than that stream work, followed by the last task's own computation. (The overlap that hides
   // the stream behind compute elsewhere is why this is a bound of its own, not added to the other.)
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
   std::vector<int> dp_ranks;
@@ -369,12 +369,13 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   auto reduce_us = [&](const parallel::ParamSpec& p) {
     return comm_us(CommOp::ReduceScatter, padded_elements(p) * dtype_bytes(c.reduce_dtype), dp_ranks);
   };
-  double block_gathers = 0, block_reductions = 0;
-  for (int q = 0; q < gpt::block_params(c); ++q) {
-    const parallel::ParamSpec p = gpt::block_spec(c, 0, q);
-    block_gathers += gather_us(p);
-    block_reductions += reduce_us(p);
-  }
+  // A block is one unit: one gather and one reduce-scatter of all its parameters.
+  std::int64_t block_elements = 0;
+  for (int q = 0; q < gpt::block_params(c); ++q) block_elements += padded_elements(gpt::block_spec(c, 0, q));
+  const double block_gathers =
+      gathers ? comm_us(CommOp::AllGather, block_elements * dtype_bytes(c.dtype), dp_ranks) : 0.0;
+  const double block_reductions =
+      comm_us(CommOp::ReduceScatter, block_elements * dtype_bytes(c.reduce_dtype), dp_ranks);
   const int lpc = c.chunk_layers(stage);
   const double m = static_cast<double>(c.micro_batches());
   const double blocks = m * c.stage_layers(stage);

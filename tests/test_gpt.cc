@@ -368,6 +368,34 @@ TEST(Gpt, PaddedShardsWhenRowsDoNotDivide) {
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
+// Zero 3 gathers a block's weights with one all_gather, forward and again backward, and zero 2 and 3 reduce
+// its gradients with one reduce_scatter a micro-batch (FSDP's unit, parallel/zero.h): two more blocks add
+// exactly that many collectives, however many parameters a block has.
+TEST(Gpt, ZeroGathersAndReducesABlockAsOneUnit) {
+  for (int zero : {2, 3}) {
+    auto count = [&](int layers, CommOp op) {
+      Settings o = tiny();
+      o["world"] = option_text(2);
+      o["zero"] = option_text(zero);
+      o["layers"] = option_text(layers);
+      o["global-batch"] = option_text(8);
+      o["micro-batch"] = option_text(2);  // 2 micro-batches a step on each of the 2 data-parallel ranks
+      o["phantom"] = option_text(true);
+      o["steps"] = option_text(1);
+      const RunReport rep = run_gpt(o);
+      int n = 0;
+      for (const CollectiveRecord& c : rep.collectives) n += !c.bookkeeping && c.op == op;
+      return n;
+    };
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    const int micro_batches = 2, more_blocks = 2;
+    EXPECT_EQ(count(4, CommOp::ReduceScatter) - count(2, CommOp::ReduceScatter), more_blocks * micro_batches);
+    if (zero == 3) {
+      EXPECT_EQ(count(4, CommOp::AllGather) - count(2, CommOp::AllGather), 2 * more_blocks * micro_batches);
+    }
+  }
+}
+
 TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
   Settings o;
   o["world"] = option_text(8);

@@ -108,14 +108,22 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   const std::int64_t positions = c.llama() ? 0 : lr * 4;
   std::int64_t data = (embedding ? m * r * 4 + positions : 0) + (head ? m * r * 4 + 4 : 0);
   // Temporaries of one task: a block's whole forward (what recomputation rebuilds) and its gradients of the
-  // widest layer; the output layer's logits' gradient and the embedding's; zero 3's gathered weights.
+  // widest layer; the output layer's logits' gradient and the embedding's. Zero 2 and 3 with dp > 1 hold a
+  // block's gradients until its unit is reduced, and the reduction's input laid out rank by rank; zero 3
+  // the block's gathered weights, the all_gather's buffer they are copied out of, and the next block's
+  // buffer, in flight (parallel/zero.h).
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
+  std::int64_t block_elements = 0;
+  for (int q = 0; q < block_params(c); ++q)
+    block_elements += parallel::local_shape(block_spec(c, 0, q), c.tp).numel();
+  const bool units = c.zero >= 2 && c.dp > 1;
   Config none = c;
   none.recompute = Recompute::None;
   std::int64_t block = stash_bytes(none, 1, false, false) + 3 * r * 4 * hl * dt + 4 * h * hl * (dt + 4);
   std::int64_t out = head ? r * (c.vocab / c.tp) * dt + (c.vocab / c.tp) * h * (dt + 8) + 2 * r * h * dt : 0;
   std::int64_t emb = embedding ? (c.zero >= 2 ? (c.vocab / c.tp) * h * 8 : 0) + 2 * r * h * dt : 0;
-  p.transient = std::max({block, out, emb}) + (c.zero == 3 ? 2 * 12 * h * hl * dt : 0);
+  if (units) block += 2 * block_elements * dtype_bytes(c.reduce_dtype);
+  p.transient = std::max({block, out, emb}) + (c.zero == 3 && units ? 3 * block_elements * dt : 0);
   p.activations = p.stash + data + p.transient;
   return p;
 }

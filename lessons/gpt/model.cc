@@ -256,6 +256,9 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
   for (ParamId id : order) param(id).spec = param_spec(c, id);
   dp.set_buckets(params_in_backward_order());
   for (Param* p : params()) dp.init(*p);
+  for (Chunk& ch : chunks_) {
+    for (Block& b : ch.blocks) dp.add_unit(block_param_list(b));
+  }
   vocab_start_ = tp_rank * (c.vocab / c.tp);
 
   // The data: this data-parallel rank's samples, one micro-batch after another; rows sequence-major.
@@ -406,16 +409,20 @@ std::vector<Model::Named> Model::named_params() {
   return out;
 }
 
-std::vector<parallel::DataParallel::Gathered> Model::gather(Block& b) {
-  std::vector<parallel::DataParallel::Gathered> g;
-  g.reserve(kBlockParams);
-  for (int k = 0; k < block_params(c_); ++k) g.push_back(dp_.gather(b.p[k]));
-  return g;
+std::vector<Param*> Model::block_param_list(Block& b) const {
+  std::vector<Param*> ps;
+  for (int k = 0; k < block_params(c_); ++k) ps.push_back(&b.p[k]);
+  return ps;
 }
 
-Model::Weights Model::get(std::vector<parallel::DataParallel::Gathered>& g) {
+parallel::DataParallel::GatheredUnit Model::gather(Block& b) {
+  return dp_.gather(block_param_list(b));
+}
+
+Model::Weights Model::get(parallel::DataParallel::GatheredUnit& g) {
+  std::vector<Tensor> got = dp_.get(g);
   Weights w;
-  for (int k = 0; k < block_params(c_); ++k) w[k] = dp_.get(g[k]);
+  std::move(got.begin(), got.end(), w.begin());
   return w;
 }
 
@@ -659,9 +666,9 @@ Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
   st.blocks.assign(n, {});
   Tensor x = ch.embedding ? embed_forward(t.mb) : in;
   // zero 3: the next block's weights are gathered while this one computes.
-  std::vector<parallel::DataParallel::Gathered> next = gather(ch.blocks[0]);
+  parallel::DataParallel::GatheredUnit next = gather(ch.blocks[0]);
   for (int i = 0; i < n; ++i) {
-    std::vector<parallel::DataParallel::Gathered> cur = std::move(next);
+    parallel::DataParallel::GatheredUnit cur = std::move(next);
     if (i + 1 < n) next = gather(ch.blocks[i + 1]);
     x = block_forward(get(cur), x, st.blocks[i], false, ch.blocks[i].layer, t.mb);
   }
@@ -680,17 +687,13 @@ Tensor Model::backward(const parallel::Task& t, const Tensor& dout) {
   const int n = static_cast<int>(ch.blocks.size());
   Tensor dx = ch.head ? head_backward(t.mb, st.head, last) : dout;
   st.head = {};
-  std::vector<parallel::DataParallel::Gathered> next = gather(ch.blocks[n - 1]);
+  parallel::DataParallel::GatheredUnit next = gather(ch.blocks[n - 1]);
   for (int i = n - 1; i >= 0; --i) {
-    std::vector<parallel::DataParallel::Gathered> cur = std::move(next);
+    parallel::DataParallel::GatheredUnit cur = std::move(next);
     if (i > 0) next = gather(ch.blocks[i - 1]);
     dx = block_backward(ch.blocks[i], get(cur), st.blocks[i], dx, t.mb);
     st.blocks[i] = {};
-    if (last) {
-      std::vector<Param*> ps;
-      for (int k = 0; k < block_params(c_); ++k) ps.push_back(&ch.blocks[i].p[k]);
-      dp_.grads_ready(ps);
-    }
+    if (last) dp_.grads_ready(block_param_list(ch.blocks[i]));
   }
   if (ch.embedding) {
     embed_backward(t.mb, dx, last);

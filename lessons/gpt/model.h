@@ -160,9 +160,11 @@ class Model {
   void embed_backward(int mb, const Tensor& dx, bool last);
   void head_forward(int mb, const Tensor& x, HeadActs& h);
   Tensor head_backward(int mb, HeadActs& h, bool last);
-  std::vector<parallel::DataParallel::Gathered> gather(Block& b);
+  std::vector<parallel::Param*> block_param_list(
+      Block& b) const;  // in the order the unit of zero 2 and 3 holds them
+  parallel::DataParallel::GatheredUnit gather(Block& b);
   parallel::Param& param(ParamId id);
-  Weights get(std::vector<parallel::DataParallel::Gathered>& g);
+  Weights get(parallel::DataParallel::GatheredUnit& g);
 
   Rank& r_;
   Config c_;

@@ -2,6 +2,8 @@
 // 1's flat buckets are in zero_buckets.cc.
 #include "lessons/parallel/zero.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -138,6 +140,21 @@ void DataParallel::set_buckets(const std::vector<Param*>& backward_order) {
   }
 }
 
+void DataParallel::add_unit(const std::vector<Param*>& ps) {
+  if (c_.stage < 2 || !sharded() || ps.size() < 2) return;
+  Unit u;
+  u.ps = ps;
+  for (Param* p : ps) {
+    if (p->unit >= 0)
+      throw Error(fmt::format("DataParallel::add_unit: {} is in a unit already", p->spec.name));
+    p->unit = static_cast<int>(units_.size());
+    u.offset.push_back(u.shard_elements);
+    u.shard_elements += p->shard_rows * (p->local.numel() / p->rows);
+  }
+  u.grads.resize(ps.size());
+  units_.push_back(std::move(u));
+}
+
 // ---- the step ----------------------------------------------------------------------------------------
 
 void DataParallel::start_step() {
@@ -183,6 +200,49 @@ DataParallel::Gathered DataParallel::gather(Param& p) {
   return g;
 }
 
+DataParallel::GatheredUnit DataParallel::gather(const std::vector<Param*>& ps) {
+  GatheredUnit g;
+  if (c_.stage < 3 || ps.empty() || ps[0]->unit < 0) {
+    for (Param* p : ps) g.each.push_back(gather(*p));
+    return g;
+  }
+  g.unit = ps[0]->unit;
+  const Unit& u = units_[g.unit];
+  if (ps != u.ps) throw Error("DataParallel::gather: not a unit's parameters in the unit's order");
+  // Copy-in: this rank's shards one after another; the all_gather lays every rank's out in rank order.
+  std::vector<Tensor> shards;
+  for (Param* p : ps) shards.push_back(r_.view(p->copy, 0, Shape{p->copy.numel()}));
+  g.in = r_.cat(shards, 0);
+  g.flat = buffer(r_, c_.phantom, Shape{c_.dp_size, u.shard_elements}, c_.dtype);
+  const Tensor out = r_.view(g.flat, 0, Shape{c_.dp_size * u.shard_elements});
+  if (c_.overlap_param_gather) {
+    g.work = r_.all_gather(out, g.in, Async::Yes, c_.dp);
+    exposed_.communicated(Dim::Dp, g.work);
+  } else {
+    const Event e = exposed_.before();
+    exposed_.after(Dim::Dp, e, r_.all_gather(out, g.in, Async::No, c_.dp));
+  }
+  return g;
+}
+
+std::vector<Tensor> DataParallel::get(GatheredUnit& g) {
+  std::vector<Tensor> out;
+  if (g.unit < 0) {
+    for (Gathered& e : g.each) out.push_back(get(e));
+    return out;
+  }
+  if (!g.work.waited()) exposed_.wait(Dim::Dp, g.work);
+  // Copy-out: a parameter's rows are its shard's columns of every rank's row of the gathered buffer.
+  const Unit& u = units_[g.unit];
+  for (std::size_t k = 0; k < u.ps.size(); ++k) {
+    const Param& p = *u.ps[k];
+    const Tensor columns = r_.slice(g.flat, 1, u.offset[k], p.copy.numel());
+    out.push_back(unpad(p, r_.view(columns, 0, rows_shape(p.local, p.rows_padded))));
+  }
+  g.in = g.flat = Tensor();
+  return out;
+}
+
 Tensor DataParallel::get(Gathered& g) {
   Param& p = *g.p;
   if (c_.stage == 3) {
@@ -220,11 +280,36 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
     r_.add_(p.grad, r_.slice(t, 0, c_.dp_rank * p.shard_rows, p.shard_rows), 1.0f);
     return;
   }
-  Pending q{&p, buffer(r_, c_.phantom, rows_shape(p.local, p.shard_rows), c_.reduce_dtype), t, Work()};
+  if (p.unit >= 0) {  // reduced with its unit, once every gradient of the unit has come
+    Unit& u = units_[p.unit];
+    const auto k = std::find(u.ps.begin(), u.ps.end(), &p) - u.ps.begin();
+    if (u.grads[k].defined()) throw Error(fmt::format("DataParallel::add_grad: {} twice", p.spec.name));
+    u.grads[k] = t;
+    if (++u.received == u.ps.size()) reduce_unit(u);
+    return;
+  }
+  Reduction q{{&p}, buffer(r_, c_.phantom, rows_shape(p.local, p.shard_rows), c_.reduce_dtype), t, Work()};
   q.work = r_.reduce_scatter(q.out, t, dp_op(), Async::Yes, c_.dp);
   exposed_.communicated(Dim::Dp, q.work);
   pending_.push_back(std::move(q));
   if (!c_.overlap_grad_reduce) drain();  // the plain schedule waits at once
+}
+
+void DataParallel::reduce_unit(Unit& u) {
+  // Row j of the input: every gradient's j-th shard in turn, so that rank j receives its shards' sums.
+  std::vector<Tensor> parts;
+  for (std::size_t k = 0; k < u.ps.size(); ++k) {
+    parts.push_back(r_.view(u.grads[k], 0, Shape{c_.dp_size, u.ps[k]->grad.numel()}));
+    u.grads[k] = Tensor();
+  }
+  u.received = 0;
+  const Tensor in = r_.cat(parts, 1);
+  Reduction q{u.ps, buffer(r_, c_.phantom, Shape{u.shard_elements}, c_.reduce_dtype), in, Work()};
+  q.work = r_.reduce_scatter(q.out, r_.view(in, 0, Shape{c_.dp_size * u.shard_elements}), dp_op(), Async::Yes,
+                             c_.dp);
+  exposed_.communicated(Dim::Dp, q.work);
+  pending_.push_back(std::move(q));
+  if (!c_.overlap_grad_reduce) drain();
 }
 
 Tensor DataParallel::embedding_grad_target(Param& p) {
@@ -237,9 +322,13 @@ void DataParallel::embedding_grad_done(Param& p, const Tensor& target) {
 }
 
 void DataParallel::drain() {
-  for (Pending& q : pending_) {
+  for (Reduction& q : pending_) {
     exposed_.wait(Dim::Dp, q.work);
-    r_.add_(q.p->grad, q.out, 1.0f);
+    std::int64_t at = 0;
+    for (Param* p : q.ps) {
+      r_.add_(p->grad, q.ps.size() == 1 ? q.out : r_.view(q.out, at, p->grad.shape()), 1.0f);
+      at += p->grad.numel();
+    }
   }
   pending_.clear();
 }
@@ -258,6 +347,10 @@ void DataParallel::finish(const std::vector<Param*>& ps) {
     return;
   }
   drain();
+  for (const Unit& u : units_) {
+    if (u.received != 0)
+      throw Error("DataParallel::finish: a unit's backward gave only some of its gradients");
+  }
   for (Param* p : ps) {
     if (p->spec.sp_partial && c_.seq_parallel && c_.tp_size > 1 && c_.broken != "no-sp-grad-sync") {
       const Event e = exposed_.before();

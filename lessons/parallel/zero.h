@@ -15,6 +15,12 @@
 //   zero 3  the 16-bit weights are sharded as well (FSDP): a layer's weights are all-gathered just before
 //           its forward and again before its backward, and freed after use.
 //
+// Zero 2 and 3 gather and reduce a transformer block's parameters together, as FSDP wraps each block in a
+// unit of its own (torch.distributed.fsdp.fully_shard, torchtitan's per-block wrapping): one all_gather of
+// the block's shards concatenated, then copied out into each parameter, and one reduce_scatter of the
+// block's gradients laid out rank by rank (FSDP2's copy-in, copy-out and chunk_cat), in place of one small
+// collective per parameter, whose latency the biases and norms would pay each.
+//
 // Zero 0 and 1 lay the parameters out as Megatron-LM's distributed data parallelism does
 // (megatron/core/distributed/param_and_grad_buffer.py, Megatron-Core 0.7 on): the parameters are grouped
 // into buckets in the order backward makes their gradients final (the reverse of the forward's), and each
@@ -83,6 +89,7 @@ struct Param {
   std::int64_t offset = 0;  // zero 0, 1: its first element in the bucket's buffers
   // zero 2, 3: rows of each rank's shard, and the local rows padded to dp of them.
   std::int64_t shard_rows = 0, rows_padded = 0;
+  int unit = -1;  // zero 2, 3: the unit it is gathered and reduced with (add_unit), or -1: on its own
 };
 
 struct ZeroConfig {
@@ -123,6 +130,9 @@ class DataParallel {
   void set_buckets(const std::vector<Param*>& backward_order);
   // Makes the parameter's tensors: the local part of the seeded full tensor, cast and sharded.
   void init(Param& p);
+  // Zero 2 and 3 (after set_buckets): these parameters, a block's, are one unit: gathered by one all_gather
+  // and their gradients reduced by one reduce_scatter once backward has given each of them (add_grad).
+  void add_unit(const std::vector<Param*>& ps);
   // Bytes the parameters take, by kind, before they are made (the pre-flight estimate uses it too): the
   // whole set as the lesson lays it out, or one tensor sharded by rows (zero 2 and 3; the zero lesson's way).
   struct Bytes {
@@ -146,6 +156,16 @@ class DataParallel {
   };
   Gathered gather(Param& p);
   Tensor get(Gathered& g);
+  // The same for several parameters; a unit's, with zero 3, by one all_gather (all of a unit's, in the
+  // order add_unit was given them).
+  struct GatheredUnit {
+    std::vector<Gathered> each;  // one gather per parameter, unless gathered as a unit
+    int unit = -1;
+    Tensor in, flat;  // the unit's shards concatenated, and [dp, their elements] from every rank
+    Work work;
+  };
+  GatheredUnit gather(const std::vector<Param*>& ps);
+  std::vector<Tensor> get(GatheredUnit& g);
 
   // A micro-batch's gradient (any dtype, the local part's shape) into the parameter's gradient. An undefined
   // `g` is one its GEMM already summed into wgrad_into(p).
@@ -196,6 +216,20 @@ class DataParallel {
     Param* p;
     Tensor out, in;
     Work work;
+  };
+  // Zero 2 and 3: a reduce_scatter of the gradients of `ps` (one parameter's, or a unit's laid out rank by
+  // rank) into `out`, this rank's shard of each in turn.
+  struct Reduction {
+    std::vector<Param*> ps;
+    Tensor out, in;
+    Work work;
+  };
+  struct Unit {
+    std::vector<Param*> ps;
+    std::vector<std::int64_t> offset;  // of each parameter's shard in the unit's shard
+    std::int64_t shard_elements = 0;
+    std::vector<Tensor> grads;  // this micro-batch's, padded, until each has come
+    std::size_t received = 0;
   };
   struct Bucket {
     std::vector<Param*> params;
@@ -250,13 +284,15 @@ class DataParallel {
   // The 16-bit weights of `p` from the all_gather of its shards (`whole`, padded rows and all).
   void take_gathered(Param& p, const Tensor& whole);
   void issue_gathers(int bucket);
+  void reduce_unit(Unit& u);
 
   Rank& r_;
   ZeroConfig c_;
   ExposedComm& exposed_;
-  std::vector<Pending> pending_;  // zero 2, 3: this task's reduce-scatters
-  std::vector<Bucket> buckets_;   // in backward order
-  int next_gather_bucket_ = 0;    // in forward order: buckets_.size() - 1 down to 0
+  std::vector<Reduction> pending_;  // zero 2, 3: this task's reduce-scatters
+  std::vector<Unit> units_;
+  std::vector<Bucket> buckets_;  // in backward order
+  int next_gather_bucket_ = 0;   // in forward order: buckets_.size() - 1 down to 0
 };
 
 }  // namespace ranklab::parallel
