@@ -396,6 +396,29 @@ TEST(Gpt, ZeroGathersAndReducesABlockAsOneUnit) {
   }
 }
 
+// With --overlap-grad-reduce a unit's reduce-scatter is waited for when the next unit's is issued, so what
+// the overlap adds to the peak (the gradients waiting to be reduced) is a unit's worth however many blocks
+// the stage has.
+TEST(Gpt, OverlappedReductionsKeepOneUnitOfGradientsWaiting) {
+  for (int zero : {2, 3}) {
+    auto peak = [&](int layers, bool overlap) {
+      Settings o = tiny();
+      o["world"] = option_text(2);
+      o["zero"] = option_text(zero);
+      o["layers"] = option_text(layers);
+      o["overlap-grad-reduce"] = option_text(overlap);
+      o["hidden"] = option_text(1024);  // gradients that outweigh the tiny model's activations
+      o["phantom"] = option_text(true);
+      o["steps"] = option_text(1);
+      return run_gpt(o).ranks.at(0).peak_bytes;
+    };
+    SCOPED_TRACE("zero " + std::to_string(zero));
+    const std::int64_t added_by_2 = peak(2, true) - peak(2, false),
+                       added_by_8 = peak(8, true) - peak(8, false);
+    EXPECT_EQ(added_by_8, added_by_2);  // waiting a task later, 8 blocks added 5 to 13 times what 2 did
+  }
+}
+
 TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
   Settings o;
   o["world"] = option_text(8);

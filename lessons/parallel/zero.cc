@@ -288,6 +288,7 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
     if (++u.received == u.ps.size()) reduce_unit(u);
     return;
   }
+  if (c_.overlap_grad_reduce) drain();  // one reduction in flight at a time (reduce_unit)
   Reduction q{{&p}, buffer(r_, c_.phantom, rows_shape(p.local, p.shard_rows), c_.reduce_dtype), t, Work()};
   q.work = r_.reduce_scatter(q.out, t, dp_op(), Async::Yes, c_.dp);
   exposed_.communicated(Dim::Dp, q.work);
@@ -296,6 +297,10 @@ void DataParallel::add_grad(Param& p, const Tensor& g) {
 }
 
 void DataParallel::reduce_unit(Unit& u) {
+  // With overlap_grad_reduce the previous reduction runs beside this unit's backward and is waited for
+  // here, before this one's input is made: FSDP2 keeps one reduce-scatter in flight (its
+  // reduce_scatter_state), so that the unsharded gradients waiting to be reduced stay one unit's worth.
+  if (c_.overlap_grad_reduce) drain();
   // Row j of the input: every gradient's j-th shard in turn, so that rank j receives its shards' sums.
   std::vector<Tensor> parts;
   for (std::size_t k = 0; k < u.ps.size(); ++k) {

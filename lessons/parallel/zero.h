@@ -45,8 +45,9 @@
 //                          backward makes it and wait at once; zero 1 and 2 all-gather the updated weights
 //                          at the end of the step; zero 3 gathers a layer's weights when it needs them.
 //   overlap_grad_reduce    a bucket's reduction starts when its last gradient of the step is final, while
-//                          the layers below it are still in backward (zero 0, 1); each micro-batch's
-//                          reduce-scatters are waited on one task later (zero 2, 3).
+//                          the layers below it are still in backward (zero 0, 1); a unit's
+//                          reduce-scatter runs beside the next unit's backward and is waited for when
+//                          that one's is issued, the task's last one by the next task (zero 2, 3).
 //   overlap_param_gather   zero 1 and 2: the step's first bucket's all_gather starts as the next step
 //                          begins and each bucket's forward starts the next one's, so the forward waits only
 //                          for what has not arrived (Megatron's forward pre-hook); zero 3: the next layer's
@@ -180,7 +181,7 @@ class DataParallel {
   // These parameters' gradients are final for this step (their last micro-batch's backward is done); a
   // bucket whose gradients all are starts its reduction (overlap_grad_reduce).
   void grads_ready(const std::vector<Param*>& ps);
-  // Waits for the reductions ZeRO 2 and 3 started one task ago.
+  // Waits for the reductions ZeRO 2 and 3 have in flight (the last one of the previous backward task).
   void drain();
   // After the last backward: starts the reductions not started yet and waits for every one, then adds the
   // gradients of sequence-parallel parameters over tp and those of the tied embedding over its two stages.
