@@ -57,17 +57,19 @@ std::string number_range(const OptionSpec& spec, const std::string& range) {
   return range.empty() ? "a finite number" : "a finite number " + range;
 }
 
-[[noreturn]] void out_of_range(const OptionSpec& spec, const std::string& text, const std::string& who,
-                               const std::string& range) {
-  throw UsageError(
-      fmt::format("{}--{} must be {} (got {})", prefix(who), spec.flag, number_range(spec, range), text));
-}
-
 bool below_min(const OptionSpec& spec, double v) {
   return spec.min && (spec.min_open ? !(v > *spec.min) : !(v >= *spec.min));
 }
 bool above_max(const OptionSpec& spec, double v) {
   return spec.max && (spec.max_open ? !(v < *spec.max) : !(v <= *spec.max));
+}
+
+// `high`: the value is above the declared maximum, whose reason (a cap on work) the error then gives.
+[[noreturn]] void out_of_range(const OptionSpec& spec, const std::string& text, const std::string& who,
+                               const std::string& range, bool high = false) {
+  const std::string why = high && !spec.max_why.empty() ? ": " + spec.max_why : "";
+  throw UsageError(fmt::format("{}--{} must be {} (got {}){}", prefix(who), spec.flag,
+                               number_range(spec, range), text, why));
 }
 
 }  // namespace
@@ -97,15 +99,14 @@ std::int64_t read_integer(const OptionSpec& spec, const std::string& text, const
   // Past the type's range, the message says what the type holds too.
   const std::string wide = range_within(spec, type_min, type_max);
   if (ec == std::errc::result_out_of_range || (ec == std::errc() && (v < type_min || v > type_max))) {
-    if (at == end) out_of_range(spec, text, who, wide);
+    if (at == end) out_of_range(spec, text, who, wide, text[0] != '-');
   }
   if (ec != std::errc() || at != end) {
     throw UsageError(fmt::format("{}--{} takes a whole number{} (got '{}')", prefix(who), spec.flag,
                                  range.empty() ? "" : ", " + range, text));
   }
-  if (below_min(spec, static_cast<double>(v)) || above_max(spec, static_cast<double>(v))) {
-    out_of_range(spec, text, who, range);
-  }
+  if (below_min(spec, static_cast<double>(v))) out_of_range(spec, text, who, range);
+  if (above_max(spec, static_cast<double>(v))) out_of_range(spec, text, who, range, true);
   return v;
 }
 
@@ -125,7 +126,8 @@ double read_number(const OptionSpec& spec, const std::string& text, const std::s
   // A number that would not fit the type it ends up in (1e39 as a float) is refused here, not turned
   // into infinity later.
   if (std::fabs(v) > type_max) out_of_range(spec, text, who, range_within(spec, -type_max, type_max));
-  if (below_min(spec, v) || above_max(spec, v)) out_of_range(spec, text, who, range);
+  if (below_min(spec, v)) out_of_range(spec, text, who, range);
+  if (above_max(spec, v)) out_of_range(spec, text, who, range, true);
   return v;
 }
 

@@ -57,6 +57,9 @@ struct OptionSpec {
   // type's own range always applies: an int member refuses 2^31 even without a maximum here.
   std::optional<double> min, max;
   bool min_open = false, max_open = false;
+  // Why there is a maximum, where it caps work rather than meaning ("each layer is simulated kernel by
+  // kernel ..."): said with the error of a value above it.
+  std::string max_why;
   // A Text option that may also be given alone (`--symmetric` is `--symmetric tp-dp`): that value.
   std::string implicit;
   // Part of the run's identity: recorded in report.json, compared by `ranklab compare`, set again when
@@ -99,6 +102,11 @@ class Option {
   Option& at_least(double v) { return spec_.min = v, spec_.min_open = false, *this; }
   Option& above(double v) { return spec_.min = v, spec_.min_open = true, *this; }
   Option& at_most(double v) { return spec_.max = v, spec_.max_open = false, *this; }
+  // A cap on work, not a bound of meaning: the error of a value above it says `why`.
+  Option& at_most(double v, std::string why) {
+    spec_.max_why = std::move(why);
+    return at_most(v);
+  }
   Option& below(double v) { return spec_.max = v, spec_.max_open = true, *this; }
   Option& choices(std::vector<std::string> c) { return spec_.choices = std::move(c), *this; }
   Option& implicit(std::string v) { return spec_.implicit = std::move(v), *this; }

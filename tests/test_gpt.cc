@@ -444,6 +444,20 @@ TEST(Gpt, OutOfMemoryBeforeAllocatingNamesTheLargestPartAndAFix) {
 // ---- the clear errors
 // ----------------------------------------------------------------------------------------
 
+// The counts that scale the simulation's work are capped, and the error says the cap and why, instead of a
+// run that allocates for minutes or simulates for hours without a word.
+TEST(Gpt, CountsThatScaleWorkAreCappedWithTheReason) {
+  Settings o = tiny();
+  o["phantom"] = option_text(true);
+  o["layers"] = option_text(100'000'000);
+  expect_usage_error(o,
+                     "--layers must be at least 1 and at most 4096 (got 100000000): each layer is simulated");
+  o["layers"] = option_text(4096);
+  o["global-batch"] = option_text(4 * 65537);  // world 4: dp 4, micro-batch 1
+  o["micro-batch"] = option_text(1);
+  expect_usage_error(o, "65537 micro-batches per pipeline, more than the 65536 this lesson takes: each is");
+}
+
 TEST(Gpt, BadOptionsNameTheOption) {
   Settings o = tiny();
   o["world"] = option_text(8);

@@ -93,7 +93,11 @@ const OptionTable<Config>& options_table() {
                 "the transformer block: gpt (layernorm, GELU MLP, biases, learned positions, tied output) or "
                 "llama (RMSNorm, SwiGLU, grouped-query attention, rotary positions, untied output)",
                 {{"gpt", Block::Gpt}, {"llama", Block::Llama}}),
-      Option<O>("layers", &O::layers, "transformer blocks").at_least(1),
+      Option<O>("layers", &O::layers, "transformer blocks")
+          .at_least(1)
+          .at_most(kMaxLayers,
+                   "each layer is simulated kernel by kernel and its parameters held by every rank of its "
+                   "stage; the deepest published models have about a hundred"),
       Option<O>("hidden", &O::hidden, "model width").at_least(1),
       Option<O>("heads", &O::heads, "attention heads (divisible by --tp)").at_least(1),
       Option<O>("kv-heads", &O::kv_heads,
@@ -422,6 +426,13 @@ Config resolve(Config c, int world) {
                     c.global_batch, c.micro_batch, c.dp, c.micro_batch * c.dp));
   }
   const std::int64_t m = c.micro_batches();
+  if (m > kMaxMicroBatches) {
+    throw UsageError(fmt::format(
+        "gpt: m = global / (micro x dp) = {} / ({} x {}) = {} micro-batches per pipeline, more than the {} "
+        "this lesson takes: each is simulated task by task, kernel by kernel, every step (the largest "
+        "published steps run hundreds per pipeline; `ranklab plan` screens long steps from two short ones)",
+        c.global_batch, c.micro_batch, c.dp, m, kMaxMicroBatches));
+  }
   if (c.v > 1 && m % c.pp != 0) {
     throw UsageError(fmt::format(
         "gpt: --interleave {} needs the micro-batches per pipeline, m = global / (micro x dp) = {} / ({} x "

@@ -22,6 +22,10 @@ const char* recompute_name(Recompute r);
 enum class Block { Gpt, Llama };
 const char* block_name(Block b);
 
+// Caps on the counts that scale the simulation's work, far above any published run (each error says so).
+constexpr std::int64_t kMaxLayers = 4096;
+constexpr std::int64_t kMaxMicroBatches = 65536;  // per pipeline and step
+
 struct Config : LessonOptions {
   std::string model;  // the preset that filled the shape ("gpt3-175b"), or "" for none
   Block block = Block::Gpt;
