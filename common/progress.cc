@@ -24,7 +24,11 @@ std::string progress_line(const std::string& label, std::int64_t done, std::int6
 }
 
 Progress::Progress(std::string label, std::int64_t total, std::FILE* out)
-    : Progress(std::move(label), total, out, out != nullptr && isatty(fileno(out)) == 1) {}
+    : Progress(std::move(label), total, out, on_terminal(out)) {}
+
+bool Progress::on_terminal(std::FILE* out) {
+  return out != nullptr && isatty(fileno(out)) == 1;
+}
 
 Progress::Progress(std::string label, std::int64_t total, std::FILE* out, bool enabled)
     : label_(std::move(label)), total_(total), out_(out), enabled_(enabled && out != nullptr) {

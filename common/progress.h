@@ -23,8 +23,10 @@ class Progress {
  public:
   // Shows progress on `out` when it is a terminal. `total` 0 means the amount of work is not known.
   explicit Progress(std::string label, std::int64_t total = 0, std::FILE* out = stderr);
-  // As above, but shown or not as `enabled` says (tests, or a --progress flag).
+  // As above, but shown or not as `enabled` says (tests, or a --progress flag; on_terminal(out) and a
+  // condition of the caller's).
   Progress(std::string label, std::int64_t total, std::FILE* out, bool enabled);
+  static bool on_terminal(std::FILE* out = stderr);
   ~Progress();
   Progress(const Progress&) = delete;
   Progress& operator=(const Progress&) = delete;

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/lesson.h"
+#include "common/progress.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/check.h"
 #include "lessons/gpt/config.h"
@@ -72,6 +73,14 @@ void gpt_lesson(Rank& r, const Config& o) {
   // The ranks of data-parallel replica 0 time their tasks and communication waits: the replicas run the
   // same schedule on the same layout, and timing one of them costs the simulation 1/dp of the events.
   const bool measures = me.dp == 0;
+  // A large step simulates for minutes: rank 0 says how far it got (on a terminal only, not with --quiet).
+  const std::int64_t tasks_per_step = 2 * c.micro_batches() * c.v;
+  Progress progress("gpt", c.steps * tasks_per_step, stderr,
+                    r.rank() == 0 && !c.quiet && Progress::on_terminal());
+  std::int64_t tasks_done = 0;
+  auto task_done = [&](int step) {
+    progress.update(++tasks_done, fmt::format("tasks of rank 0, step {} of {}", step, c.steps));
+  };
   for (int step = 1; step <= c.steps; ++step) {
     const bool timed = step == c.steps;
     if (step > 1) dp.zero_grads(params);
@@ -93,11 +102,14 @@ void gpt_lesson(Rank& r, const Config& o) {
         Tensor out = model.forward(t, in);
         // (The tensors themselves: memory_allocated() would also see a send finishing meanwhile.)
         if (step == 1 && t.mb == 0) stash_measured_bytes[t.chunk] = model.kept_bytes(t.chunk, t.mb);
+        task_done(step);
         return out;
       };
       auto backward = [&](const parallel::Task& t, const Tensor& dout) {
         auto scope = r.region(task_region(t, c.v));
-        return model.backward(t, dout);
+        Tensor dx = model.backward(t, dout);
+        task_done(step);
+        return dx;
       };
       pipe.run(Shape{c.local_rows(), c.hidden}, c.dtype, forward, backward, timed && measures);
       // Then the gradients reduced over dp and AdamW on this rank's part, as the ZeRO stage says.
