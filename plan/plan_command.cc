@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -102,6 +103,13 @@ Question make_question(const Request& r) {
   if (!q.profile.nodes_at.empty() && r.nodes != q.profile.nodes) {
     throw UsageError(fmt::format("--nodes {} contradicts the profile's 'nodes = {}' ({}); drop one of them",
                                  r.nodes, q.profile.nodes, q.profile.nodes_at));
+  }
+  const std::int64_t world = std::int64_t{r.nodes} * q.profile.gpus_per_node;
+  if (world > std::numeric_limits<int>::max()) {
+    throw UsageError(
+        fmt::format("plan: --nodes {} x {} GPUs per node ({}) = {} ranks, more than a world holds "
+                    "({})",
+                    r.nodes, q.profile.gpus_per_node, r.profile, world, std::numeric_limits<int>::max()));
   }
   q.profile.nodes = r.nodes;
   // The shape and dtype on one rank: the lesson's checks of everything that is not the layout.

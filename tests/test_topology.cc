@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "common/errors.h"
 #include "common/profile.h"
 #include "sim/net/algorithms.h"
 #include "sim/net/topology.h"
@@ -257,6 +258,18 @@ TEST(Topology, OversubscribedLeaves) {
   const Topology t(p);
   EXPECT_EQ(t.nodes_per_leaf(), 48);
   EXPECT_EQ(t.uplinks_per_leaf(), 16);
+}
+
+// Nodes times GPUs past an int is refused with the product, not wrapped into a topology of no links.
+TEST(Topology, MoreGpusThanAWorldHoldsIsRefused) {
+  try {
+    Topology t(profile("dgx-h100", 300'000'000));
+    FAIL() << "no error";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("300000000 nodes of 8 GPUs (dgx-h100) are 2400000000 GPUs"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(Topology, Nvl72IsOneNvlinkDomain) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/errors.h"
 
@@ -23,9 +24,14 @@ const char* tier_name(Tier t) {
 
 Topology::Topology(const Profile& profile)
     : profile_(profile), nodes_(std::max(1, profile.nodes)), gpus_per_node_(profile.gpus_per_node) {
-  const int gpus = nodes_ * gpus_per_node_;
-  const int switches = nodes_ * pcie_switches_per_node();
-  const int nics = nodes_ * nics_per_node();
+  // Ranks and GPUs are ints: a count past that range is refused, not wrapped.
+  const std::int64_t gpus = std::int64_t{nodes_} * gpus_per_node_;
+  if (gpus > std::numeric_limits<int>::max()) {
+    throw UsageError(fmt::format("{} nodes of {} GPUs ({}) are {} GPUs, more than a world holds ({})", nodes_,
+                                 gpus_per_node_, profile_.name, gpus, std::numeric_limits<int>::max()));
+  }
+  const std::int64_t switches = std::int64_t{nodes_} * pcie_switches_per_node();
+  const std::int64_t nics = std::int64_t{nodes_} * nics_per_node();
 
   // The fat tree, sized for this many nodes. A leaf gives `down` ports to nodes and the rest to spines,
   // in the profile's oversubscription ratio (1:1 is the non-blocking fabric of the DGX SuperPOD designs).
