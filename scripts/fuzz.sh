@@ -8,7 +8,7 @@ seconds="${1:-30}"
 jobs="${JOBS:-2}"
 CC="${CC:-clang}" CXX="${CXX:-clang++}" cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DRANKLAB_FUZZ=ON -DRANKLAB_TESTS=OFF -DRANKLAB_BENCH=OFF -DRANKLAB_CUDA=OFF >/dev/null
-targets=(profile report measurements)
+targets=(profile report measurements command_line)
 cmake --build build-fuzz -j"$jobs" --target "${targets[@]/#/fuzz_}"
 mkdir -p build-fuzz/crashes
 status=0
