@@ -20,6 +20,12 @@ namespace ranklab::check {
 
 // How far a rank's numbers are from the reference's: the worst element found, in the measure of its check
 // (a fraction of the element's rounding bound, or a relative difference), and where it was.
+// |got - want| / |want|, and 0 where they are equal: a loss of exactly 0 (a vocabulary of one token)
+// agrees with a want of 0 instead of reading as 0/0; a got of anything else against 0 is infinitely off.
+inline double relative_difference(double got, double want) {
+  return got == want ? 0.0 : std::abs(got - want) / std::abs(want);
+}
+
 struct Agreement {
   double worst = 0;
   std::string where;  // that element: what it is, expected and actual with full digits

@@ -458,6 +458,25 @@ TEST(Gpt, CountsThatScaleWorkAreCappedWithTheReason) {
   expect_usage_error(o, "65537 micro-batches per pipeline, more than the 65536 this lesson takes: each is");
 }
 
+// Legal inputs at the edges either pass the lesson's own check or are refused with the reason: a vocabulary
+// of one token has a loss of exactly 0, which agrees with the reference's 0 (not 0/0); a 16-bit layernorm
+// over 2 features has nothing but rounding to learn from.
+TEST(Gpt, EdgeInputsPassTheCheckOrAreRefused) {
+  Settings o = tiny();
+  o["world"] = option_text(1);
+  o["vocab"] = option_text(1);
+  const RunReport one_token = run_gpt(o);
+  EXPECT_TRUE(one_token.all_checks_passed()) << testing::failed_checks(one_token);
+  o = tiny();
+  o["world"] = option_text(1);
+  o["hidden"] = option_text(2);
+  o["heads"] = option_text(1);
+  expect_usage_error(o, "--hidden 2: a layernorm over fewer than 3 features");
+  o["dtype"] = option_text("fp32");
+  const RunReport float32 = run_gpt(o);
+  EXPECT_TRUE(float32.all_checks_passed()) << testing::failed_checks(float32);
+}
+
 TEST(Gpt, BadOptionsNameTheOption) {
   Settings o = tiny();
   o["world"] = option_text(8);

@@ -123,7 +123,7 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
   Tensor total = r_.cast(model.loss_sum, DType::Float32);
   r_.all_reduce(total, ReduceOp::Sum, Async::No, dp_group);
   const double got = r_.to_host(total)[0] / static_cast<double>(c_.tokens_per_step());
-  const double want = ref_->loss(step), rel = std::fabs(got - want) / std::fabs(want);
+  const double want = ref_->loss(step), rel = check::relative_difference(got, want);
   losses.push_back(got);
   loss.merge(rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, got, want, rel));
 }
