@@ -415,10 +415,10 @@ Config resolve(Config c, int world) {
   }
   if (!c.phantom && !c.llama() && c.dtype != DType::Float32 && c.hidden < 3) {
     throw UsageError(fmt::format(
-        "gpt: --hidden {}: a layernorm over fewer than 3 features makes every row the same values whatever "
-        "it "
-        "held (0, or -1 and 1), so the gradients are {}'s rounding noise, which AdamW turns into full-size "
-        "updates that the one-device check cannot match; give --hidden 3 or more, --dtype fp32, or --phantom",
+        "gpt: --hidden {}: a layernorm over fewer than 3 features makes every row the same values "
+        "whatever it held (0, or -1 and 1), so the gradients are {}'s rounding noise, which AdamW turns "
+        "into full-size updates that the one-device check cannot match; give --hidden 3 or more, --dtype "
+        "fp32, or --phantom",
         c.hidden, dtype_name(c.dtype)));
   }
   resolve_overlaps(c);

@@ -160,8 +160,8 @@ class Model {
   void embed_backward(int mb, const Tensor& dx, bool last);
   void head_forward(int mb, const Tensor& x, HeadActs& h);
   Tensor head_backward(int mb, HeadActs& h, bool last);
-  std::vector<parallel::Param*> block_param_list(
-      Block& b) const;  // in the order the unit of zero 2 and 3 holds them
+  // A block's parameters, in the order zero 2 and 3 hold them in the block's unit.
+  std::vector<parallel::Param*> block_param_list(Block& b) const;
   parallel::DataParallel::GatheredUnit gather(Block& b);
   parallel::Param& param(ParamId id);
   Weights get(parallel::DataParallel::GatheredUnit& g);

@@ -41,9 +41,10 @@
 // Overlap, as Megatron-LM and FSDP schedule it:
 //
 //   plain                  zero 0 and 1 reduce every bucket after the last backward, the compute stream
-//                          waiting for each; zero 2 and 3 reduce-scatter each micro-batch's gradient as
-//                          backward makes it and wait at once; zero 1 and 2 all-gather the updated weights
-//                          at the end of the step; zero 3 gathers a layer's weights when it needs them.
+//                          waiting for each; zero 2 and 3 reduce-scatter each micro-batch's gradients as
+//                          backward makes them, a unit at a time, and wait at once; zero 1 and 2 all-gather
+//                          the updated weights at the end of the step; zero 3 gathers a layer's weights when
+//                          it needs them.
 //   overlap_grad_reduce    a bucket's reduction starts when its last gradient of the step is final, while
 //                          the layers below it are still in backward (zero 0, 1); a unit's
 //                          reduce-scatter runs beside the next unit's backward and is waited for when
@@ -290,7 +291,7 @@ class DataParallel {
   Rank& r_;
   ZeroConfig c_;
   ExposedComm& exposed_;
-  std::vector<Reduction> pending_;  // zero 2, 3: this task's reduce-scatters
+  std::vector<Reduction> pending_;  // zero 2, 3: the reduce-scatters in flight
   std::vector<Unit> units_;
   std::vector<Bucket> buckets_;  // in backward order
   int next_gather_bucket_ = 0;   // in forward order: buckets_.size() - 1 down to 0
