@@ -371,9 +371,7 @@ void DataParallel::finish(const std::vector<Param*>& ps) {
 double DataParallel::clip_grads(const std::vector<Param*>& ps, double max_norm) {
   std::vector<Tensor> mine;
   for (Param* p : ps) {
-    if (p->spec.tp_dim < 0 && c_.tp_rank != 0) continue;
-    if (p->spec.tied && c_.embedding_group && !c_.counts_tied) continue;
-    if (!sharded_grads() && c_.dp_rank != 0) continue;
+    if (!counts_once(*p)) continue;
     const Held h = held(*p);
     mine.push_back(r_.view(h.grad, 0, Shape{h.count}));
   }
@@ -458,12 +456,18 @@ DataParallel::Held DataParallel::held(const Param& p) const {
   if (distributed_optimizer()) {
     const Bucket& b = buckets_[p.bucket];
     const InShard s = in_shard(p);  // (no elements at all on some ranks: then empty views, read alike)
-    return {s.first, s.count, r_.view(b.shard_grad, s.at, Shape{s.count}),
-            r_.view(b.master, s.at, Shape{s.count})};
+    auto part = [&](const Tensor& t) { return r_.view(t, s.at, Shape{s.count}); };
+    return {s.first, s.count, part(b.shard_grad), part(b.master), part(b.m), part(b.v)};
   }
-  if (flat() || !sharded()) return {0, p.local.numel(), p.grad, p.master};
+  if (flat() || !sharded()) return {0, p.local.numel(), p.grad, p.master, p.m, p.v};
   const std::int64_t cols = p.local.numel() / p.rows;
-  return {shard_first_row(p) * cols, shard_valid_rows(p) * cols, p.grad, p.master};
+  return {shard_first_row(p) * cols, shard_valid_rows(p) * cols, p.grad, p.master, p.m, p.v};
+}
+
+bool DataParallel::counts_once(const Param& p) const {
+  if (p.spec.tp_dim < 0 && c_.tp_rank != 0) return false;
+  if (p.spec.tied && c_.embedding_group && !c_.counts_tied) return false;
+  return sharded_grads() || c_.dp_rank == 0;
 }
 
 // ---- zero 2 and 3: shards of rows --------------------------------------------------------------------

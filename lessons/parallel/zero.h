@@ -188,11 +188,9 @@ class DataParallel {
   // gradients of sequence-parallel parameters over tp and those of the tied embedding over its two stages.
   void finish(const std::vector<Param*>& ps);
   // Gradient clipping by the global norm: the squares of every gradient element this rank holds, each
-  // parameter's counted once over the world (a tensor every tp rank holds whole on tp rank 0 only, the tied
-  // embedding on its first stage only, zero 0's gradients, the same on every dp rank, on dp rank 0 only),
-  // summed over the world; the host reads the norm (it waits for the stream, as Megatron's does), and when
-  // it exceeds `max_norm` every gradient is scaled by max_norm / (norm + 1e-6). Returns the norm (0 for
-  // phantom tensors).
+  // parameter's counted once over the world (counts_once), summed over the world; the host reads the norm (it
+  // waits for the stream, as Megatron's does), and when it exceeds `max_norm` every gradient is scaled by
+  // max_norm / (norm + 1e-6). Returns the norm (0 for phantom tensors).
   double clip_grads(const std::vector<Param*>& ps, double max_norm);
   // AdamW on this rank's part, then the 16-bit weights rebuilt (all_gather for zero 1 and 2, at once or,
   // with overlap_param_gather, during the next step's forward).
@@ -203,13 +201,17 @@ class DataParallel {
   void finish_gathers();
 
   // The part of a parameter's local part this rank reduces and updates, between finish() and the next
-  // step: elements [first, first + count) of the local part (row-major), their reduced gradient and their
-  // float32 master (each holding at least `count` elements, the first of them `first`'s).
+  // step: elements [first, first + count) of the local part (row-major), their reduced gradient, their
+  // float32 master and Adam's moments (each holding at least `count` elements, the first of them `first`'s).
   struct Held {
     std::int64_t first = 0, count = 0;
-    Tensor grad, master;
+    Tensor grad, master, m, v;
   };
   Held held(const Param& p) const;
+  // Whether this rank's held part of `p` is counted for the world, each element on exactly one rank: a
+  // tensor every tp rank holds whole on tp rank 0 only, the tied embedding on its first stage only, what
+  // every dp rank holds alike (zero 0) on dp rank 0 only.
+  bool counts_once(const Param& p) const;
 
  private:
   // An operation in flight on the dp group: a reduction of `p`'s gradient into `out`, or a gather of its
