@@ -477,6 +477,16 @@ TEST(Gpt, EdgeInputsPassTheCheckOrAreRefused) {
   EXPECT_TRUE(float32.all_checks_passed()) << testing::failed_checks(float32);
 }
 
+// Each step is checked from the run's own state (reference.h): a correct bf16 run drifts from an exact
+// trajectory as it trains, and against an independent one these twelve steps failed at the tenth.
+TEST(Gpt, ManyStepsAreCheckedFromTheRunsOwnState) {
+  Settings o = tiny();
+  o["world"] = option_text(2);
+  o["steps"] = option_text(12);
+  const RunReport rep = run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
 TEST(Gpt, BadOptionsNameTheOption) {
   Settings o = tiny();
   o["world"] = option_text(8);

@@ -24,17 +24,19 @@ Tolerance tolerance(DType d) {
 
 namespace {
 
-// Elements [first, first + count) (row-major) of a rank's tensor-parallel part of a full reference tensor.
-std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
-                               std::int64_t count) {
+// Where element `e` (row-major) of a rank's tensor-parallel part of a parameter lies in the full tensor.
+std::int64_t full_index(const Param& p, std::int64_t e) {
   const Shape& f = p.spec.full;
   const std::int64_t cols = f.ndim() == 2 ? p.local[1] : 1, full_cols = f.ndim() == 2 ? f[1] : 1;
   const std::int64_t row0 = p.spec.tp_dim == 0 ? p.tp_start : 0, col0 = p.spec.tp_dim == 1 ? p.tp_start : 0;
+  return (row0 + e / cols) * full_cols + col0 + e % cols;
+}
+
+// Elements [first, first + count) of a rank's tensor-parallel part of a full reference tensor.
+std::vector<double> local_part(const std::vector<double>& full, const Param& p, std::int64_t first,
+                               std::int64_t count) {
   std::vector<double> out(count);
-  for (std::int64_t e = 0; e < count; ++e) {
-    const std::int64_t i = (first + e) / cols, j = (first + e) % cols;
-    out[e] = full[(row0 + i) * full_cols + col0 + j];
-  }
+  for (std::int64_t e = 0; e < count; ++e) out[e] = full[full_index(p, first + e)];
   return out;
 }
 
@@ -69,9 +71,47 @@ OneDeviceCheck::OneDeviceCheck(Rank& r, const Config& c, const parallel::Layout:
   if (!c.phantom) ref_ = Reference::get(c);
 }
 
+Reference::State OneDeviceCheck::gather_state(Model& model, const parallel::DataParallel& dp) {
+  // One flat buffer of every parameter of the full model, in the reference's order, three times (values,
+  // m, v): each rank writes the elements it holds and counts (every element on one rank), the others are
+  // zero, and a sum over the world puts the whole state on every rank. float32 values and zeros add exactly.
+  std::vector<std::int64_t> at(ref_->params() + 1, 0);
+  for (int i = 0; i < ref_->params(); ++i) at[i + 1] = at[i] + ref_->numel(i);
+  const std::int64_t total = at.back();
+  std::vector<float> mine(3 * total, 0.0f);
+  for (const Model::Named& n : model.named_params()) {
+    const Param& p = *n.p;
+    if (!dp.counts_once(p)) continue;
+    const parallel::DataParallel::Held held = dp.held(p);
+    const std::int64_t base = at[ref_->index(n.kind, n.layer)];
+    int part = 0;
+    for (const Tensor* t : {&held.master, &held.m, &held.v}) {
+      const std::vector<float> values = r_.to_host(*t);
+      for (std::int64_t e = 0; e < held.count; ++e)
+        mine[part * total + base + full_index(p, held.first + e)] = values[e];
+      ++part;
+    }
+  }
+  Tensor all = r_.from_host(Shape{3 * total}, mine);
+  r_.all_reduce(all, ReduceOp::Sum);
+  const std::vector<float> sum = r_.to_host(all);
+  Reference::State s;
+  for (auto* v : {&s.w, &s.m, &s.v}) v->resize(ref_->params());
+  for (int i = 0; i < ref_->params(); ++i) {
+    int part = 0;
+    for (auto* v : {&s.w, &s.m, &s.v}) {
+      const float* first = sum.data() + part * total + at[i];
+      (*v)[i].assign(first, first + ref_->numel(i));
+      ++part;
+    }
+  }
+  return s;
+}
+
 void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataParallel& dp, Group dp_group) {
   if (!ref_) return;
   auto scope = r_.bookkeeping("check");
+  ref_->step(step, step == 1 ? nullptr : &state_);
   // Weight updates are compared over all of the rank's parameters together: Adam divides by the
   // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
   // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
@@ -86,11 +126,10 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
     auto compare = [&](const Tensor& t, bool is_grad) {
       std::vector<float> got = r_.to_host(t);
       got.resize(count);
-      const std::vector<double> want = local_part(
-          is_grad ? ref_->grad(step, n.kind, n.layer) : ref_->weight(step, n.kind, n.layer), p, first, count);
+      const std::vector<double> want =
+          local_part(is_grad ? ref_->grad(n.kind, n.layer) : ref_->weight(n.kind, n.layer), p, first, count);
       const std::vector<double> before =
-          is_grad ? std::vector<double>()
-                  : local_part(ref_->weight(step - 1, n.kind, n.layer), p, first, count);
+          is_grad ? std::vector<double>() : local_part(ref_->before(n.kind, n.layer), p, first, count);
       const TensorDifference d = difference(got, want, is_grad ? nullptr : &before);
       const std::string where = fmt::format(
           "rank {} (tp {}, dp {}, pp {}) {} {} element {} of its elements [{}, {}): got {:.9g}, want {:.9g}",
@@ -111,14 +150,17 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
     compare(held.grad, true);
     compare(held.master, false);
   }
-  // The weights' error builds up over the steps so far, so it is measured against the largest update among
-  // them: a step the schedule makes small (a learning rate decayed to 0) is not judged by its own update.
+  // A step's error is measured against the largest update so far: a step the schedule makes small (a
+  // learning rate decayed to 0) still rounds the weights it leaves alone, and is not judged by its own
+  // update.
   largest_update_ = std::max(largest_update_, step_update);
   const double wrel = std::sqrt(step_error / std::max(largest_update_, 1e-60));
   weight.merge(wrel,
                fmt::format("step {}: |got - want| {:.3e} over the largest |update| so far {:.3e} = {:.3e} "
                            "over the rank's parameters; most of it at {}",
                            step, std::sqrt(step_error), std::sqrt(largest_update_), wrel, most_where));
+  // The state the next step is checked from (every rank takes part).
+  if (step < c_.steps) state_ = gather_state(model, dp);
   if (!model.has_head()) return;
   Tensor total = r_.cast(model.loss_sum, DType::Float32);
   r_.all_reduce(total, ReduceOp::Sum, Async::No, dp_group);

@@ -55,7 +55,11 @@ class OneDeviceCheck {
   Rank& r_;
   const Config& c_;
   parallel::Layout::Coord me_;
-  std::shared_ptr<const Reference> ref_;
+  // The run's state after a step, whole on every rank: what the reference's next step starts from.
+  Reference::State gather_state(Model& model, const parallel::DataParallel& dp);
+
+  std::shared_ptr<Reference> ref_;
+  Reference::State state_;
   double largest_update_ =
       0;  // the largest squared norm of a step's update so far, over the rank's parameters
 };

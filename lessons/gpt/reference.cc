@@ -154,7 +154,8 @@ class Training {
   explicit Training(const Config& c);
   // Returns the step's loss (the mean over its tokens, before the update) and leaves its gradients in `g`.
   double step(int step, std::vector<Vec>& g);
-  const std::vector<Vec>& weights() const { return w_; }
+  Reference::State state() const { return {w_, m_, v_}; }
+  void set_state(const Reference::State& s) { w_ = s.w, m_ = s.m, v_ = s.v; }
 
  private:
   const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
@@ -587,28 +588,29 @@ void Training::adamw(int step, std::vector<Vec>& g) {
 }  // namespace
 
 Reference::Reference(const Config& cfg) : c_(cfg) {
+  initial_ = Training(c_).state();
+}
+
+void Reference::step(int step, const State* from) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const State& start = from ? *from : initial_;
+  if (step == step_ && start == from_) return;
   Training run(c_);
-  weights_.push_back(run.weights());  // step 0: the initial values
-  for (int step = 1; step <= c_.steps; ++step) {
-    std::vector<std::vector<double>> g;
-    loss_.push_back(run.step(step, g));
-    grads_.push_back(std::move(g));
-    weights_.push_back(run.weights());
-  }
+  run.set_state(start);
+  const double loss = run.step(step, grads_);
+  from_ = start;
+  after_ = run.state();
+  step_ = step;
+  losses_.resize(step);
+  losses_[step - 1] = loss;
 }
 
 int Reference::index(int kind, int layer) const {
   const int nb = block_params(c_);
   return kind < kBlockParams ? layer * nb + kind : c_.layers * nb + (kind - kBlockParams);
 }
-const std::vector<double>& Reference::grad(int step, int kind, int layer) const {
-  return grads_[step - 1][index(kind, layer)];
-}
-const std::vector<double>& Reference::weight(int step, int kind, int layer) const {
-  return weights_[step][index(kind, layer)];
-}
 
-std::shared_ptr<const Reference> Reference::get(const Config& c) {
+std::shared_ptr<Reference> Reference::get(const Config& c) {
   // Only what defines the problem goes into the key: the shape, the data, the optimizer, the steps, and
   // with dropout its probability and the micro-batch size (the masks follow the micro-batches' rows, as a
   // framework's random stream follows its kernels); the llama block's rotary base; the recipe.
@@ -619,10 +621,10 @@ std::shared_ptr<const Reference> Reference::get(const Config& c) {
   for (int step = 1; step <= c.steps; ++step) key += fmt::format(" {}", c.lr_at(step));
   static std::mutex mu;
   static std::string cached_key;
-  static std::shared_ptr<const Reference> cached;
+  static std::shared_ptr<Reference> cached;
   std::lock_guard<std::mutex> lock(mu);
   if (!cached || cached_key != key) {
-    cached = std::make_shared<const Reference>(c);
+    cached = std::make_shared<Reference>(c);
     cached_key = key;
   }
   return cached;

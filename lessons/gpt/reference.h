@@ -4,10 +4,10 @@
 // missing reduction or a mis-sliced shard all show up as a difference.
 //
 // Its own layout is the obvious one: row = sample * seq + position, qkv columns per head as the lesson's.
-// It is computed once per run, for every step, and shared by all ranks of a simulated run.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "lessons/gpt/config.h"
@@ -16,21 +16,42 @@ namespace ranklab::gpt {
 
 class Reference {
  public:
-  explicit Reference(const Config& c);
-  // The reference for `c`'s model, data and optimizer, made on first use.
-  static std::shared_ptr<const Reference> get(const Config& c);
+  // The training's state, every parameter of the full model in index() order: its values and Adam's two
+  // moments.
+  struct State {
+    std::vector<std::vector<double>> w, m, v;
+    bool operator==(const State&) const = default;
+  };
 
-  double loss(int step) const { return loss_[step - 1]; }  // mean over the step's tokens, before its update
-  // kind: a BlockParam, or kBlockParams + an OtherParam (then layer is -1). Full tensors, row-major.
-  const std::vector<double>& grad(int step, int kind, int layer) const;
-  // After the step's update; step 0: the initial values.
-  const std::vector<double>& weight(int step, int kind, int layer) const;
+  explicit Reference(const Config& c);
+  // The reference for `c`'s model, data and optimizer, shared by the ranks of a run (made on first use).
+  static std::shared_ptr<Reference> get(const Config& c);
+
+  // Step `step` (from 1) from `from`, the run's state after step - 1 as the ranks hold it together (nullptr
+  // at step 1: the initial values, which the run starts from too). Each step is checked from the run's own
+  // state, not from the reference's previous step: training amplifies differences, and a correct 16-bit
+  // run drifts from an exact trajectory step by step, while from the same start one step differs by its
+  // roundings only. Every rank asks for the same step from the same state; it is computed once.
+  void step(int step, const State* from);
+  // The mean over the step's tokens, before its update, of every step so far.
+  double loss(int step) const { return losses_[step - 1]; }
+  // Of the last step; kind: a BlockParam, or kBlockParams + an OtherParam (then layer is -1). Full tensors,
+  // row-major: the gradient, the values the step started from, and the values after its update.
+  const std::vector<double>& grad(int kind, int layer) const { return grads_[index(kind, layer)]; }
+  const std::vector<double>& before(int kind, int layer) const { return from_.w[index(kind, layer)]; }
+  const std::vector<double>& weight(int kind, int layer) const { return after_.w[index(kind, layer)]; }
+
+  int index(int kind, int layer) const;
+  int params() const { return static_cast<int>(initial_.w.size()); }
+  std::int64_t numel(int index) const { return static_cast<std::int64_t>(initial_.w[index].size()); }
 
  private:
-  int index(int kind, int layer) const;
   Config c_;
-  std::vector<double> loss_;
-  std::vector<std::vector<std::vector<double>>> grads_, weights_;  // [step][param]
+  State initial_, from_, after_;
+  int step_ = 0;  // the step from_, after_ and grads_ are of
+  std::vector<std::vector<double>> grads_;
+  std::vector<double> losses_;
+  std::mutex mu_;
 };
 
 }  // namespace ranklab::gpt
