@@ -446,6 +446,11 @@ class Rank {
   // them on the GPU, microseconds: the simulator's model of their shared SMs and HBM (docs/model.md). A
   // real GPU does not report it: 0 there.
   virtual double comm_slowed_compute_us() { return 0; }
+  // Device time this rank's compute stream has stood idle so far with nothing to run but the next kernel
+  // the host was still launching (each launch costs the host `launch_overhead_us`): where kernels are
+  // shorter than their launches the step is host-bound, and this is the time it loses. The simulator's; a
+  // real GPU does not report it: 0 there.
+  virtual double host_wait_us() { return 0; }
 
   // ---- the hardware ---------------------------------------------------------------------------------
   // The machine this rank's time is modelled on (the simulator) or that the run names to be compared

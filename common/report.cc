@@ -466,6 +466,15 @@ std::string format_summary(const RunReport& report) {
         "the most\n",
         human_time(slowed->comm_slowed_compute_us), slowed->rank);
   }
+  const auto host_bound = std::max_element(
+      report.ranks.begin(), report.ranks.end(),
+      [](const RankSummary& a, const RankSummary& b) { return a.host_wait_us < b.host_wait_us; });
+  if (host_bound != report.ranks.end() && host_bound->host_wait_us > 0) {
+    out += fmt::format(
+        "compute stream idle until the host had launched its next kernel: {} on rank {}, the most (of its "
+        "idle time)\n",
+        human_time(host_bound->host_wait_us), host_bound->rank);
+  }
   if (!report.collectives.empty()) {
     out += "\n";
     format_collectives(out, report.collectives);
@@ -543,6 +552,7 @@ struct Shape<RankSummary> {
       required("peak_bytes", &RankSummary::peak_bytes),
       required("capacity_bytes", &RankSummary::capacity_bytes),
       optional("comm_slowed_compute_us", &RankSummary::comm_slowed_compute_us),
+      optional("host_wait_us", &RankSummary::host_wait_us),
   };
 };
 

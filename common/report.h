@@ -100,6 +100,9 @@ struct RankSummary {
   // Simulator: device time compute kernels lost to communication kernels on the same GPU, which hold
   // some of its SMs and HBM bandwidth while they run (docs/model.md). 0 elsewhere.
   double comm_slowed_compute_us = 0;
+  // Simulator: device time the compute stream stood idle waiting for the host to launch its next kernel
+  // (Rank::host_wait_us). 0 elsewhere.
+  double host_wait_us = 0;
   std::int64_t peak_bytes = 0;
   std::int64_t capacity_bytes = 0;
 };

@@ -274,6 +274,7 @@ void SimWorld::launch_kernel(int rank, SpanName name, const KernelCost& cost) {
     drop_ops_over(s, s.pending_kernels.empty() ? start_us : s.compute_us);
   }
   if (s.pending_kernels.empty() && s.beside_ops.empty() && !after) {
+    s.host_wait_us += start_us - s.compute_us;  // the stream was free from compute_us on
     s.compute_us = start_us + cost.us();
     add_span(rank, SpanKind::Compute, name, start_us, s.compute_us);
     return;
@@ -337,6 +338,9 @@ bool SimWorld::try_settle(int rank, double& end_us) {
   for (std::size_t i = 0; i < settled; ++i) {
     const RankState::PendingKernel& k = s.pending_kernels[i];
     const double start_us = kernel_start_us(k, t_us);
+    // Idle for the host where its launch came after everything else the kernel waited for.
+    const double ready_us = std::max({t_us, k.after_us, k.after ? k.after->end_us : 0.0});
+    s.host_wait_us += std::max(0.0, k.host_us - ready_us);
     t_us = pending_ends_us_[i];
     add_span(rank, SpanKind::Compute, k.name, start_us, t_us);
     s.comm_slowed_compute_us += t_us - (start_us + k.cost.us());

@@ -95,6 +95,7 @@ class SimRank : public Rank {
   double elapsed_us(const Event& start, const Event& end) override;
   std::optional<double> elapsed_us_if_ended(const Event& start, const Event& end) override;
   double comm_slowed_compute_us() override { return world_.comm_slowed_compute_us(rank_); }
+  double host_wait_us() override { return world_.host_wait_us(rank_); }
   const Profile& profile() const override { return world_.profile(); }
   std::string collective_algorithm(CommOp op, std::int64_t bytes, int root) override {
     return world_.world_algorithm(op, bytes, root);

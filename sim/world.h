@@ -100,6 +100,8 @@ struct RankState {
   std::size_t outstanding_prune_at = 64;  // its size at which finished entries are next dropped
   // Device time the compute stream lost to communication kernels running beside it (launch_kernel).
   double comm_slowed_compute_us = 0;
+  // Device time the compute stream stood idle until the host had launched its next kernel (launch_kernel).
+  double host_wait_us = 0;
   // Kernels launched while communication they may overlap was in flight or not yet started, whose times
   // are not known yet: compute_us is where the first of them may start (SimWorld::settle_compute).
   struct PendingKernel {
@@ -203,6 +205,8 @@ class SimWorld {
   void settle_compute(int rank);
   // Device time the rank's compute stream lost to communication kernels running beside it.
   double comm_slowed_compute_us(int rank) const { return ranks_[rank]->comm_slowed_compute_us; }
+  // Device time the rank's compute stream stood idle waiting for the host's next launch.
+  double host_wait_us(int rank) const { return ranks_[rank]->host_wait_us; }
 
   // A rank's host clock and what moves it.
   double host_us(int rank) const { return ranks_[rank]->host_us; }

@@ -155,6 +155,7 @@ RunReport SimWorld::finish_report() {
     sum.rank = r;
     sum.end_us = s.host_us;
     sum.comm_slowed_compute_us = s.comm_slowed_compute_us;
+    sum.host_wait_us = s.host_wait_us;
     sum.peak_bytes = s.memory->peak;
     sum.capacity_bytes = s.memory->capacity;
     report_.ranks.push_back(sum);

@@ -29,6 +29,40 @@ std::string error_of(const std::function<void()>& fn) {
 
 // ---- clocks ----------------------------------------------------------------------------------------
 
+// Each launch costs the host launch_overhead_us before its kernel can start: kernels shorter than that
+// leave the compute stream idle for the difference each (a host-bound stream), longer ones only the first.
+TEST(Clocks, TheComputeStreamWaitsForTheHostWhereKernelsAreShorterThanTheirLaunches) {
+  const double launch_us = quiet_config().profile.gpu.launch_overhead_us;
+  auto host_wait_us = [](std::int64_t elements) {
+    return run_collect<double>(1, [&](Rank& r) {
+      Tensor a = r.phantom({elements});
+      r.synchronize();
+      const double before_us = r.host_wait_us();
+      for (int i = 0; i < 10; ++i) {
+        r.scale_(a, 2.0f);
+        r.synchronize();  // each alone: the stream is free when the next launch starts
+      }
+      return r.host_wait_us() - before_us;
+    })[0];
+  };
+  // Each of the 10 launches finds the stream free (synchronize) and the kernel starts one launch later.
+  EXPECT_DOUBLE_EQ(host_wait_us(16), 10 * launch_us);
+  EXPECT_DOUBLE_EQ(host_wait_us(1 << 26), 10 * launch_us);
+  // Back to back: a short kernel ends before the next launch, a long one long after it.
+  auto back_to_back_wait_us = [](std::int64_t elements) {
+    return run_collect<double>(1, [&](Rank& r) {
+      Tensor a = r.phantom({elements});
+      r.synchronize();
+      const double before_us = r.host_wait_us();
+      for (int i = 0; i < 10; ++i) r.scale_(a, 2.0f);
+      r.synchronize();
+      return r.host_wait_us() - before_us;
+    })[0];
+  };
+  EXPECT_GT(back_to_back_wait_us(16), 9 * 0.5 * launch_us);    // a few-us kernel: most of each launch idle
+  EXPECT_DOUBLE_EQ(back_to_back_wait_us(1 << 26), launch_us);  // 256 MiB passes: only the first launch
+}
+
 TEST(Clocks, BarrierBeforeSynchronizeMeasuresLessThanSynchronizeThenBarrier) {
   // Rank 1 has more device work. Timed the right way, rank 0 sees the slowest rank's end; timed with
   // the barrier first, rank 0's barrier passes before rank 1's kernels finish and it measures too little.

@@ -91,7 +91,7 @@ void gpt_lesson(Rank& r, const Config& o) {
     r.barrier();
     r.reset_peak_memory();
     exposed.enable(timed && measures);
-    const double start_us = r.now();
+    const double start_us = r.now(), host_wait_before_us = r.host_wait_us();
     const Event start = r.record_event();
     dp.start_step();
     {
@@ -130,6 +130,7 @@ void gpt_lesson(Rank& r, const Config& o) {
       // The schedule, task by task, for the report's chart: replica 0's ranks, which timed it.
       if (c.pp > 1 && measures) r.report_pipeline(pipe.tasks(start, start_us));
       measured.peak_bytes = r.memory_peak();
+      measured.host_wait_us = r.host_wait_us() - host_wait_before_us;
       exposed.enable(false);
     }
     check.compare_step(step, model, dp, groups.dp);

@@ -206,6 +206,13 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
   }
   if (!parts.empty())
     r.print("  communicated (the operations' own time, mean per rank of replica 0): " + parts);
+  if (mine.host_wait_us > 0) {
+    r.print(fmt::format(
+        "  waiting for the host: rank 0's compute stream stood idle {} ({:.1f}% of the step) until the "
+        "host had launched its next kernel{}",
+        human_time(mine.host_wait_us), 100 * mine.host_wait_us / step_us,
+        mine.host_wait_us > 0.5 * step_us ? ": most of the step, which is host-bound" : ""));
+  }
   r.print("  peak memory per stage, measured (planned):");
   each_shown_stage(r, c.pp, "    ", [&](int s) {
     const float peak_bytes = f.stage_peak_bytes[s];

@@ -28,6 +28,7 @@ struct StepMeasures {
   std::array<double, parallel::kDims> communicated_us{};  // the dimension's operations' own time
   parallel::PipelineTimes pipeline;                       // its tasks' busy time and the schedule's span
   std::int64_t peak_bytes = 0;                            // the rank's peak memory during the step
+  double host_wait_us = 0;  // the compute stream idle for the host's next launch (Rank::host_wait_us)
 };
 
 // The figures summed over the world. Only the ranks that measure (replica 0's) contribute, and each counts
