@@ -24,6 +24,15 @@ std::int64_t Profile::hbm_capacity_bytes() const {
   return static_cast<std::int64_t>(std::llround(gpu.hbm_capacity_gib * 1073741824.0));
 }
 
+int Profile::gpus_in(int node_count) const {
+  const std::int64_t gpus = std::int64_t{node_count} * gpus_per_node;
+  if (gpus > INT_MAX) {
+    throw UsageError(fmt::format("{} nodes x {} GPUs per node ({}) = {} GPUs, more than a world holds ({})",
+                                 node_count, gpus_per_node, name, gpus, INT_MAX));
+  }
+  return static_cast<int>(gpus);
+}
+
 namespace {
 
 namespace fs = std::filesystem;

@@ -130,7 +130,10 @@ struct Profile {
   NcclSpec nccl;
   double barrier_latency_us = 0;  // host rendezvous cost of barrier()
 
-  int max_world() const { return gpus_per_node * nodes; }
+  // The GPUs of `node_count` nodes of this profile, the most ranks a run on them has: UsageError naming
+  // both counts where the product is more than an int (a rank number) holds.
+  int gpus_in(int node_count) const;
+  int max_world() const { return gpus_in(nodes); }
   std::int64_t hbm_capacity_bytes() const;
 };
 

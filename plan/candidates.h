@@ -58,7 +58,7 @@ struct Question {
   bool tp_across_nodes = false;
   int max_interleave = 4;  // the most model chunks per pipeline rank tried
 
-  int world() const { return profile.gpus_per_node * profile.nodes; }
+  int world() const { return profile.max_world(); }
 };
 
 // One parallel layout. Its name is the one string the table, plan.json and --explain share:

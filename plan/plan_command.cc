@@ -8,7 +8,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <optional>
 #include <thread>
 
@@ -104,12 +103,10 @@ Question make_question(const Request& r) {
     throw UsageError(fmt::format("--nodes {} contradicts the profile's 'nodes = {}' ({}); drop one of them",
                                  r.nodes, q.profile.nodes, q.profile.nodes_at));
   }
-  const std::int64_t world = std::int64_t{r.nodes} * q.profile.gpus_per_node;
-  if (world > std::numeric_limits<int>::max()) {
-    throw UsageError(
-        fmt::format("plan: --nodes {} x {} GPUs per node ({}) = {} ranks, more than a world holds "
-                    "({})",
-                    r.nodes, q.profile.gpus_per_node, r.profile, world, std::numeric_limits<int>::max()));
+  try {
+    q.profile.gpus_in(r.nodes);  // more GPUs than a world holds
+  } catch (const UsageError& e) {
+    throw UsageError(fmt::format("plan: --nodes {}: {}", r.nodes, e.what()));
   }
   q.profile.nodes = r.nodes;
   // The shape and dtype on one rank: the lesson's checks of everything that is not the layout.

@@ -382,7 +382,7 @@ TEST(Plan, BadInputIsAClearUsageError) {
   r = Request{};
   r.nodes = 1'000'000'000;  // 8 x 10^9 GPUs: the product wrapped to a negative world
   expect_usage_error([&] { make_question(r); },
-                     "--nodes 1000000000 x 8 GPUs per node (dgx-h100) = 8000000000");
+                     "--nodes 1000000000: 1000000000 nodes x 8 GPUs per node (dgx-h100) = 8000000000");
   // 2 heads and 2 layers on 8 ranks leave dp at 2 or more, and 3 sequences divide among none of them.
   r = Request{};
   r.shape["layers"] = option_text(2);

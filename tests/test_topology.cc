@@ -266,7 +266,7 @@ TEST(Topology, MoreGpusThanAWorldHoldsIsRefused) {
     Topology t(profile("dgx-h100", 300'000'000));
     FAIL() << "no error";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("300000000 nodes of 8 GPUs (dgx-h100) are 2400000000 GPUs"),
+    EXPECT_NE(std::string(e.what()).find("300000000 nodes x 8 GPUs per node (dgx-h100) = 2400000000 GPUs"),
               std::string::npos)
         << e.what();
   }

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "common/errors.h"
 
@@ -24,12 +23,7 @@ const char* tier_name(Tier t) {
 
 Topology::Topology(const Profile& profile)
     : profile_(profile), nodes_(std::max(1, profile.nodes)), gpus_per_node_(profile.gpus_per_node) {
-  // Ranks and GPUs are ints: a count past that range is refused, not wrapped.
-  const std::int64_t gpus = std::int64_t{nodes_} * gpus_per_node_;
-  if (gpus > std::numeric_limits<int>::max()) {
-    throw UsageError(fmt::format("{} nodes of {} GPUs ({}) are {} GPUs, more than a world holds ({})", nodes_,
-                                 gpus_per_node_, profile_.name, gpus, std::numeric_limits<int>::max()));
-  }
+  const std::int64_t gpus = profile.gpus_in(nodes_);  // refused past an int, not wrapped
   const std::int64_t switches = std::int64_t{nodes_} * pcie_switches_per_node();
   const std::int64_t nics = std::int64_t{nodes_} * nics_per_node();
 
