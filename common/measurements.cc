@@ -40,15 +40,9 @@ namespace {
 constexpr const char* kNcclTestsLesson = "nccl-tests ";
 
 std::vector<std::string> split_lines(const std::string& text) {
-  std::vector<std::string> lines;
-  std::size_t begin = 0;
-  while (begin <= text.size()) {
-    std::size_t end = text.find('\n', begin);
-    if (end == std::string::npos) end = text.size();
-    std::string line = text.substr(begin, end - begin);
+  std::vector<std::string> lines = split_at(text, '\n');
+  for (std::string& line : lines) {
     if (!line.empty() && line.back() == '\r') line.pop_back();
-    lines.push_back(std::move(line));
-    begin = end + 1;
   }
   return lines;
 }

@@ -18,6 +18,18 @@ std::string read_text_file(const std::string& path) {
   return text.str();
 }
 
+std::vector<std::string> split_at(const std::string& text, char separator) {
+  std::vector<std::string> pieces;
+  std::size_t begin = 0;
+  while (begin <= text.size()) {
+    std::size_t end = text.find(separator, begin);
+    if (end == std::string::npos) end = text.size();
+    pieces.push_back(text.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  return pieces;
+}
+
 std::vector<std::string> split_words(const std::string& line) {
   std::vector<std::string> words;
   std::istringstream in(line);

@@ -10,6 +10,9 @@ namespace ranklab {
 // The whole file at `path`; UsageError "PATH: cannot read the file" when it cannot be opened.
 std::string read_text_file(const std::string& path);
 
+// The pieces of `text` between `separator`s, every one of them: "a\nb\n" is {"a", "b", ""}.
+std::vector<std::string> split_at(const std::string& text, char separator);
+
 // The whitespace-separated words of `line`.
 std::vector<std::string> split_words(const std::string& line);
 

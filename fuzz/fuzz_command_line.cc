@@ -13,6 +13,7 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/options.h"
+#include "common/text.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
 #include "plan/candidates.h"
@@ -21,18 +22,6 @@
 namespace {
 
 using ranklab::Settings;
-
-std::vector<std::string> words_of(const std::string& text) {
-  std::vector<std::string> words;
-  std::size_t begin = 0;
-  while (begin <= text.size()) {
-    std::size_t end = text.find('\0', begin);
-    if (end == std::string::npos) end = text.size();
-    words.push_back(text.substr(begin, end - begin));
-    begin = end + 1;
-  }
-  return words;
-}
 
 // The flags as the command line gives them: a word that is not a flag's value and not a flag is ignored
 // (CLI11 would refuse it, with an error of its own).
@@ -80,7 +69,8 @@ void plan(const Settings& given) {
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const Settings flags = flags_of(words_of(std::string(reinterpret_cast<const char*>(data + 1), size - 1)));
+  const Settings flags =
+      flags_of(ranklab::split_at(std::string(reinterpret_cast<const char*>(data + 1), size - 1), '\0'));
   try {
     if (data[0] % 2 == 0) {
       run_gpt(flags);

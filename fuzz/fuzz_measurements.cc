@@ -9,6 +9,7 @@
 
 #include "common/errors.h"
 #include "common/measurements.h"
+#include "common/text.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
@@ -24,14 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         break;
       case 2: {
         std::vector<std::pair<std::string, std::string>> traces;
-        std::size_t begin = 0;
-        while (begin <= text.size()) {
-          std::size_t end = text.find('\0', begin);
-          if (end == std::string::npos) end = text.size();
-          traces.emplace_back("rank" + std::to_string(traces.size()) + ".json",
-                              text.substr(begin, end - begin));
-          begin = end + 1;
-        }
+        for (std::string& piece : ranklab::split_at(text, '\0'))
+          traces.emplace_back("rank" + std::to_string(traces.size()) + ".json", std::move(piece));
         ranklab::read_kineto_traces(traces);
         break;
       }
