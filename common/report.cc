@@ -456,25 +456,18 @@ std::string format_summary(const RunReport& report) {
     out += "\n";
     format_ranks(out, report.ranks);
   }
-  const auto slowed = std::max_element(report.ranks.begin(), report.ranks.end(),
-                                       [](const RankSummary& a, const RankSummary& b) {
-                                         return a.comm_slowed_compute_us < b.comm_slowed_compute_us;
-                                       });
-  if (slowed != report.ranks.end() && slowed->comm_slowed_compute_us > 0) {
-    out += fmt::format(
-        "compute slowed by communication kernels on the same GPU (their SMs and HBM traffic): {} on rank {}, "
-        "the most\n",
-        human_time(slowed->comm_slowed_compute_us), slowed->rank);
-  }
-  const auto host_bound = std::max_element(
-      report.ranks.begin(), report.ranks.end(),
-      [](const RankSummary& a, const RankSummary& b) { return a.host_wait_us < b.host_wait_us; });
-  if (host_bound != report.ranks.end() && host_bound->host_wait_us > 0) {
-    out += fmt::format(
-        "compute stream idle until the host had launched its next kernel: {} on rank {}, the most (of its "
-        "idle time)\n",
-        human_time(host_bound->host_wait_us), host_bound->rank);
-  }
+  // The simulator's per-rank figures of lost time: the rank with the most, where any rank has some.
+  auto most = [&](double RankSummary::*figure, const char* what) {
+    const auto top =
+        std::max_element(report.ranks.begin(), report.ranks.end(),
+                         [&](const RankSummary& a, const RankSummary& b) { return a.*figure < b.*figure; });
+    if (top != report.ranks.end() && (*top).*figure > 0)
+      out += fmt::format("{}: {} on rank {}, the most\n", what, human_time((*top).*figure), top->rank);
+  };
+  most(&RankSummary::comm_slowed_compute_us,
+       "compute slowed by communication kernels on the same GPU (their SMs and HBM traffic)");
+  most(&RankSummary::host_wait_us,
+       "compute stream idle until the host had launched its next kernel (part of its idle time)");
   if (!report.collectives.empty()) {
     out += "\n";
     format_collectives(out, report.collectives);
