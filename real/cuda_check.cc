@@ -44,13 +44,17 @@ void throw_nccl_error(ncclResult_t r, const char* call, ncclComm_t comm) {
                                  ncclGetErrorString(r), last && *last ? ": " : "", last ? last : ""));
 }
 
+double elapsed_us_completed(cudaEvent_t start, cudaEvent_t end) {
+  float ms = 0;
+  RANKLAB_CUDA(cudaEventElapsedTime(&ms, start, end));
+  return 1000.0 * static_cast<double>(ms);
+}
+
 std::optional<double> elapsed_us_if_reached(cudaEvent_t start, cudaEvent_t end) {
   const cudaError_t reached = cudaEventQuery(end);
   if (reached == cudaErrorNotReady) return std::nullopt;
   RANKLAB_CUDA(reached);
-  float ms = 0;
-  RANKLAB_CUDA(cudaEventElapsedTime(&ms, start, end));
-  return 1000.0 * static_cast<double>(ms);
+  return elapsed_us_completed(start, end);
 }
 
 }  // namespace ranklab

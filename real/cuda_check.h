@@ -33,9 +33,10 @@ inline ncclResult_t nccl_check(ncclResult_t r, const char* call, ncclComm_t comm
   return r;
 }
 
-// Device time from `start` to `end` in microseconds where `end` has completed (cudaEventQuery), waiting
-// for nothing; nullopt while it has not. `start` was recorded before `end` on the same stream, so it has
-// completed too.
+// Device time from `start` to `end` in microseconds (cudaEventElapsedTime), both completed.
+double elapsed_us_completed(cudaEvent_t start, cudaEvent_t end);
+// The same where `end` has completed (cudaEventQuery), waiting for nothing; nullopt while it has not.
+// `start` was recorded before `end` on the same stream, so it has completed too.
 std::optional<double> elapsed_us_if_reached(cudaEvent_t start, cudaEvent_t end);
 
 }  // namespace ranklab

@@ -51,9 +51,7 @@ ncclDataType_t nccl_type(DType t) {
 // Device time from `start` to `end` on the communication stream; the host waits for `end`.
 double elapsed_between(const CudaEvent& start, const CudaEvent& end) {
   RANKLAB_CUDA(cudaEventSynchronize(end.get()));
-  float ms = 0;
-  RANKLAB_CUDA(cudaEventElapsedTime(&ms, start.get(), end.get()));
-  return 1000.0 * static_cast<double>(ms);
+  return elapsed_us_completed(start.get(), end.get());
 }
 
 // A synchronous call: the compute stream already waits for it; it only reports its time.

@@ -1051,9 +1051,7 @@ double CudaRank::elapsed_us(const Event& start, const Event& end) {
   // error instead of a hang. Both events: one recorded after `end` would not be complete yet.
   watchdog_.wait_event(e, "elapsed_us");
   watchdog_.wait_event(s, "elapsed_us");
-  float ms = 0;
-  RANKLAB_CUDA(cudaEventElapsedTime(&ms, s, e));
-  return static_cast<double>(ms) * 1000.0;
+  return elapsed_us_completed(s, e);
 }
 
 std::optional<double> CudaRank::elapsed_us_if_ended(const Event& start, const Event& end) {
