@@ -359,7 +359,7 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   // A parameter's gather (of its compute-dtype copy) and its gradient's reduce-scatter, both of the padded
   // tensor that rank holds.
   auto padded_elements = [&](const parallel::ParamSpec& p) {
-    const Shape local = p.tp_dim < 0 ? p.full : p.full.with_dim(p.tp_dim, p.full[p.tp_dim] / c.tp);
+    const Shape local = parallel::local_shape(p, c.tp);
     const std::int64_t rows = local[0], per_row = local.numel() / rows;
     return (rows + c.dp - 1) / c.dp * c.dp * per_row;
   };

@@ -62,10 +62,6 @@ Simulated read_run(const RunReport& rep, const gpt::Config& c) {
   return s;
 }
 
-}  // namespace
-
-namespace {
-
 // The value at x of the line through (xa, ya) and (xb, yb).
 double on_line(double xa, double ya, double xb, double yb, double x) {
   return yb + (yb - ya) / (xb - xa) * (x - xb);

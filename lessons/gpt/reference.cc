@@ -151,11 +151,11 @@ struct BlockActs {
 // A step (step()) is the forward of the whole batch, its backward, and AdamW on every parameter.
 class Training {
  public:
-  explicit Training(const Config& c);
+  // At the initial values (the seeded ones the lesson starts from too), or at `start`.
+  explicit Training(const Config& c, const Reference::State* start = nullptr);
   // Returns the step's loss (the mean over its tokens, before the update) and leaves its gradients in `g`.
   double step(int step, std::vector<Vec>& g);
   Reference::State state() const { return {w_, m_, v_}; }
-  void set_state(const Reference::State& s) { w_ = s.w, m_ = s.m, v_ = s.v; }
 
  private:
   const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
@@ -205,7 +205,7 @@ class Training {
   std::vector<std::int64_t> tok_, tgt_;  // the inputs and the next tokens, row = sample * S + position
 };
 
-Training::Training(const Config& c)
+Training::Training(const Config& c, const Reference::State* start)
     : c_(c),
       B(c.global_batch),
       S(c.seq),
@@ -236,14 +236,18 @@ Training::Training(const Config& c)
     if (has_other(c_, static_cast<OtherParam>(k)))
       specs_[other_ + k] = other_spec(c_, static_cast<OtherParam>(k));
   }
-  for (int i = 0; i < count_; ++i) {
-    const parallel::ParamSpec& spec = specs_[i];
-    const std::int64_t size = spec.full.numel();
-    w_[i].resize(size);
-    for (std::int64_t e = 0; e < size; ++e)
-      w_[i][e] = spec.std > 0 ? static_cast<double>(spec.std * normal_at(spec.seed, e)) : spec.value;
-    m_[i].assign(size, 0.0);
-    v_[i].assign(size, 0.0);
+  if (start) {
+    w_ = start->w, m_ = start->m, v_ = start->v;
+  } else {
+    for (int i = 0; i < count_; ++i) {
+      const parallel::ParamSpec& spec = specs_[i];
+      const std::int64_t size = spec.full.numel();
+      w_[i].resize(size);
+      for (std::int64_t e = 0; e < size; ++e)
+        w_[i][e] = spec.std > 0 ? static_cast<double>(spec.std * normal_at(spec.seed, e)) : spec.value;
+      m_[i].assign(size, 0.0);
+      v_[i].assign(size, 0.0);
+    }
   }
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t s = 0; s < S; ++s) {
@@ -595,8 +599,7 @@ void Reference::step(int step, const State* from) {
   std::lock_guard<std::mutex> lock(mu_);
   const State& start = from ? *from : initial_;
   if (step == step_ && start == from_) return;
-  Training run(c_);
-  run.set_state(start);
+  Training run(c_, &start);
   const double loss = run.step(step, grads_);
   from_ = start;
   after_ = run.state();
