@@ -67,7 +67,20 @@ Shape check_matmul(int rank, const char* op, const Tensor& a, const Tensor& b, T
   if (a.ndim() != 2 || b.ndim() != 2) {
     throw UsageError(fmt::format("{}: needs 2-D tensors; got {} and {}", where(rank, op), a.str(), b.str()));
   }
-  need_same_dtype(rank, op, a, b);
+  if (is_float8(a.dtype()) || is_float8(b.dtype())) {
+    if (!is_float8(a.dtype()) || !is_float8(b.dtype())) {
+      throw UsageError(fmt::format("{}: an FP8 GEMM takes two FP8 inputs; got {} and {}: quantize both",
+                                   where(rank, op), a.str(), b.str()));
+    }
+    if (a.dtype() == DType::Float8E5M2 && b.dtype() == DType::Float8E5M2) {
+      throw UsageError(
+          fmt::format("{}: no FP8 GEMM multiplies e5m2 by e5m2 (cuBLASLt's FP8 GEMMs take e4m3 "
+                      "with e4m3 or e5m2); got {} and {}",
+                      where(rank, op), a.str(), b.str()));
+    }
+  } else {
+    need_same_dtype(rank, op, a, b);
+  }
   const bool at = ta == Trans::Yes, bt = tb == Trans::Yes;
   const std::int64_t m = at ? a.size(1) : a.size(0), k = at ? a.size(0) : a.size(1);
   const std::int64_t kb = bt ? b.size(1) : b.size(0), n = bt ? b.size(0) : b.size(1);
@@ -82,17 +95,51 @@ void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor
                       bool accumulate) {
   const char* op = accumulate ? "matmul_add_" : "matmul_";
   need_shape(rank, op, out, check_matmul(rank, op, a, b, ta, tb), "out", "the product");
+  const DType product = gemm_output(a.dtype());
   if (!accumulate) {
-    need_dtype(rank, op, out, a.dtype(), "out");
-  } else if (out.dtype() != a.dtype() && out.dtype() != DType::Float32) {
+    need_dtype(rank, op, out, product, "out");
+  } else if (out.dtype() != product && out.dtype() != DType::Float32) {
     throw UsageError(fmt::format("{}: 'out' is {}; it must be {} or float32", where(rank, op), out.str(),
-                                 dtype_name(a.dtype())));
+                                 dtype_name(product)));
   }
   for (const Tensor* in : {&a, &b}) {
     if (!out.phantom() && in->phantom()) {
       throw UsageError(fmt::format("{}: writes phantom {} into real {}; make both phantom or both real",
                                    where(rank, op), in->str(), out.str()));
     }
+  }
+}
+
+void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg) {
+  if (is_float8(t.dtype())) {
+    throw UsageError(fmt::format("{}: '{}' is {}; FP8 tensors go only into matmul (quantize makes them)",
+                                 where(rank, op), arg, t.str()));
+  }
+}
+
+void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scaling& scaling,
+                    const Tensor& scale) {
+  const char* op = "quantize";
+  need_ndim(rank, op, x, 2, "x", "[rows, cols]");
+  if (!is_float8(format)) {
+    throw UsageError(fmt::format("{}: the format must be float8_e4m3 or float8_e5m2; got {}", where(rank, op),
+                                 dtype_name(format)));
+  }
+  check_float8_use(rank, op, x, "x");
+  if (scaling.per_tensor()) {
+    if (!scale.defined()) {
+      throw UsageError(fmt::format("{}: per-tensor scaling needs a scale (fp8_scale)", where(rank, op)));
+    }
+    need_shape(rank, op, scale, Shape{1}, "scale", "one per tensor");
+    need_dtype(rank, op, scale, DType::Float32, "scale");
+    return;
+  }
+  if (scaling.block_rows <= 0 || scaling.block_cols <= 0) {
+    throw UsageError(fmt::format("{}: blocks of {} x {} elements; both sides must be positive",
+                                 where(rank, op), scaling.block_rows, scaling.block_cols));
+  }
+  if (scale.defined()) {
+    throw UsageError(fmt::format("{}: block scaling computes its scales; pass no scale", where(rank, op)));
   }
 }
 

@@ -20,6 +20,10 @@ Shape check_matmul(int rank, const char* op, const Tensor& a, const Tensor& b, T
 // (accumulating, float32 too), real unless a and b are phantoms.
 void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
                       bool accumulate);
+// Every kernel but matmul refuses an FP8 input (`arg` of `op`).
+void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg);
+void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scaling& scaling,
+                    const Tensor& scale);
 void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length);
 void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps);
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,

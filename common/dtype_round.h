@@ -9,6 +9,15 @@
 // bfloat16: 1 sign, 8 exponent, 7 mantissa bits (float32's exponent range, so only the mantissa is cut).
 // float16 (IEEE binary16): 1 sign, 5 exponent, 10 mantissa bits; largest finite 65504, smallest normal
 // 2^-14, subnormals down to 2^-24; values from 65520 up round to infinity.
+//
+// The 8-bit types of FP8 training (OCP 8-bit Floating Point Specification (OFP8), rev. 1.0, 2023; the
+// formats of H100's and B200's tensor cores, CUDA's __nv_fp8_e4m3 and __nv_fp8_e5m2):
+//   e4m3: 1 sign, 4 exponent (bias 7), 3 mantissa bits; largest finite 448, smallest normal 2^-6,
+//         subnormals down to 2^-9; no infinities.
+//   e5m2: 1 sign, 5 exponent (bias 15), 2 mantissa bits; largest finite 57344, smallest normal 2^-14,
+//         subnormals down to 2^-16.
+// Conversions saturate: a value past the largest finite one becomes it (CUDA's __NV_SATFINITE, which
+// TransformerEngine's casts use), so a scale that is too large clips rather than overflows.
 #pragma once
 
 #include <cstdint>
@@ -68,6 +77,48 @@ RANKLAB_HD inline float round_to_float16(float x) {
   // q <= 1024 units of 2^-24 is exact in a float (1024 units is the smallest normal, 2^-14).
   const float v = static_cast<float>(q) * 5.9604644775390625e-08f;  // 2^-24
   return bits_float(sign | float_bits(v));
+}
+
+// Rounds x to the nearest value of a small binary floating-point format with `mantissa_bits` stored bits,
+// normal numbers from 2^min_exponent and subnormals below, ties to even, saturating at `largest`.
+RANKLAB_HD inline float round_to_small_float(float x, int mantissa_bits, int min_exponent, float largest) {
+  const std::uint32_t u = float_bits(x);
+  const std::uint32_t sign = u & 0x80000000u;
+  const std::uint32_t abs_bits = u & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return bits_float(u | 0x00400000u);  // NaN
+  const std::uint32_t largest_bits = float_bits(largest);
+  if (abs_bits >= largest_bits) return bits_float(sign | largest_bits);  // saturate (infinity too)
+  const int exponent = static_cast<int>(abs_bits >> 23) - 127;
+  if (exponent >= min_exponent) {
+    // Normal: keep mantissa_bits of float32's 23, as round_to_float16 does; a carry bumps the exponent.
+    const int shift = 23 - mantissa_bits;
+    const std::uint32_t r = abs_bits + ((1u << (shift - 1)) - 1u) + ((abs_bits >> shift) & 1u);
+    const std::uint32_t rounded = r & ~((1u << shift) - 1u);
+    return bits_float(sign | (rounded > largest_bits ? largest_bits : rounded));
+  }
+  // Subnormal: a multiple of 2^(min_exponent - mantissa_bits). |x| = m * 2^(exponent - 23) is m / 2^shift
+  // such units.
+  if (abs_bits < 0x00800000u) return bits_float(sign);  // float32 subnormals round to zero
+  const std::uint32_t m = (abs_bits & 0x007FFFFFu) | 0x00800000u;
+  const int shift = (min_exponent - mantissa_bits) - (exponent - 23);
+  if (shift > 25) return bits_float(sign);  // below half the smallest subnormal
+  std::uint32_t q = m >> shift;
+  const std::uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+  if (rem > half || (rem == half && (q & 1u))) ++q;
+  // q units of 2^(min_exponent - mantissa_bits): a small integer times a power of two, exact in a float.
+  float unit = 1.0f;
+  for (int e = min_exponent - mantissa_bits; e < 0; ++e) unit *= 0.5f;
+  return bits_float(sign | float_bits(static_cast<float>(q) * unit));
+}
+
+inline constexpr float kFloat8E4M3Largest = 448.0f;
+inline constexpr float kFloat8E5M2Largest = 57344.0f;
+
+RANKLAB_HD inline float round_to_float8_e4m3(float x) {
+  return round_to_small_float(x, 3, -6, kFloat8E4M3Largest);
+}
+RANKLAB_HD inline float round_to_float8_e5m2(float x) {
+  return round_to_small_float(x, 2, -14, kFloat8E5M2Largest);
 }
 
 }  // namespace ranklab

@@ -428,6 +428,13 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
                    "gemm_mamf_m",
                    "gemm_mamf_n",
                    "gemm_mamf_k",
+                   "peak_tflops_fp8",
+                   "peak_tflops_fp4",
+                   "fp8_mx",
+                   "gemm_mamf_fp8_tflops",
+                   "gemm_mamf_fp8_m",
+                   "gemm_mamf_fp8_n",
+                   "gemm_mamf_fp8_k",
                    "attention_fwd_efficiency",
                    "attention_bwd_efficiency",
                    "attention_fwd_ceiling",
@@ -470,6 +477,27 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
     fail_at(gpu.at("gemm_mamf_tflops"), origin,
             fmt::format("'gpu.gemm_mamf_tflops' ({}) is above peak_tflops_bf16 ({})", p.gpu.gemm_mamf_tflops,
                         p.gpu.peak_tflops_bf16));
+  }
+  p.gpu.peak_tflops_fp8 = gpu.at_least("peak_tflops_fp8", 0, kMaxTflops, 0);
+  p.gpu.peak_tflops_fp4 = gpu.at_least("peak_tflops_fp4", 0, kMaxTflops, 0);
+  p.gpu.fp8_mx = gpu.boolean("fp8_mx", false);
+  if (p.gpu.fp8_mx && p.gpu.peak_tflops_fp8 == 0) {
+    fail_at(gpu.at("fp8_mx"), origin, "'gpu.fp8_mx' needs FP8 tensor cores: set peak_tflops_fp8");
+  }
+  p.gpu.gemm_mamf_fp8_tflops = gpu.at_least("gemm_mamf_fp8_tflops", 0, kMaxTflops, 0);
+  p.gpu.gemm_mamf_fp8_m = gpu.count("gemm_mamf_fp8_m", false, 1, kMaxGemmDim).value_or(0);
+  p.gpu.gemm_mamf_fp8_n = gpu.count("gemm_mamf_fp8_n", false, 1, kMaxGemmDim).value_or(0);
+  p.gpu.gemm_mamf_fp8_k = gpu.count("gemm_mamf_fp8_k", false, 1, kMaxGemmDim).value_or(0);
+  if (p.gpu.gemm_mamf_fp8_tflops > 0 &&
+      (p.gpu.gemm_mamf_fp8_m == 0 || p.gpu.gemm_mamf_fp8_n == 0 || p.gpu.gemm_mamf_fp8_k == 0)) {
+    fail_at(gpu.at("gemm_mamf_fp8_tflops"), origin,
+            "'gpu.gemm_mamf_fp8_tflops' needs the shape it was measured at: gemm_mamf_fp8_m, gemm_mamf_fp8_n "
+            "and gemm_mamf_fp8_k");
+  }
+  if (p.gpu.gemm_mamf_fp8_tflops > p.gpu.peak_tflops_fp8) {
+    fail_at(gpu.at("gemm_mamf_fp8_tflops"), origin,
+            fmt::format("'gpu.gemm_mamf_fp8_tflops' ({}) is above peak_tflops_fp8 ({})",
+                        p.gpu.gemm_mamf_fp8_tflops, p.gpu.peak_tflops_fp8));
   }
   p.gpu.attention_fwd_efficiency = gpu.efficiency("attention_fwd_efficiency", 0);
   p.gpu.attention_bwd_efficiency = gpu.efficiency("attention_bwd_efficiency", 0);

@@ -227,7 +227,8 @@ class Rank {
   // is done in float32 and the result rounded to the output's type, as GPU kernels do.
   //
   // op(a) @ op(b) for 2-D tensors, where op transposes when asked. 16-bit inputs run on tensor cores
-  // with float32 accumulation (cuBLAS's CUBLAS_COMPUTE_32F), and the product is rounded once.
+  // with float32 accumulation (cuBLAS's CUBLAS_COMPUTE_32F), and the product is rounded once. FP8 inputs
+  // (from quantize; e4m3 and e5m2 mixed, not e5m2 with e5m2, as cuBLASLt allows) give a bfloat16 product.
   virtual Tensor matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) = 0;
   Tensor matmul(const Tensor& a, const Tensor& b) { return matmul(a, b, Trans::No, Trans::No); }
   // The same product written into `out` (cuBLAS's C with beta 0), which may be a view: a GEMM whose output is
@@ -389,6 +390,38 @@ class Rank {
   virtual Tensor cross_entropy_loss(const Tensor& row_max, const Tensor& stats) = 0;
   virtual Tensor cross_entropy_backward(const Tensor& logits, const Tensor& row_max, const Tensor& stats,
                                         const Tensor& targets, std::int64_t vocab_start, float scale) = 0;
+
+  // ---- FP8 (docs/lessons/gpt.md, "FP8") ---------------------------------------------------------------
+  // FP8 training scales each GEMM input into an 8-bit format's range and rounds it there; the GEMM reads
+  // the 8-bit numbers at the FP8 tensor-core rate and applies the scales to its float32 sums. How a tensor
+  // is scaled: per tensor, by one scale the caller gives (a float32 [1] tensor on the device, as
+  // TransformerEngine keeps it: current scaling's fp8_scale(amax(x))); or per block of block_rows x
+  // block_cols elements, each by its own largest magnitude, computed in the quantizing kernel and kept as a
+  // float32 per block (DeepSeek-V3's 1 x 128 activation and 128 x 128 weight blocks) or, with `e8m0`, as a
+  // power of two in one byte per block (the OCP Microscaling formats' 1 x 32 blocks, MXFP8). A block's scale
+  // is the format's largest value over the block's largest magnitude; e8m0 rounds it down to a power of two,
+  // so no element saturates.
+  struct Fp8Scaling {
+    int block_rows = 0, block_cols = 0;  // 0 x 0: per tensor
+    bool e8m0 = false;
+    bool per_tensor() const { return block_rows == 0 && block_cols == 0; }
+  };
+  struct Quantized {
+    Tensor data;  // x in `format`: its elements read as the values the stored numbers stand for
+    Tensor
+        columnwise;  // with both layouts: x quantized for use transposed (blocks of block_cols x block_rows)
+    Tensor scales;   // the block scales' memory (float32 words; e8m0 scales four bytes to a word)
+  };
+  // x [rows, cols] (16-bit or float32) in `format` (Float8E4M3 or Float8E5M2), saturating at its largest
+  // finite value. `both_layouts`: also `columnwise`, as TransformerEngine's cast-transpose writes the copy a
+  // Hopper FP8 GEMM reads transposed, in the same pass.
+  virtual Quantized quantize(const Tensor& x, DType format, const Fp8Scaling& scaling, const Tensor& scale,
+                             bool both_layouts) = 0;
+  // The largest magnitude of x's elements: float32 [1].
+  virtual Tensor amax(const Tensor& x) = 0;
+  // `format`'s largest value over amax (float32 [1]), or 1 where amax is 0: the per-tensor scale that maps
+  // the largest element onto the format's largest value.
+  virtual Tensor fp8_scale(const Tensor& amax, DType format) = 0;
 
   // ---- communication --------------------------------------------------------------------------------
   // Every backend implements this one entry; the named calls below build the record.

@@ -15,6 +15,9 @@ std::int64_t dtype_bytes(DType t) {
     case DType::BFloat16:
     case DType::Float16:
       return 2;
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      return 1;
   }
   return 4;
 }
@@ -27,6 +30,10 @@ const char* dtype_name(DType t) {
       return "bfloat16";
     case DType::Float16:
       return "float16";
+    case DType::Float8E4M3:
+      return "float8_e4m3";
+    case DType::Float8E5M2:
+      return "float8_e5m2";
   }
   return "?";
 }

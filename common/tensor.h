@@ -22,10 +22,22 @@ namespace ranklab {
 // usually the gradient reduction in float32). The simulator keeps every value as a float but rounds a
 // 16-bit tensor's values to its type after every kernel that writes it (round to nearest even), so its
 // numbers are the ones a GPU holds; memory is accounted at the type's size.
-enum class DType { Float32, BFloat16, Float16 };
+//
+// Float8E4M3 and Float8E5M2 are FP8 training's formats (common/dtype_round.h). An FP8 tensor is made only by
+// Rank::quantize, which scales a tensor into the format's range; its elements read as the values they
+// stand for (the stored number divided by its scale), and the one kernel that takes it is matmul.
+enum class DType { Float32, BFloat16, Float16, Float8E4M3, Float8E5M2 };
 
 std::int64_t dtype_bytes(DType t);
 const char* dtype_name(DType t);
+inline bool is_float8(DType t) {
+  return t == DType::Float8E4M3 || t == DType::Float8E5M2;
+}
+// The dtype a GEMM of `inputs` writes: its own, or bfloat16 for FP8 inputs (TransformerEngine's FP8 GEMMs
+// write their output in the 16-bit type the model trains in).
+inline DType gemm_output(DType inputs) {
+  return is_float8(inputs) ? DType::BFloat16 : inputs;
+}
 
 // A shape of 0 to 4 dimensions (0 dimensions is a scalar of one element).
 class Shape {

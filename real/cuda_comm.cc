@@ -42,6 +42,9 @@ ncclDataType_t nccl_type(DType t) {
       return ncclBfloat16;
     case DType::Float16:
       return ncclFloat16;
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(t)));
     case DType::Float32:
       break;
   }

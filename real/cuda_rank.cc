@@ -383,6 +383,9 @@ cudaDataType_t cublas_type(DType t) {
       return CUDA_R_16BF;
     case DType::Float16:
       return CUDA_R_16F;
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(t)));
     case DType::Float32:
       break;
   }
@@ -527,6 +530,21 @@ Tensor CudaRank::cast(const Tensor& t, DType dtype) {
     }
   });
   return out;
+}
+
+// FP8 runs on the simulator only: the CUDA backend has no FP8 tensors (its cuBLASLt FP8 GEMMs and cast
+// kernels are not built).
+Rank::Quantized CudaRank::quantize(const Tensor&, DType, const Fp8Scaling&, const Tensor&, bool) {
+  throw UsageError(
+      fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("quantize")));
+}
+Tensor CudaRank::amax(const Tensor&) {
+  throw UsageError(
+      fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("amax")));
+}
+Tensor CudaRank::fp8_scale(const Tensor&, DType) {
+  throw UsageError(
+      fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("fp8_scale")));
 }
 
 Tensor CudaRank::sum(const Tensor& t) {

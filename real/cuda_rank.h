@@ -91,6 +91,10 @@ class CudaRank : public Rank {
   void scale_(const Tensor& t, float factor) override;
   void copy_(const Tensor& dst, const Tensor& src) override;
   Tensor cast(const Tensor& t, DType dtype) override;
+  Quantized quantize(const Tensor& x, DType format, const Fp8Scaling& scaling, const Tensor& scale,
+                     bool both_layouts) override;
+  Tensor amax(const Tensor& x) override;
+  Tensor fp8_scale(const Tensor& amax, DType format) override;
   Tensor sum(const Tensor& t) override;
   Tensor squared_norm(const std::vector<Tensor>& ts) override;
   Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) override;

@@ -1,6 +1,10 @@
 #include "real/half_convert.h"
 
+#include <fmt/format.h>
+
 #include <cstring>
+
+#include "common/errors.h"
 
 namespace ranklab {
 
@@ -84,7 +88,11 @@ void encode_values(DType dtype, const float* in, std::int64_t n, void* out) {
       for (std::int64_t i = 0; i < n; ++i) o[i] = float_to_fp16_bits(in[i]);
       return;
     }
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      break;
   }
+  throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(dtype)));
 }
 
 void decode_values(DType dtype, const void* in, std::int64_t n, float* out) {
@@ -102,7 +110,11 @@ void decode_values(DType dtype, const void* in, std::int64_t n, float* out) {
       for (std::int64_t i = 0; i < n; ++i) out[i] = fp16_bits_to_float(p[i]);
       return;
     }
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      break;
   }
+  throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(dtype)));
 }
 
 }  // namespace ranklab

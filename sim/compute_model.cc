@@ -63,27 +63,62 @@ ComputeModel::ComputeModel(const GpuModel& gpu) : gpu_(gpu) {
       }
     }
   }
-  if (gpu_.sm_count > 0 && gpu_.gemm_mamf_tflops > 0) {
-    // The measured GEMM ran at ceiling x (the rate of the fastest candidate at a ceiling of 1); solve for the
-    // ceiling. It scales every candidate alike, so the fastest one does not depend on it.
-    // With the fixed time: measured = fixed + (the time at a ceiling of 1) / ceiling.
-    gemm_ceiling_ = 1.0;
-    const double flops = 2.0 * static_cast<double>(gpu_.gemm_mamf_m) * static_cast<double>(gpu_.gemm_mamf_n) *
-                         static_cast<double>(gpu_.gemm_mamf_k);
-    const double measured_us = flops / (gpu_.gemm_mamf_tflops * 1e6);
-    const double work_us =
-        gemm_fastest(gpu_.gemm_mamf_m, gpu_.gemm_mamf_n, gpu_.gemm_mamf_k, DType::BFloat16).us -
-        gpu_.gemm_fixed_us;
-    gemm_ceiling_ = measured_us > gpu_.gemm_fixed_us ? work_us / (measured_us - gpu_.gemm_fixed_us) : 2.0;
-    if (gemm_ceiling_ > 1) {
-      throw UsageError(fmt::format(
-          "profile GPU {}: the measured GEMM ({} TFLOPS at {}x{}x{}) is faster than {} of peak, which the "
-          "GEMM "
-          "model's tile, wave and k factors allow; check gemm_tile_m/n, gemm_k_overhead and sm_count",
-          gpu_.name, gpu_.gemm_mamf_tflops, gpu_.gemm_mamf_m, gpu_.gemm_mamf_n, gpu_.gemm_mamf_k,
-          gemm_ceiling_));
-    }
+  if (gpu_.sm_count <= 0 || gpu_.gemm_mamf_tflops <= 0) return;
+  // Solved with both ceilings at 1: the candidates' times at full rate.
+  gemm_ceiling_ = gemm_ceiling_fp8_ = 1.0;
+  const double ceiling_16 = solve_ceiling(gpu_.gemm_mamf_tflops, gpu_.gemm_mamf_m, gpu_.gemm_mamf_n,
+                                          gpu_.gemm_mamf_k, DType::BFloat16, "gemm_mamf");
+  const double ceiling_8 =
+      gpu_.peak_tflops_fp8 > 0 && gpu_.gemm_mamf_fp8_tflops > 0
+          ? solve_ceiling(gpu_.gemm_mamf_fp8_tflops, gpu_.gemm_mamf_fp8_m, gpu_.gemm_mamf_fp8_n,
+                          gpu_.gemm_mamf_fp8_k, DType::Float8E4M3, "gemm_mamf_fp8")
+          : ceiling_16;
+  gemm_ceiling_ = ceiling_16;
+  gemm_ceiling_fp8_ = ceiling_8;
+}
+
+double ComputeModel::solve_ceiling(double tflops, int m, int n, int k, DType dtype, const char* field) const {
+  // The measured GEMM ran at ceiling x (the rate of the fastest candidate at a ceiling of 1); solve for the
+  // ceiling. It scales every candidate alike, so the fastest one does not depend on it.
+  // With the fixed time: measured = fixed + (the time at a ceiling of 1) / ceiling.
+  const double flops = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const double measured_us = flops / (tflops * 1e6);
+  const double work_us = gemm_fastest(m, n, k, dtype).us - gpu_.gemm_fixed_us;
+  const double ceiling =
+      measured_us > gpu_.gemm_fixed_us ? work_us / (measured_us - gpu_.gemm_fixed_us) : 2.0;
+  if (ceiling > 1) {
+    throw UsageError(fmt::format(
+        "profile GPU {}: the measured GEMM ({}_tflops: {} TFLOPS at {}x{}x{}) is faster than {} of "
+        "peak, which the GEMM model's tile, wave and k factors allow; check gemm_tile_m/n, "
+        "gemm_k_overhead and sm_count",
+        gpu_.name, field, tflops, m, n, k, ceiling));
   }
+  return ceiling;
+}
+
+void ComputeModel::require_fp8(bool mx) const {
+  if (gpu_.peak_tflops_fp8 <= 0) {
+    throw UsageError(
+        fmt::format("the {} has no FP8 tensor cores (its profile gives no peak_tflops_fp8): FP8 "
+                    "training needs Hopper (H100, H200) or Blackwell (B200, GB200)",
+                    gpu_.name));
+  }
+  if (mx && !gpu_.fp8_mx) {
+    throw UsageError(
+        fmt::format("the {}'s tensor cores do not apply MX block scales (its profile sets no "
+                    "fp8_mx): MXFP8 needs Blackwell (B200, GB200)",
+                    gpu_.name));
+  }
+}
+
+double ComputeModel::gemm_ceiling(DType dtype) const {
+  return is_float8(dtype) ? gemm_ceiling_fp8_ : gemm_ceiling_;
+}
+
+double ComputeModel::gemm_k_overhead(DType dtype) const {
+  // The pipeline holds k-blocks of a fixed number of bytes (a 128x256 tile's 64 16-bit elements of k, or
+  // 128 8-bit ones): the same fill and drain time, twice the elements of k in 8 bits.
+  return gpu_.gemm_k_overhead * 2.0 / static_cast<double>(dtype_bytes(dtype));
 }
 
 double ComputeModel::gemm_quantization(std::int64_t m, std::int64_t n, std::int64_t batch) const {
@@ -94,14 +129,16 @@ double ComputeModel::gemm_quantization(std::int64_t m, std::int64_t n, std::int6
                   tile_wave_efficiency(m, n, tn, tm, gpu_.sm_count, batch));
 }
 
-double ComputeModel::gemm_k_efficiency(std::int64_t k) const {
+double ComputeModel::gemm_k_efficiency(std::int64_t k, DType dtype) const {
   if (k <= 0) return 1.0;
   const double kd = static_cast<double>(k);
-  return kd / (kd + gpu_.gemm_k_overhead);
+  return kd / (kd + gemm_k_overhead(dtype));
 }
 
 double ComputeModel::gemm_tile_efficiency(std::int64_t tile_m, std::int64_t tile_n, DType dtype) const {
-  const double ridge = gpu_.gemm_ridge_flops_per_byte;
+  // An SM's operand feed moves the same bytes per second whatever the type, so tensor cores twice as fast
+  // need twice the intensity: the ridge scales with the type's peak against the 16-bit one.
+  const double ridge = gpu_.gemm_ridge_flops_per_byte * peak_tflops(dtype) / gpu_.peak_tflops_bf16;
   if (ridge <= 0) return 1.0;
   // A tile's SM runs its tensor cores at full rate while its operands arrive fast enough: at the ridge
   // intensity and above. Below it, the SM waits for operands and runs at intensity / ridge. Relative to the
@@ -127,8 +164,8 @@ void ComputeModel::each_gemm_candidate(std::int64_t m, std::int64_t n, std::int6
   const bool shapes = gpu_.gemm_ridge_flops_per_byte > 0;
   const int sms = gpu_.sm_count;
   // One SM's share of the peak at the ceiling, in flop per microsecond.
-  const double sm_flops_per_us = peak_tflops(dtype) * 1e6 * gemm_ceiling_ / sms;
-  const double k0 = gpu_.gemm_k_overhead;
+  const double sm_flops_per_us = peak_tflops(dtype) * 1e6 * gemm_ceiling(dtype) / sms;
+  const double k0 = gemm_k_overhead(dtype);
   for (const auto& [tm, tn] : gemm_tiles_) {
     const double tiles_count = ceil_div(m, tm) * ceil_div(n, tn) * static_cast<double>(batch);
     const double tile_flops_per_k = 2.0 * static_cast<double>(tm) * static_cast<double>(tn);
@@ -170,6 +207,13 @@ double ComputeModel::peak_tflops(DType dtype) const {
       return gpu_.peak_tflops_bf16;  // dense tensor-core rate
     case DType::Float16:
       return gpu_.peak_tflops_fp16 > 0 ? gpu_.peak_tflops_fp16 : gpu_.peak_tflops_bf16;
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      if (gpu_.peak_tflops_fp8 <= 0) {
+        throw UsageError(
+            fmt::format("profile GPU {} has no FP8 tensor cores (no peak_tflops_fp8)", gpu_.name));
+      }
+      return gpu_.peak_tflops_fp8;
   }
   return gpu_.peak_tflops_fp32;
 }
@@ -198,10 +242,12 @@ KernelCost ComputeModel::gemm_accumulate_cost(std::int64_t m, std::int64_t n, st
 
 KernelCost ComputeModel::batched_gemm_cost(std::int64_t batch, std::int64_t m, std::int64_t n, std::int64_t k,
                                            DType dtype) const {
-  const double e = static_cast<double>(dtype_bytes(dtype));
+  const double e = static_cast<double>(dtype_bytes(dtype)),
+               out_e = static_cast<double>(dtype_bytes(gemm_output(dtype)));
   const double flops =
       d(batch) * (2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k));
-  const double bytes = d(batch) * (e * static_cast<double>(m * k + k * n + m * n));
+  const double bytes =
+      d(batch) * (e * static_cast<double>(m * k + k * n) + out_e * static_cast<double>(m * n));
   // float32 runs on CUDA cores: the plain roofline, as before 16-bit types existed.
   if (dtype == DType::Float32 || !gemm_shape_model() || flops == 0) return kernel_cost(flops, bytes, dtype);
   return {gemm_fastest(m, n, k, dtype, batch).us, memory_us(bytes)};

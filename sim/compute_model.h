@@ -100,6 +100,8 @@ class ComputeModel {
   // A memory-bound kernel moving `bytes` to and from HBM.
   double memory_us(double bytes) const;
   KernelCost memory_cost(double bytes) const { return {0, memory_us(bytes)}; }
+  // UsageError unless the GPU has FP8 tensor cores (and, with `mx`, ones that apply MX block scales).
+  void require_fp8(bool mx) const;
   // Host time to launch one kernel.
   double launch_us() const { return gpu_.launch_overhead_us; }
 
@@ -109,9 +111,11 @@ class ComputeModel {
   // measured GEMM. Exposed for tests and docs. With `batch`, the tiles of that many GEMMs of this shape
   // share the waves (batched_gemm_cost).
   double gemm_quantization(std::int64_t m, std::int64_t n, std::int64_t batch = 1) const;
-  double gemm_k_efficiency(std::int64_t k) const;
+  double gemm_k_efficiency(std::int64_t k, DType dtype = DType::BFloat16) const;
   double gemm_tile_efficiency(std::int64_t tile_m, std::int64_t tile_n, DType dtype) const;
-  double gemm_ceiling() const { return gemm_ceiling_; }
+  double gemm_ceiling(DType dtype = DType::BFloat16) const;
+  // The elements of k a tile's pipeline fill and drain cost, for inputs of `dtype`.
+  double gemm_k_overhead(DType dtype) const;
   // Every way the model considers running a 16-bit GEMM, each with its time; gemm_cost takes the fastest.
   // The profile's tile and its transpose; with gemm_ridge_flops_per_byte, also the smaller tiles and, for
   // a GEMM whose tiles do not fill the SMs, each tile with its k-loop split.
@@ -123,6 +127,9 @@ class ComputeModel {
 
  private:
   double peak_tflops(DType dtype) const;
+  // The ceiling that makes the fastest candidate at m x n x k of `dtype` run at `tflops`, solved while the
+  // ceilings are 1. `field` names the profile's fields in an error.
+  double solve_ceiling(double tflops, int m, int n, int k, DType dtype, const char* field) const;
   KernelCost flash_attention_cost(const AttentionShape& shape, bool backward, DType dtype,
                                   double efficiency) const;
   GemmCandidate gemm_fastest(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
@@ -132,7 +139,8 @@ class ComputeModel {
   void each_gemm_candidate(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype, std::int64_t batch,
                            const std::function<void(const GemmCandidate&)>& visit) const;
   GpuModel gpu_;
-  double gemm_ceiling_ = 0;
+  double gemm_ceiling_ = 0;                                        // 16-bit GEMMs
+  double gemm_ceiling_fp8_ = 0;                                    // FP8 GEMMs
   std::vector<std::pair<std::int64_t, std::int64_t>> gemm_tiles_;  // (m, n) of each tile considered
 };
 

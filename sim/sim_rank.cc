@@ -87,6 +87,11 @@ void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
     throw UsageError(fmt::format("{}: '{}' ({}) belongs to rank {}; a rank can only use tensors it made",
                                  where(op), arg, t.str(), t.owner_rank()));
   }
+  // An FP8 tensor goes only into matmul (and back to the host, or a view of it).
+  if (is_float8(t.dtype()) && std::strncmp(op, "matmul", 6) != 0 && std::strcmp(op, "to_host") != 0 &&
+      std::strcmp(op, "view") != 0) {
+    check_float8_use(rank_, op, t, arg);
+  }
 }
 
 void SimRank::require_dtype(const Tensor& t, DType dtype, const char* op, const char* arg) const {

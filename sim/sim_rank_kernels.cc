@@ -139,7 +139,7 @@ Tensor SimRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   require(a, "matmul", "a");
   require(b, "matmul", "b");
   const Shape s = check_matmul(rank_, "matmul", a, b, ta, tb);
-  Tensor c = allocate(s, a.dtype(), a.phantom() || b.phantom(), "matmul");
+  Tensor c = allocate(s, gemm_output(a.dtype()), a.phantom() || b.phantom(), "matmul");
   gemm(c, a, b, ta, tb);
   return c;
 }
@@ -244,6 +244,10 @@ void SimRank::copy_(const Tensor& dst, const Tensor& src) {
 
 Tensor SimRank::cast(const Tensor& t, DType dtype) {
   require(t, "cast", "t");
+  if (is_float8(dtype)) {
+    throw UsageError(fmt::format("{}: cast makes no {} tensor: quantize scales a tensor into FP8",
+                                 where("cast"), dtype_name(dtype)));
+  }
   Tensor out = allocate(t.shape(), dtype, t.phantom(), "cast");
   before_kernel({&t}, "cast");
   if (!out.phantom()) {

@@ -45,6 +45,10 @@ inline float round_value(float x, DType dtype) {
       return round_to_bfloat16(x);
     case DType::Float16:
       return round_to_float16(x);
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      // FP8 values are written by quantize alone, with their scale (SimRank::quantize); nothing else
+      // writes an FP8 tensor (common/compute_checks.h).
     case DType::Float32:
       break;
   }
@@ -67,7 +71,8 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
                          kEmbedding = "embedding", kEmbeddingBackward = "embedding_backward_",
                          kRowMax = "row_max", kSoftmaxStats = "softmax_stats",
                          kCrossEntropyLoss = "cross_entropy_loss",
-                         kCrossEntropyBackward = "cross_entropy_backward";
+                         kCrossEntropyBackward = "cross_entropy_backward", kQuantize = "quantize",
+                         kAmax = "amax", kFp8Scale = "fp8_scale";
 
 // Splits a shape around `dim` into [outer, dim, inner] so slicing and concatenation are block copies.
 inline void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {

@@ -1,0 +1,144 @@
+// SimRank's FP8 kernels: quantizing a tensor into e4m3 or e5m2 with its scales, and the per-tensor scale's
+// two small kernels (Rank's FP8 section, common/rank.h). The simulator keeps an FP8 tensor's elements as
+// the values they stand for (the rounded number times the inverse scale), so matmul multiplies them as
+// it multiplies any tensor; time and memory are charged at one byte per element.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/compute_checks.h"
+#include "common/dtype_round.h"
+#include "common/errors.h"
+#include "sim/sim_rank.h"
+#include "sim/sim_rank_kernels.h"
+
+namespace ranklab::sim {
+
+using namespace kernels;
+
+namespace {
+
+float largest(DType format) {
+  return format == DType::Float8E4M3 ? kFloat8E4M3Largest : kFloat8E5M2Largest;
+}
+
+float round_to(DType format, float x) {
+  return format == DType::Float8E4M3 ? round_to_float8_e4m3(x) : round_to_float8_e5m2(x);
+}
+
+// The largest power of two not above s (s > 0 and finite): an E8M0 scale that keeps every element of its
+// block at or below the format's largest value.
+float power_of_two_below(float s) {
+  int exponent = 0;
+  std::frexp(s, &exponent);  // s = f * 2^exponent, f in [0.5, 1)
+  return std::ldexp(1.0f, exponent - 1);
+}
+
+std::int64_t blocks_of(const Shape& s, int block_rows, int block_cols) {
+  return ((s[0] + block_rows - 1) / block_rows) * ((s[1] + block_cols - 1) / block_cols);
+}
+
+// out = x quantized with `scale` per tensor, or per block of br x bc with the block's own scale.
+void quantize_values(const Tensor& x, const Tensor& out, DType format, float tensor_scale, int br, int bc,
+                     bool e8m0) {
+  const std::int64_t rows = x.size(0), cols = x.size(1);
+  const float* in = sim_data(x);
+  float* o = sim_data(out);
+  const float big = largest(format);
+  auto quantize_block = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1, float s) {
+    const float inverse = 1.0f / s;
+    for (std::int64_t i = r0; i < r1; ++i)
+      for (std::int64_t j = c0; j < c1; ++j)
+        o[i * cols + j] = round_to(format, in[i * cols + j] * s) * inverse;
+  };
+  if (br == 0) {
+    quantize_block(0, rows, 0, cols, tensor_scale);
+    return;
+  }
+  for (std::int64_t r0 = 0; r0 < rows; r0 += br) {
+    const std::int64_t r1 = std::min(rows, r0 + br);
+    for (std::int64_t c0 = 0; c0 < cols; c0 += bc) {
+      const std::int64_t c1 = std::min(cols, c0 + bc);
+      float amax = 0;
+      for (std::int64_t i = r0; i < r1; ++i)
+        for (std::int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(in[i * cols + j]));
+      float s = amax > 0 && std::isfinite(amax) ? big / amax : 1.0f;
+      if (e8m0) s = power_of_two_below(s);
+      quantize_block(r0, r1, c0, c1, s);
+    }
+  }
+}
+
+}  // namespace
+
+Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scaling& scaling,
+                                  const Tensor& scale, bool both_layouts) {
+  require(x, "quantize", "x");
+  if (scale.defined()) require(scale, "quantize", "scale");
+  check_quantize(rank_, x, format, scaling, scale);
+  world_.compute().require_fp8(scaling.e8m0);
+  const bool phantom = x.phantom();
+  Quantized q;
+  q.data = allocate(x.shape(), format, phantom, "quantize");
+  if (both_layouts) q.columnwise = allocate(x.shape(), format, phantom, "quantize");
+  std::int64_t scale_bytes = 0;
+  if (!scaling.per_tensor()) {
+    std::int64_t blocks = blocks_of(x.shape(), scaling.block_rows, scaling.block_cols);
+    if (both_layouts) blocks += blocks_of(x.shape(), scaling.block_cols, scaling.block_rows);
+    scale_bytes = scaling.e8m0 ? blocks : blocks * 4;
+    q.scales = allocate(Shape{(scale_bytes + 3) / 4}, DType::Float32, phantom, "quantize");
+  }
+  if (scale.defined()) {
+    before_reading({&x, &scale}, "quantize");
+  } else {
+    before_reading({&x}, "quantize");
+  }
+  if (!phantom) {
+    const float s = scale.defined() ? sim_data(scale)[0] : 1.0f;
+    if (scaling.per_tensor() && !(s > 0 && std::isfinite(s))) {
+      throw UsageError(
+          fmt::format("{}: the scale is {}; it must be positive and finite", where("quantize"), s));
+    }
+    quantize_values(x, q.data, format, s, scaling.block_rows, scaling.block_cols, scaling.e8m0);
+    if (both_layouts) {
+      quantize_values(x, q.columnwise, format, s, scaling.block_cols, scaling.block_rows, scaling.e8m0);
+    }
+    if (q.scales.defined()) array(q.scales).setZero();
+  }
+  const double written = bytes_of(q.data) * (both_layouts ? 2 : 1) + static_cast<double>(scale_bytes);
+  launch_kernel_cost(kQuantize, world_.compute().memory_cost(bytes_of(x) + written));
+  return q;
+}
+
+Tensor SimRank::amax(const Tensor& x) {
+  require(x, "amax", "x");
+  check_float8_use(rank_, "amax", x, "x");
+  Tensor out = allocate(Shape{1}, DType::Float32, x.phantom(), "amax");
+  before_reading({&x}, "amax");
+  if (!out.phantom()) sim_data(out)[0] = array(x).abs().maxCoeff();
+  launch_kernel_cost(kAmax, world_.compute().memory_cost(bytes_of(x) + kF));
+  return out;
+}
+
+Tensor SimRank::fp8_scale(const Tensor& amax, DType format) {
+  require(amax, "fp8_scale", "amax");
+  require_dtype(amax, DType::Float32, "fp8_scale", "amax");
+  if (amax.shape() != Shape{1}) {
+    throw UsageError(fmt::format("{}: 'amax' is {}; expected shape [1]", where("fp8_scale"), amax.str()));
+  }
+  if (!is_float8(format)) {
+    throw UsageError(fmt::format("{}: the format must be float8_e4m3 or float8_e5m2; got {}",
+                                 where("fp8_scale"), dtype_name(format)));
+  }
+  Tensor out = allocate(Shape{1}, DType::Float32, amax.phantom(), "fp8_scale");
+  before_reading({&amax}, "fp8_scale");
+  if (!out.phantom()) {
+    const float a = sim_data(amax)[0];
+    sim_data(out)[0] = a > 0 && std::isfinite(a) ? largest(format) / a : 1.0f;
+  }
+  launch_kernel_cost(kFp8Scale, world_.compute().memory_cost(2 * kF));
+  return out;
+}
+
+}  // namespace ranklab::sim

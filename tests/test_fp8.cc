@@ -1,0 +1,204 @@
+// FP8's formats and kernels: e4m3 and e5m2 round as the OCP specification says; quantize scales per tensor
+// and per block; an FP8 GEMM runs at the FP8 rate and writes bf16; misuse is refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/dtype_round.h"
+#include "common/errors.h"
+#include "sim/compute_model.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+// Every finite value of an 8-bit format, from its bits: 1 sign, `exponent_bits`, `mantissa_bits`.
+std::vector<double> values_of(int exponent_bits, int mantissa_bits, bool e4m3) {
+  std::vector<double> out;
+  const int bias = (1 << (exponent_bits - 1)) - 1;
+  for (int code = 0; code < 128; ++code) {
+    const int e = code >> mantissa_bits, m = code & ((1 << mantissa_bits) - 1);
+    if (e4m3 && code == 127) continue;                     // e4m3: S.1111.111 is NaN, no infinities
+    if (!e4m3 && e == (1 << exponent_bits) - 1) continue;  // e5m2: infinities and NaNs
+    const double frac = static_cast<double>(m) / (1 << mantissa_bits);
+    out.push_back(e == 0 ? std::ldexp(frac, 1 - bias) : std::ldexp(1 + frac, e - bias));
+  }
+  return out;  // ascending
+}
+
+void expect_rounding(float (*round)(float), const std::vector<double>& values, const char* name) {
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const float v = static_cast<float>(values[i]);
+    EXPECT_EQ(round(v), v) << name << " value " << v;
+    EXPECT_EQ(round(-v), -v) << name << " value " << -v;
+    if (i + 1 == values.size()) break;
+    // Between two neighbours: below the midpoint to the lower, above to the upper, on it to the even one
+    // (the one whose code is even: index i here is the code's magnitude).
+    const float mid = static_cast<float>((values[i] + values[i + 1]) / 2);  // exact in a float
+    EXPECT_EQ(round(std::nextafter(mid, 0.0f)), v) << name << " below " << mid;
+    EXPECT_EQ(round(std::nextafter(mid, 1e9f)), static_cast<float>(values[i + 1]))
+        << name << " above " << mid;
+    EXPECT_EQ(round(mid), static_cast<float>(values[i % 2 == 0 ? i : i + 1])) << name << " at " << mid;
+  }
+}
+
+TEST(Fp8Rounding, EveryValueStaysAndMidpointsGoToTheEvenNeighbour) {
+  const std::vector<double> e4m3 = values_of(4, 3, true), e5m2 = values_of(5, 2, false);
+  EXPECT_EQ(e4m3.back(), 448.0);
+  EXPECT_EQ(e5m2.back(), 57344.0);
+  EXPECT_EQ(e4m3[1], std::ldexp(1.0, -9));  // the smallest subnormal
+  EXPECT_EQ(e5m2[1], std::ldexp(1.0, -16));
+  expect_rounding(round_to_float8_e4m3, e4m3, "e4m3");
+  expect_rounding(round_to_float8_e5m2, e5m2, "e5m2");
+}
+
+TEST(Fp8Rounding, ValuesPastTheLargestSaturateAndNaNStays) {
+  EXPECT_EQ(round_to_float8_e4m3(464.0f), 448.0f);  // would round to 480, which e4m3 does not have
+  EXPECT_EQ(round_to_float8_e4m3(1e30f), 448.0f);
+  EXPECT_EQ(round_to_float8_e4m3(-std::numeric_limits<float>::infinity()), -448.0f);
+  EXPECT_EQ(round_to_float8_e5m2(61440.0f), 57344.0f);
+  EXPECT_TRUE(std::isnan(round_to_float8_e4m3(std::numeric_limits<float>::quiet_NaN())));
+  EXPECT_EQ(round_to_float8_e4m3(std::ldexp(1.0f, -11)), 0.0f);  // a quarter of the smallest subnormal
+}
+
+// One rank on the simulator of `profile`.
+template <typename Fn>
+void on_one_rank(const std::string& profile, Fn fn) {
+  SimConfig config = testing::quiet_config();
+  config.profile = load_profile(profile);
+  SimBackend backend(config);
+  backend.launch(1, [&](Rank& r) { fn(r); });
+}
+
+TEST(Fp8Kernels, PerTensorScalingReadsBackAsTheRoundedScaledValues) {
+  on_one_rank("dgx-h100", [](Rank& r) {
+    const std::vector<float> x = {0.5f, -3.0f, 1.1f, 0.01f, 100.0f, -0.3f};
+    const Tensor t = r.from_host({2, 3}, x, DType::BFloat16);
+    const Tensor amax = r.amax(t);
+    EXPECT_EQ(r.to_host(amax)[0], 100.0f);
+    const Tensor scale = r.fp8_scale(amax, DType::Float8E4M3);
+    EXPECT_EQ(r.to_host(scale)[0], 4.48f);
+    const Rank::Quantized q = r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{}, scale, true);
+    EXPECT_EQ(q.data.dtype(), DType::Float8E4M3);
+    EXPECT_EQ(q.data.bytes(), 6);
+    const std::vector<float> got = r.to_host(q.data), transposed = r.to_host(q.columnwise);
+    const std::vector<float> held = r.to_host(t);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float want = round_to_float8_e4m3(held[i] * 4.48f) * (1.0f / 4.48f);
+      EXPECT_EQ(got[i], want) << i;
+      EXPECT_EQ(transposed[i], want) << i;
+    }
+    EXPECT_EQ(got[4], 100.0f);  // the largest maps onto 448 exactly
+  });
+}
+
+TEST(Fp8Kernels, EachBlockIsScaledByItsOwnLargestValue) {
+  on_one_rank("dgx-b200", [](Rank& r) {
+    // Two rows of four; blocks of 1 x 2 along the rows, and 2 x 1 for the other layout.
+    const std::vector<float> x = {1.0f, 0.001f, 300.0f, 7.0f, -2.0f, 0.5f, 1e-6f, 3.0f};
+    const Tensor t = r.from_host({2, 4}, x);
+    for (const bool e8m0 : {false, true}) {
+      const Rank::Quantized q =
+          r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{1, 2, e8m0}, Tensor(), true);
+      const std::vector<float> rows = r.to_host(q.data), cols = r.to_host(q.columnwise);
+      auto expect_block = [&](const std::vector<float>& got, std::vector<int> block) {
+        float amax = 0;
+        for (int i : block) amax = std::max(amax, std::fabs(x[i]));
+        float s = 448.0f / amax;
+        if (e8m0) s = std::ldexp(1.0f, static_cast<int>(std::floor(std::log2(s))));
+        for (int i : block)
+          EXPECT_EQ(got[i], round_to_float8_e4m3(x[i] * s) / s) << "e8m0 " << e8m0 << " " << i;
+      };
+      for (int b = 0; b < 4; ++b) expect_block(rows, {2 * b, 2 * b + 1});
+      for (int c = 0; c < 4; ++c) expect_block(cols, {c, 4 + c});
+      // Block scales: 8 blocks in the two layouts, float32 each, or one byte each in words of four.
+      EXPECT_EQ(q.scales.bytes(), e8m0 ? 8 : 32);
+    }
+    // 0.001 keeps the digits its block's scale (448 / 1) gives it; under one scale for the tensor (448 / 300)
+    // it would land on e4m3's smallest subnormal, 30% off.
+    const Rank::Quantized q =
+        r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{1, 2, false}, Tensor(), false);
+    EXPECT_NEAR(r.to_host(q.data)[1], 0.001, 0.001 / 16);
+  });
+}
+
+TEST(Fp8Kernels, AnFp8GemmRunsAtTheFp8RateAndWritesBfloat16) {
+  on_one_rank("dgx-h100", [](Rank& r) {
+    const sim::ComputeModel model(r.profile().gpu);
+    auto time_of = [&](const Tensor& a, const Tensor& b) {
+      const Event start = r.record_event();
+      const Tensor c = r.matmul(a, b);
+      const Event end = r.record_event();
+      EXPECT_EQ(c.dtype(), DType::BFloat16);
+      return r.elapsed_us(start, end);
+    };
+    const Tensor x = r.phantom({8192, 8192}, DType::BFloat16);
+    const Tensor x8 = r.phantom({8192, 8192}, DType::Float8E4M3);
+    const double bf16_us = time_of(x, x), fp8_us = time_of(x8, x8);
+    // (Each interval also holds the host's launch of its one kernel.)
+    EXPECT_NEAR(
+        bf16_us - fp8_us,
+        model.gemm_us(8192, 8192, 8192, DType::BFloat16) - model.gemm_us(8192, 8192, 8192, DType::Float8E4M3),
+        1e-9);
+    EXPECT_LT(fp8_us, 0.55 * bf16_us);
+    EXPECT_GT(fp8_us, 0.45 * bf16_us);
+  });
+}
+
+TEST(ComputeModel, TheFp8CeilingReproducesTheMeasuredFp8Gemm) {
+  const sim::ComputeModel model(load_profile("dgx-b200").gpu);
+  const double flops = 2.0 * 4096 * 4096 * 4096;
+  EXPECT_NEAR(flops / model.gemm_us(4096, 4096, 4096, DType::Float8E4M3) / 1e6, 2765.0, 1e-6);
+  EXPECT_LE(model.gemm_ceiling(DType::Float8E4M3), 1.0);
+  // An 8-bit k-block holds twice the elements of a 16-bit one: the same fill and drain in time.
+  EXPECT_EQ(model.gemm_k_overhead(DType::Float8E4M3), 2 * model.gemm_k_overhead(DType::BFloat16));
+  // Without a measured FP8 GEMM the 16-bit ceiling applies.
+  const sim::ComputeModel h100(load_profile("dgx-h100").gpu);
+  EXPECT_EQ(h100.gemm_ceiling(DType::Float8E4M3), h100.gemm_ceiling(DType::BFloat16));
+}
+
+std::string error_of(const std::string& profile, const std::function<void(Rank&)>& fn) {
+  try {
+    on_one_rank(profile, fn);
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Fp8Kernels, MisuseIsRefusedWithTheReason) {
+  auto has = [](const std::string& message, const std::string& needle) {
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
+  };
+  has(error_of("dgx-h100",
+               [](Rank& r) {
+                 r.cast(r.zeros({2, 2}), DType::Float8E4M3);
+               }),
+      "cast makes no float8_e4m3 tensor: quantize scales a tensor into FP8");
+  auto fp8 = [](Rank& r, DType format) {
+    const Tensor x = r.full({2, 2}, 1.0f, DType::BFloat16);
+    return r.quantize(x, format, Rank::Fp8Scaling{}, r.fp8_scale(r.amax(x), format), false).data;
+  };
+  has(error_of("dgx-h100", [&](Rank& r) { r.add(fp8(r, DType::Float8E4M3), fp8(r, DType::Float8E4M3)); }),
+      "FP8 tensors go only into matmul");
+  has(error_of("dgx-h100",
+               [&](Rank& r) {
+                 r.matmul(fp8(r, DType::Float8E4M3), r.zeros({2, 2}, DType::BFloat16));
+               }),
+      "an FP8 GEMM takes two FP8 inputs");
+  has(error_of("dgx-h100", [&](Rank& r) { r.matmul(fp8(r, DType::Float8E5M2), fp8(r, DType::Float8E5M2)); }),
+      "no FP8 GEMM multiplies e5m2 by e5m2");
+  has(error_of("dgx-a100", [&](Rank& r) { fp8(r, DType::Float8E4M3); }), "has no FP8 tensor cores");
+  has(error_of(
+          "dgx-h100",
+          [](Rank& r) {
+            r.quantize(r.zeros({2, 64}), DType::Float8E4M3, Rank::Fp8Scaling{1, 32, true}, Tensor(), false);
+          }),
+      "do not apply MX block scales");
+}
+
+}  // namespace
+}  // namespace ranklab
