@@ -116,7 +116,8 @@ Settings lesson_settings(const Question& q, const Layout& l) {
 }
 
 gpt::Config lesson_config(const Question& q, const Layout& l) {
-  return gpt::resolve(gpt::options_table().read(lesson_settings(q, l), "gpt"), q.world());
+  return gpt::for_gpu(gpt::resolve(gpt::options_table().read(lesson_settings(q, l), "gpt"), q.world()),
+                      q.profile.gpu);
 }
 
 const char* status_name(Status s) {

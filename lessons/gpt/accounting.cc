@@ -41,6 +41,7 @@ std::string MemoryPlan::largest() const {
       {weights, "weights (16-bit copies and float32 masters)"},
       {grads, "gradients (float32)"},
       {optimizer, "optimizer state (Adam's m and v, float32)"},
+      {fp8_weights, "FP8 weight copies"},
       {activations, "activations"}};
   const auto* big = std::max_element(std::begin(parts), std::end(parts),
                                      [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -113,9 +114,16 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   // the block's gathered weights, the all_gather's buffer they are copied out of, and the next block's
   // buffer, in flight (parallel/zero.h).
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
-  std::int64_t block_elements = 0;
-  for (int q = 0; q < block_params(c); ++q)
-    block_elements += parallel::local_shape(block_spec(c, 0, q), c.tp).numel();
+  std::int64_t block_elements = 0, block_fp8 = 0;
+  for (int q = 0; q < block_params(c); ++q) {
+    const parallel::ParamSpec spec = block_spec(c, 0, q);
+    const Shape local = parallel::local_shape(spec, c.tp);
+    block_elements += local.numel();
+    if (spec.full.ndim() == 2) block_fp8 += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
+  }
+  if (c.zero < 3) {
+    for (int k = 0; k < c.v; ++k) p.fp8_weights += block_fp8 * c.chunk_layers(k * c.pp + stage);
+  }
   const bool units = c.zero >= 2 && c.dp > 1;
   Config none = c;
   none.recompute = Recompute::None;
@@ -123,7 +131,8 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   std::int64_t out = head ? r * (c.vocab / c.tp) * dt + (c.vocab / c.tp) * h * (dt + 8) + 2 * r * h * dt : 0;
   std::int64_t emb = embedding ? (c.zero >= 2 ? (c.vocab / c.tp) * h * 8 : 0) + 2 * r * h * dt : 0;
   if (units) block += 2 * block_elements * dtype_bytes(c.reduce_dtype);
-  p.transient = std::max({block, out, emb}) + (c.zero == 3 && units ? 3 * block_elements * dt : 0);
+  p.transient = std::max({block, out, emb}) + (c.zero == 3 && units ? 3 * block_elements * dt : 0) +
+                (c.zero == 3 ? block_fp8 : 0);
   p.activations = p.stash + data + p.transient;
   return p;
 }

@@ -10,16 +10,23 @@ namespace ranklab::gpt {
 
 using parallel::Param;
 
-Tolerance tolerance(DType d) {
-  switch (d) {
-    case DType::Float32:
-      return {1e-5, 1e-3, 2e-3};
-    case DType::Float16:
-      return {1e-3, 5e-2, 0.2};
-    case DType::BFloat16:
-      return {2e-3, 0.25, 0.3};
+Tolerance tolerance(const Config& c) {
+  const std::string name = dtype_name(c.dtype);
+  if (c.fp8 != parallel::Fp8Recipe::None) {
+    return {2e-3, 0.5, 0.7, fmt::format("{} with fp8 GEMMs ({})", name, parallel::fp8_recipe_name(c.fp8))};
   }
-  return {0, 0, 0};
+  switch (c.dtype) {
+    case DType::Float32:
+      return {1e-5, 1e-3, 2e-3, name};
+    case DType::Float16:
+      return {1e-3, 5e-2, 0.2, name};
+    case DType::BFloat16:
+      return {2e-3, 0.25, 0.3, name};
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      break;
+  }
+  return {0, 0, 0, name};
 }
 
 namespace {
@@ -172,15 +179,15 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
 
 void OneDeviceCheck::record(bool has_head) const {
   if (!ref_) return;
-  const Tolerance tol = tolerance(c_.dtype);
+  const Tolerance tol = tolerance(c_);
   const std::string who = fmt::format(" ({})", c_.layout());
   r_.check("gpt: every step's gradients equal one device's" + who, grad.worst <= tol.grad,
-           fmt::format("{} (tolerance {:.2g} for {})", grad.where, tol.grad, dtype_name(c_.dtype)));
+           fmt::format("{} (tolerance {:.2g} for {})", grad.where, tol.grad, tol.name));
   r_.check("gpt: every step's weight updates equal one device's" + who, weight.worst <= tol.weight,
-           fmt::format("{} (tolerance {:.2g} for {})", weight.where, tol.weight, dtype_name(c_.dtype)));
+           fmt::format("{} (tolerance {:.2g} for {})", weight.where, tol.weight, tol.name));
   if (has_head) {
     r_.check("gpt: every step's loss equals one device's" + who, loss.worst <= tol.loss,
-             fmt::format("{} (tolerance {:.2g} for {})", loss.where, tol.loss, dtype_name(c_.dtype)));
+             fmt::format("{} (tolerance {:.2g} for {})", loss.where, tol.loss, tol.name));
   }
 }
 

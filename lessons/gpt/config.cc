@@ -34,6 +34,7 @@ std::string Config::layout() const {
       fmt::format("tp {}{} x pp {}{} x dp {}, zero {}, recompute {}, {}", tp,
                   seq_parallel ? " (seq-parallel)" : "", pp, v > 1 ? fmt::format(" (interleave {})", v) : "",
                   dp, zero, recompute_name(recompute), dtype_name(dtype));
+  if (fp8 != parallel::Fp8Recipe::None) s += fmt::format(", fp8 GEMMs ({})", parallel::fp8_recipe_name(fp8));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
   if (dropout > 0) s += fmt::format(", dropout {}", dropout);
   std::vector<std::string> overlaps;
@@ -76,6 +77,53 @@ std::string Config::shape() const {
         hidden, heads, kv(), ffn(), seq, vocab);
   }
   return fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq, vocab);
+}
+
+namespace {
+// --dtype's names and fp8, which resolve() reads as bf16 with FP8 GEMMs.
+std::vector<std::pair<std::string, DType>> with_fp8(std::vector<std::pair<std::string, DType>> dtypes) {
+  dtypes.emplace_back("fp8", DType::Float8E4M3);
+  return dtypes;
+}
+
+void resolve_fp8(Config& c) {
+  using parallel::Fp8Recipe;
+  if (is_float8(c.dtype)) {
+    c.dtype = DType::BFloat16;
+    if (c.fp8 == Fp8Recipe::None) c.fp8 = Fp8Recipe::Current;
+  }
+  if (c.fp8 == Fp8Recipe::Delayed) {
+    throw UsageError(
+        "gpt: --fp8-recipe delayed (each tensor scaled by the largest value of its earlier steps, "
+        "TransformerEngine's DelayedScaling) is not built; current scales each tensor by its own largest "
+        "value, as TransformerEngine's Float8CurrentScaling does");
+  }
+  if (c.fp8 != Fp8Recipe::None && c.dtype != DType::BFloat16) {
+    throw UsageError(
+        fmt::format("gpt: --fp8-recipe {} runs the linear layers' GEMMs in FP8 within bf16 "
+                    "training; --dtype is {}: give --dtype bf16 (or fp8)",
+                    parallel::fp8_recipe_name(c.fp8), dtype_name(c.dtype)));
+  }
+}
+}  // namespace
+
+Config for_gpu(Config c, const GpuModel& gpu) {
+  c.fp8_any_layout = gpu.fp8_mx;
+  if (c.fp8 == parallel::Fp8Recipe::None) return c;
+  if (gpu.peak_tflops_fp8 <= 0) {
+    throw UsageError(fmt::format(
+        "gpt: --fp8-recipe {}: the {} has no FP8 tensor cores (its profile gives no peak_tflops_fp8); FP8 "
+        "training needs Hopper (H100, H200) or Blackwell (B200, GB200): pick such a --profile, or --dtype "
+        "bf16",
+        parallel::fp8_recipe_name(c.fp8), gpu.name));
+  }
+  if (c.fp8 == parallel::Fp8Recipe::Mxfp8 && !gpu.fp8_mx) {
+    throw UsageError(fmt::format(
+        "gpt: --fp8-recipe mxfp8: the {}'s tensor cores do not apply MX block scales (Blackwell's do); on it "
+        "use --fp8-recipe current or blockwise",
+        gpu.name));
+  }
+  return c;
 }
 
 const OptionTable<Config>& options_table() {
@@ -128,7 +176,17 @@ const OptionTable<Config>& options_table() {
                 "activation recomputation: none, selective (the attention core) or full",
                 {{"none", Recompute::None}, {"selective", Recompute::Selective}, {"full", Recompute::Full}}),
       {"order", &O::order, "process-group layout, innermost first"},
-      Option<O>("dtype", &O::dtype, "weights and activations", dtypes),
+      Option<O>("dtype", &O::dtype,
+                "weights and activations (fp8: bf16 with the linear layers' GEMMs in FP8, --fp8-recipe)",
+                with_fp8(dtypes)),
+      Option<O>("fp8-recipe", &O::fp8,
+                "the linear layers' GEMMs in FP8, scaled per tensor (current), in DeepSeek-V3's blocks "
+                "(blockwise) or in MX blocks (mxfp8, Blackwell); none: 16-bit",
+                {{"none", parallel::Fp8Recipe::None},
+                 {"current", parallel::Fp8Recipe::Current},
+                 {"blockwise", parallel::Fp8Recipe::Blockwise},
+                 {"mxfp8", parallel::Fp8Recipe::Mxfp8},
+                 {"delayed", parallel::Fp8Recipe::Delayed}}),
       Option<O>("grad-reduce-dtype", &O::reduce_dtype, "dtype of the data-parallel gradient reduction",
                 dtypes),
       Option<O>("dropout", &O::dropout, "dropout probability of the residual branches (GPT-2's resid_pdrop)")
@@ -390,6 +448,7 @@ Config resolve(Config c, int world) {
   }
   check_products(c);
   resolve_block(c);
+  resolve_fp8(c);
   if (c.heads % c.tp != 0) {
     throw UsageError(
         fmt::format("gpt: --heads {} is not divisible by --tp {}: tensor parallelism gives each "

@@ -9,6 +9,7 @@
 #include "common/lesson.h"
 #include "common/rank.h"
 #include "common/tensor.h"
+#include "lessons/parallel/fp8.h"
 
 namespace ranklab::gpt {
 
@@ -45,6 +46,9 @@ struct Config : LessonOptions {
   bool seq_parallel = false;
   Recompute recompute = Recompute::None;
   DType dtype = DType::BFloat16, reduce_dtype = DType::Float32;
+  // The linear layers' GEMMs in FP8 (lessons/parallel/fp8.h); --dtype fp8 is bf16 with the current recipe.
+  parallel::Fp8Recipe fp8 = parallel::Fp8Recipe::None;
+  bool fp8_any_layout = false;  // the GPU's FP8 GEMMs read any layout (Blackwell): set by for_gpu
   std::string order = "tp-dp-pp";
   bool phantom = false;
   int steps = 3;
@@ -96,6 +100,10 @@ struct Config : LessonOptions {
 const OptionTable<Config>& options_table();
 // `c` checked against a world of `world` ranks, with dp set when it was 0; UsageError naming the options.
 Config resolve(Config c, int world);
+
+// c on `gpu`: UsageError unless the GPU runs c's FP8 recipe (FP8 tensor cores, and for mxfp8 ones that apply
+// MX scales); records what the memory plan needs to know of it.
+Config for_gpu(Config c, const GpuModel& gpu);
 
 // Llama 3 405B's pipeline split (Dubey et al. 2024, section 3.3.2: 126 layers on 16 stages), for `layers`
 // that do not divide among `pp` stages but two more would: the first and the last stage one layer fewer

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,7 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
 std::string task_region(const parallel::Task& t, int chunks);
 
 void gpt_lesson(Rank& r, const Config& o) {
-  const Config c = gpt::resolve(o, r.world_size());
+  const Config c = gpt::for_gpu(gpt::resolve(o, r.world_size()), r.profile().gpu);
   const parallel::Layout layout{c.tp, c.pp, c.dp, c.order};
 
   // The plan: every stage's memory from the configuration alone, printed and held against the device before
@@ -56,6 +57,11 @@ void gpt_lesson(Rank& r, const Config& o) {
   tp.async_backward = c.async_tp_allreduce;
   tp.ranks = groups.tp.ranks(r.world_size());
   tp.index = groups.tp.index_of(r.rank());
+  std::optional<parallel::Fp8> fp8;
+  if (c.fp8 != parallel::Fp8Recipe::None) {
+    fp8.emplace(r, c.fp8, /*keep_weights=*/c.zero < 3);
+    tp.fp8 = &*fp8;
+  }
   parallel::DataParallel dp(r, zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.
   const std::int64_t before_model_bytes = r.memory_allocated();
@@ -85,6 +91,7 @@ void gpt_lesson(Rank& r, const Config& o) {
     const bool timed = step == c.steps;
     if (step > 1) dp.zero_grads(params);
     model.start_step();
+    if (fp8) fp8->start_step();
     // Not TimedStep: the peak memory and the exposed waits start after the barrier, and the step is timed
     // by events on the compute stream, not by the host's clock.
     r.synchronize();

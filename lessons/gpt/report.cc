@@ -89,7 +89,7 @@ TrainingStats training_stats(Rank& r, const Config& c, const std::vector<MemoryP
   st.weights_bytes = plans[0].weights;
   st.grads_bytes = plans[0].grads;
   st.optimizer_bytes = plans[0].optimizer;
-  st.activations_bytes = mine.peak_bytes - plans[0].fixed();
+  st.activations_bytes = mine.peak_bytes - plans[0].held();
   return st;
 }
 
@@ -118,9 +118,10 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
   each_shown_stage(r, c.pp, "  ", [&](int s) {
     const MemoryPlan& p = plans[s];
     r.print(fmt::format(
-        "  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}  activations {:>10} "
+        "  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}{}  activations {:>10} "
         "({} micro-batch{} alive)  total {:>10}",
         s, format_bytes(p.weights), format_bytes(p.grads), format_bytes(p.optimizer),
+        p.fp8_weights > 0 ? fmt::format("  fp8 weights {:>10}", format_bytes(p.fp8_weights)) : "",
         format_bytes(p.activations), p.most_alive, p.most_alive == 1 ? "" : "es", format_bytes(p.total())));
   });
 }
@@ -216,24 +217,26 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
   r.print("  peak memory per stage, measured (planned):");
   each_shown_stage(r, c.pp, "    ", [&](int s) {
     const float peak_bytes = f.stage_peak_bytes[s];
-    r.print(fmt::format("    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, activations {}",
-                        s, format_bytes(peak_bytes), format_bytes(plans[s].total()),
-                        format_bytes(plans[s].weights), format_bytes(plans[s].grads),
-                        format_bytes(plans[s].optimizer), format_bytes(peak_bytes - plans[s].fixed())));
+    r.print(fmt::format(
+        "    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, {}activations {}", s,
+        format_bytes(peak_bytes), format_bytes(plans[s].total()), format_bytes(plans[s].weights),
+        format_bytes(plans[s].grads), format_bytes(plans[s].optimizer),
+        plans[s].fp8_weights > 0 ? fmt::format("fp8 weights {}, ", format_bytes(plans[s].fp8_weights)) : "",
+        format_bytes(peak_bytes - plans[s].held())));
   });
   if (!check.compares()) {
     r.print("phantom tensors hold no numbers: the comparison with one device was skipped");
     return;
   }
-  const Tolerance tol = tolerance(c.dtype);
+  const Tolerance tol = tolerance(c);
   const LargestFigures& d = f.most;
   const bool ok =
       d.grad_difference <= tol.grad && d.weight_difference <= tol.weight && d.loss_difference <= tol.loss;
   r.print(fmt::format(
       "equal to one device (double precision) after every step: {} (largest relative differences: "
       "gradients {:.2e}, weight updates {:.2e}, loss {:.2e}; tolerances for {}: {:.2g}, {:.2g}, {:.2g})",
-      ok ? "yes" : "NO", d.grad_difference, d.weight_difference, d.loss_difference, dtype_name(c.dtype),
-      tol.grad, tol.weight, tol.loss));
+      ok ? "yes" : "NO", d.grad_difference, d.weight_difference, d.loss_difference, tol.name, tol.grad,
+      tol.weight, tol.loss));
 }
 
 }  // namespace ranklab::gpt

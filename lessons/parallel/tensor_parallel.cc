@@ -72,13 +72,52 @@ Tensor TensorParallel::column_backward(const Tensor& x, const std::function<Tens
 
 // ---- the linear layers of a pair ------------------------------------------------------------------------
 
+// ---- the GEMMs, in 16 bits or FP8 -------------------------------------------------------------------------
+
+Tensor TensorParallel::forward_gemm(const Tensor& x, const Tensor& w, const Tensor& out) {
+  const Tensor a = fp8 ? fp8->activation(x, Fp8::Use::Forward) : x;
+  const Tensor b = fp8 ? fp8->weight(w).along_rows : w;
+  if (!out.defined()) return r.matmul(a, b);
+  r.matmul_(out, a, b, Trans::No, Trans::No);
+  return out;
+}
+
+Tensor TensorParallel::dgrad_gemm(const Tensor& dy, const Tensor& w, const Fp8Operand* dy8,
+                                  const Tensor& out) {
+  Tensor a = dy, b = w;
+  if (fp8) {
+    a = dy8 ? dy8->along_cols : fp8->gradient(dy, Fp8::Use::Dgrad);
+    b = fp8->weight(w).along_cols;
+  }
+  if (!out.defined()) return r.matmul(a, b, Trans::No, Trans::Yes);
+  r.matmul_(out, a, b, Trans::No, Trans::Yes);
+  return out;
+}
+
+Tensor TensorParallel::wgrad_gemm(const Tensor& x, const Tensor& dy, const Fp8Operand* dy8,
+                                  const Tensor& into) {
+  if (!fp8) return weight_grad(r, x, dy, into);
+  return weight_grad(r, fp8->activation(x, Fp8::Use::Wgrad),
+                     dy8 ? dy8->along_rows : fp8->gradient(dy, Fp8::Use::Wgrad), into);
+}
+
+Tensor TensorParallel::ring_gemm(const Tensor& a, const Tensor& w, Trans tw, const Tensor& out) {
+  return tw == Trans::No ? forward_gemm(a, w, out) : dgrad_gemm(a, w, nullptr, out);
+}
+
+// ---- the linear layers of a pair ------------------------------------------------------------------------
+
 Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
-  if (!overlapped()) return linear(r, enter(x), w, b);
+  if (!overlapped()) {
+    Tensor y = forward_gemm(enter(x), w);
+    if (b.defined()) r.add_bias_(y, b);
+    return y;
+  }
   return ring_gather_gemm(x, w, b, Trans::No, nullptr);
 }
 
 Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w) {
-  if (!overlapped()) return leave(r.matmul(x, w));
+  if (!overlapped()) return leave(forward_gemm(x, w));
   return ring_gemm_scatter(x, w, Trans::No);
 }
 
@@ -87,10 +126,13 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
                                                              const Tensor& dw_into) {
   if (!overlapped()) {
     Grads g;
+    Fp8Operand dy8;
+    if (fp8) dy8 = fp8->gradient(dy);
+    const Fp8Operand* q = fp8 ? &dy8 : nullptr;
     g.dx = column_backward(
-        x, [&] { return r.matmul(dy, w, Trans::No, Trans::Yes); },
+        x, [&] { return dgrad_gemm(dy, w, q); },
         [&](const Tensor& whole) {
-          g.dw = weight_grad(r, whole, dy, dw_into);
+          g.dw = wgrad_gemm(whole, dy, q, dw_into);
           if (bias) g.db = r.sum_rows(dy);
         });
     return g;
@@ -102,7 +144,7 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
   Grads g;
   g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
   exposed.wait(Dim::Sp, gathered);
-  g.dw = weight_grad(r, whole, dy, dw_into);
+  g.dw = wgrad_gemm(whole, dy, nullptr, dw_into);
   if (bias) g.db = r.sum_rows(dy);
   return g;
 }
@@ -110,13 +152,19 @@ TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, co
 TensorParallel::Grads TensorParallel::row_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy,
                                                           const Tensor& dw_into) {
   if (!overlapped()) {
-    LinearGrads g = linear_backward(r, x, w, leave_backward(dy), false, true, dw_into);
-    return {g.dw, Tensor(), g.dx};
+    const Tensor whole = leave_backward(dy);
+    Fp8Operand dy8;
+    if (fp8) dy8 = fp8->gradient(whole);
+    const Fp8Operand* q = fp8 ? &dy8 : nullptr;
+    Grads g;
+    g.dw = wgrad_gemm(x, whole, q, dw_into);
+    g.dx = dgrad_gemm(whole, w, q);
+    return g;
   }
   Grads g;
   Tensor dy_whole;
   g.dx = ring_gather_gemm(dy, w, Tensor(), Trans::Yes, &dy_whole);
-  g.dw = weight_grad(r, x, dy_whole, dw_into);
+  g.dw = wgrad_gemm(x, dy_whole, nullptr, dw_into);
   return g;
 }
 
@@ -150,7 +198,7 @@ Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, co
     Work exchange;
     if (s + 1 < size)
       exchange = ring_exchange(rows_of(gathered, from), rows_of(gathered, (from + size - 1) % size));
-    r.matmul_(rows_of(out, from), rows_of(gathered, from), w, Trans::No, tw);
+    ring_gemm(rows_of(gathered, from), w, tw, rows_of(out, from));
     if (b.defined()) r.add_bias_(rows_of(out, from), b);
     if (s + 1 < size) exposed.wait(Dim::Sp, exchange);
   }
@@ -164,7 +212,7 @@ Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w, T
   const std::int64_t rows = whole.size(0) / size, cols = whole.size(1);
   auto partial = [&](int s) {
     const int of = (index - 1 - s + 2 * size) % size;
-    return r.matmul(r.view(whole, of * rows * cols, Shape{rows, cols}), w, Trans::No, tw);
+    return ring_gemm(r.view(whole, of * rows * cols, Shape{rows, cols}), w, tw);
   };
   Tensor sum = partial(0);
   std::vector<Tensor> sent;  // alive until their sends are done

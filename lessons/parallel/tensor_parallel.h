@@ -37,6 +37,7 @@
 
 #include "common/rank.h"
 #include "lessons/parallel/exposed.h"
+#include "lessons/parallel/fp8.h"
 
 namespace ranklab::parallel {
 
@@ -51,6 +52,7 @@ struct TensorParallel {
   bool async_backward = false;  // column_backward's collectives beside its GEMMs (see there)
   int index = 0;                // this rank's place in the group
   std::vector<int> ranks{};     // the group's global ranks, in order
+  Fp8* fp8 = nullptr;           // the linear layers' GEMMs in FP8 (fp8.h); 16-bit without
 
   Dim dim() const { return seq_parallel ? Dim::Sp : Dim::Tp; }
   // f, forward: the input of a column-parallel layer, whole (SP: gathered from every rank's tokens).
@@ -94,6 +96,13 @@ struct TensorParallel {
 
  private:
   bool overlapped() const { return comm_overlap && seq_parallel && size > 1; }
+  // A linear layer's three GEMMs, in FP8 when fp8 is set: forward x @ w and dgrad dy @ w^T (into `out`
+  // when defined), wgrad x^T @ dy (summed into `into` when defined). `dy8`: dy already quantized for both.
+  Tensor forward_gemm(const Tensor& x, const Tensor& w, const Tensor& out = Tensor());
+  Tensor dgrad_gemm(const Tensor& dy, const Tensor& w, const Fp8Operand* dy8, const Tensor& out = Tensor());
+  Tensor wgrad_gemm(const Tensor& x, const Tensor& dy, const Fp8Operand* dy8, const Tensor& into);
+  // forward_gemm (tw No) or dgrad_gemm (tw Yes): the GEMM of a ring step.
+  Tensor ring_gemm(const Tensor& a, const Tensor& w, Trans tw, const Tensor& out = Tensor());
   // Each rank's rows `local` times w, every rank's pieces in turn as they come around the ring; the
   // products in the group's row order. `keep_gathered`: also the gathered rows.
   Tensor ring_gather_gemm(const Tensor& local, const Tensor& w, const Tensor& b, Trans tw,

@@ -1,0 +1,105 @@
+// The gpt lesson in FP8 (--fp8-recipe): it trains with each recipe within its stated tolerance of one
+// device, catches a broken reduction, plans the FP8 weight copies it holds, and refuses recipes the GPU or
+// the run cannot take.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "gpt_fixture.h"
+#include "lessons/gpt/accounting.h"
+#include "lessons/gpt/config.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+Settings eight_ranks(const std::string& recipe) {
+  Settings o = testing::tiny_gpt();
+  o["world"] = option_text(8);
+  o["tp"] = option_text(2);
+  o["pp"] = option_text(2);
+  o["zero"] = option_text(1);
+  o["seq-parallel"] = option_text(true);
+  o["fp8-recipe"] = recipe;
+  return o;
+}
+
+RunReport run_on(const std::string& profile, const Settings& o) {
+  SimConfig config = testing::quiet_config();
+  config.profile = load_profile(profile);
+  SimBackend backend(config);
+  return run_lesson(backend, "gpt", o);
+}
+
+TEST(GptFp8, EachRecipeTrainsWithinItsToleranceOfOneDevice) {
+  for (const std::string recipe : {"current", "blockwise"}) {
+    const RunReport rep = run_on("dgx-h100", eight_ranks(recipe));
+    EXPECT_TRUE(rep.all_checks_passed()) << recipe << "\n" << testing::failed_checks(rep);
+  }
+  Settings llama = eight_ranks("mxfp8");
+  llama["block"] = "llama";
+  llama["kv-heads"] = option_text(2);
+  const RunReport mx = run_on("dgx-b200", llama);
+  EXPECT_TRUE(mx.all_checks_passed()) << testing::failed_checks(mx);
+}
+
+TEST(GptFp8, ZeroThreeQuantizesEachGatheredWeightAndPasses) {
+  Settings o = testing::tiny_gpt();
+  o["world"] = option_text(4);
+  o["zero"] = option_text(3);
+  o["dtype"] = "fp8";
+  const RunReport rep = run_on("dgx-h100", o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
+// A data-parallel sum left undivided doubles the gradients: far outside FP8's tolerance.
+TEST(GptFp8, ABrokenReductionFailsTheCheck) {
+  Settings o = testing::tiny_gpt();
+  o["world"] = option_text(4);
+  o["fp8-recipe"] = "current";
+  o["break"] = "dp-sum";
+  const RunReport rep = run_on("dgx-h100", o);
+  EXPECT_FALSE(rep.all_checks_passed());
+}
+
+TEST(GptFp8, RecipesTheHardwareOrTheRunCannotTakeAreRefused) {
+  Settings o = testing::tiny_gpt();
+  o["world"] = option_text(2);
+  o["dtype"] = "fp8";
+  try {
+    run_on("dgx-a100", o);
+    ADD_FAILURE() << "fp8 on A100 ran";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("--fp8-recipe current: the A100"), std::string::npos) << e.what();
+  }
+  o["fp8-recipe"] = "mxfp8";
+  testing::expect_usage_error(o, "--fp8-recipe mxfp8: the H100 SXM5 80GB's tensor cores do not apply MX");
+  o["fp8-recipe"] = "delayed";
+  testing::expect_usage_error(o,
+                              "--fp8-recipe delayed (each tensor scaled by the largest value of its earlier");
+  o.erase("dtype");
+  o["dtype"] = "fp32";
+  o["fp8-recipe"] = "current";
+  testing::expect_usage_error(o, "--dtype is float32: give --dtype bf16 (or fp8)");
+}
+
+// The plan holds each linear weight's FP8 copies: both layouts on Hopper, one under per-tensor scaling on
+// Blackwell, whose FP8 GEMMs read any layout.
+TEST(GptFp8, TheMemoryPlanHoldsTheWeightsFp8Copies) {
+  gpt::Config c = gpt::resolve(gpt::options_table().read(eight_ranks("current"), "gpt"), 8);
+  // A gpt block's linear weights, split by tp 2: h x 3h, h x h, h x 4h, 4h x h of hidden 64; 2 layers a
+  // stage.
+  const std::int64_t per_layer = 64 * 3 * 64 / 2 + 64 * 64 / 2 + 64 * 4 * 64 / 2 + 4 * 64 * 64 / 2;
+  const gpt::Config hopper = gpt::for_gpu(c, load_profile("dgx-h100").gpu);
+  EXPECT_EQ(gpt::memory_plan(hopper, 0).fp8_weights, 2 * 2 * per_layer);
+  const gpt::Config blackwell = gpt::for_gpu(c, load_profile("dgx-b200").gpu);
+  EXPECT_EQ(gpt::memory_plan(blackwell, 0).fp8_weights, 2 * per_layer);
+  c.fp8 = parallel::Fp8Recipe::None;
+  EXPECT_EQ(gpt::memory_plan(c, 0).fp8_weights, 0);
+}
+
+}  // namespace
+}  // namespace ranklab
