@@ -97,6 +97,7 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"vocab", text(q.vocab)},
                    {"global-batch", text(q.global_batch)},
                    {"dtype", q.dtype},
+                   {"fp8-recipe", q.fp8_recipe},
                    {"micro-batch", text(l.micro_batch)},
                    {"tp", text(l.tp)},
                    {"pp", text(l.pp)},
@@ -245,6 +246,8 @@ double StepBound::us(const gpt::Config& c) {
   const sim::ComputeModel& k = *compute_;
   const std::int64_t R = c.rows(), h = c.hidden, t = c.tp, V = c.vocab;
   const DType d = c.dtype;
+  // FP8 runs the linear layers' GEMMs in e4m3 (its casts are left out: a bound may only be low).
+  const DType linear = c.fp8 != parallel::Fp8Recipe::None ? DType::Float8E4M3 : d;
   struct Gemm {
     std::int64_t in, out;
   };
@@ -257,11 +260,11 @@ double StepBound::us(const gpt::Config& c) {
   // the pieces the ring passes on (TensorParallel's rings); the weight gradients stay whole.
   const bool rings = c.tp_comm_overlap;
   auto rows_gemm_us = [&](std::int64_t n, std::int64_t kk) {
-    return rings ? static_cast<double>(t) * k.gemm_us(R / t, n, kk, d) : k.gemm_us(R, n, kk, d);
+    return rings ? static_cast<double>(t) * k.gemm_us(R / t, n, kk, linear) : k.gemm_us(R, n, kk, linear);
   };
   for (const Gemm& g : linears) {
     forward_us += rows_gemm_us(g.out, g.in);
-    backward_us += k.gemm_us(g.in, g.out, R, d) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
+    backward_us += k.gemm_us(g.in, g.out, R, linear) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
   }
   const sim::AttentionShape attention{c.micro_batch, c.seq, c.heads / t, c.head_dim(),
                                       true,          0.0f,  c.kv() / t};

@@ -52,6 +52,7 @@ struct Question {
   double rope_theta = 10000;
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
+  std::string fp8_recipe = "none";  // gpt's --fp8-recipe: the linear layers' GEMMs in FP8
   // The framework whose overlaps the layouts run with (gpt's --framework).
   std::string framework = "megatron-core";
   Profile profile;  // with `nodes` set

@@ -62,9 +62,9 @@ const OptionTable<Request>& request_options() {
 }
 
 const std::vector<std::string>& shape_flags() {
-  static const std::vector<std::string> flags = {"model", "block",    "layers",       "hidden",
-                                                 "heads", "kv-heads", "ffn-hidden",   "rope-theta",
-                                                 "seq",   "vocab",    "global-batch", "dtype"};
+  static const std::vector<std::string> flags = {
+      "model",      "block", "layers", "hidden",       "heads", "kv-heads",  "ffn-hidden",
+      "rope-theta", "seq",   "vocab",  "global-batch", "dtype", "fp8-recipe"};
   return flags;
 }
 
@@ -94,6 +94,7 @@ Question make_question(const Request& r) {
   q.vocab = c.vocab;
   q.global_batch = c.global_batch;
   q.dtype = gpt::options_table().find("dtype")->write(c);  // as the lesson spells it: "bf16"
+  q.fp8_recipe = gpt::options_table().find("fp8-recipe")->write(c);
   q.tp_across_nodes = r.tp_across_nodes;
   q.max_interleave = r.max_interleave;
   gpt::framework_settings(r.framework);  // UsageError naming --framework for one it does not know
@@ -112,7 +113,7 @@ Question make_question(const Request& r) {
   // The shape and dtype on one rank: the lesson's checks of everything that is not the layout.
   Settings one = lesson_settings(q, Layout{});
   one["world"] = std::to_string(1);
-  gpt::resolve(gpt::options_table().read(one, "gpt"), 1);
+  gpt::for_gpu(gpt::resolve(gpt::options_table().read(one, "gpt"), 1), q.profile.gpu);
   return q;
 }
 

@@ -87,8 +87,10 @@ std::string bytes(std::int64_t b) {
 std::string describe_question(const Question& q) {
   // The model's shape as the lesson reads and says it (gpt::Config::shape).
   const gpt::Config model = gpt::options_table().read(lesson_settings(q, Layout{}), "gpt");
+  const std::string precision =
+      q.fp8_recipe == "none" ? q.dtype : fmt::format("{} (fp8 recipe {})", q.dtype, q.fp8_recipe);
   return fmt::format("{}{}; global batch {}; {} on {} x {} ({}, {} node{}); {}",
-                     q.model == "custom" ? "" : q.model + ": ", model.shape(), q.global_batch, q.dtype,
+                     q.model == "custom" ? "" : q.model + ": ", model.shape(), q.global_batch, precision,
                      q.world(), q.profile.gpu.name, q.profile.name, q.profile.nodes,
                      q.profile.nodes == 1 ? "" : "s", q.framework);
 }
@@ -320,6 +322,7 @@ std::string plan_to_json(const Plan& p) {
                    {"vocab", q.vocab},
                    {"global_batch", q.global_batch},
                    {"dtype", q.dtype},
+                   {"fp8_recipe", q.fp8_recipe},
                    {"framework", q.framework},
                    {"profile", q.profile.name},
                    {"nodes", q.profile.nodes},

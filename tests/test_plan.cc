@@ -124,6 +124,27 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
+// FP8 (--dtype fp8): every layout runs its linear GEMMs in FP8, none is faster than its bound (which takes
+// the FP8 GEMMs' time), the question says so, and the winner trains within FP8's tolerance of one device.
+TEST(Plan, AnFp8QuestionBoundsEveryLayoutAndItsWinnerPassesTheCheck) {
+  Request r = tiny_request();
+  r.shape["dtype"] = "fp8";
+  const Question q = make_question(r);
+  EXPECT_EQ(q.fp8_recipe, "none");  // as given; the lesson reads --dtype fp8 as the current recipe
+  EXPECT_NE(describe_question(q).find("global batch 16; fp8 on 8"), std::string::npos)
+      << describe_question(q);
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan p = search(q, all);
+  ASSERT_FALSE(p.ranked().empty());
+  for (const Result* res : p.ranked()) {
+    EXPECT_EQ(lesson_config(q, res->candidate.layout).fp8, parallel::Fp8Recipe::Current);
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  }
+  const RunReport rep = run_gpt(q, p.ranked()[0]->candidate.layout, false);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
 // Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
 // the bound: every layout simulated, none faster than its bound, and the pruned search finds the same
 // winner.
