@@ -49,9 +49,18 @@ std::string parameters(const Config& c) {
                     : fmt::format("{:.0f}", n);
 }
 
-// The device's dense peak for the run's dtype; 0 when the profile has none.
+// The device's dense peak for the run's dtype; 0 when the profile has none. FP8 runs are measured against
+// the 16-bit peak too, as torchtitan reports its float8 runs' MFU, so that MFU compares precisions; the
+// printout adds the fraction of the FP8 peak.
 double peak_tflops(Rank& r, const Config& c) {
   return c.dtype == DType::Float32 ? r.profile().gpu.peak_tflops_fp32 : r.profile().gpu.peak_tflops_bf16;
+}
+
+// ", 52.1% of the FP8 dense peak" for an FP8 run, else "".
+std::string fp8_fraction(Rank& r, const Config& c, double model_tflops) {
+  const double fp8_peak = r.profile().gpu.peak_tflops_fp8;
+  if (c.fp8 == parallel::Fp8Recipe::None || fp8_peak <= 0) return "";
+  return fmt::format(", {:.1f}% of the FP8 dense peak", 100 * model_tflops / fp8_peak);
 }
 
 // The pipeline's idle time over its compute time: the schedule's span over the mean busy time.
@@ -183,8 +192,8 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
                       human_time(step_us), c.tokens_per_step() / (step_us * 1e-6)));
   r.print(fmt::format("  model {:.1f} TFLOP/s per GPU, hardware {:.1f}; MFU {}", st.model_tflops_per_gpu,
                       st.hardware_tflops_per_gpu,
-                      peak > 0 ? fmt::format("{:.1f}% of {:.0f} TFLOP/s ({} dense peak)", 100 * st.mfu, peak,
-                                             dtype_name(c.dtype))
+                      peak > 0 ? fmt::format("{:.1f}% of {:.0f} TFLOP/s ({} dense peak){}", 100 * st.mfu, peak,
+                                             dtype_name(c.dtype), fp8_fraction(r, c, st.model_tflops_per_gpu))
                                : std::string("unknown (no peak for this device)")));
   if (c.pp > 1) {
     r.print(fmt::format(
