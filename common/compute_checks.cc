@@ -112,8 +112,10 @@ void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor
 
 void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg) {
   if (is_float8(t.dtype())) {
-    throw UsageError(fmt::format("{}: '{}' is {}; FP8 tensors go only into matmul (quantize makes them)",
-                                 where(rank, op), arg, t.str()));
+    throw UsageError(
+        fmt::format("{}: '{}' is {}; FP8 tensors go only into matmul, copies and communication that does "
+                    "not add them up (quantize makes them)",
+                    where(rank, op), arg, t.str()));
   }
 }
 

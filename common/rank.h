@@ -407,10 +407,10 @@ class Rank {
     bool per_tensor() const { return block_rows == 0 && block_cols == 0; }
   };
   struct Quantized {
-    Tensor data;  // x in `format`: its elements read as the values the stored numbers stand for
-    Tensor
-        columnwise;  // with both layouts: x quantized for use transposed (blocks of block_cols x block_rows)
-    Tensor scales;   // the block scales' memory (float32 words; e8m0 scales four bytes to a word)
+    Tensor data;        // x in `format`: its elements read as the values the stored numbers stand for
+    Tensor columnwise;  // with both layouts: x quantized for use transposed (blocks block_cols x block_rows)
+    // Each layout's block scales, for their memory: float32 words (e8m0 scales four bytes to a word).
+    Tensor scales, columnwise_scales;
   };
   // x [rows, cols] (16-bit or float32) in `format` (Float8E4M3 or Float8E5M2), saturating at its largest
   // finite value. `both_layouts`: also `columnwise`, as TransformerEngine's cast-transpose writes the copy a

@@ -79,6 +79,16 @@ std::string SimRank::where(const char* op) const {
   return fmt::format("rank {}: {}", rank_, op);
 }
 
+namespace {
+bool takes_float8(const char* op) {
+  for (const char* ok : {"matmul_", "matmul_add_", "matmul", "to_host", "view", "copy_", "all_gather",
+                         "all_to_all", "send", "recv", "broadcast"}) {
+    if (std::strcmp(op, ok) == 0) return true;
+  }
+  return false;
+}
+}  // namespace
+
 void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
   world_.scheduler().check_thread(rank_, op);
   world_.scheduler().check_aborted();
@@ -87,9 +97,8 @@ void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
     throw UsageError(fmt::format("{}: '{}' ({}) belongs to rank {}; a rank can only use tensors it made",
                                  where(op), arg, t.str(), t.owner_rank()));
   }
-  // An FP8 tensor goes only into matmul (and back to the host, or a view of it).
-  if (is_float8(t.dtype()) && std::strncmp(op, "matmul", 6) != 0 && std::strcmp(op, "to_host") != 0 &&
-      std::strcmp(op, "view") != 0) {
+  // An FP8 tensor goes only into matmul, copies, and communication that moves it without adding it up.
+  if (is_float8(t.dtype()) && !takes_float8(op)) {
     check_float8_use(rank_, op, t, arg);
   }
 }

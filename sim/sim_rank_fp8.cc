@@ -82,12 +82,17 @@ Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scalin
   Quantized q;
   q.data = allocate(x.shape(), format, phantom, "quantize");
   if (both_layouts) q.columnwise = allocate(x.shape(), format, phantom, "quantize");
-  std::int64_t scale_bytes = 0;
+  double scale_bytes = 0;
   if (!scaling.per_tensor()) {
-    std::int64_t blocks = blocks_of(x.shape(), scaling.block_rows, scaling.block_cols);
-    if (both_layouts) blocks += blocks_of(x.shape(), scaling.block_cols, scaling.block_rows);
-    scale_bytes = scaling.e8m0 ? blocks : blocks * 4;
-    q.scales = allocate(Shape{(scale_bytes + 3) / 4}, DType::Float32, phantom, "quantize");
+    auto scales_of = [&](int block_rows, int block_cols) {
+      const std::int64_t blocks = blocks_of(x.shape(), block_rows, block_cols);
+      Tensor t =
+          allocate(Shape{scaling.e8m0 ? (blocks + 3) / 4 : blocks}, DType::Float32, phantom, "quantize");
+      scale_bytes += static_cast<double>(scaling.e8m0 ? blocks : 4 * blocks);
+      return t;
+    };
+    q.scales = scales_of(scaling.block_rows, scaling.block_cols);
+    if (both_layouts) q.columnwise_scales = scales_of(scaling.block_cols, scaling.block_rows);
   }
   if (scale.defined()) {
     before_reading({&x, &scale}, "quantize");
@@ -104,9 +109,11 @@ Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scalin
     if (both_layouts) {
       quantize_values(x, q.columnwise, format, s, scaling.block_cols, scaling.block_rows, scaling.e8m0);
     }
-    if (q.scales.defined()) array(q.scales).setZero();
+    for (const Tensor* t : {&q.scales, &q.columnwise_scales}) {
+      if (t->defined()) array(*t).setZero();
+    }
   }
-  const double written = bytes_of(q.data) * (both_layouts ? 2 : 1) + static_cast<double>(scale_bytes);
+  const double written = bytes_of(q.data) * (both_layouts ? 2 : 1) + scale_bytes;
   launch_kernel_cost(kQuantize, world_.compute().memory_cost(bytes_of(x) + written));
   return q;
 }

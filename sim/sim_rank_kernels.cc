@@ -234,6 +234,10 @@ void SimRank::copy_(const Tensor& dst, const Tensor& src) {
     throw UsageError(fmt::format("{}: {} and {} differ in size", where("copy_"), dst.str(), src.str()));
   }
   require_same_kind("copy_", dst, src);
+  if (is_float8(dst.dtype()) && src.dtype() != dst.dtype()) {
+    throw UsageError(fmt::format("{}: copies {} into {}: quantize scales a tensor into FP8", where("copy_"),
+                                 src.str(), dst.str()));
+  }
   before_kernel({&dst, &src}, "copy_");
   if (!dst.phantom()) {
     array(dst) = array(src);

@@ -114,8 +114,9 @@ TEST(Fp8Kernels, EachBlockIsScaledByItsOwnLargestValue) {
       };
       for (int b = 0; b < 4; ++b) expect_block(rows, {2 * b, 2 * b + 1});
       for (int c = 0; c < 4; ++c) expect_block(cols, {c, 4 + c});
-      // Block scales: 8 blocks in the two layouts, float32 each, or one byte each in words of four.
-      EXPECT_EQ(q.scales.bytes(), e8m0 ? 8 : 32);
+      // Block scales: 4 blocks in each layout, float32 each, or one byte each in a word of four.
+      EXPECT_EQ(q.scales.bytes(), e8m0 ? 4 : 16);
+      EXPECT_EQ(q.columnwise_scales.bytes(), e8m0 ? 4 : 16);
     }
     // 0.001 keeps the digits its block's scale (448 / 1) gives it; under one scale for the tensor (448 / 300)
     // it would land on e4m3's smallest subnormal, 30% off.

@@ -11,6 +11,7 @@
 #include "gpt_fixture.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
+#include "lessons/gpt/model.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -97,8 +98,13 @@ TEST(GptFp8, TheMemoryPlanHoldsTheWeightsFp8Copies) {
   EXPECT_EQ(gpt::memory_plan(hopper, 0).fp8_weights, 2 * 2 * per_layer);
   const gpt::Config blackwell = gpt::for_gpu(c, load_profile("dgx-b200").gpu);
   EXPECT_EQ(gpt::memory_plan(blackwell, 0).fp8_weights, 2 * per_layer);
+  // A micro-batch keeps the inputs of qkv and fc1 (its local rows, 1/tp with sequence parallelism) and of
+  // fc2 (every row, 4h / tp features) in one byte an element instead of two, and proj's input once more.
+  const std::int64_t rows = 16 * 2, local = rows / 2, h = 64, hl = 32;
+  const std::int64_t fp8_layer = gpt::stash_bytes(hopper, 1, false, false);
   c.fp8 = parallel::Fp8Recipe::None;
   EXPECT_EQ(gpt::memory_plan(c, 0).fp8_weights, 0);
+  EXPECT_EQ(gpt::stash_bytes(c, 1, false, false) - fp8_layer, 2 * local * h + rows * 4 * hl - rows * hl);
 }
 
 }  // namespace

@@ -206,22 +206,30 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
   (void)embedding;  // the embedding's output is the first block's input; the token ids are data
   const std::int64_t dt = dtype_bytes(c.dtype), r = c.rows(), lr = c.local_rows();
   const std::int64_t h = c.hidden, hl = h / c.tp, heads = c.heads / c.tp;
+  // A linear layer's input as its backward takes it: 16-bit, or its FP8 copy (TensorParallel::Kept).
+  const bool fp8 = c.fp8 != parallel::Fp8Recipe::None;
+  auto kept = [&](std::int64_t rows, std::int64_t cols) {
+    return fp8 ? parallel::fp8_kept_bytes(c.fp8, rows, cols) : rows * cols * dt;
+  };
   std::int64_t block = lr * h * dt;  // x, the block's input: all that full recomputation keeps
   if (c.llama() && c.recompute != Recompute::Full) {
     const std::int64_t hd = c.head_dim(), f = c.ffn() / c.tp, kv = c.kv() / c.tp;
-    block += 2 * lr * 4                        // the two RMSNorms' reciprocal deviations, float32
-             + 3 * lr * h * dt                 // y1, x1, y2
-             + r * (heads + 2 * kv) * hd * dt  // qkv (rotated)
-             + r * 2 * f * dt + r * f * dt;    // w13's output u and swiglu(u)
+    block += 2 * lr * 4                          // the two RMSNorms' reciprocal deviations, float32
+             + 2 * kept(lr, h) + lr * h * dt     // y1, y2 (the linear layers' inputs) and x1
+             + r * (heads + 2 * kv) * hd * dt    // qkv (rotated)
+             + r * 2 * f * dt + kept(r, f)       // w13's output u and swiglu(u)
+             + (fp8 ? kept(r, heads * hd) : 0);  // wo's own copy of its input
     if (c.recompute == Recompute::None) {
       block += r * heads * hd * dt + 4 * r * heads;  // attention out and lse
       if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
     }
   } else if (c.recompute != Recompute::Full) {
-    block += 4 * lr * 4              // layernorm means and reciprocal deviations, float32
-             + 3 * lr * h * dt       // y1, x1, y2 (local rows: 1/tp of them with sequence parallelism)
-             + r * 3 * hl * dt       // qkv
-             + 2 * r * 4 * hl * dt;  // fc1's output u and gelu(u)
+    block += 4 * lr * 4  // layernorm means and reciprocal deviations, float32
+             + 2 * kept(lr, h) +
+             lr * h * dt        // y1, y2, x1 (local rows: 1/tp of them with sequence parallelism)
+             + r * 3 * hl * dt  // qkv
+             + r * 4 * hl * dt + kept(r, 4 * hl)  // fc1's output u and gelu(u)
+             + (fp8 ? kept(r, hl) : 0);           // proj's own copy of its input
     if (c.recompute == Recompute::None) {
       block += r * hl * dt + 4 * r * heads;  // attention out and lse
       // The unfused path's probabilities: [micro-batch x heads, seq, seq] of the compute dtype.
@@ -298,8 +306,9 @@ std::int64_t Model::kept_bytes(int chunk, int mb) const {
   std::int64_t n = 0;
   auto add = [&](const Tensor& t) { n += t.defined() ? t.bytes() : 0; };
   for (const BlockActs& a : st.blocks) {
-    for (const Tensor* t : {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.probs, &a.x1,
-                            &a.mean2, &a.rstd2, &a.y2, &a.u, &a.g}) {
+    for (const Tensor* t :
+         {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.probs, &a.x1, &a.mean2, &a.rstd2, &a.y2,
+          &a.u, &a.g, &a.y1_scales, &a.y2_scales, &a.g_scales, &a.out8, &a.out8_scales}) {
       add(*t);
     }
   }
@@ -435,22 +444,24 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   a.x = x;
   // Attention: layernorm on this rank's tokens; f; qkv for this rank's heads; attention; proj's partial
   // sum; g; bias and residual.
+  parallel::TensorParallel::Kept k1, kp, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
-  Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB]);
+  Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB], &k1);
   Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true, c_.attention);
-  Tensor p = tp_.row_linear(att.out, w[kProjW]);
+  Tensor p = tp_.row_linear(att.out, w[kProjW], &kp);
   r.add_bias_(p, w[kProjB]);
   Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
   // MLP: the same shape of computation with fc1 (column-parallel, 4h) and fc2 (row-parallel).
   Rank::LayerNormOut ln2 = r.layernorm(x1, w[kLn2G], w[kLn2B], kEps);
-  Tensor u = tp_.column_linear(ln2.y, w[kFc1W], w[kFc1B]);
+  Tensor u = tp_.column_linear(ln2.y, w[kFc1W], w[kFc1B], &k2);
   Tensor g = r.gelu(u);
-  Tensor o = tp_.row_linear(g, w[kFc2W]);
+  Tensor o = tp_.row_linear(g, w[kFc2W], &kg);
   r.add_bias_(o, w[kFc2B]);
   Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
-    a.mean1 = ln1.mean, a.rstd1 = ln1.rstd, a.y1 = ln1.y, a.qkv = qkv;
-    a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.y2 = ln2.y, a.u = u, a.g = g;
+    a.mean1 = ln1.mean, a.rstd1 = ln1.rstd, a.qkv = qkv;
+    a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.u = u;
+    keep_inputs(a, k1, kp, k2, kg);
     // Selective recomputation drops the attention core's output: backward recomputes it from qkv.
     if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
@@ -487,7 +498,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
   dp_.add_grad(b.p[kProjB], r.sum_rows(dp));
   parallel::TensorParallel::Grads proj =
-      tp_.row_linear_backward(a.out, w[kProjW], dp, dp_.wgrad_into(b.p[kProjW]));
+      tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kProjW], dp, dp_.wgrad_into(b.p[kProjW]));
   dp_.add_grad(b.p[kProjW], proj.dw);
   const Tensor dqkv = r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp,
                                            true, c_.attention);
@@ -499,6 +510,15 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   dp_.add_grad(b.p[kLn1G], ln1.dgamma);
   dp_.add_grad(b.p[kLn1B], ln1.dbeta);
   return r.add(dx1, ln1.dx);
+}
+
+void Model::keep_inputs(BlockActs& a, const parallel::TensorParallel::Kept& y1,
+                        const parallel::TensorParallel::Kept& out, const parallel::TensorParallel::Kept& y2,
+                        const parallel::TensorParallel::Kept& g) {
+  a.y1 = y1.x, a.y1_scales = y1.scales, a.y2 = y2.x, a.y2_scales = y2.scales, a.g = g.x,
+  a.g_scales = g.scales;
+  // The attention's output is kept as it is for the attention's backward; in FP8 proj keeps its own copy.
+  if (is_float8(out.x.dtype())) a.out8 = out.x, a.out8_scales = out.scales;
 }
 
 // ---- the llama block --------------------------------------------------------------------------------------
@@ -514,18 +534,20 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   // Attention: RMSNorm on this rank's tokens; f; q, k and v of this rank's key-value groups, k and q rotated
   // by their positions (the gathered rows: every position of the micro-batch); attention; wo's partial sum;
   // g; residual.
+  parallel::TensorParallel::Kept k1, ko, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::RmsNormOut n1 = r.rmsnorm(x, w[kNorm1], kEps);
-  Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor());
+  Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor(), &k1);
   r.rope_(qkv, attention_spec(), 0, c_.rope_theta, false);
   Rank::AttentionOut att = r.attention(qkv, attention_spec());
-  Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo]), layer, 0, mb));
+  Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
-  Tensor u = tp_.column_linear(n2.y, w[kW13], Tensor());
+  Tensor u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
   Tensor g = r.swiglu(u);
-  Tensor x2 = r.add(x1, residual_dropout(tp_.row_linear(g, w[kW2]), layer, 1, mb));
+  Tensor x2 = r.add(x1, residual_dropout(tp_.row_linear(g, w[kW2], &kg), layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
-    a.rstd1 = n1.rstd, a.y1 = n1.y, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.y2 = n2.y, a.u = u, a.g = g;
+    a.rstd1 = n1.rstd, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.u = u;
+    keep_inputs(a, k1, ko, k2, kg);
     if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
   return x2;
@@ -554,7 +576,8 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   const Tensor dx1 = r.add(dx2, n2.dx);
   // Attention backward: the rotation's backward is the rotation back.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
-  parallel::TensorParallel::Grads wo = tp_.row_linear_backward(a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
+  parallel::TensorParallel::Grads wo =
+      tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
   dp_.add_grad(b.p[kWo], wo.dw);
   const Tensor dqkv = r.attention_backward(wo.dx, a.qkv, a.out, a.lse, attention_spec());
   // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)

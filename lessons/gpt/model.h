@@ -133,8 +133,11 @@ class Model {
     bool embedding = false, head = false;
   };
   // What a block keeps for its backward. Full recompute keeps only x; selective drops the attention core.
+  // With FP8 the linear layers' inputs y1, y2 and g are their FP8 copies for the weight gradient (with
+  // their block scales), and proj's (wo's) input has one of its own, out8, beside the attention's out.
   struct BlockActs {
     Tensor x, mean1, rstd1, y1, qkv, out, lse, probs, x1, mean2, rstd2, y2, u, g;
+    Tensor y1_scales, y2_scales, g_scales, out8, out8_scales;
   };
   struct HeadActs {
     Tensor x, mean, rstd, y, logits, row_max, stats;
@@ -151,6 +154,10 @@ class Model {
   // The llama block's, as block_forward's and block_backward's.
   Tensor llama_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
   Tensor llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
+  // Keeps what the linear layers' backward takes of their inputs (TensorParallel::Kept).
+  static void keep_inputs(BlockActs& a, const parallel::TensorParallel::Kept& y1,
+                          const parallel::TensorParallel::Kept& out, const parallel::TensorParallel::Kept& y2,
+                          const parallel::TensorParallel::Kept& g);
   // The attention of this rank's heads: Rank::attention's spec.
   AttentionSpec attention_spec() const;
   // The residual branch's dropout (GPT-2's resid_pdrop; nothing when --dropout is 0). The backward is the

@@ -192,9 +192,10 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
                       human_time(step_us), c.tokens_per_step() / (step_us * 1e-6)));
   r.print(fmt::format("  model {:.1f} TFLOP/s per GPU, hardware {:.1f}; MFU {}", st.model_tflops_per_gpu,
                       st.hardware_tflops_per_gpu,
-                      peak > 0 ? fmt::format("{:.1f}% of {:.0f} TFLOP/s ({} dense peak){}", 100 * st.mfu, peak,
-                                             dtype_name(c.dtype), fp8_fraction(r, c, st.model_tflops_per_gpu))
-                               : std::string("unknown (no peak for this device)")));
+                      peak > 0
+                          ? fmt::format("{:.1f}% of {:.0f} TFLOP/s ({} dense peak){}", 100 * st.mfu, peak,
+                                        dtype_name(c.dtype), fp8_fraction(r, c, st.model_tflops_per_gpu))
+                          : std::string("unknown (no peak for this device)")));
   if (c.pp > 1) {
     r.print(fmt::format(
         "  pipeline bubble: idle {:.1f}% of the compute time measured (the schedule's span over "

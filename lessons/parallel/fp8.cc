@@ -28,6 +28,13 @@ std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_lay
   return 2 * local.numel() + (scale_bytes + 3) / 4 * 4;
 }
 
+std::int64_t fp8_kept_bytes(Fp8Recipe recipe, std::int64_t rows, std::int64_t cols) {
+  if (recipe == Fp8Recipe::Current || recipe == Fp8Recipe::None) return rows * cols;
+  const std::int64_t block = recipe == Fp8Recipe::Blockwise ? kDeepSeekBlock : kMxBlock;
+  const std::int64_t blocks = blocks_of(Shape{rows, cols}, block, 1);
+  return rows * cols + (recipe == Fp8Recipe::Mxfp8 ? (blocks + 3) / 4 * 4 : 4 * blocks);
+}
+
 const char* fp8_recipe_name(Fp8Recipe r) {
   switch (r) {
     case Fp8Recipe::None:
@@ -57,22 +64,25 @@ DType Fp8::gradient_format() const {
   return recipe_ == Fp8Recipe::Current ? DType::Float8E5M2 : DType::Float8E4M3;
 }
 
-Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both) {
+Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
+                         const std::function<void(const Tensor&)>& reduce_amax) {
   Fp8Operand o;
   if (recipe_ == Fp8Recipe::Current) {
     // One scale: the layouts differ only in where the bytes lie, and a GPU that reads any layout needs one.
-    const Tensor scale = r_.fp8_scale(r_.amax(x), format);
-    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, scale, both && !any_layout_);
+    const Tensor amax = r_.amax(x);
+    if (reduce_amax) reduce_amax(amax);
+    Rank::Quantized q =
+        r_.quantize(x, format, Rank::Fp8Scaling{}, r_.fp8_scale(amax, format), both && !any_layout_);
     o.along_cols = q.data;
     o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
     return o;
   }
-  Rank::Quantized q =
-      r_.quantize(x, format, Rank::Fp8Scaling{square ? block() : 1, block(), recipe_ == Fp8Recipe::Mxfp8},
-                  Tensor(), both);
+  const Rank::Fp8Scaling blocks{square ? block() : 1, block(), recipe_ == Fp8Recipe::Mxfp8};
+  Rank::Quantized q = r_.quantize(x, format, blocks, Tensor(), both);
   o.along_cols = q.data;
+  o.cols_scales = q.scales;
   o.along_rows = q.columnwise;
-  o.held.push_back(q.scales);
+  o.rows_scales = q.columnwise_scales;
   return o;
 }
 
@@ -85,6 +95,10 @@ Tensor Fp8::quantize_along_rows(const Tensor& x, DType format) {
 Tensor Fp8::activation(const Tensor& x, Use use) {
   if (use == Use::Wgrad) return quantize_along_rows(x, DType::Float8E4M3);
   return quantize(x, DType::Float8E4M3, false, false).along_cols;
+}
+
+Fp8Operand Fp8::input(const Tensor& x, const std::function<void(const Tensor&)>& reduce_amax) {
+  return quantize(x, DType::Float8E4M3, false, true, reduce_amax);
 }
 
 Tensor Fp8::gradient(const Tensor& dy, Use use) {

@@ -22,6 +22,7 @@
 // (ZeRO 3) is quantized at each. Attention, the norms, the output layer and the optimizer stay in 16 bits.
 #pragma once
 
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -34,16 +35,21 @@ namespace ranklab::parallel {
 enum class Fp8Recipe { None, Current, Blockwise, Mxfp8, Delayed };
 const char* fp8_recipe_name(Fp8Recipe r);
 
-// One tensor's FP8 copies, each with its scales along the dimension a GEMM contracts.
+// One tensor's FP8 copies, each with its scales along the dimension a GEMM contracts, and the block scales'
+// memory of each.
 struct Fp8Operand {
   Tensor along_cols;  // for a GEMM summing over its columns (x and dy in forward and dgrad, W in dgrad)
   Tensor along_rows;  // for a GEMM summing over its rows (x and dy in wgrad, W in forward)
-  std::vector<Tensor> held;  // the block scales' memory
+  Tensor cols_scales, rows_scales;
 };
 
 // The bytes of a weight's FP8 copies as Fp8::weight makes them: one copy per layout the GPU needs (one for
 // per-tensor scaling on a GPU that reads any layout, else two) and the block scales' memory.
 std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_layout);
+
+// The bytes of what a linear layer keeps of its [rows, cols] input in FP8 (TensorParallel::Kept): the
+// input quantized along its rows, and that layout's block scales.
+std::int64_t fp8_kept_bytes(Fp8Recipe recipe, std::int64_t rows, std::int64_t cols);
 
 class Fp8 {
  public:
@@ -57,6 +63,11 @@ class Fp8 {
   // wgrad over its rows.
   enum class Use { Forward, Dgrad, Wgrad };
   Tensor activation(const Tensor& x, Use use);
+  // A linear layer's input for its forward and its weight gradient, in one pass: what the layer keeps for
+  // its backward is along_rows, in one byte an element instead of two, as TransformerEngine keeps it.
+  // `reduce_amax`, when given, makes the per-tensor largest value the group's (an all-reduce of its max):
+  // the pieces a sequence-parallel all-gather puts together then share their scale, as one GEMM input must.
+  Fp8Operand input(const Tensor& x, const std::function<void(const Tensor&)>& reduce_amax);
   Tensor gradient(const Tensor& dy, Use use);
   // An output gradient for dgrad and wgrad both, in one pass.
   Fp8Operand gradient(const Tensor& dy);
@@ -67,8 +78,9 @@ class Fp8 {
   DType gradient_format() const;
   int block() const;
   // x quantized along its columns (blocks 1 x block, or block x block when `square`) and, with `both`, along
-  // its rows too.
-  Fp8Operand quantize(const Tensor& x, DType format, bool square, bool both);
+  // its rows too; per-tensor scaling's amax first goes through `reduce_amax` when given.
+  Fp8Operand quantize(const Tensor& x, DType format, bool square, bool both,
+                      const std::function<void(const Tensor&)>& reduce_amax = nullptr);
   // x quantized along its rows only.
   Tensor quantize_along_rows(const Tensor& x, DType format);
   Rank& r_;

@@ -75,7 +75,7 @@ Tensor TensorParallel::column_backward(const Tensor& x, const std::function<Tens
 // ---- the GEMMs, in 16 bits or FP8 -------------------------------------------------------------------------
 
 Tensor TensorParallel::forward_gemm(const Tensor& x, const Tensor& w, const Tensor& out) {
-  const Tensor a = fp8 ? fp8->activation(x, Fp8::Use::Forward) : x;
+  const Tensor a = fp8 && !is_float8(x.dtype()) ? fp8->activation(x, Fp8::Use::Forward) : x;
   const Tensor b = fp8 ? fp8->weight(w).along_rows : w;
   if (!out.defined()) return r.matmul(a, b);
   r.matmul_(out, a, b, Trans::No, Trans::No);
@@ -97,7 +97,7 @@ Tensor TensorParallel::dgrad_gemm(const Tensor& dy, const Tensor& w, const Fp8Op
 Tensor TensorParallel::wgrad_gemm(const Tensor& x, const Tensor& dy, const Fp8Operand* dy8,
                                   const Tensor& into) {
   if (!fp8) return weight_grad(r, x, dy, into);
-  return weight_grad(r, fp8->activation(x, Fp8::Use::Wgrad),
+  return weight_grad(r, is_float8(x.dtype()) ? x : fp8->activation(x, Fp8::Use::Wgrad),
                      dy8 ? dy8->along_rows : fp8->gradient(dy, Fp8::Use::Wgrad), into);
 }
 
@@ -107,18 +107,39 @@ Tensor TensorParallel::ring_gemm(const Tensor& a, const Tensor& w, Trans tw, con
 
 // ---- the linear layers of a pair ------------------------------------------------------------------------
 
-Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Tensor& b) {
+Tensor TensorParallel::keep_input(const Tensor& x, Kept* kept) {
+  if (kept == nullptr) return x;
+  if (!fp8) {
+    kept->x = x;
+    return x;
+  }
+  std::function<void(const Tensor&)> reduce_amax;
+  if (seq_parallel && size > 1) {
+    reduce_amax = [&](const Tensor& amax) {
+      const Event e = exposed.before();
+      exposed.after(Dim::Sp, e, r.all_reduce(amax, ReduceOp::Max, Async::No, group));
+    };
+  }
+  Fp8Operand q = fp8->input(x, reduce_amax);
+  kept->x = q.along_rows;
+  kept->scales = q.rows_scales;
+  return q.along_cols;
+}
+
+Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Tensor& b, Kept* kept) {
+  const Tensor in = keep_input(x, kept);
   if (!overlapped()) {
-    Tensor y = forward_gemm(enter(x), w);
+    Tensor y = forward_gemm(enter(in), w);
     if (b.defined()) r.add_bias_(y, b);
     return y;
   }
-  return ring_gather_gemm(x, w, b, Trans::No, nullptr);
+  return ring_gather_gemm(in, w, b, Trans::No, nullptr);
 }
 
-Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w) {
-  if (!overlapped()) return leave(forward_gemm(x, w));
-  return ring_gemm_scatter(x, w, Trans::No);
+Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w, Kept* kept) {
+  const Tensor in = keep_input(x, kept);
+  if (!overlapped()) return leave(forward_gemm(in, w));
+  return ring_gemm_scatter(in, w, Trans::No);
 }
 
 TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, const Tensor& w,
@@ -187,7 +208,7 @@ Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, co
   // each GEMM writing its rows of the output in place.
   const std::int64_t rows = local.size(0), out_cols = tw == Trans::No ? w.size(1) : w.size(0);
   Tensor gathered = buffer(r, phantom, local.shape().with_dim(0, rows * size), local.dtype());
-  Tensor out = buffer(r, phantom, Shape{rows * size, out_cols}, local.dtype());
+  Tensor out = buffer(r, phantom, Shape{rows * size, out_cols}, gemm_output(local.dtype()));
   auto rows_of = [&](const Tensor& t, int rank) {
     return r.view(t, rank * rows * t.size(1), Shape{rows, t.size(1)});
   };

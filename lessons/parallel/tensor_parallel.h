@@ -78,8 +78,14 @@ struct TensorParallel {
   // row-parallel one y = g(x @ w), and their backwards (dx reduced as f's backward reduces it; for the
   // row-parallel layer dy is the output gradient before g's backward). With comm_overlap they run as the
   // ring decompositions; without, as f or g and one GEMM.
-  Tensor column_linear(const Tensor& x, const Tensor& w, const Tensor& b);
-  Tensor row_linear(const Tensor& x, const Tensor& w);
+  //
+  // `kept`, when given, receives what the layer's backward takes as its input x: x itself, or with FP8 its
+  // copy quantized for the weight gradient (one byte an element) and that copy's block scales.
+  struct Kept {
+    Tensor x, scales;
+  };
+  Tensor column_linear(const Tensor& x, const Tensor& w, const Tensor& b, Kept* kept = nullptr);
+  Tensor row_linear(const Tensor& x, const Tensor& w, Kept* kept = nullptr);
   struct Grads {
     Tensor dw, db, dx;
   };
@@ -97,7 +103,8 @@ struct TensorParallel {
  private:
   bool overlapped() const { return comm_overlap && seq_parallel && size > 1; }
   // A linear layer's three GEMMs, in FP8 when fp8 is set: forward x @ w and dgrad dy @ w^T (into `out`
-  // when defined), wgrad x^T @ dy (summed into `into` when defined). `dy8`: dy already quantized for both.
+  // when defined), wgrad x^T @ dy (summed into `into` when defined). `dy8`: dy already quantized for both;
+  // an x already in FP8 goes in as it is.
   Tensor forward_gemm(const Tensor& x, const Tensor& w, const Tensor& out = Tensor());
   Tensor dgrad_gemm(const Tensor& dy, const Tensor& w, const Fp8Operand* dy8, const Tensor& out = Tensor());
   Tensor wgrad_gemm(const Tensor& x, const Tensor& dy, const Fp8Operand* dy8, const Tensor& into);
@@ -110,6 +117,9 @@ struct TensorParallel {
   // The rows of `whole` this rank keeps of the sum over ranks of whole @ op(w), the sums passed on around
   // the ring.
   Tensor ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw);
+  // x as the layer's forward GEMM takes it, and into `kept` what its backward will: with FP8 and a `kept`,
+  // both quantized in one pass (with sequence parallelism the pieces the all-gather joins share one scale).
+  Tensor keep_input(const Tensor& x, Kept* kept);
   // Sends `out` to the next rank and receives into `in` from the previous one.
   Work ring_exchange(const Tensor& out, const Tensor& in);
 };
