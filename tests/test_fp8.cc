@@ -192,6 +192,13 @@ TEST(Fp8Kernels, MisuseIsRefusedWithTheReason) {
       "an FP8 GEMM takes two FP8 inputs");
   has(error_of("dgx-h100", [&](Rank& r) { r.matmul(fp8(r, DType::Float8E5M2), fp8(r, DType::Float8E5M2)); }),
       "no FP8 GEMM multiplies e5m2 by e5m2");
+  has(error_of("dgx-h100", [&](Rank& r) { r.all_reduce(fp8(r, DType::Float8E4M3), ReduceOp::Sum); }),
+      "communication that does not add them up");
+  has(error_of("dgx-h100",
+               [&](Rank& r) {
+                 r.copy_(fp8(r, DType::Float8E4M3), r.zeros({2, 2}, DType::BFloat16));
+               }),
+      "quantize scales a tensor into FP8");
   has(error_of("dgx-a100", [&](Rank& r) { fp8(r, DType::Float8E4M3); }), "has no FP8 tensor cores");
   has(error_of(
           "dgx-h100",
