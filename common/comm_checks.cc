@@ -15,7 +15,7 @@ namespace {
 // `in` and `out`, whose other dimensions agree (each row is one message unit, as in torch's
 // all_to_all_single).
 void check_splits(const CommCall& call, const std::string& where, int n) {
-  auto side = [&](const std::vector<std::int64_t>& splits, const char* splits_name, const Tensor& t,
+  auto side = [&](const CommCall::Splits& splits, const char* splits_name, const Tensor& t,
                   const char* t_name) {
     if (static_cast<int>(splits.size()) != n) {
       throw UsageError(

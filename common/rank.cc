@@ -160,8 +160,8 @@ Work Rank::all_to_all(const Tensor& out, const Tensor& in, Async a, Group g) {
 Work Rank::all_to_all(const Tensor& out, const Tensor& in, const std::vector<std::int64_t>& out_splits,
                       const std::vector<std::int64_t>& in_splits, Async a, Group g) {
   CommCall c = make_call(CommOp::AllToAll, out, in, ReduceOp::Sum, -1, a, std::move(g));
-  c.input_splits = in_splits;
-  c.output_splits = out_splits;
+  c.input_splits.assign(in_splits.begin(), in_splits.end());
+  c.output_splits.assign(out_splits.begin(), out_splits.end());
   return communicate(c);
 }
 Work Rank::send(const Tensor& t, int dst, Async a) {

@@ -22,6 +22,7 @@
 // Ranks (root, src, dst) are global ranks, as in torch.distributed, also inside a sub-group.
 #pragma once
 
+#include <boost/container/small_vector.hpp>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -171,9 +172,12 @@ struct CommCall {
   // report keeps such operations out of its collectives table and its link traffic.
   bool bookkeeping = false;
   // all_to_all with uneven splits (torch's all_to_all_single): rows of `input` sent to each member and
-  // rows of `output` received from each, in member order. Both empty: even splits.
-  std::vector<std::int64_t> input_splits;
-  std::vector<std::int64_t> output_splits;
+  // rows of `output` received from each, in member order. Both empty: even splits. Up to 8 members' are
+  // kept inside the call (a tensor-parallel ring's steps are such calls, each copied for every mirror of a
+  // symmetric run): copying a call then allocates nothing.
+  using Splits = boost::container::small_vector<std::int64_t, 8>;
+  Splits input_splits;
+  Splits output_splits;
   bool uneven() const { return !input_splits.empty() || !output_splits.empty(); }
   std::string describe() const;  // "all_reduce(float32[4], Sum) on world"
 };

@@ -380,21 +380,27 @@ void SimWorld::settle_compute(int rank) {
     ~Settling() { s.settling = false; }
   } settling{s};
   s.settling = true;
-  // The world times the kernels again as the engine moves (resettle) and wakes the rank once they are.
+  // The world times the kernels again as the engine moves (resettle) and wakes the rank once they are. The
+  // callables capture one pointer, which std::function keeps without allocating.
+  struct Context {
+    SimWorld* world;
+    int rank;
+    RankState* s;
+  } const ctx{this, rank, &s};
   block_until(
       rank,
-      [&] {
-        resettle(rank);
-        return s.pending_kernels.empty();
+      [&ctx] {
+        ctx.world->resettle(ctx.rank);
+        return ctx.s->pending_kernels.empty();
       },
-      [this, rank, &s] {
+      [&ctx] {
         // A kernel that waits for an operation to end waits for what that operation waits for.
-        for (const RankState::PendingKernel& k : s.pending_kernels) {
+        for (const RankState::PendingKernel& k : ctx.s->pending_kernels) {
           if (k.after && !k.after->finished)
-            return describe_wait(rank, *k.after, k.name.c_str(), /*folded=*/true);
+            return ctx.world->describe_wait(ctx.rank, *k.after, k.name.c_str(), /*folded=*/true);
         }
         return fmt::format("the times of {} kernel(s) that communication in flight may slow",
-                           s.pending_kernels.size());
+                           ctx.s->pending_kernels.size());
       });
 }
 

@@ -68,7 +68,7 @@ std::int64_t row_numel(const Tensor& t) {
 }
 
 // Prefix sums of `splits` scaled by `row`: where each member's rows start, in elements.
-std::vector<std::int64_t> offsets(const std::vector<std::int64_t>& splits, std::int64_t row) {
+std::vector<std::int64_t> offsets(const CommCall::Splits& splits, std::int64_t row) {
   std::vector<std::int64_t> out(splits.size(), 0);
   for (std::size_t j = 1; j < splits.size(); ++j) out[j] = out[j - 1] + splits[j - 1] * row;
   return out;

@@ -132,7 +132,7 @@ void Symmetry::join_mirrors(CommOpState& op, int rank) const {
     // relative to its own place in the group (a ring shift sends to the next member, whichever it is).
     if (uneven_all_to_all) {
       const int shift = ((i - mine) % n + n) % n;
-      auto rotate = [&](std::vector<std::int64_t>& v) {
+      auto rotate = [&](CommCall::Splits& v) {
         if (!v.empty()) std::rotate(v.rbegin(), v.rbegin() + shift, v.rend());
       };
       rotate(x.call.input_splits);
