@@ -55,7 +55,7 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   t->owner = std::move(owner);
   t->plan = std::move(plan);
   Transfer* raw = t.get();
-  slot_of_[raw] = transfers_.size();
+  raw->slot = transfers_.size();
   transfers_.push_back(std::move(t));
   ++in_flight_;
   if (start_us >= now_us_) {
@@ -282,10 +282,9 @@ double TransferEngine::next_event_us() {
 }
 
 void TransferEngine::end_transfer(Transfer* t) {
-  const std::size_t at = slot_of_.at(t);
-  slot_of_.erase(t);
+  const std::size_t at = t->slot;
   if (at + 1 != transfers_.size()) {
-    slot_of_[transfers_.back().get()] = at;
+    transfers_.back()->slot = at;
     transfers_[at] = std::move(transfers_.back());
   }
   transfers_.pop_back();

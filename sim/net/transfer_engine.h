@@ -20,7 +20,6 @@
 
 #include <map>
 #include <memory>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -63,6 +62,7 @@ class TransferEngine {
     CommPlan plan;
     int flows_left = 0;
     double flows_done_us = -1;  // when the last flow finished; then the latency runs
+    std::size_t slot = 0;       // its place in transfers_
   };
   // One flow in flight, indexed by its id in the sharing network.
   struct Running {
@@ -133,7 +133,6 @@ class TransferEngine {
   std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
   std::vector<Due> fresh_ends_, fresh_retires_;       // scratch of flush
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
-  std::unordered_map<Transfer*, std::size_t> slot_of_;
   int in_flight_ = 0;
   bool unshared_ = false;  // batches wait for flush()
   // Since the last flush(): the transfer whose begin_flows added every flow added (null when none was,
