@@ -7,9 +7,7 @@ namespace {
 // Microscaling specification's (v1.0, 2023: 32 elements share a scale).
 constexpr int kDeepSeekBlock = 128;
 constexpr int kMxBlock = 32;
-}  // namespace
 
-namespace {
 std::int64_t blocks_of(const Shape& s, std::int64_t block_rows, std::int64_t block_cols) {
   return ((s[0] + block_rows - 1) / block_rows) * ((s[1] + block_cols - 1) / block_cols);
 }
@@ -18,14 +16,15 @@ std::int64_t blocks_of(const Shape& s, std::int64_t block_rows, std::int64_t blo
 std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_layout) {
   if (recipe == Fp8Recipe::None) return 0;
   if (recipe == Fp8Recipe::Current) return local.numel() * (any_layout ? 1 : 2);
-  // Both layouts, and their scales in float32 words (Rank::Quantized::scales): 4 bytes a block, or one byte
-  // a block for MX's E8M0 scales.
+  // Both layouts, each with its scales in float32 words (Rank::Quantized): 4 bytes a block, or for MX's
+  // E8M0 scales one byte a block, four to a word.
   const std::int64_t rows_block = recipe == Fp8Recipe::Blockwise ? kDeepSeekBlock : 1;
   const std::int64_t cols_block = recipe == Fp8Recipe::Blockwise ? kDeepSeekBlock : kMxBlock;
-  const std::int64_t blocks =
-      blocks_of(local, rows_block, cols_block) + blocks_of(local, cols_block, rows_block);
-  const std::int64_t scale_bytes = recipe == Fp8Recipe::Mxfp8 ? blocks : 4 * blocks;
-  return 2 * local.numel() + (scale_bytes + 3) / 4 * 4;
+  auto scale_bytes = [&](std::int64_t blocks) {
+    return recipe == Fp8Recipe::Mxfp8 ? (blocks + 3) / 4 * 4 : 4 * blocks;
+  };
+  return 2 * local.numel() + scale_bytes(blocks_of(local, rows_block, cols_block)) +
+         scale_bytes(blocks_of(local, cols_block, rows_block));
 }
 
 std::int64_t fp8_kept_bytes(Fp8Recipe recipe, std::int64_t rows, std::int64_t cols) {

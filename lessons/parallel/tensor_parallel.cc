@@ -107,14 +107,14 @@ Tensor TensorParallel::ring_gemm(const Tensor& a, const Tensor& w, Trans tw, con
 
 // ---- the linear layers of a pair ------------------------------------------------------------------------
 
-Tensor TensorParallel::keep_input(const Tensor& x, Kept* kept) {
+Tensor TensorParallel::keep_input(const Tensor& x, Kept* kept, bool gathered) {
   if (kept == nullptr) return x;
   if (!fp8) {
     kept->x = x;
     return x;
   }
   std::function<void(const Tensor&)> reduce_amax;
-  if (seq_parallel && size > 1) {
+  if (gathered && seq_parallel && size > 1) {
     reduce_amax = [&](const Tensor& amax) {
       const Event e = exposed.before();
       exposed.after(Dim::Sp, e, r.all_reduce(amax, ReduceOp::Max, Async::No, group));
@@ -127,7 +127,7 @@ Tensor TensorParallel::keep_input(const Tensor& x, Kept* kept) {
 }
 
 Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Tensor& b, Kept* kept) {
-  const Tensor in = keep_input(x, kept);
+  const Tensor in = keep_input(x, kept, /*gathered=*/true);
   if (!overlapped()) {
     Tensor y = forward_gemm(enter(in), w);
     if (b.defined()) r.add_bias_(y, b);
@@ -137,7 +137,7 @@ Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Ten
 }
 
 Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w, Kept* kept) {
-  const Tensor in = keep_input(x, kept);
+  const Tensor in = keep_input(x, kept, /*gathered=*/false);
   if (!overlapped()) return leave(forward_gemm(in, w));
   return ring_gemm_scatter(in, w, Trans::No);
 }
@@ -248,25 +248,10 @@ Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w, T
   return sum;
 }
 
-Tensor linear(Rank& r, const Tensor& x, const Tensor& w, const Tensor& b) {
-  Tensor y = r.matmul(x, w);
-  if (b.defined()) r.add_bias_(y, b);
-  return y;
-}
-
 Tensor weight_grad(Rank& r, const Tensor& x, const Tensor& dy, const Tensor& into) {
   if (!into.defined()) return r.matmul(x, dy, Trans::Yes, Trans::No);
   r.matmul_add_(into, x, dy, Trans::Yes, Trans::No);
   return Tensor();
-}
-
-LinearGrads linear_backward(Rank& r, const Tensor& x, const Tensor& w, const Tensor& dy, bool bias,
-                            bool want_dx, const Tensor& dw_into) {
-  LinearGrads g;
-  g.dw = weight_grad(r, x, dy, dw_into);
-  if (bias) g.db = r.sum_rows(dy);
-  if (want_dx) g.dx = r.matmul(dy, w, Trans::No, Trans::Yes);  // dy w^T
-  return g;
 }
 
 }  // namespace ranklab::parallel

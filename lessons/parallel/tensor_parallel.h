@@ -118,20 +118,13 @@ struct TensorParallel {
   // the ring.
   Tensor ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw);
   // x as the layer's forward GEMM takes it, and into `kept` what its backward will: with FP8 and a `kept`,
-  // both quantized in one pass (with sequence parallelism the pieces the all-gather joins share one scale).
-  Tensor keep_input(const Tensor& x, Kept* kept);
+  // both quantized in one pass. `gathered`: x is this rank's rows of what an all-gather joins (a
+  // column-parallel layer's with sequence parallelism), whose pieces must share one per-tensor scale.
+  Tensor keep_input(const Tensor& x, Kept* kept, bool gathered);
   // Sends `out` to the next rank and receives into `in` from the previous one.
   Work ring_exchange(const Tensor& out, const Tensor& in);
 };
 
-// A linear layer y = x @ w (+ b) and its backward, the same whether w is a column block or a row block:
-// what makes it column- or row-parallel is where the f and g above go.
-Tensor linear(Rank& r, const Tensor& x, const Tensor& w, const Tensor& b);
-struct LinearGrads {
-  Tensor dw, db, dx;  // db: float32 (undefined without a bias)
-};
-LinearGrads linear_backward(Rank& r, const Tensor& x, const Tensor& w, const Tensor& dy, bool bias,
-                            bool want_dx, const Tensor& dw_into = Tensor());
 // x^T dy, the weight gradient of y = x @ w: a new tensor, or, when `into` is defined, summed into it by the
 // GEMM (Megatron-LM's gradient-accumulation fusion) and an undefined tensor returned.
 Tensor weight_grad(Rank& r, const Tensor& x, const Tensor& dy, const Tensor& into);
