@@ -52,9 +52,9 @@ struct GpuModel {
   // A GEMM kernel's device time that does not grow with its work (its start, prologue and the last tile's
   // epilogue), added to every 16-bit GEMM; the ceiling is solved with it.
   double gemm_fixed_us = 0;
-  // FP8 (docs/model.md, "FP8"). An FP8 GEMM runs the 16-bit model above at the FP8 rate, with k in blocks
-  // of twice the elements (the same bytes); its ceiling is solved from a measured FP8 GEMM where the profile
-  // names one, else it is the 16-bit ceiling.
+  // FP8 (docs/model.md, "Compute", FP8 GEMMs). An FP8 GEMM runs the 16-bit model above at the FP8 rate, with
+  // k in blocks of twice the elements (the same bytes); its ceiling is solved from a measured FP8 GEMM where
+  // the profile names one, else it is the 16-bit ceiling.
   double peak_tflops_fp8 = 0;       // dense tensor-core FP8 (e4m3, e5m2); 0: no FP8 tensor cores
   double peak_tflops_fp4 = 0;       // dense tensor-core FP4; 0: none
   bool fp8_mx = false;              // tensor cores that apply MX block scales (MXFP8: 32 elements per scale)
