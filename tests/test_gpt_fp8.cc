@@ -3,7 +3,9 @@
 // the run cannot take.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
+#include <utility>
 
 #include "common/errors.h"
 #include "common/lesson.h"
@@ -85,6 +87,38 @@ TEST(GptFp8, RecipesTheHardwareOrTheRunCannotTakeAreRefused) {
   o["dtype"] = "fp32";
   o["fp8-recipe"] = "current";
   testing::expect_usage_error(o, "--dtype is float32: give --dtype bf16 (or fp8)");
+}
+
+// With sequence parallelism a column-parallel layer's input is gathered as FP8 pieces: the all-gathers of
+// the forward (and the backward's gathers of the kept inputs) move half the bytes, and the pieces' largest
+// values are all-reduced (max) over tp, one 4-byte all-reduce per gathered input.
+TEST(GptFp8, SequenceParallelGathersMoveFp8) {
+  auto totals = [](const std::string& recipe) {
+    Settings o = testing::tiny_gpt();
+    o["world"] = option_text(2);
+    o["tp"] = option_text(2);
+    o["seq-parallel"] = option_text(true);
+    o["phantom"] = option_text(true);
+    o["steps"] = option_text(1);
+    o["fp8-recipe"] = recipe;
+    const RunReport rep = run_on("dgx-h100", o);
+    std::map<std::pair<CommOp, std::int64_t>, int> count;
+    for (const CollectiveRecord& c : rep.collectives) {
+      if (!c.bookkeeping) ++count[{c.op, c.bytes}];
+    }
+    return count;
+  };
+  const auto bf16 = totals("none"), fp8 = totals("current");
+  // tiny: micro-batches of 2 x 16 rows, hidden 64; the layer inputs gathered are [32, 64].
+  const std::int64_t whole_bf16 = 32 * 64 * 2, whole_fp8 = 32 * 64;
+  const int layers = 4, micro_batches = 4, per_layer = 2;  // qkv's input and fc1's
+  EXPECT_EQ(fp8.at({CommOp::AllGather, whole_fp8}),
+            2 * layers * micro_batches * per_layer);  // forward, backward
+  EXPECT_EQ(fp8.at({CommOp::AllReduce, 4}), layers * micro_batches * per_layer);
+  EXPECT_EQ(fp8.count({CommOp::AllReduce, 4}) + bf16.count({CommOp::AllReduce, 4}), 1);
+  // bf16 gathers those inputs, and both gather the row-parallel layers' output gradients, at two bytes.
+  EXPECT_EQ(bf16.at({CommOp::AllGather, whole_bf16}) - fp8.at({CommOp::AllGather, whole_bf16}),
+            2 * layers * micro_batches * per_layer);
 }
 
 // The plan holds each linear weight's FP8 copies: both layouts on Hopper, one under per-tensor scaling on
