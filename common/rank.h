@@ -423,8 +423,8 @@ class Rank {
                              bool both_layouts) = 0;
   // The largest magnitude of x's elements: float32 [1].
   virtual Tensor amax(const Tensor& x) = 0;
-  // `format`'s largest value over amax (float32 [1]), or 1 where amax is 0: the per-tensor scale that maps
-  // the largest element onto the format's largest value.
+  // `format`'s largest value over amax (float32 [1]), or 1 where amax is 0, and at most the largest float:
+  // the per-tensor scale that maps the largest element onto the format's largest value.
   virtual Tensor fp8_scale(const Tensor& amax, DType format) = 0;
 
   // ---- communication --------------------------------------------------------------------------------

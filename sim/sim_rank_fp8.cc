@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "common/compute_checks.h"
 #include "common/dtype_round.h"
@@ -25,6 +26,15 @@ float largest(DType format) {
 
 float round_to(DType format, float x) {
   return format == DType::Float8E4M3 ? round_to_float8_e4m3(x) : round_to_float8_e5m2(x);
+}
+
+// The scale that maps `amax` onto the format's largest value `big`: 1 where there is nothing to scale (0, or
+// not finite), and at most the largest float where amax is so small that big / amax overflows (as
+// TransformerEngine clamps it), so that a block of zeros stays zeros (0 x infinity would be NaN).
+float scale_for(float amax, float big) {
+  if (!(amax > 0) || !std::isfinite(amax)) return 1.0f;
+  const float s = big / amax;
+  return std::isfinite(s) ? s : std::numeric_limits<float>::max();
 }
 
 // The largest power of two not above s (s > 0 and finite): an E8M0 scale that keeps every element of its
@@ -63,7 +73,7 @@ void quantize_values(const Tensor& x, const Tensor& out, DType format, float ten
       float amax = 0;
       for (std::int64_t i = r0; i < r1; ++i)
         for (std::int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(in[i * cols + j]));
-      float s = amax > 0 && std::isfinite(amax) ? big / amax : 1.0f;
+      float s = scale_for(amax, big);
       if (e8m0) s = power_of_two_below(s);
       quantize_block(r0, r1, c0, c1, s);
     }
@@ -141,8 +151,7 @@ Tensor SimRank::fp8_scale(const Tensor& amax, DType format) {
   Tensor out = allocate(Shape{1}, DType::Float32, amax.phantom(), "fp8_scale");
   before_reading({&amax}, "fp8_scale");
   if (!out.phantom()) {
-    const float a = sim_data(amax)[0];
-    sim_data(out)[0] = a > 0 && std::isfinite(a) ? largest(format) / a : 1.0f;
+    sim_data(out)[0] = scale_for(sim_data(amax)[0], largest(format));
   }
   launch_kernel_cost(kFp8Scale, world_.compute().memory_cost(2 * kF));
   return out;

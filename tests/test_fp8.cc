@@ -126,6 +126,21 @@ TEST(Fp8Kernels, EachBlockIsScaledByItsOwnLargestValue) {
   });
 }
 
+// A block whose largest value is so small that the format's largest over it overflows a float takes the
+// largest float as its scale: its zeros stay zeros (0 x infinity would be NaN) and its values round to 0.
+TEST(Fp8Kernels, ATinyBlockKeepsItsZeros) {
+  on_one_rank("dgx-h100", [](Rank& r) {
+    const Tensor t = r.from_host({1, 4}, {0.0f, 1e-39f, 0.0f, -1e-39f});
+    for (const Rank::Fp8Scaling& scaling : {Rank::Fp8Scaling{1, 4, false}, Rank::Fp8Scaling{}}) {
+      const Tensor scale = scaling.per_tensor() ? r.fp8_scale(r.amax(t), DType::Float8E4M3) : Tensor();
+      const std::vector<float> got = r.to_host(r.quantize(t, DType::Float8E4M3, scaling, scale, false).data);
+      for (const float v : got) EXPECT_TRUE(std::isfinite(v)) << v;
+      EXPECT_EQ(got[0], 0.0f);
+      EXPECT_EQ(got[2], 0.0f);
+    }
+  });
+}
+
 TEST(Fp8Kernels, AnFp8GemmRunsAtTheFp8RateAndWritesBfloat16) {
   on_one_rank("dgx-h100", [](Rank& r) {
     const sim::ComputeModel model(r.profile().gpu);
