@@ -395,6 +395,32 @@ AttentionShapeModel read_attention_shape(TableReader& gpu, const std::string& pa
   return m;
 }
 
+// A measured GEMM the GEMM model's ceiling is solved from: `prefix`_tflops at `prefix`_m x _n x _k, which
+// it needs, and no faster than the peak named `peak_name`.
+struct MeasuredGemm {
+  double tflops = 0;
+  int m = 0, n = 0, k = 0;
+};
+MeasuredGemm read_measured_gemm(TableReader& gpu, const std::string& prefix, const char* peak_name,
+                                double peak_tflops, const std::string& origin) {
+  const std::string tflops = prefix + "_tflops";
+  MeasuredGemm g;
+  g.tflops = gpu.at_least(tflops, 0, kMaxTflops, 0);
+  g.m = gpu.count(prefix + "_m", false, 1, kMaxGemmDim).value_or(0);
+  g.n = gpu.count(prefix + "_n", false, 1, kMaxGemmDim).value_or(0);
+  g.k = gpu.count(prefix + "_k", false, 1, kMaxGemmDim).value_or(0);
+  if (g.tflops > 0 && (g.m == 0 || g.n == 0 || g.k == 0)) {
+    fail_at(gpu.at(tflops), origin,
+            fmt::format("'gpu.{}' needs the shape it was measured at: {}_m, {}_n and {}_k", tflops, prefix,
+                        prefix, prefix));
+  }
+  if (g.tflops > peak_tflops) {
+    fail_at(gpu.at(tflops), origin,
+            fmt::format("'gpu.{}' ({}) is above {} ({})", tflops, g.tflops, peak_name, peak_tflops));
+  }
+  return g;
+}
+
 Profile read_profile(const toml::table& root, const std::string& origin) {
   TableReader top(root, "", origin,
                   {"name", "description", "gpus_per_node", "nodes", "barrier_latency_us", "gpu", "nvlink",
@@ -463,42 +489,20 @@ Profile read_profile(const toml::table& root, const std::string& origin) {
   p.gpu.gemm_k_overhead = gpu.at_least("gemm_k_overhead", 0, kMaxTile, 0);
   p.gpu.gemm_ridge_flops_per_byte = gpu.at_least("gemm_ridge_flops_per_byte", 0, kMaxTile, 0);
   p.gpu.gemm_fixed_us = gpu.at_least("gemm_fixed_us", 0, kMaxLatencyUs, 0);
-  p.gpu.gemm_mamf_tflops = gpu.at_least("gemm_mamf_tflops", 0, kMaxTflops, 0);
-  p.gpu.gemm_mamf_m = gpu.count("gemm_mamf_m", false, 1, kMaxGemmDim).value_or(0);
-  p.gpu.gemm_mamf_n = gpu.count("gemm_mamf_n", false, 1, kMaxGemmDim).value_or(0);
-  p.gpu.gemm_mamf_k = gpu.count("gemm_mamf_k", false, 1, kMaxGemmDim).value_or(0);
-  if (p.gpu.gemm_mamf_tflops > 0 &&
-      (p.gpu.gemm_mamf_m == 0 || p.gpu.gemm_mamf_n == 0 || p.gpu.gemm_mamf_k == 0)) {
-    fail_at(gpu.at("gemm_mamf_tflops"), origin,
-            "'gpu.gemm_mamf_tflops' needs the shape it was measured at: gemm_mamf_m, gemm_mamf_n and "
-            "gemm_mamf_k");
-  }
-  if (p.gpu.gemm_mamf_tflops > p.gpu.peak_tflops_bf16) {
-    fail_at(gpu.at("gemm_mamf_tflops"), origin,
-            fmt::format("'gpu.gemm_mamf_tflops' ({}) is above peak_tflops_bf16 ({})", p.gpu.gemm_mamf_tflops,
-                        p.gpu.peak_tflops_bf16));
-  }
+  const MeasuredGemm mamf =
+      read_measured_gemm(gpu, "gemm_mamf", "peak_tflops_bf16", p.gpu.peak_tflops_bf16, origin);
+  p.gpu.gemm_mamf_tflops = mamf.tflops;
+  p.gpu.gemm_mamf_m = mamf.m, p.gpu.gemm_mamf_n = mamf.n, p.gpu.gemm_mamf_k = mamf.k;
   p.gpu.peak_tflops_fp8 = gpu.at_least("peak_tflops_fp8", 0, kMaxTflops, 0);
   p.gpu.peak_tflops_fp4 = gpu.at_least("peak_tflops_fp4", 0, kMaxTflops, 0);
   p.gpu.fp8_mx = gpu.boolean("fp8_mx", false);
   if (p.gpu.fp8_mx && p.gpu.peak_tflops_fp8 == 0) {
     fail_at(gpu.at("fp8_mx"), origin, "'gpu.fp8_mx' needs FP8 tensor cores: set peak_tflops_fp8");
   }
-  p.gpu.gemm_mamf_fp8_tflops = gpu.at_least("gemm_mamf_fp8_tflops", 0, kMaxTflops, 0);
-  p.gpu.gemm_mamf_fp8_m = gpu.count("gemm_mamf_fp8_m", false, 1, kMaxGemmDim).value_or(0);
-  p.gpu.gemm_mamf_fp8_n = gpu.count("gemm_mamf_fp8_n", false, 1, kMaxGemmDim).value_or(0);
-  p.gpu.gemm_mamf_fp8_k = gpu.count("gemm_mamf_fp8_k", false, 1, kMaxGemmDim).value_or(0);
-  if (p.gpu.gemm_mamf_fp8_tflops > 0 &&
-      (p.gpu.gemm_mamf_fp8_m == 0 || p.gpu.gemm_mamf_fp8_n == 0 || p.gpu.gemm_mamf_fp8_k == 0)) {
-    fail_at(gpu.at("gemm_mamf_fp8_tflops"), origin,
-            "'gpu.gemm_mamf_fp8_tflops' needs the shape it was measured at: gemm_mamf_fp8_m, gemm_mamf_fp8_n "
-            "and gemm_mamf_fp8_k");
-  }
-  if (p.gpu.gemm_mamf_fp8_tflops > p.gpu.peak_tflops_fp8) {
-    fail_at(gpu.at("gemm_mamf_fp8_tflops"), origin,
-            fmt::format("'gpu.gemm_mamf_fp8_tflops' ({}) is above peak_tflops_fp8 ({})",
-                        p.gpu.gemm_mamf_fp8_tflops, p.gpu.peak_tflops_fp8));
-  }
+  const MeasuredGemm mamf_fp8 =
+      read_measured_gemm(gpu, "gemm_mamf_fp8", "peak_tflops_fp8", p.gpu.peak_tflops_fp8, origin);
+  p.gpu.gemm_mamf_fp8_tflops = mamf_fp8.tflops;
+  p.gpu.gemm_mamf_fp8_m = mamf_fp8.m, p.gpu.gemm_mamf_fp8_n = mamf_fp8.n, p.gpu.gemm_mamf_fp8_k = mamf_fp8.k;
   p.gpu.attention_fwd_efficiency = gpu.efficiency("attention_fwd_efficiency", 0);
   p.gpu.attention_bwd_efficiency = gpu.efficiency("attention_bwd_efficiency", 0);
   p.gpu.attention_fwd_shape = read_attention_shape(gpu, "fwd", origin);
