@@ -103,6 +103,22 @@ TEST(Plan, NoSimulatedStepBeatsItsLowerBound) {
   EXPECT_GT(p.pruned, 0);  // the bound does its work on this question
 }
 
+// Every layout of `q` simulated (no pruning): none is faster than its bound, and the winner, with real
+// numbers, passes the lesson's checks. The plan, for more.
+Plan expect_bounds_hold_and_winner_passes(const Question& q) {
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan p = search(q, all);
+  EXPECT_FALSE(p.ranked().empty());
+  if (p.ranked().empty()) return p;
+  for (const Result* res : p.ranked()) {
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  }
+  const RunReport rep = run_gpt(q, p.ranked()[0]->candidate.layout, false);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  return p;
+}
+
 // The llama block: its shapes bound every layout and its winner trains equal to one device.
 TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
   Request r = tiny_request();
@@ -113,15 +129,7 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
   EXPECT_NE(describe_question(q).find("llama block, 4 layers, hidden 64, 4 heads (2 key-value), SwiGLU 96"),
             std::string::npos)
       << describe_question(q);
-  SearchOptions all = quiet();
-  all.prune = false;
-  const Plan p = search(q, all);
-  ASSERT_FALSE(p.ranked().empty());
-  for (const Result* res : p.ranked()) {
-    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
-  }
-  const RunReport rep = run_gpt(q, p.ranked()[0]->candidate.layout, false);
-  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  expect_bounds_hold_and_winner_passes(q);
 }
 
 // FP8 (--dtype fp8): every layout runs its linear GEMMs in FP8, none is faster than its bound (which takes
@@ -133,16 +141,10 @@ TEST(Plan, AnFp8QuestionBoundsEveryLayoutAndItsWinnerPassesTheCheck) {
   EXPECT_EQ(q.fp8_recipe, "none");  // as given; the lesson reads --dtype fp8 as the current recipe
   EXPECT_NE(describe_question(q).find("global batch 16; fp8 on 8"), std::string::npos)
       << describe_question(q);
-  SearchOptions all = quiet();
-  all.prune = false;
-  const Plan p = search(q, all);
-  ASSERT_FALSE(p.ranked().empty());
+  const Plan p = expect_bounds_hold_and_winner_passes(q);
   for (const Result* res : p.ranked()) {
     EXPECT_EQ(lesson_config(q, res->candidate.layout).fp8, parallel::Fp8Recipe::Current);
-    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
   }
-  const RunReport rep = run_gpt(q, p.ranked()[0]->candidate.layout, false);
-  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
 // Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
