@@ -409,6 +409,15 @@ class Rank {
     int block_rows = 0, block_cols = 0;  // 0 x 0: per tensor
     bool e8m0 = false;
     bool per_tensor() const { return block_rows == 0 && block_cols == 0; }
+    // The other layout's: blocks of block_cols x block_rows.
+    Fp8Scaling transposed() const { return {block_cols, block_rows, e8m0}; }
+    // The blocks of a [rows, cols] tensor (0 per tensor; partial blocks at the edges count whole), and the
+    // float32 words their scales take (Quantized's scales: one a block, or with e8m0 one a four blocks).
+    std::int64_t blocks(const Shape& s) const {
+      return per_tensor() ? 0
+                          : ((s[0] + block_rows - 1) / block_rows) * ((s[1] + block_cols - 1) / block_cols);
+    }
+    std::int64_t scale_words(const Shape& s) const { return e8m0 ? (blocks(s) + 3) / 4 : blocks(s); }
   };
   struct Quantized {
     Tensor data;        // x in `format`: its elements read as the values the stored numbers stand for

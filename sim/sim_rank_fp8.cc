@@ -45,10 +45,6 @@ float power_of_two_below(float s) {
   return std::ldexp(1.0f, exponent - 1);
 }
 
-std::int64_t blocks_of(const Shape& s, int block_rows, int block_cols) {
-  return ((s[0] + block_rows - 1) / block_rows) * ((s[1] + block_cols - 1) / block_cols);
-}
-
 // out = x quantized with `scale` per tensor, or per block of br x bc with the block's own scale.
 void quantize_values(const Tensor& x, const Tensor& out, DType format, float tensor_scale, int br, int bc,
                      bool e8m0) {
@@ -94,15 +90,14 @@ Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scalin
   if (both_layouts) q.columnwise = allocate(x.shape(), format, phantom, "quantize");
   double scale_bytes = 0;
   if (!scaling.per_tensor()) {
-    auto scales_of = [&](int block_rows, int block_cols) {
-      const std::int64_t blocks = blocks_of(x.shape(), block_rows, block_cols);
-      Tensor t =
-          allocate(Shape{scaling.e8m0 ? (blocks + 3) / 4 : blocks}, DType::Float32, phantom, "quantize");
-      scale_bytes += static_cast<double>(scaling.e8m0 ? blocks : 4 * blocks);
-      return t;
+    // Written: a byte (e8m0) or a float32 per block; held in float32 words.
+    auto scales_of = [&](const Fp8Scaling& layout) {
+      const std::int64_t blocks = layout.blocks(x.shape());
+      scale_bytes += static_cast<double>(layout.e8m0 ? blocks : 4 * blocks);
+      return allocate(Shape{layout.scale_words(x.shape())}, DType::Float32, phantom, "quantize");
     };
-    q.scales = scales_of(scaling.block_rows, scaling.block_cols);
-    if (both_layouts) q.columnwise_scales = scales_of(scaling.block_cols, scaling.block_rows);
+    q.scales = scales_of(scaling);
+    if (both_layouts) q.columnwise_scales = scales_of(scaling.transposed());
   }
   if (scale.defined()) {
     before_reading({&x, &scale}, "quantize");

@@ -8,30 +8,30 @@ namespace {
 constexpr int kDeepSeekBlock = 128;
 constexpr int kMxBlock = 32;
 
-std::int64_t blocks_of(const Shape& s, std::int64_t block_rows, std::int64_t block_cols) {
-  return ((s[0] + block_rows - 1) / block_rows) * ((s[1] + block_cols - 1) / block_cols);
+// How `recipe` scales a tensor along its columns: per tensor, or in blocks along the rows' length (square
+// ones for blockwise weights). Along the rows: its transposed().
+Rank::Fp8Scaling scaling_of(Fp8Recipe recipe, bool square) {
+  switch (recipe) {
+    case Fp8Recipe::Blockwise:
+      return {square ? kDeepSeekBlock : 1, kDeepSeekBlock, false};
+    case Fp8Recipe::Mxfp8:
+      return {1, kMxBlock, true};
+    default:
+      return {};
+  }
 }
 }  // namespace
 
 std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_layout) {
   if (recipe == Fp8Recipe::None) return 0;
   if (recipe == Fp8Recipe::Current) return local.numel() * (any_layout ? 1 : 2);
-  // Both layouts, each with its scales in float32 words (Rank::Quantized): 4 bytes a block, or for MX's
-  // E8M0 scales one byte a block, four to a word.
-  const std::int64_t rows_block = recipe == Fp8Recipe::Blockwise ? kDeepSeekBlock : 1;
-  const std::int64_t cols_block = recipe == Fp8Recipe::Blockwise ? kDeepSeekBlock : kMxBlock;
-  auto scale_bytes = [&](std::int64_t blocks) {
-    return recipe == Fp8Recipe::Mxfp8 ? (blocks + 3) / 4 * 4 : 4 * blocks;
-  };
-  return 2 * local.numel() + scale_bytes(blocks_of(local, rows_block, cols_block)) +
-         scale_bytes(blocks_of(local, cols_block, rows_block));
+  // Both layouts, each with its scales.
+  const Rank::Fp8Scaling s = scaling_of(recipe, recipe == Fp8Recipe::Blockwise);
+  return 2 * local.numel() + 4 * (s.scale_words(local) + s.transposed().scale_words(local));
 }
 
 std::int64_t fp8_kept_bytes(Fp8Recipe recipe, std::int64_t rows, std::int64_t cols) {
-  if (recipe == Fp8Recipe::Current || recipe == Fp8Recipe::None) return rows * cols;
-  const std::int64_t block = recipe == Fp8Recipe::Blockwise ? kDeepSeekBlock : kMxBlock;
-  const std::int64_t blocks = blocks_of(Shape{rows, cols}, block, 1);
-  return rows * cols + (recipe == Fp8Recipe::Mxfp8 ? (blocks + 3) / 4 * 4 : 4 * blocks);
+  return rows * cols + 4 * scaling_of(recipe, false).transposed().scale_words(Shape{rows, cols});
 }
 
 const char* fp8_recipe_name(Fp8Recipe r) {
@@ -53,10 +53,6 @@ const char* fp8_recipe_name(Fp8Recipe r) {
 Fp8::Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights)
     : r_(r), recipe_(recipe), keep_weights_(keep_weights), any_layout_(r.profile().gpu.fp8_mx) {}
 
-int Fp8::block() const {
-  return recipe_ == Fp8Recipe::Mxfp8 ? kMxBlock : kDeepSeekBlock;
-}
-
 DType Fp8::gradient_format() const {
   // HYBRID: gradients, whose range is wider, in e5m2 under one scale per tensor; the block recipes keep
   // e4m3, whose small blocks follow the range closely (DeepSeek-V3, section 3.3.2).
@@ -76,8 +72,7 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
     o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
     return o;
   }
-  const Rank::Fp8Scaling blocks{square ? block() : 1, block(), recipe_ == Fp8Recipe::Mxfp8};
-  Rank::Quantized q = r_.quantize(x, format, blocks, Tensor(), both);
+  Rank::Quantized q = r_.quantize(x, format, scaling_of(recipe_, square), Tensor(), both);
   o.along_cols = q.data;
   o.cols_scales = q.scales;
   o.along_rows = q.columnwise;
@@ -85,15 +80,14 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
   return o;
 }
 
-Tensor Fp8::quantize_along_rows(const Tensor& x, DType format) {
-  if (recipe_ == Fp8Recipe::Current) return quantize(x, format, false, false).along_cols;
-  return r_.quantize(x, format, Rank::Fp8Scaling{block(), 1, recipe_ == Fp8Recipe::Mxfp8}, Tensor(), false)
-      .data;
+Tensor Fp8::for_gemm(const Tensor& x, DType format, Use use) {
+  if (use != Use::Wgrad || recipe_ == Fp8Recipe::Current) return quantize(x, format, false, false).along_cols;
+  // Along the rows: the columns of x's transpose, quantized as the forward quantizes x.
+  return r_.quantize(x, format, scaling_of(recipe_, false).transposed(), Tensor(), false).data;
 }
 
 Tensor Fp8::activation(const Tensor& x, Use use) {
-  if (use == Use::Wgrad) return quantize_along_rows(x, DType::Float8E4M3);
-  return quantize(x, DType::Float8E4M3, false, false).along_cols;
+  return for_gemm(x, DType::Float8E4M3, use);
 }
 
 Fp8Operand Fp8::input(const Tensor& x, const std::function<void(const Tensor&)>& reduce_amax) {
@@ -101,8 +95,7 @@ Fp8Operand Fp8::input(const Tensor& x, const std::function<void(const Tensor&)>&
 }
 
 Tensor Fp8::gradient(const Tensor& dy, Use use) {
-  if (use == Use::Wgrad) return quantize_along_rows(dy, gradient_format());
-  return quantize(dy, gradient_format(), false, false).along_cols;
+  return for_gemm(dy, gradient_format(), use);
 }
 
 Fp8Operand Fp8::gradient(const Tensor& dy) {
@@ -111,12 +104,12 @@ Fp8Operand Fp8::gradient(const Tensor& dy) {
 
 Fp8Operand Fp8::weight(const Tensor& w) {
   if (keep_weights_) {
-    for (const auto& [t, q] : weights_) {
-      if (t.same_storage(w)) return q;
-    }
+    const auto kept = weights_.find(w.storage());
+    if (kept != weights_.end()) return kept->second.second;
   }
   Fp8Operand q = quantize(w, DType::Float8E4M3, recipe_ == Fp8Recipe::Blockwise, true);
-  if (keep_weights_) weights_.emplace_back(w, q);
+  // The entry keeps w, so its storage (the key) is not freed and reused while the entry stands.
+  if (keep_weights_) weights_.emplace(w.storage(), std::make_pair(w, q));
   return q;
 }
 

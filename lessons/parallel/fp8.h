@@ -23,8 +23,8 @@
 #pragma once
 
 #include <functional>
+#include <unordered_map>
 #include <utility>
-#include <vector>
 
 #include "common/rank.h"
 
@@ -76,18 +76,18 @@ class Fp8 {
 
  private:
   DType gradient_format() const;
-  int block() const;
   // x quantized along its columns (blocks 1 x block, or block x block when `square`) and, with `both`, along
   // its rows too; per-tensor scaling's amax first goes through `reduce_amax` when given.
   Fp8Operand quantize(const Tensor& x, DType format, bool square, bool both,
                       const std::function<void(const Tensor&)>& reduce_amax = nullptr);
-  // x quantized along its rows only.
-  Tensor quantize_along_rows(const Tensor& x, DType format);
+  // x in `format` for one GEMM: along its columns, or for wgrad along its rows.
+  Tensor for_gemm(const Tensor& x, DType format, Use use);
   Rank& r_;
   Fp8Recipe recipe_;
   bool keep_weights_ = true;
   bool any_layout_ = false;  // the GPU's FP8 GEMMs read their inputs in any layout (Blackwell)
-  std::vector<std::pair<Tensor, Fp8Operand>> weights_;
+  // The step's quantized weights, by the weight's storage (with the weight, which keeps it alive).
+  std::unordered_map<const Storage*, std::pair<Tensor, Fp8Operand>> weights_;
 };
 
 }  // namespace ranklab::parallel
