@@ -277,6 +277,44 @@ AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tenso
   return a;
 }
 
+AttentionDims check_key_values(int rank, const char* op, const Tensor& qkv, const Tensor& kv,
+                               const AttentionSpec& spec) {
+  const AttentionDims a = check_attention(rank, op, qkv, spec);
+  const std::int64_t width = 2 * spec.groups() * a.head_dim;
+  if (kv.ndim() != 2 || kv.size(1) != width || kv.size(0) % spec.batch != 0 || kv.size(0) == 0) {
+    throw UsageError(
+        fmt::format("{}: kv must be [kv_seq * batch, 2 * key-value heads * head_dim] = [kv_seq * {}, {}] for "
+                    "qkv {}; got {}",
+                    where(rank, op), spec.batch, width, qkv.str(), kv.str()));
+  }
+  need_same_dtype(rank, op, qkv, kv);
+  return a;
+}
+
+BlockRange check_attention_block(int rank, const char* op, const Tensor& qkv, const Tensor& kv,
+                                 const Tensor& out, const Tensor& lse, const AttentionSpec& spec,
+                                 const Rank::AttentionBlock& block) {
+  const AttentionDims a = check_key_values(rank, op, qkv, kv, spec);
+  need_shape(rank, op, out, Shape{qkv.size(0), spec.heads * a.head_dim}, "out",
+             "[seq * batch, heads * head_dim]");
+  need_shape(rank, op, lse, Shape{spec.batch, spec.heads, a.seq}, "lse", "[batch, heads, seq]");
+  need_dtype(rank, op, lse, DType::Float32, "lse");
+  if (is_float8(out.dtype())) {
+    throw UsageError(
+        fmt::format("{}: 'out' is {}; it must be float32, bfloat16 or float16", where(rank, op), out.str()));
+  }
+  const std::int64_t count = block.q_count < 0 ? a.seq - block.q_first : block.q_count;
+  if (block.q_first < 0 || count < 1 || block.q_first + count > a.seq) {
+    throw UsageError(fmt::format("{}: the block's queries [{}, {}) are not within qkv's {} positions",
+                                 where(rank, op), block.q_first, block.q_first + count, a.seq));
+  }
+  if (block.q_position < 0 || block.kv_position < 0) {
+    throw UsageError(fmt::format("{}: the block's positions must not be negative; got q {} and kv {}",
+                                 where(rank, op), block.q_position, block.kv_position));
+  }
+  return {block.q_first, block.q_first + count};
+}
+
 AttentionDims check_rope(int rank, const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position,
                          double base) {
   const char* op = "rope_";

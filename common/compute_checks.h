@@ -44,6 +44,17 @@ struct AttentionDims {
 AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, const AttentionSpec& spec);
 AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                        const Tensor& lse, const AttentionSpec& spec);
+// Context parallelism's kernels (Rank::key_values, add_key_values_, attention_block_ and its backward): kv
+// [kv_seq * batch, 2 * groups * head_dim] of qkv's head_dim and dtype, the block's queries within qkv's.
+AttentionDims check_key_values(int rank, const char* op, const Tensor& qkv, const Tensor& kv,
+                               const AttentionSpec& spec);
+// The block's query positions [first, end) of qkv's, checked with the accumulator (out, lse) of `op`.
+struct BlockRange {
+  std::int64_t first = 0, end = 0;
+};
+BlockRange check_attention_block(int rank, const char* op, const Tensor& qkv, const Tensor& kv,
+                                 const Tensor& out, const Tensor& lse, const AttentionSpec& spec,
+                                 const Rank::AttentionBlock& block);
 AttentionDims check_rope(int rank, const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position,
                          double base);
 

@@ -371,6 +371,36 @@ class Rank {
   virtual void rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
                      bool inverse) = 0;
 
+  // Context parallelism's attention (ring attention, Liu et al. 2023; Megatron-Core's and TransformerEngine's
+  // context parallelism): a rank's queries attend to keys and values other ranks hold, one block of them at
+  // a time, and each block's result merges into the running one by their log-sum-exps, as FlashAttention's
+  // online softmax merges key blocks inside its kernel.
+  //   kv [kv_seq * batch, 2 * groups * head_dim]: each key-value group's k, then its v (key_values).
+  // key_values copies qkv's k and v columns into that layout; add_key_values_ adds a kv-shaped gradient
+  // into the k and v columns of a qkv-shaped one.
+  virtual Tensor key_values(const Tensor& qkv, const AttentionSpec& spec) = 0;
+  virtual void add_key_values_(const Tensor& dqkv, const Tensor& dkv, const AttentionSpec& spec) = 0;
+  // Which queries of qkv one block takes (positions q_first to q_first + q_count - 1; -1: to the end) and,
+  // with `causal`, the positions the mask compares: key j of kv is seen by the block's query i when
+  // kv_position + j <= q_position + i (FlashAttention's bottom-right mask when kv is longer).
+  struct AttentionBlock {
+    std::int64_t q_first = 0, q_count = -1;
+    bool causal = false;
+    std::int64_t q_position = 0, kv_position = 0;
+  };
+  // Merges the block's attention into `acc`: out [seq * batch, heads * head_dim] (any floating dtype; a
+  // float32 one keeps the merges exact) and lse float32 [batch, heads, seq], both over all of qkv's
+  // queries, starting from zeros and -infinity. Two kernels on a GPU: the block's attention, then the
+  // correction that merges it.
+  virtual void attention_block_(AttentionOut& acc, const Tensor& qkv, const Tensor& kv,
+                                const AttentionSpec& spec, const AttentionBlock& block) = 0;
+  // The block's backward from the final out and lse of qkv's queries: adds d q into the q columns of dqkv
+  // (like qkv) and d k, d v into dkv (like kv).
+  virtual void attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout,
+                                         const Tensor& qkv, const Tensor& kv, const Tensor& out,
+                                         const Tensor& lse, const AttentionSpec& spec,
+                                         const AttentionBlock& block) = 0;
+
   // Embedding lookup, vocabulary-parallel (Megatron's VocabParallelEmbedding): `table` holds rows
   // [vocab_start, vocab_start + table rows) of the vocabulary; `ids` is a float32 [rows] tensor of token
   // ids (exact up to 2^24). Rows whose id falls outside this shard are zero, so a sum over the shards

@@ -547,6 +547,31 @@ Tensor CudaRank::fp8_scale(const Tensor&, DType) {
       fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("fp8_scale")));
 }
 
+// Context parallelism's attention blocks run on the simulator only: their CUDA kernels (the block's
+// attention with its own keys and the merge of partial results) are not built.
+Tensor CudaRank::key_values(const Tensor&, const AttentionSpec&) {
+  throw UsageError(fmt::format(
+      "{}: the CUDA backend does not run context parallelism; run it on the simulator", where("key_values")));
+}
+void CudaRank::add_key_values_(const Tensor&, const Tensor&, const AttentionSpec&) {
+  throw UsageError(
+      fmt::format("{}: the CUDA backend does not run context parallelism; run it on the simulator",
+                  where("add_key_values_")));
+}
+void CudaRank::attention_block_(AttentionOut&, const Tensor&, const Tensor&, const AttentionSpec&,
+                                const AttentionBlock&) {
+  throw UsageError(
+      fmt::format("{}: the CUDA backend does not run context parallelism; run it on the simulator",
+                  where("attention_block_")));
+}
+void CudaRank::attention_block_backward_(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                         const Tensor&, const Tensor&, const Tensor&, const AttentionSpec&,
+                                         const AttentionBlock&) {
+  throw UsageError(
+      fmt::format("{}: the CUDA backend does not run context parallelism; run it on the simulator",
+                  where("attention_block_backward_")));
+}
+
 Tensor CudaRank::sum(const Tensor& t) {
   const void* p = require(t, "sum", "t");
   Tensor out = allocate(Shape{}, t.dtype(), t.phantom(), "sum");

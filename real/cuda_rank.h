@@ -120,6 +120,13 @@ class CudaRank : public Rank {
                             const AttentionSpec& spec) override;
   void rope_(const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position, double base,
              bool inverse) override;
+  Tensor key_values(const Tensor& qkv, const AttentionSpec& spec) override;
+  void add_key_values_(const Tensor& dqkv, const Tensor& dkv, const AttentionSpec& spec) override;
+  void attention_block_(AttentionOut& acc, const Tensor& qkv, const Tensor& kv, const AttentionSpec& spec,
+                        const AttentionBlock& block) override;
+  void attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& qkv,
+                                 const Tensor& kv, const Tensor& out, const Tensor& lse,
+                                 const AttentionSpec& spec, const AttentionBlock& block) override;
   RmsNormOut rmsnorm(const Tensor& x, const Tensor& gamma, float eps) override;
   RmsNormGrads rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                 const Tensor& rstd) override;

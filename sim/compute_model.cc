@@ -255,16 +255,18 @@ KernelCost ComputeModel::batched_gemm_cost(std::int64_t batch, std::int64_t m, s
 
 KernelCost ComputeModel::flash_attention_cost(const AttentionShape& a, bool backward, DType dtype,
                                               double efficiency) const {
-  // Two GEMMs of 2 s^2 d flops per head forward (Q K^T and P V); causal masking skips half of them.
-  double flops = 4.0 * d(a.batch) * d(a.seq) * d(a.seq) * d(a.heads) * d(a.head_dim);
-  if (a.causal) flops /= 2;
+  // Two GEMMs of 2 d flops per head and (query, key) pair forward (Q K^T and P V); a causal mask skips
+  // the pairs it hides: half of a square block's.
+  const double sq = d(a.seq), sk = d(a.keys());
+  const double pairs = a.causal ? sq * sk - sq * sq / 2 : sq * sk;
+  double flops = 4.0 * d(a.batch) * pairs * d(a.heads) * d(a.head_dim);
   if (backward) flops *= 2.5;  // five GEMMs instead of two (FlashAttention-2 paper, section 4.1)
   const double e = static_cast<double>(dtype_bytes(dtype));
-  const double tokens = d(a.batch * a.seq);
+  const double queries = d(a.batch) * sq, keys = d(a.batch) * sk;
   const double q = d(a.heads * a.head_dim), kv = d(2 * a.groups() * a.head_dim);  // per token
-  // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d qkv.
-  const double bytes = backward ? e * tokens * (2 * (q + kv) + 2 * q) + 4.0 * tokens * d(a.heads)
-                                : e * tokens * (q + kv + q) + 4.0 * tokens * d(a.heads);
+  // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d q, d k, d v.
+  const double bytes = backward ? e * (queries * 4 * q + keys * 2 * kv) + 4.0 * queries * d(a.heads)
+                                : e * (queries * 2 * q + keys * kv) + 4.0 * queries * d(a.heads);
   if (dtype == DType::Float32) return kernel_cost(flops, bytes, dtype);
   return {flops / (peak_tflops(dtype) * 1e6 * efficiency), memory_us(bytes)};
 }

@@ -35,7 +35,11 @@ struct AttentionShape {
   bool causal = false;
   float dropout = 0;  // attention-dropout probability (Megatron-LM: 0.1); > 0 adds the unfused dropout passes
   std::int64_t kv_heads = 0;  // key-value heads (grouped-query attention); 0: heads
+  // Keys per sequence when they are not the queries' (a context-parallel block); 0: seq. A causal mask
+  // over more keys than queries is aligned at the end (each query sees the keys before its own position).
+  std::int64_t kv_seq = 0;
   std::int64_t groups() const { return kv_heads > 0 ? kv_heads : heads; }
+  std::int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }
 };
 
 // One way cuBLAS can run a 16-bit GEMM: output tiles of tile_m x tile_n, each tile's k-loop split over

@@ -1,0 +1,269 @@
+// SimRank's kernels of context-parallel attention (Rank::key_values, add_key_values_, attention_block_ and
+// its backward): the arithmetic of ring attention's blocks, in float32 as the fused kernels compute it,
+// and their time from the compute model's fused attention with as many keys as the block has.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "common/compute_checks.h"
+#include "common/errors.h"
+#include "sim/sim_rank.h"
+#include "sim/sim_rank_kernels.h"
+
+namespace ranklab::sim {
+
+using namespace kernels;
+
+namespace {
+const float* cdata(const Tensor& t) {
+  return sim_data(t);
+}
+// Where an attention block's operands live: qkv [seq * batch, (heads + 2 groups) * head_dim] with each
+// group's q heads, k and v; kv [kv_seq * batch, 2 groups * head_dim] with each group's k and v.
+struct BlockDims {
+  BlockDims(const Tensor& qkv, const Tensor& kv, const AttentionSpec& spec)
+      : batch(spec.batch),
+        heads(spec.heads),
+        per_group(spec.heads / spec.groups()),
+        head_dim(qkv.size(1) / (spec.heads + 2 * spec.groups())),
+        width(qkv.size(1)),
+        seq(qkv.size(0) / spec.batch),
+        kv_seq(kv.size(0) / spec.batch),
+        kv_width(kv.size(1)) {}
+  std::int64_t batch, heads, per_group, head_dim, width, seq, kv_seq, kv_width;
+  std::int64_t q_col(std::int64_t h) const {
+    const std::int64_t group = h / per_group;
+    return (group * (per_group + 2) + h % per_group) * head_dim;
+  }
+  // Group g's k (part 1) or v (part 2) in qkv, and in kv.
+  std::int64_t qkv_col(std::int64_t g, int part) const {
+    return (g * (per_group + 2) + per_group + part - 1) * head_dim;
+  }
+  std::int64_t kv_col(std::int64_t g, int part) const { return (2 * g + part - 1) * head_dim; }
+  std::int64_t row(std::int64_t pos, std::int64_t b) const { return pos * batch + b; }
+  // The keys query `i` of the block sees: all of kv's, or with the causal mask those up to its position.
+  std::int64_t visible(const Rank::AttentionBlock& block, std::int64_t i) const {
+    if (!block.causal) return kv_seq;
+    const std::int64_t q_pos = block.q_position + (i - block.q_first);
+    return std::clamp<std::int64_t>(q_pos - block.kv_position + 1, 0, kv_seq);
+  }
+  AttentionShape shape(const AttentionSpec& spec, std::int64_t queries, bool causal) const {
+    AttentionShape s{batch, queries, heads, head_dim, causal, 0.0f, spec.groups()};
+    s.kv_seq = kv_seq;
+    return s;
+  }
+};
+
+void require_fused(int rank, const char* op, const AttentionSpec& spec) {
+  if (spec.kernel != AttentionKernel::Flash) {
+    throw UsageError(
+        fmt::format("rank {}: {}: context-parallel blocks run in fused attention kernels; the "
+                    "spec asks for the unfused path",
+                    rank, op));
+  }
+}
+}  // namespace
+
+Tensor SimRank::key_values(const Tensor& qkv, const AttentionSpec& spec) {
+  const char* op = "key_values";
+  require(qkv, op, "qkv");
+  check_float8_use(rank_, op, qkv, "qkv");
+  const AttentionDims a = check_attention(rank_, op, qkv, spec);
+  Tensor kv = allocate(Shape{qkv.size(0), 2 * spec.groups() * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
+  before_kernel({&qkv}, op);
+  if (!qkv.phantom()) {
+    const BlockDims d(qkv, kv, spec);
+    const float* QKV = cdata(qkv);
+    float* KV = sim_data(kv);
+    for (std::int64_t r = 0; r < qkv.size(0); ++r) {
+      for (std::int64_t g = 0; g < spec.groups(); ++g) {
+        for (int part : {1, 2}) {
+          std::copy_n(QKV + r * d.width + d.qkv_col(g, part), d.head_dim,
+                      KV + r * d.kv_width + d.kv_col(g, part));
+        }
+      }
+    }
+  }
+  launch_kernel_cost(kKeyValues, world_.compute().memory_cost(2.0 * static_cast<double>(bytes_of(kv))));
+  return kv;
+}
+
+void SimRank::add_key_values_(const Tensor& dqkv, const Tensor& dkv, const AttentionSpec& spec) {
+  const char* op = "add_key_values_";
+  require(dqkv, op, "dqkv");
+  require(dkv, op, "dkv");
+  check_float8_use(rank_, op, dqkv, "dqkv");
+  check_key_values(rank_, op, dqkv, dkv, spec);
+  require_shape(dkv, Shape{dqkv.size(0), dkv.size(1)}, op, "dkv");
+  require_same_kind(op, dqkv, dkv);
+  before_kernel({&dqkv, &dkv}, op);
+  if (!dqkv.phantom()) {
+    const BlockDims d(dqkv, dkv, spec);
+    float* DQKV = sim_data(dqkv);
+    const float* DKV = cdata(dkv);
+    for (std::int64_t r = 0; r < dqkv.size(0); ++r) {
+      for (std::int64_t g = 0; g < spec.groups(); ++g) {
+        for (int part : {1, 2}) {
+          float* to = DQKV + r * d.width + d.qkv_col(g, part);
+          const float* from = DKV + r * d.kv_width + d.kv_col(g, part);
+          for (std::int64_t i = 0; i < d.head_dim; ++i) to[i] += from[i];
+        }
+      }
+    }
+    round_to_dtype(dqkv);
+  }
+  // Reads dkv and the k and v columns of dqkv, writes those columns.
+  launch_kernel_cost(kAddKeyValues, world_.compute().memory_cost(3.0 * static_cast<double>(bytes_of(dkv))));
+}
+
+void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tensor& kv,
+                               const AttentionSpec& spec, const AttentionBlock& block) {
+  const char* op = "attention_block_";
+  require(qkv, op, "qkv");
+  require(kv, op, "kv");
+  require(acc.out, op, "out");
+  require(acc.lse, op, "lse");
+  check_float8_use(rank_, op, qkv, "qkv");
+  require_fused(rank_, op, spec);
+  const BlockRange range = check_attention_block(rank_, op, qkv, kv, acc.out, acc.lse, spec, block);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&kv, &acc.out, &acc.lse})
+    require_same_kind(op, qkv, *t);
+  const BlockDims d(qkv, kv, spec);
+  before_kernel({&qkv, &kv, &acc.out, &acc.lse}, op);
+  if (!qkv.phantom()) {
+    const float *QKV = cdata(qkv), *KV = cdata(kv);
+    float *OUT = sim_data(acc.out), *LSE = sim_data(acc.lse);
+    const std::int64_t out_w = d.heads * d.head_dim;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    std::vector<float> s(static_cast<size_t>(d.kv_seq)), o(static_cast<size_t>(d.head_dim));
+    for (std::int64_t b = 0; b < d.batch; ++b) {
+      for (std::int64_t h = 0; h < d.heads; ++h) {
+        const std::int64_t g = h / d.per_group;
+        for (std::int64_t i = range.first; i < range.end; ++i) {
+          const std::int64_t keys = d.visible(block, i);
+          if (keys == 0) continue;  // every key of the block is after this query
+          const float* q = QKV + d.row(i, b) * d.width + d.q_col(h);
+          float mx = minus_inf;
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float* k = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 1);
+            float dot = 0;
+            for (std::int64_t e = 0; e < d.head_dim; ++e) dot += q[e] * k[e];
+            s[j] = dot * scale;
+            mx = std::max(mx, s[j]);
+          }
+          float l = 0;
+          for (std::int64_t j = 0; j < keys; ++j) l += std::exp(s[j] - mx);
+          const float block_lse = mx + std::log(l);
+          std::fill(o.begin(), o.end(), 0.0f);
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float p = std::exp(s[j] - block_lse);
+            const float* v = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 2);
+            for (std::int64_t e = 0; e < d.head_dim; ++e) o[e] += p * v[e];
+          }
+          // Merge with what earlier blocks gave this query: weights exp(lse_part - lse_total).
+          float& lse = LSE[(b * d.heads + h) * d.seq + i];
+          const float top = std::max(lse, block_lse);
+          const float total = top + std::log(std::exp(lse - top) + std::exp(block_lse - top));
+          const float keep = lse == minus_inf ? 0.0f : std::exp(lse - total),
+                      add = std::exp(block_lse - total);
+          float* out = OUT + d.row(i, b) * out_w + h * d.head_dim;
+          for (std::int64_t e = 0; e < d.head_dim; ++e) out[e] = keep * out[e] + add * o[e];
+          lse = total;
+        }
+      }
+    }
+    round_to_dtype(acc.out);
+  }
+  const std::int64_t queries = range.end - range.first;
+  launch_kernel_cost(kAttentionBlock,
+                     world_.compute().attention_cost(d.shape(spec, queries, block.causal),
+                                                     AttentionKernel::Flash, false, qkv.dtype()));
+  // The correction kernel reads the block's out and lse and the running ones, and writes the running ones.
+  const double rows = static_cast<double>(queries * d.batch),
+               cols = static_cast<double>(d.heads * d.head_dim);
+  const double bytes =
+      rows * cols * static_cast<double>(dtype_bytes(qkv.dtype()) + 2 * dtype_bytes(acc.out.dtype())) +
+      3.0 * 4.0 * rows * static_cast<double>(d.heads);
+  launch_kernel_cost(kAttentionMerge, world_.compute().memory_cost(bytes));
+}
+
+void SimRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout,
+                                        const Tensor& qkv, const Tensor& kv, const Tensor& out,
+                                        const Tensor& lse, const AttentionSpec& spec,
+                                        const AttentionBlock& block) {
+  const char* op = "attention_block_backward_";
+  for (auto [t, name] : {std::pair{&dqkv, "dqkv"},
+                         {&dkv, "dkv"},
+                         {&dout, "dout"},
+                         {&qkv, "qkv"},
+                         {&kv, "kv"},
+                         {&out, "out"},
+                         {&lse, "lse"}}) {
+    require(*t, op, name);
+  }
+  check_float8_use(rank_, op, qkv, "qkv");
+  require_fused(rank_, op, spec);
+  const BlockRange range = check_attention_block(rank_, op, qkv, kv, out, lse, spec, block);
+  require_shape(dqkv, qkv.shape(), op, "dqkv");
+  require_shape(dkv, kv.shape(), op, "dkv");
+  require_shape(dout, out.shape(), op, "dout");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dqkv, &dkv, &dout, &kv, &out, &lse})
+    require_same_kind(op, qkv, *t);
+  const BlockDims d(qkv, kv, spec);
+  before_kernel({&dqkv, &dkv, &dout, &qkv, &kv, &out, &lse}, op);
+  if (!qkv.phantom()) {
+    const float *QKV = cdata(qkv), *KV = cdata(kv), *OUT = cdata(out), *DOUT = cdata(dout), *LSE = cdata(lse);
+    float *DQKV = sim_data(dqkv), *DKV = sim_data(dkv);
+    const std::int64_t out_w = d.heads * d.head_dim;
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
+    for (std::int64_t b = 0; b < d.batch; ++b) {
+      for (std::int64_t h = 0; h < d.heads; ++h) {
+        const std::int64_t g = h / d.per_group;
+        for (std::int64_t i = range.first; i < range.end; ++i) {
+          const float* q = QKV + d.row(i, b) * d.width + d.q_col(h);
+          const float* o_i = OUT + d.row(i, b) * out_w + h * d.head_dim;
+          const float* do_i = DOUT + d.row(i, b) * out_w + h * d.head_dim;
+          float* dq = DQKV + d.row(i, b) * d.width + d.q_col(h);
+          const float lse_i = LSE[(b * d.heads + h) * d.seq + i];
+          float delta = 0;  // D_i = dout_i . out_i (FlashAttention-2, Algorithm 2), of the final out
+          for (std::int64_t e = 0; e < d.head_dim; ++e) delta += do_i[e] * o_i[e];
+          const std::int64_t keys = d.visible(block, i);
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float* k = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 1);
+            const float* v = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 2);
+            float* dk = DKV + d.row(j, b) * d.kv_width + d.kv_col(g, 1);
+            float* dv = DKV + d.row(j, b) * d.kv_width + d.kv_col(g, 2);
+            float dot = 0, dp = 0;
+            for (std::int64_t e = 0; e < d.head_dim; ++e) {
+              dot += q[e] * k[e];
+              dp += do_i[e] * v[e];
+            }
+            const float p = std::exp(dot * scale - lse_i);
+            const float ds = p * (dp - delta) * scale;
+            for (std::int64_t e = 0; e < d.head_dim; ++e) {
+              dv[e] += p * do_i[e];
+              dq[e] += ds * k[e];
+              dk[e] += ds * q[e];
+            }
+          }
+        }
+      }
+    }
+    round_to_dtype(dqkv);
+    round_to_dtype(dkv);
+  }
+  const std::int64_t queries = range.end - range.first;
+  launch_kernel_cost(kAttentionBlockBackward,
+                     world_.compute().attention_cost(d.shape(spec, queries, block.causal),
+                                                     AttentionKernel::Flash, true, qkv.dtype()));
+  // The block's d q, d k and d v add into the running ones: read both, write the running ones.
+  const double q_bytes =
+      static_cast<double>(queries * d.batch * d.heads * d.head_dim * dtype_bytes(dqkv.dtype()));
+  launch_kernel_cost(kAttentionMerge,
+                     world_.compute().memory_cost(3.0 * (q_bytes + static_cast<double>(bytes_of(dkv)))));
+}
+
+}  // namespace ranklab::sim
