@@ -72,7 +72,7 @@ Tensor SimRank::key_values(const Tensor& qkv, const AttentionSpec& spec) {
   check_float8_use(rank_, op, qkv, "qkv");
   const AttentionDims a = check_attention(rank_, op, qkv, spec);
   Tensor kv = allocate(Shape{qkv.size(0), 2 * spec.groups() * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
-  before_kernel({&qkv}, op);
+  before_reading({&qkv}, op);
   if (!qkv.phantom()) {
     const BlockDims d(qkv, kv, spec);
     const float* QKV = cdata(qkv);
@@ -98,7 +98,8 @@ void SimRank::add_key_values_(const Tensor& dqkv, const Tensor& dkv, const Atten
   check_key_values(rank_, op, dqkv, dkv, spec);
   require_shape(dkv, Shape{dqkv.size(0), dkv.size(1)}, op, "dkv");
   require_same_kind(op, dqkv, dkv);
-  before_kernel({&dqkv, &dkv}, op);
+  before_kernel({&dqkv}, op);
+  before_reading({&dkv}, op);
   if (!dqkv.phantom()) {
     const BlockDims d(dqkv, dkv, spec);
     float* DQKV = sim_data(dqkv);
@@ -131,7 +132,8 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
   for (const Tensor* t : std::initializer_list<const Tensor*>{&kv, &acc.out, &acc.lse})
     require_same_kind(op, qkv, *t);
   const BlockDims d(qkv, kv, spec);
-  before_kernel({&qkv, &kv, &acc.out, &acc.lse}, op);
+  before_kernel({&acc.out, &acc.lse}, op);
+  before_reading({&qkv, &kv}, op);
   if (!qkv.phantom()) {
     const float *QKV = cdata(qkv), *KV = cdata(kv);
     float *OUT = sim_data(acc.out), *LSE = sim_data(acc.lse);
@@ -213,7 +215,8 @@ void SimRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, c
   for (const Tensor* t : std::initializer_list<const Tensor*>{&dqkv, &dkv, &dout, &kv, &out, &lse})
     require_same_kind(op, qkv, *t);
   const BlockDims d(qkv, kv, spec);
-  before_kernel({&dqkv, &dkv, &dout, &qkv, &kv, &out, &lse}, op);
+  before_kernel({&dqkv, &dkv}, op);
+  before_reading({&dout, &qkv, &kv, &out, &lse}, op);
   if (!qkv.phantom()) {
     const float *QKV = cdata(qkv), *KV = cdata(kv), *OUT = cdata(out), *DOUT = cdata(dout), *LSE = cdata(lse);
     float *DQKV = sim_data(dqkv), *DKV = sim_data(dkv);

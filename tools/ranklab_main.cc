@@ -165,7 +165,7 @@ SimSymmetry symmetry_of(const std::string& lesson, const Settings& settings, con
   }
   const gpt::Config c = gpt::resolve(o, o.world);
   const parallel::Layout::Grid grid =
-      parallel::Layout{c.tp, c.pp, c.dp, c.order}.symmetry(/*mirror_dp=*/mode == "tp-dp");
+      parallel::Layout{c.tp, c.pp, c.dp, c.order, c.cp}.symmetry(/*mirror_dp=*/mode == "tp-dp");
   return SimSymmetry{grid.sizes, grid.replicated};
 }
 

@@ -55,7 +55,7 @@ parallel::ZeroConfig zero_config(const Config& c) {
   z.reduce_dtype = c.reduce_dtype;
   z.phantom = c.phantom;
   z.tp_size = c.tp;
-  z.dp_size = c.dp;
+  z.dp_size = c.dp * c.cp;  // the gradients and ZeRO's shards spread over dp x cp (Groups::dp_cp)
   z.seq_parallel = c.seq_parallel;
   z.embedding_group = c.pp > 1;  // the first and last stages add up the shared embedding's gradient
   z.broken = c.broken;
@@ -124,13 +124,21 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   if (c.zero < 3) {
     for (int k = 0; k < c.v; ++k) p.fp8_weights += block_fp8 * c.chunk_layers(k * c.pp + stage);
   }
-  const bool units = c.zero >= 2 && c.dp > 1;
+  const bool units = c.zero >= 2 && c.dp * c.cp > 1;
   Config none = c;
   none.recompute = Recompute::None;
   std::int64_t block = stash_bytes(none, 1, false, false) + 3 * r * 4 * hl * dt + 4 * h * hl * (dt + 4);
   std::int64_t out = head ? r * (c.vocab / c.tp) * dt + (c.vocab / c.tp) * h * (dt + 8) + 2 * r * h * dt : 0;
   std::int64_t emb = embedding ? (c.zero >= 2 ? (c.vocab / c.tp) * h * 8 : 0) + 2 * r * h * dt : 0;
   if (units) block += 2 * block_elements * dtype_bytes(c.reduce_dtype);
+  if (c.cp > 1) {
+    // Context parallelism's attention: the float32 output it merges into, and the keys and values (with
+    // their gradients in the backward) of this rank, of the block at hand and of the next; all-gather holds
+    // every rank's, twice (in rank order and in sequence order), and their gradients.
+    const std::int64_t heads = c.heads / c.tp, kv_row = 2 * (c.kv() / c.tp) * c.head_dim() * dt;
+    const std::int64_t held = c.cp_comm == CpComm::AllGather ? 4 * c.cp * r * kv_row : 5 * r * kv_row;
+    block += r * heads * c.head_dim() * 4 + held;
+  }
   p.transient = std::max({block, out, emb}) + (c.zero == 3 && units ? 3 * block_elements * dt : 0) +
                 (c.zero == 3 ? block_fp8 : 0);
   p.activations = p.stash + data + p.transient;
@@ -167,12 +175,12 @@ std::string memory_advice(const Config& c, const MemoryPlan& p) {
       ways.push_back("--seq-parallel (activations between the pairs split by tp)");
     ways.push_back("more --tp or --pp");
   } else {
-    if (c.zero < 3 && c.dp > 1) {
+    if (c.zero < 3 && c.dp * c.cp > 1) {
       ways.push_back(fmt::format("--zero {} (shards {} over the {} data-parallel ranks)", c.zero + 1,
                                  c.zero == 0   ? "the optimizer state"
                                  : c.zero == 1 ? "the gradients"
                                                : "the weights",
-                                 c.dp));
+                                 c.dp * c.cp));
     }
     ways.push_back("more --tp or --pp (each rank holds fewer layers or less of each)");
   }

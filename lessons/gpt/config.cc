@@ -25,15 +25,20 @@ const char* recompute_name(Recompute r) {
   return "?";
 }
 
+const char* cp_comm_name(CpComm m) {
+  return m == CpComm::AllGather ? "all-gather" : "p2p";
+}
+
 const char* block_name(Block b) {
   return b == Block::Llama ? "llama" : "gpt";
 }
 
 std::string Config::layout() const {
-  std::string s =
-      fmt::format("tp {}{} x pp {}{} x dp {}, zero {}, recompute {}, {}", tp,
-                  seq_parallel ? " (seq-parallel)" : "", pp, v > 1 ? fmt::format(" (interleave {})", v) : "",
-                  dp, zero, recompute_name(recompute), dtype_name(dtype));
+  std::string s = fmt::format("tp {}{}{} x pp {}{} x dp {}, zero {}, recompute {}, {}", tp,
+                              seq_parallel ? " (seq-parallel)" : "",
+                              cp > 1 ? fmt::format(" x cp {} ({})", cp, cp_comm_name(cp_comm)) : "", pp,
+                              v > 1 ? fmt::format(" (interleave {})", v) : "", dp, zero,
+                              recompute_name(recompute), dtype_name(dtype));
   if (fp8 != parallel::Fp8Recipe::None) s += fmt::format(", fp8 GEMMs ({})", parallel::fp8_recipe_name(fp8));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
   if (dropout > 0) s += fmt::format(", dropout {}", dropout);
@@ -160,6 +165,14 @@ const OptionTable<Config>& options_table() {
       Option<O>("tp", &O::tp, "tensor-parallel size (Megatron's column-then-row pairs)").at_least(1),
       {"seq-parallel", &O::seq_parallel,
        "with --tp: reduce_scatter + all_gather, layernorm sharded along the sequence"},
+      Option<O>("cp", &O::cp,
+                "context-parallel size: each sequence split over cp ranks in 2 cp chunks, attention by "
+                "exchanging keys and values (--cp-comm)")
+          .at_least(1),
+      Option<O>("cp-comm", &O::cp_comm,
+                "with --cp: p2p (a ring of key-value exchanges overlapped with attention, Megatron-Core's "
+                "default) or all-gather (keys and values gathered first, as Llama 3's training)",
+                {{"p2p", CpComm::P2p}, {"all-gather", CpComm::AllGather}}),
       Option<O>("pp", &O::pp, "pipeline-parallel size (1F1B)").at_least(1),
       Option<O>("interleave", &O::v, "model chunks per pipeline rank (interleaved 1F1B)").at_least(1),
       Option<O>("decoder-first-pipeline-num-layers", &O::first_stage_layers,
@@ -168,7 +181,7 @@ const OptionTable<Config>& options_table() {
       Option<O>("decoder-last-pipeline-num-layers", &O::last_stage_layers,
                 "layers of the last pipeline stage (0: as the others; Megatron-Core's flag)")
           .at_least(0),
-      Option<O>("dp", &O::dp, "data-parallel size (0: world / (tp pp))").at_least(0),
+      Option<O>("dp", &O::dp, "data-parallel size (0: world / (tp cp pp))").at_least(0),
       Option<O>("zero", &O::zero, "ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
           .at_least(0)
           .at_most(3),
@@ -231,8 +244,8 @@ const OptionTable<Config>& options_table() {
                 "once (0: no clipping)")
           .at_least(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
-      break_option<O>(&O::broken,
-                      {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "no-rope-backward"}),
+      break_option<O>(&O::broken, {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row",
+                                   "no-rope-backward", "cp-mask-every-block"}),
   });
   return table;
 }
@@ -259,6 +272,28 @@ void check_products(const Config& c) {
           "12 x --hidden^2 x --layers (the blocks' parameters)");
   product(product(product(3, c.ffn(), "3 x --ffn-hidden"), c.hidden, "3 x --ffn-hidden x --hidden"), c.layers,
           "3 x --ffn-hidden x --hidden x --layers (the MLPs' parameters)");
+}
+
+// Context parallelism against the sequence and what splits it.
+void resolve_context(const Config& c) {
+  if (c.cp == 1) return;
+  if (c.seq % (2 * std::int64_t{c.cp}) != 0) {
+    throw UsageError(fmt::format(
+        "gpt: --seq {} is not divisible by 2 x --cp {} = {}: each sequence is cut into 2 cp chunks, rank i "
+        "holding chunks i and 2 cp - 1 - i so that causal attention's work balances",
+        c.seq, c.cp, 2 * std::int64_t{c.cp}));
+  }
+  if (c.attention != AttentionKernel::Flash) {
+    throw UsageError(
+        "gpt: --cp computes attention block by block in fused kernels that merge by their log-sum-exps; "
+        "--attention unfused keeps the whole s x s scores, which context parallelism exists to avoid");
+  }
+  if (c.dropout > 0) {
+    throw UsageError(fmt::format(
+        "gpt: --dropout {} with --cp {}: the residual dropout's mask of a rank's two chunks of the sequence "
+        "is not built; give --dropout 0 (Llama's training uses none)",
+        c.dropout, c.cp));
+  }
 }
 
 // The block's own flags, each refused where the block has nothing it sets.
@@ -412,7 +447,7 @@ void resolve_overlaps(Config& c) {
              "gpt: --overlap-p2p-communication posts the interleaved schedule's pipeline receives a task "
              "early; it needs --pp 2 or more with --interleave 2 or more (Megatron-LM turns it off without "
              "the interleaved schedule)");
-  only_where(c.grad_accum_fusion, c.zero <= 1 || c.dp == 1,
+  only_where(c.grad_accum_fusion, c.zero <= 1 || c.dp * c.cp == 1,
              "gpt: --gradient-accumulation-fusion sums each weight gradient into the step's gradient buffer; "
              "with --zero 2 or 3 each micro-batch's gradient is reduce-scattered instead, so there is none: "
              "give --zero 0 or 1");
@@ -428,24 +463,26 @@ Config resolve(Config c, int world) {
                     "features",
                     c.hidden, c.heads));
   }
-  // In 64 bits: --tp and --pp may each be up to 2^31.
-  const std::int64_t model_ranks = std::int64_t{c.tp} * c.pp;
+  // In 64 bits: --tp, --cp and --pp may each be up to 2^31.
+  const std::int64_t model_ranks = product(product(c.tp, c.cp, "--tp x --cp"), c.pp, "--tp x --cp x --pp");
+  const std::string model_sizes = c.cp > 1 ? fmt::format("--tp {} x --cp {} x --pp {}", c.tp, c.cp, c.pp)
+                                           : fmt::format("--tp {} x --pp {}", c.tp, c.pp);
   if (c.dp > 0) {
-    if (product(model_ranks, c.dp, "--tp x --pp x --dp") != world) {
+    if (product(model_ranks, c.dp, "--tp x --cp x --pp x --dp") != world) {
       throw UsageError(
-          fmt::format("gpt: --world {} is not --tp {} x --pp {} x --dp {} = {}; leave out --dp to "
-                      "get world / (tp pp)",
-                      world, c.tp, c.pp, c.dp, model_ranks * c.dp));
+          fmt::format("gpt: --world {} is not {} x --dp {} = {}; leave out --dp to get world / "
+                      "(tp{} pp)",
+                      world, model_sizes, c.dp, model_ranks * c.dp, c.cp > 1 ? " cp" : ""));
     }
   } else {
     if (world % model_ranks != 0) {
-      throw UsageError(
-          fmt::format("gpt: --world {} is not divisible by --tp {} x --pp {} = {}: data parallelism "
-                      "replicates groups of tp x pp ranks",
-                      world, c.tp, c.pp, model_ranks));
+      throw UsageError(fmt::format(
+          "gpt: --world {} is not divisible by {} = {}: data parallelism replicates groups of {} ranks",
+          world, model_sizes, model_ranks, c.cp > 1 ? "tp x cp x pp" : "tp x pp"));
     }
     c.dp = static_cast<int>(world / model_ranks);
   }
+  resolve_context(c);
   check_products(c);
   resolve_block(c);
   resolve_fp8(c);
@@ -468,9 +505,9 @@ Config resolve(Config c, int world) {
   }
   if (c.seq_parallel && c.rows() % c.tp != 0) {
     throw UsageError(
-        fmt::format("gpt: --seq {} x --micro-batch {} tokens do not divide among --tp {} ranks "
+        fmt::format("gpt: --seq {}{} x --micro-batch {} tokens do not divide among --tp {} ranks "
                     "(--seq-parallel)",
-                    c.seq, c.micro_batch, c.tp));
+                    c.seq, c.cp > 1 ? fmt::format(" / --cp {}", c.cp) : "", c.micro_batch, c.tp));
   }
   if (!c.phantom && !c.llama() && c.dtype != DType::Float32 && c.hidden < 3) {
     throw UsageError(fmt::format(

@@ -23,6 +23,13 @@ const char* recompute_name(Recompute r);
 enum class Block { Gpt, Llama };
 const char* block_name(Block b);
 
+// How context parallelism's ranks share keys and values: a ring of point-to-point exchanges overlapped with
+// the attention of the block at hand (Megatron-Core's and TransformerEngine's default, "p2p"), or all of
+// them all-gathered before attention and the gradients reduce-scattered after (Llama 3's training, Dubey
+// et al. 2024, section 3.3.2: "all-gather").
+enum class CpComm { P2p, AllGather };
+const char* cp_comm_name(CpComm m);
+
 // Caps on the counts that scale the simulation's work, far above any published run (each error says so).
 constexpr std::int64_t kMaxLayers = 4096;
 constexpr std::int64_t kMaxMicroBatches = 65536;  // per pipeline and step
@@ -35,8 +42,12 @@ struct Config : LessonOptions {
   std::int64_t ffn_hidden = 0;  // llama: SwiGLU's width (0: 4 hidden, as GPT's MLP)
   double rope_theta = 10000;    // llama: the rotary embeddings' base
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
-  int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp pp), which resolve() sets
-  int v = 1;                   // model chunks per pipeline rank (--interleave)
+  int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp cp pp), which resolve() sets
+  // Context parallelism: each sequence split into 2 cp chunks, rank i holding chunks i and 2 cp - 1 - i so
+  // that causal attention's work balances (Megatron-Core, TransformerEngine).
+  int cp = 1;
+  CpComm cp_comm = CpComm::P2p;
+  int v = 1;  // model chunks per pipeline rank (--interleave)
   // The first and the last pipeline stage's layers (Megatron-Core's --decoder-first-pipeline-num-layers and
   // --decoder-last-pipeline-num-layers; 0: as many as the others); the other stages split the rest evenly.
   // Llama 3 405B's 126 layers ran on 16 stages with one fewer on the first and the last (Dubey et al. 2024,
@@ -86,11 +97,20 @@ struct Config : LessonOptions {
   bool llama() const { return block == Block::Llama; }
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
   std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width
-  std::int64_t rows() const { return seq * micro_batch; }  // tokens of a micro-batch
+  std::int64_t cp_seq() const { return seq / cp; }  // positions of a sequence a context-parallel rank holds
+  std::int64_t cp_chunk() const { return seq / (2 * cp); }  // positions in each of its two chunks
+  // The position in the sequence of a context-parallel rank's local position `local`.
+  std::int64_t cp_position(int cp_rank, std::int64_t local) const {
+    if (cp == 1) return local;
+    const std::int64_t chunk = cp_chunk();
+    return local < chunk ? cp_rank * chunk + local : (2 * cp - 1 - cp_rank) * chunk + local - chunk;
+  }
+  std::int64_t rows() const { return cp_seq() * micro_batch; }  // a rank's tokens of a micro-batch
   // Rows a rank holds between tensor-parallel pairs: all of them, or 1/tp with sequence parallelism.
   std::int64_t local_rows() const { return seq_parallel ? rows() / tp : rows(); }
   std::int64_t tokens_per_step() const { return global_batch * seq; }
-  // "tp 8 (seq-parallel) x pp 8 (interleave 2) x dp 24, zero 1, recompute none, bf16"
+  // "tp 8 (seq-parallel) x pp 8 (interleave 2) x dp 24, zero 1, recompute none, bf16" (with "cp 2 (p2p)"
+  // after tp when there is context parallelism)
   std::string layout() const;
   // "96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200" (llama: with its key-value heads and MLP)
   std::string shape() const;

@@ -39,7 +39,7 @@ std::string task_region(const parallel::Task& t, int chunks);
 
 void gpt_lesson(Rank& r, const Config& o) {
   const Config c = gpt::for_gpu(gpt::resolve(o, r.world_size()), r.profile().gpu);
-  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order};
+  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp};
 
   // The plan: every stage's memory from the configuration alone, printed and held against the device before
   // anything is allocated, so that a model too large fails at once and says what would make it fit.
@@ -47,8 +47,9 @@ void gpt_lesson(Rank& r, const Config& o) {
   if (r.rank() == 0) gpt::print_plan(r, c, layout, plans);
   gpt::check_fits(c, plans, r.memory_capacity());
 
-  // The groups: each rank is a cell of the tp x dp x pp grid. Its tp group splits every matmul pair of a
-  // block, its pp group passes activations from stage to stage, its dp group reduces the gradients.
+  // The groups: each rank is a cell of the tp x cp x dp x pp grid. Its tp group splits every matmul pair of
+  // a block, its cp group each sequence, its pp group passes activations from stage to stage, and its dp
+  // group (dp x cp with context parallelism) reduces the gradients.
   const parallel::Groups groups = parallel::make_groups(r, layout);
   const parallel::Layout::Coord me = groups.me;
   parallel::ExposedComm exposed(r);  // what the compute stream waits for, per dimension, in the timed step
@@ -62,10 +63,13 @@ void gpt_lesson(Rank& r, const Config& o) {
     fp8.emplace(r, c.fp8, /*keep_weights=*/c.zero < 3);
     tp.fp8 = &*fp8;
   }
+  parallel::ContextParallel cp{r,         groups.cp,       c.cp,
+                               me.cp,     groups.cp_ranks, c.cp_comm == gpt::CpComm::AllGather,
+                               c.phantom, exposed,         c.broken};
   parallel::DataParallel dp(r, zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.
   const std::int64_t before_model_bytes = r.memory_allocated();
-  gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp);
+  gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp, me.cp, &cp);
   const std::int64_t model_bytes = r.memory_allocated() - before_model_bytes;
   const std::vector<Param*> params = model.params();
   parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(c.micro_batches()), c.phantom,
@@ -140,7 +144,7 @@ void gpt_lesson(Rank& r, const Config& o) {
       measured.host_wait_us = r.host_wait_us() - host_wait_before_us;
       exposed.enable(false);
     }
-    check.compare_step(step, model, dp, groups.dp);
+    check.compare_step(step, model, dp, groups.dp_cp);
   }
 
   dp.finish_gathers();
@@ -155,8 +159,9 @@ void gpt_lesson(Rank& r, const Config& o) {
 parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups) {
   parallel::ZeroConfig zc = gpt::zero_config(c);
   const parallel::Layout::Coord me = groups.me;
-  zc.tp_rank = me.tp, zc.dp_rank = me.dp;
-  zc.tp = groups.tp, zc.dp = groups.dp, zc.embedding = groups.embedding;
+  // The gradients are reduced, and ZeRO's shards spread, over dp x cp: every cp rank holds the whole model.
+  zc.tp_rank = me.tp, zc.dp_rank = me.dp * c.cp + me.cp;
+  zc.tp = groups.tp, zc.dp = groups.dp_cp, zc.embedding = groups.embedding;
   zc.counts_tied = me.pp == 0;  // of the tied embedding's two copies, the first stage's
   return zc;
 }

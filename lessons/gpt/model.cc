@@ -245,8 +245,16 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
 }
 
 Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
-             parallel::DataParallel& dp)
-    : r_(r), c_(c), tp_rank_(tp_rank), dp_rank_(dp_rank), pp_rank_(pp_rank), tp_(tp), dp_(dp) {
+             parallel::DataParallel& dp, int cp_rank, parallel::ContextParallel* cp)
+    : r_(r),
+      c_(c),
+      tp_rank_(tp_rank),
+      dp_rank_(dp_rank),
+      pp_rank_(pp_rank),
+      cp_rank_(cp_rank),
+      tp_(tp),
+      dp_(dp),
+      cp_(c.cp > 1 ? cp : nullptr) {
   for (int k = 0; k < c.v; ++k) {
     const int virtual_stage = k * c.pp + pp_rank;  // rank p holds chunks p, p + pp, p + 2 pp, ...
     Chunk ch;
@@ -274,9 +282,11 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
   auto make = [&](std::int64_t first_sample, int shift) {
     if (c.phantom) return r.phantom({rows}, DType::Float32);
     std::vector<float> v(rows);
-    for (std::int64_t pos = 0; pos < c.seq; ++pos) {
+    // This rank's positions of the sequence: all of them, or its two chunks with context parallelism.
+    for (std::int64_t pos = 0; pos < c.cp_seq(); ++pos) {
+      const std::int64_t at = c.cp_position(cp_rank, pos);
       for (std::int64_t s = 0; s < mb; ++s)
-        v[pos * mb + s] = static_cast<float>(token(c, first_sample + s, pos + shift));
+        v[pos * mb + s] = static_cast<float>(token(c, first_sample + s, at + shift));
     }
     return r.from_host({rows}, v);
   };
@@ -290,7 +300,7 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
   if (embedding_ && !c.llama()) {
     const std::int64_t lr = c.local_rows(), start = tp_rank * lr * (c.seq_parallel ? 1 : 0);
     std::vector<float> v(lr);
-    for (std::int64_t i = 0; i < lr; ++i) v[i] = static_cast<float>((start + i) / mb);
+    for (std::int64_t i = 0; i < lr; ++i) v[i] = static_cast<float>(c.cp_position(cp_rank, (start + i) / mb));
     pos_ids_.push_back(c.phantom ? r.phantom({lr}, DType::Float32) : r.from_host({lr}, v));
   }
   if (head_) loss_sum = c.phantom ? r.phantom({}, DType::Float32) : r.zeros({}, DType::Float32);
@@ -447,7 +457,7 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   parallel::TensorParallel::Kept k1, kp, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
   Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB], &k1);
-  Rank::AttentionOut att = r.attention(qkv, c_.micro_batch, c_.heads / c_.tp, true, c_.attention);
+  Rank::AttentionOut att = attend(qkv);
   Tensor p = tp_.row_linear(att.out, w[kProjW], &kp);
   r.add_bias_(p, w[kProjB]);
   Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
@@ -476,7 +486,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
     block_forward(w, a.x, again, true, b.layer, mb);  // the forward once more, its communication included
     a = std::move(again);
   } else if (c_.recompute == Recompute::Selective) {
-    Rank::AttentionOut att = r.attention(a.qkv, c_.micro_batch, c_.heads / c_.tp, true, c_.attention);
+    Rank::AttentionOut att = attend(a.qkv);
     a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
@@ -500,8 +510,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   parallel::TensorParallel::Grads proj =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kProjW], dp, dp_.wgrad_into(b.p[kProjW]));
   dp_.add_grad(b.p[kProjW], proj.dw);
-  const Tensor dqkv = r.attention_backward(proj.dx, a.qkv, a.out, a.lse, c_.micro_batch, c_.heads / c_.tp,
-                                           true, c_.attention);
+  const Tensor dqkv = attend_backward(proj.dx, a);
   parallel::TensorParallel::Grads qkv =
       tp_.column_linear_backward(a.y1, w[kQkvW], dqkv, /*bias=*/true, dp_.wgrad_into(b.p[kQkvW]));
   dp_.add_grad(b.p[kQkvW], qkv.dw);
@@ -527,6 +536,28 @@ AttentionSpec Model::attention_spec() const {
   return AttentionSpec{c_.micro_batch, c_.heads / c_.tp, c_.kv() / c_.tp, true, c_.attention};
 }
 
+Rank::AttentionOut Model::attend(const Tensor& qkv) {
+  return cp_ != nullptr ? cp_->attention(qkv, attention_spec()) : r_.attention(qkv, attention_spec());
+}
+
+Tensor Model::attend_backward(const Tensor& dout, const BlockActs& a) {
+  return cp_ != nullptr ? cp_->attention_backward(dout, a.qkv, a.out, a.lse, attention_spec())
+                        : r_.attention_backward(dout, a.qkv, a.out, a.lse, attention_spec());
+}
+
+void Model::rotate(const Tensor& qkv, bool inverse) {
+  if (cp_ == nullptr) {
+    r_.rope_(qkv, attention_spec(), 0, c_.rope_theta, inverse);
+    return;
+  }
+  // This rank's two chunks of the sequence, each rotated by its own positions.
+  const std::int64_t chunk = c_.cp_chunk(), rows = chunk * c_.micro_batch, width = qkv.size(1);
+  for (std::int64_t half : {0, 1}) {
+    r_.rope_(r_.view(qkv, half * rows * width, Shape{rows, width}), attention_spec(),
+             c_.cp_position(cp_rank_, half * chunk), c_.rope_theta, inverse);
+  }
+}
+
 Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, bool keep_all, int layer,
                             int mb) {
   Rank& r = r_;
@@ -537,8 +568,8 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   parallel::TensorParallel::Kept k1, ko, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::RmsNormOut n1 = r.rmsnorm(x, w[kNorm1], kEps);
   Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor(), &k1);
-  r.rope_(qkv, attention_spec(), 0, c_.rope_theta, false);
-  Rank::AttentionOut att = r.attention(qkv, attention_spec());
+  rotate(qkv, false);
+  Rank::AttentionOut att = attend(qkv);
   Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
@@ -560,7 +591,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
     llama_forward(w, a.x, again, true, b.layer, mb);
     a = std::move(again);
   } else if (c_.recompute == Recompute::Selective) {
-    Rank::AttentionOut att = r.attention(a.qkv, attention_spec());
+    Rank::AttentionOut att = attend(a.qkv);
     a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
   // MLP backward.
@@ -579,9 +610,9 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   parallel::TensorParallel::Grads wo =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
   dp_.add_grad(b.p[kWo], wo.dw);
-  const Tensor dqkv = r.attention_backward(wo.dx, a.qkv, a.out, a.lse, attention_spec());
+  const Tensor dqkv = attend_backward(wo.dx, a);
   // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)
-  if (c_.broken != "no-rope-backward") r.rope_(dqkv, attention_spec(), 0, c_.rope_theta, true);
+  if (c_.broken != "no-rope-backward") rotate(dqkv, true);
   parallel::TensorParallel::Grads wqkv =
       tp_.column_linear_backward(a.y1, w[kWqkv], dqkv, /*bias=*/false, dp_.wgrad_into(b.p[kWqkv]));
   dp_.add_grad(b.p[kWqkv], wqkv.dw);

@@ -27,6 +27,7 @@
 
 #include "common/rank.h"
 #include "lessons/gpt/config.h"
+#include "lessons/parallel/context_parallel.h"
 #include "lessons/parallel/pipeline.h"
 #include "lessons/parallel/tensor_parallel.h"
 #include "lessons/parallel/zero.h"
@@ -99,8 +100,10 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
 
 class Model {
  public:
+  // With context parallelism (c.cp > 1), `cp` computes attention over the group's chunks and `cp_rank`
+  // says which chunks of each sequence this rank holds.
   Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
-        parallel::DataParallel& dp);
+        parallel::DataParallel& dp, int cp_rank = 0, parallel::ContextParallel* cp = nullptr);
 
   Tensor forward(const parallel::Task& t, const Tensor& in);
   Tensor backward(const parallel::Task& t, const Tensor& dout);
@@ -160,6 +163,11 @@ class Model {
                           const parallel::TensorParallel::Kept& g);
   // The attention of this rank's heads: Rank::attention's spec.
   AttentionSpec attention_spec() const;
+  // Attention of qkv's rows and its backward: one call, or context parallelism's exchange.
+  Rank::AttentionOut attend(const Tensor& qkv);
+  Tensor attend_backward(const Tensor& dout, const BlockActs& a);
+  // Rotary embeddings of qkv's rows by their positions in the sequence (inverse: the backward).
+  void rotate(const Tensor& qkv, bool inverse);
   // The residual branch's dropout (GPT-2's resid_pdrop; nothing when --dropout is 0). The backward is the
   // same call on the gradient: the same mask and scale.
   Tensor residual_dropout(const Tensor& branch, int layer, int site, int mb);
@@ -175,9 +183,10 @@ class Model {
 
   Rank& r_;
   Config c_;
-  int tp_rank_, dp_rank_, pp_rank_;
+  int tp_rank_, dp_rank_, pp_rank_, cp_rank_;
   parallel::TensorParallel& tp_;
   parallel::DataParallel& dp_;
+  parallel::ContextParallel* cp_;  // null without context parallelism
   std::vector<Chunk> chunks_;
   bool embedding_ = false, head_ = false;      // this rank holds the embedding, the output layer
   parallel::Param wte_, wpe_, lnf_g_, lnf_b_;  // wte: the embedding's copy or the head's (or both, pp = 1)

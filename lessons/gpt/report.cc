@@ -204,10 +204,14 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
         100 * st.bubble_fraction, c.pp - 1, c.v, c.micro_batches(), 100 * st.bubble_fraction_formula));
   }
   const auto& exposed = f.mean.exposed_us;
-  r.print(fmt::format(
-      "  exposed communication (the compute stream waiting, mean per rank of replica 0): tp {}  sp {}  pp {} "
-      "(receives include the bubble)  dp {}",
-      human_time(exposed[0]), human_time(exposed[1]), human_time(exposed[2]), human_time(exposed[3])));
+  auto at = [&](parallel::Dim d) { return human_time(exposed[static_cast<int>(d)]); };
+  r.print(
+      fmt::format("  exposed communication (the compute stream waiting, mean per rank of replica 0): tp {}  "
+                  "sp {}  {}pp {} "
+                  "(receives include the bubble)  dp {}",
+                  at(parallel::Dim::Tp), at(parallel::Dim::Sp),
+                  c.cp > 1 ? fmt::format("cp {}  ", at(parallel::Dim::Cp)) : "", at(parallel::Dim::Pp),
+                  at(parallel::Dim::Dp)));
   std::string parts;
   for (int d = 0; d < parallel::kDims; ++d) {
     if (f.mean.communicated_us[d] == 0) continue;

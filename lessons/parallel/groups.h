@@ -1,13 +1,15 @@
-// How a world of ranks is cut into tensor-, data- and pipeline-parallel groups, the way Megatron-LM lays
-// them out.
+// How a world of ranks is cut into tensor-, context-, data- and pipeline-parallel groups, the way
+// Megatron-LM lays them out.
 //
-// Every rank has a coordinate (tp, dp, pp). The order string names the dimensions from the innermost
+// Every rank has a coordinate (tp, cp, dp, pp). The order string names the dimensions from the innermost
 // (fastest-varying rank number) outwards; Megatron's default is "tp-dp-pp": the tp ranks of a group are
 // consecutive, so with tp <= GPUs per node a tensor-parallel group sits inside one node and its
 // all-reduces, two per layer per micro-batch forward and two backward, stay on NVLink. Data parallelism
 // comes next (one gradient reduction per step, latency-tolerant), pipeline parallelism outermost (only
 // activations at stage boundaries cross it). `--order dp-tp-pp` puts a tp group across nodes: run it
-// and watch the tp line of the exposed communication grow.
+// and watch the tp line of the exposed communication grow. Context parallelism (--cp), which exchanges
+// keys and values every layer, sits right outside tp unless the order names it (Megatron-Core's
+// tp-cp-ep-dp-pp).
 #pragma once
 
 #include <string>
@@ -19,17 +21,19 @@ namespace ranklab::parallel {
 
 struct Layout {
   int tp = 1, pp = 1, dp = 1;
-  std::string order = "tp-dp-pp";  // innermost first
+  std::string order = "tp-dp-pp";  // innermost first; "cp" may be named, else it follows tp
+  int cp = 1;
 
-  int world() const { return tp * pp * dp; }
-  // The dimensions in `order`, innermost first: "tp", "dp", "pp".
+  int world() const { return tp * cp * pp * dp; }
+  // The dimensions innermost first: "tp", "cp", "dp", "pp" in the order's places.
   std::vector<std::string> dims() const;
   int size_of(const std::string& dim) const;
-  // The global rank at a coordinate, and a rank's coordinate.
-  int rank_of(int tp_rank, int dp_rank, int pp_rank) const;
+  // The global rank at a coordinate (cp 0 where it is not given), and a rank's coordinate.
+  int rank_of(int tp_rank, int dp_rank, int pp_rank) const { return rank_of(tp_rank, 0, dp_rank, pp_rank); }
+  int rank_of(int tp_rank, int cp_rank, int dp_rank, int pp_rank) const;
   int stride_of(const char* dim) const;
   struct Coord {
-    int tp = 0, dp = 0, pp = 0;
+    int tp = 0, dp = 0, pp = 0, cp = 0;
   };
   Coord coord(int rank) const;
   // The world as a grid, innermost first, and which of its dimensions are replicas: with phantom tensors
@@ -43,7 +47,7 @@ struct Layout {
   Grid symmetry(bool mirror_dp = true) const;
 };
 
-// Throws UsageError naming --order when it is not a permutation of tp, dp and pp.
+// Throws UsageError naming --order when it is not a permutation of tp, dp and pp, or of tp, cp, dp and pp.
 void validate_order(const std::string& order);
 
 // The groups one rank belongs to. Every rank creates every group, in the same order, as
@@ -52,6 +56,11 @@ struct Groups {
   Layout layout;
   Layout::Coord me;
   Group tp, dp, pp;
+  // The context-parallel group (ranks that split each sequence), and the group the gradients are reduced
+  // and ZeRO's shards spread over: dp x cp, as Megatron-Core's distributed optimizer does (every cp rank
+  // holds the whole model and gradients of its part of the tokens). Both are dp's with cp 1.
+  Group cp, dp_cp;
+  std::vector<int> cp_ranks;
   // The first and last pipeline stage of this rank's (tp, dp) column: they hold the two copies of the
   // word embedding that the output layer shares, and add up its gradient (Megatron's embedding group).
   Group embedding;
