@@ -17,7 +17,7 @@ std::vector<std::string> Layout::dims() const {
     out.push_back(rest.substr(0, dash));
     rest = dash == std::string::npos ? "" : rest.substr(dash + 1);
   }
-  if (std::find(out.begin(), out.end(), "cp") == out.end()) {
+  if (cp > 1 && std::find(out.begin(), out.end(), "cp") == out.end()) {
     out.insert(std::find(out.begin(), out.end(), "tp") + 1, "cp");
   }
   return out;

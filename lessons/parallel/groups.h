@@ -25,7 +25,8 @@ struct Layout {
   int cp = 1;
 
   int world() const { return tp * cp * pp * dp; }
-  // The dimensions innermost first: "tp", "cp", "dp", "pp" in the order's places.
+  // The dimensions innermost first: "tp", "dp", "pp" in the order's places, and "cp" in its place when the
+  // order names it or there is context parallelism.
   std::vector<std::string> dims() const;
   int size_of(const std::string& dim) const;
   // The global rank at a coordinate (cp 0 where it is not given), and a rank's coordinate.
