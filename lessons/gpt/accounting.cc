@@ -173,6 +173,9 @@ std::string memory_advice(const Config& c, const MemoryPlan& p) {
     if (c.micro_batch > 1) ways.push_back("a smaller --micro-batch");
     if (!c.seq_parallel && c.tp > 1)
       ways.push_back("--seq-parallel (activations between the pairs split by tp)");
+    // Context parallelism splits every activation by the sequence (the flash kernels keep no s x s scores).
+    if (c.attention == AttentionKernel::Flash && c.dropout == 0 && c.seq % (4 * std::int64_t{c.cp}) == 0)
+      ways.push_back(fmt::format("--cp {} (each rank holds 1/cp of every sequence)", 2 * c.cp));
     ways.push_back("more --tp or --pp");
   } else {
     if (c.zero < 3 && c.dp * c.cp > 1) {
