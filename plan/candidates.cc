@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <string_view>
 
 #include "common/errors.h"
 #include "lessons/gpt/accounting.h"
@@ -16,8 +17,8 @@
 namespace ranklab::plan {
 
 std::string Layout::name() const {
-  return fmt::format("tp{}-pp{}-v{}-dp{}-zero{}{}-mb{}-{}-{}", tp, pp, v, dp, zero, sp ? "-sp" : "",
-                     micro_batch, recompute, order);
+  return fmt::format("tp{}{}-pp{}-v{}-dp{}-zero{}{}-mb{}-{}-{}", tp, cp > 1 ? fmt::format("-cp{}", cp) : "",
+                     pp, v, dp, zero, sp ? "-sp" : "", micro_batch, recompute, order);
 }
 
 namespace {
@@ -58,11 +59,13 @@ Layout parse_layout(const std::string& name) {
   Layout l;
   l.order = t[t.size() - 3] + "-" + t[t.size() - 2] + "-" + t[t.size() - 1];
   t.resize(t.size() - 3);
-  const std::vector<std::pair<const char*, int*>> numbers = {
-      {"tp", &l.tp}, {"pp", &l.pp}, {"v", &l.v}, {"dp", &l.dp}, {"zero", &l.zero}};
+  const std::vector<std::pair<const char*, int*>> numbers = {{"tp", &l.tp}, {"cp", &l.cp}, {"pp", &l.pp},
+                                                             {"v", &l.v},   {"dp", &l.dp}, {"zero", &l.zero}};
   std::size_t i = 0;
   for (const auto& [prefix, field] : numbers) {
-    if (i >= t.size() || (*field = number_after(t[i], prefix)) < 0)
+    const bool optional = std::string_view(prefix) == "cp";  // only with context parallelism
+    if (optional && (i >= t.size() || number_after(t[i], prefix) < 0)) continue;
+    if (i >= t.size() || (*field = number_after(t[i], prefix)) < (optional ? 2 : 0))
       throw bad(fmt::format("part {} should be {}N", i + 1, prefix));
     ++i;
   }
@@ -100,6 +103,7 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"fp8-recipe", q.fp8_recipe},
                    {"micro-batch", text(l.micro_batch)},
                    {"tp", text(l.tp)},
+                   {"cp", text(l.cp)},
                    {"pp", text(l.pp)},
                    {"dp", text(l.dp)},
                    {"interleave", text(l.v)},
@@ -178,7 +182,7 @@ MemoryBound llama_memory_bound_bytes(const gpt::Config& c) {
   // residual adds.
   b.backward_bytes = 2 * norm_bwd + rope + 5 * R * f * dt + 2 * add;
   const double weights = (h * (a + 2 * g) * d + a * d * h + 3 * h * f);
-  if (c.zero <= 1 || c.dp == 1) {
+  if (c.zero <= 1 || c.dp * c.cp == 1) {
     b.backward_bytes += weights * (2 * f32 + dt);
   } else if (c.reduce_dtype != c.dtype) {
     b.backward_bytes += weights * (dt + static_cast<double>(dtype_bytes(c.reduce_dtype)));
@@ -211,7 +215,7 @@ MemoryBound memory_bound_bytes(const gpt::Config& c) {
   // gradient (reads both, writes it), or with zero 2 and 3 cast to the reduction's dtype for the
   // reduce-scatter. With gradient-accumulation fusion their GEMMs sum into the gradient: no pass of its own.
   const double weights = 12 * h * hl;
-  if (c.zero <= 1 || c.dp == 1) {
+  if (c.zero <= 1 || c.dp * c.cp == 1) {
     if (!c.grad_accum_fusion) b.backward_bytes += weights * (2 * f32 + dt);
   } else if (c.reduce_dtype != c.dtype) {
     b.backward_bytes += weights * (dt + static_cast<double>(dtype_bytes(c.reduce_dtype)));
@@ -219,6 +223,27 @@ MemoryBound memory_bound_bytes(const gpt::Config& c) {
   return b;
 }
 
+}  // namespace
+
+// The attention calls of one layer's forward on the rank with the most attention to do, per micro-batch:
+// one causal call over the sequence, or context parallelism's blocks (parallel/context_parallel.h) on rank
+// 0, whose later chunk takes every other rank's keys in the ring (the queries' half of a block, the slower
+// shape) and whose two chunks attend to the shortest and the longest prefix with all-gather.
+namespace {
+std::vector<sim::AttentionShape> attention_blocks(const gpt::Config& c) {
+  const std::int64_t heads = c.heads / c.tp, groups = c.kv() / c.tp, b = c.micro_batch;
+  auto block = [&](std::int64_t queries, std::int64_t keys, bool causal) {
+    sim::AttentionShape a{b, queries, heads, c.head_dim(), causal, 0.0f, groups};
+    a.kv_seq = keys;
+    return a;
+  };
+  if (c.cp == 1) return {block(c.seq, c.seq, true)};
+  const std::int64_t chunk = c.cp_chunk();
+  if (c.cp_comm == gpt::CpComm::AllGather) return {block(chunk, chunk, true), block(chunk, c.seq, true)};
+  std::vector<sim::AttentionShape> out = {block(2 * chunk, 2 * chunk, true)};
+  for (int from = 1; from < c.cp; ++from) out.push_back(block(chunk, 2 * chunk, false));
+  return out;
+}
 }  // namespace
 
 StepBound::StepBound(const Profile& profile)
@@ -266,10 +291,11 @@ double StepBound::us(const gpt::Config& c) {
     forward_us += rows_gemm_us(g.out, g.in);
     backward_us += k.gemm_us(g.in, g.out, R, linear) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
   }
-  const sim::AttentionShape attention{c.micro_batch, c.seq, c.heads / t, c.head_dim(),
-                                      true,          0.0f,  c.kv() / t};
-  const double attention_fwd = k.attention_us(attention, c.attention, false, d);
-  backward_us += k.attention_us(attention, c.attention, true, d);
+  double attention_fwd = 0;
+  for (const sim::AttentionShape& a : attention_blocks(c)) {
+    attention_fwd += k.attention_us(a, c.attention, false, d);
+    backward_us += k.attention_us(a, c.attention, true, d);
+  }
   const MemoryBound mem = memory_bound_bytes(c);
   forward_us += k.memory_us(mem.forward_bytes);
   backward_us += k.memory_us(mem.backward_bytes);
@@ -284,7 +310,7 @@ double StepBound::us(const gpt::Config& c) {
   // Recomputation's collectives are left out, and with --tp-comm-overlap all of them: the GEMMs may hide
   // them. With --async-tensor-model-parallel-allreduce the column-parallel backward's gather and reduction
   // may hide under its GEMMs too: only the row-parallel backward's all-gathers are left.
-  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
+  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
   const std::int64_t act_bytes = c.rows() * c.hidden * dtype_bytes(c.dtype);
   if (c.tp > 1 && !rings) {
     std::vector<int> tp_ranks;
@@ -356,7 +382,7 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   // with them for all before), zero 3 for its first block's gather, issued after all the rest. So the step is
   // no shorter than that stream work, followed by the last task's own computation. (The overlap that hides
   // the stream behind compute elsewhere is why this is a bound of its own, not added to the other.)
-  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
+  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
   std::vector<int> dp_ranks;
   for (int i = 0; i < c.dp; ++i) dp_ranks.push_back(grid.rank_of(0, i, stage));
   const bool gathers = c.zero == 3;
@@ -441,41 +467,44 @@ std::vector<Candidate> enumerate(const Question& q) {
   for (int tp : divisors(world)) {
     // Within a node: Megatron's tp-innermost order then keeps every tp group on NVLink.
     if (!q.tp_across_nodes && (tp > per_node || per_node % tp != 0)) continue;
-    for (int pp : divisors(world / tp)) {
-      const int dp = world / (tp * pp);
-      // The other order matters only where it changes which groups share a node: on one node every group
-      // does, and with a tp group that fills whole nodes dp and pp groups both cross nodes either way.
-      std::vector<std::string> orders = {"tp-dp-pp"};
-      if (pp > 1 && dp > 1 && tp < per_node && world > per_node) orders.push_back("tp-pp-dp");
-      for (int v = 1; v <= std::max(1, q.max_interleave); ++v) {
-        if (v > 1 && (pp == 1 || q.layers % (pp * v) != 0)) continue;
-        for (int mb : {1, 2, 4}) {
-          for (const char* recompute : {"none", "selective", "full"}) {
-            for (bool sp : {false, true}) {
-              if (sp && tp == 1) continue;
-              for (int zero = 0; zero <= 3; ++zero) {
-                if (zero > 0 && dp == 1) continue;  // nothing to shard: the same run as zero 0
-                for (const std::string& order : orders) {
-                  Candidate k;
-                  k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, order};
-                  k.name = k.layout.name();
-                  k.capacity_bytes = capacity;
-                  try {
-                    const gpt::Config c = lesson_config(q, k.layout);
-                    k.planned_bytes = planned_peak_bytes(c);
-                    k.bound_us = bound.us(c);
-                    if (k.planned_bytes > capacity) {
-                      k.status = Status::RejectedMemory;
-                      k.reason =
-                          fmt::format("the memory plan needs {} on its largest stage; the device holds {}",
-                                      format_bytes(static_cast<double>(k.planned_bytes)),
-                                      format_bytes(static_cast<double>(capacity)));
+    for (int cp : divisors(world / tp)) {
+      if (cp > 1 && (q.seq % (2 * cp) != 0 || q.seq / (2 * cp) < kMinCpChunk)) continue;
+      for (int pp : divisors(world / (tp * cp))) {
+        const int dp = world / (tp * cp * pp);
+        // The other order matters only where it changes which groups share a node: on one node every group
+        // does, and with a tp group that fills whole nodes dp and pp groups both cross nodes either way.
+        std::vector<std::string> orders = {"tp-dp-pp"};
+        if (pp > 1 && dp > 1 && tp < per_node && world > per_node) orders.push_back("tp-pp-dp");
+        for (int v = 1; v <= std::max(1, q.max_interleave); ++v) {
+          if (v > 1 && (pp == 1 || q.layers % (pp * v) != 0)) continue;
+          for (int mb : {1, 2, 4}) {
+            for (const char* recompute : {"none", "selective", "full"}) {
+              for (bool sp : {false, true}) {
+                if (sp && tp == 1) continue;
+                for (int zero = 0; zero <= 3; ++zero) {
+                  if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the same run as zero 0
+                  for (const std::string& order : orders) {
+                    Candidate k;
+                    k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, order, cp};
+                    k.name = k.layout.name();
+                    k.capacity_bytes = capacity;
+                    try {
+                      const gpt::Config c = lesson_config(q, k.layout);
+                      k.planned_bytes = planned_peak_bytes(c);
+                      k.bound_us = bound.us(c);
+                      if (k.planned_bytes > capacity) {
+                        k.status = Status::RejectedMemory;
+                        k.reason =
+                            fmt::format("the memory plan needs {} on its largest stage; the device holds {}",
+                                        format_bytes(static_cast<double>(k.planned_bytes)),
+                                        format_bytes(static_cast<double>(capacity)));
+                      }
+                    } catch (const UsageError& e) {
+                      k.status = Status::Invalid;
+                      k.reason = e.what();
                     }
-                  } catch (const UsageError& e) {
-                    k.status = Status::Invalid;
-                    k.reason = e.what();
+                    out.push_back(std::move(k));
                   }
-                  out.push_back(std::move(k));
                 }
               }
             }

@@ -63,13 +63,15 @@ struct Question {
 };
 
 // One parallel layout. Its name is the one string the table, plan.json and --explain share:
-// "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp" (sp only when sequence parallelism is on).
+// "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp" (sp only when sequence parallelism is on), with
+// "-cp2" after the tp part when there is context parallelism (its ring: the framework's default exchange).
 struct Layout {
   int tp = 1, pp = 1, v = 1, dp = 1, zero = 0;
   bool sp = false;
   int micro_batch = 1;
   std::string recompute = "none";
   std::string order = "tp-dp-pp";
+  int cp = 1;
   std::string name() const;
 };
 // The layout a name spells; UsageError saying what is wrong with it.
@@ -123,13 +125,19 @@ class StepBound {
   std::map<std::tuple<int, std::int64_t, std::vector<int>>, double> comm_;
 };
 
-// Every layout of the question, in a fixed order: tp (within a node unless tp_across_nodes), pp dividing
-// the layers, interleaving v up to max_interleave where the chunks are whole, ZeRO 0-3 (only 0 without
-// data parallelism, where there is nothing to shard), sequence parallelism with tp > 1, micro-batches of
-// 1, 2 and 4, recompute none, selective and full, and the group orders tp-dp-pp and, where it places
-// groups on nodes differently (more than one node, tp smaller than a node), tp-pp-dp. Each is marked Invalid
-// or RejectedMemory where that is known, Pending with its bound otherwise.
+// Every layout of the question, in a fixed order: tp (within a node unless tp_across_nodes), cp where the
+// sequence splits into 2 cp chunks of at least kMinCpChunk tokens, pp dividing the layers, interleaving v up
+// to max_interleave where the chunks are whole, ZeRO 0-3 (only 0 without data parallelism, where there is
+// nothing to shard), sequence parallelism with tp > 1, micro-batches of 1, 2 and 4, recompute none, selective
+// and full, and the group orders tp-dp-pp and, where it places groups on nodes differently (more than one
+// node, tp smaller than a node), tp-pp-dp. Each is marked Invalid or RejectedMemory where that is known,
+// Pending with its bound otherwise.
 std::vector<Candidate> enumerate(const Question& q);
+// The shortest chunk of a sequence context parallelism is tried with. Below it a ring step's attention is
+// a block of fewer than 1,024 queries and keys, where the fused kernels run at under two thirds of their
+// long-sequence rate (docs/model.md, "Fused attention by shape": seq_half 207-420 on H100) while the
+// exchanges stay as many: layouts whose sequences are that short gain nothing from it that dp does not.
+constexpr std::int64_t kMinCpChunk = 1024;
 
 // The largest total of the memory plan over the pipeline stages: what the lesson checks against the device
 // before allocating.

@@ -15,7 +15,14 @@ namespace ranklab::plan {
 
 namespace {
 
-constexpr const char* kDims[] = {"tp", "sp", "pp", "dp"};
+// The step's communication parts, in the breakdown's order, and what each is called.
+constexpr int kParts = 5;  // kParts is "compute and the rest"
+constexpr const char* kDims[kParts] = {"tp", "sp", "cp", "pp", "dp"};
+constexpr const char* kPartNames[kParts + 1] = {
+    "exposed tp communication", "exposed sp communication",
+    "exposed cp communication", "pipeline wait (bubble and pp transfers)",
+    "exposed dp communication", "compute and the rest"};
+constexpr int kPipelinePart = 3;
 
 // "16.98 s", "523 ms", "40.2 ms", "812 us": three significant digits at most, for a table.
 std::string short_time(double us) {
@@ -33,30 +40,19 @@ double exposed(const TrainingStats& t, const char* dim) {
 
 // The step's parts: the exposed communication of each dimension, then the rest of the step.
 struct Parts {
-  double comm[4] = {0, 0, 0, 0};
+  double comm[kParts] = {};
   double rest = 0;
 };
 Parts parts_of(const TrainingStats& t) {
   Parts p;
   double sum = 0;
-  for (int d = 0; d < 4; ++d) sum += p.comm[d] = exposed(t, kDims[d]);
+  for (int d = 0; d < kParts; ++d) sum += p.comm[d] = exposed(t, kDims[d]);
   p.rest = t.step_time_us - sum;
   return p;
 }
 
 std::string part_name(int d) {
-  switch (d) {
-    case 0:
-      return "exposed tp communication";
-    case 1:
-      return "exposed sp communication";
-    case 2:
-      return "pipeline wait (bubble and pp transfers)";
-    case 3:
-      return "exposed dp communication";
-    default:
-      return "compute and the rest";
-  }
+  return kPartNames[std::clamp(d, 0, kParts)];
 }
 
 // What differs between two layouts, from `from` to `to`: "tp 8 → 4, pp 4 → 8".
@@ -66,6 +62,7 @@ std::string layout_changes(const Layout& from, const Layout& to) {
     if (a != b) d.push_back(fmt::format("{} {} → {}", name, a, b));
   };
   num("tp", from.tp, to.tp);
+  num("cp", from.cp, to.cp);
   num("pp", from.pp, to.pp);
   num("v", from.v, to.v);
   num("dp", from.dp, to.dp);
@@ -136,23 +133,27 @@ std::string format_table(const Plan& p, int top) {
   const int n = std::min<int>(top, static_cast<int>(ranked.size()));
   std::size_t width = 6;
   for (int i = 0; i < n; ++i) width = std::max(width, ranked[i]->candidate.name.size());
+  // The exposed communication of each dimension, a column each.
+  auto dims = [](const TrainingStats* t) {
+    std::string cells;
+    for (const char* dim : kDims)
+      cells += fmt::format(" {:>8}", t == nullptr ? dim : short_time(exposed(*t, dim)));
+    return cells.substr(1);
+  };
   std::string out =
-      fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7}  {:>5}  {:>6}  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n",
-                  "rank", "layout", width, "step", "run", "TFLOP/s", "MFU", "bubble", "tp", "sp", "pp", "dp",
-                  "peak", "largest part");
-  out += fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7}  {:>5}  {:>6}  {:^35}  {:>9}\n", "", "", width, "",
-                     "", "per GPU", "", "", "exposed communication", "per rank");
+      fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7}  {:>5}  {:>6}  {}  {:>9}  {}\n", "rank", "layout",
+                  width, "step", "run", "TFLOP/s", "MFU", "bubble", dims(nullptr), "peak", "largest part");
+  out += fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7}  {:>5}  {:>6}  {:^{}}  {:>9}\n", "", "", width, "",
+                     "", "per GPU", "", "", "exposed communication", 9 * kParts - 1, "per rank");
   bool screened = false;
   for (int i = 0; i < n; ++i) {
     const Result& r = *ranked[i];
     const TrainingStats& t = r.run->stats;
     screened = screened || !r.full;
-    out += fmt::format(
-        "{:>4}  {:<{}}  {:>8}  {:<4}  {:>7.1f}  {:>4.1f}%  {:>5.1f}%  {:>8} {:>8} {:>8} {:>8}  {:>9}  {}\n",
-        i + 1, r.candidate.name, width, short_time(t.step_time_us), run_kind(r), t.model_tflops_per_gpu,
-        100 * t.mfu, 100 * t.bubble_fraction, short_time(exposed(t, "tp")), short_time(exposed(t, "sp")),
-        short_time(exposed(t, "pp")), short_time(exposed(t, "dp")), bytes(r.run->peak_bytes),
-        r.run->peak_part);
+    out += fmt::format("{:>4}  {:<{}}  {:>8}  {:<4}  {:>7.1f}  {:>4.1f}%  {:>5.1f}%  {}  {:>9}  {}\n", i + 1,
+                       r.candidate.name, width, short_time(t.step_time_us), run_kind(r),
+                       t.model_tflops_per_gpu, 100 * t.mfu, 100 * t.bubble_fraction, dims(&t),
+                       bytes(r.run->peak_bytes), r.run->peak_part);
   }
   if (screened) {
     out +=
@@ -168,8 +169,8 @@ std::string why_line(const Result& winner, const Result& runner_up) {
   const Parts pw = parts_of(w), pr = parts_of(r);
   // Each part's saving going from the runner-up to the winner (negative: what the winner pays more).
   std::vector<std::pair<double, int>> delta;
-  for (int d = 0; d < 4; ++d) delta.push_back({pr.comm[d] - pw.comm[d], d});
-  delta.push_back({pr.rest - pw.rest, 4});
+  for (int d = 0; d < kParts; ++d) delta.push_back({pr.comm[d] - pw.comm[d], d});
+  delta.push_back({pr.rest - pw.rest, kParts});
   std::sort(delta.begin(), delta.end(), [](const auto& a, const auto& b) {
     return std::fabs(a.first) != std::fabs(b.first) ? std::fabs(a.first) > std::fabs(b.first)
                                                     : a.second < b.second;
@@ -178,12 +179,12 @@ std::string why_line(const Result& winner, const Result& runner_up) {
   // Parts that moved by less than a twentieth of the larger one are noise next to it.
   const double noticed = 0.05 * std::fabs(delta.front().first);
   auto describe = [&](double d, int part) {
-    const double from = part < 4 ? pr.comm[part] : pr.rest, to = part < 4 ? pw.comm[part] : pw.rest;
+    const double from = part < kParts ? pr.comm[part] : pr.rest, to = part < kParts ? pw.comm[part] : pw.rest;
     std::string s = fmt::format("{} {} ({} → {}", short_time(std::fabs(d)), part_name(part), short_time(from),
                                 short_time(to));
-    if (part == 2)
+    if (part == kPipelinePart)
       s += fmt::format("; bubble {:.1f}% → {:.1f}%", 100 * r.bubble_fraction, 100 * w.bubble_fraction);
-    if (part == 4 && r.hardware_flops != w.hardware_flops)
+    if (part == kParts && r.hardware_flops != w.hardware_flops)
       s += fmt::format("; {:.4g} → {:.4g} PFLOP with recompute", r.hardware_flops / 1e15,
                        w.hardware_flops / 1e15);
     return s + ")";
@@ -236,8 +237,8 @@ std::string format_explain(const Result& asked, const Result& winner) {
   const Parts pa = parts_of(a), pw = parts_of(w);
   out += fmt::format("  {:<42} {:>10} {:>10} {:>10}\n", "where the step's time goes", "this", "winner",
                      "difference");
-  for (int part = 0; part < 5; ++part) {
-    const double x = part < 4 ? pa.comm[part] : pa.rest, y = part < 4 ? pw.comm[part] : pw.rest;
+  for (int part = 0; part <= kParts; ++part) {
+    const double x = part < kParts ? pa.comm[part] : pa.rest, y = part < kParts ? pw.comm[part] : pw.rest;
     out += fmt::format("  {:<42} {:>10} {:>10} {:>10}\n", part_name(part), short_time(x), short_time(y),
                        fmt::format("{}{}", x >= y ? "+" : "-", short_time(std::fabs(x - y))));
   }
@@ -263,6 +264,7 @@ nlohmann::json result_json(const Result& r, int rank) {
   nlohmann::json j = {{"layout", k.name},
                       {"status", status_name(k.status)},
                       {"tp", l.tp},
+                      {"cp", l.cp},
                       {"pp", l.pp},
                       {"interleave", l.v},
                       {"dp", l.dp},
@@ -425,20 +427,21 @@ std::string plan_to_html(const Plan& p) {
   out +=
       "<tr><th>rank</th><th class=\"l\">layout</th><th>step</th><th>run</th><th>TFLOP/s per "
       "GPU</th><th>MFU</th>"
-      "<th>bubble</th><th>tp</th><th>sp</th><th>pp</th><th>dp</th><th>peak per rank</th>"
-      "<th class=\"l\">largest part</th></tr>\n";
+      "<th>bubble</th>";
+  for (const char* dim : kDims) out += fmt::format("<th>{}</th>", dim);
+  out += "<th>peak per rank</th><th class=\"l\">largest part</th></tr>\n";
   int rank = 0;
   for (const Result* r : ranked) {
     const TrainingStats& t = r->run->stats;
     out += fmt::format(
         "<tr{}><td>{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td>{:.1f}</td><td>{:.1f}%</td>"
-        "<td>{:.1f}%</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td "
-        "class=\"l\">{}</td></tr>\n",
+        "<td>{:.1f}%</td>",
         rank == 0 ? " class=\"ok\"" : "", rank + 1, html_escape(r->candidate.name),
         short_time(t.step_time_us), r->full ? "full" : "sym", t.model_tflops_per_gpu, 100 * t.mfu,
-        100 * t.bubble_fraction, short_time(exposed(t, "tp")), short_time(exposed(t, "sp")),
-        short_time(exposed(t, "pp")), short_time(exposed(t, "dp")), bytes(r->run->peak_bytes),
-        html_escape(r->run->peak_part));
+        100 * t.bubble_fraction);
+    for (const char* dim : kDims) out += fmt::format("<td>{}</td>", short_time(exposed(t, dim)));
+    out += fmt::format("<td>{}</td><td class=\"l\">{}</td></tr>\n", bytes(r->run->peak_bytes),
+                       html_escape(r->run->peak_part));
     ++rank;
   }
   out += "</table></div>\n";

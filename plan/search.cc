@@ -31,7 +31,7 @@ std::vector<const Result*> Plan::ranked() const {
 }
 
 SimSymmetry symmetry_of(const Layout& l) {
-  const parallel::Layout::Grid grid = parallel::Layout{l.tp, l.pp, l.dp, l.order}.symmetry();
+  const parallel::Layout::Grid grid = parallel::Layout{l.tp, l.pp, l.dp, l.order, l.cp}.symmetry();
   return SimSymmetry{grid.sizes, grid.replicated};
 }
 
@@ -43,7 +43,7 @@ Simulated read_run(const RunReport& rep, const gpt::Config& c) {
   Simulated s;
   s.stats = *rep.training;
   s.peak_bytes = s.stats.peak_memory_bytes;
-  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order};
+  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
   for (const RankSummary& r : rep.ranks) {
     if (r.peak_bytes > s.peak_bytes) {
       s.peak_bytes = r.peak_bytes;

@@ -147,6 +147,52 @@ TEST(Plan, AnFp8QuestionBoundsEveryLayoutAndItsWinnerPassesTheCheck) {
   }
 }
 
+// A long sequence: layouts with context parallelism are enumerated (a chunk of at least kMinCpChunk
+// tokens) and named, none runs faster than its bound, and a simulated cp layout, with real numbers, trains
+// equal to one device.
+TEST(Plan, ContextParallelLayoutsAreBoundedAndTrainEqualToOneDevice) {
+#if defined(RANKLAB_SANITIZE)
+  GTEST_SKIP() << "a 4,096-token sequence with real numbers: the ordinary build runs it";
+#endif
+  Request r;
+  r.shape["block"] = "llama";
+  r.shape["layers"] = option_text(2);
+  r.shape["hidden"] = option_text(32);
+  r.shape["heads"] = option_text(2);
+  r.shape["seq"] = option_text(4096);
+  r.shape["vocab"] = option_text(128);
+  r.shape["global-batch"] = option_text(2);
+  r.max_interleave = 1;
+  const Question q = make_question(r);
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan p = search(q, all);
+  const Result* with_cp = nullptr;
+  int cp_layouts = 0;
+  for (const Result& res : p.results) {
+    const Layout& l = res.candidate.layout;
+    EXPECT_TRUE(l.cp == 1 || l.cp == 2) << res.candidate.name;  // 4096 / (2 cp) >= 1024
+    if (l.cp == 1) continue;
+    ++cp_layouts;
+    EXPECT_NE(res.candidate.name.find("-cp2-"), std::string::npos) << res.candidate.name;
+    EXPECT_EQ(parse_layout(res.candidate.name).name(), res.candidate.name);
+    if (res.candidate.status == Status::Simulated && (with_cp == nullptr || l.micro_batch == 1)) with_cp = &res;
+  }
+  EXPECT_GT(cp_layouts, 0);
+  for (const Result* res : p.ranked())
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  ASSERT_NE(with_cp, nullptr);
+  // One step: the one-device reference of a 4,096-token sequence takes seconds a step.
+  Settings o = lesson_settings(q, with_cp->candidate.layout);
+  o["phantom"] = option_text(false);
+  SimConfig config;
+  config.profile = q.profile;
+  config.echo_output = false;
+  SimBackend backend(config);
+  const RunReport rep = run_lesson(backend, "gpt", o);
+  EXPECT_TRUE(rep.all_checks_passed()) << with_cp->candidate.name << "\n" << testing::failed_checks(rep);
+}
+
 // Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
 // the bound: every layout simulated, none faster than its bound, and the pruned search finds the same
 // winner.
