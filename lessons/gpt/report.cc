@@ -66,7 +66,9 @@ std::string fp8_fraction(Rank& r, const Config& c, double model_tflops) {
 // The pipeline's idle time over its compute time: the schedule's span over the mean busy time.
 double bubble(const StepFigures& f) {
   const double busy = f.mean.busy_us, window = f.most.window_us;
-  return busy > 0 ? (window - busy) / busy : 0;
+  // (The figures are float32 sums over the ranks: a window that holds no bubble can come out a rounding
+  // below the busy time.)
+  return busy > 0 ? std::max(0.0, (window - busy) / busy) : 0;
 }
 
 // The report's record of the run: its rate, its bubble, its exposed communication and rank 0's memory.
