@@ -190,7 +190,52 @@ MemoryBound llama_memory_bound_bytes(const gpt::Config& c) {
   return b;
 }
 
+MemoryBound block_memory_bound_bytes(const gpt::Config& c);
+
+// What FP8 and context parallelism add to a block's memory-bound kernels, at the least.
+MemoryBound extra_memory_bound_bytes(const gpt::Config& c) {
+  MemoryBound b;
+  const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
+  const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
+  const double h = static_cast<double>(c.hidden), d = c.head_dim();
+  const double a = static_cast<double>(c.heads) / c.tp, g = static_cast<double>(c.kv()) / c.tp;
+  if (c.fp8 != parallel::Fp8Recipe::None) {
+    // Every recipe quantizes each linear layer's input forward and its output gradient backward
+    // (parallel/fp8.h): at least a read of the 16-bit tensor and a write of one byte per element. A
+    // column-parallel layer's input is quantized on this rank's tokens (sequence parallelism gathers it in
+    // FP8), the rest on all the rows.
+    const double f = static_cast<double>(c.ffn()) / c.tp, up = c.llama() ? 2 * f : f;
+    const double inputs = 2 * lr * h + R * a * d + R * f,
+                 gradients = R * (a + 2 * g) * d + 2 * R * h + R * up;
+    b.forward_bytes += (dt + 1) * inputs;
+    b.backward_bytes += (dt + 1) * gradients;
+  }
+  if (c.cp > 1) {
+    // Context parallelism's kernels (parallel/context_parallel.h) around its attention blocks: the keys and
+    // values copied out of qkv, each block's merge into the float32 output (the block's output and the
+    // running one read, the running one written, the log-sum-exps), the output cast to the compute dtype;
+    // backward, the keys copied again, each block's gradients added into the running ones, and the key
+    // gradients added back into d qkv.
+    // The merges' rows are rank 0's (the bound's): all of them for its own block, its later chunk's for
+    // each other rank's in the ring; each chunk's with all-gather.
+    const double kv = R * 2 * g * d * dt, out_cols = a * d;
+    const double merged_rows = c.cp_comm == gpt::CpComm::AllGather ? R : R + (c.cp - 1) * R / 2;
+    const double merges = merged_rows * (out_cols * (dt + 2 * f32) + 3 * f32 * a);
+    b.forward_bytes += 2 * kv + merges + R * out_cols * (f32 + dt);
+    b.backward_bytes += 2 * kv + 3 * kv;
+  }
+  return b;
+}
+
 MemoryBound memory_bound_bytes(const gpt::Config& c) {
+  MemoryBound b = block_memory_bound_bytes(c);
+  const MemoryBound extra = extra_memory_bound_bytes(c);
+  b.forward_bytes += extra.forward_bytes;
+  b.backward_bytes += extra.backward_bytes;
+  return b;
+}
+
+MemoryBound block_memory_bound_bytes(const gpt::Config& c) {
   if (c.llama()) return llama_memory_bound_bytes(c);
   const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
   const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
