@@ -724,4 +724,17 @@ RunReport report_from_json(const std::string& text, std::string_view document) {
   return report;
 }
 
+std::string training_to_json(const TrainingStats& stats) {
+  return json_shape::write(stats).dump();
+}
+
+TrainingStats training_from_json(const std::string& text, std::string_view document) {
+  const json_shape::Path top(document);
+  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) top.fail("not valid JSON");
+  TrainingStats stats;
+  json_shape::read(root, stats, top);
+  return stats;
+}
+
 }  // namespace ranklab

@@ -204,6 +204,11 @@ std::string report_to_json(const RunReport& report);
 // name) and names the value's path: "run/report.json: ranks[3].peak_bytes: expected an integer, got ...".
 RunReport report_from_json(const std::string& json, std::string_view document = "report JSON");
 
+// One training step's figures alone, in the form the report's `training` object has (`ranklab plan` passes
+// them between the processes of a job); the reader checks it as report_from_json does.
+std::string training_to_json(const TrainingStats& stats);
+TrainingStats training_from_json(const std::string& json, std::string_view document);
+
 }  // namespace ranklab
 
 template <>

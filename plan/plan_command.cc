@@ -117,7 +117,7 @@ Question make_question(const Request& r) {
   return q;
 }
 
-int plan_command(const Request& r) {
+int plan_command(const Request& r, Messenger* cluster) {
   const Question q = make_question(r);
   std::optional<Layout> explain;
   if (!r.explain.empty()) {
@@ -137,6 +137,11 @@ int plan_command(const Request& r) {
         "(0: one per core)",
         r.jobs, cores, cores));
   }
+  const int jobs = r.jobs > 0 ? r.jobs : cores;
+  if (cluster != nullptr && cluster->rank() > 0) {
+    serve(q, *cluster, jobs);
+    return 0;
+  }
   std::optional<ReportFolder> folder;
   if (!r.report_dir.empty())
     folder.emplace("--report", r.report_dir, std::vector<std::string>{"plan.json", "plan.html"}, r.force);
@@ -148,7 +153,8 @@ int plan_command(const Request& r) {
   options.symmetry = !r.no_symmetry;
   options.extrapolate = !r.no_extrapolation;
   options.progress = r.progress;
-  options.jobs = r.jobs > 0 ? r.jobs : cores;
+  options.jobs = jobs;
+  options.cluster = cluster;
   options.confirm = r.confirm;
   options.confirm_margin = r.confirm_margin;
   const Plan plan = search(q, options);

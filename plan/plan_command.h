@@ -11,6 +11,7 @@
 
 #include "common/options.h"
 #include "plan/candidates.h"
+#include "plan/cluster.h"
 
 namespace ranklab::plan {
 
@@ -46,6 +47,8 @@ Question make_question(const Request& r);
 
 // Runs the search and prints its answer to stdout; writes plan.json and plan.html to report_dir when
 // given. UsageError for bad input, including a question none of whose layouts the gpt lesson accepts.
-int plan_command(const Request& r);
+// With `cluster` (a job of several processes, cluster.h), rank 0 does all that with every rank's slots, and
+// the other ranks only simulate what it sends them, printing nothing.
+int plan_command(const Request& r, Messenger* cluster = nullptr);
 
 }  // namespace ranklab::plan

@@ -113,7 +113,9 @@ std::string format_counts(const Plan& p) {
   } else {
     out += "every rank running in every simulation (full)";
   }
-  out += fmt::format("; {} at a time, {:.1f} s\n", p.jobs, p.wall_s);
+  out += p.processes > 1 ? fmt::format("; {} at a time on each of {} processes, {:.1f} s\n", p.jobs,
+                                       p.processes, p.wall_s)
+                         : fmt::format("; {} at a time, {:.1f} s\n", p.jobs, p.wall_s);
   return out;
 }
 
@@ -342,6 +344,7 @@ std::string plan_to_json(const Plan& p) {
                  {"confirmed_full", p.confirmed},
                  {"screening_rounds", p.screenings}};
   j["jobs"] = p.jobs;
+  j["processes"] = p.processes;
   j["wall_s"] = p.wall_s;
   const std::vector<const Result*> ranked = p.ranked();
   if (!ranked.empty()) j["winner"] = ranked[0]->candidate.name;

@@ -7,10 +7,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <functional>
 #include <map>
 #include <mutex>
+#include <new>
 #include <set>
 #include <thread>
 
@@ -20,6 +22,7 @@
 #include "common/report.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/parallel/groups.h"
+#include "plan/cluster.h"
 
 namespace ranklab::plan {
 
@@ -182,32 +185,68 @@ Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapol
 
 namespace {
 
-// Simulations on threads of their own, at most `jobs` at once, each known by the id its caller gives it.
+// One simulation: a layout, screened (with the world's symmetry, and long steps extended) or in full.
+struct Task {
+  Layout layout;
+  bool symmetry = true, extrapolate = false;
+};
+
+// Simulations at most `jobs` at once on threads of this process, and with a cluster `jobs` more on each of
+// its other ranks, each known by the id its caller gives it.
 class Pool {
  public:
-  explicit Pool(int jobs) : max_(std::max(1, jobs)) {}
+  Pool(const Question& q, int jobs, Messenger* cluster)
+      : q_(q), per_rank_(std::max(1, jobs)), cluster_(cluster), busy_(cluster ? cluster->size() : 1, 0) {}
   ~Pool() {
     for (auto& [id, job] : jobs_) job.thread.join();
   }
   Pool(const Pool&) = delete;
   Pool& operator=(const Pool&) = delete;
 
-  bool has_room() const { return static_cast<int>(jobs_.size()) < max_; }
-  bool running(std::size_t id) const { return jobs_.count(id) > 0; }
+  bool has_room() const {
+    return std::any_of(busy_.begin(), busy_.end(), [&](int b) { return b < per_rank_; });
+  }
+  bool running(std::size_t id) const { return jobs_.count(id) > 0 || remote_.count(id) > 0; }
+  bool empty() const { return jobs_.empty() && remote_.empty(); }
   std::vector<std::string> names() const {
     std::vector<std::string> out;
     for (const auto& [id, job] : jobs_) out.push_back(job.name);
+    for (const auto& [id, job] : remote_) out.push_back(job.name);
     return out;
   }
 
-  void start(std::size_t id, const std::string& name, std::function<Result()> work) {
+  // On the rank with the most free slots (this one first).
+  void start(std::size_t id, const Task& task) {
+    const int on = static_cast<int>(std::min_element(busy_.begin(), busy_.end()) - busy_.begin());
+    ++busy_[on];
+    const std::string name = task.layout.name();
+    if (on > 0) {
+      Message m;
+      m.kind = Message::Kind::Task;
+      m.id = id;
+      m.layout = name;
+      m.symmetry = task.symmetry;
+      m.extrapolate = task.extrapolate;
+      cluster_->send(on, encode(m));
+      remote_[id] = Remote{name, on, std::nullopt};
+      return;
+    }
     Job& job = jobs_[id];
     job.name = name;
-    job.thread = std::thread([this, &job, work = std::move(work)] {
+    job.thread = std::thread([this, &job, task] {
       std::optional<Result> r;
       std::exception_ptr error;
       try {
-        r = work();
+        r = simulate(q_, task.layout, task.symmetry, task.extrapolate);
+      } catch (const std::bad_alloc&) {
+        // This host, not the simulated device, ran out: the layout is reported so, and the search goes on.
+        r.emplace();
+        r->candidate.layout = task.layout;
+        r->candidate.name = task.layout.name();
+        r->candidate.status = Status::RejectedMemory;
+        r->candidate.reason =
+            fmt::format("the simulation ran out of this host's memory{}",
+                        cluster_ ? fmt::format(" (rank {}, {})", cluster_->rank(), cluster_->host()) : "");
       } catch (...) {
         error = std::current_exception();
       }
@@ -219,29 +258,68 @@ class Pool {
     });
   }
 
-  // Blocks until a job is done; the ids of those done, for take().
-  std::vector<std::size_t> wait_done() {
-    std::unique_lock lock(mutex_);
-    std::vector<std::size_t> done;
-    finished_.wait(lock, [&] {
+  // The ids of the jobs done, for take(): blocks until there is one, or with `timeout` at most that long.
+  std::vector<std::size_t> wait_done(std::optional<std::chrono::milliseconds> timeout = std::nullopt) {
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point until = Clock::now() + timeout.value_or(std::chrono::hours(24 * 365));
+    while (true) {
+      std::vector<std::size_t> done;
+      read_replies();
+      for (const auto& [id, job] : remote_)
+        if (job.reply) done.push_back(id);
+      std::unique_lock lock(mutex_);
+      auto local_done = [&] {
+        return std::any_of(jobs_.begin(), jobs_.end(), [](const auto& j) { return j.second.done; });
+      };
+      if (done.empty() && Clock::now() < until) {
+        // With jobs on other ranks, wake now and then to read their answers.
+        const Clock::time_point wake =
+            remote_.empty() ? until : std::min(until, Clock::now() + std::chrono::milliseconds(2));
+        finished_.wait_until(lock, wake, local_done);
+      }
       for (const auto& [id, job] : jobs_)
         if (job.done) done.push_back(id);
-      return !done.empty();
-    });
-    return done;
+      if (!done.empty() || Clock::now() >= until) return done;
+    }
   }
 
-  // A finished job's result; what it threw is thrown here.
+  // A finished job's result; what it threw is thrown here, a remote one's error as a ProgramError naming
+  // its rank and layout.
   Result take(std::size_t id) {
+    if (const auto r = remote_.find(id); r != remote_.end()) {
+      Remote job = std::move(r->second);
+      remote_.erase(r);
+      --busy_[job.rank];
+      if (job.reply->kind == Message::Kind::Error) {
+        throw ProgramError(fmt::format("plan: rank {} ({}) failed simulating {}: {}", job.rank,
+                                       job.reply->host, job.name, job.reply->error));
+      }
+      return std::move(*job.reply->result);
+    }
     const auto it = jobs_.find(id);
     it->second.thread.join();
     Job job = std::move(it->second);
     jobs_.erase(it);
+    --busy_[0];
     if (job.error) std::rethrow_exception(job.error);
     return std::move(*job.result);
   }
 
  private:
+  // The answers that have come in from other ranks, each to its job.
+  void read_replies() {
+    if (cluster_ == nullptr) return;
+    while (std::optional<std::pair<int, std::string>> in = cluster_->poll()) {
+      Message m = decode(in->second, in->first);
+      const auto it = remote_.find(m.id);
+      if (it == remote_.end() || it->second.rank != in->first || m.kind == Message::Kind::Task) {
+        throw ProgramError(fmt::format("plan: rank {} sent a {} for task {}, which it was not given",
+                                       in->first, m.kind == Message::Kind::Task ? "task" : "result", m.id));
+      }
+      it->second.reply = std::move(m);
+    }
+  }
+
   struct Job {
     std::string name;
     std::thread thread;
@@ -249,8 +327,17 @@ class Pool {
     std::optional<Result> result;
     std::exception_ptr error;
   };
-  int max_;
+  struct Remote {
+    std::string name;
+    int rank = 0;
+    std::optional<Message> reply;
+  };
+  const Question& q_;
+  int per_rank_;
+  Messenger* cluster_;
+  std::vector<int> busy_;            // jobs running on each rank
   std::map<std::size_t, Job> jobs_;  // a map: a job stays where its thread writes to it
+  std::map<std::size_t, Remote> remote_;
   std::mutex mutex_;
   std::condition_variable finished_;
 };
@@ -287,7 +374,7 @@ class Search {
         options_(o),
         pending_(pending),
         plan_(plan),
-        pool_(o.jobs),
+        pool_(q, o.jobs, o.cluster),
         progress_("plan", static_cast<std::int64_t>(pending.size()), stderr,
                   o.progress && isatty(fileno(stderr)) == 1) {}
 
@@ -332,6 +419,18 @@ class Search {
     const std::vector<std::string> now = pool_.names();
     if (now.size() == 1) detail += fmt::format("; running {}", now[0]);
     if (now.size() > 1) detail += fmt::format("; {} running", now.size());
+    // What is left, at most: the layouts not decided that the best so far cannot prune, each at the mean
+    // time of the simulations done, over the slots of every process.
+    double simulated_s = 0;
+    int simulations = 0, open = 0;
+    for (const Result& r : pending_) {
+      if (r.wall_s > 0) simulated_s += r.wall_s, ++simulations;
+      open += r.candidate.status == Status::Pending && b.beatable_by(r.candidate);
+    }
+    const int slots = options_.jobs * (options_.cluster != nullptr ? options_.cluster->size() : 1);
+    if (simulations > 0 && open > 0) {
+      detail += fmt::format("; at most {} left", human_time(1e6 * open * simulated_s / simulations / slots));
+    }
     progress_.update(decided_, detail);
   }
 
@@ -349,9 +448,7 @@ class Search {
       return b;
     };
     auto start = [&](std::size_t pos) {
-      const Candidate& k = pending_[order[pos]].candidate;
-      pool_.start(pos, k.name,
-                  [this, l = k.layout] { return simulate(q_, l, options_.symmetry, options_.extrapolate); });
+      pool_.start(pos, Task{pending_[order[pos]].candidate.layout, options_.symmetry, options_.extrapolate});
     };
     auto drop = [&](std::size_t pos) {
       finished.erase(pos);
@@ -415,6 +512,10 @@ class Search {
 
   void accept(Result& slot, Result r) {
     ++attempted_;
+    // (A run the host's memory cut short knows only its layout: the bound stays the one it was tried by.)
+    r.candidate.bound_us = slot.candidate.bound_us;
+    r.candidate.planned_bytes = slot.candidate.planned_bytes;
+    r.candidate.capacity_bytes = slot.candidate.capacity_bytes;
     r.candidate.status == Status::Simulated ? ++plan_.simulated : ++plan_.rejected_by_run;
     slot = std::move(r);
   }
@@ -444,8 +545,7 @@ class Search {
       while (done.size() < todo.size()) {
         while (pool_.has_room() && next < todo.size()) {
           const std::size_t i = todo[next++];
-          pool_.start(i, pending_[i].candidate.name,
-                      [this, l = pending_[i].candidate.layout] { return simulate(q_, l, false); });
+          pool_.start(i, Task{pending_[i].candidate.layout, false, false});
         }
         show("confirming with every rank running");
         for (const std::size_t i : pool_.wait_done()) done.emplace(i, pool_.take(i));
@@ -514,7 +614,13 @@ Plan search(const Question& q, const SearchOptions& options) {
     return a.candidate.bound_us != b.candidate.bound_us ? a.candidate.bound_us < b.candidate.bound_us
                                                         : a.candidate.name < b.candidate.name;
   });
+  if (options.cluster != nullptr) plan.processes = options.cluster->size();
   Search(q, options, pending, plan).run();
+  if (options.cluster != nullptr) {
+    Message stop;
+    stop.kind = Message::Kind::Stop;
+    for (int rank = 1; rank < options.cluster->size(); ++rank) options.cluster->send(rank, encode(stop));
+  }
   for (Result& r : pending) done.push_back(std::move(r));
   std::sort(done.begin(), done.end(), [](const Result& a, const Result& b) {
     const bool sa = a.candidate.status == Status::Simulated, sb = b.candidate.status == Status::Simulated;
@@ -525,6 +631,49 @@ Plan search(const Question& q, const SearchOptions& options) {
   plan.results = std::move(done);
   plan.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return plan;
+}
+
+void serve(const Question& q, Messenger& cluster, int jobs) {
+  Pool pool(q, jobs, nullptr);
+  // A test's hook: the rank it names fails every task it is given, as a crashing simulation would.
+  const char* planted = std::getenv("RANKLAB_PLAN_FAIL_ON_RANK");
+  const bool fail = planted != nullptr && std::string(planted) == std::to_string(cluster.rank());
+  auto answer = [&](Message m) { cluster.send(0, encode(m)); };
+  bool stop = false;
+  while (true) {
+    while (std::optional<std::pair<int, std::string>> in = cluster.poll()) {
+      Message m = decode(in->second, in->first);
+      if (m.kind == Message::Kind::Stop) {
+        stop = true;
+      } else if (m.kind != Message::Kind::Task || in->first != 0) {
+        throw ProgramError(fmt::format("plan: rank {} got a message it does not take from rank {}",
+                                       cluster.rank(), in->first));
+      } else if (fail) {
+        Message e;
+        e.kind = Message::Kind::Error;
+        e.id = m.id;
+        e.error = "a failure planted by RANKLAB_PLAN_FAIL_ON_RANK";
+        e.host = cluster.host();
+        answer(e);
+      } else {
+        pool.start(m.id, Task{parse_layout(m.layout), m.symmetry, m.extrapolate});
+      }
+    }
+    for (const std::size_t id : pool.wait_done(std::chrono::milliseconds(2))) {
+      Message reply;
+      reply.id = id;
+      try {
+        reply.result = pool.take(id);
+        reply.kind = Message::Kind::Result;
+      } catch (const std::exception& e) {
+        reply.kind = Message::Kind::Error;
+        reply.error = e.what();
+        reply.host = cluster.host();
+      }
+      answer(std::move(reply));
+    }
+    if (stop && pool.empty()) return;
+  }
 }
 
 }  // namespace ranklab::plan

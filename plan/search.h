@@ -44,6 +44,8 @@
 
 namespace ranklab::plan {
 
+class Messenger;  // cluster.h
+
 // What one simulated run gave, beside its TrainingStats.
 struct Simulated {
   TrainingStats stats;
@@ -79,6 +81,8 @@ struct SearchOptions {
   // step; none with confirm 0 (a world too large to run whole here). Unused without symmetry.
   int confirm = 1;
   double confirm_margin = 0.01;
+  // Rank 0 of a job of several processes (cluster.h): the simulations go to every rank's `jobs` slots too.
+  Messenger* cluster = nullptr;
 };
 
 struct Plan {
@@ -89,7 +93,8 @@ struct Plan {
       simulated = 0;
   bool symmetric = true;  // screened with SimConfig::symmetry
   int confirmed = 0;      // simulations again with every rank running, after screening
-  int jobs = 1;           // simulations at once
+  int jobs = 1;           // simulations at once on each process
+  int processes = 1;      // the processes of the job that ran it (cluster.h)
   int screenings = 0;     // rounds of screening (more than one when a full run let a pruned layout back in)
   double wall_s = 0;
   std::vector<const Result*> ranked() const;  // the simulated ones, best first
@@ -112,5 +117,10 @@ Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapol
 TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::int64_t m);
 
 Plan search(const Question& q, const SearchOptions& options);
+
+// A rank other than 0 of a job (cluster.h): simulates what rank 0 sends, `jobs` at once, and answers
+// each, until rank 0 says to stop. A simulation that throws is answered with the error (rank 0 ends the
+// plan with it); one that runs out of this host's memory is answered as rejected for memory.
+void serve(const Question& q, Messenger& cluster, int jobs);
 
 }  // namespace ranklab::plan

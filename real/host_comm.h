@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -114,6 +115,12 @@ class MpiHostComm : public HostComm {
   std::vector<std::string> all_gather(const std::string& mine) override;
   // Drops the sub-groups of a finished run (their ids are reused by the next one).
   void clear_groups();
+  // Messages between two processes (`ranklab plan` across a job): send returns at once (the bytes are
+  // copied and go out as the receiver takes them); poll returns a message from any rank if one has
+  // arrived, never blocking; flush waits until every message sent has gone out.
+  void send(int to, const std::string& bytes);
+  std::optional<std::pair<int, std::string>> poll();
+  void flush();
 
  private:
   MpiHostComm();

@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 
 #include <cstdlib>
+#include <iterator>
+#include <list>
+#include <utility>
 
 #include "real/host_comm.h"
 
@@ -47,7 +50,17 @@ void finish_mpi() {
 
 struct MpiHostComm::Impl {
   MPI_Comm world = MPI_COMM_NULL;
-  std::map<int, MPI_Comm> groups;  // MPI_COMM_NULL on ranks outside the group
+  MPI_Comm messages = MPI_COMM_NULL;  // send and poll: apart from the collectives' traffic
+  std::map<int, MPI_Comm> groups;     // MPI_COMM_NULL on ranks outside the group
+  // Messages on their way out, each with the request that sends it.
+  std::list<std::pair<std::string, MPI_Request>> outgoing;
+  void retire_sent() {
+    for (auto it = outgoing.begin(); it != outgoing.end();) {
+      int done = 0;
+      check_mpi(MPI_Test(&it->second, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      it = done ? outgoing.erase(it) : std::next(it);
+    }
+  }
 };
 
 MpiHostComm& MpiHostComm::instance() {
@@ -79,7 +92,35 @@ MpiHostComm::MpiHostComm() : impl_(std::make_shared<Impl>()) {
   MPI_Comm_rank(node, &local_rank_);
   MPI_Comm_size(node, &local_size_);
   MPI_Comm_free(&node);
+  check_mpi(MPI_Comm_dup(impl_->world, &impl_->messages), "MPI_Comm_dup");
   host_ = host_name();
+}
+
+void MpiHostComm::send(int to, const std::string& bytes) {
+  impl_->retire_sent();
+  impl_->outgoing.emplace_back(bytes, MPI_REQUEST_NULL);
+  auto& [copy, request] = impl_->outgoing.back();
+  check_mpi(MPI_Isend(copy.data(), static_cast<int>(copy.size()), MPI_BYTE, to, 0, impl_->messages, &request),
+            "MPI_Isend");
+}
+
+std::optional<std::pair<int, std::string>> MpiHostComm::poll() {
+  impl_->retire_sent();
+  int arrived = 0;
+  MPI_Status status;
+  check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, 0, impl_->messages, &arrived, &status), "MPI_Iprobe");
+  if (!arrived) return std::nullopt;
+  int count = 0;
+  check_mpi(MPI_Get_count(&status, MPI_BYTE, &count), "MPI_Get_count");
+  std::string bytes(static_cast<std::size_t>(count), '\0');
+  check_mpi(MPI_Recv(bytes.data(), count, MPI_BYTE, status.MPI_SOURCE, 0, impl_->messages, MPI_STATUS_IGNORE),
+            "MPI_Recv");
+  return std::make_pair(status.MPI_SOURCE, std::move(bytes));
+}
+
+void MpiHostComm::flush() {
+  for (auto& [bytes, request] : impl_->outgoing) check_mpi(MPI_Wait(&request, MPI_STATUS_IGNORE), "MPI_Wait");
+  impl_->outgoing.clear();
 }
 
 void MpiHostComm::add_group(int group_id, const std::vector<int>& ranks) {
@@ -183,6 +224,11 @@ void MpiHostComm::mark_failed() {}
 MpiHostComm::MpiHostComm() {}
 void MpiHostComm::add_group(int, const std::vector<int>&) {}
 void MpiHostComm::clear_groups() {}
+void MpiHostComm::send(int, const std::string&) {}
+std::optional<std::pair<int, std::string>> MpiHostComm::poll() {
+  return std::nullopt;
+}
+void MpiHostComm::flush() {}
 void MpiHostComm::barrier(int) {}
 void MpiHostComm::broadcast(std::string&) {}
 std::vector<std::string> MpiHostComm::gather(const std::string&) {

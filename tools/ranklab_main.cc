@@ -41,6 +41,7 @@
 #include "lessons/gpt/config.h"
 #include "lessons/parallel/groups.h"
 #include "plan/plan_command.h"
+#include "real/host_comm.h"
 #include "real/launch_env.h"
 #include "sim/malloc_tuning.h"
 #include "sim/measured_sim.h"
@@ -50,6 +51,7 @@
 #include "sim/net/topology_print.h"
 #include "sim/sim_backend.h"
 #include "sim/validate.h"
+#include "tools/mpi_messenger.h"
 #if defined(RANKLAB_HAVE_CUDA)
 #include "real/cuda_backend.h"
 #endif
@@ -488,6 +490,28 @@ int finish_output(int status) {
   return status;
 }
 
+// `ranklab plan`, across the job's processes when a launcher started several (plan/cluster.h). A process
+// that fails marks the job failed, so that its exit aborts the others rather than leaving them waiting.
+int plan_across_launch(const plan::Request& request) {
+  const LaunchEnv launch = detect_launch_env();
+  if (!launch.under_launcher() || launch.world_size == 1) return plan::plan_command(request);
+  if (!mpi_available()) {
+    throw UsageError(fmt::format(
+        "plan: this process is {} of a job started by a launcher, and ranklab was built without MPI, which "
+        "spreads a plan over the job: install an MPI (libopenmpi-dev on Debian and Ubuntu) and build again, "
+        "or "
+        "run the plan once without the launcher",
+        launch.str()));
+  }
+  MpiMessenger cluster;
+  try {
+    return plan::plan_command(request, &cluster);
+  } catch (...) {
+    MpiHostComm::mark_failed();
+    throw;
+  }
+}
+
 }  // namespace
 
 int main_of(int argc, char** argv);
@@ -683,7 +707,7 @@ int ranklab::main_of(int argc, char** argv) {
     if (plan->parsed()) {
       plan::Request request = plan::request_options().read(plan_flags.given(), "plan");
       request.shape = plan_shape_flags.given();
-      return plan::plan_command(request);
+      return plan_across_launch(request);
     }
     if (compare->parsed())
       return compare_command(compare_files, compare_profile, compare_op, compare_html, compare_force);
