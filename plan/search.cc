@@ -195,8 +195,13 @@ struct Task {
 // its other ranks, each known by the id its caller gives it.
 class Pool {
  public:
-  Pool(const Question& q, int jobs, Messenger* cluster)
-      : q_(q), per_rank_(std::max(1, jobs)), cluster_(cluster), busy_(cluster ? cluster->size() : 1, 0) {}
+  // `here` names this process in a message ("" alone; " (rank 2, node17)" in a job).
+  Pool(const Question& q, int jobs, Messenger* cluster, std::string here = "")
+      : q_(q),
+        per_rank_(std::max(1, jobs)),
+        cluster_(cluster),
+        here_(std::move(here)),
+        busy_(cluster ? cluster->size() : 1, 0) {}
   ~Pool() {
     for (auto& [id, job] : jobs_) job.thread.join();
   }
@@ -244,9 +249,7 @@ class Pool {
         r->candidate.layout = task.layout;
         r->candidate.name = task.layout.name();
         r->candidate.status = Status::RejectedMemory;
-        r->candidate.reason =
-            fmt::format("the simulation ran out of this host's memory{}",
-                        cluster_ ? fmt::format(" (rank {}, {})", cluster_->rank(), cluster_->host()) : "");
+        r->candidate.reason = "the simulation ran out of this host's memory" + here_;
       } catch (...) {
         error = std::current_exception();
       }
@@ -335,6 +338,7 @@ class Pool {
   const Question& q_;
   int per_rank_;
   Messenger* cluster_;
+  std::string here_;
   std::vector<int> busy_;            // jobs running on each rank
   std::map<std::size_t, Job> jobs_;  // a map: a job stays where its thread writes to it
   std::map<std::size_t, Remote> remote_;
@@ -374,7 +378,8 @@ class Search {
         options_(o),
         pending_(pending),
         plan_(plan),
-        pool_(q, o.jobs, o.cluster),
+        pool_(q, o.jobs, o.cluster,
+              o.cluster ? fmt::format(" (rank 0, {})", o.cluster->host()) : std::string()),
         progress_("plan", static_cast<std::int64_t>(pending.size()), stderr,
                   o.progress && isatty(fileno(stderr)) == 1) {}
 
@@ -634,7 +639,7 @@ Plan search(const Question& q, const SearchOptions& options) {
 }
 
 void serve(const Question& q, Messenger& cluster, int jobs) {
-  Pool pool(q, jobs, nullptr);
+  Pool pool(q, jobs, nullptr, fmt::format(" (rank {}, {})", cluster.rank(), cluster.host()));
   // A test's hook: the rank it names fails every task it is given, as a crashing simulation would.
   const char* planted = std::getenv("RANKLAB_PLAN_FAIL_ON_RANK");
   const bool fail = planted != nullptr && std::string(planted) == std::to_string(cluster.rank());

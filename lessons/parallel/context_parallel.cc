@@ -61,6 +61,7 @@ Tensor ContextParallel::ring_attention_backward(const Tensor& dout, const Tensor
     r.attention_block_backward_(dqkv, part(dkeys), dout, qkv, part(keys), out, lse, spec, b.block);
     if (s > 0) {
       for (Work& w : dkeys_exchange) exposed.wait(Dim::Cp, w);
+      sending.clear();  // their sends are done
       r.add_(dkeys, dkeys_in, 1.0f);
     }
     // The sum goes to the rank that holds these keys next; after the last step, to their owner.
@@ -93,10 +94,15 @@ ContextParallel::RingBlock ContextParallel::ring_block(int from, std::int64_t ch
 }
 
 std::vector<Work> ContextParallel::pass_on(const Tensor& send, const Tensor& receive) {
-  std::vector<Work> works = r.batch_isend_irecv({{CommOp::Send, send, ranks[(index + 1) % size]},
-                                                 {CommOp::Recv, receive, ranks[(index + size - 1) % size]}});
-  exposed.communicated(Dim::Cp, works);
-  return works;
+  // A shift around the ring is an all-to-all whose one non-empty piece goes to the next rank: the grouped
+  // send and receive NCCL runs for it (TransformerEngine's batch_isend_irecv), as one call of the group,
+  // which a symmetric simulation can mirror (every rank's piece goes one place on).
+  std::vector<std::int64_t> sent(size, 0), received(size, 0);
+  sent[(index + 1) % size] = send.size(0);
+  received[(index + size - 1) % size] = receive.size(0);
+  Work shift = r.all_to_all(receive, send, received, sent, Async::Yes, group);
+  exposed.communicated(Dim::Cp, shift);
+  return {shift};
 }
 
 Rank::AttentionOut ContextParallel::empty_result(const Tensor& qkv, const AttentionSpec& spec) {

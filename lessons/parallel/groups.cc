@@ -27,8 +27,10 @@ Layout::Grid Layout::symmetry(bool mirror_dp) const {
   Grid g;
   for (const std::string& d : dims()) {
     g.sizes.push_back(size_of(d));
-    // Context-parallel ranks exchange keys and values point to point: each runs.
-    g.replicated.push_back(d == "tp" || (d == "dp" && mirror_dp));
+    // Context-parallel ranks shift keys and values around their ring (an all-to-all a mirror can take part
+    // in) and compute the same pairs; the ring's blocks differ a little in shape from rank to rank (rank 0's
+    // are the slowest), so cp is mirrored with dp, not with tp alone.
+    g.replicated.push_back(d == "tp" || ((d == "dp" || d == "cp") && mirror_dp));
   }
   return g;
 }

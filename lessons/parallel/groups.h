@@ -38,9 +38,10 @@ struct Layout {
   };
   Coord coord(int rank) const;
   // The world as a grid, innermost first, and which of its dimensions are replicas: with phantom tensors
-  // every rank of a pipeline stage does the same work whatever its tp and dp coordinates, so a simulator
-  // may run one rank per stage and let the others mirror it (SimConfig::symmetry). Without `mirror_dp`
-  // only the tp dimension is replicated: one rank per stage and dp replica runs.
+  // every rank of a pipeline stage does the same work whatever its tp and dp coordinates (and nearly the
+  // same whatever its cp coordinate), so a simulator may run one rank per stage and let the others mirror
+  // it (SimConfig::symmetry). Without `mirror_dp` only the tp dimension is replicated: one rank per stage,
+  // dp replica and cp rank runs.
   struct Grid {
     std::vector<int> sizes;
     std::vector<bool> replicated;
