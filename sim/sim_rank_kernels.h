@@ -70,10 +70,9 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
                          kAttention = "attention", kAttentionBackward = "attention_backward",
                          kKeyValues = "key_values", kAddKeyValues = "add_key_values_",
                          kAttentionBlock = "attention_block_", kAttentionMerge = "attention_merge",
-                         kAttentionBlockBackward = "attention_block_backward_",
-                         kEmbedding = "embedding", kEmbeddingBackward = "embedding_backward_",
-                         kRowMax = "row_max", kSoftmaxStats = "softmax_stats",
-                         kCrossEntropyLoss = "cross_entropy_loss",
+                         kAttentionBlockBackward = "attention_block_backward_", kEmbedding = "embedding",
+                         kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
+                         kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
                          kCrossEntropyBackward = "cross_entropy_backward", kQuantize = "quantize",
                          kAmax = "amax", kFp8Scale = "fp8_scale";
 

@@ -176,7 +176,8 @@ TEST(Plan, ContextParallelLayoutsAreBoundedAndTrainEqualToOneDevice) {
     ++cp_layouts;
     EXPECT_NE(res.candidate.name.find("-cp2-"), std::string::npos) << res.candidate.name;
     EXPECT_EQ(parse_layout(res.candidate.name).name(), res.candidate.name);
-    if (res.candidate.status == Status::Simulated && (with_cp == nullptr || l.micro_batch == 1)) with_cp = &res;
+    if (res.candidate.status == Status::Simulated && (with_cp == nullptr || l.micro_batch == 1))
+      with_cp = &res;
   }
   EXPECT_GT(cp_layouts, 0);
   for (const Result* res : p.ranked())

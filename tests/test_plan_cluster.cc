@@ -46,7 +46,8 @@ plan::Question question(int nodes) {
 class PlanCluster : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!detect_launch_env().under_launcher() || !mpi_available()) GTEST_SKIP() << "not started by mpirun or srun";
+    if (!detect_launch_env().under_launcher() || !mpi_available())
+      GTEST_SKIP() << "not started by mpirun or srun";
   }
 };
 

@@ -138,10 +138,12 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
       const std::vector<double> before =
           is_grad ? std::vector<double>() : local_part(ref_->before(n.kind, n.layer), p, first, count);
       const TensorDifference d = difference(got, want, is_grad ? nullptr : &before);
-      const std::string where = fmt::format(
-          "rank {} (tp {}{}, dp {}, pp {}) {} {} element {} of its elements [{}, {}): got {:.9g}, want {:.9g}",
-          r_.rank(), me_.tp, c_.cp > 1 ? fmt::format(", cp {}", me_.cp) : "", me_.dp, me_.pp, p.spec.name, is_grad ? "gradient" : "value", first + d.at, first,
-          first + count, want.empty() ? 0.0 : got[d.at], want.empty() ? 0.0 : want[d.at]);
+      const std::string coordinate = fmt::format(
+          "tp {}{}, dp {}, pp {}", me_.tp, c_.cp > 1 ? fmt::format(", cp {}", me_.cp) : "", me_.dp, me_.pp);
+      const std::string where =
+          fmt::format("rank {} ({}) {} {} element {} of its elements [{}, {}): got {:.9g}, want {:.9g}",
+                      r_.rank(), coordinate, p.spec.name, is_grad ? "gradient" : "value", first + d.at, first,
+                      first + count, want.empty() ? 0.0 : got[d.at], want.empty() ? 0.0 : want[d.at]);
       if (is_grad) {
         const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
         grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
