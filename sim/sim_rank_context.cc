@@ -146,25 +146,11 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
         const std::int64_t g = h / d.per_group;
         for (std::int64_t i = range.first; i < range.end; ++i) {
           const std::int64_t keys = d.visible(block, i);
-          if (keys == 0) continue;  // every key of the block is after this query
-          const float* q = QKV + d.row(i, b) * d.width + d.q_col(h);
-          float mx = minus_inf;
-          for (std::int64_t j = 0; j < keys; ++j) {
-            const float* k = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 1);
-            float dot = 0;
-            for (std::int64_t e = 0; e < d.head_dim; ++e) dot += q[e] * k[e];
-            s[j] = dot * scale;
-            mx = std::max(mx, s[j]);
-          }
-          float l = 0;
-          for (std::int64_t j = 0; j < keys; ++j) l += std::exp(s[j] - mx);
-          const float block_lse = mx + std::log(l);
-          std::fill(o.begin(), o.end(), 0.0f);
-          for (std::int64_t j = 0; j < keys; ++j) {
-            const float p = std::exp(s[j] - block_lse);
-            const float* v = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 2);
-            for (std::int64_t e = 0; e < d.head_dim; ++e) o[e] += p * v[e];
-          }
+          if (keys == 0) continue;                             // every key of the block is after this query
+          const float* first = KV + d.row(0, b) * d.kv_width;  // position 0's row: the keys start there
+          const float block_lse = attend_query(
+              QKV + d.row(i, b) * d.width + d.q_col(h), first + d.kv_col(g, 1), first + d.kv_col(g, 2),
+              d.batch * d.kv_width, keys, d.head_dim, scale, s.data(), o.data());
           // Merge with what earlier blocks gave this query: weights exp(lse_part - lse_total).
           float& lse = LSE[(b * d.heads + h) * d.seq + i];
           const float top = std::max(lse, block_lse);
@@ -233,25 +219,11 @@ void SimRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, c
           const float lse_i = LSE[(b * d.heads + h) * d.seq + i];
           float delta = 0;  // D_i = dout_i . out_i (FlashAttention-2, Algorithm 2), of the final out
           for (std::int64_t e = 0; e < d.head_dim; ++e) delta += do_i[e] * o_i[e];
-          const std::int64_t keys = d.visible(block, i);
-          for (std::int64_t j = 0; j < keys; ++j) {
-            const float* k = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 1);
-            const float* v = KV + d.row(j, b) * d.kv_width + d.kv_col(g, 2);
-            float* dk = DKV + d.row(j, b) * d.kv_width + d.kv_col(g, 1);
-            float* dv = DKV + d.row(j, b) * d.kv_width + d.kv_col(g, 2);
-            float dot = 0, dp = 0;
-            for (std::int64_t e = 0; e < d.head_dim; ++e) {
-              dot += q[e] * k[e];
-              dp += do_i[e] * v[e];
-            }
-            const float p = std::exp(dot * scale - lse_i);
-            const float ds = p * (dp - delta) * scale;
-            for (std::int64_t e = 0; e < d.head_dim; ++e) {
-              dv[e] += p * do_i[e];
-              dq[e] += ds * k[e];
-              dk[e] += ds * q[e];
-            }
-          }
+          const float* first = KV + d.row(0, b) * d.kv_width;  // position 0's row: the keys start there
+          float* dfirst = DKV + d.row(0, b) * d.kv_width;
+          attend_query_backward(q, first + d.kv_col(g, 1), first + d.kv_col(g, 2), dfirst + d.kv_col(g, 1),
+                                dfirst + d.kv_col(g, 2), d.batch * d.kv_width, d.visible(block, i),
+                                d.head_dim, scale, do_i, lse_i, delta, dq);
         }
       }
     }

@@ -4,7 +4,10 @@
 #pragma once
 
 #include <Eigen/Dense>
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "common/dtype_round.h"
@@ -75,6 +78,55 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
                          kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
                          kCrossEntropyBackward = "cross_entropy_backward", kQuantize = "quantize",
                          kAmax = "amax", kFp8Scale = "fp8_scale";
+
+// One query's attention (FlashAttention's arithmetic, in float32) over `keys` keys whose k and v lie at
+// k + j * stride and v + j * stride: writes the softmax-weighted sum of the v's to `out` and returns the
+// log-sum-exp of the scores scaled by `scale`. `scores` holds at least `keys` floats. Rank::attention and
+// the context-parallel blocks share it.
+inline float attend_query(const float* q, const float* k, const float* v, std::int64_t stride,
+                          std::int64_t keys, std::int64_t head_dim, float scale, float* scores, float* out) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float* kj = k + j * stride;
+    float dot = 0;
+    for (std::int64_t d = 0; d < head_dim; ++d) dot += q[d] * kj[d];
+    scores[j] = dot * scale;
+    mx = std::max(mx, scores[j]);
+  }
+  float l = 0;
+  for (std::int64_t j = 0; j < keys; ++j) l += std::exp(scores[j] - mx);
+  const float lse = mx + std::log(l);
+  for (std::int64_t d = 0; d < head_dim; ++d) out[d] = 0;
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float p = std::exp(scores[j] - lse);
+    const float* vj = v + j * stride;
+    for (std::int64_t d = 0; d < head_dim; ++d) out[d] += p * vj[d];
+  }
+  return lse;
+}
+
+// Its backward from the final `lse` and `delta` = dout . out (FlashAttention-2, Algorithm 2): adds the
+// query's share into dq, and into each key's dk and dv (at dk + j * stride and dv + j * stride).
+inline void attend_query_backward(const float* q, const float* k, const float* v, float* dk, float* dv,
+                                  std::int64_t stride, std::int64_t keys, std::int64_t head_dim, float scale,
+                                  const float* dout, float lse, float delta, float* dq) {
+  for (std::int64_t j = 0; j < keys; ++j) {
+    const float *kj = k + j * stride, *vj = v + j * stride;
+    float *dkj = dk + j * stride, *dvj = dv + j * stride;
+    float dot = 0, dp = 0;
+    for (std::int64_t d = 0; d < head_dim; ++d) {
+      dot += q[d] * kj[d];
+      dp += dout[d] * vj[d];
+    }
+    const float p = std::exp(dot * scale - lse);
+    const float ds = p * (dp - delta) * scale;
+    for (std::int64_t d = 0; d < head_dim; ++d) {
+      dvj[d] += p * dout[d];
+      dq[d] += ds * kj[d];
+      dkj[d] += ds * q[d];
+    }
+  }
+}
 
 // Splits a shape around `dim` into [outer, dim, inner] so slicing and concatenation are block copies.
 inline void split_at(const Shape& s, int dim, std::int64_t& outer, std::int64_t& inner) {

@@ -269,27 +269,11 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, const AttentionSpec& sp
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t h = 0; h < heads; ++h) {
         for (std::int64_t i = 0; i < a.seq; ++i) {
-          const float* q = QKV + a.row(i, b) * a.width + a.col(h, 0, 0);
-          const std::int64_t keys = causal ? i + 1 : a.seq;
-          float mx = -std::numeric_limits<float>::infinity();
-          for (std::int64_t j = 0; j < keys; ++j) {
-            const float* k = QKV + a.row(j, b) * a.width + a.col(h, 1, 0);
-            float dot = 0;
-            for (std::int64_t d = 0; d < a.head_dim; ++d) dot += q[d] * k[d];
-            s[j] = dot * scale;
-            mx = std::max(mx, s[j]);
-          }
-          float l = 0;
-          for (std::int64_t j = 0; j < keys; ++j) l += std::exp(s[j] - mx);
-          const float lse = mx + std::log(l);
-          LSE[(b * heads + h) * a.seq + i] = lse;
-          float* out = OUT + a.row(i, b) * out_w + h * a.head_dim;
-          for (std::int64_t d = 0; d < a.head_dim; ++d) out[d] = 0;
-          for (std::int64_t j = 0; j < keys; ++j) {
-            const float p = std::exp(s[j] - lse);
-            const float* v = QKV + a.row(j, b) * a.width + a.col(h, 2, 0);
-            for (std::int64_t d = 0; d < a.head_dim; ++d) out[d] += p * v[d];
-          }
+          const float* first = QKV + a.row(0, b) * a.width;  // position 0's row: the keys start there
+          LSE[(b * heads + h) * a.seq + i] =
+              attend_query(QKV + a.row(i, b) * a.width + a.col(h, 0, 0), first + a.col(h, 1, 0),
+                           first + a.col(h, 2, 0), batch * a.width, causal ? i + 1 : a.seq, a.head_dim, scale,
+                           s.data(), OUT + a.row(i, b) * out_w + h * a.head_dim);
         }
       }
     }
@@ -341,25 +325,11 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
           const float lse_i = LSE[(b * heads + h) * a.seq + i];
           float delta = 0;  // D_i = dout_i . out_i (FlashAttention-2, Algorithm 2)
           for (std::int64_t d = 0; d < a.head_dim; ++d) delta += do_i[d] * o_i[d];
-          const std::int64_t keys = causal ? i + 1 : a.seq;
-          for (std::int64_t j = 0; j < keys; ++j) {
-            const float* k = QKV + a.row(j, b) * a.width + a.col(h, 1, 0);
-            const float* v = QKV + a.row(j, b) * a.width + a.col(h, 2, 0);
-            float* dk = DQKV + a.row(j, b) * a.width + a.col(h, 1, 0);
-            float* dv = DQKV + a.row(j, b) * a.width + a.col(h, 2, 0);
-            float dot = 0, dp = 0;
-            for (std::int64_t d = 0; d < a.head_dim; ++d) {
-              dot += q[d] * k[d];
-              dp += do_i[d] * v[d];
-            }
-            const float p = std::exp(dot * scale - lse_i);
-            const float ds = p * (dp - delta) * scale;
-            for (std::int64_t d = 0; d < a.head_dim; ++d) {
-              dv[d] += p * do_i[d];
-              dq[d] += ds * k[d];
-              dk[d] += ds * q[d];
-            }
-          }
+          const float* first = QKV + a.row(0, b) * a.width;  // position 0's row: the keys start there
+          float* dfirst = DQKV + a.row(0, b) * a.width;
+          attend_query_backward(q, first + a.col(h, 1, 0), first + a.col(h, 2, 0), dfirst + a.col(h, 1, 0),
+                                dfirst + a.col(h, 2, 0), batch * a.width, causal ? i + 1 : a.seq, a.head_dim,
+                                scale, do_i, lse_i, delta, dq);
         }
       }
     }
