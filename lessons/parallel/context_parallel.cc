@@ -24,14 +24,9 @@ Rank::AttentionOut ContextParallel::ring_attention(const Tensor& qkv, const Atte
     // While this block's attention runs, the keys it uses travel on to the next rank.
     Tensor next;
     std::vector<Work> exchange;
-    if (s + 1 < size) {
-      next = buffer(r, phantom, keys.shape(), keys.dtype());
-      exchange = pass_on(keys, next);
-    }
+    if (s + 1 < size) exchange = pass_on(keys, next);
     const RingBlock b = ring_block((index - s + size) % size, chunk);
-    r.attention_block_(
-        acc, qkv, b.first_half_of_keys ? r.view(keys, 0, keys.shape().with_dim(0, chunk * spec.batch)) : keys,
-        spec, b.block);
+    r.attention_block_(acc, qkv, block_keys(b, keys, chunk * spec.batch), spec, b.block);
     for (Work& w : exchange) exposed.wait(Dim::Cp, w);
     if (s + 1 < size) keys = next;
   }
@@ -49,23 +44,18 @@ Tensor ContextParallel::ring_attention_backward(const Tensor& dout, const Tensor
   for (int s = 0; s < size; ++s) {
     Tensor next;
     std::vector<Work> exchange;
-    if (s + 1 < size) {
-      next = buffer(r, phantom, keys.shape(), keys.dtype());
-      exchange = pass_on(keys, next);
-    }
+    if (s + 1 < size) exchange = pass_on(keys, next);
     const RingBlock b = ring_block((index - s + size) % size, chunk);
     Tensor dkeys = zeros(r, phantom, keys.shape(), keys.dtype());
-    auto part = [&](const Tensor& t) {
-      return b.first_half_of_keys ? r.view(t, 0, t.shape().with_dim(0, chunk * spec.batch)) : t;
-    };
-    r.attention_block_backward_(dqkv, part(dkeys), dout, qkv, part(keys), out, lse, spec, b.block);
+    const std::int64_t chunk_rows = chunk * spec.batch;
+    r.attention_block_backward_(dqkv, block_keys(b, dkeys, chunk_rows), dout, qkv,
+                                block_keys(b, keys, chunk_rows), out, lse, spec, b.block);
     if (s > 0) {
       for (Work& w : dkeys_exchange) exposed.wait(Dim::Cp, w);
       sending.clear();  // their sends are done
       r.add_(dkeys, dkeys_in, 1.0f);
     }
     // The sum goes to the rank that holds these keys next; after the last step, to their owner.
-    dkeys_in = buffer(r, phantom, keys.shape(), keys.dtype());
     dkeys_exchange = pass_on(dkeys, dkeys_in);
     sending.push_back(dkeys);
     for (Work& w : exchange) exposed.wait(Dim::Cp, w);
@@ -93,7 +83,12 @@ ContextParallel::RingBlock ContextParallel::ring_block(int from, std::int64_t ch
   return b;
 }
 
-std::vector<Work> ContextParallel::pass_on(const Tensor& send, const Tensor& receive) {
+Tensor ContextParallel::block_keys(const RingBlock& b, const Tensor& t, std::int64_t chunk_rows) {
+  return b.first_half_of_keys ? r.view(t, 0, t.shape().with_dim(0, chunk_rows)) : t;
+}
+
+std::vector<Work> ContextParallel::pass_on(const Tensor& send, Tensor& receive) {
+  receive = buffer(r, phantom, send.shape(), send.dtype());
   // A shift around the ring is an all-to-all whose one non-empty piece goes to the next rank: the grouped
   // send and receive NCCL runs for it (TransformerEngine's batch_isend_irecv), as one call of the group,
   // which a symmetric simulation can mirror (every rank's piece goes one place on).

@@ -56,8 +56,11 @@ struct ContextParallel {
     bool first_half_of_keys = false;
   };
   RingBlock ring_block(int from, std::int64_t chunk) const;
-  // Keys and values (or their gradients) sent to the next rank of the ring and received from the one before.
-  std::vector<Work> pass_on(const Tensor& send, const Tensor& receive);
+  // The part of keys and values `t` (or of their gradient) a step's block takes: all, or the first chunk.
+  Tensor block_keys(const RingBlock& b, const Tensor& t, std::int64_t chunk_rows);
+  // Keys and values (or their gradients) sent to the next rank of the ring, and `receive`, a new buffer
+  // like them, filled from the one before.
+  std::vector<Work> pass_on(const Tensor& send, Tensor& receive);
   Rank::AttentionOut ring_attention(const Tensor& qkv, const AttentionSpec& spec);
   Tensor ring_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                  const AttentionSpec& spec);
