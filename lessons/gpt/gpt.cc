@@ -160,7 +160,7 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
   parallel::ZeroConfig zc = gpt::zero_config(c);
   const parallel::Layout::Coord me = groups.me;
   // The gradients are reduced, and ZeRO's shards spread, over dp x cp: every cp rank holds the whole model.
-  zc.tp_rank = me.tp, zc.dp_rank = me.dp * c.cp + me.cp;
+  zc.tp_rank = me.tp, zc.dp_rank = groups.dp_cp_index;
   zc.tp = groups.tp, zc.dp = groups.dp_cp, zc.embedding = groups.embedding;
   zc.counts_tied = me.pp == 0;  // of the tied embedding's two copies, the first stage's
   return zc;

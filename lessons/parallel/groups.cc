@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <string_view>
 
 #include "common/errors.h"
@@ -93,72 +94,78 @@ void validate_order(const std::string& order) {
   }
 }
 
+namespace {
+// The dimensions as each_group counts them, outermost first.
+enum GridDim { kPp, kDp, kTp, kCp, kGridDims };
+
+// Every group of ranks that differ only along `varying` (outermost first), each as its ranks in that order
+// and whether it is `me`'s: visit(ranks, mine). The groups come in a fixed order, the other dimensions'
+// coordinates counted outermost first as pp, dp, tp, cp run, so that every rank creates them alike.
+template <typename Visit>
+void each_group(const Layout& l, const Layout::Coord& me, const std::vector<GridDim>& varying,
+                Visit&& visit) {
+  const std::array<int, kGridDims> size{l.pp, l.dp, l.tp, l.cp}, mine{me.pp, me.dp, me.tp, me.cp};
+  std::vector<GridDim> others;
+  for (int d = 0; d < kGridDims; ++d) {
+    if (std::find(varying.begin(), varying.end(), d) == varying.end()) others.push_back(GridDim(d));
+  }
+  // Counts `dims`' coordinates in `c` on by one, the last fastest; false once they have wrapped around.
+  auto advance = [&](std::array<int, kGridDims>& c, const std::vector<GridDim>& dims) {
+    for (auto d = dims.rbegin(); d != dims.rend(); ++d) {
+      if (++c[*d] < size[*d]) return true;
+      c[*d] = 0;
+    }
+    return false;
+  };
+  std::array<int, kGridDims> c{};
+  std::vector<int> ranks;
+  do {
+    ranks.clear();
+    do {
+      ranks.push_back(l.rank_of(c[kTp], c[kCp], c[kDp], c[kPp]));
+    } while (advance(c, varying));
+    bool is_mine = true;
+    for (GridDim d : others) is_mine = is_mine && c[d] == mine[d];
+    visit(ranks, is_mine);
+  } while (advance(c, others));
+}
+}  // namespace
+
 Groups make_groups(Rank& r, const Layout& layout) {
   Groups g;
   g.layout = layout;
   g.me = layout.coord(r.rank());
-  const Layout::Coord& me = g.me;
-  // One loop per kind of group, over every group of that kind: each rank calls new_group for all of them
-  // and keeps its own.
-  for (int pp = 0; pp < layout.pp; ++pp) {
-    for (int dp = 0; dp < layout.dp; ++dp) {
-      for (int cp = 0; cp < layout.cp; ++cp) {
-        std::vector<int> ranks;
-        for (int tp = 0; tp < layout.tp; ++tp) ranks.push_back(layout.rank_of(tp, cp, dp, pp));
-        Group grp = r.new_group(ranks);
-        if (pp == me.pp && dp == me.dp && cp == me.cp) g.tp = grp, g.tp_ranks = ranks;
-      }
+  // Every rank calls new_group for every group of each kind, and keeps its own.
+  each_group(layout, g.me, {kTp}, [&](const std::vector<int>& ranks, bool mine) {
+    Group grp = r.new_group(ranks);
+    if (mine) g.tp = grp, g.tp_ranks = ranks;
+  });
+  each_group(layout, g.me, {kDp}, [&](const std::vector<int>& ranks, bool mine) {
+    Group grp = r.new_group(ranks);
+    if (mine) g.dp = grp, g.dp_ranks = ranks;
+  });
+  each_group(layout, g.me, {kPp}, [&](const std::vector<int>& ranks, bool mine) {
+    Group grp = r.new_group(ranks);
+    if (mine) g.pp = grp, g.pp_ranks = ranks;
+    if (layout.pp > 1) {
+      Group emb = r.new_group({ranks.front(), ranks.back()});
+      if (mine) g.embedding = emb;
     }
-  }
-  for (int pp = 0; pp < layout.pp; ++pp) {
-    for (int tp = 0; tp < layout.tp; ++tp) {
-      for (int cp = 0; cp < layout.cp; ++cp) {
-        std::vector<int> ranks;
-        for (int dp = 0; dp < layout.dp; ++dp) ranks.push_back(layout.rank_of(tp, cp, dp, pp));
-        Group grp = r.new_group(ranks);
-        if (pp == me.pp && tp == me.tp && cp == me.cp) g.dp = grp, g.dp_ranks = ranks;
-      }
-    }
-  }
-  for (int dp = 0; dp < layout.dp; ++dp) {
-    for (int tp = 0; tp < layout.tp; ++tp) {
-      for (int cp = 0; cp < layout.cp; ++cp) {
-        std::vector<int> ranks;
-        for (int pp = 0; pp < layout.pp; ++pp) ranks.push_back(layout.rank_of(tp, cp, dp, pp));
-        Group grp = r.new_group(ranks);
-        const bool mine = dp == me.dp && tp == me.tp && cp == me.cp;
-        if (mine) g.pp = grp, g.pp_ranks = ranks;
-        if (layout.pp > 1) {
-          Group emb = r.new_group({ranks.front(), ranks.back()});
-          if (mine) g.embedding = emb;
-        }
-      }
-    }
-  }
+  });
   g.cp = g.dp_cp = g.dp;
   g.cp_ranks = {r.rank()};
+  g.dp_cp_index = g.me.dp;
   if (layout.cp > 1) {
-    for (int pp = 0; pp < layout.pp; ++pp) {
-      for (int dp = 0; dp < layout.dp; ++dp) {
-        for (int tp = 0; tp < layout.tp; ++tp) {
-          std::vector<int> ranks;
-          for (int cp = 0; cp < layout.cp; ++cp) ranks.push_back(layout.rank_of(tp, cp, dp, pp));
-          Group grp = r.new_group(ranks);
-          if (pp == me.pp && dp == me.dp && tp == me.tp) g.cp = grp, g.cp_ranks = ranks;
-        }
-      }
-    }
-    // dp x cp, each group in rank order of (cp, dp): a ZeRO shard's index is its place here.
-    for (int pp = 0; pp < layout.pp; ++pp) {
-      for (int tp = 0; tp < layout.tp; ++tp) {
-        std::vector<int> ranks;
-        for (int dp = 0; dp < layout.dp; ++dp) {
-          for (int cp = 0; cp < layout.cp; ++cp) ranks.push_back(layout.rank_of(tp, cp, dp, pp));
-        }
-        Group grp = r.new_group(ranks);
-        if (pp == me.pp && tp == me.tp) g.dp_cp = grp;
-      }
-    }
+    each_group(layout, g.me, {kCp}, [&](const std::vector<int>& ranks, bool mine) {
+      Group grp = r.new_group(ranks);
+      if (mine) g.cp = grp, g.cp_ranks = ranks;
+    });
+    each_group(layout, g.me, {kDp, kCp}, [&](const std::vector<int>& ranks, bool mine) {
+      Group grp = r.new_group(ranks);
+      if (!mine) return;
+      g.dp_cp = grp;
+      g.dp_cp_index = static_cast<int>(std::find(ranks.begin(), ranks.end(), r.rank()) - ranks.begin());
+    });
   }
   return g;
 }
@@ -174,13 +181,6 @@ std::string ranks_str(const std::vector<int>& ranks) {
   return fmt::format("{{{}}}", fmt::join(ranks, ", "));
 }
 
-template <typename F>
-std::string some_groups(int count, F ranks_of) {
-  std::string s;
-  for (int i = 0; i < std::min(count, 3); ++i) s += fmt::format(" {}", ranks_str(ranks_of(i)));
-  if (count > 3) s += fmt::format(" ... ({} groups)", count);
-  return s;
-}
 }  // namespace
 
 std::vector<std::string> describe_groups(const Layout& l, int gpus_per_node) {
@@ -189,28 +189,19 @@ std::vector<std::string> describe_groups(const Layout& l, int gpus_per_node) {
       fmt::format("process groups, order {} (innermost first): rank = position in the order's "
                   "dimensions, the first varying fastest",
                   l.order));
-  // The groups of `dim`: the ranks whose other coordinates are those of group `i`'s first rank, where
-  // the first ranks are taken in rank order.
-  auto groups_of = [&](const char* dim) {
-    const int size = l.size_of(dim), count = l.world() / size;
-    return some_groups(count, [&, dim, size](int i) {
-      int found = -1, first = 0;
-      for (; first < l.world(); ++first) {
-        const Layout::Coord c = l.coord(first);
-        const int at = dim == std::string_view("tp")   ? c.tp
-                       : dim == std::string_view("cp") ? c.cp
-                       : dim == std::string_view("dp") ? c.dp
-                                                       : c.pp;
-        if (at == 0 && ++found == i) break;
-      }
-      std::vector<int> v;
-      for (int k = 0; k < size; ++k) v.push_back(first + k * l.stride_of(dim));
-      return v;
-    });
-  };
-  for (const char* dim : {"tp", "cp", "dp", "pp"}) {
-    if (std::string_view(dim) == "cp" && l.cp == 1) continue;
-    out.push_back(fmt::format("  {}:{}", dim, groups_of(dim)));
+  // The first three groups of each kind by their first rank, and how many there are.
+  const std::pair<const char*, GridDim> kinds[] = {{"tp", kTp}, {"cp", kCp}, {"dp", kDp}, {"pp", kPp}};
+  for (const auto& [name, dim] : kinds) {
+    if (dim == kCp && l.cp == 1) continue;
+    std::vector<std::vector<int>> groups;
+    each_group(l, Layout::Coord{}, {dim},
+               [&](const std::vector<int>& ranks, bool) { groups.push_back(ranks); });
+    std::sort(groups.begin(), groups.end());
+    std::string shown;
+    for (std::size_t i = 0; i < std::min<std::size_t>(groups.size(), 3); ++i)
+      shown += fmt::format(" {}", ranks_str(groups[i]));
+    if (groups.size() > 3) shown += fmt::format(" ... ({} groups)", groups.size());
+    out.push_back(fmt::format("  {}:{}", name, shown));
   }
   if (gpus_per_node > 0) {
     const int a = l.rank_of(0, 0, 0), b = l.rank_of(l.tp - 1, 0, 0);

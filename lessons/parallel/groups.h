@@ -63,6 +63,7 @@ struct Groups {
   // holds the whole model and gradients of its part of the tokens). Both are dp's with cp 1.
   Group cp, dp_cp;
   std::vector<int> cp_ranks;
+  int dp_cp_index = 0;  // this rank's place in dp_cp: its ZeRO shard
   // The first and last pipeline stage of this rank's (tp, dp) column: they hold the two copies of the
   // word embedding that the output layer shares, and add up its gradient (Megatron's embedding group).
   Group embedding;
