@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "common/errors.h"
 
@@ -48,6 +49,16 @@ void need_same_dtype(int rank, const char* op, const Tensor& a, const Tensor& b)
 void need_vocab_start(int rank, const char* op, std::int64_t vocab_start) {
   if (vocab_start < 0) {
     throw UsageError(fmt::format("{}: vocab_start {} is negative", where(rank, op), vocab_start));
+  }
+}
+
+// The routes of a permutation: index a float32 [n] and weights, when given, a float32 of index's shape.
+void need_routes(int rank, const char* op, const Tensor& index, const Tensor& weights) {
+  need_ndim(rank, op, index, 1, "index", "[n]");
+  need_dtype(rank, op, index, DType::Float32, "index");
+  if (weights.defined()) {
+    need_shape(rank, op, weights, index.shape(), "weights", "one a route of index");
+    need_dtype(rank, op, weights, DType::Float32, "weights");
   }
 }
 
@@ -330,6 +341,48 @@ AttentionDims check_rope(int rank, const Tensor& qkv, const AttentionSpec& spec,
     throw UsageError(fmt::format("{}: base must be a finite number above 1; got {}", where(rank, op), base));
   }
   return a;
+}
+
+void check_gather_rows(int rank, const Tensor& x, const Tensor& index, const Tensor& weights) {
+  const char* op = "gather_rows";
+  need_ndim(rank, op, x, 2, "x", "[rows, cols]");
+  check_float8_use(rank, op, x, "x");
+  need_routes(rank, op, index, weights);
+}
+
+void check_scatter_add_rows(int rank, const Tensor& src, const Tensor& index, const Tensor& weights,
+                            std::int64_t rows) {
+  const char* op = "scatter_add_rows";
+  need_ndim(rank, op, src, 2, "src", "[n, cols]");
+  check_float8_use(rank, op, src, "src");
+  need_routes(rank, op, index, weights);
+  if (src.size(0) != index.size(0)) {
+    throw UsageError(fmt::format("{}: 'src' is {} and 'index' is {}; src needs one row a route of index",
+                                 where(rank, op), src.str(), index.str()));
+  }
+  if (rows < 0) throw UsageError(fmt::format("{}: rows {} is negative", where(rank, op), rows));
+}
+
+void check_row_dots(int rank, const Tensor& a, const Tensor& b) {
+  const char* op = "row_dots";
+  need_ndim(rank, op, a, 2, "a", "[n, cols]");
+  need_shape(rank, op, b, a.shape(), "b", "the shape of a");
+  check_float8_use(rank, op, a, "a");
+  need_same_dtype(rank, op, a, b);
+}
+
+std::vector<std::int64_t> check_route_rows(int rank, const char* op, const float* index, std::int64_t n,
+                                           std::int64_t rows, const char* what) {
+  std::vector<std::int64_t> out(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    const float v = index[i];
+    if (!(v >= 0) || v != std::floor(v) || static_cast<double>(v) >= static_cast<double>(rows)) {
+      throw UsageError(fmt::format("{}: index[{}] is {}; a route's row must be an integer in [0, {}) ({})",
+                                   where(rank, op), i, v, rows, what));
+    }
+    out[static_cast<std::size_t>(i)] = static_cast<std::int64_t>(v);
+  }
+  return out;
 }
 
 void check_embedding(int rank, const Tensor& ids, const Tensor& table, std::int64_t vocab_start) {

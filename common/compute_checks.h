@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "common/rank.h"
 #include "common/tensor.h"
@@ -57,6 +58,18 @@ BlockRange check_attention_block(int rank, const char* op, const Tensor& qkv, co
                                  const Rank::AttentionBlock& block);
 AttentionDims check_rope(int rank, const Tensor& qkv, const AttentionSpec& spec, std::int64_t first_position,
                          double base);
+
+// Mixture-of-experts permutation (Rank::gather_rows, scatter_add_rows, row_dots): x and src 2-D, index a
+// float32 [n], weights (when defined) a float32 [n], src's rows index's length, rows not negative; a and b
+// of one shape and dtype. No FP8 tensor (check_float8_use).
+void check_gather_rows(int rank, const Tensor& x, const Tensor& index, const Tensor& weights);
+void check_scatter_add_rows(int rank, const Tensor& src, const Tensor& index, const Tensor& weights,
+                            std::int64_t rows);
+void check_row_dots(int rank, const Tensor& a, const Tensor& b);
+// The n values of a real index (on the host) as row numbers: each must be an integer in [0, rows); `what`
+// says whose rows they are ("the rows of x"). The error names the position and the value.
+std::vector<std::int64_t> check_route_rows(int rank, const char* op, const float* index, std::int64_t n,
+                                           std::int64_t rows, const char* what);
 
 void check_embedding(int rank, const Tensor& ids, const Tensor& table, std::int64_t vocab_start);
 void check_embedding_backward(int rank, const Tensor& dtable, const Tensor& dy, const Tensor& ids,

@@ -401,6 +401,31 @@ class Rank {
                                          const Tensor& lse, const AttentionSpec& spec,
                                          const AttentionBlock& block) = 0;
 
+  // ---- mixture of experts -----------------------------------------------------------------------------
+  // The token permutation of a mixture-of-experts layer (docs/lessons/moe.md), as Megatron-Core's and
+  // TransformerEngine's moe_permute and moe_unpermute kernels compute it: the router sends each token to its
+  // experts; the dispatch gathers each route's row into its expert's order, and the combine adds each token's
+  // expert outputs back into the token's row, weighted by the router's probabilities.
+  //   index    float32 [n]: row numbers (exact up to 2^24), one a route;
+  //   weights  float32 [n], one a route, or an undefined Tensor for none.
+  // n may be 0 (an expert or a rank that receives no tokens). Arithmetic is float32, rounded once to the
+  // output's dtype (float32, bfloat16 or float16). On the simulator an index that is not an integer in range
+  // is an error naming its position; on GPUs it is not checked by gather_rows (such a route reads zeros).
+
+  // out [n, cols] of x's dtype: out[i] = x[index[i]], times weights[i] when weights is defined (moe_permute;
+  // also the combine's backward).
+  virtual Tensor gather_rows(const Tensor& x, const Tensor& index, const Tensor& weights) = 0;
+  // out [rows, cols] of src's dtype: out[t] = the sum over the i with index[i] == t of src[i], times
+  // weights[i] when weights is defined, added in float32 in the order of i and rounded once; a row no route
+  // names is zero. src is [n, cols]. The combine (moe_unpermute) and gather_rows' backward. Deterministic:
+  // no atomics, the same sums on every run.
+  virtual Tensor scatter_add_rows(const Tensor& src, const Tensor& index, const Tensor& weights,
+                                  std::int64_t rows) = 0;
+  // float32 [n]: the sum over j of a[i, j] * b[i, j] (summed in double, rounded once), for a and b [n, cols]
+  // of one dtype: the gradient of each route's gate weight (the combine's output gradient dotted with the
+  // expert's output).
+  virtual Tensor row_dots(const Tensor& a, const Tensor& b) = 0;
+
   // Embedding lookup, vocabulary-parallel (Megatron's VocabParallelEmbedding): `table` holds rows
   // [vocab_start, vocab_start + table rows) of the vocabulary; `ids` is a float32 [rows] tensor of token
   // ids (exact up to 2^24). Rows whose id falls outside this shard are zero, so a sum over the shards

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 #include "common/compute_checks.h"
 #include "common/errors.h"
@@ -978,6 +979,110 @@ void CudaRank::embedding_backward_(const Tensor& dtable, const Tensor& dy, const
     kernels::embedding_backward(pt, pdy, dy.dtype(), pi, ids.size(0), dtable.size(1), dtable.size(0),
                                 vocab_start, compute_);
   });
+}
+
+// ---- mixture-of-experts permutation -------------------------------------------------------------------
+
+Tensor CudaRank::gather_rows(const Tensor& x, const Tensor& index, const Tensor& weights) {
+  const char* op = "gather_rows";
+  const void* px = require(x, op, "x");
+  const void* pi = require(index, op, "index");
+  const void* pw = weights.defined() ? require(weights, op, "weights") : nullptr;
+  check_gather_rows(rank_, x, index, weights);
+  const std::int64_t n = index.size(0), cols = x.size(1);
+  const bool ph = x.phantom() || index.phantom() || (weights.defined() && weights.phantom());
+  Tensor out = allocate(Shape{n, cols}, x.dtype(), ph, op);
+  void* po = require(out, op, "out");
+  if (weights.defined()) {
+    before_kernel({&x, &index, &weights}, op);
+  } else {
+    before_kernel({&x, &index}, op);
+  }
+  kernel(op, [&] {
+    kernels::gather_rows(po, px, x.dtype(), static_cast<const float*>(pi), static_cast<const float*>(pw), n,
+                         x.size(0), cols, compute_);
+  });
+  return out;
+}
+
+Tensor CudaRank::scatter_add_rows(const Tensor& src, const Tensor& index, const Tensor& weights,
+                                  std::int64_t rows) {
+  const char* op = "scatter_add_rows";
+  const void* ps = require(src, op, "src");
+  const void* pi = require(index, op, "index");
+  const void* pw = weights.defined() ? require(weights, op, "weights") : nullptr;
+  check_scatter_add_rows(rank_, src, index, weights, rows);
+  const std::int64_t n = index.size(0), cols = src.size(1);
+  const bool ph = src.phantom() || index.phantom() || (weights.defined() && weights.phantom());
+  Tensor out = allocate(Shape{rows, cols}, src.dtype(), ph, op);
+  void* po = require(out, op, "out");
+  if (weights.defined()) {
+    before_kernel({&src, &index, &weights}, op);
+  } else {
+    before_kernel({&src, &index}, op);
+  }
+  if (n == 0) {  // no routes: zeros, and no need to read the index
+    kernel(op, [&] {
+      if (po) RANKLAB_CUDA(cudaMemsetAsync(po, 0, static_cast<size_t>(out.bytes()), compute_));
+    });
+    return out;
+  }
+  // The routes grouped by output row, built on the host from the index: each output element then adds its
+  // row's routes in order, with no atomics, so the sums are the same on every run and the simulator's.
+  // Reading the index waits for the device, as Megatron-Core's permutation also does: it reads the tokens
+  // per expert on the host (tokens_per_expert.cpu(), the all_to_all's splits) before it permutes.
+  std::vector<float> host(static_cast<size_t>(n));
+  RANKLAB_CUDA(cudaEventRecord(sync_compute_, compute_));
+  watchdog_.wait_event(sync_compute_, op);
+  RANKLAB_CUDA(
+      cudaMemcpyAsync(host.data(), pi, host.size() * sizeof(float), cudaMemcpyDeviceToHost, compute_));
+  RANKLAB_CUDA(cudaStreamSynchronize(compute_));
+  // A phantom index holds whatever the memory held: its routes out of range are left out, not refused.
+  std::vector<std::int64_t> target(static_cast<size_t>(n), -1);
+  if (ph) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float v = host[static_cast<size_t>(i)];
+      if (v >= 0.0f && static_cast<double>(v) < static_cast<double>(rows)) {
+        target[static_cast<size_t>(i)] = static_cast<std::int64_t>(v);
+      }
+    }
+  } else {
+    target = check_route_rows(rank_, op, host.data(), n, rows, "the rows of the output");
+  }
+  // [rows + 1 offsets, then the routes in order of output row and, within one, of i].
+  std::vector<std::int64_t> csr(static_cast<size_t>(rows + 1 + n), 0);
+  for (std::int64_t t : target) {
+    if (t >= 0) ++csr[static_cast<size_t>(t + 1)];
+  }
+  for (std::int64_t r = 0; r < rows; ++r) csr[static_cast<size_t>(r + 1)] += csr[static_cast<size_t>(r)];
+  std::vector<std::int64_t> next(csr.begin(), csr.begin() + rows);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t t = target[static_cast<size_t>(i)];
+    if (t >= 0) csr[static_cast<size_t>(rows + 1 + next[static_cast<size_t>(t)]++)] = i;
+  }
+  // Scratch for the CSR (int64 words in a float32 tensor's bytes), freed in stream order after the kernel.
+  Tensor scratch = allocate(Shape{2 * static_cast<std::int64_t>(csr.size())}, DType::Float32, false, op);
+  auto* pc = static_cast<std::int64_t*>(require(scratch, op, "scratch"));
+  // From pageable memory CUDA stages the bytes before returning, so `csr` may go away after this.
+  RANKLAB_CUDA(
+      cudaMemcpyAsync(pc, csr.data(), csr.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice, compute_));
+  kernel(op, [&] {
+    kernels::scatter_add_rows(po, ps, src.dtype(), pc, pc + rows + 1, static_cast<const float*>(pw), rows,
+                              cols, compute_);
+  });
+  return out;
+}
+
+Tensor CudaRank::row_dots(const Tensor& a, const Tensor& b) {
+  const char* op = "row_dots";
+  const void* pa = require(a, op, "a");
+  const void* pb = require(b, op, "b");
+  check_row_dots(rank_, a, b);
+  Tensor out = allocate(Shape{a.size(0)}, DType::Float32, a.phantom() || b.phantom(), op);
+  float* po = require_f32(out, op, "out");
+  before_kernel({&a, &b}, op);
+  kernel(op, [&] { kernels::row_dots(po, pa, pb, a.dtype(), a.size(0), a.size(1), compute_); });
+  return out;
 }
 
 Tensor CudaRank::row_max(const Tensor& logits) {

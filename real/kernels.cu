@@ -842,6 +842,65 @@ __global__ void cross_entropy_backward_kernel(T* dlogits, const T* logits, const
   }
 }
 
+// ---- mixture-of-experts permutation ---------------------------------------------------------------------
+
+// The row a route's index (a float holding an integer) names, or -1 when it is not one of `rows`.
+__device__ inline std::int64_t route_row(float index, std::int64_t rows) {
+  if (!(index >= 0.0f) || index >= 9.0e18f) return -1;  // negative, NaN or beyond int64
+  const std::int64_t r = static_cast<std::int64_t>(index);
+  return r < rows ? r : -1;
+}
+
+// One thread per (route, column): coalesced along the columns of a row.
+template <typename T>
+__global__ void gather_rows_kernel(T* out, const T* x, const float* index, const float* weights,
+                                   std::int64_t n, std::int64_t x_rows, std::int64_t cols) {
+  const std::int64_t total = n * cols;
+  for (std::int64_t e = first_index(); e < total; e += stride()) {
+    const std::int64_t i = e / cols, c = e % cols;
+    const std::int64_t r = route_row(index[i], x_rows);
+    if (r < 0) {
+      out[e] = from_f<T>(0.0f);
+    } else if (weights != nullptr) {
+      out[e] = from_f<T>(__fmul_rn(to_f(x[r * cols + c]), weights[i]));
+    } else {
+      out[e] = x[r * cols + c];
+    }
+  }
+}
+
+// One thread per output element, adding its row's routes in the order the CSR lists them (ascending), so
+// the sum is the same on every run and the same as the simulator's; no atomics. __fmul_rn keeps the
+// product from contracting into an FMA, which the simulator's host arithmetic does not do.
+template <typename T>
+__global__ void scatter_add_rows_kernel(T* out, const T* src, const std::int64_t* offsets,
+                                        const std::int64_t* routes, const float* weights, std::int64_t rows,
+                                        std::int64_t cols) {
+  const std::int64_t total = rows * cols;
+  for (std::int64_t e = first_index(); e < total; e += stride()) {
+    const std::int64_t r = e / cols, c = e % cols;
+    float acc = 0.0f;
+    for (std::int64_t k = offsets[r]; k < offsets[r + 1]; ++k) {
+      const std::int64_t i = routes[k];
+      const float v = to_f(src[i * cols + c]);
+      acc = __fadd_rn(acc, weights != nullptr ? __fmul_rn(v, weights[i]) : v);
+    }
+    out[e] = from_f<T>(acc);
+  }
+}
+
+// One block per row, summed in double in a fixed order (as the simulator sums it).
+template <typename T>
+__global__ void row_dots_kernel(float* out, const T* a, const T* b, std::int64_t cols) {
+  const std::int64_t row = blockIdx.x;
+  double acc = 0;
+  for (std::int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+    acc += static_cast<double>(to_f(a[row * cols + c])) * static_cast<double>(to_f(b[row * cols + c]));
+  }
+  const double total = block_sum_d(acc);
+  if (threadIdx.x == 0) out[row] = static_cast<float>(total);
+}
+
 }  // namespace
 
 // ---- launches ------------------------------------------------------------------------------------------
@@ -1219,6 +1278,42 @@ void cross_entropy_backward(void* dlogits, const void* logits, DType t, const fl
                                             stats, targets, rows, cols, vocab_start, scale);
   });
   check_launch("cross_entropy_backward kernel launch");
+}
+
+void gather_rows(void* out, const void* x, DType t, const float* index, const float* weights, std::int64_t n,
+                 std::int64_t x_rows, std::int64_t cols, cudaStream_t s) {
+  const std::int64_t total = n * cols;
+  if (total == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    gather_rows_kernel<T><<<blocks_for(total), kThreads, 0, s>>>(
+        static_cast<T*>(out), static_cast<const T*>(x), index, weights, n, x_rows, cols);
+  });
+  check_launch("gather_rows kernel launch");
+}
+
+void scatter_add_rows(void* out, const void* src, DType t, const std::int64_t* offsets,
+                      const std::int64_t* routes, const float* weights, std::int64_t rows, std::int64_t cols,
+                      cudaStream_t s) {
+  const std::int64_t total = rows * cols;
+  if (total == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    scatter_add_rows_kernel<T><<<blocks_for(total), kThreads, 0, s>>>(
+        static_cast<T*>(out), static_cast<const T*>(src), offsets, routes, weights, rows, cols);
+  });
+  check_launch("scatter_add_rows kernel launch");
+}
+
+void row_dots(float* out, const void* a, const void* b, DType t, std::int64_t n, std::int64_t cols,
+              cudaStream_t s) {
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    row_dots_kernel<T><<<row_blocks(n, "row_dots"), kThreads, 0, s>>>(out, static_cast<const T*>(a),
+                                                                      static_cast<const T*>(b), cols);
+  });
+  check_launch("row_dots kernel launch");
 }
 
 }  // namespace ranklab::kernels

@@ -104,4 +104,20 @@ void cross_entropy_backward(void* dlogits, const void* logits, DType t, const fl
                             const float* stats, const float* targets, std::int64_t rows, std::int64_t cols,
                             std::int64_t vocab_start, float scale, cudaStream_t s);
 
+// ---- mixture-of-experts permutation (common/rank.h, Rank::gather_rows) ------------------------------------
+
+// out[i, c] = x[index[i], c], times weights[i] unless weights is null, over n routes; a route whose index
+// is not one of x's x_rows rows reads zeros.
+void gather_rows(void* out, const void* x, DType t, const float* index, const float* weights, std::int64_t n,
+                 std::int64_t x_rows, std::int64_t cols, cudaStream_t s);
+// out[r, c] = the sum over k in [offsets[r], offsets[r + 1]) of src[routes[k], c], times weights[routes[k]]
+// unless weights is null, in float32 in the order of k: the routes grouped by output row (a CSR of rows + 1
+// offsets), which the caller builds. No atomics: the same sums on every run.
+void scatter_add_rows(void* out, const void* src, DType t, const std::int64_t* offsets,
+                      const std::int64_t* routes, const float* weights, std::int64_t rows, std::int64_t cols,
+                      cudaStream_t s);
+// out[i] = the sum over c of a[i, c] b[i, c], float32 (summed in double).
+void row_dots(float* out, const void* a, const void* b, DType t, std::int64_t n, std::int64_t cols,
+              cudaStream_t s);
+
 }  // namespace ranklab::kernels

@@ -81,6 +81,10 @@ class SimRank : public Rank {
   void attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& qkv,
                                  const Tensor& kv, const Tensor& out, const Tensor& lse,
                                  const AttentionSpec& spec, const AttentionBlock& block) override;
+  Tensor gather_rows(const Tensor& x, const Tensor& index, const Tensor& weights) override;
+  Tensor scatter_add_rows(const Tensor& src, const Tensor& index, const Tensor& weights,
+                          std::int64_t rows) override;
+  Tensor row_dots(const Tensor& a, const Tensor& b) override;
   RmsNormOut rmsnorm(const Tensor& x, const Tensor& gamma, float eps) override;
   RmsNormGrads rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                 const Tensor& rstd) override;
