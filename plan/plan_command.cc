@@ -81,6 +81,12 @@ Question make_question(const Request& r) {
   const gpt::Config c =
       gpt::options_table().read(resolve_settings(find_lesson("gpt"), r.shape, /*lecture=*/false), "plan");
   if (c.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", c.hidden));
+  if (c.moe()) {
+    throw UsageError(fmt::format(
+        "plan: {} is a mixture of experts ({} experts, top {}); the planner does not lay out expert "
+        "parallelism yet: time a layout with `ranklab run gpt --model {} --ep N --phantom`",
+        c.model_name(), c.experts, c.top_k, c.model_name()));
+  }
   Question q;
   q.model = c.model_name();
   q.block = gpt::block_name(c.block);

@@ -13,7 +13,28 @@
 
 namespace ranklab::gpt {
 
+namespace {
+// Per token, forward: a MoE layer's router (2 h E) and its top-k experts' GEMMs, less the dense MLP's that it
+// replaces (2 FLOPs per weight each).
+double moe_extra_flops_per_token(const Config& c) {
+  if (!c.moe()) return 0;
+  const double h = c.hidden, mats = c.llama() ? 3 : 2;
+  const double dense = c.llama() ? 3 * h * static_cast<double>(c.ffn()) : 8 * h * h;
+  return 2 * (h * c.experts + c.top_k * mats * h * static_cast<double>(c.moe_ffn()) - dense);
+}
+}  // namespace
+
 Flops step_flops(const Config& c) {
+  Flops f = dense_step_flops(c);
+  // Forward and backward (three times the forward), and the forward again with full recomputation.
+  const double moe =
+      static_cast<double>(c.global_batch) * c.seq * c.moe_layer_count() * moe_extra_flops_per_token(c);
+  f.model += 3 * moe;
+  f.hardware += (c.recompute == Recompute::Full ? 4 : 3) * moe;
+  return f;
+}
+
+Flops dense_step_flops(const Config& c) {
   const double B = static_cast<double>(c.global_batch), s = c.seq, L = c.layers, h = c.hidden,
                V = static_cast<double>(c.vocab);
   Flops f;
@@ -66,10 +87,19 @@ parallel::ZeroConfig zero_config(const Config& c) {
   return z;
 }
 
+parallel::ZeroConfig expert_zero_config(const Config& c) {
+  parallel::ZeroConfig z = zero_config(c);
+  z.tp_size = 1;
+  z.dp_size = c.tp * c.cp * c.dp / c.ep;
+  z.seq_parallel = false;
+  z.embedding_group = false;
+  return z;
+}
+
 namespace {
-std::vector<parallel::ParamSpec> param_specs(const Config& c, int stage) {
+std::vector<parallel::ParamSpec> param_specs(const std::vector<ParamId>& ids, const Config& c) {
   std::vector<parallel::ParamSpec> specs;
-  for (ParamId id : backward_order(c, stage)) specs.push_back(param_spec(c, id));
+  for (ParamId id : ids) specs.push_back(param_spec(c, id));
   return specs;
 }
 }  // namespace
@@ -77,10 +107,17 @@ std::vector<parallel::ParamSpec> param_specs(const Config& c, int stage) {
 MemoryPlan memory_plan(const Config& c, int stage) {
   MemoryPlan p;
   const parallel::DataParallel::Bytes b =
-      parallel::DataParallel::bytes(param_specs(c, stage), zero_config(c));
+      parallel::DataParallel::bytes(param_specs(backward_order(c, stage), c), zero_config(c));
   p.weights = b.weights;
   p.grads = b.grads;
   p.optimizer = b.optimizer;
+  if (c.moe()) {  // the experts of ep rank 0 (every ep rank holds as many, of the same shapes)
+    const parallel::DataParallel::Bytes e = parallel::DataParallel::bytes(
+        param_specs(expert_backward_order(c, stage, 0), c), expert_zero_config(c));
+    p.weights += e.weights;
+    p.grads += e.grads;
+    p.optimizer += e.optimizer;
+  }
   bool embedding = false, head = false;
   std::vector<std::int64_t> stash(c.v);
   for (int k = 0; k < c.v; ++k) {
@@ -88,7 +125,7 @@ MemoryPlan memory_plan(const Config& c, int stage) {
     const bool e = vs == 0, hd = vs == c.pp * c.v - 1;
     embedding = embedding || e;
     head = head || hd;
-    stash[k] = stash_bytes(c, c.chunk_layers(vs), e, hd);
+    stash[k] = stash_bytes(c, c.chunk_layers(vs), e, hd, c.chunk_first_layer(vs));
   }
   // The most activations alive at once, walking this rank's schedule.
   const std::vector<parallel::Task> order =
@@ -131,6 +168,11 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   std::int64_t out = head ? r * (c.vocab / c.tp) * dt + (c.vocab / c.tp) * h * (dt + 8) + 2 * r * h * dt : 0;
   std::int64_t emb = embedding ? (c.zero >= 2 ? (c.vocab / c.tp) * h * 8 : 0) + 2 * r * h * dt : 0;
   if (units) block += 2 * block_elements * dtype_bytes(c.reduce_dtype);
+  if (c.moe()) {
+    // A MoE layer's dispatch: the router's logits, and the routed rows before and after each all-to-all.
+    const std::int64_t routes = c.local_rows() * c.top_k;
+    block += c.local_rows() * c.experts * dt + 4 * routes * h * dt;
+  }
   if (c.cp > 1) {
     // Context parallelism's attention: the float32 output it merges into, and the keys and values (with
     // their gradients in the backward) of this rank, of the block at hand and of the next; all-gather holds

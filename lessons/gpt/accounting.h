@@ -34,7 +34,11 @@ namespace ranklab::gpt {
 struct Flops {
   double model = 0, hardware = 0;
 };
+// With experts, a MoE layer counts its router and the top-k experts each token computes with in place of the
+// dense MLP (the model FLOPs of the active parameters, as MoE runs report MFU).
 Flops step_flops(const Config& c);
+// The same with every layer dense.
+Flops dense_step_flops(const Config& c);
 
 struct MemoryPlan {
   std::int64_t weights = 0, grads = 0, optimizer = 0, activations = 0;
@@ -52,6 +56,9 @@ struct MemoryPlan {
 };
 // The ZeRO settings of a configuration, all but the ranks and groups (which the run adds).
 parallel::ZeroConfig zero_config(const Config& c);
+// The same for the experts' weights: every rank holds its experts whole, and their gradients are reduced
+// over the tp cp dp / ep ranks that hold the same experts.
+parallel::ZeroConfig expert_zero_config(const Config& c);
 // The plan of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
 MemoryPlan memory_plan(const Config& c, int stage);
 // Every stage's plan, stage 0 first.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 namespace ranklab::gpt {
@@ -78,7 +79,7 @@ OneDeviceCheck::OneDeviceCheck(Rank& r, const Config& c, const parallel::Layout:
   if (!c.phantom) ref_ = Reference::get(c);
 }
 
-Reference::State OneDeviceCheck::gather_state(Model& model, const parallel::DataParallel& dp) {
+Reference::State OneDeviceCheck::gather_state(Model& model) {
   // One flat buffer of every parameter of the full model, in the reference's order, three times (values,
   // m, v): each rank writes the elements it holds and counts (every element on one rank), the others are
   // zero, and a sum over the world puts the whole state on every rank. float32 values and zeros add exactly.
@@ -88,8 +89,8 @@ Reference::State OneDeviceCheck::gather_state(Model& model, const parallel::Data
   std::vector<float> mine(3 * total, 0.0f);
   for (const Model::Named& n : model.named_params()) {
     const Param& p = *n.p;
-    if (!dp.counts_once(p)) continue;
-    const parallel::DataParallel::Held held = dp.held(p);
+    if (!n.dp->counts_once(p)) continue;
+    const parallel::DataParallel::Held held = n.dp->held(p);
     const std::int64_t base = at[ref_->index(n.kind, n.layer)];
     int part = 0;
     for (const Tensor* t : {&held.master, &held.m, &held.v}) {
@@ -115,10 +116,50 @@ Reference::State OneDeviceCheck::gather_state(Model& model, const parallel::Data
   return s;
 }
 
-void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataParallel& dp, Group dp_group) {
+Reference::Routes OneDeviceCheck::gather_routes(Model& model) {
+  // Every token's experts, each written by the one rank that routed it (plus one: zero is unwritten), and
+  // summed over the world.
+  const std::int64_t n = c_.global_batch * c_.seq, k = c_.top_k;
+  std::vector<int> slot(c_.layers, -1);
+  int moe_layers = 0;
+  for (int layer = 0; layer < c_.layers; ++layer)
+    if (c_.moe_layer(layer)) slot[layer] = moe_layers++;
+  std::vector<float> mine(moe_layers * n * k, 0.0f);
+  for (const auto& [layer, tokens] : model.routes()) {
+    for (const auto& [row, experts] : tokens)
+      for (std::int64_t j = 0; j < k; ++j)
+        mine[(slot[layer] * n + row) * k + j] = static_cast<float>(experts[j] + 1);
+  }
+  Tensor all = r_.from_host(Shape{static_cast<std::int64_t>(mine.size())}, mine);
+  r_.all_reduce(all, ReduceOp::Sum);
+  const std::vector<float> sum = r_.to_host(all);
+  Reference::Routes routes(c_.layers);
+  for (int layer = 0; layer < c_.layers; ++layer) {
+    if (slot[layer] < 0) continue;
+    for (std::int64_t i = 0; i < n * k; ++i) {
+      const int expert = static_cast<int>(sum[slot[layer] * n * k + i]) - 1;
+      if (expert < 0 || expert >= c_.experts) {
+        throw std::logic_error(
+            fmt::format("gpt: layer {} token {}: routed by no rank, or by more than one", layer, i / k));
+      }
+      routes[layer].push_back(expert);
+    }
+  }
+  return routes;
+}
+
+void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
   if (!ref_) return;
   auto scope = r_.bookkeeping("check");
-  ref_->step(step, step == 1 ? nullptr : &state_);
+  if (c_.moe()) {
+    const Reference::Routes routes = gather_routes(model);
+    ref_->step(step, step == 1 ? nullptr : &state_, &routes);
+    const Reference::RoutingAgreement& ra = ref_->routing();
+    routed_tokens += ra.tokens, close_calls += ra.close_calls, wrong_routes += ra.decisive;
+    if (ra.decisive > 0 || (wrong_routes == 0 && !ra.where.empty())) routing_where = ra.where;
+  } else {
+    ref_->step(step, step == 1 ? nullptr : &state_);
+  }
   // Weight updates are compared over all of the rank's parameters together: Adam divides by the
   // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
   // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
@@ -128,7 +169,7 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
   for (const Model::Named& n : model.named_params()) {
     const Param& p = *n.p;
     // The elements this rank reduced and updated: all of the local part, or its shard of them.
-    const parallel::DataParallel::Held held = dp.held(p);
+    const parallel::DataParallel::Held held = n.dp->held(p);
     const std::int64_t first = held.first, count = held.count;
     auto compare = [&](const Tensor& t, bool is_grad) {
       std::vector<float> got = r_.to_host(t);
@@ -169,7 +210,7 @@ void OneDeviceCheck::compare_step(int step, Model& model, const parallel::DataPa
                            "over the rank's parameters; most of it at {}",
                            step, std::sqrt(step_error), std::sqrt(largest_update_), wrel, most_where));
   // The state the next step is checked from (every rank takes part).
-  if (step < c_.steps) state_ = gather_state(model, dp);
+  if (step < c_.steps) state_ = gather_state(model);
   if (!model.has_head()) return;
   Tensor total = r_.cast(model.loss_sum, DType::Float32);
   r_.all_reduce(total, ReduceOp::Sum, Async::No, dp_group);
@@ -187,6 +228,13 @@ void OneDeviceCheck::record(bool has_head) const {
            fmt::format("{} (tolerance {:.2g} for {})", grad.where, tol.grad, tol.name));
   r_.check("gpt: every step's weight updates equal one device's" + who, weight.worst <= tol.weight,
            fmt::format("{} (tolerance {:.2g} for {})", weight.where, tol.weight, tol.name));
+  if (c_.moe()) {
+    r_.check("gpt: every token's experts are one device's top-k" + who, wrong_routes == 0,
+             fmt::format("{} of {} routed tokens took another expert than one device's where the logits lie "
+                         "within the run's rounding (close calls), {} beyond it{}",
+                         close_calls, routed_tokens, wrong_routes,
+                         routing_where.empty() ? "" : fmt::format("; {}", routing_where)));
+  }
   if (has_head) {
     r_.check("gpt: every step's loss equals one device's" + who, loss.worst <= tol.loss,
              fmt::format("{} (tolerance {:.2g} for {})", loss.where, tol.loss, tol.name));
@@ -194,7 +242,8 @@ void OneDeviceCheck::record(bool has_head) const {
 }
 
 void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& me, const MemoryPlan& plan,
-                       std::int64_t model_bytes, const std::vector<std::int64_t>& stash_measured_bytes) {
+                       std::int64_t model_bytes, const std::vector<std::int64_t>& stash_measured_bytes,
+                       const std::vector<std::int64_t>& routed_measured_bytes) {
   const std::int64_t data_bytes = plan.activations - plan.stash - plan.transient;
   r.check(
       "gpt: the parameters (and data) take what the memory plan says",
@@ -204,12 +253,22 @@ void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& 
           r.rank(), me.pp, model_bytes, plan.fixed() + data_bytes, plan.weights, plan.grads, plan.optimizer,
           data_bytes));
   for (int k = 0; k < c.v; ++k) {
-    const int vs = k * c.pp + me.pp;
-    const std::int64_t want = stash_bytes(c, c.chunk_layers(vs), vs == 0, vs == c.pp * c.v - 1);
-    r.check("gpt: a micro-batch keeps for backward what the memory plan says",
-            stash_measured_bytes[k] == want,
-            fmt::format("rank {} chunk {}: allocated {} bytes, planned {}", r.rank(), k,
-                        stash_measured_bytes[k], want));
+    const int vs = k * c.pp + me.pp, first = c.chunk_first_layer(vs);
+    std::int64_t want = stash_bytes(c, c.chunk_layers(vs), vs == 0, vs == c.pp * c.v - 1, first);
+    std::int64_t got = stash_measured_bytes[k];
+    // The plan gives each expert its share of the routed tokens; with real numbers the router decides, so
+    // what the MoE layers keep of them is left out of the comparison.
+    std::string routed;
+    if (!c.phantom && c.recompute != Recompute::Full) {
+      std::int64_t moe_layers = 0;
+      for (int layer = first; layer < first + c.chunk_layers(vs); ++layer) moe_layers += c.moe_layer(layer);
+      want -= moe_layers * routed_stash_bytes(c);
+      got -= routed_measured_bytes[k];
+      if (moe_layers > 0) routed = " (less the routed tokens' activations, which the routing sizes)";
+    }
+    r.check(
+        "gpt: a micro-batch keeps for backward what the memory plan says", got == want,
+        fmt::format("rank {} chunk {}: allocated {} bytes, planned {}{}", r.rank(), k, got, want, routed));
   }
 }
 

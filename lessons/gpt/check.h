@@ -49,20 +49,26 @@ class OneDeviceCheck {
 
   // After step `step`: the rank's gradients and weights against the reference's, and on the last stage the
   // loss, summed over `dp_group` (one all_reduce).
-  void compare_step(int step, Model& model, const parallel::DataParallel& dp, Group dp_group);
+  void compare_step(int step, Model& model, Group dp_group);
   // The three checks, each with the worst step.
   void record(bool has_head) const;
 
   // The worst over the steps of each kind of comparison; "every tensor equal" while nothing differs.
   check::Agreement grad, weight, loss;
   std::vector<double> losses;  // each step's, on the ranks that hold the head
+  // A MoE model's routing against one device's over the steps (Reference::RoutingAgreement), summed over
+  // the steps; the worst wrong route, or a close call.
+  std::int64_t routed_tokens = 0, close_calls = 0, wrong_routes = 0;
+  std::string routing_where;
 
  private:
   Rank& r_;
   const Config& c_;
   parallel::Layout::Coord me_;
   // The run's state after a step, whole on every rank: what the reference's next step starts from.
-  Reference::State gather_state(Model& model, const parallel::DataParallel& dp);
+  Reference::State gather_state(Model& model);
+  // Every MoE layer's routing of this step, whole on every rank (an all_reduce over the world).
+  Reference::Routes gather_routes(Model& model);
 
   std::shared_ptr<Reference> ref_;
   Reference::State state_;
@@ -71,8 +77,10 @@ class OneDeviceCheck {
 };
 
 // The parameters (and data) a stage allocates, and what a micro-batch keeps for its backward on each of
-// the rank's chunks (`stash_measured_bytes`, measured on step 1's micro-batch 0), equal what `plan` says.
+// the rank's chunks (`stash_measured_bytes`, measured on step 1's micro-batch 0, of which the MoE layers'
+// routed tokens take `routed_measured_bytes`), equal what `plan` says.
 void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& me, const MemoryPlan& plan,
-                       std::int64_t model_bytes, const std::vector<std::int64_t>& stash_measured_bytes);
+                       std::int64_t model_bytes, const std::vector<std::int64_t>& stash_measured_bytes,
+                       const std::vector<std::int64_t>& routed_measured_bytes);
 
 }  // namespace ranklab::gpt

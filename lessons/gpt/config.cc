@@ -39,6 +39,8 @@ std::string Config::layout() const {
                               cp > 1 ? fmt::format(" x cp {} ({})", cp, cp_comm_name(cp_comm)) : "", pp,
                               v > 1 ? fmt::format(" (interleave {})", v) : "", dp, zero,
                               recompute_name(recompute), dtype_name(dtype));
+  if (moe())
+    s += fmt::format(", ep {} ({} expert{} each)", ep, local_experts(), local_experts() > 1 ? "s" : "");
   if (fp8 != parallel::Fp8Recipe::None) s += fmt::format(", fp8 GEMMs ({})", parallel::fp8_recipe_name(fp8));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
   if (dropout > 0) s += fmt::format(", dropout {}", dropout);
@@ -52,6 +54,12 @@ std::string Config::layout() const {
   if (grad_accum_fusion) s += ", fused gradient accumulation";
   if (attention == AttentionKernel::Unfused) s += ", unfused attention";
   return s;
+}
+
+int Config::moe_layer_count() const {
+  int n = 0;
+  for (int layer = 0; layer < layers; ++layer) n += moe_layer(layer);
+  return n;
 }
 
 int Config::stage_layers(int stage) const {
@@ -76,12 +84,17 @@ double Config::lr_at(int step) const {
 }
 
 std::string Config::shape() const {
-  if (llama()) {
-    return fmt::format(
-        "llama block, {} layers, hidden {}, {} heads ({} key-value), SwiGLU {}, seq {}, vocab {}", layers,
-        hidden, heads, kv(), ffn(), seq, vocab);
+  std::string s = llama()
+                      ? fmt::format(
+                            "llama block, {} layers, hidden {}, {} heads ({} key-value), SwiGLU {}, seq {}, "
+                            "vocab {}",
+                            layers, hidden, heads, kv(), ffn(), seq, vocab)
+                      : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads,
+                                    seq, vocab);
+  if (moe()) {
+    s += fmt::format(", {} experts of width {} (top {}) in layers {}", experts, moe_ffn(), top_k, moe_layers);
   }
-  return fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq, vocab);
+  return s;
 }
 
 namespace {
@@ -173,6 +186,22 @@ const OptionTable<Config>& options_table() {
                 "with --cp: p2p (a ring of key-value exchanges overlapped with attention, Megatron-Core's "
                 "default) or all-gather (keys and values gathered first, as Llama 3's training)",
                 {{"p2p", CpComm::P2p}, {"all-gather", CpComm::AllGather}}),
+      Option<O>("experts", &O::experts,
+                "mixture of experts: each MoE layer's MLP is this many expert MLPs, each token routed to "
+                "--top-k of them (0: dense)")
+          .at_least(0)
+          .at_most(1 << 16, "the largest published models have a few hundred experts per layer"),
+      Option<O>("top-k", &O::top_k, "with --experts: the experts each token is routed to").at_least(1),
+      Option<O>("moe-ffn-hidden", &O::moe_ffn_hidden,
+                "with --experts: each expert MLP's width (0: the dense MLP's)")
+          .at_least(0),
+      Option<O>("moe-layers", &O::moe_layers,
+                "with --experts: which layers are MoE: all, every:N (layers 0, N, 2N, ...) or from:N "
+                "(layers N on)"),
+      Option<O>("ep", &O::ep,
+                "with --experts: expert-parallel size, the experts split over ep of the stage's tp x cp x dp "
+                "ranks and tokens sent to them by all-to-all")
+          .at_least(1),
       Option<O>("pp", &O::pp, "pipeline-parallel size (1F1B)").at_least(1),
       Option<O>("interleave", &O::v, "model chunks per pipeline rank (interleaved 1F1B)").at_least(1),
       Option<O>("decoder-first-pipeline-num-layers", &O::first_stage_layers,
@@ -244,8 +273,9 @@ const OptionTable<Config>& options_table() {
                 "once (0: no clipping)")
           .at_least(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
-      break_option<O>(&O::broken, {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row",
-                                   "no-rope-backward", "cp-mask-every-block"}),
+      break_option<O>(&O::broken,
+                      {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "no-rope-backward",
+                       "cp-mask-every-block", "moe-wrong-expert-rank", "moe-combine-without-gates"}),
   });
   return table;
 }
@@ -293,6 +323,80 @@ void resolve_context(const Config& c) {
         "gpt: --dropout {} with --cp {}: the residual dropout's mask of a rank's two chunks of the sequence "
         "is not built; give --dropout 0 (Llama's training uses none)",
         c.dropout, c.cp));
+  }
+}
+
+// --moe-layers into moe_first and moe_every.
+void read_moe_layers(Config& c) {
+  const std::string& spec = c.moe_layers;
+  auto number = [&](const std::string& text) {
+    OptionSpec o;
+    o.flag = "moe-layers";
+    o.kind = OptionKind::Integer;
+    o.min = 0;
+    o.max = kMaxLayers;
+    return static_cast<int>(read_integer(o, text, "gpt", 0, kMaxLayers));
+  };
+  if (spec == "all") {
+    c.moe_first = 0, c.moe_every = 1;
+  } else if (spec.rfind("every:", 0) == 0) {
+    c.moe_first = 0, c.moe_every = number(spec.substr(6));
+    if (c.moe_every < 1) throw UsageError("gpt: --moe-layers every:N needs N of 1 or more");
+  } else if (spec.rfind("from:", 0) == 0) {
+    c.moe_first = number(spec.substr(5)), c.moe_every = 1;
+  } else {
+    throw UsageError(fmt::format(
+        "gpt: --moe-layers {}: give all, every:N (layers 0, N, 2N, ... are MoE, as Megatron-Core's "
+        "--moe-layer-freq) or from:N (layers N on, as DeepSeek-V3's first dense layers)",
+        spec));
+  }
+}
+
+// Mixture of experts against the layout: the experts split evenly over ep ranks of a stage's
+// tp x cp x dp ranks, each token's top-k among them.
+void resolve_experts(Config& c) {
+  if (!c.moe()) {
+    if (c.ep > 1) throw UsageError(fmt::format("gpt: --ep {} splits experts; it needs --experts", c.ep));
+    return;
+  }
+  read_moe_layers(c);
+  if (c.moe_layer_count() == 0) {
+    throw UsageError(
+        fmt::format("gpt: --moe-layers {} makes none of the {} layers MoE", c.moe_layers, c.layers));
+  }
+  if (c.top_k > c.experts) {
+    throw UsageError(
+        fmt::format("gpt: --top-k {} is more than --experts {}: each token takes top-k distinct "
+                    "experts",
+                    c.top_k, c.experts));
+  }
+  if (c.experts % c.ep != 0) {
+    throw UsageError(
+        fmt::format("gpt: --ep {} does not divide --experts {}: each expert-parallel rank holds "
+                    "experts / ep of them",
+                    c.ep, c.experts));
+  }
+  const std::int64_t stage_ranks = std::int64_t{c.tp} * c.cp * c.dp;
+  if (stage_ranks % c.ep != 0) {
+    throw UsageError(fmt::format(
+        "gpt: --ep {} does not divide the {} ranks of a pipeline stage (tp {} x cp {} x dp {}): the experts "
+        "are split over ep of them and their gradients reduced over the rest",
+        c.ep, stage_ranks, c.tp, c.cp, c.dp));
+  }
+  if (c.tp > 1 && !c.seq_parallel) {
+    throw UsageError(
+        "gpt: --experts with --tp 2 or more needs --seq-parallel: each tensor-parallel rank routes its own "
+        "tokens (Megatron-Core requires the same)");
+  }
+  if (c.fp8 != parallel::Fp8Recipe::None) {
+    throw UsageError(
+        "gpt: --experts with FP8 GEMMs is not built: the experts' grouped GEMMs run in 16 bits; "
+        "give --fp8-recipe none");
+  }
+  if (c.clip_grad > 0) {
+    throw UsageError(
+        "gpt: --clip-grad with --experts is not built: the global norm would have to add the experts' "
+        "gradients, reduced over their own group, to the dense ones; give --clip-grad 0");
   }
 }
 
@@ -483,6 +587,7 @@ Config resolve(Config c, int world) {
     c.dp = static_cast<int>(world / model_ranks);
   }
   resolve_context(c);
+  resolve_experts(c);
   check_products(c);
   resolve_block(c);
   resolve_fp8(c);

@@ -47,6 +47,16 @@ struct Config : LessonOptions {
   // that causal attention's work balances (Megatron-Core, TransformerEngine).
   int cp = 1;
   CpComm cp_comm = CpComm::P2p;
+  // Mixture of experts (lessons/parallel/expert_parallel.h): with experts > 0 the MLP of every MoE layer is
+  // `experts` MLPs of width moe_ffn() of which each token takes top_k, spread over ep ranks of the stage's
+  // tp x cp x dp ranks (Megatron-Core's expert grid with an expert tensor-parallel size of 1).
+  int experts = 0, top_k = 2;
+  std::int64_t moe_ffn_hidden = 0;  // each expert's MLP width (0: as the dense MLP's)
+  // Which layers are MoE: "all", "every:N" (layers 0, N, 2N, ..., Megatron-Core's --moe-layer-freq) or
+  // "from:N" (layers N on: DeepSeek-V3's first dense layers); resolve() reads it into moe_first, moe_every.
+  std::string moe_layers = "all";
+  int moe_first = 0, moe_every = 1;
+  int ep = 1;
   int v = 1;  // model chunks per pipeline rank (--interleave)
   // The first and the last pipeline stage's layers (Megatron-Core's --decoder-first-pipeline-num-layers and
   // --decoder-last-pipeline-num-layers; 0: as many as the others); the other stages split the rest evenly.
@@ -97,7 +107,14 @@ struct Config : LessonOptions {
   bool llama() const { return block == Block::Llama; }
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
   std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width
-  std::int64_t cp_seq() const { return seq / cp; }  // positions of a sequence a context-parallel rank holds
+  bool moe() const { return experts > 0; }
+  bool moe_layer(int layer) const {
+    return experts > 0 && layer >= moe_first && (layer - moe_first) % moe_every == 0;
+  }
+  int moe_layer_count() const;  // the MoE layers of the model
+  std::int64_t moe_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
+  int local_experts() const { return experts / ep; }  // the experts each rank of an ep group holds
+  std::int64_t cp_seq() const { return seq / cp; }    // positions of a sequence a context-parallel rank holds
   std::int64_t cp_chunk() const { return seq / (2 * cp); }  // positions in each of its two chunks
   // The position in the sequence of a context-parallel rank's local position `local`.
   std::int64_t cp_position(int cp_rank, std::int64_t local) const {

@@ -23,6 +23,7 @@
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/model.h"
 #include "lessons/gpt/report.h"
+#include "lessons/parallel/expert_parallel.h"
 #include "lessons/parallel/exposed.h"
 #include "lessons/parallel/groups.h"
 #include "lessons/parallel/pipeline.h"
@@ -35,11 +36,12 @@ using gpt::Config;
 using parallel::Param;
 
 parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups);
+parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups& groups);
 std::string task_region(const parallel::Task& t, int chunks);
 
 void gpt_lesson(Rank& r, const Config& o) {
   const Config c = gpt::for_gpu(gpt::resolve(o, r.world_size()), r.profile().gpu);
-  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp};
+  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp, c.moe() ? c.ep : 0};
 
   // The plan: every stage's memory from the configuration alone, printed and held against the device before
   // anything is allocated, so that a model too large fails at once and says what would make it fit.
@@ -67,11 +69,19 @@ void gpt_lesson(Rank& r, const Config& o) {
                                me.cp,     groups.cp_ranks, c.cp_comm == gpt::CpComm::AllGather,
                                c.phantom, exposed,         c.broken};
   parallel::DataParallel dp(r, zero_config(c, groups), exposed);
+  // With experts: each MoE layer's tokens go to the ranks of its ep group that hold their experts, and the
+  // experts' gradients are reduced over the ranks that hold the same ones.
+  const float expert_grad_scale = static_cast<float>(c.tp) / static_cast<float>(c.ep);
+  parallel::ExpertParallel ep{r,         groups.ep, groups.ep_ranks, groups.ep_index,
+                              c.experts, c.top_k,   c.llama(),       expert_grad_scale,
+                              c.phantom, exposed,   c.broken};
+  std::optional<parallel::DataParallel> expert_dp;
+  if (c.moe()) expert_dp.emplace(r, expert_zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.
   const std::int64_t before_model_bytes = r.memory_allocated();
-  gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp, me.cp, &cp);
+  gpt::Model model(r, c, me.tp, me.dp, me.pp, tp, dp, me.cp, &cp, &ep, expert_dp ? &*expert_dp : nullptr);
   const std::int64_t model_bytes = r.memory_allocated() - before_model_bytes;
-  const std::vector<Param*> params = model.params();
+  const std::vector<Param*> params = model.params(), expert_params = model.expert_params();
   parallel::Pipeline pipe(r, groups.pp_ranks, me.pp, c.v, static_cast<int>(c.micro_batches()), c.phantom,
                           exposed);
   pipe.overlap_p2p = c.overlap_p2p_comm;
@@ -79,6 +89,7 @@ void gpt_lesson(Rank& r, const Config& o) {
 
   const AdamW hyper{static_cast<float>(c.lr), 0.9f, 0.999f, 1e-8f, 0.01f};  // lr: the schedule's, per step
   std::vector<std::int64_t> stash_measured_bytes(c.v, -1);  // what micro-batch 0 keeps in step 1, per chunk
+  std::vector<std::int64_t> routed_measured_bytes(c.v, 0);  // of that, the MoE layers' routed tokens'
   gpt::StepMeasures measured;
   // The ranks of data-parallel replica 0 time their tasks and communication waits: the replicas run the
   // same schedule on the same layout, and timing one of them costs the simulation 1/dp of the events.
@@ -94,6 +105,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   for (int step = 1; step <= c.steps; ++step) {
     const bool timed = step == c.steps;
     if (step > 1) dp.zero_grads(params);
+    if (step > 1 && expert_dp) expert_dp->zero_grads(expert_params);
     model.start_step();
     if (fp8) fp8->start_step();
     // Not TimedStep: the peak memory and the exposed waits start after the barrier, and the step is timed
@@ -105,6 +117,7 @@ void gpt_lesson(Rank& r, const Config& o) {
     const double start_us = r.now(), host_wait_before_us = r.host_wait_us();
     const Event start = r.record_event();
     dp.start_step();
+    if (expert_dp) expert_dp->start_step();
     {
       auto region = r.region("step");
       // A task is one micro-batch through one of this rank's chunks, in 1F1B's order (parallel/pipeline.h).
@@ -112,7 +125,10 @@ void gpt_lesson(Rank& r, const Config& o) {
         auto scope = r.region(task_region(t, c.v));
         Tensor out = model.forward(t, in);
         // (The tensors themselves: memory_allocated() would also see a send finishing meanwhile.)
-        if (step == 1 && t.mb == 0) stash_measured_bytes[t.chunk] = model.kept_bytes(t.chunk, t.mb);
+        if (step == 1 && t.mb == 0) {
+          stash_measured_bytes[t.chunk] = model.kept_bytes(t.chunk, t.mb);
+          routed_measured_bytes[t.chunk] = model.routed_bytes(t.chunk, t.mb);
+        }
         task_done(step);
         return out;
       };
@@ -126,10 +142,12 @@ void gpt_lesson(Rank& r, const Config& o) {
       // Then the gradients reduced over dp and AdamW on this rank's part, as the ZeRO stage says.
       auto scope = r.region("optimizer");
       dp.finish(params);
+      if (expert_dp) expert_dp->finish(expert_params);
       if (c.clip_grad > 0) dp.clip_grads(params, c.clip_grad);
       AdamW at = hyper;
       at.lr = static_cast<float>(c.lr_at(step));
       dp.step(params, at, step);
+      if (expert_dp) expert_dp->step(expert_params, at, step);
     }
     const Event end = r.record_event();
     r.synchronize();
@@ -144,11 +162,12 @@ void gpt_lesson(Rank& r, const Config& o) {
       measured.host_wait_us = r.host_wait_us() - host_wait_before_us;
       exposed.enable(false);
     }
-    check.compare_step(step, model, dp, groups.dp_cp);
+    check.compare_step(step, model, groups.dp_cp);
   }
 
   dp.finish_gathers();
-  gpt::check_memory_plan(r, c, me, plans[me.pp], model_bytes, stash_measured_bytes);
+  if (expert_dp) expert_dp->finish_gathers();
+  gpt::check_memory_plan(r, c, me, plans[me.pp], model_bytes, stash_measured_bytes, routed_measured_bytes);
   check.record(model.has_head());
   const gpt::StepFigures figures = gpt::gather_step_figures(r, c, me, measures, measured, check);
   if (r.rank() == 0) gpt::print_summary(r, c, plans, measured, figures, check);
@@ -163,6 +182,14 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
   zc.tp_rank = me.tp, zc.dp_rank = groups.dp_cp_index;
   zc.tp = groups.tp, zc.dp = groups.dp_cp, zc.embedding = groups.embedding;
   zc.counts_tied = me.pp == 0;  // of the tied embedding's two copies, the first stage's
+  return zc;
+}
+
+// The experts' weights: reduced, and ZeRO's shards spread, over the ranks that hold the same experts.
+parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups& groups) {
+  parallel::ZeroConfig zc = gpt::expert_zero_config(c);
+  zc.dp_rank = groups.edp_index;
+  zc.tp = groups.tp, zc.dp = groups.edp;
   return zc;
 }
 

@@ -1,5 +1,8 @@
 #include "lessons/gpt/model.h"
 
+#include <fmt/format.h>
+
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -182,14 +185,29 @@ bool has_other(const Config& c, OtherParam which) {
   }
 }
 
-std::int64_t parameter_count(const Config& c) {
+namespace {
+// The parameters of the model with `experts_counted` of each MoE layer's experts.
+std::int64_t parameters_with(const Config& c, std::int64_t experts_counted) {
   const std::int64_t h = c.hidden;
+  // A MoE layer's MLP: the router and the experts counted, in place of the dense MLP (with its biases).
+  const std::int64_t expert = (c.llama() ? 3 : 2) * h * c.moe_ffn();
+  const std::int64_t dense_mlp = c.llama() ? 3 * h * c.ffn() : 8 * h * h + 5 * h;
+  const std::int64_t moe = c.moe_layer_count() * (h * c.experts + experts_counted * expert - dense_mlp);
   if (c.llama()) {
     const std::int64_t attention =
         h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() + c.heads * c.head_dim() * h;
-    return c.layers * (attention + 3 * h * c.ffn() + 2 * h) + 2 * c.vocab * h + h;
+    return c.layers * (attention + 3 * h * c.ffn() + 2 * h) + 2 * c.vocab * h + h + moe;
   }
-  return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h;
+  return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h + moe;
+}
+}  // namespace
+
+std::int64_t parameter_count(const Config& c) {
+  return parameters_with(c, c.experts);
+}
+
+std::int64_t active_parameter_count(const Config& c) {
+  return parameters_with(c, c.top_k);
 }
 
 std::int64_t token(const Config& c, std::int64_t sample, std::int64_t pos) {
@@ -202,7 +220,24 @@ std::uint64_t dropout_seed(int step, int layer, int site) {
          mix64((static_cast<std::uint64_t>(step) << 32) + 2 * static_cast<std::uint64_t>(layer) + site);
 }
 
-std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head) {
+std::int64_t routed_stash_bytes(const Config& c) {
+  if (!c.moe()) return 0;
+  const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, f = c.moe_ffn();
+  // The routes this rank sends, and, every expert getting its share, as many received (ep rank 0's, which
+  // takes one more where they do not divide).
+  const parallel::Routing ro = parallel::route_balanced(c.local_rows(), c.experts, c.top_k);
+  const std::int64_t routes = ro.routes();
+  std::int64_t received = 0;
+  for (int le = 0; le < c.local_experts(); ++le) received += c.ep * ro.per_expert[le];
+  std::int64_t bytes = routes * 2 * 4                              // each route's token and gate, float32
+                       + received * h * dt                         // the experts' inputs
+                       + routes * h * dt                           // their outputs, back at the routes' ranks
+                       + received * (c.llama() ? 3 : 2) * f * dt;  // w_in's outputs and their activation
+  if (c.ep > 1) bytes += 2 * received * 4;                         // the sort by expert and back, float32
+  return bytes;
+}
+
+std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head, int first_layer) {
   (void)embedding;  // the embedding's output is the first block's input; the token ids are data
   const std::int64_t dt = dtype_bytes(c.dtype), r = c.rows(), lr = c.local_rows();
   const std::int64_t h = c.hidden, hl = h / c.tp, heads = c.heads / c.tp;
@@ -212,31 +247,37 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
     return fp8 ? parallel::fp8_kept_bytes(c.fp8, rows, cols) : rows * cols * dt;
   };
   std::int64_t block = lr * h * dt;  // x, the block's input: all that full recomputation keeps
+  std::int64_t mlp = 0;              // of that, the dense MLP's activations
   if (c.llama() && c.recompute != Recompute::Full) {
     const std::int64_t hd = c.head_dim(), f = c.ffn() / c.tp, kv = c.kv() / c.tp;
+    mlp = r * 2 * f * dt + kept(r, f);           // w13's output u and swiglu(u)
     block += 2 * lr * 4                          // the two RMSNorms' reciprocal deviations, float32
              + 2 * kept(lr, h) + lr * h * dt     // y1, y2 (the linear layers' inputs) and x1
              + r * (heads + 2 * kv) * hd * dt    // qkv (rotated)
-             + r * 2 * f * dt + kept(r, f)       // w13's output u and swiglu(u)
+             + mlp                               //
              + (fp8 ? kept(r, heads * hd) : 0);  // wo's own copy of its input
     if (c.recompute == Recompute::None) {
       block += r * heads * hd * dt + 4 * r * heads;  // attention out and lse
       if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
     }
   } else if (c.recompute != Recompute::Full) {
-    block += 4 * lr * 4  // layernorm means and reciprocal deviations, float32
+    mlp = r * 4 * hl * dt + kept(r, 4 * hl);  // fc1's output u and gelu(u)
+    block += 4 * lr * 4                       // layernorm means and reciprocal deviations, float32
              + 2 * kept(lr, h) +
              lr * h * dt        // y1, y2, x1 (local rows: 1/tp of them with sequence parallelism)
              + r * 3 * hl * dt  // qkv
-             + r * 4 * hl * dt + kept(r, 4 * hl)  // fc1's output u and gelu(u)
-             + (fp8 ? kept(r, hl) : 0);           // proj's own copy of its input
+             + mlp + (fp8 ? kept(r, hl) : 0);  // proj's own copy of its input
     if (c.recompute == Recompute::None) {
       block += r * hl * dt + 4 * r * heads;  // attention out and lse
       // The unfused path's probabilities: [micro-batch x heads, seq, seq] of the compute dtype.
       if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
     }
   }
-  std::int64_t total = layers * block;
+  // A MoE layer keeps its routed tokens' activations in place of the dense MLP's.
+  const std::int64_t moe_block = c.recompute == Recompute::Full ? block : block - mlp + routed_stash_bytes(c);
+  std::int64_t total = 0;
+  for (int layer = first_layer; layer < first_layer + layers; ++layer)
+    total += c.moe_layer(layer) ? moe_block : block;
   if (head) {
     total += 2 * lr * h * dt + (c.llama() ? 1 : 2) * lr * 4  // x, y and the statistics of the final norm
              + r * (c.vocab / c.tp) * dt + 3 * r * 4;        // logits, row max, softmax statistics
@@ -245,7 +286,8 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head)
 }
 
 Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
-             parallel::DataParallel& dp, int cp_rank, parallel::ContextParallel* cp)
+             parallel::DataParallel& dp, int cp_rank, parallel::ContextParallel* cp,
+             parallel::ExpertParallel* ep, parallel::DataParallel* expert_dp)
     : r_(r),
       c_(c),
       tp_rank_(tp_rank),
@@ -254,7 +296,11 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
       cp_rank_(cp_rank),
       tp_(tp),
       dp_(dp),
-      cp_(c.cp > 1 ? cp : nullptr) {
+      cp_(c.cp > 1 ? cp : nullptr),
+      ep_(c.moe() ? ep : nullptr),
+      expert_dp_(c.moe() ? expert_dp : nullptr) {
+  if (c.moe() && (ep_ == nullptr || expert_dp_ == nullptr))
+    throw std::logic_error("gpt: a model with experts needs their expert-parallel group and its reduction");
   for (int k = 0; k < c.v; ++k) {
     const int virtual_stage = k * c.pp + pp_rank;  // rank p holds chunks p, p + pp, p + 2 pp, ...
     Chunk ch;
@@ -264,7 +310,12 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
     head_ = head_ || ch.head;
     ch.blocks.resize(c.chunk_layers(virtual_stage));
     const int first = c.chunk_first_layer(virtual_stage);
-    for (std::size_t i = 0; i < ch.blocks.size(); ++i) ch.blocks[i].layer = first + static_cast<int>(i);
+    for (std::size_t i = 0; i < ch.blocks.size(); ++i) {
+      Block& b = ch.blocks[i];
+      b.layer = first + static_cast<int>(i);
+      b.moe = c.moe_layer(b.layer);
+      if (b.moe) b.experts.resize(2 * static_cast<std::size_t>(c.local_experts()));
+    }
     chunks_.push_back(std::move(ch));
   }
   // The data-parallel buckets are laid out first: zero 0's and 1's tensors are views of their buffers.
@@ -274,6 +325,21 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
   for (Param* p : params()) dp.init(*p);
   for (Chunk& ch : chunks_) {
     for (Block& b : ch.blocks) dp.add_unit(block_param_list(b));
+  }
+  // The experts' weights: buckets of their own, reduced over the ranks that hold the same experts.
+  if (expert_dp_ != nullptr) {
+    std::vector<Param*> experts;
+    for (ParamId id : expert_backward_order(c, pp_rank, ep_->index)) {
+      Param& p = param(id);
+      p.spec = param_spec(c, id);
+      experts.push_back(&p);
+    }
+    expert_dp_->set_buckets(experts);
+    for (Param* p : expert_params()) expert_dp_->init(*p);
+    for (Chunk& ch : chunks_) {
+      for (Block& b : ch.blocks)
+        if (b.moe) expert_dp_->add_unit(expert_param_list(b));
+    }
   }
   vocab_start_ = tp_rank * (c.vocab / c.tp);
 
@@ -324,11 +390,24 @@ std::int64_t Model::kept_bytes(int chunk, int mb) const {
   }
   const HeadActs& h = st.head;
   for (const Tensor* t : {&h.x, &h.mean, &h.rstd, &h.y, &h.logits, &h.row_max, &h.stats}) add(*t);
+  return n + routed_bytes(chunk, mb);
+}
+
+std::int64_t Model::routed_bytes(int chunk, int mb) const {
+  std::int64_t n = 0;
+  auto add = [&](const Tensor& t) { n += t.defined() ? t.bytes() : 0; };
+  for (const BlockActs& a : stash_[chunk][mb].blocks) {
+    const parallel::ExpertParallel::Kept& k = a.moe;
+    for (const Tensor* t : {&k.index, &k.gates, &k.sorted, &k.back, &k.sort, &k.unsort}) add(*t);
+    for (const std::vector<Tensor>* ts : {&k.u, &k.g})
+      for (const Tensor& t : *ts) add(t);
+  }
   return n;
 }
 
 void Model::start_step() {
   ++step_;
+  routes_.clear();
   if (loss_sum.defined()) r_.scale_(loss_sum, 0.0f);
 }
 
@@ -344,7 +423,8 @@ Tensor Model::residual_dropout(const Tensor& branch, int layer, int site, int mb
 
 std::vector<Param*> Model::params() {
   std::vector<Param*> out;
-  for (const Named& n : named_params()) out.push_back(n.p);
+  for (const Named& n : named_params())
+    if (n.dp == &dp_) out.push_back(n.p);
   return out;
 }
 
@@ -365,7 +445,14 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
     }
     const int first = c.chunk_first_layer(vs);
     for (int layer = first + c.chunk_layers(vs) - 1; layer >= first; --layer) {
-      for (int q = block_params(c) - 1; q >= 0; --q) out.push_back({q, layer});
+      for (int q = block_params(c) - 1; q >= 0; --q) {
+        // A MoE layer's router takes the place of its MLP's last weight.
+        if (c.moe_layer(layer) && is_mlp_param(c, q)) {
+          if (q == (c.llama() ? int{kW13} : int{kFc1W})) out.push_back({kRouterKind, layer});
+          continue;
+        }
+        out.push_back({q, layer});
+      }
     }
     if (vs == 0) {  // the embedding
       if (!c.llama()) out.push_back(other(kWpe));
@@ -375,17 +462,72 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
   return out;
 }
 
+bool is_mlp_param(const Config& c, int which) {
+  if (c.llama()) return which == kW13 || which == kW2;
+  return which == kFc1W || which == kFc1B || which == kFc2W || which == kFc2B;
+}
+
+namespace {
+// A MoE layer's router (kind kRouterKind) or an expert's weight. The experts are whole on every rank that
+// holds them (no tensor parallelism: an expert tensor-parallel size of 1); the router is replicated and,
+// with sequence parallelism, each tp rank's gradient is of its own tokens.
+ParamSpec moe_spec(const Config& c, int layer, int kind) {
+  const std::int64_t h = c.hidden, f = c.moe_ffn();
+  ParamSpec s;
+  const std::uint64_t per_layer = 2 * static_cast<std::uint64_t>(c.experts) + 1;
+  s.seed = kSeed + 2'000'000 + per_layer * static_cast<std::uint64_t>(layer) + (kind - kRouterKind);
+  s.std = kStd;
+  if (kind == kRouterKind) {
+    s.name = layer_name(layer, "router");
+    s.full = Shape{h, c.experts};
+    s.sp_partial = true;
+    return s;
+  }
+  const int expert = (kind - kRouterKind - 1) / 2, which = (kind - kRouterKind - 1) % 2;
+  const char* names[2][2] = {{"fc1", "fc2"}, {"w13", "w2"}};
+  s.name = fmt::format("layer {} expert {} {}", layer, expert, names[c.llama()][which]);
+  if (which == 0) {
+    s.full = Shape{h, c.llama() ? 2 * f : f};
+  } else {
+    s.full = Shape{f, h};
+    s.std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
+  }
+  return s;
+}
+}  // namespace
+
+std::vector<ParamId> expert_backward_order(const Config& c, int stage, int ep_index) {
+  std::vector<ParamId> out;
+  const int per = c.local_experts();
+  for (int k = c.v - 1; k >= 0; --k) {
+    const int vs = k * c.pp + stage, first = c.chunk_first_layer(vs);
+    for (int layer = first + c.chunk_layers(vs) - 1; layer >= first; --layer) {
+      if (!c.moe_layer(layer)) continue;
+      for (int le = per - 1; le >= 0; --le) {
+        out.push_back({expert_kind(ep_index * per + le, 1), layer});
+        out.push_back({expert_kind(ep_index * per + le, 0), layer});
+      }
+    }
+  }
+  return out;
+}
+
 ParamSpec param_spec(const Config& c, ParamId id) {
+  if (id.kind >= kRouterKind) return moe_spec(c, id.layer, id.kind);
   return id.kind < kBlockParams ? block_spec(c, id.layer, id.kind)
                                 : other_spec(c, static_cast<OtherParam>(id.kind - kBlockParams));
 }
 
 Param& Model::param(ParamId id) {
-  if (id.kind < kBlockParams) {
+  if (id.kind < kBlockParams || id.kind >= kRouterKind) {
     for (Chunk& ch : chunks_) {
       const int first = ch.blocks.front().layer;
-      if (id.layer >= first && id.layer < first + static_cast<int>(ch.blocks.size()))
-        return ch.blocks[id.layer - first].p[id.kind];
+      if (id.layer < first || id.layer >= first + static_cast<int>(ch.blocks.size())) continue;
+      Block& b = ch.blocks[id.layer - first];
+      if (id.kind < kBlockParams) return b.p[id.kind];
+      if (id.kind == kRouterKind) return b.router;
+      const int expert = (id.kind - kRouterKind - 1) / 2, which = (id.kind - kRouterKind - 1) % 2;
+      return b.experts[2 * (expert - ep_->index * c_.local_experts()) + which];
     }
     throw std::logic_error("gpt: layer " + std::to_string(id.layer) + " is not on this pipeline rank");
   }
@@ -409,16 +551,34 @@ std::vector<Param*> Model::params_in_backward_order() {
   return out;
 }
 
+std::vector<Param*> Model::expert_params() {
+  std::vector<Param*> out;
+  for (Chunk& ch : chunks_) {
+    for (Block& b : ch.blocks)
+      for (Param& p : b.experts) out.push_back(&p);
+  }
+  return out;
+}
+
 std::vector<Model::Named> Model::named_params() {
   std::vector<Named> out;
   for (Chunk& ch : chunks_) {
     for (Block& b : ch.blocks) {
-      for (int k = 0; k < block_params(c_); ++k) out.push_back({k, b.layer, &b.p[k]});
+      for (int k = 0; k < block_params(c_); ++k) {
+        if (!(b.moe && is_mlp_param(c_, k))) out.push_back({k, b.layer, &b.p[k], &dp_});
+      }
+      if (!b.moe) continue;
+      out.push_back({kRouterKind, b.layer, &b.router, &dp_});
+      const int first_expert = ep_->index * c_.local_experts();
+      for (std::size_t i = 0; i < b.experts.size(); ++i) {
+        const int kind = expert_kind(first_expert + static_cast<int>(i / 2), static_cast<int>(i % 2));
+        out.push_back({kind, b.layer, &b.experts[i], expert_dp_});
+      }
     }
   }
   auto other = [&](OtherParam which, bool here) {
     if (here && has_other(c_, which))
-      out.push_back({int{kBlockParams} + which, -1, &param({int{kBlockParams} + which, -1})});
+      out.push_back({int{kBlockParams} + which, -1, &param({int{kBlockParams} + which, -1}), &dp_});
   };
   other(kWte, embedding_ || (head_ && !c_.llama()));
   other(kWpe, embedding_);
@@ -430,18 +590,43 @@ std::vector<Model::Named> Model::named_params() {
 
 std::vector<Param*> Model::block_param_list(Block& b) const {
   std::vector<Param*> ps;
-  for (int k = 0; k < block_params(c_); ++k) ps.push_back(&b.p[k]);
+  for (int k = 0; k < block_params(c_); ++k) {
+    if (!(b.moe && is_mlp_param(c_, k))) ps.push_back(&b.p[k]);
+  }
+  if (b.moe) ps.push_back(&b.router);
   return ps;
 }
 
-parallel::DataParallel::GatheredUnit Model::gather(Block& b) {
-  return dp_.gather(block_param_list(b));
+std::vector<Param*> Model::expert_param_list(Block& b) {
+  std::vector<Param*> ps;
+  for (Param& p : b.experts) ps.push_back(&p);
+  return ps;
 }
 
-Model::Weights Model::get(parallel::DataParallel::GatheredUnit& g) {
-  std::vector<Tensor> got = dp_.get(g);
+Model::GatheredBlock Model::gather(Block& b) {
+  GatheredBlock g;
+  g.dense = dp_.gather(block_param_list(b));
+  g.moe = b.moe;
+  if (b.moe) g.experts = expert_dp_->gather(expert_param_list(b));
+  return g;
+}
+
+Model::Weights Model::get(GatheredBlock& g) {
+  std::vector<Tensor> got = dp_.get(g.dense);
   Weights w;
-  std::move(got.begin(), got.end(), w.begin());
+  // In block_param_list's order: the block's parameters but a MoE layer's MLP, then its router.
+  std::size_t at = 0;
+  const bool moe = g.moe;
+  for (int k = 0; k < block_params(c_); ++k) {
+    if (!(moe && is_mlp_param(c_, k))) w.dense[k] = got[at++];
+  }
+  if (!moe) return w;
+  w.router = got[at];
+  std::vector<Tensor> experts = expert_dp_->get(g.experts);
+  for (std::size_t i = 0; i < experts.size(); i += 2) {
+    w.w_in.push_back(experts[i]);
+    w.w_out.push_back(experts[i + 1]);
+  }
   return w;
 }
 
@@ -463,14 +648,20 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
   // MLP: the same shape of computation with fc1 (column-parallel, 4h) and fc2 (row-parallel).
   Rank::LayerNormOut ln2 = r.layernorm(x1, w[kLn2G], w[kLn2B], kEps);
-  Tensor u = tp_.column_linear(ln2.y, w[kFc1W], w[kFc1B], &k2);
-  Tensor g = r.gelu(u);
-  Tensor o = tp_.row_linear(g, w[kFc2W], &kg);
-  r.add_bias_(o, w[kFc2B]);
+  Tensor u, o;
+  parallel::ExpertParallel::Kept moe;
+  if (w.router.defined()) {  // a MoE layer: the experts in place of the MLP
+    o = moe_forward(w, ln2.y, moe, layer, mb, !keep_all);
+    k2.x = ln2.y;
+  } else {
+    u = tp_.column_linear(ln2.y, w[kFc1W], w[kFc1B], &k2);
+    o = tp_.row_linear(r.gelu(u), w[kFc2W], &kg);
+    r.add_bias_(o, w[kFc2B]);
+  }
   Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
     a.mean1 = ln1.mean, a.rstd1 = ln1.rstd, a.qkv = qkv;
-    a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.u = u;
+    a.x1 = x1, a.mean2 = ln2.mean, a.rstd2 = ln2.rstd, a.u = u, a.moe = std::move(moe);
     keep_inputs(a, k1, kp, k2, kg);
     // Selective recomputation drops the attention core's output: backward recomputes it from qkv.
     if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
@@ -491,16 +682,22 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   }
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
-  dp_.add_grad(b.p[kFc2B], r.sum_rows(dout));
-  parallel::TensorParallel::Grads fc2 =
-      tp_.row_linear_backward(a.g, w[kFc2W], dout, dp_.wgrad_into(b.p[kFc2W]));
-  dp_.add_grad(b.p[kFc2W], fc2.dw);
-  const Tensor du = r.gelu_backward(fc2.dx, a.u);
-  parallel::TensorParallel::Grads fc1 =
-      tp_.column_linear_backward(a.y2, w[kFc1W], du, /*bias=*/true, dp_.wgrad_into(b.p[kFc1W]));
-  dp_.add_grad(b.p[kFc1W], fc1.dw);
-  dp_.add_grad(b.p[kFc1B], fc1.db);
-  Rank::LayerNormGrads ln2 = r.layernorm_backward(fc1.dx, a.x1, w[kLn2G], a.mean2, a.rstd2);
+  Tensor dy2;
+  if (b.moe) {
+    dy2 = moe_backward(b, w, a, dout);
+  } else {
+    dp_.add_grad(b.p[kFc2B], r.sum_rows(dout));
+    parallel::TensorParallel::Grads fc2 =
+        tp_.row_linear_backward(a.g, w[kFc2W], dout, dp_.wgrad_into(b.p[kFc2W]));
+    dp_.add_grad(b.p[kFc2W], fc2.dw);
+    const Tensor du = r.gelu_backward(fc2.dx, a.u);
+    parallel::TensorParallel::Grads fc1 =
+        tp_.column_linear_backward(a.y2, w[kFc1W], du, /*bias=*/true, dp_.wgrad_into(b.p[kFc1W]));
+    dp_.add_grad(b.p[kFc1W], fc1.dw);
+    dp_.add_grad(b.p[kFc1B], fc1.db);
+    dy2 = fc1.dx;
+  }
+  Rank::LayerNormGrads ln2 = r.layernorm_backward(dy2, a.x1, w[kLn2G], a.mean2, a.rstd2);
   dp_.add_grad(b.p[kLn2G], ln2.dgamma);
   dp_.add_grad(b.p[kLn2B], ln2.dbeta);
   const Tensor dx1 = r.add(dx2, ln2.dx);
@@ -519,6 +716,39 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   dp_.add_grad(b.p[kLn1G], ln1.dgamma);
   dp_.add_grad(b.p[kLn1B], ln1.dbeta);
   return r.add(dx1, ln1.dx);
+}
+
+// ---- a MoE layer's MLP (parallel/expert_parallel.h) -------------------------------------------------------
+
+Tensor Model::moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertParallel::Kept& k, int layer,
+                          int mb, bool record) {
+  Tensor y = ep_->forward(y2, w.router, w.w_in, w.w_out, k);
+  if (!record || c_.phantom) return y;
+  // Row i of y2 is local row i of this rank's rows (sequence-major: position * micro_batch + sample; with
+  // sequence parallelism this tp rank's part of them).
+  const parallel::Routing& ro = k.routing;
+  std::vector<std::vector<int>> experts(ro.tokens);
+  for (std::size_t i = 0; i < ro.token.size(); ++i) experts[ro.token[i]].push_back(ro.expert[i]);
+  const std::int64_t first_row = c_.seq_parallel ? tp_rank_ * c_.local_rows() : 0;
+  const std::int64_t first_sample = dp_rank_ * (c_.global_batch / c_.dp) + mb * c_.micro_batch;
+  TokenExperts& log = routes_[layer];
+  for (std::int64_t i = 0; i < ro.tokens; ++i) {
+    const std::int64_t row = first_row + i, sample = first_sample + row % c_.micro_batch;
+    const std::int64_t position = c_.cp_position(cp_rank_, row / c_.micro_batch);
+    std::sort(experts[i].begin(), experts[i].end());
+    log.emplace_back(sample * c_.seq + position, std::move(experts[i]));
+  }
+  return y;
+}
+
+Tensor Model::moe_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dout) {
+  parallel::ExpertParallel::Grads g = ep_->backward(dout, a.y2, w.router, w.w_in, w.w_out, a.moe);
+  for (std::size_t le = 0; le < g.dw_in.size(); ++le) {
+    expert_dp_->add_grad(b.experts[2 * le], g.dw_in[le]);
+    expert_dp_->add_grad(b.experts[2 * le + 1], g.dw_out[le]);
+  }
+  dp_.add_grad(b.router, g.drouter);
+  return g.dx;
 }
 
 void Model::keep_inputs(BlockActs& a, const parallel::TensorParallel::Kept& y1,
@@ -573,11 +803,18 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
-  Tensor u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
-  Tensor g = r.swiglu(u);
-  Tensor x2 = r.add(x1, residual_dropout(tp_.row_linear(g, w[kW2], &kg), layer, 1, mb));
+  Tensor u, o;
+  parallel::ExpertParallel::Kept moe;
+  if (w.router.defined()) {  // a MoE layer: the experts in place of the MLP
+    o = moe_forward(w, n2.y, moe, layer, mb, !keep_all);
+    k2.x = n2.y;
+  } else {
+    u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
+    o = tp_.row_linear(r.swiglu(u), w[kW2], &kg);
+  }
+  Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
-    a.rstd1 = n1.rstd, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.u = u;
+    a.rstd1 = n1.rstd, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.u = u, a.moe = std::move(moe);
     keep_inputs(a, k1, ko, k2, kg);
     if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
@@ -596,13 +833,19 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   }
   // MLP backward.
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
-  parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
-  dp_.add_grad(b.p[kW2], w2.dw);
-  const Tensor du = r.swiglu_backward(w2.dx, a.u);
-  parallel::TensorParallel::Grads w13 =
-      tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));
-  dp_.add_grad(b.p[kW13], w13.dw);
-  Rank::RmsNormGrads n2 = r.rmsnorm_backward(w13.dx, a.x1, w[kNorm2], a.rstd2);
+  Tensor dy2;
+  if (b.moe) {
+    dy2 = moe_backward(b, w, a, dout);
+  } else {
+    parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
+    dp_.add_grad(b.p[kW2], w2.dw);
+    const Tensor du = r.swiglu_backward(w2.dx, a.u);
+    parallel::TensorParallel::Grads w13 =
+        tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));
+    dp_.add_grad(b.p[kW13], w13.dw);
+    dy2 = w13.dx;
+  }
+  Rank::RmsNormGrads n2 = r.rmsnorm_backward(dy2, a.x1, w[kNorm2], a.rstd2);
   dp_.add_grad(b.p[kNorm2], n2.dgamma);
   const Tensor dx1 = r.add(dx2, n2.dx);
   // Attention backward: the rotation's backward is the rotation back.
@@ -720,9 +963,9 @@ Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
   st.blocks.assign(n, {});
   Tensor x = ch.embedding ? embed_forward(t.mb) : in;
   // zero 3: the next block's weights are gathered while this one computes.
-  parallel::DataParallel::GatheredUnit next = gather(ch.blocks[0]);
+  GatheredBlock next = gather(ch.blocks[0]);
   for (int i = 0; i < n; ++i) {
-    parallel::DataParallel::GatheredUnit cur = std::move(next);
+    GatheredBlock cur = std::move(next);
     if (i + 1 < n) next = gather(ch.blocks[i + 1]);
     x = block_forward(get(cur), x, st.blocks[i], false, ch.blocks[i].layer, t.mb);
   }
@@ -735,19 +978,21 @@ Tensor Model::forward(const parallel::Task& t, const Tensor& in) {
 
 Tensor Model::backward(const parallel::Task& t, const Tensor& dout) {
   dp_.drain();  // the reductions the previous backward task started
+  if (expert_dp_ != nullptr) expert_dp_->drain();
   Chunk& ch = chunks_[t.chunk];
   Stash& st = stash_[t.chunk][t.mb];
   const bool last = t.mb == c_.micro_batches() - 1;  // the chunk's last backward of the step
   const int n = static_cast<int>(ch.blocks.size());
   Tensor dx = ch.head ? head_backward(t.mb, st.head, last) : dout;
   st.head = {};
-  parallel::DataParallel::GatheredUnit next = gather(ch.blocks[n - 1]);
+  GatheredBlock next = gather(ch.blocks[n - 1]);
   for (int i = n - 1; i >= 0; --i) {
-    parallel::DataParallel::GatheredUnit cur = std::move(next);
+    GatheredBlock cur = std::move(next);
     if (i > 0) next = gather(ch.blocks[i - 1]);
     dx = block_backward(ch.blocks[i], get(cur), st.blocks[i], dx, t.mb);
     st.blocks[i] = {};
     if (last) dp_.grads_ready(block_param_list(ch.blocks[i]));
+    if (last && ch.blocks[i].moe) expert_dp_->grads_ready(expert_param_list(ch.blocks[i]));
   }
   if (ch.embedding) {
     embed_backward(t.mb, dx, last);

@@ -23,11 +23,14 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "common/rank.h"
 #include "lessons/gpt/config.h"
 #include "lessons/parallel/context_parallel.h"
+#include "lessons/parallel/expert_parallel.h"
 #include "lessons/parallel/pipeline.h"
 #include "lessons/parallel/tensor_parallel.h"
 #include "lessons/parallel/zero.h"
@@ -66,18 +69,32 @@ parallel::ParamSpec other_spec(const Config& c, OtherParam which);
 // Whether the block has `which`: the gpt block has no output layer of its own, the llama block no
 // positions and no final beta.
 bool has_other(const Config& c, OtherParam which);
-// A parameter of the model: its kind (a block's parameter, or kBlockParams + an OtherParam) and its layer
-// (-1 for the embeddings, the final norm and the output layer).
+// A MoE layer (Config::moe_layer) has no MLP of its own (the gpt block's fc1 and fc2 weights and biases, the
+// llama block's w13 and w2); in their place its router [hidden, experts] and each expert's two weights
+// (fc1 [hidden, f] and fc2 [f, hidden], or w13 [hidden, 2 f] and w2 [f, hidden]; f the expert's width, no
+// biases), of the kinds below.
+constexpr int kRouterKind = int{kBlockParams} + int{kOtherParams};
+inline int expert_kind(int expert, int which) {  // which: 0 the input weight, 1 the output weight
+  return kRouterKind + 1 + 2 * expert + which;
+}
+// Whether a block parameter is the MLP's, which a MoE layer replaces.
+bool is_mlp_param(const Config& c, int which);
+// A parameter of the model: its kind (a block's parameter, kBlockParams + an OtherParam, or a MoE layer's)
+// and its layer (-1 for the embeddings, the final norm and the output layer).
 struct ParamId {
   int kind;
   int layer;
 };
 parallel::ParamSpec param_spec(const Config& c, ParamId id);
 // Pipeline rank `stage`'s parameters in the order a step's backward makes their gradients final: the
-// data-parallel buckets follow it.
+// data-parallel buckets follow it. The experts' weights are not among them: expert_backward_order gives
+// those of the experts an ep rank (`ep_index`) holds, reduced over their own group.
 std::vector<ParamId> backward_order(const Config& c, int stage);
-// The number of parameters of the model (the word embedding counted once).
+std::vector<ParamId> expert_backward_order(const Config& c, int stage, int ep_index);
+// The number of parameters of the model (the word embedding counted once), and of those a token computes
+// with (a MoE layer's router and top-k experts): the two differ only with experts.
 std::int64_t parameter_count(const Config& c);
+std::int64_t active_parameter_count(const Config& c);
 
 // The training data: token `pos` of sample `sample` (each sample has seq + 1 tokens; the targets are the
 // inputs shifted by one). A pure function, so any rank makes the samples it trains on.
@@ -95,41 +112,63 @@ inline std::int64_t dropout_row(const Config& c, std::int64_t mb, std::int64_t r
 }
 
 // The bytes a model chunk keeps per micro-batch for its backward (the pre-flight estimate and the check of
-// what the run allocates both use it).
-std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head);
+// what the run allocates both use it): `layers` blocks from `first_layer` on (whose MoE layers keep what
+// their experts need), and the output layer's with `head`.
+std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head, int first_layer = 0);
+// Of that, what a MoE layer's routed tokens take (the rows it dispatched, received and computed on) when
+// every expert gets the same share of them: a run's own routing decides how many there are.
+std::int64_t routed_stash_bytes(const Config& c);
 
 class Model {
  public:
   // With context parallelism (c.cp > 1), `cp` computes attention over the group's chunks and `cp_rank`
   // says which chunks of each sequence this rank holds.
+  // With experts (c.moe()), `ep` dispatches the tokens of the MoE layers and `expert_dp` reduces and updates
+  // the weights of the experts this rank holds.
   Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, parallel::TensorParallel& tp,
-        parallel::DataParallel& dp, int cp_rank = 0, parallel::ContextParallel* cp = nullptr);
+        parallel::DataParallel& dp, int cp_rank = 0, parallel::ContextParallel* cp = nullptr,
+        parallel::ExpertParallel* ep = nullptr, parallel::DataParallel* expert_dp = nullptr);
 
   Tensor forward(const parallel::Task& t, const Tensor& in);
   Tensor backward(const parallel::Task& t, const Tensor& dout);
 
+  // The parameters the data-parallel group reduces (all but the experts'), and the experts'.
   std::vector<parallel::Param*> params();
+  std::vector<parallel::Param*> expert_params();
   // The parameters in the order a step's backward makes their gradients final: the data-parallel buckets.
   std::vector<parallel::Param*> params_in_backward_order();
-  // Parameters for the check against the reference: (kind, layer) and the parameter.
+  // Parameters for the check against the reference: (kind, layer), the parameter and the group that
+  // reduces and updates it.
   struct Named {
     int kind;
     int layer;
     parallel::Param* p;
+    const parallel::DataParallel* dp;
   };
   std::vector<Named> named_params();
 
   bool has_head() const;
   // The bytes of what a chunk keeps for the backward of a micro-batch after its forward.
   std::int64_t kept_bytes(int chunk, int mb) const;
+  // Of that, what the MoE layers keep of their routed tokens (routed_stash_bytes).
+  std::int64_t routed_bytes(int chunk, int mb) const;
   // Sum over this step's micro-batches of the loss summed over their tokens (float32 scalar, last stage).
   Tensor loss_sum;
   void start_step();
+  // With real numbers, each MoE layer's routing in this step: for every token this rank routed (its row in
+  // the one-device reference's order, sample * seq + position), its top-k experts in ascending order.
+  using TokenExperts = std::vector<std::pair<std::int64_t, std::vector<int>>>;
+  const std::map<int, TokenExperts>& routes() const { return routes_; }
 
  private:
   struct Block {
     int layer = 0;
     std::array<parallel::Param, kBlockParams> p;
+    // A MoE layer's router and this rank's experts (expert le's input weight experts[2 le], output weight
+    // experts[2 le + 1]).
+    parallel::Param router;
+    std::vector<parallel::Param> experts;
+    bool moe = false;
   };
   struct Chunk {
     std::vector<Block> blocks;
@@ -141,6 +180,7 @@ class Model {
   struct BlockActs {
     Tensor x, mean1, rstd1, y1, qkv, out, lse, probs, x1, mean2, rstd2, y2, u, g;
     Tensor y1_scales, y2_scales, g_scales, out8, out8_scales;
+    parallel::ExpertParallel::Kept moe;  // a MoE layer's routing and its experts' activations
   };
   struct HeadActs {
     Tensor x, mean, rstd, y, logits, row_max, stats;
@@ -149,7 +189,17 @@ class Model {
     std::vector<BlockActs> blocks;
     HeadActs head;
   };
-  using Weights = std::array<Tensor, kBlockParams>;
+  // A block's weights as its GEMMs read them (zero 3: gathered).
+  struct Weights {
+    std::array<Tensor, kBlockParams> dense;
+    Tensor router;
+    std::vector<Tensor> w_in, w_out;  // a MoE layer's experts
+    const Tensor& operator[](int k) const { return dense[k]; }
+  };
+  struct GatheredBlock {
+    parallel::DataParallel::GatheredUnit dense, experts;
+    bool moe = false;
+  };
 
   // `layer` and `mb` (this rank's micro-batch) place the block's dropout masks.
   Tensor block_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
@@ -157,6 +207,12 @@ class Model {
   // The llama block's, as block_forward's and block_backward's.
   Tensor llama_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
   Tensor llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
+  // A MoE layer's MLP: y2 [local rows, h] through the router and the experts, and its backward, which adds
+  // the gradients of the router and of the experts and returns the gradient of y2.
+  // `record`: keep the routing for routes() (not when full recomputation runs the forward again).
+  Tensor moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertParallel::Kept& k, int layer, int mb,
+                     bool record);
+  Tensor moe_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dout);
   // Keeps what the linear layers' backward takes of their inputs (TensorParallel::Kept).
   static void keep_inputs(BlockActs& a, const parallel::TensorParallel::Kept& y1,
                           const parallel::TensorParallel::Kept& out, const parallel::TensorParallel::Kept& y2,
@@ -175,11 +231,13 @@ class Model {
   void embed_backward(int mb, const Tensor& dx, bool last);
   void head_forward(int mb, const Tensor& x, HeadActs& h);
   Tensor head_backward(int mb, HeadActs& h, bool last);
-  // A block's parameters, in the order zero 2 and 3 hold them in the block's unit.
+  // A block's parameters, in the order zero 2 and 3 hold them in the block's unit: those the data-parallel
+  // group reduces, and its experts'.
   std::vector<parallel::Param*> block_param_list(Block& b) const;
-  parallel::DataParallel::GatheredUnit gather(Block& b);
+  std::vector<parallel::Param*> expert_param_list(Block& b);
+  GatheredBlock gather(Block& b);
   parallel::Param& param(ParamId id);
-  Weights get(parallel::DataParallel::GatheredUnit& g);
+  Weights get(GatheredBlock& g);
 
   Rank& r_;
   Config c_;
@@ -187,6 +245,8 @@ class Model {
   parallel::TensorParallel& tp_;
   parallel::DataParallel& dp_;
   parallel::ContextParallel* cp_;  // null without context parallelism
+  parallel::ExpertParallel* ep_;
+  parallel::DataParallel* expert_dp_;  // null without experts
   std::vector<Chunk> chunks_;
   bool embedding_ = false, head_ = false;      // this rank holds the embedding, the output layer
   parallel::Param wte_, wpe_, lnf_g_, lnf_b_;  // wte: the embedding's copy or the head's (or both, pp = 1)
@@ -194,7 +254,8 @@ class Model {
   std::vector<Tensor> ids_, pos_ids_, targets_;
   std::vector<std::vector<Stash>> stash_;  // [chunk][micro-batch]
   std::int64_t vocab_start_ = 0;
-  int step_ = 0;  // the training step under way, from 1
+  int step_ = 0;                        // the training step under way, from 1
+  std::map<int, TokenExperts> routes_;  // by layer
 };
 
 }  // namespace ranklab::gpt

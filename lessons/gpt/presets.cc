@@ -24,6 +24,15 @@ const std::vector<Preset>& presets() {
   //   key-value heads, SwiGLU 53,248, pre-trained at context 8192 with batches of 16M tokens (2,048
   //   sequences). Its rope_theta is 500,000; the long-context frequency scaling of 3.1's rope_scaling
   //   changes the numbers, not the cost, and is left out.
+  // The mixtures of experts, from their config.json (num_local_experts, num_experts_per_tok,
+  // intermediate_size of each expert) with every layer MoE:
+  //   Mixtral 8x7B and 8x22B (Jiang et al. 2024, "Mixtral of Experts"; huggingface.co/mistralai
+  //   Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1): 8 experts, top 2, rope_theta 1e6. The paper gives no
+  //   sequence length or batch for training: 4096 and 4M tokens (1,024 sequences) are this preset's choice.
+  //   Qwen3-30B-A3B and Qwen3-235B-A22B (huggingface.co/Qwen, config.json): 128 experts, top 8, heads of 128
+  //   features that do not divide the hidden size (32 x 128 in 2048, 64 x 128 in 4096); a head width of its
+  //   own is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json): multi-head latent
+  //   attention and a multi-token prediction head, neither built: it refuses too.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -46,6 +55,21 @@ const std::vector<Preset>& presets() {
        "Meta-Llama-3-70B config.json; Dubey et al. 2024, Table 3", 8, 28672, 500000},
       {"llama3.1-405b", 126, 16384, 128, 8192, 128256, 2048,
        "Meta-Llama-3.1-405B config.json; Dubey et al. 2024, Table 3 (16M tokens)", 8, 53248, 500000},
+      {"mixtral-8x7b", 32, 4096, 32, 4096, 32000, 1024,
+       "Mixtral-8x7B-v0.1 config.json; Jiang et al. 2024 (4M tokens: this preset's choice)", 8, 14336, 1e6, 8,
+       2},
+      {"mixtral-8x22b", 56, 6144, 48, 4096, 32768, 1024,
+       "Mixtral-8x22B-v0.1 config.json (4M tokens: this preset's choice)", 8, 16384, 1e6, 8, 2},
+      {"qwen3-30b-a3b", 48, 2048, 32, 4096, 151936, 1024, "Qwen3-30B-A3B config.json", 4, 768, 1e6, 128, 8,
+       "its 32 heads of 128 features (4096) differ from its hidden size 2048; a head width of its own "
+       "(head_dim) is not built"},
+      {"qwen3-235b-a22b", 94, 4096, 64, 4096, 151936, 1024, "Qwen3-235B-A22B config.json", 4, 1536, 1e6, 128,
+       8,
+       "its 64 heads of 128 features (8192) differ from its hidden size 4096; a head width of its own "
+       "(head_dim) is not built"},
+      {"deepseek-v3", 61, 7168, 128, 4096, 129280, 1024, "DeepSeek-V3 config.json", 128, 2048, 10000, 256, 8,
+       "multi-head latent attention, sigmoid routing with a bias and the multi-token prediction head are not "
+       "built"},
   };
   return all;
 }
@@ -63,6 +87,10 @@ const Preset& find_preset(const std::string& name) {
 Settings preset_settings(const std::string& name) {
   if (name.empty()) return {};
   const Preset& p = find_preset(name);
+  if (!p.missing.empty()) {
+    throw UsageError(fmt::format("--model {}: {} ({}); ranklab refuses it rather than approximate it", name,
+                                 p.missing, p.source));
+  }
   auto text = [](std::int64_t v) { return std::to_string(v); };
   Settings out = {{"block", p.kv_heads > 0 ? "llama" : "gpt"},
                   {"layers", text(p.layers)},
@@ -76,6 +104,10 @@ Settings preset_settings(const std::string& name) {
     out["kv-heads"] = text(p.kv_heads);
     out["ffn-hidden"] = text(p.ffn_hidden);
     out["rope-theta"] = fmt::format("{}", p.rope_theta);
+  }
+  if (p.experts > 0) {
+    out["experts"] = text(p.experts);
+    out["top-k"] = text(p.top_k);
   }
   return out;
 }

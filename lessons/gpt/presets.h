@@ -19,6 +19,11 @@ struct Preset {
   int kv_heads = 0;
   std::int64_t ffn_hidden = 0;
   double rope_theta = 0;
+  // A mixture of experts' (0 experts: dense): every layer MoE, each expert ffn_hidden wide.
+  int experts = 0, top_k = 0;
+  // Why the preset cannot be run as published, where ranklab lacks a part of the model: the preset refuses
+  // with this instead of approximating it.
+  std::string missing = {};
 };
 const std::vector<Preset>& presets();
 // The preset called `name`, or UsageError listing them.

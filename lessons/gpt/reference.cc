@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
+#include <numeric>
 #include <string>
 
 #include "common/random.h"
@@ -14,6 +16,18 @@ namespace ranklab::gpt {
 
 namespace {
 using Vec = std::vector<double>;
+
+// Half the distance between 1 and the next number of `t`: the largest relative rounding error.
+double unit_roundoff(DType t) {
+  switch (t) {
+    case DType::BFloat16:
+      return 0x1p-8;
+    case DType::Float16:
+      return 0x1p-11;
+    default:
+      return 0x1p-24;
+  }
+}
 
 // y[n, k] = x[n, m] @ w[m, k] (+ b)
 Vec mm(const Vec& x, const Vec& w, std::int64_t n, std::int64_t m, std::int64_t k) {
@@ -144,6 +158,11 @@ struct BlockActs {
   Vec qkv, att;            // qkv's output (llama: rotated); attention's, the heads side by side
   std::vector<Vec> probs;  // attention's probabilities per (sample, head): S x S, causal
   Vec u, g;                // fc1's output and its gelu (llama: w13's and its swiglu)
+  // A MoE layer: each token's top-k experts and gates, and per route (token-major, k per token) the
+  // expert's w_in output, its activation and the expert's output.
+  std::vector<int> chosen;
+  Vec gates;
+  std::vector<Vec> route_u, route_g, route_out;
 };
 
 // The reference's training run: the sizes in the notation of the comments, the parameters with Adam's
@@ -152,13 +171,18 @@ struct BlockActs {
 class Training {
  public:
   // At the initial values (the seeded ones the lesson starts from too), or at `start`.
-  explicit Training(const Config& c, const Reference::State* start = nullptr);
+  // `routes`: the run's routing (Reference::step).
+  explicit Training(const Config& c, const Reference::State* start = nullptr,
+                    const Reference::Routes* routes = nullptr);
   // Returns the step's loss (the mean over its tokens, before the update) and leaves its gradients in `g`.
   double step(int step, std::vector<Vec>& g);
   Reference::State state() const { return {w_, m_, v_}; }
+  const Reference::RoutingAgreement& routing() const { return routing_; }
 
  private:
   const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
+  // A MoE layer's router (kind kRouterKind) or expert weight (expert_kind).
+  int moe_index(int layer, int kind) const { return moe_ + layer * (1 + 2 * E_) + (kind - kRouterKind); }
   const Vec& other_weight(OtherParam k) const { return w_[other_ + k]; }
 
   // ---- forward
@@ -174,6 +198,17 @@ class Training {
   }
   void attention(BlockActs& a) const;
   void attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const;
+  // A MoE layer's MLP on y [n, h]: each token's top-k experts by the router's logits, their outputs weighted
+  // by the softmax over the chosen logits; its backward adds the router's and the experts' gradients.
+  Vec moe_forward(int layer, const Vec& y, BlockActs& a) const;
+  Vec moe_backward(int layer, const Vec& y, const BlockActs& a, const Vec& dout, std::vector<Vec>& g) const;
+  // Token t's experts as the run chose them (`chosen`, k of them) against the reference's `order` of its
+  // logits `l`: each chosen expert's logit at least the k-th largest less the run's rounding bound.
+  void judge_route(int layer, std::int64_t t, const Vec& y, const double* l, const std::vector<int>& order,
+                   const int* chosen) const;
+  // An expert's activation (gelu, or llama's swiglu of adjacent pairs) and its backward.
+  Vec expert_act(const Vec& u) const;
+  Vec expert_act_backward(const Vec& u, const Vec& dg) const;
   // The loss summed over the tokens; `dlogits` becomes the loss's gradient by the logits (of the mean).
   double head_forward(const Norm& lnf, Vec& dlogits) const;
   // The residual dropout at `site` (0 after attention, 1 after the MLP) of `layer`, on a [n, h] branch or
@@ -197,15 +232,20 @@ class Training {
   // heads, q heads per key-value head, qkv's columns, the MLP's width; the block's parameters
   const std::int64_t B, S, h, V, H, hd, n, L, G, per_, qkv_cols_, F;
   const int nb_;
-  const double scale_;  // attention's 1 / sqrt(hd)
-  const int count_;     // the parameters
-  const int other_;     // the index of the first that is not a block's
+  const double scale_;     // attention's 1 / sqrt(hd)
+  const int E_, K_;        // experts and top-k (0 and 0 without)
+  const std::int64_t Fe_;  // each expert's width
+  const int other_;        // the index of the first that is not a block's
+  const int moe_;          // the index of the first MoE parameter (Reference::index)
+  const int count_;        // the parameters
   std::vector<parallel::ParamSpec> specs_;
   std::vector<Vec> w_, m_, v_;           // the parameters and Adam's two moments
   std::vector<std::int64_t> tok_, tgt_;  // the inputs and the next tokens, row = sample * S + position
+  const Reference::Routes* routes_;
+  mutable Reference::RoutingAgreement routing_;
 };
 
-Training::Training(const Config& c, const Reference::State* start)
+Training::Training(const Config& c, const Reference::State* start, const Reference::Routes* routes)
     : c_(c),
       B(c.global_batch),
       S(c.seq),
@@ -221,16 +261,27 @@ Training::Training(const Config& c, const Reference::State* start)
       F(c.ffn()),
       nb_(block_params(c)),
       scale_(1.0 / std::sqrt(static_cast<double>(hd))),
-      count_(static_cast<int>(L * nb_ + kOtherParams)),
+      E_(c.experts),
+      K_(c.moe() ? c.top_k : 0),
+      Fe_(c.moe_ffn()),
       other_(static_cast<int>(L * nb_)),
+      moe_(other_ + kOtherParams),
+      count_(static_cast<int>(moe_ + (c.moe() ? L * (1 + 2 * E_) : 0))),
       specs_(count_),
       w_(count_),
       m_(count_),
       v_(count_),
       tok_(n),
-      tgt_(n) {
-  for (int l = 0; l < L; ++l)
-    for (int k = 0; k < nb_; ++k) specs_[l * nb_ + k] = block_spec(c_, l, k);
+      tgt_(n),
+      routes_(routes) {
+  for (int l = 0; l < L; ++l) {
+    // A MoE layer's MLP parameters stay empty; its router and experts have their own.
+    for (int k = 0; k < nb_; ++k)
+      if (!(c_.moe_layer(l) && is_mlp_param(c_, k))) specs_[l * nb_ + k] = block_spec(c_, l, k);
+    if (!c_.moe_layer(l)) continue;
+    for (int kind = kRouterKind; kind <= expert_kind(E_ - 1, 1); ++kind)
+      specs_[moe_index(l, kind)] = param_spec(c_, {kind, l});
+  }
   for (int k = 0; k < kOtherParams; ++k) {
     // A parameter the block does not have stays empty.
     if (has_other(c_, static_cast<OtherParam>(k)))
@@ -303,10 +354,14 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
   Vec x1 = x;
   for (std::int64_t i = 0; i < n * h; ++i) x1[i] += proj[i];
   a.ln2 = rmsnorm(x1, W(kNorm2), n, h);
-  a.u = mm(a.ln2.y, W(kW13), n, h, 2 * F);
-  a.g.assign(n * F, 0.0);
-  for (std::int64_t i = 0; i < n * F; ++i) a.g[i] = silu(a.u[2 * i]) * a.u[2 * i + 1];
-  Vec o = mm(a.g, W(kW2), n, F, h);
+  Vec o;
+  if (c_.moe_layer(layer)) {
+    o = moe_forward(layer, a.ln2.y, a);
+  } else {
+    a.u = mm(a.ln2.y, W(kW13), n, h, 2 * F);
+    a.g = expert_act(a.u);
+    o = mm(a.g, W(kW2), n, F, h);
+  }
   drop(o, step, layer, 1);
   Vec x2 = x1;
   for (std::int64_t i = 0; i < n * h; ++i) x2[i] += o[i];
@@ -352,12 +407,16 @@ Vec Training::block_forward(int step, int layer, const Vec& x, BlockActs& a) con
   for (std::int64_t i = 0; i < n * h; ++i) x1[i] += proj[i];
 
   a.ln2 = layernorm(x1, W(kLn2G), W(kLn2B), n, h);
-  a.u = mm(a.ln2.y, W(kFc1W), n, h, 4 * h);
-  add_bias(a.u, W(kFc1B), n);
-  a.g = a.u;
-  for (double& e : a.g) e = gelu(e);
-  Vec o = mm(a.g, W(kFc2W), n, 4 * h, h);
-  add_bias(o, W(kFc2B), n);
+  Vec o;
+  if (c_.moe_layer(layer)) {
+    o = moe_forward(layer, a.ln2.y, a);
+  } else {
+    a.u = mm(a.ln2.y, W(kFc1W), n, h, 4 * h);
+    add_bias(a.u, W(kFc1B), n);
+    a.g = expert_act(a.u);
+    o = mm(a.g, W(kFc2W), n, 4 * h, h);
+    add_bias(o, W(kFc2B), n);
+  }
   drop(o, step, layer, 1);
   Vec x2 = x1;
   for (std::int64_t i = 0; i < n * h; ++i) x2[i] += o[i];
@@ -434,6 +493,142 @@ void Training::drop(Vec& branch, int step, int layer, int site) const {
   }
 }
 
+// gelu(u), or for the llama block silu(u[2i]) u[2i + 1]
+Vec Training::expert_act(const Vec& u) const {
+  if (!c_.llama()) {
+    Vec g = u;
+    for (double& e : g) e = gelu(e);
+    return g;
+  }
+  Vec g(u.size() / 2);
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = silu(u[2 * i]) * u[2 * i + 1];
+  return g;
+}
+
+Vec Training::expert_act_backward(const Vec& u, const Vec& dg) const {
+  Vec du(u.size());
+  if (!c_.llama()) {
+    for (std::size_t i = 0; i < u.size(); ++i) du[i] = dg[i] * gelu_grad(u[i]);
+    return du;
+  }
+  for (std::size_t i = 0; i < dg.size(); ++i) {
+    du[2 * i] = dg[i] * u[2 * i + 1] * silu_grad(u[2 * i]);
+    du[2 * i + 1] = dg[i] * silu(u[2 * i]);
+  }
+  return du;
+}
+
+Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
+  const Vec logits = mm(y, w_[moe_index(layer, kRouterKind)], n, h, E_);
+  const std::int64_t win = c_.llama() ? 2 * Fe_ : Fe_;
+  a.chosen.assign(n * K_, 0);
+  a.gates.assign(n * K_, 0.0);
+  a.route_u.assign(n * K_, Vec());
+  a.route_g.assign(n * K_, Vec());
+  a.route_out.assign(n * K_, Vec());
+  Vec out(n * h, 0.0);
+  std::vector<int> order(E_);
+  const std::vector<int>* given =
+      routes_ != nullptr && !(*routes_)[layer].empty() ? &(*routes_)[layer] : nullptr;
+  for (std::int64_t t = 0; t < n; ++t) {
+    const double* l = &logits[t * E_];
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int i, int j) { return l[i] > l[j]; });
+    if (given != nullptr) {
+      judge_route(layer, t, y, l, order, &(*given)[t * K_]);
+      std::copy(given->begin() + t * K_, given->begin() + (t + 1) * K_, order.begin());
+    }
+    double top = -INFINITY, sum = 0;
+    for (int j = 0; j < K_; ++j) top = std::max(top, l[order[j]]);
+    for (int j = 0; j < K_; ++j) sum += std::exp(l[order[j]] - top);
+    const Vec row(y.begin() + t * h, y.begin() + (t + 1) * h);
+    for (int j = 0; j < K_; ++j) {
+      const std::int64_t at = t * K_ + j;
+      const int e = order[j];
+      a.chosen[at] = e;
+      a.gates[at] = std::exp(l[e] - top) / sum;
+      a.route_u[at] = mm(row, w_[moe_index(layer, expert_kind(e, 0))], 1, h, win);
+      a.route_g[at] = expert_act(a.route_u[at]);
+      a.route_out[at] = mm(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], 1, Fe_, h);
+      for (std::int64_t d = 0; d < h; ++d) out[t * h + d] += a.gates[at] * a.route_out[at][d];
+    }
+  }
+  return out;
+}
+
+Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Vec& dout,
+                           std::vector<Vec>& g) const {
+  const std::int64_t win = c_.llama() ? 2 * Fe_ : Fe_;
+  Vec dy(n * h, 0.0), dlogits(n * E_, 0.0);
+  for (std::int64_t t = 0; t < n; ++t) {
+    const Vec row(y.begin() + t * h, y.begin() + (t + 1) * h);
+    const Vec dout_t(dout.begin() + t * h, dout.begin() + (t + 1) * h);
+    Vec dgate(K_, 0.0);
+    double weighted = 0;
+    for (int j = 0; j < K_; ++j) {
+      const std::int64_t at = t * K_ + j;
+      const int e = a.chosen[at];
+      for (std::int64_t d = 0; d < h; ++d) dgate[j] += dout_t[d] * a.route_out[at][d];
+      weighted += a.gates[at] * dgate[j];
+      Vec dexpert(h);
+      for (std::int64_t d = 0; d < h; ++d) dexpert[d] = a.gates[at] * dout_t[d];
+      Vec dg(Fe_);
+      mm_backward(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], dexpert, 1, Fe_, h,
+                  g[moe_index(layer, expert_kind(e, 1))], &dg);
+      const Vec du = expert_act_backward(a.route_u[at], dg);
+      Vec drow(h);
+      mm_backward(row, w_[moe_index(layer, expert_kind(e, 0))], du, 1, h, win,
+                  g[moe_index(layer, expert_kind(e, 0))], &drow);
+      for (std::int64_t d = 0; d < h; ++d) dy[t * h + d] += drow[d];
+    }
+    // The softmax over the chosen logits: d l_e = gate_e (dgate_e - sum_j gate_j dgate_j).
+    for (int j = 0; j < K_; ++j) {
+      const std::int64_t at = t * K_ + j;
+      dlogits[t * E_ + a.chosen[at]] = a.gates[at] * (dgate[j] - weighted);
+    }
+  }
+  Vec drouter_dy(n * h);
+  mm_backward(y, w_[moe_index(layer, kRouterKind)], dlogits, n, h, E_, g[moe_index(layer, kRouterKind)],
+              &drouter_dy);
+  for (std::int64_t i = 0; i < n * h; ++i) dy[i] += drouter_dy[i];
+  return dy;
+}
+
+void Training::judge_route(int layer, std::int64_t t, const Vec& y, const double* l,
+                           const std::vector<int>& order, const int* chosen) const {
+  ++routing_.tokens;
+  std::vector<int> mine(order.begin(), order.begin() + K_), theirs(chosen, chosen + K_);
+  std::sort(mine.begin(), mine.end());
+  std::sort(theirs.begin(), theirs.end());
+  if (mine == theirs) return;
+  // The run's logit of an expert is off by its rounding of y (and of the router's column): a dot product
+  // of h terms each off by up to a unit roundoff, independently, is off by about u |y| |w| / sqrt(h); 16
+  // of that covers the activations' rounding through the layers before.
+  const Vec& router = w_[moe_index(layer, kRouterKind)];
+  double y_norm = 0, w_norm = 0;
+  for (std::int64_t d = 0; d < h; ++d) y_norm += y[t * h + d] * y[t * h + d];
+  for (int e = 0; e < E_; ++e) {
+    double col = 0;
+    for (std::int64_t d = 0; d < h; ++d) col += router[d * E_ + e] * router[d * E_ + e];
+    w_norm = std::max(w_norm, col);
+  }
+  const double bound = 16 * unit_roundoff(c_.dtype) * std::sqrt(y_norm * w_norm / static_cast<double>(h));
+  const double kth = l[order[K_ - 1]];
+  double worst = INFINITY;
+  int worst_expert = theirs[0];
+  for (int e : theirs) {
+    if (l[e] < worst) worst = l[e], worst_expert = e;
+  }
+  const bool decisive = kth - worst > bound;
+  (decisive ? routing_.decisive : routing_.close_calls) += 1;
+  if (decisive || routing_.decisive == 0) {
+    routing_.where = fmt::format(
+        "layer {} token {} (sample {}, position {}): the run chose expert {} with logit {:.6g}, {:.3g} below "
+        "the smallest of one device's top {} ({:.6g}); its rounding allows {:.3g}",
+        layer, t, t / S, t % S, worst_expert, worst, kth - worst, K_, kth, bound);
+  }
+}
+
 // ---- backward
 
 Vec Training::head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const {
@@ -462,13 +657,17 @@ Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec&
   // the MLP
   Vec dout = dx;
   drop(dout, step, layer, 1);
-  bias_backward(dout, n, G(kFc2B));
-  Vec dg(n * 4 * h);
-  mm_backward(a.g, W(kFc2W), dout, n, 4 * h, h, G(kFc2W), &dg);
-  for (std::int64_t i = 0; i < n * 4 * h; ++i) dg[i] *= gelu_grad(a.u[i]);
-  bias_backward(dg, n, G(kFc1B));
   Vec dy2(n * h);
-  mm_backward(a.ln2.y, W(kFc1W), dg, n, h, 4 * h, G(kFc1W), &dy2);
+  if (c_.moe_layer(layer)) {
+    dy2 = moe_backward(layer, a.ln2.y, a, dout, g);
+  } else {
+    bias_backward(dout, n, G(kFc2B));
+    Vec dg(n * 4 * h);
+    mm_backward(a.g, W(kFc2W), dout, n, 4 * h, h, G(kFc2W), &dg);
+    const Vec du = expert_act_backward(a.u, dg);
+    bias_backward(du, n, G(kFc1B));
+    mm_backward(a.ln2.y, W(kFc1W), du, n, h, 4 * h, G(kFc1W), &dy2);
+  }
   Vec dx1 = layernorm_backward(a.ln2, W(kLn2G), dy2, n, h, G(kLn2G), G(kLn2B));
   for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
 
@@ -495,16 +694,15 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   // the MLP
   Vec dout = dx;
   drop(dout, step, layer, 1);
-  Vec dg(n * F);
-  mm_backward(a.g, W(kW2), dout, n, F, h, Gr(kW2), &dg);
-  Vec du(n * 2 * F);
-  for (std::int64_t i = 0; i < n * F; ++i) {
-    const double ga = a.u[2 * i], gb = a.u[2 * i + 1];
-    du[2 * i] = dg[i] * gb * silu_grad(ga);
-    du[2 * i + 1] = dg[i] * silu(ga);
-  }
   Vec dy2(n * h);
-  mm_backward(a.ln2.y, W(kW13), du, n, h, 2 * F, Gr(kW13), &dy2);
+  if (c_.moe_layer(layer)) {
+    dy2 = moe_backward(layer, a.ln2.y, a, dout, g);
+  } else {
+    Vec dg(n * F);
+    mm_backward(a.g, W(kW2), dout, n, F, h, Gr(kW2), &dg);
+    const Vec du = expert_act_backward(a.u, dg);
+    mm_backward(a.ln2.y, W(kW13), du, n, h, 2 * F, Gr(kW13), &dy2);
+  }
   Vec dx1 = rmsnorm_backward(a.ln2, W(kNorm2), dy2, n, h, Gr(kNorm2));
   for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
   // attention
@@ -595,14 +793,17 @@ Reference::Reference(const Config& cfg) : c_(cfg) {
   initial_ = Training(c_).state();
 }
 
-void Reference::step(int step, const State* from) {
+void Reference::step(int step, const State* from, const Routes* routes) {
   std::lock_guard<std::mutex> lock(mu_);
   const State& start = from ? *from : initial_;
-  if (step == step_ && start == from_) return;
-  Training run(c_, &start);
+  const Routes none;
+  if (step == step_ && start == from_ && (routes ? *routes : none) == routes_) return;
+  Training run(c_, &start, routes);
   const double loss = run.step(step, grads_);
   from_ = start;
   after_ = run.state();
+  routes_ = routes ? *routes : none;
+  routing_ = run.routing();
   step_ = step;
   losses_.resize(step);
   losses_[step - 1] = loss;
@@ -610,6 +811,8 @@ void Reference::step(int step, const State* from) {
 
 int Reference::index(int kind, int layer) const {
   const int nb = block_params(c_);
+  if (kind >= kRouterKind)
+    return c_.layers * nb + kOtherParams + layer * (1 + 2 * c_.experts) + (kind - kRouterKind);
   return kind < kBlockParams ? layer * nb + kind : c_.layers * nb + (kind - kBlockParams);
 }
 

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "lessons/gpt/config.h"
@@ -23,6 +24,17 @@ class Reference {
     bool operator==(const State&) const = default;
   };
 
+  // A MoE model's routing as the run chose it: per layer every token's top-k experts (row-major, tokens in
+  // the reference's order, k each); empty for a dense layer.
+  using Routes = std::vector<std::vector<int>>;
+  // How the run's routing agrees with the reference's own top-k. A route is a discrete choice: where two
+  // experts' logits lie within the run's rounding of each other, either is right, and a 16-bit run often
+  // takes the other one (a close call). A choice outside that bound is a wrong route (decisive).
+  struct RoutingAgreement {
+    std::int64_t tokens = 0, close_calls = 0, decisive = 0;
+    std::string where;  // the worst wrong route, or the closest call
+  };
+
   explicit Reference(const Config& c);
   // The reference for `c`'s model, data and optimizer, shared by the ranks of a run (made on first use).
   static std::shared_ptr<Reference> get(const Config& c);
@@ -32,7 +44,11 @@ class Reference {
   // state, not from the reference's previous step: training amplifies differences, and a correct 16-bit
   // run drifts from an exact trajectory step by step, while from the same start one step differs by its
   // roundings only. Every rank asks for the same step from the same state; it is computed once.
-  void step(int step, const State* from);
+  // With `routes`, the MoE layers send each token to the run's experts (its gates the reference's own
+  // softmax over them), so that a close call the run took the other way does not make every gradient
+  // downstream differ; routing() says whether the run's choices are the reference's.
+  void step(int step, const State* from, const Routes* routes = nullptr);
+  const RoutingAgreement& routing() const { return routing_; }
   // The mean over the step's tokens, before its update, of every step so far.
   double loss(int step) const { return losses_[step - 1]; }
   // Of the last step; kind: a BlockParam, or kBlockParams + an OtherParam (then layer is -1). Full tensors,
@@ -51,6 +67,8 @@ class Reference {
   int step_ = 0;  // the step from_, after_ and grads_ are of
   std::vector<std::vector<double>> grads_;
   std::vector<double> losses_;
+  Routes routes_;
+  RoutingAgreement routing_;
   std::mutex mu_;
 };
 

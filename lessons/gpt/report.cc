@@ -41,12 +41,17 @@ void each_shown_stage(Rank& r, int stages, const std::string& indent, const Line
   }
 }
 
-// The model's parameters: "175B", "1.3B", "85.3M".
+// The model's parameters: "175B", "1.3B", "85.3M"; with experts also the active ones, "46.7B (12.9B
+// active)".
 std::string parameters(const Config& c) {
-  const double n = static_cast<double>(parameter_count(c));
-  return n >= 1e9   ? fmt::format("{:.3g}B", n / 1e9)
-         : n >= 1e6 ? fmt::format("{:.3g}M", n / 1e6)
-                    : fmt::format("{:.0f}", n);
+  auto count = [](double n) {
+    return n >= 1e9   ? fmt::format("{:.3g}B", n / 1e9)
+           : n >= 1e6 ? fmt::format("{:.3g}M", n / 1e6)
+                      : fmt::format("{:.0f}", n);
+  };
+  const std::string all = count(static_cast<double>(parameter_count(c)));
+  if (!c.moe()) return all;
+  return fmt::format("{} ({} active)", all, count(static_cast<double>(active_parameter_count(c))));
 }
 
 // The device's dense peak for the run's dtype; 0 when the profile has none. FP8 runs are measured against
@@ -120,8 +125,12 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
     for (const std::string& line : parallel::describe_groups(layout, r.profile().gpus_per_node))
       r.print(line);
   }
-  const char* formula = c.llama() ? "6 B s (L (h (a + 2 g) d + a d h + 3 h f + 2 s a d) + h V)"
+  std::string formula = c.llama() ? "6 B s (L (h (a + 2 g) d + a d h + 3 h f + 2 s a d) + h V)"
                                   : "72 B s L h^2 (1 + s/(6h) + V/(12hL))";
+  if (c.moe()) {
+    formula += fmt::format(", each of the {} MoE layers with h E + k {} h f_e in place of {}",
+                           c.moe_layer_count(), c.llama() ? 3 : 2, c.llama() ? "3 h f" : "8 h^2");
+  }
   r.print(fmt::format("FLOPs per step: model {} = {:.4g} PFLOP; hardware (with recompute {}) {:.4g} PFLOP",
                       formula, flops.model / 1e15, recompute_name(c.recompute), flops.hardware / 1e15));
   r.print(fmt::format("memory per rank, estimated before allocating (device {}):",
@@ -209,10 +218,11 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
   auto at = [&](parallel::Dim d) { return human_time(exposed[static_cast<int>(d)]); };
   r.print(
       fmt::format("  exposed communication (the compute stream waiting, mean per rank of replica 0): tp {}  "
-                  "sp {}  {}pp {} "
+                  "sp {}  {}{}pp {} "
                   "(receives include the bubble)  dp {}",
                   at(parallel::Dim::Tp), at(parallel::Dim::Sp),
-                  c.cp > 1 ? fmt::format("cp {}  ", at(parallel::Dim::Cp)) : "", at(parallel::Dim::Pp),
+                  c.cp > 1 ? fmt::format("cp {}  ", at(parallel::Dim::Cp)) : "",
+                  c.moe() ? fmt::format("ep {}  ", at(parallel::Dim::Ep)) : "", at(parallel::Dim::Pp),
                   at(parallel::Dim::Dp)));
   std::string parts;
   for (int d = 0; d < parallel::kDims; ++d) {

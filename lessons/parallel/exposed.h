@@ -27,9 +27,9 @@
 
 namespace ranklab::parallel {
 
-enum class Dim { Tp, Sp, Cp, Pp, Dp };
-inline constexpr int kDims = 5;
-inline constexpr const char* kDimNames[kDims] = {"tp", "sp", "cp", "pp", "dp"};
+enum class Dim { Tp, Sp, Cp, Pp, Dp, Ep };
+inline constexpr int kDims = 6;
+inline constexpr const char* kDimNames[kDims] = {"tp", "sp", "cp", "pp", "dp", "ep"};
 
 class ExposedComm {
  public:

@@ -167,7 +167,29 @@ Groups make_groups(Rank& r, const Layout& layout) {
       g.dp_cp_index = static_cast<int>(std::find(ranks.begin(), ranks.end(), r.rank()) - ranks.begin());
     });
   }
+  if (layout.ep > 0) make_expert_groups(r, layout, g);
   return g;
+}
+
+void make_expert_groups(Rank& r, const Layout& layout, Groups& g) {
+  // A stage's tp x cp x dp ranks, tp fastest: ep consecutive ones hold all the experts (an ep group), and
+  // the ranks that hold the same experts (every ep-th) reduce their gradients (an edp group).
+  const int ep = layout.ep;
+  each_group(layout, g.me, {kDp, kCp, kTp}, [&](const std::vector<int>& stage, bool mine) {
+    const int n = static_cast<int>(stage.size());
+    const int at = static_cast<int>(std::find(stage.begin(), stage.end(), r.rank()) - stage.begin());
+    for (int first = 0; first < n; first += ep) {
+      const std::vector<int> ranks(stage.begin() + first, stage.begin() + first + ep);
+      Group grp = r.new_group(ranks);
+      if (mine && at / ep == first / ep) g.ep = grp, g.ep_ranks = ranks, g.ep_index = at % ep;
+    }
+    for (int lane = 0; lane < ep; ++lane) {
+      std::vector<int> ranks;
+      for (int i = lane; i < n; i += ep) ranks.push_back(stage[i]);
+      Group grp = r.new_group(ranks);
+      if (mine && at % ep == lane) g.edp = grp, g.edp_size = n / ep, g.edp_index = at / ep;
+    }
+  });
 }
 
 namespace {

@@ -23,6 +23,9 @@ struct Layout {
   int tp = 1, pp = 1, dp = 1;
   std::string order = "tp-dp-pp";  // innermost first; "cp" may be named, else it follows tp
   int cp = 1;
+  // Expert parallelism: 0 makes no expert groups; ep >= 1 splits each stage's tp x cp x dp ranks (tp
+  // fastest) into groups of ep consecutive ones, which hold the experts between them (Groups::ep).
+  int ep = 0;
 
   int world() const { return tp * cp * pp * dp; }
   // The dimensions innermost first: "tp", "dp", "pp" in the order's places, and "cp" in its place when the
@@ -68,8 +71,16 @@ struct Groups {
   // word embedding that the output layer shares, and add up its gradient (Megatron's embedding group).
   Group embedding;
   std::vector<int> tp_ranks, dp_ranks, pp_ranks;
+  // With Layout::ep: the expert-parallel group (ep ranks of the stage that hold all of its experts) and the
+  // expert-data-parallel group (the ranks that hold the same experts as this one, which reduce their
+  // gradients), Megatron-Core's expert grid with an expert tensor-parallel size of 1.
+  Group ep, edp;
+  std::vector<int> ep_ranks;
+  int ep_index = 0, edp_index = 0, edp_size = 1;
 };
 Groups make_groups(Rank& r, const Layout& layout);
+// The expert groups of `g` (make_groups makes them when layout.ep > 0).
+void make_expert_groups(Rank& r, const Layout& layout, Groups& g);
 
 // "tp groups {0..7} {8..15} ...": a few lines saying which ranks form which groups, and whether each
 // tp group stays within a node.

@@ -1,0 +1,247 @@
+#include "lessons/parallel/expert_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common/errors.h"
+
+namespace ranklab::parallel {
+
+// ---- the layer
+// ---------------------------------------------------------------------------------------------
+
+Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
+                               const std::vector<Tensor>& w_out, Kept& k) {
+  // 1. Route: the router's GEMM on the device, each token's top-k on the host.
+  k.routing = route(r.matmul(x, router));
+  // 2-5. Permute the routed rows into dispatch order, exchange the counts, send each row to its expert's
+  // rank, and sort what arrives by local expert.
+  plan_exchange(k);
+  k.sorted = dispatch(r.gather_rows(x, k.index, Tensor()), k);
+  // 6. The experts, each on its rows: a popular expert computes longer while the others wait.
+  const std::int64_t h = x.size(1);
+  Tensor out = buffer(r, phantom, Shape{k.sorted.size(0), h}, x.dtype());
+  k.u.assign(local_experts(), Tensor());
+  k.g.assign(local_experts(), Tensor());
+  for (int le = 0; le < local_experts(); ++le) {
+    if (k.expert_rows[le] == 0) continue;
+    k.u[le] = r.matmul(expert_rows(k.sorted, k, le), w_in[le]);
+    k.g[le] = swiglu ? r.swiglu(k.u[le]) : r.gelu(k.u[le]);
+    r.matmul_(expert_rows(out, k, le), k.g[le], w_out[le], Trans::No, Trans::No);
+  }
+  // 7. Back to the ranks the rows came from, then each token's routes weighted by their gates and summed.
+  k.back = combine(out, k);
+  const Tensor gates = broken == "moe-combine-without-gates" ? Tensor() : k.gates;
+  return r.scatter_add_rows(k.back, k.index, gates, x.size(0));
+}
+
+ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x, const Tensor& router,
+                                               const std::vector<Tensor>& w_in,
+                                               const std::vector<Tensor>& w_out, Kept& k) {
+  Grads g;
+  // The combine's backward: each route's output gradient is its token's, times its gate; the gate's own
+  // gradient is that token's gradient dotted with the route's output.
+  const Tensor dgates = r.row_dots(r.gather_rows(dy, k.index, Tensor()), k.back);
+  Tensor dsorted = dispatch(r.gather_rows(dy, k.index, k.gates), k);
+  // The experts' backward, each writing its input gradient in place.
+  Tensor dx_sorted = buffer(r, phantom, dsorted.shape(), dsorted.dtype());
+  for (int le = 0; le < local_experts(); ++le) {
+    if (k.expert_rows[le] == 0) {
+      g.dw_in.push_back(zeros(r, phantom, w_in[le].shape(), DType::Float32));
+      g.dw_out.push_back(zeros(r, phantom, w_out[le].shape(), DType::Float32));
+      continue;
+    }
+    const Tensor dye = expert_rows(dsorted, k, le), xe = expert_rows(k.sorted, k, le);
+    g.dw_out.push_back(r.matmul(k.g[le], dye, Trans::Yes, Trans::No));
+    const Tensor dact = r.matmul(dye, w_out[le], Trans::No, Trans::Yes);
+    const Tensor du = swiglu ? r.swiglu_backward(dact, k.u[le]) : r.gelu_backward(dact, k.u[le]);
+    g.dw_in.push_back(r.matmul(xe, du, Trans::Yes, Trans::No));
+    r.matmul_(expert_rows(dx_sorted, k, le), du, w_in[le], Trans::No, Trans::Yes);
+  }
+  for (std::size_t le = 0; le < g.dw_in.size(); ++le) {
+    if (grad_scale != 1) r.scale_(g.dw_in[le], grad_scale), r.scale_(g.dw_out[le], grad_scale);
+  }
+  // Back to the routes, and each token's routes summed: the input gradient through the experts.
+  g.dx = r.scatter_add_rows(combine(dx_sorted, k), k.index, Tensor(), x.size(0));
+  // The router: d logits on the host from the gates' gradients, then its two GEMMs.
+  Tensor dlogits;
+  if (phantom) {
+    dlogits = r.phantom(Shape{x.size(0), experts}, x.dtype());
+  } else {
+    const std::vector<float> dgate_f = r.to_host(dgates);
+    const std::vector<double> dl =
+        router_logit_grads(k.routing, std::vector<double>(dgate_f.begin(), dgate_f.end()));
+    dlogits = r.from_host(Shape{x.size(0), experts}, std::vector<float>(dl.begin(), dl.end()), x.dtype());
+  }
+  g.drouter = r.matmul(x, dlogits, Trans::Yes, Trans::No);
+  r.add_(g.dx, r.matmul(dlogits, router, Trans::No, Trans::Yes), 1.0f);
+  return g;
+}
+
+// ---- routing, on the host
+// ----------------------------------------------------------------------------------
+
+Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
+                    int experts_per_rank, int owner_shift) {
+  Routing ro;
+  ro.tokens = tokens, ro.experts = experts, ro.top_k = top_k;
+  ro.per_expert.assign(experts, 0);
+  const int ranks = experts / experts_per_rank;
+  auto owner = [&](int e) { return (e / experts_per_rank + owner_shift) % ranks; };
+  struct Chosen {
+    std::int64_t token;
+    int expert;
+    double gate;
+  };
+  std::vector<Chosen> chosen;
+  chosen.reserve(tokens * top_k);
+  std::vector<int> order(experts);
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const double* l = &logits[t * experts];
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
+    if (top_k < experts) ro.closest_call = std::min(ro.closest_call, l[order[top_k - 1]] - l[order[top_k]]);
+    // The softmax over the chosen logits: the top-k of the whole softmax, normalised.
+    double sum = 0;
+    for (int j = 0; j < top_k; ++j) sum += std::exp(l[order[j]] - l[order[0]]);
+    for (int j = 0; j < top_k; ++j)
+      chosen.push_back({t, order[j], std::exp(l[order[j]] - l[order[0]]) / sum});
+  }
+  std::stable_sort(chosen.begin(), chosen.end(), [&](const Chosen& a, const Chosen& b) {
+    if (owner(a.expert) != owner(b.expert)) return owner(a.expert) < owner(b.expert);
+    return a.expert != b.expert ? a.expert < b.expert : a.token < b.token;
+  });
+  for (const Chosen& c : chosen) {
+    ro.token.push_back(c.token);
+    ro.expert.push_back(c.expert);
+    ro.gate.push_back(c.gate);
+    ++ro.per_expert[c.expert];
+  }
+  return ro;
+}
+
+Routing route_balanced(std::int64_t tokens, int experts, int top_k) {
+  Routing ro;
+  ro.tokens = tokens, ro.experts = experts, ro.top_k = top_k;
+  const std::int64_t routes = tokens * top_k;
+  ro.per_expert.assign(experts, routes / experts);
+  for (std::int64_t e = 0; e < routes % experts; ++e) ++ro.per_expert[e];
+  return ro;
+}
+
+std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate) {
+  std::vector<double> dl(ro.tokens * ro.experts, 0.0), weighted(ro.tokens, 0.0);
+  for (std::size_t i = 0; i < ro.token.size(); ++i) weighted[ro.token[i]] += ro.gate[i] * dgate[i];
+  for (std::size_t i = 0; i < ro.token.size(); ++i) {
+    dl[ro.token[i] * ro.experts + ro.expert[i]] = ro.gate[i] * (dgate[i] - weighted[ro.token[i]]);
+  }
+  return dl;
+}
+
+// ---- the exchange's bookkeeping
+// ----------------------------------------------------------------------------
+
+Routing ExpertParallel::route(const Tensor& logits) {
+  const std::int64_t tokens = logits.size(0);
+  if (phantom) {
+    r.synchronize();  // the host waits for the router, as it would to read the counts
+    return route_balanced(tokens, experts, top_k);
+  }
+  const std::vector<float> lf = r.to_host(logits);
+  const int shift = broken == "moe-wrong-expert-rank" && size() > 1 ? 1 : 0;
+  return route_top_k(std::vector<double>(lf.begin(), lf.end()), tokens, experts, top_k, local_experts(),
+                     shift);
+}
+
+void ExpertParallel::plan_exchange(Kept& k) {
+  const Routing& ro = k.routing;
+  const int ranks = size(), per = local_experts();
+  const int shift = broken == "moe-wrong-expert-rank" && ranks > 1 ? 1 : 0;
+  // This rank's routes per destination rank and local expert (the dispatch order's blocks).
+  std::vector<float> sent_counts(ranks * per, 0.0f);
+  for (int e = 0; e < experts; ++e)
+    sent_counts[((e / per + shift) % ranks) * per + e % per] += ro.per_expert[e];
+  k.sent_rows.assign(ranks, 0);
+  for (int d = 0; d < ranks; ++d)
+    for (int le = 0; le < per; ++le) k.sent_rows[d] += static_cast<std::int64_t>(sent_counts[d * per + le]);
+  // The counts every rank sends this one: exchanged (an even all_to_all), then read on the host. A phantom
+  // run's routing is balanced, every rank's the same as this one's.
+  std::vector<float> counts;  // [source rank][local expert]
+  if (ranks > 1) {
+    Tensor sent = phantom ? r.phantom(Shape{ranks * per}, DType::Float32)
+                          : r.from_host(Shape{ranks * per}, sent_counts);
+    Tensor got = buffer(r, phantom, Shape{ranks * per}, DType::Float32);
+    const Event e = exposed.before();
+    exposed.after(Dim::Ep, e, r.all_to_all(got, sent, Async::No, group));
+    counts = phantom ? std::vector<float>() : r.to_host(got);
+  }
+  if (counts.empty()) {
+    counts.resize(ranks * per);
+    for (int src = 0; src < ranks; ++src)
+      for (int le = 0; le < per; ++le) counts[src * per + le] = sent_counts[index * per + le];
+  }
+  auto count = [&](int src, int le) { return static_cast<std::int64_t>(counts[src * per + le]); };
+  k.received_rows.assign(ranks, 0);
+  std::vector<std::int64_t> src_first(ranks, 0);
+  for (int src = 0; src < ranks; ++src) {
+    for (int le = 0; le < per; ++le) k.received_rows[src] += count(src, le);
+    if (src + 1 < ranks) src_first[src + 1] = src_first[src] + k.received_rows[src];
+  }
+  // Each local expert's rows once sorted: by expert, then by source rank.
+  k.expert_first.assign(per, 0);
+  k.expert_rows.assign(per, 0);
+  for (int le = 0; le < per; ++le) {
+    for (int src = 0; src < ranks; ++src) k.expert_rows[le] += count(src, le);
+    if (le + 1 < per) k.expert_first[le + 1] = k.expert_first[le] + k.expert_rows[le];
+  }
+  const std::int64_t routes = ro.routes(), received = src_first.back() + k.received_rows.back();
+  if (phantom) {
+    k.index = r.phantom(Shape{routes}, DType::Float32);
+    k.gates = r.phantom(Shape{routes}, DType::Float32);
+    k.sort = r.phantom(Shape{received}, DType::Float32);
+    k.unsort = r.phantom(Shape{received}, DType::Float32);
+    return;
+  }
+  k.index = r.from_host(Shape{routes}, std::vector<float>(ro.token.begin(), ro.token.end()));
+  k.gates = r.from_host(Shape{routes}, std::vector<float>(ro.gate.begin(), ro.gate.end()));
+  // The sort: sorted row i is received row sort[i]; the unsort is its inverse.
+  std::vector<float> sort(received), unsort(received);
+  std::int64_t at = 0;
+  for (int le = 0; le < per; ++le) {
+    for (int src = 0; src < ranks; ++src) {
+      std::int64_t first = src_first[src];
+      for (int l = 0; l < le; ++l) first += count(src, l);
+      for (std::int64_t j = 0; j < count(src, le); ++j, ++at) {
+        sort[at] = static_cast<float>(first + j);
+        unsort[first + j] = static_cast<float>(at);
+      }
+    }
+  }
+  k.sort = r.from_host(Shape{received}, sort);
+  k.unsort = r.from_host(Shape{received}, unsort);
+}
+
+Tensor ExpertParallel::dispatch(const Tensor& rows, const Kept& k) {
+  if (size() == 1) return rows;  // the routes are already in expert order
+  Tensor received = buffer(r, phantom, Shape{k.sort.size(0), rows.size(1)}, rows.dtype());
+  const Event e = exposed.before();
+  exposed.after(Dim::Ep, e, r.all_to_all(received, rows, k.received_rows, k.sent_rows, Async::No, group));
+  return r.gather_rows(received, k.sort, Tensor());
+}
+
+Tensor ExpertParallel::combine(const Tensor& sorted_rows, const Kept& k) {
+  if (size() == 1) return sorted_rows;
+  const Tensor by_source = r.gather_rows(sorted_rows, k.unsort, Tensor());
+  Tensor back = buffer(r, phantom, Shape{k.routing.routes(), sorted_rows.size(1)}, sorted_rows.dtype());
+  const Event e = exposed.before();
+  exposed.after(Dim::Ep, e, r.all_to_all(back, by_source, k.sent_rows, k.received_rows, Async::No, group));
+  return back;
+}
+
+Tensor ExpertParallel::expert_rows(const Tensor& sorted, const Kept& k, int le) const {
+  const std::int64_t cols = sorted.size(1);
+  return r.view(sorted, k.expert_first[le] * cols, Shape{k.expert_rows[le], cols});
+}
+
+}  // namespace ranklab::parallel

@@ -1,0 +1,105 @@
+// Expert parallelism: a mixture-of-experts MLP (Shazeer et al. 2017; GShard, Lepikhin et al. 2020) whose
+// experts are spread over the ranks of an expert-parallel (ep) group, each token sent to its experts and
+// brought back by all-to-alls, as Megatron-Core's MoELayer with its all-to-all token dispatcher does it.
+//
+//   logits = x @ router                        [tokens, experts]; every rank routes its own tokens
+//   gates  = softmax over each token's top-k logits (= the top-k of the softmax, normalised: Mixtral, Qwen3)
+//   y[t]   = sum over t's top-k experts e of gates[t, e] * expert_e(x[t])
+//   expert_e(x) = act(x @ w_in[e]) @ w_out[e]  act: GELU (the gpt block) or SwiGLU (the llama block)
+//
+// Megatron-Core's expert grid with an expert tensor-parallel size of 1: the ep group is ep ranks of a
+// pipeline stage's tp x cp x dp ranks, each holding experts / ep whole experts; with sequence parallelism
+// each tensor-parallel rank routes its own tokens. Routing is dropless: an expert computes every token
+// routed to it, so the straggler expert sets the pace of the all-to-all after it.
+//
+// Gradients: an expert's weight gradient on a rank sums the contributions of every token routed to it from
+// the ep group. Averaging it over the expert-data-parallel group (the other tp cp dp / ep ranks, which hold
+// the same experts) divides by tp cp dp / ep ranks where the dense weights divide by cp dp; `grad_scale`
+// (tp / ep) makes up the difference.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/rank.h"
+#include "lessons/parallel/exposed.h"
+
+namespace ranklab::parallel {
+
+// Each token's experts and gates, on the host (the split sizes of an uneven all_to_all have to be there;
+// Megatron-Core's dispatcher copies its token counts to the host for the same reason).
+struct Routing {
+  std::int64_t tokens = 0;
+  int experts = 0, top_k = 0;
+  // The routes in the order they are dispatched: by the rank that owns the expert, then by expert, then by
+  // token. Empty with phantom tensors, where only the counts are known.
+  std::vector<std::int64_t> token;
+  std::vector<int> expert;
+  std::vector<double> gate;
+  std::vector<std::int64_t> per_expert;  // routes to each expert
+  double closest_call = INFINITY;        // the smallest gap between a chosen logit and the best unchosen one
+  std::int64_t routes() const { return tokens * top_k; }
+};
+// Top-k of each row of `logits` [tokens, experts] (row-major; the lower expert first on equal logits) and
+// the softmax over the chosen. `owner(e)` is the ep rank that holds expert e: the dispatch order.
+Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
+                    int experts_per_rank, int owner_shift = 0);
+// Every expert the same number of routes (the first ones one more where they do not divide): the routing
+// published MoE benchmarks force, and what a phantom run assumes.
+Routing route_balanced(std::int64_t tokens, int experts, int top_k);
+// d loss / d logits [tokens, experts] from d loss / d gate of each route (in the routing's order): for a
+// token's chosen experts, gate_e (dgate_e - sum over its chosen j of gate_j dgate_j); zero elsewhere.
+std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate);
+
+struct ExpertParallel {
+  Rank& r;
+  Group group;             // the ep group
+  std::vector<int> ranks;  // its global ranks, in order
+  int index = 0;           // this rank's place in it
+  int experts = 0, top_k = 1;
+  bool swiglu = false;   // the experts' activation: SwiGLU (w_in [h, 2 f]) or GELU (w_in [h, f])
+  float grad_scale = 1;  // multiplies the experts' weight gradients (tp / ep, above)
+  bool phantom = false;
+  ExposedComm& exposed;
+  std::string broken;  // moe-wrong-expert-rank, moe-combine-without-gates
+
+  int size() const { return static_cast<int>(ranks.size()); }
+  int local_experts() const { return experts / size(); }
+
+  // What a layer's forward keeps for its backward.
+  struct Kept {
+    Routing routing;
+    Tensor index, gates;       // each route's token row and gate, in dispatch order
+    Tensor sorted;             // the received rows, by local expert: the experts' inputs
+    Tensor back;               // the experts' outputs of this rank's routes, before the gates
+    std::vector<Tensor> u, g;  // each local expert's w_in output and its activation
+    std::vector<std::int64_t> sent_rows, received_rows;   // per ep rank
+    Tensor sort, unsort;                                  // the permutations between source and expert order
+    std::vector<std::int64_t> expert_first, expert_rows;  // each local expert's rows in `sorted`
+  };
+  // y [tokens, h] (the MoE MLP's output, x's dtype) from x [tokens, h]; w_in and w_out hold this rank's
+  // experts in order.
+  Tensor forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
+                 const std::vector<Tensor>& w_out, Kept& kept);
+  struct Grads {
+    Tensor dx, drouter;
+    std::vector<Tensor> dw_in, dw_out;  // scaled by grad_scale
+  };
+  Grads backward(const Tensor& dy, const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
+                 const std::vector<Tensor>& w_out, Kept& kept);
+
+ private:
+  Routing route(const Tensor& logits);
+  // The routes' rows gathered (with `gates`: weighted) in dispatch order, sent to the experts' ranks, and
+  // sorted by local expert; the reverse trip of expert-ordered rows back into route order.
+  Tensor dispatch(const Tensor& rows, const Kept& k);
+  Tensor combine(const Tensor& sorted_rows, const Kept& k);
+  // The splits and permutations of the all-to-alls, from this rank's routing and the counts every rank of the
+  // group sends it (exchanged here).
+  void plan_exchange(Kept& k);
+  Tensor expert_rows(const Tensor& sorted, const Kept& k, int le) const;
+};
+
+}  // namespace ranklab::parallel

@@ -1,0 +1,175 @@
+// The gpt lesson with mixtures of experts (--experts, --ep): the MoE layers train equal to one device with
+// the experts split over 1, 2 and 4 ranks, top-1 and top-2, in both blocks, beside tp, sp, pp and every
+// ZeRO stage; tokens sent to the wrong rank and a combine without its gates are caught; a phantom step
+// times the all-to-alls as expert-parallel communication and holds the memory the plan says; and what
+// cannot be split is refused naming the flag.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "common/errors.h"
+#include "common/lesson.h"
+#include "common/report.h"
+#include "gpt_fixture.h"
+#include "lessons/gpt/config.h"
+#include "lessons/gpt/model.h"
+#include "lessons/gpt/presets.h"
+#include "lessons/parallel/expert_parallel.h"
+#include "sim_fixture.h"
+
+namespace ranklab {
+namespace {
+
+// The tiny model with 4 experts of width 32 in every layer, in float32: a route is a discrete choice, and
+// at 16 bits a logit's rounding can swap two experts whose logits lie closer than it.
+Settings with_experts(int world, int ep, int top_k) {
+  Settings o = testing::tiny_gpt();
+  o["world"] = option_text(world);
+  o["experts"] = option_text(4);
+  o["top-k"] = option_text(top_k);
+  o["moe-ffn-hidden"] = option_text(32);
+  o["ep"] = option_text(ep);
+  o["dtype"] = "fp32";
+  return o;
+}
+
+// The lesson with --model's preset expanded, as the command line expands it.
+RunReport run_preset(const Settings& o) {
+  return testing::run_gpt(resolve_settings(find_lesson("gpt"), o, /*lecture=*/false));
+}
+
+TEST(GptMoe, ExpertsOverOneTwoAndFourRanksTrainEqualToOneDevice) {
+  for (int ep : {1, 2, 4}) {
+    for (int k : {1, 2}) {
+      const RunReport rep = testing::run_gpt(with_experts(4, ep, k));
+      EXPECT_TRUE(rep.all_checks_passed()) << "ep " << ep << " top-" << k << "\n"
+                                           << testing::failed_checks(rep);
+    }
+  }
+}
+
+TEST(GptMoe, LlamaWithTpSpPpAndEpTogetherTrainsEqualToOneDevice) {
+  for (int zero : {0, 1, 3}) {
+    Settings o = with_experts(8, 4, 2);
+    o["experts"] = option_text(8);
+    o["block"] = "llama";
+    o["kv-heads"] = option_text(2);
+    o["tp"] = option_text(2);
+    o["seq-parallel"] = option_text(true);
+    o["pp"] = option_text(2);
+    o["zero"] = option_text(zero);
+    const RunReport rep = testing::run_gpt(o);
+    EXPECT_TRUE(rep.all_checks_passed()) << "zero " << zero << "\n" << testing::failed_checks(rep);
+    ASSERT_TRUE(rep.training.has_value());
+    EXPECT_NE(rep.training->layout.find("ep 4 (2 experts each)"), std::string::npos) << rep.training->layout;
+  }
+}
+
+// Layers 0 and 2 of 4 MoE (Megatron-Core's --moe-layer-freq 2), or layers 1 on (DeepSeek-V3's dense first
+// layers), with ZeRO 2's per-micro-batch reductions.
+TEST(GptMoe, SomeLayersMoeTrainEqualToOneDevice) {
+  for (const std::string spec : {"every:2", "from:1"}) {
+    Settings o = with_experts(4, 2, 2);
+    o["moe-layers"] = spec;
+    o["zero"] = option_text(2);
+    const RunReport rep = testing::run_gpt(o);
+    EXPECT_TRUE(rep.all_checks_passed()) << spec << "\n" << testing::failed_checks(rep);
+  }
+}
+
+TEST(GptMoe, TokensAtTheWrongRankAndUngatedCombinesFailTheCheck) {
+  Settings wrong = with_experts(2, 2, 2);
+  wrong["break"] = "moe-wrong-expert-rank";
+  EXPECT_FALSE(testing::run_gpt(wrong).all_checks_passed());
+  Settings ungated = with_experts(2, 2, 2);
+  ungated["break"] = "moe-combine-without-gates";
+  EXPECT_FALSE(testing::run_gpt(ungated).all_checks_passed());
+}
+
+// A Mixtral-shaped layer at full size, phantom: the dispatch and combine are expert-parallel communication,
+// and what the step keeps is what the memory plan says.
+TEST(GptMoe, APhantomStepCommunicatesOverEpAndKeepsWhatThePlanSays) {
+  Settings o;
+  for (const auto& [k, v] : std::map<std::string, std::string>{{"model", "mixtral-8x7b"},
+                                                               {"layers", "2"},
+                                                               {"global-batch", "8"},
+                                                               {"world", "8"},
+                                                               {"ep", "8"},
+                                                               {"steps", "1"},
+                                                               {"phantom", "true"},
+                                                               {"quiet", "true"}}) {
+    o[k] = v;
+  }
+  const RunReport rep = run_preset(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  ASSERT_TRUE(rep.training.has_value());
+  EXPECT_GT(rep.training->communicated_comm_us.at("ep"), 0);
+  EXPECT_EQ(rep.training->communicated_comm_us.at("tp"), 0);
+}
+
+TEST(GptMoe, MixtralCountsItsParametersAndTheActiveOnes) {
+  gpt::Config c;
+  c.block = gpt::Block::Llama;
+  c.layers = 32, c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn_hidden = 14336, c.vocab = 32000;
+  c.experts = 8, c.top_k = 2;
+  // Mixtral 8x7B: 46.7B parameters, 12.9B of them active per token (Jiang et al. 2024, section 2).
+  EXPECT_EQ(gpt::parameter_count(c), 46'702'792'704);
+  EXPECT_EQ(gpt::active_parameter_count(c), 12'879'925'248);
+}
+
+TEST(GptMoe, RoutingPicksTheTopKAndItsGradientIsTheSoftmaxOverThem) {
+  // Two tokens, three experts, top 2 over two ranks of experts (one expert each... three do not split
+  // in two, so one rank of three).
+  const std::vector<double> logits = {0.0, 2.0, 1.0,    // token 0: experts 1 and 2
+                                      3.0, 3.0, -1.0};  // token 1: a tie goes to the lower expert
+  const parallel::Routing ro = parallel::route_top_k(logits, 2, 3, 2, 3);
+  ASSERT_EQ(ro.token.size(), 4u);
+  // Dispatch order: by expert, then token.
+  EXPECT_EQ(ro.expert, (std::vector<int>{0, 1, 1, 2}));
+  EXPECT_EQ(ro.token, (std::vector<std::int64_t>{1, 0, 1, 0}));
+  EXPECT_EQ(ro.per_expert, (std::vector<std::int64_t>{1, 2, 1}));
+  EXPECT_NEAR(ro.gate[0], 0.5, 1e-12);                                  // token 1's tie
+  EXPECT_NEAR(ro.gate[1], std::exp(1.0) / (std::exp(1.0) + 1), 1e-12);  // token 0's expert 1
+  EXPECT_EQ(ro.closest_call, 1.0);  // token 0: 1.0 (expert 2) against 0.0 (expert 0)
+  // d loss / d gate 1 for every route: the gates sum to one, so the logits get no gradient.
+  for (double g : parallel::router_logit_grads(ro, std::vector<double>(4, 1.0))) EXPECT_NEAR(g, 0, 1e-15);
+  const std::vector<double> dl = parallel::router_logit_grads(ro, {0, 1, 0, 0});  // token 0's expert 1 only
+  const double g1 = ro.gate[1];
+  EXPECT_NEAR(dl[0 * 3 + 1], g1 * (1 - g1), 1e-12);
+  EXPECT_NEAR(dl[0 * 3 + 2], -g1 * (1 - g1), 1e-12);
+  EXPECT_EQ(dl[0 * 3 + 0], 0);
+}
+
+TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
+  auto refused = [](Settings o, const std::string& flag) {
+    try {
+      run_preset(o);
+      ADD_FAILURE() << "not refused: " << flag;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+    }
+  };
+  Settings o = with_experts(4, 2, 2);
+  o["top-k"] = option_text(5);
+  refused(o, "--top-k 5");
+  o = with_experts(4, 3, 2);
+  refused(o, "--ep 3 does not divide --experts 4");
+  o = with_experts(2, 4, 2);
+  refused(o, "--ep 4 does not divide the 2 ranks");
+  o = with_experts(4, 2, 2);
+  o["tp"] = option_text(2);
+  refused(o, "--seq-parallel");
+  o = with_experts(4, 2, 2);
+  o["moe-layers"] = "some";
+  refused(o, "--moe-layers some");
+  o = testing::tiny_gpt();
+  o["world"] = option_text(2);
+  o["ep"] = option_text(2);
+  refused(o, "--ep 2 splits experts; it needs --experts");
+  o = testing::tiny_gpt();
+  o["model"] = "deepseek-v3";
+  refused(o, "multi-head latent attention");
+}
+
+}  // namespace
+}  // namespace ranklab
