@@ -5,6 +5,9 @@
 // cannot be split is refused naming the flag.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
+#include <numeric>
 #include <string>
 
 #include "common/errors.h"
@@ -107,6 +110,71 @@ TEST(GptMoe, APhantomStepCommunicatesOverEpAndKeepsWhatThePlanSays) {
   EXPECT_EQ(rep.training->communicated_comm_us.at("tp"), 0);
 }
 
+// The routing models of phantom runs: every route given, none past one per token, the shares as named.
+TEST(GptMoe, RoutingModelsSpreadEveryRouteAndCapEachExpertAtTheTokens) {
+  const std::int64_t tokens = 1000;
+  const parallel::Routing skew =
+      parallel::route_modelled(tokens, 8, 2, parallel::read_routing_model("skew:2", 8, 2), 3);
+  std::vector<std::int64_t> counts = skew.per_expert;
+  std::sort(counts.rbegin(), counts.rend());
+  EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), std::int64_t{0}), tokens * 2);
+  EXPECT_EQ(counts[0], 500);  // twice the even share of 2000 / 8
+  EXPECT_EQ(counts[1], 215);  // the other seven share the rest: 1500 / 7, 3 of them one more
+  EXPECT_EQ(counts[7], 214);
+  // Zipf's law with a steep exponent puts more than all the tokens on the first expert: capped at them.
+  const parallel::Routing zipf =
+      parallel::route_modelled(tokens, 8, 2, parallel::read_routing_model("zipf:3", 8, 2), 3);
+  counts = zipf.per_expert;
+  std::sort(counts.rbegin(), counts.rend());
+  EXPECT_EQ(counts[0], tokens);
+  EXPECT_EQ(std::accumulate(counts.begin(), counts.end(), std::int64_t{0}), tokens * 2);
+  EXPECT_GT(counts[1], counts[2]);
+  // Each layer its own hot expert.
+  const parallel::Routing other =
+      parallel::route_modelled(tokens, 8, 2, parallel::read_routing_model("zipf:3", 8, 2), 4);
+  EXPECT_NE(other.per_expert, zipf.per_expert);
+  for (const std::string bad : {"skew:0.5", "skew:5", "zipf:-1", "zipf", "skewed:2", "zipf:nan"}) {
+    try {
+      parallel::read_routing_model(bad, 8, 2);
+      ADD_FAILURE() << "not refused: " << bad;
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("--routing " + bad), std::string::npos) << e.what();
+    }
+  }
+}
+
+// The straggler: with one expert taking twice its share, the others' ranks wait for it in the all-to-all
+// after the experts, and its rank holds more activations. (Virtual times: exact.)
+TEST(GptMoe, ASkewedRoutingSlowsTheStepAndRaisesThePeak) {
+  auto run = [](const std::string& routing) {
+    Settings o;
+    for (const auto& [k, v] : std::map<std::string, std::string>{{"model", "mixtral-8x7b"},
+                                                                 {"layers", "2"},
+                                                                 {"seq", "2048"},
+                                                                 {"global-batch", "8"},
+                                                                 {"world", "8"},
+                                                                 {"ep", "8"},
+                                                                 {"steps", "1"},
+                                                                 {"phantom", "true"},
+                                                                 {"quiet", "true"},
+                                                                 {"routing", routing}}) {
+      o[k] = v;
+    }
+    const RunReport rep = run_preset(o);
+    EXPECT_TRUE(rep.all_checks_passed()) << routing << "\n" << testing::failed_checks(rep);
+    return rep;
+  };
+  auto most_memory = [](const RunReport& rep) {
+    std::int64_t most = 0;
+    for (const RankSummary& s : rep.ranks) most = std::max(most, s.peak_bytes);
+    return most;
+  };
+  const RunReport even = run("balanced"), skewed = run("skew:2");
+  EXPECT_GT(skewed.training->step_time_us, even.training->step_time_us);
+  EXPECT_GT(skewed.training->exposed_comm_us.at("ep"), even.training->exposed_comm_us.at("ep"));
+  EXPECT_GT(most_memory(skewed), most_memory(even));
+}
+
 TEST(GptMoe, MixtralCountsItsParametersAndTheActiveOnes) {
   gpt::Config c;
   c.block = gpt::Block::Llama;
@@ -169,6 +237,9 @@ TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
   o = testing::tiny_gpt();
   o["model"] = "deepseek-v3";
   refused(o, "multi-head latent attention");
+  o = with_experts(4, 2, 2);
+  o["routing"] = "skew:2";
+  refused(o, "--routing skew:2: with real numbers");
 }
 
 }  // namespace

@@ -448,6 +448,9 @@ TEST(Plan, BadInputIsAClearUsageError) {
   r.shape["hidden"] = option_text(65);
   expect_usage_error([&] { make_question(r); }, "--hidden 65 is not divisible by --heads 4");
   r = Request{};
+  r.shape["model"] = option_text("mixtral-8x7b");  // a mixture of experts: no ep to lay out yet
+  expect_usage_error([&] { make_question(r); }, "mixtral-8x7b is a mixture of experts (8 experts, top 2)");
+  r = Request{};
   r.profile = "no-such-profile";
   EXPECT_THROW(make_question(r), ProfileError);
   r = Request{};

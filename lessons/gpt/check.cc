@@ -256,10 +256,11 @@ void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& 
     const int vs = k * c.pp + me.pp, first = c.chunk_first_layer(vs);
     std::int64_t want = stash_bytes(c, c.chunk_layers(vs), vs == 0, vs == c.pp * c.v - 1, first);
     std::int64_t got = stash_measured_bytes[k];
-    // The plan gives each expert its share of the routed tokens; with real numbers the router decides, so
-    // what the MoE layers keep of them is left out of the comparison.
+    // The plan gives each expert its share of the routed tokens; with real numbers the router decides (and
+    // a phantom run's routing model, unless balanced), so what the MoE layers keep of them is left out of
+    // the comparison.
     std::string routed;
-    if (!c.phantom && c.recompute != Recompute::Full) {
+    if ((!c.phantom || !c.balanced_routing()) && c.recompute != Recompute::Full) {
       std::int64_t moe_layers = 0;
       for (int layer = first; layer < first + c.chunk_layers(vs); ++layer) moe_layers += c.moe_layer(layer);
       want -= moe_layers * routed_stash_bytes(c);

@@ -9,6 +9,7 @@
 
 #include "common/errors.h"
 #include "lessons/gpt/presets.h"
+#include "lessons/parallel/expert_parallel.h"
 #include "lessons/parallel/groups.h"
 
 namespace ranklab::gpt {
@@ -202,6 +203,11 @@ const OptionTable<Config>& options_table() {
                 "with --experts: expert-parallel size, the experts split over ep of the stage's tp x cp x dp "
                 "ranks and tokens sent to them by all-to-all")
           .at_least(1),
+      Option<O>(
+          "routing", &O::routing,
+          "with --experts --phantom: how the tokens spread over the experts: balanced, skew:S (the hottest "
+          "expert takes S times its share) or zipf:A (a Zipf law of exponent A); real numbers route by "
+          "the router"),
       Option<O>("pp", &O::pp, "pipeline-parallel size (1F1B)").at_least(1),
       Option<O>("interleave", &O::v, "model chunks per pipeline rank (interleaved 1F1B)").at_least(1),
       Option<O>("decoder-first-pipeline-num-layers", &O::first_stage_layers,
@@ -357,6 +363,8 @@ void read_moe_layers(Config& c) {
 void resolve_experts(Config& c) {
   if (!c.moe()) {
     if (c.ep > 1) throw UsageError(fmt::format("gpt: --ep {} splits experts; it needs --experts", c.ep));
+    if (!c.balanced_routing())
+      throw UsageError("gpt: --routing spreads tokens over experts; it needs --experts");
     return;
   }
   read_moe_layers(c);
@@ -382,6 +390,13 @@ void resolve_experts(Config& c) {
         "gpt: --ep {} does not divide the {} ranks of a pipeline stage (tp {} x cp {} x dp {}): the experts "
         "are split over ep of them and their gradients reduced over the rest",
         c.ep, stage_ranks, c.tp, c.cp, c.dp));
+  }
+  parallel::read_routing_model(c.routing, c.experts, c.top_k);  // UsageError naming --routing
+  if (!c.balanced_routing() && !c.phantom) {
+    throw UsageError(fmt::format(
+        "gpt: --routing {}: with real numbers each token goes where the router sends it; a routing model is "
+        "for --phantom runs, which have no logits",
+        c.routing));
   }
   if (c.tp > 1 && !c.seq_parallel) {
     throw UsageError(

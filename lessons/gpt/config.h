@@ -57,6 +57,8 @@ struct Config : LessonOptions {
   std::string moe_layers = "all";
   int moe_first = 0, moe_every = 1;
   int ep = 1;
+  // How a phantom run routes (parallel::RoutingModel): "balanced", "skew:S" or "zipf:A".
+  std::string routing = "balanced";
   int v = 1;  // model chunks per pipeline rank (--interleave)
   // The first and the last pipeline stage's layers (Megatron-Core's --decoder-first-pipeline-num-layers and
   // --decoder-last-pipeline-num-layers; 0: as many as the others); the other stages split the rest evenly.
@@ -108,6 +110,7 @@ struct Config : LessonOptions {
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
   std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width
   bool moe() const { return experts > 0; }
+  bool balanced_routing() const { return routing == "balanced"; }
   bool moe_layer(int layer) const {
     return experts > 0 && layer >= moe_first && (layer - moe_first) % moe_every == 0;
   }

@@ -75,6 +75,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   parallel::ExpertParallel ep{r,         groups.ep, groups.ep_ranks, groups.ep_index,
                               c.experts, c.top_k,   c.llama(),       expert_grad_scale,
                               c.phantom, exposed,   c.broken};
+  ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
   std::optional<parallel::DataParallel> expert_dp;
   if (c.moe()) expert_dp.emplace(r, expert_zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.

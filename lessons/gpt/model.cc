@@ -722,7 +722,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
 
 Tensor Model::moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertParallel::Kept& k, int layer,
                           int mb, bool record) {
-  Tensor y = ep_->forward(y2, w.router, w.w_in, w.w_out, k);
+  Tensor y = ep_->forward(y2, w.router, w.w_in, w.w_out, k, layer);
   if (!record || c_.phantom) return y;
   // Row i of y2 is local row i of this rank's rows (sequence-major: position * micro_batch + sample; with
   // sequence parallelism this tp rank's part of them).

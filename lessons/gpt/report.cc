@@ -162,10 +162,11 @@ StepFigures gather_step_figures(Rank& r, const Config& c, const parallel::Layout
   Tensor sum = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
   r.all_reduce(sum, ReduceOp::Sum);
 
-  // The largest: each stage's peak, each step's loss, then LargestFigures.
+  // The largest: each stage's peak over its ranks (with experts, the rank of the busiest expert's), each
+  // step's loss, then LargestFigures.
   std::vector<float> maxima(c.pp + c.steps, 0.0f);
+  maxima[me.pp] = static_cast<float>(mine.peak_bytes);
   if (me.tp == 0 && me.dp == 0) {
-    maxima[me.pp] = static_cast<float>(mine.peak_bytes);
     for (size_t i = 0; i < check.losses.size(); ++i) maxima[c.pp + i] = static_cast<float>(check.losses[i]);
   }
   const LargestFigures largest{static_cast<float>(mine.pipeline.window_us),

@@ -1,10 +1,14 @@
 #include "lessons/parallel/expert_parallel.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 
 #include "common/errors.h"
+#include "common/random.h"
 
 namespace ranklab::parallel {
 
@@ -12,9 +16,9 @@ namespace ranklab::parallel {
 // ---------------------------------------------------------------------------------------------
 
 Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
-                               const std::vector<Tensor>& w_out, Kept& k) {
+                               const std::vector<Tensor>& w_out, Kept& k, int layer) {
   // 1. Route: the router's GEMM on the device, each token's top-k on the host.
-  k.routing = route(r.matmul(x, router));
+  k.routing = route(r.matmul(x, router), layer);
   // 2-5. Permute the routed rows into dispatch order, exchange the counts, send each row to its expert's
   // rank, and sort what arrives by local expert.
   plan_exchange(k);
@@ -130,6 +134,76 @@ Routing route_balanced(std::int64_t tokens, int experts, int top_k) {
   return ro;
 }
 
+RoutingModel read_routing_model(const std::string& text, int experts, int top_k) {
+  RoutingModel m;
+  if (text == "balanced") return m;
+  const std::size_t colon = text.find(':');
+  const std::string kind = text.substr(0, colon),
+                    value = colon == std::string::npos ? "" : text.substr(colon + 1);
+  char* end = nullptr;
+  m.value = value.empty() ? NAN : std::strtod(value.c_str(), &end);
+  const bool number = !value.empty() && end != nullptr && *end == '\0' && std::isfinite(m.value);
+  // Each token's k experts are distinct, so an expert takes at most every token: 1/k of the routes, E/k times
+  // its even share.
+  const double most = static_cast<double>(experts) / top_k;
+  if (kind == "skew" && number && m.value >= 1 && m.value <= most) {
+    m.kind = RoutingModel::Kind::Skew;
+    return m;
+  }
+  if (kind == "zipf" && number && m.value >= 0 && m.value <= 16) {
+    m.kind = RoutingModel::Kind::Zipf;
+    return m;
+  }
+  throw UsageError(fmt::format(
+      "--routing {}: give balanced, skew:S (the hottest expert takes S times its even share, 1 <= S <= "
+      "experts / "
+      "top-k = {:g}) or zipf:A (the i-th most popular expert's share proportional to 1 / i^A, 0 <= A <= 16)",
+      text, most));
+}
+
+Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer) {
+  if (model.kind == RoutingModel::Kind::Balanced) return route_balanced(tokens, experts, top_k);
+  // Shares by popularity rank, capped at one route per token and expert (the excess spread over the
+  // experts below the cap in proportion to their shares, until none is over).
+  std::vector<double> share(experts);
+  for (int i = 0; i < experts; ++i) {
+    share[i] = model.kind == RoutingModel::Kind::Skew
+                   ? (i == 0 ? model.value : (experts - model.value) / std::max(1, experts - 1))
+                   : 1 / std::pow(i + 1.0, model.value);
+  }
+  const double routes = static_cast<double>(tokens) * top_k, cap = static_cast<double>(tokens);
+  std::vector<double> want(experts);
+  std::vector<bool> capped(experts, false);
+  for (bool again = true; again;) {
+    again = false;
+    double free_routes = routes, free_share = 0;
+    for (int i = 0; i < experts; ++i) (capped[i] ? free_routes -= cap : free_share += share[i]);
+    for (int i = 0; i < experts; ++i) {
+      want[i] = capped[i] ? cap : free_routes * share[i] / free_share;
+      if (!capped[i] && want[i] > cap) capped[i] = again = true;
+    }
+  }
+  // Whole routes by largest remainder, then given to the experts in the layer's seeded popularity order.
+  std::vector<std::int64_t> count(experts);
+  std::int64_t given = 0;
+  for (int i = 0; i < experts; ++i) given += count[i] = static_cast<std::int64_t>(std::floor(want[i]));
+  std::vector<int> by_remainder(experts);
+  std::iota(by_remainder.begin(), by_remainder.end(), 0);
+  std::stable_sort(by_remainder.begin(), by_remainder.end(), [&](int a, int b) {
+    return want[a] - std::floor(want[a]) > want[b] - std::floor(want[b]);
+  });
+  for (int j = 0; given < tokens * top_k; ++j) ++count[by_remainder[j % experts]], ++given;
+  std::vector<int> popularity(experts);
+  std::iota(popularity.begin(), popularity.end(), 0);
+  std::uint64_t state = 0x726f757465ull + static_cast<std::uint64_t>(layer);  // "route"
+  for (int i = experts - 1; i > 0; --i) std::swap(popularity[i], popularity[mix64(state++) % (i + 1)]);
+  Routing ro;
+  ro.tokens = tokens, ro.experts = experts, ro.top_k = top_k;
+  ro.per_expert.assign(experts, 0);
+  for (int i = 0; i < experts; ++i) ro.per_expert[popularity[i]] = count[i];
+  return ro;
+}
+
 std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate) {
   std::vector<double> dl(ro.tokens * ro.experts, 0.0), weighted(ro.tokens, 0.0);
   for (std::size_t i = 0; i < ro.token.size(); ++i) weighted[ro.token[i]] += ro.gate[i] * dgate[i];
@@ -142,11 +216,11 @@ std::vector<double> router_logit_grads(const Routing& ro, const std::vector<doub
 // ---- the exchange's bookkeeping
 // ----------------------------------------------------------------------------
 
-Routing ExpertParallel::route(const Tensor& logits) {
+Routing ExpertParallel::route(const Tensor& logits, int layer) {
   const std::int64_t tokens = logits.size(0);
   if (phantom) {
     r.synchronize();  // the host waits for the router, as it would to read the counts
-    return route_balanced(tokens, experts, top_k);
+    return route_modelled(tokens, experts, top_k, routing_model, layer);
   }
   const std::vector<float> lf = r.to_host(logits);
   const int shift = broken == "moe-wrong-expert-rank" && size() > 1 ? 1 : 0;

@@ -47,8 +47,22 @@ struct Routing {
 Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
                     int experts_per_rank, int owner_shift = 0);
 // Every expert the same number of routes (the first ones one more where they do not divide): the routing
-// published MoE benchmarks force, and what a phantom run assumes.
+// published MoE benchmarks force, and what a phantom run assumes by default.
 Routing route_balanced(std::int64_t tokens, int experts, int top_k);
+// How a phantom run spreads the routes over the experts (it has no logits to route by). Balanced; skew: the
+// hottest expert takes `value` times its even share and the others share the rest; zipf: the expert of
+// popularity rank i (from 0) takes a share proportional to 1 / (i + 1)^value. The experts' popularity
+// order is a permutation seeded by the layer, so that each layer has its own hot experts; no expert takes
+// more routes than there are tokens (each token's k experts are distinct), the excess going to the others.
+struct RoutingModel {
+  enum class Kind { Balanced, Skew, Zipf };
+  Kind kind = Kind::Balanced;
+  double value = 0;
+};
+// The model --routing names ("balanced", "skew:S", "zipf:A"); UsageError naming --routing otherwise.
+RoutingModel read_routing_model(const std::string& text, int experts, int top_k);
+// The routes of `tokens` tokens per expert under `model` in layer `layer`: every rank's the same.
+Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer);
 // d loss / d logits [tokens, experts] from d loss / d gate of each route (in the routing's order): for a
 // token's chosen experts, gate_e (dgate_e - sum over its chosen j of gate_j dgate_j); zero elsewhere.
 std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate);
@@ -63,7 +77,8 @@ struct ExpertParallel {
   float grad_scale = 1;  // multiplies the experts' weight gradients (tp / ep, above)
   bool phantom = false;
   ExposedComm& exposed;
-  std::string broken;  // moe-wrong-expert-rank, moe-combine-without-gates
+  std::string broken;            // moe-wrong-expert-rank, moe-combine-without-gates
+  RoutingModel routing_model{};  // a phantom run's routing
 
   int size() const { return static_cast<int>(ranks.size()); }
   int local_experts() const { return experts / size(); }
@@ -80,9 +95,9 @@ struct ExpertParallel {
     std::vector<std::int64_t> expert_first, expert_rows;  // each local expert's rows in `sorted`
   };
   // y [tokens, h] (the MoE MLP's output, x's dtype) from x [tokens, h]; w_in and w_out hold this rank's
-  // experts in order.
+  // experts in order; `layer` seeds a phantom run's routing model.
   Tensor forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
-                 const std::vector<Tensor>& w_out, Kept& kept);
+                 const std::vector<Tensor>& w_out, Kept& kept, int layer = 0);
   struct Grads {
     Tensor dx, drouter;
     std::vector<Tensor> dw_in, dw_out;  // scaled by grad_scale
@@ -91,7 +106,7 @@ struct ExpertParallel {
                  const std::vector<Tensor>& w_out, Kept& kept);
 
  private:
-  Routing route(const Tensor& logits);
+  Routing route(const Tensor& logits, int layer);
   // The routes' rows gathered (with `gates`: weighted) in dispatch order, sent to the experts' ranks, and
   // sorted by local expert; the reverse trip of expert-ordered rows back into route order.
   Tensor dispatch(const Tensor& rows, const Kept& k);
