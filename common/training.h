@@ -26,7 +26,7 @@ struct TrainingStats {
   // (p - 1) / (v m) predicts (the idle time of 1F1B is (p - 1) micro-batch times against m of work).
   double bubble_fraction = 0;
   double bubble_fraction_formula = 0;  // (p - 1) / (v m)
-  // Communication the compute stream waited for, per parallel dimension ("tp", "sp", "pp", "dp").
+  // Communication the compute stream waited for, per parallel dimension ("tp", "sp", "cp", "pp", "dp", "ep").
   std::map<std::string, double> exposed_comm_us;
   // Per dimension: the time its operations took on their streams, and of it what the compute stream did
   // not wait for (communicated - exposed, where positive).
