@@ -80,6 +80,29 @@ TEST(GptMoe, SomeLayersMoeTrainEqualToOneDevice) {
   }
 }
 
+// Over an expert's capacity the lowest-gated routes are dropped, on each rank's tokens of a micro-batch:
+// the reference drops the same ones (and judges the run's choice), with tp, sp and pp beside ep.
+TEST(GptMoe, CapacityDropsTrainEqualToOneDevice) {
+  for (int k : {1, 2}) {
+    Settings o = with_experts(4, 2, k);
+    o["capacity-factor"] = "1";
+    const RunReport rep = testing::run_gpt(o);
+    EXPECT_TRUE(rep.all_checks_passed()) << "top-" << k << "\n" << testing::failed_checks(rep);
+    bool dropped = false;  // the tiny router is not balanced: some expert is over capacity
+    for (const std::string& line : rep.output) dropped = dropped || line.find("dropped over capacity") == 0;
+    EXPECT_TRUE(dropped);
+  }
+  Settings o = with_experts(8, 4, 2);
+  o["block"] = "llama";
+  o["kv-heads"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["pp"] = option_text(2);
+  o["capacity-factor"] = "1.1";
+  const RunReport rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
 TEST(GptMoe, TokensAtTheWrongRankAndUngatedCombinesFailTheCheck) {
   Settings wrong = with_experts(2, 2, 2);
   wrong["break"] = "moe-wrong-expert-rank";
@@ -208,6 +231,26 @@ TEST(GptMoe, RoutingPicksTheTopKAndItsGradientIsTheSoftmaxOverThem) {
   EXPECT_EQ(dl[0 * 3 + 0], 0);
 }
 
+TEST(GptMoe, OverCapacityTheLowestGatesAreDroppedAndStillShareTheSoftmax) {
+  // Three tokens, three experts, top 2: each takes experts 0 and 1, which take ceil(3 x 2 / 3 x 1) = 2
+  // routes each. Expert 0's gates are 0.73, 0.95, 0.88 (token 0's goes), expert 1's 0.27, 0.05, 0.12
+  // (token 1's goes).
+  const std::vector<double> logits = {1, 0, -5, 3, 0, -5, 2, 0, -5};
+  EXPECT_EQ(parallel::expert_capacity(3, 3, 2, 1.0), 2);
+  EXPECT_EQ(parallel::expert_capacity(3, 3, 2, 0), -1);  // dropless
+  const parallel::Routing ro = parallel::route_top_k(logits, 3, 3, 2, 3, 2);
+  EXPECT_EQ(ro.expert, (std::vector<int>{0, 0, 1, 1}));
+  EXPECT_EQ(ro.token, (std::vector<std::int64_t>{1, 2, 0, 2}));
+  EXPECT_EQ(ro.dropped_token, (std::vector<std::int64_t>{0, 1}));
+  EXPECT_EQ(ro.dropped_expert, (std::vector<int>{0, 1}));
+  EXPECT_EQ(ro.routes(), 4);
+  // A dropped route has no gradient of its own, but its logit moves its token's kept gate.
+  const std::vector<double> dl = parallel::router_logit_grads(ro, std::vector<double>(4, 1.0));
+  const double kept = 1 / (1 + std::exp(1.0)), dropped = 1 - kept;  // token 0: expert 1 kept, 0 dropped
+  EXPECT_NEAR(dl[0 * 3 + 0], -dropped * kept, 1e-12);
+  EXPECT_NEAR(dl[0 * 3 + 1], kept * (1 - kept), 1e-12);
+}
+
 TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
   auto refused = [](Settings o, const std::string& flag) {
     try {
@@ -237,6 +280,12 @@ TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
   o = testing::tiny_gpt();
   o["model"] = "deepseek-v3";
   refused(o, "multi-head latent attention");
+  o = with_experts(4, 2, 2);
+  o["capacity-factor"] = "0";
+  refused(o, "--capacity-factor");
+  o = testing::tiny_gpt();
+  o["capacity-factor"] = "1.5";
+  refused(o, "--capacity-factor caps each expert; it needs --experts");
   o = with_experts(4, 2, 2);
   o["routing"] = "skew:2";
   refused(o, "--routing skew:2: with real numbers");

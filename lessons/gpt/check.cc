@@ -117,8 +117,8 @@ Reference::State OneDeviceCheck::gather_state(Model& model) {
 }
 
 Reference::Routes OneDeviceCheck::gather_routes(Model& model) {
-  // Every token's experts, each written by the one rank that routed it (plus one: zero is unwritten), and
-  // summed over the world.
+  // Every token's experts, each written by the one rank that routed it (e + 1, or -1 - e when dropped: zero
+  // is unwritten), and summed over the world.
   const std::int64_t n = c_.global_batch * c_.seq, k = c_.top_k;
   std::vector<int> slot(c_.layers, -1);
   int moe_layers = 0;
@@ -127,8 +127,10 @@ Reference::Routes OneDeviceCheck::gather_routes(Model& model) {
   std::vector<float> mine(moe_layers * n * k, 0.0f);
   for (const auto& [layer, tokens] : model.routes()) {
     for (const auto& [row, experts] : tokens)
-      for (std::int64_t j = 0; j < k; ++j)
-        mine[(slot[layer] * n + row) * k + j] = static_cast<float>(experts[j] + 1);
+      for (std::int64_t j = 0; j < k; ++j) {
+        const int e = experts[j];  // -1 - e when dropped: nonzero either way
+        mine[(slot[layer] * n + row) * k + j] = static_cast<float>(e >= 0 ? e + 1 : e);
+      }
   }
   Tensor all = r_.from_host(Shape{static_cast<std::int64_t>(mine.size())}, mine);
   r_.all_reduce(all, ReduceOp::Sum);
@@ -137,12 +139,13 @@ Reference::Routes OneDeviceCheck::gather_routes(Model& model) {
   for (int layer = 0; layer < c_.layers; ++layer) {
     if (slot[layer] < 0) continue;
     for (std::int64_t i = 0; i < n * k; ++i) {
-      const int expert = static_cast<int>(sum[slot[layer] * n * k + i]) - 1;
-      if (expert < 0 || expert >= c_.experts) {
+      const int v = static_cast<int>(sum[slot[layer] * n * k + i]);
+      const int expert = v > 0 ? v - 1 : -v - 1;
+      if (v == 0 || expert >= c_.experts) {
         throw std::logic_error(
             fmt::format("gpt: layer {} token {}: routed by no rank, or by more than one", layer, i / k));
       }
-      routes[layer].push_back(expert);
+      routes[layer].push_back(v > 0 ? expert : -1 - expert);
     }
   }
   return routes;
@@ -229,11 +232,13 @@ void OneDeviceCheck::record(bool has_head) const {
   r_.check("gpt: every step's weight updates equal one device's" + who, weight.worst <= tol.weight,
            fmt::format("{} (tolerance {:.2g} for {})", weight.where, tol.weight, tol.name));
   if (c_.moe()) {
-    r_.check("gpt: every token's experts are one device's top-k" + who, wrong_routes == 0,
-             fmt::format("{} of {} routed tokens took another expert than one device's where the logits lie "
-                         "within the run's rounding (close calls), {} beyond it{}",
-                         close_calls, routed_tokens, wrong_routes,
-                         routing_where.empty() ? "" : fmt::format("; {}", routing_where)));
+    r_.check(
+        "gpt: every token's experts are one device's top-k" + who, wrong_routes == 0,
+        fmt::format("{} close calls (a token's expert, or a route dropped over capacity, chosen otherwise "
+                    "than one device chooses within the run's rounding) and {} beyond it, over {} routed "
+                    "tokens{}",
+                    close_calls, wrong_routes, routed_tokens,
+                    routing_where.empty() ? "" : fmt::format("; {}", routing_where)));
   }
   if (has_head) {
     r_.check("gpt: every step's loss equals one device's" + who, loss.worst <= tol.loss,

@@ -42,6 +42,8 @@ std::string Config::layout() const {
                               recompute_name(recompute), dtype_name(dtype));
   if (moe())
     s += fmt::format(", ep {} ({} expert{} each)", ep, local_experts(), local_experts() > 1 ? "s" : "");
+  if (moe() && capacity_factor > 0) s += fmt::format(", capacity factor {}", capacity_factor);
+  if (moe() && !balanced_routing()) s += fmt::format(", routing {}", routing);
   if (fp8 != parallel::Fp8Recipe::None) s += fmt::format(", fp8 GEMMs ({})", parallel::fp8_recipe_name(fp8));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
   if (dropout > 0) s += fmt::format(", dropout {}", dropout);
@@ -204,6 +206,11 @@ const OptionTable<Config>& options_table() {
                 "ranks and tokens sent to them by all-to-all")
           .at_least(1),
       Option<O>(
+          "capacity-factor", &O::capacity_factor,
+          "with --experts: each expert takes at most ceil(tokens k / experts x C) of a rank's routes, the "
+          "lowest-gated over it dropped (Megatron-Core's --moe-expert-capacity-factor); unset: dropless")
+          .above(0),
+      Option<O>(
           "routing", &O::routing,
           "with --experts --phantom: how the tokens spread over the experts: balanced, skew:S (the hottest "
           "expert takes S times its share) or zipf:A (a Zipf law of exponent A); real numbers route by "
@@ -365,6 +372,8 @@ void resolve_experts(Config& c) {
     if (c.ep > 1) throw UsageError(fmt::format("gpt: --ep {} splits experts; it needs --experts", c.ep));
     if (!c.balanced_routing())
       throw UsageError("gpt: --routing spreads tokens over experts; it needs --experts");
+    if (c.capacity_factor > 0)
+      throw UsageError("gpt: --capacity-factor caps each expert; it needs --experts");
     return;
   }
   read_moe_layers(c);

@@ -57,6 +57,7 @@ struct Config : LessonOptions {
   std::string moe_layers = "all";
   int moe_first = 0, moe_every = 1;
   int ep = 1;
+  double capacity_factor = 0;  // an expert's capacity per rank (parallel::expert_capacity); 0: dropless
   // How a phantom run routes (parallel::RoutingModel): "balanced", "skew:S" or "zipf:A".
   std::string routing = "balanced";
   int v = 1;  // model chunks per pipeline rank (--interleave)

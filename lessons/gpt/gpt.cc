@@ -37,6 +37,7 @@ using parallel::Param;
 
 parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups);
 parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups& groups);
+void print_dropped(Rank& r, const Config& c, const gpt::Model& model);
 std::string task_region(const parallel::Task& t, int chunks);
 
 void gpt_lesson(Rank& r, const Config& o) {
@@ -76,6 +77,7 @@ void gpt_lesson(Rank& r, const Config& o) {
                               c.experts, c.top_k,   c.llama(),       expert_grad_scale,
                               c.phantom, exposed,   c.broken};
   ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
+  ep.capacity_factor = c.capacity_factor;
   std::optional<parallel::DataParallel> expert_dp;
   if (c.moe()) expert_dp.emplace(r, expert_zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.
@@ -171,6 +173,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   gpt::check_memory_plan(r, c, me, plans[me.pp], model_bytes, stash_measured_bytes, routed_measured_bytes);
   check.record(model.has_head());
   const gpt::StepFigures figures = gpt::gather_step_figures(r, c, me, measures, measured, check);
+  if (c.moe() && c.capacity_factor > 0) print_dropped(r, c, model);
   if (r.rank() == 0) gpt::print_summary(r, c, plans, measured, figures, check);
 }
 
@@ -192,6 +195,20 @@ parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups&
   zc.dp_rank = groups.edp_index;
   zc.tp = groups.tp, zc.dp = groups.edp;
   return zc;
+}
+
+// The routes every rank's MoE layers dropped over their experts' capacity in the last step, of all routes.
+void print_dropped(Rank& r, const Config& c, const gpt::Model& model) {
+  auto figures = r.bookkeeping("figures");
+  Tensor counts =
+      r.from_host(Shape{2}, {static_cast<float>(model.routed()), static_cast<float>(model.dropped())});
+  r.all_reduce(counts, ReduceOp::Sum);
+  const std::vector<float> sum = r.to_host(counts);
+  if (r.rank() != 0) return;
+  r.print(
+      fmt::format("dropped over capacity (factor {}) in the last step: {:.0f} of {:.0f} routes ({:.2f}%), "
+                  "passed on by the residual alone",
+                  c.capacity_factor, sum[1], sum[0], sum[0] > 0 ? 100 * sum[1] / sum[0] : 0.0));
 }
 
 // A task's region names its micro-batch (and chunk, interleaved): the timeline shows the schedule.

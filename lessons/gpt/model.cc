@@ -408,6 +408,7 @@ std::int64_t Model::routed_bytes(int chunk, int mb) const {
 void Model::start_step() {
   ++step_;
   routes_.clear();
+  routed_ = dropped_ = 0;
   if (loss_sum.defined()) r_.scale_(loss_sum, 0.0f);
 }
 
@@ -723,19 +724,24 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
 Tensor Model::moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertParallel::Kept& k, int layer,
                           int mb, bool record) {
   Tensor y = ep_->forward(y2, w.router, w.w_in, w.w_out, k, layer);
+  const parallel::Routing& ro = k.routing;
+  if (record) routed_ += ro.routes() + ro.dropped(), dropped_ += ro.dropped();
   if (!record || c_.phantom) return y;
   // Row i of y2 is local row i of this rank's rows (sequence-major: position * micro_batch + sample; with
   // sequence parallelism this tp rank's part of them).
-  const parallel::Routing& ro = k.routing;
+  // A dropped route's expert e is recorded as -1 - e.
   std::vector<std::vector<int>> experts(ro.tokens);
   for (std::size_t i = 0; i < ro.token.size(); ++i) experts[ro.token[i]].push_back(ro.expert[i]);
+  for (std::size_t i = 0; i < ro.dropped_token.size(); ++i)
+    experts[ro.dropped_token[i]].push_back(-1 - ro.dropped_expert[i]);
   const std::int64_t first_row = c_.seq_parallel ? tp_rank_ * c_.local_rows() : 0;
   const std::int64_t first_sample = dp_rank_ * (c_.global_batch / c_.dp) + mb * c_.micro_batch;
   TokenExperts& log = routes_[layer];
   for (std::int64_t i = 0; i < ro.tokens; ++i) {
     const std::int64_t row = first_row + i, sample = first_sample + row % c_.micro_batch;
     const std::int64_t position = c_.cp_position(cp_rank_, row / c_.micro_batch);
-    std::sort(experts[i].begin(), experts[i].end());
+    std::sort(experts[i].begin(), experts[i].end(),
+              [](int a, int b) { return (a < 0 ? -1 - a : a) < (b < 0 ? -1 - b : b); });
     log.emplace_back(sample * c_.seq + position, std::move(experts[i]));
   }
   return y;

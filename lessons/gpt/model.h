@@ -156,9 +156,13 @@ class Model {
   Tensor loss_sum;
   void start_step();
   // With real numbers, each MoE layer's routing in this step: for every token this rank routed (its row in
-  // the one-device reference's order, sample * seq + position), its top-k experts in ascending order.
+  // the one-device reference's order, sample * seq + position), its top-k experts in ascending order, one
+  // dropped over its capacity as -1 - e.
   using TokenExperts = std::vector<std::pair<std::int64_t, std::vector<int>>>;
   const std::map<int, TokenExperts>& routes() const { return routes_; }
+  // The routes this rank's MoE layers made in this step's forwards, and of them those over capacity.
+  std::int64_t routed() const { return routed_; }
+  std::int64_t dropped() const { return dropped_; }
 
  private:
   struct Block {
@@ -256,6 +260,7 @@ class Model {
   std::int64_t vocab_start_ = 0;
   int step_ = 0;                        // the training step under way, from 1
   std::map<int, TokenExperts> routes_;  // by layer
+  std::int64_t routed_ = 0, dropped_ = 0;
 };
 
 }  // namespace ranklab::gpt

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -11,6 +12,7 @@
 #include "common/random.h"
 #include "lessons/check.h"
 #include "lessons/gpt/model.h"
+#include "lessons/parallel/expert_parallel.h"
 
 namespace ranklab::gpt {
 
@@ -161,6 +163,7 @@ struct BlockActs {
   // A MoE layer: each token's top-k experts and gates, and per route (token-major, k per token) the
   // expert's w_in output, its activation and the expert's output.
   std::vector<int> chosen;
+  std::vector<char> kept;  // whether the route was under its expert's capacity
   Vec gates;
   std::vector<Vec> route_u, route_g, route_out;
 };
@@ -206,6 +209,10 @@ class Training {
   // logits `l`: each chosen expert's logit at least the k-th largest less the run's rounding bound.
   void judge_route(int layer, std::int64_t t, const Vec& y, const double* l, const std::vector<int>& order,
                    const int* chosen) const;
+  // With a capacity: each expert kept as many of a rank's routes as its capacity lets it, those of the
+  // highest gates (the run's drops, judged against the reference's gates).
+  void judge_drops(int layer, const BlockActs& a) const;
+  std::int64_t routing_group(std::int64_t t) const;
   // An expert's activation (gelu, or llama's swiglu of adjacent pairs) and its backward.
   Vec expert_act(const Vec& u) const;
   Vec expert_act_backward(const Vec& u, const Vec& dg) const;
@@ -522,6 +529,7 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
   const Vec logits = mm(y, w_[moe_index(layer, kRouterKind)], n, h, E_);
   const std::int64_t win = c_.llama() ? 2 * Fe_ : Fe_;
   a.chosen.assign(n * K_, 0);
+  a.kept.assign(n * K_, 1);
   a.gates.assign(n * K_, 0.0);
   a.route_u.assign(n * K_, Vec());
   a.route_g.assign(n * K_, Vec());
@@ -534,9 +542,17 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
     const double* l = &logits[t * E_];
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int i, int j) { return l[i] > l[j]; });
+    std::vector<char> kept(K_, 1);
     if (given != nullptr) {
-      judge_route(layer, t, y, l, order, &(*given)[t * K_]);
-      std::copy(given->begin() + t * K_, given->begin() + (t + 1) * K_, order.begin());
+      // The run's experts; a dropped one comes as -1 - e.
+      std::vector<int> ids(K_);
+      for (int j = 0; j < K_; ++j) {
+        const int g = (*given)[t * K_ + j];
+        ids[j] = g >= 0 ? g : -1 - g;
+        kept[j] = g >= 0;
+      }
+      judge_route(layer, t, y, l, order, ids.data());
+      std::copy(ids.begin(), ids.end(), order.begin());
     }
     double top = -INFINITY, sum = 0;
     for (int j = 0; j < K_; ++j) top = std::max(top, l[order[j]]);
@@ -546,14 +562,69 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
       const std::int64_t at = t * K_ + j;
       const int e = order[j];
       a.chosen[at] = e;
+      a.kept[at] = kept[j];
       a.gates[at] = std::exp(l[e] - top) / sum;
+      if (!kept[j]) continue;  // over its expert's capacity: the token keeps the residual for it
       a.route_u[at] = mm(row, w_[moe_index(layer, expert_kind(e, 0))], 1, h, win);
       a.route_g[at] = expert_act(a.route_u[at]);
       a.route_out[at] = mm(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], 1, Fe_, h);
       for (std::int64_t d = 0; d < h; ++d) out[t * h + d] += a.gates[at] * a.route_out[at][d];
     }
   }
+  if (given != nullptr && c_.capacity_factor > 0) judge_drops(layer, a);
   return out;
+}
+
+// The rank that routed token t (row sample * S + position) and its micro-batch: the tokens an expert's
+// capacity counts (ExpertParallel routes each rank's tokens of a micro-batch on their own).
+std::int64_t Training::routing_group(std::int64_t t) const {
+  const std::int64_t sample = t / S, position = t % S, per_dp = B / c_.dp;
+  const std::int64_t dp = sample / per_dp, mb = sample % per_dp / c_.micro_batch;
+  const std::int64_t chunk_len = c_.cp_chunk(), chunk = c_.cp > 1 ? position / chunk_len : 0;
+  const std::int64_t cp = c_.cp > 1 ? (chunk < c_.cp ? chunk : 2 * c_.cp - 1 - chunk) : 0;
+  const std::int64_t local = c_.cp > 1
+                                 ? (chunk < c_.cp ? position - cp * chunk_len
+                                                  : chunk_len + position - (2 * c_.cp - 1 - cp) * chunk_len)
+                                 : position;
+  const std::int64_t row = local * c_.micro_batch + sample % c_.micro_batch;
+  const std::int64_t tp = c_.seq_parallel ? row / c_.local_rows() : 0;
+  return ((dp * c_.micro_batches() + mb) * c_.cp + cp) * c_.tp + tp;
+}
+
+void Training::judge_drops(int layer, const BlockActs& a) const {
+  const std::int64_t capacity = parallel::expert_capacity(c_.local_rows(), E_, K_, c_.capacity_factor);
+  struct Load {
+    std::int64_t routes = 0, kept = 0;
+    double lowest_kept = INFINITY, highest_dropped = -INFINITY;
+  };
+  std::map<std::pair<std::int64_t, int>, Load> loads;  // by (group, expert)
+  for (std::int64_t at = 0; at < n * K_; ++at) {
+    Load& load = loads[{routing_group(at / K_), a.chosen[at]}];
+    ++load.routes;
+    if (a.kept[at]) {
+      ++load.kept;
+      load.lowest_kept = std::min(load.lowest_kept, a.gates[at]);
+    } else {
+      load.highest_dropped = std::max(load.highest_dropped, a.gates[at]);
+    }
+  }
+  // A gate is a softmax of logits the run rounds: within 16 unit roundoffs of the reference's.
+  const double bound = 16 * unit_roundoff(c_.dtype);
+  for (const auto& [key, load] : loads) {
+    const bool count_wrong = load.kept != std::min(load.routes, capacity);
+    const double over = load.highest_dropped - load.lowest_kept;
+    if (!count_wrong && over <= 0) continue;
+    const bool decisive = count_wrong || over > bound;
+    (decisive ? routing_.decisive : routing_.close_calls) += 1;
+    if (decisive || routing_.decisive == 0) {
+      routing_.where = fmt::format(
+          "layer {}, expert {}, group {} of a rank's tokens (a rank's micro-batch): kept {} of its {} routes "
+          "(capacity {}); "
+          "its lowest kept gate {:.6g}, its highest dropped {:.6g}; the rounding allows {:.3g}",
+          layer, key.second, key.first, load.kept, load.routes, capacity, load.lowest_kept,
+          load.highest_dropped, bound);
+    }
+  }
 }
 
 Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Vec& dout,
@@ -568,6 +639,7 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
     for (int j = 0; j < K_; ++j) {
       const std::int64_t at = t * K_ + j;
       const int e = a.chosen[at];
+      if (!a.kept[at]) continue;  // no output, so no gradient of its own (its gate still shares the softmax)
       for (std::int64_t d = 0; d < h; ++d) dgate[j] += dout_t[d] * a.route_out[at][d];
       weighted += a.gates[at] * dgate[j];
       Vec dexpert(h);
@@ -824,6 +896,10 @@ std::shared_ptr<Reference> Reference::get(const Config& c) {
   if (c.dropout > 0) key += fmt::format(" dropout {} mb {}", c.dropout, c.micro_batch);
   if (c.llama()) key += fmt::format(" rope theta {}", c.rope_theta);
   key += fmt::format(" clip {} lr", c.clip_grad);
+  // With a capacity, which tokens share one (a rank's of a micro-batch) follows the layout.
+  if (c.moe() && c.capacity_factor > 0) {
+    key += fmt::format(" capacity {} of {}", c.capacity_factor, c.layout());
+  }
   for (int step = 1; step <= c.steps; ++step) key += fmt::format(" {}", c.lr_at(step));
   static std::mutex mu;
   static std::string cached_key;

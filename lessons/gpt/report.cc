@@ -128,8 +128,8 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
   std::string formula = c.llama() ? "6 B s (L (h (a + 2 g) d + a d h + 3 h f + 2 s a d) + h V)"
                                   : "72 B s L h^2 (1 + s/(6h) + V/(12hL))";
   if (c.moe()) {
-    formula += fmt::format(" (in its {} MoE layers h E + {} k h f_e in place of {})",
-                           c.moe_layer_count(), c.llama() ? 3 : 2, c.llama() ? "3 h f" : "8 h^2");
+    formula += fmt::format(" (in its {} MoE layers h E + {} k h f_e in place of {})", c.moe_layer_count(),
+                           c.llama() ? 3 : 2, c.llama() ? "3 h f" : "8 h^2");
   }
   r.print(fmt::format("FLOPs per step: model {} = {:.4g} PFLOP; hardware (with recompute {}) {:.4g} PFLOP",
                       formula, flops.model / 1e15, recompute_name(c.recompute), flops.hardware / 1e15));

@@ -86,8 +86,13 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
 // ---- routing, on the host
 // ----------------------------------------------------------------------------------
 
+std::int64_t expert_capacity(std::int64_t tokens, int experts, int top_k, double factor) {
+  if (factor <= 0) return -1;
+  return static_cast<std::int64_t>(std::ceil(static_cast<double>(tokens) * top_k / experts * factor));
+}
+
 Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
-                    int experts_per_rank, int owner_shift) {
+                    int experts_per_rank, std::int64_t capacity, int owner_shift) {
   Routing ro;
   ro.tokens = tokens, ro.experts = experts, ro.top_k = top_k;
   ro.per_expert.assign(experts, 0);
@@ -112,6 +117,20 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
     for (int j = 0; j < top_k; ++j)
       chosen.push_back({t, order[j], std::exp(l[order[j]] - l[order[0]]) / sum});
   }
+  // Over an expert's capacity, its routes of the lowest gates go (the earlier token first on equal gates).
+  if (capacity >= 0) {
+    std::stable_sort(chosen.begin(), chosen.end(), [&](const Chosen& a, const Chosen& b) {
+      return a.expert != b.expert ? a.expert < b.expert : a.gate > b.gate;
+    });
+    std::vector<std::int64_t> taken(experts, 0);
+    std::erase_if(chosen, [&](const Chosen& c) {
+      if (taken[c.expert]++ < capacity) return false;
+      ro.dropped_token.push_back(c.token);
+      ro.dropped_expert.push_back(c.expert);
+      ro.dropped_gate.push_back(c.gate);
+      return true;
+    });
+  }
   std::stable_sort(chosen.begin(), chosen.end(), [&](const Chosen& a, const Chosen& b) {
     if (owner(a.expert) != owner(b.expert)) return owner(a.expert) < owner(b.expert);
     return a.expert != b.expert ? a.expert < b.expert : a.token < b.token;
@@ -133,6 +152,11 @@ Routing route_balanced(std::int64_t tokens, int experts, int top_k) {
   for (std::int64_t e = 0; e < routes % experts; ++e) ++ro.per_expert[e];
   return ro;
 }
+
+namespace {
+// route_modelled's routes before the capacity.
+Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer);
+}  // namespace
 
 RoutingModel read_routing_model(const std::string& text, int experts, int top_k) {
   RoutingModel m;
@@ -161,7 +185,20 @@ RoutingModel read_routing_model(const std::string& text, int experts, int top_k)
       text, most));
 }
 
-Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer) {
+Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer,
+                       std::int64_t capacity) {
+  Routing ro = route_shares(tokens, experts, top_k, model, layer);
+  if (capacity < 0) return ro;
+  for (std::int64_t& n : ro.per_expert) {
+    const std::int64_t over = std::max<std::int64_t>(0, n - capacity);
+    n -= over;
+    ro.dropped_token.insert(ro.dropped_token.end(), over, 0);  // counted; a phantom run has no tokens to name
+  }
+  return ro;
+}
+
+namespace {
+Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer) {
   if (model.kind == RoutingModel::Kind::Balanced) return route_balanced(tokens, experts, top_k);
   // Shares by popularity rank, capped at one route per token and expert (the excess spread over the
   // experts below the cap in proportion to their shares, until none is over).
@@ -203,12 +240,18 @@ Routing route_modelled(std::int64_t tokens, int experts, int top_k, const Routin
   for (int i = 0; i < experts; ++i) ro.per_expert[popularity[i]] = count[i];
   return ro;
 }
+}  // namespace
 
 std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate) {
   std::vector<double> dl(ro.tokens * ro.experts, 0.0), weighted(ro.tokens, 0.0);
   for (std::size_t i = 0; i < ro.token.size(); ++i) weighted[ro.token[i]] += ro.gate[i] * dgate[i];
   for (std::size_t i = 0; i < ro.token.size(); ++i) {
     dl[ro.token[i] * ro.experts + ro.expert[i]] = ro.gate[i] * (dgate[i] - weighted[ro.token[i]]);
+  }
+  // A dropped route's gate has no gradient of its own, but it shares the token's softmax.
+  for (std::size_t i = 0; i < ro.dropped_token.size(); ++i) {
+    const std::int64_t t = ro.dropped_token[i];
+    dl[t * ro.experts + ro.dropped_expert[i]] = -ro.dropped_gate[i] * weighted[t];
   }
   return dl;
 }
@@ -218,14 +261,15 @@ std::vector<double> router_logit_grads(const Routing& ro, const std::vector<doub
 
 Routing ExpertParallel::route(const Tensor& logits, int layer) {
   const std::int64_t tokens = logits.size(0);
+  const std::int64_t capacity = expert_capacity(tokens, experts, top_k, capacity_factor);
   if (phantom) {
     r.synchronize();  // the host waits for the router, as it would to read the counts
-    return route_modelled(tokens, experts, top_k, routing_model, layer);
+    return route_modelled(tokens, experts, top_k, routing_model, layer, capacity);
   }
   const std::vector<float> lf = r.to_host(logits);
   const int shift = broken == "moe-wrong-expert-rank" && size() > 1 ? 1 : 0;
   return route_top_k(std::vector<double>(lf.begin(), lf.end()), tokens, experts, top_k, local_experts(),
-                     shift);
+                     capacity, shift);
 }
 
 void ExpertParallel::plan_exchange(Kept& k) {

@@ -38,14 +38,30 @@ struct Routing {
   std::vector<std::int64_t> token;
   std::vector<int> expert;
   std::vector<double> gate;
-  std::vector<std::int64_t> per_expert;  // routes to each expert
+  std::vector<std::int64_t> per_expert;  // routes to each expert (kept ones)
   double closest_call = INFINITY;        // the smallest gap between a chosen logit and the best unchosen one
-  std::int64_t routes() const { return tokens * top_k; }
+  // With a capacity: the routes over it, dropped (the token keeps the residual for them, and their gates
+  // still count in the softmax over its chosen experts), by token.
+  std::vector<std::int64_t> dropped_token;
+  std::vector<int> dropped_expert;
+  std::vector<double> dropped_gate;
+  std::int64_t routes() const {  // kept
+    std::int64_t n = 0;
+    for (std::int64_t e : per_expert) n += e;
+    return n;
+  }
+  std::int64_t dropped() const { return static_cast<std::int64_t>(dropped_token.size()); }
 };
+// An expert's capacity from a rank's `tokens`: ceil(tokens k / E x factor) routes (Switch Transformer's
+// expert capacity; Megatron-Core's --moe-expert-capacity-factor, per rank before the dispatch); no limit
+// for a factor of 0 (dropless).
+std::int64_t expert_capacity(std::int64_t tokens, int experts, int top_k, double factor);
 // Top-k of each row of `logits` [tokens, experts] (row-major; the lower expert first on equal logits) and
-// the softmax over the chosen. `owner(e)` is the ep rank that holds expert e: the dispatch order.
+// the softmax over the chosen; over an expert's `capacity`, its routes of the lowest gates are dropped
+// (Megatron-Core's drop policy "probs"; -1: none). The experts of ep rank d are d's block of
+// `experts_per_rank`, shifted by `owner_shift` (a deliberate bug); the routes come in dispatch order.
 Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
-                    int experts_per_rank, int owner_shift = 0);
+                    int experts_per_rank, std::int64_t capacity = -1, int owner_shift = 0);
 // Every expert the same number of routes (the first ones one more where they do not divide): the routing
 // published MoE benchmarks force, and what a phantom run assumes by default.
 Routing route_balanced(std::int64_t tokens, int experts, int top_k);
@@ -61,10 +77,13 @@ struct RoutingModel {
 };
 // The model --routing names ("balanced", "skew:S", "zipf:A"); UsageError naming --routing otherwise.
 RoutingModel read_routing_model(const std::string& text, int experts, int top_k);
-// The routes of `tokens` tokens per expert under `model` in layer `layer`: every rank's the same.
-Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer);
-// d loss / d logits [tokens, experts] from d loss / d gate of each route (in the routing's order): for a
-// token's chosen experts, gate_e (dgate_e - sum over its chosen j of gate_j dgate_j); zero elsewhere.
+// The routes of `tokens` tokens per expert under `model` in layer `layer` (every rank's the same), at most
+// `capacity` each (-1: none), the rest counted as dropped.
+Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer,
+                       std::int64_t capacity = -1);
+// d loss / d logits [tokens, experts] from d loss / d gate of each kept route (in the routing's order; a
+// dropped route's is zero): for a token's chosen experts, gate_e (dgate_e - sum over its chosen j of
+// gate_j dgate_j); zero elsewhere.
 std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate);
 
 struct ExpertParallel {
@@ -79,6 +98,7 @@ struct ExpertParallel {
   ExposedComm& exposed;
   std::string broken;            // moe-wrong-expert-rank, moe-combine-without-gates
   RoutingModel routing_model{};  // a phantom run's routing
+  double capacity_factor = 0;    // 0: dropless
 
   int size() const { return static_cast<int>(ranks.size()); }
   int local_experts() const { return experts / size(); }
