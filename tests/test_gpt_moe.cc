@@ -68,6 +68,49 @@ TEST(GptMoe, LlamaWithTpSpPpAndEpTogetherTrainsEqualToOneDevice) {
   }
 }
 
+// Shared experts (DeepSeek's): a tensor-parallel SwiGLU MLP beside the routed ones.
+TEST(GptMoe, SharedExpertsTrainEqualToOneDevice) {
+  Settings o = with_experts(8, 4, 2);
+  o["experts"] = option_text(8);
+  o["block"] = "llama";
+  o["kv-heads"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["pp"] = option_text(2);
+  o["zero"] = option_text(3);
+  o["shared-experts"] = option_text(2);
+  o["moe-layers"] = "from:1";
+  const RunReport rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
+// The parameter count's formula against the parameters the model makes, every stage's and every ep rank's
+// experts: the gpt block, the llama block with shared experts, some layers MoE.
+TEST(GptMoe, TheParameterCountIsTheModelsParameters) {
+  auto config = [](gpt::Block block, int shared, const std::string& layers) {
+    gpt::Config c;
+    c.block = block, c.layers = 6, c.hidden = 64, c.heads = 4, c.vocab = 128, c.seq = 16;
+    c.experts = 8, c.top_k = 2, c.moe_ffn_hidden = 48, c.shared_experts = shared, c.moe_layers = layers;
+    c.pp = 2, c.ep = 4, c.world = 8;
+    return gpt::resolve(c, 8);
+  };
+  for (const gpt::Config& c : {config(gpt::Block::Gpt, 0, "every:2"), config(gpt::Block::Llama, 2, "from:1"),
+                               config(gpt::Block::Llama, 0, "all")}) {
+    std::int64_t made = 0;
+    for (int stage = 0; stage < c.pp; ++stage) {
+      for (gpt::ParamId id : gpt::backward_order(c, stage)) {
+        // The tied embedding is counted once (both end stages hold it with pp > 1).
+        if (id.kind == int{gpt::kBlockParams} + gpt::kWte && !c.llama() && stage == c.pp - 1) continue;
+        made += gpt::param_spec(c, id).full.numel();
+      }
+      for (int e = 0; e < c.ep; ++e)
+        for (gpt::ParamId id : gpt::expert_backward_order(c, stage, e))
+          made += gpt::param_spec(c, id).full.numel();
+    }
+    EXPECT_EQ(gpt::parameter_count(c), made) << c.shape();
+  }
+}
+
 // Layers 0 and 2 of 4 MoE (Megatron-Core's --moe-layer-freq 2), or layers 1 on (DeepSeek-V3's dense first
 // layers), with ZeRO 2's per-micro-batch reductions.
 TEST(GptMoe, SomeLayersMoeTrainEqualToOneDevice) {
@@ -280,6 +323,9 @@ TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
   o = testing::tiny_gpt();
   o["model"] = "deepseek-v3";
   refused(o, "multi-head latent attention");
+  o = with_experts(4, 2, 2);
+  o["shared-experts"] = option_text(1);
+  refused(o, "--shared-experts 1: the shared experts are the llama block's");
   o = with_experts(4, 2, 2);
   o["capacity-factor"] = "0";
   refused(o, "--capacity-factor");

@@ -20,7 +20,8 @@ double moe_extra_flops_per_token(const Config& c) {
   if (!c.moe()) return 0;
   const double h = c.hidden, mats = c.llama() ? 3 : 2;
   const double dense = c.llama() ? 3 * h * static_cast<double>(c.ffn()) : 8 * h * h;
-  return 2 * (h * c.experts + c.top_k * mats * h * static_cast<double>(c.moe_ffn()) - dense);
+  const double shared = 3 * h * static_cast<double>(c.shared_experts * c.moe_ffn());
+  return 2 * (h * c.experts + c.top_k * mats * h * static_cast<double>(c.moe_ffn()) + shared - dense);
 }
 }  // namespace
 

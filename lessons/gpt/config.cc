@@ -95,7 +95,8 @@ std::string Config::shape() const {
                       : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads,
                                     seq, vocab);
   if (moe()) {
-    s += fmt::format(", {} experts of width {} (top {}) in layers {}", experts, moe_ffn(), top_k, moe_layers);
+    s += fmt::format(", {} experts of width {} (top {}{}) in layers {}", experts, moe_ffn(), top_k,
+                     shared_experts > 0 ? fmt::format(", {} shared", shared_experts) : "", moe_layers);
   }
   return s;
 }
@@ -198,6 +199,11 @@ const OptionTable<Config>& options_table() {
       Option<O>("moe-ffn-hidden", &O::moe_ffn_hidden,
                 "with --experts: each expert MLP's width (0: the dense MLP's)")
           .at_least(0),
+      Option<O>("shared-experts", &O::shared_experts,
+                "with --experts and the llama block: experts every token goes through, one dense MLP of this "
+                "many times --moe-ffn-hidden in each MoE layer (DeepSeek's shared experts)")
+          .at_least(0)
+          .at_most(1 << 16, "the published models have one or two"),
       Option<O>("moe-layers", &O::moe_layers,
                 "with --experts: which layers are MoE: all, every:N (layers 0, N, 2N, ...) or from:N "
                 "(layers N on)"),
@@ -374,6 +380,7 @@ void resolve_experts(Config& c) {
       throw UsageError("gpt: --routing spreads tokens over experts; it needs --experts");
     if (c.capacity_factor > 0)
       throw UsageError("gpt: --capacity-factor caps each expert; it needs --experts");
+    if (c.shared_experts > 0) throw UsageError("gpt: --shared-experts are a MoE layer's; it needs --experts");
     return;
   }
   read_moe_layers(c);
@@ -386,6 +393,19 @@ void resolve_experts(Config& c) {
         fmt::format("gpt: --top-k {} is more than --experts {}: each token takes top-k distinct "
                     "experts",
                     c.top_k, c.experts));
+  }
+  if (c.shared_experts > 0 && !c.llama()) {
+    throw UsageError(
+        fmt::format("gpt: --shared-experts {}: the shared experts are the llama block's SwiGLU "
+                    "MLP; give --block llama",
+                    c.shared_experts));
+  }
+  if (c.shared_experts * c.moe_ffn() % c.tp != 0) {
+    throw UsageError(
+        fmt::format("gpt: --shared-experts {} x --moe-ffn-hidden {} = {} is not divisible by --tp {}: the "
+                    "shared experts' "
+                    "MLP is split over tp as a dense one",
+                    c.shared_experts, c.moe_ffn(), c.shared_experts * c.moe_ffn(), c.tp));
   }
   if (c.experts % c.ep != 0) {
     throw UsageError(

@@ -52,6 +52,9 @@ struct Config : LessonOptions {
   // tp x cp x dp ranks (Megatron-Core's expert grid with an expert tensor-parallel size of 1).
   int experts = 0, top_k = 2;
   std::int64_t moe_ffn_hidden = 0;  // each expert's MLP width (0: as the dense MLP's)
+  // Shared experts (DeepSeek-MoE, Dai et al. 2024; Qwen2-MoE): a MoE layer also runs every token through
+  // one dense MLP of shared_experts x moe_ffn() (the llama block's, tensor-parallel as a dense layer's).
+  int shared_experts = 0;
   // Which layers are MoE: "all", "every:N" (layers 0, N, 2N, ..., Megatron-Core's --moe-layer-freq) or
   // "from:N" (layers N on: DeepSeek-V3's first dense layers); resolve() reads it into moe_first, moe_every.
   std::string moe_layers = "all";
@@ -117,6 +120,9 @@ struct Config : LessonOptions {
   }
   int moe_layer_count() const;  // the MoE layers of the model
   std::int64_t moe_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
+  // The width of layer `layer`'s dense MLP: ffn(), or in a MoE layer its shared experts' (0: none).
+  std::int64_t dense_ffn(int layer) const { return moe_layer(layer) ? shared_experts * moe_ffn() : ffn(); }
+  bool has_dense_mlp(int layer) const { return dense_ffn(layer) > 0; }
   int local_experts() const { return experts / ep; }  // the experts each rank of an ep group holds
   std::int64_t cp_seq() const { return seq / cp; }    // positions of a sequence a context-parallel rank holds
   std::int64_t cp_chunk() const { return seq / (2 * cp); }  // positions in each of its two chunks

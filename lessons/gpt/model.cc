@@ -58,7 +58,7 @@ int block_params(const Config& c) {
 namespace {
 ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
   static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2"};
-  const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.ffn();
+  const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.dense_ffn(layer);
   ParamSpec s;
   s.name = layer_name(layer, names[which]);
   s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + 32 + which;
@@ -192,7 +192,9 @@ std::int64_t parameters_with(const Config& c, std::int64_t experts_counted) {
   // A MoE layer's MLP: the router and the experts counted, in place of the dense MLP (with its biases).
   const std::int64_t expert = (c.llama() ? 3 : 2) * h * c.moe_ffn();
   const std::int64_t dense_mlp = c.llama() ? 3 * h * c.ffn() : 8 * h * h + 5 * h;
-  const std::int64_t moe = c.moe_layer_count() * (h * c.experts + experts_counted * expert - dense_mlp);
+  const std::int64_t shared = 3 * h * c.shared_experts * c.moe_ffn();
+  const std::int64_t moe =
+      c.moe_layer_count() * (h * c.experts + (experts_counted * expert + shared) - dense_mlp);
   if (c.llama()) {
     const std::int64_t attention =
         h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() + c.heads * c.head_dim() * h;
@@ -273,8 +275,12 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head,
       if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
     }
   }
-  // A MoE layer keeps its routed tokens' activations in place of the dense MLP's.
-  const std::int64_t moe_block = c.recompute == Recompute::Full ? block : block - mlp + routed_stash_bytes(c);
+  // A MoE layer keeps its routed tokens' activations in place of the dense MLP's, and its shared experts'
+  // MLP's (the llama block's).
+  const std::int64_t fs = c.shared_experts * c.moe_ffn() / c.tp;
+  const std::int64_t shared = r * 2 * fs * dt + kept(r, fs);
+  const std::int64_t moe_block =
+      c.recompute == Recompute::Full ? block : block - mlp + routed_stash_bytes(c) + (fs > 0 ? shared : 0);
   std::int64_t total = 0;
   for (int layer = first_layer; layer < first_layer + layers; ++layer)
     total += c.moe_layer(layer) ? moe_block : block;
@@ -447,11 +453,10 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
     const int first = c.chunk_first_layer(vs);
     for (int layer = first + c.chunk_layers(vs) - 1; layer >= first; --layer) {
       for (int q = block_params(c) - 1; q >= 0; --q) {
-        // A MoE layer's router takes the place of its MLP's last weight.
-        if (c.moe_layer(layer) && is_mlp_param(c, q)) {
-          if (q == (c.llama() ? int{kW13} : int{kFc1W})) out.push_back({kRouterKind, layer});
-          continue;
-        }
+        // A MoE layer's router comes before its (shared experts') MLP.
+        if (c.moe_layer(layer) && q == (c.llama() ? int{kW2} : int{kFc2B}))
+          out.push_back({kRouterKind, layer});
+        if (!c.has_dense_mlp(layer) && is_mlp_param(c, q)) continue;
         out.push_back({q, layer});
       }
     }
@@ -566,7 +571,7 @@ std::vector<Model::Named> Model::named_params() {
   for (Chunk& ch : chunks_) {
     for (Block& b : ch.blocks) {
       for (int k = 0; k < block_params(c_); ++k) {
-        if (!(b.moe && is_mlp_param(c_, k))) out.push_back({k, b.layer, &b.p[k], &dp_});
+        if (c_.has_dense_mlp(b.layer) || !is_mlp_param(c_, k)) out.push_back({k, b.layer, &b.p[k], &dp_});
       }
       if (!b.moe) continue;
       out.push_back({kRouterKind, b.layer, &b.router, &dp_});
@@ -592,7 +597,7 @@ std::vector<Model::Named> Model::named_params() {
 std::vector<Param*> Model::block_param_list(Block& b) const {
   std::vector<Param*> ps;
   for (int k = 0; k < block_params(c_); ++k) {
-    if (!(b.moe && is_mlp_param(c_, k))) ps.push_back(&b.p[k]);
+    if (c_.has_dense_mlp(b.layer) || !is_mlp_param(c_, k)) ps.push_back(&b.p[k]);
   }
   if (b.moe) ps.push_back(&b.router);
   return ps;
@@ -608,6 +613,7 @@ Model::GatheredBlock Model::gather(Block& b) {
   GatheredBlock g;
   g.dense = dp_.gather(block_param_list(b));
   g.moe = b.moe;
+  g.dense_mlp = c_.has_dense_mlp(b.layer);
   if (b.moe) g.experts = expert_dp_->gather(expert_param_list(b));
   return g;
 }
@@ -619,7 +625,7 @@ Model::Weights Model::get(GatheredBlock& g) {
   std::size_t at = 0;
   const bool moe = g.moe;
   for (int k = 0; k < block_params(c_); ++k) {
-    if (!(moe && is_mlp_param(c_, k))) w.dense[k] = got[at++];
+    if (g.dense_mlp || !is_mlp_param(c_, k)) w.dense[k] = got[at++];
   }
   if (!moe) return w;
   w.router = got[at];
@@ -811,12 +817,14 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
   Tensor u, o;
   parallel::ExpertParallel::Kept moe;
-  if (w.router.defined()) {  // a MoE layer: the experts in place of the MLP
-    o = moe_forward(w, n2.y, moe, layer, mb, !keep_all);
-    k2.x = n2.y;
-  } else {
+  if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
     u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
     o = tp_.row_linear(r.swiglu(u), w[kW2], &kg);
+  }
+  if (w.router.defined()) {  // a MoE layer's routed experts
+    Tensor routed = moe_forward(w, n2.y, moe, layer, mb, !keep_all);
+    o = o.defined() ? r.add(o, routed) : routed;
+    if (!k2.x.defined()) k2.x = n2.y;
   }
   Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
@@ -840,16 +848,15 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   // MLP backward.
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
   Tensor dy2;
-  if (b.moe) {
-    dy2 = moe_backward(b, w, a, dout);
-  } else {
+  if (b.moe) dy2 = moe_backward(b, w, a, dout);
+  if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
     parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
     dp_.add_grad(b.p[kW2], w2.dw);
     const Tensor du = r.swiglu_backward(w2.dx, a.u);
     parallel::TensorParallel::Grads w13 =
         tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));
     dp_.add_grad(b.p[kW13], w13.dw);
-    dy2 = w13.dx;
+    dy2 = dy2.defined() ? r.add(dy2, w13.dx) : w13.dx;
   }
   Rank::RmsNormGrads n2 = r.rmsnorm_backward(dy2, a.x1, w[kNorm2], a.rstd2);
   dp_.add_grad(b.p[kNorm2], n2.dgamma);

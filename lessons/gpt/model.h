@@ -202,7 +202,7 @@ class Model {
   };
   struct GatheredBlock {
     parallel::DataParallel::GatheredUnit dense, experts;
-    bool moe = false;
+    bool moe = false, dense_mlp = true;  // a MoE layer; one with a dense MLP (or shared experts)
   };
 
   // `layer` and `mb` (this rank's micro-batch) place the block's dropout masks.

@@ -284,7 +284,7 @@ Training::Training(const Config& c, const Reference::State* start, const Referen
   for (int l = 0; l < L; ++l) {
     // A MoE layer's MLP parameters stay empty; its router and experts have their own.
     for (int k = 0; k < nb_; ++k)
-      if (!(c_.moe_layer(l) && is_mlp_param(c_, k))) specs_[l * nb_ + k] = block_spec(c_, l, k);
+      if (c_.has_dense_mlp(l) || !is_mlp_param(c_, k)) specs_[l * nb_ + k] = block_spec(c_, l, k);
     if (!c_.moe_layer(l)) continue;
     for (int kind = kRouterKind; kind <= expert_kind(E_ - 1, 1); ++kind)
       specs_[moe_index(l, kind)] = param_spec(c_, {kind, l});
@@ -361,13 +361,16 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
   Vec x1 = x;
   for (std::int64_t i = 0; i < n * h; ++i) x1[i] += proj[i];
   a.ln2 = rmsnorm(x1, W(kNorm2), n, h);
-  Vec o;
-  if (c_.moe_layer(layer)) {
-    o = moe_forward(layer, a.ln2.y, a);
-  } else {
-    a.u = mm(a.ln2.y, W(kW13), n, h, 2 * F);
+  Vec o(n * h, 0.0);
+  const std::int64_t f = c_.dense_ffn(layer);  // the dense MLP's, or a MoE layer's shared experts'
+  if (f > 0) {
+    a.u = mm(a.ln2.y, W(kW13), n, h, 2 * f);
     a.g = expert_act(a.u);
-    o = mm(a.g, W(kW2), n, F, h);
+    o = mm(a.g, W(kW2), n, f, h);
+  }
+  if (c_.moe_layer(layer)) {
+    const Vec routed = moe_forward(layer, a.ln2.y, a);
+    for (std::int64_t i = 0; i < n * h; ++i) o[i] += routed[i];
   }
   drop(o, step, layer, 1);
   Vec x2 = x1;
@@ -766,14 +769,14 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   // the MLP
   Vec dout = dx;
   drop(dout, step, layer, 1);
-  Vec dy2(n * h);
-  if (c_.moe_layer(layer)) {
-    dy2 = moe_backward(layer, a.ln2.y, a, dout, g);
-  } else {
-    Vec dg(n * F);
-    mm_backward(a.g, W(kW2), dout, n, F, h, Gr(kW2), &dg);
+  Vec dy2(n * h, 0.0);
+  if (c_.moe_layer(layer)) dy2 = moe_backward(layer, a.ln2.y, a, dout, g);
+  if (const std::int64_t f = c_.dense_ffn(layer); f > 0) {
+    Vec dg(n * f), dy_mlp(n * h);
+    mm_backward(a.g, W(kW2), dout, n, f, h, Gr(kW2), &dg);
     const Vec du = expert_act_backward(a.u, dg);
-    mm_backward(a.ln2.y, W(kW13), du, n, h, 2 * F, Gr(kW13), &dy2);
+    mm_backward(a.ln2.y, W(kW13), du, n, h, 2 * f, Gr(kW13), &dy_mlp);
+    for (std::int64_t i = 0; i < n * h; ++i) dy2[i] += dy_mlp[i];
   }
   Vec dx1 = rmsnorm_backward(a.ln2, W(kNorm2), dy2, n, h, Gr(kNorm2));
   for (std::int64_t i = 0; i < n * h; ++i) dx1[i] += dx[i];
