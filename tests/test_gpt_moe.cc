@@ -146,6 +146,29 @@ TEST(GptMoe, CapacityDropsTrainEqualToOneDevice) {
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
+// The load-balancing loss moves the router: its gradient, with sequence parallelism's split tokens and
+// context parallelism's, is the reference's (the mean over each rank's tokens of a micro-batch); left out,
+// the check fails.
+TEST(GptMoe, TheLoadBalancingLossTrainsEqualToOneDeviceAndIsMissedWhenLeftOut) {
+  Settings o = with_experts(8, 4, 2);
+  o["experts"] = option_text(8);
+  o["block"] = "llama";
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["pp"] = option_text(2);
+  o["moe-aux-loss-coeff"] = "0.5";
+  RunReport rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  o = with_experts(4, 2, 2);
+  o["block"] = "llama";
+  o["cp"] = option_text(2);
+  o["moe-aux-loss-coeff"] = "0.5";
+  rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  o["break"] = "moe-no-load-balancing-grad";
+  EXPECT_FALSE(testing::run_gpt(o).all_checks_passed());
+}
+
 TEST(GptMoe, TokensAtTheWrongRankAndUngatedCombinesFailTheCheck) {
   Settings wrong = with_experts(2, 2, 2);
   wrong["break"] = "moe-wrong-expert-rank";
@@ -292,6 +315,20 @@ TEST(GptMoe, OverCapacityTheLowestGatesAreDroppedAndStillShareTheSoftmax) {
   const double kept = 1 / (1 + std::exp(1.0)), dropped = 1 - kept;  // token 0: expert 1 kept, 0 dropped
   EXPECT_NEAR(dl[0 * 3 + 0], -dropped * kept, 1e-12);
   EXPECT_NEAR(dl[0 * 3 + 1], kept * (1 - kept), 1e-12);
+}
+
+TEST(GptMoe, TheLoadBalancingLossIsOneForAnEvenRouterAndGrowsWithImbalance) {
+  // Four tokens over two experts, top 1: a uniform router with an even load gives E / (k T^2) x
+  // sum_i (T / E)(T / E) = 1.
+  const parallel::Routing even = parallel::route_top_k({0, 0.1, 0.1, 0, 0, 0.1, 0.1, 0}, 4, 2, 1, 2);
+  EXPECT_NEAR(parallel::load_balancing_loss(even), 1.0, 1e-2);
+  // Every token's first choice expert 0, with its probability high: more.
+  const parallel::Routing skewed = parallel::route_top_k({3, 0, 3, 0, 3, 0, 3, 0}, 4, 2, 1, 2);
+  EXPECT_GT(parallel::load_balancing_loss(skewed), 1.9);
+  // Its gradient pushes the loaded expert's logits down.
+  std::vector<double> dl(8, 0.0);
+  parallel::add_load_balancing_grads(skewed, 1.0, dl);
+  for (int t = 0; t < 4; ++t) EXPECT_GT(dl[t * 2 + 0], 0) << t;
 }
 
 TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {

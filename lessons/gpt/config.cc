@@ -43,6 +43,7 @@ std::string Config::layout() const {
   if (moe())
     s += fmt::format(", ep {} ({} expert{} each)", ep, local_experts(), local_experts() > 1 ? "s" : "");
   if (moe() && capacity_factor > 0) s += fmt::format(", capacity factor {}", capacity_factor);
+  if (moe() && aux_loss_coeff > 0) s += fmt::format(", load-balancing loss {}", aux_loss_coeff);
   if (moe() && !balanced_routing()) s += fmt::format(", routing {}", routing);
   if (fp8 != parallel::Fp8Recipe::None) s += fmt::format(", fp8 GEMMs ({})", parallel::fp8_recipe_name(fp8));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
@@ -212,6 +213,12 @@ const OptionTable<Config>& options_table() {
                 "ranks and tokens sent to them by all-to-all")
           .at_least(1),
       Option<O>(
+          "moe-aux-loss-coeff", &O::aux_loss_coeff,
+          "with --experts: the load-balancing loss's coefficient (Switch Transformer's; Megatron-Core's "
+          "flag), 0: none")
+          .at_least(0)
+          .at_most(1e3, "published runs use 1e-2 to 1e-4"),
+      Option<O>(
           "capacity-factor", &O::capacity_factor,
           "with --experts: each expert takes at most ceil(tokens k / experts x C) of a rank's routes, the "
           "lowest-gated over it dropped (Megatron-Core's --moe-expert-capacity-factor); unset: dropless")
@@ -292,9 +299,9 @@ const OptionTable<Config>& options_table() {
                 "once (0: no clipping)")
           .at_least(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
-      break_option<O>(&O::broken,
-                      {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "no-rope-backward",
-                       "cp-mask-every-block", "moe-wrong-expert-rank", "moe-combine-without-gates"}),
+      break_option<O>(&O::broken, {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row",
+                                   "no-rope-backward", "cp-mask-every-block", "moe-wrong-expert-rank",
+                                   "moe-combine-without-gates", "moe-no-load-balancing-grad"}),
   });
   return table;
 }
@@ -381,6 +388,8 @@ void resolve_experts(Config& c) {
     if (c.capacity_factor > 0)
       throw UsageError("gpt: --capacity-factor caps each expert; it needs --experts");
     if (c.shared_experts > 0) throw UsageError("gpt: --shared-experts are a MoE layer's; it needs --experts");
+    if (c.aux_loss_coeff > 0)
+      throw UsageError("gpt: --moe-aux-loss-coeff balances a router's load; it needs --experts");
     return;
   }
   read_moe_layers(c);

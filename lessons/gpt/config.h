@@ -61,6 +61,9 @@ struct Config : LessonOptions {
   int moe_first = 0, moe_every = 1;
   int ep = 1;
   double capacity_factor = 0;  // an expert's capacity per rank (parallel::expert_capacity); 0: dropless
+  // The load-balancing loss's coefficient (parallel::load_balancing_loss), added to the training loss as the
+  // mean over each rank's tokens of a micro-batch in every MoE layer; 0: none.
+  double aux_loss_coeff = 0;
   // How a phantom run routes (parallel::RoutingModel): "balanced", "skew:S" or "zipf:A".
   std::string routing = "balanced";
   int v = 1;  // model chunks per pipeline rank (--interleave)

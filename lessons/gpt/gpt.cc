@@ -78,6 +78,10 @@ void gpt_lesson(Rank& r, const Config& o) {
                               c.phantom, exposed,   c.broken};
   ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
   ep.capacity_factor = c.capacity_factor;
+  // Each rank's micro-batch adds its term with the loss's 1 / m; the gradients' average over dp x cp and
+  // sum over the tensor-parallel ranks' tokens (sequence parallelism) make it the mean over all the terms.
+  ep.aux_loss_weight = c.aux_loss_coeff / static_cast<double>(c.micro_batches() * c.tp);
+  if (c.broken == "moe-no-load-balancing-grad") ep.aux_loss_weight = 0;  // the loss forgotten in backward
   std::optional<parallel::DataParallel> expert_dp;
   if (c.moe()) expert_dp.emplace(r, expert_zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.

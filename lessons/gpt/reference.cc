@@ -165,6 +165,7 @@ struct BlockActs {
   std::vector<int> chosen;
   std::vector<char> kept;  // whether the route was under its expert's capacity
   Vec gates;
+  Vec probs_all;  // [n, E]: the softmax over every expert, which the load-balancing loss weighs
   std::vector<Vec> route_u, route_g, route_out;
 };
 
@@ -212,6 +213,8 @@ class Training {
   // With a capacity: each expert kept as many of a rank's routes as its capacity lets it, those of the
   // highest gates (the run's drops, judged against the reference's gates).
   void judge_drops(int layer, const BlockActs& a) const;
+  // The load-balancing loss's gradient by the logits (Config::aux_loss_coeff), added into `dlogits`.
+  void add_load_balancing(const BlockActs& a, Vec& dlogits) const;
   std::int64_t routing_group(std::int64_t t) const;
   // An expert's activation (gelu, or llama's swiglu of adjacent pairs) and its backward.
   Vec expert_act(const Vec& u) const;
@@ -533,6 +536,7 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
   const std::int64_t win = c_.llama() ? 2 * Fe_ : Fe_;
   a.chosen.assign(n * K_, 0);
   a.kept.assign(n * K_, 1);
+  a.probs_all.assign(n * E_, 0.0);
   a.gates.assign(n * K_, 0.0);
   a.route_u.assign(n * K_, Vec());
   a.route_g.assign(n * K_, Vec());
@@ -543,6 +547,10 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
       routes_ != nullptr && !(*routes_)[layer].empty() ? &(*routes_)[layer] : nullptr;
   for (std::int64_t t = 0; t < n; ++t) {
     const double* l = &logits[t * E_];
+    const double most = *std::max_element(l, l + E_);
+    double all = 0;
+    for (int e = 0; e < E_; ++e) all += std::exp(l[e] - most);
+    for (int e = 0; e < E_; ++e) a.probs_all[t * E_ + e] = std::exp(l[e] - most) / all;
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int i, int j) { return l[i] > l[j]; });
     std::vector<char> kept(K_, 1);
@@ -592,6 +600,28 @@ std::int64_t Training::routing_group(std::int64_t t) const {
   const std::int64_t row = local * c_.micro_batch + sample % c_.micro_batch;
   const std::int64_t tp = c_.seq_parallel ? row / c_.local_rows() : 0;
   return ((dp * c_.micro_batches() + mb) * c_.cp + cp) * c_.tp + tp;
+}
+
+// The load-balancing loss, the mean over the groups of a rank's tokens of a micro-batch of
+// E / (k T^2) sum over experts i of (sum over the group's tokens of p_ti) c_i (c_i: the group's routes chosen
+// for expert i, a count), times the coefficient: its gradient by the logits into `dlogits`.
+void Training::add_load_balancing(const BlockActs& a, Vec& dlogits) const {
+  const std::int64_t T = c_.local_rows(), groups = n / T;
+  std::map<std::int64_t, std::vector<double>> chosen;  // by group: each expert's count
+  for (std::int64_t at = 0; at < n * K_; ++at) {
+    std::vector<double>& counts = chosen[routing_group(at / K_)];
+    counts.resize(E_, 0.0);
+    counts[a.chosen[at]] += 1;
+  }
+  const double weight = c_.aux_loss_coeff / static_cast<double>(groups);
+  for (std::int64_t t = 0; t < n; ++t) {
+    const std::vector<double>& counts = chosen[routing_group(t)];
+    const double* p = &a.probs_all[t * E_];
+    auto g = [&](int i) { return E_ * counts[i] / (K_ * static_cast<double>(T) * T); };
+    double mean = 0;
+    for (int i = 0; i < E_; ++i) mean += p[i] * g(i);
+    for (int j = 0; j < E_; ++j) dlogits[t * E_ + j] += weight * p[j] * (g(j) - mean);
+  }
 }
 
 void Training::judge_drops(int layer, const BlockActs& a) const {
@@ -662,6 +692,7 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
       dlogits[t * E_ + a.chosen[at]] = a.gates[at] * (dgate[j] - weighted);
     }
   }
+  if (c_.aux_loss_coeff > 0) add_load_balancing(a, dlogits);
   Vec drouter_dy(n * h);
   mm_backward(y, w_[moe_index(layer, kRouterKind)], dlogits, n, h, E_, g[moe_index(layer, kRouterKind)],
               &drouter_dy);
@@ -900,8 +931,9 @@ std::shared_ptr<Reference> Reference::get(const Config& c) {
   if (c.llama()) key += fmt::format(" rope theta {}", c.rope_theta);
   key += fmt::format(" clip {} lr", c.clip_grad);
   // With a capacity, which tokens share one (a rank's of a micro-batch) follows the layout.
-  if (c.moe() && c.capacity_factor > 0) {
-    key += fmt::format(" capacity {} of {}", c.capacity_factor, c.layout());
+  if (c.moe() && (c.capacity_factor > 0 || c.aux_loss_coeff > 0)) {
+    key +=
+        fmt::format(" capacity {} load balancing {} of {}", c.capacity_factor, c.aux_loss_coeff, c.layout());
   }
   for (int step = 1; step <= c.steps; ++step) key += fmt::format(" {}", c.lr_at(step));
   static std::mutex mu;

@@ -74,8 +74,9 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
     dlogits = r.phantom(Shape{x.size(0), experts}, x.dtype());
   } else {
     const std::vector<float> dgate_f = r.to_host(dgates);
-    const std::vector<double> dl =
+    std::vector<double> dl =
         router_logit_grads(k.routing, std::vector<double>(dgate_f.begin(), dgate_f.end()));
+    if (aux_loss_weight > 0) add_load_balancing_grads(k.routing, aux_loss_weight, dl);
     dlogits = r.from_host(Shape{x.size(0), experts}, std::vector<float>(dl.begin(), dl.end()), x.dtype());
   }
   g.drouter = r.matmul(x, dlogits, Trans::Yes, Trans::No);
@@ -105,6 +106,8 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
   };
   std::vector<Chosen> chosen;
   chosen.reserve(tokens * top_k);
+  ro.probs.resize(tokens * experts);
+  ro.chosen_per_expert.assign(experts, 0);
   std::vector<int> order(experts);
   for (std::int64_t t = 0; t < tokens; ++t) {
     const double* l = &logits[t * experts];
@@ -116,6 +119,10 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
     for (int j = 0; j < top_k; ++j) sum += std::exp(l[order[j]] - l[order[0]]);
     for (int j = 0; j < top_k; ++j)
       chosen.push_back({t, order[j], std::exp(l[order[j]] - l[order[0]]) / sum});
+    for (int j = 0; j < top_k; ++j) ++ro.chosen_per_expert[order[j]];
+    double all = 0;
+    for (int e = 0; e < experts; ++e) all += std::exp(l[e] - l[order[0]]);
+    for (int e = 0; e < experts; ++e) ro.probs[t * experts + e] = std::exp(l[e] - l[order[0]]) / all;
   }
   // Over an expert's capacity, its routes of the lowest gates go (the earlier token first on equal gates).
   if (capacity >= 0) {
@@ -241,6 +248,28 @@ Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingM
   return ro;
 }
 }  // namespace
+
+double load_balancing_loss(const Routing& ro) {
+  const double T = static_cast<double>(ro.tokens), E = ro.experts;
+  double sum = 0;
+  for (std::int64_t t = 0; t < ro.tokens; ++t)
+    for (int i = 0; i < ro.experts; ++i)
+      sum += ro.probs[t * ro.experts + i] * static_cast<double>(ro.chosen_per_expert[i]);
+  return E / (ro.top_k * T * T) * sum;
+}
+
+void add_load_balancing_grads(const Routing& ro, double weight, std::vector<double>& dl) {
+  const double T = static_cast<double>(ro.tokens), E = ro.experts;
+  std::vector<double> g(ro.experts);
+  for (int i = 0; i < ro.experts; ++i)
+    g[i] = E * static_cast<double>(ro.chosen_per_expert[i]) / (ro.top_k * T * T);
+  for (std::int64_t t = 0; t < ro.tokens; ++t) {
+    const double* p = &ro.probs[t * ro.experts];
+    double mean = 0;
+    for (int i = 0; i < ro.experts; ++i) mean += p[i] * g[i];
+    for (int j = 0; j < ro.experts; ++j) dl[t * ro.experts + j] += weight * p[j] * (g[j] - mean);
+  }
+}
 
 std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate) {
   std::vector<double> dl(ro.tokens * ro.experts, 0.0), weighted(ro.tokens, 0.0);

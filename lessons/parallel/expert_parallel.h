@@ -45,6 +45,10 @@ struct Routing {
   std::vector<std::int64_t> dropped_token;
   std::vector<int> dropped_expert;
   std::vector<double> dropped_gate;
+  // With real numbers: the softmax over every expert [tokens, experts], and the routes each expert was
+  // chosen for (before its capacity): what the load-balancing loss weighs.
+  std::vector<double> probs;
+  std::vector<std::int64_t> chosen_per_expert;
   std::int64_t routes() const {  // kept
     std::int64_t n = 0;
     for (std::int64_t e : per_expert) n += e;
@@ -81,6 +85,15 @@ RoutingModel read_routing_model(const std::string& text, int experts, int top_k)
 // `capacity` each (-1: none), the rest counted as dropped.
 Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer,
                        std::int64_t capacity = -1);
+// The load-balancing loss of a rank's tokens (Switch Transformer, Fedus et al. 2021, section 2.2, as
+// Megatron-Core's switch_load_balancing_loss_func computes it): E / (k T^2) sum over experts i of
+// (sum over tokens t of p_ti) c_i, with p the softmax over every expert and c_i the routes expert i was
+// chosen for; its minimum, 1, is a uniform router with an even load. Its gradient by the logits, times
+// `weight`, is added into `dl` [tokens, experts]: c is a count (no gradient), so
+// d / d l_tj = p_tj (g_j - sum over i of p_ti g_i) with g_i = E c_i / (k T^2).
+double load_balancing_loss(const Routing& ro);
+void add_load_balancing_grads(const Routing& ro, double weight, std::vector<double>& dl);
+
 // d loss / d logits [tokens, experts] from d loss / d gate of each kept route (in the routing's order; a
 // dropped route's is zero): for a token's chosen experts, gate_e (dgate_e - sum over its chosen j of
 // gate_j dgate_j); zero elsewhere.
@@ -99,6 +112,9 @@ struct ExpertParallel {
   std::string broken;            // moe-wrong-expert-rank, moe-combine-without-gates
   RoutingModel routing_model{};  // a phantom run's routing
   double capacity_factor = 0;    // 0: dropless
+  // The load-balancing loss's weight in the training loss, for this rank's tokens of one micro-batch
+  // (--moe-aux-loss-coeff over the terms the gradients' averaging adds); 0: none.
+  double aux_loss_weight = 0;
 
   int size() const { return static_cast<int>(ranks.size()); }
   int local_experts() const { return experts / size(); }
