@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <numeric>
 #include <string>
@@ -169,6 +170,15 @@ TEST(GptMoe, TheLoadBalancingLossTrainsEqualToOneDeviceAndIsMissedWhenLeftOut) {
   EXPECT_FALSE(testing::run_gpt(o).all_checks_passed());
 }
 
+TEST(GptMoe, ASigmoidRouterTrainsEqualToOneDevice) {
+  Settings o = with_experts(4, 2, 2);
+  o["moe-router-score-function"] = "sigmoid";
+  o["capacity-factor"] = "1";
+  o["moe-aux-loss-coeff"] = "0.3";
+  const RunReport rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
 TEST(GptMoe, TokensAtTheWrongRankAndUngatedCombinesFailTheCheck) {
   Settings wrong = with_experts(2, 2, 2);
   wrong["break"] = "moe-wrong-expert-rank";
@@ -329,6 +339,36 @@ TEST(GptMoe, TheLoadBalancingLossIsOneForAnEvenRouterAndGrowsWithImbalance) {
   std::vector<double> dl(8, 0.0);
   parallel::add_load_balancing_grads(skewed, 1.0, dl);
   for (int t = 0; t < 4; ++t) EXPECT_GT(dl[t * 2 + 0], 0) << t;
+}
+
+// The router's logit gradient against finite differences, for both scores, with a capacity dropping routes
+// and the load-balancing loss: L = sum over kept routes of w(token, expert) gate + lb x the balance loss.
+TEST(GptMoe, TheRouterGradientIsTheLossesDerivative) {
+  const std::int64_t tokens = 5;
+  const int experts = 4, k = 2;
+  std::vector<double> logits(tokens * experts);
+  for (std::size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(1.7 * static_cast<double>(i)) * 2;
+  auto weight = [](std::int64_t t, int e) { return std::cos(0.3 * static_cast<double>(t) + e); };
+  for (parallel::RouterScore score : {parallel::RouterScore::Softmax, parallel::RouterScore::Sigmoid}) {
+    const double lb = 0.7;
+    auto loss = [&](const std::vector<double>& l) {
+      const parallel::Routing ro = parallel::route_top_k(l, tokens, experts, k, experts, 2, 0, score);
+      double sum = lb * parallel::load_balancing_loss(ro);
+      for (std::size_t i = 0; i < ro.token.size(); ++i) sum += weight(ro.token[i], ro.expert[i]) * ro.gate[i];
+      return sum;
+    };
+    const parallel::Routing ro = parallel::route_top_k(logits, tokens, experts, k, experts, 2, 0, score);
+    ASSERT_GT(ro.dropped(), 0);  // capacity ceil(5 x 2 / 4) = 3 for 10 routes over 4 experts
+    std::vector<double> dgate;
+    for (std::size_t i = 0; i < ro.token.size(); ++i) dgate.push_back(weight(ro.token[i], ro.expert[i]));
+    std::vector<double> dl = parallel::router_logit_grads(ro, dgate);
+    parallel::add_load_balancing_grads(ro, lb, dl);
+    for (std::size_t i = 0; i < logits.size(); ++i) {
+      std::vector<double> up = logits, down = logits;
+      up[i] += 1e-6, down[i] -= 1e-6;
+      EXPECT_NEAR(dl[i], (loss(up) - loss(down)) / 2e-6, 1e-6) << "logit " << i;
+    }
+  }
 }
 
 TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {

@@ -44,6 +44,7 @@ std::string Config::layout() const {
     s += fmt::format(", ep {} ({} expert{} each)", ep, local_experts(), local_experts() > 1 ? "s" : "");
   if (moe() && capacity_factor > 0) s += fmt::format(", capacity factor {}", capacity_factor);
   if (moe() && aux_loss_coeff > 0) s += fmt::format(", load-balancing loss {}", aux_loss_coeff);
+  if (moe() && router_score == parallel::RouterScore::Sigmoid) s += ", sigmoid router";
   if (moe() && !balanced_routing()) s += fmt::format(", routing {}", routing);
   if (fp8 != parallel::Fp8Recipe::None) s += fmt::format(", fp8 GEMMs ({})", parallel::fp8_recipe_name(fp8));
   if (reduce_dtype != DType::Float32) s += fmt::format(", {} gradient reduction", dtype_name(reduce_dtype));
@@ -212,6 +213,10 @@ const OptionTable<Config>& options_table() {
                 "with --experts: expert-parallel size, the experts split over ep of the stage's tp x cp x dp "
                 "ranks and tokens sent to them by all-to-all")
           .at_least(1),
+      Option<O>("moe-router-score-function", &O::router_score,
+                "with --experts: the gates, the softmax over each token's chosen logits (Mixtral, Qwen3) or "
+                "their sigmoids normalised (DeepSeek-V3)",
+                {{"softmax", parallel::RouterScore::Softmax}, {"sigmoid", parallel::RouterScore::Sigmoid}}),
       Option<O>(
           "moe-aux-loss-coeff", &O::aux_loss_coeff,
           "with --experts: the load-balancing loss's coefficient (Switch Transformer's; Megatron-Core's "

@@ -9,6 +9,7 @@
 #include "common/lesson.h"
 #include "common/rank.h"
 #include "common/tensor.h"
+#include "lessons/parallel/expert_parallel.h"
 #include "lessons/parallel/fp8.h"
 
 namespace ranklab::gpt {
@@ -64,6 +65,7 @@ struct Config : LessonOptions {
   // The load-balancing loss's coefficient (parallel::load_balancing_loss), added to the training loss as the
   // mean over each rank's tokens of a micro-batch in every MoE layer; 0: none.
   double aux_loss_coeff = 0;
+  parallel::RouterScore router_score = parallel::RouterScore::Softmax;
   // How a phantom run routes (parallel::RoutingModel): "balanced", "skew:S" or "zipf:A".
   std::string routing = "balanced";
   int v = 1;  // model chunks per pipeline rank (--interleave)

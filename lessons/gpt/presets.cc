@@ -32,7 +32,8 @@ const std::vector<Preset>& presets() {
   //   Qwen3-30B-A3B and Qwen3-235B-A22B (huggingface.co/Qwen, config.json): 128 experts, top 8, heads of 128
   //   features that do not divide the hidden size (32 x 128 in 2048, 64 x 128 in 4096); a head width of its
   //   own is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json): multi-head latent
-  //   attention and a multi-token prediction head, neither built: it refuses too.
+  //   attention, an expert bias that balances the load without a loss, and a multi-token prediction head,
+  //   none built: it refuses too.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -68,8 +69,8 @@ const std::vector<Preset>& presets() {
        "its 64 heads of 128 features (8192) differ from its hidden size 4096; a head width of its own "
        "(head_dim) is not built"},
       {"deepseek-v3", 61, 7168, 128, 4096, 129280, 1024, "DeepSeek-V3 config.json", 128, 2048, 10000, 256, 8,
-       "multi-head latent attention, sigmoid routing with a bias and the multi-token prediction head are not "
-       "built"},
+       "multi-head latent attention, the expert bias of its auxiliary-loss-free balancing and the "
+       "multi-token prediction head are not built"},
   };
   return all;
 }

@@ -165,7 +165,10 @@ struct BlockActs {
   std::vector<int> chosen;
   std::vector<char> kept;  // whether the route was under its expert's capacity
   Vec gates;
-  Vec probs_all;  // [n, E]: the softmax over every expert, which the load-balancing loss weighs
+  Vec probs_all;  // [n, E]: every expert's score over their sum, which the load-balancing loss weighs
+  // d score / d logit over the score: of each route, and of each token's every expert (1 for the softmax,
+  // 1 - s for a sigmoid score s).
+  Vec slope, probs_slope;
   std::vector<Vec> route_u, route_g, route_out;
 };
 
@@ -537,6 +540,9 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
   a.chosen.assign(n * K_, 0);
   a.kept.assign(n * K_, 1);
   a.probs_all.assign(n * E_, 0.0);
+  a.slope.assign(n * K_, 1.0);
+  a.probs_slope.assign(n * E_, 1.0);
+  const bool sigmoid = c_.router_score == parallel::RouterScore::Sigmoid;
   a.gates.assign(n * K_, 0.0);
   a.route_u.assign(n * K_, Vec());
   a.route_g.assign(n * K_, Vec());
@@ -548,9 +554,14 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
   for (std::int64_t t = 0; t < n; ++t) {
     const double* l = &logits[t * E_];
     const double most = *std::max_element(l, l + E_);
+    // An expert's score: exp (the softmax's, before its sum) or the sigmoid.
+    auto s = [&](int e) { return sigmoid ? 1 / (1 + std::exp(-l[e])) : std::exp(l[e] - most); };
     double all = 0;
-    for (int e = 0; e < E_; ++e) all += std::exp(l[e] - most);
-    for (int e = 0; e < E_; ++e) a.probs_all[t * E_ + e] = std::exp(l[e] - most) / all;
+    for (int e = 0; e < E_; ++e) all += s(e);
+    for (int e = 0; e < E_; ++e) {
+      a.probs_all[t * E_ + e] = s(e) / all;
+      if (sigmoid) a.probs_slope[t * E_ + e] = 1 - s(e);
+    }
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int i, int j) { return l[i] > l[j]; });
     std::vector<char> kept(K_, 1);
@@ -565,16 +576,16 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
       judge_route(layer, t, y, l, order, ids.data());
       std::copy(ids.begin(), ids.end(), order.begin());
     }
-    double top = -INFINITY, sum = 0;
-    for (int j = 0; j < K_; ++j) top = std::max(top, l[order[j]]);
-    for (int j = 0; j < K_; ++j) sum += std::exp(l[order[j]] - top);
+    double sum = 0;
+    for (int j = 0; j < K_; ++j) sum += s(order[j]);
     const Vec row(y.begin() + t * h, y.begin() + (t + 1) * h);
     for (int j = 0; j < K_; ++j) {
       const std::int64_t at = t * K_ + j;
       const int e = order[j];
       a.chosen[at] = e;
       a.kept[at] = kept[j];
-      a.gates[at] = std::exp(l[e] - top) / sum;
+      a.gates[at] = s(e) / sum;
+      if (sigmoid) a.slope[at] = 1 - s(e);
       if (!kept[j]) continue;  // over its expert's capacity: the token keeps the residual for it
       a.route_u[at] = mm(row, w_[moe_index(layer, expert_kind(e, 0))], 1, h, win);
       a.route_g[at] = expert_act(a.route_u[at]);
@@ -620,7 +631,8 @@ void Training::add_load_balancing(const BlockActs& a, Vec& dlogits) const {
     auto g = [&](int i) { return E_ * counts[i] / (K_ * static_cast<double>(T) * T); };
     double mean = 0;
     for (int i = 0; i < E_; ++i) mean += p[i] * g(i);
-    for (int j = 0; j < E_; ++j) dlogits[t * E_ + j] += weight * p[j] * (g(j) - mean);
+    for (int j = 0; j < E_; ++j)
+      dlogits[t * E_ + j] += weight * p[j] * a.probs_slope[t * E_ + j] * (g(j) - mean);
   }
 }
 
@@ -686,10 +698,10 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
                   g[moe_index(layer, expert_kind(e, 0))], &drow);
       for (std::int64_t d = 0; d < h; ++d) dy[t * h + d] += drow[d];
     }
-    // The softmax over the chosen logits: d l_e = gate_e (dgate_e - sum_j gate_j dgate_j).
+    // The chosen scores over their sum: d l_e = gate_e slope_e (dgate_e - sum_j gate_j dgate_j).
     for (int j = 0; j < K_; ++j) {
       const std::int64_t at = t * K_ + j;
-      dlogits[t * E_ + a.chosen[at]] = a.gates[at] * (dgate[j] - weighted);
+      dlogits[t * E_ + a.chosen[at]] = a.gates[at] * a.slope[at] * (dgate[j] - weighted);
     }
   }
   if (c_.aux_loss_coeff > 0) add_load_balancing(a, dlogits);
@@ -929,6 +941,7 @@ std::shared_ptr<Reference> Reference::get(const Config& c) {
   std::string key = fmt::format("{} batch {} steps {} lr {}", c.shape(), c.global_batch, c.steps, c.lr);
   if (c.dropout > 0) key += fmt::format(" dropout {} mb {}", c.dropout, c.micro_batch);
   if (c.llama()) key += fmt::format(" rope theta {}", c.rope_theta);
+  if (c.moe() && c.router_score == parallel::RouterScore::Sigmoid) key += " sigmoid router";
   key += fmt::format(" clip {} lr", c.clip_grad);
   // With a capacity, which tokens share one (a rank's of a micro-batch) follows the layout.
   if (c.moe() && (c.capacity_factor > 0 || c.aux_loss_coeff > 0)) {

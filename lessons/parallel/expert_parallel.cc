@@ -93,7 +93,7 @@ std::int64_t expert_capacity(std::int64_t tokens, int experts, int top_k, double
 }
 
 Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
-                    int experts_per_rank, std::int64_t capacity, int owner_shift) {
+                    int experts_per_rank, std::int64_t capacity, int owner_shift, RouterScore score) {
   Routing ro;
   ro.tokens = tokens, ro.experts = experts, ro.top_k = top_k;
   ro.per_expert.assign(experts, 0);
@@ -102,8 +102,10 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
   struct Chosen {
     std::int64_t token;
     int expert;
-    double gate;
+    double gate, slope;
   };
+  const bool sigmoid = score == RouterScore::Sigmoid;
+  if (sigmoid) ro.probs_slope.resize(tokens * experts);
   std::vector<Chosen> chosen;
   chosen.reserve(tokens * top_k);
   ro.probs.resize(tokens * experts);
@@ -114,15 +116,20 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return l[a] > l[b]; });
     if (top_k < experts) ro.closest_call = std::min(ro.closest_call, l[order[top_k - 1]] - l[order[top_k]]);
-    // The softmax over the chosen logits: the top-k of the whole softmax, normalised.
+    // Each expert's score, the chosen ones' over their sum: the softmax over the chosen logits (the top-k
+    // of the whole softmax, normalised), or their sigmoids normalised.
+    auto s = [&](int e) { return sigmoid ? 1 / (1 + std::exp(-l[e])) : std::exp(l[e] - l[order[0]]); };
     double sum = 0;
-    for (int j = 0; j < top_k; ++j) sum += std::exp(l[order[j]] - l[order[0]]);
+    for (int j = 0; j < top_k; ++j) sum += s(order[j]);
     for (int j = 0; j < top_k; ++j)
-      chosen.push_back({t, order[j], std::exp(l[order[j]] - l[order[0]]) / sum});
+      chosen.push_back({t, order[j], s(order[j]) / sum, sigmoid ? 1 - s(order[j]) : 1.0});
     for (int j = 0; j < top_k; ++j) ++ro.chosen_per_expert[order[j]];
     double all = 0;
-    for (int e = 0; e < experts; ++e) all += std::exp(l[e] - l[order[0]]);
-    for (int e = 0; e < experts; ++e) ro.probs[t * experts + e] = std::exp(l[e] - l[order[0]]) / all;
+    for (int e = 0; e < experts; ++e) all += s(e);
+    for (int e = 0; e < experts; ++e) {
+      ro.probs[t * experts + e] = s(e) / all;
+      if (sigmoid) ro.probs_slope[t * experts + e] = 1 - s(e);
+    }
   }
   // Over an expert's capacity, its routes of the lowest gates go (the earlier token first on equal gates).
   if (capacity >= 0) {
@@ -135,6 +142,7 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
       ro.dropped_token.push_back(c.token);
       ro.dropped_expert.push_back(c.expert);
       ro.dropped_gate.push_back(c.gate);
+      ro.dropped_slope.push_back(c.slope);
       return true;
     });
   }
@@ -146,6 +154,7 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
     ro.token.push_back(c.token);
     ro.expert.push_back(c.expert);
     ro.gate.push_back(c.gate);
+    ro.slope.push_back(c.slope);
     ++ro.per_expert[c.expert];
   }
   return ro;
@@ -267,7 +276,10 @@ void add_load_balancing_grads(const Routing& ro, double weight, std::vector<doub
     const double* p = &ro.probs[t * ro.experts];
     double mean = 0;
     for (int i = 0; i < ro.experts; ++i) mean += p[i] * g[i];
-    for (int j = 0; j < ro.experts; ++j) dl[t * ro.experts + j] += weight * p[j] * (g[j] - mean);
+    for (int j = 0; j < ro.experts; ++j) {
+      const double slope = ro.probs_slope.empty() ? 1.0 : ro.probs_slope[t * ro.experts + j];
+      dl[t * ro.experts + j] += weight * p[j] * slope * (g[j] - mean);
+    }
   }
 }
 
@@ -275,12 +287,13 @@ std::vector<double> router_logit_grads(const Routing& ro, const std::vector<doub
   std::vector<double> dl(ro.tokens * ro.experts, 0.0), weighted(ro.tokens, 0.0);
   for (std::size_t i = 0; i < ro.token.size(); ++i) weighted[ro.token[i]] += ro.gate[i] * dgate[i];
   for (std::size_t i = 0; i < ro.token.size(); ++i) {
-    dl[ro.token[i] * ro.experts + ro.expert[i]] = ro.gate[i] * (dgate[i] - weighted[ro.token[i]]);
+    dl[ro.token[i] * ro.experts + ro.expert[i]] =
+        ro.gate[i] * ro.slope[i] * (dgate[i] - weighted[ro.token[i]]);
   }
   // A dropped route's gate has no gradient of its own, but it shares the token's softmax.
   for (std::size_t i = 0; i < ro.dropped_token.size(); ++i) {
     const std::int64_t t = ro.dropped_token[i];
-    dl[t * ro.experts + ro.dropped_expert[i]] = -ro.dropped_gate[i] * weighted[t];
+    dl[t * ro.experts + ro.dropped_expert[i]] = -ro.dropped_gate[i] * ro.dropped_slope[i] * weighted[t];
   }
   return dl;
 }
@@ -298,7 +311,7 @@ Routing ExpertParallel::route(const Tensor& logits, int layer) {
   const std::vector<float> lf = r.to_host(logits);
   const int shift = broken == "moe-wrong-expert-rank" && size() > 1 ? 1 : 0;
   return route_top_k(std::vector<double>(lf.begin(), lf.end()), tokens, experts, top_k, local_experts(),
-                     capacity, shift);
+                     capacity, shift, score);
 }
 
 void ExpertParallel::plan_exchange(Kept& k) {

@@ -38,6 +38,9 @@ struct Routing {
   std::vector<std::int64_t> token;
   std::vector<int> expert;
   std::vector<double> gate;
+  // d score / d logit over the score of each route (and dropped route, and with probs each token and expert):
+  // 1 for the softmax, 1 - s for a sigmoid score s.
+  std::vector<double> slope, dropped_slope, probs_slope;
   std::vector<std::int64_t> per_expert;  // routes to each expert (kept ones)
   double closest_call = INFINITY;        // the smallest gap between a chosen logit and the best unchosen one
   // With a capacity: the routes over it, dropped (the token keeps the residual for them, and their gates
@@ -60,12 +63,17 @@ struct Routing {
 // expert capacity; Megatron-Core's --moe-expert-capacity-factor, per rank before the dispatch); no limit
 // for a factor of 0 (dropless).
 std::int64_t expert_capacity(std::int64_t tokens, int experts, int top_k, double factor);
+// How the router scores an expert: the softmax over the chosen logits (Mixtral, Qwen3), or each chosen
+// logit's sigmoid over the chosen ones' sum (DeepSeek-V3; Megatron-Core's --moe-router-score-function
+// sigmoid).
+enum class RouterScore { Softmax, Sigmoid };
 // Top-k of each row of `logits` [tokens, experts] (row-major; the lower expert first on equal logits) and
-// the softmax over the chosen; over an expert's `capacity`, its routes of the lowest gates are dropped
+// their gates by `score`; over an expert's `capacity`, its routes of the lowest gates are dropped
 // (Megatron-Core's drop policy "probs"; -1: none). The experts of ep rank d are d's block of
 // `experts_per_rank`, shifted by `owner_shift` (a deliberate bug); the routes come in dispatch order.
 Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int experts, int top_k,
-                    int experts_per_rank, std::int64_t capacity = -1, int owner_shift = 0);
+                    int experts_per_rank, std::int64_t capacity = -1, int owner_shift = 0,
+                    RouterScore score = RouterScore::Softmax);
 // Every expert the same number of routes (the first ones one more where they do not divide): the routing
 // published MoE benchmarks force, and what a phantom run assumes by default.
 Routing route_balanced(std::int64_t tokens, int experts, int top_k);
@@ -95,8 +103,8 @@ double load_balancing_loss(const Routing& ro);
 void add_load_balancing_grads(const Routing& ro, double weight, std::vector<double>& dl);
 
 // d loss / d logits [tokens, experts] from d loss / d gate of each kept route (in the routing's order; a
-// dropped route's is zero): for a token's chosen experts, gate_e (dgate_e - sum over its chosen j of
-// gate_j dgate_j); zero elsewhere.
+// dropped route's is zero): for a token's chosen experts, gate_e slope_e (dgate_e - sum over its chosen j
+// of gate_j dgate_j); zero elsewhere.
 std::vector<double> router_logit_grads(const Routing& ro, const std::vector<double>& dgate);
 
 struct ExpertParallel {
@@ -112,6 +120,7 @@ struct ExpertParallel {
   std::string broken;            // moe-wrong-expert-rank, moe-combine-without-gates
   RoutingModel routing_model{};  // a phantom run's routing
   double capacity_factor = 0;    // 0: dropless
+  RouterScore score = RouterScore::Softmax;
   // The load-balancing loss's weight in the training loss, for this rank's tokens of one micro-batch
   // (--moe-aux-loss-coeff over the terms the gradients' averaging adds); 0: none.
   double aux_loss_weight = 0;
