@@ -372,46 +372,36 @@ TEST(GptMoe, TheRouterGradientIsTheLossesDerivative) {
 }
 
 TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
-  auto refused = [](Settings o, const std::string& flag) {
+  // Each case: the tiny model with experts over (world, ep) or, with world 0, without experts; the flags
+  // changed; what the error must say.
+  struct Case {
+    int world, ep;
+    std::map<std::string, std::string> set;
+    std::string says;
+  };
+  const std::vector<Case> cases = {
+      {4, 2, {{"top-k", "5"}}, "--top-k 5"},
+      {4, 3, {}, "--ep 3 does not divide --experts 4"},
+      {2, 4, {}, "--ep 4 does not divide the 2 ranks"},
+      {4, 2, {{"tp", "2"}}, "--seq-parallel"},
+      {4, 2, {{"moe-layers", "some"}}, "--moe-layers some"},
+      {0, 0, {{"world", "2"}, {"ep", "2"}}, "--ep 2 splits experts; it needs --experts"},
+      {0, 0, {{"model", "deepseek-v3"}}, "multi-head latent attention"},
+      {4, 2, {{"shared-experts", "1"}}, "--shared-experts 1: the shared experts are the llama block's"},
+      {4, 2, {{"capacity-factor", "0"}}, "--capacity-factor"},
+      {0, 0, {{"capacity-factor", "1.5"}}, "--capacity-factor caps each expert; it needs --experts"},
+      {4, 2, {{"routing", "skew:2"}}, "--routing skew:2: with real numbers"},
+  };
+  for (const Case& k : cases) {
+    Settings o = k.world > 0 ? with_experts(k.world, k.ep, 2) : testing::tiny_gpt();
+    for (const auto& [flag, value] : k.set) o[flag] = value;
     try {
       run_preset(o);
-      ADD_FAILURE() << "not refused: " << flag;
+      ADD_FAILURE() << "not refused: " << k.says;
     } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find(flag), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(k.says), std::string::npos) << e.what();
     }
-  };
-  Settings o = with_experts(4, 2, 2);
-  o["top-k"] = option_text(5);
-  refused(o, "--top-k 5");
-  o = with_experts(4, 3, 2);
-  refused(o, "--ep 3 does not divide --experts 4");
-  o = with_experts(2, 4, 2);
-  refused(o, "--ep 4 does not divide the 2 ranks");
-  o = with_experts(4, 2, 2);
-  o["tp"] = option_text(2);
-  refused(o, "--seq-parallel");
-  o = with_experts(4, 2, 2);
-  o["moe-layers"] = "some";
-  refused(o, "--moe-layers some");
-  o = testing::tiny_gpt();
-  o["world"] = option_text(2);
-  o["ep"] = option_text(2);
-  refused(o, "--ep 2 splits experts; it needs --experts");
-  o = testing::tiny_gpt();
-  o["model"] = "deepseek-v3";
-  refused(o, "multi-head latent attention");
-  o = with_experts(4, 2, 2);
-  o["shared-experts"] = option_text(1);
-  refused(o, "--shared-experts 1: the shared experts are the llama block's");
-  o = with_experts(4, 2, 2);
-  o["capacity-factor"] = "0";
-  refused(o, "--capacity-factor");
-  o = testing::tiny_gpt();
-  o["capacity-factor"] = "1.5";
-  refused(o, "--capacity-factor caps each expert; it needs --experts");
-  o = with_experts(4, 2, 2);
-  o["routing"] = "skew:2";
-  refused(o, "--routing skew:2: with real numbers");
+  }
 }
 
 }  // namespace
