@@ -33,7 +33,10 @@ const std::vector<Preset>& presets() {
   //   features that do not divide the hidden size (32 x 128 in 2048, 64 x 128 in 4096); a head width of its
   //   own is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json): multi-head latent
   //   attention, an expert bias that balances the load without a loss, and a multi-token prediction head,
-  //   none built: it refuses too.
+  //   none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and config.json): 128 experts,
+  //   top 4, of width 2880; its attention has 64 heads of 64 features beside a hidden size of 2880, learned
+  //   attention sinks and a 128-token sliding window in every other layer, and its SwiGLU is clamped: it
+  //   refuses.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -71,6 +74,10 @@ const std::vector<Preset>& presets() {
       {"deepseek-v3", 61, 7168, 128, 4096, 129280, 1024, "DeepSeek-V3 config.json", 128, 2048, 10000, 256, 8,
        "multi-head latent attention, the expert bias of its auxiliary-loss-free balancing and the "
        "multi-token prediction head are not built"},
+      {"gpt-oss-120b", 36, 2880, 64, 4096, 201088, 1024, "gpt-oss-120b config.json; OpenAI 2025 model card",
+       8, 2880, 150000, 128, 4,
+       "its attention (64 heads of 64 features beside a hidden size of 2880, learned attention sinks, a "
+       "128-token sliding window in every other layer) and its clamped SwiGLU are not built"},
   };
   return all;
 }
