@@ -37,6 +37,8 @@ using parallel::Param;
 
 parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups);
 parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups& groups);
+parallel::ExpertParallel expert_parallel(Rank& r, const Config& c, const parallel::Groups& groups,
+                                         parallel::ExposedComm& exposed);
 void print_dropped(Rank& r, const Config& c, const gpt::Model& model);
 std::string task_region(const parallel::Task& t, int chunks);
 
@@ -72,17 +74,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   parallel::DataParallel dp(r, zero_config(c, groups), exposed);
   // With experts: each MoE layer's tokens go to the ranks of its ep group that hold their experts, and the
   // experts' gradients are reduced over the ranks that hold the same ones.
-  const float expert_grad_scale = static_cast<float>(c.tp) / static_cast<float>(c.ep);
-  parallel::ExpertParallel ep{r,         groups.ep, groups.ep_ranks, groups.ep_index,
-                              c.experts, c.top_k,   c.llama(),       expert_grad_scale,
-                              c.phantom, exposed,   c.broken};
-  ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
-  ep.capacity_factor = c.capacity_factor;
-  ep.score = c.router_score;
-  // Each rank's micro-batch adds its term with the loss's 1 / m; the gradients' average over dp x cp and
-  // sum over the tensor-parallel ranks' tokens (sequence parallelism) make it the mean over all the terms.
-  ep.aux_loss_weight = c.aux_loss_coeff / static_cast<double>(c.micro_batches() * c.tp);
-  if (c.broken == "moe-no-load-balancing-grad") ep.aux_loss_weight = 0;  // the loss forgotten in backward
+  parallel::ExpertParallel ep = expert_parallel(r, c, groups, exposed);
   std::optional<parallel::DataParallel> expert_dp;
   if (c.moe()) expert_dp.emplace(r, expert_zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.
@@ -192,6 +184,24 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
   zc.tp = groups.tp, zc.dp = groups.dp_cp, zc.embedding = groups.embedding;
   zc.counts_tied = me.pp == 0;  // of the tied embedding's two copies, the first stage's
   return zc;
+}
+
+// A MoE layer's dispatch over this rank's ep group, and what it routes by.
+parallel::ExpertParallel expert_parallel(Rank& r, const Config& c, const parallel::Groups& groups,
+                                         parallel::ExposedComm& exposed) {
+  // Each expert's weight gradient sums its ep group's tokens; averaged over the tp cp dp / ep ranks that
+  // hold it, where the dense weights average over cp dp, it needs tp / ep more (expert_parallel.h).
+  const float grad_scale = static_cast<float>(c.tp) / static_cast<float>(c.ep);
+  parallel::ExpertParallel ep{r,         groups.ep,  groups.ep_ranks, groups.ep_index, c.experts, c.top_k,
+                              c.llama(), grad_scale, c.phantom,       exposed,         c.broken};
+  ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
+  ep.capacity_factor = c.capacity_factor;
+  ep.score = c.router_score;
+  // Each rank's micro-batch adds its term with the loss's 1 / m; the gradients' average over dp x cp and
+  // sum over the tensor-parallel ranks' tokens (sequence parallelism) make it the mean over all the terms.
+  ep.aux_loss_weight = c.aux_loss_coeff / static_cast<double>(c.micro_batches() * c.tp);
+  if (c.broken == "moe-no-load-balancing-grad") ep.aux_loss_weight = 0;  // the loss forgotten in backward
+  return ep;
 }
 
 // The experts' weights: reduced, and ZeRO's shards spread, over the ranks that hold the same experts.

@@ -12,8 +12,7 @@
 
 namespace ranklab::parallel {
 
-// ---- the layer
-// ---------------------------------------------------------------------------------------------
+// ---- the layer --------------------------------------------------------------------------------------------
 
 Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
                                const std::vector<Tensor>& w_out, Kept& k, int layer) {
@@ -84,8 +83,7 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
   return g;
 }
 
-// ---- routing, on the host
-// ----------------------------------------------------------------------------------
+// ---- routing, on the host ---------------------------------------------------------------------------------
 
 std::int64_t expert_capacity(std::int64_t tokens, int experts, int top_k, double factor) {
   if (factor <= 0) return -1;
@@ -171,49 +169,6 @@ Routing route_balanced(std::int64_t tokens, int experts, int top_k) {
 
 namespace {
 // route_modelled's routes before the capacity.
-Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer);
-}  // namespace
-
-RoutingModel read_routing_model(const std::string& text, int experts, int top_k) {
-  RoutingModel m;
-  if (text == "balanced") return m;
-  const std::size_t colon = text.find(':');
-  const std::string kind = text.substr(0, colon),
-                    value = colon == std::string::npos ? "" : text.substr(colon + 1);
-  char* end = nullptr;
-  m.value = value.empty() ? NAN : std::strtod(value.c_str(), &end);
-  const bool number = !value.empty() && end != nullptr && *end == '\0' && std::isfinite(m.value);
-  // Each token's k experts are distinct, so an expert takes at most every token: 1/k of the routes, E/k times
-  // its even share.
-  const double most = static_cast<double>(experts) / top_k;
-  if (kind == "skew" && number && m.value >= 1 && m.value <= most) {
-    m.kind = RoutingModel::Kind::Skew;
-    return m;
-  }
-  if (kind == "zipf" && number && m.value >= 0 && m.value <= 16) {
-    m.kind = RoutingModel::Kind::Zipf;
-    return m;
-  }
-  throw UsageError(fmt::format(
-      "--routing {}: give balanced, skew:S (the hottest expert takes S times its even share, 1 <= S <= "
-      "experts / "
-      "top-k = {:g}) or zipf:A (the i-th most popular expert's share proportional to 1 / i^A, 0 <= A <= 16)",
-      text, most));
-}
-
-Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer,
-                       std::int64_t capacity) {
-  Routing ro = route_shares(tokens, experts, top_k, model, layer);
-  if (capacity < 0) return ro;
-  for (std::int64_t& n : ro.per_expert) {
-    const std::int64_t over = std::max<std::int64_t>(0, n - capacity);
-    n -= over;
-    ro.dropped_token.insert(ro.dropped_token.end(), over, 0);  // counted; a phantom run has no tokens to name
-  }
-  return ro;
-}
-
-namespace {
 Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer) {
   if (model.kind == RoutingModel::Kind::Balanced) return route_balanced(tokens, experts, top_k);
   // Shares by popularity rank, capped at one route per token and expert (the excess spread over the
@@ -258,6 +213,45 @@ Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingM
 }
 }  // namespace
 
+RoutingModel read_routing_model(const std::string& text, int experts, int top_k) {
+  RoutingModel m;
+  if (text == "balanced") return m;
+  const std::size_t colon = text.find(':');
+  const std::string kind = text.substr(0, colon),
+                    value = colon == std::string::npos ? "" : text.substr(colon + 1);
+  char* end = nullptr;
+  m.value = value.empty() ? NAN : std::strtod(value.c_str(), &end);
+  const bool number = !value.empty() && end != nullptr && *end == '\0' && std::isfinite(m.value);
+  // Each token's k experts are distinct, so an expert takes at most every token: 1/k of the routes, E/k times
+  // its even share.
+  const double most = static_cast<double>(experts) / top_k;
+  if (kind == "skew" && number && m.value >= 1 && m.value <= most) {
+    m.kind = RoutingModel::Kind::Skew;
+    return m;
+  }
+  if (kind == "zipf" && number && m.value >= 0 && m.value <= 16) {
+    m.kind = RoutingModel::Kind::Zipf;
+    return m;
+  }
+  throw UsageError(
+      fmt::format("--routing {}: give balanced, skew:S (the hottest expert takes S times its even share, "
+                  "1 <= S <= experts / top-k = {:g}) or zipf:A (the i-th most popular expert's share "
+                  "proportional to 1 / i^A, 0 <= A <= 16)",
+                  text, most));
+}
+
+Routing route_modelled(std::int64_t tokens, int experts, int top_k, const RoutingModel& model, int layer,
+                       std::int64_t capacity) {
+  Routing ro = route_shares(tokens, experts, top_k, model, layer);
+  if (capacity < 0) return ro;
+  for (std::int64_t& n : ro.per_expert) {
+    const std::int64_t over = std::max<std::int64_t>(0, n - capacity);
+    n -= over;
+    ro.dropped_token.insert(ro.dropped_token.end(), over, 0);  // counted; a phantom run has no tokens to name
+  }
+  return ro;
+}
+
 double load_balancing_loss(const Routing& ro) {
   const double T = static_cast<double>(ro.tokens), E = ro.experts;
   double sum = 0;
@@ -290,7 +284,7 @@ std::vector<double> router_logit_grads(const Routing& ro, const std::vector<doub
     dl[ro.token[i] * ro.experts + ro.expert[i]] =
         ro.gate[i] * ro.slope[i] * (dgate[i] - weighted[ro.token[i]]);
   }
-  // A dropped route's gate has no gradient of its own, but it shares the token's softmax.
+  // A dropped route's gate has no gradient of its own, but its score is in the token's normalisation.
   for (std::size_t i = 0; i < ro.dropped_token.size(); ++i) {
     const std::int64_t t = ro.dropped_token[i];
     dl[t * ro.experts + ro.dropped_expert[i]] = -ro.dropped_gate[i] * ro.dropped_slope[i] * weighted[t];
@@ -298,8 +292,7 @@ std::vector<double> router_logit_grads(const Routing& ro, const std::vector<doub
   return dl;
 }
 
-// ---- the exchange's bookkeeping
-// ----------------------------------------------------------------------------
+// ---- the exchange's bookkeeping ---------------------------------------------------------------------------
 
 Routing ExpertParallel::route(const Tensor& logits, int layer) {
   const std::int64_t tokens = logits.size(0);
