@@ -663,6 +663,8 @@ struct Shape<TrainingStats> {
       required("grads_bytes", &TrainingStats::grads_bytes),
       required("optimizer_bytes", &TrainingStats::optimizer_bytes),
       required("activations_bytes", &TrainingStats::activations_bytes),
+      optional("moe_routes", &TrainingStats::moe_routes),
+      optional("moe_dropped_routes", &TrainingStats::moe_dropped_routes),
   };
 };
 

@@ -38,6 +38,10 @@ struct TrainingStats {
   std::int64_t grads_bytes = 0;
   std::int64_t optimizer_bytes = 0;
   std::int64_t activations_bytes = 0;
+  // A mixture of experts: the routes every rank's MoE layers made in the step, and of them those dropped
+  // over their expert's capacity (summed over the ranks in float32: exact up to 2^24); 0 for a dense model.
+  std::int64_t moe_routes = 0;
+  std::int64_t moe_dropped_routes = 0;
 };
 
 // One forward or backward of a pipeline schedule, as its rank's compute stream ran it in the step the

@@ -127,8 +127,8 @@ std::string serialize(const RankLog& log) {
       w.put(dim);
       w.put(us);
     }
-    for (std::int64_t b :
-         {t.peak_memory_bytes, t.weights_bytes, t.grads_bytes, t.optimizer_bytes, t.activations_bytes}) {
+    for (std::int64_t b : {t.peak_memory_bytes, t.weights_bytes, t.grads_bytes, t.optimizer_bytes,
+                           t.activations_bytes, t.moe_routes, t.moe_dropped_routes}) {
       w.put(b);
     }
   }
@@ -212,8 +212,8 @@ RankLog deserialize(const std::string& bytes) {
       std::string dim = r.get_string();
       t.exposed_comm_us[std::move(dim)] = r.get<double>();
     }
-    for (std::int64_t* b :
-         {&t.peak_memory_bytes, &t.weights_bytes, &t.grads_bytes, &t.optimizer_bytes, &t.activations_bytes}) {
+    for (std::int64_t* b : {&t.peak_memory_bytes, &t.weights_bytes, &t.grads_bytes, &t.optimizer_bytes,
+                            &t.activations_bytes, &t.moe_routes, &t.moe_dropped_routes}) {
       *b = r.get<std::int64_t>();
     }
     log.training = std::move(t);

@@ -163,6 +163,7 @@ TEST(RankLog, TrainingFiguresTravelAndReachTheReport) {
   t.exposed_comm_us = {{"tp", 10.0}, {"dp", 2.5}};
   t.peak_memory_bytes = 1 << 20;
   t.activations_bytes = 1 << 10;
+  t.moe_routes = 8192, t.moe_dropped_routes = 17;
   l0.training = t;
   const RankLog back = deserialize(serialize(l0));
   ASSERT_TRUE(back.training.has_value());
@@ -174,6 +175,8 @@ TEST(RankLog, TrainingFiguresTravelAndReachTheReport) {
   EXPECT_EQ(back.training->exposed_comm_us, t.exposed_comm_us);
   EXPECT_EQ(back.training->peak_memory_bytes, 1 << 20);
   EXPECT_EQ(back.training->activations_bytes, 1 << 10);
+  EXPECT_EQ(back.training->moe_routes, 8192);
+  EXPECT_EQ(back.training->moe_dropped_routes, 17);
   const RunReport r = assemble_report({l1, back}, "cuda", "dgx-h100");
   ASSERT_TRUE(r.training.has_value());
   EXPECT_EQ(r.training->model, "custom");

@@ -39,7 +39,6 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
 parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups& groups);
 parallel::ExpertParallel expert_parallel(Rank& r, const Config& c, const parallel::Groups& groups,
                                          parallel::ExposedComm& exposed);
-void print_dropped(Rank& r, const Config& c, const gpt::Model& model);
 std::string task_region(const parallel::Task& t, int chunks);
 
 void gpt_lesson(Rank& r, const Config& o) {
@@ -160,6 +159,7 @@ void gpt_lesson(Rank& r, const Config& o) {
       if (c.pp > 1 && measures) r.report_pipeline(pipe.tasks(start, start_us));
       measured.peak_bytes = r.memory_peak();
       measured.host_wait_us = r.host_wait_us() - host_wait_before_us;
+      measured.moe_routes = model.routed(), measured.moe_dropped = model.dropped();
       exposed.enable(false);
     }
     check.compare_step(step, model, groups.dp_cp);
@@ -170,7 +170,6 @@ void gpt_lesson(Rank& r, const Config& o) {
   gpt::check_memory_plan(r, c, me, plans[me.pp], model_bytes, stash_measured_bytes, routed_measured_bytes);
   check.record(model.has_head());
   const gpt::StepFigures figures = gpt::gather_step_figures(r, c, me, measures, measured, check);
-  if (c.moe() && c.capacity_factor > 0) print_dropped(r, c, model);
   if (r.rank() == 0) gpt::print_summary(r, c, plans, measured, figures, check);
 }
 
@@ -210,20 +209,6 @@ parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups&
   zc.dp_rank = groups.edp_index;
   zc.tp = groups.tp, zc.dp = groups.edp;
   return zc;
-}
-
-// The routes every rank's MoE layers dropped over their experts' capacity in the last step, of all routes.
-void print_dropped(Rank& r, const Config& c, const gpt::Model& model) {
-  auto figures = r.bookkeeping("figures");
-  Tensor counts =
-      r.from_host(Shape{2}, {static_cast<float>(model.routed()), static_cast<float>(model.dropped())});
-  r.all_reduce(counts, ReduceOp::Sum);
-  const std::vector<float> sum = r.to_host(counts);
-  if (r.rank() != 0) return;
-  r.print(
-      fmt::format("dropped over capacity (factor {}) in the last step: {:.0f} of {:.0f} routes ({:.2f}%), "
-                  "passed on by the residual alone",
-                  c.capacity_factor, sum[1], sum[0], sum[0] > 0 ? 100 * sum[1] / sum[0] : 0.0));
 }
 
 // A task's region names its micro-batch (and chunk, interleaved): the timeline shows the schedule.

@@ -106,6 +106,8 @@ TrainingStats training_stats(Rank& r, const Config& c, const std::vector<MemoryP
   st.grads_bytes = plans[0].grads;
   st.optimizer_bytes = plans[0].optimizer;
   st.activations_bytes = mine.peak_bytes - plans[0].held();
+  st.moe_routes = static_cast<std::int64_t>(f.mean.moe_routes);
+  st.moe_dropped_routes = static_cast<std::int64_t>(f.mean.moe_dropped);
   return st;
 }
 
@@ -157,6 +159,8 @@ StepFigures gather_step_figures(Rank& r, const Config& c, const parallel::Layout
   summed.busy_us = static_cast<float>(mine.pipeline.busy_us);
   summed.window_us = static_cast<float>(mine.pipeline.window_us);
   summed.measuring_ranks = measures ? 1.0f : 0.0f;
+  summed.moe_routes = static_cast<float>(mine.moe_routes);
+  summed.moe_dropped = static_cast<float>(mine.moe_dropped);
   std::vector<float> sums;
   append(sums, summed);
   Tensor sum = r.from_host({static_cast<std::int64_t>(sums.size())}, sums);
@@ -240,6 +244,13 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
         "host had launched its next kernel{}",
         human_time(mine.host_wait_us), 100 * mine.host_wait_us / step_us,
         mine.host_wait_us > 0.5 * step_us ? ": most of the step, which is host-bound" : ""));
+  }
+  if (c.moe() && c.capacity_factor > 0) {
+    r.print(fmt::format(
+        "  dropped over capacity (factor {}): {} of {} routes ({:.2f}%), passed on by the residual "
+        "alone",
+        c.capacity_factor, st.moe_dropped_routes, st.moe_routes,
+        st.moe_routes > 0 ? 100.0 * st.moe_dropped_routes / st.moe_routes : 0.0));
   }
   r.print("  peak memory per stage, measured (planned):");
   each_shown_stage(r, c.pp, "    ", [&](int s) {

@@ -29,6 +29,7 @@ struct StepMeasures {
   parallel::PipelineTimes pipeline;                       // its tasks' busy time and the schedule's span
   std::int64_t peak_bytes = 0;                            // the rank's peak memory during the step
   double host_wait_us = 0;  // the compute stream idle for the host's next launch (Rank::host_wait_us)
+  std::int64_t moe_routes = 0, moe_dropped = 0;  // this rank's MoE layers' routes, and those dropped
 };
 
 // The figures summed over the world. Only the ranks that measure (replica 0's) contribute, and each counts
@@ -40,6 +41,7 @@ struct SummedFigures {
   float busy_us = 0;
   float window_us = 0;  // travels with the others; the printout takes the largest (LargestFigures)
   float measuring_ranks = 0;
+  float moe_routes = 0, moe_dropped = 0;  // every rank's (not only those that measure), not divided
 };
 // The figures whose largest over the world rank 0 prints.
 struct LargestFigures {
