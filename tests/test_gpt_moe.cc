@@ -37,6 +37,19 @@ Settings with_experts(int world, int ep, int top_k) {
   return o;
 }
 
+// The llama block with grouped-query attention over tp 2 (sequence-parallel) x pp 2 x dp 2, `experts`
+// experts over ep 4: the layout every MoE feature is also checked in.
+Settings llama_across_tp_sp_pp(int experts) {
+  Settings o = with_experts(8, 4, 2);
+  o["experts"] = option_text(experts);
+  o["block"] = "llama";
+  o["kv-heads"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["pp"] = option_text(2);
+  return o;
+}
+
 // The lesson with --model's preset expanded, as the command line expands it.
 RunReport run_preset(const Settings& o) {
   return testing::run_gpt(resolve_settings(find_lesson("gpt"), o, /*lecture=*/false));
@@ -54,13 +67,7 @@ TEST(GptMoe, ExpertsOverOneTwoAndFourRanksTrainEqualToOneDevice) {
 
 TEST(GptMoe, LlamaWithTpSpPpAndEpTogetherTrainsEqualToOneDevice) {
   for (int zero : {0, 1, 3}) {
-    Settings o = with_experts(8, 4, 2);
-    o["experts"] = option_text(8);
-    o["block"] = "llama";
-    o["kv-heads"] = option_text(2);
-    o["tp"] = option_text(2);
-    o["seq-parallel"] = option_text(true);
-    o["pp"] = option_text(2);
+    Settings o = llama_across_tp_sp_pp(8);
     o["zero"] = option_text(zero);
     const RunReport rep = testing::run_gpt(o);
     EXPECT_TRUE(rep.all_checks_passed()) << "zero " << zero << "\n" << testing::failed_checks(rep);
@@ -71,13 +78,7 @@ TEST(GptMoe, LlamaWithTpSpPpAndEpTogetherTrainsEqualToOneDevice) {
 
 // Shared experts (DeepSeek's): a tensor-parallel SwiGLU MLP beside the routed ones.
 TEST(GptMoe, SharedExpertsTrainEqualToOneDevice) {
-  Settings o = with_experts(8, 4, 2);
-  o["experts"] = option_text(8);
-  o["block"] = "llama";
-  o["kv-heads"] = option_text(2);
-  o["tp"] = option_text(2);
-  o["seq-parallel"] = option_text(true);
-  o["pp"] = option_text(2);
+  Settings o = llama_across_tp_sp_pp(8);
   o["zero"] = option_text(3);
   o["shared-experts"] = option_text(2);
   o["moe-layers"] = "from:1";
@@ -138,12 +139,7 @@ TEST(GptMoe, CapacityDropsTrainEqualToOneDevice) {
     EXPECT_GT(rep.training->moe_dropped_routes, 0);
     EXPECT_LT(rep.training->moe_dropped_routes, rep.training->moe_routes / 2);
   }
-  Settings o = with_experts(8, 4, 2);
-  o["block"] = "llama";
-  o["kv-heads"] = option_text(2);
-  o["tp"] = option_text(2);
-  o["seq-parallel"] = option_text(true);
-  o["pp"] = option_text(2);
+  Settings o = llama_across_tp_sp_pp(4);
   o["capacity-factor"] = "1.1";
   const RunReport rep = testing::run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
@@ -153,12 +149,7 @@ TEST(GptMoe, CapacityDropsTrainEqualToOneDevice) {
 // context parallelism's, is the reference's (the mean over each rank's tokens of a micro-batch); left out,
 // the check fails.
 TEST(GptMoe, TheLoadBalancingLossTrainsEqualToOneDeviceAndIsMissedWhenLeftOut) {
-  Settings o = with_experts(8, 4, 2);
-  o["experts"] = option_text(8);
-  o["block"] = "llama";
-  o["tp"] = option_text(2);
-  o["seq-parallel"] = option_text(true);
-  o["pp"] = option_text(2);
+  Settings o = llama_across_tp_sp_pp(8);
   o["moe-aux-loss-coeff"] = "0.5";
   RunReport rep = testing::run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
