@@ -266,8 +266,7 @@ void check_memory_plan(Rank& r, const Config& c, const parallel::Layout::Coord& 
     // the comparison.
     std::string routed;
     if ((!c.phantom || !c.balanced_routing()) && c.recompute != Recompute::Full) {
-      std::int64_t moe_layers = 0;
-      for (int layer = first; layer < first + c.chunk_layers(vs); ++layer) moe_layers += c.moe_layer(layer);
+      const std::int64_t moe_layers = c.moe_layer_count(first, c.chunk_layers(vs));
       want -= moe_layers * routed_stash_bytes(c);
       got -= routed_measured_bytes[k];
       if (moe_layers > 0) routed = " (less the routed tokens' activations, which the routing sizes)";

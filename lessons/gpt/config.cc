@@ -61,9 +61,9 @@ std::string Config::layout() const {
   return s;
 }
 
-int Config::moe_layer_count() const {
+int Config::moe_layer_count(int first, int count) const {
   int n = 0;
-  for (int layer = 0; layer < layers; ++layer) n += moe_layer(layer);
+  for (int layer = first; layer < first + count; ++layer) n += moe_layer(layer);
   return n;
 }
 

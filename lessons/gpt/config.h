@@ -123,7 +123,9 @@ struct Config : LessonOptions {
   bool moe_layer(int layer) const {
     return experts > 0 && layer >= moe_first && (layer - moe_first) % moe_every == 0;
   }
-  int moe_layer_count() const;  // the MoE layers of the model
+  // The MoE layers of the model, or of the `count` layers from `first` on.
+  int moe_layer_count() const { return moe_layer_count(0, layers); }
+  int moe_layer_count(int first, int count) const;
   std::int64_t moe_ffn() const { return moe_ffn_hidden > 0 ? moe_ffn_hidden : ffn(); }
   // The width of layer `layer`'s dense MLP: ffn(), or in a MoE layer its shared experts' (0: none).
   std::int64_t dense_ffn(int layer) const { return moe_layer(layer) ? shared_experts * moe_ffn() : ffn(); }

@@ -281,9 +281,8 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head,
   const std::int64_t shared = r * 2 * fs * dt + kept(r, fs);
   const std::int64_t moe_block =
       c.recompute == Recompute::Full ? block : block - mlp + routed_stash_bytes(c) + (fs > 0 ? shared : 0);
-  std::int64_t total = 0;
-  for (int layer = first_layer; layer < first_layer + layers; ++layer)
-    total += c.moe_layer(layer) ? moe_block : block;
+  const std::int64_t moe_layers = c.moe_layer_count(first_layer, layers);
+  std::int64_t total = (layers - moe_layers) * block + moe_layers * moe_block;
   if (head) {
     total += 2 * lr * h * dt + (c.llama() ? 1 : 2) * lr * 4  // x, y and the statistics of the final norm
              + r * (c.vocab / c.tp) * dt + 3 * r * 4;        // logits, row max, softmax statistics
