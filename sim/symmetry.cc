@@ -84,16 +84,41 @@ const std::vector<std::vector<int>>& Symmetry::images(const CommOpState& op) {
       images_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
   if (!inserted) return it->second;
   const std::vector<int>& ranks = op.ranks;
-  std::set<std::vector<int>> seen;
-  std::vector<int> key(ranks);
-  std::sort(key.begin(), key.end());
-  seen.insert(key);
+  // A translation maps the group onto itself, onto another group, or onto ranks that are no group at
+  // all: a group of ep consecutive ranks of a data-parallel dimension of size dp moved by one is not one
+  // of the program's groups. A rank belongs to one group of each kind, so the images are the translations
+  // disjoint from the group and from each other; taken in the order of the translations (the innermost
+  // dimension fastest), they are the blocks a program cuts the dimension into, and every translation's
+  // ranks lie in one of them.
+  std::vector<char> covered(rep_.size(), 0);
+  for (int r : ranks) covered[static_cast<std::size_t>(r)] = 1;
+  std::vector<int> image(ranks.size());
+  bool tiled = true;
   for (int t = 1; t < translations_; ++t) {
-    std::vector<int> image(ranks.size());
     for (size_t i = 0; i < ranks.size(); ++i) image[i] = translate(ranks[i], t);
-    key = image;
-    std::sort(key.begin(), key.end());
-    if (seen.insert(key).second) it->second.push_back(std::move(image));
+    const auto hit = std::count_if(image.begin(), image.end(), [&](int r) { return covered[r] != 0; });
+    if (hit == static_cast<std::ptrdiff_t>(image.size())) continue;  // itself, or ranks of images found
+    if (hit > 0) {
+      tiled = false;  // part of it only: judged once every image is known
+      continue;
+    }
+    for (int r : image) covered[static_cast<std::size_t>(r)] = 1;
+    it->second.push_back(image);
+  }
+  if (!tiled) {
+    for (int t = 1; t < translations_; ++t) {
+      for (int r : ranks) {
+        if (covered[static_cast<std::size_t>(translate(r, t))] == 0) {
+          const std::vector<int> group = ranks;
+          images_.erase(it);
+          throw UsageError(fmt::format(
+              "symmetric run: the copies of group {{{}}} along the replicated dimensions overlap it without "
+              "tiling the ranks (rank {} is in none): the program does not have the symmetry "
+              "SimConfig::symmetry declares",
+              fmt::join(group, ", "), translate(r, t)));
+        }
+      }
+    }
   }
   return it->second;
 }

@@ -26,8 +26,7 @@ struct Layout {
   const char* order;
 };
 
-RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = true) {
-  Settings o;
+RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = true, Settings o = {}) {
   o["layers"] = option_text(4);
   o["hidden"] = option_text(512);
   o["heads"] = option_text(8);
@@ -109,7 +108,28 @@ TEST_P(SymmetricGpt, EqualsTheFullRun) {
                             " ranks ran, the others mirrored them"));
 }
 
-// Past one leaf of the fabric the replicas' routes through the spines are not images of the
+// Expert parallelism over part of the data-parallel ranks: the mirrors' ep groups are the blocks of ep
+// consecutive ranks, not every shift of the representative's group along dp (which would count traffic
+// of groups the program never makes: 15 copies of each all-to-all here instead of 1).
+TEST(Symmetry, ExpertParallelGroupsWithinDataParallelRanks) {
+  const Layout l{1, 1, 32, 1, 1, false, "none", "tp-dp-pp"};
+  Settings moe;
+  moe["experts"] = option_text(32);
+  moe["top-k"] = option_text(2);
+  moe["moe-ffn-hidden"] = option_text(256);
+  moe["ep"] = option_text(16);
+  const RunReport full = run_gpt(l, 4, false, true, moe);
+  const RunReport sym = run_gpt(l, 4, true, true, moe);
+  ASSERT_TRUE(full.training && sym.training);
+  EXPECT_EQ(full.training->step_time_us, sym.training->step_time_us);
+  ASSERT_EQ(full.links.size(), sym.links.size());
+  for (size_t i = 0; i < full.links.size(); ++i) {
+    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
+  }
+  EXPECT_TRUE(said(sym, "symmetric run: 1 of 32 ranks ran, the others mirrored them"));
+}
+
+// Past one leaf of the fabric the replicas'' routes through the spines are not images of the
 // representatives' (ECMP hashes each pair of NICs, and a stage's replicas straddle leaf boundaries
 // differently), and the run says that it is then not promised exact.
 TEST(Symmetry, SaysWhenTrafficCrossesTheSpines) {
@@ -203,6 +223,25 @@ TEST(Symmetry, AGroupWithoutItsRepresentativeIsRefused) {
     FAIL() << "expected a UsageError";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("group {1, 2} holds rank 1 but not rank 0, which it mirrors"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// Shifted along the replicated dimension, the group {0, 1, 2} of four ranks overlaps itself: its ranks
+// cannot be cut into groups like it, so no rank could hold the third rank's place in each.
+TEST(Symmetry, AGroupWhoseCopiesOverlapItIsRefused) {
+  SimBackend backend(symmetric_config({4}, {true}));
+  try {
+    backend.launch(4, [](Rank& r) {
+      Group g = r.new_group({0, 1, 2});
+      Tensor t = r.zeros({4});
+      r.all_reduce(t, ReduceOp::Sum, Async::No, g);
+    });
+    FAIL() << "expected a UsageError";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the copies of group {0, 1, 2} along the replicated dimensions "
+                                         "overlap it without tiling the ranks (rank 3 is in none)"),
               std::string::npos)
         << e.what();
   }
