@@ -59,6 +59,16 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"mqa_zero2_selective",
              {{"world", "2"}, {"kv-heads", "1"}, {"zero", "2"}, {"recompute", "selective"}}},
         Case{"mha_tp4", {{"world", "4"}, {"tp", "4"}, {"kv-heads", "4"}, {"dtype", "fp32"}}},
+        // Heads of 24 features beside a hidden size of 64 (Mistral NeMo's and Qwen3's head_dim), with
+        // sequence and context parallelism and a pipeline.
+        Case{"kv_channels_tp2_sp_cp2_pp2",
+             {{"world", "8"},
+              {"kv-channels", "24"},
+              {"tp", "2"},
+              {"seq-parallel", "true"},
+              {"cp", "2"},
+              {"pp", "2"},
+              {"zero", "1"}}},
         Case{"megatron_core_rings_dropout",
              {{"world", "4"},
               {"tp", "2"},
@@ -103,6 +113,24 @@ TEST(Llama, FlopsCountTheBlocksOwnMatrices) {
   EXPECT_DOUBLE_EQ(gpt::step_flops(c).model, 3 * tokens * (L * layer + 2 * h * V));
 }
 
+// --kv-channels: the attention heads * d wide, whatever the hidden size; its parameters and FLOPs count
+// it, and a published model that has it counts as its config does (Mistral NeMo: 12.2B).
+TEST(Llama, HeadsOfAWidthOfTheirOwn) {
+  Settings o = tiny_llama();
+  o["kv-channels"] = option_text(24);
+  gpt::Config c = gpt::resolve(gpt::options_table().read(o, "gpt"), 1);
+  EXPECT_EQ(c.head_dim(), 24);
+  const double h = 64, a = 4, g = 2, d = 24, f = 96, s = 16, L = 4, V = 128, tokens = 8 * 16;
+  const double layer = 2 * (h * (a + 2 * g) * d + a * d * h + 3 * h * f) + 4 * s * a * d;
+  EXPECT_DOUBLE_EQ(gpt::step_flops(c).model, 3 * tokens * (L * layer + 2 * h * V));
+  EXPECT_NE(c.shape().find("4 heads (2 key-value, 24 channels each)"), std::string::npos) << c.shape();
+  c = gpt::options_table().read(gpt::preset_settings("mistral-nemo-12b"), "gpt");
+  EXPECT_EQ(c.head_dim(), 128);
+  // 40 layers of (5120 x (32 + 16) x 128 + 4096 x 5120 + 3 x 5120 x 14336 + 2 x 5120), two embeddings of
+  // 131072 x 5120 and the final norm: 12,247,782,400.
+  EXPECT_EQ(gpt::parameter_count(c), 12'247'782'400);
+}
+
 TEST(Llama, ThePhantom8BStepRuns) {
   Settings o = gpt::preset_settings("llama3-8b");
   o["world"] = option_text(8);
@@ -139,6 +167,12 @@ TEST(Llama, BadFlagsNameTheFlag) {
   o["hidden"] = option_text(12);
   o["kv-heads"] = option_text(4);
   expect_usage_error(o, "features per head is odd");
+  o = tiny_llama();
+  o["kv-channels"] = option_text(15);
+  expect_usage_error(o, "--kv-channels 15 is odd");
+  o = testing::tiny_gpt();
+  o["kv-channels"] = option_text(24);
+  expect_usage_error(o, "--kv-channels 24: the gpt block's heads split --hidden 64 into --heads 4");
 }
 
 }  // namespace

@@ -91,9 +91,11 @@ double Config::lr_at(int step) const {
 std::string Config::shape() const {
   std::string s = llama()
                       ? fmt::format(
-                            "llama block, {} layers, hidden {}, {} heads ({} key-value), SwiGLU {}, seq {}, "
-                            "vocab {}",
-                            layers, hidden, heads, kv(), ffn(), seq, vocab)
+                            "llama block, {} layers, hidden {}, {} heads ({} key-value{}), SwiGLU {}, seq "
+                            "{}, vocab {}",
+                            layers, hidden, heads, kv(),
+                            kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(),
+                            seq, vocab)
                       : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads,
                                     seq, vocab);
   if (moe()) {
@@ -175,6 +177,11 @@ const OptionTable<Config>& options_table() {
       Option<O>("kv-heads", &O::kv_heads,
                 "llama: key-value heads of grouped-query attention, dividing --heads (0: --heads)")
           .at_least(0),
+      Option<O>("kv-channels", &O::kv_channels,
+                "llama: features per attention head, the attention heads * kv-channels wide (0: hidden / "
+                "heads; Megatron's flag, head_dim in Hugging Face configs)")
+          .at_least(0)
+          .at_most(1 << 16, "published models have 64 to 256"),
       Option<O>("ffn-hidden", &O::ffn_hidden, "llama: the SwiGLU MLP's width (0: 4 x --hidden)").at_least(0),
       Option<O>("rope-theta", &O::rope_theta, "llama: the rotary embeddings' base").above(1),
       Option<O>("seq", &O::seq, "sequence length").at_least(1),
@@ -467,6 +474,12 @@ void resolve_block(const Config& c) {
                       "values; grouped-query attention is the llama block's (--block llama)",
                       c.kv_heads));
     }
+    if (c.kv_channels > 0 && c.kv_channels * std::int64_t{c.heads} != c.hidden) {
+      throw UsageError(
+          fmt::format("gpt: --kv-channels {}: the gpt block's heads split --hidden {} into --heads {}; heads "
+                      "of a width of their own are the llama block's (--block llama)",
+                      c.kv_channels, c.hidden, c.heads));
+    }
     if (c.ffn_hidden > 0 && c.ffn_hidden != 4 * std::int64_t{c.hidden}) {
       throw UsageError(
           fmt::format("gpt: --ffn-hidden {}: the gpt block's MLP is 4 x --hidden = {} wide; a width of its "
@@ -496,9 +509,12 @@ void resolve_block(const Config& c) {
   }
   if (c.head_dim() % 2 != 0) {
     throw UsageError(
-        fmt::format("gpt: --hidden {} / --heads {} = {} features per head is odd; rotary embeddings "
-                    "rotate pairs of them",
-                    c.hidden, c.heads, c.head_dim()));
+        c.kv_channels > 0
+            ? fmt::format("gpt: --kv-channels {} is odd; rotary embeddings rotate pairs of a head's features",
+                          c.kv_channels)
+            : fmt::format("gpt: --hidden {} / --heads {} = {} features per head is odd; rotary embeddings "
+                          "rotate pairs of them",
+                          c.hidden, c.heads, c.head_dim()));
   }
 }
 
@@ -619,10 +635,10 @@ void resolve_overlaps(Config& c) {
 Config resolve(Config c, int world) {
   c.world = world;
   parallel::validate_order(c.order);
-  if (c.hidden % c.heads != 0) {
+  if (c.kv_channels == 0 && c.hidden % c.heads != 0) {
     throw UsageError(
         fmt::format("gpt: --hidden {} is not divisible by --heads {}: every head has hidden/heads "
-                    "features",
+                    "features (or --kv-channels, with the llama block)",
                     c.hidden, c.heads));
   }
   // In 64 bits: --tp, --cp and --pp may each be up to 2^31.

@@ -40,6 +40,7 @@ struct Config : LessonOptions {
   Block block = Block::Gpt;
   int layers = 2, hidden = 64, heads = 4, seq = 16;
   int kv_heads = 0;             // llama: key-value heads (0: --heads)
+  int kv_channels = 0;          // llama: features per attention head (0: hidden / heads)
   std::int64_t ffn_hidden = 0;  // llama: SwiGLU's width (0: 4 hidden, as GPT's MLP)
   double rope_theta = 10000;    // llama: the rotary embeddings' base
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
@@ -114,7 +115,7 @@ struct Config : LessonOptions {
   int stage_layers(int stage) const;  // the layers of pipeline stage `stage`, all its chunks
   int chunk_layers(int virtual_stage) const { return stage_layers(virtual_stage % pp) / v; }
   int chunk_first_layer(int virtual_stage) const;  // the index of its first layer
-  int head_dim() const { return hidden / heads; }
+  int head_dim() const { return kv_channels > 0 ? kv_channels : hidden / heads; }
   bool llama() const { return block == Block::Llama; }
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
   std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width

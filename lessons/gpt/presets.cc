@@ -24,14 +24,17 @@ const std::vector<Preset>& presets() {
   //   key-value heads, SwiGLU 53,248, pre-trained at context 8192 with batches of 16M tokens (2,048
   //   sequences). Its rope_theta is 500,000; the long-context frequency scaling of 3.1's rope_scaling
   //   changes the numbers, not the cost, and is left out.
+  // Mistral NeMo 12B (huggingface.co/mistralai, Mistral-Nemo-Base-2407 config.json): the llama block with 32
+  // heads of 128 features (head_dim) beside a hidden size of 5120, 8 key-value heads, rope_theta 1e6, no
+  // sliding window; it publishes no training batch: 4096 tokens and 4M a batch are this preset's choice.
   // The mixtures of experts, from their config.json (num_local_experts, num_experts_per_tok,
   // intermediate_size of each expert) with every layer MoE:
   //   Mixtral 8x7B and 8x22B (Jiang et al. 2024, "Mixtral of Experts"; huggingface.co/mistralai
   //   Mixtral-8x7B-v0.1 and Mixtral-8x22B-v0.1): 8 experts, top 2, rope_theta 1e6. The paper gives no
   //   sequence length or batch for training: 4096 and 4M tokens (1,024 sequences) are this preset's choice.
   //   Qwen3-30B-A3B and Qwen3-235B-A22B (huggingface.co/Qwen, config.json): 128 experts, top 8, heads of 128
-  //   features that do not divide the hidden size (32 x 128 in 2048, 64 x 128 in 4096); a head width of its
-  //   own is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json): multi-head latent
+  //   features (head_dim) beside hidden sizes of 2048 and 4096, and an RMSNorm over each head's queries and
+  //   keys (QK-norm), which is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json): multi-head latent
   //   attention, an expert bias that balances the load without a loss, and a multi-token prediction head,
   //   none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and config.json): 128 experts,
   //   top 4, of width 2880; its attention has 64 heads of 64 features beside a hidden size of 2880, learned
@@ -64,20 +67,22 @@ const std::vector<Preset>& presets() {
        2},
       {"mixtral-8x22b", 56, 6144, 48, 4096, 32768, 1024,
        "Mixtral-8x22B-v0.1 config.json (4M tokens: this preset's choice)", 8, 16384, 1e6, 8, 2},
+      {"mistral-nemo-12b", 40, 5120, 32, 4096, 131072, 1024,
+       "Mistral-Nemo-Base-2407 config.json (4M tokens: this preset's choice)", 8, 14336, 1e6, 0, 0, "", 128},
       {"qwen3-30b-a3b", 48, 2048, 32, 4096, 151936, 1024, "Qwen3-30B-A3B config.json", 4, 768, 1e6, 128, 8,
-       "its 32 heads of 128 features (4096) differ from its hidden size 2048; a head width of its own "
-       "(head_dim) is not built"},
+       "the RMSNorm of each head's queries and keys before the rotary embeddings (QK-norm) is not built",
+       128},
       {"qwen3-235b-a22b", 94, 4096, 64, 4096, 151936, 1024, "Qwen3-235B-A22B config.json", 4, 1536, 1e6, 128,
-       8,
-       "its 64 heads of 128 features (8192) differ from its hidden size 4096; a head width of its own "
-       "(head_dim) is not built"},
+       8, "the RMSNorm of each head's queries and keys before the rotary embeddings (QK-norm) is not built",
+       128},
       {"deepseek-v3", 61, 7168, 128, 4096, 129280, 1024, "DeepSeek-V3 config.json", 128, 2048, 10000, 256, 8,
        "multi-head latent attention, the expert bias of its auxiliary-loss-free balancing and the "
        "multi-token prediction head are not built"},
       {"gpt-oss-120b", 36, 2880, 64, 4096, 201088, 1024, "gpt-oss-120b config.json; OpenAI 2025 model card",
        8, 2880, 150000, 128, 4,
        "its attention (64 heads of 64 features beside a hidden size of 2880, learned attention sinks, a "
-       "128-token sliding window in every other layer) and its clamped SwiGLU are not built"},
+       "128-token sliding window in every other layer) and its clamped SwiGLU are not built",
+       64},
   };
   return all;
 }
@@ -112,6 +117,7 @@ Settings preset_settings(const std::string& name) {
     out["kv-heads"] = text(p.kv_heads);
     out["ffn-hidden"] = text(p.ffn_hidden);
     out["rope-theta"] = fmt::format("{}", p.rope_theta);
+    if (p.kv_channels > 0) out["kv-channels"] = text(p.kv_channels);
   }
   if (p.experts > 0) {
     out["experts"] = text(p.experts);

@@ -265,7 +265,7 @@ Training::Training(const Config& c, const Reference::State* start, const Referen
       h(c.hidden),
       V(c.vocab),
       H(c.heads),
-      hd(h / H),
+      hd(c.head_dim()),
       n(B * S),
       L(c.layers),
       G(c.kv()),
@@ -440,7 +440,7 @@ Vec Training::block_forward(int step, int layer, const Vec& x, BlockActs& a) con
 }
 
 void Training::attention(BlockActs& a) const {
-  a.att.assign(n * h, 0.0);
+  a.att.assign(n * H * hd, 0.0);
   a.probs.assign(B * H, Vec(S * S, 0.0));
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t head = 0; head < H; ++head) attention_head(a, b, head);
@@ -467,7 +467,7 @@ void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) c
     for (std::int64_t d = 0; d < hd; ++d) {
       double o = 0;
       for (std::int64_t j = 0; j <= i; ++j) o += p[i * S + j] * qkv(j, 2, d);
-      a.att[(b * S + i) * h + head * hd + d] = o;
+      a.att[(b * S + i) * H * hd + head * hd + d] = o;
     }
   }
 }
@@ -853,7 +853,7 @@ void Training::attention_head_backward(const BlockActs& a, const Vec& datt, std:
     return (b * S + s) * qkv_cols_ + this->col(head, part, d);
   };
   for (std::int64_t i = 0; i < S; ++i) {
-    const double* dout = &datt[(b * S + i) * h + head * hd];
+    const double* dout = &datt[(b * S + i) * H * hd + head * hd];
     Vec dp(i + 1);
     double dot = 0;
     for (std::int64_t j = 0; j <= i; ++j) {
