@@ -17,8 +17,9 @@
 namespace ranklab::plan {
 
 std::string Layout::name() const {
-  return fmt::format("tp{}{}-pp{}-v{}-dp{}-zero{}{}-mb{}-{}-{}", tp, cp > 1 ? fmt::format("-cp{}", cp) : "",
-                     pp, v, dp, zero, sp ? "-sp" : "", micro_batch, recompute, order);
+  return fmt::format("tp{}{}-pp{}-v{}-dp{}{}-zero{}{}-mb{}-{}-{}", tp, cp > 1 ? fmt::format("-cp{}", cp) : "",
+                     pp, v, dp, ep > 1 ? fmt::format("-ep{}", ep) : "", zero, sp ? "-sp" : "", micro_batch,
+                     recompute, order);
 }
 
 namespace {
@@ -60,10 +61,12 @@ Layout parse_layout(const std::string& name) {
   l.order = t[t.size() - 3] + "-" + t[t.size() - 2] + "-" + t[t.size() - 1];
   t.resize(t.size() - 3);
   const std::vector<std::pair<const char*, int*>> numbers = {{"tp", &l.tp}, {"cp", &l.cp}, {"pp", &l.pp},
-                                                             {"v", &l.v},   {"dp", &l.dp}, {"zero", &l.zero}};
+                                                             {"v", &l.v},   {"dp", &l.dp}, {"ep", &l.ep},
+                                                             {"zero", &l.zero}};
   std::size_t i = 0;
   for (const auto& [prefix, field] : numbers) {
-    const bool optional = std::string_view(prefix) == "cp";  // only with context parallelism
+    // Only with context parallelism, and with experts spread over ranks.
+    const bool optional = std::string_view(prefix) == "cp" || std::string_view(prefix) == "ep";
     if (optional && (i >= t.size() || number_after(t[i], prefix) < 0)) continue;
     if (i >= t.size() || (*field = number_after(t[i], prefix)) < (optional ? 2 : 0))
       throw bad(fmt::format("part {} should be {}N", i + 1, prefix));
@@ -114,6 +117,17 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"phantom", "true"},
                    {"steps", "1"},
                    {"quiet", "true"}});
+  if (q.experts > 0) {
+    s.merge(Settings{{"experts", text(q.experts)},
+                     {"top-k", text(q.top_k)},
+                     {"moe-ffn-hidden", text(q.moe_ffn_hidden)},
+                     {"shared-experts", text(q.shared_experts)},
+                     {"moe-layers", q.moe_layers},
+                     {"moe-router-score-function", q.router_score},
+                     {"moe-aux-loss-coeff", fmt::format("{}", q.aux_loss_coeff)},
+                     {"ep", text(l.ep)}});
+    if (q.capacity_factor > 0) s["capacity-factor"] = fmt::format("{}", q.capacity_factor);
+  }
   // Where the layers do not divide among the stages, Llama 3 405B's split.
   if (const int ends = gpt::one_fewer_at_the_ends(q.layers, l.pp); l.v == 1 && ends > 0)
     s["decoder-first-pipeline-num-layers"] = s["decoder-last-pipeline-num-layers"] = text(ends);
@@ -161,13 +175,15 @@ struct MemoryBound {
   double forward_bytes = 0, backward_bytes = 0;
 };
 
-// The llama block's: two RMSNorms, the rotation of q and k, SwiGLU and two residual adds, no biases.
-MemoryBound llama_memory_bound_bytes(const gpt::Config& c) {
+// The llama block's: two RMSNorms, the rotation of q and k, SwiGLU and two residual adds, no biases. `ffn`:
+// the width of the layer's tensor-parallel MLP (a MoE layer's shared experts', 0 for none); the experts'
+// own kernels are left out.
+MemoryBound llama_memory_bound_bytes(const gpt::Config& c, std::int64_t ffn) {
   const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
   const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
   const double h = static_cast<double>(c.hidden), d = c.head_dim();
   const double a = static_cast<double>(c.heads) / c.tp, g = static_cast<double>(c.kv()) / c.tp;
-  const double f = static_cast<double>(c.ffn()) / c.tp;
+  const double f = static_cast<double>(ffn) / c.tp;
   const double stream = lr * h * dt;
   // rmsnorm reads x and gamma and writes y and rstd (float32 per row); its backward reads dy, x, gamma and
   // rstd and writes dx and dgamma (float32).
@@ -190,7 +206,7 @@ MemoryBound llama_memory_bound_bytes(const gpt::Config& c) {
   return b;
 }
 
-MemoryBound block_memory_bound_bytes(const gpt::Config& c);
+MemoryBound block_memory_bound_bytes(const gpt::Config& c, bool dense_mlp);
 
 // What FP8 and context parallelism add to a block's memory-bound kernels, at the least.
 MemoryBound extra_memory_bound_bytes(const gpt::Config& c) {
@@ -227,16 +243,17 @@ MemoryBound extra_memory_bound_bytes(const gpt::Config& c) {
   return b;
 }
 
-MemoryBound memory_bound_bytes(const gpt::Config& c) {
-  MemoryBound b = block_memory_bound_bytes(c);
+// Of a layer with its dense MLP (`dense_mlp`), or of a MoE layer, whose experts' kernels are left out.
+MemoryBound memory_bound_bytes(const gpt::Config& c, bool dense_mlp) {
+  MemoryBound b = block_memory_bound_bytes(c, dense_mlp);
   const MemoryBound extra = extra_memory_bound_bytes(c);
   b.forward_bytes += extra.forward_bytes;
   b.backward_bytes += extra.backward_bytes;
   return b;
 }
 
-MemoryBound block_memory_bound_bytes(const gpt::Config& c) {
-  if (c.llama()) return llama_memory_bound_bytes(c);
+MemoryBound block_memory_bound_bytes(const gpt::Config& c, bool dense_mlp) {
+  if (c.llama()) return llama_memory_bound_bytes(c, dense_mlp ? c.ffn() : c.shared_experts * c.moe_ffn());
   const double dt = static_cast<double>(dtype_bytes(c.dtype)), f32 = 4;
   const double R = static_cast<double>(c.rows()), lr = static_cast<double>(c.local_rows());
   const double h = static_cast<double>(c.hidden), hl = h / c.tp;
@@ -250,16 +267,19 @@ MemoryBound block_memory_bound_bytes(const gpt::Config& c) {
   MemoryBound b;
   // Forward: two layernorms; the biases of qkv [R, 3h/tp], proj [lr, h], fc1 [R, 4h/tp] and fc2 [lr, h]
   // (read and write the output, read the bias); gelu [R, 4h/tp]; two residual adds.
-  b.forward_bytes = 2 * ln_fwd + (2 * R * 3 * hl * dt + 3 * hl * dt) + 2 * (2 * stream + h * dt) +
-                    (2 * R * 4 * hl * dt + 4 * hl * dt) + 2 * R * 4 * hl * dt + 2 * add;
+  // A MoE layer has no fc1, gelu or fc2 of its own (its experts' kernels are left out): `mlp` 0.
+  const double mlp = dense_mlp ? 1 : 0;
+  b.forward_bytes = 2 * ln_fwd + (2 * R * 3 * hl * dt + 3 * hl * dt) + (1 + mlp) * (2 * stream + h * dt) +
+                    mlp * ((2 * R * 4 * hl * dt + 4 * hl * dt) + 2 * R * 4 * hl * dt) + 2 * add;
   // Backward: the bias gradients (sum_rows into float32) of fc2 and proj [lr, h], fc1 [R, 4h/tp] and qkv
   // [R, 3h/tp]; gelu's backward; two layernorm backwards; two residual adds.
-  b.backward_bytes = 2 * (stream + h * f32) + (R * 4 * hl * dt + 4 * hl * f32) +
-                     (R * 3 * hl * dt + 3 * hl * f32) + 3 * R * 4 * hl * dt + 2 * ln_bwd + 2 * add;
-  // The four weight gradients (12 h^2 / tp elements, in the compute dtype): added into the float32
-  // gradient (reads both, writes it), or with zero 2 and 3 cast to the reduction's dtype for the
-  // reduce-scatter. With gradient-accumulation fusion their GEMMs sum into the gradient: no pass of its own.
-  const double weights = 12 * h * hl;
+  b.backward_bytes = (1 + mlp) * (stream + h * f32) + mlp * (R * 4 * hl * dt + 4 * hl * f32) +
+                     (R * 3 * hl * dt + 3 * hl * f32) + mlp * 3 * R * 4 * hl * dt + 2 * ln_bwd + 2 * add;
+  // The four weight gradients (12 h^2 / tp elements, in the compute dtype; 4 h^2 / tp of them attention's):
+  // added into the float32 gradient (reads both, writes it), or with zero 2 and 3 cast to the reduction's
+  // dtype for the reduce-scatter. With gradient-accumulation fusion their GEMMs sum into the gradient: no
+  // pass of its own.
+  const double weights = (4 + 8 * mlp) * h * hl;
   if (c.zero <= 1 || c.dp * c.cp == 1) {
     if (!c.grad_accum_fusion) b.backward_bytes += weights * (2 * f32 + dt);
   } else if (c.reduce_dtype != c.dtype) {
@@ -321,57 +341,121 @@ double StepBound::us(const gpt::Config& c) {
   struct Gemm {
     std::int64_t in, out;
   };
-  // qkv, proj, fc1, fc2 (llama: wqkv, wo, w13, w2)
-  const std::int64_t hd = c.head_dim(), qkv = (c.heads + 2 * std::int64_t{c.kv()}) * hd / t;
-  const Gemm linears[] = {
-      {h, qkv}, {c.heads * hd / t, h}, {h, (c.llama() ? 2 : 1) * c.ffn() / t}, {c.ffn() / t, h}};
-  double forward_us = 0, backward_us = 0;
   // With --tp-comm-overlap the forward GEMMs and the input gradients' run as tp GEMMs of R / tp rows each,
   // the pieces the ring passes on (TensorParallel's rings); the weight gradients stay whole.
   const bool rings = c.tp_comm_overlap;
   auto rows_gemm_us = [&](std::int64_t n, std::int64_t kk) {
     return rings ? static_cast<double>(t) * k.gemm_us(R / t, n, kk, linear) : k.gemm_us(R, n, kk, linear);
   };
-  for (const Gemm& g : linears) {
-    forward_us += rows_gemm_us(g.out, g.in);
-    backward_us += k.gemm_us(g.in, g.out, R, linear) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
-  }
-  double attention_fwd = 0;
-  for (const sim::AttentionShape& a : attention_blocks(c)) {
-    attention_fwd += k.attention_us(a, c.attention, false, d);
-    backward_us += k.attention_us(a, c.attention, true, d);
-  }
-  const MemoryBound mem = memory_bound_bytes(c);
-  forward_us += k.memory_us(mem.forward_bytes);
-  backward_us += k.memory_us(mem.backward_bytes);
-  if (c.recompute == gpt::Recompute::Full) backward_us += forward_us + attention_fwd;
-  if (c.recompute == gpt::Recompute::Selective) backward_us += attention_fwd;
-  forward_us += attention_fwd;
-  // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h): without
-  // sequence parallelism an all-reduce after each pair forward and one before it backward (2 + 2); with it
-  // an all-gather before and a reduce-scatter after each pair forward (2 + 2), and backward a
-  // reduce-scatter and two all-gathers per pair (the output gradient's, and the input again for the weight
-  // gradient) (2 + 4). The sizes are as nccl-tests counts them: the whole [s b, h] tensor for all three.
-  // Recomputation's collectives are left out, and with --tp-comm-overlap all of them: the GEMMs may hide
-  // them. With --async-tensor-model-parallel-allreduce the column-parallel backward's gather and reduction
-  // may hide under its GEMMs too: only the row-parallel backward's all-gathers are left.
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
   const std::int64_t act_bytes = c.rows() * c.hidden * dtype_bytes(c.dtype);
-  if (c.tp > 1 && !rings) {
-    std::vector<int> tp_ranks;
-    for (int i = 0; i < c.tp; ++i) tp_ranks.push_back(grid.rank_of(i, 0, 0));
-    if (c.seq_parallel) {
-      const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
-                   scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
-      forward_us += 2 * gather + 2 * scatter;
-      backward_us += c.async_tp_allreduce ? 2 * gather : 4 * gather + 2 * scatter;
-    } else {
-      const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
-      forward_us += 2 * reduce;
-      if (!c.async_tp_allreduce) backward_us += 2 * reduce;
-    }
+  std::vector<int> tp_ranks;
+  for (int i = 0; i < c.tp; ++i) tp_ranks.push_back(grid.rank_of(i, 0, 0));
+  double attention_fwd = 0, attention_bwd = 0;
+  for (const sim::AttentionShape& a : attention_blocks(c)) {
+    attention_fwd += k.attention_us(a, c.attention, false, d);
+    attention_bwd += k.attention_us(a, c.attention, true, d);
   }
-  const double layer_us = forward_us + backward_us;
+  struct LayerUs {
+    double forward = 0, backward = 0;
+  };
+  // A MoE layer's all-to-alls over ep group 0 of stage 0 (a stage's tp x cp x dp ranks, tp fastest, ep
+  // consecutive ones: parallel::make_expert_groups), each at its time alone on the machine, where the
+  // balanced routes divide evenly among the experts (the simulator then plans each as an even all_to_all;
+  // the uneven one of another size is not compared, so it is left out): forward, the counts (float32, a
+  // rank's experts' each) and the routes there and back (the dispatch and the combine); backward, the
+  // routes' gradients back and forth. Full recomputation's again are left out.
+  double ep_pieces_us = 0, ep_counts_us = 0;
+  if (c.moe() && c.ep > 1 && c.local_rows() * c.top_k % c.experts == 0) {
+    std::vector<int> ep_ranks;
+    for (int dp = 0; dp < c.dp && static_cast<int>(ep_ranks.size()) < c.ep; ++dp)
+      for (int cp = 0; cp < c.cp && static_cast<int>(ep_ranks.size()) < c.ep; ++cp)
+        for (int tp = 0; tp < c.tp && static_cast<int>(ep_ranks.size()) < c.ep; ++tp)
+          ep_ranks.push_back(grid.rank_of(tp, cp, dp, 0));
+    std::int64_t share = c.local_rows() * c.top_k / c.experts;
+    if (c.capacity_factor > 0)
+      share = std::min(share, parallel::expert_capacity(c.local_rows(), c.experts, c.top_k, c.capacity_factor));
+    const std::int64_t piece_bytes = c.local_experts() * share * h * dtype_bytes(d);
+    if (piece_bytes > 0) ep_pieces_us = comm_us(CommOp::AllToAll, piece_bytes * c.ep, ep_ranks);
+    ep_counts_us = comm_us(CommOp::AllToAll, std::int64_t{c.experts} * 4, ep_ranks);
+  }
+  auto all_to_alls_us = [&] { return ep_counts_us + 2 * ep_pieces_us; };
+  // One layer, with its dense MLP or as a MoE layer.
+  auto layer_us = [&](bool moe_layer) {
+    LayerUs u;
+    // qkv, proj, and the tensor-parallel MLP's fc1, fc2 (llama: wqkv, wo, w13, w2): a MoE layer's is its
+    // shared experts' (none without them).
+    const std::int64_t hd = c.head_dim(), qkv = (c.heads + 2 * std::int64_t{c.kv()}) * hd / t;
+    const std::int64_t ffn = moe_layer ? c.shared_experts * c.moe_ffn() : c.ffn();
+    const int up = c.llama() ? 2 : 1;
+    std::vector<Gemm> linears = {{h, qkv}, {c.heads * hd / t, h}};
+    if (ffn > 0) linears.insert(linears.end(), {{h, up * ffn / t}, {ffn / t, h}});
+    for (const Gemm& g : linears) {
+      u.forward += rows_gemm_us(g.out, g.in);
+      u.backward += k.gemm_us(g.in, g.out, R, linear) + rows_gemm_us(g.in, g.out);  // x^T dy, dy w^T
+    }
+    if (moe_layer) {
+      // The router's GEMM on this rank's rows and its two gradients; each local expert's two GEMMs on the
+      // routes it receives (every expert its share of each ep rank's: parallel::route_balanced, the fewer
+      // of them where they do not divide, and no more than a capacity), forward, and their four
+      // gradients. The all-to-alls, the permutations and the experts' memory-bound kernels are left out.
+      const std::int64_t lr = c.local_rows(), f = c.moe_ffn(), E = c.experts;
+      u.forward += k.gemm_us(lr, E, h, d);
+      u.backward += k.gemm_us(h, E, lr, d) + k.gemm_us(lr, h, E, d);
+      std::int64_t share = lr * c.top_k / E;
+      if (c.capacity_factor > 0)
+        share = std::min(share, parallel::expert_capacity(lr, c.experts, c.top_k, c.capacity_factor));
+      const std::int64_t rows = c.ep * share;
+      if (rows > 0) {
+        const double experts = static_cast<double>(c.local_experts());
+        u.forward += experts * (k.gemm_us(rows, up * f, h, d) + k.gemm_us(rows, h, f, d));
+        u.backward += experts * (k.gemm_us(f, h, rows, d) + k.gemm_us(rows, f, h, d) +
+                                 k.gemm_us(h, up * f, rows, d) + k.gemm_us(rows, h, up * f, d));
+      }
+    }
+    const MemoryBound mem = memory_bound_bytes(c, !moe_layer);
+    u.forward += k.memory_us(mem.forward_bytes);
+    u.backward += k.memory_us(mem.backward_bytes) + attention_bwd;
+    if (c.recompute == gpt::Recompute::Full) u.backward += u.forward + attention_fwd;
+    if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd;
+    u.forward += attention_fwd;
+    if (moe_layer) {
+      u.forward += all_to_alls_us();
+      u.backward += 2 * ep_pieces_us;
+    }
+    // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h), per
+    // column-then-row pair (attention's, and the MLP's where the layer has one): without sequence
+    // parallelism an all-reduce after the pair forward and one before it backward; with it an all-gather
+    // before and a reduce-scatter after the pair forward, and backward a reduce-scatter and two
+    // all-gathers (the output gradient's, and the input again for the weight gradient). The sizes are as
+    // nccl-tests counts them: the whole [s b, h] tensor for all three. Recomputation's collectives are
+    // left out, and with --tp-comm-overlap all of them: the GEMMs may hide them. With
+    // --async-tensor-model-parallel-allreduce the column-parallel backward's gather and reduction may hide
+    // under its GEMMs too: only the row-parallel backward's all-gathers are left.
+    const double pairs = ffn > 0 ? 2 : 1;
+    if (c.tp > 1 && !rings) {
+      if (c.seq_parallel) {
+        const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
+                     scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
+        u.forward += pairs * (gather + scatter);
+        u.backward += pairs * (c.async_tp_allreduce ? gather : 2 * gather + scatter);
+      } else {
+        const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
+        u.forward += pairs * reduce;
+        if (!c.async_tp_allreduce) u.backward += pairs * reduce;
+      }
+    }
+    return u;
+  };
+  const LayerUs dense = layer_us(false), moe = c.moe() ? layer_us(true) : dense;
+  // The `count` layers from `first` on.
+  auto layers_us = [&](int first, int count, double LayerUs::*part) {
+    const int moe_layers = c.moe_layer_count(first, count);
+    return (count - moe_layers) * (dense.*part) + moe_layers * (moe.*part);
+  };
+  auto whole_us = [&](int first, int count) {
+    return layers_us(first, count, &LayerUs::forward) + layers_us(first, count, &LayerUs::backward);
+  };
   // The output layer's logits against the shared embedding [V / tp, h], forward and both gradients; the
   // softmax reads the logits three times (row max, statistics, the gradient) and writes their gradient.
   const double head_us = k.gemm_us(R, V / t, h, d) + k.gemm_us(V / t, h, R, d) + k.gemm_us(R, h, V / t, d) +
@@ -393,7 +477,11 @@ double StepBound::us(const gpt::Config& c) {
   std::vector<double> drain_us(c.pp, 0.0);
   for (int stage = 0; stage < c.pp; ++stage) {
     // Every micro-batch through every chunk of this stage, one after another on its compute stream...
-    double per_micro_batch = c.stage_layers(stage) * layer_us;
+    double per_micro_batch = 0;
+    for (int chunk = 0; chunk < c.v; ++chunk) {
+      const int vs = stage + chunk * c.pp;
+      per_micro_batch += whole_us(c.chunk_first_layer(vs), c.chunk_layers(vs));
+    }
     if (stage == c.pp - 1) per_micro_batch += head_us;  // the head is on the last virtual stage
     // ...after the first micro-batch's forward through the chunks ahead of it, and before the last one's
     // backward through them (a stage's last task is the last micro-batch's backward of its first chunk).
@@ -401,15 +489,20 @@ double StepBound::us(const gpt::Config& c) {
     if (stage + 1 < c.pp) {
       const std::vector<int> hop = {grid.rank_of(0, 0, stage), grid.rank_of(0, 0, stage + 1)};
       const double back_us = comm_us(CommOp::Send, hop_bytes, {hop[1], hop[0]});
-      ahead_us += c.chunk_layers(stage) * layer_us + comm_us(CommOp::Send, hop_bytes, hop) + back_us;
-      drain_us[stage + 1] = drain_us[stage] + back_us + c.chunk_layers(stage) * backward_us;
+      const int first = c.chunk_first_layer(stage), count = c.chunk_layers(stage);
+      ahead_us += whole_us(first, count) + comm_us(CommOp::Send, hop_bytes, hop) + back_us;
+      drain_us[stage + 1] = drain_us[stage] + back_us + layers_us(first, count, &LayerUs::backward);
     }
   }
-  if (c.zero >= 2 && c.dp > 1) {
+  // (The experts' gradients and their ZeRO shards go over groups of their own: with experts this bound
+  // is left out.)
+  if (c.zero >= 2 && c.dp > 1 && !c.moe()) {
     // After the data-parallel stream's work ahead of its last task, the stage's last task computes the
     // backward of its chunk's blocks, then the drain and rank 0's optimizer.
     for (int stage = 0; stage < c.pp; ++stage) {
-      bound = std::max(bound, zero_stream_us(c, stage) + c.chunk_layers(stage) * backward_us +
+      bound = std::max(bound, zero_stream_us(c, stage) +
+                                  layers_us(c.chunk_first_layer(stage), c.chunk_layers(stage),
+                                            &LayerUs::backward) +
                                   drain_us[stage] + optimizer_us);
     }
   }
@@ -502,6 +595,15 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
+// Every group order with every expert-parallel size, the order outermost.
+std::vector<std::pair<std::string, int>> orders_and_eps(const std::vector<std::string>& orders,
+                                                       const std::vector<int>& eps) {
+  std::vector<std::pair<std::string, int>> out;
+  for (const std::string& order : orders)
+    for (int ep : eps) out.emplace_back(order, ep);
+  return out;
+}
+
 }  // namespace
 
 std::vector<Candidate> enumerate(const Question& q) {
@@ -516,6 +618,10 @@ std::vector<Candidate> enumerate(const Question& q) {
       if (cp > 1 && (q.seq % (2 * cp) != 0 || q.seq / (2 * cp) < kMinCpChunk)) continue;
       for (int pp : divisors(world / (tp * cp))) {
         const int dp = world / (tp * cp * pp);
+        // The expert-parallel sizes: dividing the experts and the stage's tp x cp x dp ranks.
+        std::vector<int> eps = {1};
+        for (int ep : divisors(q.experts))
+          if (ep > 1 && (tp * cp * dp) % ep == 0) eps.push_back(ep);
         // The other order matters only where it changes which groups share a node: on one node every group
         // does, and with a tp group that fills whole nodes dp and pp groups both cross nodes either way.
         std::vector<std::string> orders = {"tp-dp-pp"};
@@ -528,9 +634,9 @@ std::vector<Candidate> enumerate(const Question& q) {
                 if (sp && tp == 1) continue;
                 for (int zero = 0; zero <= 3; ++zero) {
                   if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the same run as zero 0
-                  for (const std::string& order : orders) {
+                  for (const auto& [order, ep] : orders_and_eps(orders, eps)) {
                     Candidate k;
-                    k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, order, cp};
+                    k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, order, cp, ep};
                     k.name = k.layout.name();
                     k.capacity_bytes = capacity;
                     try {

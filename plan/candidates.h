@@ -53,6 +53,12 @@ struct Question {
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
   std::string fp8_recipe = "none";  // gpt's --fp8-recipe: the linear layers' GEMMs in FP8
+  // A mixture of experts (gpt's --experts and the flags that go with it; experts 0: dense). Its layouts
+  // also choose the expert-parallel size, with the routing balanced as published benchmarks force it.
+  int experts = 0, top_k = 2, shared_experts = 0;
+  std::int64_t moe_ffn_hidden = 0;
+  std::string moe_layers = "all", router_score = "softmax";
+  double capacity_factor = 0, aux_loss_coeff = 0;
   // The framework whose overlaps the layouts run with (gpt's --framework).
   std::string framework = "megatron-core";
   Profile profile;  // with `nodes` set
@@ -64,7 +70,8 @@ struct Question {
 
 // One parallel layout. Its name is the one string the table, plan.json and --explain share:
 // "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp" (sp only when sequence parallelism is on), with
-// "-cp2" after the tp part when there is context parallelism (its ring: the framework's default exchange).
+// "-cp2" after the tp part when there is context parallelism (its ring: the framework's default exchange),
+// and "-ep8" after the dp part when experts are spread over ranks.
 struct Layout {
   int tp = 1, pp = 1, v = 1, dp = 1, zero = 0;
   bool sp = false;
@@ -72,6 +79,7 @@ struct Layout {
   std::string recompute = "none";
   std::string order = "tp-dp-pp";
   int cp = 1;
+  int ep = 1;
   std::string name() const;
 };
 // The layout a name spells; UsageError saying what is wrong with it.
@@ -126,7 +134,8 @@ class StepBound {
 };
 
 // Every layout of the question, in a fixed order: tp (within a node unless tp_across_nodes), cp where the
-// sequence splits into 2 cp chunks of at least kMinCpChunk tokens, pp dividing the layers, interleaving v up
+// sequence splits into 2 cp chunks of at least kMinCpChunk tokens, pp dividing the layers, with experts ep
+// dividing them and the stage's tp x cp x dp ranks, interleaving v up
 // to max_interleave where the chunks are whole, ZeRO 0-3 (only 0 without data parallelism, where there is
 // nothing to shard), sequence parallelism with tp > 1, micro-batches of 1, 2 and 4, recompute none, selective
 // and full, and the group orders tp-dp-pp and, where it places groups on nodes differently (more than one

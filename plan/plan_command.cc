@@ -63,8 +63,13 @@ const OptionTable<Request>& request_options() {
 
 const std::vector<std::string>& shape_flags() {
   static const std::vector<std::string> flags = {
-      "model",      "block", "layers", "hidden",       "heads", "kv-heads",  "ffn-hidden",
-      "rope-theta", "seq",   "vocab",  "global-batch", "dtype", "fp8-recipe"};
+      "model",          "block",          "layers",
+      "hidden",         "heads",          "kv-heads",
+      "ffn-hidden",     "rope-theta",     "seq",
+      "vocab",          "global-batch",   "dtype",
+      "fp8-recipe",     "experts",        "top-k",
+      "moe-ffn-hidden", "shared-experts", "moe-layers",
+      "moe-router-score-function", "capacity-factor", "moe-aux-loss-coeff"};
   return flags;
 }
 
@@ -81,12 +86,6 @@ Question make_question(const Request& r) {
   const gpt::Config c =
       gpt::options_table().read(resolve_settings(find_lesson("gpt"), r.shape, /*lecture=*/false), "plan");
   if (c.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", c.hidden));
-  if (c.moe()) {
-    throw UsageError(fmt::format(
-        "plan: {} is a mixture of experts ({} experts, top {}); the planner does not lay out expert "
-        "parallelism yet: time a layout with `ranklab run gpt --model {} --ep N --phantom`",
-        c.model_name(), c.experts, c.top_k, c.model_name()));
-  }
   Question q;
   q.model = c.model_name();
   q.block = gpt::block_name(c.block);
@@ -101,6 +100,14 @@ Question make_question(const Request& r) {
   q.global_batch = c.global_batch;
   q.dtype = gpt::options_table().find("dtype")->write(c);  // as the lesson spells it: "bf16"
   q.fp8_recipe = gpt::options_table().find("fp8-recipe")->write(c);
+  q.experts = c.experts;
+  q.top_k = c.top_k;
+  q.moe_ffn_hidden = c.moe_ffn_hidden;
+  q.shared_experts = c.shared_experts;
+  q.moe_layers = c.moe_layers;
+  q.router_score = gpt::options_table().find("moe-router-score-function")->write(c);
+  q.capacity_factor = c.capacity_factor;
+  q.aux_loss_coeff = c.aux_loss_coeff;
   q.tp_across_nodes = r.tp_across_nodes;
   q.max_interleave = r.max_interleave;
   gpt::framework_settings(r.framework);  // UsageError naming --framework for one it does not know

@@ -16,12 +16,15 @@ namespace ranklab::plan {
 namespace {
 
 // The step's communication parts, in the breakdown's order, and what each is called.
-constexpr int kParts = 5;  // kParts is "compute and the rest"
-constexpr const char* kDims[kParts] = {"tp", "sp", "cp", "pp", "dp"};
-constexpr const char* kPartNames[kParts + 1] = {
-    "exposed tp communication", "exposed sp communication",
-    "exposed cp communication", "pipeline wait (bubble and pp transfers)",
-    "exposed dp communication", "compute and the rest"};
+constexpr int kParts = 6;  // kParts is "compute and the rest"
+constexpr const char* kDims[kParts] = {"tp", "sp", "cp", "pp", "dp", "ep"};
+constexpr const char* kPartNames[kParts + 1] = {"exposed tp communication",
+                                                "exposed sp communication",
+                                                "exposed cp communication",
+                                                "pipeline wait (bubble and pp transfers)",
+                                                "exposed dp communication",
+                                                "exposed ep communication (the experts' all-to-alls)",
+                                                "compute and the rest"};
 constexpr int kPipelinePart = 3;
 
 // "16.98 s", "523 ms", "40.2 ms", "812 us": three significant digits at most, for a table.
@@ -66,6 +69,7 @@ std::string layout_changes(const Layout& from, const Layout& to) {
   num("pp", from.pp, to.pp);
   num("v", from.v, to.v);
   num("dp", from.dp, to.dp);
+  num("ep", from.ep, to.ep);
   num("zero", from.zero, to.zero);
   if (from.sp != to.sp) d.push_back(to.sp ? "sequence parallelism on" : "sequence parallelism off");
   num("micro-batch", from.micro_batch, to.micro_batch);
@@ -270,6 +274,7 @@ nlohmann::json result_json(const Result& r, int rank) {
                       {"pp", l.pp},
                       {"interleave", l.v},
                       {"dp", l.dp},
+                      {"ep", l.ep},
                       {"zero", l.zero},
                       {"seq_parallel", l.sp},
                       {"micro_batch", l.micro_batch},
@@ -327,6 +332,7 @@ std::string plan_to_json(const Plan& p) {
                    {"global_batch", q.global_batch},
                    {"dtype", q.dtype},
                    {"fp8_recipe", q.fp8_recipe},
+                   {"experts", q.experts},
                    {"framework", q.framework},
                    {"profile", q.profile.name},
                    {"nodes", q.profile.nodes},
@@ -334,6 +340,15 @@ std::string plan_to_json(const Plan& p) {
                    {"device_memory_bytes", q.profile.hbm_capacity_bytes()},
                    {"tp_across_nodes", q.tp_across_nodes},
                    {"max_interleave", q.max_interleave}};
+  if (q.experts > 0) {
+    j["question"].update({{"top_k", q.top_k},
+                          {"moe_ffn_hidden", q.moe_ffn_hidden},
+                          {"shared_experts", q.shared_experts},
+                          {"moe_layers", q.moe_layers},
+                          {"moe_router_score_function", q.router_score},
+                          {"capacity_factor", q.capacity_factor},
+                          {"moe_aux_loss_coeff", q.aux_loss_coeff}});
+  }
   j["counts"] = {{"enumerated", p.enumerated},
                  {"invalid", p.invalid},
                  {"rejected_memory_by_plan", p.rejected_by_plan},

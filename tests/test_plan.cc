@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -130,6 +131,36 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
             std::string::npos)
       << describe_question(q);
   expect_bounds_hold_and_winner_passes(q);
+}
+
+// A mixture of experts in both blocks, every other layer MoE (the llama block's with a shared expert and
+// dropped routes): layouts with each expert-parallel size that divides the experts and the stage's ranks
+// are enumerated, none runs faster than its bound, and the winner trains equal to one device.
+TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
+  for (const char* block : {"gpt", "llama"}) {
+    Request r = tiny_request();
+    r.shape["block"] = block;
+    r.shape["experts"] = option_text(8);
+    r.shape["top-k"] = option_text(2);
+    r.shape["moe-ffn-hidden"] = option_text(32);
+    r.shape["moe-layers"] = "every:2";
+    if (std::string(block) == "llama") {
+      r.shape["shared-experts"] = option_text(1);
+      r.shape["capacity-factor"] = option_text(0.75);
+    }
+    const Question q = make_question(r);
+    std::set<int> eps;
+    for (const Candidate& k : enumerate(q)) {
+      if (k.status == Status::Invalid) continue;
+      eps.insert(k.layout.ep);
+      EXPECT_EQ(8 % k.layout.ep, 0) << k.name;
+    }
+    EXPECT_EQ(eps, (std::set<int>{1, 2, 4, 8})) << block;
+    const Plan p = expect_bounds_hold_and_winner_passes(q);
+    int spread = 0;
+    for (const Result* res : p.ranked()) spread += res->candidate.layout.ep > 1;
+    EXPECT_GT(spread, 0) << block;
+  }
 }
 
 // FP8 (--dtype fp8): every layout runs its linear GEMMs in FP8, none is faster than its bound (which takes
@@ -448,8 +479,12 @@ TEST(Plan, BadInputIsAClearUsageError) {
   r.shape["hidden"] = option_text(65);
   expect_usage_error([&] { make_question(r); }, "--hidden 65 is not divisible by --heads 4");
   r = Request{};
-  r.shape["model"] = option_text("mixtral-8x7b");  // a mixture of experts: no ep to lay out yet
-  expect_usage_error([&] { make_question(r); }, "mixtral-8x7b is a mixture of experts (8 experts, top 2)");
+  r.shape["experts"] = option_text(4);
+  r.shape["top-k"] = option_text(5);
+  expect_usage_error([&] { make_question(r); }, "--top-k 5");
+  r = Request{};
+  r.shape["routing"] = "skew:2";  // how a phantom run routes is not part of the shape
+  expect_usage_error([&] { make_question(r); }, "plan: --routing is not part of a shape");
   r = Request{};
   r.profile = "no-such-profile";
   EXPECT_THROW(make_question(r), ProfileError);
@@ -488,12 +523,15 @@ TEST(Plan, APresetFillsWhatTheFlagsLeave) {
 
 TEST(Plan, LayoutNamesReadBack) {
   for (const Layout& l : {Layout{4, 8, 2, 16, 1, true, 1, "selective", "tp-dp-pp"},
-                          Layout{1, 1, 1, 8, 0, false, 4, "none", "tp-pp-dp"}}) {
+                          Layout{1, 1, 1, 8, 0, false, 4, "none", "tp-pp-dp"},
+                          Layout{2, 2, 1, 4, 1, true, 1, "none", "tp-dp-pp", 2, 8}}) {
     const Layout back = parse_layout(l.name());
     EXPECT_EQ(back.name(), l.name());
   }
   EXPECT_EQ(Layout({4, 8, 2, 16, 1, true, 1, "selective", "tp-dp-pp"}).name(),
             "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp");
+  EXPECT_EQ(Layout({2, 2, 1, 4, 1, true, 1, "none", "tp-dp-pp", 2, 8}).name(),
+            "tp2-cp2-pp2-v1-dp4-ep8-zero1-sp-mb1-none-tp-dp-pp");
 }
 
 TEST(Plan, SymmetryFollowsTheGroupOrder) {
