@@ -94,6 +94,7 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"model", q.model == "custom" ? "" : q.model},
                    {"block", q.block},
                    {"kv-heads", text(q.kv_heads)},
+                   {"kv-channels", text(q.kv_channels)},
                    {"ffn-hidden", text(q.ffn_hidden)},
                    {"rope-theta", fmt::format("{}", q.rope_theta)},
                    {"layers", text(q.layers)},

@@ -64,7 +64,7 @@ const OptionTable<Request>& request_options() {
 const std::vector<std::string>& shape_flags() {
   static const std::vector<std::string> flags = {
       "model",          "block",          "layers",
-      "hidden",         "heads",          "kv-heads",
+      "hidden",         "heads",          "kv-heads",       "kv-channels",
       "ffn-hidden",     "rope-theta",     "seq",
       "vocab",          "global-batch",   "dtype",
       "fp8-recipe",     "experts",        "top-k",
@@ -93,6 +93,7 @@ Question make_question(const Request& r) {
   q.hidden = c.hidden;
   q.heads = c.heads;
   q.kv_heads = c.kv_heads;
+  q.kv_channels = c.kv_channels;
   q.ffn_hidden = c.ffn_hidden;
   q.rope_theta = c.rope_theta;
   q.seq = c.seq;

@@ -322,6 +322,7 @@ std::string plan_to_json(const Plan& p) {
   j["question"] = {{"model", q.model},
                    {"block", q.block},
                    {"kv_heads", q.kv_heads},
+                   {"kv_channels", q.kv_channels},
                    {"ffn_hidden", q.ffn_hidden},
                    {"rope_theta", q.rope_theta},
                    {"layers", q.layers},
