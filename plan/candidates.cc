@@ -60,8 +60,8 @@ Layout parse_layout(const std::string& name) {
   Layout l;
   l.order = t[t.size() - 3] + "-" + t[t.size() - 2] + "-" + t[t.size() - 1];
   t.resize(t.size() - 3);
-  const std::vector<std::pair<const char*, int*>> numbers = {{"tp", &l.tp}, {"cp", &l.cp}, {"pp", &l.pp},
-                                                             {"v", &l.v},   {"dp", &l.dp}, {"ep", &l.ep},
+  const std::vector<std::pair<const char*, int*>> numbers = {{"tp", &l.tp},    {"cp", &l.cp}, {"pp", &l.pp},
+                                                             {"v", &l.v},      {"dp", &l.dp}, {"ep", &l.ep},
                                                              {"zero", &l.zero}};
   std::size_t i = 0;
   for (const auto& [prefix, field] : numbers) {
@@ -375,7 +375,8 @@ double StepBound::us(const gpt::Config& c) {
           ep_ranks.push_back(grid.rank_of(tp, cp, dp, 0));
     std::int64_t share = c.local_rows() * c.top_k / c.experts;
     if (c.capacity_factor > 0)
-      share = std::min(share, parallel::expert_capacity(c.local_rows(), c.experts, c.top_k, c.capacity_factor));
+      share =
+          std::min(share, parallel::expert_capacity(c.local_rows(), c.experts, c.top_k, c.capacity_factor));
     const std::int64_t piece_bytes = c.local_experts() * share * h * dtype_bytes(d);
     if (piece_bytes > 0) ep_pieces_us = comm_us(CommOp::AllToAll, piece_bytes * c.ep, ep_ranks);
     ep_counts_us = comm_us(CommOp::AllToAll, std::int64_t{c.experts} * 4, ep_ranks);
@@ -501,10 +502,10 @@ double StepBound::us(const gpt::Config& c) {
     // After the data-parallel stream's work ahead of its last task, the stage's last task computes the
     // backward of its chunk's blocks, then the drain and rank 0's optimizer.
     for (int stage = 0; stage < c.pp; ++stage) {
-      bound = std::max(bound, zero_stream_us(c, stage) +
-                                  layers_us(c.chunk_first_layer(stage), c.chunk_layers(stage),
-                                            &LayerUs::backward) +
-                                  drain_us[stage] + optimizer_us);
+      bound = std::max(bound,
+                       zero_stream_us(c, stage) +
+                           layers_us(c.chunk_first_layer(stage), c.chunk_layers(stage), &LayerUs::backward) +
+                           drain_us[stage] + optimizer_us);
     }
   }
   return bound;
@@ -598,7 +599,7 @@ std::vector<int> divisors(int n) {
 
 // Every group order with every expert-parallel size, the order outermost.
 std::vector<std::pair<std::string, int>> orders_and_eps(const std::vector<std::string>& orders,
-                                                       const std::vector<int>& eps) {
+                                                        const std::vector<int>& eps) {
   std::vector<std::pair<std::string, int>> out;
   for (const std::string& order : orders)
     for (int ep : eps) out.emplace_back(order, ep);

@@ -47,7 +47,8 @@ struct Question {
   std::string model = "custom";  // the preset that filled the shape, or "custom"
   std::string block = "gpt";     // gpt's --block
   int layers = 2, hidden = 64, heads = 4, seq = 16;
-  int kv_heads = 0, kv_channels = 0;  // the llama block's --kv-heads, --kv-channels, --ffn-hidden and --rope-theta
+  int kv_heads = 0,
+      kv_channels = 0;  // the llama block's --kv-heads, --kv-channels, --ffn-hidden and --rope-theta
   std::int64_t ffn_hidden = 0;
   double rope_theta = 10000;
   std::int64_t vocab = 128, global_batch = 8;

@@ -18,13 +18,11 @@ namespace {
 // The step's communication parts, in the breakdown's order, and what each is called.
 constexpr int kParts = 6;  // kParts is "compute and the rest"
 constexpr const char* kDims[kParts] = {"tp", "sp", "cp", "pp", "dp", "ep"};
-constexpr const char* kPartNames[kParts + 1] = {"exposed tp communication",
-                                                "exposed sp communication",
-                                                "exposed cp communication",
-                                                "pipeline wait (bubble and pp transfers)",
-                                                "exposed dp communication",
-                                                "exposed ep communication (the experts' all-to-alls)",
-                                                "compute and the rest"};
+constexpr const char* kPartNames[kParts + 1] = {
+    "exposed tp communication", "exposed sp communication",
+    "exposed cp communication", "pipeline wait (bubble and pp transfers)",
+    "exposed dp communication", "exposed ep communication (the experts' all-to-alls)",
+    "compute and the rest"};
 constexpr int kPipelinePart = 3;
 
 // "16.98 s", "523 ms", "40.2 ms", "812 us": three significant digits at most, for a table.

@@ -89,15 +89,14 @@ double Config::lr_at(int step) const {
 }
 
 std::string Config::shape() const {
-  std::string s = llama()
-                      ? fmt::format(
-                            "llama block, {} layers, hidden {}, {} heads ({} key-value{}), SwiGLU {}, seq "
-                            "{}, vocab {}",
-                            layers, hidden, heads, kv(),
-                            kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(),
-                            seq, vocab)
-                      : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads,
-                                    seq, vocab);
+  std::string s =
+      llama() ? fmt::format(
+                    "llama block, {} layers, hidden {}, {} heads ({} key-value{}), SwiGLU {}, seq "
+                    "{}, vocab {}",
+                    layers, hidden, heads, kv(),
+                    kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab)
+              : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
+                            vocab);
   if (moe()) {
     s += fmt::format(", {} experts of width {} (top {}{}) in layers {}", experts, moe_ffn(), top_k,
                      shared_experts > 0 ? fmt::format(", {} shared", shared_experts) : "", moe_layers);

@@ -34,12 +34,12 @@ const std::vector<Preset>& presets() {
   //   sequence length or batch for training: 4096 and 4M tokens (1,024 sequences) are this preset's choice.
   //   Qwen3-30B-A3B and Qwen3-235B-A22B (huggingface.co/Qwen, config.json): 128 experts, top 8, heads of 128
   //   features (head_dim) beside hidden sizes of 2048 and 4096, and an RMSNorm over each head's queries and
-  //   keys (QK-norm), which is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json): multi-head latent
-  //   attention, an expert bias that balances the load without a loss, and a multi-token prediction head,
-  //   none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and config.json): 128 experts,
-  //   top 4, of width 2880; its attention has 64 heads of 64 features beside a hidden size of 2880, learned
-  //   attention sinks and a 128-token sliding window in every other layer, and its SwiGLU is clamped: it
-  //   refuses.
+  //   keys (QK-norm), which is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json):
+  //   multi-head latent attention, an expert bias that balances the load without a loss, and a multi-token
+  //   prediction head, none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and
+  //   config.json): 128 experts, top 4, of width 2880; its attention has 64 heads of 64 features beside a
+  //   hidden size of 2880, learned attention sinks and a 128-token sliding window in every other layer, and
+  //   its SwiGLU is clamped: it refuses.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
