@@ -71,6 +71,26 @@ TensorDifference difference(const std::vector<float>& got, const std::vector<dou
   return t;
 }
 
+// The fused attention projection's gradient holds three GEMMs' outputs, whose scales differ: per column, 0
+// for a query's, 1 for a key's, 2 for a value's (each group's q heads, then its k and its v: the
+// reference's layout). Each part is compared against its own largest value, so that a wrong query or key
+// gradient (one left in the rotated frame) does not hide under the values'. Not the bias: its keys' part is
+// zero in exact arithmetic (softmax ignores a shift common to a query's scores), rounding noise in a run.
+// Empty for other parameters.
+std::vector<int> qkv_parts(const Config& c, const Model::Named& n, std::int64_t first, std::int64_t count) {
+  const bool fused = n.layer >= 0 && n.kind == (c.llama() ? int{kWqkv} : int{kQkvW});
+  if (!fused) return {};
+  const Param& p = *n.p;
+  const std::int64_t d = c.head_dim(), per = c.heads / c.kv(), group = (per + 2) * d;
+  const std::int64_t full_cols = p.spec.full[1];
+  std::vector<int> parts(count);
+  for (std::int64_t e = 0; e < count; ++e) {
+    const std::int64_t at = full_index(p, first + e) % full_cols % group;
+    parts[e] = at < per * d ? 0 : at < (per + 1) * d ? 1 : 2;
+  }
+  return parts;
+}
+
 }  // namespace
 
 OneDeviceCheck::OneDeviceCheck(Rank& r, const Config& c, const parallel::Layout::Coord& me)
@@ -181,22 +201,38 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
           local_part(is_grad ? ref_->grad(n.kind, n.layer) : ref_->weight(n.kind, n.layer), p, first, count);
       const std::vector<double> before =
           is_grad ? std::vector<double>() : local_part(ref_->before(n.kind, n.layer), p, first, count);
-      const TensorDifference d = difference(got, want, is_grad ? nullptr : &before);
       const std::string coordinate = fmt::format(
           "tp {}{}, dp {}, pp {}", me_.tp, c_.cp > 1 ? fmt::format(", cp {}", me_.cp) : "", me_.dp, me_.pp);
-      const std::string where =
-          fmt::format("rank {} ({}) {} {} element {} of its elements [{}, {}): got {:.9g}, want {:.9g}",
-                      r_.rank(), coordinate, p.spec.name, is_grad ? "gradient" : "value", first + d.at, first,
-                      first + count, want.empty() ? 0.0 : got[d.at], want.empty() ? 0.0 : want[d.at]);
+      auto where = [&](const std::string& part, std::int64_t at) {
+        return fmt::format(
+            "rank {} ({}) {}{} {} element {} of its elements [{}, {}): got {:.9g}, want {:.9g}", r_.rank(),
+            coordinate, p.spec.name, part, is_grad ? "gradient" : "value", first + at, first, first + count,
+            want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
+      };
       if (is_grad) {
-        const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
-        grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
-                                    where, d.largest_error, d.largest_want, rel));
+        const std::vector<int> parts = qkv_parts(c_, n, first, count);
+        for (int part = 0; part < (parts.empty() ? 1 : 3); ++part) {
+          std::vector<float> g;
+          std::vector<double> w;
+          std::vector<std::int64_t> index;
+          for (std::int64_t e = 0; e < count; ++e) {
+            if (!parts.empty() && parts[e] != part) continue;
+            g.push_back(got[e]), w.push_back(want[e]), index.push_back(e);
+          }
+          const TensorDifference d = difference(g, w, nullptr);
+          const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
+          const char* names[] = {" (queries)", " (keys)", " (values)"};
+          grad.merge(rel,
+                     fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
+                                 where(parts.empty() ? "" : names[part], index.empty() ? 0 : index[d.at]),
+                                 d.largest_error, d.largest_want, rel));
+        }
       } else {
+        const TensorDifference d = difference(got, want, &before);
         step_error += d.squared_error, step_update += d.squared_update;
         if (d.squared_error > most_error) {
           most_error = d.squared_error;
-          most_where = where;
+          most_where = where("", d.at);
         }
       }
     };
