@@ -69,6 +69,24 @@ INSTANTIATE_TEST_SUITE_P(
               {"cp", "2"},
               {"pp", "2"},
               {"zero", "1"}}},
+        // Qwen3's QK-norm: its gains' gradients summed over the tp ranks' heads, with recomputation.
+        Case{"qk_norm_tp2_sp_cp2_pp2",
+             {{"world", "8"},
+              {"qk-layernorm", "true"},
+              {"kv-channels", "24"},
+              {"tp", "2"},
+              {"seq-parallel", "true"},
+              {"cp", "2"},
+              {"pp", "2"},
+              {"zero", "1"}}},
+        Case{"qk_norm_tp2_zero3_full",
+             {{"world", "4"}, {"qk-layernorm", "true"}, {"tp", "2"}, {"zero", "3"}, {"recompute", "full"}}},
+        Case{"qk_norm_selective_fp32",
+             {{"world", "2"},
+              {"qk-layernorm", "true"},
+              {"zero", "2"},
+              {"recompute", "selective"},
+              {"dtype", "fp32"}}},
         Case{"megatron_core_rings_dropout",
              {{"world", "4"},
               {"tp", "2"},
@@ -139,6 +157,25 @@ TEST(Llama, HeadsOfAWidthOfTheirOwn) {
   EXPECT_EQ(gpt::parameter_count(c), 12'247'782'400);
 }
 
+// QK-norm's gains are whole on every tp rank, each of which sees its own heads' gradient: without their
+// sum over tp (the same all-reduce as sequence parallelism's norms, which the break skips) the check fails.
+TEST(Llama, QkNormGainsSummedOverTheTensorParallelHeads) {
+  Settings o = tiny_llama();
+  o["qk-layernorm"] = option_text(true);
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["break"] = "no-sp-grad-sync";
+  const RunReport rep = run_gpt(o);
+  EXPECT_FALSE(rep.all_checks_passed());
+  EXPECT_NE(testing::failed_checks(rep).find("norm gradient"), std::string::npos)
+      << testing::failed_checks(rep);
+  // Qwen3-30B-A3B as its config publishes it: 30,532,122,624 parameters, 3,353,032,704 of them active.
+  const gpt::Config c = gpt::options_table().read(gpt::preset_settings("qwen3-30b-a3b"), "gpt");
+  EXPECT_TRUE(c.qk_layernorm);
+  EXPECT_EQ(gpt::parameter_count(c), 30'532'122'624);
+  EXPECT_EQ(gpt::active_parameter_count(c), 3'353'032'704);
+}
+
 TEST(Llama, ThePhantom8BStepRuns) {
   Settings o = gpt::preset_settings("llama3-8b");
   o["world"] = option_text(8);
@@ -178,6 +215,9 @@ TEST(Llama, BadFlagsNameTheFlag) {
   o = tiny_llama();
   o["kv-channels"] = option_text(15);
   expect_usage_error(o, "--kv-channels 15 is odd");
+  o = testing::tiny_gpt();
+  o["qk-layernorm"] = option_text(true);
+  expect_usage_error(o, "--qk-layernorm: the gpt block's attention has no norm");
   o = testing::tiny_gpt();
   o["kv-channels"] = option_text(24);
   expect_usage_error(o, "--kv-channels 24: the gpt block's heads split --hidden 64 into --heads 4");

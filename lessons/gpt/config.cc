@@ -90,13 +90,15 @@ double Config::lr_at(int step) const {
 
 std::string Config::shape() const {
   std::string s =
-      llama() ? fmt::format(
-                    "llama block, {} layers, hidden {}, {} heads ({} key-value{}), SwiGLU {}, seq "
-                    "{}, vocab {}",
-                    layers, hidden, heads, kv(),
-                    kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab)
-              : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
-                            vocab);
+      llama()
+          ? fmt::format(
+                "llama block, {} layers, hidden {}, {} heads ({} key-value{}), SwiGLU {}, seq "
+                "{}, vocab {}",
+                layers, hidden, heads, kv(),
+                kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab) +
+                (qk_layernorm ? ", QK-norm" : "")
+          : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
+                        vocab);
   if (moe()) {
     s += fmt::format(", {} experts of width {} (top {}{}) in layers {}", experts, moe_ffn(), top_k,
                      shared_experts > 0 ? fmt::format(", {} shared", shared_experts) : "", moe_layers);
@@ -181,6 +183,9 @@ const OptionTable<Config>& options_table() {
                 "heads; Megatron's flag, head_dim in Hugging Face configs)")
           .at_least(0)
           .at_most(1 << 16, "published models have 64 to 256"),
+      {"qk-layernorm", &O::qk_layernorm,
+       "llama: each head's queries and keys RMS-normalised over its features, with gains shared by the "
+       "heads, before the rotary embeddings (Qwen3's q_norm and k_norm; Megatron's flag)"},
       Option<O>("ffn-hidden", &O::ffn_hidden, "llama: the SwiGLU MLP's width (0: 4 x --hidden)").at_least(0),
       Option<O>("rope-theta", &O::rope_theta, "llama: the rotary embeddings' base").above(1),
       Option<O>("seq", &O::seq, "sequence length").at_least(1),
@@ -478,6 +483,12 @@ void resolve_block(const Config& c) {
           fmt::format("gpt: --kv-channels {}: the gpt block's heads split --hidden {} into --heads {}; heads "
                       "of a width of their own are the llama block's (--block llama)",
                       c.kv_channels, c.hidden, c.heads));
+    }
+    if (c.qk_layernorm) {
+      throw UsageError(
+          "gpt: --qk-layernorm: the gpt block's attention has no norm of its queries and keys; QK-norm is "
+          "the "
+          "llama block's (--block llama)");
     }
     if (c.ffn_hidden > 0 && c.ffn_hidden != 4 * std::int64_t{c.hidden}) {
       throw UsageError(

@@ -41,6 +41,7 @@ struct Config : LessonOptions {
   int layers = 2, hidden = 64, heads = 4, seq = 16;
   int kv_heads = 0;             // llama: key-value heads (0: --heads)
   int kv_channels = 0;          // llama: features per attention head (0: hidden / heads)
+  bool qk_layernorm = false;    // llama: each head's q and k RMS-normalised before the rotation (Qwen3)
   std::int64_t ffn_hidden = 0;  // llama: SwiGLU's width (0: 4 hidden, as GPT's MLP)
   double rope_theta = 10000;    // llama: the rotary embeddings' base
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;

@@ -52,12 +52,13 @@ void per_feature(ParamSpec& s, const Config& c, float value) {
 }  // namespace
 
 int block_params(const Config& c) {
-  return c.llama() ? int{kLlamaParams} : int{kBlockParams};
+  if (c.llama()) return c.qk_layernorm ? int{kLlamaParams} : int{kQNorm};
+  return kBlockParams;
 }
 
 namespace {
 ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
-  static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2"};
+  static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2", "q norm", "k norm"};
   const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.dense_ffn(layer);
   ParamSpec s;
   s.name = layer_name(layer, names[which]);
@@ -78,6 +79,15 @@ ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
       break;
     case kW2:
       row_parallel(s, Shape{f, h}, c);
+      break;
+    case kQNorm:
+    case kKNorm:
+      // One gain per feature of a head, shared by the heads: each tp rank holds it whole and sees the
+      // gradient of its own heads.
+      s.full = Shape{hd};
+      s.decay = false;
+      s.tp_partial = true;
+      s.value = 1.0f;
       break;
     default:
       break;
@@ -196,8 +206,8 @@ std::int64_t parameters_with(const Config& c, std::int64_t experts_counted) {
   const std::int64_t moe =
       c.moe_layer_count() * (h * c.experts + (experts_counted * expert + shared) - dense_mlp);
   if (c.llama()) {
-    const std::int64_t attention =
-        h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() + c.heads * c.head_dim() * h;
+    const std::int64_t attention = h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() +
+                                   c.heads * c.head_dim() * h + (c.qk_layernorm ? 2 * c.head_dim() : 0);
     return c.layers * (attention + 3 * h * c.ffn() + 2 * h) + 2 * c.vocab * h + h + moe;
   }
   return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h + moe;
@@ -252,12 +262,13 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head,
   std::int64_t mlp = 0;              // of that, the dense MLP's activations
   if (c.llama() && c.recompute != Recompute::Full) {
     const std::int64_t hd = c.head_dim(), f = c.ffn() / c.tp, kv = c.kv() / c.tp;
-    mlp = r * 2 * f * dt + kept(r, f);           // w13's output u and swiglu(u)
-    block += 2 * lr * 4                          // the two RMSNorms' reciprocal deviations, float32
-             + 2 * kept(lr, h) + lr * h * dt     // y1, y2 (the linear layers' inputs) and x1
-             + r * (heads + 2 * kv) * hd * dt    // qkv (rotated)
-             + mlp                               //
-             + (fp8 ? kept(r, heads * hd) : 0);  // wo's own copy of its input
+    mlp = r * 2 * f * dt + kept(r, f);         // w13's output u and swiglu(u)
+    block += 2 * lr * 4                        // the two RMSNorms' reciprocal deviations, float32
+             + 2 * kept(lr, h) + lr * h * dt   // y1, y2 (the linear layers' inputs) and x1
+             + r * (heads + 2 * kv) * hd * dt  // qkv (rotated)
+             + (c.qk_layernorm ? r * (heads + kv) * (hd * dt + 4) : 0)  // QK-norm's q, k and statistics
+             + mlp                                                      //
+             + (fp8 ? kept(r, heads * hd) : 0);                         // wo's own copy of its input
     if (c.recompute == Recompute::None) {
       block += r * heads * hd * dt + 4 * r * heads;  // attention out and lse
       if (c.attention == AttentionKernel::Unfused) block += c.micro_batch * heads * c.seq * c.seq * dt;
@@ -388,8 +399,9 @@ std::int64_t Model::kept_bytes(int chunk, int mb) const {
   auto add = [&](const Tensor& t) { n += t.defined() ? t.bytes() : 0; };
   for (const BlockActs& a : st.blocks) {
     for (const Tensor* t :
-         {&a.x, &a.mean1, &a.rstd1, &a.y1, &a.qkv, &a.out, &a.lse, &a.probs, &a.x1, &a.mean2, &a.rstd2, &a.y2,
-          &a.u, &a.g, &a.y1_scales, &a.y2_scales, &a.g_scales, &a.out8, &a.out8_scales}) {
+         {&a.x,        &a.mean1, &a.rstd1,       &a.y1,    &a.qkv,   &a.out,    &a.lse,       &a.probs,
+          &a.x1,       &a.mean2, &a.rstd2,       &a.y2,    &a.u,     &a.g,      &a.y1_scales, &a.y2_scales,
+          &a.g_scales, &a.out8,  &a.out8_scales, &a.q_pre, &a.k_pre, &a.rstd_q, &a.rstd_k}) {
       add(*t);
     }
   }
@@ -809,6 +821,7 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   parallel::TensorParallel::Kept k1, ko, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::RmsNormOut n1 = r.rmsnorm(x, w[kNorm1], kEps);
   Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor(), &k1);
+  if (c_.qk_layernorm) qkv = qk_norm(qkv, w, a);
   rotate(qkv, false);
   Rank::AttentionOut att = attend(qkv);
   Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
@@ -830,8 +843,43 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
     a.rstd1 = n1.rstd, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.u = u, a.moe = std::move(moe);
     keep_inputs(a, k1, ko, k2, kg);
     if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
+  } else {
+    a.q_pre = a.k_pre = a.rstd_q = a.rstd_k = Tensor();  // full recomputation makes them again
   }
   return x2;
+}
+
+// qkv's columns are each key-value group's q heads, then its k and its v: as rows of one group each, the
+// queries are the first per * d columns, the key the next d. Qwen3's q_norm and k_norm (Megatron-Core's
+// --qk-layernorm) normalise them as rows of d features; the copies out and back stand for the strided
+// reads of the frameworks' kernels.
+Tensor Model::qk_norm(const Tensor& qkv, const Weights& w, BlockActs& a) {
+  Rank& r = r_;
+  const std::int64_t d = c_.head_dim(), per = c_.heads / c_.kv();
+  const std::int64_t groups = qkv.numel() / ((per + 2) * d);
+  const Tensor rows = r.view(qkv, 0, Shape{groups, (per + 2) * d});
+  a.q_pre = r.view(r.slice(rows, 1, 0, per * d), 0, Shape{groups * per, d});
+  a.k_pre = r.slice(rows, 1, per * d, d);
+  const Rank::RmsNormOut q = r.rmsnorm(a.q_pre, w[kQNorm], kEps), k = r.rmsnorm(a.k_pre, w[kKNorm], kEps);
+  a.rstd_q = q.rstd, a.rstd_k = k.rstd;
+  const Tensor out =
+      r.cat({r.view(q.y, 0, Shape{groups, per * d}), k.y, r.slice(rows, 1, (per + 1) * d, d)}, 1);
+  return r.view(out, 0, qkv.shape());
+}
+
+Tensor Model::qk_norm_backward(Block& b, const Tensor& dqkv, const Weights& w, const BlockActs& a) {
+  Rank& r = r_;
+  const std::int64_t d = c_.head_dim(), per = c_.heads / c_.kv();
+  const std::int64_t groups = dqkv.numel() / ((per + 2) * d);
+  const Tensor rows = r.view(dqkv, 0, Shape{groups, (per + 2) * d});
+  const Tensor dq = r.view(r.slice(rows, 1, 0, per * d), 0, Shape{groups * per, d});
+  const Rank::RmsNormGrads q = r.rmsnorm_backward(dq, a.q_pre, w[kQNorm], a.rstd_q);
+  const Rank::RmsNormGrads k = r.rmsnorm_backward(r.slice(rows, 1, per * d, d), a.k_pre, w[kKNorm], a.rstd_k);
+  dp_.add_grad(b.p[kQNorm], q.dgamma);
+  dp_.add_grad(b.p[kKNorm], k.dgamma);
+  const Tensor out =
+      r.cat({r.view(q.dx, 0, Shape{groups, per * d}), k.dx, r.slice(rows, 1, (per + 1) * d, d)}, 1);
+  return r.view(out, 0, dqkv.shape());
 }
 
 Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
@@ -868,8 +916,9 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   const Tensor dqkv = attend_backward(wo.dx, a);
   // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)
   if (c_.broken != "no-rope-backward") rotate(dqkv, true);
+  const Tensor dmixed = c_.qk_layernorm ? qk_norm_backward(b, dqkv, w, a) : dqkv;
   parallel::TensorParallel::Grads wqkv =
-      tp_.column_linear_backward(a.y1, w[kWqkv], dqkv, /*bias=*/false, dp_.wgrad_into(b.p[kWqkv]));
+      tp_.column_linear_backward(a.y1, w[kWqkv], dmixed, /*bias=*/false, dp_.wgrad_into(b.p[kWqkv]));
   dp_.add_grad(b.p[kWqkv], wqkv.dw);
   Rank::RmsNormGrads n1 = r.rmsnorm_backward(wqkv.dx, a.x, w[kNorm1], a.rstd1);
   dp_.add_grad(b.p[kNorm1], n1.dgamma);

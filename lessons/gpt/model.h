@@ -56,7 +56,8 @@ enum BlockParam {
 // The llama block's parameters, in this order. wqkv's columns hold each key-value group's q heads, then
 // its k and v (Rank::attention's layout); w13's are the gate and up projections' columns in adjacent pairs
 // (Rank::swiglu's layout). Both keep a tensor-parallel rank's block of columns whole groups and pairs.
-enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kLlamaParams };
+// kQNorm and kKNorm: QK-norm's gains (--qk-layernorm), only with it.
+enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kQNorm, kKNorm, kLlamaParams };
 // The parameters of the configuration's block: kBlockParams or kLlamaParams.
 int block_params(const Config& c);
 // A block parameter's initial values and how tensor parallelism splits them (`which` a BlockParam or a
@@ -183,6 +184,7 @@ class Model {
   // their block scales), and proj's (wo's) input has one of its own, out8, beside the attention's out.
   struct BlockActs {
     Tensor x, mean1, rstd1, y1, qkv, out, lse, probs, x1, mean2, rstd2, y2, u, g;
+    Tensor q_pre, k_pre, rstd_q, rstd_k;  // QK-norm's inputs and statistics
     Tensor y1_scales, y2_scales, g_scales, out8, out8_scales;
     parallel::ExpertParallel::Kept moe;  // a MoE layer's routing and its experts' activations
   };
@@ -226,6 +228,10 @@ class Model {
   // Attention of qkv's rows and its backward: one call, or context parallelism's exchange.
   Rank::AttentionOut attend(const Tensor& qkv);
   Tensor attend_backward(const Tensor& dout, const BlockActs& a);
+  // QK-norm (--qk-layernorm): each head's query and key RMS-normalised over its features, before the
+  // rotation; the backward adds the gains' gradients and returns qkv's.
+  Tensor qk_norm(const Tensor& qkv, const Weights& w, BlockActs& a);
+  Tensor qk_norm_backward(Block& b, const Tensor& dqkv, const Weights& w, const BlockActs& a);
   // Rotary embeddings of qkv's rows by their positions in the sequence (inverse: the backward).
   void rotate(const Tensor& qkv, bool inverse);
   // The residual branch's dropout (GPT-2's resid_pdrop; nothing when --dropout is 0). The backward is the

@@ -34,7 +34,8 @@ const std::vector<Preset>& presets() {
   //   sequence length or batch for training: 4096 and 4M tokens (1,024 sequences) are this preset's choice.
   //   Qwen3-30B-A3B and Qwen3-235B-A22B (huggingface.co/Qwen, config.json): 128 experts, top 8, heads of 128
   //   features (head_dim) beside hidden sizes of 2048 and 4096, and an RMSNorm over each head's queries and
-  //   keys (QK-norm), which is not built, so they refuse. DeepSeek-V3 (DeepSeek-AI 2024, config.json):
+  //   keys (QK-norm: q_norm and k_norm in the model's code); no training batch published, so 4096 tokens
+  //   and 4M a batch are this preset's choice. DeepSeek-V3 (DeepSeek-AI 2024, config.json):
   //   multi-head latent attention, an expert bias that balances the load without a loss, and a multi-token
   //   prediction head, none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and
   //   config.json): 128 experts, top 4, of width 2880; its attention has 64 heads of 64 features beside a
@@ -69,12 +70,10 @@ const std::vector<Preset>& presets() {
        "Mixtral-8x22B-v0.1 config.json (4M tokens: this preset's choice)", 8, 16384, 1e6, 8, 2},
       {"mistral-nemo-12b", 40, 5120, 32, 4096, 131072, 1024,
        "Mistral-Nemo-Base-2407 config.json (4M tokens: this preset's choice)", 8, 14336, 1e6, 0, 0, "", 128},
-      {"qwen3-30b-a3b", 48, 2048, 32, 4096, 151936, 1024, "Qwen3-30B-A3B config.json", 4, 768, 1e6, 128, 8,
-       "the RMSNorm of each head's queries and keys before the rotary embeddings (QK-norm) is not built",
-       128},
-      {"qwen3-235b-a22b", 94, 4096, 64, 4096, 151936, 1024, "Qwen3-235B-A22B config.json", 4, 1536, 1e6, 128,
-       8, "the RMSNorm of each head's queries and keys before the rotary embeddings (QK-norm) is not built",
-       128},
+      {"qwen3-30b-a3b", 48, 2048, 32, 4096, 151936, 1024,
+       "Qwen3-30B-A3B config.json (4M tokens: this preset's choice)", 4, 768, 1e6, 128, 8, "", 128, true},
+      {"qwen3-235b-a22b", 94, 4096, 64, 4096, 151936, 1024,
+       "Qwen3-235B-A22B config.json (4M tokens: this preset's choice)", 4, 1536, 1e6, 128, 8, "", 128, true},
       {"deepseek-v3", 61, 7168, 128, 4096, 129280, 1024, "DeepSeek-V3 config.json", 128, 2048, 10000, 256, 8,
        "multi-head latent attention, the expert bias of its auxiliary-loss-free balancing and the "
        "multi-token prediction head are not built"},
@@ -118,6 +117,7 @@ Settings preset_settings(const std::string& name) {
     out["ffn-hidden"] = text(p.ffn_hidden);
     out["rope-theta"] = fmt::format("{}", p.rope_theta);
     if (p.kv_channels > 0) out["kv-channels"] = text(p.kv_channels);
+    if (p.qk_layernorm) out["qk-layernorm"] = "true";
   }
   if (p.experts > 0) {
     out["experts"] = text(p.experts);

@@ -24,7 +24,8 @@ struct Preset {
   // Why the preset cannot be run as published, where ranklab lacks a part of the model: the preset refuses
   // with this instead of approximating it.
   std::string missing = {};
-  int kv_channels = 0;  // the llama block's features per head where they are not hidden / heads
+  int kv_channels = 0;        // the llama block's features per head where they are not hidden / heads
+  bool qk_layernorm = false;  // the llama block's QK-norm
 };
 const std::vector<Preset>& presets();
 // The preset called `name`, or UsageError listing them.

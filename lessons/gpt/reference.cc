@@ -157,6 +157,7 @@ double gelu_grad(double u) {
 // What a block's forward keeps for its backward.
 struct BlockActs {
   Norm ln1, ln2;           // the two norms' outputs and statistics
+  Norm qn, kn;             // QK-norm's, of every q head's and every group's k (rows of hd features)
   Vec qkv, att;            // qkv's output (llama: rotated); attention's, the heads side by side
   std::vector<Vec> probs;  // attention's probabilities per (sample, head): S x S, causal
   Vec u, g;                // fc1's output and its gelu (llama: w13's and its swiglu)
@@ -203,6 +204,13 @@ class Training {
     const std::int64_t group = head / per_, first = group * (per_ + 2);
     return (part == 0 ? first + head % per_ : first + per_ + part - 1) * hd + d;
   }
+  // QK-norm: every row's q heads and k heads (parts 0 and 1) RMS-normalised over their hd features; the
+  // backward adds the gains' gradients and turns d qkv into the gradient of its input.
+  void qk_norm(BlockActs& a, int layer) const;
+  void qk_norm_backward(const BlockActs& a, int layer, Vec& dqkv, std::vector<Vec>& g) const;
+  // The rows of hd features of part `part` (0: q, one per head; 1: k, one per group) of qkv, and back.
+  Vec qk_rows(const Vec& qkv, int part) const;
+  void put_qk_rows(Vec& qkv, int part, const Vec& rows) const;
   void attention(BlockActs& a) const;
   void attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const;
   // A MoE layer's MLP on y [n, h]: each token's top-k experts by the router's logits, their outputs weighted
@@ -360,6 +368,7 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
   auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
   a.ln1 = rmsnorm(x, W(kNorm1), n, h);
   a.qkv = mm(a.ln1.y, W(kWqkv), n, h, qkv_cols_);
+  if (c_.qk_layernorm) qk_norm(a, layer);
   rope(a.qkv, false);
   attention(a);
   Vec proj = mm(a.att, W(kWo), n, H * hd, h);
@@ -437,6 +446,40 @@ Vec Training::block_forward(int step, int layer, const Vec& x, BlockActs& a) con
   Vec x2 = x1;
   for (std::int64_t i = 0; i < n * h; ++i) x2[i] += o[i];
   return x2;
+}
+
+Vec Training::qk_rows(const Vec& qkv, int part) const {
+  const std::int64_t heads = part == 0 ? H : G;
+  Vec rows(n * heads * hd);
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < heads; ++j)
+      for (std::int64_t d = 0; d < hd; ++d)
+        rows[(i * heads + j) * hd + d] = qkv[i * qkv_cols_ + col(part == 0 ? j : j * per_, part, d)];
+  return rows;
+}
+
+void Training::put_qk_rows(Vec& qkv, int part, const Vec& rows) const {
+  const std::int64_t heads = part == 0 ? H : G;
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < heads; ++j)
+      for (std::int64_t d = 0; d < hd; ++d)
+        qkv[i * qkv_cols_ + col(part == 0 ? j : j * per_, part, d)] = rows[(i * heads + j) * hd + d];
+}
+
+void Training::qk_norm(BlockActs& a, int layer) const {
+  a.qn = rmsnorm(qk_rows(a.qkv, 0), block_weight(layer, kQNorm), n * H, hd);
+  a.kn = rmsnorm(qk_rows(a.qkv, 1), block_weight(layer, kKNorm), n * G, hd);
+  put_qk_rows(a.qkv, 0, a.qn.y);
+  put_qk_rows(a.qkv, 1, a.kn.y);
+}
+
+void Training::qk_norm_backward(const BlockActs& a, int layer, Vec& dqkv, std::vector<Vec>& g) const {
+  Vec& dq_gain = g[layer * nb_ + kQNorm];
+  Vec& dk_gain = g[layer * nb_ + kKNorm];
+  put_qk_rows(dqkv, 0,
+              rmsnorm_backward(a.qn, block_weight(layer, kQNorm), qk_rows(dqkv, 0), n * H, hd, dq_gain));
+  put_qk_rows(dqkv, 1,
+              rmsnorm_backward(a.kn, block_weight(layer, kKNorm), qk_rows(dqkv, 1), n * G, hd, dk_gain));
 }
 
 void Training::attention(BlockActs& a) const {
@@ -830,6 +873,7 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   mm_backward(a.att, W(kWo), dproj, n, H * hd, h, Gr(kWo), &datt);
   Vec dqkv = attention_backward(a, datt);
   rope(dqkv, true);
+  if (c_.qk_layernorm) qk_norm_backward(a, layer, dqkv, g);
   Vec dy1(n * h);
   mm_backward(a.ln1.y, W(kWqkv), dqkv, n, h, qkv_cols_, Gr(kWqkv), &dy1);
   const Vec dxl = rmsnorm_backward(a.ln1, W(kNorm1), dy1, n, h, Gr(kNorm1));

@@ -70,6 +70,7 @@ struct ParamSpec {
   int tp_dim = -1;          // the dimension tensor parallelism splits, or -1: every tp rank holds all of it
   bool decay = true;        // AdamW's weight decay applies (not to biases and norms)
   bool sp_partial = false;  // with sequence parallelism a tp rank's gradient covers its own tokens only
+  bool tp_partial = false;  // a tp rank's gradient covers its own heads only (QK-norm's gains)
   bool tied = false;        // the word embedding: the output layer shares it
   std::uint64_t seed = 0;
   float std = 0;  // normal(0, std) from `seed` when std > 0, else the constant `value`
