@@ -95,6 +95,7 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"block", q.block},
                    {"kv-heads", text(q.kv_heads)},
                    {"kv-channels", text(q.kv_channels)},
+                   {"qk-layernorm", q.qk_layernorm ? "true" : "false"},
                    {"ffn-hidden", text(q.ffn_hidden)},
                    {"rope-theta", fmt::format("{}", q.rope_theta)},
                    {"layers", text(q.layers)},

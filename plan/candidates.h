@@ -51,6 +51,7 @@ struct Question {
       kv_channels = 0;  // the llama block's --kv-heads, --kv-channels, --ffn-hidden and --rope-theta
   std::int64_t ffn_hidden = 0;
   double rope_theta = 10000;
+  bool qk_layernorm = false;  // the llama block's --qk-layernorm
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
   std::string fp8_recipe = "none";  // gpt's --fp8-recipe: the linear layers' GEMMs in FP8

@@ -62,17 +62,29 @@ const OptionTable<Request>& request_options() {
 }
 
 const std::vector<std::string>& shape_flags() {
-  static const std::vector<std::string> flags = {"model",           "block",
-                                                 "layers",          "hidden",
-                                                 "heads",           "kv-heads",
-                                                 "kv-channels",     "ffn-hidden",
-                                                 "rope-theta",      "seq",
-                                                 "vocab",           "global-batch",
-                                                 "dtype",           "fp8-recipe",
-                                                 "experts",         "top-k",
-                                                 "moe-ffn-hidden",  "shared-experts",
-                                                 "moe-layers",      "moe-router-score-function",
-                                                 "capacity-factor", "moe-aux-loss-coeff"};
+  static const std::vector<std::string> flags = {"model",
+                                                 "block",
+                                                 "layers",
+                                                 "hidden",
+                                                 "heads",
+                                                 "kv-heads",
+                                                 "kv-channels",
+                                                 "qk-layernorm",
+                                                 "ffn-hidden",
+                                                 "rope-theta",
+                                                 "seq",
+                                                 "vocab",
+                                                 "global-batch",
+                                                 "dtype",
+                                                 "fp8-recipe",
+                                                 "experts",
+                                                 "top-k",
+                                                 "moe-ffn-hidden",
+                                                 "shared-experts",
+                                                 "moe-layers",
+                                                 "moe-router-score-function",
+                                                 "capacity-factor",
+                                                 "moe-aux-loss-coeff"};
   return flags;
 }
 
@@ -97,6 +109,7 @@ Question make_question(const Request& r) {
   q.heads = c.heads;
   q.kv_heads = c.kv_heads;
   q.kv_channels = c.kv_channels;
+  q.qk_layernorm = c.qk_layernorm;
   q.ffn_hidden = c.ffn_hidden;
   q.rope_theta = c.rope_theta;
   q.seq = c.seq;

@@ -321,6 +321,7 @@ std::string plan_to_json(const Plan& p) {
                    {"block", q.block},
                    {"kv_heads", q.kv_heads},
                    {"kv_channels", q.kv_channels},
+                   {"qk_layernorm", q.qk_layernorm},
                    {"ffn_hidden", q.ffn_hidden},
                    {"rope_theta", q.rope_theta},
                    {"layers", q.layers},
