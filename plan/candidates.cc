@@ -90,14 +90,9 @@ Settings lesson_settings(const Question& q, const Layout& l) {
   auto text = [](std::int64_t v) { return std::to_string(v); };
   Settings s = gpt::framework_settings(q.framework);
   s["framework"] = q.framework;
+  s.insert(q.shape.begin(), q.shape.end());
   s.merge(Settings{{"world", text(q.world())},
                    {"model", q.model == "custom" ? "" : q.model},
-                   {"block", q.block},
-                   {"kv-heads", text(q.kv_heads)},
-                   {"kv-channels", text(q.kv_channels)},
-                   {"qk-layernorm", q.qk_layernorm ? "true" : "false"},
-                   {"ffn-hidden", text(q.ffn_hidden)},
-                   {"rope-theta", fmt::format("{}", q.rope_theta)},
                    {"layers", text(q.layers)},
                    {"hidden", text(q.hidden)},
                    {"heads", text(q.heads)},
@@ -106,6 +101,8 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"global-batch", text(q.global_batch)},
                    {"dtype", q.dtype},
                    {"fp8-recipe", q.fp8_recipe},
+                   {"experts", text(q.experts)},
+                   {"ep", text(l.ep)},
                    {"micro-batch", text(l.micro_batch)},
                    {"tp", text(l.tp)},
                    {"cp", text(l.cp)},
@@ -119,17 +116,6 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"phantom", "true"},
                    {"steps", "1"},
                    {"quiet", "true"}});
-  if (q.experts > 0) {
-    s.merge(Settings{{"experts", text(q.experts)},
-                     {"top-k", text(q.top_k)},
-                     {"moe-ffn-hidden", text(q.moe_ffn_hidden)},
-                     {"shared-experts", text(q.shared_experts)},
-                     {"moe-layers", q.moe_layers},
-                     {"moe-router-score-function", q.router_score},
-                     {"moe-aux-loss-coeff", fmt::format("{}", q.aux_loss_coeff)},
-                     {"ep", text(l.ep)}});
-    if (q.capacity_factor > 0) s["capacity-factor"] = fmt::format("{}", q.capacity_factor);
-  }
   // Where the layers do not divide among the stages, Llama 3 405B's split.
   if (const int ends = gpt::one_fewer_at_the_ends(q.layers, l.pp); l.v == 1 && ends > 0)
     s["decoder-first-pipeline-num-layers"] = s["decoder-last-pipeline-num-layers"] = text(ends);

@@ -45,22 +45,16 @@ namespace ranklab::plan {
 // What is asked: a model shape and batch on `profile.nodes` nodes of a profile.
 struct Question {
   std::string model = "custom";  // the preset that filled the shape, or "custom"
-  std::string block = "gpt";     // gpt's --block
   int layers = 2, hidden = 64, heads = 4, seq = 16;
-  int kv_heads = 0,
-      kv_channels = 0;  // the llama block's --kv-heads, --kv-channels, --ffn-hidden and --rope-theta
-  std::int64_t ffn_hidden = 0;
-  double rope_theta = 10000;
-  bool qk_layernorm = false;  // the llama block's --qk-layernorm
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
   std::string fp8_recipe = "none";  // gpt's --fp8-recipe: the linear layers' GEMMs in FP8
-  // A mixture of experts (gpt's --experts and the flags that go with it; experts 0: dense). Its layouts
-  // also choose the expert-parallel size, with the routing balanced as published benchmarks force it.
-  int experts = 0, top_k = 2, shared_experts = 0;
-  std::int64_t moe_ffn_hidden = 0;
-  std::string moe_layers = "all", router_score = "softmax";
-  double capacity_factor = 0, aux_loss_coeff = 0;
+  // A mixture of experts' (0: dense): its layouts also choose the expert-parallel size, with the routing
+  // balanced as published benchmarks force it.
+  int experts = 0;
+  // The shape's other flags (the block, its heads' and MLP's widths, the experts' routing: shape_flags()),
+  // as the gpt lesson writes them; the planner passes them on.
+  Settings shape;
   // The framework whose overlaps the layouts run with (gpt's --framework).
   std::string framework = "megatron-core";
   Profile profile;  // with `nodes` set

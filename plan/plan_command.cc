@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include "common/errors.h"
@@ -103,28 +104,22 @@ Question make_question(const Request& r) {
   if (c.hidden > (1 << 30)) throw UsageError(fmt::format("plan: --hidden {} is too large", c.hidden));
   Question q;
   q.model = c.model_name();
-  q.block = gpt::block_name(c.block);
   q.layers = c.layers;
   q.hidden = c.hidden;
   q.heads = c.heads;
-  q.kv_heads = c.kv_heads;
-  q.kv_channels = c.kv_channels;
-  q.qk_layernorm = c.qk_layernorm;
-  q.ffn_hidden = c.ffn_hidden;
-  q.rope_theta = c.rope_theta;
   q.seq = c.seq;
   q.vocab = c.vocab;
   q.global_batch = c.global_batch;
   q.dtype = gpt::options_table().find("dtype")->write(c);  // as the lesson spells it: "bf16"
   q.fp8_recipe = gpt::options_table().find("fp8-recipe")->write(c);
   q.experts = c.experts;
-  q.top_k = c.top_k;
-  q.moe_ffn_hidden = c.moe_ffn_hidden;
-  q.shared_experts = c.shared_experts;
-  q.moe_layers = c.moe_layers;
-  q.router_score = gpt::options_table().find("moe-router-score-function")->write(c);
-  q.capacity_factor = c.capacity_factor;
-  q.aux_loss_coeff = c.aux_loss_coeff;
+  // The rest as the lesson writes them, but for a dropless router (the capacity factor's absence).
+  const std::set<std::string> fields = {"model", "layers",       "hidden", "heads",      "seq",
+                                        "vocab", "global-batch", "dtype",  "fp8-recipe", "experts"};
+  for (const std::string& flag : shape_flags()) {
+    if (fields.count(flag) > 0 || (flag == "capacity-factor" && c.capacity_factor == 0)) continue;
+    q.shape[flag] = gpt::options_table().find(flag)->write(c);
+  }
   q.tp_across_nodes = r.tp_across_nodes;
   q.max_interleave = r.max_interleave;
   gpt::framework_settings(r.framework);  // UsageError naming --framework for one it does not know

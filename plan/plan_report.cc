@@ -318,12 +318,6 @@ std::string plan_to_json(const Plan& p) {
   const Question& q = p.question;
   nlohmann::json j;
   j["question"] = {{"model", q.model},
-                   {"block", q.block},
-                   {"kv_heads", q.kv_heads},
-                   {"kv_channels", q.kv_channels},
-                   {"qk_layernorm", q.qk_layernorm},
-                   {"ffn_hidden", q.ffn_hidden},
-                   {"rope_theta", q.rope_theta},
                    {"layers", q.layers},
                    {"hidden", q.hidden},
                    {"heads", q.heads},
@@ -340,14 +334,12 @@ std::string plan_to_json(const Plan& p) {
                    {"device_memory_bytes", q.profile.hbm_capacity_bytes()},
                    {"tp_across_nodes", q.tp_across_nodes},
                    {"max_interleave", q.max_interleave}};
-  if (q.experts > 0) {
-    j["question"].update({{"top_k", q.top_k},
-                          {"moe_ffn_hidden", q.moe_ffn_hidden},
-                          {"shared_experts", q.shared_experts},
-                          {"moe_layers", q.moe_layers},
-                          {"moe_router_score_function", q.router_score},
-                          {"capacity_factor", q.capacity_factor},
-                          {"moe_aux_loss_coeff", q.aux_loss_coeff}});
+  // The other shape flags under their names in snake case: numbers and switches as JSON's, the rest text.
+  for (const auto& [flag, text] : q.shape) {
+    std::string key = flag;
+    std::replace(key.begin(), key.end(), '-', '_');
+    const nlohmann::json value = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    j["question"][key] = value.is_number() || value.is_boolean() ? value : nlohmann::json(text);
   }
   j["counts"] = {{"enumerated", p.enumerated},
                  {"invalid", p.invalid},
