@@ -109,6 +109,7 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
   ro.probs.resize(tokens * experts);
   ro.chosen_per_expert.assign(experts, 0);
   std::vector<int> order(experts);
+  std::vector<double> s(experts);
   for (std::int64_t t = 0; t < tokens; ++t) {
     const double* l = &logits[t * experts];
     std::iota(order.begin(), order.end(), 0);
@@ -116,17 +117,20 @@ Routing route_top_k(const std::vector<double>& logits, std::int64_t tokens, int 
     if (top_k < experts) ro.closest_call = std::min(ro.closest_call, l[order[top_k - 1]] - l[order[top_k]]);
     // Each expert's score, the chosen ones' over their sum: the softmax over the chosen logits (the top-k
     // of the whole softmax, normalised), or their sigmoids normalised.
-    auto s = [&](int e) { return sigmoid ? 1 / (1 + std::exp(-l[e])) : std::exp(l[e] - l[order[0]]); };
+    for (int e = 0; e < experts; ++e)
+      s[e] = sigmoid ? 1 / (1 + std::exp(-l[e])) : std::exp(l[e] - l[order[0]]);
     double sum = 0;
-    for (int j = 0; j < top_k; ++j) sum += s(order[j]);
-    for (int j = 0; j < top_k; ++j)
-      chosen.push_back({t, order[j], s(order[j]) / sum, sigmoid ? 1 - s(order[j]) : 1.0});
-    for (int j = 0; j < top_k; ++j) ++ro.chosen_per_expert[order[j]];
+    for (int j = 0; j < top_k; ++j) sum += s[order[j]];
+    for (int j = 0; j < top_k; ++j) {
+      const int e = order[j];
+      chosen.push_back({t, e, s[e] / sum, sigmoid ? 1 - s[e] : 1.0});
+      ++ro.chosen_per_expert[e];
+    }
     double all = 0;
-    for (int e = 0; e < experts; ++e) all += s(e);
+    for (int e = 0; e < experts; ++e) all += s[e];
     for (int e = 0; e < experts; ++e) {
-      ro.probs[t * experts + e] = s(e) / all;
-      if (sigmoid) ro.probs_slope[t * experts + e] = 1 - s(e);
+      ro.probs[t * experts + e] = s[e] / all;
+      if (sigmoid) ro.probs_slope[t * experts + e] = 1 - s[e];
     }
   }
   // Over an expert's capacity, its routes of the lowest gates go (the earlier token first on equal gates).
