@@ -56,10 +56,13 @@ struct TensorDifference {
   double squared_error = 0;  // weights: sum of (got - want)^2, and of the update's (want - before)^2
   double squared_update = 0;
 };
+// Over the elements of part `part` only where `parts` gives each element's part (qkv_parts).
 TensorDifference difference(const std::vector<float>& got, const std::vector<double>& want,
-                            const std::vector<double>* before) {
+                            const std::vector<double>* before, const std::vector<int>& parts = {},
+                            int part = 0) {
   TensorDifference t;
   for (size_t i = 0; i < want.size(); ++i) {
+    if (!parts.empty() && parts[i] != part) continue;
     const double d = std::fabs(got[i] - want[i]);
     if (!(d <= t.largest_error)) t.largest_error = d, t.at = static_cast<std::int64_t>(i);
     t.largest_want = std::max(t.largest_want, std::fabs(want[i]));
@@ -211,21 +214,13 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
       };
       if (is_grad) {
         const std::vector<int> parts = qkv_parts(c_, n, first, count);
+        const char* names[] = {" (queries)", " (keys)", " (values)"};
         for (int part = 0; part < (parts.empty() ? 1 : 3); ++part) {
-          std::vector<float> g;
-          std::vector<double> w;
-          std::vector<std::int64_t> index;
-          for (std::int64_t e = 0; e < count; ++e) {
-            if (!parts.empty() && parts[e] != part) continue;
-            g.push_back(got[e]), w.push_back(want[e]), index.push_back(e);
-          }
-          const TensorDifference d = difference(g, w, nullptr);
+          const TensorDifference d = difference(got, want, nullptr, parts, part);
           const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
-          const char* names[] = {" (queries)", " (keys)", " (values)"};
-          grad.merge(rel,
-                     fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
-                                 where(parts.empty() ? "" : names[part], index.empty() ? 0 : index[d.at]),
-                                 d.largest_error, d.largest_want, rel));
+          grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
+                                      where(parts.empty() ? "" : names[part], d.at), d.largest_error,
+                                      d.largest_want, rel));
         }
       } else {
         const TensorDifference d = difference(got, want, &before);
