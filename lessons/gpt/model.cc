@@ -853,33 +853,35 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
 // queries are the first per * d columns, the key the next d. Qwen3's q_norm and k_norm (Megatron-Core's
 // --qk-layernorm) normalise them as rows of d features; the copies out and back stand for the strided
 // reads of the frameworks' kernels.
-Tensor Model::qk_norm(const Tensor& qkv, const Weights& w, BlockActs& a) {
-  Rank& r = r_;
+Model::QkvRows Model::split_qkv(const Tensor& qkv) {
   const std::int64_t d = c_.head_dim(), per = c_.heads / c_.kv();
   const std::int64_t groups = qkv.numel() / ((per + 2) * d);
-  const Tensor rows = r.view(qkv, 0, Shape{groups, (per + 2) * d});
-  a.q_pre = r.view(r.slice(rows, 1, 0, per * d), 0, Shape{groups * per, d});
-  a.k_pre = r.slice(rows, 1, per * d, d);
-  const Rank::RmsNormOut q = r.rmsnorm(a.q_pre, w[kQNorm], kEps), k = r.rmsnorm(a.k_pre, w[kKNorm], kEps);
+  const Tensor rows = r_.view(qkv, 0, Shape{groups, (per + 2) * d});
+  return {r_.view(r_.slice(rows, 1, 0, per * d), 0, Shape{groups * per, d}), r_.slice(rows, 1, per * d, d),
+          rows, qkv.shape()};
+}
+
+Tensor Model::join_qkv(const Tensor& q, const Tensor& k, const QkvRows& from) {
+  const std::int64_t groups = from.rows.size(0), d = k.size(1);
+  const Tensor v = r_.slice(from.rows, 1, from.rows.size(1) - d, d);
+  return r_.view(r_.cat({r_.view(q, 0, Shape{groups, q.numel() / groups}), k, v}, 1), 0, from.shape);
+}
+
+Tensor Model::qk_norm(const Tensor& qkv, const Weights& w, BlockActs& a) {
+  const QkvRows in = split_qkv(qkv);
+  a.q_pre = in.q, a.k_pre = in.k;
+  const Rank::RmsNormOut q = r_.rmsnorm(in.q, w[kQNorm], kEps), k = r_.rmsnorm(in.k, w[kKNorm], kEps);
   a.rstd_q = q.rstd, a.rstd_k = k.rstd;
-  const Tensor out =
-      r.cat({r.view(q.y, 0, Shape{groups, per * d}), k.y, r.slice(rows, 1, (per + 1) * d, d)}, 1);
-  return r.view(out, 0, qkv.shape());
+  return join_qkv(q.y, k.y, in);
 }
 
 Tensor Model::qk_norm_backward(Block& b, const Tensor& dqkv, const Weights& w, const BlockActs& a) {
-  Rank& r = r_;
-  const std::int64_t d = c_.head_dim(), per = c_.heads / c_.kv();
-  const std::int64_t groups = dqkv.numel() / ((per + 2) * d);
-  const Tensor rows = r.view(dqkv, 0, Shape{groups, (per + 2) * d});
-  const Tensor dq = r.view(r.slice(rows, 1, 0, per * d), 0, Shape{groups * per, d});
-  const Rank::RmsNormGrads q = r.rmsnorm_backward(dq, a.q_pre, w[kQNorm], a.rstd_q);
-  const Rank::RmsNormGrads k = r.rmsnorm_backward(r.slice(rows, 1, per * d, d), a.k_pre, w[kKNorm], a.rstd_k);
+  const QkvRows d = split_qkv(dqkv);
+  const Rank::RmsNormGrads q = r_.rmsnorm_backward(d.q, a.q_pre, w[kQNorm], a.rstd_q);
+  const Rank::RmsNormGrads k = r_.rmsnorm_backward(d.k, a.k_pre, w[kKNorm], a.rstd_k);
   dp_.add_grad(b.p[kQNorm], q.dgamma);
   dp_.add_grad(b.p[kKNorm], k.dgamma);
-  const Tensor out =
-      r.cat({r.view(q.dx, 0, Shape{groups, per * d}), k.dx, r.slice(rows, 1, (per + 1) * d, d)}, 1);
-  return r.view(out, 0, dqkv.shape());
+  return join_qkv(q.dx, k.dx, d);
 }
 
 Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {

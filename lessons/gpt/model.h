@@ -231,6 +231,15 @@ class Model {
   // QK-norm (--qk-layernorm): each head's query and key RMS-normalised over its features, before the
   // rotation; the backward adds the gains' gradients and returns qkv's.
   Tensor qk_norm(const Tensor& qkv, const Weights& w, BlockActs& a);
+  // qkv's (or its gradient's) queries as rows of a head's features and its keys as rows of a group's
+  // (copies), and qkv as rows of a group's q, k and v; joined back into qkv's layout with new q and k and
+  // the same v.
+  struct QkvRows {
+    Tensor q, k, rows;
+    Shape shape;
+  };
+  QkvRows split_qkv(const Tensor& qkv);
+  Tensor join_qkv(const Tensor& q, const Tensor& k, const QkvRows& from);
   Tensor qk_norm_backward(Block& b, const Tensor& dqkv, const Weights& w, const BlockActs& a);
   // Rotary embeddings of qkv's rows by their positions in the sequence (inverse: the backward).
   void rotate(const Tensor& qkv, bool inverse);
