@@ -208,9 +208,9 @@ class Training {
   // backward adds the gains' gradients and turns d qkv into the gradient of its input.
   void qk_norm(BlockActs& a, int layer) const;
   void qk_norm_backward(const BlockActs& a, int layer, Vec& dqkv, std::vector<Vec>& g) const;
-  // The rows of hd features of part `part` (0: q, one per head; 1: k, one per group) of qkv, and back.
-  Vec qk_rows(const Vec& qkv, int part) const;
-  void put_qk_rows(Vec& qkv, int part, const Vec& rows) const;
+  // Where in qkv element k of the rows of hd features of part `part` lies (0: q, a row per token and head; 1:
+  // k, per token and group), for every k: those rows out of qkv and back are a gather and a scatter.
+  std::vector<std::int64_t> qk_rows(int part) const;
   void attention(BlockActs& a) const;
   void attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const;
   // A MoE layer's MLP on y [n, h]: each token's top-k experts by the router's logits, their outputs weighted
@@ -448,38 +448,38 @@ Vec Training::block_forward(int step, int layer, const Vec& x, BlockActs& a) con
   return x2;
 }
 
-Vec Training::qk_rows(const Vec& qkv, int part) const {
+std::vector<std::int64_t> Training::qk_rows(int part) const {
   const std::int64_t heads = part == 0 ? H : G;
-  Vec rows(n * heads * hd);
+  std::vector<std::int64_t> at(n * heads * hd);
   for (std::int64_t i = 0; i < n; ++i)
     for (std::int64_t j = 0; j < heads; ++j)
       for (std::int64_t d = 0; d < hd; ++d)
-        rows[(i * heads + j) * hd + d] = qkv[i * qkv_cols_ + col(part == 0 ? j : j * per_, part, d)];
-  return rows;
+        at[(i * heads + j) * hd + d] = i * qkv_cols_ + col(part == 0 ? j : j * per_, part, d);
+  return at;
 }
 
-void Training::put_qk_rows(Vec& qkv, int part, const Vec& rows) const {
-  const std::int64_t heads = part == 0 ? H : G;
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t j = 0; j < heads; ++j)
-      for (std::int64_t d = 0; d < hd; ++d)
-        qkv[i * qkv_cols_ + col(part == 0 ? j : j * per_, part, d)] = rows[(i * heads + j) * hd + d];
-}
-
+// The rows of each part normalised (or, backward, their gradient taken back through the norm) in place.
 void Training::qk_norm(BlockActs& a, int layer) const {
-  a.qn = rmsnorm(qk_rows(a.qkv, 0), block_weight(layer, kQNorm), n * H, hd);
-  a.kn = rmsnorm(qk_rows(a.qkv, 1), block_weight(layer, kKNorm), n * G, hd);
-  put_qk_rows(a.qkv, 0, a.qn.y);
-  put_qk_rows(a.qkv, 1, a.kn.y);
+  for (int part : {0, 1}) {
+    const std::vector<std::int64_t> at = qk_rows(part);
+    Vec rows(at.size());
+    for (std::size_t k = 0; k < at.size(); ++k) rows[k] = a.qkv[at[k]];
+    Norm& norm = part == 0 ? a.qn : a.kn;
+    norm = rmsnorm(rows, block_weight(layer, part == 0 ? kQNorm : kKNorm), at.size() / hd, hd);
+    for (std::size_t k = 0; k < at.size(); ++k) a.qkv[at[k]] = norm.y[k];
+  }
 }
 
 void Training::qk_norm_backward(const BlockActs& a, int layer, Vec& dqkv, std::vector<Vec>& g) const {
-  Vec& dq_gain = g[layer * nb_ + kQNorm];
-  Vec& dk_gain = g[layer * nb_ + kKNorm];
-  put_qk_rows(dqkv, 0,
-              rmsnorm_backward(a.qn, block_weight(layer, kQNorm), qk_rows(dqkv, 0), n * H, hd, dq_gain));
-  put_qk_rows(dqkv, 1,
-              rmsnorm_backward(a.kn, block_weight(layer, kKNorm), qk_rows(dqkv, 1), n * G, hd, dk_gain));
+  for (int part : {0, 1}) {
+    const std::vector<std::int64_t> at = qk_rows(part);
+    const int gain = part == 0 ? kQNorm : kKNorm;
+    Vec dy(at.size());
+    for (std::size_t k = 0; k < at.size(); ++k) dy[k] = dqkv[at[k]];
+    const Vec dx = rmsnorm_backward(part == 0 ? a.qn : a.kn, block_weight(layer, gain), dy, at.size() / hd,
+                                    hd, g[layer * nb_ + gain]);
+    for (std::size_t k = 0; k < at.size(); ++k) dqkv[at[k]] = dx[k];
+  }
 }
 
 void Training::attention(BlockActs& a) const {
