@@ -357,8 +357,7 @@ void DataParallel::finish(const std::vector<Param*>& ps) {
       throw Error("DataParallel::finish: a unit's backward gave only some of its gradients");
   }
   for (Param* p : ps) {
-    if (((p->spec.sp_partial && c_.seq_parallel) || p->spec.tp_partial) && c_.tp_size > 1 &&
-        c_.broken != "no-sp-grad-sync") {
+    if (partial_over_tp(*p) && c_.broken != "no-sp-grad-sync") {
       const Event e = exposed_.before();
       exposed_.after(Dim::Sp, e, r_.all_reduce(p->grad, ReduceOp::Sum, Async::No, c_.tp));
     }

@@ -215,6 +215,11 @@ class DataParallel {
   bool counts_once(const Param& p) const;
 
  private:
+  // Whether `p`'s gradient covers only this tp rank's share (its tokens under sequence parallelism, or its
+  // heads), to be summed over tp after the data-parallel reduction.
+  bool partial_over_tp(const Param& p) const {
+    return c_.tp_size > 1 && ((p.spec.sp_partial && c_.seq_parallel) || p.spec.tp_partial);
+  }
   // An operation in flight on the dp group: a reduction of `p`'s gradient into `out`, or a gather of its
   // weights into `out`; `in` is kept alive until it finishes.
   struct Pending {

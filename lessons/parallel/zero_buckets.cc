@@ -107,11 +107,10 @@ void DataParallel::finish_flat(const std::vector<Param*>& ps) {
   // gradients summed over tp in one all-reduce of them flattened (_allreduce_layernorm_grads; with them
   // QK-norm's gains, each tp rank's covering its own heads), then the tied embedding's over its two stages
   // (_allreduce_embedding_grads).
-  if (c_.tp_size > 1 && c_.broken != "no-sp-grad-sync") {
+  if (c_.broken != "no-sp-grad-sync") {
     std::vector<Tensor> parts;
     for (Param* p : ps) {
-      if ((p->spec.sp_partial && c_.seq_parallel) || p->spec.tp_partial)
-        parts.push_back(r_.view(p->grad, 0, Shape{p->local.numel()}));
+      if (partial_over_tp(*p)) parts.push_back(r_.view(p->grad, 0, Shape{p->local.numel()}));
     }
     if (!parts.empty()) {
       Tensor together = r_.cat(parts, 0);
