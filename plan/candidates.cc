@@ -347,6 +347,15 @@ double StepBound::us(const gpt::Config& c) {
   struct LayerUs {
     double forward = 0, backward = 0;
   };
+  // The routes each expert receives from each rank of its ep group, every expert getting its share
+  // (parallel::route_balanced, the fewer where they do not divide) and no more than a capacity.
+  std::int64_t share = 0;
+  if (c.moe()) {
+    share = c.local_rows() * c.top_k / c.experts;
+    if (c.capacity_factor > 0)
+      share =
+          std::min(share, parallel::expert_capacity(c.local_rows(), c.experts, c.top_k, c.capacity_factor));
+  }
   // A MoE layer's all-to-alls over ep group 0 of stage 0 (a stage's tp x cp x dp ranks, tp fastest, ep
   // consecutive ones: parallel::make_expert_groups), each at its time alone on the machine, where the
   // balanced routes divide evenly among the experts (the simulator then plans each as an even all_to_all;
@@ -360,15 +369,11 @@ double StepBound::us(const gpt::Config& c) {
       for (int cp = 0; cp < c.cp && static_cast<int>(ep_ranks.size()) < c.ep; ++cp)
         for (int tp = 0; tp < c.tp && static_cast<int>(ep_ranks.size()) < c.ep; ++tp)
           ep_ranks.push_back(grid.rank_of(tp, cp, dp, 0));
-    std::int64_t share = c.local_rows() * c.top_k / c.experts;
-    if (c.capacity_factor > 0)
-      share =
-          std::min(share, parallel::expert_capacity(c.local_rows(), c.experts, c.top_k, c.capacity_factor));
     const std::int64_t piece_bytes = c.local_experts() * share * h * dtype_bytes(d);
     if (piece_bytes > 0) ep_pieces_us = comm_us(CommOp::AllToAll, piece_bytes * c.ep, ep_ranks);
     ep_counts_us = comm_us(CommOp::AllToAll, std::int64_t{c.experts} * 4, ep_ranks);
   }
-  auto all_to_alls_us = [&] { return ep_counts_us + 2 * ep_pieces_us; };
+  const double ep_forward_us = ep_counts_us + 2 * ep_pieces_us;
   // One layer, with its dense MLP or as a MoE layer.
   auto layer_us = [&](bool moe_layer) {
     LayerUs u;
@@ -385,15 +390,11 @@ double StepBound::us(const gpt::Config& c) {
     }
     if (moe_layer) {
       // The router's GEMM on this rank's rows and its two gradients; each local expert's two GEMMs on the
-      // routes it receives (every expert its share of each ep rank's: parallel::route_balanced, the fewer
-      // of them where they do not divide, and no more than a capacity), forward, and their four
-      // gradients. The all-to-alls, the permutations and the experts' memory-bound kernels are left out.
+      // routes it receives (its share from each rank of the ep group), forward, and their four gradients.
+      // The permutations and the experts' memory-bound kernels are left out.
       const std::int64_t lr = c.local_rows(), f = c.moe_ffn(), E = c.experts;
       u.forward += k.gemm_us(lr, E, h, d);
       u.backward += k.gemm_us(h, E, lr, d) + k.gemm_us(lr, h, E, d);
-      std::int64_t share = lr * c.top_k / E;
-      if (c.capacity_factor > 0)
-        share = std::min(share, parallel::expert_capacity(lr, c.experts, c.top_k, c.capacity_factor));
       const std::int64_t rows = c.ep * share;
       if (rows > 0) {
         const double experts = static_cast<double>(c.local_experts());
@@ -409,7 +410,7 @@ double StepBound::us(const gpt::Config& c) {
     if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd;
     u.forward += attention_fwd;
     if (moe_layer) {
-      u.forward += all_to_alls_us();
+      u.forward += ep_forward_us;
       u.backward += 2 * ep_pieces_us;
     }
     // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h), per
