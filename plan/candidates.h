@@ -16,9 +16,11 @@
 // --tp-comm-overlap pipelines them with the GEMMs, which the bound then takes as tp GEMMs), each at the
 // time the network model gives it with the machine to itself; plus the pipeline's fill and drain (the
 // first micro-batch's forward through the stages before it, and the last one's backward through them after
-// it, with their sends), then rank 0's optimizer step. With ZeRO 2 or 3 the step is also no shorter than
-// the data-parallel group's stream (which runs the gathers and reduce-scatters every task issues one after
-// another) up to the stage's last task, then that task's backward, the drain and the optimizer. The rest
+// it, with their sends), then rank 0's optimizer step. A MoE layer counts its router's and its local
+// experts' GEMMs on balanced routes and, where those divide evenly, its all-to-alls alone on the machine.
+// With ZeRO 2 or 3 (and no experts) the step is also no shorter than the data-parallel group's stream
+// (which runs the gathers and reduce-scatters every task issues one after another) up to the stage's last
+// task, then that task's backward, the drain and the optimizer. The rest
 // of the data-parallel communication, the embedding's kernels and recomputation's collectives are left
 // out, so no simulated step can be faster; search.h uses the bound to simulate the cheapest layouts first
 // and to skip those that cannot beat the best found.
