@@ -95,18 +95,19 @@ std::int64_t read_integer(const OptionSpec& spec, const std::string& text, const
   std::int64_t v = 0;
   const char* end = text.data() + text.size();
   const auto [at, ec] = std::from_chars(text.data(), end, v);
-  const std::string range = range_of(spec, true);
-  // Past the type's range, the message says what the type holds too.
-  const std::string wide = range_within(spec, type_min, type_max);
+  // The range texts are built only for an error: a planner reads thousands of layouts' flags.
+  auto range = [&] { return range_of(spec, true); };
   if (ec == std::errc::result_out_of_range || (ec == std::errc() && (v < type_min || v > type_max))) {
-    if (at == end) out_of_range(spec, text, who, wide, text[0] != '-');
+    // Past the type's range, the message says what the type holds too.
+    if (at == end) out_of_range(spec, text, who, range_within(spec, type_min, type_max), text[0] != '-');
   }
   if (ec != std::errc() || at != end) {
+    const std::string r = range();
     throw UsageError(fmt::format("{}--{} takes a whole number{} (got '{}')", prefix(who), spec.flag,
-                                 range.empty() ? "" : ", " + range, text));
+                                 r.empty() ? "" : ", " + r, text));
   }
-  if (below_min(spec, static_cast<double>(v))) out_of_range(spec, text, who, range);
-  if (above_max(spec, static_cast<double>(v))) out_of_range(spec, text, who, range, true);
+  if (below_min(spec, static_cast<double>(v))) out_of_range(spec, text, who, range());
+  if (above_max(spec, static_cast<double>(v))) out_of_range(spec, text, who, range(), true);
   return v;
 }
 
@@ -114,20 +115,20 @@ double read_number(const OptionSpec& spec, const std::string& text, const std::s
   double v = 0;
   const char* end = text.data() + text.size();
   const auto [at, ec] = std::from_chars(text.data(), end, v);
-  const std::string range = range_of(spec, false);
+  auto range = [&] { return range_of(spec, false); };
   if ((ec == std::errc::result_out_of_range && at == end) ||
       (ec == std::errc() && at == end && !std::isfinite(v))) {
-    out_of_range(spec, text, who, range);
+    out_of_range(spec, text, who, range());
   }
   if (ec != std::errc() || at != end) {
     throw UsageError(
-        fmt::format("{}--{} takes {} (got '{}')", prefix(who), spec.flag, number_range(spec, range), text));
+        fmt::format("{}--{} takes {} (got '{}')", prefix(who), spec.flag, number_range(spec, range()), text));
   }
   // A number that would not fit the type it ends up in (1e39 as a float) is refused here, not turned
   // into infinity later.
   if (std::fabs(v) > type_max) out_of_range(spec, text, who, range_within(spec, -type_max, type_max));
-  if (below_min(spec, v)) out_of_range(spec, text, who, range);
-  if (above_max(spec, v)) out_of_range(spec, text, who, range, true);
+  if (below_min(spec, v)) out_of_range(spec, text, who, range());
+  if (above_max(spec, v)) out_of_range(spec, text, who, range(), true);
   return v;
 }
 
