@@ -50,20 +50,28 @@ std::size_t place_of(const std::string& order, const char* dim) {
 }
 }  // namespace
 
-// A dimension's stride is the product of the sizes of the dimensions inside it. (No allocation: every rank
-// calls this for every group of the world.)
-int Layout::stride_of(const char* dim) const {
-  const std::size_t at = place_of(order, dim);
-  int stride = 1;
-  for (const char* d : {"tp", "cp", "dp", "pp"}) {
-    if (place_of(order, d) < at) stride *= size_of(d);
+namespace {
+constexpr const char* kGridDimNames[] = {"tp", "cp", "dp", "pp"};
+
+// The strides of tp, cp, dp and pp: each the product of the sizes of the dimensions inside it. (No
+// allocation, and the order read once: every rank calls rank_of for every group of the world.)
+std::array<int, 4> strides_of(const Layout& l) {
+  std::array<std::size_t, 4> place{};
+  for (int d = 0; d < 4; ++d) place[d] = place_of(l.order, kGridDimNames[d]);
+  const std::array<int, 4> sizes = {l.tp, l.cp, l.dp, l.pp};
+  std::array<int, 4> strides{};
+  for (int d = 0; d < 4; ++d) {
+    strides[d] = 1;
+    for (int inner = 0; inner < 4; ++inner)
+      if (place[inner] < place[d]) strides[d] *= sizes[inner];
   }
-  return stride;
+  return strides;
 }
+}  // namespace
 
 int Layout::rank_of(int tp_rank, int cp_rank, int dp_rank, int pp_rank) const {
-  return tp_rank * stride_of("tp") + cp_rank * stride_of("cp") + dp_rank * stride_of("dp") +
-         pp_rank * stride_of("pp");
+  const std::array<int, 4> s = strides_of(*this);
+  return tp_rank * s[0] + cp_rank * s[1] + dp_rank * s[2] + pp_rank * s[3];
 }
 
 Layout::Coord Layout::coord(int rank) const {

@@ -35,7 +35,6 @@ struct Layout {
   // The global rank at a coordinate (cp 0 where it is not given), and a rank's coordinate.
   int rank_of(int tp_rank, int dp_rank, int pp_rank) const { return rank_of(tp_rank, 0, dp_rank, pp_rank); }
   int rank_of(int tp_rank, int cp_rank, int dp_rank, int pp_rank) const;
-  int stride_of(const char* dim) const;
   struct Coord {
     int tp = 0, dp = 0, pp = 0, cp = 0;
   };
