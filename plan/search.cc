@@ -374,8 +374,7 @@ bool ranks_before(const Result& a, const Result& b) {
 class Search {
  public:
   Search(const Question& q, const SearchOptions& o, std::vector<Result>& pending, Plan& plan)
-      : q_(q),
-        options_(o),
+      : options_(o),
         pending_(pending),
         plan_(plan),
         pool_(q, o.jobs, o.cluster,
@@ -575,7 +574,6 @@ class Search {
     }
   }
 
-  const Question& q_;
   const SearchOptions& options_;
   std::vector<Result>& pending_;
   Plan& plan_;

@@ -43,7 +43,6 @@ Pipeline::Pipeline(Rank& r, std::vector<int> pp_ranks, int stage, int v, int m, 
       pp_(static_cast<int>(ranks_.size())),
       stage_(stage),
       v_(v),
-      m_(m),
       phantom_(phantom),
       exposed_(exposed),
       order_(schedule(pp_, stage, v, m)) {}

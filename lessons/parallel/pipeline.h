@@ -75,7 +75,7 @@ class Pipeline {
 
   Rank& r_;
   std::vector<int> ranks_;
-  int pp_, stage_, v_, m_;
+  int pp_, stage_, v_;
   bool phantom_;
   ExposedComm& exposed_;
   std::vector<Task> order_;
