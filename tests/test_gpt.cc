@@ -617,5 +617,42 @@ TEST(GptSchedule, EveryTaskOnceAndOneFOneBBoundsActivations) {
   }
 }
 
+// A planner walks the schedule only through its first steady period: it reaches the whole schedule's most
+// alive, in bytes whatever each chunk's activations weigh, and at the same task.
+TEST(GptSchedule, TheFirstSteadyPeriodReachesTheMostAlive) {
+  for (int pp : {1, 2, 3, 4, 8}) {
+    for (int v : {1, 2, 3, 4}) {
+      if (v > 1 && pp == 1) continue;
+      for (int m : {1, 2, 7, 8, 16, 33, 64, 256}) {
+        for (int s = 0; s < pp; ++s) {
+          const std::vector<std::int64_t> weights = {7, 3, 11, 5};  // bytes of each chunk's micro-batch
+          auto peak = [&](const std::vector<parallel::Task>& order) {
+            std::int64_t alive = 0, most = 0;
+            std::size_t at = 0;
+            for (std::size_t i = 0; i < order.size(); ++i) {
+              alive += (order[i].forward ? 1 : -1) * weights[order[i].chunk];
+              if (alive > most) most = alive, at = i;
+            }
+            return std::pair(most, at);
+          };
+          const std::vector<parallel::Task> whole = parallel::schedule(pp, s, v, m);
+          const std::vector<parallel::Task> prefix = parallel::schedule_through_first_period(pp, s, v, m);
+          ASSERT_LE(prefix.size(), whole.size());
+          for (std::size_t i = 0; i < prefix.size(); ++i) {
+            ASSERT_EQ(prefix[i].forward, whole[i].forward) << "pp " << pp << " v " << v << " m " << m;
+            ASSERT_EQ(prefix[i].chunk, whole[i].chunk);
+            ASSERT_EQ(prefix[i].mb, whole[i].mb);
+          }
+          EXPECT_EQ(peak(prefix), peak(whole)) << "pp " << pp << " v " << v << " m " << m << " stage " << s;
+          EXPECT_EQ(parallel::most_alive(prefix, v), parallel::most_alive(whole, v));
+          if (m >= 64) {
+            EXPECT_LT(prefix.size(), whole.size() / 2);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ranklab

@@ -128,9 +128,10 @@ MemoryPlan memory_plan(const Config& c, int stage) {
     head = head || hd;
     stash[k] = stash_bytes(c, c.chunk_layers(vs), e, hd, c.chunk_first_layer(vs));
   }
-  // The most activations alive at once, walking this rank's schedule.
+  // The most activations alive at once, walking this rank's schedule (as far as its first steady period,
+  // which reaches the most).
   const std::vector<parallel::Task> order =
-      parallel::schedule(c.pp, stage, c.v, static_cast<int>(c.micro_batches()));
+      parallel::schedule_through_first_period(c.pp, stage, c.v, static_cast<int>(c.micro_batches()));
   std::int64_t alive = 0;
   std::vector<int> count(c.v, 0);
   for (const parallel::Task& t : order) {

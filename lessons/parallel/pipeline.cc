@@ -27,6 +27,17 @@ std::vector<Task> schedule(int pp, int stage, int v, int m) {
   return order;
 }
 
+std::vector<Task> schedule_through_first_period(int pp, int stage, int v, int m) {
+  const int warmup = v == 1 ? pp - stage - 1 : (pp - stage - 1) * 2 + (v - 1) * pp;
+  // Enough micro-batches for the whole warm-up and one period of pp x v steady pairs after it.
+  const int enough = (warmup + pp * v + v - 1) / v;
+  std::vector<Task> order = schedule(pp, stage, v, std::min(m, enough));
+  if (m <= enough) return order;
+  // The cool-down of the shorter schedule only frees; the period before it is the longer one's.
+  order.resize(order.size() - static_cast<std::size_t>(warmup));
+  return order;
+}
+
 std::vector<int> most_alive(const std::vector<Task>& order, int v) {
   std::vector<int> alive(v, 0), most(v, 0);
   for (const Task& t : order) {

@@ -40,6 +40,13 @@ struct Task {
 // The order in which pipeline rank `stage` of `pp` runs its tasks for m micro-batches and v chunks.
 std::vector<Task> schedule(int pp, int stage, int v, int m);
 
+// The schedule's tasks up to the end of one whole period of its steady state: whatever it keeps alive at its
+// most (of micro-batches, or of bytes however many each chunk's take), the whole schedule keeps no more. The
+// steady state pairs the forward of the k-th task with the backward of the (k - warm-up)-th, and both repeat
+// their chunks every pp x v tasks, each chunk pp times, so what is alive repeats with that period; the
+// cool-down only frees. A planner walks this and not the thousands of tasks of a large global batch.
+std::vector<Task> schedule_through_first_period(int pp, int stage, int v, int m);
+
 // The most micro-batches whose activations a rank keeps at once, per chunk, walking its schedule.
 std::vector<int> most_alive(const std::vector<Task>& order, int v);
 
