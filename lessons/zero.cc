@@ -186,7 +186,8 @@ mlp::Memory check_memory(Rank& r, const ZeroOptions& o, int stage, const std::ve
   zc.dp_size = r.world_size();
   parallel::ParamSpec spec;
   spec.full = {o.dim, o.dim};
-  const parallel::DataParallel::Bytes per_layer = parallel::DataParallel::bytes(spec, zc);
+  const parallel::DataParallel::Bytes per_layer =
+      parallel::DataParallel::bytes(parallel::local_size(spec, 1), zc);
   const std::int64_t expected =
       o.layers * (per_layer.weights + per_layer.grads + (o.optimizer == "adamw" ? per_layer.optimizer : 0));
   r.check(fmt::format("zero stage {}: the memory a rank holds equals parallel/zero's accounting", stage),

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cctype>
+#include <map>
 #include <string_view>
+#include <tuple>
 
 #include "common/errors.h"
 #include "lessons/gpt/accounting.h"
@@ -306,6 +308,37 @@ StepBound::StepBound(const Profile& profile)
 
 StepBound::~StepBound() = default;
 
+namespace {
+template <class Key>
+const std::vector<parallel::DataParallel::Bytes>& stages(
+    std::map<Key, std::vector<parallel::DataParallel::Bytes>>& memo, const Key& key, const gpt::Config& c,
+    parallel::DataParallel::Bytes (*of)(const gpt::Config&, int)) {
+  auto [found, added] = memo.try_emplace(key);
+  if (added)
+    for (int s = 0; s < c.pp; ++s) found->second.push_back(of(c, s));
+  return found->second;
+}
+}  // namespace
+
+const std::vector<parallel::DataParallel::Bytes>& StageStates::of(const gpt::Config& c) {
+  const int ep = std::max(1, c.ep);
+  const auto key = std::tuple(c.tp, c.cp, c.pp, c.v, c.dp, c.zero, c.seq_parallel, ep);
+  auto [found, added] = states_.try_emplace(key);
+  if (!added) return found->second;
+  const auto& dense = stages(dense_, std::tuple(c.tp, c.cp, c.pp, c.v, c.dp, c.zero, c.seq_parallel), c,
+                             gpt::dense_state_bytes);
+  const auto& experts = stages(experts_, std::tuple(c.pp, c.v, ep, c.zero, c.tp * c.cp * c.dp / ep), c,
+                               gpt::expert_state_bytes);
+  for (int s = 0; s < c.pp; ++s) {
+    parallel::DataParallel::Bytes b = dense[s];
+    b.weights += experts[s].weights;
+    b.grads += experts[s].grads;
+    b.optimizer += experts[s].optimizer;
+    found->second.push_back(b);
+  }
+  return found->second;
+}
+
 double StepBound::comm_us(CommOp op, std::int64_t bytes, const std::vector<int>& ranks) {
   const auto key = std::make_tuple(static_cast<int>(op), bytes, ranks);
   const auto it = comm_.find(key);
@@ -458,7 +491,7 @@ double StepBound::us(const gpt::Config& c) {
   // and v (7 float32 per element of the master copy; m and v, the optimizer state, are 8 bytes an element),
   // then the compute-dtype weights are made from the master copy (4 bytes read, the dtype's written)
   // unless they are the same tensor (float32).
-  const double master_elements = static_cast<double>(gpt::memory_plan(c, 0).optimizer) / 8;
+  const double master_elements = static_cast<double>(states_.of(c)[0].optimizer) / 8;
   const double rebuild = c.dtype == DType::Float32 ? 0 : 4 + static_cast<double>(dtype_bytes(c.dtype));
   const double optimizer_us = k.memory_us(master_elements * (7 * 4 + rebuild));
   double bound = 0, ahead_us = 0;
@@ -529,7 +562,8 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   };
   // A block is one unit: one gather and one reduce-scatter of all its parameters.
   std::int64_t block_elements = 0;
-  for (int q = 0; q < gpt::block_params(c); ++q) block_elements += padded_elements(gpt::block_spec(c, 0, q));
+  for (int q = 0; q < gpt::block_params(c); ++q)
+    block_elements += padded_elements(gpt::block_spec(c, 0, q, false));
   const double block_gathers =
       gathers ? comm_us(CommOp::AllGather, block_elements * dtype_bytes(c.dtype), dp_ranks) : 0.0;
   const double block_reductions =
@@ -594,12 +628,31 @@ std::vector<std::pair<std::string, int>> orders_and_eps(const std::vector<std::s
   return out;
 }
 
+// The memory plans of the enumerated layouts, each computed once for a layout but its group order.
+class PeakBytes {
+ public:
+  explicit PeakBytes(StageStates& states) : states_(states) {}
+  std::int64_t of(const gpt::Config& c, const Layout& l) {
+    const auto key = std::tuple(l.tp, l.cp, l.pp, l.v, l.dp, l.zero, l.sp, l.ep, l.micro_batch, l.recompute);
+    if (const auto found = peak_.find(key); found != peak_.end()) return found->second;
+    const std::vector<parallel::DataParallel::Bytes>& states = states_.of(c);
+    std::int64_t most = 0;
+    for (int s = 0; s < c.pp; ++s) most = std::max(most, gpt::memory_plan(c, s, states[s]).total());
+    return peak_[key] = most;
+  }
+
+ private:
+  StageStates& states_;
+  std::map<std::tuple<int, int, int, int, int, int, bool, int, int, std::string>, std::int64_t> peak_;
+};
+
 }  // namespace
 
 std::vector<Candidate> enumerate(const Question& q) {
   const int world = q.world(), per_node = q.profile.gpus_per_node;
   const std::int64_t capacity = q.profile.hbm_capacity_bytes();
   StepBound bound(q.profile);
+  PeakBytes peak_bytes(bound.states());
   std::vector<Candidate> out;
   for (int tp : divisors(world)) {
     // Within a node: Megatron's tp-innermost order then keeps every tp group on NVLink.
@@ -631,7 +684,7 @@ std::vector<Candidate> enumerate(const Question& q) {
                     k.capacity_bytes = capacity;
                     try {
                       const gpt::Config c = lesson_config(q, k.layout);
-                      k.planned_bytes = planned_peak_bytes(c);
+                      k.planned_bytes = peak_bytes.of(c, k.layout);
                       k.bound_us = bound.us(c);
                       if (k.planned_bytes > capacity) {
                         k.status = Status::RejectedMemory;

@@ -36,6 +36,7 @@
 #include "common/lesson.h"
 #include "common/profile.h"
 #include "lessons/gpt/config.h"
+#include "lessons/parallel/zero.h"
 
 namespace ranklab::sim {
 class ComputeModel;
@@ -110,6 +111,22 @@ struct Candidate {
   std::int64_t capacity_bytes = 0;  // the device's
 };
 
+// Each pipeline stage's weights, gradients and optimizer state (gpt::state_bytes) of the configurations a
+// planner enumerates, each part computed once for what it depends on: the dense part for the parameters'
+// split and sharding, the experts' for the experts a rank holds and the ranks that shard them. A question
+// on a cluster has tens of thousands of layouts, most of them sharing both.
+class StageStates {
+ public:
+  // Stage 0 first.
+  const std::vector<parallel::DataParallel::Bytes>& of(const gpt::Config& c);
+
+ private:
+  using Stages = std::vector<parallel::DataParallel::Bytes>;
+  std::map<std::tuple<int, int, int, int, int, int, bool, int>, Stages> states_;
+  std::map<std::tuple<int, int, int, int, int, int, bool>, Stages> dense_;
+  std::map<std::tuple<int, int, int, int, int>, Stages> experts_;
+};
+
 // The lower bound described above, with the profile's compute and network models built once.
 class StepBound {
  public:
@@ -119,6 +136,8 @@ class StepBound {
   StepBound& operator=(const StepBound&) = delete;
   // For a valid configuration on the profile's nodes.
   double us(const gpt::Config& c);
+  // The stage states the bound reads its optimizer's bytes from, for the memory plans to share.
+  StageStates& states() { return states_; }
 
  private:
   // One collective over `ranks` (or a send from the first to the second), alone on the machine.
@@ -129,6 +148,7 @@ class StepBound {
   std::unique_ptr<sim::ComputeModel> compute_;
   std::unique_ptr<sim::NetworkModel> network_;
   std::map<std::tuple<int, std::int64_t, std::vector<int>>, double> comm_;
+  StageStates states_;
 };
 
 // Every layout of the question, in a fixed order: tp (within a node unless tp_across_nodes), cp where the

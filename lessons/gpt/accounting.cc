@@ -98,27 +98,49 @@ parallel::ZeroConfig expert_zero_config(const Config& c) {
 }
 
 namespace {
-std::vector<parallel::ParamSpec> param_specs(const std::vector<ParamId>& ids, const Config& c) {
-  std::vector<parallel::ParamSpec> specs;
-  for (ParamId id : ids) specs.push_back(param_spec(c, id));
-  return specs;
+std::vector<parallel::LocalSize> local_sizes(const std::vector<ParamId>& ids, const Config& c) {
+  std::vector<parallel::LocalSize> sizes;
+  sizes.reserve(ids.size());
+  for (ParamId id : ids) sizes.push_back(parallel::local_size(param_spec(c, id, false), c.tp));
+  return sizes;
 }
 }  // namespace
 
+parallel::DataParallel::Bytes dense_state_bytes(const Config& c, int stage) {
+  return parallel::DataParallel::bytes(local_sizes(backward_order(c, stage), c), zero_config(c));
+}
+
+parallel::DataParallel::Bytes expert_state_bytes(const Config& c, int stage) {
+  if (!c.moe()) return {};
+  // The experts of ep rank 0: every ep rank holds as many, of the same shapes. Every expert's input weight
+  // has one size, and every output weight another: two specs stand for the thousands of a large MoE. The
+  // experts are whole on every rank that holds them (tp size 1).
+  const parallel::LocalSize input = parallel::local_size(param_spec(c, {expert_kind(0, 0), 0}, false), 1);
+  const parallel::LocalSize output = parallel::local_size(param_spec(c, {expert_kind(0, 1), 0}, false), 1);
+  std::vector<parallel::LocalSize> sizes;
+  for (ParamId id : expert_backward_order(c, stage, 0))
+    sizes.push_back(id.kind == expert_kind((id.kind - kRouterKind - 1) / 2, 0) ? input : output);
+  return parallel::DataParallel::bytes(sizes, expert_zero_config(c));
+}
+
+parallel::DataParallel::Bytes state_bytes(const Config& c, int stage) {
+  parallel::DataParallel::Bytes b = dense_state_bytes(c, stage);
+  const parallel::DataParallel::Bytes e = expert_state_bytes(c, stage);
+  b.weights += e.weights;
+  b.grads += e.grads;
+  b.optimizer += e.optimizer;
+  return b;
+}
+
 MemoryPlan memory_plan(const Config& c, int stage) {
+  return memory_plan(c, stage, state_bytes(c, stage));
+}
+
+MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel::Bytes& state) {
   MemoryPlan p;
-  const parallel::DataParallel::Bytes b =
-      parallel::DataParallel::bytes(param_specs(backward_order(c, stage), c), zero_config(c));
-  p.weights = b.weights;
-  p.grads = b.grads;
-  p.optimizer = b.optimizer;
-  if (c.moe()) {  // the experts of ep rank 0 (every ep rank holds as many, of the same shapes)
-    const parallel::DataParallel::Bytes e = parallel::DataParallel::bytes(
-        param_specs(expert_backward_order(c, stage, 0), c), expert_zero_config(c));
-    p.weights += e.weights;
-    p.grads += e.grads;
-    p.optimizer += e.optimizer;
-  }
+  p.weights = state.weights;
+  p.grads = state.grads;
+  p.optimizer = state.optimizer;
   bool embedding = false, head = false;
   std::vector<std::int64_t> stash(c.v);
   for (int k = 0; k < c.v; ++k) {
@@ -155,7 +177,7 @@ MemoryPlan memory_plan(const Config& c, int stage) {
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
   std::int64_t block_elements = 0, block_fp8 = 0;
   for (int q = 0; q < block_params(c); ++q) {
-    const parallel::ParamSpec spec = block_spec(c, 0, q);
+    const parallel::ParamSpec spec = block_spec(c, 0, q, false);
     const Shape local = parallel::local_shape(spec, c.tp);
     block_elements += local.numel();
     if (spec.full.ndim() == 2) block_fp8 += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);

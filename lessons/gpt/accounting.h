@@ -61,6 +61,15 @@ parallel::ZeroConfig zero_config(const Config& c);
 parallel::ZeroConfig expert_zero_config(const Config& c);
 // The plan of pipeline rank `stage` (every tp and dp rank of a stage holds the same).
 MemoryPlan memory_plan(const Config& c, int stage);
+// Its weights, gradients and optimizer state, its experts' included. They depend on the parameters and on
+// how ZeRO shards them, not on the micro-batches, the recomputation or the order of the groups. The experts'
+// part alone depends on the experts a rank holds and on the ranks that hold the same ones, not on tp.
+parallel::DataParallel::Bytes state_bytes(const Config& c, int stage);
+parallel::DataParallel::Bytes expert_state_bytes(const Config& c, int stage);
+parallel::DataParallel::Bytes dense_state_bytes(const Config& c, int stage);
+// The plan with the stage's state_bytes given: a planner that enumerates layouts differing only in what
+// the state does not depend on computes them once.
+MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel::Bytes& state);
 // Every stage's plan, stage 0 first.
 std::vector<MemoryPlan> memory_plans(const Config& c);
 // OutOfMemoryError when the stage that needs the most does not fit a device of `capacity_bytes`: the

@@ -57,11 +57,11 @@ int block_params(const Config& c) {
 }
 
 namespace {
-ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
+ParamSpec llama_spec(const Config& c, int layer, LlamaParam which, bool named) {
   static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2", "q norm", "k norm"};
   const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.dense_ffn(layer);
   ParamSpec s;
-  s.name = layer_name(layer, names[which]);
+  if (named) s.name = layer_name(layer, names[which]);
   s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + 32 + which;
   switch (which) {
     case kNorm1:
@@ -96,14 +96,14 @@ ParamSpec llama_spec(const Config& c, int layer, LlamaParam which) {
 }
 }  // namespace
 
-ParamSpec block_spec(const Config& c, int layer, int which) {
-  if (c.llama()) return llama_spec(c, layer, static_cast<LlamaParam>(which));
+ParamSpec block_spec(const Config& c, int layer, int which, bool named) {
+  if (c.llama()) return llama_spec(c, layer, static_cast<LlamaParam>(which), named);
   static const char* names[kBlockParams] = {"ln1 gamma",   "ln1 beta",  "qkv weight", "qkv bias",
                                             "proj weight", "proj bias", "ln2 gamma",  "ln2 beta",
                                             "fc1 weight",  "fc1 bias",  "fc2 weight", "fc2 bias"};
   const std::int64_t h = c.hidden;
   ParamSpec s;
-  s.name = layer_name(layer, names[which]);
+  if (named) s.name = layer_name(layer, names[which]);
   s.seed = kSeed + 64 * static_cast<std::uint64_t>(layer) + which;
   switch (static_cast<BlockParam>(which)) {
     case kLn1G:
@@ -488,21 +488,21 @@ namespace {
 // A MoE layer's router (kind kRouterKind) or an expert's weight. The experts are whole on every rank that
 // holds them (no tensor parallelism: an expert tensor-parallel size of 1); the router is replicated and,
 // with sequence parallelism, each tp rank's gradient is of its own tokens.
-ParamSpec moe_spec(const Config& c, int layer, int kind) {
+ParamSpec moe_spec(const Config& c, int layer, int kind, bool named) {
   const std::int64_t h = c.hidden, f = c.moe_ffn();
   ParamSpec s;
   const std::uint64_t per_layer = 2 * static_cast<std::uint64_t>(c.experts) + 1;
   s.seed = kSeed + 2'000'000 + per_layer * static_cast<std::uint64_t>(layer) + (kind - kRouterKind);
   s.std = kStd;
   if (kind == kRouterKind) {
-    s.name = layer_name(layer, "router");
+    if (named) s.name = layer_name(layer, "router");
     s.full = Shape{h, c.experts};
     s.sp_partial = true;
     return s;
   }
   const int expert = (kind - kRouterKind - 1) / 2, which = (kind - kRouterKind - 1) % 2;
   const char* names[2][2] = {{"fc1", "fc2"}, {"w13", "w2"}};
-  s.name = fmt::format("layer {} expert {} {}", layer, expert, names[c.llama()][which]);
+  if (named) s.name = fmt::format("layer {} expert {} {}", layer, expert, names[c.llama()][which]);
   if (which == 0) {
     s.full = Shape{h, c.llama() ? 2 * f : f};
   } else {
@@ -529,9 +529,9 @@ std::vector<ParamId> expert_backward_order(const Config& c, int stage, int ep_in
   return out;
 }
 
-ParamSpec param_spec(const Config& c, ParamId id) {
-  if (id.kind >= kRouterKind) return moe_spec(c, id.layer, id.kind);
-  return id.kind < kBlockParams ? block_spec(c, id.layer, id.kind)
+ParamSpec param_spec(const Config& c, ParamId id, bool named) {
+  if (id.kind >= kRouterKind) return moe_spec(c, id.layer, id.kind, named);
+  return id.kind < kBlockParams ? block_spec(c, id.layer, id.kind, named)
                                 : other_spec(c, static_cast<OtherParam>(id.kind - kBlockParams));
 }
 

@@ -62,8 +62,10 @@ enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kQNorm, kKNorm, kLlamaP
 int block_params(const Config& c);
 // A block parameter's initial values and how tensor parallelism splits them (`which` a BlockParam or a
 // LlamaParam, as the block is). The gpt block's qkv columns are per head (q, k, v of head 0, then of head
-// 1, ...), so a column block is whole heads.
-parallel::ParamSpec block_spec(const Config& c, int layer, int which);
+// 1, ...), so a column block is whole heads. Unnamed (`named` false), it is the same but for its name: the
+// memory accounting of every layout `plan` enumerates needs shapes only, and a large mixture of experts has
+// tens of thousands of expert weights to name.
+parallel::ParamSpec block_spec(const Config& c, int layer, int which, bool named = true);
 // The embedding, the final norm (gamma, and beta for the gpt block) and the llama block's output layer.
 enum OtherParam { kWte, kWpe, kLnfG, kLnfB, kOutput, kOtherParams };
 parallel::ParamSpec other_spec(const Config& c, OtherParam which);
@@ -86,7 +88,7 @@ struct ParamId {
   int kind;
   int layer;
 };
-parallel::ParamSpec param_spec(const Config& c, ParamId id);
+parallel::ParamSpec param_spec(const Config& c, ParamId id, bool named = true);
 // Pipeline rank `stage`'s parameters in the order a step's backward makes their gradients final: the
 // data-parallel buckets follow it. The experts' weights are not among them: expert_backward_order gives
 // those of the experts an ep rank (`ep_index`) holds, reduced over their own group.

@@ -25,6 +25,11 @@ Shape local_shape(const ParamSpec& s, int tp_size) {
   return s.tp_dim < 0 ? s.full : s.full.with_dim(s.tp_dim, s.full[s.tp_dim] / tp_size);
 }
 
+LocalSize local_size(const ParamSpec& s, int tp_size) {
+  const Shape local = local_shape(s, tp_size);
+  return {local.numel(), local[0], s.tied};
+}
+
 DataParallel::DataParallel(Rank& r, ZeroConfig c, ExposedComm& exposed)
     : r_(r), c_(std::move(c)), exposed_(exposed) {}
 
@@ -40,9 +45,8 @@ std::int64_t default_bucket_params(int dp_size) {
 
 // ---- the parameters' tensors -------------------------------------------------------------------------
 
-DataParallel::Bytes DataParallel::bytes(const ParamSpec& s, const ZeroConfig& c) {
-  const Shape local = local_shape(s, c.tp_size);
-  const std::int64_t n = local.numel(), rows = local[0];
+DataParallel::Bytes DataParallel::bytes(const LocalSize& s, const ZeroConfig& c) {
+  const std::int64_t n = s.elements, rows = s.rows;
   const std::int64_t shard = ceil_div(rows, c.dp_size) * (n / rows);
   const bool sharded = c.dp_size > 1;
   const std::int64_t master = c.stage >= 1 && sharded ? shard : n;
@@ -56,10 +60,10 @@ DataParallel::Bytes DataParallel::bytes(const ParamSpec& s, const ZeroConfig& c)
   return b;
 }
 
-DataParallel::Bytes DataParallel::bytes(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c) {
+DataParallel::Bytes DataParallel::bytes(const std::vector<LocalSize>& backward_order, const ZeroConfig& c) {
   Bytes b;
   if (c.stage >= 2) {
-    for (const ParamSpec& s : backward_order) {
+    for (const LocalSize& s : backward_order) {
       const Bytes one = bytes(s, c);
       b.weights += one.weights;
       b.grads += one.grads;
@@ -70,8 +74,8 @@ DataParallel::Bytes DataParallel::bytes(const std::vector<ParamSpec>& backward_o
   const BucketLayout layout = layout_buckets(backward_order, c);
   for (std::int64_t e : layout.elements) b.grads += e * dtype_bytes(c.reduce_dtype);
   if (c.stage == 0 || c.dp_size == 1) {  // every parameter's own copy, master and moments
-    for (const ParamSpec& s : backward_order) {
-      const std::int64_t n = local_shape(s, c.tp_size).numel();
+    for (const LocalSize& s : backward_order) {
+      const std::int64_t n = s.elements;
       b.weights += 4 * n + (c.dtype == DType::Float32 ? 0 : n * dtype_bytes(c.dtype));
       b.optimizer += 8 * n;
     }
@@ -117,16 +121,16 @@ void DataParallel::init(Param& p) {
 }
 
 void DataParallel::set_buckets(const std::vector<Param*>& backward_order) {
-  std::vector<ParamSpec> specs;
+  std::vector<LocalSize> sizes;
   for (Param* p : backward_order) {
     p->local = local_shape(p->spec, c_.tp_size);
     p->tp_start = p->spec.tp_dim < 0 ? 0 : c_.tp_rank * p->local[p->spec.tp_dim];
     p->rows = p->local[0];
     p->shard_rows = ceil_div(p->rows, c_.dp_size);
     p->rows_padded = p->shard_rows * c_.dp_size;
-    specs.push_back(p->spec);
+    sizes.push_back(local_size(p->spec, c_.tp_size));
   }
-  const BucketLayout layout = layout_buckets(specs, c_);
+  const BucketLayout layout = layout_buckets(sizes, c_);
   buckets_.assign(layout.elements.size(), Bucket{});
   for (std::size_t i = 0; i < backward_order.size(); ++i) {
     Param* p = backward_order[i];

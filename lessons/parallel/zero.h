@@ -115,6 +115,14 @@ struct ZeroConfig {
 std::int64_t default_bucket_params(int dp_size);
 // The part of `s` a rank of a tensor-parallel group of `tp_size` holds.
 Shape local_shape(const ParamSpec& s, int tp_size);
+// All that the buckets and the bytes of a parameter depend on: its local part's elements and rows, and
+// whether it is the tied embedding. (A memory plan counts the bytes of tens of thousands of expert weights
+// without making their specs.)
+struct LocalSize {
+  std::int64_t elements = 0, rows = 0;
+  bool tied = false;
+};
+LocalSize local_size(const ParamSpec& s, int tp_size);
 
 // Zero 0 and 1: where each parameter (in backward order) lies in which bucket, and each bucket's elements.
 struct BucketLayout {
@@ -122,7 +130,7 @@ struct BucketLayout {
   std::vector<std::int64_t> offset;    // per parameter: its first element in the bucket
   std::vector<std::int64_t> elements;  // per bucket, padded as the distributed optimizer pads it
 };
-BucketLayout layout_buckets(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c);
+BucketLayout layout_buckets(const std::vector<LocalSize>& backward_order, const ZeroConfig& c);
 
 class DataParallel {
  public:
@@ -141,8 +149,8 @@ class DataParallel {
   struct Bytes {
     std::int64_t weights = 0, grads = 0, optimizer = 0;
   };
-  static Bytes bytes(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c);
-  static Bytes bytes(const ParamSpec& s, const ZeroConfig& c);
+  static Bytes bytes(const std::vector<LocalSize>& backward_order, const ZeroConfig& c);
+  static Bytes bytes(const LocalSize& s, const ZeroConfig& c);
 
   // The step begins: the buckets' gradients are not final yet, and with overlap_param_gather the first
   // bucket's all_gather of the weights the previous step updated starts.

@@ -13,7 +13,7 @@ std::int64_t round_up(std::int64_t n, std::int64_t divisor) {
 }
 }  // namespace
 
-BucketLayout layout_buckets(const std::vector<ParamSpec>& backward_order, const ZeroConfig& c) {
+BucketLayout layout_buckets(const std::vector<LocalSize>& backward_order, const ZeroConfig& c) {
   const bool distributed_optimizer = c.stage == 1 && c.dp_size > 1;
   const std::int64_t limit = c.bucket_params > 0 ? c.bucket_params : default_bucket_params(c.dp_size);
   // The distributed optimizer's alignment (param_and_grad_buffer.py, _pad_start_of_param_if_needed and
@@ -28,8 +28,8 @@ BucketLayout layout_buckets(const std::vector<ParamSpec>& backward_order, const 
     at = 0;
     open = false;
   };
-  for (const ParamSpec& s : backward_order) {
-    const std::int64_t n = local_shape(s, c.tp_size).numel();
+  for (const LocalSize& s : backward_order) {
+    const std::int64_t n = s.elements;
     // The tied embedding of a pipeline has a bucket of its own under the distributed optimizer, so that its
     // two stages shard it alike and its all-reduce over them can follow the reduce-scatter
     // (_does_param_require_new_bucket).
