@@ -179,6 +179,9 @@ class OptionTable {
   // O's defaults with `settings` over them. UsageError naming `who` and the flag for a name the table
   // does not declare or a value its declaration refuses.
   O read(const Settings& settings, const std::string& who) const;
+  // The same over `o`: each flag sets a field of its own, so reading settings in parts, in any order, is
+  // reading them at once.
+  void read_into(O& o, const Settings& settings, const std::string& who) const;
   // UsageError, as read() gives it, for a member of `o` (made in code) that its declaration refuses.
   void check(const O& o, const std::string& who) const { read(write(o), who); }
   // Every option of `o` as text; with `identity_only`, only those that are part of the run's identity.
@@ -297,6 +300,12 @@ Option<O>::Option(std::string flag, E C::*member, std::string help,
 template <class O>
 O OptionTable<O>::read(const Settings& settings, const std::string& who) const {
   O o{};
+  read_into(o, settings, who);
+  return o;
+}
+
+template <class O>
+void OptionTable<O>::read_into(O& o, const Settings& settings, const std::string& who) const {
   for (const auto& [flag, text] : settings) {
     const Option<O>* opt = find(flag);
     if (opt == nullptr) {
@@ -306,7 +315,6 @@ O OptionTable<O>::read(const Settings& settings, const std::string& who) const {
     }
     opt->read(o, text, who);
   }
-  return o;
 }
 
 }  // namespace ranklab

@@ -88,8 +88,13 @@ Layout parse_layout(const std::string& name) {
   return l;
 }
 
-Settings lesson_settings(const Question& q, const Layout& l) {
-  auto text = [](std::int64_t v) { return std::to_string(v); };
+namespace {
+std::string text(std::int64_t v) {
+  return std::to_string(v);
+}
+
+// The lesson's flags of the question, which every layout shares, and those of a layout (no flag in both).
+Settings question_settings(const Question& q) {
   Settings s = gpt::framework_settings(q.framework);
   s["framework"] = q.framework;
   s.insert(q.shape.begin(), q.shape.end());
@@ -104,29 +109,55 @@ Settings lesson_settings(const Question& q, const Layout& l) {
                    {"dtype", q.dtype},
                    {"fp8-recipe", q.fp8_recipe},
                    {"experts", text(q.experts)},
-                   {"ep", text(l.ep)},
-                   {"micro-batch", text(l.micro_batch)},
-                   {"tp", text(l.tp)},
-                   {"cp", text(l.cp)},
-                   {"pp", text(l.pp)},
-                   {"dp", text(l.dp)},
-                   {"interleave", text(l.v)},
-                   {"zero", text(l.zero)},
-                   {"seq-parallel", l.sp ? "true" : "false"},
-                   {"recompute", l.recompute},
-                   {"order", l.order},
                    {"phantom", "true"},
                    {"steps", "1"},
                    {"quiet", "true"}});
+  return s;
+}
+
+Settings layout_settings(const Question& q, const Layout& l) {
+  Settings s{{"ep", text(l.ep)},
+             {"micro-batch", text(l.micro_batch)},
+             {"tp", text(l.tp)},
+             {"cp", text(l.cp)},
+             {"pp", text(l.pp)},
+             {"dp", text(l.dp)},
+             {"interleave", text(l.v)},
+             {"zero", text(l.zero)},
+             {"seq-parallel", l.sp ? "true" : "false"},
+             {"recompute", l.recompute},
+             {"order", l.order}};
   // Where the layers do not divide among the stages, Llama 3 405B's split.
   if (const int ends = gpt::one_fewer_at_the_ends(q.layers, l.pp); l.v == 1 && ends > 0)
     s["decoder-first-pipeline-num-layers"] = s["decoder-last-pipeline-num-layers"] = text(ends);
   return s;
 }
+}  // namespace
+
+Settings lesson_settings(const Question& q, const Layout& l) {
+  Settings s = question_settings(q);
+  s.merge(layout_settings(q, l));
+  return s;
+}
+
+LessonConfigs::LessonConfigs(const Question& q) : q_(q) {
+  try {
+    question_ = gpt::options_table().read(question_settings(q), "gpt");
+  } catch (const UsageError& e) {
+    refused_ = e.what();
+  }
+}
+
+gpt::Config LessonConfigs::of(const Layout& l) const {
+  if (!refused_.empty()) throw UsageError(refused_);
+  gpt::Config c = question_;
+  // Each flag sets a field of its own: the question's read once, then the layout's, is the lesson's read.
+  gpt::options_table().read_into(c, layout_settings(q_, l), "gpt");
+  return gpt::for_gpu(gpt::resolve(c, q_.world()), q_.profile.gpu);
+}
 
 gpt::Config lesson_config(const Question& q, const Layout& l) {
-  return gpt::for_gpu(gpt::resolve(gpt::options_table().read(lesson_settings(q, l), "gpt"), q.world()),
-                      q.profile.gpu);
+  return LessonConfigs(q).of(l);
 }
 
 const char* status_name(Status s) {
@@ -653,6 +684,7 @@ std::vector<Candidate> enumerate(const Question& q) {
   const std::int64_t capacity = q.profile.hbm_capacity_bytes();
   StepBound bound(q.profile);
   PeakBytes peak_bytes(bound.states());
+  const LessonConfigs configs(q);
   std::vector<Candidate> out;
   for (int tp : divisors(world)) {
     // Within a node: Megatron's tp-innermost order then keeps every tp group on NVLink.
@@ -683,7 +715,7 @@ std::vector<Candidate> enumerate(const Question& q) {
                     k.name = k.layout.name();
                     k.capacity_bytes = capacity;
                     try {
-                      const gpt::Config c = lesson_config(q, k.layout);
+                      const gpt::Config c = configs.of(k.layout);
                       k.planned_bytes = peak_bytes.of(c, k.layout);
                       k.bound_us = bound.us(c);
                       if (k.planned_bytes > capacity) {

@@ -90,6 +90,17 @@ Layout parse_layout(const std::string& name);
 Settings lesson_settings(const Question& q, const Layout& l);
 // Those options read and checked by the lesson (gpt::resolve): UsageError for a layout it refuses.
 gpt::Config lesson_config(const Question& q, const Layout& l);
+// The same for many layouts of one question, its flags read once.
+class LessonConfigs {
+ public:
+  explicit LessonConfigs(const Question& q);
+  gpt::Config of(const Layout& l) const;
+
+ private:
+  const Question& q_;
+  gpt::Config question_;
+  std::string refused_;  // why the question's own flags were refused, for every layout
+};
 
 enum class Status {
   Invalid,         // the gpt lesson's checks refuse it
