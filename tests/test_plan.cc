@@ -13,6 +13,8 @@
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/report.h"
+#include "lessons/gpt/accounting.h"
+#include "lessons/gpt/config.h"
 #include "plan/candidates.h"
 #include "plan/plan_command.h"
 #include "plan/plan_report.h"
@@ -160,6 +162,43 @@ TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
     int spread = 0;
     for (const Result* res : p.ranked()) spread += res->candidate.layout.ep > 1;
     EXPECT_GT(spread, 0) << block;
+  }
+}
+
+// The enumeration reads the question's flags once and shares memory-plan parts between layouts: each
+// layout's configuration, planned bytes and bound are what it gets alone (the lesson's reading of all its
+// flags, gpt::memory_plan, a fresh bound), for a dense and a MoE question on two nodes, where the group
+// orders, ZeRO stages, micro-batches and expert-parallel sizes all vary.
+TEST(Plan, EachEnumeratedLayoutIsComputedAsItWouldBeAlone) {
+  for (int experts : {0, 8}) {
+    Request r = tiny_request();
+    r.nodes = 2;
+    r.shape["global-batch"] = option_text(32);
+    if (experts > 0) {
+      r.shape["experts"] = option_text(experts);
+      r.shape["top-k"] = option_text(2);
+      r.shape["moe-layers"] = "every:2";
+    }
+    const Question q = make_question(r);
+    const std::vector<Candidate> all = enumerate(q);
+    std::set<std::string> orders;
+    int checked = 0;
+    for (const Candidate& k : all) {
+      if (k.status == Status::Invalid) continue;
+      const gpt::Config alone = gpt::for_gpu(
+          gpt::resolve(gpt::options_table().read(lesson_settings(q, k.layout), "gpt"), q.world()),
+          q.profile.gpu);
+      EXPECT_EQ(gpt::options_table().write(lesson_config(q, k.layout)), gpt::options_table().write(alone))
+          << k.name;
+      std::int64_t most = 0;
+      for (int s = 0; s < alone.pp; ++s) most = std::max(most, gpt::memory_plan(alone, s).total());
+      EXPECT_EQ(k.planned_bytes, most) << k.name;
+      EXPECT_EQ(k.bound_us, StepBound(q.profile).us(alone)) << k.name;
+      orders.insert(k.layout.order);
+      ++checked;
+    }
+    EXPECT_EQ(orders.size(), 2u);
+    EXPECT_GT(checked, 100) << experts;
   }
 }
 
