@@ -111,6 +111,9 @@ class Optimizer {
  public:
   Optimizer(Rank& r, const TrainingOptions& o, std::vector<Tensor> params);
   void step(const std::vector<Tensor>& grads);
+  // AdamW's two moments of each parameter, in the parameters' order (none with SGD).
+  const std::vector<Tensor>& m() const { return m_; }
+  const std::vector<Tensor>& v() const { return v_; }
 
  private:
   Rank& r_;

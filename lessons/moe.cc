@@ -188,11 +188,18 @@ class StepCheck {
   StepCheck(Rank& r, const MoeOptions& o, const MoeShape& s);  // checks nothing with --phantom
   ~StepCheck();
   // After step `step`: the reference's step, then this rank's loss, gradients and weights against it; the
-  // words the step's line ends with.
-  std::string after_step(int step, const Tensor& y_sum, const std::vector<Tensor>& grads, const Weights& w);
+  // words the step's line ends with. The reference then takes the run's weights and moments, so that its
+  // next step starts where the run's does: training amplifies differences, and a correct float32 run drifts
+  // from the exact trajectory step by step (past the tolerance within some fifty steps), while from the
+  // same start one step differs by its roundings only.
+  std::string after_step(int step, const Tensor& y_sum, const std::vector<Tensor>& grads, const Weights& w,
+                         const mlp::Optimizer& opt);
   double worst() const { return worst_; }  // the largest relative difference of every step so far
 
  private:
+  // The run's weights and moments, whole on every rank, in the reference's flat layout.
+  std::vector<float> gather_state(const Weights& w, const mlp::Optimizer& opt);
+
   Rank& r_;
   MoeShape s_;
   std::unique_ptr<Reference> ref_;
@@ -298,7 +305,7 @@ void moe(Rank& r, const MoeOptions& o) {
         r.elapsed_us(experts_begin, experts_end) + r.elapsed_us(experts_bwd_begin, experts_bwd_end);
     last.record_load(ro, T * s.top_k, xe);
 
-    const std::string verdict = check.after_step(step, y_sum, grads, w);
+    const std::string verdict = check.after_step(step, y_sum, grads, w, opt);
     if (r.rank() == 0 && !o.quiet) r.print(step_line(step, o.steps, last) + verdict);
   }
   print_summary(r, o, s, last, check.worst());
@@ -581,6 +588,11 @@ class Reference {
  public:
   Reference(const MoeShape& s, const MoeOptions& o);
   void step();  // one step on the full batch: loss, gradients, then the optimizer
+  // The state the next step starts from, as one flat list: the parameters in the optimizer's slots (each
+  // expert's W1 and W2, then the router), then with AdamW their first moments, then their second.
+  std::int64_t state_size() const;
+  std::int64_t slot_offset(int slot) const;
+  void start_from(const std::vector<float>& state);
 
   double loss() const { return loss_; }  // of the last step, before its update
   const std::vector<double>& w1(int e) const { return w1_[e]; }
@@ -609,8 +621,33 @@ StepCheck::StepCheck(Rank& r, const MoeOptions& o, const MoeShape& s) : r_(r), s
 }
 StepCheck::~StepCheck() = default;
 
+std::vector<float> StepCheck::gather_state(const Weights& w, const mlp::Optimizer& opt) {
+  // Each rank writes its experts' slots (rank 0 the replicated router too) and leaves the rest zero; a sum
+  // over the world puts the whole state on every rank. float32 values and zeros add exactly.
+  const std::int64_t size = ref_->state_size();
+  const std::int64_t params = ref_->slot_offset(2 * s_.experts) + s_.dim * s_.experts;
+  std::vector<float> mine(static_cast<std::size_t>(size), 0.0f);
+  const std::vector<Tensor> held = w.params();  // the optimizer's order: each expert's W1 and W2, the router
+  auto put = [&](int which, int slot, const Tensor& t) {
+    const std::vector<float> values = r_.to_host(t);
+    std::copy(values.begin(), values.end(), mine.begin() + which * params + ref_->slot_offset(slot));
+  };
+  for (int i = 0; i < static_cast<int>(held.size()); ++i) {
+    const bool router = i == static_cast<int>(held.size()) - 1;
+    if (router && r_.rank() != 0) continue;
+    const int slot = router ? 2 * s_.experts : 2 * r_.rank() * s_.experts_per_rank + i;
+    put(0, slot, held[i]);
+    if (opt.m().empty()) continue;
+    put(1, slot, opt.m()[i]);
+    put(2, slot, opt.v()[i]);
+  }
+  Tensor all = r_.from_host(Shape{size}, mine);
+  r_.all_reduce(all, ReduceOp::Sum);
+  return r_.to_host(all);
+}
+
 std::string StepCheck::after_step(int step, const Tensor& y_sum, const std::vector<Tensor>& grads,
-                                  const Weights& w) {
+                                  const Weights& w, const mlp::Optimizer& opt) {
   if (!ref_) return "";
   auto scope = r_.bookkeeping("reference");
   ref_->step();
@@ -635,6 +672,7 @@ std::string StepCheck::after_step(int step, const Tensor& y_sum, const std::vect
            fmt::format("{}largest relative difference {:.2g} (tolerance {:.0e})",
                        a.where.empty() ? "" : a.where + "; ", a.worst, kTolerance));
   if (a.worst > worst_) worst_ = a.worst;
+  ref_->start_from(gather_state(w, opt));
   return fmt::format("  loss {:.6f} (one device {:.6f})  {}", loss_all, ref_->loss(),
                      ok ? "ok" : "DIFFERENT");
 }
@@ -715,6 +753,29 @@ Reference::Reference(const MoeShape& s, const MoeOptions& o) : s_(s), o_(o) {
   dw1_ = w1_, dw2_ = w2_;
   adam_m_.resize(2 * s.experts + 1);
   adam_v_.resize(2 * s.experts + 1);
+}
+
+std::int64_t Reference::slot_offset(int slot) const {
+  return std::min(slot, 2 * s_.experts) * s_.dim * s_.hidden;
+}
+
+std::int64_t Reference::state_size() const {
+  const std::int64_t params = slot_offset(2 * s_.experts) + s_.dim * s_.experts;
+  return o_.optimizer == "adamw" ? 3 * params : params;
+}
+
+void Reference::start_from(const std::vector<float>& state) {
+  const int slots = 2 * s_.experts + 1;
+  const std::int64_t params = slot_offset(2 * s_.experts) + s_.dim * s_.experts;
+  auto part = [&](int which, int slot, std::vector<double>& out) {
+    const std::int64_t n = (slot == slots - 1 ? s_.dim * s_.experts : s_.dim * s_.hidden);
+    const float* first = state.data() + which * params + slot_offset(slot);
+    out.assign(first, first + n);
+  };
+  for (int e = 0; e < s_.experts; ++e) part(0, 2 * e, w1_[e]), part(0, 2 * e + 1, w2_[e]);
+  part(0, slots - 1, wr_);
+  if (o_.optimizer != "adamw") return;
+  for (int slot = 0; slot < slots; ++slot) part(1, slot, adam_m_[slot]), part(2, slot, adam_v_[slot]);
 }
 
 void Reference::step() {

@@ -280,6 +280,18 @@ TEST(LessonChecks, MoeHoldsForEveryRoutingAndWorld) {
   }
 }
 
+// A hundred steps of the lesson's defaults (AdamW): a float32 run drifts from the exact trajectory past the
+// check's tolerance by step 52, so each step is checked from the run's own weights and moments.
+TEST(LessonChecks, MoeHoldsOverAHundredSteps) {
+  Settings o;
+  o["world"] = option_text(4);
+  o["steps"] = option_text(100);
+  o["quiet"] = option_text(true);
+  const RunReport rep = run("moe", o, nodes_for(4));
+  EXPECT_TRUE(rep.all_checks_passed()) << failures(rep);
+  EXPECT_EQ(rep.checks.size(), 100u * 4u);
+}
+
 // The lecture's sizes with AdamW: its first steps move every weight by about lr whatever the gradient's
 // size, so where a gradient is within rounding of zero its sign, and the weight's move, is a coin toss.
 // The check's bound knows it; a fixed relative tolerance did not.
