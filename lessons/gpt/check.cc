@@ -217,10 +217,13 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
         const char* names[] = {" (queries)", " (keys)", " (values)"};
         for (int part = 0; part < (parts.empty() ? 1 : 3); ++part) {
           const TensorDifference d = difference(got, want, nullptr, parts, part);
-          const double rel = d.largest_error / std::max(d.largest_want, 1e-30);
-          grad.merge(rel, fmt::format("{}; largest |got - want| {:.3e} over largest |want| {:.3e} = {:.3e}",
-                                      where(parts.empty() ? "" : names[part], d.at), d.largest_error,
-                                      d.largest_want, rel));
+          double& largest = largest_grad_[{n.kind, n.layer, part}];
+          largest = std::max(largest, d.largest_want);
+          const double rel = d.largest_error / std::max(largest, 1e-30);
+          grad.merge(
+              rel,
+              fmt::format("{}; largest |got - want| {:.3e} over the largest |want| so far {:.3e} = {:.3e}",
+                          where(parts.empty() ? "" : names[part], d.at), d.largest_error, largest, rel));
         }
       } else {
         const TensorDifference d = difference(got, want, &before);
@@ -249,9 +252,13 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
   Tensor total = r_.cast(model.loss_sum, DType::Float32);
   r_.all_reduce(total, ReduceOp::Sum, Async::No, dp_group);
   const double got = r_.to_host(total)[0] / static_cast<double>(c_.tokens_per_step());
-  const double want = ref_->loss(step), rel = check::relative_difference(got, want);
+  const double want = ref_->loss(step);
+  largest_loss_ = std::max(largest_loss_, std::abs(want));
+  const double rel = got == want ? 0.0 : std::abs(got - want) / largest_loss_;
   losses.push_back(got);
-  loss.merge(rel, fmt::format("step {}: got {:.9g}, want {:.9g}, relative {:.3e}", step, got, want, rel));
+  loss.merge(rel,
+             fmt::format("step {}: got {:.9g}, want {:.9g}, |got - want| over the largest loss so far {:.3e}",
+                         step, got, want, rel));
 }
 
 void OneDeviceCheck::record(bool has_head) const {
