@@ -15,9 +15,10 @@ void Agreement::merge(double difference, const std::string& at) {
 }
 
 void Agreement::add_relative(const std::vector<float>& got, const std::vector<double>& want,
-                             const std::string& what, std::int64_t cols) {
+                             const std::string& what, std::int64_t cols, double* largest_so_far) {
   double scale_of_want = 1e-30;
   for (double w : want) scale_of_want = std::max(scale_of_want, std::abs(w));
+  if (largest_so_far != nullptr) scale_of_want = *largest_so_far = std::max(*largest_so_far, scale_of_want);
   for (std::size_t i = 0; i < got.size(); ++i) {
     const double rel = std::abs(got[i] - want[i]) / scale_of_want;
     if (!(rel <= worst)) {

@@ -34,9 +34,11 @@ struct Agreement {
   // Keeps `difference` and `at` when it is the worst so far; NaN is worse than any number.
   void merge(double difference, const std::string& at);
   // Each element of `got` against `want`, relative to the largest |want| of the tensor; `cols` lays the
-  // numbers out as rows to name the element ("expert 2 W1 gradient [3, 7]").
+  // numbers out as rows to name the element ("expert 2 W1 gradient [3, 7]"). With `largest_so_far`,
+  // relative to the largest |want| the tensor has had over the steps, which this updates: near a minimum a
+  // gradient cancels (or a saturated softmax's vanishes) while what rounds in it does not shrink with it.
   void add_relative(const std::vector<float>& got, const std::vector<double>& want, const std::string& what,
-                    std::int64_t cols);
+                    std::int64_t cols, double* largest_so_far = nullptr);
 
   // ---- against rounding bounds (within_bound)
   double max_abs = 0;  // the largest |got - want|, and the largest |want| of the same tensor: for the

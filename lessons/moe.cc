@@ -204,6 +204,9 @@ class StepCheck {
   MoeShape s_;
   std::unique_ptr<Reference> ref_;
   double worst_ = 0;
+  // Each gradient's largest |value| over the steps, in the optimizer's order
+  // (check::Agreement::add_relative).
+  std::vector<double> largest_grad_;
 };
 
 void moe(Rank& r, const MoeOptions& o) {
@@ -618,6 +621,7 @@ class Reference {
 
 StepCheck::StepCheck(Rank& r, const MoeOptions& o, const MoeShape& s) : r_(r), s_(s) {
   if (!o.phantom) ref_ = std::make_unique<Reference>(s, o);
+  largest_grad_.assign(2 * s.experts_per_rank + 1, 0.0);
 }
 StepCheck::~StepCheck() = default;
 
@@ -659,12 +663,15 @@ std::string StepCheck::after_step(int step, const Tensor& y_sum, const std::vect
   a.add_relative({static_cast<float>(loss_all)}, {ref_->loss()}, "the loss", 1);
   for (int le = 0; le < s_.experts_per_rank; ++le) {
     const int e = r_.rank() * s_.experts_per_rank + le;
-    a.add_relative(r_.to_host(grads[2 * le]), ref_->dw1(e), fmt::format("expert {} W1 gradient", e), H);
-    a.add_relative(r_.to_host(grads[2 * le + 1]), ref_->dw2(e), fmt::format("expert {} W2 gradient", e), D);
+    a.add_relative(r_.to_host(grads[2 * le]), ref_->dw1(e), fmt::format("expert {} W1 gradient", e), H,
+                   &largest_grad_[2 * le]);
+    a.add_relative(r_.to_host(grads[2 * le + 1]), ref_->dw2(e), fmt::format("expert {} W2 gradient", e), D,
+                   &largest_grad_[2 * le + 1]);
     a.add_relative(r_.to_host(w.w1[le]), ref_->w1(e), fmt::format("expert {} W1", e), H);
     a.add_relative(r_.to_host(w.w2[le]), ref_->w2(e), fmt::format("expert {} W2", e), D);
   }
-  a.add_relative(r_.to_host(grads.back()), ref_->dwr(), "router gradient", s_.experts);
+  a.add_relative(r_.to_host(grads.back()), ref_->dwr(), "router gradient", s_.experts,
+                 &largest_grad_[2 * s_.experts_per_rank]);
   a.add_relative(r_.to_host(w.router), ref_->wr(), "router weight", s_.experts);
   const bool ok = a.worst <= kTolerance;
   r_.check(fmt::format("moe step {}: loss, expert and router gradients and weights equal one device's", step),
