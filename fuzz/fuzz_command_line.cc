@@ -60,7 +60,7 @@ void plan(const Settings& given) {
   }
   const plan::Request read = plan::request_options().read(request_flags, "plan");
   r.profile = read.profile, r.nodes = read.nodes, r.framework = read.framework;
-  r.tp_across_nodes = read.tp_across_nodes, r.max_interleave = read.max_interleave;
+  r.tp_across_nodes = read.tp_across_nodes, r.max_interleave = read.max_interleave, r.try_fp8 = read.try_fp8;
   const plan::Question q = plan::make_question(r);
   plan::enumerate(q);
 }

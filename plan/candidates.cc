@@ -19,9 +19,10 @@
 namespace ranklab::plan {
 
 std::string Layout::name() const {
-  return fmt::format("tp{}{}-pp{}-v{}-dp{}{}-zero{}{}-mb{}-{}-{}", tp, cp > 1 ? fmt::format("-cp{}", cp) : "",
-                     pp, v, dp, ep > 1 ? fmt::format("-ep{}", ep) : "", zero, sp ? "-sp" : "", micro_batch,
-                     recompute, order);
+  return fmt::format("tp{}{}-pp{}-v{}-dp{}{}-zero{}{}-mb{}-{}{}-{}", tp,
+                     cp > 1 ? fmt::format("-cp{}", cp) : "", pp, v, dp,
+                     ep > 1 ? fmt::format("-ep{}", ep) : "", zero, sp ? "-sp" : "", micro_batch, recompute,
+                     fp8 ? "-fp8" : "", order);
 }
 
 namespace {
@@ -84,6 +85,10 @@ Layout parse_layout(const std::string& name) {
   if (i >= t.size() || (t[i] != "none" && t[i] != "selective" && t[i] != "full"))
     throw bad("the recompute part should be none, selective or full");
   l.recompute = t[i++];
+  if (i < t.size() && t[i] == "fp8") {
+    l.fp8 = true;
+    ++i;
+  }
   if (i != t.size()) throw bad(fmt::format("unexpected '{}'", t[i]));
   return l;
 }
@@ -107,7 +112,6 @@ Settings question_settings(const Question& q) {
                    {"vocab", text(q.vocab)},
                    {"global-batch", text(q.global_batch)},
                    {"dtype", q.dtype},
-                   {"fp8-recipe", q.fp8_recipe},
                    {"experts", text(q.experts)},
                    {"phantom", "true"},
                    {"steps", "1"},
@@ -116,7 +120,8 @@ Settings question_settings(const Question& q) {
 }
 
 Settings layout_settings(const Question& q, const Layout& l) {
-  Settings s{{"ep", text(l.ep)},
+  Settings s{{"fp8-recipe", l.fp8 ? q.try_fp8 : q.fp8_recipe},
+             {"ep", text(l.ep)},
              {"micro-batch", text(l.micro_batch)},
              {"tp", text(l.tp)},
              {"cp", text(l.cp)},
@@ -650,12 +655,19 @@ std::vector<int> divisors(int n) {
   return d;
 }
 
-// Every group order with every expert-parallel size, the order outermost.
-std::vector<std::pair<std::string, int>> orders_and_eps(const std::vector<std::string>& orders,
-                                                        const std::vector<int>& eps) {
-  std::vector<std::pair<std::string, int>> out;
+// Every group order with every expert-parallel size and precision, the order outermost.
+struct Variant {
+  std::string order;
+  int ep;
+  bool fp8;
+};
+std::vector<Variant> variants(const std::vector<std::string>& orders, const std::vector<int>& eps,
+                              bool try_fp8) {
+  std::vector<Variant> out;
   for (const std::string& order : orders)
-    for (int ep : eps) out.emplace_back(order, ep);
+    for (int ep : eps)
+      for (bool fp8 : {false, true})
+        if (!fp8 || try_fp8) out.push_back({order, ep, fp8});
   return out;
 }
 
@@ -664,7 +676,8 @@ class PeakBytes {
  public:
   explicit PeakBytes(StageStates& states) : states_(states) {}
   std::int64_t of(const gpt::Config& c, const Layout& l) {
-    const auto key = std::tuple(l.tp, l.cp, l.pp, l.v, l.dp, l.zero, l.sp, l.ep, l.micro_batch, l.recompute);
+    const auto key =
+        std::tuple(l.tp, l.cp, l.pp, l.v, l.dp, l.zero, l.sp, l.ep, l.micro_batch, l.recompute, l.fp8);
     if (const auto found = peak_.find(key); found != peak_.end()) return found->second;
     const std::vector<parallel::DataParallel::Bytes>& states = states_.of(c);
     std::int64_t most = 0;
@@ -674,7 +687,7 @@ class PeakBytes {
 
  private:
   StageStates& states_;
-  std::map<std::tuple<int, int, int, int, int, int, bool, int, int, std::string>, std::int64_t> peak_;
+  std::map<std::tuple<int, int, int, int, int, int, bool, int, int, std::string, bool>, std::int64_t> peak_;
 };
 
 }  // namespace
@@ -709,9 +722,9 @@ std::vector<Candidate> enumerate(const Question& q) {
                 if (sp && tp == 1) continue;
                 for (int zero = 0; zero <= 3; ++zero) {
                   if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the same run as zero 0
-                  for (const auto& [order, ep] : orders_and_eps(orders, eps)) {
+                  for (const Variant& x : variants(orders, eps, !q.try_fp8.empty())) {
                     Candidate k;
-                    k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, order, cp, ep};
+                    k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, x.order, cp, x.ep, x.fp8};
                     k.name = k.layout.name();
                     k.capacity_bytes = capacity;
                     try {

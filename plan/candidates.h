@@ -52,6 +52,9 @@ struct Question {
   std::int64_t vocab = 128, global_batch = 8;
   std::string dtype = "bf16";
   std::string fp8_recipe = "none";  // gpt's --fp8-recipe: the linear layers' GEMMs in FP8
+  // With the 16-bit dtype, every layout also tried with its linear layers' GEMMs in FP8 by this recipe
+  // (Layout::fp8); "": not tried.
+  std::string try_fp8;
   // A mixture of experts' (0: dense): its layouts also choose the expert-parallel size, with the routing
   // balanced as published benchmarks force it.
   int experts = 0;
@@ -70,7 +73,8 @@ struct Question {
 // One parallel layout. Its name is the one string the table, plan.json and --explain share:
 // "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp" (sp only when sequence parallelism is on), with
 // "-cp2" after the tp part when there is context parallelism (its ring: the framework's default exchange),
-// and "-ep8" after the dp part when experts are spread over ranks.
+// "-ep8" after the dp part when experts are spread over ranks, and "-fp8" after the recompute part when the
+// linear layers' GEMMs run in FP8 (Question::try_fp8).
 struct Layout {
   int tp = 1, pp = 1, v = 1, dp = 1, zero = 0;
   bool sp = false;
@@ -79,6 +83,7 @@ struct Layout {
   std::string order = "tp-dp-pp";
   int cp = 1;
   int ep = 1;
+  bool fp8 = false;
   std::string name() const;
 };
 // The layout a name spells; UsageError saying what is wrong with it.
@@ -168,8 +173,8 @@ class StepBound {
 // to max_interleave where the chunks are whole, ZeRO 0-3 (only 0 without data parallelism, where there is
 // nothing to shard), sequence parallelism with tp > 1, micro-batches of 1, 2 and 4, recompute none, selective
 // and full, and the group orders tp-dp-pp and, where it places groups on nodes differently (more than one
-// node, tp smaller than a node), tp-pp-dp. Each is marked Invalid or RejectedMemory where that is known,
-// Pending with its bound otherwise.
+// node, tp smaller than a node), tp-pp-dp, each in the question's precision and, with try_fp8, with FP8
+// GEMMs too. Each is marked Invalid or RejectedMemory where that is known, Pending with its bound otherwise.
 std::vector<Candidate> enumerate(const Question& q);
 // The shortest chunk of a sequence context parallelism is tried with. Below it a ring step's attention is
 // a block of fewer than 1,024 queries and keys, where the fused kernels run at under two thirds of their

@@ -32,6 +32,10 @@ const OptionTable<Request>& request_options() {
        "torchtitan)"},
       Option<O>("top", &O::top, "how many layouts the table shows").at_least(1),
       {"tp-across-nodes", &O::tp_across_nodes, "also try tensor-parallel groups larger than a node"},
+      {"try-fp8", &O::try_fp8,
+       "also try every layout with its linear layers' GEMMs in FP8 by this recipe (current, blockwise or "
+       "mxfp8, as gpt's --fp8-recipe), where the GPU has FP8 tensor cores; the question's dtype must be "
+       "bf16"},
       Option<O>("max-interleave", &O::max_interleave, "the most model chunks per pipeline rank tried")
           .at_least(1),
       Option<O>("max-candidates", &O::max_candidates,
@@ -139,6 +143,22 @@ Question make_question(const Request& r) {
   Settings one = lesson_settings(q, Layout{});
   one["world"] = std::to_string(1);
   gpt::for_gpu(gpt::resolve(gpt::options_table().read(one, "gpt"), 1), q.profile.gpu);
+  if (!r.try_fp8.empty()) {
+    if (q.dtype != "bf16" || q.fp8_recipe != "none") {
+      throw UsageError(fmt::format(
+          "plan: --try-fp8 tries each layout in bf16 and with FP8 GEMMs; the question is already {}{}: drop "
+          "--try-fp8, or ask in bf16",
+          q.dtype, q.fp8_recipe == "none" ? "" : " with --fp8-recipe " + q.fp8_recipe));
+    }
+    q.try_fp8 = r.try_fp8;
+    Settings fp8 = lesson_settings(q, Layout{.fp8 = true});
+    fp8["world"] = std::to_string(1);
+    try {
+      gpt::for_gpu(gpt::resolve(gpt::options_table().read(fp8, "gpt"), 1), q.profile.gpu);
+    } catch (const UsageError& e) {
+      throw UsageError(fmt::format("plan: --try-fp8 {}: {}", r.try_fp8, e.what()));
+    }
+  }
   return q;
 }
 

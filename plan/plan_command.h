@@ -24,6 +24,7 @@ struct Request {
   bool tp_across_nodes = false;
   int max_interleave = 4;
   std::string framework = "megatron-core";
+  std::string try_fp8;  // Question::try_fp8
   // The search and its output.
   int top = 10;
   int max_candidates = 0;  // 0: no limit

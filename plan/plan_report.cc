@@ -73,6 +73,7 @@ std::string layout_changes(const Layout& from, const Layout& to) {
   num("micro-batch", from.micro_batch, to.micro_batch);
   if (from.recompute != to.recompute)
     d.push_back(fmt::format("recompute {} → {}", from.recompute, to.recompute));
+  if (from.fp8 != to.fp8) d.push_back(to.fp8 ? "FP8 GEMMs on" : "FP8 GEMMs off");
   if (from.order != to.order) d.push_back(fmt::format("order {} → {}", from.order, to.order));
   return d.empty() ? "the same layout" : fmt::format("{}", fmt::join(d, ", "));
 }
@@ -87,7 +88,9 @@ std::string describe_question(const Question& q) {
   // The model's shape as the lesson reads and says it (gpt::Config::shape).
   const gpt::Config model = gpt::options_table().read(lesson_settings(q, Layout{}), "gpt");
   const std::string precision =
-      q.fp8_recipe == "none" ? q.dtype : fmt::format("{} (fp8 recipe {})", q.dtype, q.fp8_recipe);
+      q.fp8_recipe != "none" ? fmt::format("{} (fp8 recipe {})", q.dtype, q.fp8_recipe)
+      : !q.try_fp8.empty()   ? fmt::format("{}, and with FP8 GEMMs (recipe {})", q.dtype, q.try_fp8)
+                             : q.dtype;
   return fmt::format("{}{}; global batch {}; {} on {} x {} ({}, {} node{}); {}",
                      q.model == "custom" ? "" : q.model + ": ", model.shape(), q.global_batch, precision,
                      q.world(), q.profile.gpu.name, q.profile.name, q.profile.nodes,
@@ -277,6 +280,7 @@ nlohmann::json result_json(const Result& r, int rank) {
                       {"seq_parallel", l.sp},
                       {"micro_batch", l.micro_batch},
                       {"recompute", l.recompute},
+                      {"fp8", l.fp8},
                       {"order", l.order}};
   if (k.status != Status::Invalid) {
     j["step_time_lower_bound_us"] = k.bound_us;
@@ -326,6 +330,7 @@ std::string plan_to_json(const Plan& p) {
                    {"global_batch", q.global_batch},
                    {"dtype", q.dtype},
                    {"fp8_recipe", q.fp8_recipe},
+                   {"try_fp8", q.try_fp8},
                    {"experts", q.experts},
                    {"framework", q.framework},
                    {"profile", q.profile.name},

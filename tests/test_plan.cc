@@ -168,12 +168,13 @@ TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
 // The enumeration reads the question's flags once and shares memory-plan parts between layouts: each
 // layout's configuration, planned bytes and bound are what it gets alone (the lesson's reading of all its
 // flags, gpt::memory_plan, a fresh bound), for a dense and a MoE question on two nodes, where the group
-// orders, ZeRO stages, micro-batches and expert-parallel sizes all vary.
+// orders, ZeRO stages, micro-batches, expert-parallel sizes and (tried with --try-fp8) FP8 GEMMs all vary.
 TEST(Plan, EachEnumeratedLayoutIsComputedAsItWouldBeAlone) {
   for (int experts : {0, 8}) {
     Request r = tiny_request();
     r.nodes = 2;
     r.shape["global-batch"] = option_text(32);
+    if (experts == 0) r.try_fp8 = "current";  // each layout in bf16 and with FP8 GEMMs
     if (experts > 0) {
       r.shape["experts"] = option_text(experts);
       r.shape["top-k"] = option_text(2);
@@ -182,6 +183,7 @@ TEST(Plan, EachEnumeratedLayoutIsComputedAsItWouldBeAlone) {
     const Question q = make_question(r);
     const std::vector<Candidate> all = enumerate(q);
     std::set<std::string> orders;
+    std::set<bool> fp8;
     int checked = 0;
     for (const Candidate& k : all) {
       if (k.status == Status::Invalid) continue;
@@ -195,9 +197,12 @@ TEST(Plan, EachEnumeratedLayoutIsComputedAsItWouldBeAlone) {
       EXPECT_EQ(k.planned_bytes, most) << k.name;
       EXPECT_EQ(k.bound_us, StepBound(q.profile).us(alone)) << k.name;
       orders.insert(k.layout.order);
+      fp8.insert(k.layout.fp8);
+      EXPECT_EQ(alone.fp8 != parallel::Fp8Recipe::None, k.layout.fp8) << k.name;
       ++checked;
     }
     EXPECT_EQ(orders.size(), 2u);
+    EXPECT_EQ(fp8.size(), experts == 0 ? 2u : 1u);
     EXPECT_GT(checked, 100) << experts;
   }
 }
@@ -542,6 +547,19 @@ TEST(Plan, BadInputIsAClearUsageError) {
   expect_usage_error([] { parse_layout("tp4-pp2"); }, "too few parts");
   expect_usage_error([] { parse_layout("tp4-pp2-v1-dp1-zero0-mb1-some-tp-dp-pp"); },
                      "none, selective or full");
+  // FP8 tried on a GPU without FP8 tensor cores, or on a question already in FP8.
+  r = Request{};
+  r.profile = "dgx-a100";
+  r.try_fp8 = "current";
+  expect_usage_error([&] { make_question(r); },
+                     "plan: --try-fp8 current: gpt: --fp8-recipe current: the A100");
+  r = Request{};
+  r.try_fp8 = "current";
+  r.shape["dtype"] = "fp8";
+  expect_usage_error([&] { make_question(r); }, "the question is already fp8");
+  r = Request{};
+  r.try_fp8 = "fp4";
+  expect_usage_error([&] { make_question(r); }, "plan: --try-fp8 fp4: gpt: --fp8-recipe must be");
 }
 
 // --model fills the shape the flags leave, as `ranklab run gpt --model` does; a flag given wins.
@@ -563,7 +581,8 @@ TEST(Plan, APresetFillsWhatTheFlagsLeave) {
 TEST(Plan, LayoutNamesReadBack) {
   for (const Layout& l : {Layout{4, 8, 2, 16, 1, true, 1, "selective", "tp-dp-pp"},
                           Layout{1, 1, 1, 8, 0, false, 4, "none", "tp-pp-dp"},
-                          Layout{2, 2, 1, 4, 1, true, 1, "none", "tp-dp-pp", 2, 8}}) {
+                          Layout{2, 2, 1, 4, 1, true, 1, "none", "tp-dp-pp", 2, 8},
+                          Layout{2, 2, 1, 4, 1, true, 1, "full", "tp-pp-dp", 1, 1, true}}) {
     const Layout back = parse_layout(l.name());
     EXPECT_EQ(back.name(), l.name());
   }
@@ -571,6 +590,8 @@ TEST(Plan, LayoutNamesReadBack) {
             "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp");
   EXPECT_EQ(Layout({2, 2, 1, 4, 1, true, 1, "none", "tp-dp-pp", 2, 8}).name(),
             "tp2-cp2-pp2-v1-dp4-ep8-zero1-sp-mb1-none-tp-dp-pp");
+  EXPECT_EQ(Layout({2, 2, 1, 4, 1, true, 1, "full", "tp-pp-dp", 1, 1, true}).name(),
+            "tp2-pp2-v1-dp4-zero1-sp-mb1-full-fp8-tp-pp-dp");
 }
 
 TEST(Plan, SymmetryFollowsTheGroupOrder) {
