@@ -167,6 +167,12 @@ int plan_command(const Request& r, Messenger* cluster) {
   std::optional<Layout> explain;
   if (!r.explain.empty()) {
     explain = parse_layout(r.explain);
+    if (explain->fp8 && q.try_fp8.empty()) {
+      throw UsageError(fmt::format(
+          "--explain {}: a layout with FP8 GEMMs (-fp8) is one of a question asked with --try-fp8 RECIPE; "
+          "add it, as the plan that printed the layout had it",
+          r.explain));
+    }
     try {
       lesson_config(q, *explain);
     } catch (const UsageError& e) {

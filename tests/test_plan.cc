@@ -558,6 +558,9 @@ TEST(Plan, BadInputIsAClearUsageError) {
   r.shape["dtype"] = "fp8";
   expect_usage_error([&] { make_question(r); }, "the question is already fp8");
   r = Request{};
+  r.explain = "tp1-pp2-v1-dp4-zero1-mb4-none-fp8-tp-dp-pp";
+  expect_usage_error([&] { plan_command(r, nullptr); }, "is one of a question asked with --try-fp8 RECIPE");
+  r = Request{};
   r.try_fp8 = "fp4";
   expect_usage_error([&] { make_question(r); }, "plan: --try-fp8 fp4: gpt: --fp8-recipe must be");
 }
