@@ -459,8 +459,8 @@ void resolve_experts(Config& c) {
   }
   if (c.fp8 != parallel::Fp8Recipe::None) {
     throw UsageError(
-        "gpt: --experts with FP8 GEMMs is not built: the experts' grouped GEMMs run in 16 bits; "
-        "give --fp8-recipe none");
+        "gpt: --experts with FP8 GEMMs (--dtype fp8, or an --fp8-recipe) is not built: the experts' grouped "
+        "GEMMs run in 16 bits; give --dtype bf16 and --fp8-recipe none");
   }
   if (c.clip_grad > 0) {
     throw UsageError(
@@ -670,11 +670,11 @@ Config resolve(Config c, int world) {
     }
     c.dp = static_cast<int>(world / model_ranks);
   }
+  resolve_fp8(c);  // --dtype fp8 is bf16 with FP8 GEMMs before anything asks which GEMMs are FP8
   resolve_context(c);
   resolve_experts(c);
   check_products(c);
   resolve_block(c);
-  resolve_fp8(c);
   if (c.heads % c.tp != 0) {
     throw UsageError(
         fmt::format("gpt: --heads {} is not divisible by --tp {}: tensor parallelism gives each "
