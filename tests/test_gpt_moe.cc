@@ -125,6 +125,22 @@ TEST(GptMoe, SomeLayersMoeTrainEqualToOneDevice) {
   }
 }
 
+// Gradient clipping by the global norm takes the experts' gradients too, each counted once (on the ep rank
+// that holds it, once over the ranks holding the same experts): with ZeRO 1 over ep 2, and in the llama
+// layout over tp, sp, pp and ep 4 with ZeRO 2. Left out of the norm, the experts' gradients fail the check.
+TEST(GptMoe, ClippingByTheGlobalNormCountsTheExperts) {
+  Settings o = with_experts(4, 2, 2);
+  o["zero"] = option_text(1);
+  o["clip-grad"] = option_text(0.05);  // below the tiny model's norm: every step clips
+  RunReport rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  o = llama_across_tp_sp_pp(4);
+  o["zero"] = option_text(2);
+  o["clip-grad"] = option_text(0.05);
+  rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+}
+
 // Over an expert's capacity the lowest-gated routes are dropped, on each rank's tokens of a micro-batch:
 // the reference drops the same ones (and judges the run's choice), with tp, sp and pp beside ep.
 TEST(GptMoe, CapacityDropsTrainEqualToOneDevice) {

@@ -462,11 +462,6 @@ void resolve_experts(Config& c) {
         "gpt: --experts with FP8 GEMMs (--dtype fp8, or an --fp8-recipe) is not built: the experts' grouped "
         "GEMMs run in 16 bits; give --dtype bf16 and --fp8-recipe none");
   }
-  if (c.clip_grad > 0) {
-    throw UsageError(
-        "gpt: --clip-grad with --experts is not built: the global norm would have to add the experts' "
-        "gradients, reduced over their own group, to the dense ones; give --clip-grad 0");
-  }
 }
 
 // The block's own flags, each refused where the block has nothing it sets.

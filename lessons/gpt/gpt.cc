@@ -142,7 +142,8 @@ void gpt_lesson(Rank& r, const Config& o) {
       auto scope = r.region("optimizer");
       dp.finish(params);
       if (expert_dp) expert_dp->finish(expert_params);
-      if (c.clip_grad > 0) dp.clip_grads(params, c.clip_grad);
+      if (c.clip_grad > 0)
+        dp.clip_grads(params, c.clip_grad, expert_dp ? &*expert_dp : nullptr, expert_params);
       AdamW at = hyper;
       at.lr = static_cast<float>(c.lr_at(step));
       dp.step(params, at, step);

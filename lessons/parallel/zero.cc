@@ -372,13 +372,18 @@ void DataParallel::finish(const std::vector<Param*>& ps) {
   }
 }
 
-double DataParallel::clip_grads(const std::vector<Param*>& ps, double max_norm) {
+double DataParallel::clip_grads(const std::vector<Param*>& ps, double max_norm, DataParallel* experts,
+                                const std::vector<Param*>& expert_ps) {
   std::vector<Tensor> mine;
-  for (Param* p : ps) {
-    if (!counts_once(*p)) continue;
-    const Held h = held(*p);
-    mine.push_back(r_.view(h.grad, 0, Shape{h.count}));
-  }
+  auto add = [&](const DataParallel& dp, const std::vector<Param*>& params) {
+    for (Param* p : params) {
+      if (!dp.counts_once(*p)) continue;
+      const Held h = dp.held(*p);
+      mine.push_back(r_.view(h.grad, 0, Shape{h.count}));
+    }
+  };
+  add(*this, ps);
+  if (experts != nullptr) add(*experts, expert_ps);
   Tensor squares = r_.squared_norm(mine);
   r_.all_reduce(squares, ReduceOp::Sum);
   if (squares.phantom()) {
@@ -389,6 +394,12 @@ double DataParallel::clip_grads(const std::vector<Param*>& ps, double max_norm) 
   const double coeff = max_norm / (norm + 1e-6);
   if (coeff >= 1) return norm;
   const float scale = static_cast<float>(coeff);
+  scale_grads(ps, scale);
+  if (experts != nullptr) experts->scale_grads(expert_ps, scale);
+  return norm;
+}
+
+void DataParallel::scale_grads(const std::vector<Param*>& ps, float scale) {
   if (distributed_optimizer()) {
     for (Bucket& b : buckets_) r_.scale_(b.shard_grad, scale);
   } else if (flat()) {
@@ -396,7 +407,6 @@ double DataParallel::clip_grads(const std::vector<Param*>& ps, double max_norm) 
   } else {
     for (Param* p : ps) r_.scale_(p->grad, scale);
   }
-  return norm;
 }
 
 void DataParallel::step(const std::vector<Param*>& ps, const AdamW& h, int t) {

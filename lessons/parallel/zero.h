@@ -199,8 +199,11 @@ class DataParallel {
   // Gradient clipping by the global norm: the squares of every gradient element this rank holds, each
   // parameter's counted once over the world (counts_once), summed over the world; the host reads the norm (it
   // waits for the stream, as Megatron's does), and when it exceeds `max_norm` every gradient is scaled by
-  // max_norm / (norm + 1e-6). Returns the norm (0 for phantom tensors).
-  double clip_grads(const std::vector<Param*>& ps, double max_norm);
+  // max_norm / (norm + 1e-6). Returns the norm (0 for phantom tensors). With `experts` (the experts'
+  // DataParallel, over the ranks that hold the same experts, and its parameters) their gradients join the
+  // same norm, each element counted once too (the ep ranks hold different experts), and are scaled alike.
+  double clip_grads(const std::vector<Param*>& ps, double max_norm, DataParallel* experts = nullptr,
+                    const std::vector<Param*>& expert_ps = {});
   // AdamW on this rank's part, then the 16-bit weights rebuilt (all_gather for zero 1 and 2, at once or,
   // with overlap_param_gather, during the next step's forward).
   void step(const std::vector<Param*>& ps, const AdamW& h, int t);
@@ -223,6 +226,8 @@ class DataParallel {
   bool counts_once(const Param& p) const;
 
  private:
+  // The gradients the optimizer reads, times `scale`.
+  void scale_grads(const std::vector<Param*>& ps, float scale);
   // Whether `p`'s gradient covers only this tp rank's share (its tokens under sequence parallelism, or its
   // heads), to be summed over tp after the data-parallel reduction.
   bool partial_over_tp(const Param& p) const {
