@@ -365,13 +365,8 @@ const std::vector<parallel::DataParallel::Bytes>& StageStates::of(const gpt::Con
                              gpt::dense_state_bytes);
   const auto& experts = stages(experts_, std::tuple(c.pp, c.v, ep, c.zero, c.tp * c.cp * c.dp / ep), c,
                                gpt::expert_state_bytes);
-  for (int s = 0; s < c.pp; ++s) {
-    parallel::DataParallel::Bytes b = dense[s];
-    b.weights += experts[s].weights;
-    b.grads += experts[s].grads;
-    b.optimizer += experts[s].optimizer;
-    found->second.push_back(b);
-  }
+  for (int s = 0; s < c.pp; ++s)
+    found->second.push_back(parallel::DataParallel::Bytes(dense[s]) += experts[s]);
   return found->second;
 }
 

@@ -117,19 +117,16 @@ parallel::DataParallel::Bytes expert_state_bytes(const Config& c, int stage) {
   // experts are whole on every rank that holds them (tp size 1).
   const parallel::LocalSize input = parallel::local_size(param_spec(c, {expert_kind(0, 0), 0}, false), 1);
   const parallel::LocalSize output = parallel::local_size(param_spec(c, {expert_kind(0, 1), 0}, false), 1);
+  const std::vector<ParamId> ids = expert_backward_order(c, stage, 0);
   std::vector<parallel::LocalSize> sizes;
-  for (ParamId id : expert_backward_order(c, stage, 0))
-    sizes.push_back(id.kind == expert_kind((id.kind - kRouterKind - 1) / 2, 0) ? input : output);
+  sizes.reserve(ids.size());
+  for (ParamId id : ids) sizes.push_back(expert_weight(id.kind).which == 0 ? input : output);
   return parallel::DataParallel::bytes(sizes, expert_zero_config(c));
 }
 
 parallel::DataParallel::Bytes state_bytes(const Config& c, int stage) {
   parallel::DataParallel::Bytes b = dense_state_bytes(c, stage);
-  const parallel::DataParallel::Bytes e = expert_state_bytes(c, stage);
-  b.weights += e.weights;
-  b.grads += e.grads;
-  b.optimizer += e.optimizer;
-  return b;
+  return b += expert_state_bytes(c, stage);
 }
 
 MemoryPlan memory_plan(const Config& c, int stage) {

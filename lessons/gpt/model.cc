@@ -500,7 +500,7 @@ ParamSpec moe_spec(const Config& c, int layer, int kind, bool named) {
     s.sp_partial = true;
     return s;
   }
-  const int expert = (kind - kRouterKind - 1) / 2, which = (kind - kRouterKind - 1) % 2;
+  const auto [expert, which] = expert_weight(kind);
   const char* names[2][2] = {{"fc1", "fc2"}, {"w13", "w2"}};
   if (named) s.name = fmt::format("layer {} expert {} {}", layer, expert, names[c.llama()][which]);
   if (which == 0) {
@@ -543,7 +543,7 @@ Param& Model::param(ParamId id) {
       Block& b = ch.blocks[id.layer - first];
       if (id.kind < kBlockParams) return b.p[id.kind];
       if (id.kind == kRouterKind) return b.router;
-      const int expert = (id.kind - kRouterKind - 1) / 2, which = (id.kind - kRouterKind - 1) % 2;
+      const auto [expert, which] = expert_weight(id.kind);
       return b.experts[2 * (expert - ep_->index * c_.local_experts()) + which];
     }
     throw std::logic_error("gpt: layer " + std::to_string(id.layer) + " is not on this pipeline rank");

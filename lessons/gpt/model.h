@@ -80,6 +80,13 @@ constexpr int kRouterKind = int{kBlockParams} + int{kOtherParams};
 inline int expert_kind(int expert, int which) {  // which: 0 the input weight, 1 the output weight
   return kRouterKind + 1 + 2 * expert + which;
 }
+// The expert and which of its weights an expert kind is (expert_kind's inverse).
+struct ExpertWeight {
+  int expert, which;
+};
+inline ExpertWeight expert_weight(int kind) {
+  return {(kind - kRouterKind - 1) / 2, (kind - kRouterKind - 1) % 2};
+}
 // Whether a block parameter is the MLP's, which a MoE layer replaces.
 bool is_mlp_param(const Config& c, int which);
 // A parameter of the model: its kind (a block's parameter, kBlockParams + an OtherParam, or a MoE layer's)

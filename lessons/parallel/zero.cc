@@ -63,12 +63,7 @@ DataParallel::Bytes DataParallel::bytes(const LocalSize& s, const ZeroConfig& c)
 DataParallel::Bytes DataParallel::bytes(const std::vector<LocalSize>& backward_order, const ZeroConfig& c) {
   Bytes b;
   if (c.stage >= 2) {
-    for (const LocalSize& s : backward_order) {
-      const Bytes one = bytes(s, c);
-      b.weights += one.weights;
-      b.grads += one.grads;
-      b.optimizer += one.optimizer;
-    }
+    for (const LocalSize& s : backward_order) b += bytes(s, c);
     return b;
   }
   const BucketLayout layout = layout_buckets(backward_order, c);

@@ -148,6 +148,10 @@ class DataParallel {
   // whole set as the lesson lays it out, or one tensor sharded by rows (zero 2 and 3; the zero lesson's way).
   struct Bytes {
     std::int64_t weights = 0, grads = 0, optimizer = 0;
+    Bytes& operator+=(const Bytes& o) {
+      weights += o.weights, grads += o.grads, optimizer += o.optimizer;
+      return *this;
+    }
   };
   static Bytes bytes(const std::vector<LocalSize>& backward_order, const ZeroConfig& c);
   static Bytes bytes(const LocalSize& s, const ZeroConfig& c);
