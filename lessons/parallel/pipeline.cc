@@ -5,11 +5,17 @@
 
 namespace ranklab::parallel {
 
+namespace {
+// Warm-up: enough forwards that the rank after this one never waits for one. With chunks, a micro-batch
+// comes back to this rank after going around all pp ranks, so the warm-up grows by pp per extra chunk.
+int warmup_forwards(int pp, int stage, int v) {
+  return v == 1 ? pp - stage - 1 : (pp - stage - 1) * 2 + (v - 1) * pp;
+}
+}  // namespace
+
 std::vector<Task> schedule(int pp, int stage, int v, int m) {
   const int total = m * v;
-  // Warm-up: enough forwards that the rank after this one never waits for one. With chunks, a micro-batch
-  // comes back to this rank after going around all pp ranks, so the warm-up grows by pp per extra chunk.
-  const int warmup = std::min(total, v == 1 ? pp - stage - 1 : (pp - stage - 1) * 2 + (v - 1) * pp);
+  const int warmup = std::min(total, warmup_forwards(pp, stage, v));
   // The k-th forward of this rank: micro-batches go through the chunks in groups of pp.
   auto task = [&](int k, bool forward) {
     const int in_group = k % (pp * v);
@@ -28,7 +34,7 @@ std::vector<Task> schedule(int pp, int stage, int v, int m) {
 }
 
 std::vector<Task> schedule_through_first_period(int pp, int stage, int v, int m) {
-  const int warmup = v == 1 ? pp - stage - 1 : (pp - stage - 1) * 2 + (v - 1) * pp;
+  const int warmup = warmup_forwards(pp, stage, v);
   // Enough micro-batches for the whole warm-up and one period of pp x v steady pairs after it.
   const int enough = (warmup + pp * v + v - 1) / v;
   std::vector<Task> order = schedule(pp, stage, v, std::min(m, enough));
