@@ -51,16 +51,14 @@ void run_gpt(const Settings& given) {
 
 void plan(const Settings& given) {
   using namespace ranklab;
-  Settings request_flags;
-  plan::Request r;
+  Settings request_flags, shape_flags;
   for (const auto& [flag, value] : given) {
     const auto& shape = plan::shape_flags();
-    (std::find(shape.begin(), shape.end(), flag) != shape.end() ? r.shape[flag] : request_flags[flag]) =
+    (std::find(shape.begin(), shape.end(), flag) != shape.end() ? shape_flags[flag] : request_flags[flag]) =
         value;
   }
-  const plan::Request read = plan::request_options().read(request_flags, "plan");
-  r.profile = read.profile, r.nodes = read.nodes, r.framework = read.framework;
-  r.tp_across_nodes = read.tp_across_nodes, r.max_interleave = read.max_interleave, r.try_fp8 = read.try_fp8;
+  plan::Request r = plan::request_options().read(request_flags, "plan");
+  r.shape = shape_flags;
   const plan::Question q = plan::make_question(r);
   plan::enumerate(q);
 }

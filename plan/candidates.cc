@@ -709,6 +709,7 @@ std::vector<Candidate> enumerate(const Question& q) {
         // does, and with a tp group that fills whole nodes dp and pp groups both cross nodes either way.
         std::vector<std::string> orders = {"tp-dp-pp"};
         if (pp > 1 && dp > 1 && tp < per_node && world > per_node) orders.push_back("tp-pp-dp");
+        const std::vector<Variant> each = variants(orders, eps, !q.try_fp8.empty());
         for (int v = 1; v <= std::max(1, q.max_interleave); ++v) {
           if (v > 1 && (pp == 1 || q.layers % (pp * v) != 0)) continue;
           for (int mb : {1, 2, 4}) {
@@ -717,7 +718,7 @@ std::vector<Candidate> enumerate(const Question& q) {
                 if (sp && tp == 1) continue;
                 for (int zero = 0; zero <= 3; ++zero) {
                   if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the same run as zero 0
-                  for (const Variant& x : variants(orders, eps, !q.try_fp8.empty())) {
+                  for (const Variant& x : each) {
                     Candidate k;
                     k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, x.order, cp, x.ep, x.fp8};
                     k.name = k.layout.name();

@@ -140,9 +140,12 @@ Question make_question(const Request& r) {
   }
   q.profile.nodes = r.nodes;
   // The shape and dtype on one rank: the lesson's checks of everything that is not the layout.
-  Settings one = lesson_settings(q, Layout{});
-  one["world"] = std::to_string(1);
-  gpt::for_gpu(gpt::resolve(gpt::options_table().read(one, "gpt"), 1), q.profile.gpu);
+  auto on_one_rank = [&](const Layout& l) {
+    Settings one = lesson_settings(q, l);
+    one["world"] = std::to_string(1);
+    gpt::for_gpu(gpt::resolve(gpt::options_table().read(one, "gpt"), 1), q.profile.gpu);
+  };
+  on_one_rank(Layout{});
   if (!r.try_fp8.empty()) {
     if (q.dtype != "bf16" || q.fp8_recipe != "none") {
       throw UsageError(fmt::format(
@@ -151,10 +154,8 @@ Question make_question(const Request& r) {
           q.dtype, q.fp8_recipe == "none" ? "" : " with --fp8-recipe " + q.fp8_recipe));
     }
     q.try_fp8 = r.try_fp8;
-    Settings fp8 = lesson_settings(q, Layout{.fp8 = true});
-    fp8["world"] = std::to_string(1);
     try {
-      gpt::for_gpu(gpt::resolve(gpt::options_table().read(fp8, "gpt"), 1), q.profile.gpu);
+      on_one_rank(Layout{.fp8 = true});
     } catch (const UsageError& e) {
       throw UsageError(fmt::format("plan: --try-fp8 {}: {}", r.try_fp8, e.what()));
     }
