@@ -15,6 +15,7 @@
 
 #include "common/errors.h"
 #include "common/json_shape.h"
+#include "common/rank_timeline.h"
 
 namespace ranklab {
 
@@ -111,58 +112,6 @@ double bus_factor(CommOp op, int group_size) {
 
 // ---- per-rank totals ------------------------------------------------------------------------------------
 
-namespace {
-
-struct Interval {
-  double start;
-  double end;
-};
-
-// Sorts intervals and merges the overlapping ones in place; returns the total length of the union.
-double merge_in_place(std::vector<Interval>& v) {
-  std::sort(v.begin(), v.end(), [](const Interval& a, const Interval& b) { return a.start < b.start; });
-  std::size_t out = 0;
-  double total = 0;
-  for (const Interval& iv : v) {
-    if (!(iv.end > iv.start)) continue;  // empty or reversed spans cover nothing
-    if (out > 0 && iv.start <= v[out - 1].end) {
-      v[out - 1].end = std::max(v[out - 1].end, iv.end);
-    } else {
-      v[out++] = iv;
-    }
-  }
-  v.resize(out);
-  for (const Interval& iv : v) total += iv.end - iv.start;
-  return total;
-}
-
-// Length of the intersection of two sorted, disjoint interval lists: one merge-like pass.
-double overlap(const std::vector<Interval>& a, const std::vector<Interval>& b) {
-  double total = 0;
-  std::size_t i = 0, j = 0;
-  while (i < a.size() && j < b.size()) {
-    double lo = std::max(a[i].start, b[j].start);
-    double hi = std::min(a[i].end, b[j].end);
-    if (hi > lo) total += hi - lo;
-    // Whichever ends first cannot overlap anything further along the other list.
-    if (a[i].end < b[j].end) {
-      ++i;
-    } else {
-      ++j;
-    }
-  }
-  return total;
-}
-
-struct RankSpans {
-  std::vector<Interval> compute;
-  std::vector<Interval> comm;
-  double wait_us = 0;
-  double last_end_us = 0;
-};
-
-}  // namespace
-
 void summarize_spans(RunReport& report) {
   int n = std::max(report.world, 0);
   for (const RankSummary& s : report.ranks) n = std::max(n, s.rank + 1);
@@ -171,35 +120,15 @@ void summarize_spans(RunReport& report) {
     n = std::max(n, s.rank + 1);
   }
 
-  // An interval that starts inside the previous one of its list (a kernel right after the last) joins
-  // it at once: merge_in_place would put both in the same merged interval anyway, so the totals are the
-  // same to the bit, and a run of millions of back-to-back kernels needs a short list.
-  auto add = [](std::vector<Interval>& v, const Span& s) {
-    if (!(s.end_us > s.start_us)) return;  // covers nothing (merge_in_place would drop it)
-    if (!v.empty() && v.back().start <= s.start_us && s.start_us <= v.back().end) {
-      v.back().end = std::max(v.back().end, s.end_us);
-    } else {
-      v.push_back({s.start_us, s.end_us});
-    }
-  };
-  std::vector<RankSpans> per_rank(n);
-  for (const Span& s : report.spans) {
-    RankSpans& r = per_rank[s.rank];
-    r.last_end_us = std::max(r.last_end_us, s.end_us);
-    switch (s.kind) {
-      case SpanKind::Compute:
-        add(r.compute, s);
-        break;
-      case SpanKind::Comm:
-        add(r.comm, s);
-        break;
-      case SpanKind::Idle:
-        // Waits are summed, not unioned: each is one collective's wait, and they do not overlap on one
-        // stream anyway.
-        r.wait_us += std::max(0.0, s.end_us - s.start_us);
-        break;
-    }
-  }
+  // In time order, which RankTimeline takes in constant time per span.
+  std::vector<const Span*> ordered;
+  ordered.reserve(report.spans.size());
+  for (const Span& s : report.spans) ordered.push_back(&s);
+  std::sort(ordered.begin(), ordered.end(), [](const Span* a, const Span* b) {
+    return std::tie(a->rank, a->start_us) < std::tie(b->rank, b->start_us);
+  });
+  std::vector<RankTimeline> per_rank(n);
+  for (const Span* s : ordered) per_rank[s->rank].add(s->kind, s->start_us, s->end_us);
 
   // One summary per rank, in rank order, keeping whatever the backend already filled in (end, memory).
   std::vector<RankSummary> summaries(n);
@@ -211,16 +140,7 @@ void summarize_spans(RunReport& report) {
   double makespan_us = 0;
   for (int i = 0; i < n; ++i) {
     RankSummary& s = summaries[i];
-    RankSpans& r = per_rank[i];
-    double compute_us = merge_in_place(r.compute);
-    double comm_us = merge_in_place(r.comm);
-    double both_us = overlap(r.compute, r.comm);
-    s.compute_us = compute_us;
-    s.comm_us = comm_us;
-    s.comm_wait_us = r.wait_us;
-    s.exposed_comm_us = comm_us - both_us;
-    if (s.end_us == 0) s.end_us = r.last_end_us;
-    s.idle_us = std::max(0.0, s.end_us - (compute_us + comm_us - both_us));
+    per_rank[i].summarize(s);
     makespan_us = std::max(makespan_us, s.end_us);
   }
   report.ranks = std::move(summaries);

@@ -1,0 +1,56 @@
+// RankTimeline: one rank's busy and idle totals, gathered span by span in space that does not grow with
+// the number of spans.
+//
+// A rank's compute time is the union of its compute spans, its communication time the union of its
+// transfers, and what the summary calls exposed communication and idle time needs the overlap of the two
+// unions. Holding every span to take the unions at the end costs a large run gigabytes. This holds only the
+// unions' intervals that later spans may still touch: a backend that knows no span will start before a
+// time (its watermark) folds everything before it into running totals. The totals are those of the whole
+// union to the bit: intervals are added to them whole, in time order, as the union of every span would add
+// them.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "common/report.h"
+
+namespace ranklab {
+
+class RankTimeline {
+ public:
+  // A span of the rank's timeline. Compute and Comm spans join their stream's union; Idle spans (a
+  // collective waiting for its late members) are summed: each is one collective's wait.
+  void add(SpanKind kind, double start_us, double end_us);
+
+  // No span added from now on starts before `watermark_us`: the intervals that end before it and before
+  // the stretch of busy time that reaches it are final, and leave for the totals.
+  void fold(double watermark_us);
+
+  // Intervals held, compute and communication together: what the rank's timeline costs in memory now.
+  std::size_t held() const { return compute_.size() + comm_.size(); }
+
+  // Fills `s`'s compute, comm, comm_wait, exposed_comm and idle times; its end_us too when it is 0 (the
+  // latest span's end). Idle is the rest of [0, end_us].
+  void summarize(RankSummary& s) const;
+
+ private:
+  struct Interval {
+    double start;
+    double end;
+  };
+  // Sorted by start, disjoint; intervals that touch are one.
+  static void insert(std::vector<Interval>& v, Interval iv);
+  using Intervals = std::span<const Interval>;
+  static double length(Intervals v, double total);
+  static double overlap(Intervals a, Intervals b, double total);
+
+  std::vector<Interval> compute_, comm_;
+  // The folded intervals' totals, summed in time order.
+  double compute_us_ = 0, comm_us_ = 0, both_us_ = 0;
+  double wait_us_ = 0;
+  double last_end_us_ = 0;
+};
+
+}  // namespace ranklab
