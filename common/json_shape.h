@@ -218,6 +218,38 @@ nlohmann::ordered_json write(const T& value) {
   }
 }
 
+// The same text as write(object).dump(), appended to `out` member by member, and a vector member element by
+// element: a report of millions of spans never stands as one document in memory. Text that is not UTF-8
+// is replaced, as dump() with error_handler_t::replace does.
+template <class T>
+void append_fields(const T& object, std::string& out) {
+  auto dump = [&out](const nlohmann::ordered_json& j) {
+    out += j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+  };
+  std::apply(
+      [&](const auto&... field) {
+        auto one = [&](const auto& f) {
+          const auto& member = object.*(f.member);
+          if (f.write == Write::WhenSet && !is_set(member)) return;
+          out += out.back() == '{' ? "\"" : ",\"";
+          out += f.key;
+          out += "\":";
+          if constexpr (IsVector<std::decay_t<decltype(member)>>::value) {
+            out += '[';
+            for (std::size_t i = 0; i < member.size(); ++i) {
+              if (i > 0) out += ',';
+              dump(write(member[i]));
+            }
+            out += ']';
+          } else {
+            dump(write(member));
+          }
+        };
+        (one(field), ...);
+      },
+      Shape<T>::fields);
+}
+
 // ---- reading ---------------------------------------------------------------------------------------------
 
 template <class T>

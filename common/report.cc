@@ -623,11 +623,12 @@ constexpr int kSchemaVersion = 1;
 }  // namespace
 
 std::string report_to_json(const RunReport& report) {
-  ordered_json j = ordered_json::object();
-  j["schema_version"] = kSchemaVersion;
-  json_shape::write_fields(report, j);
-  // A lesson's printed output may hold bytes that are not UTF-8; replace them rather than fail the write.
-  return j.dump(-1, ' ', false, ordered_json::error_handler_t::replace);
+  std::string out = fmt::format("{{\"schema_version\":{}", kSchemaVersion);
+  // A lesson's printed output may hold bytes that are not UTF-8; they are replaced rather than fail the
+  // write.
+  json_shape::append_fields(report, out);
+  out += '}';
+  return out;
 }
 
 RunReport report_from_json(const std::string& text, std::string_view document) {

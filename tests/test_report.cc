@@ -344,6 +344,14 @@ TEST(ReportJson, RoundTripKeepsEveryField) {
   EXPECT_EQ(report_to_json(back), text);
 }
 
+TEST(ReportJson, WrittenMemberByMemberAsOneDocumentWouldBe) {
+  // report_to_json appends each span's text as it goes; the text is what dumping the whole document gives.
+  RunReport r = sample_report();
+  r.output.push_back("bad \xff byte");
+  const std::string text = report_to_json(r);
+  EXPECT_EQ(nlohmann::ordered_json::parse(text).dump(), text);
+}
+
 TEST(ReportJson, EveryCommOpAndSpanKindRoundTrips) {
   RunReport r;
   for (int i = 0; i <= static_cast<int>(CommOp::Barrier); ++i) {
