@@ -16,6 +16,12 @@ const OptionTable<BackendOptions>& backend_options() {
                 "memory and traffic at a fraction of the cost (docs/lessons/gpt.md says how exact)")
           .choices({"tp", "tp-dp"})
           .implicit("tp-dp"),
+      Option<O>(
+          "trace-ranks", &O::trace_ranks,
+          "the ranks whose every kernel and transfer the report keeps (trace, timeline): all, auto (rank "
+          "0 and one rank per pipeline stage; every rank up to 16), or ranks and ranges such as "
+          "0,8,16-23; every rank's totals are kept either way")
+          .not_identity(),
   };
   return table;
 }

@@ -33,6 +33,8 @@ struct BackendOptions {
   // gpt on the simulator, with --phantom: which replicas mirror a representative instead of running ("":
   // none, "tp": the tensor-parallel ranks of each (stage, dp replica), "tp-dp": one rank per stage).
   std::string symmetric;
+  // Which ranks the report keeps span by span (TraceRanks::parse): what --trace-ranks says.
+  std::string trace_ranks = "auto";
 };
 const OptionTable<BackendOptions>& backend_options();
 

@@ -735,8 +735,11 @@ std::string timeline_json(const RunReport& r) {
   }
   std::string out = fmt::format("{{\"end\":{},\"rows\":[", json_number(r.makespan_us));
   const char* keys[] = {"c", "m", "w", "i", "g", "f", "b"};
+  bool first_row = true;
   for (int i = 0; i < n; ++i) {
-    out += i ? ",{" : "{";
+    if (!r.traces(i)) continue;  // a rank whose timeline the report did not keep
+    out += fmt::format("{}{{\"r\":{},", first_row ? "" : ",", i);
+    first_row = false;
     for (int b = 0; b < 7; ++b) {
       std::vector<Item>& items = rows[i][b];
       std::stable_sort(items.begin(), items.end(),
@@ -794,39 +797,20 @@ void timeline_section(std::string& out, const RunReport& r) {
 
 void collectives_section(std::string& out, const RunReport& r) {
   out += "<h2>Collectives</h2>\n";
-  if (r.collectives.empty()) {
+  std::vector<CollectiveTotal> rows = collective_totals(r);
+  // The lesson's checks, not its communication (summary.txt counts them).
+  std::erase_if(rows, [](const CollectiveTotal& c) { return c.bookkeeping; });
+  if (rows.empty()) {
     out += "<p class=\"sub\">No collectives.</p>\n";
     return;
-  }
-  struct Row {
-    CommOp op;
-    std::int64_t bytes;
-    int group_size;
-    std::string algorithm;
-    int count = 0;
-    double total_us = 0, min_us = INFINITY, max_us = 0;
-  };
-  // Grouped as the terminal summary groups them, in order of first appearance.
-  std::vector<Row> rows;
-  std::map<std::tuple<int, std::int64_t, int, std::string>, std::size_t> index;
-  for (const CollectiveRecord& c : r.collectives) {
-    if (c.bookkeeping) continue;  // the lesson's checks, not its communication (summary.txt counts them)
-    auto [it, inserted] = index.try_emplace(
-        std::make_tuple(static_cast<int>(c.op), c.bytes, c.group_size, c.algorithm), rows.size());
-    if (inserted) rows.push_back(Row{c.op, c.bytes, c.group_size, c.algorithm});
-    Row& row = rows[it->second];
-    ++row.count;
-    row.total_us += c.time_us();
-    row.min_us = std::min(row.min_us, c.time_us());
-    row.max_us = std::max(row.max_us, c.time_us());
   }
   out +=
       "<div class=\"scroll\"><table id=\"collectives\">\n<tr><th "
       "class=\"l\">operation</th><th>bytes</th><th>ranks</th>"
       "<th class=\"l\">algorithm</th><th>count</th><th>mean time</th><th>min</th><th>max</th><th>total</th>"
       "<th>algbw</th><th>busbw</th></tr>\n";
-  for (const Row& row : rows) {
-    const double mean_us = row.total_us / row.count;
+  for (const CollectiveTotal& row : rows) {
+    const double mean_us = row.total_us / static_cast<double>(row.count);
     const double algbw = mean_us > 0 ? static_cast<double>(row.bytes) / (mean_us * 1e3) : 0;
     const double busbw = row.group_size >= 1 ? algbw * bus_factor(row.op, row.group_size) : 0;
     out += fmt::format(
@@ -834,7 +818,7 @@ void collectives_section(std::string& out, const RunReport& r) {
         "class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td>"
         "<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
         comm_op_name(row.op), format_bytes(static_cast<double>(row.bytes)), row.group_size,
-        html_escape(row.algorithm), row.count, human_time(mean_us), human_time(row.min_us),
+        html_escape(row.algorithm.str()), row.count, human_time(mean_us), human_time(row.min_us),
         human_time(row.max_us), human_time(row.total_us), format_gbps(algbw), format_gbps(busbw));
   }
   out += "</table></div>\n";

@@ -605,6 +605,10 @@ class Rank {
   // This rank's tasks of a pipeline schedule (the step it timed), for the report's schedule chart. Each
   // rank that runs a stage reports its own; the report keeps them all.
   virtual void report_pipeline(const std::vector<PipelineTask>& tasks) = 0;
+  // Asks the report to keep this rank's timeline where the user left the choice of ranks to the lesson
+  // (--trace-ranks auto): a large run's lesson marks the ranks that show its schedule, one per pipeline
+  // stage. Called before the rank's first kernel; a backend that keeps every rank's timeline ignores it.
+  virtual void keep_in_trace() {}
 
  protected:
   // matmul_, or matmul_add_ when `accumulate`: the one entry each backend implements.

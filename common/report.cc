@@ -74,6 +74,29 @@ bool RunReport::all_checks_passed() const {
   return std::all_of(checks.begin(), checks.end(), [](const CheckRecord& c) { return c.passed; });
 }
 
+bool RunReport::traces(int rank) const {
+  return traced_ranks.empty() || std::binary_search(traced_ranks.begin(), traced_ranks.end(), rank);
+}
+
+void CollectiveTally::add(const CollectiveRecord& c) {
+  auto key =
+      std::make_tuple(static_cast<int>(c.op), c.bytes, c.group_size, &c.algorithm.str(), c.bookkeeping);
+  auto [it, inserted] = index_.try_emplace(key, rows_.size());
+  if (inserted) rows_.push_back(CollectiveTotal{c.op, c.bytes, c.group_size, c.algorithm, c.bookkeeping});
+  CollectiveTotal& row = rows_[it->second];
+  row.min_us = row.count == 0 ? c.time_us() : std::min(row.min_us, c.time_us());
+  row.max_us = row.count == 0 ? c.time_us() : std::max(row.max_us, c.time_us());
+  ++row.count;
+  row.total_us += c.time_us();
+}
+
+std::vector<CollectiveTotal> collective_totals(const RunReport& report) {
+  if (!report.collective_totals.empty()) return report.collective_totals;
+  CollectiveTally tally;
+  for (const CollectiveRecord& c : report.collectives) tally.add(c);
+  return tally.take();
+}
+
 std::int64_t RunReport::total_link_bytes() const {
   std::int64_t total = 0;
   for (const LinkTraffic& l : links) total += l.bytes;
@@ -214,42 +237,27 @@ void format_ranks(std::string& out, const std::vector<RankSummary>& ranks) {
   out += fmt::format("  ({} ranks; the last to finish is rank {})\n", ranks.size(), slowest->rank);
 }
 
-void format_collectives(std::string& out, const std::vector<CollectiveRecord>& records) {
-  struct Row {
-    CommOp op;
-    std::int64_t bytes;
-    int group_size;
-    std::string algorithm;
-    int count = 0;
-    double total_us = 0;
-  };
-  // Grouped in order of first appearance, which for a sweep is the order of the sweep.
-  std::vector<Row> rows;
-  std::map<std::tuple<int, std::int64_t, int, std::string>, std::size_t> index;
-  int kept_apart = 0;
+void format_collectives(std::string& out, const std::vector<CollectiveTotal>& totals) {
+  std::vector<CollectiveTotal> rows;
+  std::int64_t kept_apart = 0;
   double kept_apart_bytes = 0;
-  for (const CollectiveRecord& c : records) {
+  for (const CollectiveTotal& c : totals) {
     if (c.bookkeeping) {
-      ++kept_apart;
-      kept_apart_bytes += static_cast<double>(c.bytes);
-      continue;
+      kept_apart += c.count;
+      kept_apart_bytes += static_cast<double>(c.bytes) * static_cast<double>(c.count);
+    } else {
+      rows.push_back(c);
     }
-    auto key = std::make_tuple(static_cast<int>(c.op), c.bytes, c.group_size, c.algorithm);
-    auto [it, inserted] = index.try_emplace(key, rows.size());
-    if (inserted) rows.push_back(Row{c.op, c.bytes, c.group_size, c.algorithm});
-    Row& row = rows[it->second];
-    ++row.count;
-    row.total_us += c.time_us();
   }
   std::size_t op_width = 10, algo_width = 9;
-  for (const Row& r : rows) {
+  for (const CollectiveTotal& r : rows) {
     op_width = std::max(op_width, std::string(comm_op_name(r.op)).size());
     algo_width = std::max(algo_width, r.algorithm.size());
   }
   out += fmt::format("  {:<{}} {:>10} {:>5}  {:<{}} {:>6} {:>11} {:>12} {:>12}\n", "collective", op_width,
                      "size", "ranks", "algorithm", algo_width, "count", "mean time", "algbw", "busbw");
-  for (const Row& r : rows) {
-    double mean_us = r.total_us / r.count;
+  for (const CollectiveTotal& r : rows) {
+    double mean_us = r.total_us / static_cast<double>(r.count);
     // nccl-tests' definitions: algbw = size / time, busbw = algbw * bus factor.
     double algbw = mean_us > 0 ? static_cast<double>(r.bytes) / (mean_us * 1e3) : 0;
     double busbw = r.group_size >= 1 ? algbw * bus_factor(r.op, r.group_size) : 0;
@@ -388,9 +396,9 @@ std::string format_summary(const RunReport& report) {
        "compute slowed by communication kernels on the same GPU (their SMs and HBM traffic)");
   most(&RankSummary::host_wait_us,
        "compute stream idle until the host had launched its next kernel (part of its idle time)");
-  if (!report.collectives.empty()) {
+  if (!report.collectives.empty() || !report.collective_totals.empty()) {
     out += "\n";
-    format_collectives(out, report.collectives);
+    format_collectives(out, collective_totals(report));
   }
   if (!report.links.empty()) {
     out += "\n";
@@ -490,6 +498,21 @@ struct Shape<CollectiveRecord> {
       required("algbw_gbps", &CollectiveRecord::algbw_gbps),
       required("busbw_gbps", &CollectiveRecord::busbw_gbps),
       optional("bookkeeping", &CollectiveRecord::bookkeeping),  // false in reports from before it existed
+  };
+};
+
+template <>
+struct Shape<CollectiveTotal> {
+  static constexpr auto fields = std::tuple{
+      required("op", &CollectiveTotal::op),
+      required("bytes", &CollectiveTotal::bytes),
+      required("group_size", &CollectiveTotal::group_size),
+      required("algorithm", &CollectiveTotal::algorithm),
+      required("bookkeeping", &CollectiveTotal::bookkeeping),
+      required("count", &CollectiveTotal::count),
+      required("total_us", &CollectiveTotal::total_us),
+      required("min_us", &CollectiveTotal::min_us),
+      required("max_us", &CollectiveTotal::max_us),
   };
 };
 
@@ -602,8 +625,10 @@ struct Shape<RunReport> {
       required("makespan_us", &RunReport::makespan_us),
       optional("late_starts", &RunReport::late_starts),
       required("ranks", &RunReport::ranks),
+      optional("traced_ranks", &RunReport::traced_ranks),  // every rank's, in reports from before it existed
       required("spans", &RunReport::spans),
       required("collectives", &RunReport::collectives),
+      optional("collective_totals", &RunReport::collective_totals),
       required("regions", &RunReport::regions),
       required("checks", &RunReport::checks),
       required("links", &RunReport::links),

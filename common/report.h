@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "common/rank.h"
@@ -72,6 +73,33 @@ struct CollectiveRecord {
   // summary's collectives table and of the link traffic, and counted apart.
   bool bookkeeping = false;
   double time_us() const { return end_us - start_us; }
+};
+
+// The collectives of one (op, size, group size, algorithm), as the summary's table groups them: gathered
+// over every operation of the run, where a large run keeps the records of its traced ranks' operations only.
+struct CollectiveTotal {
+  CommOp op = CommOp::AllReduce;
+  std::int64_t bytes = 0;
+  int group_size = 0;
+  SpanName algorithm;
+  bool bookkeeping = false;  // the lesson's own checks and figures (CollectiveRecord::bookkeeping)
+  std::int64_t count = 0;
+  double total_us = 0;
+  double min_us = 0;
+  double max_us = 0;
+};
+
+// Collective records grouped into CollectiveTotal rows, in order of their first record (for a sweep, the
+// sweep's order).
+class CollectiveTally {
+ public:
+  void add(const CollectiveRecord& c);
+  const std::vector<CollectiveTotal>& rows() const { return rows_; }
+  std::vector<CollectiveTotal> take() { return std::move(rows_); }
+
+ private:
+  std::vector<CollectiveTotal> rows_;
+  std::map<std::tuple<int, std::int64_t, int, const std::string*, bool>, std::size_t> index_;
 };
 
 struct RegionRecord {
@@ -156,8 +184,13 @@ struct RunReport {
   // alone up to it, so their contention with what had already ended is not modelled. 0 elsewhere.
   std::int64_t late_starts = 0;
   std::vector<RankSummary> ranks;
+  // The ranks whose timeline the report keeps (spans, regions, and the records of their collectives),
+  // ascending; empty when it keeps every rank's (TraceRanks).
+  std::vector<int> traced_ranks;
   std::vector<Span> spans;
   std::vector<CollectiveRecord> collectives;
+  // Every collective of the run, grouped; empty where `collectives` holds them all (collective_totals).
+  std::vector<CollectiveTotal> collective_totals;
   std::vector<RegionRecord> regions;
   std::vector<CheckRecord> checks;
   std::vector<LinkTraffic> links;  // the links that carried bytes
@@ -170,6 +203,8 @@ struct RunReport {
   std::vector<PipelineTask> pipeline;
 
   bool all_checks_passed() const;
+  // Whether the report keeps `rank`'s timeline.
+  bool traces(int rank) const;
   std::int64_t total_link_bytes() const;
 };
 
@@ -177,6 +212,9 @@ struct RunReport {
 // src/scatter.cu, src/gather.cu there for the two ops that page leaves out). Raises UsageError when
 // group_size < 1.
 double bus_factor(CommOp op, int group_size);
+
+// The run's collectives grouped: report.collective_totals, or when it is empty, its records grouped.
+std::vector<CollectiveTotal> collective_totals(const RunReport& report);
 
 // Fills each RankSummary's busy/idle totals from the spans. Adds a RankSummary for every rank below
 // `world` or named by a span that has none (ranks end up sorted by rank). A rank's end_us is kept when the

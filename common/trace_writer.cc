@@ -136,6 +136,7 @@ std::vector<std::vector<TimeRange>> idle_intervals(const RunReport& report) {
     if (r.rank >= 0 && r.rank < n && r.end_us > 0) end[r.rank] = r.end_us;
   }
   for (int r = 0; r < n; ++r) {
+    if (!report.traces(r)) continue;  // its timeline was not kept: nothing to say when it was idle
     std::vector<TimeRange>& b = busy[r];
     std::sort(b.begin(), b.end(),
               [](const TimeRange& x, const TimeRange& y) { return x.start_us < y.start_us; });
@@ -199,6 +200,7 @@ std::string report_to_trace_json(const RunReport& report) {
   };
 
   for (int r = 0; r < n; ++r) {
+    if (!report.traces(r)) continue;
     event(fmt::format(R"({{"ph":"M","name":"process_name","pid":{},"tid":0,"args":{{"name":"rank {}"}}}})", r,
                       r));
     event(fmt::format(

@@ -17,7 +17,8 @@ struct TimeRange {
 };
 
 // For each rank below report.ranks.size() (or world), the intervals of [0, the rank's end] in which
-// neither a compute nor a comm span is busy; their total is RankSummary::idle_us.
+// neither a compute nor a comm span is busy; their total is RankSummary::idle_us. None for a rank whose
+// timeline the report did not keep (RunReport::traces).
 std::vector<std::vector<TimeRange>> idle_intervals(const RunReport& report);
 
 // The trace as one JSON object. Timestamps are the report's microseconds, as the format expects.

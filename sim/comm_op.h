@@ -26,8 +26,9 @@ struct CommMember {
   // than two, kept inside the member: a list of their own for every member of every operation would be as
   // many allocations, and freeing thousands at once when a large collective ends is what slows malloc.
   boost::container::small_vector<std::shared_ptr<CommOpState>, 2> deps;
-  bool waited = false;  // for async calls: wait() has been called
-  double ready_us = 0;  // when this member was ready (set at execution)
+  bool waited = false;         // for async calls: wait() has been called
+  double ready_us = 0;         // when this member was ready (set at execution)
+  std::uint64_t post_seq = 0;  // its place among its rank's posts (RankState::unfinished_posts)
 };
 
 struct CommOpState {

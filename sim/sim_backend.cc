@@ -41,7 +41,8 @@ struct Stacks {
 #endif
 
 RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_limit,
-                     const std::function<void(Rank&)>& fn, std::int64_t& fiber_switches) {
+                     const std::function<void(Rank&)>& fn, std::int64_t& fiber_switches,
+                     std::size_t& timeline_held_most) {
   // Must come before any other fiber operation on this thread.
   boost::fibers::use_scheduling_algorithm<sim::VirtualTimeScheduler>();
   sim::SimWorld world(config, world_size);
@@ -74,6 +75,7 @@ RunReport run_fibers(const SimConfig& config, int world_size, std::int64_t host_
     }
     for (auto& f : fibers) f.join();
     fiber_switches = world.scheduler().fiber_switches();
+    timeline_held_most = world.timeline_held_most();
     world.scheduler().rethrow_if_failed();
     report = world.finish_report();
   }
@@ -103,9 +105,10 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
   RunReport report;
   std::exception_ptr error;
   fiber_switches_ = 0;
+  timeline_held_most_ = 0;
   std::thread runner([&] {
     try {
-      report = run_fibers(config_, world, host_limit, fn, fiber_switches_);
+      report = run_fibers(config_, world, host_limit, fn, fiber_switches_, timeline_held_most_);
     } catch (...) {
       error = std::current_exception();
     }

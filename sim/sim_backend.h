@@ -9,6 +9,7 @@
 
 #include "common/backend.h"
 #include "common/profile.h"
+#include "common/trace_ranks.h"
 
 namespace ranklab {
 
@@ -50,6 +51,8 @@ struct SimConfig {
   // caller reads only the training figures and the memory peaks (`ranklab plan`): a step of thousands of
   // micro-batches then keeps nothing per operation, and the ranks' busy times read 0.
   bool keep_timeline = true;
+  // Which ranks keep their spans, regions and collective records (every rank's totals are kept either way).
+  TraceRanks trace_ranks{};
   // A compute kernel that runs while communication is in flight on its GPU gets the SMs the communication
   // kernel leaves and the HBM bandwidth it leaves (docs/model.md, "Communication kernels share the GPU").
   // Off: compute runs as if the GPU were its own, as before the mechanism existed.
@@ -74,10 +77,14 @@ class SimBackend : public Backend {
   // virtual time. What a run costs in real time at scale follows it; like the virtual times, it is the
   // same in every run of the same program (bench/scale_lessons.cc prints it per rank).
   std::int64_t fiber_switches() const { return fiber_switches_; }
+  // The most timeline intervals one rank held at once in the last launch (RankTimeline::held): what the
+  // report's totals cost in memory, which folding keeps from growing with the run's length.
+  std::size_t timeline_held_most() const { return timeline_held_most_; }
 
  private:
   SimConfig config_;
   std::int64_t fiber_switches_ = 0;
+  std::size_t timeline_held_most_ = 0;
 };
 
 }  // namespace ranklab

@@ -128,6 +128,7 @@ class SimRank : public Rank {
   void check(const std::string& what, bool passed, const std::string& detail) override;
   void report_training(const TrainingStats& stats) override { world_.set_training(stats); }
   void report_pipeline(const std::vector<PipelineTask>& tasks) override { world_.add_pipeline(tasks); }
+  void keep_in_trace() override { world_.keep_in_trace(rank_); }
 
   // Waits for everything the rank posted; called when its program returns.
   void finish();

@@ -57,6 +57,17 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   report_.backend = "sim";
   report_.profile = config.profile.name;
   report_.world = world_size;
+  // A mirror's timeline is its representative's: tracing it traces the representative.
+  const TraceRanks& trace = config.trace_ranks;
+  const bool all = trace.mode == TraceRanks::Mode::All ||
+                   (trace.mode == TraceRanks::Mode::Lesson && TraceRanks::keeps_all_of(world_size));
+  traced_.assign(static_cast<std::size_t>(world_size), all ? 1 : 0);
+  if (!all) {
+    traced_[representative(0)] = trace.mode == TraceRanks::Mode::Lesson;
+    for (int r : trace.ranks) {
+      if (r < world_size) traced_[representative(r)] = 1;
+    }
+  }
 }
 
 // ---- running ranks and failing runs ----------------------------------------------------------------
@@ -143,6 +154,10 @@ std::shared_ptr<CommOpState> SimWorld::post(int rank, const CommCall& call) {
   }
   std::shared_ptr<CommOpState> op = operations_.join(rank, call);
   CommMember& m = op->member_of(rank);
+  if (config_.keep_timeline) {
+    m.post_seq = s.first_unfinished_post + s.unfinished_posts.size();
+    s.unfinished_posts.push_back({s.host_us, false});
+  }
   if (defer) {
     m.issue_ready_us = std::numeric_limits<double>::quiet_NaN();
     ++op->unready;
@@ -241,9 +256,15 @@ void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
       const int stream =
           p2p ? (m.rank == op->ranks[0] ? op->ranks[1] : op->ranks[0]) : collective_stream(op->group_id);
       s.streams[stream].end_us = std::max(s.streams[stream].end_us, op->end_us);
+      if (config_.keep_timeline) finish_post(s, m.post_seq);
       add_span(m.rank, SpanKind::Comm, name, op->start_us, op->end_us);
     }
-    if (config_.keep_timeline) report_.collectives.push_back(collective_record(*op));
+    if (config_.keep_timeline) {
+      CollectiveRecord record = collective_record(*op);
+      collective_tally_.add(record);
+      if (std::any_of(op->ranks.begin(), op->ranks.end(), [this](int r) { return traced(r); }))
+        report_.collectives.push_back(std::move(record));
+    }
     if (size() >= 256) {
       if (progress_detail_.empty()) progress_detail_ = fmt::format("operations, {} ranks", size());
       progress_.update(++finished_ops_, progress_detail_);

@@ -35,6 +35,7 @@
 
 #include "common/profile.h"
 #include "common/progress.h"
+#include "common/rank_timeline.h"
 #include "common/report.h"
 #include "sim/comm_op.h"
 #include "sim/compute_model.h"
@@ -144,6 +145,19 @@ struct RankState {
   std::uint64_t p2p_group = 0;  // nonzero while a batch of point-to-point operations is being posted
   std::uint64_t p2p_groups_posted = 0;
   std::uint64_t shows = 0;
+  // The rank's busy and idle totals (SimWorld::add_span), and the size at which it is next folded.
+  RankTimeline timeline;
+  std::size_t timeline_fold_at = 64;
+  std::size_t timeline_held_most = 0;
+  // The host clock at each post whose operation has not finished, in posting order from the post numbered
+  // `first_unfinished_post`: an operation starts no earlier than any member's post, so no transfer span of
+  // this rank will start before the first of these (SimWorld::timeline_watermark).
+  struct PostMark {
+    double host_us = 0;
+    bool finished = false;
+  };
+  FrontQueue<PostMark> unfinished_posts;
+  std::uint64_t first_unfinished_post = 0;
 };
 
 class SimWorld {
@@ -255,6 +269,12 @@ class SimWorld {
   void add_pipeline(const std::vector<PipelineTask>& tasks) {
     report_.pipeline.insert(report_.pipeline.end(), tasks.begin(), tasks.end());
   }
+  // Whether `rank` keeps its spans and regions in the report (SimConfig::trace_ranks); keep_in_trace marks
+  // one when the lesson chooses.
+  bool traced(int rank) const { return traced_[rank] != 0; }
+  void keep_in_trace(int rank);
+  // The most timeline intervals one rank held at once (SimBackend::timeline_held_most).
+  std::size_t timeline_held_most() const;
   // The report, but for its topology: see describe_topology.
   RunReport finish_report();
   // RunReport::topology for this run. Separate from finish_report so that the caller can build it after
@@ -264,6 +284,11 @@ class SimWorld {
 
  private:
   RankState& state(int rank) { return *ranks_[rank]; }
+  // No span of `s` added from now on starts before this: its compute stream's clock bounds its kernels, the
+  // host clock its posts to come, and its earliest unfinished post the transfers in flight.
+  static double timeline_watermark(const RankState& s);
+  // The post numbered `seq` of `s` has finished.
+  static void finish_post(RankState& s, std::uint64_t seq);
   // Whether `rank`'s next kernel may take its unfolded_waits along instead of blocking for them: each has
   // finished, or its numbers are done (it executed, or this rank's buffers are phantoms), so only its end
   // is missing. Then the rank goes on, as a GPU's host does past a synchronous NCCL call, and its
@@ -327,6 +352,8 @@ class SimWorld {
   std::vector<std::unique_ptr<RankState>> ranks_;
   std::map<std::string, HostRendezvous> host_rendezvous_;
   RunReport report_;
+  std::vector<char> traced_;  // per rank: SimWorld::traced
+  CollectiveTally collective_tally_;
   // A large world's run shows its communication finishing on stderr (a terminal only).
   Progress progress_;
   std::int64_t finished_ops_ = 0;

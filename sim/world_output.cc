@@ -123,13 +123,44 @@ SpanName SimWorld::plan_name(const CommPlan& plan) {
   return it->second;
 }
 
+double SimWorld::timeline_watermark(const RankState& s) {
+  const double w = std::min(s.host_us, s.compute_us);
+  return s.unfinished_posts.empty() ? w : std::min(w, s.unfinished_posts.front().host_us);
+}
+
+void SimWorld::finish_post(RankState& s, std::uint64_t seq) {
+  s.unfinished_posts[seq - s.first_unfinished_post].finished = true;
+  std::size_t done = 0;
+  while (done < s.unfinished_posts.size() && s.unfinished_posts[done].finished) ++done;
+  s.unfinished_posts.pop_front(done);
+  s.first_unfinished_post += done;
+}
+
 void SimWorld::add_span(int rank, SpanKind kind, SpanName name, double start_us, double end_us) {
   if (end_us <= start_us || !config_.keep_timeline) return;
-  report_.spans.push_back({rank, kind, name, start_us, end_us});
+  RankState& s = state(rank);
+  s.timeline.add(kind, start_us, end_us);
+  if (s.timeline.held() >= s.timeline_fold_at) {
+    s.timeline.fold(timeline_watermark(s));
+    s.timeline_held_most = std::max(s.timeline_held_most, s.timeline.held());
+    // Folded again once it has doubled: constant time per span however many stay held.
+    s.timeline_fold_at = std::max<std::size_t>(64, 2 * s.timeline.held());
+  }
+  if (traced(rank)) report_.spans.push_back({rank, kind, name, start_us, end_us});
 }
 
 void SimWorld::add_region(int rank, const std::string& name, double start_us, double end_us) {
-  report_.regions.push_back({rank, name, start_us, end_us});
+  if (traced(rank)) report_.regions.push_back({rank, name, start_us, end_us});
+}
+
+void SimWorld::keep_in_trace(int rank) {
+  if (config_.trace_ranks.mode == TraceRanks::Mode::Lesson) traced_[representative(rank)] = 1;
+}
+
+std::size_t SimWorld::timeline_held_most() const {
+  std::size_t most = 0;
+  for (const auto& s : ranks_) most = std::max({most, s->timeline_held_most, s->timeline.held()});
+  return most;
 }
 
 void SimWorld::add_check(int rank, const std::string& what, bool passed, const std::string& detail) {
@@ -158,13 +189,21 @@ RunReport SimWorld::finish_report() {
     sum.host_wait_us = s.host_wait_us;
     sum.peak_bytes = s.memory->peak;
     sum.capacity_bytes = s.memory->capacity;
+    if (runs(r)) s.timeline.summarize(sum);
     report_.ranks.push_back(sum);
     report_.makespan_us = std::max(report_.makespan_us, s.host_us);
   }
   progress_.finish();
+  if (report_.makespan_us == 0) {
+    for (const RankSummary& s : report_.ranks) report_.makespan_us = std::max(report_.makespan_us, s.end_us);
+  }
   report_.links = network_->link_traffic();
   report_.late_starts = engine_.late_starts();
-  summarize_spans(report_);
+  report_.collective_totals = collective_tally_.take();
+  for (int r = 0; r < size(); ++r) {
+    if (traced(r)) report_.traced_ranks.push_back(r);
+  }
+  if (static_cast<int>(report_.traced_ranks.size()) == size()) report_.traced_ranks.clear();  // every rank
   // A mirror's figures are its representative's.
   if (symmetry_.enabled()) {
     for (int r = 0; r < size(); ++r) {

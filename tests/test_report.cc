@@ -491,7 +491,8 @@ TEST(ReportJson, EveryRequiredFieldIsRequiredAndEveryOptionalOneIsNot) {
   auto optional = [](const std::string& path) {
     const std::string leaf = path.substr(path.find_last_of(".]") + 1);
     return path == "gpus_per_node" || path == "options" || path == "late_starts" || path == "topology" ||
-           path == "training" || path == "pipeline" || path.rfind("options.", 0) == 0 ||
+           path == "training" || path == "pipeline" || path == "traced_ranks" || path == "collective_totals" ||
+           path.rfind("options.", 0) == 0 ||
            path.rfind("training.exposed_comm_us.", 0) == 0 || path == "training.communicated_comm_us" ||
            path == "training.hidden_comm_us" || path.rfind("training.communicated_comm_us.", 0) == 0 ||
            path.rfind("training.hidden_comm_us.", 0) == 0 || path == "training.moe_routes" ||

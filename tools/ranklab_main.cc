@@ -37,6 +37,7 @@
 #include "common/replay.h"
 #include "common/report.h"
 #include "common/text.h"
+#include "common/trace_ranks.h"
 #include "common/trace_writer.h"
 #include "lessons/gpt/config.h"
 #include "lessons/parallel/groups.h"
@@ -186,6 +187,7 @@ std::unique_ptr<Backend> make_backend(const std::string& lesson, const std::stri
     config.algorithm = b.algo;
     config.protocol = b.proto;
     config.sm_contention = !b.no_sm_contention;
+    config.trace_ranks = TraceRanks::parse(b.trace_ranks, "--trace-ranks");
     if (!b.symmetric.empty()) config.symmetry = symmetry_of(lesson, settings, b.symmetric);
     return std::make_unique<SimBackend>(config);
   }
@@ -248,6 +250,8 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
   const Lesson& lesson = find_lesson(lesson_name);
   const PreparedLesson prepared = lesson.prepare(settings);  // bad options fail before anything is launched
   apply_nodes(profile, nodes, prepared.world);
+  const TraceRanks trace = TraceRanks::parse(backend_options.trace_ranks, "--trace-ranks");
+  trace.check(prepared.world, "--trace-ranks");
   std::unique_ptr<Backend> backend =
       make_backend(lesson_name, backend_name, profile, backend_options, settings, stack_kib);
   // Checked before the run, not after it, by the process that writes it; written at the run's end.
@@ -267,6 +271,7 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
   RunReport report = run_lesson(*backend, lesson_name, settings);
   if (!backend->owns_report()) return report.all_checks_passed() ? 0 : 2;  // another process reports
   record_run_config(report, profile, backend_options);
+  if (backend_name != "sim") keep_traced_only(report, trace);  // the simulator keeps only these as it runs
   const std::string summary = format_summary(report);
   const auto quiet = settings.find("quiet");
   if (quiet == settings.end() || quiet->second != "true") std::fputs(("\n" + summary).c_str(), stdout);

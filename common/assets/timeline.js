@@ -1,4 +1,4 @@
-// report.html's timeline, on a canvas: a row per rank with bands for regions, compute and communication
+// report.html's timeline, on a canvas: a row per traced rank (each row names its rank, r) with bands for regions, compute and communication
 // over a background that marks idle time. Each pixel column is painted by the time the spans cover in it,
 // so 8 ranks of 100 steps draw as fast as 8 spans and dense short kernels do not read as solid work. Wheel
 // zooms about the pointer, dragging pans, double-click resets. Reads #timeline-data (timeline_json in
@@ -122,7 +122,7 @@
       var y = AXIS + r * rowH, row = D.rows[r];
       ctx.textAlign = 'right';
       ctx.fillStyle = '#1d232b';
-      if (r % every === 0) ctx.fillText('rank ' + r, LABEL - 8, y + rowH / 2);
+      if (r % every === 0) ctx.fillText('rank ' + row.r, LABEL - 8, y + rowH / 2);
       drawBand(row.i, row.imax, y, rowH - 2, colour.idle);
       bands(y).forEach(function (b) {
         drawBand(row[b[0]], row[b[0] + 'max'], b[1], b[2], fill[b[0]]);
@@ -176,7 +176,7 @@
     if (!hit) { ranklab.tip(tip); return; }
     var a = hit[1], j = hit[2], kind = { c: 'compute', m: 'comm', w: 'waiting for peers', i: 'idle', g: 'region', f: 'pipeline task', b: 'pipeline task' }[hit[0]];
     var s = a[3 * j], d = a[3 * j + 1] - s;
-    ranklab.tip(tip, 'rank ' + r + ' \u00b7 ' + kind + '\n' + D.names[a[3 * j + 2]] + '\nstart ' + fmtTime(s, 1e-3) +
+    ranklab.tip(tip, 'rank ' + row.r + ' \u00b7 ' + kind + '\n' + D.names[a[3 * j + 2]] + '\nstart ' + fmtTime(s, 1e-3) +
         ', ' + fmtTime(d, Math.max(1e-3, d / 1000)), e.offsetX, e.offsetY, width - 240);
   });
   window.addEventListener('resize', draw);

@@ -56,6 +56,8 @@ void gpt_lesson(Rank& r, const Config& o) {
   // group (dp x cp with context parallelism) reduces the gradients.
   const parallel::Groups groups = parallel::make_groups(r, layout);
   const parallel::Layout::Coord me = groups.me;
+  // Where the user leaves the trace's ranks to the lesson: one rank per pipeline stage shows the schedule.
+  if (me.tp == 0 && me.cp == 0 && me.dp == 0) r.keep_in_trace();
   parallel::ExposedComm exposed(r);  // what the compute stream waits for, per dimension, in the timed step
   parallel::TensorParallel tp{r, groups.tp, c.tp, c.seq_parallel, c.phantom, exposed};
   tp.comm_overlap = c.tp_comm_overlap;
