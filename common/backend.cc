@@ -22,6 +22,11 @@ const OptionTable<BackendOptions>& backend_options() {
           "0 and one rank per pipeline stage; every rank up to 16), or ranks and ranges such as "
           "0,8,16-23; every rank's totals are kept either way")
           .not_identity(),
+      Option<O>("trace-format", &O::trace_format,
+                "the --report folder's trace: perfetto (trace.perfetto-trace, Perfetto's protobuf format: "
+                "ui.perfetto.dev and trace_processor read it) or json (trace.json, Chrome's format)")
+          .choices({"perfetto", "json"})
+          .not_identity(),
   };
   return table;
 }

@@ -35,6 +35,8 @@ struct BackendOptions {
   std::string symmetric;
   // Which ranks the report keeps span by span (TraceRanks::parse): what --trace-ranks says.
   std::string trace_ranks = "auto";
+  // The trace's format: "perfetto" (trace.perfetto-trace) or "json" (trace.json, Chrome's format).
+  std::string trace_format = "perfetto";
 };
 const OptionTable<BackendOptions>& backend_options();
 

@@ -557,14 +557,6 @@ void training_section(std::string& out, const RunReport& r) {
 // ---- pipeline schedule -----------------------------------------------------------------------------------
 
 // A task's names: for the tooltip ("backward mb 3 chunk 1") and for inside its box ("B3.1").
-std::string task_name(const PipelineTask& t, bool interleaved) {
-  return fmt::format("{} mb {}{}", t.forward ? "forward" : "backward", t.micro_batch,
-                     interleaved ? fmt::format(" chunk {}", t.chunk) : "");
-}
-std::string task_label(const PipelineTask& t, bool interleaved) {
-  return fmt::format("{}{}{}", t.forward ? 'F' : 'B', t.micro_batch,
-                     interleaved ? fmt::format(".{}", t.chunk) : "");
-}
 
 // The report's pipeline tasks as a schedule: a row per stage, from the stage's lowest rank that reported
 // (the ranks of one stage run the same schedule), and the bubble measured as the pipeline lesson measures
@@ -671,12 +663,12 @@ void pipeline_section(std::string& out, const RunReport& r) {
     for (const PipelineTask* t : row) {
       const double x0 = px(t->start_us), w = std::max(0.5, px(t->end_us) - x0);
       const double shade = interleaved ? 1.0 - 0.45 * t->chunk / (s.chunks - 1.0) : 1.0;
-      const std::string label = task_label(*t, interleaved);
+      const std::string label = pipeline_task_label(*t, interleaved);
       out += fmt::format(
           "<g class=\"task\"><title>{}: {}, from {}</title><rect x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" "
           "height=\"{:.1f}\" style=\"fill:var({})\" fill-opacity=\"{:.2f}\" stroke=\"#fff\" "
           "stroke-width=\"0.5\"/>",
-          task_name(*t, interleaved), human_time(t->end_us - t->start_us),
+          pipeline_task_name(*t, interleaved), human_time(t->end_us - t->start_us),
           human_time(t->start_us - s.start_us), x0, y + 1, w, row_h - 2,
           t->forward ? "--forward" : "--backward", shade);
       // Named where the name fits (about 6.5 px a character at 11 px).
@@ -730,8 +722,9 @@ std::string timeline_json(const RunReport& r) {
   for (const PipelineTask& t : r.pipeline) interleaved = interleaved || t.chunk > 0;
   for (const PipelineTask& t : r.pipeline) {
     if (t.rank < 0 || t.rank >= n) continue;
-    rows[t.rank][t.forward ? 5 : 6].push_back(
-        {t.start_us, t.end_us, intern(task_name(t, interleaved)), intern(task_label(t, interleaved))});
+    rows[t.rank][t.forward ? 5 : 6].push_back({t.start_us, t.end_us,
+                                               intern(pipeline_task_name(t, interleaved)),
+                                               intern(pipeline_task_label(t, interleaved))});
   }
   std::string out = fmt::format("{{\"end\":{},\"rows\":[", json_number(r.makespan_us));
   const char* keys[] = {"c", "m", "w", "i", "g", "f", "b"};

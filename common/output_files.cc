@@ -52,6 +52,8 @@ bool written_by_ranklab(const std::filesystem::path& path) {
   if (starts("{\"schema_version\":") || starts("{\"traceEvents\":[") || starts("{\n \"candidates\": ["))
     return true;
   if (starts("<!doctype html>") && head.find("<title>ranklab") != std::string::npos) return true;
+  // A Perfetto trace (report_to_perfetto): its first packet describes the run's track, "ranklab: ...".
+  if (starts("\x0a") && head.substr(0, 24).find("ranklab: ") != std::string::npos) return true;
   // summary.txt: "gpt on sim (dgx-h100), 8 ranks: 1.2 ms" (format_summary).
   static const std::regex summary(R"(^[^\s]+ on [^\s,]+( \([^)\n]*\))?, [0-9]+ ranks?: [^\n]*\n)");
   return std::regex_search(head, summary);

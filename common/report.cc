@@ -90,6 +90,16 @@ void CollectiveTally::add(const CollectiveRecord& c) {
   row.total_us += c.time_us();
 }
 
+std::string pipeline_task_name(const PipelineTask& t, bool interleaved) {
+  return fmt::format("{} mb {}{}", t.forward ? "forward" : "backward", t.micro_batch,
+                     interleaved ? fmt::format(" chunk {}", t.chunk) : "");
+}
+
+std::string pipeline_task_label(const PipelineTask& t, bool interleaved) {
+  return fmt::format("{}{}{}", t.forward ? 'F' : 'B', t.micro_batch,
+                     interleaved ? fmt::format(".{}", t.chunk) : "");
+}
+
 std::vector<CollectiveTotal> collective_totals(const RunReport& report) {
   if (!report.collective_totals.empty()) return report.collective_totals;
   CollectiveTally tally;

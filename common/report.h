@@ -213,6 +213,11 @@ struct RunReport {
 // group_size < 1.
 double bus_factor(CommOp op, int group_size);
 
+// A pipeline task as the report's pages and trace name it ("forward mb 3", "backward mb 0 chunk 1"), and
+// its short label inside a box ("F3", "B0.1"); the chunk only when the schedule is interleaved.
+std::string pipeline_task_name(const PipelineTask& t, bool interleaved);
+std::string pipeline_task_label(const PipelineTask& t, bool interleaved);
+
 // The run's collectives grouped: report.collective_totals, or when it is empty, its records grouped.
 std::vector<CollectiveTotal> collective_totals(const RunReport& report);
 

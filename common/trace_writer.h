@@ -24,4 +24,10 @@ std::vector<std::vector<TimeRange>> idle_intervals(const RunReport& report);
 // The trace as one JSON object. Timestamps are the report's microseconds, as the format expects.
 std::string report_to_trace_json(const RunReport& report);
 
+// The same trace in Perfetto's protobuf format (a Trace message: track descriptors, then each slice's begin
+// and end as TrackEvents, names interned, arrows as flow ids), which ui.perfetto.dev and trace_processor
+// read; a fraction of the JSON's size. A process track per traced rank (pid = rank + 1), and under it a track
+// per stream lane as in the JSON trace. Timestamps in nanoseconds.
+std::string report_to_perfetto(const RunReport& report);
+
 }  // namespace ranklab

@@ -67,6 +67,19 @@ if [[ "$(cat "$tmp/theirs/report.json")" != '{"mine": true}' ]]; then
 fi
 expect 0 "report written to $tmp/theirs/" run collectives --quiet --report "$tmp/theirs" --force
 expect 0 "report written to $tmp/theirs/" run collectives --quiet --report "$tmp/theirs"
+# The trace: Perfetto's format unless asked otherwise (the second run above wrote over the first's), of the
+# ranks asked for.
+for f in summary.txt report.json trace.perfetto-trace report.html; do
+  [[ -s "$tmp/theirs/$f" ]] || { echo "FAILED: --report wrote no $f"; failures=$((failures + 1)); }
+done
+expect 0 "report written to $tmp/json/" run collectives --quiet --report "$tmp/json" --trace-format json --trace-ranks 1,3
+if ! grep -q '"pid":3' "$tmp/json/trace.json" || grep -q '"pid":2' "$tmp/json/trace.json"; then
+  echo "FAILED: --trace-ranks 1,3 did not trace ranks 1 and 3 only"
+  failures=$((failures + 1))
+fi
+expect 1 "--trace-ranks: rank 4 is not one of the run's 4 ranks (0 to 3)" run collectives --trace-ranks 0,4
+expect 1 "--trace-ranks 2-x: 'x' is not a rank" run collectives --trace-ranks 2-x
+expect 1 "--trace-format" run collectives --trace-format xml
 touch "$tmp/afile"
 expect 1 "--report $tmp/afile: that is a file, not a folder" run collectives --report "$tmp/afile"
 

@@ -1,9 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/report.h"
@@ -135,22 +139,29 @@ TEST(Trace, ProcessesTracksSlicesAndFlows) {
   }
   EXPECT_TRUE(wait_found);
 
-  // One arrow, from rank 0's send to rank 1's receive, each end inside a comm slice of its rank.
-  ASSERT_EQ(flows.size(), 1u);
-  const std::vector<json>& arrow = flows.begin()->second;
-  ASSERT_EQ(arrow.size(), 2u);
-  EXPECT_EQ(arrow[0]["ph"], "s");
-  EXPECT_EQ(arrow[0]["pid"], 0);
-  EXPECT_EQ(arrow[1]["ph"], "f");
-  EXPECT_EQ(arrow[1]["pid"], 1);
-  EXPECT_EQ(arrow[1]["bp"], "e");
-  for (const json& end : arrow) {
-    const std::vector<Slice>& lane = slices[{end["pid"].get<int>(), end["tid"].get<int>()}];
-    const double ts = end["ts"];
-    EXPECT_TRUE(std::any_of(lane.begin(), lane.end(), [ts](const Slice& s) {
-      return s.cat == "comm" && s.ts <= ts && ts <= s.ts + s.dur;
-    })) << end.dump();
+  // Two arrows: from rank 0's send to rank 1's receive, and through the all_reduce's two transfers; each
+  // end inside a comm slice of its rank.
+  ASSERT_EQ(flows.size(), 2u);
+  std::map<std::string, std::vector<json>> by_category;
+  for (const auto& [id, ends] : flows) by_category[ends.front()["cat"]] = ends;
+  ASSERT_EQ(by_category.count("p2p"), 1u);
+  ASSERT_EQ(by_category.count("collective"), 1u);
+  for (const auto& [category, arrow] : by_category) {
+    ASSERT_EQ(arrow.size(), 2u);
+    EXPECT_EQ(arrow[0]["ph"], "s");
+    EXPECT_EQ(arrow[0]["pid"], 0);
+    EXPECT_EQ(arrow[1]["ph"], "f");
+    EXPECT_EQ(arrow[1]["pid"], 1);
+    EXPECT_EQ(arrow[1]["bp"], "e");
+    for (const json& end : arrow) {
+      const std::vector<Slice>& lane = slices[{end["pid"].get<int>(), end["tid"].get<int>()}];
+      const double ts = end["ts"];
+      EXPECT_TRUE(std::any_of(lane.begin(), lane.end(), [ts](const Slice& s) {
+        return s.cat == "comm" && s.ts <= ts && ts <= s.ts + s.dur;
+      })) << end.dump();
+    }
   }
+  EXPECT_EQ(by_category["collective"][0]["name"], "all_reduce 1024 B");
 }
 
 TEST(Trace, EachTransferSaysHowMuchOfItTheKernelsHid) {
@@ -207,6 +218,212 @@ TEST(Trace, SimulatedSendsHaveArrows) {
   EXPECT_EQ(p2p, 3 * 3);
   ASSERT_EQ(arrows.size(), static_cast<std::size_t>(p2p));
   for (const auto& [id, ends] : arrows) EXPECT_EQ(ends.second, ends.first + 1) << "arrow " << id;
+}
+
+// ---- Perfetto's protobuf trace ----------------------------------------------------------------------------
+
+// Protobuf's wire format read back: each field of a message as (number, varint or bytes).
+struct Field {
+  int number;
+  std::uint64_t value = 0;  // varint and fixed64
+  std::string bytes;        // length-delimited
+};
+
+std::vector<Field> decode(std::string_view m) {
+  std::vector<Field> out;
+  std::size_t i = 0;
+  auto varint = [&] {
+    std::uint64_t v = 0;
+    for (int shift = 0;; shift += 7) {
+      if (i >= m.size()) throw std::runtime_error("truncated varint");
+      const auto byte = static_cast<unsigned char>(m[i++]);
+      v |= static_cast<std::uint64_t>(byte & 0x7f) << shift;
+      if (!(byte & 0x80)) return v;
+    }
+  };
+  while (i < m.size()) {
+    const std::uint64_t key = varint();
+    Field f{static_cast<int>(key >> 3), 0, {}};
+    switch (key & 7) {
+      case 0:
+        f.value = varint();
+        break;
+      case 1:
+        if (i + 8 > m.size()) throw std::runtime_error("truncated fixed64");
+        std::memcpy(&f.value, m.data() + i, 8);
+        i += 8;
+        break;
+      case 2: {
+        const std::uint64_t n = varint();
+        if (i + n > m.size()) throw std::runtime_error("truncated bytes");
+        f.bytes = std::string(m.substr(i, n));
+        i += n;
+        break;
+      }
+      default:
+        throw std::runtime_error("unexpected wire type");
+    }
+    out.push_back(std::move(f));
+  }
+  return out;
+}
+
+// A slice as both traces describe it: its rank's process, its track, its name and category, and its times in
+// nanoseconds.
+using TraceSlice = std::tuple<std::string, std::string, std::string, std::string, std::int64_t, std::int64_t>;
+struct Decoded {
+  std::multiset<TraceSlice> slices;
+  std::multiset<std::vector<std::pair<std::string, std::string>>> flows;  // (process, track) along each arrow
+  std::map<std::string, double> annotations;                              // "process/name/key" -> value
+};
+
+Decoded from_perfetto(const std::string& trace) {
+  struct Track {
+    std::string name;
+    std::uint64_t parent = 0;
+  };
+  std::map<std::uint64_t, Track> tracks;
+  std::map<std::uint64_t, std::string> names, categories;
+  std::map<std::uint64_t, std::vector<std::pair<TraceSlice, std::vector<std::uint64_t>>>> open;  // per track
+  std::map<std::uint64_t, std::vector<std::pair<std::string, std::string>>> flows;
+  Decoded out;
+  auto where = [&](std::uint64_t uuid) {
+    return std::pair{tracks.at(tracks.at(uuid).parent).name, tracks.at(uuid).name};
+  };
+  for (const Field& packet : decode(trace)) {
+    EXPECT_EQ(packet.number, 1);
+    std::uint64_t ts = 0;
+    std::vector<Field> event;
+    for (const Field& f : decode(packet.bytes)) {
+      if (f.number == 8) ts = f.value;
+      if (f.number == 11) event = decode(f.bytes);
+      if (f.number == 12) {
+        for (const Field& entry : decode(f.bytes)) {
+          std::uint64_t iid = 0;
+          std::string text;
+          for (const Field& g : decode(entry.bytes)) (g.number == 1 ? iid = g.value : (text = g.bytes, 0));
+          (entry.number == 2 ? names : categories)[iid] = text;
+        }
+      }
+      if (f.number == 60) {
+        Track t;
+        std::uint64_t uuid = 0;
+        for (const Field& g : decode(f.bytes)) {
+          if (g.number == 1) uuid = g.value;
+          if (g.number == 2) t.name = g.bytes;
+          if (g.number == 5) t.parent = g.value;
+          if (g.number == 3) {
+            for (const Field& h : decode(g.bytes)) {
+              if (h.number == 6) t.name = h.bytes;
+            }
+          }
+        }
+        tracks[uuid] = t;
+      }
+    }
+    if (event.empty()) continue;
+    std::uint64_t type = 0, track = 0, name = 0, category = 0;
+    std::vector<std::uint64_t> flow_ids;
+    std::map<std::string, double> annotations;
+    for (const Field& f : event) {
+      if (f.number == 9) type = f.value;
+      if (f.number == 11) track = f.value;
+      if (f.number == 10) name = f.value;
+      if (f.number == 3) category = f.value;
+      if (f.number == 47 || f.number == 48) flow_ids.push_back(f.value);
+      if (f.number == 4) {
+        std::string key;
+        double value = 0;
+        for (const Field& g : decode(f.bytes)) {
+          if (g.number == 10) key = g.bytes;
+          if (g.number == 5) std::memcpy(&value, &g.value, sizeof value);
+        }
+        annotations[key] = value;
+      }
+    }
+    const auto [process, track_name] = where(track);
+    if (type == 1) {
+      TraceSlice s{
+          process, track_name, names.at(name), categories.at(category), static_cast<std::int64_t>(ts), 0};
+      for (const auto& [key, value] : annotations)
+        out.annotations[process + "/" + names.at(name) + "/" + key] = value;
+      for (std::uint64_t id : flow_ids) flows[id].push_back({process, track_name});
+      open[track].push_back({s, flow_ids});
+    } else {
+      EXPECT_EQ(type, 2u);
+      EXPECT_FALSE(open[track].empty());
+      TraceSlice s = open[track].back().first;
+      std::get<5>(s) = static_cast<std::int64_t>(ts);
+      open[track].pop_back();
+      out.slices.insert(s);
+    }
+  }
+  for (const auto& [track, still] : open) EXPECT_TRUE(still.empty()) << "a slice never ended";
+  for (const auto& [id, path] : flows) out.flows.insert(path);
+  return out;
+}
+
+Decoded from_json(const std::string& text) {
+  const json trace = json::parse(text);
+  std::map<int, std::string> processes;
+  std::map<std::pair<int, int>, std::string> threads;
+  std::map<int, std::vector<std::pair<std::string, std::string>>> flows;
+  Decoded out;
+  for (const json& e : trace["traceEvents"]) {
+    const int pid = e["pid"], tid = e["tid"];
+    if (e["ph"] == "M" && e["name"] == "process_name") processes[pid] = e["args"]["name"];
+    if (e["ph"] == "M" && e["name"] == "thread_name") threads[{pid, tid}] = e["args"]["name"];
+  }
+  auto ns = [](double us) { return static_cast<std::int64_t>(std::llround(us * 1e3)); };
+  for (const json& e : trace["traceEvents"]) {
+    const int pid = e["pid"], tid = e["tid"];
+    if (e["ph"] == "X") {
+      out.slices.insert({processes.at(pid), threads.at({pid, tid}), e["name"], e["cat"], ns(e["ts"]),
+                         ns(e["ts"].get<double>() + e["dur"].get<double>())});
+      if (e.contains("args")) {
+        for (const auto& [key, value] : e["args"].items())
+          out.annotations[processes.at(pid) + "/" + e["name"].get<std::string>() + "/" + key] = value;
+      }
+    }
+    if (e["ph"] == "s" || e["ph"] == "t" || e["ph"] == "f")
+      flows[e["id"]].push_back({processes.at(pid), threads.at({pid, tid})});
+  }
+  for (const auto& [id, path] : flows) out.flows.insert(path);
+  return out;
+}
+
+void expect_same_trace(const RunReport& r) {
+  const Decoded proto = from_perfetto(report_to_perfetto(r)), json_trace = from_json(report_to_trace_json(r));
+  EXPECT_FALSE(proto.slices.empty());
+  EXPECT_EQ(proto.slices, json_trace.slices);
+  EXPECT_EQ(proto.flows, json_trace.flows);
+  EXPECT_EQ(proto.annotations, json_trace.annotations);
+}
+
+TEST(PerfettoTrace, HoldsTheTracksSlicesAndArrowsOfTheJsonTrace) {
+  RunReport r = small_report();
+  r.pipeline = {{0, 0, 0, 3, true, 0, 9}, {1, 1, 0, 3, true, 9, 14}};
+  expect_same_trace(r);
+  const Decoded d = from_perfetto(report_to_perfetto(r));
+  EXPECT_EQ(d.flows.size(), 2u);
+  EXPECT_EQ(d.slices.count({"rank 1", "pipeline", "forward mb 3", "pipeline", 9000, 14000}), 1u);
+}
+
+TEST(PerfettoTrace, OfASimulatedRunAndOfItsTracedRanksOnly) {
+  SimBackend backend(testing::quiet_config());
+  RunReport r = backend.launch(4, relay);
+  expect_same_trace(r);
+  r.traced_ranks = {1, 2};
+  expect_same_trace(r);
+  std::set<std::string> processes;
+  for (const TraceSlice& s : from_perfetto(report_to_perfetto(r)).slices) processes.insert(std::get<0>(s));
+  EXPECT_EQ(processes, (std::set<std::string>{"rank 1", "rank 2"}));
+}
+
+TEST(PerfettoTrace, IsSmallerThanTheJson) {
+  SimBackend backend(testing::quiet_config());
+  const RunReport r = backend.launch(4, relay);
+  EXPECT_LT(3 * report_to_perfetto(r).size(), report_to_trace_json(r).size());
 }
 
 }  // namespace

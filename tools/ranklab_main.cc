@@ -256,10 +256,11 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
       make_backend(lesson_name, backend_name, profile, backend_options, settings, stack_kib);
   // Checked before the run, not after it, by the process that writes it; written at the run's end.
   std::optional<ReportFolder> folder;
+  const bool perfetto = backend_options.trace_format == "perfetto";
+  const std::string trace_file = perfetto ? "trace.perfetto-trace" : "trace.json";
   if (!report_dir.empty() && backend->owns_report())
     folder.emplace("--report", report_dir,
-                   std::vector<std::string>{"summary.txt", "report.json", "trace.json", "report.html"},
-                   force);
+                   std::vector<std::string>{"summary.txt", "report.json", trace_file, "report.html"}, force);
   // The first line says what the times below are: the model's for a profile's hardware, or measured.
   if (backend_name == "sim") {
     std::printf("%s: simulated time on %d x %s (%s, %d node%s)\n", lesson_name.c_str(), prepared.world,
@@ -278,7 +279,7 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
   if (!report_dir.empty()) {
     folder->write("summary.txt", summary);
     folder->write("report.json", report_to_json(report));
-    folder->write("trace.json", report_to_trace_json(report));
+    folder->write(trace_file, perfetto ? report_to_perfetto(report) : report_to_trace_json(report));
     folder->write("report.html", report_to_html(report));
     folder->commit();
     std::string shown = report_dir;
@@ -571,8 +572,9 @@ int ranklab::main_of(int argc, char** argv) {
   run->add_option("--backend", backend, "sim or cuda")->check(CLI::IsMember({"sim", "cuda"}));
   run->add_option("--profile", profile, "hardware profile name or .toml file (see `ranklab profiles`)");
   run->add_option("--nodes", nodes, "nodes of the profile to use")->check(at_least(1));
-  run->add_option("--report", report_dir,
-                  "write summary.txt, report.json, trace.json (Perfetto) and report.html to this folder");
+  run->add_option(
+      "--report", report_dir,
+      "write summary.txt, report.json, the trace (--trace-format) and report.html to this folder");
   bool force = false;
   run->add_flag("--force", force, "with --report: replace files in the folder that ranklab did not write");
   FlagValues backend_flags, run_lesson_flags;
