@@ -19,6 +19,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -221,8 +222,9 @@ nlohmann::ordered_json write(const T& value) {
 // The same text as write(object).dump(), appended to `out` member by member, and a vector member element by
 // element: a report of millions of spans never stands as one document in memory. Text that is not UTF-8
 // is replaced, as dump() with error_handler_t::replace does.
+// `flush(out)` is called between elements once `out` holds a megabyte: a writer that streams empties it.
 template <class T>
-void append_fields(const T& object, std::string& out) {
+void append_fields(const T& object, std::string& out, const std::function<void(std::string&)>& flush = {}) {
   auto dump = [&out](const nlohmann::ordered_json& j) {
     out += j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
   };
@@ -231,7 +233,7 @@ void append_fields(const T& object, std::string& out) {
         auto one = [&](const auto& f) {
           const auto& member = object.*(f.member);
           if (f.write == Write::WhenSet && !is_set(member)) return;
-          out += out.back() == '{' ? "\"" : ",\"";
+          out += !out.empty() && out.back() == '{' ? "\"" : ",\"";
           out += f.key;
           out += "\":";
           if constexpr (IsVector<std::decay_t<decltype(member)>>::value) {
@@ -239,6 +241,7 @@ void append_fields(const T& object, std::string& out) {
             for (std::size_t i = 0; i < member.size(); ++i) {
               if (i > 0) out += ',';
               dump(write(member[i]));
+              if (flush && out.size() >= (std::size_t{1} << 20)) flush(out);
             }
             out += ']';
           } else {

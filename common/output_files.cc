@@ -12,11 +12,15 @@
 
 namespace ranklab {
 
-void write_file(const std::filesystem::path& path, const std::string& text) {
-  std::ofstream f(path);
-  f << text;
+void write_file(const std::filesystem::path& path, const std::function<void(std::ostream&)>& fill) {
+  std::ofstream f(path, std::ios::binary);
+  fill(f);
   f.close();
   if (!f) throw UsageError(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno)));
+}
+
+void write_file(const std::filesystem::path& path, const std::string& text) {
+  write_file(path, [&text](std::ostream& f) { f << text; });
 }
 
 namespace {
@@ -120,6 +124,10 @@ ReportFolder::~ReportFolder() {
 }
 
 void ReportFolder::write(const std::string& name, const std::string& text) {
+  write(name, [&text](std::ostream& f) { f << text; });
+}
+
+void ReportFolder::write(const std::string& name, const std::function<void(std::ostream&)>& fill) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path folder(dir_);
@@ -130,7 +138,7 @@ void ReportFolder::write(const std::string& name, const std::string& text) {
   }
   const fs::path final_path = folder / name, temporary = folder / ("." + name + ".ranklab-partial");
   written_.emplace_back(temporary, final_path);
-  write_file(temporary, text);
+  write_file(temporary, fill);
 }
 
 void ReportFolder::commit() {

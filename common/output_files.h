@@ -4,6 +4,8 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
+#include <ostream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +29,8 @@ class ReportFolder {
   ReportFolder& operator=(const ReportFolder&) = delete;
   ~ReportFolder();
   void write(const std::string& name, const std::string& text);
+  // The same, the file's text written by `fill` as it goes (a report too large to hold as one string).
+  void write(const std::string& name, const std::function<void(std::ostream&)>& fill);
   void commit();
 
  private:
@@ -43,5 +47,6 @@ void refuse_input_as_output(const std::string& flag, const std::string& out,
 
 // Writes `text` to `path`, replacing it; UsageError naming the path when the write fails.
 void write_file(const std::filesystem::path& path, const std::string& text);
+void write_file(const std::filesystem::path& path, const std::function<void(std::ostream&)>& fill);
 
 }  // namespace ranklab

@@ -666,6 +666,15 @@ std::string report_to_json(const RunReport& report) {
   return out;
 }
 
+void write_report_json(const RunReport& report, std::ostream& out) {
+  std::string buffer = fmt::format("{{\"schema_version\":{}", kSchemaVersion);
+  json_shape::append_fields(report, buffer, [&out](std::string& text) {
+    out << text;
+    text.clear();
+  });
+  out << buffer << '}';
+}
+
 RunReport report_from_json(const std::string& text, std::string_view document) {
   const json_shape::Path top(document);
   json root = json::parse(text, nullptr, /*allow_exceptions=*/false);

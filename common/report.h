@@ -240,6 +240,8 @@ std::string human_time(double us);
 
 // The whole report as JSON (schema in docs/report.md).
 std::string report_to_json(const RunReport& report);
+// The same text written to `out` as it is made, a megabyte at a time.
+void write_report_json(const RunReport& report, std::ostream& out);
 
 // Reads back what report_to_json wrote (the same schema version), so `compare` can load saved reports.
 // Raises UsageError for text that is not JSON, another schema version, a required field missing, a value

@@ -6,6 +6,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -352,6 +353,17 @@ TEST(ReportJson, WrittenMemberByMemberAsOneDocumentWouldBe) {
   EXPECT_EQ(nlohmann::ordered_json::parse(text).dump(), text);
 }
 
+TEST(ReportJson, StreamedAsItIsMadeTheSameText) {
+  // Megabytes of spans: written to the stream a megabyte at a time, between spans.
+  RunReport r = sample_report();
+  for (int i = 0; i < 60000; ++i) r.spans.push_back({i % 2, SpanKind::Compute, "matmul", 1.0 * i, i + 0.5});
+  std::ostringstream streamed;
+  write_report_json(r, streamed);
+  const std::string whole = report_to_json(r);
+  EXPECT_GT(whole.size(), 3u << 20);
+  EXPECT_EQ(streamed.str(), whole);
+}
+
 TEST(ReportJson, EveryCommOpAndSpanKindRoundTrips) {
   RunReport r;
   for (int i = 0; i <= static_cast<int>(CommOp::Barrier); ++i) {
@@ -491,14 +503,15 @@ TEST(ReportJson, EveryRequiredFieldIsRequiredAndEveryOptionalOneIsNot) {
   auto optional = [](const std::string& path) {
     const std::string leaf = path.substr(path.find_last_of(".]") + 1);
     return path == "gpus_per_node" || path == "options" || path == "late_starts" || path == "topology" ||
-           path == "training" || path == "pipeline" || path == "traced_ranks" || path == "collective_totals" ||
-           path.rfind("options.", 0) == 0 ||
+           path == "training" || path == "pipeline" || path == "traced_ranks" ||
+           path == "collective_totals" || path.rfind("options.", 0) == 0 ||
            path.rfind("training.exposed_comm_us.", 0) == 0 || path == "training.communicated_comm_us" ||
            path == "training.hidden_comm_us" || path.rfind("training.communicated_comm_us.", 0) == 0 ||
            path.rfind("training.hidden_comm_us.", 0) == 0 || path == "training.moe_routes" ||
            path == "training.moe_dropped_routes" ||
            (path.rfind("collectives[", 0) == 0 && leaf == "bookkeeping") ||
-           (path.rfind("ranks[", 0) == 0 && (leaf == "comm_slowed_compute_us" || leaf == "host_wait_us")) ||
+           (path.rfind("ranks[", 0) == 0 &&
+            (leaf == "comm_slowed_compute_us" || leaf == "host_wait_us")) ||
            (path.rfind("links[", 0) == 0 && leaf == "bandwidth_gbps");
   };
   int required = 0, optional_seen = 0;

@@ -278,7 +278,7 @@ int run_command(const std::string& lesson_name, const std::string& backend_name,
   if (quiet == settings.end() || quiet->second != "true") std::fputs(("\n" + summary).c_str(), stdout);
   if (!report_dir.empty()) {
     folder->write("summary.txt", summary);
-    folder->write("report.json", report_to_json(report));
+    folder->write("report.json", [&report](std::ostream& f) { write_report_json(report, f); });
     folder->write(trace_file, perfetto ? report_to_perfetto(report) : report_to_trace_json(report));
     folder->write("report.html", report_to_html(report));
     folder->commit();
