@@ -12,8 +12,9 @@ namespace ranklab::assets {
 // .tip).
 extern const std::string_view page_css;
 extern const std::string_view page_js;
-// report.html: the per-rank timeline.
+// report.html: the traced ranks' timeline, and every rank's heat strip.
 extern const std::string_view timeline_js;
+extern const std::string_view strip_js;
 // compare.html: B against A, one point per item.
 extern const std::string_view compare_js;
 

@@ -435,10 +435,22 @@ void draw_scale(std::string& out, bool by_util, double top_value, const Topology
       by_util ? "utilisation" : "bytes carried");
 }
 
+// Past this many devices the drawing is a blur of thousands of boxes and tens of megabytes of SVG: the page
+// gives the links per tier instead (links_table), and report.json every link.
+constexpr std::size_t kMaxDrawnNodes = 600;
+
 // The machine as the backend described it (RunReport::topology), each link coloured by its traffic.
 void topology_section(std::string& out, const RunReport& r) {
   if (r.topology.nodes.empty()) {
     out += "<p class=\"sub\">The backend described no topology.</p>\n";
+    return;
+  }
+  if (r.topology.nodes.size() > kMaxDrawnNodes) {
+    out += fmt::format(
+        "<p class=\"sub\" id=\"topology\" data-nodes=\"{}\">The machine has {} devices and {} links, more "
+        "than a drawing can show: the links are summed per tier beside this, and report.json lists each "
+        "one.</p>\n",
+        r.topology.nodes.size(), r.topology.nodes.size(), r.topology.links.size());
     return;
   }
   const TopologyLayout lay = layout_topology(r.topology);
@@ -456,38 +468,55 @@ void topology_section(std::string& out, const RunReport& r) {
   out += "</svg></div>\n";
 }
 
+// Past this many links the table lists the busiest only; report.json lists them all.
+constexpr std::size_t kMaxListedLinks = 100;
+
 void links_table(std::string& out, const RunReport& r) {
   if (r.links.empty()) return;
   // Per tier first, then the busiest links; a large world has too many to list them all at once.
-  std::vector<std::tuple<std::string, std::int64_t, int>> tiers;
+  struct Tier {
+    std::string name;
+    std::int64_t bytes = 0;
+    int links = 0;
+    double busiest = -1;  // the highest utilisation of its links; -1 when a capacity is unknown
+    std::string busiest_link;
+  };
+  std::vector<Tier> tiers;
+  const bool timed = r.makespan_us > 0;
   for (const LinkTraffic& l : r.links) {
-    auto it =
-        std::find_if(tiers.begin(), tiers.end(), [&l](const auto& t) { return std::get<0>(t) == l.tier; });
-    if (it == tiers.end()) {
-      tiers.emplace_back(l.tier, l.bytes, 1);
-    } else {
-      std::get<1>(*it) += l.bytes;
-      ++std::get<2>(*it);
+    auto it = std::find_if(tiers.begin(), tiers.end(), [&l](const Tier& t) { return t.name == l.tier; });
+    if (it == tiers.end()) it = tiers.insert(tiers.end(), Tier{l.tier, 0, 0, -1, {}});
+    it->bytes += l.bytes;
+    ++it->links;
+    if (l.bandwidth_gbps > 0 && timed) {
+      const double util = static_cast<double>(l.bytes) / (l.bandwidth_gbps * 1e3 * r.makespan_us);
+      if (util > it->busiest) it->busiest = util, it->busiest_link = l.link;
     }
   }
-  out += "<p class=\"sub\">";
-  for (std::size_t i = 0; i < tiers.size(); ++i) {
-    out += fmt::format("{}{}: {} over {} link{}", i ? "; " : "", html_escape(std::get<0>(tiers[i])),
-                       format_bytes(static_cast<double>(std::get<1>(tiers[i]))), std::get<2>(tiers[i]),
-                       std::get<2>(tiers[i]) == 1 ? "" : "s");
+  out +=
+      "<div class=\"scroll\"><table id=\"tiers\">\n<tr><th class=\"l\">tier</th><th>links</th><th>bytes</th>"
+      "<th class=\"l\">busiest link</th><th>its utilisation</th></tr>\n";
+  for (const Tier& t : tiers) {
+    out += fmt::format(
+        "<tr><td class=\"l\">{}</td><td>{}</td><td>{}</td><td class=\"l\">{}</td><td>{}</td></tr>\n",
+        html_escape(t.name), t.links, format_bytes(static_cast<double>(t.bytes)), html_escape(t.busiest_link),
+        t.busiest >= 0 ? fmt::format("{:.1f}%", 100 * t.busiest) : "?");
   }
-  out += "</p>\n";
+  out += "</table></div>\n";
   std::vector<const LinkTraffic*> sorted;
   for (const LinkTraffic& l : r.links) sorted.push_back(&l);
   std::stable_sort(sorted.begin(), sorted.end(),
                    [](const LinkTraffic* a, const LinkTraffic* b) { return a->bytes > b->bytes; });
+  const std::size_t listed = std::min(sorted.size(), kMaxListedLinks);
   out += fmt::format("<details open><summary>links by traffic ({})</summary><div class=\"scroll\"><table>\n",
-                     sorted.size());
+                     listed == sorted.size() ? fmt::format("{}", listed)
+                                             : fmt::format("the {} busiest of {}", listed, sorted.size()));
   out +=
       "<tr><th class=\"l\">link</th><th "
       "class=\"l\">tier</th><th>bytes</th><th>capacity</th><th>utilisation</th></tr>\n";
-  for (const LinkTraffic* l : sorted) {
-    const bool known = l->bandwidth_gbps > 0 && r.makespan_us > 0;
+  for (std::size_t i = 0; i < listed; ++i) {
+    const LinkTraffic* l = sorted[i];
+    const bool known = l->bandwidth_gbps > 0 && timed;
     out += fmt::format(
         "<tr><td class=\"l\">{}</td><td class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
         html_escape(l->link), html_escape(l->tier), format_bytes(static_cast<double>(l->bytes)),
@@ -786,7 +815,72 @@ void timeline_section(std::string& out, const RunReport& r) {
   out += fmt::format("<script>{}</script>\n", assets::timeline_js);
 }
 
+// ---- every rank at a glance -----------------------------------------------------------------------------
+
+// RunReport::activity for the strip's script: per rank its digits, or the rank it mirrors.
+std::string strip_json(const RunReport& r) {
+  std::string out = fmt::format("{{\"end\":{},\"bin_us\":{},\"bins\":{},\"rows\":[",
+                                json_number(r.makespan_us), json_number(r.activity.bin_us), r.activity.bins);
+  for (std::size_t i = 0; i < r.activity.ranks.size(); ++i) {
+    if (i > 0) out += ',';
+    const int mirror = i < r.ranks.size() ? r.ranks[i].mirror_of : -1;
+    out += r.activity.ranks[i].empty() && mirror >= 0 ? std::to_string(mirror)
+                                                      : json_string(r.activity.ranks[i]);
+  }
+  out += "]}";
+  return out;
+}
+
+void strip_section(std::string& out, const RunReport& r) {
+  if (r.activity.ranks.empty() || r.activity.bins <= 0) return;
+  out += "<h2>Every rank</h2>\n";
+  out +=
+      "<div class=\"legend\"><span style=\"--c:var(--compute)\">compute</span>"
+      "<span style=\"--c:var(--comm)\">communication beyond the compute</span>"
+      "<span style=\"--c:var(--wait)\">waiting for peers</span><span style=\"--c:var(--panel)\">idle</span>"
+      "<span style=\"--c:transparent\">a row per rank, a cell per bin of time; a mirror of a symmetric run "
+      "is "
+      "drawn as the rank it mirrors</span></div>\n";
+  out += fmt::format(
+      "<div id=\"strip\" data-ranks=\"{}\" data-rows=\"0\"><canvas></canvas><div "
+      "class=\"tip\"></div></div>\n",
+      r.activity.ranks.size());
+  out += "<script type=\"application/json\" id=\"strip-data\">" + script_json(strip_json(r)) + "</script>\n";
+  out += fmt::format("<script>{}</script>\n", assets::strip_js);
+}
+
 // ---- tables ----------------------------------------------------------------------------------------------
+
+// Past this many ranks the per-rank tables list the traced ranks, the last to finish and the fullest (the
+// strip above shows every rank, report.json holds every rank's figures).
+constexpr std::size_t kMaxRankRows = 64;
+
+std::vector<const RankSummary*> listed_ranks(const RunReport& r) {
+  std::vector<const RankSummary*> out;
+  if (r.ranks.size() <= kMaxRankRows) {
+    for (const RankSummary& s : r.ranks) out.push_back(&s);
+    return out;
+  }
+  auto by = [&r](auto less) { return &*std::max_element(r.ranks.begin(), r.ranks.end(), less); };
+  const RankSummary* slowest =
+      by([](const RankSummary& a, const RankSummary& b) { return a.end_us < b.end_us; });
+  const RankSummary* fullest =
+      by([](const RankSummary& a, const RankSummary& b) { return a.peak_bytes < b.peak_bytes; });
+  for (const RankSummary& s : r.ranks) {
+    const bool traced = !r.traced_ranks.empty() && r.traces(s.rank);
+    if (&s == slowest || &s == fullest || (traced && out.size() < kMaxRankRows)) out.push_back(&s);
+  }
+  return out;
+}
+
+std::string listed_note(const RunReport& r, std::size_t listed) {
+  if (listed == r.ranks.size()) return "";
+  return fmt::format(
+      "<p class=\"sub\">{} of {} ranks: the traced ones, the last to finish and the one with the highest "
+      "peak "
+      "(every rank is in the strip above and in report.json).</p>\n",
+      listed, r.ranks.size());
+}
 
 void collectives_section(std::string& out, const RunReport& r) {
   out += "<h2>Collectives</h2>\n";
@@ -828,7 +922,9 @@ void ranks_section(std::string& out, const RunReport& r) {
   out +=
       "<div class=\"scroll\"><table id=\"ranks\">\n<tr><th>rank</th><th>end</th><th>compute</th><th>comm</th>"
       "<th>exposed</th><th>comm wait</th><th>idle</th><th class=\"l\">split of the run</th></tr>\n";
-  for (const RankSummary& s : r.ranks) {
+  const std::vector<const RankSummary*> listed = listed_ranks(r);
+  for (const RankSummary* row : listed) {
+    const RankSummary& s = *row;
     auto pct = [longest](double us) { return longest > 0 ? 100.0 * us / longest : 0.0; };
     out += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td "
@@ -841,12 +937,13 @@ void ranks_section(std::string& out, const RunReport& r) {
         human_time(s.exposed_comm_us), human_time(s.comm_wait_us), human_time(s.idle_us), pct(s.compute_us),
         pct(s.exposed_comm_us), pct(s.idle_us));
   }
-  out += "</table></div>\n";
+  out += "</table></div>\n" + listed_note(r, listed.size());
 
   out +=
       "<h2>Memory per rank</h2>\n<div class=\"scroll\"><table id=\"memory\">\n<tr><th>rank</th><th>peak</th>"
       "<th>capacity</th><th>used</th><th class=\"l\"></th></tr>\n";
-  for (const RankSummary& s : r.ranks) {
+  for (const RankSummary* row : listed) {
+    const RankSummary& s = *row;
     const double used =
         s.capacity_bytes > 0 ? static_cast<double>(s.peak_bytes) / static_cast<double>(s.capacity_bytes) : 0;
     out += fmt::format(
@@ -916,6 +1013,7 @@ std::string report_to_html(const RunReport& report) {
   config_section(out, report);
   pipeline_section(out, report);
   training_section(out, report);
+  strip_section(out, report);
   timeline_section(out, report);
   out += "<h2>Topology and traffic</h2>\n<div class=\"side\"><div>\n";
   topology_section(out, report);

@@ -10,6 +10,7 @@
 // them.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -17,6 +18,22 @@
 #include "common/report.h"
 
 namespace ranklab {
+
+// A rank's time in a fixed number of bins of equal width from 0, the width doubling as the timeline grows
+// (pairs of bins merge): how busy the rank was when, in constant space. What the page's heat strip draws.
+class ActivityBins {
+ public:
+  static constexpr int kBins = 64;
+  enum Kind { kCompute, kComm, kBoth, kWait, kKinds };  // kBoth: communication under compute
+  void add(Kind kind, double start_us, double end_us);
+  double bin_us() const { return bin_us_; }
+  // The time of `kind` in bin i, in microseconds.
+  double us(Kind kind, int i) const { return us_[kind][static_cast<std::size_t>(i)]; }
+
+ private:
+  std::array<std::array<float, kBins>, kKinds> us_{};
+  double bin_us_ = 1;
+};
 
 class RankTimeline {
  public:
@@ -35,6 +52,9 @@ class RankTimeline {
   // latest span's end). Idle is the rest of [0, end_us].
   void summarize(RankSummary& s) const;
 
+  // When the rank was busy: the folded intervals' bins with the held ones added.
+  ActivityBins activity() const;
+
  private:
   struct Interval {
     double start;
@@ -44,13 +64,19 @@ class RankTimeline {
   static void insert(std::vector<Interval>& v, Interval iv);
   using Intervals = std::span<const Interval>;
   static double length(Intervals v, double total);
-  static double overlap(Intervals a, Intervals b, double total);
+  static double overlap(Intervals a, Intervals b, double total, ActivityBins* bins = nullptr);
+  static void add_to(ActivityBins& bins, Intervals compute, Intervals comm);
 
   std::vector<Interval> compute_, comm_;
   // The folded intervals' totals, summed in time order.
   double compute_us_ = 0, comm_us_ = 0, both_us_ = 0;
   double wait_us_ = 0;
   double last_end_us_ = 0;
+  ActivityBins bins_;  // of the folded intervals and the waits
 };
+
+// Every rank's ActivityBins on one time axis, as the report keeps them (ActivityStrip). `per_rank` holds
+// nullptr for a rank that ran no program of its own (a mirror).
+ActivityStrip activity_strip(const std::vector<const ActivityBins*>& per_rank, double makespan_us);
 
 }  // namespace ranklab

@@ -178,6 +178,13 @@ void summarize_spans(RunReport& report) {
   }
   report.ranks = std::move(summaries);
   if (report.makespan_us == 0) report.makespan_us = makespan_us;
+  if (report.activity.ranks.empty() && !report.spans.empty()) {
+    std::vector<ActivityBins> bins;
+    bins.reserve(per_rank.size());
+    std::vector<const ActivityBins*> pointers;
+    for (const RankTimeline& t : per_rank) pointers.push_back(&bins.emplace_back(t.activity()));
+    report.activity = activity_strip(pointers, report.makespan_us);
+  }
 }
 
 // ---- terminal summary -----------------------------------------------------------------------------------
@@ -484,6 +491,7 @@ struct Shape<RankSummary> {
       required("capacity_bytes", &RankSummary::capacity_bytes),
       optional("comm_slowed_compute_us", &RankSummary::comm_slowed_compute_us),
       optional("host_wait_us", &RankSummary::host_wait_us),
+      optional("mirror_of", &RankSummary::mirror_of),  // -1 (ran) in reports from before it existed
   };
 };
 
@@ -523,6 +531,15 @@ struct Shape<CollectiveTotal> {
       required("total_us", &CollectiveTotal::total_us),
       required("min_us", &CollectiveTotal::min_us),
       required("max_us", &CollectiveTotal::max_us),
+  };
+};
+
+template <>
+struct Shape<ActivityStrip> {
+  static constexpr auto fields = std::tuple{
+      required("bin_us", &ActivityStrip::bin_us),
+      required("bins", &ActivityStrip::bins),
+      required("ranks", &ActivityStrip::ranks),
   };
 };
 
@@ -639,6 +656,7 @@ struct Shape<RunReport> {
       required("spans", &RunReport::spans),
       required("collectives", &RunReport::collectives),
       optional("collective_totals", &RunReport::collective_totals),
+      optional("activity", &RunReport::activity),
       required("regions", &RunReport::regions),
       required("checks", &RunReport::checks),
       required("links", &RunReport::links),

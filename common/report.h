@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -133,6 +134,9 @@ struct RankSummary {
   double host_wait_us = 0;
   std::int64_t peak_bytes = 0;
   std::int64_t capacity_bytes = 0;
+  // Simulator, symmetric runs: the representative this rank mirrors, whose figures are its own
+  // (SimSymmetry); -1 for a rank that ran.
+  int mirror_of = -1;
 };
 
 struct LinkTraffic {
@@ -170,6 +174,16 @@ struct RunTopology {
   bool empty() const { return nodes.empty() && links.empty(); }
 };
 
+// Every rank's time, bin by bin over the run, as the page's heat strip draws it. Per rank and bin, three
+// digits: the ninths of the bin (0 to 9, 9 the whole bin) its compute kept busy, its communication kept busy
+// beyond the compute (exposed), and its collectives spent waiting for late members beyond both; the rest
+// is idle. A mirror's row is empty: its representative's (RankSummary::mirror_of) is its own.
+struct ActivityStrip {
+  double bin_us = 0;
+  int bins = 0;
+  std::vector<std::string> ranks;
+};
+
 struct RunReport {
   std::string lesson;
   std::string backend;  // "sim" or "cuda"
@@ -191,6 +205,7 @@ struct RunReport {
   std::vector<CollectiveRecord> collectives;
   // Every collective of the run, grouped; empty where `collectives` holds them all (collective_totals).
   std::vector<CollectiveTotal> collective_totals;
+  ActivityStrip activity;  // empty where the backend gathered none (the real backend, older reports)
   std::vector<RegionRecord> regions;
   std::vector<CheckRecord> checks;
   std::vector<LinkTraffic> links;  // the links that carried bytes

@@ -200,6 +200,14 @@ RunReport SimWorld::finish_report() {
   report_.links = network_->link_traffic();
   report_.late_starts = engine_.late_starts();
   report_.collective_totals = collective_tally_.take();
+  if (config_.keep_timeline) {
+    std::vector<ActivityBins> bins(static_cast<std::size_t>(size()));
+    std::vector<const ActivityBins*> per_rank(static_cast<std::size_t>(size()), nullptr);
+    for (int r = 0; r < size(); ++r) {
+      if (runs(r)) per_rank[r] = &(bins[r] = state(r).timeline.activity());
+    }
+    report_.activity = activity_strip(per_rank, report_.makespan_us);
+  }
   for (int r = 0; r < size(); ++r) {
     if (traced(r)) report_.traced_ranks.push_back(r);
   }
@@ -210,6 +218,7 @@ RunReport SimWorld::finish_report() {
       if (runs(r)) continue;
       report_.ranks[r] = report_.ranks[symmetry_.representative(r)];
       report_.ranks[r].rank = r;
+      report_.ranks[r].mirror_of = symmetry_.representative(r);
     }
   }
   return std::move(report_);

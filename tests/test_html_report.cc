@@ -17,6 +17,8 @@
 #include "common/assets.h"
 #include "common/html_report.h"
 #include "common/report.h"
+#include "common/trace_ranks.h"
+#include "sim_fixture.h"
 
 namespace ranklab {
 namespace {
@@ -396,6 +398,49 @@ TEST(HtmlReportInBrowser, RendersOneRowPerRankWithoutScriptErrors) {
   ASSERT_TRUE(
       std::regex_search(dom, errors, std::regex(R"re(<ul id="errors" data-count="(\d+)">(.*?)</ul>)re")));
   EXPECT_EQ(errors[1], "0") << errors[2];
+  EXPECT_LT(seconds, 20);
+}
+
+// A run of 4,096 ranks as the page must show it: every rank in the strip, the traced ranks' timeline, the
+// machine's links per tier, in a page of a few megabytes that loads without a script error.
+TEST(HtmlReportInBrowser, A4096RankRunShowsEveryRankInTheStrip) {
+  const std::string chromium = testing::find_chromium();
+  if (chromium.empty()) GTEST_SKIP() << "chromium is not installed (Debian: apt-get install chromium)";
+  SimConfig config = testing::quiet_config(512);
+  config.trace_ranks = TraceRanks::parse("0,4095", "--trace-ranks");
+  SimBackend backend(config);
+  const RunReport report = backend.launch(4096, [](Rank& r) {
+    const Tensor x = r.phantom(Shape{1 << 20}, DType::BFloat16);
+    const Tensor w = r.phantom(Shape{2048, 2048}, DType::BFloat16);
+    for (int step = 0; step < 3; ++step) {
+      // Later ranks compute longer, so the strip has something to show.
+      for (int k = 0; k <= r.rank() / 1024; ++k) r.matmul(w, w);
+      r.all_reduce(x, ReduceOp::Sum);
+    }
+    r.synchronize();
+  });
+  ASSERT_EQ(report.activity.ranks.size(), 4096u);
+  const std::string html = report_to_html(report);
+  EXPECT_LT(html.size(), 20u << 20);
+  const fs::path page = fs::temp_directory_path() / fmt::format("ranklab-report-4096-{}.html", getpid());
+  {
+    std::ofstream f(page);
+    f << html;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  const std::string dom = testing::run_chromium(chromium, page, "--dump-dom");
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  fs::remove(page);
+  ASSERT_FALSE(dom.empty()) << "chromium printed nothing";
+  std::smatch errors;
+  ASSERT_TRUE(
+      std::regex_search(dom, errors, std::regex(R"re(<ul id="errors" data-count="(\d+)">(.*?)</ul>)re")));
+  EXPECT_EQ(errors[1], "0") << errors[2];
+  EXPECT_TRUE(std::regex_search(dom, std::regex(R"(id="strip" data-ranks="4096" data-rows="512")")));
+  EXPECT_TRUE(std::regex_search(dom, std::regex(R"(id="timeline"[^>]*data-rows="2")"))) << "the traced ranks";
+  EXPECT_TRUE(contains(dom, "id=\"tiers\""));
+  std::printf("4,096-rank report.html: %.1f MB, loaded and drawn by chromium in %.2f s\n", html.size() / 1e6,
+              seconds);
   EXPECT_LT(seconds, 20);
 }
 

@@ -101,5 +101,30 @@ TEST(RankTimeline, TouchingSpansAreOneInterval) {
   EXPECT_EQ(s.idle_us, 0);
 }
 
+TEST(ActivityBins, EveryRankOnOneAxisBinByBin) {
+  // Rank 0 computes [0, 32], communicates [16, 64] (exposed from 32), waits [64, 96]; rank 1 computes
+  // [0, 120] and mirrors nothing; the run ends at 128: 64 bins of 2 us.
+  RankTimeline a, b;
+  a.add(SpanKind::Compute, 0, 32);
+  a.add(SpanKind::Comm, 16, 64);
+  a.fold(40);  // what is folded and what is held both reach the bins
+  a.add(SpanKind::Idle, 64, 96);
+  b.add(SpanKind::Compute, 0, 120);
+  const ActivityBins bins_a = a.activity(), bins_b = b.activity();
+  const ActivityStrip strip = activity_strip({&bins_a, &bins_b, nullptr}, 128);
+  EXPECT_EQ(strip.bin_us, 2);
+  EXPECT_EQ(strip.bins, ActivityBins::kBins);
+  ASSERT_EQ(strip.ranks.size(), 3u);
+  auto cell = [&](int rank, int bin) { return strip.ranks[rank].substr(3 * bin, 3); };
+  EXPECT_EQ(cell(0, 0), "900");   // computing
+  EXPECT_EQ(cell(0, 10), "900");  // communicating under the compute
+  EXPECT_EQ(cell(0, 20), "090");  // communication beyond it
+  EXPECT_EQ(cell(0, 35), "009");  // waiting
+  EXPECT_EQ(cell(0, 60), "000");  // idle
+  EXPECT_EQ(cell(1, 59), "900");
+  EXPECT_EQ(cell(1, 60), "000");
+  EXPECT_TRUE(strip.ranks[2].empty());  // a mirror's row is its representative's
+}
+
 }  // namespace
 }  // namespace ranklab

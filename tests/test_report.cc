@@ -509,9 +509,9 @@ TEST(ReportJson, EveryRequiredFieldIsRequiredAndEveryOptionalOneIsNot) {
            path == "training.hidden_comm_us" || path.rfind("training.communicated_comm_us.", 0) == 0 ||
            path.rfind("training.hidden_comm_us.", 0) == 0 || path == "training.moe_routes" ||
            path == "training.moe_dropped_routes" ||
-           (path.rfind("collectives[", 0) == 0 && leaf == "bookkeeping") ||
+           (path.rfind("collectives[", 0) == 0 && leaf == "bookkeeping") || path == "activity" ||
            (path.rfind("ranks[", 0) == 0 &&
-            (leaf == "comm_slowed_compute_us" || leaf == "host_wait_us")) ||
+            (leaf == "comm_slowed_compute_us" || leaf == "host_wait_us" || leaf == "mirror_of")) ||
            (path.rfind("links[", 0) == 0 && leaf == "bandwidth_gbps");
   };
   int required = 0, optional_seen = 0;
