@@ -503,6 +503,32 @@ struct Shape<Span> {
   };
 };
 
+// A mirror of a symmetric run is written as its rank and the rank it mirrors, whose figures are its own
+// (report_from_json copies them back): a 16,384-rank report would otherwise repeat 128 ranks' figures 128
+// times each.
+template <>
+struct Codec<RankSummary> {
+  static nlohmann::ordered_json write(const RankSummary& s) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    if (s.mirror_of >= 0) {
+      j["rank"] = s.rank;
+      j["mirror_of"] = s.mirror_of;
+    } else {
+      write_fields(s, j);
+    }
+    return j;
+  }
+  static void read(const nlohmann::json& j, RankSummary& out, const Path& path) {
+    if (j.is_object() && !j.contains("end_us") && j.contains("mirror_of")) {
+      json_shape::read(j.at("rank"), out.rank, Path(path, "rank"));
+      json_shape::read(j.at("mirror_of"), out.mirror_of, Path(path, "mirror_of"));
+      if (out.mirror_of < 0) Path(path, "end_us").fail("required field is missing");
+      return;
+    }
+    read_fields(j, out, path);
+  }
+};
+
 template <>
 struct Shape<CollectiveRecord> {
   static constexpr auto fields = std::tuple{
@@ -581,15 +607,36 @@ struct Shape<TopologyNode> {
   };
 };
 
+// A link's "id" is written only where it is not "from->to", which it is for every link the simulator
+// describes: a 16,384-rank machine's quarter of a million links would otherwise spell each name twice.
 template <>
-struct Shape<TopologyLink> {
-  static constexpr auto fields = std::tuple{
-      required("id", &TopologyLink::id),
-      required("from", &TopologyLink::from),
-      required("to", &TopologyLink::to),
-      required("tier", &TopologyLink::tier),
-      required("bandwidth_gbps", &TopologyLink::bandwidth_gbps),
-  };
+struct Codec<TopologyLink> {
+  static nlohmann::ordered_json write(const TopologyLink& l) {
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    if (l.id != l.from + "->" + l.to) j["id"] = l.id;
+    j["from"] = l.from;
+    j["to"] = l.to;
+    j["tier"] = l.tier;
+    j["bandwidth_gbps"] = json_shape::write(l.bandwidth_gbps);
+    return j;
+  }
+  static void read(const nlohmann::json& j, TopologyLink& out, const Path& path) {
+    if (!j.is_object()) path.fail(fmt::format("expected an object, got {}", describe(j)));
+    auto field = [&](const char* key, auto& member, bool required) {
+      const auto it = j.find(key);
+      if (it != j.end()) {
+        json_shape::read(*it, member, Path(path, key));
+      } else if (required) {
+        Path(path, key).fail("required field is missing");
+      }
+    };
+    field("from", out.from, true);
+    field("to", out.to, true);
+    field("tier", out.tier, true);
+    field("bandwidth_gbps", out.bandwidth_gbps, true);
+    out.id = out.from + "->" + out.to;
+    field("id", out.id, false);
+  }
 };
 
 template <>
@@ -706,6 +753,20 @@ RunReport report_from_json(const std::string& text, std::string_view document) {
   }
   RunReport report;
   json_shape::read_fields(root, report, top);
+  // A mirror's figures are its representative's (Codec<RankSummary>).
+  for (std::size_t i = 0; i < report.ranks.size(); ++i) {
+    RankSummary& s = report.ranks[i];
+    if (s.mirror_of < 0) continue;
+    const json_shape::Path ranks(top, "ranks"), at(ranks, i);
+    if (static_cast<std::size_t>(s.mirror_of) >= report.ranks.size() ||
+        report.ranks[static_cast<std::size_t>(s.mirror_of)].mirror_of >= 0) {
+      json_shape::Path(at, "mirror_of")
+          .fail(fmt::format("{} is not a rank of the report that ran", s.mirror_of));
+    }
+    const int rank = s.rank, mirror_of = s.mirror_of;
+    s = report.ranks[static_cast<std::size_t>(mirror_of)];
+    s.rank = rank, s.mirror_of = mirror_of;
+  }
   return report;
 }
 

@@ -364,6 +364,20 @@ TEST(ReportJson, StreamedAsItIsMadeTheSameText) {
   EXPECT_EQ(streamed.str(), whole);
 }
 
+TEST(ReportJson, ALinksIdIsWrittenOnlyWhereItIsNotFromTo) {
+  RunReport r = sample_report();
+  r.topology.links = {{"gpu0->gpu1", "gpu0", "gpu1", "nvlink", 450},
+                      {"rail 3", "nic3", "leaf0", "network", 50}};
+  const std::string text = report_to_json(r);
+  EXPECT_EQ(text.find("\"id\":\"gpu0->gpu1\""), std::string::npos);
+  EXPECT_NE(text.find("\"id\":\"rail 3\""), std::string::npos);
+  const RunReport back = report_from_json(text);
+  ASSERT_EQ(back.topology.links.size(), 2u);
+  EXPECT_EQ(back.topology.links[0].id, "gpu0->gpu1");
+  EXPECT_EQ(back.topology.links[1].id, "rail 3");
+  EXPECT_EQ(report_to_json(back), text);
+}
+
 TEST(ReportJson, EveryCommOpAndSpanKindRoundTrips) {
   RunReport r;
   for (int i = 0; i <= static_cast<int>(CommOp::Barrier); ++i) {
@@ -491,6 +505,29 @@ void each_member(const nlohmann::ordered_json& j, const std::string& path,
   } else if (j.is_array()) {
     for (std::size_t i = 0; i < j.size(); ++i)
       each_member(j[i], fmt::format("{}[{}]", path, i), at / i, visit);
+  }
+}
+
+TEST(ReportJson, AMirrorIsWrittenAsTheRankItMirrors) {
+  RunReport r = sample_report();
+  RankSummary mirror = r.ranks[0];
+  mirror.rank = 2, mirror.mirror_of = 0;
+  r.ranks.push_back(mirror);
+  r.world = 3;
+  const std::string text = report_to_json(r);
+  EXPECT_NE(text.find("{\"rank\":2,\"mirror_of\":0}"), std::string::npos);
+  const RunReport back = report_from_json(text);
+  ASSERT_EQ(back.ranks.size(), 3u);
+  EXPECT_EQ(back.ranks[2].end_us, r.ranks[0].end_us);
+  EXPECT_EQ(back.ranks[2].peak_bytes, r.ranks[0].peak_bytes);
+  EXPECT_EQ(back.ranks[2].rank, 2);
+  EXPECT_EQ(report_to_json(back), text);
+  // A mirror of a rank that is not in the report, or of another mirror, names the field.
+  for (const char* to : {"7", "2"}) {
+    std::string bad = text;
+    bad.replace(bad.find("\"mirror_of\":0}"), 14, fmt::format("\"mirror_of\":{}}}", to));
+    EXPECT_EQ(message_of(bad),
+              fmt::format("report JSON: ranks[2].mirror_of: {} is not a rank of the report that ran", to));
   }
 }
 
