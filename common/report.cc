@@ -520,6 +520,7 @@ struct Codec<RankSummary> {
   }
   static void read(const nlohmann::json& j, RankSummary& out, const Path& path) {
     if (j.is_object() && !j.contains("end_us") && j.contains("mirror_of")) {
+      if (!j.contains("rank")) Path(path, "rank").fail("required field is missing");
       json_shape::read(j.at("rank"), out.rank, Path(path, "rank"));
       json_shape::read(j.at("mirror_of"), out.mirror_of, Path(path, "mirror_of"));
       if (out.mirror_of < 0) Path(path, "end_us").fail("required field is missing");

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstdint>
 #include <string_view>
 
 #include "common/errors.h"
@@ -11,6 +12,8 @@
 namespace ranklab {
 
 namespace {
+
+constexpr std::int64_t kMostNamed = 1 << 20;
 
 int read_rank(std::string_view text, std::string_view spec, const std::string& flag) {
   int v = -1;
@@ -43,9 +46,10 @@ TraceRanks TraceRanks::parse(const std::string& text, const std::string& flag) {
     if (last < first) {
       throw UsageError(fmt::format("{} {}: the range {} ends before it starts", flag, text, item));
     }
-    // A range is checked against the world later; one this long names more ranks than any world has.
-    if (last - first >= (1 << 24)) {
-      throw UsageError(fmt::format("{} {}: the range {} holds more ranks than a run has", flag, text, item));
+    // The ranks are checked against the world later; this many are more than a run has.
+    if (static_cast<std::int64_t>(t.ranks.size()) + last - first >= kMostNamed) {
+      throw UsageError(
+          fmt::format("{} {}: names more than {} ranks; give all for every rank", flag, text, kMostNamed));
     }
     for (int r = first; r <= last; ++r) t.ranks.push_back(r);
     if (comma == std::string_view::npos) break;

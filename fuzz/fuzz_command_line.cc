@@ -10,10 +10,12 @@
 #include <string>
 #include <vector>
 
+#include "common/backend.h"
 #include "common/errors.h"
 #include "common/lesson.h"
 #include "common/options.h"
 #include "common/text.h"
+#include "common/trace_ranks.h"
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
 #include "plan/candidates.h"
@@ -44,7 +46,18 @@ Settings flags_of(const std::vector<std::string>& words) {
 
 void run_gpt(const Settings& given) {
   using namespace ranklab;
-  const gpt::Config c = gpt::options_table().read(resolve_settings(find_lesson("gpt"), given, false), "gpt");
+  // The backend's flags (--trace-ranks among them) apart from the lesson's, as `ranklab run` reads them.
+  Settings backend_flags, lesson_flags;
+  const std::vector<OptionSpec> specs = backend_options().specs();
+  for (const auto& entry : given) {
+    const bool backend = std::any_of(specs.begin(), specs.end(),
+                                     [&entry](const OptionSpec& s) { return s.flag == entry.first; });
+    (backend ? backend_flags : lesson_flags)[entry.first] = entry.second;
+  }
+  const BackendOptions b = backend_options().read(backend_flags, "");
+  const gpt::Config c =
+      gpt::options_table().read(resolve_settings(find_lesson("gpt"), lesson_flags, false), "gpt");
+  TraceRanks::parse(b.trace_ranks, "--trace-ranks").check(c.world, "--trace-ranks");
   const gpt::Config resolved = gpt::resolve(c, c.world);
   gpt::memory_plans(resolved);
 }
