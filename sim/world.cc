@@ -57,11 +57,13 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   report_.backend = "sim";
   report_.profile = config.profile.name;
   report_.world = world_size;
-  // A mirror's timeline is its representative's: tracing it traces the representative.
+  // A mirror's timeline is its representative's: tracing it traces the representative, and tracing every
+  // rank traces those that run.
   const TraceRanks& trace = config.trace_ranks;
   const bool all = trace.mode == TraceRanks::Mode::All ||
                    (trace.mode == TraceRanks::Mode::Lesson && TraceRanks::keeps_all_of(world_size));
-  traced_.assign(static_cast<std::size_t>(world_size), all ? 1 : 0);
+  traced_.assign(static_cast<std::size_t>(world_size), 0);
+  for (int r = 0; r < world_size && all; ++r) traced_[r] = runs(r);
   if (!all) {
     traced_[representative(0)] = trace.mode == TraceRanks::Mode::Lesson;
     for (int r : trace.ranks) {

@@ -106,6 +106,14 @@ TEST_P(SymmetricGpt, EqualsTheFullRun) {
   // general and so does not promise.)
   EXPECT_TRUE(said(sym, "symmetric run: " + std::to_string(l.pp) + " of " + std::to_string(world) +
                             " ranks ran, the others mirrored them"));
+  // Every rank's timeline is the ranks' that ran, which the report traces; each mirror names its own.
+  ASSERT_EQ(sym.traced_ranks.size(), static_cast<std::size_t>(l.pp));
+  for (int rank : sym.traced_ranks) EXPECT_EQ(sym.ranks[rank].mirror_of, -1) << "rank " << rank;
+  for (const RankSummary& s : sym.ranks) {
+    if (s.mirror_of >= 0) {
+      EXPECT_EQ(s.end_us, sym.ranks[s.mirror_of].end_us) << "rank " << s.rank;
+    }
+  }
 }
 
 // Expert parallelism over part of the data-parallel ranks: the mirrors' ep groups are the blocks of ep
