@@ -24,15 +24,63 @@ void RankTimeline::insert(std::vector<Interval>& v, Interval iv) {
   v.erase(std::next(pos), last);
 }
 
+void RankTimeline::Held::add(Interval iv) {
+  if (open_ && iv.start >= last_.start) {
+    if (iv.start <= last_.end) {
+      last_.end = std::max(last_.end, iv.end);
+      return;
+    }
+    list_.push_back(last_);
+    last_ = iv;
+    return;
+  }
+  if (!open_) {
+    // The first, or the first since a fold took them all: it goes after what the list holds, if anywhere.
+    if (list_.empty() || iv.start >= list_.back().start) {
+      if (!list_.empty() && iv.start <= list_.back().end) {
+        last_ = list_.back();
+        list_.pop_back();
+        last_.end = std::max(last_.end, iv.end);
+      } else {
+        last_ = iv;
+      }
+      open_ = true;
+      return;
+    }
+  }
+  // Out of order: into the list, whose last interval is then kept apart again.
+  insert(all(), iv);
+  close();
+}
+
+std::vector<RankTimeline::Interval>& RankTimeline::Held::all() {
+  if (open_) list_.push_back(last_);
+  open_ = false;
+  return list_;
+}
+
+void RankTimeline::Held::close() {
+  if (list_.empty()) return;
+  last_ = list_.back();
+  list_.pop_back();
+  open_ = true;
+}
+
+std::vector<RankTimeline::Interval> RankTimeline::Held::copy() const {
+  std::vector<Interval> out = list_;
+  if (open_) out.push_back(last_);
+  return out;
+}
+
 void RankTimeline::add(SpanKind kind, double start_us, double end_us) {
   last_end_us_ = std::max(last_end_us_, end_us);
   if (!(end_us > start_us)) return;  // covers nothing
   switch (kind) {
     case SpanKind::Compute:
-      insert(compute_, {start_us, end_us});
+      compute_.add({start_us, end_us});
       break;
     case SpanKind::Comm:
-      insert(comm_, {start_us, end_us});
+      comm_.add({start_us, end_us});
       break;
     case SpanKind::Idle:
       wait_us_ += end_us - start_us;
@@ -120,21 +168,22 @@ double RankTimeline::overlap(Intervals a, Intervals b, double total, ActivityBin
 }
 
 void RankTimeline::fold(double watermark_us) {
+  std::vector<Interval>& compute = compute_.all();
+  std::vector<Interval>& comm = comm_.all();
   // The cut: where the stretch of busy time (compute or communication) that reaches the watermark begins,
   // or the watermark when none does. Every interval before it ends before the watermark, so no later span
   // joins it, and before every interval kept, so none overlaps what is kept.
   double cut_us = watermark_us;
   std::size_t i = 0, j = 0;
-  while (i < compute_.size() || j < comm_.size()) {
-    const bool from_compute =
-        j == comm_.size() || (i < compute_.size() && compute_[i].start <= comm_[j].start);
-    const double stretch_start = from_compute ? compute_[i].start : comm_[j].start;
+  while (i < compute.size() || j < comm.size()) {
+    const bool from_compute = j == comm.size() || (i < compute.size() && compute[i].start <= comm[j].start);
+    const double stretch_start = from_compute ? compute[i].start : comm[j].start;
     double stretch_end = stretch_start;
     while (true) {
-      if (i < compute_.size() && compute_[i].start <= stretch_end) {
-        stretch_end = std::max(stretch_end, compute_[i++].end);
-      } else if (j < comm_.size() && comm_[j].start <= stretch_end) {
-        stretch_end = std::max(stretch_end, comm_[j++].end);
+      if (i < compute.size() && compute[i].start <= stretch_end) {
+        stretch_end = std::max(stretch_end, compute[i++].end);
+      } else if (j < comm.size() && comm[j].start <= stretch_end) {
+        stretch_end = std::max(stretch_end, comm[j++].end);
       } else {
         break;
       }
@@ -147,14 +196,16 @@ void RankTimeline::fold(double watermark_us) {
   auto before_cut = [cut_us](std::vector<Interval>& v) {
     return std::partition_point(v.begin(), v.end(), [cut_us](const Interval& iv) { return iv.end < cut_us; });
   };
-  const auto compute_end = before_cut(compute_), comm_end = before_cut(comm_);
-  const Intervals compute_done(compute_.begin(), compute_end), comm_done(comm_.begin(), comm_end);
+  const auto compute_end = before_cut(compute), comm_end = before_cut(comm);
+  const Intervals compute_done(compute.begin(), compute_end), comm_done(comm.begin(), comm_end);
   compute_us_ = length(compute_done, compute_us_);
   comm_us_ = length(comm_done, comm_us_);
   both_us_ = overlap(compute_done, comm_done, both_us_);
   add_to(bins_, compute_done, comm_done);
-  compute_.erase(compute_.begin(), compute_end);
-  comm_.erase(comm_.begin(), comm_end);
+  compute.erase(compute.begin(), compute_end);
+  comm.erase(comm.begin(), comm_end);
+  compute_.close();
+  comm_.close();
 }
 
 void RankTimeline::add_to(ActivityBins& bins, Intervals compute, Intervals comm) {
@@ -165,14 +216,15 @@ void RankTimeline::add_to(ActivityBins& bins, Intervals compute, Intervals comm)
 
 ActivityBins RankTimeline::activity() const {
   ActivityBins bins = bins_;
-  add_to(bins, compute_, comm_);
+  add_to(bins, compute_.copy(), comm_.copy());
   return bins;
 }
 
 void RankTimeline::summarize(RankSummary& s) const {
-  const double compute_us = length(compute_, compute_us_);
-  const double comm_us = length(comm_, comm_us_);
-  const double both_us = overlap(compute_, comm_, both_us_);
+  const std::vector<Interval> compute = compute_.copy(), comm = comm_.copy();
+  const double compute_us = length(compute, compute_us_);
+  const double comm_us = length(comm, comm_us_);
+  const double both_us = overlap(compute, comm, both_us_);
   s.compute_us = compute_us;
   s.comm_us = comm_us;
   s.comm_wait_us = wait_us_;

@@ -62,12 +62,30 @@ class RankTimeline {
   };
   // Sorted by start, disjoint; intervals that touch are one.
   static void insert(std::vector<Interval>& v, Interval iv);
+  // One stream's held intervals. The last is kept apart, in the timeline itself: the span that extends it
+  // (the next kernel, back to back) touches no other memory, where thousands of ranks' lists are out of
+  // the cache.
+  class Held {
+   public:
+    void add(Interval iv);
+    std::size_t size() const { return list_.size() + (open_ ? 1 : 0); }
+    // Every interval, the last one in the list too, for as long as the caller works on the list; close()
+    // takes the last one out again.
+    std::vector<Interval>& all();
+    void close();
+    std::vector<Interval> copy() const;
+
+   private:
+    std::vector<Interval> list_;
+    Interval last_{0, 0};
+    bool open_ = false;
+  };
   using Intervals = std::span<const Interval>;
   static double length(Intervals v, double total);
   static double overlap(Intervals a, Intervals b, double total, ActivityBins* bins = nullptr);
   static void add_to(ActivityBins& bins, Intervals compute, Intervals comm);
 
-  std::vector<Interval> compute_, comm_;
+  Held compute_, comm_;
   // The folded intervals' totals, summed in time order.
   double compute_us_ = 0, comm_us_ = 0, both_us_ = 0;
   double wait_us_ = 0;
