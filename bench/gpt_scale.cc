@@ -66,6 +66,7 @@ void run(const Case& k, Mode mode) {
   c.profile = load_profile("dgx-a100");
   c.profile.nodes = k.world / c.profile.gpus_per_node;
   c.echo_output = false;
+  c.trace_ranks = TraceRanks::parse("auto", "--trace-ranks");  // as `ranklab run gpt` keeps the timeline
   if (mode != Mode::Full) {
     c.symmetry.dims = {k.tp, k.world / (k.tp * k.pp), k.pp};  // order tp-dp-pp
     c.symmetry.replicated = {true, mode == Mode::MirrorTpDp, false};
