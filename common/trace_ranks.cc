@@ -62,9 +62,7 @@ TraceRanks TraceRanks::parse(const std::string& text, const std::string& flag) {
 
 void keep_traced_only(RunReport& report, const TraceRanks& trace) {
   const int world = std::max(report.world, static_cast<int>(report.ranks.size()));
-  if (trace.mode == TraceRanks::Mode::All ||
-      (trace.mode == TraceRanks::Mode::Lesson && TraceRanks::keeps_all_of(world)))
-    return;
+  if (trace.keeps_every_rank(world)) return;
   report.traced_ranks = trace.mode == TraceRanks::Mode::Named ? trace.ranks : std::vector<int>{0};
   report.collective_totals = collective_totals(report);
   std::erase_if(report.spans, [&](const Span& s) { return !report.traces(s.rank); });

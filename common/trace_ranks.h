@@ -24,9 +24,11 @@ struct TraceRanks {
   static TraceRanks parse(const std::string& text, const std::string& flag);
   // UsageError naming `flag` when a named rank is not one of the world's.
   void check(int world, const std::string& flag) const;
-  // Whether a lesson's choice keeps every rank of a world this small: a page and a trace of a few ranks
-  // stay small, and the lecture's lessons run on a few.
-  static bool keeps_all_of(int world) { return world <= kAllUpTo; }
+  // Whether every rank of a world of `world` ranks is traced: with `all`, and with `auto` in a world this
+  // small (a page and a trace of a few ranks stay small, and the lecture's lessons run on a few).
+  bool keeps_every_rank(int world) const {
+    return mode == Mode::All || (mode == Mode::Lesson && world <= kAllUpTo);
+  }
   static constexpr int kAllUpTo = 16;
 };
 

@@ -60,11 +60,10 @@ SimWorld::SimWorld(const SimConfig& config, int world_size)
   // A mirror's timeline is its representative's: tracing it traces the representative, and tracing every
   // rank traces those that run.
   const TraceRanks& trace = config.trace_ranks;
-  const bool all = trace.mode == TraceRanks::Mode::All ||
-                   (trace.mode == TraceRanks::Mode::Lesson && TraceRanks::keeps_all_of(world_size));
   traced_.assign(static_cast<std::size_t>(world_size), 0);
-  for (int r = 0; r < world_size && all; ++r) traced_[r] = runs(r);
-  if (!all) {
+  if (trace.keeps_every_rank(world_size)) {
+    for (int r = 0; r < world_size; ++r) traced_[r] = runs(r);
+  } else {
     traced_[representative(0)] = trace.mode == TraceRanks::Mode::Lesson;
     for (int r : trace.ranks) {
       if (r < world_size) traced_[representative(r)] = 1;
