@@ -249,10 +249,12 @@ void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
   for (const auto& op : ended) {
     const bool p2p = op->op == CommOp::Send;
     const SpanName name = op_name(op->op);
+    bool traced_member = false;  // only ranks that run are traced
     for (std::size_t i = 0; i < op->members.size(); ++i) {
       prefetch_state(*op, i + kPrefetchAhead);
       CommMember& m = op->members[i];
       if (!runs(m.rank)) continue;
+      traced_member = traced_member || traced(m.rank);
       RankState& s = state(m.rank);
       const int stream =
           p2p ? (m.rank == op->ranks[0] ? op->ranks[1] : op->ranks[0]) : collective_stream(op->group_id);
@@ -263,8 +265,7 @@ void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
     if (config_.keep_timeline) {
       CollectiveRecord record = collective_record(*op);
       collective_tally_.add(record);
-      if (std::any_of(op->ranks.begin(), op->ranks.end(), [this](int r) { return traced(r); }))
-        report_.collectives.push_back(std::move(record));
+      if (traced_member) report_.collectives.push_back(std::move(record));
     }
     if (size() >= 256) {
       if (progress_detail_.empty()) progress_detail_ = fmt::format("operations, {} ranks", size());
