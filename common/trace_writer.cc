@@ -124,6 +124,16 @@ const Slice* find_comm(const std::vector<Slice>& comm, double start_us, double e
   return best;
 }
 
+// A lane's track name, as both formats give it: "compute", then "compute 2".
+std::string lane_name(int track, int lane) {
+  return lane == 0 ? std::string(kTrackNames[track]) : fmt::format("{} {}", kTrackNames[track], lane + 1);
+}
+
+// A slice's name: a wait is named for what it waited for ("wait all_reduce").
+std::string slice_name(const Slice& s) {
+  return s.category == std::string_view("wait") ? "wait " + *s.name : *s.name;
+}
+
 }  // namespace
 
 std::vector<std::vector<TimeRange>> idle_intervals(const RunReport& report) {
@@ -295,15 +305,14 @@ std::string report_to_trace_json(const RunReport& report) {
     for (int t = 0; t < kTracks; ++t) {
       for (int lane = 0; lane < std::min(rt.lanes[t], kLanes); ++lane) {
         const int tid = t * kLanes + lane;
-        std::string name = lane == 0 ? kTrackNames[t] : fmt::format("{} {}", kTrackNames[t], lane + 1);
         event(fmt::format(R"({{"ph":"M","name":"thread_name","pid":{},"tid":{},"args":{{"name":"{}"}}}})", r,
-                          tid, name));
+                          tid, lane_name(t, lane)));
         event(fmt::format(
             R"({{"ph":"M","name":"thread_sort_index","pid":{},"tid":{},"args":{{"sort_index":{}}}}})", r, tid,
             tid));
       }
       for (const Slice& s : rt.tracks[t]) {
-        const std::string name = s.category == std::string_view("wait") ? "wait " + *s.name : *s.name;
+        const std::string name = slice_name(s);
         const double dur_us = s.end_us - s.start_us;
         const std::string args =
             s.hidden_us < 0 ? std::string()
@@ -427,10 +436,10 @@ std::string report_to_perfetto(const RunReport& report) {
     out += wrapped.str();
   };
   // Names and categories are interned: each text is sent once, then referred to by number.
-  std::map<std::string_view, std::uint64_t> name_iids, category_iids;
+  std::map<std::string, std::uint64_t, std::less<>> name_iids, category_iids;
   bool first = true;
-  auto intern = [](std::map<std::string_view, std::uint64_t>& table, std::string_view text, Proto& interned,
-                   int field) {
+  auto intern = [](std::map<std::string, std::uint64_t, std::less<>>& table, const std::string& text,
+                   Proto& interned, int field) {
     auto [it, inserted] = table.try_emplace(text, table.size() + 1);
     if (inserted) {
       Proto entry;
@@ -466,8 +475,7 @@ std::string report_to_perfetto(const RunReport& report) {
         Proto track, q;
         track.varint(pf::kUuid, track_uuid(rt.rank, tid));
         track.varint(pf::kParentUuid, process_uuid(rt.rank));
-        track.bytes(pf::kName,
-                    lane == 0 ? std::string(kTrackNames[t]) : fmt::format("{} {}", kTrackNames[t], lane + 1));
+        track.bytes(pf::kName, lane_name(t, lane));
         track.varint(pf::kSiblingOrderRank, static_cast<std::uint64_t>(tid));
         q.message(pf::kTrackDescriptor, track);
         packet(q);
@@ -483,17 +491,14 @@ std::string report_to_perfetto(const RunReport& report) {
       flows_at[f.through[k]].push_back({i + 1, k + 1 == f.through.size()});
   }
 
-  std::deque<std::string> wait_names;
   for (const RankTracks& rt : layout.ranks) {
     for (int t = 0; t < kTracks; ++t) {
       for (const Slice& s : rt.tracks[t]) {
         const std::uint64_t track = track_uuid(rt.rank, s.tid);
         Proto interned, begin, p;
-        std::string_view name = *s.name;
-        if (s.category == std::string_view("wait")) name = wait_names.emplace_back("wait " + *s.name);
         begin.varint(pf::kType, pf::kSliceBegin);
         begin.varint(pf::kTrackUuid, track);
-        begin.varint(pf::kNameIid, intern(name_iids, name, interned, pf::kEventNames));
+        begin.varint(pf::kNameIid, intern(name_iids, slice_name(s), interned, pf::kEventNames));
         begin.varint(pf::kCategoryIids, intern(category_iids, s.category, interned, pf::kEventCategories));
         if (s.hidden_us >= 0) {
           const double exposed_us = std::max(0.0, s.end_us - s.start_us - s.hidden_us);
