@@ -723,22 +723,32 @@ constexpr int kSchemaVersion = 1;
 
 }  // namespace
 
-std::string report_to_json(const RunReport& report) {
-  std::string out = fmt::format("{{\"schema_version\":{}", kSchemaVersion);
-  // A lesson's printed output may hold bytes that are not UTF-8; they are replaced rather than fail the
-  // write.
-  json_shape::append_fields(report, out);
+namespace {
+
+// The report's text appended to `out`, schema_version first; `flush` as json_shape::append_fields takes it.
+// A lesson's printed output may hold bytes that are not UTF-8; they are replaced rather than fail the write.
+void append_report(const RunReport& report, std::string& out,
+                   const std::function<void(std::string&)>& flush) {
+  out += fmt::format("{{\"schema_version\":{}", kSchemaVersion);
+  json_shape::append_fields(report, out, flush);
   out += '}';
+}
+
+}  // namespace
+
+std::string report_to_json(const RunReport& report) {
+  std::string out;
+  append_report(report, out, {});
   return out;
 }
 
 void write_report_json(const RunReport& report, std::ostream& out) {
-  std::string buffer = fmt::format("{{\"schema_version\":{}", kSchemaVersion);
-  json_shape::append_fields(report, buffer, [&out](std::string& text) {
+  std::string buffer;
+  append_report(report, buffer, [&out](std::string& text) {
     out << text;
     text.clear();
   });
-  out << buffer << '}';
+  out << buffer;
 }
 
 RunReport report_from_json(const std::string& text, std::string_view document) {
