@@ -897,16 +897,14 @@ void collectives_section(std::string& out, const RunReport& r) {
       "<th class=\"l\">algorithm</th><th>count</th><th>mean time</th><th>min</th><th>max</th><th>total</th>"
       "<th>algbw</th><th>busbw</th></tr>\n";
   for (const CollectiveTotal& row : rows) {
-    const double mean_us = row.total_us / static_cast<double>(row.count);
-    const double algbw = mean_us > 0 ? static_cast<double>(row.bytes) / (mean_us * 1e3) : 0;
-    const double busbw = row.group_size >= 1 ? algbw * bus_factor(row.op, row.group_size) : 0;
     out += fmt::format(
         "<tr><td class=\"l\">{}</td><td>{}</td><td>{}</td><td "
         "class=\"l\">{}</td><td>{}</td><td>{}</td><td>{}</td>"
         "<td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
         comm_op_name(row.op), format_bytes(static_cast<double>(row.bytes)), row.group_size,
-        html_escape(row.algorithm.str()), row.count, human_time(mean_us), human_time(row.min_us),
-        human_time(row.max_us), human_time(row.total_us), format_gbps(algbw), format_gbps(busbw));
+        html_escape(row.algorithm.str()), row.count, human_time(row.mean_us()), human_time(row.min_us),
+        human_time(row.max_us), human_time(row.total_us), format_gbps(row.algbw_gbps()),
+        format_gbps(row.busbw_gbps()));
   }
   out += "</table></div>\n";
 }

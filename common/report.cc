@@ -100,6 +100,14 @@ std::string pipeline_task_label(const PipelineTask& t, bool interleaved) {
                      interleaved ? fmt::format(".{}", t.chunk) : "");
 }
 
+double CollectiveTotal::algbw_gbps() const {
+  return mean_us() > 0 ? static_cast<double>(bytes) / (mean_us() * 1e3) : 0;
+}
+
+double CollectiveTotal::busbw_gbps() const {
+  return group_size >= 1 ? algbw_gbps() * bus_factor(op, group_size) : 0;
+}
+
 std::vector<CollectiveTotal> collective_totals(const RunReport& report) {
   if (!report.collective_totals.empty()) return report.collective_totals;
   CollectiveTally tally;
@@ -274,13 +282,10 @@ void format_collectives(std::string& out, const std::vector<CollectiveTotal>& to
   out += fmt::format("  {:<{}} {:>10} {:>5}  {:<{}} {:>6} {:>11} {:>12} {:>12}\n", "collective", op_width,
                      "size", "ranks", "algorithm", algo_width, "count", "mean time", "algbw", "busbw");
   for (const CollectiveTotal& r : rows) {
-    double mean_us = r.total_us / static_cast<double>(r.count);
-    // nccl-tests' definitions: algbw = size / time, busbw = algbw * bus factor.
-    double algbw = mean_us > 0 ? static_cast<double>(r.bytes) / (mean_us * 1e3) : 0;
-    double busbw = r.group_size >= 1 ? algbw * bus_factor(r.op, r.group_size) : 0;
     out += fmt::format("  {:<{}} {:>10} {:>5}  {:<{}} {:>6} {:>11} {:>12} {:>12}\n", comm_op_name(r.op),
                        op_width, format_bytes(static_cast<double>(r.bytes)), r.group_size, r.algorithm,
-                       algo_width, r.count, human_time(mean_us), format_gbps(algbw), format_gbps(busbw));
+                       algo_width, r.count, human_time(r.mean_us()), format_gbps(r.algbw_gbps()),
+                       format_gbps(r.busbw_gbps()));
   }
   if (kept_apart > 0) {
     out += fmt::format(

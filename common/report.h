@@ -88,6 +88,10 @@ struct CollectiveTotal {
   double total_us = 0;
   double min_us = 0;
   double max_us = 0;
+  double mean_us() const { return count > 0 ? total_us / static_cast<double>(count) : 0; }
+  // nccl-tests' definitions at the mean time: algbw = size / time, busbw = algbw * bus factor.
+  double algbw_gbps() const;
+  double busbw_gbps() const;
 };
 
 // Collective records grouped into CollectiveTotal rows, in order of their first record (for a sweep, the
