@@ -40,7 +40,7 @@ Tensor TensorParallel::leave_backward(const Tensor& dy) {
 
 Tensor TensorParallel::column_backward(const Tensor& x, const std::function<Tensor()>& dgrad,
                                        const std::function<void(const Tensor&)>& wgrad) {
-  if (!async_backward || size == 1) {
+  if (!(async_backward || overlapped()) || size == 1) {
     wgrad(enter(x));
     return enter_backward(dgrad());
   }
@@ -145,28 +145,16 @@ Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w, Kept* kept) 
 TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, const Tensor& w,
                                                              const Tensor& dy, bool bias,
                                                              const Tensor& dw_into) {
-  if (!overlapped()) {
-    Grads g;
-    Fp8Operand dy8;
-    if (fp8) dy8 = fp8->gradient(dy);
-    const Fp8Operand* q = fp8 ? &dy8 : nullptr;
-    g.dx = column_backward(
-        x, [&] { return dgrad_gemm(dy, w, q); },
-        [&](const Tensor& whole) {
-          g.dw = wgrad_gemm(whole, dy, q, dw_into);
-          if (bias) g.db = r.sum_rows(dy);
-        });
-    return g;
-  }
-  // The input's all-gather (for the weight gradient) runs beside the input gradient's ring.
-  Tensor whole = buffer(r, phantom, x.shape().with_dim(0, x.size(0) * size), x.dtype());
-  Work gathered = r.all_gather(whole, x, Async::Yes, group);
-  exposed.communicated(Dim::Sp, gathered);
   Grads g;
-  g.dx = ring_gemm_scatter(dy, w, Trans::Yes);
-  exposed.wait(Dim::Sp, gathered);
-  g.dw = wgrad_gemm(whole, dy, nullptr, dw_into);
-  if (bias) g.db = r.sum_rows(dy);
+  Fp8Operand dy8;
+  if (fp8) dy8 = fp8->gradient(dy);
+  const Fp8Operand* q = fp8 ? &dy8 : nullptr;
+  g.dx = column_backward(
+      x, [&] { return dgrad_gemm(dy, w, q); },
+      [&](const Tensor& whole) {
+        g.dw = wgrad_gemm(whole, dy, q, dw_into);
+        if (bias) g.db = r.sum_rows(dy);
+      });
   return g;
 }
 

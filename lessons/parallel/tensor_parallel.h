@@ -26,10 +26,16 @@
 // tp GEMMs on the tp pieces of the rows, each piece passed on to the next rank around the ring while the
 // GEMM of the one before runs; a GEMM followed by a reduce-scatter is tp partial GEMMs whose sums travel
 // around the ring, each hop hidden under the next partial GEMM. The same bytes move, point to point, and
-// the compute stream waits only for what a GEMM did not hide. In backward, the column-parallel layer's
-// input is all-gathered (for the weight gradient) while its input gradient's GEMMs and reduce-scatter run.
-// As the userbuffers do, the pieces live in one buffer (views of it): each arrives in its place and each
-// GEMM writes its rows of the output in place; only this rank's own rows are copied in.
+// the compute stream waits only for what a GEMM did not hide. The backward of a column-parallel layer is
+// not decomposed: its input's all-gather (for the weight gradient) runs beside the input gradient's GEMM,
+// and that gradient's reduce-scatter beside the weight gradient's GEMM, as column_backward's asynchronous
+// form does. TransformerEngine's defaults pick these methods per GEMM (transformer_engine/pytorch/module/
+// base.py, initialize_ub: "ring_exchange" for qkv_fprop, fc1_fprop, proj_dgrad and fc2_dgrad, "bulk" for
+// qkv_dgrad, qkv_wgrad, fc1_dgrad and fc1_wgrad); the row-parallel forward's "pipeline" (the GEMM in 4
+// chunks of output columns, each reduce-scattered as the next is computed) is modelled by the ring, which
+// moves the same bytes and hides all but one hop. As the userbuffers do, the pieces live in one buffer
+// (views of it): each arrives in its place and each GEMM writes its rows of the output in place; only this
+// rank's own rows are copied in.
 #pragma once
 
 #include <functional>
@@ -67,7 +73,7 @@ struct TensorParallel {
   // f's backward around a column-parallel layer's two gradient GEMMs. `dgrad()` gives the input gradient
   // before the reduction; `wgrad(whole)` makes the weight's gradients from the whole input (with sequence
   // parallelism gathered again: forward kept only this rank's tokens). Returns the reduced input gradient.
-  // Plain, each collective waits. With async_backward, as Megatron-LM's
+  // Plain, each collective waits. With async_backward or comm_overlap, as Megatron-LM's
   // LinearWithGradAccumulationAndAsyncCommunication (since September 2021, commit cf7efd4; the sequence-
   // parallel form since March 2022, commit 02bb1f5), the gather runs beside dgrad and the reduction beside
   // wgrad.
