@@ -12,8 +12,9 @@ const OptionTable<BackendOptions>& backend_options() {
        "(docs/model.md)"},
       Option<O>("symmetric", &O::symmetric,
                 "gpt, simulator, with --phantom: run one rank per pipeline stage and let the tp and dp "
-                "replicas mirror it (tp-dp, the default), or one per stage and dp replica (=tp); same "
-                "memory and traffic at a fraction of the cost (docs/lessons/gpt.md says how exact)")
+                "replicas mirror it (tp-dp, the default), or one per stage and dp replica (=tp); with a "
+                "skewed --routing, one ep group per stage; same memory and traffic at a fraction of the "
+                "cost (docs/lessons/gpt.md says how exact)")
           .choices({"tp", "tp-dp"})
           .implicit("tp-dp"),
       Option<O>(

@@ -4,7 +4,9 @@
 // the representatives' as images). Programs that break the symmetry are refused with what broke it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -26,7 +28,9 @@ struct Layout {
   const char* order;
 };
 
-RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = true, Settings o = {}) {
+// `ep` > 0: the symmetry of a skewed routing (Layout::expert_symmetry) with that expert-parallel size.
+RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = true, Settings o = {},
+                  int ep = 0) {
   o["layers"] = option_text(4);
   o["hidden"] = option_text(512);
   o["heads"] = option_text(8);
@@ -47,7 +51,8 @@ RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = t
   o["quiet"] = option_text(true);
   SimConfig c = testing::quiet_config(nodes);
   if (symmetric) {
-    const parallel::Layout::Grid g = parallel::Layout{l.tp, l.pp, l.dp, l.order}.symmetry(mirror_dp);
+    const parallel::Layout layout{l.tp, l.pp, l.dp, l.order, 1, ep};
+    const parallel::Layout::Grid g = ep > 0 ? layout.expert_symmetry() : layout.symmetry(mirror_dp);
     c.symmetry = SimSymmetry{g.sizes, g.replicated};
   }
   SimBackend backend(c);
@@ -135,6 +140,43 @@ TEST(Symmetry, ExpertParallelGroupsWithinDataParallelRanks) {
     EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
   }
   EXPECT_TRUE(said(sym, "symmetric run: 1 of 32 ranks ran, the others mirrored them"));
+}
+
+// A skewed routing: the ranks that hold a layer's hot expert compute more than the rest of their ep group,
+// and only the ranks that hold the same experts mirror each other (one ep group per stage runs). Every
+// rank's figures and every link's bytes equal the full run's; mirroring the whole stage would give every
+// rank the representative's load, which does not hold the hot expert in every layer.
+TEST(Symmetry, ASkewedRoutingMirrorsTheRanksThatHoldTheSameExperts) {
+  const Layout l{2, 2, 8, 1, 1, true, "none", "tp-dp-pp"};
+  Settings moe;
+  moe["experts"] = option_text(8);
+  moe["top-k"] = option_text(2);
+  moe["moe-ffn-hidden"] = option_text(256);
+  moe["ep"] = option_text(8);
+  moe["routing"] = option_text("skew:3");
+  const RunReport full = run_gpt(l, 4, false, true, moe);
+  const RunReport sym = run_gpt(l, 4, true, true, moe, /*ep=*/8);
+  ASSERT_TRUE(full.training && sym.training);
+  EXPECT_EQ(full.training->step_time_us, sym.training->step_time_us);
+  ASSERT_EQ(full.ranks.size(), sym.ranks.size());
+  double least_compute_us = INFINITY, most_compute_us = 0;
+  for (size_t r = 0; r < full.ranks.size(); ++r) {
+    const RankSummary &a = full.ranks[r], &b = sym.ranks[r];
+    EXPECT_EQ(a.end_us, b.end_us) << "rank " << r;
+    EXPECT_EQ(a.compute_us, b.compute_us) << "rank " << r;
+    EXPECT_EQ(a.idle_us, b.idle_us) << "rank " << r;
+    EXPECT_EQ(a.peak_bytes, b.peak_bytes) << "rank " << r;
+    least_compute_us = std::min(least_compute_us, a.compute_us);
+    most_compute_us = std::max(most_compute_us, a.compute_us);
+  }
+  EXPECT_GT(most_compute_us, least_compute_us);  // the skew makes the ranks' loads differ
+  ASSERT_EQ(full.links.size(), sym.links.size());
+  for (size_t i = 0; i < full.links.size(); ++i) {
+    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
+  }
+  EXPECT_TRUE(said(sym, "symmetric run: 16 of 32 ranks ran, the others mirrored them"));
+  // An ep group inside a tp block has no such split of the grid.
+  EXPECT_THROW(parallel::Layout({4, 1, 2, "tp-dp-pp", 1, 2}).expert_symmetry(), UsageError);
 }
 
 // Past one leaf of the fabric the replicas'' routes through the spines are not images of the

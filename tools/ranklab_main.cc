@@ -167,14 +167,12 @@ SimSymmetry symmetry_of(const std::string& lesson, const Settings& settings, con
         "every replica on the same data");
   }
   const gpt::Config c = gpt::resolve(o, o.world);
-  if (c.moe() && !c.balanced_routing()) {
-    throw UsageError(fmt::format(
-        "--symmetric with --routing {}: the ranks that hold the hot experts do more work than the ranks that "
-        "would mirror them; run it without --symmetric",
-        c.routing));
-  }
-  const parallel::Layout::Grid grid =
-      parallel::Layout{c.tp, c.pp, c.dp, c.order, c.cp}.symmetry(/*mirror_dp=*/mode == "tp-dp");
+  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp, c.ep};
+  // With a skewed routing the ranks that hold the hot experts do more work than the others of their ep
+  // group: only the ranks that hold the same experts mirror each other, whatever the mode.
+  const parallel::Layout::Grid grid = c.moe() && !c.balanced_routing()
+                                          ? layout.expert_symmetry()
+                                          : layout.symmetry(/*mirror_dp=*/mode == "tp-dp");
   return SimSymmetry{grid.sizes, grid.replicated};
 }
 

@@ -36,6 +36,29 @@ Layout::Grid Layout::symmetry(bool mirror_dp) const {
   return g;
 }
 
+Layout::Grid Layout::expert_symmetry() const {
+  if (ep < 1 || ep % (tp * cp) != 0) {
+    throw UsageError(fmt::format(
+        "--ep {}: a skewed routing is mirrored across the ranks that hold the same experts, which needs "
+        "each ep group to be whole tp x cp blocks (ep a multiple of {}); run it without --symmetric",
+        ep, tp * cp));
+  }
+  const int inner = ep / (tp * cp);
+  Grid g;
+  for (const std::string& d : dims()) {
+    if (d == "dp") {
+      g.sizes.push_back(inner);
+      g.replicated.push_back(false);
+      g.sizes.push_back(dp / inner);
+      g.replicated.push_back(true);
+    } else {
+      g.sizes.push_back(size_of(d));
+      g.replicated.push_back(false);
+    }
+  }
+  return g;
+}
+
 int Layout::size_of(const std::string& dim) const {
   return dim == "tp" ? tp : dim == "cp" ? cp : dim == "dp" ? dp : pp;
 }

@@ -49,6 +49,12 @@ struct Layout {
     std::vector<bool> replicated;
   };
   Grid symmetry(bool mirror_dp = true) const;
+  // The symmetry left when the experts' loads differ (a skewed routing): the ranks of an ep group hold
+  // different experts and do different work, but every rank that holds the same experts (its lane of the
+  // edp group) does the same. When ep is a multiple of tp x cp the lanes are a split of dp: dp = inner +
+  // (ep / (tp cp)) x outer, with the outer part replicated, so one ep group per stage runs. UsageError
+  // naming --ep otherwise (an ep group inside a tp x cp block has no such split of the grid).
+  Grid expert_symmetry() const;
 };
 
 // Throws UsageError naming --order when it is not a permutation of tp, dp and pp, or of tp, cp, dp and pp.
