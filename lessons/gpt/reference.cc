@@ -31,6 +31,23 @@ double unit_roundoff(DType t) {
   }
 }
 
+// A parameter's gradient as the backward sums it: its values, and beside each element the sum of the
+// magnitudes of the terms added into it. A float sum's rounding error is bounded by the unit roundoff times
+// the latter, whatever the order of the additions (Higham, "Accuracy and Stability of Numerical
+// Algorithms", 2nd ed., 2002, section 4.2: |fl(sum) - sum| <= (n - 1) u sum |x_i| to first order), and so
+// is the error of terms each rounded to u relatively (an FP8 GEMM's operands): a gradient that cancels
+// (dgamma = sum over tokens of dy xhat, a bias's column sum) is checked against what its terms round, not
+// against its own small value.
+struct GradSum {
+  Vec& value;
+  Vec& magnitude;
+  void add(std::size_t i, double term) {
+    value[i] += term;
+    magnitude[i] += std::fabs(term);
+  }
+  std::size_t size() const { return value.size(); }
+};
+
 // y[n, k] = x[n, m] @ w[m, k] (+ b)
 Vec mm(const Vec& x, const Vec& w, std::int64_t n, std::int64_t m, std::int64_t k) {
   Vec y(n * k, 0.0);
@@ -44,13 +61,13 @@ Vec mm(const Vec& x, const Vec& w, std::int64_t n, std::int64_t m, std::int64_t 
 }
 // dw[m, k] += x^T dy ; dx[n, m] = dy w^T
 void mm_backward(const Vec& x, const Vec& w, const Vec& dy, std::int64_t n, std::int64_t m, std::int64_t k,
-                 Vec& dw, Vec* dx) {
+                 GradSum dw, Vec* dx) {
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < m; ++j) {
       const double a = x[i * m + j];
       double s = 0;
       for (std::int64_t l = 0; l < k; ++l) {
-        dw[j * k + l] += a * dy[i * k + l];
+        dw.add(j * k + l, a * dy[i * k + l]);
         s += dy[i * k + l] * w[j * k + l];
       }
       if (dx) (*dx)[i * m + j] = s;
@@ -62,10 +79,10 @@ void add_bias(Vec& y, const Vec& b, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i)
     for (std::int64_t l = 0; l < k; ++l) y[i * k + l] += b[l];
 }
-void bias_backward(const Vec& dy, std::int64_t n, Vec& db) {
+void bias_backward(const Vec& dy, std::int64_t n, GradSum db) {
   const std::int64_t k = static_cast<std::int64_t>(db.size());
   for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t l = 0; l < k; ++l) db[l] += dy[i * k + l];
+    for (std::int64_t l = 0; l < k; ++l) db.add(l, dy[i * k + l]);
 }
 
 struct Norm {
@@ -87,8 +104,8 @@ Norm layernorm(const Vec& x, const Vec& g, const Vec& b, std::int64_t n, std::in
   }
   return o;
 }
-Vec layernorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t n, std::int64_t h, Vec& dg,
-                       Vec& db) {
+Vec layernorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t n, std::int64_t h,
+                       GradSum dg, GradSum db) {
   Vec dx(n * h);
   for (std::int64_t i = 0; i < n; ++i) {
     double a = 0, b = 0;
@@ -96,8 +113,8 @@ Vec layernorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t
       const double d = dy[i * h + j] * g[j];
       a += d;
       b += d * nm.xhat[i * h + j];
-      dg[j] += dy[i * h + j] * nm.xhat[i * h + j];
-      db[j] += dy[i * h + j];
+      dg.add(j, dy[i * h + j] * nm.xhat[i * h + j]);
+      db.add(j, dy[i * h + j]);
     }
     a /= h;
     b /= h;
@@ -122,13 +139,14 @@ Norm rmsnorm(const Vec& x, const Vec& g, std::int64_t n, std::int64_t h) {
   }
   return o;
 }
-Vec rmsnorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t n, std::int64_t h, Vec& dg) {
+Vec rmsnorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t n, std::int64_t h,
+                     GradSum dg) {
   Vec dx(n * h);
   for (std::int64_t i = 0; i < n; ++i) {
     double b = 0;
     for (std::int64_t j = 0; j < h; ++j) {
       b += dy[i * h + j] * g[j] * nm.xhat[i * h + j];
-      dg[j] += dy[i * h + j] * nm.xhat[i * h + j];
+      dg.add(j, dy[i * h + j] * nm.xhat[i * h + j]);
     }
     b /= h;
     for (std::int64_t j = 0; j < h; ++j)
@@ -182,8 +200,9 @@ class Training {
   // `routes`: the run's routing (Reference::step).
   explicit Training(const Config& c, const Reference::State* start = nullptr,
                     const Reference::Routes* routes = nullptr);
-  // Returns the step's loss (the mean over its tokens, before the update) and leaves its gradients in `g`.
-  double step(int step, std::vector<Vec>& g);
+  // Returns the step's loss (the mean over its tokens, before the update) and leaves its gradients in `g`
+  // and, beside each element, the sum of its terms' magnitudes in `magnitude` (GradSum).
+  double step(int step, std::vector<Vec>& g, std::vector<Vec>& magnitude);
   Reference::State state() const { return {w_, m_, v_}; }
   const Reference::RoutingAgreement& routing() const { return routing_; }
 
@@ -192,6 +211,8 @@ class Training {
   // A MoE layer's router (kind kRouterKind) or expert weight (expert_kind).
   int moe_index(int layer, int kind) const { return moe_ + layer * (1 + 2 * E_) + (kind - kRouterKind); }
   const Vec& other_weight(OtherParam k) const { return w_[other_ + k]; }
+  // Parameter `index`'s gradient in `g` with its magnitudes, for the backward to add into.
+  GradSum grad(std::vector<Vec>& g, int index) const { return {g[index], magnitude_[index]}; }
 
   // ---- forward
   Vec embed() const;
@@ -261,6 +282,7 @@ class Training {
   const int count_;        // the parameters
   std::vector<parallel::ParamSpec> specs_;
   std::vector<Vec> w_, m_, v_;           // the parameters and Adam's two moments
+  mutable std::vector<Vec> magnitude_;   // the step's gradients' sums of magnitudes (GradSum)
   std::vector<std::int64_t> tok_, tgt_;  // the inputs and the next tokens, row = sample * S + position
   const Reference::Routes* routes_;
   mutable Reference::RoutingAgreement routing_;
@@ -329,7 +351,7 @@ Training::Training(const Config& c, const Reference::State* start, const Referen
   }
 }
 
-double Training::step(int step, std::vector<Vec>& g) {
+double Training::step(int step, std::vector<Vec>& g, std::vector<Vec>& magnitude) {
   Vec x = embed();
   std::vector<BlockActs> acts(L);
   for (int l = 0; l < L; ++l)
@@ -341,6 +363,7 @@ double Training::step(int step, std::vector<Vec>& g) {
 
   g.assign(count_, Vec());
   for (int i = 0; i < count_; ++i) g[i].assign(w_[i].size(), 0.0);
+  magnitude_ = g;
   Vec dx = head_backward(lnf, dlogits, g);
   for (int l = static_cast<int>(L) - 1; l >= 0; --l) {
     dx = c_.llama() ? llama_backward(step, l, acts[l], dx, g) : block_backward(step, l, acts[l], dx, g);
@@ -348,6 +371,7 @@ double Training::step(int step, std::vector<Vec>& g) {
   embed_backward(dx, g);
 
   adamw(step, g);
+  magnitude = std::move(magnitude_);
   return loss;
 }
 
@@ -477,7 +501,7 @@ void Training::qk_norm_backward(const BlockActs& a, int layer, Vec& dqkv, std::v
     Vec dy(at.size());
     for (std::size_t k = 0; k < at.size(); ++k) dy[k] = dqkv[at[k]];
     const Vec dx = rmsnorm_backward(part == 0 ? a.qn : a.kn, block_weight(layer, gain), dy, at.size() / hd,
-                                    hd, g[layer * nb_ + gain]);
+                                    hd, grad(g, layer * nb_ + gain));
     for (std::size_t k = 0; k < at.size(); ++k) dqkv[at[k]] = dx[k];
   }
 }
@@ -734,11 +758,11 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
       for (std::int64_t d = 0; d < h; ++d) dexpert[d] = a.gates[at] * dout_t[d];
       Vec dg(Fe_);
       mm_backward(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], dexpert, 1, Fe_, h,
-                  g[moe_index(layer, expert_kind(e, 1))], &dg);
+                  grad(g, moe_index(layer, expert_kind(e, 1))), &dg);
       const Vec du = expert_act_backward(a.route_u[at], dg);
       Vec drow(h);
       mm_backward(row, w_[moe_index(layer, expert_kind(e, 0))], du, 1, h, win,
-                  g[moe_index(layer, expert_kind(e, 0))], &drow);
+                  grad(g, moe_index(layer, expert_kind(e, 0))), &drow);
       for (std::int64_t d = 0; d < h; ++d) dy[t * h + d] += drow[d];
     }
     // The chosen scores over their sum: d l_e = gate_e slope_e (dgate_e - sum_j gate_j dgate_j).
@@ -749,7 +773,7 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
   }
   if (c_.aux_loss_coeff > 0) add_load_balancing(a, dlogits);
   Vec drouter_dy(n * h);
-  mm_backward(y, w_[moe_index(layer, kRouterKind)], dlogits, n, h, E_, g[moe_index(layer, kRouterKind)],
+  mm_backward(y, w_[moe_index(layer, kRouterKind)], dlogits, n, h, E_, grad(g, moe_index(layer, kRouterKind)),
               &drouter_dy);
   for (std::int64_t i = 0; i < n * h; ++i) dy[i] += drouter_dy[i];
   return dy;
@@ -795,26 +819,27 @@ void Training::judge_route(int layer, std::int64_t t, const Vec& y, const double
 Vec Training::head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const {
   const OtherParam out = c_.llama() ? kOutput : kWte;
   const Vec& wte = other_weight(out);
-  Vec& dwte = g[other_ + out];
+  GradSum dwte = grad(g, other_ + out);
   Vec dy(n * h, 0.0);
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t t = 0; t < V; ++t) {
       const double d = dlogits[i * V + t];
       for (std::int64_t j = 0; j < h; ++j) {
-        dwte[t * h + j] += d * lnf.y[i * h + j];
+        dwte.add(t * h + j, d * lnf.y[i * h + j]);
         dy[i * h + j] += d * wte[t * h + j];
       }
     }
   }
-  if (c_.llama()) return rmsnorm_backward(lnf, other_weight(kLnfG), dy, n, h, g[other_ + kLnfG]);
-  return layernorm_backward(lnf, other_weight(kLnfG), dy, n, h, g[other_ + kLnfG], g[other_ + kLnfB]);
+  if (c_.llama()) return rmsnorm_backward(lnf, other_weight(kLnfG), dy, n, h, grad(g, other_ + kLnfG));
+  return layernorm_backward(lnf, other_weight(kLnfG), dy, n, h, grad(g, other_ + kLnfG),
+                            grad(g, other_ + kLnfB));
 }
 
 // `dx` is the gradient by the block's output x2 = x1 + mlp(x1), x1 = x + attention(x).
 Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec& dx,
                              std::vector<Vec>& g) const {
   auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
-  auto G = [&](int k) -> Vec& { return g[layer * nb_ + k]; };
+  auto G = [&](int k) { return grad(g, layer * nb_ + k); };
   // the MLP
   Vec dout = dx;
   drop(dout, step, layer, 1);
@@ -851,7 +876,7 @@ Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec&
 Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec& dx,
                              std::vector<Vec>& g) const {
   auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
-  auto Gr = [&](int k) -> Vec& { return g[layer * nb_ + k]; };
+  auto Gr = [&](int k) { return grad(g, layer * nb_ + k); };
   // the MLP
   Vec dout = dx;
   drop(dout, step, layer, 1);
@@ -920,11 +945,11 @@ void Training::attention_head_backward(const BlockActs& a, const Vec& datt, std:
 }
 
 void Training::embed_backward(const Vec& dx, std::vector<Vec>& g) const {
-  Vec &dwte = g[other_ + kWte], &dwpe = g[other_ + kWpe];
+  GradSum dwte = grad(g, other_ + kWte), dwpe = grad(g, other_ + kWpe);
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < h; ++j) {
-      dwte[tok_[i] * h + j] += dx[i * h + j];
-      if (!c_.llama()) dwpe[(i % S) * h + j] += dx[i * h + j];
+      dwte.add(tok_[i] * h + j, dx[i * h + j]);
+      if (!c_.llama()) dwpe.add((i % S) * h + j, dx[i * h + j]);
     }
   }
 }
@@ -937,9 +962,11 @@ void Training::adamw(int step, std::vector<Vec>& g) {
     for (const Vec& gi : g)
       for (double e : gi) squares += e * e;
     const double coeff = c_.clip_grad / (std::sqrt(squares) + 1e-6);
+    // The clipped gradient's terms are the unclipped ones' times coeff.
     if (coeff < 1) {
-      for (Vec& gi : g)
-        for (double& e : gi) e *= coeff;
+      for (std::vector<Vec>* sums : {&g, &magnitude_})
+        for (Vec& gi : *sums)
+          for (double& e : gi) e *= coeff;
     }
   }
   const AdamW hyper;
@@ -961,7 +988,7 @@ void Reference::step(int step, const State* from, const Routes* routes) {
   const Routes none;
   if (step == step_ && start == from_ && (routes ? *routes : none) == routes_) return;
   Training run(c_, &start, routes);
-  const double loss = run.step(step, grads_);
+  const double loss = run.step(step, grads_, grad_magnitudes_);
   from_ = start;
   after_ = run.state();
   routes_ = routes ? *routes : none;

@@ -54,6 +54,13 @@ class Reference {
   // Of the last step; kind: a BlockParam, or kBlockParams + an OtherParam (then layer is -1). Full tensors,
   // row-major: the gradient, the values the step started from, and the values after its update.
   const std::vector<double>& grad(int kind, int layer) const { return grads_[index(kind, layer)]; }
+  // Beside each gradient element, the sum of the magnitudes of the terms the backward added into it (over
+  // tokens, experts' routes and micro-batches: sum_t |x_t dy_t| for dW = X^T dY, sum_t |dy_t xhat_t| for a
+  // norm's gain, sum_t |dy_t| for a bias), scaled by the clipping as the gradient is. A sum rounded in any
+  // order, or of terms each rounded relatively, is off by at most a multiple of the unit roundoff of this.
+  const std::vector<double>& grad_magnitude(int kind, int layer) const {
+    return grad_magnitudes_[index(kind, layer)];
+  }
   const std::vector<double>& before(int kind, int layer) const { return from_.w[index(kind, layer)]; }
   const std::vector<double>& weight(int kind, int layer) const { return after_.w[index(kind, layer)]; }
 
@@ -65,7 +72,7 @@ class Reference {
   Config c_;
   State initial_, from_, after_;
   int step_ = 0;  // the step from_, after_ and grads_ are of
-  std::vector<std::vector<double>> grads_;
+  std::vector<std::vector<double>> grads_, grad_magnitudes_;
   std::vector<double> losses_;
   Routes routes_;
   RoutingAgreement routing_;
