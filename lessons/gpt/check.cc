@@ -50,22 +50,25 @@ std::vector<double> local_part(const std::vector<double>& full, const Param& p, 
 
 // A rank's tensor (its elements [first, first + count)) against the reference's.
 struct TensorDifference {
-  double largest_error = 0;  // the largest |got - want|
-  double largest_want = 0;   // the largest |want|
-  std::int64_t at = 0;       // the element of the largest error
-  double squared_error = 0;  // weights: sum of (got - want)^2, and of the update's (want - before)^2
+  double largest_error = 0;      // the largest |got - want|
+  double largest_want = 0;       // the largest |want|
+  double largest_magnitude = 0;  // gradients: the largest sum of an element's terms' magnitudes
+  std::int64_t at = 0;           // the element of the largest error
+  double squared_error = 0;      // weights: sum of (got - want)^2, and of the update's (want - before)^2
   double squared_update = 0;
 };
 // Over the elements of part `part` only where `parts` gives each element's part (qkv_parts).
+// `magnitude`: gradients, each element's sum of its terms' magnitudes (Reference::grad_magnitude).
 TensorDifference difference(const std::vector<float>& got, const std::vector<double>& want,
-                            const std::vector<double>* before, const std::vector<int>& parts = {},
-                            int part = 0) {
+                            const std::vector<double>* before, const std::vector<double>* magnitude = nullptr,
+                            const std::vector<int>& parts = {}, int part = 0) {
   TensorDifference t;
   for (size_t i = 0; i < want.size(); ++i) {
     if (!parts.empty() && parts[i] != part) continue;
     const double d = std::fabs(got[i] - want[i]);
     if (!(d <= t.largest_error)) t.largest_error = d, t.at = static_cast<std::int64_t>(i);
     t.largest_want = std::max(t.largest_want, std::fabs(want[i]));
+    if (magnitude) t.largest_magnitude = std::max(t.largest_magnitude, (*magnitude)[i]);
     if (before) {
       t.squared_error += d * d;
       t.squared_update += (want[i] - (*before)[i]) * (want[i] - (*before)[i]);
@@ -76,7 +79,7 @@ TensorDifference difference(const std::vector<float>& got, const std::vector<dou
 
 // The fused attention projection's gradient holds three GEMMs' outputs, whose scales differ: per column, 0
 // for a query's, 1 for a key's, 2 for a value's (each group's q heads, then its k and its v: the
-// reference's layout). Each part is compared against its own largest value, so that a wrong query or key
+// reference's layout). Each part is compared against its own scale, so that a wrong query or key
 // gradient (one left in the rotated frame) does not hide under the values'. Not the bias: its keys' part is
 // zero in exact arithmetic (softmax ignores a shift common to a query's scores), rounding noise in a run.
 // Empty for other parameters.
@@ -213,17 +216,19 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
             want.empty() ? 0.0 : got[at], want.empty() ? 0.0 : want[at]);
       };
       if (is_grad) {
+        const std::vector<double> magnitude =
+            local_part(ref_->grad_magnitude(n.kind, n.layer), p, first, count);
         const std::vector<int> parts = qkv_parts(c_, n, first, count);
         const char* names[] = {" (queries)", " (keys)", " (values)"};
         for (int part = 0; part < (parts.empty() ? 1 : 3); ++part) {
-          const TensorDifference d = difference(got, want, nullptr, parts, part);
+          const TensorDifference d = difference(got, want, nullptr, &magnitude, parts, part);
           double& largest = largest_grad_[{n.kind, n.layer, part}];
-          largest = std::max(largest, d.largest_want);
+          largest = std::max(largest, d.largest_magnitude);
           const double rel = d.largest_error / std::max(largest, 1e-30);
           grad.merge(
-              rel,
-              fmt::format("{}; largest |got - want| {:.3e} over the largest |want| so far {:.3e} = {:.3e}",
-                          where(parts.empty() ? "" : names[part], d.at), d.largest_error, largest, rel));
+              rel, fmt::format("{}; largest |got - want| {:.3e} over the largest sum of its terms' "
+                               "magnitudes so far {:.3e} = {:.3e}",
+                               where(parts.empty() ? "" : names[part], d.at), d.largest_error, largest, rel));
         }
       } else {
         const TensorDifference d = difference(got, want, &before);
@@ -264,6 +269,7 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
 void OneDeviceCheck::record(bool has_head) const {
   if (!ref_) return;
   const Tolerance tol = tolerance(c_);
+
   const std::string who = fmt::format(" ({})", c_.layout());
   r_.check("gpt: every step's gradients equal one device's" + who, grad.worst <= tol.grad,
            fmt::format("{} (tolerance {:.2g} for {})", grad.where, tol.grad, tol.name));
