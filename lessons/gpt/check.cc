@@ -189,10 +189,14 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
   } else {
     ref_->step(step, step == 1 ? nullptr : &state_);
   }
-  // Weight updates are compared over all of the rank's parameters together: Adam divides by the
-  // gradient's size, so where a gradient is zero in exact arithmetic (the key bias: softmax ignores a shift
-  // common to a query's scores) rounding noise becomes a full-size update of either sign. Those elements
-  // are few; a wrong shard or a skipped update moves all of them.
+  // Weight updates are compared over all of the rank's parameters together, each against AdamW's step (in
+  // double) from the values and moments the step started from and the gradient the run holds, which the
+  // gradient check has judged. Adam divides by the gradient's size, so where a gradient is zero in exact
+  // arithmetic (the key bias: softmax ignores a shift common to a query's scores) or small against Adam's
+  // eps, the gradient's rounding noise becomes an update of either sign up to the learning rate: against the
+  // exact gradient's step, lr 0.02 in float32 failed at step 38 on the key bias, by the gradient's rounding
+  // alone. From the run's gradient the update is off by the optimizer's own roundings; a wrong shard, a
+  // skipped update or a wrong moment moves the weights all the same.
   double step_error = 0, step_update = 0, most_error = -1;
   std::string most_where;
   for (const Model::Named& n : model.named_params()) {
@@ -200,11 +204,26 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
     // The elements this rank reduced and updated: all of the local part, or its shard of them.
     const parallel::DataParallel::Held held = n.dp->held(p);
     const std::int64_t first = held.first, count = held.count;
+    std::vector<float> got_grad;
     auto compare = [&](const Tensor& t, bool is_grad) {
       std::vector<float> got = r_.to_host(t);
       got.resize(count);
-      const std::vector<double> want =
-          local_part(is_grad ? ref_->grad(n.kind, n.layer) : ref_->weight(n.kind, n.layer), p, first, count);
+      std::vector<double> want;
+      if (is_grad) {
+        want = local_part(ref_->grad(n.kind, n.layer), p, first, count);
+        got_grad = got;
+      } else {
+        // AdamW's step from the run's gradient, as the reference takes it (Training::adamw).
+        want = local_part(ref_->before(n.kind, n.layer), p, first, count);
+        std::vector<double> m = local_part(ref_->m_before(n.kind, n.layer), p, first, count),
+                            v = local_part(ref_->v_before(n.kind, n.layer), p, first, count);
+        const AdamW hyper;
+        const check::AdamWCorrections c = check::adamw_corrections(hyper, step);
+        for (std::int64_t e = 0; e < count; ++e) {
+          want[e] = check::adamw_element(want[e], got_grad[e], m[e], v[e], c_.lr_at(step),
+                                         p.spec.decay ? hyper.weight_decay : 0.0, hyper, c.c1, c.c2);
+        }
+      }
       const std::vector<double> before =
           is_grad ? std::vector<double>() : local_part(ref_->before(n.kind, n.layer), p, first, count);
       const std::string coordinate = fmt::format(

@@ -36,12 +36,14 @@ namespace ranklab::gpt {
 // (3 steps) the measure is at most 1.4e-6 in float32, 1.7e-3 in float16, 0.063 in bfloat16 and 0.09 with fp8
 // GEMMs; the broken variants (--break) read 0.15 or more in float32 and 3 with fp8 GEMMs (dp-sum).
 // Weights: the error of the step's update relative to the update, root of summed squares over the rank's
-// parameters. Loss: error over the largest loss so far. The bounds are about twice what the tiny model shows
-// on one device; every deliberate bug of --break is off by 50% or more. FP8 GEMMs (--fp8-recipe) round their
-// inputs to 3 mantissa bits (e4m3, relative rounding 2^-4 = 6%) or 2 (e5m2, 12.5%): on one device the tiny
-// model's gradients come within 18% of the reference and its updates within 34% (current scaling; blockwise
-// 13% and 28%), at most 34% and 35% over the layouts of its tests; the bounds are about 1.5 and 2 times that.
-// What they name is in `name`.
+// parameters, against AdamW's step (in double) from the gradient the run holds: the gradient's own error is
+// the gradient check's, and Adam, dividing by the gradient's size, would turn it into a full-size update
+// where a gradient is rounding noise. Loss: error over the largest loss so far. The bounds are about twice
+// what the tiny model shows on one device; every deliberate bug of --break is off by 50% or more. FP8 GEMMs
+// (--fp8-recipe) round their inputs to 3 mantissa bits (e4m3, relative rounding 2^-4 = 6%) or 2
+// (e5m2, 12.5%): on one device the tiny model's gradients come within 18% of the reference and its updates
+// within 34% (current scaling; blockwise 13% and 28%), at most 34% and 35% over the layouts of its tests; the
+// bounds are about 1.5 and 2 times that. What they name is in `name`.
 struct Tolerance {
   double loss, grad, weight;
   std::string name;  // "bfloat16", "bfloat16 with fp8 GEMMs (current)"

@@ -63,6 +63,9 @@ class Reference {
   }
   const std::vector<double>& before(int kind, int layer) const { return from_.w[index(kind, layer)]; }
   const std::vector<double>& weight(int kind, int layer) const { return after_.w[index(kind, layer)]; }
+  // Adam's moments the step started from (the run's, after step - 1; zero at step 1).
+  const std::vector<double>& m_before(int kind, int layer) const { return from_.m[index(kind, layer)]; }
+  const std::vector<double>& v_before(int kind, int layer) const { return from_.v[index(kind, layer)]; }
 
   int index(int kind, int layer) const;
   int params() const { return static_cast<int>(initial_.w.size()); }
