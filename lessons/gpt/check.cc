@@ -51,7 +51,6 @@ std::vector<double> local_part(const std::vector<double>& full, const Param& p, 
 // A rank's tensor (its elements [first, first + count)) against the reference's.
 struct TensorDifference {
   double largest_error = 0;      // the largest |got - want|
-  double largest_want = 0;       // the largest |want|
   double largest_magnitude = 0;  // gradients: the largest sum of an element's terms' magnitudes
   std::int64_t at = 0;           // the element of the largest error
   double squared_error = 0;      // weights: sum of (got - want)^2, and of the update's (want - before)^2
@@ -67,7 +66,6 @@ TensorDifference difference(const std::vector<float>& got, const std::vector<dou
     if (!parts.empty() && parts[i] != part) continue;
     const double d = std::fabs(got[i] - want[i]);
     if (!(d <= t.largest_error)) t.largest_error = d, t.at = static_cast<std::int64_t>(i);
-    t.largest_want = std::max(t.largest_want, std::fabs(want[i]));
     if (magnitude) t.largest_magnitude = std::max(t.largest_magnitude, (*magnitude)[i]);
     if (before) {
       t.squared_error += d * d;
