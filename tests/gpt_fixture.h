@@ -23,6 +23,16 @@ inline Settings tiny_gpt() {
   return o;
 }
 
+// The lesson's defaults on 4 ranks (dp 4) for `steps` steps: long enough to train the tiny model near its
+// minimum, where gradients cancel while their roundings do not shrink.
+inline Settings defaults_for_steps(int steps) {
+  Settings o;
+  o["world"] = option_text(4);
+  o["steps"] = option_text(steps);
+  o["quiet"] = option_text(true);
+  return o;
+}
+
 // The gpt lesson with `o` as given (no --framework expansion) on a quiet simulator of `nodes` nodes.
 inline RunReport run_gpt(const Settings& o, int nodes = 1) {
   SimBackend backend(quiet_config(nodes));

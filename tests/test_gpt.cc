@@ -495,11 +495,7 @@ TEST(Gpt, TrainingNearItsMinimumPassesTheCheck) {
   GTEST_SKIP()
       << "a hundred steps take the sanitizers' build past a test's 30 s; the ordinary build runs them";
 #endif
-  Settings o;
-  o["world"] = option_text(4);
-  o["steps"] = option_text(100);
-  o["quiet"] = option_text(true);
-  const RunReport rep = run_gpt(o);
+  const RunReport rep = run_gpt(testing::defaults_for_steps(100));
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }
 
@@ -509,12 +505,9 @@ TEST(Gpt, TrainingNearItsMinimumPassesTheCheck) {
 // update (tolerance 2e-3). Each update is judged from the gradient the run holds, which the gradient check
 // judges on its own.
 TEST(Gpt, AnUpdateIsJudgedFromTheRunsOwnGradient) {
-  Settings o;
-  o["world"] = option_text(4);
-  o["steps"] = option_text(40);
+  Settings o = testing::defaults_for_steps(40);
   o["dtype"] = option_text("fp32");
   o["lr"] = option_text(0.02);
-  o["quiet"] = option_text(true);
   const RunReport rep = run_gpt(o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }

@@ -67,11 +67,8 @@ TEST(GptFp8, TrainingNearItsMinimumPassesTheCheck) {
   GTEST_SKIP()
       << "a hundred steps take the sanitizers' build past a test's 30 s; the ordinary build runs them";
 #endif
-  Settings o;
-  o["world"] = option_text(4);
-  o["steps"] = option_text(100);
-  o["dtype"] = "fp8";
-  o["quiet"] = option_text(true);
+  Settings o = testing::defaults_for_steps(100);
+  o["dtype"] = option_text("fp8");
   const RunReport rep = run_on("dgx-h100", o);
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
 }

@@ -66,6 +66,26 @@ bool said(const RunReport& r, const std::string& text) {
   return false;
 }
 
+// Every rank's end, busy and idle times and peak memory, and every link's bytes, the same in both runs.
+void expect_same_ranks(const RunReport& full, const RunReport& sym) {
+  ASSERT_EQ(full.ranks.size(), sym.ranks.size());
+  for (size_t r = 0; r < full.ranks.size(); ++r) {
+    const RankSummary &a = full.ranks[r], &b = sym.ranks[r];
+    EXPECT_EQ(a.end_us, b.end_us) << "rank " << r;
+    EXPECT_EQ(a.compute_us, b.compute_us) << "rank " << r;
+    EXPECT_EQ(a.comm_us, b.comm_us) << "rank " << r;
+    EXPECT_EQ(a.idle_us, b.idle_us) << "rank " << r;
+    EXPECT_EQ(a.peak_bytes, b.peak_bytes) << "rank " << r;
+  }
+}
+void expect_same_link_bytes(const RunReport& full, const RunReport& sym) {
+  ASSERT_EQ(full.links.size(), sym.links.size());
+  for (size_t i = 0; i < full.links.size(); ++i) {
+    EXPECT_EQ(full.links[i].link, sym.links[i].link);
+    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
+  }
+}
+
 // "tp4sp_pp2v1_dp4_zero1_none_tp_dp_pp"
 std::string layout_name(const ::testing::TestParamInfo<Layout>& info) {
   const Layout& l = info.param;
@@ -92,20 +112,8 @@ TEST_P(SymmetricGpt, EqualsTheFullRun) {
   for (const auto& [dim, us] : full.training->exposed_comm_us) {
     EXPECT_NEAR(us, sym.training->exposed_comm_us.at(dim), 1e-5 * us + 1e-6) << dim;
   }
-  ASSERT_EQ(full.ranks.size(), sym.ranks.size());
-  for (size_t r = 0; r < full.ranks.size(); ++r) {
-    const RankSummary &a = full.ranks[r], &b = sym.ranks[r];
-    EXPECT_EQ(a.end_us, b.end_us) << "rank " << r;
-    EXPECT_EQ(a.compute_us, b.compute_us) << "rank " << r;
-    EXPECT_EQ(a.comm_us, b.comm_us) << "rank " << r;
-    EXPECT_EQ(a.idle_us, b.idle_us) << "rank " << r;
-    EXPECT_EQ(a.peak_bytes, b.peak_bytes) << "rank " << r;
-  }
-  ASSERT_EQ(full.links.size(), sym.links.size());
-  for (size_t i = 0; i < full.links.size(); ++i) {
-    EXPECT_EQ(full.links[i].link, sym.links[i].link);
-    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
-  }
+  expect_same_ranks(full, sym);
+  expect_same_link_bytes(full, sym);
   EXPECT_TRUE(sym.all_checks_passed());
   // (Equal here even where a pipeline send crosses rails through a spine, which the run cannot know in
   // general and so does not promise.)
@@ -121,24 +129,27 @@ TEST_P(SymmetricGpt, EqualsTheFullRun) {
   }
 }
 
+// `experts` experts of width 256, top 2, over ep ranks.
+Settings with_experts(int experts, int ep) {
+  Settings moe;
+  moe["experts"] = option_text(experts);
+  moe["top-k"] = option_text(2);
+  moe["moe-ffn-hidden"] = option_text(256);
+  moe["ep"] = option_text(ep);
+  return moe;
+}
+
 // Expert parallelism over part of the data-parallel ranks: the mirrors' ep groups are the blocks of ep
 // consecutive ranks, not every shift of the representative's group along dp (which would count traffic
 // of groups the program never makes: 15 copies of each all-to-all here instead of 1).
 TEST(Symmetry, ExpertParallelGroupsWithinDataParallelRanks) {
   const Layout l{1, 1, 32, 1, 1, false, "none", "tp-dp-pp"};
-  Settings moe;
-  moe["experts"] = option_text(32);
-  moe["top-k"] = option_text(2);
-  moe["moe-ffn-hidden"] = option_text(256);
-  moe["ep"] = option_text(16);
+  const Settings moe = with_experts(32, 16);
   const RunReport full = run_gpt(l, 4, false, true, moe);
   const RunReport sym = run_gpt(l, 4, true, true, moe);
   ASSERT_TRUE(full.training && sym.training);
   EXPECT_EQ(full.training->step_time_us, sym.training->step_time_us);
-  ASSERT_EQ(full.links.size(), sym.links.size());
-  for (size_t i = 0; i < full.links.size(); ++i) {
-    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
-  }
+  expect_same_link_bytes(full, sym);
   EXPECT_TRUE(said(sym, "symmetric run: 1 of 32 ranks ran, the others mirrored them"));
 }
 
@@ -148,32 +159,20 @@ TEST(Symmetry, ExpertParallelGroupsWithinDataParallelRanks) {
 // rank the representative's load, which does not hold the hot expert in every layer.
 TEST(Symmetry, ASkewedRoutingMirrorsTheRanksThatHoldTheSameExperts) {
   const Layout l{2, 2, 8, 1, 1, true, "none", "tp-dp-pp"};
-  Settings moe;
-  moe["experts"] = option_text(8);
-  moe["top-k"] = option_text(2);
-  moe["moe-ffn-hidden"] = option_text(256);
-  moe["ep"] = option_text(8);
+  Settings moe = with_experts(8, 8);
   moe["routing"] = option_text("skew:3");
   const RunReport full = run_gpt(l, 4, false, true, moe);
   const RunReport sym = run_gpt(l, 4, true, true, moe, /*ep=*/8);
   ASSERT_TRUE(full.training && sym.training);
   EXPECT_EQ(full.training->step_time_us, sym.training->step_time_us);
-  ASSERT_EQ(full.ranks.size(), sym.ranks.size());
+  expect_same_ranks(full, sym);
   double least_compute_us = INFINITY, most_compute_us = 0;
-  for (size_t r = 0; r < full.ranks.size(); ++r) {
-    const RankSummary &a = full.ranks[r], &b = sym.ranks[r];
-    EXPECT_EQ(a.end_us, b.end_us) << "rank " << r;
-    EXPECT_EQ(a.compute_us, b.compute_us) << "rank " << r;
-    EXPECT_EQ(a.idle_us, b.idle_us) << "rank " << r;
-    EXPECT_EQ(a.peak_bytes, b.peak_bytes) << "rank " << r;
+  for (const RankSummary& a : full.ranks) {
     least_compute_us = std::min(least_compute_us, a.compute_us);
     most_compute_us = std::max(most_compute_us, a.compute_us);
   }
   EXPECT_GT(most_compute_us, least_compute_us);  // the skew makes the ranks' loads differ
-  ASSERT_EQ(full.links.size(), sym.links.size());
-  for (size_t i = 0; i < full.links.size(); ++i) {
-    EXPECT_EQ(full.links[i].bytes, sym.links[i].bytes) << full.links[i].link;
-  }
+  expect_same_link_bytes(full, sym);
   EXPECT_TRUE(said(sym, "symmetric run: 16 of 32 ranks ran, the others mirrored them"));
   // An ep group inside a tp block has no such split of the grid.
   EXPECT_THROW(parallel::Layout({4, 1, 2, "tp-dp-pp", 1, 2}).expert_symmetry(), UsageError);
