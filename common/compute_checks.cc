@@ -131,7 +131,7 @@ void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg
 }
 
 void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scaling& scaling,
-                    const Tensor& scale) {
+                    const Tensor& scale, const Tensor& record_amax) {
   const char* op = "quantize";
   need_ndim(rank, op, x, 2, "x", "[rows, cols]");
   if (!is_float8(format)) {
@@ -145,7 +145,14 @@ void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scal
     }
     need_shape(rank, op, scale, Shape{1}, "scale", "one per tensor");
     need_dtype(rank, op, scale, DType::Float32, "scale");
+    if (record_amax.defined()) {
+      need_shape(rank, op, record_amax, Shape{1}, "record_amax", "one per tensor");
+      need_dtype(rank, op, record_amax, DType::Float32, "record_amax");
+    }
     return;
+  }
+  if (record_amax.defined()) {
+    throw UsageError(fmt::format("{}: block scaling records no amax; pass none", where(rank, op)));
   }
   if (scaling.block_rows <= 0 || scaling.block_cols <= 0) {
     throw UsageError(fmt::format("{}: blocks of {} x {} elements; both sides must be positive",
@@ -153,6 +160,34 @@ void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scal
   }
   if (scale.defined()) {
     throw UsageError(fmt::format("{}: block scaling computes its scales; pass no scale", where(rank, op)));
+  }
+}
+
+void check_fp8_delayed_update(int rank, const Tensor& reduced, const std::vector<Tensor>& histories,
+                              const std::vector<Tensor>& scales, const std::vector<Tensor>& amaxes,
+                              DType format, int margin) {
+  const char* op = "fp8_delayed_update";
+  need_ndim(rank, op, reduced, 1, "reduced", "[tensors]");
+  need_dtype(rank, op, reduced, DType::Float32, "reduced");
+  const std::int64_t n = reduced.size(0);
+  if (static_cast<std::int64_t>(histories.size()) != n || static_cast<std::int64_t>(scales.size()) != n ||
+      static_cast<std::int64_t>(amaxes.size()) != n) {
+    throw UsageError(fmt::format("{}: 'reduced' holds {} amaxes; got {} histories, {} scales and {} amaxes",
+                                 where(rank, op), n, histories.size(), scales.size(), amaxes.size()));
+  }
+  if (!is_float8(format)) {
+    throw UsageError(fmt::format("{}: the format must be float8_e4m3 or float8_e5m2; got {}", where(rank, op),
+                                 dtype_name(format)));
+  }
+  if (margin < 0)
+    throw UsageError(fmt::format("{}: the margin is {}; it must be >= 0", where(rank, op), margin));
+  for (std::int64_t i = 0; i < n; ++i) {
+    need_ndim(rank, op, histories[i], 1, "history", "[len - 1]");
+    need_dtype(rank, op, histories[i], DType::Float32, "history");
+    need_shape(rank, op, scales[i], Shape{1}, "scale", "one per tensor");
+    need_dtype(rank, op, scales[i], DType::Float32, "scale");
+    need_shape(rank, op, amaxes[i], Shape{1}, "amax", "one per tensor");
+    need_dtype(rank, op, amaxes[i], DType::Float32, "amax");
   }
 }
 

@@ -24,7 +24,11 @@ void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor
 // Every kernel but matmul refuses an FP8 input (`arg` of `op`).
 void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg);
 void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scaling& scaling,
-                    const Tensor& scale);
+                    const Tensor& scale, const Tensor& record_amax);
+// Rank::fp8_delayed_update: one history, scale and amax per element of `reduced`, each float32 of its shape.
+void check_fp8_delayed_update(int rank, const Tensor& reduced, const std::vector<Tensor>& histories,
+                              const std::vector<Tensor>& scales, const std::vector<Tensor>& amaxes,
+                              DType format, int margin);
 void check_randn_slice(int rank, const Shape& full, int dim, std::int64_t start, std::int64_t length);
 void check_layernorm(int rank, const Tensor& x, const Tensor& gamma, const Tensor& beta, float eps);
 void check_layernorm_backward(int rank, const Tensor& dy, const Tensor& x, const Tensor& gamma,

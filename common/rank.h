@@ -482,14 +482,27 @@ class Rank {
   };
   // x [rows, cols] (16-bit or float32) in `format` (Float8E4M3 or Float8E5M2), saturating at its largest
   // finite value. `both_layouts`: also `columnwise`, as TransformerEngine's cast-transpose writes the copy a
-  // Hopper FP8 GEMM reads transposed, in the same pass.
+  // Hopper FP8 GEMM reads transposed, in the same pass. `record_amax` (float32 [1], per-tensor scaling
+  // only), when given, becomes the larger of itself and x's largest magnitude, found by the cast as it
+  // reads x: delayed scaling's amax, which needs no pass over x of its own (TransformerEngine's cast
+  // kernels update the tensor's amax with an atomic max).
   virtual Quantized quantize(const Tensor& x, DType format, const Fp8Scaling& scaling, const Tensor& scale,
-                             bool both_layouts) = 0;
+                             bool both_layouts, const Tensor& record_amax) = 0;
   // The largest magnitude of x's elements: float32 [1].
   virtual Tensor amax(const Tensor& x) = 0;
   // `format`'s largest value over amax (float32 [1]), or 1 where amax is 0, and at most the largest float:
   // the per-tensor scale that maps the largest element onto the format's largest value.
   virtual Tensor fp8_scale(const Tensor& amax, DType format) = 0;
+  // Delayed scaling's update after a pass, for n tensors in one kernel (TransformerEngine's
+  // fused_amax_and_scale_update_after_reduction, transformer_engine/common/recipe/delayed_scaling.cu, with
+  // amax_compute_algo "max"): reduced (float32 [n]) holds each tensor's largest magnitude of the pass, as
+  // the ranks that share the tensor reduced it. For tensor i it joins histories[i] (float32 [len - 1], the
+  // earlier passes', newest first), whose oldest entry leaves; scales[i] (float32 [1]) becomes `format`'s
+  // largest value / max(reduced[i], history) / 2^margin, or stays as it is where that largest is 0 or not
+  // finite; and amaxes[i] (float32 [1], what the casts of the next pass record into) returns to 0.
+  virtual void fp8_delayed_update(const Tensor& reduced, const std::vector<Tensor>& histories,
+                                  const std::vector<Tensor>& scales, const std::vector<Tensor>& amaxes,
+                                  DType format, int margin) = 0;
 
   // ---- communication --------------------------------------------------------------------------------
   // Every backend implements this one entry; the named calls below build the record.

@@ -535,7 +535,8 @@ Tensor CudaRank::cast(const Tensor& t, DType dtype) {
 
 // FP8 runs on the simulator only: the CUDA backend has no FP8 tensors (its cuBLASLt FP8 GEMMs and cast
 // kernels are not built).
-Rank::Quantized CudaRank::quantize(const Tensor&, DType, const Fp8Scaling&, const Tensor&, bool) {
+Rank::Quantized CudaRank::quantize(const Tensor&, DType, const Fp8Scaling&, const Tensor&, bool,
+                                   const Tensor&) {
   throw UsageError(
       fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("quantize")));
 }
@@ -546,6 +547,11 @@ Tensor CudaRank::amax(const Tensor&) {
 Tensor CudaRank::fp8_scale(const Tensor&, DType) {
   throw UsageError(
       fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("fp8_scale")));
+}
+void CudaRank::fp8_delayed_update(const Tensor&, const std::vector<Tensor>&, const std::vector<Tensor>&,
+                                  const std::vector<Tensor>&, DType, int) {
+  throw UsageError(fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator",
+                               where("fp8_delayed_update")));
 }
 
 // Context parallelism's attention blocks run on the simulator only: their CUDA kernels (the block's

@@ -92,9 +92,12 @@ class CudaRank : public Rank {
   void copy_(const Tensor& dst, const Tensor& src) override;
   Tensor cast(const Tensor& t, DType dtype) override;
   Quantized quantize(const Tensor& x, DType format, const Fp8Scaling& scaling, const Tensor& scale,
-                     bool both_layouts) override;
+                     bool both_layouts, const Tensor& record_amax) override;
   Tensor amax(const Tensor& x) override;
   Tensor fp8_scale(const Tensor& amax, DType format) override;
+  void fp8_delayed_update(const Tensor& reduced, const std::vector<Tensor>& histories,
+                          const std::vector<Tensor>& scales, const std::vector<Tensor>& amaxes, DType format,
+                          int margin) override;
   Tensor sum(const Tensor& t) override;
   Tensor squared_norm(const std::vector<Tensor>& ts) override;
   Tensor slice(const Tensor& t, int dim, std::int64_t start, std::int64_t length) override;

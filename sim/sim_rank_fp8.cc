@@ -1,5 +1,6 @@
-// SimRank's FP8 kernels: quantizing a tensor into e4m3 or e5m2 with its scales, and the per-tensor scale's
-// two small kernels (Rank's FP8 section, common/rank.h). The simulator keeps an FP8 tensor's elements as
+// SimRank's FP8 kernels: quantizing a tensor into e4m3 or e5m2 with its scales, the per-tensor scale's two
+// small kernels, and delayed scaling's update of its histories and scales (Rank's FP8 section,
+// common/rank.h). The simulator keeps an FP8 tensor's elements as
 // the values they stand for (the rounded number times the inverse scale), so matmul multiplies them as
 // it multiplies any tensor; time and memory are charged at one byte per element.
 #include <fmt/format.h>
@@ -79,10 +80,11 @@ void quantize_values(const Tensor& x, const Tensor& out, DType format, float ten
 }  // namespace
 
 Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scaling& scaling,
-                                  const Tensor& scale, bool both_layouts) {
+                                  const Tensor& scale, bool both_layouts, const Tensor& record_amax) {
   require(x, "quantize", "x");
   if (scale.defined()) require(scale, "quantize", "scale");
-  check_quantize(rank_, x, format, scaling, scale);
+  if (record_amax.defined()) require(record_amax, "quantize", "record_amax");
+  check_quantize(rank_, x, format, scaling, scale, record_amax);
   world_.compute().require_fp8(scaling.e8m0);
   const bool phantom = x.phantom();
   Quantized q;
@@ -99,7 +101,10 @@ Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scalin
     q.scales = scales_of(scaling);
     if (both_layouts) q.columnwise_scales = scales_of(scaling.transposed());
   }
-  if (scale.defined()) {
+  if (record_amax.defined()) {
+    before_reading({&x, &scale}, "quantize");
+    before_kernel({&record_amax}, "quantize");  // written
+  } else if (scale.defined()) {
     before_reading({&x, &scale}, "quantize");
   } else {
     before_reading({&x}, "quantize");
@@ -117,8 +122,14 @@ Rank::Quantized SimRank::quantize(const Tensor& x, DType format, const Fp8Scalin
     for (const Tensor* t : {&q.scales, &q.columnwise_scales}) {
       if (t->defined()) array(*t).setZero();
     }
+    if (record_amax.defined() && !record_amax.phantom()) {
+      float& amax = sim_data(record_amax)[0];
+      amax = std::max(amax, array(x).abs().maxCoeff());
+    }
   }
-  const double written = bytes_of(q.data) * (both_layouts ? 2 : 1) + scale_bytes;
+  // The recorded amax: one float read and written (an atomic max), beside x's single read.
+  const double written =
+      bytes_of(q.data) * (both_layouts ? 2 : 1) + scale_bytes + (record_amax.defined() ? 2 * kF : 0);
   launch_kernel_cost(kQuantize, world_.compute().memory_cost(bytes_of(x) + written));
   return q;
 }
@@ -150,6 +161,41 @@ Tensor SimRank::fp8_scale(const Tensor& amax, DType format) {
   }
   launch_kernel_cost(kFp8Scale, world_.compute().memory_cost(2 * kF));
   return out;
+}
+
+void SimRank::fp8_delayed_update(const Tensor& reduced, const std::vector<Tensor>& histories,
+                                 const std::vector<Tensor>& scales, const std::vector<Tensor>& amaxes,
+                                 DType format, int margin) {
+  require(reduced, "fp8_delayed_update", "reduced");
+  for (const auto* list : {&histories, &scales, &amaxes}) {
+    for (const Tensor& t : *list) require(t, "fp8_delayed_update", "state");
+  }
+  check_fp8_delayed_update(rank_, reduced, histories, scales, amaxes, format, margin);
+  before_reading({&reduced}, "fp8_delayed_update");
+  for (const auto* list : {&histories, &scales, &amaxes}) {
+    for (const Tensor& t : *list) before_kernel({&t}, "fp8_delayed_update");
+  }
+  double bytes = bytes_of(reduced);
+  const float big = std::ldexp(largest(format), -margin);
+  for (std::size_t i = 0; i < histories.size(); ++i) {
+    // The history read for its largest and written back one place on; the scale and the amax written.
+    bytes += 2 * bytes_of(histories[i]) + 2 * kF;
+    if (reduced.phantom() || histories[i].phantom()) continue;
+    const float newest = sim_data(reduced)[i];
+    float* h = sim_data(histories[i]);
+    const std::int64_t len = histories[i].size(0);
+    float most = newest;
+    for (std::int64_t j = 0; j < len; ++j) most = std::max(most, h[j]);
+    // TransformerEngine keeps the scale where the amax is 0 (nothing seen yet) or not finite.
+    if (most > 0 && std::isfinite(most)) sim_data(scales[i])[0] = scale_for(most, big);
+    // Newest first: the oldest entry leaves, the pass's amax enters at the front.
+    if (len > 0) {
+      std::copy_backward(h, h + len - 1, h + len);
+      h[0] = newest;
+    }
+    sim_data(amaxes[i])[0] = 0;
+  }
+  launch_kernel_cost(kFp8DelayedUpdate, world_.compute().memory_cost(bytes));
 }
 
 }  // namespace ranklab::sim

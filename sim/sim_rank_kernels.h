@@ -77,8 +77,9 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
                          kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
                          kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
                          kCrossEntropyBackward = "cross_entropy_backward", kQuantize = "quantize",
-                         kAmax = "amax", kFp8Scale = "fp8_scale", kGatherRows = "gather_rows",
-                         kScatterAddRows = "scatter_add_rows", kRowDots = "row_dots";
+                         kAmax = "amax", kFp8Scale = "fp8_scale", kFp8DelayedUpdate = "fp8_delayed_update",
+                         kGatherRows = "gather_rows", kScatterAddRows = "scatter_add_rows",
+                         kRowDots = "row_dots";
 
 // One query's attention (FlashAttention's arithmetic, in float32) over `keys` keys whose k and v lie at
 // k + j * stride and v + j * stride: writes the softmax-weighted sum of the v's to `out` and returns the

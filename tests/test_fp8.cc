@@ -81,7 +81,7 @@ TEST(Fp8Kernels, PerTensorScalingReadsBackAsTheRoundedScaledValues) {
     EXPECT_EQ(r.to_host(amax)[0], 100.0f);
     const Tensor scale = r.fp8_scale(amax, DType::Float8E4M3);
     EXPECT_EQ(r.to_host(scale)[0], 4.48f);
-    const Rank::Quantized q = r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{}, scale, true);
+    const Rank::Quantized q = r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{}, scale, true, Tensor());
     EXPECT_EQ(q.data.dtype(), DType::Float8E4M3);
     EXPECT_EQ(q.data.bytes(), 6);
     const std::vector<float> got = r.to_host(q.data), transposed = r.to_host(q.columnwise);
@@ -102,7 +102,7 @@ TEST(Fp8Kernels, EachBlockIsScaledByItsOwnLargestValue) {
     const Tensor t = r.from_host({2, 4}, x);
     for (const bool e8m0 : {false, true}) {
       const Rank::Quantized q =
-          r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{1, 2, e8m0}, Tensor(), true);
+          r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{1, 2, e8m0}, Tensor(), true, Tensor());
       const std::vector<float> rows = r.to_host(q.data), cols = r.to_host(q.columnwise);
       auto expect_block = [&](const std::vector<float>& got, std::vector<int> block) {
         float amax = 0;
@@ -121,7 +121,7 @@ TEST(Fp8Kernels, EachBlockIsScaledByItsOwnLargestValue) {
     // 0.001 keeps the digits its block's scale (448 / 1) gives it; under one scale for the tensor (448 / 300)
     // it would land on e4m3's smallest subnormal, 30% off.
     const Rank::Quantized q =
-        r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{1, 2, false}, Tensor(), false);
+        r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{1, 2, false}, Tensor(), false, Tensor());
     EXPECT_NEAR(r.to_host(q.data)[1], 0.001, 0.001 / 16);
   });
 }
@@ -133,11 +133,52 @@ TEST(Fp8Kernels, ATinyBlockKeepsItsZeros) {
     const Tensor t = r.from_host({1, 4}, {0.0f, 1e-39f, 0.0f, -1e-39f});
     for (const Rank::Fp8Scaling& scaling : {Rank::Fp8Scaling{1, 4, false}, Rank::Fp8Scaling{}}) {
       const Tensor scale = scaling.per_tensor() ? r.fp8_scale(r.amax(t), DType::Float8E4M3) : Tensor();
-      const std::vector<float> got = r.to_host(r.quantize(t, DType::Float8E4M3, scaling, scale, false).data);
+      const std::vector<float> got =
+          r.to_host(r.quantize(t, DType::Float8E4M3, scaling, scale, false, Tensor()).data);
       for (const float v : got) EXPECT_TRUE(std::isfinite(v)) << v;
       EXPECT_EQ(got[0], 0.0f);
       EXPECT_EQ(got[2], 0.0f);
     }
+  });
+}
+
+// Delayed scaling's cast records the largest magnitude it reads, keeping the larger of what it held, and
+// saturates what lies past its scale's range.
+TEST(Fp8Kernels, ACastRecordsItsAmaxAndSaturatesPastItsScale) {
+  on_one_rank("dgx-h100", [](Rank& r) {
+    const Tensor amax = r.full({1}, 3.0f, DType::Float32), scale = r.full({1}, 224.0f, DType::Float32);
+    const Tensor t = r.from_host({1, 4}, {0.5f, -4.0f, 1.0f, 2.0f}, DType::BFloat16);
+    const std::vector<float> got =
+        r.to_host(r.quantize(t, DType::Float8E4M3, Rank::Fp8Scaling{}, scale, false, amax).data);
+    EXPECT_EQ(got, (std::vector<float>{0.5f, -2.0f, 1.0f, 2.0f}));  // -4 x 224 saturates at -448
+    EXPECT_EQ(r.to_host(amax)[0], 4.0f);
+    r.quantize(r.from_host({1, 2}, {1.0f, -0.5f}), DType::Float8E4M3, Rank::Fp8Scaling{}, scale, false, amax);
+    EXPECT_EQ(r.to_host(amax)[0], 4.0f);  // a smaller tensor leaves the larger amax
+  });
+}
+
+// The update folds each pass's reduced amax into the history and scales by the history's largest: a pass
+// with a smaller amax keeps the scale of the larger one before it, one with none keeps the scale, and the
+// oldest entry leaves after len - 1 passes.
+TEST(Fp8Kernels, TheDelayedUpdateScalesByTheLargestAmaxOfItsHistory) {
+  on_one_rank("dgx-h100", [](Rank& r) {
+    const Tensor history = r.zeros({2}, DType::Float32), scale = r.full({1}, 1.0f, DType::Float32);
+    const Tensor amax = r.zeros({1}, DType::Float32);
+    auto pass = [&](float reduced) {
+      r.fp8_delayed_update(r.full({1}, reduced, DType::Float32), {history}, {scale}, {amax},
+                           DType::Float8E5M2, 0);
+      return r.to_host(scale)[0];
+    };
+    EXPECT_EQ(pass(0.0f), 1.0f);          // nothing seen: the scale stays
+    EXPECT_EQ(pass(4.0f), 57344.0f / 4);  // e5m2's largest over 4
+    EXPECT_EQ(pass(1.0f), 57344.0f / 4);  // 4 is still in the history
+    EXPECT_EQ(pass(2.0f), 57344.0f / 4);  // history {1, 4}: the newest and two earlier passes
+    EXPECT_EQ(pass(0.5f), 57344.0f / 2);  // 4 has left
+    EXPECT_EQ(r.to_host(history), (std::vector<float>{0.5f, 2.0f}));
+    EXPECT_EQ(r.to_host(amax)[0], 0.0f);  // ready for the next pass's casts
+    r.fp8_delayed_update(r.full({1}, 448.0f, DType::Float32), {history}, {scale}, {amax}, DType::Float8E4M3,
+                         2);
+    EXPECT_EQ(r.to_host(scale)[0], 0.25f);  // 448 / 448 / 2^2: the margin
   });
 }
 
@@ -196,7 +237,7 @@ TEST(Fp8Kernels, MisuseIsRefusedWithTheReason) {
       "cast makes no float8_e4m3 tensor: quantize scales a tensor into FP8");
   auto fp8 = [](Rank& r, DType format) {
     const Tensor x = r.full({2, 2}, 1.0f, DType::BFloat16);
-    return r.quantize(x, format, Rank::Fp8Scaling{}, r.fp8_scale(r.amax(x), format), false).data;
+    return r.quantize(x, format, Rank::Fp8Scaling{}, r.fp8_scale(r.amax(x), format), false, Tensor()).data;
   };
   has(error_of("dgx-h100", [&](Rank& r) { r.add(fp8(r, DType::Float8E4M3), fp8(r, DType::Float8E4M3)); }),
       "FP8 tensors go only into matmul");
@@ -215,11 +256,11 @@ TEST(Fp8Kernels, MisuseIsRefusedWithTheReason) {
                }),
       "quantize scales a tensor into FP8");
   has(error_of("dgx-a100", [&](Rank& r) { fp8(r, DType::Float8E4M3); }), "has no FP8 tensor cores");
-  has(error_of(
-          "dgx-h100",
-          [](Rank& r) {
-            r.quantize(r.zeros({2, 64}), DType::Float8E4M3, Rank::Fp8Scaling{1, 32, true}, Tensor(), false);
-          }),
+  has(error_of("dgx-h100",
+               [](Rank& r) {
+                 r.quantize(r.zeros({2, 64}), DType::Float8E4M3, Rank::Fp8Scaling{1, 32, true}, Tensor(),
+                            false, Tensor());
+               }),
       "do not apply MX block scales");
 }
 

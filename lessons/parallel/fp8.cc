@@ -66,13 +66,13 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
     // One scale: the layouts differ only in where the bytes lie, and a GPU that reads any layout needs one.
     const Tensor amax = r_.amax(x);
     if (reduce_amax) reduce_amax(amax);
-    Rank::Quantized q =
-        r_.quantize(x, format, Rank::Fp8Scaling{}, r_.fp8_scale(amax, format), both && !any_layout_);
+    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, r_.fp8_scale(amax, format),
+                                    both && !any_layout_, Tensor());
     o.along_cols = q.data;
     o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
     return o;
   }
-  Rank::Quantized q = r_.quantize(x, format, scaling_of(recipe_, square), Tensor(), both);
+  Rank::Quantized q = r_.quantize(x, format, scaling_of(recipe_, square), Tensor(), both, Tensor());
   o.along_cols = q.data;
   o.cols_scales = q.scales;
   o.along_rows = q.columnwise;
@@ -83,7 +83,7 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
 Tensor Fp8::for_gemm(const Tensor& x, DType format, Use use) {
   if (use != Use::Wgrad || recipe_ == Fp8Recipe::Current) return quantize(x, format, false, false).along_cols;
   // Along the rows: the columns of x's transpose, quantized as the forward quantizes x.
-  return r_.quantize(x, format, scaling_of(recipe_, false).transposed(), Tensor(), false).data;
+  return r_.quantize(x, format, scaling_of(recipe_, false).transposed(), Tensor(), false, Tensor()).data;
 }
 
 Tensor Fp8::activation(const Tensor& x, Use use) {
