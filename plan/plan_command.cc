@@ -33,8 +33,9 @@ const OptionTable<Request>& request_options() {
       Option<O>("top", &O::top, "how many layouts the table shows").at_least(1),
       {"tp-across-nodes", &O::tp_across_nodes, "also try tensor-parallel groups larger than a node"},
       {"try-fp8", &O::try_fp8,
-       "also try every layout with its linear layers' GEMMs in FP8 by this recipe (current, blockwise or "
-       "mxfp8, as gpt's --fp8-recipe), where the GPU has FP8 tensor cores; the question's dtype must be "
+       "also try every layout with its linear layers' GEMMs in FP8 by this recipe (current, delayed, "
+       "blockwise or mxfp8, as gpt's --fp8-recipe), where the GPU has FP8 tensor cores; the question's dtype "
+       "must be "
        "bf16"},
       Option<O>("max-interleave", &O::max_interleave, "the most model chunks per pipeline rank tried")
           .at_least(1),

@@ -3,6 +3,7 @@
 // the run cannot take.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <utility>
@@ -14,6 +15,7 @@
 #include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/model.h"
+#include "lessons/parallel/fp8.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
@@ -38,7 +40,7 @@ RunReport run_on(const std::string& profile, const Settings& o) {
 }
 
 TEST(GptFp8, EachRecipeTrainsWithinItsToleranceOfOneDevice) {
-  for (const std::string recipe : {"current", "blockwise"}) {
+  for (const std::string recipe : {"current", "delayed", "blockwise"}) {
     const RunReport rep = run_on("dgx-h100", eight_ranks(recipe));
     EXPECT_TRUE(rep.all_checks_passed()) << recipe << "\n" << testing::failed_checks(rep);
   }
@@ -95,9 +97,6 @@ TEST(GptFp8, RecipesTheHardwareOrTheRunCannotTakeAreRefused) {
   }
   o["fp8-recipe"] = "mxfp8";
   testing::expect_usage_error(o, "--fp8-recipe mxfp8: the H100 SXM5 80GB's tensor cores do not apply MX");
-  o["fp8-recipe"] = "delayed";
-  testing::expect_usage_error(o,
-                              "--fp8-recipe delayed (each tensor scaled by the largest value of its earlier");
   o.erase("dtype");
   o["dtype"] = "fp32";
   o["fp8-recipe"] = "current";
@@ -112,6 +111,85 @@ TEST(GptFp8, RecipesTheHardwareOrTheRunCannotTakeAreRefused) {
     o[flag] = std::string(flag) == "dtype" ? "fp8" : "current";
     testing::expect_usage_error(o, "--experts with FP8 GEMMs (--dtype fp8, or an --fp8-recipe) is not built");
   }
+}
+
+// Delayed scaling casts a pass's tensors with the scale the earlier passes' amaxes gave: the second pass's
+// input, twice the first's, saturates at the first's largest value (scaled by its own, as current scaling
+// would, it would keep its -4), and the third pass, whose history holds 4, keeps it. A backward pass's
+// update leaves the forward's tensors as they are.
+TEST(GptFp8, DelayedScalingScalesEachPassByTheEarlierPassesAmaxes) {
+  SimConfig config = testing::quiet_config();
+  SimBackend backend(config);
+  backend.launch(1, [](Rank& r) {
+    parallel::Fp8 fp8(r, parallel::Fp8Recipe::Delayed, /*keep_weights=*/true);
+    fp8.select(7);
+    const std::vector<float> x = {0.5f, -2.0f, 1.0f, 0.25f}, twice = {1.0f, -4.0f, 2.0f, 0.5f};
+    auto cast = [&](const std::vector<float>& v) {
+      return r.to_host(fp8.activation(r.from_host({2, 2}, v, DType::BFloat16), parallel::Fp8::Use::Forward));
+    };
+    EXPECT_EQ(cast(x), x);  // the first pass: scaled by its own amax, 2 (448 / 2 = 224 keeps every value)
+    fp8.end_pass(parallel::Fp8::Pass::Forward);
+    fp8.end_pass(parallel::Fp8::Pass::Backward);
+    EXPECT_EQ(cast(twice), (std::vector<float>{1.0f, -2.0f, 2.0f, 0.5f}));
+    fp8.end_pass(parallel::Fp8::Pass::Forward);
+    EXPECT_EQ(cast(twice), twice);
+  });
+}
+
+// Delayed scaling's casts read no amax pass before them: after the first step (whose first pass scales each
+// tensor by its own amax) no amax or fp8_scale kernel runs and no per-cast all-reduce, where current scaling
+// runs one of each for every cast and one all-reduce per gathered input. Each forward pass ends with one
+// all-reduce of the forward tensors' amaxes and each backward pass with one of the gradients', and one update
+// kernel after each; the casts are as many, and the step is faster.
+TEST(GptFp8, DelayedScalingCastsWithoutAnAmaxPass) {
+  struct Counts {
+    std::map<std::string, int> kernels;  // rank 0's, in the timed step
+    std::map<std::pair<CommOp, std::int64_t>, int> collectives;
+    std::map<std::int64_t, int> stage_all_reduces;  // by bytes: over all 4 ranks (the amaxes' group)
+    double step_us = 0;
+  };
+  auto run = [](const std::string& recipe, int steps) {
+    Settings o = testing::tiny_gpt();
+    o["world"] = option_text(4);
+    o["tp"] = option_text(2);
+    o["seq-parallel"] = option_text(true);
+    o["phantom"] = option_text(true);
+    o["steps"] = option_text(steps);
+    o["fp8-recipe"] = recipe;
+    const RunReport rep = run_on("dgx-h100", o);
+    Counts c;
+    c.step_us = rep.training->step_time_us;
+    double step_start_us = 0;  // the last step's: the timed one
+    for (const RegionRecord& g : rep.regions) {
+      if (g.rank == 0 && g.name == "step") step_start_us = std::max(step_start_us, g.start_us);
+    }
+    for (const Span& s : rep.spans) {
+      if (s.rank == 0 && s.kind == SpanKind::Compute && s.start_us >= step_start_us)
+        ++c.kernels[s.name.str()];
+    }
+    for (const CollectiveRecord& r : rep.collectives) {
+      if (r.bookkeeping || r.start_us < step_start_us) continue;
+      ++c.collectives[{r.op, r.bytes}];
+      if (r.op == CommOp::AllReduce && r.group_size == 4) ++c.stage_all_reduces[r.bytes];
+    }
+    return c;
+  };
+  const Counts current = run("current", 2), delayed = run("delayed", 2);
+  // tiny: 4 layers; a global batch of 8 in micro-batches of 2 over dp 2.
+  const int layers = 4, micro_batches = 2, linears = 4;
+  EXPECT_GT(current.kernels.at("amax"), 0);
+  EXPECT_EQ(current.kernels.at("amax"), current.kernels.at("fp8_scale"));
+  EXPECT_EQ(delayed.kernels.count("amax"), 0u);
+  EXPECT_EQ(delayed.kernels.count("fp8_scale"), 0u);
+  EXPECT_EQ(delayed.kernels.at("quantize"), current.kernels.at("quantize"));
+  EXPECT_EQ(delayed.kernels.at("fp8_delayed_update"), 2 * micro_batches);
+  // The amaxes of a pass: every layer's linears' inputs and weights forward, output gradients backward.
+  EXPECT_EQ(delayed.stage_all_reduces, (std::map<std::int64_t, int>{{4 * 2 * layers * linears, micro_batches},
+                                                                    {4 * layers * linears, micro_batches}}));
+  EXPECT_TRUE(current.stage_all_reduces.empty());
+  EXPECT_EQ(delayed.collectives.count({CommOp::AllReduce, 4}), 0u);
+  EXPECT_GT(current.collectives.at({CommOp::AllReduce, 4}), 0);
+  EXPECT_LT(delayed.step_us, current.step_us);
 }
 
 // With sequence parallelism a column-parallel layer's input is gathered as FP8 pieces: the all-gathers of

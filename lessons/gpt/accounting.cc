@@ -64,6 +64,7 @@ std::string MemoryPlan::largest() const {
       {grads, "gradients (float32)"},
       {optimizer, "optimizer state (Adam's m and v, float32)"},
       {fp8_weights, "FP8 weight copies"},
+      {fp8_scaling, "FP8 amax histories"},
       {activations, "activations"}};
   const auto* big = std::max_element(std::begin(parts), std::end(parts),
                                      [](const auto& a, const auto& b) { return a.first < b.first; });
@@ -172,15 +173,20 @@ MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel:
   // the block's gathered weights, the all_gather's buffer they are copied out of, and the next block's
   // buffer, in flight (parallel/zero.h).
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
-  std::int64_t block_elements = 0, block_fp8 = 0;
+  std::int64_t block_elements = 0, block_fp8 = 0, block_linears = 0;
   for (int q = 0; q < block_params(c); ++q) {
     const parallel::ParamSpec spec = block_spec(c, 0, q, false);
     const Shape local = parallel::local_shape(spec, c.tp);
     block_elements += local.numel();
-    if (spec.full.ndim() == 2) block_fp8 += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
+    if (spec.full.ndim() == 2) {
+      block_fp8 += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
+      ++block_linears;
+    }
   }
-  if (c.zero < 3) {
-    for (int k = 0; k < c.v; ++k) p.fp8_weights += block_fp8 * c.chunk_layers(k * c.pp + stage);
+  for (int k = 0; k < c.v; ++k) {
+    const std::int64_t layers = c.chunk_layers(k * c.pp + stage);
+    if (c.zero < 3) p.fp8_weights += block_fp8 * layers;
+    p.fp8_scaling += parallel::fp8_scaling_bytes(c.fp8, block_linears * layers);
   }
   const bool units = c.zero >= 2 && c.dp * c.cp > 1;
   Config none = c;

@@ -19,7 +19,8 @@
 // float32 moments, each sharded as ZeRO says (parallel/zero.h); activations: what each micro-batch keeps
 // for its backward (model.h, stash_bytes) times the most micro-batches the schedule keeps alive, the data,
 // and the largest temporaries of one task. FP8 training (--fp8-recipe) adds the linear layers' FP8 weight
-// copies (parallel/fp8.h), which a step makes and keeps, or with ZeRO 3 a block's at a time.
+// copies (parallel/fp8.h), which a step makes and keeps, or with ZeRO 3 a block's at a time, and delayed
+// scaling its amax histories and scales.
 #pragma once
 
 #include <cstdint>
@@ -43,14 +44,15 @@ Flops dense_step_flops(const Config& c);
 struct MemoryPlan {
   std::int64_t weights = 0, grads = 0, optimizer = 0, activations = 0;
   std::int64_t fp8_weights = 0;  // the linear layers' FP8 weight copies, made in a step and kept through it
+  std::int64_t fp8_scaling = 0;  // delayed scaling's amax histories and scales, kept from the first step on
   std::int64_t stash = 0;        // activations kept for backward at the schedule's most
   std::int64_t transient = 0;    // the largest temporaries of one task (part of activations)
   int most_alive = 0;            // micro-batches alive at once on the chunk that keeps the most
-  std::int64_t total() const { return weights + grads + optimizer + fp8_weights + activations; }
+  std::int64_t total() const { return weights + grads + optimizer + fp8_weights + fp8_scaling + activations; }
   // What the model allocates before its first step.
   std::int64_t fixed() const { return weights + grads + optimizer; }
   // What a step holds beyond its activations.
-  std::int64_t held() const { return fixed() + fp8_weights; }
+  std::int64_t held() const { return fixed() + fp8_weights + fp8_scaling; }
   // "optimizer state (Adam m, v) 12.0 GiB"
   std::string largest() const;
 };

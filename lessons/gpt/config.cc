@@ -119,12 +119,6 @@ void resolve_fp8(Config& c) {
     c.dtype = DType::BFloat16;
     if (c.fp8 == Fp8Recipe::None) c.fp8 = Fp8Recipe::Current;
   }
-  if (c.fp8 == Fp8Recipe::Delayed) {
-    throw UsageError(
-        "gpt: --fp8-recipe delayed (each tensor scaled by the largest value of its earlier steps, "
-        "TransformerEngine's DelayedScaling) is not built; current scales each tensor by its own largest "
-        "value, as TransformerEngine's Float8CurrentScaling does");
-  }
   if (c.fp8 != Fp8Recipe::None && c.dtype != DType::BFloat16) {
     throw UsageError(
         fmt::format("gpt: --fp8-recipe {} runs the linear layers' GEMMs in FP8 within bf16 "
@@ -264,8 +258,9 @@ const OptionTable<Config>& options_table() {
                 "weights and activations (fp8: bf16 with the linear layers' GEMMs in FP8, --fp8-recipe)",
                 with_fp8(dtypes)),
       Option<O>("fp8-recipe", &O::fp8,
-                "the linear layers' GEMMs in FP8, scaled per tensor (current), in DeepSeek-V3's blocks "
-                "(blockwise) or in MX blocks (mxfp8, Blackwell); none: 16-bit",
+                "the linear layers' GEMMs in FP8, scaled per tensor by its own largest value (current) or "
+                "by the largest of its earlier passes (delayed, TransformerEngine's DelayedScaling), in "
+                "DeepSeek-V3's blocks (blockwise) or in MX blocks (mxfp8, Blackwell); none: 16-bit",
                 {{"none", parallel::Fp8Recipe::None},
                  {"current", parallel::Fp8Recipe::Current},
                  {"blockwise", parallel::Fp8Recipe::Blockwise},

@@ -66,8 +66,17 @@ void gpt_lesson(Rank& r, const Config& o) {
   tp.index = groups.tp.index_of(r.rank());
   std::optional<parallel::Fp8> fp8;
   if (c.fp8 != parallel::Fp8Recipe::None) {
-    fp8.emplace(r, c.fp8, /*keep_weights=*/c.zero < 3);
+    fp8.emplace(r, c.fp8, /*keep_weights=*/c.zero < 3, c.phantom);
     tp.fp8 = &*fp8;
+  }
+  if (c.fp8 == parallel::Fp8Recipe::Delayed && c.tp * c.cp * c.dp > 1) {
+    // Delayed scaling's amaxes, reduced over the stage's ranks: one synchronous all-reduce at the end of
+    // each forward and each backward pass, on the compute stream's path as TransformerEngine's is.
+    const Group stage = parallel::make_stage_group(r, layout);
+    fp8->reduce_amaxes = [&r, &exposed, stage](const Tensor& amaxes) {
+      const Event e = exposed.before();
+      exposed.after(parallel::Dim::Dp, e, r.all_reduce(amaxes, ReduceOp::Max, Async::No, stage));
+    };
   }
   parallel::ContextParallel cp{r,         groups.cp,       c.cp,
                                me.cp,     groups.cp_ranks, c.cp_comm == gpt::CpComm::AllGather,
@@ -125,6 +134,7 @@ void gpt_lesson(Rank& r, const Config& o) {
       auto forward = [&](const parallel::Task& t, const Tensor& in) {
         auto scope = r.region(task_region(t, c.v));
         Tensor out = model.forward(t, in);
+        if (fp8) fp8->end_pass(parallel::Fp8::Pass::Forward);
         // (The tensors themselves: memory_allocated() would also see a send finishing meanwhile.)
         if (step == 1 && t.mb == 0) {
           stash_measured_bytes[t.chunk] = model.kept_bytes(t.chunk, t.mb);
@@ -136,6 +146,7 @@ void gpt_lesson(Rank& r, const Config& o) {
       auto backward = [&](const parallel::Task& t, const Tensor& dout) {
         auto scope = r.region(task_region(t, c.v));
         Tensor dx = model.backward(t, dout);
+        if (fp8) fp8->end_pass(parallel::Fp8::Pass::Backward);
         task_done(step);
         return dx;
       };

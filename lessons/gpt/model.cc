@@ -429,6 +429,10 @@ void Model::start_step() {
   if (loss_sum.defined()) r_.scale_(loss_sum, 0.0f);
 }
 
+void Model::fp8_linear(int layer, int weight) {
+  if (tp_.fp8 != nullptr) tp_.fp8->select(layer * block_params(c_) + weight);
+}
+
 Tensor Model::residual_dropout(const Tensor& branch, int layer, int site, int mb) {
   if (c_.dropout == 0) return branch;
   // With sequence parallelism the branch holds this rank's part of the rows; without, all of them (every
@@ -659,8 +663,10 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   // sum; g; bias and residual.
   parallel::TensorParallel::Kept k1, kp, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
+  fp8_linear(layer, kQkvW);
   Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB], &k1);
   Rank::AttentionOut att = attend(qkv);
+  fp8_linear(layer, kProjW);
   Tensor p = tp_.row_linear(att.out, w[kProjW], &kp);
   r.add_bias_(p, w[kProjB]);
   Tensor x1 = r.add(x, residual_dropout(p, layer, 0, mb));
@@ -672,7 +678,9 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
     o = moe_forward(w, ln2.y, moe, layer, mb, !keep_all);
     k2.x = ln2.y;
   } else {
+    fp8_linear(layer, kFc1W);
     u = tp_.column_linear(ln2.y, w[kFc1W], w[kFc1B], &k2);
+    fp8_linear(layer, kFc2W);
     o = tp_.row_linear(r.gelu(u), w[kFc2W], &kg);
     r.add_bias_(o, w[kFc2B]);
   }
@@ -705,10 +713,12 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
     dy2 = moe_backward(b, w, a, dout);
   } else {
     dp_.add_grad(b.p[kFc2B], r.sum_rows(dout));
+    fp8_linear(b.layer, kFc2W);
     parallel::TensorParallel::Grads fc2 =
         tp_.row_linear_backward(a.g, w[kFc2W], dout, dp_.wgrad_into(b.p[kFc2W]));
     dp_.add_grad(b.p[kFc2W], fc2.dw);
     const Tensor du = r.gelu_backward(fc2.dx, a.u);
+    fp8_linear(b.layer, kFc1W);
     parallel::TensorParallel::Grads fc1 =
         tp_.column_linear_backward(a.y2, w[kFc1W], du, /*bias=*/true, dp_.wgrad_into(b.p[kFc1W]));
     dp_.add_grad(b.p[kFc1W], fc1.dw);
@@ -722,10 +732,12 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   // Attention backward.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
   dp_.add_grad(b.p[kProjB], r.sum_rows(dp));
+  fp8_linear(b.layer, kProjW);
   parallel::TensorParallel::Grads proj =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kProjW], dp, dp_.wgrad_into(b.p[kProjW]));
   dp_.add_grad(b.p[kProjW], proj.dw);
   const Tensor dqkv = attend_backward(proj.dx, a);
+  fp8_linear(b.layer, kQkvW);
   parallel::TensorParallel::Grads qkv =
       tp_.column_linear_backward(a.y1, w[kQkvW], dqkv, /*bias=*/true, dp_.wgrad_into(b.p[kQkvW]));
   dp_.add_grad(b.p[kQkvW], qkv.dw);
@@ -820,17 +832,21 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   // g; residual.
   parallel::TensorParallel::Kept k1, ko, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::RmsNormOut n1 = r.rmsnorm(x, w[kNorm1], kEps);
+  fp8_linear(layer, kWqkv);
   Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor(), &k1);
   if (c_.qk_layernorm) qkv = qk_norm(qkv, w, a);
   rotate(qkv, false);
   Rank::AttentionOut att = attend(qkv);
+  fp8_linear(layer, kWo);
   Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
   Tensor u, o;
   parallel::ExpertParallel::Kept moe;
   if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
+    fp8_linear(layer, kW13);
     u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
+    fp8_linear(layer, kW2);
     o = tp_.row_linear(r.swiglu(u), w[kW2], &kg);
   }
   if (w.router.defined()) {  // a MoE layer's routed experts
@@ -899,9 +915,11 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   Tensor dy2;
   if (b.moe) dy2 = moe_backward(b, w, a, dout);
   if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
+    fp8_linear(b.layer, kW2);
     parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
     dp_.add_grad(b.p[kW2], w2.dw);
     const Tensor du = r.swiglu_backward(w2.dx, a.u);
+    fp8_linear(b.layer, kW13);
     parallel::TensorParallel::Grads w13 =
         tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));
     dp_.add_grad(b.p[kW13], w13.dw);
@@ -912,6 +930,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   const Tensor dx1 = r.add(dx2, n2.dx);
   // Attention backward: the rotation's backward is the rotation back.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
+  fp8_linear(b.layer, kWo);
   parallel::TensorParallel::Grads wo =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
   dp_.add_grad(b.p[kWo], wo.dw);
@@ -919,6 +938,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)
   if (c_.broken != "no-rope-backward") rotate(dqkv, true);
   const Tensor dmixed = c_.qk_layernorm ? qk_norm_backward(b, dqkv, w, a) : dqkv;
+  fp8_linear(b.layer, kWqkv);
   parallel::TensorParallel::Grads wqkv =
       tp_.column_linear_backward(a.y1, w[kWqkv], dmixed, /*bias=*/false, dp_.wgrad_into(b.p[kWqkv]));
   dp_.add_grad(b.p[kWqkv], wqkv.dw);

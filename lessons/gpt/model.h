@@ -255,6 +255,9 @@ class Model {
   // The residual branch's dropout (GPT-2's resid_pdrop; nothing when --dropout is 0). The backward is the
   // same call on the gradient: the same mask and scale.
   Tensor residual_dropout(const Tensor& branch, int layer, int site, int mb);
+  // With FP8: the linear layer of weight `weight` in `layer` is the one the next casts belong to (delayed
+  // scaling keeps its tensors' histories by it).
+  void fp8_linear(int layer, int weight);
   Tensor embed_forward(int mb);
   void embed_backward(int mb, const Tensor& dx, bool last);
   void head_forward(int mb, const Tensor& x, HeadActs& h);

@@ -140,10 +140,11 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
   each_shown_stage(r, c.pp, "  ", [&](int s) {
     const MemoryPlan& p = plans[s];
     r.print(fmt::format(
-        "  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}{}  activations {:>10} "
+        "  stage {:<3} weights {:>10}  grads {:>10}  optimizer {:>10}{}{}  activations {:>10} "
         "({} micro-batch{} alive)  total {:>10}",
         s, format_bytes(p.weights), format_bytes(p.grads), format_bytes(p.optimizer),
         p.fp8_weights > 0 ? fmt::format("  fp8 weights {:>10}", format_bytes(p.fp8_weights)) : "",
+        p.fp8_scaling > 0 ? fmt::format("  amax histories {:>10}", format_bytes(p.fp8_scaling)) : "",
         format_bytes(p.activations), p.most_alive, p.most_alive == 1 ? "" : "es", format_bytes(p.total())));
   });
 }
@@ -256,10 +257,12 @@ void print_summary(Rank& r, const Config& c, const std::vector<MemoryPlan>& plan
   each_shown_stage(r, c.pp, "    ", [&](int s) {
     const float peak_bytes = f.stage_peak_bytes[s];
     r.print(fmt::format(
-        "    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, {}activations {}", s,
+        "    stage {:<3} {:>10} ({:>10}): weights {}, grads {}, optimizer {}, {}{}activations {}", s,
         format_bytes(peak_bytes), format_bytes(plans[s].total()), format_bytes(plans[s].weights),
         format_bytes(plans[s].grads), format_bytes(plans[s].optimizer),
         plans[s].fp8_weights > 0 ? fmt::format("fp8 weights {}, ", format_bytes(plans[s].fp8_weights)) : "",
+        plans[s].fp8_scaling > 0 ? fmt::format("amax histories {}, ", format_bytes(plans[s].fp8_scaling))
+                                 : "",
         format_bytes(peak_bytes - plans[s].held())));
   });
   if (!check.compares()) {

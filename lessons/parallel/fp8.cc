@@ -1,5 +1,9 @@
 #include "lessons/parallel/fp8.h"
 
+#include <vector>
+
+#include "lessons/parallel/exposed.h"
+
 namespace ranklab::parallel {
 
 namespace {
@@ -24,7 +28,8 @@ Rank::Fp8Scaling scaling_of(Fp8Recipe recipe, bool square) {
 
 std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_layout) {
   if (recipe == Fp8Recipe::None) return 0;
-  if (recipe == Fp8Recipe::Current) return local.numel() * (any_layout ? 1 : 2);
+  if (recipe == Fp8Recipe::Current || recipe == Fp8Recipe::Delayed)
+    return local.numel() * (any_layout ? 1 : 2);
   // Both layouts, each with its scales.
   const Rank::Fp8Scaling s = scaling_of(recipe, recipe == Fp8Recipe::Blockwise);
   return 2 * local.numel() + 4 * (s.scale_words(local) + s.transposed().scale_words(local));
@@ -32,6 +37,11 @@ std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_lay
 
 std::int64_t fp8_kept_bytes(Fp8Recipe recipe, std::int64_t rows, std::int64_t cols) {
   return rows * cols + 4 * scaling_of(recipe, false).transposed().scale_words(Shape{rows, cols});
+}
+
+std::int64_t fp8_scaling_bytes(Fp8Recipe recipe, std::int64_t linears) {
+  if (recipe != Fp8Recipe::Delayed) return 0;
+  return linears * 3 * (kAmaxHistoryLen + 1) * 4;
 }
 
 const char* fp8_recipe_name(Fp8Recipe r) {
@@ -50,18 +60,70 @@ const char* fp8_recipe_name(Fp8Recipe r) {
   return "?";
 }
 
-Fp8::Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights)
-    : r_(r), recipe_(recipe), keep_weights_(keep_weights), any_layout_(r.profile().gpu.fp8_mx) {}
+Fp8::Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights, bool phantom)
+    : r_(r),
+      recipe_(recipe),
+      keep_weights_(keep_weights),
+      any_layout_(r.profile().gpu.fp8_mx),
+      phantom_(phantom) {}
 
 DType Fp8::gradient_format() const {
   // HYBRID: gradients, whose range is wider, in e5m2 under one scale per tensor; the block recipes keep
   // e4m3, whose small blocks follow the range closely (DeepSeek-V3, section 3.3.2).
-  return recipe_ == Fp8Recipe::Current ? DType::Float8E5M2 : DType::Float8E4M3;
+  const bool per_tensor = recipe_ == Fp8Recipe::Current || recipe_ == Fp8Recipe::Delayed;
+  return per_tensor ? DType::Float8E5M2 : DType::Float8E4M3;
 }
 
-Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
+Fp8::History& Fp8::history(Role role) {
+  const auto [at, made] = histories_.try_emplace({linear_, role});
+  if (made) {
+    // TransformerEngine starts every scale at 1 and every history at 0 (its fp8_meta's initial tensors).
+    History& h = at->second;
+    h.earlier = zeros(r_, phantom_, Shape{kAmaxHistoryLen - 1}, DType::Float32);
+    h.scale = phantom_ ? r_.phantom(Shape{1}, DType::Float32) : r_.full(Shape{1}, 1.0f, DType::Float32);
+    h.amax = zeros(r_, phantom_, Shape{1}, DType::Float32);
+  }
+  return at->second;
+}
+
+void Fp8::end_pass(Pass pass) {
+  if (recipe_ != Fp8Recipe::Delayed) return;
+  std::vector<Tensor> earlier, scales, amaxes;
+  for (auto& [key, h] : histories_) {
+    if ((key.second == Role::Gradient) != (pass == Pass::Backward)) continue;
+    earlier.push_back(h.earlier), scales.push_back(h.scale), amaxes.push_back(h.amax);
+    h.scaled = true;  // the update below gives the scale from the history
+  }
+  if (amaxes.empty()) return;
+  // One buffer and one all-reduce for all of them, as TransformerEngine's _global_amax_reduction packs
+  // its amax buffer (torch.cat) before reducing it.
+  const Tensor reduced = r_.cat(amaxes, 0);
+  if (reduce_amaxes) reduce_amaxes(reduced);
+  const DType format = pass == Pass::Backward ? gradient_format() : DType::Float8E4M3;
+  r_.fp8_delayed_update(reduced, earlier, scales, amaxes, format, kDelayedMargin);
+}
+
+Fp8Operand Fp8::quantize(const Tensor& x, DType format, Role role, bool square, bool both,
                          const std::function<void(const Tensor&)>& reduce_amax) {
   Fp8Operand o;
+  if (recipe_ == Fp8Recipe::Delayed) {
+    // The scale is the history's, the same on every rank that shares the tensor (their amaxes were
+    // reduced together): the pieces of a sequence-parallel all-gather need no all-reduce of their own.
+    History& h = history(role);
+    if (!h.scaled) {
+      // The tensor's first pass has no history: each of its casts is scaled by its own amax, as current
+      // scaling does (float8_experimental's enable_amax_init, pytorch-labs/float8_experimental PR 18).
+      // TransformerEngine casts with scale 1 instead, which leaves gradients of 1e-4 in e5m2's subnormals:
+      // the tiny model's first step then misses the one-device check (docs/lessons/gpt.md, "FP8").
+      const Tensor amax = r_.amax(x);
+      if (reduce_amax) reduce_amax(amax);
+      r_.copy_(h.scale, r_.fp8_scale(amax, format));
+    }
+    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, h.scale, both && !any_layout_, h.amax);
+    o.along_cols = q.data;
+    o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
+    return o;
+  }
   if (recipe_ == Fp8Recipe::Current) {
     // One scale: the layouts differ only in where the bytes lie, and a GPU that reads any layout needs one.
     const Tensor amax = r_.amax(x);
@@ -80,26 +142,27 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, bool square, bool both,
   return o;
 }
 
-Tensor Fp8::for_gemm(const Tensor& x, DType format, Use use) {
-  if (use != Use::Wgrad || recipe_ == Fp8Recipe::Current) return quantize(x, format, false, false).along_cols;
+Tensor Fp8::for_gemm(const Tensor& x, DType format, Role role, Use use) {
+  const bool per_tensor = recipe_ == Fp8Recipe::Current || recipe_ == Fp8Recipe::Delayed;
+  if (use != Use::Wgrad || per_tensor) return quantize(x, format, role, false, false).along_cols;
   // Along the rows: the columns of x's transpose, quantized as the forward quantizes x.
   return r_.quantize(x, format, scaling_of(recipe_, false).transposed(), Tensor(), false, Tensor()).data;
 }
 
 Tensor Fp8::activation(const Tensor& x, Use use) {
-  return for_gemm(x, DType::Float8E4M3, use);
+  return for_gemm(x, DType::Float8E4M3, Role::Input, use);
 }
 
 Fp8Operand Fp8::input(const Tensor& x, const std::function<void(const Tensor&)>& reduce_amax) {
-  return quantize(x, DType::Float8E4M3, false, true, reduce_amax);
+  return quantize(x, DType::Float8E4M3, Role::Input, false, true, reduce_amax);
 }
 
 Tensor Fp8::gradient(const Tensor& dy, Use use) {
-  return for_gemm(dy, gradient_format(), use);
+  return for_gemm(dy, gradient_format(), Role::Gradient, use);
 }
 
 Fp8Operand Fp8::gradient(const Tensor& dy) {
-  return quantize(dy, gradient_format(), false, true);
+  return quantize(dy, gradient_format(), Role::Gradient, false, true);
 }
 
 Fp8Operand Fp8::weight(const Tensor& w) {
@@ -107,7 +170,7 @@ Fp8Operand Fp8::weight(const Tensor& w) {
     const auto kept = weights_.find(w.storage());
     if (kept != weights_.end()) return kept->second.second;
   }
-  Fp8Operand q = quantize(w, DType::Float8E4M3, recipe_ == Fp8Recipe::Blockwise, true);
+  Fp8Operand q = quantize(w, DType::Float8E4M3, Role::Weight, recipe_ == Fp8Recipe::Blockwise, true);
   // The entry keeps w, so its storage (the key) is not freed and reused while the entry stands.
   if (keep_weights_) weights_.emplace(w.storage(), std::make_pair(w, q));
   return q;

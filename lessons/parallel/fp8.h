@@ -17,12 +17,25 @@
 //              128 x 128 of weights, every tensor in e4m3, float32 scales (Float8BlockScaling)
 //   mxfp8      the OCP Microscaling format: 1 x 32 blocks with power-of-two scales, e4m3, Blackwell only
 //              (MXFP8BlockScaling)
+//   delayed    one scale per tensor from the largest magnitudes of earlier passes (TransformerEngine's
+//              DelayedScaling, transformer_engine/common/recipe/__init__.py: margin 0, amax_history_len
+//              1024, amax_compute_algo "max", HYBRID format): every linear layer's input, weight and output
+//              gradient keeps an amax history; its cast uses the scale the history gave before the pass and
+//              records the tensor's amax as it casts, so no amax pass and no per-cast all-reduce precede it
+//              (but in a tensor's first pass, which has no history and is scaled as current scaling does).
+//              Values past the scale's range saturate at the format's largest. At the end of each forward
+//              pass (TransformerEngine: the exit of fp8_autocast, which Megatron-LM enters once per
+//              micro-batch and model chunk) the forward tensors' amaxes of the whole rank are all-reduced
+//              together over the ranks that share the tensors, and the scales updated; at the end of each
+//              backward pass the output gradients' (reduce_and_update_fp8_tensors(forward=False), which the
+//              first FP8 module's backward calls)
 // A weight is quantized once per step, at its first use, and kept for the step's other micro-batches and its
 // backward, as TransformerEngine keeps its FP8 weights across micro-batches; a weight gathered for each use
 // (ZeRO 3) is quantized at each. Attention, the norms, the output layer and the optimizer stay in 16 bits.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <unordered_map>
 #include <utility>
 
@@ -30,10 +43,13 @@
 
 namespace ranklab::parallel {
 
-// Delayed: TransformerEngine's DelayedScaling (each tensor's scale from an amax history of earlier steps),
-// which the lesson names and refuses: it is not built.
 enum class Fp8Recipe { None, Current, Blockwise, Mxfp8, Delayed };
 const char* fp8_recipe_name(Fp8Recipe r);
+
+// DelayedScaling's defaults (transformer_engine/common/recipe/__init__.py): the amaxes a tensor's history
+// holds, the current pass's included, and the margin (the scale is divided by 2^margin).
+inline constexpr int kAmaxHistoryLen = 1024;
+inline constexpr int kDelayedMargin = 0;
 
 // One tensor's FP8 copies, each with its scales along the dimension a GEMM contracts, and the block scales'
 // memory of each.
@@ -51,13 +67,30 @@ std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_lay
 // input quantized along its rows, and that layout's block scales.
 std::int64_t fp8_kept_bytes(Fp8Recipe recipe, std::int64_t rows, std::int64_t cols);
 
+// The bytes of delayed scaling's state for `linears` linear layers (0 under the other recipes): each of a
+// layer's three tensors (input, weight, output gradient) keeps its amax history, the current pass's amax
+// its newest entry, and its scale, float32 each.
+std::int64_t fp8_scaling_bytes(Fp8Recipe recipe, std::int64_t linears);
+
 class Fp8 {
  public:
   // `keep_weights`: a weight tensor stays the same through a step (ZeRO 0 to 2), so its FP8 copies are made
   // once and reused; otherwise (ZeRO 3 gathers each use anew) at every use.
-  Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights);
+  // `phantom`: delayed scaling's state holds no numbers (a phantom run's).
+  Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights, bool phantom = false);
   // Forgets the step's quantized weights: the optimizer has changed them.
   void start_step() { weights_.clear(); }
+
+  // Delayed scaling: the linear layer the next casts belong to (any number that names it the same way on
+  // every rank that shares its tensors), whose input, weight and output gradient keep their histories.
+  void select(int linear) { linear_ = linear; }
+  // Delayed scaling, after a forward or a backward pass: the pass's amaxes of the forward's tensors (inputs
+  // and weights, e4m3) or of the backward's (output gradients, e5m2), of every linear layer of the rank,
+  // packed into one tensor, reduced by `reduce_amaxes` (a max over the ranks that share them) and folded
+  // into the histories and scales by one kernel. Nothing under the other recipes.
+  enum class Pass { Forward, Backward };
+  void end_pass(Pass pass);
+  std::function<void(const Tensor&)> reduce_amaxes;
 
   // Which GEMM an activation or an output gradient goes into: the forward and dgrad sum over its columns,
   // wgrad over its rows.
@@ -76,16 +109,29 @@ class Fp8 {
 
  private:
   DType gradient_format() const;
+  // Which of a linear layer's tensors a cast is of: delayed scaling keeps a history for each.
+  enum class Role { Input, Weight, Gradient };
   // x quantized along its columns (blocks 1 x block, or block x block when `square`) and, with `both`, along
-  // its rows too; per-tensor scaling's amax first goes through `reduce_amax` when given.
-  Fp8Operand quantize(const Tensor& x, DType format, bool square, bool both,
+  // its rows too; current scaling's amax first goes through `reduce_amax` when given.
+  Fp8Operand quantize(const Tensor& x, DType format, Role role, bool square, bool both,
                       const std::function<void(const Tensor&)>& reduce_amax = nullptr);
   // x in `format` for one GEMM: along its columns, or for wgrad along its rows.
-  Tensor for_gemm(const Tensor& x, DType format, Use use);
+  Tensor for_gemm(const Tensor& x, DType format, Role role, Use use);
+  // Delayed scaling's state of one tensor: the amaxes of earlier passes (newest first), the scale they
+  // gave, and the amax the current pass's casts record.
+  struct History {
+    Tensor earlier, scale, amax;
+    bool scaled = false;  // a pass has ended since the tensor's first cast: the history gives the scale
+  };
+  History& history(Role role);
   Rank& r_;
   Fp8Recipe recipe_;
   bool keep_weights_ = true;
   bool any_layout_ = false;  // the GPU's FP8 GEMMs read their inputs in any layout (Blackwell)
+  bool phantom_ = false;
+  int linear_ = 0;
+  // By (linear layer, role): ordered, so that every rank packs its amaxes in the same order.
+  std::map<std::pair<int, Role>, History> histories_;
   // The step's quantized weights, by the weight's storage (with the weight, which keeps it alive).
   std::unordered_map<const Storage*, std::pair<Tensor, Fp8Operand>> weights_;
 };

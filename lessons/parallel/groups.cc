@@ -202,6 +202,16 @@ Groups make_groups(Rank& r, const Layout& layout) {
   return g;
 }
 
+Group make_stage_group(Rank& r, const Layout& layout) {
+  Group mine;
+  each_group(layout, layout.coord(r.rank()), {kDp, kCp, kTp},
+             [&](const std::vector<int>& ranks, bool is_mine) {
+               Group grp = r.new_group(ranks);
+               if (is_mine) mine = grp;
+             });
+  return mine;
+}
+
 void make_expert_groups(Rank& r, const Layout& layout, Groups& g) {
   // A stage's tp x cp x dp ranks, tp fastest: ep consecutive ones hold all the experts (an ep group), and
   // the ranks that hold the same experts (every ep-th) reduce their gradients (an edp group).

@@ -86,6 +86,10 @@ struct Groups {
 Groups make_groups(Rank& r, const Layout& layout);
 // The expert groups of `g` (make_groups makes them when layout.ep > 0).
 void make_expert_groups(Rank& r, const Layout& layout, Groups& g);
+// The group of this rank's pipeline stage: its tp x cp x dp ranks, which hold the same layers. FP8's delayed
+// scaling reduces its amaxes over it (Megatron-LM's amax reduction group, tensor x data x context parallel,
+// parallel_state.get_amax_reduction_group). Every rank makes every stage's group.
+Group make_stage_group(Rank& r, const Layout& layout);
 
 // "tp groups {0..7} {8..15} ...": a few lines saying which ranks form which groups, and whether each
 // tp group stays within a node.
