@@ -277,7 +277,7 @@ void check_gelu_backward(int rank, const Tensor& dy, const Tensor& x) {
   need_same_dtype(rank, op, dy, x);
 }
 
-void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row) {
+void check_dropout(int rank, const Tensor& x, float p, const Rank::DropoutRows& rows) {
   const char* op = "dropout";
   if (x.ndim() != 2) {
     throw UsageError(fmt::format("{}: x must be [rows, cols]; got {}", where(rank, op), x.str()));
@@ -285,8 +285,15 @@ void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row) {
   if (!(p >= 0.0f && p < 1.0f)) {
     throw UsageError(fmt::format("{}: p must be at least 0 and below 1; got {}", where(rank, op), p));
   }
-  if (first_row < 0) {
-    throw UsageError(fmt::format("{}: first_row must not be negative; got {}", where(rank, op), first_row));
+  if (rows.first_row < 0) {
+    throw UsageError(
+        fmt::format("{}: first_row must not be negative; got {}", where(rank, op), rows.first_row));
+  }
+  if (rows.split < 0 || rows.second_row < 0) {
+    throw UsageError(
+        fmt::format("{}: the second run of rows starts at row {} as global row {}; neither may be "
+                    "negative",
+                    where(rank, op), rows.split, rows.second_row));
   }
 }
 

@@ -39,7 +39,7 @@ void check_rmsnorm_backward(int rank, const Tensor& dy, const Tensor& x, const T
                             const Tensor& rstd);
 void check_swiglu(int rank, const Tensor& x);
 void check_swiglu_backward(int rank, const Tensor& dy, const Tensor& x);
-void check_dropout(int rank, const Tensor& x, float p, std::int64_t first_row);
+void check_dropout(int rank, const Tensor& x, float p, const Rank::DropoutRows& rows);
 
 // The shape of an attention call, from qkv [seq * batch, (heads + 2 kv_heads) * head_dim].
 struct AttentionDims {

@@ -24,6 +24,7 @@
 
 #include <boost/container/small_vector.hpp>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -332,8 +333,20 @@ class Rank {
   // probability p and the others are scaled by 1 / (1 - p). Whether element (i, j) is kept is a hash of
   // (seed, first_row + i, j) (dropout_keeps in common/random.h), not a draw from a stream: every rank that
   // holds a row makes the same mask for it whatever the layout, and the backward is the same call on the
-  // output's gradient, which regenerates the mask instead of keeping it.
-  virtual Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) = 0;
+  // output's gradient, which regenerates the mask instead of keeping it. `rows` says which global row each
+  // of x's rows is: one run of consecutive rows, or two (a context-parallel rank's two chunks).
+  struct DropoutRows {
+    std::int64_t first_row = 0;  // the global row of x's row 0
+    // From x's row `split` on, the rows are second_row, second_row + 1, ... (at or past x's rows: one run).
+    std::int64_t split = std::numeric_limits<std::int64_t>::max();
+    std::int64_t second_row = 0;
+    // One run from first_row, as most callers give it.
+    DropoutRows(std::int64_t first = 0) : first_row(first) {}  // NOLINT(google-explicit-constructor)
+    DropoutRows(std::int64_t first, std::int64_t at, std::int64_t second)
+        : first_row(first), split(at), second_row(second) {}
+    std::int64_t row(std::int64_t i) const { return i < split ? first_row + i : second_row + (i - split); }
+  };
+  virtual Tensor dropout(const Tensor& x, float p, std::uint64_t seed, const DropoutRows& rows) = 0;
 
   // Scaled dot-product attention computed FlashAttention-style (Dao et al. 2022): one pass over keys
   // with an online softmax, never materialising the seq x seq scores, so its memory is O(seq).

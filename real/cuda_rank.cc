@@ -820,15 +820,17 @@ Tensor CudaRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   return dx;
 }
 
-Tensor CudaRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) {
+Tensor CudaRank::dropout(const Tensor& x, float p, std::uint64_t seed, const DropoutRows& rows) {
   const char* op = "dropout";
   const void* px = require(x, op, "x");
-  check_dropout(rank_, x, p, first_row);
+  check_dropout(rank_, x, p, rows);
   Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), op);
   void* py = require(y, op, "out");
   before_kernel({&x}, op);
-  kernel(op,
-         [&] { kernels::dropout(py, px, x.dtype(), x.size(0), x.size(1), p, seed, first_row, compute_); });
+  kernel(op, [&] {
+    kernels::dropout(py, px, x.dtype(), x.size(0), x.size(1), p, seed, rows.first_row, rows.split,
+                     rows.second_row, compute_);
+  });
   return y;
 }
 

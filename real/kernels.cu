@@ -277,10 +277,12 @@ __global__ void gelu_backward_kernel(T* dx, const T* dy, const T* x, std::int64_
 
 template <typename T>
 __global__ void dropout_kernel(T* y, const T* x, std::int64_t rows, std::int64_t cols, float p,
-                               std::uint64_t seed, std::int64_t first_row) {
+                               std::uint64_t seed, std::int64_t first_row, std::int64_t split,
+                               std::int64_t second_row) {
   const float scale = 1.0f / (1.0f - p);
   for (std::int64_t i = first_index(); i < rows * cols; i += stride()) {
-    const bool keep = dropout_keeps(seed, first_row + i / cols, i % cols, p);
+    const std::int64_t r = i / cols, row = r < split ? first_row + r : second_row + (r - split);
+    const bool keep = dropout_keeps(seed, row, i % cols, p);
     y[i] = from_f<T>(keep ? to_f(x[i]) * scale : 0.0f);
   }
 }
@@ -1168,13 +1170,14 @@ void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_
 }
 
 void dropout(void* y, const void* x, DType t, std::int64_t rows, std::int64_t cols, float p,
-             std::uint64_t seed, std::int64_t first_row, cudaStream_t s) {
+             std::uint64_t seed, std::int64_t first_row, std::int64_t split, std::int64_t second_row,
+             cudaStream_t s) {
   const std::int64_t n = rows * cols;
   if (n == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dropout_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(y), static_cast<const T*>(x), rows,
-                                                         cols, p, seed, first_row);
+                                                         cols, p, seed, first_row, split, second_row);
   });
   check_launch("dropout kernel launch");
 }

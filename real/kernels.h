@@ -70,9 +70,11 @@ void swiglu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
-// y = x * keep / (1 - p) over [rows, cols], keep = dropout_keeps(seed, first_row + i, j, p).
+// y = x * keep / (1 - p) over [rows, cols], keep = dropout_keeps(seed, global row of i, j, p): first_row + i
+// for rows i below `split`, second_row + i - split from it on (Rank::DropoutRows).
 void dropout(void* y, const void* x, DType t, std::int64_t rows, std::int64_t cols, float p,
-             std::uint64_t seed, std::int64_t first_row, cudaStream_t s);
+             std::uint64_t seed, std::int64_t first_row, std::int64_t split, std::int64_t second_row,
+             cudaStream_t s);
 
 // The largest head_dim the attention kernels take.
 constexpr int kMaxHeadDim = 512;

@@ -69,7 +69,7 @@ class SimRank : public Rank {
                                     const Tensor& mean, const Tensor& rstd) override;
   Tensor gelu(const Tensor& x) override;
   Tensor gelu_backward(const Tensor& dy, const Tensor& x) override;
-  Tensor dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) override;
+  Tensor dropout(const Tensor& x, float p, std::uint64_t seed, const DropoutRows& rows) override;
   using Rank::attention;
   using Rank::attention_backward;
   AttentionOut attention(const Tensor& qkv, const AttentionSpec& spec) override;

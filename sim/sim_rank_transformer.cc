@@ -207,19 +207,20 @@ Tensor SimRank::gelu_backward(const Tensor& dy, const Tensor& x) {
   return dx;
 }
 
-Tensor SimRank::dropout(const Tensor& x, float p, std::uint64_t seed, std::int64_t first_row) {
+Tensor SimRank::dropout(const Tensor& x, float p, std::uint64_t seed, const DropoutRows& rows) {
   require(x, "dropout", "x");
-  check_dropout(rank_, x, p, first_row);
+  check_dropout(rank_, x, p, rows);
   Tensor y = allocate(x.shape(), x.dtype(), x.phantom(), "dropout");
   before_kernel({&x}, "dropout");
   if (!y.phantom()) {
     const float* X = cdata(x);
     float* Y = sim_data(y);
-    const std::int64_t rows = x.size(0), cols = x.size(1);
+    const std::int64_t n = x.size(0), cols = x.size(1);
     const float scale = 1.0f / (1.0f - p);
-    for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::int64_t row = rows.row(i);
       for (std::int64_t j = 0; j < cols; ++j) {
-        Y[i * cols + j] = dropout_keeps(seed, first_row + i, j, p) ? X[i * cols + j] * scale : 0.0f;
+        Y[i * cols + j] = dropout_keeps(seed, row, j, p) ? X[i * cols + j] * scale : 0.0f;
       }
     }
     round_to_dtype(y);

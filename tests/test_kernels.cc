@@ -316,7 +316,7 @@ TEST(Kernels, GeluForwardAndBackward) {
 
 // Dropout keeps an element exactly when dropout_keeps says, scales it by exactly 1 / (1 - p) (in float32),
 // makes a row's mask from its global row alone (so a block of rows with its first_row is the same block of
-// the whole), and is the identity at p = 0.
+// the whole, and two runs of rows are the blocks of the whole they name), and is the identity at p = 0.
 TEST(Kernels, DropoutMasksByGlobalRow) {
   const std::int64_t rows = 16, cols = 32;
   const float p = 0.25f;
@@ -326,7 +326,10 @@ TEST(Kernels, DropoutMasksByGlobalRow) {
     Tensor xt = r.from_host({rows, cols}, x);
     return std::vector<Values>{r.to_host(r.dropout(xt, p, seed, 100)),
                                r.to_host(r.dropout(r.slice(xt, 0, 4, 8), p, seed, 104)),
-                               r.to_host(r.dropout(xt, 0.0f, seed, 100))};
+                               r.to_host(r.dropout(xt, 0.0f, seed, 100)),
+                               // rows 0-5 as rows 110-115 of the whole, rows 6-15 as its rows 100-109
+                               r.to_host(r.dropout(r.cat({r.slice(xt, 0, 10, 6), r.slice(xt, 0, 0, 10)}, 0),
+                                                   p, seed, Rank::DropoutRows(110, 6, 100)))};
   });
   std::int64_t kept = 0;
   for (std::int64_t i = 0; i < rows; ++i) {
@@ -340,6 +343,9 @@ TEST(Kernels, DropoutMasksByGlobalRow) {
   EXPECT_NEAR(static_cast<double>(kept), (1 - p) * rows * cols, 30.0);
   EXPECT_EQ(got[1], Values(got[0].begin() + 4 * cols, got[0].begin() + 12 * cols));
   EXPECT_EQ(got[2], x);
+  Values two_runs(got[0].begin() + 10 * cols, got[0].end());
+  two_runs.insert(two_runs.end(), got[0].begin(), got[0].begin() + 10 * cols);
+  EXPECT_EQ(got[3], two_runs);
 }
 
 // ---- attention -------------------------------------------------------------------------------------
