@@ -59,6 +59,26 @@ TEST(GptContextParallel, AMaskOnEveryBlockFailsTheCheck) {
   EXPECT_FALSE(testing::run_gpt(o).all_checks_passed());
 }
 
+// Dropout's masks follow the global rows: a cp rank's second chunk lies elsewhere in the sequence than its
+// first, so its rows continue from that chunk's start: in one kernel over both chunks (cp alone), or in a
+// sequence-parallel part within one chunk (beside tp 2 with sequence parallelism). Masks that run the rank's
+// rows on from its first chunk's start fail the check.
+TEST(GptContextParallel, DropoutMasksEachChunkByItsRowsOfTheSequence) {
+  Settings alone = with_cp(2, 2, "p2p");
+  alone["dropout"] = "0.1";
+  Settings beside_tp = with_cp(8, 2, "all-gather");
+  beside_tp["dropout"] = "0.1";
+  beside_tp["tp"] = option_text(2);
+  beside_tp["seq-parallel"] = option_text(true);
+  beside_tp["pp"] = option_text(2);
+  for (Settings* o : {&alone, &beside_tp}) {
+    const RunReport rep = testing::run_gpt(*o);
+    EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+    (*o)["break"] = "dropout-cp-rows";
+    EXPECT_FALSE(testing::run_gpt(*o).all_checks_passed());
+  }
+}
+
 // A long sequence at full size: the ring's transfers run under the attention of the block before, the
 // all-gather's wait. (Virtual times: exact.)
 Settings long_llama(const std::string& comm) {
@@ -137,9 +157,6 @@ TEST(GptContextParallel, WhatCannotBeSplitIsRefusedNamingTheFlag) {
   Settings unfused = with_cp(2, 2, "p2p");
   unfused["attention"] = "unfused";
   EXPECT_NE(refusal(unfused).find("--cp computes attention block by block"), std::string::npos);
-  Settings dropout = with_cp(2, 2, "p2p");
-  dropout["dropout"] = "0.1";
-  EXPECT_NE(refusal(dropout).find("--dropout 0.1 with --cp 2"), std::string::npos);
   EXPECT_NE(refusal(with_cp(6, 4, "p2p")).find("--world 6 is not divisible by --tp 1 x --cp 4 x --pp 1 = 4"),
             std::string::npos);
   EXPECT_NE(refusal(with_cp(2, 2, "ring")).find("cp-comm"), std::string::npos);

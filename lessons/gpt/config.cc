@@ -310,9 +310,10 @@ const OptionTable<Config>& options_table() {
                 "once (0: no clipping)")
           .at_least(0),
       {"phantom", &O::phantom, "time the step at its size without numbers (no check)"},
-      break_option<O>(&O::broken, {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row",
-                                   "no-rope-backward", "cp-mask-every-block", "moe-wrong-expert-rank",
-                                   "moe-combine-without-gates", "moe-no-load-balancing-grad"}),
+      break_option<O>(&O::broken,
+                      {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "dropout-cp-rows",
+                       "no-rope-backward", "cp-mask-every-block", "moe-wrong-expert-rank",
+                       "moe-combine-without-gates", "moe-no-load-balancing-grad"}),
   });
   return table;
 }
@@ -354,12 +355,6 @@ void resolve_context(const Config& c) {
     throw UsageError(
         "gpt: --cp computes attention block by block in fused kernels that merge by their log-sum-exps; "
         "--attention unfused keeps the whole s x s scores, which context parallelism exists to avoid");
-  }
-  if (c.dropout > 0) {
-    throw UsageError(fmt::format(
-        "gpt: --dropout {} with --cp {}: the residual dropout's mask of a rank's two chunks of the sequence "
-        "is not built; give --dropout 0 (Llama's training uses none)",
-        c.dropout, c.cp));
   }
 }
 

@@ -439,8 +439,22 @@ Tensor Model::residual_dropout(const Tensor& branch, int layer, int site, int mb
   // tp rank then makes the same mask). The deliberate bug forgets the part's offset.
   const std::int64_t first =
       c_.seq_parallel && c_.broken != "dropout-row" ? tp_rank_ * c_.local_rows() : std::int64_t{0};
-  const std::int64_t global_mb = dp_rank_ * c_.micro_batches() + mb;
-  return r_.dropout(branch, c_.dropout, dropout_seed(step_, layer, site), dropout_row(c_, global_mb, first));
+  const std::int64_t global_mb = dp_rank_ * c_.micro_batches() + mb, mbs = c_.micro_batch;
+  // The row of the micro-batch that local row `i` is: rows are sequence-major, and with context parallelism
+  // the rank's positions are two chunks apart in the sequence (Config::cp_position).
+  auto row_of = [&](std::int64_t i) {
+    return dropout_row(c_, global_mb, c_.cp_position(cp_rank_, i / mbs) * mbs + i % mbs);
+  };
+  Rank::DropoutRows rows(row_of(first));
+  // Rows past the first chunk's (a multiple of the micro-batch) continue from the second chunk's start. The
+  // deliberate bug runs the rank's rows on from its first chunk's start, as one block of rows.
+  const std::int64_t second = c_.cp_chunk() * mbs;
+  if (c_.broken == "dropout-cp-rows") {
+    rows = Rank::DropoutRows(row_of(0) + first);
+  } else if (c_.cp > 1 && first < second && first + branch.size(0) > second) {
+    rows = Rank::DropoutRows(row_of(first), second - first, row_of(second));
+  }
+  return r_.dropout(branch, c_.dropout, dropout_seed(step_, layer, site), rows);
 }
 
 std::vector<Param*> Model::params() {

@@ -116,9 +116,9 @@ std::int64_t token(const Config& c, std::int64_t sample, std::int64_t pos);
 std::uint64_t dropout_seed(int step, int layer, int site);
 // The row of the global batch that row `row` of micro-batch `mb` (of all micro-batches, in the order the
 // data-parallel ranks take the samples) is: micro-batches' rows are sequence-major (position * micro_batch +
-// sample).
+// sample), over the whole sequence whatever part of it a context-parallel rank holds.
 inline std::int64_t dropout_row(const Config& c, std::int64_t mb, std::int64_t row) {
-  return mb * c.rows() + row;
+  return mb * c.seq * c.micro_batch + row;
 }
 
 // The bytes a model chunk keeps per micro-batch for its backward (the pre-flight estimate and the check of
