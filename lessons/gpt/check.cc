@@ -22,7 +22,7 @@ Tolerance tolerance(const Config& c) {
     case DType::Float16:
       return {1e-3, 5e-2, 0.2, name};
     case DType::BFloat16:
-      return {2e-3, 0.25, 0.3, name};
+      return {2e-3, 0.15, 0.3, name};
     case DType::Float8E4M3:
     case DType::Float8E5M2:
       break;
