@@ -175,9 +175,13 @@ void TransferEngine::flush() {
   begun_ = nullptr;
   for (SharingNetwork::FlowId id : changed) {
     Running& r = running_[id];
+    const double rate_bytes_per_us = net_.rate_gbps(id) * 1e3;  // GB/s -> B/us
+    // A flow of a shared-again component whose rate came out the same keeps its end, and its entries in
+    // the heaps stay valid: a large component's flows are mostly held by links the change did not reach.
+    if (rate_bytes_per_us == r.rate_bytes_per_us && r.rate_bytes_per_us > 0) continue;
     r.left_bytes = left_now(r);
     r.since_us = now_us_;
-    r.rate_bytes_per_us = net_.rate_gbps(id) * 1e3;  // GB/s -> B/us
+    r.rate_bytes_per_us = rate_bytes_per_us;
     const std::uint32_t version = ++versions_[id];
     if (!(r.rate_bytes_per_us > 0)) {
       r.end_us = kInf;
