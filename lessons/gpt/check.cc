@@ -202,28 +202,24 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
     // The elements this rank reduced and updated: all of the local part, or its shard of them.
     const parallel::DataParallel::Held held = n.dp->held(p);
     const std::int64_t first = held.first, count = held.count;
-    std::vector<float> got_grad;
+    std::vector<double> got_grad;  // the run's gradient, which the weights' check takes as given
     auto compare = [&](const Tensor& t, bool is_grad) {
       std::vector<float> got = r_.to_host(t);
       got.resize(count);
-      std::vector<double> want;
+      std::vector<double> want, before;
       if (is_grad) {
         want = local_part(ref_->grad(n.kind, n.layer), p, first, count);
-        got_grad = got;
+        got_grad.assign(got.begin(), got.end());
       } else {
         // AdamW's step from the run's gradient, as the reference takes it (Training::adamw).
-        want = local_part(ref_->before(n.kind, n.layer), p, first, count);
+        before = local_part(ref_->before(n.kind, n.layer), p, first, count);
+        want = before;
         std::vector<double> m = local_part(ref_->m_before(n.kind, n.layer), p, first, count),
                             v = local_part(ref_->v_before(n.kind, n.layer), p, first, count);
         const AdamW hyper;
-        const check::AdamWCorrections c = check::adamw_corrections(hyper, step);
-        for (std::int64_t e = 0; e < count; ++e) {
-          want[e] = check::adamw_element(want[e], got_grad[e], m[e], v[e], c_.lr_at(step),
-                                         p.spec.decay ? hyper.weight_decay : 0.0, hyper, c.c1, c.c2);
-        }
+        check::adamw_step(want, got_grad, m, v, c_.lr_at(step), p.spec.decay ? hyper.weight_decay : 0.0,
+                          hyper, step);
       }
-      const std::vector<double> before =
-          is_grad ? std::vector<double>() : local_part(ref_->before(n.kind, n.layer), p, first, count);
       const std::string coordinate = fmt::format(
           "tp {}{}, dp {}, pp {}", me_.tp, c_.cp > 1 ? fmt::format(", cp {}", me_.cp) : "", me_.dp, me_.pp);
       auto where = [&](const std::string& part, std::int64_t at) {
