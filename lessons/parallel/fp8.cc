@@ -7,6 +7,10 @@
 namespace ranklab::parallel {
 
 namespace {
+// One scale for the whole tensor, not one per block.
+bool per_tensor(Fp8Recipe r) {
+  return r == Fp8Recipe::Current || r == Fp8Recipe::Delayed;
+}
 // DeepSeek-V3's block (section 3.3.1: 1 x 128 tiles of activations, 128 x 128 blocks of weights) and the OCP
 // Microscaling specification's (v1.0, 2023: 32 elements share a scale).
 constexpr int kDeepSeekBlock = 128;
@@ -28,8 +32,7 @@ Rank::Fp8Scaling scaling_of(Fp8Recipe recipe, bool square) {
 
 std::int64_t fp8_weight_bytes(Fp8Recipe recipe, const Shape& local, bool any_layout) {
   if (recipe == Fp8Recipe::None) return 0;
-  if (recipe == Fp8Recipe::Current || recipe == Fp8Recipe::Delayed)
-    return local.numel() * (any_layout ? 1 : 2);
+  if (per_tensor(recipe)) return local.numel() * (any_layout ? 1 : 2);
   // Both layouts, each with its scales.
   const Rank::Fp8Scaling s = scaling_of(recipe, recipe == Fp8Recipe::Blockwise);
   return 2 * local.numel() + 4 * (s.scale_words(local) + s.transposed().scale_words(local));
@@ -67,11 +70,14 @@ Fp8::Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights, bool phantom)
       any_layout_(r.profile().gpu.fp8_mx),
       phantom_(phantom) {}
 
+bool Fp8::per_tensor() const {
+  return parallel::per_tensor(recipe_);
+}
+
 DType Fp8::gradient_format() const {
   // HYBRID: gradients, whose range is wider, in e5m2 under one scale per tensor; the block recipes keep
   // e4m3, whose small blocks follow the range closely (DeepSeek-V3, section 3.3.2).
-  const bool per_tensor = recipe_ == Fp8Recipe::Current || recipe_ == Fp8Recipe::Delayed;
-  return per_tensor ? DType::Float8E5M2 : DType::Float8E4M3;
+  return per_tensor() ? DType::Float8E5M2 : DType::Float8E4M3;
 }
 
 Fp8::History& Fp8::history(Role role) {
@@ -106,30 +112,30 @@ void Fp8::end_pass(Pass pass) {
 Fp8Operand Fp8::quantize(const Tensor& x, DType format, Role role, bool square, bool both,
                          const std::function<void(const Tensor&)>& reduce_amax) {
   Fp8Operand o;
-  if (recipe_ == Fp8Recipe::Delayed) {
-    // The scale is the history's, the same on every rank that shares the tensor (their amaxes were
-    // reduced together): the pieces of a sequence-parallel all-gather need no all-reduce of their own.
-    History& h = history(role);
-    if (!h.scaled) {
-      // The tensor's first pass has no history: each of its casts is scaled by its own amax, as current
-      // scaling does (float8_experimental's enable_amax_init, pytorch-labs/float8_experimental PR 18).
-      // TransformerEngine casts with scale 1 instead, which leaves gradients of 1e-4 in e5m2's subnormals:
-      // the tiny model's first step then misses the one-device check (docs/lessons/gpt.md, "FP8").
+  if (per_tensor()) {
+    // One scale: the layouts differ only in where the bytes lie, and a GPU that reads any layout needs one.
+    // Delayed scaling's is the history's, the same on every rank that shares the tensor (their amaxes were
+    // reduced together), so the pieces of a sequence-parallel all-gather need no all-reduce of their own;
+    // the cast records the tensor's amax for the next update.
+    History* h = recipe_ == Fp8Recipe::Delayed ? &history(role) : nullptr;
+    Tensor scale = h != nullptr ? h->scale : Tensor();
+    // Current scaling, and a delayed tensor's first pass, which has no history: the cast is scaled by its
+    // own amax (for delayed scaling as float8_experimental's enable_amax_init does, pytorch-labs/
+    // float8_experimental PR 18; TransformerEngine casts with scale 1 instead, which leaves gradients of
+    // 1e-4 in e5m2's subnormals: the tiny model's first step then misses the one-device check,
+    // docs/lessons/gpt.md, "FP8").
+    if (h == nullptr || !h->scaled) {
       const Tensor amax = r_.amax(x);
       if (reduce_amax) reduce_amax(amax);
-      r_.copy_(h.scale, r_.fp8_scale(amax, format));
+      const Tensor own = r_.fp8_scale(amax, format);
+      if (h == nullptr) {
+        scale = own;
+      } else {
+        r_.copy_(h->scale, own);
+      }
     }
-    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, h.scale, both && !any_layout_, h.amax);
-    o.along_cols = q.data;
-    o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
-    return o;
-  }
-  if (recipe_ == Fp8Recipe::Current) {
-    // One scale: the layouts differ only in where the bytes lie, and a GPU that reads any layout needs one.
-    const Tensor amax = r_.amax(x);
-    if (reduce_amax) reduce_amax(amax);
-    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, r_.fp8_scale(amax, format),
-                                    both && !any_layout_, Tensor());
+    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, scale, both && !any_layout_,
+                                    h != nullptr ? h->amax : Tensor());
     o.along_cols = q.data;
     o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
     return o;
@@ -143,8 +149,7 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, Role role, bool square, 
 }
 
 Tensor Fp8::for_gemm(const Tensor& x, DType format, Role role, Use use) {
-  const bool per_tensor = recipe_ == Fp8Recipe::Current || recipe_ == Fp8Recipe::Delayed;
-  if (use != Use::Wgrad || per_tensor) return quantize(x, format, role, false, false).along_cols;
+  if (use != Use::Wgrad || per_tensor()) return quantize(x, format, role, false, false).along_cols;
   // Along the rows: the columns of x's transpose, quantized as the forward quantizes x.
   return r_.quantize(x, format, scaling_of(recipe_, false).transposed(), Tensor(), false, Tensor()).data;
 }

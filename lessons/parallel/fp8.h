@@ -109,6 +109,8 @@ class Fp8 {
 
  private:
   DType gradient_format() const;
+  // One scale for the whole tensor (current and delayed scaling), not one per block.
+  bool per_tensor() const;
   // Which of a linear layer's tensors a cast is of: delayed scaling keeps a history for each.
   enum class Role { Input, Weight, Gradient };
   // x quantized along its columns (blocks 1 x block, or block x block when `square`) and, with `both`, along
