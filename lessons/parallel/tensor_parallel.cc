@@ -139,7 +139,7 @@ Tensor TensorParallel::column_linear(const Tensor& x, const Tensor& w, const Ten
 Tensor TensorParallel::row_linear(const Tensor& x, const Tensor& w, Kept* kept) {
   const Tensor in = keep_input(x, kept, /*gathered=*/false);
   if (!overlapped()) return leave(forward_gemm(in, w));
-  return ring_gemm_scatter(in, w, Trans::No);
+  return ring_gemm_scatter(in, w);
 }
 
 TensorParallel::Grads TensorParallel::column_linear_backward(const Tensor& x, const Tensor& w,
@@ -215,13 +215,13 @@ Tensor TensorParallel::ring_gather_gemm(const Tensor& local, const Tensor& w, co
   return out;
 }
 
-Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw) {
+Tensor TensorParallel::ring_gemm_scatter(const Tensor& whole, const Tensor& w) {
   // The sum for rank j's rows starts at rank j + 1 and gathers one partial product per hop; after size - 1
   // hops it reaches rank j. At step s this rank adds its part for the rows of rank index - 1 - s.
   const std::int64_t rows = whole.size(0) / size, cols = whole.size(1);
   auto partial = [&](int s) {
     const int of = (index - 1 - s + 2 * size) % size;
-    return ring_gemm(r.view(whole, of * rows * cols, Shape{rows, cols}), w, tw);
+    return forward_gemm(r.view(whole, of * rows * cols, Shape{rows, cols}), w);
   };
   Tensor sum = partial(0);
   std::vector<Tensor> sent;  // alive until their sends are done

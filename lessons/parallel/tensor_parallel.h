@@ -120,9 +120,9 @@ struct TensorParallel {
   // products in the group's row order. `keep_gathered`: also the gathered rows.
   Tensor ring_gather_gemm(const Tensor& local, const Tensor& w, const Tensor& b, Trans tw,
                           Tensor* keep_gathered);
-  // The rows of `whole` this rank keeps of the sum over ranks of whole @ op(w), the sums passed on around
-  // the ring.
-  Tensor ring_gemm_scatter(const Tensor& whole, const Tensor& w, Trans tw);
+  // The rows of `whole` this rank keeps of the sum over ranks of whole @ w (a row-parallel layer's
+  // forward), the sums passed on around the ring.
+  Tensor ring_gemm_scatter(const Tensor& whole, const Tensor& w);
   // x as the layer's forward GEMM takes it, and into `kept` what its backward will: with FP8 and a `kept`,
   // both quantized in one pass. `gathered`: x is this rank's rows of what an all-gather joins (a
   // column-parallel layer's with sequence parallelism), whose pieces must share one per-tensor scale.
