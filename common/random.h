@@ -38,6 +38,13 @@ RANKLAB_HD inline bool dropout_keeps(std::uint64_t seed, std::int64_t row, std::
   return uniform_open(mix64(key + static_cast<std::uint64_t>(col))) > p;
 }
 
+// The global row of a tensor's row `i` whose rows are one run from `first_row`, or two: from row `split` on
+// they continue from `second_row` (a context-parallel rank's two chunks of the sequence; Rank::DropoutRows).
+RANKLAB_HD inline std::int64_t row_of_runs(std::int64_t i, std::int64_t first_row, std::int64_t split,
+                                           std::int64_t second_row) {
+  return i < split ? first_row + i : second_row + (i - split);
+}
+
 // Standard normal number `index` of stream `seed`.
 RANKLAB_HD inline float normal_at(std::uint64_t seed, std::uint64_t index) {
   const std::uint64_t key = mix64(seed ^ 0x5DEECE66Dull);

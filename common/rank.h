@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/profile.h"
+#include "common/random.h"
 #include "common/tensor.h"
 #include "common/training.h"
 
@@ -344,7 +345,7 @@ class Rank {
     DropoutRows(std::int64_t first = 0) : first_row(first) {}  // NOLINT(google-explicit-constructor)
     DropoutRows(std::int64_t first, std::int64_t at, std::int64_t second)
         : first_row(first), split(at), second_row(second) {}
-    std::int64_t row(std::int64_t i) const { return i < split ? first_row + i : second_row + (i - split); }
+    std::int64_t row(std::int64_t i) const { return row_of_runs(i, first_row, split, second_row); }
   };
   virtual Tensor dropout(const Tensor& x, float p, std::uint64_t seed, const DropoutRows& rows) = 0;
 

@@ -281,8 +281,7 @@ __global__ void dropout_kernel(T* y, const T* x, std::int64_t rows, std::int64_t
                                std::int64_t second_row) {
   const float scale = 1.0f / (1.0f - p);
   for (std::int64_t i = first_index(); i < rows * cols; i += stride()) {
-    const std::int64_t r = i / cols, row = r < split ? first_row + r : second_row + (r - split);
-    const bool keep = dropout_keeps(seed, row, i % cols, p);
+    const bool keep = dropout_keeps(seed, row_of_runs(i / cols, first_row, split, second_row), i % cols, p);
     y[i] = from_f<T>(keep ? to_f(x[i]) * scale : 0.0f);
   }
 }
