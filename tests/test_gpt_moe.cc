@@ -15,6 +15,7 @@
 #include "common/lesson.h"
 #include "common/report.h"
 #include "gpt_fixture.h"
+#include "lessons/gpt/accounting.h"
 #include "lessons/gpt/config.h"
 #include "lessons/gpt/model.h"
 #include "lessons/gpt/presets.h"
@@ -74,6 +75,33 @@ TEST(GptMoe, LlamaWithTpSpPpAndEpTogetherTrainsEqualToOneDevice) {
     ASSERT_TRUE(rep.training.has_value());
     EXPECT_NE(rep.training->layout.find("ep 4 (2 experts each)"), std::string::npos) << rep.training->layout;
   }
+}
+
+// Expert tensor parallelism: each expert split over etp 2 ranks, which gather what their ep groups received
+// and reduce-scatter their partial outputs: with ep 2 and ep 1 on four ranks, and with the llama layout
+// (etp 2 = tp, so the etp groups are the tp groups) with capacity drops and ZeRO 1. A dispatch to the wrong
+// rank is still caught.
+TEST(GptMoe, ExpertTensorParallelismTrainsEqualToOneDevice) {
+  for (int ep : {1, 2}) {
+    Settings o = with_experts(4, ep, 2);
+    o["etp"] = option_text(2);
+    const RunReport rep = testing::run_gpt(o);
+    EXPECT_TRUE(rep.all_checks_passed()) << "ep " << ep << "\n" << testing::failed_checks(rep);
+  }
+  Settings o = llama_across_tp_sp_pp(4);
+  o["ep"] = option_text(2);
+  o["etp"] = option_text(2);
+  o["zero"] = option_text(1);
+  o["capacity-factor"] = "1.0";
+  const RunReport rep = testing::run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  ASSERT_TRUE(rep.training.has_value());
+  EXPECT_NE(rep.training->layout.find("ep 2 (2 experts each, split over etp 2)"), std::string::npos)
+      << rep.training->layout;
+  Settings wrong = with_experts(4, 2, 2);
+  wrong["etp"] = option_text(2);
+  wrong["break"] = "moe-wrong-expert-rank";
+  EXPECT_FALSE(testing::run_gpt(wrong).all_checks_passed());
 }
 
 // Shared experts (DeepSeek's): a tensor-parallel SwiGLU MLP beside the routed ones.
@@ -216,6 +244,47 @@ TEST(GptMoe, APhantomStepCommunicatesOverEpAndKeepsWhatThePlanSays) {
   ASSERT_TRUE(rep.training.has_value());
   EXPECT_GT(rep.training->communicated_comm_us.at("ep"), 0);
   EXPECT_EQ(rep.training->communicated_comm_us.at("tp"), 0);
+}
+
+// Expert tensor parallelism at full size, phantom: each rank holds half of its experts' weights, the etp
+// gather and reduce-scatter add expert-parallel traffic, and what the step keeps is what the plan says.
+TEST(GptMoe, APhantomStepWithEtpHoldsHalfTheExpertsAndGathersTheirTokens) {
+  auto run = [](int etp) {
+    Settings o;
+    for (const auto& [k, v] : std::map<std::string, std::string>{{"model", "mixtral-8x7b"},
+                                                                 {"layers", "2"},
+                                                                 {"global-batch", "8"},
+                                                                 {"world", "8"},
+                                                                 {"tp", "2"},
+                                                                 {"seq-parallel", "true"},
+                                                                 {"ep", "4"},
+                                                                 {"steps", "1"},
+                                                                 {"phantom", "true"},
+                                                                 {"quiet", "true"}}) {
+      o[k] = v;
+    }
+    o["etp"] = option_text(etp);
+    const RunReport rep = run_preset(o);
+    EXPECT_TRUE(rep.all_checks_passed()) << "etp " << etp << "\n" << testing::failed_checks(rep);
+    return rep;
+  };
+  const RunReport whole = run(1), split = run(2);
+  ASSERT_TRUE(whole.training && split.training);
+  EXPECT_GT(split.training->communicated_comm_us.at("ep"), whole.training->communicated_comm_us.at("ep"));
+  auto config = [](int etp) {
+    gpt::Config c;
+    c.block = gpt::Block::Llama;
+    c.layers = 2, c.hidden = 4096, c.heads = 32, c.kv_heads = 8, c.ffn_hidden = 14336, c.vocab = 32000;
+    c.experts = 8, c.top_k = 2;
+    c.global_batch = 8, c.tp = 2, c.seq_parallel = true, c.ep = 4, c.etp = etp, c.phantom = true;
+    return gpt::resolve(c, 8);
+  };
+  const gpt::Config c1 = config(1), c2 = config(2);
+  // Two layers of 8 experts over ep 4: 2 experts of three [4096, 14336] matrices each per rank, in bf16
+  // copies and fp32 masters and gradients (ZeRO 0): 2 + 4 + 4 bytes an element, halved by etp 2.
+  const std::int64_t expert_elements = 2 * 2 * 3 * std::int64_t{4096} * 14336;
+  EXPECT_EQ(gpt::expert_state_bytes(c1, 0).weights - gpt::expert_state_bytes(c2, 0).weights,
+            expert_elements / 2 * (2 + 4));
 }
 
 // The routing models of phantom runs: every route given, none past one per token, the shares as named.
@@ -400,6 +469,9 @@ TEST(GptMoe, BadExpertLayoutsAreRefusedNamingTheFlag) {
       {4, 2, {{"capacity-factor", "0"}}, "--capacity-factor"},
       {0, 0, {{"capacity-factor", "1.5"}}, "--capacity-factor caps each expert; it needs --experts"},
       {4, 2, {{"routing", "skew:2"}}, "--routing skew:2: with real numbers"},
+      {4, 2, {{"etp", "4"}}, "--etp 4 x --ep 2 does not divide the 4 ranks"},
+      {4, 1, {{"etp", "4"}, {"moe-ffn-hidden", "30"}}, "--etp 4 does not divide --moe-ffn-hidden 30"},
+      {0, 0, {{"world", "2"}, {"etp", "2"}}, "--etp 2 splits experts; it needs --experts"},
   };
   for (const Case& k : cases) {
     Settings o = k.world > 0 ? with_experts(k.world, k.ep, 2) : testing::tiny_gpt();

@@ -30,7 +30,7 @@ struct Layout {
 
 // `ep` > 0: the symmetry of a skewed routing (Layout::expert_symmetry) with that expert-parallel size.
 RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = true, Settings o = {},
-                  int ep = 0) {
+                  int ep = 0, int etp = 1) {
   o["layers"] = option_text(4);
   o["hidden"] = option_text(512);
   o["heads"] = option_text(8);
@@ -51,7 +51,7 @@ RunReport run_gpt(const Layout& l, int nodes, bool symmetric, bool mirror_dp = t
   o["quiet"] = option_text(true);
   SimConfig c = testing::quiet_config(nodes);
   if (symmetric) {
-    const parallel::Layout layout{l.tp, l.pp, l.dp, l.order, 1, ep};
+    const parallel::Layout layout{l.tp, l.pp, l.dp, l.order, 1, ep, etp};
     const parallel::Layout::Grid g = ep > 0 ? layout.expert_symmetry() : layout.symmetry(mirror_dp);
     c.symmetry = SimSymmetry{g.sizes, g.replicated};
   }
@@ -176,6 +176,22 @@ TEST(Symmetry, ASkewedRoutingMirrorsTheRanksThatHoldTheSameExperts) {
   EXPECT_TRUE(said(sym, "symmetric run: 16 of 32 ranks ran, the others mirrored them"));
   // An ep group inside a tp block has no such split of the grid.
   EXPECT_THROW(parallel::Layout({4, 1, 2, "tp-dp-pp", 1, 2}).expert_symmetry(), UsageError);
+}
+
+// The same with each expert split over etp 2 (the tp groups): an ep group is every other rank of 8, and
+// the ep x etp blocks of 8 ranks that hold the experts between them run, one per stage.
+TEST(Symmetry, ASkewedRoutingWithExpertTensorParallelismMirrorsTheSameShards) {
+  const Layout l{2, 2, 8, 1, 1, true, "none", "tp-dp-pp"};
+  Settings moe = with_experts(8, 4);
+  moe["etp"] = option_text(2);
+  moe["routing"] = option_text("skew:3");
+  const RunReport full = run_gpt(l, 4, false, true, moe);
+  const RunReport sym = run_gpt(l, 4, true, true, moe, /*ep=*/4, /*etp=*/2);
+  ASSERT_TRUE(full.training && sym.training);
+  EXPECT_EQ(full.training->step_time_us, sym.training->step_time_us);
+  expect_same_ranks(full, sym);
+  expect_same_link_bytes(full, sym);
+  EXPECT_TRUE(said(sym, "symmetric run: 16 of 32 ranks ran, the others mirrored them"));
 }
 
 // Past one leaf of the fabric the replicas'' routes through the spines are not images of the

@@ -167,7 +167,7 @@ SimSymmetry symmetry_of(const std::string& lesson, const Settings& settings, con
         "every replica on the same data");
   }
   const gpt::Config c = gpt::resolve(o, o.world);
-  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp, c.ep};
+  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp, c.ep, c.etp};
   // With a skewed routing the ranks that hold the hot experts do more work than the others of their ep
   // group: only the ranks that hold the same experts mirror each other, whatever the mode.
   const parallel::Layout::Grid grid = c.moe() && !c.balanced_routing()

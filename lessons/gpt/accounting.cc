@@ -91,8 +91,8 @@ parallel::ZeroConfig zero_config(const Config& c) {
 
 parallel::ZeroConfig expert_zero_config(const Config& c) {
   parallel::ZeroConfig z = zero_config(c);
-  z.tp_size = 1;
-  z.dp_size = c.tp * c.cp * c.dp / c.ep;
+  z.tp_size = c.etp;
+  z.dp_size = c.tp * c.cp * c.dp / (c.ep * c.etp);
   z.seq_parallel = false;
   z.embedding_group = false;
   return z;
@@ -114,10 +114,11 @@ parallel::DataParallel::Bytes dense_state_bytes(const Config& c, int stage) {
 parallel::DataParallel::Bytes expert_state_bytes(const Config& c, int stage) {
   if (!c.moe()) return {};
   // The experts of ep rank 0: every ep rank holds as many, of the same shapes. Every expert's input weight
-  // has one size, and every output weight another: two specs stand for the thousands of a large MoE. The
-  // experts are whole on every rank that holds them (tp size 1).
-  const parallel::LocalSize input = parallel::local_size(param_spec(c, {expert_kind(0, 0), 0}, false), 1);
-  const parallel::LocalSize output = parallel::local_size(param_spec(c, {expert_kind(0, 1), 0}, false), 1);
+  // has one size, and every output weight another: two specs stand for the thousands of a large MoE, each
+  // split over etp.
+  const parallel::LocalSize input = parallel::local_size(param_spec(c, {expert_kind(0, 0), 0}, false), c.etp);
+  const parallel::LocalSize output =
+      parallel::local_size(param_spec(c, {expert_kind(0, 1), 0}, false), c.etp);
   const std::vector<ParamId> ids = expert_backward_order(c, stage, 0);
   std::vector<parallel::LocalSize> sizes;
   sizes.reserve(ids.size());

@@ -41,7 +41,8 @@ std::string Config::layout() const {
                               v > 1 ? fmt::format(" (interleave {})", v) : "", dp, zero,
                               recompute_name(recompute), dtype_name(dtype));
   if (moe())
-    s += fmt::format(", ep {} ({} expert{} each)", ep, local_experts(), local_experts() > 1 ? "s" : "");
+    s += fmt::format(", ep {} ({} expert{} each{})", ep, local_experts(), local_experts() > 1 ? "s" : "",
+                     etp > 1 ? fmt::format(", split over etp {}", etp) : "");
   if (moe() && capacity_factor > 0) s += fmt::format(", capacity factor {}", capacity_factor);
   if (moe() && aux_loss_coeff > 0) s += fmt::format(", load-balancing loss {}", aux_loss_coeff);
   if (moe() && router_score == parallel::RouterScore::Sigmoid) s += ", sigmoid router";
@@ -218,6 +219,12 @@ const OptionTable<Config>& options_table() {
                 "with --experts: expert-parallel size, the experts split over ep of the stage's tp x cp x dp "
                 "ranks and tokens sent to them by all-to-all")
           .at_least(1),
+      Option<O>(
+          "etp", &O::etp,
+          "with --experts: expert tensor-parallel size, each expert's weights split over etp ranks that "
+          "gather the tokens their ep groups received (Megatron-Core's default is --tp; published MoE "
+          "recipes keep 1)")
+          .at_least(1),
       Option<O>("moe-router-score-function", &O::router_score,
                 "with --experts: the gates, the softmax over each token's chosen logits (Mixtral, Qwen3) or "
                 "their sigmoids normalised (DeepSeek-V3)",
@@ -389,6 +396,7 @@ void read_moe_layers(Config& c) {
 void resolve_experts(Config& c) {
   if (!c.moe()) {
     if (c.ep > 1) throw UsageError(fmt::format("gpt: --ep {} splits experts; it needs --experts", c.ep));
+    if (c.etp > 1) throw UsageError(fmt::format("gpt: --etp {} splits experts; it needs --experts", c.etp));
     if (!c.balanced_routing())
       throw UsageError("gpt: --routing spreads tokens over experts; it needs --experts");
     if (c.capacity_factor > 0)
@@ -434,6 +442,17 @@ void resolve_experts(Config& c) {
         "gpt: --ep {} does not divide the {} ranks of a pipeline stage (tp {} x cp {} x dp {}): the experts "
         "are split over ep of them and their gradients reduced over the rest",
         c.ep, stage_ranks, c.tp, c.cp, c.dp));
+  }
+  if (stage_ranks % (std::int64_t{c.ep} * c.etp) != 0) {
+    throw UsageError(fmt::format(
+        "gpt: --etp {} x --ep {} does not divide the {} ranks of a pipeline stage (tp {} x cp {} x dp {}): "
+        "each expert's shards are spread over etp ranks of every ep group's lane",
+        c.etp, c.ep, stage_ranks, c.tp, c.cp, c.dp));
+  }
+  if (c.moe_ffn() % c.etp != 0) {
+    throw UsageError(fmt::format(
+        "gpt: --etp {} does not divide --moe-ffn-hidden {}: each expert's MLP is split over etp ranks", c.etp,
+        c.moe_ffn()));
   }
   parallel::read_routing_model(c.routing, c.experts, c.top_k);  // UsageError naming --routing
   if (!c.balanced_routing() && !c.phantom) {

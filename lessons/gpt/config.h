@@ -52,7 +52,7 @@ struct Config : LessonOptions {
   CpComm cp_comm = CpComm::P2p;
   // Mixture of experts (lessons/parallel/expert_parallel.h): with experts > 0 the MLP of every MoE layer is
   // `experts` MLPs of width moe_ffn() of which each token takes top_k, spread over ep ranks of the stage's
-  // tp x cp x dp ranks (Megatron-Core's expert grid with an expert tensor-parallel size of 1).
+  // tp x cp x dp ranks, each expert's weights split over etp of them (Megatron-Core's expert grid).
   int experts = 0, top_k = 2;
   std::int64_t moe_ffn_hidden = 0;  // each expert's MLP width (0: as the dense MLP's)
   // Shared experts (DeepSeek-MoE, Dai et al. 2024; Qwen2-MoE): a MoE layer also runs every token through
@@ -63,6 +63,10 @@ struct Config : LessonOptions {
   std::string moe_layers = "all";
   int moe_first = 0, moe_every = 1;
   int ep = 1;
+  // Expert tensor parallelism: each expert's w_in split by columns and w_out by rows over etp ranks, which
+  // gather the tokens their ep groups received (Megatron-Core's --expert-tensor-parallel-size). 1 keeps the
+  // experts whole, as published MoE recipes do; Megatron-Core's own default is the dense tp.
+  int etp = 1;
   double capacity_factor = 0;  // an expert's capacity per rank (parallel::expert_capacity); 0: dropless
   // The load-balancing loss's coefficient (parallel::load_balancing_loss), added to the training loss as the
   // mean over each rank's tokens of a micro-batch in every MoE layer; 0: none.

@@ -43,7 +43,7 @@ std::string task_region(const parallel::Task& t, int chunks);
 
 void gpt_lesson(Rank& r, const Config& o) {
   const Config c = gpt::for_gpu(gpt::resolve(o, r.world_size()), r.profile().gpu);
-  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp, c.moe() ? c.ep : 0};
+  const parallel::Layout layout{c.tp, c.pp, c.dp, c.order, c.cp, c.moe() ? c.ep : 0, c.etp};
 
   // The plan: every stage's memory from the configuration alone, printed and held against the device before
   // anything is allocated, so that a model too large fails at once and says what would make it fit.
@@ -202,11 +202,13 @@ parallel::ZeroConfig zero_config(const Config& c, const parallel::Groups& groups
 // A MoE layer's dispatch over this rank's ep group, and what it routes by.
 parallel::ExpertParallel expert_parallel(Rank& r, const Config& c, const parallel::Groups& groups,
                                          parallel::ExposedComm& exposed) {
-  // Each expert's weight gradient sums its ep group's tokens; averaged over the tp cp dp / ep ranks that
-  // hold it, where the dense weights average over cp dp, it needs tp / ep more (expert_parallel.h).
-  const float grad_scale = static_cast<float>(c.tp) / static_cast<float>(c.ep);
+  // Each expert's weight gradient sums the tokens of its ep x etp ranks; averaged over the tp cp dp /
+  // (ep etp) ranks that hold it, where the dense weights average over cp dp, it needs tp / (ep etp) more
+  // (expert_parallel.h).
+  const float grad_scale = static_cast<float>(c.tp) / static_cast<float>(c.ep * c.etp);
   parallel::ExpertParallel ep{r,         groups.ep,  groups.ep_ranks, groups.ep_index, c.experts, c.top_k,
                               c.llama(), grad_scale, c.phantom,       exposed,         c.broken};
+  if (c.etp > 1) ep.etp = groups.etp, ep.etp_size = c.etp, ep.etp_index = groups.etp_index;
   ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
   ep.capacity_factor = c.capacity_factor;
   ep.score = c.router_score;
@@ -220,8 +222,8 @@ parallel::ExpertParallel expert_parallel(Rank& r, const Config& c, const paralle
 // The experts' weights: reduced, and ZeRO's shards spread, over the ranks that hold the same experts.
 parallel::ZeroConfig expert_zero_config(const Config& c, const parallel::Groups& groups) {
   parallel::ZeroConfig zc = gpt::expert_zero_config(c);
-  zc.dp_rank = groups.edp_index;
-  zc.tp = groups.tp, zc.dp = groups.edp;
+  zc.tp_rank = groups.etp_index, zc.dp_rank = groups.edp_index;
+  zc.tp = groups.etp, zc.dp = groups.edp;
   return zc;
 }
 

@@ -241,11 +241,13 @@ std::int64_t routed_stash_bytes(const Config& c) {
   const std::int64_t routes = ro.routes();
   std::int64_t received = 0;
   for (int le = 0; le < c.local_experts(); ++le) received += c.ep * ro.per_expert[le];
-  std::int64_t bytes = routes * 2 * 4                              // each route's token and gate, float32
-                       + received * h * dt                         // the experts' inputs
-                       + routes * h * dt                           // their outputs, back at the routes' ranks
-                       + received * (c.llama() ? 3 : 2) * f * dt;  // w_in's outputs and their activation
-  if (c.ep > 1) bytes += 2 * received * 4;                         // the sort by expert and back, float32
+  // With etp, what the etp ranks received, gathered, on their shards of the experts.
+  const std::int64_t gathered = c.etp * received, fl = f / c.etp;
+  std::int64_t bytes = routes * 2 * 4       // each route's token and gate, float32
+                       + gathered * h * dt  // the experts' inputs
+                       + routes * h * dt    // their outputs, back at the routes' ranks
+                       + gathered * (c.llama() ? 3 : 2) * fl * dt;  // w_in's outputs and their activation
+  if (c.ep > 1 || c.etp > 1) bytes += 2 * gathered * 4;             // the sort by expert and back, float32
   return bytes;
 }
 
@@ -503,9 +505,10 @@ bool is_mlp_param(const Config& c, int which) {
 }
 
 namespace {
-// A MoE layer's router (kind kRouterKind) or an expert's weight. The experts are whole on every rank that
-// holds them (no tensor parallelism: an expert tensor-parallel size of 1); the router is replicated and,
-// with sequence parallelism, each tp rank's gradient is of its own tokens.
+// A MoE layer's router (kind kRouterKind) or an expert's weight. An expert's w_in is split by columns and
+// its w_out by rows over the expert tensor-parallel ranks (whole where etp is 1; the SwiGLU's adjacent
+// pairs stay together); the router is replicated and, with sequence parallelism, each tp rank's gradient
+// is of its own tokens.
 ParamSpec moe_spec(const Config& c, int layer, int kind, bool named) {
   const std::int64_t h = c.hidden, f = c.moe_ffn();
   ParamSpec s;
@@ -523,8 +526,10 @@ ParamSpec moe_spec(const Config& c, int layer, int kind, bool named) {
   if (named) s.name = fmt::format("layer {} expert {} {}", layer, expert, names[c.llama()][which]);
   if (which == 0) {
     s.full = Shape{h, c.llama() ? 2 * f : f};
+    s.tp_dim = 1;
   } else {
     s.full = Shape{f, h};
+    s.tp_dim = 0;
     s.std = kStd / std::sqrt(2.0f * static_cast<float>(c.layers));
   }
   return s;

@@ -338,59 +338,110 @@ void ExpertParallel::plan_exchange(Kept& k) {
     for (int src = 0; src < ranks; ++src)
       for (int le = 0; le < per; ++le) counts[src * per + le] = sent_counts[index * per + le];
   }
-  auto count = [&](int src, int le) { return static_cast<std::int64_t>(counts[src * per + le]); };
-  k.received_rows.assign(ranks, 0);
-  std::vector<std::int64_t> src_first(ranks, 0);
-  for (int src = 0; src < ranks; ++src) {
-    for (int le = 0; le < per; ++le) k.received_rows[src] += count(src, le);
-    if (src + 1 < ranks) src_first[src + 1] = src_first[src] + k.received_rows[src];
+  // With etp: the counts of every member of the etp group, gathered ([member][source rank][local expert]);
+  // the gathered rows are each member's received rows in turn, each block padded to the longest.
+  const int members = etp_size;
+  if (members > 1) {
+    Tensor mine =
+        phantom ? r.phantom(Shape{ranks * per}, DType::Float32) : r.from_host(Shape{ranks * per}, counts);
+    Tensor all = buffer(r, phantom, Shape{members * ranks * per}, DType::Float32);
+    const Event e = exposed.before();
+    exposed.after(Dim::Ep, e, r.all_gather(all, mine, Async::No, etp));
+    if (phantom) {  // every member's routing is this one's
+      std::vector<float> same;
+      for (int m = 0; m < members; ++m) same.insert(same.end(), counts.begin(), counts.end());
+      counts = std::move(same);
+    } else {
+      counts = r.to_host(all);
+    }
   }
-  // Each local expert's rows once sorted: by expert, then by source rank.
+  auto count = [&](int m, int src, int le) {
+    return static_cast<std::int64_t>(counts[(static_cast<std::size_t>(m) * ranks + src) * per + le]);
+  };
+  std::vector<std::int64_t> member_total(members, 0);
+  for (int m = 0; m < members; ++m)
+    for (int src = 0; src < ranks; ++src)
+      for (int le = 0; le < per; ++le) member_total[m] += count(m, src, le);
+  k.received_rows.assign(ranks, 0);
+  for (int src = 0; src < ranks; ++src)
+    for (int le = 0; le < per; ++le) k.received_rows[src] += count(members > 1 ? etp_index : 0, src, le);
+  k.member_rows = *std::max_element(member_total.begin(), member_total.end());
+  // Each local expert's rows once sorted: by expert, then by member, then by source rank.
   k.expert_first.assign(per, 0);
   k.expert_rows.assign(per, 0);
   for (int le = 0; le < per; ++le) {
-    for (int src = 0; src < ranks; ++src) k.expert_rows[le] += count(src, le);
+    for (int m = 0; m < members; ++m)
+      for (int src = 0; src < ranks; ++src) k.expert_rows[le] += count(m, src, le);
     if (le + 1 < per) k.expert_first[le + 1] = k.expert_first[le] + k.expert_rows[le];
   }
-  const std::int64_t routes = ro.routes(), received = src_first.back() + k.received_rows.back();
+  const std::int64_t routes = ro.routes(), gathered = members * k.member_rows;
+  std::int64_t sorted_rows = 0;
+  for (std::int64_t n : member_total) sorted_rows += n;
   if (phantom) {
     k.index = r.phantom(Shape{routes}, DType::Float32);
     k.gates = r.phantom(Shape{routes}, DType::Float32);
-    k.sort = r.phantom(Shape{received}, DType::Float32);
-    k.unsort = r.phantom(Shape{received}, DType::Float32);
+    k.sort = r.phantom(Shape{sorted_rows}, DType::Float32);
+    k.unsort = r.phantom(Shape{gathered}, DType::Float32);
     return;
   }
   k.index = r.from_host(Shape{routes}, std::vector<float>(ro.token.begin(), ro.token.end()));
   k.gates = r.from_host(Shape{routes}, std::vector<float>(ro.gate.begin(), ro.gate.end()));
-  // The sort: sorted row i is received row sort[i]; the unsort is its inverse.
-  std::vector<float> sort(received), unsort(received);
+  // The sort: sorted row i is gathered row sort[i]; the unsort is its inverse, a padding row reading row 0
+  // (its sum is never read).
+  std::vector<float> sort(sorted_rows), unsort(gathered, 0.0f);
   std::int64_t at = 0;
   for (int le = 0; le < per; ++le) {
-    for (int src = 0; src < ranks; ++src) {
-      std::int64_t first = src_first[src];
-      for (int l = 0; l < le; ++l) first += count(src, l);
-      for (std::int64_t j = 0; j < count(src, le); ++j, ++at) {
-        sort[at] = static_cast<float>(first + j);
-        unsort[first + j] = static_cast<float>(at);
+    for (int m = 0; m < members; ++m) {
+      std::int64_t first = m * k.member_rows;  // this member's block: by source rank, then local expert
+      for (int src = 0; src < ranks; ++src) {
+        std::int64_t from = first;
+        for (int l = 0; l < le; ++l) from += count(m, src, l);
+        for (std::int64_t j = 0; j < count(m, src, le); ++j, ++at) {
+          sort[at] = static_cast<float>(from + j);
+          unsort[from + j] = static_cast<float>(at);
+        }
+        for (int l = 0; l < per; ++l) first += count(m, src, l);
       }
     }
   }
-  k.sort = r.from_host(Shape{received}, sort);
-  k.unsort = r.from_host(Shape{received}, unsort);
+  k.sort = r.from_host(Shape{sorted_rows}, sort);
+  k.unsort = r.from_host(Shape{gathered}, unsort);
 }
 
 Tensor ExpertParallel::dispatch(const Tensor& rows, const Kept& k) {
-  if (size() == 1) return rows;  // the routes are already in expert order
-  Tensor received = buffer(r, phantom, Shape{k.sort.size(0), rows.size(1)}, rows.dtype());
-  const Event e = exposed.before();
-  exposed.after(Dim::Ep, e, r.all_to_all(received, rows, k.received_rows, k.sent_rows, Async::No, group));
-  return r.gather_rows(received, k.sort, Tensor());
+  if (size() == 1 && etp_size == 1) return rows;  // the routes are already in expert order
+  const std::int64_t cols = rows.size(1), received = k.received();
+  // With etp, what this rank receives lands in its padded block of the gather.
+  const Tensor block = etp_size > 1 ? buffer(r, phantom, Shape{k.member_rows, cols}, rows.dtype()) : Tensor();
+  Tensor got = rows;  // ep 1: this rank's own routes, in expert order
+  if (size() > 1) {
+    got = etp_size > 1 ? r.view(block, 0, Shape{received, cols})
+                       : buffer(r, phantom, Shape{received, cols}, rows.dtype());
+    const Event e = exposed.before();
+    exposed.after(Dim::Ep, e, r.all_to_all(got, rows, k.received_rows, k.sent_rows, Async::No, group));
+  } else if (etp_size > 1) {
+    r.copy_(r.view(block, 0, Shape{received, cols}), rows);
+  }
+  if (etp_size > 1) {
+    got = buffer(r, phantom, Shape{etp_size * k.member_rows, cols}, rows.dtype());
+    const Event e = exposed.before();
+    exposed.after(Dim::Ep, e, r.all_gather(got, block, Async::No, etp));
+  }
+  return r.gather_rows(got, k.sort, Tensor());
 }
 
 Tensor ExpertParallel::combine(const Tensor& sorted_rows, const Kept& k) {
-  if (size() == 1) return sorted_rows;
-  const Tensor by_source = r.gather_rows(sorted_rows, k.unsort, Tensor());
-  Tensor back = buffer(r, phantom, Shape{k.routing.routes(), sorted_rows.size(1)}, sorted_rows.dtype());
+  if (size() == 1 && etp_size == 1) return sorted_rows;
+  const std::int64_t cols = sorted_rows.size(1), received = k.received();
+  Tensor by_source = r.gather_rows(sorted_rows, k.unsort, Tensor());
+  if (etp_size > 1) {  // the shards' partial outputs summed, each member keeping its own block
+    Tensor block = buffer(r, phantom, Shape{k.member_rows, cols}, sorted_rows.dtype());
+    const Event e = exposed.before();
+    exposed.after(Dim::Ep, e, r.reduce_scatter(block, by_source, ReduceOp::Sum, Async::No, etp));
+    by_source = received == k.member_rows ? block : r.view(block, 0, Shape{received, cols});
+  }
+  if (size() == 1) return by_source;
+  Tensor back = buffer(r, phantom, Shape{k.routing.routes(), cols}, sorted_rows.dtype());
   const Event e = exposed.before();
   exposed.after(Dim::Ep, e, r.all_to_all(back, by_source, k.sent_rows, k.received_rows, Async::No, group));
   return back;

@@ -7,15 +7,25 @@
 //   y[t]   = sum over t's top-k experts e of gates[t, e] * expert_e(x[t])
 //   expert_e(x) = act(x @ w_in[e]) @ w_out[e]  act: GELU (the gpt block) or SwiGLU (the llama block)
 //
-// Megatron-Core's expert grid with an expert tensor-parallel size of 1: the ep group is ep ranks of a
-// pipeline stage's tp x cp x dp ranks, each holding experts / ep whole experts; with sequence parallelism
-// each tensor-parallel rank routes its own tokens. Routing is dropless: an expert computes every token
-// routed to it, so the straggler expert sets the pace of the all-to-all after it.
+// Megatron-Core's expert grid: the ep group is ep ranks of a pipeline stage's tp x cp x dp ranks, each
+// holding experts / ep experts; with sequence parallelism each tensor-parallel rank routes its own tokens.
+// Routing is dropless: an expert computes every token routed to it, so the straggler expert sets the pace
+// of the all-to-all after it.
+//
+// Expert tensor parallelism (etp > 1, Megatron-Core's --expert-tensor-parallel-size) splits each expert
+// over etp ranks, w_in by columns and w_out by rows, as a dense MLP is split over tp. Each of those ranks
+// belongs to its own ep group; after the all-to-all they all-gather what their ep groups received, so
+// that every shard sees every token routed to its experts, and each computes its part of every row; the
+// partial outputs are summed and handed back by a reduce-scatter before the all-to-all home (Megatron-Core's
+// MoEAlltoAllTokenDispatcher: gather_from_sequence_parallel_region and
+// reduce_scatter_to_sequence_parallel_region over the expert tp group). A member's share is as long as
+// its ep group received: uneven under a skewed routing, so each member's block of the gather is padded to
+// the longest, moving as many bytes as the longest member's.
 //
 // Gradients: an expert's weight gradient on a rank sums the contributions of every token routed to it from
-// the ep group. Averaging it over the expert-data-parallel group (the other tp cp dp / ep ranks, which hold
-// the same experts) divides by tp cp dp / ep ranks where the dense weights divide by cp dp; `grad_scale`
-// (tp / ep) makes up the difference.
+// the ep x etp ranks. Averaging it over the expert-data-parallel group (the other tp cp dp / (ep etp)
+// ranks, which hold the same shards) divides by tp cp dp / (ep etp) ranks where the dense weights divide by
+// cp dp; `grad_scale` (tp / (ep etp)) makes up the difference.
 #pragma once
 
 #include <cmath>
@@ -124,6 +134,9 @@ struct ExpertParallel {
   // The load-balancing loss's weight in the training loss, for this rank's tokens of one micro-batch
   // (--moe-aux-loss-coeff over the terms the gradients' averaging adds); 0: none.
   double aux_loss_weight = 0;
+  // The expert tensor-parallel group: the etp ranks that hold the shards of the same experts (above).
+  Group etp{};
+  int etp_size = 1, etp_index = 0;
 
   int size() const { return static_cast<int>(ranks.size()); }
   int local_experts() const { return experts / size(); }
@@ -135,9 +148,15 @@ struct ExpertParallel {
     Tensor sorted;             // the received rows, by local expert: the experts' inputs
     Tensor back;               // the experts' outputs of this rank's routes, before the gates
     std::vector<Tensor> u, g;  // each local expert's w_in output and its activation
-    std::vector<std::int64_t> sent_rows, received_rows;   // per ep rank
-    Tensor sort, unsort;                                  // the permutations between source and expert order
+    std::vector<std::int64_t> sent_rows, received_rows;  // per ep rank
+    std::int64_t member_rows = 0;  // with etp: each etp member's block of the gather, padded to the longest
+    Tensor sort, unsort;           // the permutations between source (gathered) and expert order
     std::vector<std::int64_t> expert_first, expert_rows;  // each local expert's rows in `sorted`
+    std::int64_t received() const {                       // the rows this rank's ep group sent it
+      std::int64_t n = 0;
+      for (std::int64_t rows : received_rows) n += rows;
+      return n;
+    }
   };
   // y [tokens, h] (the MoE MLP's output, x's dtype) from x [tokens, h]; w_in and w_out hold this rank's
   // experts in order; `layer` seeds a phantom run's routing model.
@@ -157,7 +176,7 @@ struct ExpertParallel {
   Tensor dispatch(const Tensor& rows, const Kept& k);
   Tensor combine(const Tensor& sorted_rows, const Kept& k);
   // The splits and permutations of the all-to-alls, from this rank's routing and the counts every rank of the
-  // group sends it (exchanged here).
+  // group sends it (exchanged here), and with etp the counts its etp members received (gathered here).
   void plan_exchange(Kept& k);
   Tensor expert_rows(const Tensor& sorted, const Kept& k, int le) const;
 };

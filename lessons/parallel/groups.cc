@@ -37,13 +37,14 @@ Layout::Grid Layout::symmetry(bool mirror_dp) const {
 }
 
 Layout::Grid Layout::expert_symmetry() const {
-  if (ep < 1 || ep % (tp * cp) != 0) {
+  if (ep < 1 || ep * etp % (tp * cp) != 0) {
     throw UsageError(fmt::format(
-        "--ep {}: a skewed routing is mirrored across the ranks that hold the same experts, which needs "
-        "each ep group to be whole tp x cp blocks (ep a multiple of {}); run it without --symmetric",
-        ep, tp * cp));
+        "--ep {}{}: a skewed routing is mirrored across the ranks that hold the same experts, which needs "
+        "each ep group's ep x etp block to be whole tp x cp blocks (ep x etp a multiple of {}); run it "
+        "without --symmetric",
+        ep, etp > 1 ? fmt::format(" --etp {}", etp) : "", tp * cp));
   }
-  const int inner = ep / (tp * cp);
+  const int inner = ep * etp / (tp * cp);
   Grid g;
   for (const std::string& d : dims()) {
     if (d == "dp") {
@@ -213,22 +214,37 @@ Group make_stage_group(Rank& r, const Layout& layout) {
 }
 
 void make_expert_groups(Rank& r, const Layout& layout, Groups& g) {
-  // A stage's tp x cp x dp ranks, tp fastest: ep consecutive ones hold all the experts (an ep group), and
-  // the ranks that hold the same experts (every ep-th) reduce their gradients (an edp group).
-  const int ep = layout.ep;
+  // A stage's tp x cp x dp ranks, tp fastest, as the grid etp x ep x edp, etp fastest (Megatron-Core's
+  // expert RankGenerator, order tp-ep-dp): etp consecutive ranks hold the shards of the same experts (an
+  // etp group); the ranks of one etp lane in ep x etp consecutive ones hold one shard of every expert
+  // between them (an ep group); the ranks that hold the same shards (every ep x etp-th) reduce their
+  // gradients (an edp group).
+  const int ep = layout.ep, etp = layout.etp, block = ep * etp;
   each_group(layout, g.me, {kDp, kCp, kTp}, [&](const std::vector<int>& stage, bool mine) {
     const int n = static_cast<int>(stage.size());
     const int at = static_cast<int>(std::find(stage.begin(), stage.end(), r.rank()) - stage.begin());
-    for (int first = 0; first < n; first += ep) {
-      const std::vector<int> ranks(stage.begin() + first, stage.begin() + first + ep);
-      Group grp = r.new_group(ranks);
-      if (mine && at / ep == first / ep) g.ep = grp, g.ep_ranks = ranks, g.ep_index = at % ep;
-    }
-    for (int lane = 0; lane < ep; ++lane) {
+    // Every rank makes every group, in the same order: ep groups, then etp groups, then edp groups.
+    auto make = [&](int first, int count, int stride, auto&& keep) {
       std::vector<int> ranks;
-      for (int i = lane; i < n; i += ep) ranks.push_back(stage[i]);
+      for (int i = 0; i < count; ++i) ranks.push_back(stage[first + i * stride]);
       Group grp = r.new_group(ranks);
-      if (mine && at % ep == lane) g.edp = grp, g.edp_size = n / ep, g.edp_index = at / ep;
+      if (mine && std::find(ranks.begin(), ranks.end(), r.rank()) != ranks.end()) keep(grp, ranks);
+    };
+    for (int first = 0; first < n; first += block) {
+      for (int lane = 0; lane < etp; ++lane) {
+        make(first + lane, ep, etp, [&](Group grp, const std::vector<int>& ranks) {
+          g.ep = grp, g.ep_ranks = ranks, g.ep_index = at % block / etp;
+        });
+      }
+    }
+    if (etp > 1) {
+      for (int first = 0; first < n; first += etp)
+        make(first, etp, 1, [&](Group grp, const std::vector<int>&) { g.etp = grp, g.etp_index = at % etp; });
+    }
+    for (int lane = 0; lane < block; ++lane) {
+      make(lane, n / block, block, [&](Group grp, const std::vector<int>&) {
+        g.edp = grp, g.edp_size = n / block, g.edp_index = at / block;
+      });
     }
   });
 }

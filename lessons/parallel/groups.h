@@ -23,9 +23,12 @@ struct Layout {
   int tp = 1, pp = 1, dp = 1;
   std::string order = "tp-dp-pp";  // innermost first; "cp" may be named, else it follows tp
   int cp = 1;
-  // Expert parallelism: 0 makes no expert groups; ep >= 1 splits each stage's tp x cp x dp ranks (tp
-  // fastest) into groups of ep consecutive ones, which hold the experts between them (Groups::ep).
+  // Expert parallelism: 0 makes no expert groups; ep >= 1 lays each stage's tp x cp x dp ranks (tp fastest)
+  // out as Megatron-Core's expert grid, etp fastest, then ep, then the expert-data-parallel rest: etp
+  // consecutive ranks split each expert's weights (Groups::etp), and every etp-th rank of ep x etp
+  // consecutive ones holds a share of the experts (Groups::ep).
   int ep = 0;
+  int etp = 1;
 
   int world() const { return tp * cp * pp * dp; }
   // The dimensions innermost first: "tp", "dp", "pp" in the order's places, and "cp" in its place when the
@@ -51,9 +54,10 @@ struct Layout {
   Grid symmetry(bool mirror_dp = true) const;
   // The symmetry left when the experts' loads differ (a skewed routing): the ranks of an ep group hold
   // different experts and do different work, but every rank that holds the same experts (its lane of the
-  // edp group) does the same. When ep is a multiple of tp x cp the lanes are a split of dp: dp = inner +
-  // (ep / (tp cp)) x outer, with the outer part replicated, so one ep group per stage runs. UsageError
-  // naming --ep otherwise (an ep group inside a tp x cp block has no such split of the grid).
+  // edp group) does the same. When ep x etp is a multiple of tp x cp the lanes are a split of dp: dp =
+  // inner x outer with inner = ep etp / (tp cp) and the outer part replicated, so one ep x etp block per
+  // stage runs. UsageError naming --ep otherwise (an ep group inside a tp x cp block has no such split of
+  // the grid).
   Grid expert_symmetry() const;
 };
 
@@ -76,12 +80,13 @@ struct Groups {
   // word embedding that the output layer shares, and add up its gradient (Megatron's embedding group).
   Group embedding;
   std::vector<int> tp_ranks, dp_ranks, pp_ranks;
-  // With Layout::ep: the expert-parallel group (ep ranks of the stage that hold all of its experts) and the
-  // expert-data-parallel group (the ranks that hold the same experts as this one, which reduce their
-  // gradients), Megatron-Core's expert grid with an expert tensor-parallel size of 1.
-  Group ep, edp;
+  // With Layout::ep, Megatron-Core's expert grid: the expert-parallel group (ep ranks of the stage that hold
+  // all of its experts, or with etp > 1 one shard of each), the expert tensor-parallel group (the etp ranks
+  // that hold the shards of the same experts) and the expert-data-parallel group (the ranks that hold the
+  // same shards as this one, which reduce their gradients).
+  Group ep, etp, edp;
   std::vector<int> ep_ranks;
-  int ep_index = 0, edp_index = 0, edp_size = 1;
+  int ep_index = 0, etp_index = 0, edp_index = 0, edp_size = 1;
 };
 Groups make_groups(Rank& r, const Layout& layout);
 // The expert groups of `g` (make_groups makes them when layout.ep > 0).
