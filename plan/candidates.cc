@@ -19,10 +19,10 @@
 namespace ranklab::plan {
 
 std::string Layout::name() const {
-  return fmt::format("tp{}{}-pp{}-v{}-dp{}{}-zero{}{}-mb{}-{}{}-{}", tp,
+  return fmt::format("tp{}{}-pp{}-v{}-dp{}{}{}-zero{}{}-mb{}-{}{}-{}", tp,
                      cp > 1 ? fmt::format("-cp{}", cp) : "", pp, v, dp,
-                     ep > 1 ? fmt::format("-ep{}", ep) : "", zero, sp ? "-sp" : "", micro_batch, recompute,
-                     fp8 ? "-fp8" : "", order);
+                     ep > 1 ? fmt::format("-ep{}", ep) : "", etp > 1 ? fmt::format("-etp{}", etp) : "", zero,
+                     sp ? "-sp" : "", micro_batch, recompute, fp8 ? "-fp8" : "", order);
 }
 
 namespace {
@@ -63,13 +63,14 @@ Layout parse_layout(const std::string& name) {
   Layout l;
   l.order = t[t.size() - 3] + "-" + t[t.size() - 2] + "-" + t[t.size() - 1];
   t.resize(t.size() - 3);
-  const std::vector<std::pair<const char*, int*>> numbers = {{"tp", &l.tp},    {"cp", &l.cp}, {"pp", &l.pp},
-                                                             {"v", &l.v},      {"dp", &l.dp}, {"ep", &l.ep},
-                                                             {"zero", &l.zero}};
+  const std::vector<std::pair<const char*, int*>> numbers = {{"tp", &l.tp},   {"cp", &l.cp},    {"pp", &l.pp},
+                                                             {"v", &l.v},     {"dp", &l.dp},    {"ep", &l.ep},
+                                                             {"etp", &l.etp}, {"zero", &l.zero}};
   std::size_t i = 0;
   for (const auto& [prefix, field] : numbers) {
-    // Only with context parallelism, and with experts spread over ranks.
-    const bool optional = std::string_view(prefix) == "cp" || std::string_view(prefix) == "ep";
+    // Only with context parallelism, with experts spread over ranks, and with each expert split.
+    const std::string_view name = prefix;
+    const bool optional = name == "cp" || name == "ep" || name == "etp";
     if (optional && (i >= t.size() || number_after(t[i], prefix) < 0)) continue;
     if (i >= t.size() || (*field = number_after(t[i], prefix)) < (optional ? 2 : 0))
       throw bad(fmt::format("part {} should be {}N", i + 1, prefix));
@@ -122,6 +123,7 @@ Settings question_settings(const Question& q) {
 Settings layout_settings(const Question& q, const Layout& l) {
   Settings s{{"fp8-recipe", l.fp8 ? q.try_fp8 : q.fp8_recipe},
              {"ep", text(l.ep)},
+             {"etp", text(l.etp)},
              {"micro-batch", text(l.micro_batch)},
              {"tp", text(l.tp)},
              {"cp", text(l.cp)},
@@ -358,13 +360,14 @@ const std::vector<parallel::DataParallel::Bytes>& stages(
 
 const std::vector<parallel::DataParallel::Bytes>& StageStates::of(const gpt::Config& c) {
   const int ep = std::max(1, c.ep);
-  const auto key = std::tuple(c.tp, c.cp, c.pp, c.v, c.dp, c.zero, c.seq_parallel, ep);
+  const auto key = std::tuple(c.tp, c.cp, c.pp, c.v, c.dp, c.zero, c.seq_parallel, ep, c.etp);
   auto [found, added] = states_.try_emplace(key);
   if (!added) return found->second;
   const auto& dense = stages(dense_, std::tuple(c.tp, c.cp, c.pp, c.v, c.dp, c.zero, c.seq_parallel), c,
                              gpt::dense_state_bytes);
-  const auto& experts = stages(experts_, std::tuple(c.pp, c.v, ep, c.zero, c.tp * c.cp * c.dp / ep), c,
-                               gpt::expert_state_bytes);
+  const auto& experts =
+      stages(experts_, std::tuple(c.pp, c.v, ep, c.etp, c.zero, c.tp * c.cp * c.dp / (ep * c.etp)), c,
+             gpt::expert_state_bytes);
   for (int s = 0; s < c.pp; ++s)
     found->second.push_back(parallel::DataParallel::Bytes(dense[s]) += experts[s]);
   return found->second;
@@ -420,24 +423,34 @@ double StepBound::us(const gpt::Config& c) {
       share =
           std::min(share, parallel::expert_capacity(c.local_rows(), c.experts, c.top_k, c.capacity_factor));
   }
-  // A MoE layer's all-to-alls over ep group 0 of stage 0 (a stage's tp x cp x dp ranks, tp fastest, ep
-  // consecutive ones: parallel::make_expert_groups), each at its time alone on the machine, where the
-  // balanced routes divide evenly among the experts (the simulator then plans each as an even all_to_all;
-  // the uneven one of another size is not compared, so it is left out): forward, the counts (float32, a
-  // rank's experts' each) and the routes there and back (the dispatch and the combine); backward, the
-  // routes' gradients back and forth. Full recomputation's again are left out.
-  double ep_pieces_us = 0, ep_counts_us = 0;
-  if (c.moe() && c.ep > 1 && c.local_rows() * c.top_k % c.experts == 0) {
-    std::vector<int> ep_ranks;
-    for (int dp = 0; dp < c.dp && static_cast<int>(ep_ranks.size()) < c.ep; ++dp)
-      for (int cp = 0; cp < c.cp && static_cast<int>(ep_ranks.size()) < c.ep; ++cp)
-        for (int tp = 0; tp < c.tp && static_cast<int>(ep_ranks.size()) < c.ep; ++tp)
-          ep_ranks.push_back(grid.rank_of(tp, cp, dp, 0));
+  // A MoE layer's all-to-alls over ep group 0 of stage 0 (a stage's tp x cp x dp ranks, tp fastest, every
+  // etp-th of the first ep x etp: parallel::make_expert_groups), each at its time alone on the machine,
+  // where the balanced routes divide evenly among the experts (the simulator then plans each as an even
+  // all_to_all; the uneven one of another size is not compared, so it is left out): forward, the counts
+  // (float32, a rank's experts' each) and the routes there and back (the dispatch and the combine);
+  // backward, the routes' gradients back and forth. With etp, each way also the etp group's gather of what
+  // its members received and the reduce-scatter of their partial outputs (the counts' gather is left
+  // out). Full recomputation's again are left out.
+  double ep_pieces_us = 0, ep_counts_us = 0, etp_us = 0;
+  if (c.moe() && (c.ep > 1 || c.etp > 1) && c.local_rows() * c.top_k % c.experts == 0) {
+    std::vector<int> stage;  // the first ep x etp ranks of stage 0, tp fastest
+    for (int dp = 0; dp < c.dp; ++dp)
+      for (int cp = 0; cp < c.cp; ++cp)
+        for (int tp = 0; tp < c.tp; ++tp) stage.push_back(grid.rank_of(tp, cp, dp, 0));
+    std::vector<int> ep_ranks, etp_ranks(stage.begin(), stage.begin() + c.etp);
+    for (int i = 0; i < c.ep; ++i) ep_ranks.push_back(stage[i * c.etp]);
     const std::int64_t piece_bytes = c.local_experts() * share * h * dtype_bytes(d);
-    if (piece_bytes > 0) ep_pieces_us = comm_us(CommOp::AllToAll, piece_bytes * c.ep, ep_ranks);
-    ep_counts_us = comm_us(CommOp::AllToAll, std::int64_t{c.experts} * 4, ep_ranks);
+    if (c.ep > 1) {
+      if (piece_bytes > 0) ep_pieces_us = comm_us(CommOp::AllToAll, piece_bytes * c.ep, ep_ranks);
+      ep_counts_us = comm_us(CommOp::AllToAll, std::int64_t{c.experts} * 4, ep_ranks);
+    }
+    if (c.etp > 1 && piece_bytes > 0) {
+      const std::int64_t gathered_bytes = piece_bytes * c.ep * c.etp;
+      etp_us = comm_us(CommOp::AllGather, gathered_bytes, etp_ranks) +
+               comm_us(CommOp::ReduceScatter, gathered_bytes, etp_ranks);
+    }
   }
-  const double ep_forward_us = ep_counts_us + 2 * ep_pieces_us;
+  const double ep_forward_us = ep_counts_us + 2 * ep_pieces_us + etp_us;
   // One layer, with its dense MLP or as a MoE layer.
   auto layer_us = [&](bool moe_layer) {
     LayerUs u;
@@ -456,10 +469,12 @@ double StepBound::us(const gpt::Config& c) {
       // The router's GEMM on this rank's rows and its two gradients; each local expert's two GEMMs on the
       // routes it receives (its share from each rank of the ep group), forward, and their four gradients.
       // The permutations and the experts' memory-bound kernels are left out.
-      const std::int64_t lr = c.local_rows(), f = c.moe_ffn(), E = c.experts;
+      const std::int64_t lr = c.local_rows(), E = c.experts;
       u.forward += k.gemm_us(lr, E, h, d);
       u.backward += k.gemm_us(h, E, lr, d) + k.gemm_us(lr, h, E, d);
-      const std::int64_t rows = c.ep * share;
+      // With etp: what the etp ranks received, each on its shard of the experts' width.
+      const std::int64_t rows = c.etp * c.ep * share;
+      const std::int64_t f = c.moe_ffn() / c.etp;
       if (rows > 0) {
         const double experts = static_cast<double>(c.local_experts());
         u.forward += experts * (k.gemm_us(rows, up * f, h, d) + k.gemm_us(rows, h, f, d));
@@ -475,7 +490,7 @@ double StepBound::us(const gpt::Config& c) {
     u.forward += attention_fwd;
     if (moe_layer) {
       u.forward += ep_forward_us;
-      u.backward += 2 * ep_pieces_us;
+      u.backward += 2 * ep_pieces_us + etp_us;
     }
     // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h), per
     // column-then-row pair (attention's, and the MLP's where the layer has one): without sequence
@@ -653,16 +668,16 @@ std::vector<int> divisors(int n) {
 // Every group order with every expert-parallel size and precision, the order outermost.
 struct Variant {
   std::string order;
-  int ep;
+  int ep, etp;
   bool fp8;
 };
-std::vector<Variant> variants(const std::vector<std::string>& orders, const std::vector<int>& eps,
-                              bool try_fp8) {
+std::vector<Variant> variants(const std::vector<std::string>& orders,
+                              const std::vector<std::pair<int, int>>& eps, bool try_fp8) {
   std::vector<Variant> out;
   for (const std::string& order : orders)
-    for (int ep : eps)
+    for (const auto& [ep, etp] : eps)
       for (bool fp8 : {false, true})
-        if (!fp8 || try_fp8) out.push_back({order, ep, fp8});
+        if (!fp8 || try_fp8) out.push_back({order, ep, etp, fp8});
   return out;
 }
 
@@ -672,7 +687,7 @@ class PeakBytes {
   explicit PeakBytes(StageStates& states) : states_(states) {}
   std::int64_t of(const gpt::Config& c, const Layout& l) {
     const auto key =
-        std::tuple(l.tp, l.cp, l.pp, l.v, l.dp, l.zero, l.sp, l.ep, l.micro_batch, l.recompute, l.fp8);
+        std::tuple(l.tp, l.cp, l.pp, l.v, l.dp, l.zero, l.sp, l.ep, l.etp, l.micro_batch, l.recompute, l.fp8);
     if (const auto found = peak_.find(key); found != peak_.end()) return found->second;
     const std::vector<parallel::DataParallel::Bytes>& states = states_.of(c);
     std::int64_t most = 0;
@@ -682,7 +697,8 @@ class PeakBytes {
 
  private:
   StageStates& states_;
-  std::map<std::tuple<int, int, int, int, int, int, bool, int, int, std::string, bool>, std::int64_t> peak_;
+  std::map<std::tuple<int, int, int, int, int, int, bool, int, int, int, std::string, bool>, std::int64_t>
+      peak_;
 };
 
 }  // namespace
@@ -701,10 +717,15 @@ std::vector<Candidate> enumerate(const Question& q) {
       if (cp > 1 && (q.seq % (2 * cp) != 0 || q.seq / (2 * cp) < kMinCpChunk)) continue;
       for (int pp : divisors(world / (tp * cp))) {
         const int dp = world / (tp * cp * pp);
-        // The expert-parallel sizes: dividing the experts and the stage's tp x cp x dp ranks.
-        std::vector<int> eps = {1};
-        for (int ep : divisors(q.experts))
-          if (ep > 1 && (tp * cp * dp) % ep == 0) eps.push_back(ep);
+        // The expert-parallel sizes: dividing the experts and the stage's tp x cp x dp ranks; each expert
+        // whole, or split over tp ranks (Megatron-Core's default expert tensor-parallel size).
+        std::vector<std::pair<int, int>> eps = {{1, 1}};
+        for (int ep : divisors(q.experts)) {
+          for (int etp : {1, tp}) {
+            if ((ep > 1 || etp > 1) && (tp * cp * dp) % (ep * etp) == 0) eps.push_back({ep, etp});
+            if (tp == 1) break;
+          }
+        }
         // The other order matters only where it changes which groups share a node: on one node every group
         // does, and with a tp group that fills whole nodes dp and pp groups both cross nodes either way.
         std::vector<std::string> orders = {"tp-dp-pp"};
@@ -720,7 +741,8 @@ std::vector<Candidate> enumerate(const Question& q) {
                   if (zero > 0 && dp * cp == 1) continue;  // nothing to shard: the same run as zero 0
                   for (const Variant& x : each) {
                     Candidate k;
-                    k.layout = Layout{tp, pp, v, dp, zero, sp, mb, recompute, x.order, cp, x.ep, x.fp8};
+                    k.layout =
+                        Layout{tp, pp, v, dp, zero, sp, mb, recompute, x.order, cp, x.ep, x.fp8, x.etp};
                     k.name = k.layout.name();
                     k.capacity_bytes = capacity;
                     try {

@@ -17,7 +17,8 @@
 // time the network model gives it with the machine to itself; plus the pipeline's fill and drain (the
 // first micro-batch's forward through the stages before it, and the last one's backward through them after
 // it, with their sends), then rank 0's optimizer step. A MoE layer counts its router's and its local
-// experts' GEMMs on balanced routes and, where those divide evenly, its all-to-alls alone on the machine.
+// experts' GEMMs on balanced routes and, where those divide evenly, its all-to-alls (and with expert tensor
+// parallelism its gathers and reduce-scatters) alone on the machine.
 // With ZeRO 2 or 3 (and no experts) the step is also no shorter than the data-parallel group's stream
 // (which runs the gathers and reduce-scatters every task issues one after another) up to the stage's last
 // task, then that task's backward, the drain and the optimizer. The rest
@@ -73,8 +74,9 @@ struct Question {
 // One parallel layout. Its name is the one string the table, plan.json and --explain share:
 // "tp4-pp8-v2-dp16-zero1-sp-mb1-selective-tp-dp-pp" (sp only when sequence parallelism is on), with
 // "-cp2" after the tp part when there is context parallelism (its ring: the framework's default exchange),
-// "-ep8" after the dp part when experts are spread over ranks, and "-fp8" after the recompute part when the
-// linear layers' GEMMs run in FP8 (Question::try_fp8).
+// "-ep8" after the dp part when experts are spread over ranks (and "-etp2" after it when each expert is split
+// over ranks), and "-fp8" after the recompute part when the linear layers' GEMMs run in FP8
+// (Question::try_fp8).
 struct Layout {
   int tp = 1, pp = 1, v = 1, dp = 1, zero = 0;
   bool sp = false;
@@ -84,6 +86,7 @@ struct Layout {
   int cp = 1;
   int ep = 1;
   bool fp8 = false;
+  int etp = 1;
   std::string name() const;
 };
 // The layout a name spells; UsageError saying what is wrong with it.
@@ -138,9 +141,9 @@ class StageStates {
 
  private:
   using Stages = std::vector<parallel::DataParallel::Bytes>;
-  std::map<std::tuple<int, int, int, int, int, int, bool, int>, Stages> states_;
+  std::map<std::tuple<int, int, int, int, int, int, bool, int, int>, Stages> states_;
   std::map<std::tuple<int, int, int, int, int, int, bool>, Stages> dense_;
-  std::map<std::tuple<int, int, int, int, int>, Stages> experts_;
+  std::map<std::tuple<int, int, int, int, int, int>, Stages> experts_;
 };
 
 // The lower bound described above, with the profile's compute and network models built once.
@@ -169,7 +172,8 @@ class StepBound {
 
 // Every layout of the question, in a fixed order: tp (within a node unless tp_across_nodes), cp where the
 // sequence splits into 2 cp chunks of at least kMinCpChunk tokens, pp dividing the layers, with experts ep
-// dividing them and the stage's tp x cp x dp ranks, interleaving v up
+// dividing them and the stage's tp x cp x dp ranks and each expert whole or split over the tp size (etp 1
+// or tp, where ep x etp divides the stage's ranks), interleaving v up
 // to max_interleave where the chunks are whole, ZeRO 0-3 (only 0 without data parallelism, where there is
 // nothing to shard), sequence parallelism with tp > 1, micro-batches of 1, 2 and 4, recompute none, selective
 // and full, and the group orders tp-dp-pp and, where it places groups on nodes differently (more than one

@@ -68,6 +68,7 @@ std::string layout_changes(const Layout& from, const Layout& to) {
   num("v", from.v, to.v);
   num("dp", from.dp, to.dp);
   num("ep", from.ep, to.ep);
+  num("etp", from.etp, to.etp);
   num("zero", from.zero, to.zero);
   if (from.sp != to.sp) d.push_back(to.sp ? "sequence parallelism on" : "sequence parallelism off");
   num("micro-batch", from.micro_batch, to.micro_batch);
@@ -276,6 +277,7 @@ nlohmann::json result_json(const Result& r, int rank) {
                       {"interleave", l.v},
                       {"dp", l.dp},
                       {"ep", l.ep},
+                      {"etp", l.etp},
                       {"zero", l.zero},
                       {"seq_parallel", l.sp},
                       {"micro_batch", l.micro_batch},

@@ -2,6 +2,7 @@
 // layout the planner accepts runs the gpt lesson without running out of memory and every layout it rejects
 // for memory runs out; no simulated step beats its lower bound; the same question gives the same ranking;
 // bad input is a clear UsageError; layout names read back.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <functional>
@@ -136,8 +137,9 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
 }
 
 // A mixture of experts in both blocks, every other layer MoE (the llama block's with a shared expert and
-// dropped routes): layouts with each expert-parallel size that divides the experts and the stage's ranks
-// are enumerated, none runs faster than its bound, and the winner trains equal to one device.
+// dropped routes): layouts with each expert-parallel size that divides the experts and the stage's ranks,
+// each expert whole or split over tp, are enumerated, none runs faster than its bound, and the winner
+// trains equal to one device.
 TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
   for (const char* block : {"gpt", "llama"}) {
     Request r = tiny_request();
@@ -152,12 +154,20 @@ TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
     }
     const Question q = make_question(r);
     std::set<int> eps;
+    int split = 0;
     for (const Candidate& k : enumerate(q)) {
       if (k.status == Status::Invalid) continue;
       eps.insert(k.layout.ep);
       EXPECT_EQ(8 % k.layout.ep, 0) << k.name;
+      EXPECT_TRUE(k.layout.etp == 1 || k.layout.etp == k.layout.tp) << k.name;
+      if (k.layout.etp > 1) {
+        ++split;
+        EXPECT_NE(k.name.find(fmt::format("-etp{}", k.layout.etp)), std::string::npos) << k.name;
+        EXPECT_EQ(parse_layout(k.name).etp, k.layout.etp) << k.name;
+      }
     }
     EXPECT_EQ(eps, (std::set<int>{1, 2, 4, 8})) << block;
+    EXPECT_GT(split, 0) << block;
     const Plan p = expect_bounds_hold_and_winner_passes(q);
     int spread = 0;
     for (const Result* res : p.ranked()) spread += res->candidate.layout.ep > 1;
