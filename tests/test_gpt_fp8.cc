@@ -1,6 +1,6 @@
 // The gpt lesson in FP8 (--fp8-recipe): it trains with each recipe within its stated tolerance of one
-// device, catches a broken reduction, plans the FP8 weight copies it holds, and refuses recipes the GPU or
-// the run cannot take.
+// device, its experts' GEMMs too, catches a broken reduction, plans the FP8 weight copies it holds, and
+// refuses recipes the GPU or the run cannot take.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -101,16 +101,49 @@ TEST(GptFp8, RecipesTheHardwareOrTheRunCannotTakeAreRefused) {
   o["dtype"] = "fp32";
   o["fp8-recipe"] = "current";
   testing::expect_usage_error(o, "--dtype is float32: give --dtype bf16 (or fp8)");
-  // Experts with FP8 are refused however FP8 is asked for: --dtype fp8 ran, with experts in 16 bits, and
-  // failed the memory plan's check.
-  for (const char* flag : {"dtype", "fp8-recipe"}) {
-    o = testing::tiny_gpt();
-    o["world"] = option_text(2);
+}
+
+// Experts' GEMMs in FP8, each expert's linear layers quantized on their own: every recipe on ep 2
+// (Blackwell's MXFP8 with the llama block), and delayed scaling beside tp 2, sp, pp 2, etp 2, shared experts
+// and ZeRO 1, where the ranks of a stage reduce their experts' amaxes by position (an expert that receives no
+// rows on one rank still has its histories there). However FP8 is asked for, the memory plan holds.
+TEST(GptFp8, ExpertsTrainInFp8WithinTheToleranceOfOneDevice) {
+  auto experts = [](int world, int ep, const std::string& recipe) {
+    Settings o = testing::tiny_gpt();
+    o["world"] = option_text(world);
     o["experts"] = option_text(4);
     o["top-k"] = option_text(2);
-    o[flag] = std::string(flag) == "dtype" ? "fp8" : "current";
-    testing::expect_usage_error(o, "--experts with FP8 GEMMs (--dtype fp8, or an --fp8-recipe) is not built");
+    o["ep"] = option_text(ep);
+    o["fp8-recipe"] = recipe;
+    return o;
+  };
+  for (const std::string recipe : {"current", "delayed", "blockwise"}) {
+    const RunReport rep = run_on("dgx-h100", experts(4, 2, recipe));
+    EXPECT_TRUE(rep.all_checks_passed()) << recipe << "\n" << testing::failed_checks(rep);
   }
+  Settings mx = experts(4, 2, "mxfp8");
+  mx["block"] = "llama";
+  mx["kv-heads"] = option_text(2);
+  const RunReport blackwell = run_on("dgx-b200", mx);
+  EXPECT_TRUE(blackwell.all_checks_passed()) << testing::failed_checks(blackwell);
+  Settings all = experts(8, 2, "delayed");
+  for (const auto& [k, v] : std::map<std::string, std::string>{{"block", "llama"},
+                                                               {"kv-heads", "2"},
+                                                               {"tp", "2"},
+                                                               {"seq-parallel", "true"},
+                                                               {"pp", "2"},
+                                                               {"etp", "2"},
+                                                               {"shared-experts", "1"},
+                                                               {"zero", "1"}}) {
+    all[k] = v;
+  }
+  const RunReport together = run_on("dgx-h100", all);
+  EXPECT_TRUE(together.all_checks_passed()) << testing::failed_checks(together);
+  Settings dtype = experts(4, 2, "current");
+  dtype.erase("fp8-recipe");
+  dtype["dtype"] = "fp8";
+  const RunReport by_dtype = run_on("dgx-h100", dtype);
+  EXPECT_TRUE(by_dtype.all_checks_passed()) << testing::failed_checks(by_dtype);
 }
 
 // Delayed scaling casts a pass's tensors with the scale the earlier passes' amaxes gave: the second pass's
@@ -242,6 +275,24 @@ TEST(GptFp8, TheMemoryPlanHoldsTheWeightsFp8Copies) {
   c.fp8 = parallel::Fp8Recipe::None;
   EXPECT_EQ(gpt::memory_plan(c, 0).fp8_weights, 0);
   EXPECT_EQ(gpt::stash_bytes(c, 1, false, false) - fp8_layer, 2 * local * h + rows * 4 * hl - rows * hl);
+}
+
+// With experts, a MoE layer's FP8 copies are its attention's and each local expert's, split over etp: here 8
+// experts of width 96 over ep 2 and etp 2, 4 a rank, each [64, 96 / 2] and [96 / 2, 64], in place of the
+// dense MLP's; and delayed scaling's histories count each expert's two linear layers.
+TEST(GptFp8, TheMemoryPlanHoldsTheExpertsFp8Copies) {
+  Settings o = eight_ranks("delayed");
+  o["experts"] = option_text(8);
+  o["top-k"] = option_text(2);
+  o["moe-ffn-hidden"] = option_text(96);
+  o["ep"] = option_text(2);
+  o["etp"] = option_text(2);
+  const gpt::Config c =
+      gpt::for_gpu(gpt::resolve(gpt::options_table().read(o, "gpt"), 8), load_profile("dgx-h100").gpu);
+  const std::int64_t attention = 64 * 3 * 64 / 2 + 64 * 64 / 2, experts = 4 * (64 * 96 / 2 + 96 / 2 * 64);
+  const gpt::MemoryPlan plan = gpt::memory_plan(c, 0);
+  EXPECT_EQ(plan.fp8_weights, 2 * 2 * (attention + experts));  // two layers, both layouts (Hopper)
+  EXPECT_EQ(plan.fp8_scaling, parallel::fp8_scaling_bytes(parallel::Fp8Recipe::Delayed, 2 * (2 + 2 * 4)));
 }
 
 }  // namespace

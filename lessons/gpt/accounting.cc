@@ -174,20 +174,43 @@ MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel:
   // the block's gathered weights, the all_gather's buffer they are copied out of, and the next block's
   // buffer, in flight (parallel/zero.h).
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
-  std::int64_t block_elements = 0, block_fp8 = 0, block_linears = 0;
-  for (int q = 0; q < block_params(c); ++q) {
-    const parallel::ParamSpec spec = block_spec(c, 0, q, false);
-    const Shape local = parallel::local_shape(spec, c.tp);
-    block_elements += local.numel();
-    if (spec.full.ndim() == 2) {
-      block_fp8 += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
-      ++block_linears;
+  std::int64_t block_elements = 0;
+  for (int q = 0; q < block_params(c); ++q)
+    block_elements += parallel::local_shape(block_spec(c, 0, q, false), c.tp).numel();
+  // FP8: each linear layer's weight copies and its scaling state, for a layer with its dense MLP and for a
+  // MoE layer (its shared experts' MLP, and each local expert's two linear layers, split over etp).
+  struct LayerFp8 {
+    std::int64_t bytes = 0, linears = 0;
+  };
+  auto layer_fp8 = [&](int layer) {
+    LayerFp8 f;
+    for (int q = 0; q < block_params(c); ++q) {
+      const parallel::ParamSpec spec = block_spec(c, layer, q, false);
+      const Shape local = parallel::local_shape(spec, c.tp);
+      if (spec.full.ndim() != 2 || local.numel() == 0) continue;
+      if (is_mlp_param(c, q) && !c.has_dense_mlp(layer)) continue;  // a MoE layer has experts instead
+      f.bytes += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
+      ++f.linears;
     }
-  }
+    if (c.moe_layer(layer)) {
+      for (int which : {0, 1}) {
+        const Shape local =
+            parallel::local_shape(param_spec(c, {expert_kind(0, which), layer}, false), c.etp);
+        f.bytes += c.local_experts() * parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
+      }
+      f.linears += 2 * c.local_experts();
+    }
+    return f;
+  };
+  std::int64_t block_fp8 = 0;  // the largest layer's, gathered at a time under zero 3
   for (int k = 0; k < c.v; ++k) {
-    const std::int64_t layers = c.chunk_layers(k * c.pp + stage);
-    if (c.zero < 3) p.fp8_weights += block_fp8 * layers;
-    p.fp8_scaling += parallel::fp8_scaling_bytes(c.fp8, block_linears * layers);
+    const int vs = k * c.pp + stage, first = c.chunk_first_layer(vs);
+    for (int layer = first; layer < first + c.chunk_layers(vs); ++layer) {
+      const LayerFp8 f = layer_fp8(layer);
+      if (c.zero < 3) p.fp8_weights += f.bytes;
+      p.fp8_scaling += parallel::fp8_scaling_bytes(c.fp8, f.linears);
+      block_fp8 = std::max(block_fp8, f.bytes);
+    }
   }
   const bool units = c.zero >= 2 && c.dp * c.cp > 1;
   Config none = c;

@@ -466,11 +466,6 @@ void resolve_experts(Config& c) {
         "gpt: --experts with --tp 2 or more needs --seq-parallel: each tensor-parallel rank routes its own "
         "tokens (Megatron-Core requires the same)");
   }
-  if (c.fp8 != parallel::Fp8Recipe::None) {
-    throw UsageError(
-        "gpt: --experts with FP8 GEMMs (--dtype fp8, or an --fp8-recipe) is not built: the experts' grouped "
-        "GEMMs run in 16 bits; give --dtype bf16 and --fp8-recipe none");
-  }
 }
 
 // The block's own flags, each refused where the block has nothing it sets.

@@ -85,6 +85,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   // With experts: each MoE layer's tokens go to the ranks of its ep group that hold their experts, and the
   // experts' gradients are reduced over the ranks that hold the same ones.
   parallel::ExpertParallel ep = expert_parallel(r, c, groups, exposed);
+  if (fp8) ep.fp8 = &*fp8;
   std::optional<parallel::DataParallel> expert_dp;
   if (c.moe()) expert_dp.emplace(r, expert_zero_config(c, groups), exposed);
   // The model: this rank's chunks of it (its stage's layers, v chunks interleaved), split over tp.

@@ -239,15 +239,23 @@ std::int64_t routed_stash_bytes(const Config& c) {
   // takes one more where they do not divide).
   const parallel::Routing ro = parallel::route_balanced(c.local_rows(), c.experts, c.top_k);
   const std::int64_t routes = ro.routes();
-  std::int64_t received = 0;
-  for (int le = 0; le < c.local_experts(); ++le) received += c.ep * ro.per_expert[le];
-  // With etp, what the etp ranks received, gathered, on their shards of the experts.
-  const std::int64_t gathered = c.etp * received, fl = f / c.etp;
-  std::int64_t bytes = routes * 2 * 4       // each route's token and gate, float32
-                       + gathered * h * dt  // the experts' inputs
-                       + routes * h * dt    // their outputs, back at the routes' ranks
-                       + gathered * (c.llama() ? 3 : 2) * fl * dt;  // w_in's outputs and their activation
-  if (c.ep > 1 || c.etp > 1) bytes += 2 * gathered * 4;             // the sort by expert and back, float32
+  // Each local expert's rows: with etp, what the etp ranks received, gathered, on their shards of the
+  // experts. In FP8 an expert keeps its two GEMMs' inputs as their weight gradients read them (w_in's
+  // input and the activation), in 16 bits the inputs and the activation themselves.
+  const std::int64_t fl = f / c.etp;
+  const bool fp8 = c.fp8 != parallel::Fp8Recipe::None;
+  std::int64_t gathered = 0, experts = 0;
+  for (int le = 0; le < c.local_experts(); ++le) {
+    const std::int64_t rows = c.etp * c.ep * ro.per_expert[le];
+    gathered += rows;
+    experts += rows * (c.llama() ? 2 : 1) * fl * dt;  // w_in's outputs
+    experts += fp8 ? parallel::fp8_kept_bytes(c.fp8, rows, h) + parallel::fp8_kept_bytes(c.fp8, rows, fl)
+                   : rows * (h + fl) * dt;
+  }
+  std::int64_t bytes = routes * 2 * 4                    // each route's token and gate, float32
+                       + experts                         // the experts' activations
+                       + routes * h * dt;                // their outputs, back at the routes' ranks
+  if (c.ep > 1 || c.etp > 1) bytes += 2 * gathered * 4;  // the sort by expert and back, float32
   return bytes;
 }
 
@@ -292,8 +300,12 @@ std::int64_t stash_bytes(const Config& c, int layers, bool embedding, bool head,
   // MLP's (the llama block's).
   const std::int64_t fs = c.shared_experts * c.moe_ffn() / c.tp;
   const std::int64_t shared = r * 2 * fs * dt + kept(r, fs);
-  const std::int64_t moe_block =
-      c.recompute == Recompute::Full ? block : block - mlp + routed_stash_bytes(c) + (fs > 0 ? shared : 0);
+  // In FP8 the router's weight gradient reads the layer's input in 16 bits; the shared experts keep their
+  // own FP8 copy of it besides.
+  const std::int64_t router_x = fp8 ? lr * h * dt - (fs > 0 ? 0 : kept(lr, h)) : 0;
+  const std::int64_t moe_block = c.recompute == Recompute::Full
+                                     ? block
+                                     : block - mlp + routed_stash_bytes(c) + (fs > 0 ? shared : 0) + router_x;
   const std::int64_t moe_layers = c.moe_layer_count(first_layer, layers);
   std::int64_t total = (layers - moe_layers) * block + moe_layers * moe_block;
   if (head) {
@@ -403,7 +415,7 @@ std::int64_t Model::kept_bytes(int chunk, int mb) const {
     for (const Tensor* t :
          {&a.x,        &a.mean1, &a.rstd1,       &a.y1,    &a.qkv,   &a.out,    &a.lse,       &a.probs,
           &a.x1,       &a.mean2, &a.rstd2,       &a.y2,    &a.u,     &a.g,      &a.y1_scales, &a.y2_scales,
-          &a.g_scales, &a.out8,  &a.out8_scales, &a.q_pre, &a.k_pre, &a.rstd_q, &a.rstd_k}) {
+          &a.g_scales, &a.out8,  &a.out8_scales, &a.q_pre, &a.k_pre, &a.rstd_q, &a.rstd_k,    &a.router_x}) {
       add(*t);
     }
   }
@@ -420,6 +432,8 @@ std::int64_t Model::routed_bytes(int chunk, int mb) const {
     for (const Tensor* t : {&k.index, &k.gates, &k.sorted, &k.back, &k.sort, &k.unsort}) add(*t);
     for (const std::vector<Tensor>* ts : {&k.u, &k.g})
       for (const Tensor& t : *ts) add(t);
+    for (const std::vector<parallel::Fp8Operand>* qs : {&k.x8, &k.g8})
+      for (const parallel::Fp8Operand& q : *qs) add(q.along_rows), add(q.rows_scales);
   }
   return n;
 }
@@ -796,7 +810,8 @@ Tensor Model::moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertPa
 }
 
 Tensor Model::moe_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dout) {
-  parallel::ExpertParallel::Grads g = ep_->backward(dout, a.y2, w.router, w.w_in, w.w_out, a.moe);
+  const Tensor& x = a.router_x.defined() ? a.router_x : a.y2;
+  parallel::ExpertParallel::Grads g = ep_->backward(dout, x, w.router, w.w_in, w.w_out, a.moe);
   for (std::size_t le = 0; le < g.dw_in.size(); ++le) {
     expert_dp_->add_grad(b.experts[2 * le], g.dw_in[le]);
     expert_dp_->add_grad(b.experts[2 * le + 1], g.dw_out[le]);
@@ -860,7 +875,7 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
-  Tensor u, o;
+  Tensor u, o, router_x;
   parallel::ExpertParallel::Kept moe;
   if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
     fp8_linear(layer, kW13);
@@ -872,10 +887,12 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
     Tensor routed = moe_forward(w, n2.y, moe, layer, mb, !keep_all);
     o = o.defined() ? r.add(o, routed) : routed;
     if (!k2.x.defined()) k2.x = n2.y;
+    if (is_float8(k2.x.dtype())) router_x = n2.y;
   }
   Tensor x2 = r.add(x1, residual_dropout(o, layer, 1, mb));
   if (keep_all || c_.recompute != Recompute::Full) {
     a.rstd1 = n1.rstd, a.qkv = qkv, a.x1 = x1, a.rstd2 = n2.rstd, a.u = u, a.moe = std::move(moe);
+    a.router_x = router_x;
     keep_inputs(a, k1, ko, k2, kg);
     if (keep_all || c_.recompute == Recompute::None) a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   } else {

@@ -196,6 +196,9 @@ class Model {
     Tensor q_pre, k_pre, rstd_q, rstd_k;  // QK-norm's inputs and statistics
     Tensor y1_scales, y2_scales, g_scales, out8, out8_scales;
     parallel::ExpertParallel::Kept moe;  // a MoE layer's routing and its experts' activations
+    // A MoE layer's input in 16 bits where y2 is the shared experts' FP8 copy of it: the router's weight
+    // gradient reads it.
+    Tensor router_x;
   };
   struct HeadActs {
     Tensor x, mean, rstd, y, logits, row_max, stats;

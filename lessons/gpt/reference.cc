@@ -31,6 +31,12 @@ double unit_roundoff(DType t) {
   }
 }
 
+// What the run rounds a layer's activations to on their way to a router: the compute dtype, or with FP8
+// GEMMs the linear layers' e4m3 inputs (3 mantissa bits: a unit roundoff of 2^-4).
+double activation_roundoff(const Config& c) {
+  return c.fp8 != parallel::Fp8Recipe::None ? 0x1p-4 : unit_roundoff(c.dtype);
+}
+
 // A parameter's gradient as the backward sums it: its values, and beside each element the sum of the
 // magnitudes of the terms added into it. A float sum's rounding error is bounded by the unit roundoff times
 // the latter, whatever the order of the additions (Higham, "Accuracy and Stability of Numerical
@@ -721,7 +727,7 @@ void Training::judge_drops(int layer, const BlockActs& a) const {
     }
   }
   // A gate is a softmax of logits the run rounds: within 16 unit roundoffs of the reference's.
-  const double bound = 16 * unit_roundoff(c_.dtype);
+  const double bound = 16 * activation_roundoff(c_);
   for (const auto& [key, load] : loads) {
     const bool count_wrong = load.kept != std::min(load.routes, capacity);
     const double over = load.highest_dropped - load.lowest_kept;
@@ -788,7 +794,7 @@ void Training::judge_route(int layer, std::int64_t t, const Vec& y, const double
   if (mine == theirs) return;
   // The run's logit of an expert is off by its rounding of y (and of the router's column): a dot product
   // of h terms each off by up to a unit roundoff, independently, is off by about u |y| |w| / sqrt(h); 16
-  // of that covers the activations' rounding through the layers before.
+  // of that covers the activations' rounding through the layers before (FP8's, with FP8 GEMMs there).
   const Vec& router = w_[moe_index(layer, kRouterKind)];
   double y_norm = 0, w_norm = 0;
   for (std::int64_t d = 0; d < h; ++d) y_norm += y[t * h + d] * y[t * h + d];
@@ -797,7 +803,7 @@ void Training::judge_route(int layer, std::int64_t t, const Vec& y, const double
     for (std::int64_t d = 0; d < h; ++d) col += router[d * E_ + e] * router[d * E_ + e];
     w_norm = std::max(w_norm, col);
   }
-  const double bound = 16 * unit_roundoff(c_.dtype) * std::sqrt(y_norm * w_norm / static_cast<double>(h));
+  const double bound = 16 * activation_roundoff(c_) * std::sqrt(y_norm * w_norm / static_cast<double>(h));
   const double kth = l[order[K_ - 1]];
   double worst = INFINITY;
   int worst_expert = theirs[0];

@@ -17,6 +17,7 @@ namespace ranklab::parallel {
 Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
                                const std::vector<Tensor>& w_out, Kept& k, int layer) {
   // 1. Route: the router's GEMM on the device, each token's top-k on the host.
+  k.layer = layer;
   k.routing = route(r.matmul(x, router), layer);
   // 2-5. Permute the routed rows into dispatch order, exchange the counts, send each row to its expert's
   // rank, and sort what arrives by local expert.
@@ -27,12 +28,18 @@ Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std:
   Tensor out = buffer(r, phantom, Shape{k.sorted.size(0), h}, x.dtype());
   k.u.assign(local_experts(), Tensor());
   k.g.assign(local_experts(), Tensor());
+  k.x8.assign(fp8 ? local_experts() : 0, Fp8Operand());
+  k.g8.assign(fp8 ? local_experts() : 0, Fp8Operand());
   for (int le = 0; le < local_experts(); ++le) {
+    if (fp8) fp8->declare(fp8_linear(layer, le, 0)), fp8->declare(fp8_linear(layer, le, 1));
     if (k.expert_rows[le] == 0) continue;
-    k.u[le] = r.matmul(expert_rows(k.sorted, k, le), w_in[le]);
+    k.u[le] =
+        linear(expert_rows(k.sorted, k, le), w_in[le], fp8_linear(layer, le, 0), fp8 ? &k.x8[le] : nullptr);
     k.g[le] = swiglu ? r.swiglu(k.u[le]) : r.gelu(k.u[le]);
-    r.matmul_(expert_rows(out, k, le), k.g[le], w_out[le], Trans::No, Trans::No);
+    linear(k.g[le], w_out[le], fp8_linear(layer, le, 1), fp8 ? &k.g8[le] : nullptr, expert_rows(out, k, le));
+    if (fp8) k.g[le] = Tensor();  // the FP8 copy is what the weight gradient reads
   }
+  if (fp8) k.sorted = Tensor();
   // 7. Back to the ranks the rows came from, then each token's routes weighted by their gates and summed.
   k.back = combine(out, k);
   const Tensor gates = broken == "moe-combine-without-gates" ? Tensor() : k.gates;
@@ -55,12 +62,15 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
       g.dw_out.push_back(zeros(r, phantom, w_out[le].shape(), DType::Float32));
       continue;
     }
-    const Tensor dye = expert_rows(dsorted, k, le), xe = expert_rows(k.sorted, k, le);
-    g.dw_out.push_back(r.matmul(k.g[le], dye, Trans::Yes, Trans::No));
-    const Tensor dact = r.matmul(dye, w_out[le], Trans::No, Trans::Yes);
+    const Tensor dye = expert_rows(dsorted, k, le);
+    Tensor dw, dact = linear_backward(dye, w_out[le], fp8_linear(k.layer, le, 1),
+                                      fp8 ? k.g8[le].along_rows : k.g[le], dw);
+    g.dw_out.push_back(dw);
     const Tensor du = swiglu ? r.swiglu_backward(dact, k.u[le]) : r.gelu_backward(dact, k.u[le]);
-    g.dw_in.push_back(r.matmul(xe, du, Trans::Yes, Trans::No));
-    r.matmul_(expert_rows(dx_sorted, k, le), du, w_in[le], Trans::No, Trans::Yes);
+    linear_backward(du, w_in[le], fp8_linear(k.layer, le, 0),
+                    fp8 ? k.x8[le].along_rows : expert_rows(k.sorted, k, le), dw,
+                    expert_rows(dx_sorted, k, le));
+    g.dw_in.push_back(dw);
   }
   for (std::size_t le = 0; le < g.dw_in.size(); ++le) {
     if (grad_scale != 1) r.scale_(g.dw_in[le], grad_scale), r.scale_(g.dw_out[le], grad_scale);
@@ -445,6 +455,35 @@ Tensor ExpertParallel::combine(const Tensor& sorted_rows, const Kept& k) {
   const Event e = exposed.before();
   exposed.after(Dim::Ep, e, r.all_to_all(back, by_source, k.sent_rows, k.received_rows, Async::No, group));
   return back;
+}
+
+Tensor ExpertParallel::linear(const Tensor& x, const Tensor& w, int id, Fp8Operand* keep, const Tensor& out) {
+  Tensor a = x, b = w;
+  if (fp8) {
+    fp8->select(id);
+    *keep = fp8->input(x, nullptr);
+    a = keep->along_cols;
+    b = fp8->weight(w).along_rows;
+    keep->along_cols = Tensor();  // only the weight gradient's layout is kept
+  }
+  if (!out.defined()) return r.matmul(a, b);
+  r.matmul_(out, a, b, Trans::No, Trans::No);
+  return out;
+}
+
+Tensor ExpertParallel::linear_backward(const Tensor& dy, const Tensor& w, int id, const Tensor& x_kept,
+                                       Tensor& dw, const Tensor& dx_out) {
+  Tensor dy_cols = dy, dy_rows = dy, b = w;
+  if (fp8) {
+    fp8->select(id);
+    const Fp8Operand q = fp8->gradient(dy);
+    dy_cols = q.along_cols, dy_rows = q.along_rows;
+    b = fp8->weight(w).along_cols;
+  }
+  dw = r.matmul(x_kept, dy_rows, Trans::Yes, Trans::No);
+  if (!dx_out.defined()) return r.matmul(dy_cols, b, Trans::No, Trans::Yes);
+  r.matmul_(dx_out, dy_cols, b, Trans::No, Trans::Yes);
+  return dx_out;
 }
 
 Tensor ExpertParallel::expert_rows(const Tensor& sorted, const Kept& k, int le) const {

@@ -35,6 +35,7 @@
 
 #include "common/rank.h"
 #include "lessons/parallel/exposed.h"
+#include "lessons/parallel/fp8.h"
 
 namespace ranklab::parallel {
 
@@ -137,17 +138,26 @@ struct ExpertParallel {
   // The expert tensor-parallel group: the etp ranks that hold the shards of the same experts (above).
   Group etp{};
   int etp_size = 1, etp_index = 0;
+  // The experts' GEMMs in FP8 (fp8.h), each expert's two linear layers as TransformerEngine's GroupedLinear
+  // runs them: every GEMM's input, weight and output gradient quantized on its own (each its own amax
+  // history under delayed scaling, by local expert, as TransformerEngine packs them by position); 16-bit
+  // without. The router's GEMM stays in 16 bits.
+  Fp8* fp8 = nullptr;
 
   int size() const { return static_cast<int>(ranks.size()); }
   int local_experts() const { return experts / size(); }
 
   // What a layer's forward keeps for its backward.
   struct Kept {
+    int layer = 0;
     Routing routing;
     Tensor index, gates;       // each route's token row and gate, in dispatch order
-    Tensor sorted;             // the received rows, by local expert: the experts' inputs
+    Tensor sorted;             // the received rows, by local expert: the experts' inputs (16-bit only)
     Tensor back;               // the experts' outputs of this rank's routes, before the gates
-    std::vector<Tensor> u, g;  // each local expert's w_in output and its activation
+    std::vector<Tensor> u, g;  // each local expert's w_in output and its activation (16-bit only)
+    // With FP8: each local expert's two GEMM inputs as its weight gradients read them (along their rows),
+    // kept in place of `sorted` and `g`.
+    std::vector<Fp8Operand> x8, g8;
     std::vector<std::int64_t> sent_rows, received_rows;  // per ep rank
     std::int64_t member_rows = 0;  // with etp: each etp member's block of the gather, padded to the longest
     Tensor sort, unsort;           // the permutations between source (gathered) and expert order
@@ -179,6 +189,17 @@ struct ExpertParallel {
   // group sends it (exchanged here), and with etp the counts its etp members received (gathered here).
   void plan_exchange(Kept& k);
   Tensor expert_rows(const Tensor& sorted, const Kept& k, int le) const;
+  // An expert's linear layer: x @ w (into `out` when given), in FP8 with the input's copy for the weight
+  // gradient kept in `keep`; and its backward, dw = x^T dy from the kept input, returning dy w^T (into
+  // `dx_out` when given).
+  Tensor linear(const Tensor& x, const Tensor& w, int id, Fp8Operand* keep, const Tensor& out = Tensor());
+  Tensor linear_backward(const Tensor& dy, const Tensor& w, int id, const Tensor& x_kept, Tensor& dw,
+                         const Tensor& dx_out = Tensor());
+  // Delayed scaling's name for local expert `le`'s linear layer `which` (0: w_in, 1: w_out) of `layer`:
+  // negative, apart from the dense layers' (Model::fp8_linear).
+  int fp8_linear(int layer, int le, int which) const {
+    return -1 - 2 * (layer * local_experts() + le) - which;
+  }
 };
 
 }  // namespace ranklab::parallel

@@ -92,6 +92,14 @@ Fp8::History& Fp8::history(Role role) {
   return at->second;
 }
 
+void Fp8::declare(int linear) {
+  if (recipe_ != Fp8Recipe::Delayed) return;
+  const int was = linear_;
+  linear_ = linear;
+  for (Role role : {Role::Input, Role::Weight, Role::Gradient}) history(role);
+  linear_ = was;
+}
+
 void Fp8::end_pass(Pass pass) {
   if (recipe_ != Fp8Recipe::Delayed) return;
   std::vector<Tensor> earlier, scales, amaxes;

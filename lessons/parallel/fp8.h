@@ -84,6 +84,11 @@ class Fp8 {
   // Delayed scaling: the linear layer the next casts belong to (any number that names it the same way on
   // every rank that shares its tensors), whose input, weight and output gradient keep their histories.
   void select(int linear) { linear_ = linear; }
+  // Delayed scaling: makes linear layer `linear`'s histories now, as its first cast would. Every rank that
+  // reduces its amaxes with others must hold the same histories in the same order; a linear layer that may
+  // see no rows on some ranks (an expert no token was routed to) is declared on all of them. Nothing under
+  // the other recipes.
+  void declare(int linear);
   // Delayed scaling, after a forward or a backward pass: the pass's amaxes of the forward's tensors (inputs
   // and weights, e4m3) or of the backward's (output gradients, e5m2), of every linear layer of the rank,
   // packed into one tensor, reduced by `reduce_amaxes` (a max over the ranks that share them) and folded
