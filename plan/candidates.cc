@@ -472,14 +472,15 @@ double StepBound::us(const gpt::Config& c) {
       const std::int64_t lr = c.local_rows(), E = c.experts;
       u.forward += k.gemm_us(lr, E, h, d);
       u.backward += k.gemm_us(h, E, lr, d) + k.gemm_us(lr, h, E, d);
-      // With etp: what the etp ranks received, each on its shard of the experts' width.
+      // With etp: what the etp ranks received, each on its shard of the experts' width. The experts'
+      // GEMMs run in FP8 with the linear layers'.
       const std::int64_t rows = c.etp * c.ep * share;
       const std::int64_t f = c.moe_ffn() / c.etp;
       if (rows > 0) {
         const double experts = static_cast<double>(c.local_experts());
-        u.forward += experts * (k.gemm_us(rows, up * f, h, d) + k.gemm_us(rows, h, f, d));
-        u.backward += experts * (k.gemm_us(f, h, rows, d) + k.gemm_us(rows, f, h, d) +
-                                 k.gemm_us(h, up * f, rows, d) + k.gemm_us(rows, h, up * f, d));
+        u.forward += experts * (k.gemm_us(rows, up * f, h, linear) + k.gemm_us(rows, h, f, linear));
+        u.backward += experts * (k.gemm_us(f, h, rows, linear) + k.gemm_us(rows, f, h, linear) +
+                                 k.gemm_us(h, up * f, rows, linear) + k.gemm_us(rows, h, up * f, linear));
       }
     }
     const MemoryBound mem = memory_bound_bytes(c, !moe_layer);

@@ -137,9 +137,9 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
 }
 
 // A mixture of experts in both blocks, every other layer MoE (the llama block's with a shared expert and
-// dropped routes): layouts with each expert-parallel size that divides the experts and the stage's ranks,
-// each expert whole or split over tp, are enumerated, none runs faster than its bound, and the winner
-// trains equal to one device.
+// dropped routes, tried in bf16 and FP8): layouts with each expert-parallel size that divides the experts and
+// the stage's ranks, each expert whole or split over tp, are enumerated, none runs faster than its bound,
+// and the winner trains equal to one device.
 TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
   for (const char* block : {"gpt", "llama"}) {
     Request r = tiny_request();
@@ -151,6 +151,7 @@ TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
     if (std::string(block) == "llama") {
       r.shape["shared-experts"] = option_text(1);
       r.shape["capacity-factor"] = option_text(0.75);
+      r.try_fp8 = "current";  // the experts' GEMMs in FP8 too
     }
     const Question q = make_question(r);
     std::set<int> eps;
