@@ -169,6 +169,36 @@ TEST(GptFp8, DelayedScalingScalesEachPassByTheEarlierPassesAmaxes) {
   });
 }
 
+// Under full recomputation a layer's input is cast again with the scale its forward cast used, in the order
+// the micro-batches ran: two forward casts of an input (the second, twice the first, saturating at the
+// first's largest value), then their recomputes, which give the forwards' values although the history now
+// holds 4 (by which the second would keep its -4). A recompute with no forward cast left is an error.
+TEST(GptFp8, ARecomputedCastTakesItsForwardsScale) {
+  SimConfig config = testing::quiet_config();
+  SimBackend backend(config);
+  backend.launch(1, [](Rank& r) {
+    parallel::Fp8 fp8(r, parallel::Fp8Recipe::Delayed, /*keep_weights=*/true);
+    fp8.keep_scales_for_recompute();
+    fp8.select(3);
+    const std::vector<float> x = {0.5f, -2.0f, 1.0f, 0.25f}, twice = {1.0f, -4.0f, 2.0f, 0.5f},
+                             eight = {2.0f, -8.0f, 4.0f, 1.0f};
+    auto cast = [&](const std::vector<float>& v) {
+      return r.to_host(fp8.input(r.from_host({2, 2}, v, DType::BFloat16), nullptr).along_cols);
+    };
+    EXPECT_EQ(cast(x), x);
+    fp8.end_pass(parallel::Fp8::Pass::Forward);
+    const std::vector<float> saturated = {1.0f, -2.0f, 2.0f, 0.5f};
+    EXPECT_EQ(cast(twice), saturated);
+    fp8.end_pass(parallel::Fp8::Pass::Forward);
+    fp8.begin_recompute();
+    EXPECT_EQ(cast(x), x);
+    EXPECT_EQ(cast(twice), saturated);
+    EXPECT_THROW(cast(eight), Error);
+    fp8.end_recompute();
+    EXPECT_EQ(cast(eight), (std::vector<float>{2.0f, -4.0f, 4.0f, 1.0f}));  // the history's scale again
+  });
+}
+
 // Delayed scaling's casts read no amax pass before them: after the first step (whose first pass scales each
 // tensor by its own amax) no amax or fp8_scale kernel runs and no per-cast all-reduce, where current scaling
 // runs one of each for every cast and one all-reduce per gathered input. Each forward pass ends with one

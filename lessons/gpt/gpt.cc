@@ -67,6 +67,7 @@ void gpt_lesson(Rank& r, const Config& o) {
   std::optional<parallel::Fp8> fp8;
   if (c.fp8 != parallel::Fp8Recipe::None) {
     fp8.emplace(r, c.fp8, /*keep_weights=*/c.zero < 3, c.phantom);
+    if (c.recompute == gpt::Recompute::Full) fp8->keep_scales_for_recompute();
     tp.fp8 = &*fp8;
   }
   if (c.fp8 == parallel::Fp8Recipe::Delayed && c.tp * c.cp * c.dp > 1) {

@@ -733,7 +733,9 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   Rank& r = r_;
   if (c_.recompute == Recompute::Full) {
     BlockActs again;
+    if (tp_.fp8 != nullptr) tp_.fp8->begin_recompute();
     block_forward(w, a.x, again, true, b.layer, mb);  // the forward once more, its communication included
+    if (tp_.fp8 != nullptr) tp_.fp8->end_recompute();
     a = std::move(again);
   } else if (c_.recompute == Recompute::Selective) {
     Rank::AttentionOut att = attend(a.qkv);
@@ -940,7 +942,9 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   Rank& r = r_;
   if (c_.recompute == Recompute::Full) {
     BlockActs again;
+    if (tp_.fp8 != nullptr) tp_.fp8->begin_recompute();
     llama_forward(w, a.x, again, true, b.layer, mb);
+    if (tp_.fp8 != nullptr) tp_.fp8->end_recompute();
     a = std::move(again);
   } else if (c_.recompute == Recompute::Selective) {
     Rank::AttentionOut att = attend(a.qkv);

@@ -2,6 +2,7 @@
 
 #include <vector>
 
+#include "common/errors.h"
 #include "lessons/parallel/exposed.h"
 
 namespace ranklab::parallel {
@@ -126,13 +127,21 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, Role role, bool square, 
     // reduced together), so the pieces of a sequence-parallel all-gather need no all-reduce of their own;
     // the cast records the tensor's amax for the next update.
     History* h = recipe_ == Fp8Recipe::Delayed ? &history(role) : nullptr;
-    Tensor scale = h != nullptr ? h->scale : Tensor();
+    Tensor scale = h != nullptr ? h->scale : Tensor(), record = h != nullptr ? h->amax : Tensor();
+    // A recomputed input: its forward's scale, and no amax (the pass's amaxes are the forward's).
+    const bool recomputed = h != nullptr && role == Role::Input && recomputing_;
+    if (recomputed) {
+      if (h->for_recompute.empty()) throw Error("Fp8: a recomputed cast with no forward cast before it");
+      scale = h->for_recompute.front();
+      h->for_recompute.pop_front();
+      record = Tensor();
+    }
     // Current scaling, and a delayed tensor's first pass, which has no history: the cast is scaled by its
     // own amax (for delayed scaling as float8_experimental's enable_amax_init does, pytorch-labs/
     // float8_experimental PR 18; TransformerEngine casts with scale 1 instead, which leaves gradients of
     // 1e-4 in e5m2's subnormals: the tiny model's first step then misses the one-device check,
     // docs/lessons/gpt.md, "FP8").
-    if (h == nullptr || !h->scaled) {
+    if (!recomputed && (h == nullptr || !h->scaled)) {
       const Tensor amax = r_.amax(x);
       if (reduce_amax) reduce_amax(amax);
       const Tensor own = r_.fp8_scale(amax, format);
@@ -142,8 +151,9 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, Role role, bool square, 
         r_.copy_(h->scale, own);
       }
     }
-    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, scale, both && !any_layout_,
-                                    h != nullptr ? h->amax : Tensor());
+    Rank::Quantized q = r_.quantize(x, format, Rank::Fp8Scaling{}, scale, both && !any_layout_, record);
+    if (h != nullptr && role == Role::Input && keep_for_recompute_ && !recomputed)
+      h->for_recompute.push_back(r_.cast(scale, DType::Float32));
     o.along_cols = q.data;
     o.along_rows = q.columnwise.defined() ? q.columnwise : q.data;
     return o;

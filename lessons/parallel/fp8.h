@@ -28,12 +28,17 @@
 //              micro-batch and model chunk) the forward tensors' amaxes of the whole rank are all-reduced
 //              together over the ranks that share the tensors, and the scales updated; at the end of each
 //              backward pass the output gradients' (reduce_and_update_fp8_tensors(forward=False), which the
-//              first FP8 module's backward calls)
+//              first FP8 module's backward calls). Under full recomputation a layer's input is cast again in
+//              the backward with the scale its forward cast used, and records no amax, as
+//              TransformerEngine copies a module's scales for the recompute and restores them after
+//              (FP8GlobalStateManager.copy_forward_fp8_meta_tensors_for_recompute): the recomputed
+//              activations are the forward's
 // A weight is quantized once per step, at its first use, and kept for the step's other micro-batches and its
 // backward, as TransformerEngine keeps its FP8 weights across micro-batches; a weight gathered for each use
 // (ZeRO 3) is quantized at each. Attention, the norms, the output layer and the optimizer stay in 16 bits.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <map>
 #include <unordered_map>
@@ -80,6 +85,12 @@ class Fp8 {
   Fp8(Rank& r, Fp8Recipe recipe, bool keep_weights, bool phantom = false);
   // Forgets the step's quantized weights: the optimizer has changed them.
   void start_step() { weights_.clear(); }
+  // Delayed scaling under full recomputation: each forward cast of a linear layer's input keeps the scale it
+  // used, and between begin_recompute and end_recompute the layer's casts take those back in order (the
+  // layer's micro-batches recompute in the order they ran forward) and record no amax.
+  void keep_scales_for_recompute() { keep_for_recompute_ = true; }
+  void begin_recompute() { recomputing_ = true; }
+  void end_recompute() { recomputing_ = false; }
 
   // Delayed scaling: the linear layer the next casts belong to (any number that names it the same way on
   // every rank that shares its tensors), whose input, weight and output gradient keep their histories.
@@ -129,6 +140,7 @@ class Fp8 {
   struct History {
     Tensor earlier, scale, amax;
     bool scaled = false;  // a pass has ended since the tensor's first cast: the history gives the scale
+    std::deque<Tensor> for_recompute;  // the scales of the forward casts still to be recomputed
   };
   History& history(Role role);
   Rank& r_;
@@ -136,6 +148,7 @@ class Fp8 {
   bool keep_weights_ = true;
   bool any_layout_ = false;  // the GPU's FP8 GEMMs read their inputs in any layout (Blackwell)
   bool phantom_ = false;
+  bool keep_for_recompute_ = false, recomputing_ = false;
   int linear_ = 0;
   // By (linear layer, role): ordered, so that every rank packs its amaxes in the same order.
   std::map<std::pair<int, Role>, History> histories_;
