@@ -211,6 +211,7 @@ class Training {
   double step(int step, std::vector<Vec>& g, std::vector<Vec>& magnitude);
   Reference::State state() const { return {w_, m_, v_}; }
   const Reference::RoutingAgreement& routing() const { return routing_; }
+  double softmax_shift() const { return softmax_shift_; }
 
  private:
   const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
@@ -292,6 +293,8 @@ class Training {
   std::vector<std::int64_t> tok_, tgt_;  // the inputs and the next tokens, row = sample * S + position
   const Reference::Routes* routes_;
   mutable Reference::RoutingAgreement routing_;
+  // The most the run's rounding of its scores or logits can move one of them (Reference::softmax_shift).
+  mutable double softmax_shift_ = 0;
 };
 
 Training::Training(const Config& c, const Reference::State* start, const Reference::Routes* routes)
@@ -529,8 +532,13 @@ void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) c
   for (std::int64_t i = 0; i < S; ++i) {
     double mx = -1e300;
     for (std::int64_t j = 0; j <= i; ++j) {
-      double sc = 0;
-      for (std::int64_t d = 0; d < hd; ++d) sc += qkv(i, 0, d) * qkv(j, 1, d);
+      double sc = 0, magnitude = 0;
+      for (std::int64_t d = 0; d < hd; ++d) {
+        sc += qkv(i, 0, d) * qkv(j, 1, d);
+        magnitude += std::fabs(qkv(i, 0, d) * qkv(j, 1, d));
+      }
+      // q and k each rounded (to the activations' precision) move the score by up to 2 u sum |q_d k_d|.
+      softmax_shift_ = std::max(softmax_shift_, 2 * activation_roundoff(c_) * magnitude * scale_);
       p[i * S + j] = sc * scale_;
       mx = std::max(mx, p[i * S + j]);
     }
@@ -552,8 +560,13 @@ double Training::head_forward(const Norm& lnf, Vec& dlogits) const {
   for (std::int64_t i = 0; i < n; ++i) {
     double mx = -1e300;
     for (std::int64_t t = 0; t < V; ++t) {
-      double z = 0;
-      for (std::int64_t j = 0; j < h; ++j) z += lnf.y[i * h + j] * wte[t * h + j];
+      double z = 0, magnitude = 0;
+      for (std::int64_t j = 0; j < h; ++j) {
+        z += lnf.y[i * h + j] * wte[t * h + j];
+        magnitude += std::fabs(lnf.y[i * h + j] * wte[t * h + j]);
+      }
+      // The output layer's input and weight each rounded to the compute dtype (it stays in 16 bits).
+      softmax_shift_ = std::max(softmax_shift_, 2 * unit_roundoff(c_.dtype) * magnitude);
       dlogits[i * V + t] = z;
       mx = std::max(mx, z);
     }
@@ -995,6 +1008,7 @@ void Reference::step(int step, const State* from, const Routes* routes) {
   if (step == step_ && start == from_ && (routes ? *routes : none) == routes_) return;
   Training run(c_, &start, routes);
   const double loss = run.step(step, grads_, grad_magnitudes_);
+  softmax_shift_ = run.softmax_shift();
   from_ = start;
   after_ = run.state();
   routes_ = routes ? *routes : none;
