@@ -564,19 +564,60 @@ double StepBound::us(const gpt::Config& c) {
       drain_us[stage + 1] = drain_us[stage] + back_us + layers_us(first, count, &LayerUs::backward);
     }
   }
-  // (The experts' gradients and their ZeRO shards go over groups of their own: with experts this bound
-  // is left out.)
-  if (c.zero >= 2 && c.dp > 1 && !c.moe()) {
-    // After the data-parallel stream's work ahead of its last task, the stage's last task computes the
-    // backward of its chunk's blocks, then the drain and rank 0's optimizer.
-    for (int stage = 0; stage < c.pp; ++stage) {
-      bound = std::max(bound,
-                       zero_stream_us(c, stage) +
-                           layers_us(c.chunk_first_layer(stage), c.chunk_layers(stage), &LayerUs::backward) +
-                           drain_us[stage] + optimizer_us);
-    }
+  // After a data-parallel stream's work ahead of its last task, the stage's last task computes the
+  // backward of its chunk's blocks, then the drain and rank 0's optimizer. (The dense stream's bound is
+  // left out with experts, whose gradients and ZeRO shards go over a group of their own: the expert
+  // stream's below stands for them.)
+  for (int stage = 0; stage < c.pp; ++stage) {
+    double stream_us = 0;
+    if (c.zero >= 2 && c.dp > 1 && !c.moe()) stream_us = zero_stream_us(c, stage);
+    if (c.zero >= 2 && c.moe()) stream_us = std::max(stream_us, expert_stream_us(c, stage));
+    if (stream_us <= 0) continue;
+    bound = std::max(
+        bound, stream_us + layers_us(c.chunk_first_layer(stage), c.chunk_layers(stage), &LayerUs::backward) +
+                   drain_us[stage] + optimizer_us);
   }
   return bound;
+}
+
+double StepBound::expert_stream_us(const gpt::Config& c, int stage) {
+  // ZeRO 2 and 3 gather (zero 3) and reduce-scatter each MoE layer's experts as one unit of their own, over
+  // the expert-data-parallel group (the ranks that hold the same shards: every ep x etp-th of the stage's
+  // tp x cp x dp ranks, tp fastest; parallel::make_expert_groups), whose stream no other collective uses,
+  // in every task as the dense units are (zero_stream_us): the last task waits at its start for the
+  // reductions of the backward before it (DataParallel::drain), and with them for everything issued before.
+  const int block = c.ep * c.etp, edp = c.tp * c.cp * c.dp / block;
+  if (edp <= 1) return 0;
+  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
+  std::vector<int> edp_ranks;
+  int at = 0;
+  for (int dp = 0; dp < c.dp; ++dp)
+    for (int cp = 0; cp < c.cp; ++cp)
+      for (int tp = 0; tp < c.tp; ++tp, ++at)
+        if (at % block == 0) edp_ranks.push_back(grid.rank_of(tp, cp, dp, stage));
+  // A unit: each local expert's two weights, split over etp, each padded to a multiple of edp rows.
+  std::int64_t unit_elements = 0;
+  for (int which : {0, 1}) {
+    const Shape local =
+        parallel::local_shape(gpt::param_spec(c, {gpt::expert_kind(0, which), 0}, false), c.etp);
+    const std::int64_t rows = local[0], per_row = local.numel() / rows;
+    unit_elements += c.local_experts() * ((rows + edp - 1) / edp * edp * per_row);
+  }
+  const double gather =
+      c.zero == 3 ? comm_us(CommOp::AllGather, unit_elements * dtype_bytes(c.dtype), edp_ranks) : 0.0;
+  const double reduce =
+      comm_us(CommOp::ReduceScatter, unit_elements * dtype_bytes(c.reduce_dtype), edp_ranks);
+  int moe_layers = 0;
+  for (int k = 0; k < c.v; ++k) {
+    const int vs = k * c.pp + stage;
+    moe_layers += c.moe_layer_count(c.chunk_first_layer(vs), c.chunk_layers(vs));
+  }
+  // Every micro-batch's units gathered forward and backward and reduced, less what the last task (the
+  // first chunk's backward) issues itself.
+  const double total = static_cast<double>(c.micro_batches()) * moe_layers * (2 * gather + reduce);
+  const double last =
+      c.moe_layer_count(c.chunk_first_layer(stage), c.chunk_layers(stage)) * (gather + reduce);
+  return total - last;
 }
 
 double StepBound::zero_stream_us(const gpt::Config& c, int stage) {

@@ -19,9 +19,10 @@
 // it, with their sends), then rank 0's optimizer step. A MoE layer counts its router's and its local
 // experts' GEMMs on balanced routes and, where those divide evenly, its all-to-alls (and with expert tensor
 // parallelism its gathers and reduce-scatters) alone on the machine.
-// With ZeRO 2 or 3 (and no experts) the step is also no shorter than the data-parallel group's stream
-// (which runs the gathers and reduce-scatters every task issues one after another) up to the stage's last
-// task, then that task's backward, the drain and the optimizer. The rest
+// With ZeRO 2 or 3 the step is also no shorter than the data-parallel group's stream (which runs the
+// gathers and reduce-scatters every task issues one after another) up to the stage's last task, then that
+// task's backward, the drain and the optimizer; with experts, than that of the expert-data-parallel group,
+// which gathers and reduces the experts (the dense stream is then left out). The rest
 // of the data-parallel communication, the embedding's kernels and recomputation's collectives are left
 // out, so no simulated step can be faster; search.h uses the bound to simulate the cheapest layouts first
 // and to skip those that cannot beat the best found.
@@ -163,6 +164,8 @@ class StepBound {
   double comm_us(CommOp op, std::int64_t bytes, const std::vector<int>& ranks);
   // What ZeRO 2 and 3 keep a stage's data-parallel stream busy with before the stage's last task.
   double zero_stream_us(const gpt::Config& c, int stage);
+  // The same for the experts' units on their expert-data-parallel group's stream.
+  double expert_stream_us(const gpt::Config& c, int stage);
   Profile profile_;
   std::unique_ptr<sim::ComputeModel> compute_;
   std::unique_ptr<sim::NetworkModel> network_;

@@ -176,6 +176,33 @@ TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
   }
 }
 
+// ZeRO 2 and 3 over experts far wider than the model (16,384 of hidden 64) on two nodes: the experts'
+// gathers and reductions over the ranks that hold them (the expert-data-parallel stream, which the bound
+// counts: StepBound::expert_stream_us) weigh most in these steps. No step of the 92 such layouts is faster
+// than its bound; counting the stream five times over exceeds 40 of them.
+TEST(Plan, TheExpertStreamBoundIsBelowEveryStepItWeighsIn) {
+  Request r = tiny_request();
+  r.nodes = 2;
+  r.shape["experts"] = option_text(8);
+  r.shape["top-k"] = option_text(2);
+  r.shape["moe-ffn-hidden"] = option_text(16384);
+  const Question q = make_question(r);
+  int checked = 0;
+  for (const Candidate& k : enumerate(q)) {
+    if (k.status != Status::Pending || k.layout.zero < 2 || k.layout.tp != 1 || k.layout.recompute != "none")
+      continue;
+#if defined(RANKLAB_SANITIZE)
+    if (checked == 10) break;  // ten times slower under the sanitizers: the first ten
+#endif
+    const double step_us = run_gpt(q, k.layout, true).training->step_time_us;
+    EXPECT_LE(k.bound_us, step_us) << k.name;
+    ++checked;
+  }
+#if !defined(RANKLAB_SANITIZE)
+  EXPECT_EQ(checked, 92);
+#endif
+}
+
 // The enumeration reads the question's flags once and shares memory-plan parts between layouts: each
 // layout's configuration, planned bytes and bound are what it gets alone (the lesson's reading of all its
 // flags, gpt::memory_plan, a fresh bound), for a dense and a MoE question on two nodes, where the group
