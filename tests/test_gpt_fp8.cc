@@ -127,16 +127,14 @@ TEST(GptFp8, ExpertsTrainInFp8WithinTheToleranceOfOneDevice) {
   const RunReport blackwell = run_on("dgx-b200", mx);
   EXPECT_TRUE(blackwell.all_checks_passed()) << testing::failed_checks(blackwell);
   Settings all = experts(8, 2, "delayed");
-  for (const auto& [k, v] : std::map<std::string, std::string>{{"block", "llama"},
-                                                               {"kv-heads", "2"},
-                                                               {"tp", "2"},
-                                                               {"seq-parallel", "true"},
-                                                               {"pp", "2"},
-                                                               {"etp", "2"},
-                                                               {"shared-experts", "1"},
-                                                               {"zero", "1"}}) {
-    all[k] = v;
-  }
+  all.merge(Settings{{"block", "llama"},
+                     {"kv-heads", "2"},
+                     {"tp", "2"},
+                     {"seq-parallel", "true"},
+                     {"pp", "2"},
+                     {"etp", "2"},
+                     {"shared-experts", "1"},
+                     {"zero", "1"}});
   const RunReport together = run_on("dgx-h100", all);
   EXPECT_TRUE(together.all_checks_passed()) << testing::failed_checks(together);
   Settings dtype = experts(4, 2, "current");

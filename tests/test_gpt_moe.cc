@@ -56,6 +56,15 @@ RunReport run_preset(const Settings& o) {
   return testing::run_gpt(resolve_settings(find_lesson("gpt"), o, /*lecture=*/false));
 }
 
+// Two of Mixtral 8x7B's layers on 8 ranks, a global batch of 8, one phantom step, and the flags in `more`.
+Settings mixtral_phantom(const std::map<std::string, std::string>& more) {
+  Settings o{
+      {"model", "mixtral-8x7b"}, {"layers", "2"},  {"global-batch", "8"}, {"world", "8"}, {"steps", "1"},
+      {"phantom", "true"},       {"quiet", "true"}};
+  for (const auto& [k, v] : more) o[k] = v;
+  return o;
+}
+
 TEST(GptMoe, ExpertsOverOneTwoAndFourRanksTrainEqualToOneDevice) {
   for (int ep : {1, 2, 4}) {
     for (int k : {1, 2}) {
@@ -228,18 +237,7 @@ TEST(GptMoe, TokensAtTheWrongRankAndUngatedCombinesFailTheCheck) {
 // A Mixtral-shaped layer at full size, phantom: the dispatch and combine are expert-parallel communication,
 // and what the step keeps is what the memory plan says.
 TEST(GptMoe, APhantomStepCommunicatesOverEpAndKeepsWhatThePlanSays) {
-  Settings o;
-  for (const auto& [k, v] : std::map<std::string, std::string>{{"model", "mixtral-8x7b"},
-                                                               {"layers", "2"},
-                                                               {"global-batch", "8"},
-                                                               {"world", "8"},
-                                                               {"ep", "8"},
-                                                               {"steps", "1"},
-                                                               {"phantom", "true"},
-                                                               {"quiet", "true"}}) {
-    o[k] = v;
-  }
-  const RunReport rep = run_preset(o);
+  const RunReport rep = run_preset(mixtral_phantom({{"ep", "8"}}));
   EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
   ASSERT_TRUE(rep.training.has_value());
   EXPECT_GT(rep.training->communicated_comm_us.at("ep"), 0);
@@ -250,21 +248,8 @@ TEST(GptMoe, APhantomStepCommunicatesOverEpAndKeepsWhatThePlanSays) {
 // gather and reduce-scatter add expert-parallel traffic, and what the step keeps is what the plan says.
 TEST(GptMoe, APhantomStepWithEtpHoldsHalfTheExpertsAndGathersTheirTokens) {
   auto run = [](int etp) {
-    Settings o;
-    for (const auto& [k, v] : std::map<std::string, std::string>{{"model", "mixtral-8x7b"},
-                                                                 {"layers", "2"},
-                                                                 {"global-batch", "8"},
-                                                                 {"world", "8"},
-                                                                 {"tp", "2"},
-                                                                 {"seq-parallel", "true"},
-                                                                 {"ep", "4"},
-                                                                 {"steps", "1"},
-                                                                 {"phantom", "true"},
-                                                                 {"quiet", "true"}}) {
-      o[k] = v;
-    }
-    o["etp"] = option_text(etp);
-    const RunReport rep = run_preset(o);
+    const RunReport rep = run_preset(
+        mixtral_phantom({{"tp", "2"}, {"seq-parallel", "true"}, {"ep", "4"}, {"etp", option_text(etp)}}));
     EXPECT_TRUE(rep.all_checks_passed()) << "etp " << etp << "\n" << testing::failed_checks(rep);
     return rep;
   };
@@ -324,20 +309,7 @@ TEST(GptMoe, RoutingModelsSpreadEveryRouteAndCapEachExpertAtTheTokens) {
 // after the experts, and its rank holds more activations. (Virtual times: exact.)
 TEST(GptMoe, ASkewedRoutingSlowsTheStepAndRaisesThePeak) {
   auto run = [](const std::string& routing) {
-    Settings o;
-    for (const auto& [k, v] : std::map<std::string, std::string>{{"model", "mixtral-8x7b"},
-                                                                 {"layers", "2"},
-                                                                 {"seq", "2048"},
-                                                                 {"global-batch", "8"},
-                                                                 {"world", "8"},
-                                                                 {"ep", "8"},
-                                                                 {"steps", "1"},
-                                                                 {"phantom", "true"},
-                                                                 {"quiet", "true"},
-                                                                 {"routing", routing}}) {
-      o[k] = v;
-    }
-    const RunReport rep = run_preset(o);
+    const RunReport rep = run_preset(mixtral_phantom({{"seq", "2048"}, {"ep", "8"}, {"routing", routing}}));
     EXPECT_TRUE(rep.all_checks_passed()) << routing << "\n" << testing::failed_checks(rep);
     return rep;
   };
