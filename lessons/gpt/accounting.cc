@@ -178,12 +178,16 @@ MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel:
   for (int q = 0; q < block_params(c); ++q)
     block_elements += parallel::local_shape(block_spec(c, 0, q, false), c.tp).numel();
   // FP8: each linear layer's weight copies and its scaling state, for a layer with its dense MLP and for a
-  // MoE layer (its shared experts' MLP, and each local expert's two linear layers, split over etp).
+  // MoE layer (its shared experts' MLP, and each local expert's two linear layers, split over etp); the
+  // layers of a kind all have one shape.
   struct LayerFp8 {
     std::int64_t bytes = 0, linears = 0;
   };
-  auto layer_fp8 = [&](int layer) {
+  auto layer_fp8 = [&](bool moe) {
     LayerFp8 f;
+    if (c.fp8 == parallel::Fp8Recipe::None) return f;
+    int layer = 0;  // the first of the kind
+    while (layer + 1 < c.layers && c.moe_layer(layer) != moe) ++layer;
     for (int q = 0; q < block_params(c); ++q) {
       const parallel::ParamSpec spec = block_spec(c, layer, q, false);
       const Shape local = parallel::local_shape(spec, c.tp);
@@ -192,25 +196,25 @@ MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel:
       f.bytes += parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
       ++f.linears;
     }
-    if (c.moe_layer(layer)) {
+    if (moe) {
       for (int which : {0, 1}) {
-        const Shape local =
-            parallel::local_shape(param_spec(c, {expert_kind(0, which), layer}, false), c.etp);
+        const Shape local = parallel::local_shape(param_spec(c, {expert_kind(0, which), 0}, false), c.etp);
         f.bytes += c.local_experts() * parallel::fp8_weight_bytes(c.fp8, local, c.fp8_any_layout);
       }
       f.linears += 2 * c.local_experts();
     }
     return f;
   };
-  std::int64_t block_fp8 = 0;  // the largest layer's, gathered at a time under zero 3
+  const bool all_moe = c.moe_layer_count() == c.layers;
+  const LayerFp8 dense_fp8 = all_moe ? LayerFp8{} : layer_fp8(false),
+                 moe_fp8 = c.moe() ? layer_fp8(true) : LayerFp8{};
+  // The largest layer's copies, gathered one block at a time under zero 3.
+  const std::int64_t block_fp8 = std::max(dense_fp8.bytes, moe_fp8.bytes);
   for (int k = 0; k < c.v; ++k) {
-    const int vs = k * c.pp + stage, first = c.chunk_first_layer(vs);
-    for (int layer = first; layer < first + c.chunk_layers(vs); ++layer) {
-      const LayerFp8 f = layer_fp8(layer);
-      if (c.zero < 3) p.fp8_weights += f.bytes;
-      p.fp8_scaling += parallel::fp8_scaling_bytes(c.fp8, f.linears);
-      block_fp8 = std::max(block_fp8, f.bytes);
-    }
+    const int vs = k * c.pp + stage, first = c.chunk_first_layer(vs), layers = c.chunk_layers(vs);
+    const std::int64_t moe = c.moe_layer_count(first, layers), dense = layers - moe;
+    if (c.zero < 3) p.fp8_weights += dense * dense_fp8.bytes + moe * moe_fp8.bytes;
+    p.fp8_scaling += parallel::fp8_scaling_bytes(c.fp8, dense * dense_fp8.linears + moe * moe_fp8.linears);
   }
   const bool units = c.zero >= 2 && c.dp * c.cp > 1;
   Config none = c;
