@@ -464,7 +464,7 @@ Tensor ExpertParallel::linear(const Tensor& x, const Tensor& w, int id, Fp8Opera
     *keep = fp8->input(x, nullptr);
     a = keep->along_cols;
     b = fp8->weight(w).along_rows;
-    keep->along_cols = Tensor();  // only the weight gradient's layout is kept
+    keep->along_cols = keep->cols_scales = Tensor();  // only the weight gradient's layout is kept
   }
   if (!out.defined()) return r.matmul(a, b);
   r.matmul_(out, a, b, Trans::No, Trans::No);
