@@ -186,7 +186,7 @@ void OneDeviceCheck::compare_step(int step, Model& model, Group dp_group) {
   }
   // A step whose softmaxes the run's precision cannot resolve is not judged by what flows from them: its
   // gradients, routes and loss (every rank reads the same reference, so all of them skip it).
-  const bool judged = ref_->softmax_shift() <= kMaxSoftmaxShift;
+  const bool judged = ref_->softmax_shift() <= kSoftmaxShiftPerTolerance * tolerance(c_).grad;
   if (!judged) {
     if (unjudged_steps_++ == 0) first_unjudged_ = step;
     largest_shift_ = std::max(largest_shift_, ref_->softmax_shift());
@@ -300,11 +300,11 @@ void OneDeviceCheck::record(bool has_head) const {
           ? std::string()
           : fmt::format(
                 "; {} of {} steps not judged, from step {}: the run's rounding of its attention scores or "
-                "logits could move them by up to {:.3g} (more than {:g}), a softmax weight by e^{:.3g}, so "
-                "the terms downstream are wrong by as much as their size in any correct run at {} (run in "
-                "fp32 to judge them)",
-                unjudged_steps_, c_.steps, first_unjudged_, largest_shift_, kMaxSoftmaxShift, largest_shift_,
-                tol.name);
+                "logits could move them by up to {:.3g}, a softmax weight by e^{:.3g}, more than {:g} times "
+                "the tolerance, so the terms downstream may be wrong by more than it allows in a correct run "
+                "at {} (run in fp32 to judge them)",
+                unjudged_steps_, c_.steps, first_unjudged_, largest_shift_, largest_shift_,
+                kSoftmaxShiftPerTolerance, tol.name);
   const bool some_judged = unjudged_steps_ < c_.steps;
   if (unjudged_steps_ > 0 && r_.rank() == 0) {
     r_.print(

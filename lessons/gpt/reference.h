@@ -51,9 +51,9 @@ class Reference {
   const RoutingAgreement& routing() const { return routing_; }
   // Of the last step: the most the run's rounding of what goes into a softmax (each attention score, from
   // its rounded query and key; each logit, from the rounded final norm and output weight) can move it, 2 u
-  // times the sum of its products' magnitudes. A softmax weight moves by up to e^shift with it: past a
-  // shift of about 1 the terms of the gradients downstream are wrong by as much as their size, and no bound
-  // on their rounding judges them (OneDeviceCheck then leaves the step unjudged and says so).
+  // times the sum of its products' magnitudes. A softmax weight moves by up to e^shift with it, and the
+  // terms of the gradients downstream with it: past what the gradient tolerance allows, no bound on their
+  // rounding judges them (OneDeviceCheck then leaves the step unjudged and says so).
   double softmax_shift() const { return softmax_shift_; }
   // The mean over the step's tokens, before its update, of every step so far.
   double loss(int step) const { return losses_[step - 1]; }
