@@ -356,6 +356,24 @@ const std::vector<parallel::DataParallel::Bytes>& stages(
     for (int s = 0; s < c.pp; ++s) found->second.push_back(of(c, s));
   return found->second;
 }
+
+// A pipeline stage's tp x cp x dp ranks, tp fastest: the order the expert groups are cut from
+// (parallel::make_expert_groups).
+std::vector<int> stage_ranks(const gpt::Config& c, const parallel::Layout& grid, int stage) {
+  std::vector<int> ranks;
+  for (int dp = 0; dp < c.dp; ++dp)
+    for (int cp = 0; cp < c.cp; ++cp)
+      for (int tp = 0; tp < c.tp; ++tp) ranks.push_back(grid.rank_of(tp, cp, dp, stage));
+  return ranks;
+}
+
+// The elements ZeRO 2 and 3 gather and reduce-scatter of a parameter split over `tp_size`: its local part
+// padded to a multiple of `shards` rows.
+std::int64_t padded_elements(const parallel::ParamSpec& p, int tp_size, int shards) {
+  const Shape local = parallel::local_shape(p, tp_size);
+  const std::int64_t rows = local[0], per_row = local.numel() / rows;
+  return (rows + shards - 1) / shards * shards * per_row;
+}
 }  // namespace
 
 const std::vector<parallel::DataParallel::Bytes>& StageStates::of(const gpt::Config& c) {
@@ -433,10 +451,7 @@ double StepBound::us(const gpt::Config& c) {
   // out). Full recomputation's again are left out.
   double ep_pieces_us = 0, ep_counts_us = 0, etp_us = 0;
   if (c.moe() && (c.ep > 1 || c.etp > 1) && c.local_rows() * c.top_k % c.experts == 0) {
-    std::vector<int> stage;  // the first ep x etp ranks of stage 0, tp fastest
-    for (int dp = 0; dp < c.dp; ++dp)
-      for (int cp = 0; cp < c.cp; ++cp)
-        for (int tp = 0; tp < c.tp; ++tp) stage.push_back(grid.rank_of(tp, cp, dp, 0));
+    const std::vector<int> stage = stage_ranks(c, grid, 0);
     std::vector<int> ep_ranks, etp_ranks(stage.begin(), stage.begin() + c.etp);
     for (int i = 0; i < c.ep; ++i) ep_ranks.push_back(stage[i * c.etp]);
     const std::int64_t piece_bytes = c.local_experts() * share * h * dtype_bytes(d);
@@ -588,21 +603,14 @@ double StepBound::expert_stream_us(const gpt::Config& c, int stage) {
   // reductions of the backward before it (DataParallel::drain), and with them for everything issued before.
   const int block = c.ep * c.etp, edp = c.tp * c.cp * c.dp / block;
   if (edp <= 1) return 0;
-  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
+  const std::vector<int> ranks = stage_ranks(c, parallel::Layout{c.tp, c.pp, c.dp, c.order, c.cp}, stage);
   std::vector<int> edp_ranks;
-  int at = 0;
-  for (int dp = 0; dp < c.dp; ++dp)
-    for (int cp = 0; cp < c.cp; ++cp)
-      for (int tp = 0; tp < c.tp; ++tp, ++at)
-        if (at % block == 0) edp_ranks.push_back(grid.rank_of(tp, cp, dp, stage));
+  for (int i = 0; i < edp; ++i) edp_ranks.push_back(ranks[i * block]);
   // A unit: each local expert's two weights, split over etp, each padded to a multiple of edp rows.
   std::int64_t unit_elements = 0;
-  for (int which : {0, 1}) {
-    const Shape local =
-        parallel::local_shape(gpt::param_spec(c, {gpt::expert_kind(0, which), 0}, false), c.etp);
-    const std::int64_t rows = local[0], per_row = local.numel() / rows;
-    unit_elements += c.local_experts() * ((rows + edp - 1) / edp * edp * per_row);
-  }
+  for (int which : {0, 1})
+    unit_elements += c.local_experts() *
+                     padded_elements(gpt::param_spec(c, {gpt::expert_kind(0, which), 0}, false), c.etp, edp);
   const double gather =
       c.zero == 3 ? comm_us(CommOp::AllGather, unit_elements * dtype_bytes(c.dtype), edp_ranks) : 0.0;
   const double reduce =
@@ -637,21 +645,16 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   const bool gathers = c.zero == 3;
   // A parameter's gather (of its compute-dtype copy) and its gradient's reduce-scatter, both of the padded
   // tensor that rank holds.
-  auto padded_elements = [&](const parallel::ParamSpec& p) {
-    const Shape local = parallel::local_shape(p, c.tp);
-    const std::int64_t rows = local[0], per_row = local.numel() / rows;
-    return (rows + c.dp - 1) / c.dp * c.dp * per_row;
-  };
+  auto padded = [&](const parallel::ParamSpec& p) { return padded_elements(p, c.tp, c.dp); };
   auto gather_us = [&](const parallel::ParamSpec& p) {
-    return gathers ? comm_us(CommOp::AllGather, padded_elements(p) * dtype_bytes(c.dtype), dp_ranks) : 0.0;
+    return gathers ? comm_us(CommOp::AllGather, padded(p) * dtype_bytes(c.dtype), dp_ranks) : 0.0;
   };
   auto reduce_us = [&](const parallel::ParamSpec& p) {
-    return comm_us(CommOp::ReduceScatter, padded_elements(p) * dtype_bytes(c.reduce_dtype), dp_ranks);
+    return comm_us(CommOp::ReduceScatter, padded(p) * dtype_bytes(c.reduce_dtype), dp_ranks);
   };
   // A block is one unit: one gather and one reduce-scatter of all its parameters.
   std::int64_t block_elements = 0;
-  for (int q = 0; q < gpt::block_params(c); ++q)
-    block_elements += padded_elements(gpt::block_spec(c, 0, q, false));
+  for (int q = 0; q < gpt::block_params(c); ++q) block_elements += padded(gpt::block_spec(c, 0, q, false));
   const double block_gathers =
       gathers ? comm_us(CommOp::AllGather, block_elements * dtype_bytes(c.dtype), dp_ranks) : 0.0;
   const double block_reductions =
