@@ -728,19 +728,28 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   return x2;
 }
 
-Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
-  if (c_.llama()) return llama_backward(b, w, a, dx2, mb);
-  Rank& r = r_;
-  if (c_.recompute == Recompute::Full) {
-    BlockActs again;
-    if (tp_.fp8 != nullptr) tp_.fp8->begin_recompute();
-    block_forward(w, a.x, again, true, b.layer, mb);  // the forward once more, its communication included
-    if (tp_.fp8 != nullptr) tp_.fp8->end_recompute();
-    a = std::move(again);
-  } else if (c_.recompute == Recompute::Selective) {
+void Model::rebuild(const Weights& w, BlockActs& a, int layer, int mb) {
+  if (c_.recompute == Recompute::Selective) {
     Rank::AttentionOut att = attend(a.qkv);
     a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
+  if (c_.recompute != Recompute::Full) return;
+  // The forward once more, its communication included.
+  BlockActs again;
+  if (tp_.fp8 != nullptr) tp_.fp8->begin_recompute();
+  if (c_.llama()) {
+    llama_forward(w, a.x, again, true, layer, mb);
+  } else {
+    block_forward(w, a.x, again, true, layer, mb);
+  }
+  if (tp_.fp8 != nullptr) tp_.fp8->end_recompute();
+  a = std::move(again);
+}
+
+Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
+  if (c_.llama()) return llama_backward(b, w, a, dx2, mb);
+  Rank& r = r_;
+  rebuild(w, a, b.layer, mb);
   // MLP backward. g's backward: the output gradient, whole (gathered with sequence parallelism).
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
   Tensor dy2;
@@ -940,16 +949,7 @@ Tensor Model::qk_norm_backward(Block& b, const Tensor& dqkv, const Weights& w, c
 
 Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb) {
   Rank& r = r_;
-  if (c_.recompute == Recompute::Full) {
-    BlockActs again;
-    if (tp_.fp8 != nullptr) tp_.fp8->begin_recompute();
-    llama_forward(w, a.x, again, true, b.layer, mb);
-    if (tp_.fp8 != nullptr) tp_.fp8->end_recompute();
-    a = std::move(again);
-  } else if (c_.recompute == Recompute::Selective) {
-    Rank::AttentionOut att = attend(a.qkv);
-    a.out = att.out, a.lse = att.lse, a.probs = att.probs;
-  }
+  rebuild(w, a, b.layer, mb);
   // MLP backward.
   const Tensor dout = residual_dropout(dx2, b.layer, 1, mb);
   Tensor dy2;

@@ -224,6 +224,10 @@ class Model {
   Tensor block_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
   // The llama block's, as block_forward's and block_backward's.
   Tensor llama_forward(const Weights& w, const Tensor& x, BlockActs& keep, bool full, int layer, int mb);
+  // What the recompute mode dropped from `a`, made again before the block's backward: selective, the
+  // attention core from qkv; full, the block's whole forward from its input, its communication included,
+  // whose FP8 casts take the scales of the forward they repeat (Fp8::begin_recompute).
+  void rebuild(const Weights& w, BlockActs& a, int layer, int mb);
   Tensor llama_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dx2, int mb);
   // A MoE layer's MLP: y2 [local rows, h] through the router and the experts, and its backward, which adds
   // the gradients of the router and of the experts and returns the gradient of y2.
