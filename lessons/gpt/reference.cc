@@ -211,7 +211,13 @@ class Training {
   double step(int step, std::vector<Vec>& g, std::vector<Vec>& magnitude);
   Reference::State state() const { return {w_, m_, v_}; }
   const Reference::RoutingAgreement& routing() const { return routing_; }
-  double softmax_shift() const { return softmax_shift_; }
+  // Reference::softmax_shift: q and k each rounded to the activations' precision move a score by up to
+  // 2 u sum |q_d k_d|, the output layer's input and weight each rounded to the compute dtype (it stays in
+  // 16 bits) a logit by up to 2 u sum |y_j w_j|.
+  double softmax_shift() const {
+    return std::max(2 * activation_roundoff(c_) * score_magnitude_,
+                    2 * unit_roundoff(c_.dtype) * logit_magnitude_);
+  }
 
  private:
   const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
@@ -293,8 +299,9 @@ class Training {
   std::vector<std::int64_t> tok_, tgt_;  // the inputs and the next tokens, row = sample * S + position
   const Reference::Routes* routes_;
   mutable Reference::RoutingAgreement routing_;
-  // The most the run's rounding of its scores or logits can move one of them (Reference::softmax_shift).
-  mutable double softmax_shift_ = 0;
+  // The largest sum of its products' magnitudes of any attention score (scaled as the score) and of any
+  // logit: what their rounding is relative to (softmax_shift).
+  mutable double score_magnitude_ = 0, logit_magnitude_ = 0;
 };
 
 Training::Training(const Config& c, const Reference::State* start, const Reference::Routes* routes)
@@ -537,8 +544,7 @@ void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) c
         sc += qkv(i, 0, d) * qkv(j, 1, d);
         magnitude += std::fabs(qkv(i, 0, d) * qkv(j, 1, d));
       }
-      // q and k each rounded (to the activations' precision) move the score by up to 2 u sum |q_d k_d|.
-      softmax_shift_ = std::max(softmax_shift_, 2 * activation_roundoff(c_) * magnitude * scale_);
+      score_magnitude_ = std::max(score_magnitude_, magnitude * scale_);
       p[i * S + j] = sc * scale_;
       mx = std::max(mx, p[i * S + j]);
     }
@@ -565,8 +571,7 @@ double Training::head_forward(const Norm& lnf, Vec& dlogits) const {
         z += lnf.y[i * h + j] * wte[t * h + j];
         magnitude += std::fabs(lnf.y[i * h + j] * wte[t * h + j]);
       }
-      // The output layer's input and weight each rounded to the compute dtype (it stays in 16 bits).
-      softmax_shift_ = std::max(softmax_shift_, 2 * unit_roundoff(c_.dtype) * magnitude);
+      logit_magnitude_ = std::max(logit_magnitude_, magnitude);
       dlogits[i * V + t] = z;
       mx = std::max(mx, z);
     }
