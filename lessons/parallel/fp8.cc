@@ -81,8 +81,8 @@ DType Fp8::gradient_format() const {
   return per_tensor() ? DType::Float8E5M2 : DType::Float8E4M3;
 }
 
-Fp8::History& Fp8::history(Role role) {
-  const auto [at, made] = histories_.try_emplace({linear_, role});
+Fp8::History& Fp8::history(int linear, Role role) {
+  const auto [at, made] = histories_.try_emplace({linear, role});
   if (made) {
     // TransformerEngine starts every scale at 1 and every history at 0 (its fp8_meta's initial tensors).
     History& h = at->second;
@@ -95,10 +95,7 @@ Fp8::History& Fp8::history(Role role) {
 
 void Fp8::declare(int linear) {
   if (recipe_ != Fp8Recipe::Delayed) return;
-  const int was = linear_;
-  linear_ = linear;
-  for (Role role : {Role::Input, Role::Weight, Role::Gradient}) history(role);
-  linear_ = was;
+  for (Role role : {Role::Input, Role::Weight, Role::Gradient}) history(linear, role);
 }
 
 void Fp8::end_pass(Pass pass) {
@@ -126,7 +123,7 @@ Fp8Operand Fp8::quantize(const Tensor& x, DType format, Role role, bool square, 
     // Delayed scaling's is the history's, the same on every rank that shares the tensor (their amaxes were
     // reduced together), so the pieces of a sequence-parallel all-gather need no all-reduce of their own;
     // the cast records the tensor's amax for the next update.
-    History* h = recipe_ == Fp8Recipe::Delayed ? &history(role) : nullptr;
+    History* h = recipe_ == Fp8Recipe::Delayed ? &history(linear_, role) : nullptr;
     Tensor scale = h != nullptr ? h->scale : Tensor(), record = h != nullptr ? h->amax : Tensor();
     // A recomputed input: its forward's scale, and no amax (the pass's amaxes are the forward's).
     const bool recomputed = h != nullptr && role == Role::Input && recomputing_;

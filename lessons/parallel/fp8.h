@@ -142,7 +142,7 @@ class Fp8 {
     bool scaled = false;  // a pass has ended since the tensor's first cast: the history gives the scale
     std::deque<Tensor> for_recompute;  // the scales of the forward casts still to be recomputed
   };
-  History& history(Role role);
+  History& history(int linear, Role role);
   Rank& r_;
   Fp8Recipe recipe_;
   bool keep_weights_ = true;
