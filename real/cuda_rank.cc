@@ -554,29 +554,98 @@ void CudaRank::fp8_delayed_update(const Tensor&, const std::vector<Tensor>&, con
                                where("fp8_delayed_update")));
 }
 
-// Context parallelism's attention blocks run on the simulator only: their CUDA kernels (the block's
-// attention with its own keys and the merge of partial results) are not built.
-Tensor CudaRank::key_values(const Tensor&, const AttentionSpec&) {
-  throw UsageError(fmt::format(
-      "{}: the CUDA backend does not run context parallelism; run it on the simulator", where("key_values")));
+// Context parallelism's attention blocks (kernels.cu): the block's attention and its merge into the running
+// out and lse in one kernel, its backward in two (each query's d q, then each key's d k and d v).
+Tensor CudaRank::key_values(const Tensor& qkv, const AttentionSpec& spec) {
+  const char* op = "key_values";
+  void* pq = require(qkv, op, "qkv");
+  const kernels::AttentionShape a = attention_shape(qkv, spec, op);
+  Tensor kv = allocate(Shape{qkv.size(0), 2 * spec.groups() * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
+  void* pk = require(kv, op, "kv");
+  before_kernel({&qkv}, op);
+  kernel(op, [&] { kernels::key_values(pq, pk, qkv.dtype(), a, false, compute_); });
+  return kv;
 }
-void CudaRank::add_key_values_(const Tensor&, const Tensor&, const AttentionSpec&) {
-  throw UsageError(
-      fmt::format("{}: the CUDA backend does not run context parallelism; run it on the simulator",
-                  where("add_key_values_")));
+
+void CudaRank::add_key_values_(const Tensor& dqkv, const Tensor& dkv, const AttentionSpec& spec) {
+  const char* op = "add_key_values_";
+  void* pq = require(dqkv, op, "dqkv");
+  void* pk = require(dkv, op, "dkv");
+  check_key_values(rank_, op, dqkv, dkv, spec);
+  require_shape(dkv, Shape{dqkv.size(0), dkv.size(1)}, op, "dkv", "a row per row of dqkv");
+  require_same_kind(dqkv, dkv, op);
+  const kernels::AttentionShape a = attention_shape(dqkv, spec, op);
+  before_kernel({&dqkv, &dkv}, op);
+  kernel(op, [&] { kernels::key_values(pq, pk, dqkv.dtype(), a, true, compute_); });
 }
-void CudaRank::attention_block_(AttentionOut&, const Tensor&, const Tensor&, const AttentionSpec&,
-                                const AttentionBlock&) {
-  throw UsageError(
-      fmt::format("{}: the CUDA backend does not run context parallelism; run it on the simulator",
-                  where("attention_block_")));
+
+kernels::AttentionBlockShape CudaRank::block_shape(const Tensor& qkv, const Tensor& kv, const Tensor& out,
+                                                   const Tensor& lse, const AttentionSpec& spec,
+                                                   const AttentionBlock& block, const char* op) const {
+  if (spec.kernel != AttentionKernel::Flash) {
+    throw UsageError(fmt::format(
+        "{}: context-parallel blocks run in fused attention kernels; the spec asks for the unfused path",
+        where(op)));
+  }
+  const BlockRange range = check_attention_block(rank_, op, qkv, kv, out, lse, spec, block);
+  kernels::AttentionBlockShape k;
+  k.a = attention_shape(qkv, spec, op);
+  k.kv_seq = kv.size(0) / spec.batch;
+  k.q_first = range.first;
+  k.q_end = range.end;
+  k.q_position = block.q_position;
+  k.kv_position = block.kv_position;
+  k.causal = block.causal;
+  return k;
 }
-void CudaRank::attention_block_backward_(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                         const Tensor&, const Tensor&, const Tensor&, const AttentionSpec&,
-                                         const AttentionBlock&) {
-  throw UsageError(
-      fmt::format("{}: the CUDA backend does not run context parallelism; run it on the simulator",
-                  where("attention_block_backward_")));
+
+void CudaRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tensor& kv,
+                                const AttentionSpec& spec, const AttentionBlock& block) {
+  const char* op = "attention_block_";
+  const void* pq = require(qkv, op, "qkv");
+  const void* pk = require(kv, op, "kv");
+  void* po = require(acc.out, op, "out");
+  float* pl = require_f32(acc.lse, op, "lse");
+  const kernels::AttentionBlockShape k = block_shape(qkv, kv, acc.out, acc.lse, spec, block, op);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&kv, &acc.out, &acc.lse})
+    require_same_kind(qkv, *t, op);
+  before_kernel({&qkv, &kv, &acc.out, &acc.lse}, op);
+  kernel(op, [&] { kernels::attention_block(po, acc.out.dtype(), pl, pq, pk, qkv.dtype(), k, compute_); });
+}
+
+void CudaRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout,
+                                         const Tensor& qkv, const Tensor& kv, const Tensor& out,
+                                         const Tensor& lse, const AttentionSpec& spec,
+                                         const AttentionBlock& block) {
+  const char* op = "attention_block_backward_";
+  void* pdq = require(dqkv, op, "dqkv");
+  void* pdk = require(dkv, op, "dkv");
+  const void* pdo = require(dout, op, "dout");
+  const void* pq = require(qkv, op, "qkv");
+  const void* pk = require(kv, op, "kv");
+  const void* po = require(out, op, "out");
+  const float* pl = require_f32(lse, op, "lse");
+  const kernels::AttentionBlockShape k = block_shape(qkv, kv, out, lse, spec, block, op);
+  require_shape(dqkv, qkv.shape(), op, "dqkv", "qkv's");
+  require_shape(dkv, kv.shape(), op, "dkv", "kv's");
+  require_shape(dout, out.shape(), op, "dout", "out's");
+  // One kernel template per pair of dtypes: the gradients are their operands', dout is out's.
+  if (dqkv.dtype() != qkv.dtype() || dkv.dtype() != kv.dtype() || dout.dtype() != out.dtype()) {
+    throw UsageError(
+        fmt::format("{}: dqkv, dkv and dout must have the dtypes of qkv, kv and out; got {}, {}, {} "
+                    "for {}, {}, {}",
+                    where(op), dqkv.str(), dkv.str(), dout.str(), qkv.str(), kv.str(), out.str()));
+  }
+  for (const Tensor* t : {&dqkv, &dkv, &dout, &kv, &out, &lse}) require_same_kind(qkv, *t, op);
+  // Each query's dout . out, which both kernels read: scratch, freed in stream order after them.
+  Tensor delta =
+      allocate(Shape{spec.batch, spec.heads, k.q_end - k.q_first}, DType::Float32, qkv.phantom(), op);
+  float* pdelta = require_f32(delta, op, "delta");
+  before_kernel({&dqkv, &dkv, &dout, &qkv, &kv, &out, &lse}, op);
+  kernel(op, [&] {
+    kernels::attention_block_backward(pdq, pdk, pdelta, pdo, pq, pk, po, out.dtype(), pl, qkv.dtype(), k,
+                                      compute_);
+  });
 }
 
 Tensor CudaRank::sum(const Tensor& t) {

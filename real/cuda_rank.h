@@ -208,6 +208,10 @@ class CudaRank : public Rank {
   Tensor allocate(const Shape& s, DType dtype, bool phantom, const char* op);
   // An attention call's sizes from qkv [seq * batch, (heads + 2 kv_heads) * head_dim], checked.
   kernels::AttentionShape attention_shape(const Tensor& qkv, const AttentionSpec& spec, const char* op) const;
+  // A context-parallel block's sizes and queries, checked with its running out and lse.
+  kernels::AttentionBlockShape block_shape(const Tensor& qkv, const Tensor& kv, const Tensor& out,
+                                           const Tensor& lse, const AttentionSpec& spec,
+                                           const AttentionBlock& block, const char* op) const;
   // Runs `launch` on the compute stream between a timed pair of events named `name`.
   template <typename Launch>
   void kernel(const char* name, Launch&& launch);

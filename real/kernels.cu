@@ -736,6 +736,233 @@ __global__ void attention_dkv_kernel(T* dqkv, const float* delta, const T* dout,
   }
 }
 
+// ---- context parallelism's attention blocks --------------------------------------------------------------
+
+// Where a position's k (part 1) or v (part 2) of group `group` starts in kv [kv_seq * batch, 2 * kv_heads *
+// head_dim]: each group's k, then its v (Rank::key_values).
+template <typename T>
+__device__ inline const T* kv_at(const T* kv, const AttentionShape& a, std::int64_t pos, std::int64_t b,
+                                 int group, int part) {
+  const std::int64_t row = pos * a.batch + b, width = 2 * static_cast<std::int64_t>(a.kv_heads) * a.head_dim;
+  return kv + row * width + (2 * static_cast<std::int64_t>(group) + part - 1) * a.head_dim;
+}
+
+// The keys query `i` of the block sees: all of kv's, or with the mask those up to its position.
+__device__ inline std::int64_t visible_keys(const AttentionBlockShape& k, std::int64_t i) {
+  if (!k.causal) return k.kv_seq;
+  const std::int64_t v = k.q_position + (i - k.q_first) - k.kv_position + 1;
+  return v < 0 ? 0 : (v > k.kv_seq ? k.kv_seq : v);
+}
+
+// Copies qkv's k and v columns into kv (add = false), or adds a kv-shaped gradient into them (add = true):
+// one thread per element of kv.
+template <typename T>
+__global__ void key_values_kernel(T* qkv, T* kv, AttentionShape a, bool add, std::int64_t n) {
+  const int per_group = a.heads / a.kv_heads;
+  const std::int64_t kv_width = 2 * static_cast<std::int64_t>(a.kv_heads) * a.head_dim,
+                     width = static_cast<std::int64_t>(a.heads + 2 * a.kv_heads) * a.head_dim;
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const std::int64_t row = i / kv_width, col = i % kv_width;
+    const std::int64_t head = col / a.head_dim, d = col % a.head_dim;
+    const std::int64_t group = head / 2, part = head % 2 + 1;
+    T* in_qkv = qkv + row * width + (group * (per_group + 2) + per_group + part - 1) * a.head_dim + d;
+    if (add) {
+      *in_qkv = from_f<T>(to_f(*in_qkv) + to_f(kv[i]));
+    } else {
+      kv[i] = *in_qkv;
+    }
+  }
+}
+
+// Block ids of the blocks' kernels run over (sample, head, query of the block), the query fastest.
+struct BlockQuery {
+  std::int64_t b, i;
+  int h;
+};
+__device__ inline BlockQuery block_query(const AttentionBlockShape& k) {
+  const std::int64_t id = blockIdx.x, queries = k.q_end - k.q_first;
+  BlockQuery x;
+  x.i = k.q_first + id % queries;
+  x.h = static_cast<int>((id / queries) % k.a.heads);
+  x.b = id / (queries * k.a.heads);
+  return x;
+}
+
+// The block's attention for one query (attention_kernel's online softmax over the keys it sees), merged
+// into the running out and lse by their log-sum-exps: out = e^(lse - total) out + e^(lse_block - total)
+// out_block, total = log(e^lse + e^lse_block), as the simulator merges (sim/sim_rank_context.cc).
+template <typename T, typename O>
+__global__ void attention_block_kernel(O* out, float* lse, const T* qkv, const T* kv, AttentionBlockShape k,
+                                       float scale) {
+  extern __shared__ float smem[];
+  float* q = smem;                 // [head_dim]
+  float* p = q + k.a.head_dim;     // [kAttnTile]
+  float* scratch = p + kAttnTile;  // [32]
+  const AttentionShape& a = k.a;
+  const BlockQuery x = block_query(k);
+  const std::int64_t keys = visible_keys(k, x.i);
+  if (keys == 0) return;  // every key of the block is after this query: the same for the whole block
+  const int tid = threadIdx.x, group = x.h / (a.heads / a.kv_heads);
+  const T* qrow = qkv_at(qkv, a, x.i, x.b, x.h, 0);
+  for (int d = tid; d < a.head_dim; d += blockDim.x) q[d] = to_f(qrow[d]);
+  __syncthreads();
+  float m = -INFINITY, l = 0;
+  float acc[kDimsPerThread];
+  for (float& v : acc) v = 0;
+  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
+    const std::int64_t j = j0 + tid;
+    float s = -INFINITY;
+    if (j < keys) s = dot(q, kv_at(kv, a, j, x.b, group, 1), a.head_dim) * scale;
+    const float new_m = fmaxf(m, block_max_f(s, scratch));
+    const float e = j < keys ? expf(s - new_m) : 0.0f;
+    p[tid] = e;
+    const float tile_sum = block_sum_f(e, scratch);  // its barriers also publish p
+    const float correction = expf(m - new_m);
+    l = l * correction + tile_sum;
+    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
+    for (int c = 0; c < kDimsPerThread; ++c) {
+      const int d = tid + c * kAttnTile;
+      if (d >= a.head_dim) break;
+      float v = acc[c] * correction;
+      for (int t = 0; t < n; ++t) v += p[t] * to_f(kv_at(kv, a, j0 + t, x.b, group, 2)[d]);
+      acc[c] = v;
+    }
+    m = new_m;
+    __syncthreads();
+  }
+  const float block_lse = m + logf(l);
+  const std::int64_t stat = (x.b * a.heads + x.h) * a.seq + x.i;
+  const float old = lse[stat];
+  const float top = fmaxf(old, block_lse);
+  const float total = top + logf(expf(old - top) + expf(block_lse - top));
+  const float keep = old == -INFINITY ? 0.0f : expf(old - total), add = expf(block_lse - total);
+  O* orow = out + out_offset<O>(a, x.i, x.b, x.h);
+  for (int c = 0; c < kDimsPerThread; ++c) {
+    const int d = tid + c * kAttnTile;
+    if (d < a.head_dim) orow[d] = from_f<O>(keep * to_f(orow[d]) + add * (acc[c] / l));
+  }
+  __syncthreads();  // every thread has read the old lse
+  if (tid == 0) lse[stat] = total;
+}
+
+// The block's backward, as attention_dq_kernel and attention_dkv_kernel compute the whole attention's, from
+// the final out and lse: one block per query adds its d q (and writes delta = dout . out, [batch, heads,
+// queries of the block]), then one block per key of kv adds its d k and d v over the queries that see it.
+template <typename T, typename O>
+__global__ void attention_block_dq_kernel(T* dqkv, float* delta_out, const O* dout, const T* qkv, const T* kv,
+                                          const O* out, const float* lse, AttentionBlockShape k,
+                                          float scale) {
+  extern __shared__ float smem[];
+  float* q = smem;                  // [head_dim]
+  float* go = q + k.a.head_dim;     // [head_dim]
+  float* ds = go + k.a.head_dim;    // [kAttnTile]
+  float* scratch = ds + kAttnTile;  // [32]
+  const AttentionShape& a = k.a;
+  const BlockQuery x = block_query(k);
+  const int tid = threadIdx.x, group = x.h / (a.heads / a.kv_heads);
+  const T* qrow = qkv_at(qkv, a, x.i, x.b, x.h, 0);
+  const std::int64_t o = out_offset<O>(a, x.i, x.b, x.h);
+  float part = 0;
+  for (int d = tid; d < a.head_dim; d += blockDim.x) {
+    q[d] = to_f(qrow[d]);
+    go[d] = to_f(dout[o + d]);
+    part += go[d] * to_f(out[o + d]);
+  }
+  const float delta = block_sum_f(part, scratch);  // its barriers also publish q and go
+  if (tid == 0) delta_out[(x.b * a.heads + x.h) * (k.q_end - k.q_first) + (x.i - k.q_first)] = delta;
+  const float lse_i = lse[(x.b * a.heads + x.h) * a.seq + x.i];
+  const std::int64_t keys = visible_keys(k, x.i);
+  float acc[kDimsPerThread];
+  for (float& v : acc) v = 0;
+  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
+    const std::int64_t j = j0 + tid;
+    float dsj = 0;
+    if (j < keys) {
+      const float pj = expf(dot(q, kv_at(kv, a, j, x.b, group, 1), a.head_dim) * scale - lse_i);
+      dsj = pj * (dot(go, kv_at(kv, a, j, x.b, group, 2), a.head_dim) - delta);
+    }
+    ds[tid] = dsj;
+    __syncthreads();
+    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
+    for (int c = 0; c < kDimsPerThread; ++c) {
+      const int d = tid + c * kAttnTile;
+      if (d >= a.head_dim) break;
+      for (int t = 0; t < n; ++t) acc[c] += ds[t] * to_f(kv_at(kv, a, j0 + t, x.b, group, 1)[d]);
+    }
+    __syncthreads();
+  }
+  T* dq = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, x.i, x.b, x.h, 0));
+  for (int c = 0; c < kDimsPerThread; ++c) {
+    const int d = tid + c * kAttnTile;
+    if (d < a.head_dim) dq[d] = from_f<T>(to_f(dq[d]) + scale * acc[c]);
+  }
+}
+
+// One block per (sample, key-value head, key of kv).
+template <typename T, typename O>
+__global__ void attention_block_dkv_kernel(T* dkv, const float* delta, const O* dout, const T* qkv,
+                                           const T* kv, const float* lse, AttentionBlockShape k,
+                                           float scale) {
+  extern __shared__ float smem[];
+  float* kk = smem;               // [head_dim]: this key
+  float* vv = kk + k.a.head_dim;  // [head_dim]: its value
+  float* p = vv + k.a.head_dim;   // [kAttnTile]
+  float* ds = p + kAttnTile;      // [kAttnTile]
+  const AttentionShape& a = k.a;
+  const std::int64_t id = blockIdx.x, queries = k.q_end - k.q_first;
+  const std::int64_t j = id % k.kv_seq, b = id / (k.kv_seq * a.kv_heads);
+  const int group = static_cast<int>((id / k.kv_seq) % a.kv_heads), per_group = a.heads / a.kv_heads;
+  const int tid = threadIdx.x;
+  const T* krow = kv_at(kv, a, j, b, group, 1);
+  const T* vrow = kv_at(kv, a, j, b, group, 2);
+  for (int d = tid; d < a.head_dim; d += blockDim.x) {
+    kk[d] = to_f(krow[d]);
+    vv[d] = to_f(vrow[d]);
+  }
+  __syncthreads();
+  // Under the mask, query i sees key j from q_position + (i - q_first) >= kv_position + j on.
+  std::int64_t first = k.q_first;
+  if (k.causal) {
+    const std::int64_t from = k.q_first + k.kv_position + j - k.q_position;
+    if (from > first) first = from;
+  }
+  float acc_k[kDimsPerThread], acc_v[kDimsPerThread];
+  for (int c = 0; c < kDimsPerThread; ++c) acc_k[c] = acc_v[c] = 0;
+  for (int h = group * per_group; h < (group + 1) * per_group; ++h) {
+    const std::int64_t stats = (b * a.heads + h) * a.seq, deltas = (b * a.heads + h) * queries - k.q_first;
+    for (std::int64_t i0 = first; i0 < k.q_end; i0 += kAttnTile) {
+      const std::int64_t i = i0 + tid;
+      float pi = 0, dsi = 0;
+      if (i < k.q_end) {
+        pi = expf(dot(kk, qkv_at(qkv, a, i, b, h, 0), a.head_dim) * scale - lse[stats + i]);
+        dsi = pi * (dot(vv, dout + out_offset<O>(a, i, b, h), a.head_dim) - delta[deltas + i]);
+      }
+      p[tid] = pi;
+      ds[tid] = dsi;
+      __syncthreads();
+      const int n = static_cast<int>(k.q_end - i0 < kAttnTile ? k.q_end - i0 : kAttnTile);
+      for (int c = 0; c < kDimsPerThread; ++c) {
+        const int d = tid + c * kAttnTile;
+        if (d >= a.head_dim) break;
+        for (int t = 0; t < n; ++t) {
+          acc_v[c] += p[t] * to_f(dout[out_offset<O>(a, i0 + t, b, h) + d]);
+          acc_k[c] += ds[t] * to_f(qkv_at(qkv, a, i0 + t, b, h, 0)[d]);
+        }
+      }
+      __syncthreads();
+    }
+  }
+  T* dk = const_cast<T*>(kv_at(static_cast<const T*>(dkv), a, j, b, group, 1));
+  T* dv = const_cast<T*>(kv_at(static_cast<const T*>(dkv), a, j, b, group, 2));
+  for (int c = 0; c < kDimsPerThread; ++c) {
+    const int d = tid + c * kAttnTile;
+    if (d < a.head_dim) {
+      dk[d] = from_f<T>(to_f(dk[d]) + scale * acc_k[c]);
+      dv[d] = from_f<T>(to_f(dv[d]) + acc_v[c]);
+    }
+  }
+}
+
 // Rotary embeddings: one thread per (row, rotated head, pair).
 template <typename T>
 __global__ void rope_kernel(T* qkv, AttentionShape a, std::int64_t first_position, double base, bool inverse,
@@ -1214,6 +1441,59 @@ void attention_backward(void* dqkv, float* delta, const void* dout, const void* 
             scale);
   });
   check_launch("attention_backward kernel launch");
+}
+
+void key_values(void* qkv, void* kv, DType t, const AttentionShape& a, bool add, cudaStream_t s) {
+  const std::int64_t n = a.seq * a.batch * 2 * a.kv_heads * a.head_dim;
+  if (n == 0) return;
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    key_values_kernel<T>
+        <<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(qkv), static_cast<T*>(kv), a, add, n);
+  });
+  check_launch("key_values kernel launch");
+}
+
+void attention_block(void* out, DType out_t, float* lse, const void* qkv, const void* kv, DType t,
+                     const AttentionBlockShape& k, cudaStream_t s) {
+  const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
+  if (blocks <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
+  const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
+  const size_t shared = sizeof(float) * (static_cast<size_t>(k.a.head_dim) + kAttnTile + 32);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch(out_t, [&](auto out_tag) {
+      using O = typename decltype(out_tag)::type;
+      attention_block_kernel<T, O><<<row_blocks(blocks, "attention_block_"), kAttnTile, shared, s>>>(
+          static_cast<O*>(out), lse, static_cast<const T*>(qkv), static_cast<const T*>(kv), k, scale);
+    });
+  });
+  check_launch("attention_block_ kernel launch");
+}
+
+void attention_block_backward(void* dqkv, void* dkv, float* delta, const void* dout, const void* qkv,
+                              const void* kv, const void* out, DType out_t, const float* lse, DType t,
+                              const AttentionBlockShape& k, cudaStream_t s) {
+  const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
+  if (blocks <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
+  const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
+  const size_t shared = sizeof(float) * (2 * static_cast<size_t>(k.a.head_dim) + 2 * kAttnTile + 32);
+  dispatch(t, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dispatch(out_t, [&](auto out_tag) {
+      using O = typename decltype(out_tag)::type;
+      attention_block_dq_kernel<T, O>
+          <<<row_blocks(blocks, "attention_block_backward_"), kAttnTile, shared, s>>>(
+              static_cast<T*>(dqkv), delta, static_cast<const O*>(dout), static_cast<const T*>(qkv),
+              static_cast<const T*>(kv), static_cast<const O*>(out), lse, k, scale);
+      check_launch("attention_block_backward_ kernel launch");
+      attention_block_dkv_kernel<T, O>
+          <<<row_blocks(k.a.batch * k.a.kv_heads * k.kv_seq, "attention_block_backward_"), kAttnTile, shared,
+             s>>>(static_cast<T*>(dkv), delta, static_cast<const O*>(dout), static_cast<const T*>(qkv),
+                  static_cast<const T*>(kv), lse, k, scale);
+    });
+  });
+  check_launch("attention_block_backward_ kernel launch");
 }
 
 void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,

@@ -92,6 +92,26 @@ void rope(void* qkv, DType t, const AttentionShape& a, std::int64_t first_positi
 void attention_backward(void* dqkv, float* delta, const void* dout, const void* qkv, const void* out,
                         const float* lse, DType t, const AttentionShape& a, cudaStream_t s);
 
+// Context parallelism's attention blocks (Rank::key_values, add_key_values_, attention_block_ and its
+// backward). A block takes qkv's queries [q_first, q_end) (qkv's shape is `a`) against the kv_seq keys of
+// kv [kv_seq * batch, 2 * kv_heads * head_dim]; with `causal` query i sees key j when kv_position + j <=
+// q_position + (i - q_first).
+struct AttentionBlockShape {
+  AttentionShape a;
+  std::int64_t kv_seq = 0, q_first = 0, q_end = 0, q_position = 0, kv_position = 0;
+  bool causal = false;
+};
+// Copies qkv's k and v columns into kv, or with `add` adds kv into them.
+void key_values(void* qkv, void* kv, DType t, const AttentionShape& a, bool add, cudaStream_t s);
+// Merges the block's attention into out (of dtype out_t) and lse (float32 [batch, heads, seq]).
+void attention_block(void* out, DType out_t, float* lse, const void* qkv, const void* kv, DType t,
+                     const AttentionBlockShape& k, cudaStream_t s);
+// Adds the block's d q into dqkv's q columns and its d k, d v into dkv; dout and out are of dtype out_t;
+// `delta` is float32 scratch of batch * heads * (q_end - q_first).
+void attention_block_backward(void* dqkv, void* dkv, float* delta, const void* dout, const void* qkv,
+                              const void* kv, const void* out, DType out_t, const float* lse, DType t,
+                              const AttentionBlockShape& k, cudaStream_t s);
+
 void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,
                std::int64_t shard_rows, std::int64_t vocab_start, cudaStream_t s);
 void embedding_backward(float* dtable, const void* dy, DType t, const float* ids, std::int64_t rows,

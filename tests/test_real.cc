@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <regex>
 #include <string>
 #include <thread>
@@ -928,6 +929,52 @@ TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
     });
     const double tol = t == DType::Float32 ? 1e-4 : 5e-2;
     expect_close(b, std::string("llama kernels ") + dtype_name(t), tol, tol);
+  }
+}
+
+TEST(CudaBackend, ContextParallelBlocksMatchTheSimulator) {
+  REQUIRE_GPU();
+  // Ring attention's kernels (lessons/parallel/context_parallel.cc): a rank's queries against blocks of keys
+  // (its own under the mask, another chunk's whole, half of its queries against a chunk with positions,
+  // queries that see none of a block), merged into float32 accumulators, then each block's backward and the
+  // key gradients added back; grouped-query heads of a head_dim over the kernels' 128 threads.
+  for (DType t : {DType::Float32, DType::BFloat16}) {
+    const Both b = run_both(1, [t](Rank& r) {
+      std::vector<float> all;
+      auto keep = [&](const Tensor& x) {
+        const std::vector<float> v = r.to_host(x);
+        all.insert(all.end(), v.begin(), v.end());
+      };
+      const AttentionSpec spec{2, 4, 2, true};
+      const std::int64_t seq = 140, half = seq / 2, hd = 130, rows = seq * spec.batch;
+      const Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 61, 1.0f, t);
+      const Tensor own = r.key_values(qkv, spec);
+      const Tensor other = r.randn({half * spec.batch, 2 * spec.groups() * hd}, 62, 1.0f, t);
+      keep(own);
+      Rank::AttentionOut acc{r.zeros({rows, spec.heads * hd}),
+                             r.full({spec.batch, spec.heads, seq}, -std::numeric_limits<float>::infinity())};
+      const std::vector<std::pair<Tensor, Rank::AttentionBlock>> blocks = {
+          {own, {0, -1, true, 0, 0}},
+          {other, {0, -1, false, 0, 0}},
+          {other, {half, half, true, 100, 95}},
+          {other, {0, 10, true, 0, 5}},  // queries 0 to 4 see none of it
+      };
+      for (const auto& [keys, block] : blocks) r.attention_block_(acc, qkv, keys, spec, block);
+      keep(acc.out), keep(acc.lse);
+      const Tensor out = r.cast(acc.out, t), dout = r.randn(out.shape(), 63, 1.0f, t);
+      const Tensor dqkv = r.zeros(qkv.shape(), t), down = r.zeros(own.shape(), t),
+                   dother = r.zeros(other.shape(), t);
+      for (const auto& [keys, block] : blocks) {
+        r.attention_block_backward_(dqkv, keys.same_storage(own) ? down : dother, dout, qkv, keys, out,
+                                    acc.lse, spec, block);
+      }
+      keep(dother);
+      r.add_key_values_(dqkv, down, spec);
+      keep(dqkv);
+      return all;
+    });
+    const double tol = t == DType::Float32 ? 1e-4 : 5e-2;
+    expect_close(b, std::string("context-parallel blocks ") + dtype_name(t), tol, tol);
   }
 }
 
