@@ -15,37 +15,6 @@ constexpr double kDoneFraction = 1e-9;
 constexpr double kTimeResolution = 1e-12;
 }  // namespace
 
-void TransferEngine::push(std::vector<Due>& heap, Due d) const {
-  heap.push_back(d);
-  std::push_heap(heap.begin(), heap.end(), std::greater<>());
-}
-
-void TransferEngine::push_all(std::vector<Due>& heap, const std::vector<Due>& fresh) const {
-  if (fresh.size() * 8 < heap.size()) {
-    for (const Due& d : fresh) push(heap, d);
-    return;
-  }
-  // Valid entries pop in the order of (time, flow) however the heap is built: one valid entry per flow.
-  std::erase_if(heap, [&](const Due& d) { return stale(d); });
-  heap.insert(heap.end(), fresh.begin(), fresh.end());
-  std::make_heap(heap.begin(), heap.end(), std::greater<>());
-}
-
-void TransferEngine::drop_stale(std::vector<Due>& heap) const {
-  std::size_t dropped = 0;
-  while (!heap.empty()) {
-    if (!stale(heap.front())) return;
-    std::pop_heap(heap.begin(), heap.end(), std::greater<>());
-    heap.pop_back();
-    // Many stale entries in a row (the flows of a large transfer just ended): drop them all at once.
-    if (++dropped == 64 && heap.size() > 1024) {
-      std::erase_if(heap, [&](const Due& d) { return stale(d); });
-      std::make_heap(heap.begin(), heap.end(), std::greater<>());
-      return;
-    }
-  }
-}
-
 double TransferEngine::left_now(const Running& r) const {
   return std::max(0.0, r.left_bytes - r.rate_bytes_per_us * (now_us_ - r.since_us));
 }
@@ -99,10 +68,7 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
     path_.push_back(id - 1);
   }
   const std::uint32_t id = net_.add_flow(path_, copies(*t, flow));
-  if (id >= running_.size()) {
-    running_.resize(id + 1);
-    versions_.resize(id + 1);
-  }
+  if (id >= running_.size()) running_.resize(id + 1);
   Running& r = running_[id];
   r.transfer = t;
   r.flow = flow;
@@ -111,7 +77,6 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   r.since_us = now_us_;
   r.end_us = kInf;
   r.done_bytes = t->plan.bytes(t->plan.flows[flow]) * kDoneFraction;
-  ++versions_[id];
   ++t->flows_left;
   begun_ = nullptr;  // begin_flows names its transfer when it added all of them
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
@@ -142,7 +107,8 @@ void TransferEngine::end_flow(std::uint32_t id) {
   Running& r = running_[id];
   net_.remove_flow(id);
   r.transfer = nullptr;
-  ++versions_[id];
+  ends_.erase(id);
+  retires_.erase(id);
   const std::size_t at = position_[id];
   const std::uint32_t last = order_.back();
   order_[at] = last;
@@ -176,15 +142,16 @@ void TransferEngine::flush() {
   for (SharingNetwork::FlowId id : changed) {
     Running& r = running_[id];
     const double rate_bytes_per_us = net_.rate_gbps(id) * 1e3;  // GB/s -> B/us
-    // A flow of a shared-again component whose rate came out the same keeps its end, and its entries in
-    // the heaps stay valid: a large component's flows are mostly held by links the change did not reach.
+    // A flow of a shared-again component whose rate came out the same keeps its end, and its places in
+    // the heaps: a large component's flows are mostly held by links the change did not reach.
     if (rate_bytes_per_us == r.rate_bytes_per_us && r.rate_bytes_per_us > 0) continue;
     r.left_bytes = left_now(r);
     r.since_us = now_us_;
     r.rate_bytes_per_us = rate_bytes_per_us;
-    const std::uint32_t version = ++versions_[id];
     if (!(r.rate_bytes_per_us > 0)) {
       r.end_us = kInf;
+      ends_.erase(id);
+      retires_.erase(id);
       continue;
     }
     r.end_us = now_us_ + r.left_bytes / r.rate_bytes_per_us;
@@ -192,53 +159,31 @@ void TransferEngine::flush() {
     // (otherwise `now + left / rate` rounds back to `now` and time stops moving).
     const double done_us = std::min(r.end_us - r.done_bytes / r.rate_bytes_per_us,
                                     r.end_us - kTimeResolution * std::max(1.0, r.end_us));
-    fresh_ends_.push_back({r.end_us, id, version});
-    fresh_retires_.push_back({done_us, id, version});
+    fresh_ends_.push_back({r.end_us, id});
+    fresh_retires_.push_back({done_us, id});
   }
-  push_all(ends_, fresh_ends_);
-  push_all(retires_, fresh_retires_);
+  ends_.set_all(fresh_ends_);
+  retires_.set_all(fresh_retires_);
 }
 
 void TransferEngine::retire_done_flows() {
   // The flows that count as done now, and those that looked close but are not (rounding): they are due
   // again at their end.
   std::vector<std::uint32_t>& done = done_;
-  std::vector<Due>& again = again_;
+  std::vector<FlowHeap::Entry>& again = again_;
   done.clear();
   again.clear();
-  auto examine = [&](const Due& d) {
-    if (stale(d)) return;
+  retires_.take_due(now_us_, [&](const FlowHeap::Entry& d) {
     const Running& r = running_[d.flow];
     const double left = left_now(r);
     const double left_us = r.rate_bytes_per_us > 0 ? left / r.rate_bytes_per_us : kInf;
     if (left <= r.done_bytes || left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
       done.push_back(d.flow);
     } else {
-      again.push_back({r.end_us, d.flow, d.version});
+      again.push_back({r.end_us, d.flow});
     }
-  };
-  drop_stale(retires_);
-  int popped = 0;
-  while (!retires_.empty() && retires_.front().at_us <= now_us_) {
-    if (++popped > 64 && retires_.size() > 1024) {
-      // Many flows due at once (a large transfer's): look at every entry once and build the heap again.
-      std::erase_if(retires_, [&](const Due& d) {
-        if (d.at_us <= now_us_) {
-          examine(d);
-          return true;
-        }
-        return stale(d);
-      });
-      std::make_heap(retires_.begin(), retires_.end(), std::greater<>());
-      break;
-    }
-    const Due d = retires_.front();
-    std::pop_heap(retires_.begin(), retires_.end(), std::greater<>());
-    retires_.pop_back();
-    examine(d);
-    drop_stale(retires_);
-  }
-  for (const Due& d : again) push(retires_, d);
+  });
+  for (const FlowHeap::Entry& d : again) retires_.set(d.flow, d.at_us);
   if (done.empty()) return;
   // Retire them in the order of the running list: lowest position first; the entry moved into a gap is
   // looked at next (it is then the lowest).
@@ -273,8 +218,7 @@ void TransferEngine::retire_done_flows() {
 
 double TransferEngine::next_flow_end_us() {
   flush();
-  drop_stale(ends_);
-  return ends_.empty() ? kInf : ends_.front().at_us;
+  return ends_.empty() ? kInf : ends_.top().at_us;
 }
 
 double TransferEngine::next_event_us() {

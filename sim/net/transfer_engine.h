@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "sim/net/comm_plan.h"
+#include "sim/net/flow_heap.h"
 #include "sim/net/sharing.h"
 #include "sim/net/topology.h"
 
@@ -76,13 +77,6 @@ class TransferEngine {
     // again and retiring need not look into the transfer's plan.
     double done_bytes = 0;
   };
-  // A heap entry: stale when the flow's version has moved on.
-  struct Due {
-    double at_us;
-    std::uint32_t flow, version;
-    bool operator>(const Due& o) const { return at_us > o.at_us || (at_us == o.at_us && flow > o.flow); }
-  };
-
   void begin_flows(Transfer* t);
   // Adds `flow` of `t` (and the copies it stands for: CommPlan::copies) with `left_bytes` each.
   void add_flow(Transfer* t, int flow, double left_bytes);
@@ -103,14 +97,6 @@ class TransferEngine {
   double next_flow_end_us();
   // A flow's bytes left at the present.
   double left_now(const Running& r) const;
-  void push(std::vector<Due>& heap, Due d) const;
-  // Adds `fresh` to `heap`: one by one when they are few, else by dropping the stale entries and building
-  // the heap again (linear instead of n log n when a sharing touched most of the flows).
-  void push_all(std::vector<Due>& heap, const std::vector<Due>& fresh) const;
-  // A flow's version moves on whenever its rate changes and when it ends, so an entry of an ended flow is
-  // stale too.
-  bool stale(const Due& d) const { return versions_[d.flow] != d.version; }
-  void drop_stale(std::vector<Due>& heap) const;
   void end_transfer(Transfer* t);
 
   const Topology& topo_;
@@ -120,19 +106,16 @@ class TransferEngine {
   std::vector<std::uint32_t> link_ids_;
   std::vector<std::uint32_t> path_;  // scratch
   std::vector<Running> running_;
-  // Per flow id: its version, apart from running_ so that the heaps' stale entries are found in a
-  // structure a sixteenth of its size.
-  std::vector<std::uint32_t> versions_;
   // The running flows as a list: retirement at one moment follows its order (see retire_done_flows).
   std::vector<std::uint32_t> order_;
   std::vector<std::size_t> position_;  // per flow id: where it is in order_
   std::vector<char> retiring_;         // per flow id: scratch of retire_done_flows
   // More scratch of retire_done_flows, kept so that it allocates nothing.
   std::vector<std::uint32_t> done_;
-  std::vector<Due> again_;
+  std::vector<FlowHeap::Entry> again_;
   std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
-  std::vector<Due> fresh_ends_, fresh_retires_;       // scratch of flush
-  std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
+  std::vector<FlowHeap::Entry> fresh_ends_, fresh_retires_;  // scratch of flush
+  std::vector<std::unique_ptr<Transfer>> transfers_;         // owned; freed when they end
   int in_flight_ = 0;
   bool unshared_ = false;  // batches wait for flush()
   // Since the last flush(): the transfer whose begin_flows added every flow added (null when none was,
@@ -140,8 +123,8 @@ class TransferEngine {
   Transfer* begun_ = nullptr;
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
-  // Min-heaps over running flows: when each ends, and from when it counts as done (within rounding).
-  mutable std::vector<Due> ends_, retires_;
+  // The running flows by when each ends, and by when it counts as done (within rounding).
+  FlowHeap ends_, retires_;
   std::vector<EndedTransfer> ended_;  // finished but not yet handed out
   long late_starts_ = 0;
 };
