@@ -31,7 +31,7 @@ TEST(FlowHeap, PopsEarliestFirstTiesByFlowAfterAnyMixOfChanges) {
   auto time = [&] { return static_cast<double>(rng() % 50); };
   for (int step = 0; step < 20000; ++step) {
     const std::uint32_t flow = rng() % 3000;
-    switch (rng() % 5) {
+    switch (rng() % 6) {
       case 0:
       case 1:
         heap.set(flow, model[flow] = time());
@@ -52,6 +52,21 @@ TEST(FlowHeap, PopsEarliestFirstTiesByFlowAfterAnyMixOfChanges) {
           model[f] = batch.back().at_us;
         }
         heap.set_all(batch);
+        break;
+      }
+      case 5: {
+        // A transfer's flows end together: a few of the heap (one by one) or most of it (one pass).
+        std::vector<std::uint32_t> ended;
+        const std::size_t n = rng() % 2 == 0 ? 2 : model.size() / 2;
+        for (auto it = model.begin(); it != model.end() && ended.size() < n;) {
+          if (rng() % 2 == 0) {
+            ended.push_back(it->first);
+            it = model.erase(it);
+          } else {
+            ++it;
+          }
+        }
+        heap.erase_all(ended);
         break;
       }
       case 4: {

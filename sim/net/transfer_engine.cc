@@ -107,8 +107,6 @@ void TransferEngine::end_flow(std::uint32_t id) {
   Running& r = running_[id];
   net_.remove_flow(id);
   r.transfer = nullptr;
-  ends_.erase(id);
-  retires_.erase(id);
   const std::size_t at = position_[id];
   const std::uint32_t last = order_.back();
   order_[at] = last;
@@ -185,6 +183,8 @@ void TransferEngine::retire_done_flows() {
   });
   for (const FlowHeap::Entry& d : again) retires_.set(d.flow, d.at_us);
   if (done.empty()) return;
+  // Out of the end heap together (they left the retirement heap as they were found due).
+  ends_.erase_all(done);
   // Retire them in the order of the running list: lowest position first; the entry moved into a gap is
   // looked at next (it is then the lowest).
   std::vector<char>& is_done = retiring_;  // all zero between calls
