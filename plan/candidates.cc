@@ -448,7 +448,7 @@ double StepBound::us(const gpt::Config& c) {
   // (float32, a rank's experts' each) and the routes there and back (the dispatch and the combine);
   // backward, the routes' gradients back and forth. With etp, each way also the etp group's gather of what
   // its members received and the reduce-scatter of their partial outputs (the counts' gather is left
-  // out). Full recomputation's again are left out.
+  // out). Full recomputation runs the forward's again (below).
   double ep_pieces_us = 0, ep_counts_us = 0, etp_us = 0;
   if (c.moe() && (c.ep > 1 || c.etp > 1) && c.local_rows() * c.top_k % c.experts == 0) {
     const std::vector<int> stage = stage_ranks(c, grid, 0);
@@ -504,8 +504,11 @@ double StepBound::us(const gpt::Config& c) {
     if (c.recompute == gpt::Recompute::Full) u.backward += u.forward + attention_fwd;
     if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd;
     u.forward += attention_fwd;
+    // The forward's collectives the compute waits for, which full recomputation runs again before the
+    // backward (Model::rebuild: "the forward once more, its communication included").
+    double forward_comm_us = 0;
     if (moe_layer) {
-      u.forward += ep_forward_us;
+      forward_comm_us += ep_forward_us;
       u.backward += 2 * ep_pieces_us + etp_us;
     }
     // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h), per
@@ -513,8 +516,8 @@ double StepBound::us(const gpt::Config& c) {
     // parallelism an all-reduce after the pair forward and one before it backward; with it an all-gather
     // before and a reduce-scatter after the pair forward, and backward a reduce-scatter and two
     // all-gathers (the output gradient's, and the input again for the weight gradient). The sizes are as
-    // nccl-tests counts them: the whole [s b, h] tensor for all three. Recomputation's collectives are
-    // left out, and with --tp-comm-overlap all of them: the GEMMs may hide them. With
+    // nccl-tests counts them: the whole [s b, h] tensor for all three. Full recomputation's are the
+    // forward's again; with --tp-comm-overlap all of them are left out: the GEMMs may hide them. With
     // --async-tensor-model-parallel-allreduce the column-parallel backward's gather and reduction may hide
     // under its GEMMs too: only the row-parallel backward's all-gathers are left.
     const double pairs = ffn > 0 ? 2 : 1;
@@ -522,14 +525,16 @@ double StepBound::us(const gpt::Config& c) {
       if (c.seq_parallel) {
         const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
                      scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
-        u.forward += pairs * (gather + scatter);
+        forward_comm_us += pairs * (gather + scatter);
         u.backward += pairs * (c.async_tp_allreduce ? gather : 2 * gather + scatter);
       } else {
         const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
-        u.forward += pairs * reduce;
+        forward_comm_us += pairs * reduce;
         if (!c.async_tp_allreduce) u.backward += pairs * reduce;
       }
     }
+    u.forward += forward_comm_us;
+    if (c.recompute == gpt::Recompute::Full) u.backward += forward_comm_us;
     return u;
   };
   const LayerUs dense = layer_us(false), moe = c.moe() ? layer_us(true) : dense;
