@@ -534,20 +534,6 @@ __global__ void swiglu_backward_kernel(T* dx, const T* dy, const T* x, std::int6
 constexpr int kAttnTile = 128;
 constexpr int kDimsPerThread = kMaxHeadDim / kAttnTile;
 
-struct AttnIndex {
-  std::int64_t b, pos;
-  int h;
-};
-// Block ids run over (sample, head, position), position fastest.
-__device__ inline AttnIndex attn_index(const AttentionShape& a) {
-  const std::int64_t id = blockIdx.x;
-  AttnIndex ix;
-  ix.pos = id % a.seq;
-  ix.h = static_cast<int>((id / a.seq) % a.heads);
-  ix.b = id / (a.seq * a.heads);
-  return ix;
-}
-
 // Where a token's q (part 0) of head h, or the k (1) or v (2) of h's group, starts in qkv: each group's q
 // heads, then its k and v (common/rank.h).
 template <typename T>
@@ -573,208 +559,43 @@ __device__ inline float dot(const float* s, const T* row, int n) {
   return acc;
 }
 
-// Forward: the online softmax of Milakov & Gimelshein (2018) as FlashAttention uses it. Per tile of keys:
-// scores, the tile's max, rescale what was accumulated by exp(old max - new max), add exp(score - max) v.
-template <typename T>
-__global__ void attention_kernel(T* out, float* lse, const T* qkv, AttentionShape a, float scale) {
-  extern __shared__ float smem[];
-  float* q = smem;                 // [head_dim]
-  float* p = q + a.head_dim;       // [kAttnTile]
-  float* scratch = p + kAttnTile;  // [32]
-  const AttnIndex ix = attn_index(a);
-  const int tid = threadIdx.x;
-  const T* qrow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 0);
-  for (int d = tid; d < a.head_dim; d += blockDim.x) q[d] = to_f(qrow[d]);
-  __syncthreads();
-  const std::int64_t keys = a.causal ? ix.pos + 1 : a.seq;
-  float m = -INFINITY, l = 0;
-  float acc[kDimsPerThread];
-  for (float& x : acc) x = 0;
-  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
-    const std::int64_t j = j0 + tid;
-    float s = -INFINITY;
-    if (j < keys) s = dot(q, qkv_at(qkv, a, j, ix.b, ix.h, 1), a.head_dim) * scale;
-    // Every tile holds at least one key, so the max is finite from the first tile on.
-    const float new_m = fmaxf(m, block_max_f(s, scratch));
-    const float e = j < keys ? expf(s - new_m) : 0.0f;
-    p[tid] = e;
-    const float tile_sum = block_sum_f(e, scratch);  // its barriers also publish p
-    const float correction = expf(m - new_m);        // 0 on the first tile (m = -inf)
-    l = l * correction + tile_sum;
-    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
-    for (int k = 0; k < kDimsPerThread; ++k) {
-      const int d = tid + k * kAttnTile;
-      if (d >= a.head_dim) break;
-      float x = acc[k] * correction;
-      for (int t = 0; t < n; ++t) x += p[t] * to_f(qkv_at(qkv, a, j0 + t, ix.b, ix.h, 2)[d]);
-      acc[k] = x;
-    }
-    m = new_m;
-    __syncthreads();  // p is rewritten by the next tile
+// Where a head's keys and values are: in qkv itself (each group's q heads, then its k and v), or in a kv
+// tensor of their own (each group's k, then its v: Rank::key_values, context parallelism's blocks).
+struct KeyValues {
+  std::int64_t row_width = 0;  // elements per row
+  int per_group = 0;           // q heads before each group's k: heads / kv_heads in qkv, 0 in kv
+  // Group g's k (part 1) or v (part 2) at position pos of sample b.
+  template <typename T>
+  __device__ const T* at(const T* base, const AttentionShape& a, std::int64_t pos, std::int64_t b, int group,
+                         int part) const {
+    const std::int64_t head = static_cast<std::int64_t>(group) * (per_group + 2) + per_group + part - 1;
+    return base + (pos * a.batch + b) * row_width + head * a.head_dim;
   }
-  T* orow = out + out_offset<T>(a, ix.pos, ix.b, ix.h);
-  for (int k = 0; k < kDimsPerThread; ++k) {
-    const int d = tid + k * kAttnTile;
-    if (d < a.head_dim) orow[d] = from_f<T>(acc[k] / l);
-  }
-  if (tid == 0) lse[(ix.b * a.heads + ix.h) * a.seq + ix.pos] = m + logf(l);
+};
+__host__ __device__ inline KeyValues in_qkv(const AttentionShape& a) {
+  return {static_cast<std::int64_t>(a.heads + 2 * a.kv_heads) * a.head_dim, a.heads / a.kv_heads};
+}
+inline KeyValues in_kv(const AttentionShape& a) {
+  return {2 * static_cast<std::int64_t>(a.kv_heads) * a.head_dim, 0};
+}
+// The whole attention as a block: every query against qkv's own keys, the mask by position.
+inline AttentionBlockShape whole(const AttentionShape& a) {
+  AttentionBlockShape k;
+  k.a = a;
+  k.kv_seq = a.seq;
+  k.q_end = a.seq;
+  k.causal = a.causal;
+  return k;
 }
 
-// Backward (Dao et al. 2022, Algorithm 4, without the tiling of queries): with P = exp(scale q.k - lse),
-// dP = dout . v, delta = dout . out and dS = P (dP - delta):
-//   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij dout_i.
-// Two kernels, so every sum has one owner and no atomics: one block per query for dq (it also writes
-// delta), then one block per key for dk and dv.
-template <typename T>
-__global__ void attention_dq_kernel(T* dqkv, float* delta_out, const T* dout, const T* qkv, const T* out,
-                                    const float* lse, AttentionShape a, float scale) {
-  extern __shared__ float smem[];
-  float* q = smem;                  // [head_dim]
-  float* go = q + a.head_dim;       // [head_dim]: d out of this query
-  float* ds = go + a.head_dim;      // [kAttnTile]
-  float* scratch = ds + kAttnTile;  // [32]
-  const AttnIndex ix = attn_index(a);
-  const int tid = threadIdx.x;
-  const T* qrow = qkv_at(qkv, a, ix.pos, ix.b, ix.h, 0);
-  const std::int64_t o = out_offset<T>(a, ix.pos, ix.b, ix.h);
-  float part = 0;
-  for (int d = tid; d < a.head_dim; d += blockDim.x) {
-    q[d] = to_f(qrow[d]);
-    go[d] = to_f(dout[o + d]);
-    part += go[d] * to_f(out[o + d]);
-  }
-  const float delta = block_sum_f(part, scratch);  // its barriers also publish q and go
-  const std::int64_t stat = (ix.b * a.heads + ix.h) * a.seq + ix.pos;
-  if (tid == 0) delta_out[stat] = delta;
-  const float lse_i = lse[stat];
-  const std::int64_t keys = a.causal ? ix.pos + 1 : a.seq;
-  float acc[kDimsPerThread];
-  for (float& x : acc) x = 0;
-  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
-    const std::int64_t j = j0 + tid;
-    float dsj = 0;
-    if (j < keys) {
-      const float pj = expf(dot(q, qkv_at(qkv, a, j, ix.b, ix.h, 1), a.head_dim) * scale - lse_i);
-      const float dpj = dot(go, qkv_at(qkv, a, j, ix.b, ix.h, 2), a.head_dim);
-      dsj = pj * (dpj - delta);
-    }
-    ds[tid] = dsj;
-    __syncthreads();
-    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
-    for (int k = 0; k < kDimsPerThread; ++k) {
-      const int d = tid + k * kAttnTile;
-      if (d >= a.head_dim) break;
-      for (int t = 0; t < n; ++t) acc[k] += ds[t] * to_f(qkv_at(qkv, a, j0 + t, ix.b, ix.h, 1)[d]);
-    }
-    __syncthreads();
-  }
-  T* dq = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, ix.pos, ix.b, ix.h, 0));
-  for (int k = 0; k < kDimsPerThread; ++k) {
-    const int d = tid + k * kAttnTile;
-    if (d < a.head_dim) dq[d] = from_f<T>(scale * acc[k]);
-  }
-}
-
-// One block per (sample, key-value head, key position): the sums run over every query of every q head of
-// the group.
-template <typename T>
-__global__ void attention_dkv_kernel(T* dqkv, const float* delta, const T* dout, const T* qkv,
-                                     const float* lse, AttentionShape a, float scale) {
-  extern __shared__ float smem[];
-  float* kv = smem;             // [head_dim]: this key
-  float* vv = kv + a.head_dim;  // [head_dim]: its value
-  float* p = vv + a.head_dim;   // [kAttnTile]
-  float* ds = p + kAttnTile;    // [kAttnTile]
-  const std::int64_t id = blockIdx.x;
-  const std::int64_t pos = id % a.seq, b = id / (static_cast<std::int64_t>(a.seq) * a.kv_heads);
-  const int group = static_cast<int>((id / a.seq) % a.kv_heads), per_group = a.heads / a.kv_heads;
-  const int tid = threadIdx.x;
-  const T* krow = qkv_at(qkv, a, pos, b, group * per_group, 1);
-  const T* vrow = qkv_at(qkv, a, pos, b, group * per_group, 2);
-  for (int d = tid; d < a.head_dim; d += blockDim.x) {
-    kv[d] = to_f(krow[d]);
-    vv[d] = to_f(vrow[d]);
-  }
-  __syncthreads();
-  // Under the causal mask only queries at or after the key see it.
-  const std::int64_t first = a.causal ? pos : 0;
-  float acc_k[kDimsPerThread], acc_v[kDimsPerThread];
-  for (int k = 0; k < kDimsPerThread; ++k) acc_k[k] = acc_v[k] = 0;
-  for (int h = group * per_group; h < (group + 1) * per_group; ++h) {
-    const std::int64_t stats = (b * a.heads + h) * a.seq;
-    for (std::int64_t i0 = first; i0 < a.seq; i0 += kAttnTile) {
-      const std::int64_t i = i0 + tid;
-      float pi = 0, dsi = 0;
-      if (i < a.seq) {
-        pi = expf(dot(kv, qkv_at(qkv, a, i, b, h, 0), a.head_dim) * scale - lse[stats + i]);
-        const float dpi = dot(vv, dout + out_offset<T>(a, i, b, h), a.head_dim);
-        dsi = pi * (dpi - delta[stats + i]);
-      }
-      p[tid] = pi;
-      ds[tid] = dsi;
-      __syncthreads();
-      const int n = static_cast<int>(a.seq - i0 < kAttnTile ? a.seq - i0 : kAttnTile);
-      for (int k = 0; k < kDimsPerThread; ++k) {
-        const int d = tid + k * kAttnTile;
-        if (d >= a.head_dim) break;
-        for (int t = 0; t < n; ++t) {
-          acc_v[k] += p[t] * to_f(dout[out_offset<T>(a, i0 + t, b, h) + d]);
-          acc_k[k] += ds[t] * to_f(qkv_at(qkv, a, i0 + t, b, h, 0)[d]);
-        }
-      }
-      __syncthreads();
-    }
-  }
-  T* dk = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, pos, b, group * per_group, 1));
-  T* dv = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, pos, b, group * per_group, 2));
-  for (int k = 0; k < kDimsPerThread; ++k) {
-    const int d = tid + k * kAttnTile;
-    if (d < a.head_dim) {
-      dk[d] = from_f<T>(scale * acc_k[k]);
-      dv[d] = from_f<T>(acc_v[k]);
-    }
-  }
-}
-
-// ---- context parallelism's attention blocks --------------------------------------------------------------
-
-// Where a position's k (part 1) or v (part 2) of group `group` starts in kv [kv_seq * batch, 2 * kv_heads *
-// head_dim]: each group's k, then its v (Rank::key_values).
-template <typename T>
-__device__ inline const T* kv_at(const T* kv, const AttentionShape& a, std::int64_t pos, std::int64_t b,
-                                 int group, int part) {
-  const std::int64_t row = pos * a.batch + b, width = 2 * static_cast<std::int64_t>(a.kv_heads) * a.head_dim;
-  return kv + row * width + (2 * static_cast<std::int64_t>(group) + part - 1) * a.head_dim;
-}
-
-// The keys query `i` of the block sees: all of kv's, or with the mask those up to its position.
+// The keys query `i` of the block sees: all of them, or with the mask those up to its position.
 __device__ inline std::int64_t visible_keys(const AttentionBlockShape& k, std::int64_t i) {
   if (!k.causal) return k.kv_seq;
   const std::int64_t v = k.q_position + (i - k.q_first) - k.kv_position + 1;
   return v < 0 ? 0 : (v > k.kv_seq ? k.kv_seq : v);
 }
 
-// Copies qkv's k and v columns into kv (add = false), or adds a kv-shaped gradient into them (add = true):
-// one thread per element of kv.
-template <typename T>
-__global__ void key_values_kernel(T* qkv, T* kv, AttentionShape a, bool add, std::int64_t n) {
-  const int per_group = a.heads / a.kv_heads;
-  const std::int64_t kv_width = 2 * static_cast<std::int64_t>(a.kv_heads) * a.head_dim,
-                     width = static_cast<std::int64_t>(a.heads + 2 * a.kv_heads) * a.head_dim;
-  for (std::int64_t i = first_index(); i < n; i += stride()) {
-    const std::int64_t row = i / kv_width, col = i % kv_width;
-    const std::int64_t head = col / a.head_dim, d = col % a.head_dim;
-    const std::int64_t group = head / 2, part = head % 2 + 1;
-    T* in_qkv = qkv + row * width + (group * (per_group + 2) + per_group + part - 1) * a.head_dim + d;
-    if (add) {
-      *in_qkv = from_f<T>(to_f(*in_qkv) + to_f(kv[i]));
-    } else {
-      kv[i] = *in_qkv;
-    }
-  }
-}
-
-// Block ids of the blocks' kernels run over (sample, head, query of the block), the query fastest.
+// Block ids of the per-query kernels run over (sample, head, query of the block), the query fastest.
 struct BlockQuery {
   std::int64_t b, i;
   int h;
@@ -788,20 +609,22 @@ __device__ inline BlockQuery block_query(const AttentionBlockShape& k) {
   return x;
 }
 
-// The block's attention for one query (attention_kernel's online softmax over the keys it sees), merged
-// into the running out and lse by their log-sum-exps: out = e^(lse - total) out + e^(lse_block - total)
-// out_block, total = log(e^lse + e^lse_block), as the simulator merges (sim/sim_rank_context.cc).
+// Forward: the online softmax of Milakov & Gimelshein (2018) as FlashAttention uses it. Per tile of keys:
+// scores, the tile's max, rescale what was accumulated by exp(old max - new max), add exp(score - max) v.
+// The whole attention writes out and lse; a context-parallel block (`merge`) merges its result into the
+// running ones by their log-sum-exps, out = e^(lse - total) out + e^(lse_block - total) out_block with
+// total = log(e^lse + e^lse_block), as the simulator merges (sim/sim_rank_context.cc).
 template <typename T, typename O>
-__global__ void attention_block_kernel(O* out, float* lse, const T* qkv, const T* kv, AttentionBlockShape k,
-                                       float scale) {
+__global__ void attention_kernel(O* out, float* lse, const T* qkv, const T* keys, KeyValues kvs,
+                                 AttentionBlockShape k, float scale, bool merge) {
   extern __shared__ float smem[];
   float* q = smem;                 // [head_dim]
   float* p = q + k.a.head_dim;     // [kAttnTile]
   float* scratch = p + kAttnTile;  // [32]
   const AttentionShape& a = k.a;
   const BlockQuery x = block_query(k);
-  const std::int64_t keys = visible_keys(k, x.i);
-  if (keys == 0) return;  // every key of the block is after this query: the same for the whole block
+  const std::int64_t n_keys = visible_keys(k, x.i);
+  if (n_keys == 0) return;  // every key of a block is after this query: the same for the thread block
   const int tid = threadIdx.x, group = x.h / (a.heads / a.kv_heads);
   const T* qrow = qkv_at(qkv, a, x.i, x.b, x.h, 0);
   for (int d = tid; d < a.head_dim; d += blockDim.x) q[d] = to_f(qrow[d]);
@@ -809,34 +632,43 @@ __global__ void attention_block_kernel(O* out, float* lse, const T* qkv, const T
   float m = -INFINITY, l = 0;
   float acc[kDimsPerThread];
   for (float& v : acc) v = 0;
-  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
+  for (std::int64_t j0 = 0; j0 < n_keys; j0 += kAttnTile) {
     const std::int64_t j = j0 + tid;
     float s = -INFINITY;
-    if (j < keys) s = dot(q, kv_at(kv, a, j, x.b, group, 1), a.head_dim) * scale;
+    if (j < n_keys) s = dot(q, kvs.at(keys, a, j, x.b, group, 1), a.head_dim) * scale;
+    // Every tile holds at least one key, so the max is finite from the first tile on.
     const float new_m = fmaxf(m, block_max_f(s, scratch));
-    const float e = j < keys ? expf(s - new_m) : 0.0f;
+    const float e = j < n_keys ? expf(s - new_m) : 0.0f;
     p[tid] = e;
     const float tile_sum = block_sum_f(e, scratch);  // its barriers also publish p
-    const float correction = expf(m - new_m);
+    const float correction = expf(m - new_m);        // 0 on the first tile (m = -inf)
     l = l * correction + tile_sum;
-    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
+    const int n = static_cast<int>(n_keys - j0 < kAttnTile ? n_keys - j0 : kAttnTile);
     for (int c = 0; c < kDimsPerThread; ++c) {
       const int d = tid + c * kAttnTile;
       if (d >= a.head_dim) break;
       float v = acc[c] * correction;
-      for (int t = 0; t < n; ++t) v += p[t] * to_f(kv_at(kv, a, j0 + t, x.b, group, 2)[d]);
+      for (int t = 0; t < n; ++t) v += p[t] * to_f(kvs.at(keys, a, j0 + t, x.b, group, 2)[d]);
       acc[c] = v;
     }
     m = new_m;
-    __syncthreads();
+    __syncthreads();  // p is rewritten by the next tile
   }
-  const float block_lse = m + logf(l);
   const std::int64_t stat = (x.b * a.heads + x.h) * a.seq + x.i;
-  const float old = lse[stat];
-  const float top = fmaxf(old, block_lse);
-  const float total = top + logf(expf(old - top) + expf(block_lse - top));
-  const float keep = old == -INFINITY ? 0.0f : expf(old - total), add = expf(block_lse - total);
   O* orow = out + out_offset<O>(a, x.i, x.b, x.h);
+  const float own_lse = m + logf(l);
+  if (!merge) {
+    for (int c = 0; c < kDimsPerThread; ++c) {
+      const int d = tid + c * kAttnTile;
+      if (d < a.head_dim) orow[d] = from_f<O>(acc[c] / l);
+    }
+    if (tid == 0) lse[stat] = own_lse;
+    return;
+  }
+  const float old = lse[stat];
+  const float top = fmaxf(old, own_lse);
+  const float total = top + logf(expf(old - top) + expf(own_lse - top));
+  const float keep = old == -INFINITY ? 0.0f : expf(old - total), add = expf(own_lse - total);
   for (int c = 0; c < kDimsPerThread; ++c) {
     const int d = tid + c * kAttnTile;
     if (d < a.head_dim) orow[d] = from_f<O>(keep * to_f(orow[d]) + add * (acc[c] / l));
@@ -845,16 +677,19 @@ __global__ void attention_block_kernel(O* out, float* lse, const T* qkv, const T
   if (tid == 0) lse[stat] = total;
 }
 
-// The block's backward, as attention_dq_kernel and attention_dkv_kernel compute the whole attention's, from
-// the final out and lse: one block per query adds its d q (and writes delta = dout . out, [batch, heads,
-// queries of the block]), then one block per key of kv adds its d k and d v over the queries that see it.
+// Backward (Dao et al. 2022, Algorithm 4, without the tiling of queries): with P = exp(scale q.k - lse),
+// dP = dout . v, delta = dout . out and dS = P (dP - delta):
+//   dq_i = scale sum_j dS_ij k_j,  dk_j = scale sum_i dS_ij q_i,  dv_j = sum_i P_ij dout_i.
+// Two kernels, so every sum has one owner and no atomics: one block per query for dq (it also writes
+// delta, [batch, heads, queries of the block]), then one block per key for dk and dv. The whole
+// attention writes its gradients; a context-parallel block (`accumulate`) adds into the running ones.
 template <typename T, typename O>
-__global__ void attention_block_dq_kernel(T* dqkv, float* delta_out, const O* dout, const T* qkv, const T* kv,
-                                          const O* out, const float* lse, AttentionBlockShape k,
-                                          float scale) {
+__global__ void attention_dq_kernel(T* dqkv, float* delta_out, const O* dout, const T* qkv, const T* keys,
+                                    KeyValues kvs, const O* out, const float* lse, AttentionBlockShape k,
+                                    float scale, bool accumulate) {
   extern __shared__ float smem[];
   float* q = smem;                  // [head_dim]
-  float* go = q + k.a.head_dim;     // [head_dim]
+  float* go = q + k.a.head_dim;     // [head_dim]: d out of this query
   float* ds = go + k.a.head_dim;    // [kAttnTile]
   float* scratch = ds + kAttnTile;  // [32]
   const AttentionShape& a = k.a;
@@ -871,38 +706,41 @@ __global__ void attention_block_dq_kernel(T* dqkv, float* delta_out, const O* do
   const float delta = block_sum_f(part, scratch);  // its barriers also publish q and go
   if (tid == 0) delta_out[(x.b * a.heads + x.h) * (k.q_end - k.q_first) + (x.i - k.q_first)] = delta;
   const float lse_i = lse[(x.b * a.heads + x.h) * a.seq + x.i];
-  const std::int64_t keys = visible_keys(k, x.i);
+  const std::int64_t n_keys = visible_keys(k, x.i);
   float acc[kDimsPerThread];
   for (float& v : acc) v = 0;
-  for (std::int64_t j0 = 0; j0 < keys; j0 += kAttnTile) {
+  for (std::int64_t j0 = 0; j0 < n_keys; j0 += kAttnTile) {
     const std::int64_t j = j0 + tid;
     float dsj = 0;
-    if (j < keys) {
-      const float pj = expf(dot(q, kv_at(kv, a, j, x.b, group, 1), a.head_dim) * scale - lse_i);
-      dsj = pj * (dot(go, kv_at(kv, a, j, x.b, group, 2), a.head_dim) - delta);
+    if (j < n_keys) {
+      const float pj = expf(dot(q, kvs.at(keys, a, j, x.b, group, 1), a.head_dim) * scale - lse_i);
+      const float dpj = dot(go, kvs.at(keys, a, j, x.b, group, 2), a.head_dim);
+      dsj = pj * (dpj - delta);
     }
     ds[tid] = dsj;
     __syncthreads();
-    const int n = static_cast<int>(keys - j0 < kAttnTile ? keys - j0 : kAttnTile);
+    const int n = static_cast<int>(n_keys - j0 < kAttnTile ? n_keys - j0 : kAttnTile);
     for (int c = 0; c < kDimsPerThread; ++c) {
       const int d = tid + c * kAttnTile;
       if (d >= a.head_dim) break;
-      for (int t = 0; t < n; ++t) acc[c] += ds[t] * to_f(kv_at(kv, a, j0 + t, x.b, group, 1)[d]);
+      for (int t = 0; t < n; ++t) acc[c] += ds[t] * to_f(kvs.at(keys, a, j0 + t, x.b, group, 1)[d]);
     }
     __syncthreads();
   }
   T* dq = const_cast<T*>(qkv_at(static_cast<const T*>(dqkv), a, x.i, x.b, x.h, 0));
   for (int c = 0; c < kDimsPerThread; ++c) {
     const int d = tid + c * kAttnTile;
-    if (d < a.head_dim) dq[d] = from_f<T>(to_f(dq[d]) + scale * acc[c]);
+    if (d < a.head_dim) dq[d] = from_f<T>((accumulate ? to_f(dq[d]) : 0.0f) + scale * acc[c]);
   }
 }
 
-// One block per (sample, key-value head, key of kv).
+// One block per (sample, key-value head, key): the sums run over every query of every q head of the group
+// that sees the key. dk and dv go where `dkvs` says in `dkeys`: dqkv's k and v columns for the whole
+// attention, the block's dkv for a block.
 template <typename T, typename O>
-__global__ void attention_block_dkv_kernel(T* dkv, const float* delta, const O* dout, const T* qkv,
-                                           const T* kv, const float* lse, AttentionBlockShape k,
-                                           float scale) {
+__global__ void attention_dkv_kernel(T* dkeys, KeyValues dkvs, const float* delta, const O* dout,
+                                     const T* qkv, const T* keys, KeyValues kvs, const float* lse,
+                                     AttentionBlockShape k, float scale, bool accumulate) {
   extern __shared__ float smem[];
   float* kk = smem;               // [head_dim]: this key
   float* vv = kk + k.a.head_dim;  // [head_dim]: its value
@@ -913,8 +751,8 @@ __global__ void attention_block_dkv_kernel(T* dkv, const float* delta, const O* 
   const std::int64_t j = id % k.kv_seq, b = id / (k.kv_seq * a.kv_heads);
   const int group = static_cast<int>((id / k.kv_seq) % a.kv_heads), per_group = a.heads / a.kv_heads;
   const int tid = threadIdx.x;
-  const T* krow = kv_at(kv, a, j, b, group, 1);
-  const T* vrow = kv_at(kv, a, j, b, group, 2);
+  const T* krow = kvs.at(keys, a, j, b, group, 1);
+  const T* vrow = kvs.at(keys, a, j, b, group, 2);
   for (int d = tid; d < a.head_dim; d += blockDim.x) {
     kk[d] = to_f(krow[d]);
     vv[d] = to_f(vrow[d]);
@@ -935,7 +773,8 @@ __global__ void attention_block_dkv_kernel(T* dkv, const float* delta, const O* 
       float pi = 0, dsi = 0;
       if (i < k.q_end) {
         pi = expf(dot(kk, qkv_at(qkv, a, i, b, h, 0), a.head_dim) * scale - lse[stats + i]);
-        dsi = pi * (dot(vv, dout + out_offset<O>(a, i, b, h), a.head_dim) - delta[deltas + i]);
+        const float dpi = dot(vv, dout + out_offset<O>(a, i, b, h), a.head_dim);
+        dsi = pi * (dpi - delta[deltas + i]);
       }
       p[tid] = pi;
       ds[tid] = dsi;
@@ -952,13 +791,33 @@ __global__ void attention_block_dkv_kernel(T* dkv, const float* delta, const O* 
       __syncthreads();
     }
   }
-  T* dk = const_cast<T*>(kv_at(static_cast<const T*>(dkv), a, j, b, group, 1));
-  T* dv = const_cast<T*>(kv_at(static_cast<const T*>(dkv), a, j, b, group, 2));
+  T* dk = const_cast<T*>(dkvs.at(static_cast<const T*>(dkeys), a, j, b, group, 1));
+  T* dv = const_cast<T*>(dkvs.at(static_cast<const T*>(dkeys), a, j, b, group, 2));
   for (int c = 0; c < kDimsPerThread; ++c) {
     const int d = tid + c * kAttnTile;
     if (d < a.head_dim) {
-      dk[d] = from_f<T>(to_f(dk[d]) + scale * acc_k[c]);
-      dv[d] = from_f<T>(to_f(dv[d]) + acc_v[c]);
+      dk[d] = from_f<T>((accumulate ? to_f(dk[d]) : 0.0f) + scale * acc_k[c]);
+      dv[d] = from_f<T>((accumulate ? to_f(dv[d]) : 0.0f) + acc_v[c]);
+    }
+  }
+}
+
+// Copies qkv's k and v columns into kv (add = false), or adds a kv-shaped gradient into them (add = true):
+// one thread per element of kv.
+template <typename T>
+__global__ void key_values_kernel(T* qkv, T* kv, AttentionShape a, bool add, std::int64_t n) {
+  const KeyValues packed = in_qkv(a);
+  const std::int64_t kv_width = 2 * static_cast<std::int64_t>(a.kv_heads) * a.head_dim;
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const std::int64_t row = i / kv_width, col = i % kv_width;
+    const int head = static_cast<int>(col / a.head_dim);  // of kv's: group head / 2, k or v by its parity
+    T* in_qkv_at = const_cast<T*>(packed.at(static_cast<const T*>(qkv), a, row / a.batch, row % a.batch,
+                                            head / 2, head % 2 + 1)) +
+                   col % a.head_dim;
+    if (add) {
+      *in_qkv_at = from_f<T>(to_f(*in_qkv_at) + to_f(kv[i]));
+    } else {
+      kv[i] = *in_qkv_at;
     }
   }
 }
@@ -1408,39 +1267,58 @@ void dropout(void* y, const void* x, DType t, std::int64_t rows, std::int64_t co
   check_launch("dropout kernel launch");
 }
 
+namespace {
+// The per-query and per-key kernels' launches, which the whole attention (O = T, keys in qkv, results
+// written) and the context-parallel blocks (keys in kv, results merged or added) share.
+template <typename T, typename O>
+void launch_attention(O* out, float* lse, const T* qkv, const T* keys, KeyValues kvs,
+                      const AttentionBlockShape& k, bool merge, const char* name, cudaStream_t s) {
+  const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
+  const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
+  const size_t shared = sizeof(float) * (static_cast<size_t>(k.a.head_dim) + kAttnTile + 32);
+  attention_kernel<T, O>
+      <<<row_blocks(blocks, name), kAttnTile, shared, s>>>(out, lse, qkv, keys, kvs, k, scale, merge);
+  check_launch(name);
+}
+template <typename T, typename O>
+void launch_attention_backward(T* dqkv, T* dkeys, KeyValues dkvs, float* delta, const O* dout, const T* qkv,
+                               const T* keys, KeyValues kvs, const O* out, const float* lse,
+                               const AttentionBlockShape& k, bool accumulate, const char* name,
+                               cudaStream_t s) {
+  const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
+  const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
+  const size_t shared = sizeof(float) * (2 * static_cast<size_t>(k.a.head_dim) + 2 * kAttnTile + 32);
+  attention_dq_kernel<T, O><<<row_blocks(blocks, name), kAttnTile, shared, s>>>(
+      dqkv, delta, dout, qkv, keys, kvs, out, lse, k, scale, accumulate);
+  check_launch(name);
+  // One block per (sample, key-value head, key).
+  attention_dkv_kernel<T, O><<<row_blocks(k.a.batch * k.a.kv_heads * k.kv_seq, name), kAttnTile, shared, s>>>(
+      dkeys, dkvs, delta, dout, qkv, keys, kvs, lse, k, scale, accumulate);
+  check_launch(name);
+}
+}  // namespace
+
 void attention(void* out, float* lse, const void* qkv, DType t, const AttentionShape& a, cudaStream_t s) {
-  const std::int64_t blocks = a.batch * a.heads * a.seq;
-  if (blocks == 0 || a.head_dim == 0) return;
-  const float scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
-  const size_t shared = sizeof(float) * (static_cast<size_t>(a.head_dim) + kAttnTile + 32);
+  if (a.batch * a.heads * a.seq == 0 || a.head_dim == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    attention_kernel<T><<<row_blocks(blocks, "attention"), kAttnTile, shared, s>>>(
-        static_cast<T*>(out), lse, static_cast<const T*>(qkv), a, scale);
+    const T* q = static_cast<const T*>(qkv);
+    launch_attention<T, T>(static_cast<T*>(out), lse, q, q, in_qkv(a), whole(a), false,
+                           "attention kernel launch", s);
   });
-  check_launch("attention kernel launch");
 }
 
 void attention_backward(void* dqkv, float* delta, const void* dout, const void* qkv, const void* out,
                         const float* lse, DType t, const AttentionShape& a, cudaStream_t s) {
-  const std::int64_t blocks = a.batch * a.heads * a.seq;
-  if (blocks == 0 || a.head_dim == 0) return;
-  const float scale = 1.0f / sqrtf(static_cast<float>(a.head_dim));
-  const size_t shared = sizeof(float) * (2 * static_cast<size_t>(a.head_dim) + 2 * kAttnTile + 32);
+  if (a.batch * a.heads * a.seq == 0 || a.head_dim == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const unsigned grid = row_blocks(blocks, "attention_backward");
-    attention_dq_kernel<T><<<grid, kAttnTile, shared, s>>>(
-        static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv),
-        static_cast<const T*>(out), lse, a, scale);
-    check_launch("attention_backward kernel launch");
-    // One block per (sample, key-value head, key).
-    attention_dkv_kernel<T>
-        <<<row_blocks(a.batch * a.kv_heads * a.seq, "attention_backward"), kAttnTile, shared, s>>>(
-            static_cast<T*>(dqkv), delta, static_cast<const T*>(dout), static_cast<const T*>(qkv), lse, a,
-            scale);
+    const T* q = static_cast<const T*>(qkv);
+    T* d = static_cast<T*>(dqkv);
+    launch_attention_backward<T, T>(d, d, in_qkv(a), delta, static_cast<const T*>(dout), q, q, in_qkv(a),
+                                    static_cast<const T*>(out), lse, whole(a), false,
+                                    "attention_backward kernel launch", s);
   });
-  check_launch("attention_backward kernel launch");
 }
 
 void key_values(void* qkv, void* kv, DType t, const AttentionShape& a, bool add, cudaStream_t s) {
@@ -1456,44 +1334,31 @@ void key_values(void* qkv, void* kv, DType t, const AttentionShape& a, bool add,
 
 void attention_block(void* out, DType out_t, float* lse, const void* qkv, const void* kv, DType t,
                      const AttentionBlockShape& k, cudaStream_t s) {
-  const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
-  if (blocks <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
-  const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
-  const size_t shared = sizeof(float) * (static_cast<size_t>(k.a.head_dim) + kAttnTile + 32);
+  if (k.a.batch * k.a.heads * (k.q_end - k.q_first) <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch(out_t, [&](auto out_tag) {
       using O = typename decltype(out_tag)::type;
-      attention_block_kernel<T, O><<<row_blocks(blocks, "attention_block_"), kAttnTile, shared, s>>>(
-          static_cast<O*>(out), lse, static_cast<const T*>(qkv), static_cast<const T*>(kv), k, scale);
+      launch_attention<T, O>(static_cast<O*>(out), lse, static_cast<const T*>(qkv), static_cast<const T*>(kv),
+                             in_kv(k.a), k, true, "attention_block_ kernel launch", s);
     });
   });
-  check_launch("attention_block_ kernel launch");
 }
 
 void attention_block_backward(void* dqkv, void* dkv, float* delta, const void* dout, const void* qkv,
                               const void* kv, const void* out, DType out_t, const float* lse, DType t,
                               const AttentionBlockShape& k, cudaStream_t s) {
-  const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
-  if (blocks <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
-  const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
-  const size_t shared = sizeof(float) * (2 * static_cast<size_t>(k.a.head_dim) + 2 * kAttnTile + 32);
+  if (k.a.batch * k.a.heads * (k.q_end - k.q_first) <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     dispatch(out_t, [&](auto out_tag) {
       using O = typename decltype(out_tag)::type;
-      attention_block_dq_kernel<T, O>
-          <<<row_blocks(blocks, "attention_block_backward_"), kAttnTile, shared, s>>>(
-              static_cast<T*>(dqkv), delta, static_cast<const O*>(dout), static_cast<const T*>(qkv),
-              static_cast<const T*>(kv), static_cast<const O*>(out), lse, k, scale);
-      check_launch("attention_block_backward_ kernel launch");
-      attention_block_dkv_kernel<T, O>
-          <<<row_blocks(k.a.batch * k.a.kv_heads * k.kv_seq, "attention_block_backward_"), kAttnTile, shared,
-             s>>>(static_cast<T*>(dkv), delta, static_cast<const O*>(dout), static_cast<const T*>(qkv),
-                  static_cast<const T*>(kv), lse, k, scale);
+      launch_attention_backward<T, O>(static_cast<T*>(dqkv), static_cast<T*>(dkv), in_kv(k.a), delta,
+                                      static_cast<const O*>(dout), static_cast<const T*>(qkv),
+                                      static_cast<const T*>(kv), in_kv(k.a), static_cast<const O*>(out), lse,
+                                      k, true, "attention_block_backward_ kernel launch", s);
     });
   });
-  check_launch("attention_block_backward_ kernel launch");
 }
 
 void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,
