@@ -119,6 +119,11 @@ void dispatch(DType t, Fn&& fn) {
   throw UsageError(std::string("the CUDA backend holds no ") + dtype_name(t) + " tensors");
 }
 
+// Calls fn(Tag<T>{}, Tag<O>{}) with T the element type of `t` and O that of `o`.
+template <typename Fn>
+void dispatch_pair(DType t, DType o, Fn&& fn) {
+  dispatch(t, [&](auto t_tag) { dispatch(o, [&](auto o_tag) { fn(t_tag, o_tag); }); });
+}
 void check_launch(const char* kernel) {
   cuda_check(cudaGetLastError(), kernel);
 }
@@ -1335,13 +1340,11 @@ void key_values(void* qkv, void* kv, DType t, const AttentionShape& a, bool add,
 void attention_block(void* out, DType out_t, float* lse, const void* qkv, const void* kv, DType t,
                      const AttentionBlockShape& k, cudaStream_t s) {
   if (k.a.batch * k.a.heads * (k.q_end - k.q_first) <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
-  dispatch(t, [&](auto tag) {
+  dispatch_pair(t, out_t, [&](auto tag, auto out_tag) {
     using T = typename decltype(tag)::type;
-    dispatch(out_t, [&](auto out_tag) {
-      using O = typename decltype(out_tag)::type;
-      launch_attention<T, O>(static_cast<O*>(out), lse, static_cast<const T*>(qkv), static_cast<const T*>(kv),
-                             in_kv(k.a), k, true, "attention_block_ kernel launch", s);
-    });
+    using O = typename decltype(out_tag)::type;
+    launch_attention<T, O>(static_cast<O*>(out), lse, static_cast<const T*>(qkv), static_cast<const T*>(kv),
+                           in_kv(k.a), k, true, "attention_block_ kernel launch", s);
   });
 }
 
@@ -1349,15 +1352,13 @@ void attention_block_backward(void* dqkv, void* dkv, float* delta, const void* d
                               const void* kv, const void* out, DType out_t, const float* lse, DType t,
                               const AttentionBlockShape& k, cudaStream_t s) {
   if (k.a.batch * k.a.heads * (k.q_end - k.q_first) <= 0 || k.a.head_dim == 0 || k.kv_seq == 0) return;
-  dispatch(t, [&](auto tag) {
+  dispatch_pair(t, out_t, [&](auto tag, auto out_tag) {
     using T = typename decltype(tag)::type;
-    dispatch(out_t, [&](auto out_tag) {
-      using O = typename decltype(out_tag)::type;
-      launch_attention_backward<T, O>(static_cast<T*>(dqkv), static_cast<T*>(dkv), in_kv(k.a), delta,
-                                      static_cast<const O*>(dout), static_cast<const T*>(qkv),
-                                      static_cast<const T*>(kv), in_kv(k.a), static_cast<const O*>(out), lse,
-                                      k, true, "attention_block_backward_ kernel launch", s);
-    });
+    using O = typename decltype(out_tag)::type;
+    launch_attention_backward<T, O>(static_cast<T*>(dqkv), static_cast<T*>(dkv), in_kv(k.a), delta,
+                                    static_cast<const O*>(dout), static_cast<const T*>(qkv),
+                                    static_cast<const T*>(kv), in_kv(k.a), static_cast<const O*>(out), lse, k,
+                                    true, "attention_block_backward_ kernel launch", s);
   });
 }
 

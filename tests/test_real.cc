@@ -895,6 +895,12 @@ TEST(CudaBackend, AttentionMatchesAHostReference) {
   });
 }
 
+// Appends x's values to `all`: a test's program returns everything it computed, in one vector.
+void append_host(Rank& r, const Tensor& x, std::vector<float>& all) {
+  const std::vector<float> v = r.to_host(x);
+  all.insert(all.end(), v.begin(), v.end());
+}
+
 TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
   REQUIRE_GPU();
   // RMSNorm, SwiGLU, rotary embeddings and grouped-query attention (a head_dim over the block's 128 threads,
@@ -902,10 +908,7 @@ TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
   for (DType t : {DType::Float32, DType::BFloat16}) {
     const Both b = run_both(1, [t](Rank& r) {
       std::vector<float> all;
-      auto keep = [&](const Tensor& x) {
-        const std::vector<float> v = r.to_host(x);
-        all.insert(all.end(), v.begin(), v.end());
-      };
+      auto keep = [&](const Tensor& x) { append_host(r, x, all); };
       Tensor x = r.randn({6, 136}, 51, 1.0f, t), g = r.randn({136}, 52, 1.0f, t),
              dy = r.randn({6, 136}, 53, 1.0f, t);
       Rank::RmsNormOut n = r.rmsnorm(x, g, 1e-5f);
@@ -941,10 +944,7 @@ TEST(CudaBackend, ContextParallelBlocksMatchTheSimulator) {
   for (DType t : {DType::Float32, DType::BFloat16}) {
     const Both b = run_both(1, [t](Rank& r) {
       std::vector<float> all;
-      auto keep = [&](const Tensor& x) {
-        const std::vector<float> v = r.to_host(x);
-        all.insert(all.end(), v.begin(), v.end());
-      };
+      auto keep = [&](const Tensor& x) { append_host(r, x, all); };
       const AttentionSpec spec{2, 4, 2, true};
       const std::int64_t seq = 140, half = seq / 2, hd = 130, rows = seq * spec.batch;
       const Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 61, 1.0f, t);
