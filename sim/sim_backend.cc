@@ -118,10 +118,12 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
     }
   });
   runner.join();
-#if defined(__GLIBC__)
+#if defined(__GLIBC__) && !defined(RANKLAB_SANITIZE)
   // The run's memory was freed into the runner thread's arena, which the caller's thread (writing the
   // report's files, about a third of the run's peak at 16,384 ranks) does not reuse: handed back to the
-  // system, it does not add to the process's peak.
+  // system, it does not add to the process's peak. (Under the sanitizers the allocator is
+  // AddressSanitizer's: glibc's arenas hold nothing, and trimming them while a planner's worker thread
+  // exits faults inside glibc, in mtrim or __malloc_arena_thread_freeres.)
   malloc_trim(0);
 #endif
   if (error) std::rethrow_exception(error);
