@@ -203,6 +203,40 @@ TEST(Plan, TheExpertStreamBoundIsBelowEveryStepItWeighsIn) {
 #endif
 }
 
+// Full recomputation runs the forward once more, its collectives included (Model::rebuild), and the bound
+// counts them again: on a machine whose NVLink is ten times slower, a full-recompute layout's bound grows
+// by more than the same layout's without recomputation, where the forward has collectives the compute
+// waits for (a MoE layer's all-to-alls), and selective recomputation's (attention alone) by as much as
+// none's.
+TEST(Plan, FullRecomputationsBoundCountsTheForwardsCollectivesAgain) {
+  Request r = tiny_request();
+  r.shape["experts"] = option_text(8);
+  r.shape["top-k"] = option_text(2);
+  r.shape["moe-layers"] = "every:2";
+  const Question q = make_question(r);
+  Profile slow = q.profile;
+  slow.nvlink.link_bandwidth_gbps /= 10;
+  StepBound fast_bound(q.profile), slow_bound(slow);
+  int grew = 0, checked = 0;
+  for (const Candidate& k : enumerate(q)) {
+    if (k.status == Status::Invalid || k.layout.recompute != "none" || k.layout.pp != 1 || k.layout.zero > 1)
+      continue;
+    auto growth = [&](const char* recompute) {
+      Layout l = k.layout;
+      l.recompute = recompute;
+      const gpt::Config c = lesson_config(q, l);
+      return slow_bound.us(c) - fast_bound.us(c);
+    };
+    const double none = growth("none"), selective = growth("selective"), full = growth("full");
+    EXPECT_NEAR(selective, none, 1e-9 * (1 + none)) << k.name;
+    EXPECT_GE(full, none - 1e-9 * (1 + none)) << k.name;
+    grew += full > none * (1 + 1e-6) + 1e-9;
+    ++checked;
+  }
+  EXPECT_GT(checked, 10);
+  EXPECT_GT(grew, 0);
+}
+
 // The enumeration reads the question's flags once and shares memory-plan parts between layouts: each
 // layout's configuration, planned bytes and bound are what it gets alone (the lesson's reading of all its
 // flags, gpt::memory_plan, a fresh bound), for a dense and a MoE question on two nodes, where the group
