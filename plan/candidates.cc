@@ -448,7 +448,7 @@ double StepBound::us(const gpt::Config& c) {
   // (float32, a rank's experts' each) and the routes there and back (the dispatch and the combine);
   // backward, the routes' gradients back and forth. With etp, each way also the etp group's gather of what
   // its members received and the reduce-scatter of their partial outputs (the counts' gather is left
-  // out). Full recomputation runs the forward's again (below).
+  // out). Full recomputation runs the forward's again (below, with the rest of the forward).
   double ep_pieces_us = 0, ep_counts_us = 0, etp_us = 0;
   if (c.moe() && (c.ep > 1 || c.etp > 1) && c.local_rows() * c.top_k % c.experts == 0) {
     const std::vector<int> stage = stage_ranks(c, grid, 0);
@@ -501,14 +501,10 @@ double StepBound::us(const gpt::Config& c) {
     const MemoryBound mem = memory_bound_bytes(c, !moe_layer);
     u.forward += k.memory_us(mem.forward_bytes);
     u.backward += k.memory_us(mem.backward_bytes) + attention_bwd;
-    if (c.recompute == gpt::Recompute::Full) u.backward += u.forward + attention_fwd;
     if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd;
     u.forward += attention_fwd;
-    // The forward's collectives the compute waits for, which full recomputation runs again before the
-    // backward (Model::rebuild: "the forward once more, its communication included").
-    double forward_comm_us = 0;
     if (moe_layer) {
-      forward_comm_us += ep_forward_us;
+      u.forward += ep_forward_us;
       u.backward += 2 * ep_pieces_us + etp_us;
     }
     // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h), per
@@ -516,25 +512,26 @@ double StepBound::us(const gpt::Config& c) {
     // parallelism an all-reduce after the pair forward and one before it backward; with it an all-gather
     // before and a reduce-scatter after the pair forward, and backward a reduce-scatter and two
     // all-gathers (the output gradient's, and the input again for the weight gradient). The sizes are as
-    // nccl-tests counts them: the whole [s b, h] tensor for all three. Full recomputation's are the
-    // forward's again; with --tp-comm-overlap all of them are left out: the GEMMs may hide them. With
-    // --async-tensor-model-parallel-allreduce the column-parallel backward's gather and reduction may hide
-    // under its GEMMs too: only the row-parallel backward's all-gathers are left.
+    // nccl-tests counts them: the whole [s b, h] tensor for all three. With --tp-comm-overlap all of them are
+    // left out: the GEMMs may hide them. With --async-tensor-model-parallel-allreduce the column-parallel
+    // backward's gather and reduction may hide under its GEMMs too: only the row-parallel backward's
+    // all-gathers are left.
     const double pairs = ffn > 0 ? 2 : 1;
     if (c.tp > 1 && !rings) {
       if (c.seq_parallel) {
         const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
                      scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
-        forward_comm_us += pairs * (gather + scatter);
+        u.forward += pairs * (gather + scatter);
         u.backward += pairs * (c.async_tp_allreduce ? gather : 2 * gather + scatter);
       } else {
         const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
-        forward_comm_us += pairs * reduce;
+        u.forward += pairs * reduce;
         if (!c.async_tp_allreduce) u.backward += pairs * reduce;
       }
     }
-    u.forward += forward_comm_us;
-    if (c.recompute == gpt::Recompute::Full) u.backward += forward_comm_us;
+    // Full recomputation runs the whole forward once more before the backward, the collectives its compute
+    // waits for included (Model::rebuild: "the forward once more, its communication included").
+    if (c.recompute == gpt::Recompute::Full) u.backward += u.forward;
     return u;
   };
   const LayerUs dense = layer_us(false), moe = c.moe() ? layer_us(true) : dense;

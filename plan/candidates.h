@@ -22,10 +22,10 @@
 // With ZeRO 2 or 3 the step is also no shorter than the data-parallel group's stream (which runs the
 // gathers and reduce-scatters every task issues one after another) up to the stage's last task, then that
 // task's backward, the drain and the optimizer; with experts, than that of the expert-data-parallel group,
-// which gathers and reduces the experts (the dense stream is then left out). The rest
-// of the data-parallel communication, the embedding's kernels and recomputation's collectives are left
-// out, so no simulated step can be faster; search.h uses the bound to simulate the cheapest layouts first
-// and to skip those that cannot beat the best found.
+// which gathers and reduces the experts (the dense stream is then left out). Full recomputation adds the
+// forward again to each backward, its collectives included. The rest of the data-parallel communication
+// and the embedding's kernels are left out, so no simulated step can be faster; search.h uses the bound to
+// simulate the cheapest layouts first and to skip those that cannot beat the best found.
 #pragma once
 
 #include <cstdint>
