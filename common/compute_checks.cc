@@ -347,6 +347,11 @@ AttentionDims check_key_values(int rank, const char* op, const Tensor& qkv, cons
 BlockRange check_attention_block(int rank, const char* op, const Tensor& qkv, const Tensor& kv,
                                  const Tensor& out, const Tensor& lse, const AttentionSpec& spec,
                                  const Rank::AttentionBlock& block) {
+  if (spec.kernel != AttentionKernel::Flash) {
+    throw UsageError(fmt::format(
+        "{}: context-parallel blocks run in fused attention kernels; the spec asks for the unfused path",
+        where(rank, op)));
+  }
   const AttentionDims a = check_key_values(rank, op, qkv, kv, spec);
   need_shape(rank, op, out, Shape{qkv.size(0), spec.heads * a.head_dim}, "out",
              "[seq * batch, heads * head_dim]");

@@ -53,7 +53,8 @@ AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tenso
 // [kv_seq * batch, 2 * groups * head_dim] of qkv's head_dim and dtype, the block's queries within qkv's.
 AttentionDims check_key_values(int rank, const char* op, const Tensor& qkv, const Tensor& kv,
                                const AttentionSpec& spec);
-// The block's query positions [first, end) of qkv's, checked with the accumulator (out, lse) of `op`.
+// The block's query positions [first, end) of qkv's, checked with the accumulator (out, lse) of `op`; the
+// spec must ask for the fused kernels, which are what context-parallel blocks run in.
 struct BlockRange {
   std::int64_t first = 0, end = 0;
 };

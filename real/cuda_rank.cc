@@ -582,11 +582,6 @@ void CudaRank::add_key_values_(const Tensor& dqkv, const Tensor& dkv, const Atte
 kernels::AttentionBlockShape CudaRank::block_shape(const Tensor& qkv, const Tensor& kv, const Tensor& out,
                                                    const Tensor& lse, const AttentionSpec& spec,
                                                    const AttentionBlock& block, const char* op) const {
-  if (spec.kernel != AttentionKernel::Flash) {
-    throw UsageError(fmt::format(
-        "{}: context-parallel blocks run in fused attention kernels; the spec asks for the unfused path",
-        where(op)));
-  }
   const BlockRange range = check_attention_block(rank_, op, qkv, kv, out, lse, spec, block);
   kernels::AttentionBlockShape k;
   k.a = attention_shape(qkv, spec, op);

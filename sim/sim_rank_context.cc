@@ -56,14 +56,6 @@ struct BlockDims {
   }
 };
 
-void require_fused(int rank, const char* op, const AttentionSpec& spec) {
-  if (spec.kernel != AttentionKernel::Flash) {
-    throw UsageError(
-        fmt::format("rank {}: {}: context-parallel blocks run in fused attention kernels; the "
-                    "spec asks for the unfused path",
-                    rank, op));
-  }
-}
 }  // namespace
 
 Tensor SimRank::key_values(const Tensor& qkv, const AttentionSpec& spec) {
@@ -127,7 +119,6 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
   require(acc.out, op, "out");
   require(acc.lse, op, "lse");
   check_float8_use(rank_, op, qkv, "qkv");
-  require_fused(rank_, op, spec);
   const BlockRange range = check_attention_block(rank_, op, qkv, kv, acc.out, acc.lse, spec, block);
   for (const Tensor* t : std::initializer_list<const Tensor*>{&kv, &acc.out, &acc.lse})
     require_same_kind(op, qkv, *t);
@@ -193,7 +184,6 @@ void SimRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, c
     require(*t, op, name);
   }
   check_float8_use(rank_, op, qkv, "qkv");
-  require_fused(rank_, op, spec);
   const BlockRange range = check_attention_block(rank_, op, qkv, kv, out, lse, spec, block);
   require_shape(dqkv, qkv.shape(), op, "dqkv");
   require_shape(dkv, kv.shape(), op, "dkv");

@@ -187,5 +187,16 @@ TEST(ContextAttention, QueriesOutsideQkvAreRefused) {
       << msg;
 }
 
+TEST(ContextAttention, TheUnfusedPathIsRefusedForBlocks) {
+  const std::string msg = run_error_message(1, [](Rank& r) {
+    const AttentionSpec spec{1, 2, 1, true, AttentionKernel::Unfused};
+    Rank::AttentionOut acc{r.zeros({4, 8}), r.zeros({1, 2, 4})};
+    r.attention_block_(acc, r.zeros({4, 16}), r.zeros({4, 8}), spec, Rank::AttentionBlock{});
+  });
+  EXPECT_NE(msg.find("rank 0: attention_block_: context-parallel blocks run in fused attention kernels"),
+            std::string::npos)
+      << msg;
+}
+
 }  // namespace
 }  // namespace ranklab
