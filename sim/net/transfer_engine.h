@@ -84,6 +84,8 @@ class TransferEngine {
   static std::uint32_t copies(const Transfer& t, int flow) {
     return t.plan.copies.empty() ? 1 : t.plan.copies[flow];
   }
+  // Takes a flow out of the sharing network and the running list; retire_done_flows, its one caller,
+  // takes the flows it ends out of the heaps together.
   void end_flow(std::uint32_t id);
   // Marks the end of a batch of starts and ends at the present. The links are shared again (flush) only
   // when the engine next needs a flow's end, so that the transfers the simulator starts one by one at one
