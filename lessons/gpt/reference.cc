@@ -1033,8 +1033,10 @@ int Reference::index(int kind, int layer) const {
 std::shared_ptr<Reference> Reference::get(const Config& c) {
   // Only what defines the problem goes into the key: the shape, the data, the optimizer, the steps, and
   // with dropout its probability and the micro-batch size (the masks follow the micro-batches' rows, as a
-  // framework's random stream follows its kernels); the llama block's rotary base; the recipe.
-  std::string key = fmt::format("{} batch {} steps {} lr {}", c.shape(), c.global_batch, c.steps, c.lr);
+  // framework's random stream follows its kernels); the llama block's rotary base; the recipe; the dtype
+  // and the FP8 recipe, which set how far a score may move by the run's rounding (softmax_shift).
+  std::string key = fmt::format("{} batch {} steps {} lr {} dtype {} fp8 {}", c.shape(), c.global_batch,
+                                c.steps, c.lr, dtype_name(c.dtype), static_cast<int>(c.fp8));
   if (c.dropout > 0) key += fmt::format(" dropout {} mb {}", c.dropout, c.micro_batch);
   if (c.llama()) key += fmt::format(" rope theta {}", c.rope_theta);
   if (c.moe() && c.router_score == parallel::RouterScore::Sigmoid) key += " sigmoid router";
