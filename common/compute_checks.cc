@@ -313,7 +313,46 @@ AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, const
         "{} key-value heads",
         where(rank, op), qkv.str(), batch, heads, groups));
   }
+  if (spec.window < 0 || (spec.window > 0 && !spec.causal)) {
+    throw UsageError(
+        fmt::format("{}: a sliding window of {} keys needs causal attention and a window >= 0 "
+                    "(0: none); got causal = {}",
+                    where(rank, op), spec.window, spec.causal));
+  }
+  if ((spec.window > 0 || spec.sinks.defined()) && spec.kernel != AttentionKernel::Flash) {
+    throw UsageError(
+        fmt::format("{}: sliding windows and sinks run in the fused attention kernels; the spec "
+                    "asks for the unfused path",
+                    where(rank, op)));
+  }
+  if (spec.sinks.defined()) check_sinks(rank, op, spec);
   return {qkv.size(0) / batch, qkv.size(1) / width};
+}
+
+void check_sinks(int rank, const char* op, const AttentionSpec& spec) {
+  const Tensor& s = spec.sinks;
+  if (!s.defined()) throw UsageError(fmt::format("{}: the spec has no sinks", where(rank, op)));
+  need_shape(rank, op, s, Shape{spec.heads}, "sinks", "one logit per query head");
+  if (is_float8(s.dtype())) {
+    throw UsageError(
+        fmt::format("{}: 'sinks' is {}; it must be float32, bfloat16 or float16", where(rank, op), s.str()));
+  }
+}
+
+void check_attention_sinks(int rank, const char* op, const Tensor& out, const Tensor& lse,
+                           const AttentionSpec& spec) {
+  check_sinks(rank, op, spec);
+  need_ndim(rank, op, lse, 3, "lse", "[batch, heads, seq]");
+  const std::int64_t seq = lse.size(2);
+  need_shape(rank, op, lse, Shape{spec.batch, spec.heads, seq}, "lse", "[batch, heads, seq]");
+  need_dtype(rank, op, lse, DType::Float32, "lse");
+  need_ndim(rank, op, out, 2, "out", "[seq * batch, heads * head_dim]");
+  if (out.size(0) != seq * spec.batch || out.size(1) % spec.heads != 0 || is_float8(out.dtype())) {
+    throw UsageError(
+        fmt::format("{}: 'out' must be a float32, bfloat16 or float16 [seq * batch, heads * "
+                    "head_dim] = [{} * {}, {} * head_dim]; got {}",
+                    where(rank, op), seq, spec.batch, spec.heads, out.str()));
+  }
 }
 
 AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
@@ -351,6 +390,16 @@ BlockRange check_attention_block(int rank, const char* op, const Tensor& qkv, co
     throw UsageError(fmt::format(
         "{}: context-parallel blocks run in fused attention kernels; the spec asks for the unfused path",
         where(rank, op)));
+  }
+  if (spec.sinks.defined()) {
+    throw UsageError(
+        fmt::format("{}: a block takes no sinks; attention_sinks_ merges them once, after the "
+                    "blocks",
+                    where(rank, op)));
+  }
+  if (spec.window > 0 && !block.causal) {
+    throw UsageError(fmt::format(
+        "{}: a block under a sliding window compares positions, so it must be causal", where(rank, op)));
   }
   const AttentionDims a = check_key_values(rank, op, qkv, kv, spec);
   need_shape(rank, op, out, Shape{qkv.size(0), spec.heads * a.head_dim}, "out",

@@ -47,6 +47,11 @@ struct AttentionDims {
 };
 // `op` is "attention", "attention_backward" or "rope_".
 AttentionDims check_attention(int rank, const char* op, const Tensor& qkv, const AttentionSpec& spec);
+// spec.sinks: defined, [heads], not FP8.
+void check_sinks(int rank, const char* op, const AttentionSpec& spec);
+// attention_sinks_ and its backward: the sinks, and out and lse of one attention's queries.
+void check_attention_sinks(int rank, const char* op, const Tensor& out, const Tensor& lse,
+                           const AttentionSpec& spec);
 AttentionDims check_attention_backward(int rank, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                        const Tensor& lse, const AttentionSpec& spec);
 // Context parallelism's kernels (Rank::key_values, add_key_values_, attention_block_ and its backward): kv

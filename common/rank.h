@@ -56,7 +56,19 @@ struct AttentionSpec {
   int kv_heads = 0;
   bool causal = true;
   AttentionKernel kernel = AttentionKernel::Flash;
+  // Sliding-window attention (Child et al. 2019; Beltagy et al. 2020; Mistral 7B; gpt-oss): a query sees
+  // the `window` keys up to and including its own position, key position > query position - window.
+  // 0: every earlier key. Causal attention only.
+  std::int64_t window = 0;
+  // Attention sinks (Xiao et al. 2023; gpt-oss's learned sinks): one logit per query head, a [heads] tensor
+  // of any floating dtype, taken as one more key whose value is zero, so each query's softmax weights sum
+  // to less than one. Undefined: none.
+  Tensor sinks{};
   int groups() const { return kv_heads > 0 ? kv_heads : heads; }
+  // The first key a query at `position` sees (the window's start; 0 without one).
+  std::int64_t first_key(std::int64_t position) const {
+    return window > 0 && position >= window ? position - window + 1 : 0;
+  }
 };
 
 const char* reduce_op_name(ReduceOp op);
@@ -354,7 +366,8 @@ class Rank {
   //   qkv  [seq * batch, (heads + 2 kv_heads) * head_dim]: each group's q heads, k and v (AttentionSpec);
   //   out  [seq * batch, heads * head_dim], column = head * head_dim + d;
   //   lse  float32 [batch, heads, seq]: each query's log-sum-exp of scaled scores, for the backward.
-  // Scores are scaled by 1 / sqrt(head_dim); `causal` masks keys after the query's position.
+  // Scores are scaled by 1 / sqrt(head_dim); `causal` masks keys after the query's position, spec.window
+  // those before its window; spec.sinks join each query's softmax.
   // `kernel` says how a GPU computes it: the numbers are the same, the time and the memory are not. With
   // AttentionKernel::Unfused the result also holds the probabilities the unfused backward reads, a
   // phantom [batch * heads, seq, seq] tensor of qkv's dtype: their memory is real, their numbers are
@@ -396,7 +409,9 @@ class Rank {
   virtual void add_key_values_(const Tensor& dqkv, const Tensor& dkv, const AttentionSpec& spec) = 0;
   // Which queries of qkv one block takes (positions q_first to q_first + q_count - 1; -1: to the end) and,
   // with `causal`, the positions the mask compares: key j of kv is seen by the block's query i when
-  // kv_position + j <= q_position + i (FlashAttention's bottom-right mask when kv is longer).
+  // kv_position + j <= q_position + i (FlashAttention's bottom-right mask when kv is longer), where
+  // q_position is query q_first's position. With spec.window the window compares the same positions, so a
+  // block under a window is causal. A block takes no spec.sinks: attention_sinks_ merges them once.
   struct AttentionBlock {
     std::int64_t q_first = 0, q_count = -1;
     bool causal = false;
@@ -414,6 +429,15 @@ class Rank {
                                          const Tensor& qkv, const Tensor& kv, const Tensor& out,
                                          const Tensor& lse, const AttentionSpec& spec,
                                          const AttentionBlock& block) = 0;
+  // The sinks of spec.sinks merged into a result as one more block (a key of logit sinks[h] per head whose
+  // value is zero): lse = log(e^lse + e^sink), out scaled by e^(old lse - new lse). Context parallelism runs
+  // its blocks without sinks and merges them once; Rank::attention takes them in its kernel.
+  virtual void attention_sinks_(AttentionOut& acc, const AttentionSpec& spec) = 0;
+  // d sinks, float32 [heads], from the final out and lse of the queries (whole or merged):
+  // d sink_h = -sum over queries of e^(sink_h - lse) (dout . out), the sink's probability times delta.
+  // The queries' and keys' gradients need nothing more: delta = dout . out already holds the sink's share.
+  virtual Tensor attention_sinks_backward(const Tensor& dout, const Tensor& out, const Tensor& lse,
+                                          const AttentionSpec& spec) = 0;
 
   // ---- mixture of experts -----------------------------------------------------------------------------
   // The token permutation of a mixture-of-experts layer (docs/lessons/moe.md), as Megatron-Core's and

@@ -643,6 +643,49 @@ void CudaRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, 
   });
 }
 
+// Attention sinks merged after the attention (context parallelism's blocks take none), and their gradient:
+// one kernel each (kernels.cu).
+void CudaRank::attention_sinks_(AttentionOut& acc, const AttentionSpec& spec) {
+  const char* op = "attention_sinks_";
+  void* po = require(acc.out, op, "out");
+  require(acc.lse, op, "lse");
+  check_attention_sinks(rank_, op, acc.out, acc.lse, spec);
+  float* pl = require_f32(acc.lse, op, "lse");
+  const void* ps = require(spec.sinks, op, "sinks");
+  require_same_kind(acc.out, acc.lse, op);
+  require_same_kind(acc.out, spec.sinks, op);
+  before_kernel({&acc.out, &acc.lse, &spec.sinks}, op);
+  const std::int64_t seq = acc.lse.size(2), head_dim = acc.out.size(1) / spec.heads;
+  kernel(op, [&] {
+    kernels::attention_sinks(po, acc.out.dtype(), pl, ps, spec.sinks.dtype(), seq, spec.batch, spec.heads,
+                             head_dim, compute_);
+  });
+}
+
+Tensor CudaRank::attention_sinks_backward(const Tensor& dout, const Tensor& out, const Tensor& lse,
+                                          const AttentionSpec& spec) {
+  const char* op = "attention_sinks_backward";
+  const void* pdo = require(dout, op, "dout");
+  const void* po = require(out, op, "out");
+  require(lse, op, "lse");
+  check_attention_sinks(rank_, op, out, lse, spec);
+  const float* pl = require_f32(lse, op, "lse");
+  const void* ps = require(spec.sinks, op, "sinks");
+  require_shape(dout, out.shape(), op, "dout", "out's");
+  // One kernel template per dtype: dout is out's, as in the blocks' backward.
+  require_same_dtype(out, dout, op);
+  for (const Tensor* t : {&dout, &lse, &spec.sinks}) require_same_kind(out, *t, op);
+  const std::int64_t seq = lse.size(2), head_dim = out.size(1) / spec.heads;
+  Tensor dsinks = allocate(Shape{spec.heads}, DType::Float32, out.phantom(), op);
+  float* pds = require_f32(dsinks, op, "dsinks");
+  before_kernel({&dout, &out, &lse, &spec.sinks}, op);
+  kernel(op, [&] {
+    kernels::attention_sinks_backward(pds, pdo, po, out.dtype(), pl, ps, spec.sinks.dtype(), seq, spec.batch,
+                                      spec.heads, head_dim, compute_);
+  });
+  return dsinks;
+}
+
 Tensor CudaRank::sum(const Tensor& t) {
   const void* p = require(t, "sum", "t");
   Tensor out = allocate(Shape{}, t.dtype(), t.phantom(), "sum");
@@ -907,6 +950,7 @@ kernels::AttentionShape CudaRank::attention_shape(const Tensor& qkv, const Atten
   a.heads = spec.heads;
   a.kv_heads = spec.groups();
   a.causal = spec.causal;
+  a.window = spec.window;  // check_attention allows one with causal attention only
   const std::int64_t head_dim = dims.head_dim;
   if (head_dim > kernels::kMaxHeadDim) {
     throw UsageError(
@@ -928,11 +972,17 @@ Rank::AttentionOut CudaRank::attention(const Tensor& qkv, const AttentionSpec& s
                    allocate(Shape{batch, heads, a.seq}, DType::Float32, qkv.phantom(), op)};
   void* po = require(out.out, op, "out");
   float* pl = require_f32(out.lse, op, "lse");
+  // The sinks (checked by attention_shape) are read in the kernel, in whatever float dtype they have.
+  const bool sinks = spec.sinks.defined();
+  const void* ps = sinks ? require(spec.sinks, op, "sinks") : nullptr;
+  if (sinks) require_same_kind(qkv, spec.sinks, op);
   before_kernel({&qkv}, op);
+  if (sinks) before_kernel({&spec.sinks}, op);
   if (spec.kernel == AttentionKernel::Unfused) {
     out.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
   }
-  this->kernel(op, [&] { kernels::attention(po, pl, pq, qkv.dtype(), a, compute_); });
+  const DType sinks_t = sinks ? spec.sinks.dtype() : DType::Float32;
+  this->kernel(op, [&] { kernels::attention(po, pl, pq, qkv.dtype(), ps, sinks_t, a, compute_); });
   return out;
 }
 

@@ -130,6 +130,9 @@ class CudaRank : public Rank {
   void attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& qkv,
                                  const Tensor& kv, const Tensor& out, const Tensor& lse,
                                  const AttentionSpec& spec, const AttentionBlock& block) override;
+  void attention_sinks_(AttentionOut& acc, const AttentionSpec& spec) override;
+  Tensor attention_sinks_backward(const Tensor& dout, const Tensor& out, const Tensor& lse,
+                                  const AttentionSpec& spec) override;
   Tensor gather_rows(const Tensor& x, const Tensor& index, const Tensor& weights) override;
   // Reads the index on the host to group the routes by output row (the CSR its deterministic kernel walks).
   Tensor scatter_add_rows(const Tensor& src, const Tensor& index, const Tensor& weights,

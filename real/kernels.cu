@@ -593,11 +593,18 @@ inline AttentionBlockShape whole(const AttentionShape& a) {
   return k;
 }
 
-// The keys query `i` of the block sees: all of them, or with the mask those up to its position.
-__device__ inline std::int64_t visible_keys(const AttentionBlockShape& k, std::int64_t i) {
-  if (!k.causal) return k.kv_seq;
-  const std::int64_t v = k.q_position + (i - k.q_first) - k.kv_position + 1;
-  return v < 0 ? 0 : (v > k.kv_seq ? k.kv_seq : v);
+// The keys [first, end) of the block that query `i` sees: all of them, or with the mask those up to its
+// position, and with a window (causal only) those from the window's start on (AttentionSpec::first_key).
+struct KeyRange {
+  std::int64_t first, end;
+};
+__device__ inline KeyRange visible_keys(const AttentionBlockShape& k, std::int64_t i) {
+  if (!k.causal) return {0, k.kv_seq};
+  const std::int64_t pos = k.q_position + (i - k.q_first), w = k.a.window;
+  const std::int64_t v = pos - k.kv_position + 1;
+  const std::int64_t end = v < 0 ? 0 : (v > k.kv_seq ? k.kv_seq : v);
+  const std::int64_t from = (w > 0 && pos >= w ? pos - w + 1 : 0) - k.kv_position;
+  return {from < 0 ? 0 : (from > end ? end : from), end};
 }
 
 // Block ids of the per-query kernels run over (sample, head, query of the block), the query fastest.
@@ -618,37 +625,42 @@ __device__ inline BlockQuery block_query(const AttentionBlockShape& k) {
 // scores, the tile's max, rescale what was accumulated by exp(old max - new max), add exp(score - max) v.
 // The whole attention writes out and lse; a context-parallel block (`merge`) merges its result into the
 // running ones by their log-sum-exps, out = e^(lse - total) out + e^(lse_block - total) out_block with
-// total = log(e^lse + e^lse_block), as the simulator merges (sim/sim_rank_context.cc).
+// total = log(e^lse + e^lse_block), as the simulator merges (sim/sim_rank_context.cc). A sink (the whole
+// attention's; `sinks.p` null: none) is a key of logit sinks[h] whose value is zero: the online softmax
+// starts from it, m = sink and l = 1, with nothing accumulated.
 template <typename T, typename O>
 __global__ void attention_kernel(O* out, float* lse, const T* qkv, const T* keys, KeyValues kvs,
-                                 AttentionBlockShape k, float scale, bool merge) {
+                                 AttentionBlockShape k, AnyIn sinks, float scale, bool merge) {
   extern __shared__ float smem[];
   float* q = smem;                 // [head_dim]
   float* p = q + k.a.head_dim;     // [kAttnTile]
   float* scratch = p + kAttnTile;  // [32]
   const AttentionShape& a = k.a;
   const BlockQuery x = block_query(k);
-  const std::int64_t n_keys = visible_keys(k, x.i);
-  if (n_keys == 0) return;  // every key of a block is after this query: the same for the thread block
+  const KeyRange keys_seen = visible_keys(k, x.i);
+  // Every key of a block is after this query, or before its window: the same for the thread block. (The
+  // whole attention's queries always see their own key.)
+  if (keys_seen.first == keys_seen.end) return;
   const int tid = threadIdx.x, group = x.h / (a.heads / a.kv_heads);
   const T* qrow = qkv_at(qkv, a, x.i, x.b, x.h, 0);
   for (int d = tid; d < a.head_dim; d += blockDim.x) q[d] = to_f(qrow[d]);
   __syncthreads();
-  float m = -INFINITY, l = 0;
+  const float sink = sinks.p != nullptr ? sinks[x.h] : -INFINITY;
+  float m = sink, l = isinf(sink) ? 0.0f : 1.0f;
   float acc[kDimsPerThread];
   for (float& v : acc) v = 0;
-  for (std::int64_t j0 = 0; j0 < n_keys; j0 += kAttnTile) {
+  for (std::int64_t j0 = keys_seen.first; j0 < keys_seen.end; j0 += kAttnTile) {
     const std::int64_t j = j0 + tid;
     float s = -INFINITY;
-    if (j < n_keys) s = dot(q, kvs.at(keys, a, j, x.b, group, 1), a.head_dim) * scale;
+    if (j < keys_seen.end) s = dot(q, kvs.at(keys, a, j, x.b, group, 1), a.head_dim) * scale;
     // Every tile holds at least one key, so the max is finite from the first tile on.
     const float new_m = fmaxf(m, block_max_f(s, scratch));
-    const float e = j < n_keys ? expf(s - new_m) : 0.0f;
+    const float e = j < keys_seen.end ? expf(s - new_m) : 0.0f;
     p[tid] = e;
     const float tile_sum = block_sum_f(e, scratch);  // its barriers also publish p
-    const float correction = expf(m - new_m);        // 0 on the first tile (m = -inf)
+    const float correction = expf(m - new_m);        // 0 on the first tile without a sink (m = -inf)
     l = l * correction + tile_sum;
-    const int n = static_cast<int>(n_keys - j0 < kAttnTile ? n_keys - j0 : kAttnTile);
+    const int n = static_cast<int>(keys_seen.end - j0 < kAttnTile ? keys_seen.end - j0 : kAttnTile);
     for (int c = 0; c < kDimsPerThread; ++c) {
       const int d = tid + c * kAttnTile;
       if (d >= a.head_dim) break;
@@ -711,20 +723,20 @@ __global__ void attention_dq_kernel(T* dqkv, float* delta_out, const O* dout, co
   const float delta = block_sum_f(part, scratch);  // its barriers also publish q and go
   if (tid == 0) delta_out[(x.b * a.heads + x.h) * (k.q_end - k.q_first) + (x.i - k.q_first)] = delta;
   const float lse_i = lse[(x.b * a.heads + x.h) * a.seq + x.i];
-  const std::int64_t n_keys = visible_keys(k, x.i);
+  const KeyRange keys_seen = visible_keys(k, x.i);
   float acc[kDimsPerThread];
   for (float& v : acc) v = 0;
-  for (std::int64_t j0 = 0; j0 < n_keys; j0 += kAttnTile) {
+  for (std::int64_t j0 = keys_seen.first; j0 < keys_seen.end; j0 += kAttnTile) {
     const std::int64_t j = j0 + tid;
     float dsj = 0;
-    if (j < n_keys) {
+    if (j < keys_seen.end) {
       const float pj = expf(dot(q, kvs.at(keys, a, j, x.b, group, 1), a.head_dim) * scale - lse_i);
       const float dpj = dot(go, kvs.at(keys, a, j, x.b, group, 2), a.head_dim);
       dsj = pj * (dpj - delta);
     }
     ds[tid] = dsj;
     __syncthreads();
-    const int n = static_cast<int>(n_keys - j0 < kAttnTile ? n_keys - j0 : kAttnTile);
+    const int n = static_cast<int>(keys_seen.end - j0 < kAttnTile ? keys_seen.end - j0 : kAttnTile);
     for (int c = 0; c < kDimsPerThread; ++c) {
       const int d = tid + c * kAttnTile;
       if (d >= a.head_dim) break;
@@ -763,20 +775,23 @@ __global__ void attention_dkv_kernel(T* dkeys, KeyValues dkvs, const float* delt
     vv[d] = to_f(vrow[d]);
   }
   __syncthreads();
-  // Under the mask, query i sees key j from q_position + (i - q_first) >= kv_position + j on.
-  std::int64_t first = k.q_first;
+  // Under the mask, query i sees key j from q_position + (i - q_first) >= kv_position + j on; under a
+  // window, up to the last query whose position is below kv_position + j + window (key positions are not
+  // negative, so that is the whole of AttentionSpec::first_key's condition).
+  std::int64_t first = k.q_first, end = k.q_end;
   if (k.causal) {
     const std::int64_t from = k.q_first + k.kv_position + j - k.q_position;
     if (from > first) first = from;
+    if (a.window > 0 && from + a.window < end) end = from + a.window;
   }
   float acc_k[kDimsPerThread], acc_v[kDimsPerThread];
   for (int c = 0; c < kDimsPerThread; ++c) acc_k[c] = acc_v[c] = 0;
   for (int h = group * per_group; h < (group + 1) * per_group; ++h) {
     const std::int64_t stats = (b * a.heads + h) * a.seq, deltas = (b * a.heads + h) * queries - k.q_first;
-    for (std::int64_t i0 = first; i0 < k.q_end; i0 += kAttnTile) {
+    for (std::int64_t i0 = first; i0 < end; i0 += kAttnTile) {
       const std::int64_t i = i0 + tid;
       float pi = 0, dsi = 0;
-      if (i < k.q_end) {
+      if (i < end) {
         pi = expf(dot(kk, qkv_at(qkv, a, i, b, h, 0), a.head_dim) * scale - lse[stats + i]);
         const float dpi = dot(vv, dout + out_offset<O>(a, i, b, h), a.head_dim);
         dsi = pi * (dpi - delta[deltas + i]);
@@ -784,7 +799,7 @@ __global__ void attention_dkv_kernel(T* dkeys, KeyValues dkvs, const float* delt
       p[tid] = pi;
       ds[tid] = dsi;
       __syncthreads();
-      const int n = static_cast<int>(k.q_end - i0 < kAttnTile ? k.q_end - i0 : kAttnTile);
+      const int n = static_cast<int>(end - i0 < kAttnTile ? end - i0 : kAttnTile);
       for (int c = 0; c < kDimsPerThread; ++c) {
         const int d = tid + c * kAttnTile;
         if (d >= a.head_dim) break;
@@ -805,6 +820,53 @@ __global__ void attention_dkv_kernel(T* dkeys, KeyValues dkvs, const float* delt
       dv[d] = from_f<T>((accumulate ? to_f(dv[d]) : 0.0f) + acc_v[c]);
     }
   }
+}
+
+// Sinks merged after the attention (context parallelism's blocks take none): one warp per (sample, head,
+// query), which alone reads and writes that query's lse and its head's columns of out, so the update in
+// place needs no barrier but the warp's. As the merge of a block (attention_kernel), with the sink a block
+// of one key of logit sinks[h] whose value is zero: it adds to the total, not to out.
+template <typename O>
+__global__ void attention_sinks_kernel(O* out, float* lse, AnyIn sinks, std::int64_t seq, std::int64_t batch,
+                                       int heads, std::int64_t head_dim) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const std::int64_t queries = batch * heads * seq;
+  // The warp's index is the same for its 32 lanes, so each warp takes the loop's turns together.
+  for (std::int64_t w = first_index() / 32; w < queries; w += stride() / 32) {
+    const std::int64_t i = w % seq, b = w / (seq * heads);
+    const int h = static_cast<int>((w / seq) % heads);
+    const float old = lse[w], sink = sinks[h];
+    const float top = fmaxf(old, sink);
+    const float total = top + logf(expf(old - top) + expf(sink - top));
+    const float keep = old == -INFINITY ? 0.0f : expf(old - total);
+    O* row = out + (i * batch + b) * (heads * head_dim) + h * head_dim;
+    for (std::int64_t d = lane; d < head_dim; d += 32) row[d] = from_f<O>(keep * to_f(row[d]));
+    __syncwarp();  // every lane has read the old lse
+    if (lane == 0) lse[w] = total;
+  }
+}
+
+// d sink_h = -sum over (sample, query) of e^(sink_h - lse) (dout . out): one block of kThreads per head, a
+// warp per query at a time (its lanes along head_dim, so the reads of a row are coalesced), summed in double
+// in a fixed order, so no atomics and the same sum on every run.
+template <typename O>
+__global__ void attention_sinks_backward_kernel(float* dsinks, const O* dout, const O* out, const float* lse,
+                                                AnyIn sinks, std::int64_t seq, std::int64_t batch,
+                                                std::int64_t head_dim) {
+  const int h = static_cast<int>(blockIdx.x), heads = static_cast<int>(gridDim.x);
+  const int lane = static_cast<int>(threadIdx.x % 32), warps = static_cast<int>(blockDim.x / 32);
+  const float sink = sinks[h];
+  double acc = 0;
+  for (std::int64_t q = threadIdx.x / 32; q < batch * seq; q += warps) {
+    const std::int64_t b = q / seq, i = q % seq;
+    const std::int64_t at = (i * batch + b) * (heads * head_dim) + h * head_dim;
+    float part = 0;
+    for (std::int64_t d = lane; d < head_dim; d += 32) part += to_f(dout[at + d]) * to_f(out[at + d]);
+    for (int offset = 16; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffffu, part, offset);
+    if (lane == 0) acc -= static_cast<double>(expf(sink - lse[(b * heads + h) * seq + i]) * part);
+  }
+  const double total = block_sum_d(acc);
+  if (threadIdx.x == 0) dsinks[h] = static_cast<float>(total);
 }
 
 // Copies qkv's k and v columns into kv (add = false), or adds a kv-shaped gradient into them (add = true):
@@ -1277,12 +1339,13 @@ namespace {
 // written) and the context-parallel blocks (keys in kv, results merged or added) share.
 template <typename T, typename O>
 void launch_attention(O* out, float* lse, const T* qkv, const T* keys, KeyValues kvs,
-                      const AttentionBlockShape& k, bool merge, const char* name, cudaStream_t s) {
+                      const AttentionBlockShape& k, AnyIn sinks, bool merge, const char* name,
+                      cudaStream_t s) {
   const std::int64_t blocks = k.a.batch * k.a.heads * (k.q_end - k.q_first);
   const float scale = 1.0f / sqrtf(static_cast<float>(k.a.head_dim));
   const size_t shared = sizeof(float) * (static_cast<size_t>(k.a.head_dim) + kAttnTile + 32);
   attention_kernel<T, O>
-      <<<row_blocks(blocks, name), kAttnTile, shared, s>>>(out, lse, qkv, keys, kvs, k, scale, merge);
+      <<<row_blocks(blocks, name), kAttnTile, shared, s>>>(out, lse, qkv, keys, kvs, k, sinks, scale, merge);
   check_launch(name);
 }
 template <typename T, typename O>
@@ -1303,12 +1366,13 @@ void launch_attention_backward(T* dqkv, T* dkeys, KeyValues dkvs, float* delta, 
 }
 }  // namespace
 
-void attention(void* out, float* lse, const void* qkv, DType t, const AttentionShape& a, cudaStream_t s) {
+void attention(void* out, float* lse, const void* qkv, DType t, const void* sinks, DType sinks_t,
+               const AttentionShape& a, cudaStream_t s) {
   if (a.batch * a.heads * a.seq == 0 || a.head_dim == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     const T* q = static_cast<const T*>(qkv);
-    launch_attention<T, T>(static_cast<T*>(out), lse, q, q, in_qkv(a), whole(a), false,
+    launch_attention<T, T>(static_cast<T*>(out), lse, q, q, in_qkv(a), whole(a), AnyIn{sinks, sinks_t}, false,
                            "attention kernel launch", s);
   });
 }
@@ -1343,8 +1407,10 @@ void attention_block(void* out, DType out_t, float* lse, const void* qkv, const 
   dispatch_pair(t, out_t, [&](auto tag, auto out_tag) {
     using T = typename decltype(tag)::type;
     using O = typename decltype(out_tag)::type;
+    // A block takes no sinks: attention_sinks_ merges them once, after the blocks.
     launch_attention<T, O>(static_cast<O*>(out), lse, static_cast<const T*>(qkv), static_cast<const T*>(kv),
-                           in_kv(k.a), k, true, "attention_block_ kernel launch", s);
+                           in_kv(k.a), k, AnyIn{nullptr, DType::Float32}, true,
+                           "attention_block_ kernel launch", s);
   });
 }
 
@@ -1360,6 +1426,32 @@ void attention_block_backward(void* dqkv, void* dkv, float* delta, const void* d
                                     static_cast<const T*>(kv), in_kv(k.a), static_cast<const O*>(out), lse, k,
                                     true, "attention_block_backward_ kernel launch", s);
   });
+}
+
+void attention_sinks(void* out, DType out_t, float* lse, const void* sinks, DType sinks_t, std::int64_t seq,
+                     std::int64_t batch, int heads, std::int64_t head_dim, cudaStream_t s) {
+  const std::int64_t queries = batch * heads * seq;
+  if (queries == 0) return;
+  dispatch(out_t, [&](auto tag) {
+    using O = typename decltype(tag)::type;
+    attention_sinks_kernel<O><<<blocks_for(32 * queries), kThreads, 0, s>>>(
+        static_cast<O*>(out), lse, AnyIn{sinks, sinks_t}, seq, batch, heads, head_dim);
+  });
+  check_launch("attention_sinks_ kernel launch");
+}
+
+void attention_sinks_backward(float* dsinks, const void* dout, const void* out, DType out_t, const float* lse,
+                              const void* sinks, DType sinks_t, std::int64_t seq, std::int64_t batch,
+                              int heads, std::int64_t head_dim, cudaStream_t s) {
+  if (heads == 0) return;
+  dispatch(out_t, [&](auto tag) {
+    using O = typename decltype(tag)::type;
+    // One block per head; kThreads, as block_sum_d takes.
+    attention_sinks_backward_kernel<O><<<row_blocks(heads, "attention_sinks_backward"), kThreads, 0, s>>>(
+        dsinks, static_cast<const O*>(dout), static_cast<const O*>(out), lse, AnyIn{sinks, sinks_t}, seq,
+        batch, head_dim);
+  });
+  check_launch("attention_sinks_backward kernel launch");
 }
 
 void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,

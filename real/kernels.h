@@ -83,8 +83,13 @@ struct AttentionShape {
   int heads = 0, head_dim = 0;
   int kv_heads = 0;  // groups of heads / kv_heads query heads share a k and a v (common/rank.h)
   bool causal = false;
+  // A causal sliding window (AttentionSpec::window): a query sees the keys whose position is above its own
+  // minus `window`; 0: none.
+  std::int64_t window = 0;
 };
-void attention(void* out, float* lse, const void* qkv, DType t, const AttentionShape& a, cudaStream_t s);
+// `sinks`: null, or one logit per query head ([heads] of dtype sinks_t), each a key whose value is zero.
+void attention(void* out, float* lse, const void* qkv, DType t, const void* sinks, DType sinks_t,
+               const AttentionShape& a, cudaStream_t s);
 // Rotary embeddings in place on qkv's q heads and each group's k (common/rank.h, Rank::rope_).
 void rope(void* qkv, DType t, const AttentionShape& a, std::int64_t first_position, double base, bool inverse,
           cudaStream_t s);
@@ -95,7 +100,7 @@ void attention_backward(void* dqkv, float* delta, const void* dout, const void* 
 // Context parallelism's attention blocks (Rank::key_values, add_key_values_, attention_block_ and its
 // backward). A block takes qkv's queries [q_first, q_end) (qkv's shape is `a`) against the kv_seq keys of
 // kv [kv_seq * batch, 2 * kv_heads * head_dim]; with `causal` query i sees key j when kv_position + j <=
-// q_position + (i - q_first).
+// q_position + (i - q_first), and with a.window when the key's position is also within the query's window.
 struct AttentionBlockShape {
   AttentionShape a;
   std::int64_t kv_seq = 0, q_first = 0, q_end = 0, q_position = 0, kv_position = 0;
@@ -111,6 +116,16 @@ void attention_block(void* out, DType out_t, float* lse, const void* qkv, const 
 void attention_block_backward(void* dqkv, void* dkv, float* delta, const void* dout, const void* qkv,
                               const void* kv, const void* out, DType out_t, const float* lse, DType t,
                               const AttentionBlockShape& k, cudaStream_t s);
+// Rank::attention_sinks_: merges each head's sink (sinks, [heads] of dtype sinks_t) into out (of dtype out_t,
+// [seq * batch, heads * head_dim]) and lse (float32 [batch, heads, seq]) as a block of one key whose value
+// is zero.
+void attention_sinks(void* out, DType out_t, float* lse, const void* sinks, DType sinks_t, std::int64_t seq,
+                     std::int64_t batch, int heads, std::int64_t head_dim, cudaStream_t s);
+// Rank::attention_sinks_backward: dsinks (float32 [heads]) = -the sum over queries of e^(sink - lse) (dout .
+// out); dout and out are of dtype out_t.
+void attention_sinks_backward(float* dsinks, const void* dout, const void* out, DType out_t, const float* lse,
+                              const void* sinks, DType sinks_t, std::int64_t seq, std::int64_t batch,
+                              int heads, std::int64_t head_dim, cudaStream_t s);
 
 void embedding(void* out, const float* ids, const void* table, DType t, std::int64_t rows, std::int64_t cols,
                std::int64_t shard_rows, std::int64_t vocab_start, cudaStream_t s);

@@ -253,16 +253,35 @@ KernelCost ComputeModel::batched_gemm_cost(std::int64_t batch, std::int64_t m, s
   return {gemm_fastest(m, n, k, dtype, batch).us, memory_us(bytes)};
 }
 
+namespace {
+// sum over i in [0, n) of clamp(c + i, 0, cap): the keys a run of n queries sees below a bound that moves
+// with the query.
+double clamped_ramp_sum(std::int64_t c, std::int64_t n, std::int64_t cap) {
+  const std::int64_t from = std::clamp<std::int64_t>(-c, 0, n),
+                     to = std::clamp<std::int64_t>(cap - c, from, n);
+  // c + i runs from c + from to c + to - 1 between the bounds, then stays at cap.
+  const double ramp = d(to - from) * (d(c + from) + d(c + to - 1)) / 2;
+  return ramp + d(n - to) * d(cap);
+}
+}  // namespace
+
+double AttentionShape::pairs() const {
+  const double sq = d(seq), sk = d(keys());
+  if (!causal) return sq * sk;
+  if (window <= 0) return sq * sk - sq * sq / 2;
+  // Query i (position p + i from key 0) sees keys [p + i - window + 1, p + i], clipped to the block's.
+  const std::int64_t p = first_query_position >= 0 ? first_query_position : keys() - seq;
+  return clamped_ramp_sum(p + 1, seq, keys()) - clamped_ramp_sum(p + 1 - window, seq, keys());
+}
+
 KernelCost ComputeModel::flash_attention_cost(const AttentionShape& a, bool backward, DType dtype,
                                               double efficiency) const {
-  // Two GEMMs of 2 d flops per head and (query, key) pair forward (Q K^T and P V); a causal mask skips
-  // the pairs it hides: half of a square block's.
-  const double sq = d(a.seq), sk = d(a.keys());
-  const double pairs = a.causal ? sq * sk - sq * sq / 2 : sq * sk;
-  double flops = 4.0 * d(a.batch) * pairs * d(a.heads) * d(a.head_dim);
+  // Two GEMMs of 2 d flops per head and (query, key) pair forward (Q K^T and P V), over the pairs the mask
+  // leaves.
+  double flops = 4.0 * d(a.batch) * a.pairs() * d(a.heads) * d(a.head_dim);
   if (backward) flops *= 2.5;  // five GEMMs instead of two (FlashAttention-2 paper, section 4.1)
   const double e = static_cast<double>(dtype_bytes(dtype));
-  const double queries = d(a.batch) * sq, keys = d(a.batch) * sk;
+  const double queries = d(a.batch) * d(a.seq), keys = d(a.batch) * d(a.keys());
   const double q = d(a.heads * a.head_dim), kv = d(2 * a.groups() * a.head_dim);  // per token
   // Forward reads q, k, v and writes out and lse; backward also reads out and d out and writes d q, d k, d v.
   const double bytes = backward ? e * (queries * 4 * q + keys * 2 * kv) + 4.0 * queries * d(a.heads)
@@ -277,7 +296,9 @@ double ComputeModel::flash_attention_efficiency(const AttentionShape& a, bool ba
     const double measured = backward ? gpu_.attention_bwd_efficiency : gpu_.attention_fwd_efficiency;
     return measured > 0 ? measured : gpu_.compute_efficiency;
   }
-  const double s = d(std::max<std::int64_t>(a.seq, 1));
+  // A windowed query's key loop is as long as a causal one's over `window` keys.
+  const std::int64_t loop = a.window > 0 ? std::min(a.seq, a.window) : a.seq;
+  const double s = d(std::max<std::int64_t>(loop, 1));
   // A short sequence gives each (batch, head) few query blocks and each block few key blocks: the
   // pipeline's start and end and the softmax rescaling are a larger share (FlashAttention-2 paper,
   // section 3.2; FlashAttention-3 paper, section 3.1).

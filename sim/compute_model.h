@@ -38,8 +38,17 @@ struct AttentionShape {
   // Keys per sequence when they are not the queries' (a context-parallel block); 0: seq. A causal mask
   // over more keys than queries is aligned at the end (each query sees the keys before its own position).
   std::int64_t kv_seq = 0;
+  // A causal sliding window (AttentionSpec::window): each query sees the `window` keys up to its position;
+  // 0: none. With it, first_query_position is query 0's position counted from key 0's; -1: keys() - seq,
+  // the queries at the end of the keys.
+  std::int64_t window = 0;
+  std::int64_t first_query_position = -1;
   std::int64_t groups() const { return kv_heads > 0 ? kv_heads : heads; }
   std::int64_t keys() const { return kv_seq > 0 ? kv_seq : seq; }
+  // The (query, key) pairs the mask leaves per sample and head. Without a window a causal mask hides half
+  // of the square block at the end (the diagonal counted half, as the kernels' tiles on it are half
+  // wasted); with one, the pairs are counted exactly.
+  double pairs() const;
 };
 
 // One way cuBLAS can run a 16-bit GEMM: output tiles of tile_m x tile_n, each tile's k-loop split over

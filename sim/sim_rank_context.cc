@@ -43,15 +43,26 @@ struct BlockDims {
   }
   std::int64_t kv_col(std::int64_t g, int part) const { return (2 * g + part - 1) * head_dim; }
   std::int64_t row(std::int64_t pos, std::int64_t b) const { return pos * batch + b; }
-  // The keys query `i` of the block sees: all of kv's, or with the causal mask those up to its position.
-  std::int64_t visible(const Rank::AttentionBlock& block, std::int64_t i) const {
-    if (!block.causal) return kv_seq;
+  // The keys [first, end) of kv that query `i` of the block sees: all of them, or with the causal mask
+  // those up to its position, and with a window those within it.
+  struct Keys {
+    std::int64_t first = 0, end = 0;
+    std::int64_t count() const { return end - first; }
+  };
+  Keys visible(const AttentionSpec& spec, const Rank::AttentionBlock& block, std::int64_t i) const {
+    if (!block.causal) return {0, kv_seq};
     const std::int64_t q_pos = block.q_position + (i - block.q_first);
-    return std::clamp<std::int64_t>(q_pos - block.kv_position + 1, 0, kv_seq);
+    const std::int64_t end = std::clamp<std::int64_t>(q_pos - block.kv_position + 1, 0, kv_seq);
+    return {std::clamp<std::int64_t>(spec.first_key(q_pos) - block.kv_position, 0, end), end};
   }
-  AttentionShape shape(const AttentionSpec& spec, std::int64_t queries, bool causal) const {
-    AttentionShape s{batch, queries, heads, head_dim, causal, 0.0f, spec.groups()};
+  AttentionShape shape(const AttentionSpec& spec, const Rank::AttentionBlock& block,
+                       std::int64_t queries) const {
+    AttentionShape s{batch, queries, heads, head_dim, block.causal, 0.0f, spec.groups()};
     s.kv_seq = kv_seq;
+    if (spec.window > 0) {
+      s.window = spec.window;
+      s.first_query_position = block.q_position - block.kv_position;
+    }
     return s;
   }
 };
@@ -136,12 +147,13 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
       for (std::int64_t h = 0; h < d.heads; ++h) {
         const std::int64_t g = h / d.per_group;
         for (std::int64_t i = range.first; i < range.end; ++i) {
-          const std::int64_t keys = d.visible(block, i);
-          if (keys == 0) continue;                             // every key of the block is after this query
-          const float* first = KV + d.row(0, b) * d.kv_width;  // position 0's row: the keys start there
+          const BlockDims::Keys keys = d.visible(spec, block, i);
+          if (keys.count() == 0)
+            continue;  // every key of the block is after this query, or before its window
+          const float* first = KV + d.row(keys.first, b) * d.kv_width;  // the first key's row
           const float block_lse = attend_query(
               QKV + d.row(i, b) * d.width + d.q_col(h), first + d.kv_col(g, 1), first + d.kv_col(g, 2),
-              d.batch * d.kv_width, keys, d.head_dim, scale, s.data(), o.data());
+              d.batch * d.kv_width, keys.count(), d.head_dim, scale, s.data(), o.data());
           // Merge with what earlier blocks gave this query: weights exp(lse_part - lse_total).
           float& lse = LSE[(b * d.heads + h) * d.seq + i];
           const float top = std::max(lse, block_lse);
@@ -158,8 +170,8 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
   }
   const std::int64_t queries = range.end - range.first;
   launch_kernel_cost(kAttentionBlock,
-                     world_.compute().attention_cost(d.shape(spec, queries, block.causal),
-                                                     AttentionKernel::Flash, false, qkv.dtype()));
+                     world_.compute().attention_cost(d.shape(spec, block, queries), AttentionKernel::Flash,
+                                                     false, qkv.dtype()));
   // The correction kernel reads the block's out and lse and the running ones, and writes the running ones.
   const double rows = static_cast<double>(queries * d.batch),
                cols = static_cast<double>(d.heads * d.head_dim);
@@ -209,11 +221,12 @@ void SimRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, c
           const float lse_i = LSE[(b * d.heads + h) * d.seq + i];
           float delta = 0;  // D_i = dout_i . out_i (FlashAttention-2, Algorithm 2), of the final out
           for (std::int64_t e = 0; e < d.head_dim; ++e) delta += do_i[e] * o_i[e];
-          const float* first = KV + d.row(0, b) * d.kv_width;  // position 0's row: the keys start there
-          float* dfirst = DKV + d.row(0, b) * d.kv_width;
+          const BlockDims::Keys keys = d.visible(spec, block, i);
+          const float* first = KV + d.row(keys.first, b) * d.kv_width;  // the first key's row
+          float* dfirst = DKV + d.row(keys.first, b) * d.kv_width;
           attend_query_backward(q, first + d.kv_col(g, 1), first + d.kv_col(g, 2), dfirst + d.kv_col(g, 1),
-                                dfirst + d.kv_col(g, 2), d.batch * d.kv_width, d.visible(block, i),
-                                d.head_dim, scale, do_i, lse_i, delta, dq);
+                                dfirst + d.kv_col(g, 2), d.batch * d.kv_width, keys.count(), d.head_dim,
+                                scale, do_i, lse_i, delta, dq);
         }
       }
     }
@@ -222,13 +235,86 @@ void SimRank::attention_block_backward_(const Tensor& dqkv, const Tensor& dkv, c
   }
   const std::int64_t queries = range.end - range.first;
   launch_kernel_cost(kAttentionBlockBackward,
-                     world_.compute().attention_cost(d.shape(spec, queries, block.causal),
-                                                     AttentionKernel::Flash, true, qkv.dtype()));
+                     world_.compute().attention_cost(d.shape(spec, block, queries), AttentionKernel::Flash,
+                                                     true, qkv.dtype()));
   // The block's d q, d k and d v add into the running ones: read both, write the running ones.
   const double q_bytes =
       static_cast<double>(queries * d.batch * d.heads * d.head_dim * dtype_bytes(dqkv.dtype()));
   launch_kernel_cost(kAttentionMerge,
                      world_.compute().memory_cost(3.0 * (q_bytes + static_cast<double>(bytes_of(dkv)))));
+}
+
+void SimRank::attention_sinks_(AttentionOut& acc, const AttentionSpec& spec) {
+  const char* op = "attention_sinks_";
+  require(acc.out, op, "out");
+  require(acc.lse, op, "lse");
+  check_attention_sinks(rank_, op, acc.out, acc.lse, spec);
+  require_same_kind(op, acc.out, acc.lse);
+  require_same_kind(op, acc.out, spec.sinks);
+  before_kernel({&acc.out, &acc.lse}, op);
+  before_reading({&spec.sinks}, op);
+  const std::int64_t seq = acc.lse.size(2), batch = spec.batch, heads = spec.heads;
+  const std::int64_t head_dim = acc.out.size(1) / heads;
+  if (!acc.out.phantom()) {
+    const float* SINKS = cdata(spec.sinks);
+    float *OUT = sim_data(acc.out), *LSE = sim_data(acc.lse);
+    for (std::int64_t b = 0; b < batch; ++b) {
+      for (std::int64_t h = 0; h < heads; ++h) {
+        for (std::int64_t i = 0; i < seq; ++i) {
+          // The sink is a block of one key whose value is zero: it adds to the total, not to out.
+          float& lse = LSE[(b * heads + h) * seq + i];
+          const float top = std::max(lse, SINKS[h]);
+          const float total = top + std::log(std::exp(lse - top) + std::exp(SINKS[h] - top));
+          const float keep = std::isinf(lse) ? 0.0f : std::exp(lse - total);
+          float* out = OUT + (i * batch + b) * heads * head_dim + h * head_dim;
+          for (std::int64_t e = 0; e < head_dim; ++e) out[e] *= keep;
+          lse = total;
+        }
+      }
+    }
+    round_to_dtype(acc.out);
+  }
+  // Reads and writes out and lse.
+  launch_kernel_cost(kAttentionSinks, world_.compute().memory_cost(
+                                          2.0 * static_cast<double>(bytes_of(acc.out) + bytes_of(acc.lse))));
+}
+
+Tensor SimRank::attention_sinks_backward(const Tensor& dout, const Tensor& out, const Tensor& lse,
+                                         const AttentionSpec& spec) {
+  const char* op = "attention_sinks_backward";
+  require(dout, op, "dout");
+  require(out, op, "out");
+  require(lse, op, "lse");
+  check_attention_sinks(rank_, op, out, lse, spec);
+  require_shape(dout, out.shape(), op, "dout");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&dout, &lse, &spec.sinks})
+    require_same_kind(op, out, *t);
+  const std::int64_t seq = lse.size(2), batch = spec.batch, heads = spec.heads;
+  const std::int64_t head_dim = out.size(1) / heads;
+  Tensor dsinks = allocate(Shape{heads}, DType::Float32, out.phantom(), op);
+  before_kernel({}, op);
+  before_reading({&dout, &out, &lse, &spec.sinks}, op);
+  if (!out.phantom()) {
+    const float *SINKS = cdata(spec.sinks), *OUT = cdata(out), *DOUT = cdata(dout), *LSE = cdata(lse);
+    float* DS = sim_data(dsinks);
+    for (std::int64_t h = 0; h < heads; ++h) {
+      float sum = 0;
+      for (std::int64_t b = 0; b < batch; ++b) {
+        for (std::int64_t i = 0; i < seq; ++i) {
+          const std::int64_t at = (i * batch + b) * heads * head_dim + h * head_dim;
+          float delta = 0;  // dout . out
+          for (std::int64_t e = 0; e < head_dim; ++e) delta += DOUT[at + e] * OUT[at + e];
+          sum -= std::exp(SINKS[h] - LSE[(b * heads + h) * seq + i]) * delta;
+        }
+      }
+      DS[h] = sum;
+    }
+  }
+  // Reads dout, out and lse.
+  launch_kernel_cost(
+      kAttentionSinksBackward,
+      world_.compute().memory_cost(static_cast<double>(bytes_of(dout) + bytes_of(out) + bytes_of(lse))));
+  return dsinks;
 }
 
 }  // namespace ranklab::sim

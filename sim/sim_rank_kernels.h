@@ -73,7 +73,9 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
                          kAttention = "attention", kAttentionBackward = "attention_backward",
                          kKeyValues = "key_values", kAddKeyValues = "add_key_values_",
                          kAttentionBlock = "attention_block_", kAttentionMerge = "attention_merge",
-                         kAttentionBlockBackward = "attention_block_backward_", kEmbedding = "embedding",
+                         kAttentionBlockBackward = "attention_block_backward_",
+                         kAttentionSinks = "attention_sinks_",
+                         kAttentionSinksBackward = "attention_sinks_backward", kEmbedding = "embedding",
                          kEmbeddingBackward = "embedding_backward_", kRowMax = "row_max",
                          kSoftmaxStats = "softmax_stats", kCrossEntropyLoss = "cross_entropy_loss",
                          kCrossEntropyBackward = "cross_entropy_backward", kQuantize = "quantize",
@@ -83,11 +85,13 @@ inline const std::string kFill = "fill", kArange = "arange", kRandn = "randn", k
 
 // One query's attention (FlashAttention's arithmetic, in float32) over `keys` keys whose k and v lie at
 // k + j * stride and v + j * stride: writes the softmax-weighted sum of the v's to `out` and returns the
-// log-sum-exp of the scores scaled by `scale`. `scores` holds at least `keys` floats. Rank::attention and
-// the context-parallel blocks share it.
+// log-sum-exp of the scores scaled by `scale`. `scores` holds at least `keys` floats. A finite `sink` is
+// one more logit whose value is zero (AttentionSpec::sinks). Rank::attention and the context-parallel
+// blocks share it.
 inline float attend_query(const float* q, const float* k, const float* v, std::int64_t stride,
-                          std::int64_t keys, std::int64_t head_dim, float scale, float* scores, float* out) {
-  float mx = -std::numeric_limits<float>::infinity();
+                          std::int64_t keys, std::int64_t head_dim, float scale, float* scores, float* out,
+                          float sink = -std::numeric_limits<float>::infinity()) {
+  float mx = sink;
   for (std::int64_t j = 0; j < keys; ++j) {
     const float* kj = k + j * stride;
     float dot = 0;
@@ -95,7 +99,7 @@ inline float attend_query(const float* q, const float* k, const float* v, std::i
     scores[j] = dot * scale;
     mx = std::max(mx, scores[j]);
   }
-  float l = 0;
+  float l = std::isinf(sink) ? 0.0f : std::exp(sink - mx);
   for (std::int64_t j = 0; j < keys; ++j) l += std::exp(scores[j] - mx);
   const float lse = mx + std::log(l);
   for (std::int64_t d = 0; d < head_dim; ++d) out[d] = 0;

@@ -260,7 +260,10 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, const AttentionSpec& sp
   AttentionOut o;
   o.out = allocate(Shape{qkv.size(0), a.heads * a.head_dim}, qkv.dtype(), qkv.phantom(), op);
   o.lse = allocate(Shape{batch, heads, a.seq}, DType::Float32, qkv.phantom(), op);
+  const bool sinks = spec.sinks.defined();
+  if (sinks) require_same_kind(op, qkv, spec.sinks);
   before_kernel({&qkv}, op);
+  if (sinks) before_reading({&spec.sinks}, op);
   if (!qkv.phantom()) {
     const float* QKV = cdata(qkv);
     float *OUT = sim_data(o.out), *LSE = sim_data(o.lse);
@@ -269,18 +272,22 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, const AttentionSpec& sp
     std::vector<float> s(static_cast<size_t>(a.seq));
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t h = 0; h < heads; ++h) {
+        const float sink = sinks ? cdata(spec.sinks)[h] : -std::numeric_limits<float>::infinity();
         for (std::int64_t i = 0; i < a.seq; ++i) {
-          const float* first = QKV + a.row(0, b) * a.width;  // position 0's row: the keys start there
+          // The keys from the window's start (position 0 without one): that row is where they start.
+          const std::int64_t lo = spec.first_key(i), end = causal ? i + 1 : a.seq;
+          const float* first = QKV + a.row(lo, b) * a.width;
           LSE[(b * heads + h) * a.seq + i] =
               attend_query(QKV + a.row(i, b) * a.width + a.col(h, 0, 0), first + a.col(h, 1, 0),
-                           first + a.col(h, 2, 0), batch * a.width, causal ? i + 1 : a.seq, a.head_dim, scale,
-                           s.data(), OUT + a.row(i, b) * out_w + h * a.head_dim);
+                           first + a.col(h, 2, 0), batch * a.width, end - lo, a.head_dim, scale, s.data(),
+                           OUT + a.row(i, b) * out_w + h * a.head_dim, sink);
         }
       }
     }
     round_to_dtype(o.out);
   }
-  const AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()};
+  AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()};
+  shape.window = spec.window;
   if (kernel == AttentionKernel::Unfused) {
     o.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
   }
@@ -326,19 +333,20 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
           const float lse_i = LSE[(b * heads + h) * a.seq + i];
           float delta = 0;  // D_i = dout_i . out_i (FlashAttention-2, Algorithm 2)
           for (std::int64_t d = 0; d < a.head_dim; ++d) delta += do_i[d] * o_i[d];
-          const float* first = QKV + a.row(0, b) * a.width;  // position 0's row: the keys start there
-          float* dfirst = DQKV + a.row(0, b) * a.width;
+          const std::int64_t lo = spec.first_key(i), end = causal ? i + 1 : a.seq;
+          const float* first = QKV + a.row(lo, b) * a.width;  // the first key's row
+          float* dfirst = DQKV + a.row(lo, b) * a.width;
           attend_query_backward(q, first + a.col(h, 1, 0), first + a.col(h, 2, 0), dfirst + a.col(h, 1, 0),
-                                dfirst + a.col(h, 2, 0), batch * a.width, causal ? i + 1 : a.seq, a.head_dim,
-                                scale, do_i, lse_i, delta, dq);
+                                dfirst + a.col(h, 2, 0), batch * a.width, end - lo, a.head_dim, scale, do_i,
+                                lse_i, delta, dq);
         }
       }
     }
     round_to_dtype(dqkv);
   }
-  launch_attention(kAttentionBackward,
-                   AttentionShape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()}, spec.kernel,
-                   true, qkv.dtype());
+  AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()};
+  shape.window = spec.window;
+  launch_attention(kAttentionBackward, shape, spec.kernel, true, qkv.dtype());
   return dqkv;
 }
 

@@ -917,7 +917,7 @@ TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
       keep(r.squared_norm({x, dy, r.randn({300}, 58, 1.0f, t)}));
       Tensor u = r.randn({6, 136}, 54, 1.0f, t);
       keep(r.swiglu(u)), keep(r.swiglu_backward(r.randn({6, 68}, 55, 1.0f, t), u));
-      for (const AttentionSpec spec : {AttentionSpec{2, 4, 2, true}, AttentionSpec{1, 3, 1, false}}) {
+      for (const AttentionSpec& spec : {AttentionSpec{2, 4, 2, true}, AttentionSpec{1, 3, 1, false}}) {
         const std::int64_t seq = spec.batch == 2 ? 70 : 140, hd = 130, rows = seq * spec.batch;
         Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 56, 1.0f, t);
         r.rope_(qkv, spec, 3, 500000.0, false);
@@ -975,6 +975,82 @@ TEST(CudaBackend, ContextParallelBlocksMatchTheSimulator) {
     });
     const double tol = t == DType::Float32 ? 1e-4 : 5e-2;
     expect_close(b, std::string("context-parallel blocks ") + dtype_name(t), tol, tol);
+  }
+}
+
+TEST(CudaBackend, SlidingWindowAndSinksMatchTheSimulator) {
+  REQUIRE_GPU();
+  // Sliding windows and attention sinks (AttentionSpec::window, sinks): the whole attention with either or
+  // both, forward and backward, and the sinks' gradient; then context-parallel blocks under a window (a
+  // rank's own keys, a chunk whose window starts inside it, queries that see none of a block, a block none
+  // of whose queries reach), the sinks merged after them, and the backward of each. Grouped-query heads of a
+  // head_dim over the kernels' 128 threads; windows over one tile of keys, so the key loops start past 0.
+  // The sinks are of another dtype than qkv, which the kernels read as they are.
+  for (DType t : {DType::Float32, DType::BFloat16}) {
+    const Both b = run_both(1, [t](Rank& r) {
+      std::vector<float> all;
+      auto keep = [&](const Tensor& x) { append_host(r, x, all); };
+      const std::int64_t hd = 130;
+      const Tensor sinks = r.randn({4}, 71, 1.0f, t == DType::Float32 ? DType::BFloat16 : DType::Float32);
+      struct Case {
+        std::int64_t seq, window;
+        bool sinks;
+      };
+      for (const Case& c : {Case{200, 150, false}, Case{140, 0, true}, Case{140, 7, true}}) {
+        AttentionSpec spec{2, 4, 2, true};
+        spec.window = c.window;
+        if (c.sinks) spec.sinks = sinks;
+        const std::int64_t rows = c.seq * spec.batch;
+        const Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 72, 1.0f, t);
+        const Rank::AttentionOut o = r.attention(qkv, spec);
+        const Tensor dout = r.randn(o.out.shape(), 73, 1.0f, t);
+        keep(o.out), keep(o.lse), keep(r.attention_backward(dout, qkv, o.out, o.lse, spec));
+        if (c.sinks) keep(r.attention_sinks_backward(dout, o.out, o.lse, spec));
+      }
+
+      AttentionSpec spec{2, 4, 2, true};
+      spec.window = 40;
+      AttentionSpec with_sinks = spec;
+      with_sinks.sinks = sinks;
+      const std::int64_t seq = 140, half = seq / 2, rows = seq * spec.batch;
+      const Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 74, 1.0f, t);
+      const Tensor own = r.key_values(qkv, spec);
+      const Tensor other = r.randn({half * spec.batch, 2 * spec.groups() * hd}, 75, 1.0f, t);
+      const float inf = std::numeric_limits<float>::infinity();
+      Rank::AttentionOut acc{r.zeros({rows, spec.heads * hd}), r.full({spec.batch, spec.heads, seq}, -inf)};
+      const std::vector<std::pair<Tensor, Rank::AttentionBlock>> blocks = {
+          {own, {0, -1, true, 0, 0}},
+          // Query i (position 100 + i) sees positions 61 + i to 100 + i of the keys' 60 to 129: from query 30
+          // on fewer than the window, from 69 on none.
+          {other, {0, -1, true, 100, 60}},
+          {other, {0, 10, true, 0, 5}},          // queries 0 to 4 see none of it
+          {other, {half, half, true, 300, 95}},  // every key is before every query's window
+      };
+      for (const auto& [keys, block] : blocks) r.attention_block_(acc, qkv, keys, spec, block);
+      EXPECT_THROW(r.attention_block_(acc, qkv, own, with_sinks, blocks[0].second), UsageError);
+      r.attention_sinks_(acc, with_sinks);
+      keep(acc.out), keep(acc.lse);
+      // Queries that saw no key at all: the sink alone, out 0.
+      Rank::AttentionOut lone{r.zeros({rows, spec.heads * hd}), r.full({spec.batch, spec.heads, seq}, -inf)};
+      r.attention_block_(lone, qkv, other, spec, blocks[2].second);
+      r.attention_sinks_(lone, with_sinks);
+      keep(lone.out), keep(lone.lse);
+
+      const Tensor out = r.cast(acc.out, t), dout = r.randn(out.shape(), 76, 1.0f, t);
+      const Tensor dqkv = r.zeros(qkv.shape(), t), down = r.zeros(own.shape(), t),
+                   dother = r.zeros(other.shape(), t);
+      for (const auto& [keys, block] : blocks) {
+        r.attention_block_backward_(dqkv, keys.same_storage(own) ? down : dother, dout, qkv, keys, out,
+                                    acc.lse, spec, block);
+      }
+      keep(dother);
+      r.add_key_values_(dqkv, down, spec);
+      keep(dqkv);
+      keep(r.attention_sinks_backward(dout, out, acc.lse, with_sinks));
+      return all;
+    });
+    const double tol = t == DType::Float32 ? 1e-4 : 5e-2;
+    expect_close(b, std::string("sliding window and sinks ") + dtype_name(t), tol, tol);
   }
 }
 
