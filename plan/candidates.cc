@@ -424,10 +424,19 @@ double StepBound::us(const gpt::Config& c) {
   const std::int64_t act_bytes = c.rows() * c.hidden * dtype_bytes(c.dtype);
   std::vector<int> tp_ranks;
   for (int i = 0; i < c.tp; ++i) tp_ranks.push_back(grid.rank_of(i, 0, 0));
-  double attention_fwd = 0, attention_bwd = 0;
+  // Attention in a layer with every earlier key [0], and in one with a sliding window [1]: the whole
+  // sequence's windowed attention, its pairs split over the cp ranks, of which the busiest does at least
+  // its share (blocks of fewer queries, each reading its keys, run no faster).
+  double attention_fwd[2] = {0, 0}, attention_bwd[2] = {0, 0};
   for (const sim::AttentionShape& a : attention_blocks(c)) {
-    attention_fwd += k.attention_us(a, c.attention, false, d);
-    attention_bwd += k.attention_us(a, c.attention, true, d);
+    attention_fwd[0] += k.attention_us(a, c.attention, false, d);
+    attention_bwd[0] += k.attention_us(a, c.attention, true, d);
+  }
+  if (c.sliding_window > 0) {
+    sim::AttentionShape a{c.micro_batch, c.seq, c.heads / t, c.head_dim(), true, 0.0f, c.kv() / t};
+    a.window = c.sliding_window;
+    attention_fwd[1] = k.attention_us(a, c.attention, false, d) / c.cp;
+    attention_bwd[1] = k.attention_us(a, c.attention, true, d) / c.cp;
   }
   struct LayerUs {
     double forward = 0, backward = 0;
@@ -466,8 +475,8 @@ double StepBound::us(const gpt::Config& c) {
     }
   }
   const double ep_forward_us = ep_counts_us + 2 * ep_pieces_us + etp_us;
-  // One layer, with its dense MLP or as a MoE layer.
-  auto layer_us = [&](bool moe_layer) {
+  // One layer, with its dense MLP or as a MoE layer, with or without a sliding window.
+  auto layer_us = [&](bool moe_layer, bool windowed) {
     LayerUs u;
     // qkv, proj, and the tensor-parallel MLP's fc1, fc2 (llama: wqkv, wo, w13, w2): a MoE layer's is its
     // shared experts' (none without them).
@@ -500,9 +509,9 @@ double StepBound::us(const gpt::Config& c) {
     }
     const MemoryBound mem = memory_bound_bytes(c, !moe_layer);
     u.forward += k.memory_us(mem.forward_bytes);
-    u.backward += k.memory_us(mem.backward_bytes) + attention_bwd;
-    if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd;
-    u.forward += attention_fwd;
+    u.backward += k.memory_us(mem.backward_bytes) + attention_bwd[windowed];
+    if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd[windowed];
+    u.forward += attention_fwd[windowed];
     if (moe_layer) {
       u.forward += ep_forward_us;
       u.backward += 2 * ep_pieces_us + etp_us;
@@ -534,11 +543,23 @@ double StepBound::us(const gpt::Config& c) {
     if (c.recompute == gpt::Recompute::Full) u.backward += u.forward;
     return u;
   };
-  const LayerUs dense = layer_us(false), moe = c.moe() ? layer_us(true) : dense;
+  // By [MoE][windowed].
+  LayerUs kinds[2][2];
+  for (bool moe_layer : {false, true}) {
+    if (moe_layer && !c.moe()) continue;
+    for (bool windowed : {false, true})
+      if (!windowed || c.sliding_window > 0) kinds[moe_layer][windowed] = layer_us(moe_layer, windowed);
+  }
   // The `count` layers from `first` on.
   auto layers_us = [&](int first, int count, double LayerUs::*part) {
-    const int moe_layers = c.moe_layer_count(first, count);
-    return (count - moe_layers) * (dense.*part) + moe_layers * (moe.*part);
+    if (c.sliding_window == 0) {
+      const int moe_layers = c.moe_layer_count(first, count);
+      return (count - moe_layers) * (kinds[0][0].*part) + moe_layers * (kinds[1][0].*part);
+    }
+    double sum = 0;
+    for (int layer = first; layer < first + count; ++layer)
+      sum += kinds[c.moe_layer(layer)][c.window(layer) > 0].*part;
+    return sum;
   };
   auto whole_us = [&](int first, int count) {
     return layers_us(first, count, &LayerUs::forward) + layers_us(first, count, &LayerUs::backward);
@@ -656,7 +677,10 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   };
   // A block is one unit: one gather and one reduce-scatter of all its parameters.
   std::int64_t block_elements = 0;
-  for (int q = 0; q < gpt::block_params(c); ++q) block_elements += padded(gpt::block_spec(c, 0, q, false));
+  for (int q = 0; q < gpt::block_params(c); ++q) {
+    if (!gpt::is_mlp_param(c, q) && !gpt::has_block_param(c, 0, q)) continue;  // not asked for
+    block_elements += padded(gpt::block_spec(c, 0, q, false));
+  }
   const double block_gathers =
       gathers ? comm_us(CommOp::AllGather, block_elements * dtype_bytes(c.dtype), dp_ranks) : 0.0;
   const double block_reductions =

@@ -341,6 +341,42 @@ TEST(Plan, ContextParallelLayoutsAreBoundedAndTrainEqualToOneDevice) {
   EXPECT_TRUE(rep.all_checks_passed()) << with_cp->candidate.name << "\n" << testing::failed_checks(rep);
 }
 
+// Sliding windows in every other layer, with sinks: each windowed layer's attention is bounded by its
+// window's pairs (shared over the cp ranks), so no layout, with or without context parallelism, runs faster
+// than its bound, and the bound of a layout is below the same layout's without the window.
+TEST(Plan, SlidingWindowLayersAreBoundedByTheirWindowsPairs) {
+#if defined(RANKLAB_SANITIZE)
+  GTEST_SKIP() << "every layout of a 4,096-token sequence simulated: the ordinary build runs it";
+#endif
+  Request r;
+  r.shape["block"] = "llama";
+  r.shape["layers"] = option_text(2);
+  r.shape["hidden"] = option_text(32);
+  r.shape["heads"] = option_text(2);
+  r.shape["seq"] = option_text(4096);
+  r.shape["vocab"] = option_text(128);
+  r.shape["global-batch"] = option_text(2);
+  r.shape["sliding-window"] = option_text(256);
+  r.shape["sliding-window-layers"] = "every:2";
+  r.shape["attention-sinks"] = option_text(true);
+  r.max_interleave = 1;
+  const Question q = make_question(r);
+  SearchOptions all = quiet();
+  all.prune = false;
+  const Plan p = search(q, all);
+  int cp_layouts = 0;
+  for (const Result* res : p.ranked()) {
+    cp_layouts += res->candidate.layout.cp > 1;
+    EXPECT_LE(res->candidate.bound_us, res->run->stats.step_time_us) << res->candidate.name;
+  }
+  EXPECT_GT(cp_layouts, 0);
+  const Result& first = *p.ranked()[0];
+  gpt::Config windowed = lesson_config(q, first.candidate.layout);
+  gpt::Config whole = windowed;
+  whole.sliding_window = 0;
+  EXPECT_LT(StepBound(q.profile).us(windowed), StepBound(q.profile).us(whole));
+}
+
 // Across two nodes the tensor-parallel collectives, the sends and ZeRO's data-parallel stream are part of
 // the bound: every layout simulated, none faster than its bound, and the pruned search finds the same
 // winner.

@@ -1,6 +1,7 @@
 // Sliding-window attention and attention sinks (AttentionSpec::window, AttentionSpec::sinks): the kernels
 // against a float64 softmax written out here, context parallelism's blocks and the sinks' merge against
-// the whole attention, and the time of a windowed attention by its pairs.
+// the whole attention, the time of a windowed attention by its pairs, and the gpt lesson's llama block with
+// gpt-oss's alternating windows and sinks trained equal to one device on every layout.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -9,14 +10,20 @@
 #include <vector>
 
 #include "common/random.h"
+#include "gpt_fixture.h"
+#include "lessons/gpt/accounting.h"
+#include "lessons/gpt/config.h"
+#include "lessons/gpt/model.h"
 #include "sim/compute_model.h"
 #include "sim_fixture.h"
 
 namespace ranklab {
 namespace {
 
+using testing::expect_usage_error;
 using testing::run_collect;
 using testing::run_error_message;
+using testing::run_gpt;
 using Values = std::vector<float>;
 
 Values random_values(std::size_t n, std::uint64_t seed, float scale = 1.0f) {
@@ -287,6 +294,111 @@ TEST(SlidingWindow, BadSpecsAreRefusedNamingWhatIsWrong) {
               r.attention_block_(acc, x, r.key_values(x, s), s, Rank::AttentionBlock{});
             }).find("a block under a sliding window compares positions, so it must be causal"),
             std::string::npos);
+}
+
+// ---- the gpt lesson -----------------------------------------------------------------------------------
+
+// The tiny llama model with gpt-oss's attention: a window of 5 keys in layers 0 and 2, every earlier key
+// in layers 1 and 3, and sinks.
+Settings tiny_gpt_oss() {
+  Settings o = testing::tiny_gpt();
+  o["block"] = "llama";
+  o["kv-heads"] = option_text(2);
+  o["ffn-hidden"] = option_text(96);
+  o["sliding-window"] = option_text(5);
+  o["sliding-window-layers"] = "every:2";
+  o["attention-sinks"] = option_text(true);
+  return o;
+}
+
+using LayoutCase = std::tuple<std::string, Settings>;
+class WindowAndSinksEqualOneDevice : public ::testing::TestWithParam<LayoutCase> {};
+
+TEST_P(WindowAndSinksEqualOneDevice, ThreeStepsOfAdamW) {
+  Settings o = tiny_gpt_oss();
+  for (const auto& [flag, value] : std::get<1>(GetParam())) o[flag] = value;
+  const RunReport rep = run_gpt(o);
+  EXPECT_TRUE(rep.all_checks_passed()) << testing::failed_checks(rep);
+  ASSERT_TRUE(rep.training);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, WindowAndSinksEqualOneDevice,
+    ::testing::Values(LayoutCase{"one_rank_fp32", {{"world", "1"}, {"dtype", "fp32"}}},
+                      LayoutCase{"tp2_sp_zero1",
+                                 {{"world", "2"}, {"tp", "2"}, {"seq-parallel", "true"}, {"zero", "1"}}},
+                      // The ring's blocks split into pairs of chunks at their positions: with 4 chunks of 4
+                      // positions and a window of 5, chunk 3's queries skip chunk 1's keys.
+                      LayoutCase{"cp2_p2p_pp2_selective",
+                                 {{"world", "4"}, {"cp", "2"}, {"pp", "2"}, {"recompute", "selective"}}},
+                      LayoutCase{"cp2_all_gather_fp32",
+                                 {{"world", "2"}, {"cp", "2"}, {"cp-comm", "all-gather"}, {"dtype", "fp32"}}},
+                      LayoutCase{"cp4_window3_zero3_full",
+                                 {{"world", "4"},
+                                  {"cp", "4"},
+                                  {"sliding-window", "3"},
+                                  {"sliding-window-layers", "all"},
+                                  {"zero", "3"},
+                                  {"recompute", "full"}}},
+                      LayoutCase{"tp2_sp_cp2_pp2_zero1_8_ranks",
+                                 {{"world", "8"},
+                                  {"tp", "2"},
+                                  {"seq-parallel", "true"},
+                                  {"cp", "2"},
+                                  {"pp", "2"},
+                                  {"zero", "1"}}}),
+    [](const ::testing::TestParamInfo<LayoutCase>& info) { return std::get<0>(info.param); });
+
+// The sinks learn: a backward that leaves them where they started fails the check, naming them.
+TEST(SlidingWindow, SinksLeftWhereTheyStartedFailTheCheck) {
+  Settings o = tiny_gpt_oss();
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["break"] = "no-sinks-backward";
+  const RunReport rep = run_gpt(o);
+  EXPECT_FALSE(rep.all_checks_passed());
+  EXPECT_NE(testing::failed_checks(rep).find("sinks"), std::string::npos) << testing::failed_checks(rep);
+}
+
+// A windowed layer counts its window's keys in the model's FLOPs, and the sinks one logit per head.
+TEST(SlidingWindow, FlopsAndParametersCountTheWindowAndTheSinks) {
+  gpt::Config c = gpt::resolve(gpt::options_table().read(tiny_gpt_oss(), "gpt"), 1);
+  const double h = 64, a = 4, g = 2, d = 16, f = 96, L = 4, V = 128, tokens = 8 * 16;
+  // Layers 0 and 2 see 5 keys, 1 and 3 all 16.
+  const double linear = 2 * (h * (a + 2 * g) * d + a * d * h + 3 * h * f);
+  const double attention = 4 * a * d * (5 + 16 + 5 + 16);
+  EXPECT_DOUBLE_EQ(gpt::step_flops(c).model, 3 * tokens * (L * linear + attention + 2 * h * V));
+  Settings plain = tiny_gpt_oss();
+  plain.erase("attention-sinks");
+  const gpt::Config p = gpt::resolve(gpt::options_table().read(plain, "gpt"), 1);
+  EXPECT_EQ(gpt::parameter_count(c) - gpt::parameter_count(p), 4 * 4);  // 4 layers of 4 heads
+  EXPECT_NE(c.shape().find("sinks, window 5 in layers every:2"), std::string::npos) << c.shape();
+}
+
+TEST(SlidingWindow, BadFlagsNameTheFlag) {
+  Settings o = tiny_gpt_oss();
+  o["block"] = "gpt";
+  o.erase("kv-heads");
+  o.erase("ffn-hidden");
+  expect_usage_error(o, "--attention-sinks: the gpt block's attention has no sinks");
+  o = tiny_gpt_oss();
+  o["sliding-window-layers"] = "every:0";
+  expect_usage_error(o, "--sliding-window-layers every:N needs N of 1 or more");
+  o = tiny_gpt_oss();
+  o["sliding-window-layers"] = "from:9";
+  expect_usage_error(o, "--sliding-window-layers from:9 windows none of the 4 layers");
+  o = tiny_gpt_oss();
+  o["sliding-window-layers"] = "odd";
+  expect_usage_error(o, "--sliding-window-layers odd: give all, every:N");
+  o = tiny_gpt_oss();
+  o.erase("sliding-window");
+  expect_usage_error(o, "--sliding-window-layers names the windowed layers; it needs --sliding-window");
+  o = tiny_gpt_oss();
+  o["attention"] = "unfused";
+  expect_usage_error(o, "--sliding-window runs in the fused attention kernels");
+  o = tiny_gpt_oss();
+  o["sliding-window"] = "-1";
+  expect_usage_error(o, "--sliding-window");
 }
 
 }  // namespace

@@ -35,6 +35,19 @@ Flops step_flops(const Config& c) {
   return f;
 }
 
+namespace {
+// The keys a token's attention counts per layer, averaged over the layers: the sequence's, counted whole as
+// Megatron counts them (not halved by the mask), or in a layer with a sliding window the window's.
+double keys_per_layer(const Config& c) {
+  double keys = 0;
+  for (int layer = 0; layer < c.layers; ++layer) {
+    const std::int64_t w = c.window(layer);
+    keys += static_cast<double>(w > 0 ? std::min<std::int64_t>(w, c.seq) : c.seq);
+  }
+  return keys / c.layers;
+}
+}  // namespace
+
 Flops dense_step_flops(const Config& c) {
   const double B = static_cast<double>(c.global_batch), s = c.seq, L = c.layers, h = c.hidden,
                V = static_cast<double>(c.vocab);
@@ -43,12 +56,23 @@ Flops dense_step_flops(const Config& c) {
     // Per token and layer, forward: 2 FLOPs per weight of wqkv (h x (a + 2 g) d), wo (a d x h) and the
     // three SwiGLU matrices (3 h f), and attention's two products over s keys (4 s a d = 4 s h, counted
     // whole as for GPT); the output layer 2 h V. Backward twice the forward.
+    // A layer with a sliding window counts its window's keys (keys_per_layer).
     const double d = c.head_dim(), a = c.heads, g = c.kv(), ffn = static_cast<double>(c.ffn());
-    const double layer = 2 * (h * (a + 2 * g) * d + a * d * h + 3 * h * ffn) + 4 * s * a * d;
+    const double linear = 2 * (h * (a + 2 * g) * d + a * d * h + 3 * h * ffn);
+    const double attention = 4 * keys_per_layer(c) * a * d;  // per token and layer, on average
+    const double layer = linear + attention;
     f.model = 3 * B * s * (L * layer + 2 * h * V);
     f.hardware = f.model;
     if (c.recompute == Recompute::Full) f.hardware += B * s * L * layer;
-    if (c.recompute == Recompute::Selective) f.hardware += B * s * L * 4 * s * a * d;
+    if (c.recompute == Recompute::Selective) f.hardware += B * s * L * attention;
+    return f;
+  }
+  if (c.sliding_window > 0) {
+    const double keys = keys_per_layer(c);
+    f.model = 72.0 * B * s * L * h * h * (1 + keys / (6 * h) + V / (12 * h * L));
+    f.hardware = f.model;
+    if (c.recompute == Recompute::Full) f.hardware += B * s * L * h * h * (24 + 4 * keys / h);
+    if (c.recompute == Recompute::Selective) f.hardware += 4.0 * B * s * keys * h * L;
     return f;
   }
   f.model = 72.0 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L));
@@ -175,8 +199,10 @@ MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel:
   // buffer, in flight (parallel/zero.h).
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
   std::int64_t block_elements = 0;
-  for (int q = 0; q < block_params(c); ++q)
+  for (int q = 0; q < block_params(c); ++q) {
+    if (!is_mlp_param(c, q) && !has_block_param(c, 0, q)) continue;  // QK-norm's or the sinks, not asked for
     block_elements += parallel::local_shape(block_spec(c, 0, q, false), c.tp).numel();
+  }
   // FP8: each linear layer's weight copies and its scaling state, for a layer with its dense MLP and for a
   // MoE layer (its shared experts' MLP, and each local expert's two linear layers, split over etp); the
   // layers of a kind all have one shape.

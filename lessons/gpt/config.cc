@@ -62,6 +62,12 @@ std::string Config::layout() const {
   return s;
 }
 
+int Config::windowed_layer_count() const {
+  int n = 0;
+  for (int layer = 0; layer < layers; ++layer) n += window(layer) > 0;
+  return n;
+}
+
 int Config::moe_layer_count(int first, int count) const {
   int n = 0;
   for (int layer = first; layer < first + count; ++layer) n += moe_layer(layer);
@@ -97,9 +103,10 @@ std::string Config::shape() const {
                 "{}, vocab {}",
                 layers, hidden, heads, kv(),
                 kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab) +
-                (qk_layernorm ? ", QK-norm" : "")
+                (qk_layernorm ? ", QK-norm" : "") + (attention_sinks ? ", sinks" : "")
           : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
                         vocab);
+  if (sliding_window > 0) s += fmt::format(", window {} in layers {}", sliding_window, sliding_window_layers);
   if (moe()) {
     s += fmt::format(", {} experts of width {} (top {}{}) in layers {}", experts, moe_ffn(), top_k,
                      shared_experts > 0 ? fmt::format(", {} shared", shared_experts) : "", moe_layers);
@@ -181,6 +188,16 @@ const OptionTable<Config>& options_table() {
       {"qk-layernorm", &O::qk_layernorm,
        "llama: each head's queries and keys RMS-normalised over its features, with gains shared by the "
        "heads, before the rotary embeddings (Qwen3's q_norm and k_norm; Megatron's flag)"},
+      Option<O>("sliding-window", &O::sliding_window,
+                "causal attention over the this many keys up to each query's position, in the layers "
+                "--sliding-window-layers names (Mistral 7B, gpt-oss; 0: every earlier key)")
+          .at_least(0),
+      Option<O>("sliding-window-layers", &O::sliding_window_layers,
+                "with --sliding-window: which layers: all, every:N (layers 0, N, 2N, ...; gpt-oss: every:2) "
+                "or from:N (layers N on)"),
+      {"attention-sinks", &O::attention_sinks,
+       "llama: a learned logit per attention head that joins each query's softmax as a key of zero value, "
+       "so the weights may sum to less than one (gpt-oss's sinks)"},
       Option<O>("ffn-hidden", &O::ffn_hidden, "llama: the SwiGLU MLP's width (0: 4 x --hidden)").at_least(0),
       Option<O>("rope-theta", &O::rope_theta, "llama: the rotary embeddings' base").above(1),
       Option<O>("seq", &O::seq, "sequence length").at_least(1),
@@ -320,7 +337,7 @@ const OptionTable<Config>& options_table() {
       break_option<O>(&O::broken,
                       {"dp-sum", "no-reduce-scatter", "no-sp-grad-sync", "dropout-row", "dropout-cp-rows",
                        "no-rope-backward", "cp-mask-every-block", "moe-wrong-expert-rank",
-                       "moe-combine-without-gates", "moe-no-load-balancing-grad"}),
+                       "moe-combine-without-gates", "moe-no-load-balancing-grad", "no-sinks-backward"}),
   });
   return table;
 }
@@ -365,29 +382,58 @@ void resolve_context(const Config& c) {
   }
 }
 
-// --moe-layers into moe_first and moe_every.
-void read_moe_layers(Config& c) {
-  const std::string& spec = c.moe_layers;
+// A set of layers as --moe-layers and --sliding-window-layers name them: its first and its stride.
+struct LayerSet {
+  int first = 0, every = 1;
+};
+LayerSet read_layer_set(const std::string& flag, const std::string& spec, const char* every_example,
+                        const char* from_example) {
   auto number = [&](const std::string& text) {
     OptionSpec o;
-    o.flag = "moe-layers";
+    o.flag = flag;
     o.kind = OptionKind::Integer;
     o.min = 0;
     o.max = kMaxLayers;
     return static_cast<int>(read_integer(o, text, "gpt", 0, kMaxLayers));
   };
-  if (spec == "all") {
-    c.moe_first = 0, c.moe_every = 1;
-  } else if (spec.rfind("every:", 0) == 0) {
-    c.moe_first = 0, c.moe_every = number(spec.substr(6));
-    if (c.moe_every < 1) throw UsageError("gpt: --moe-layers every:N needs N of 1 or more");
-  } else if (spec.rfind("from:", 0) == 0) {
-    c.moe_first = number(spec.substr(5)), c.moe_every = 1;
-  } else {
-    throw UsageError(fmt::format(
-        "gpt: --moe-layers {}: give all, every:N (layers 0, N, 2N, ... are MoE, as Megatron-Core's "
-        "--moe-layer-freq) or from:N (layers N on, as DeepSeek-V3's first dense layers)",
-        spec));
+  if (spec == "all") return {};
+  if (spec.rfind("every:", 0) == 0) {
+    const int every = number(spec.substr(6));
+    if (every < 1) throw UsageError(fmt::format("gpt: --{} every:N needs N of 1 or more", flag));
+    return {0, every};
+  }
+  if (spec.rfind("from:", 0) == 0) return {number(spec.substr(5)), 1};
+  throw UsageError(
+      fmt::format("gpt: --{} {}: give all, every:N (layers 0, N, 2N, ...{}) or from:N (layers N "
+                  "on{})",
+                  flag, spec, every_example, from_example));
+}
+
+// --moe-layers into moe_first and moe_every.
+void read_moe_layers(Config& c) {
+  const LayerSet s = read_layer_set("moe-layers", c.moe_layers, ", as Megatron-Core's --moe-layer-freq",
+                                    ", as DeepSeek-V3's first dense layers");
+  c.moe_first = s.first, c.moe_every = s.every;
+}
+
+// --sliding-window-layers into window_first and window_every; the window against the attention it needs.
+void resolve_window(Config& c) {
+  if (c.sliding_window == 0) {
+    if (c.sliding_window_layers != "all")
+      throw UsageError("gpt: --sliding-window-layers names the windowed layers; it needs --sliding-window");
+    return;
+  }
+  const LayerSet s =
+      read_layer_set("sliding-window-layers", c.sliding_window_layers, "; gpt-oss: every:2", "");
+  c.window_first = s.first, c.window_every = s.every;
+  if (c.windowed_layer_count() == 0) {
+    throw UsageError(fmt::format("gpt: --sliding-window-layers {} windows none of the {} layers",
+                                 c.sliding_window_layers, c.layers));
+  }
+  if (c.attention != AttentionKernel::Flash) {
+    throw UsageError(
+        "gpt: --sliding-window runs in the fused attention kernels (FlashAttention-2 and -3 take a window); "
+        "--attention unfused is the path of the runs before sliding windows");
   }
 }
 
@@ -488,6 +534,11 @@ void resolve_block(const Config& c) {
           "gpt: --qk-layernorm: the gpt block's attention has no norm of its queries and keys; QK-norm is "
           "the "
           "llama block's (--block llama)");
+    }
+    if (c.attention_sinks) {
+      throw UsageError(
+          "gpt: --attention-sinks: the gpt block's attention has no sinks; they are the llama block's "
+          "(--block llama)");
     }
     if (c.ffn_hidden > 0 && c.ffn_hidden != 4 * std::int64_t{c.hidden}) {
       throw UsageError(
@@ -672,6 +723,7 @@ Config resolve(Config c, int world) {
   resolve_fp8(c);  // --dtype fp8 is bf16 with FP8 GEMMs before anything asks which GEMMs are FP8
   resolve_context(c);
   resolve_experts(c);
+  resolve_window(c);
   check_products(c);
   resolve_block(c);
   if (c.heads % c.tp != 0) {

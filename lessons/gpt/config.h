@@ -44,6 +44,15 @@ struct Config : LessonOptions {
   bool qk_layernorm = false;    // llama: each head's q and k RMS-normalised before the rotation (Qwen3)
   std::int64_t ffn_hidden = 0;  // llama: SwiGLU's width (0: 4 hidden, as GPT's MLP)
   double rope_theta = 10000;    // llama: the rotary embeddings' base
+  // Sliding-window attention (AttentionSpec::window) in the layers sliding_window_layers names: "all",
+  // "every:N" (layers 0, N, 2N, ...: gpt-oss's alternation with N = 2, its layer 0 windowed) or "from:N";
+  // resolve() reads it into window_first, window_every. 0: every layer attends to every earlier key.
+  std::int64_t sliding_window = 0;
+  std::string sliding_window_layers = "all";
+  int window_first = 0, window_every = 1;
+  // llama: a learned logit per attention head that joins each query's softmax as a key whose value is zero
+  // (gpt-oss's sinks; AttentionSpec::sinks).
+  bool attention_sinks = false;
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
   int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp cp pp), which resolve() sets
   // Context parallelism: each sequence split into 2 cp chunks, rank i holding chunks i and 2 cp - 1 - i so
@@ -125,6 +134,13 @@ struct Config : LessonOptions {
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
   std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width
   bool moe() const { return experts > 0; }
+  // The sliding window of layer `layer`'s attention, 0 for none.
+  std::int64_t window(int layer) const {
+    return sliding_window > 0 && layer >= window_first && (layer - window_first) % window_every == 0
+               ? sliding_window
+               : 0;
+  }
+  int windowed_layer_count() const;
   bool balanced_routing() const { return routing == "balanced"; }
   bool moe_layer(int layer) const {
     return experts > 0 && layer >= moe_first && (layer - moe_first) % moe_every == 0;

@@ -52,13 +52,21 @@ void per_feature(ParamSpec& s, const Config& c, float value) {
 }  // namespace
 
 int block_params(const Config& c) {
-  if (c.llama()) return c.qk_layernorm ? int{kLlamaParams} : int{kQNorm};
-  return kBlockParams;
+  return c.llama() ? int{kLlamaParams} : int{kBlockParams};
+}
+
+bool has_block_param(const Config& c, int layer, int which) {
+  if (is_mlp_param(c, which)) return c.has_dense_mlp(layer);
+  if (!c.llama()) return true;
+  if (which == kQNorm || which == kKNorm) return c.qk_layernorm;
+  if (which == kSinks) return c.attention_sinks;
+  return true;
 }
 
 namespace {
 ParamSpec llama_spec(const Config& c, int layer, LlamaParam which, bool named) {
-  static const char* names[kLlamaParams] = {"norm1", "wqkv", "wo", "norm2", "w13", "w2", "q norm", "k norm"};
+  static const char* names[kLlamaParams] = {"norm1", "wqkv",   "wo",     "norm2", "w13",
+                                            "w2",    "q norm", "k norm", "sinks"};
   const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.dense_ffn(layer);
   ParamSpec s;
   if (named) s.name = layer_name(layer, names[which]);
@@ -88,6 +96,13 @@ ParamSpec llama_spec(const Config& c, int layer, LlamaParam which, bool named) {
       s.decay = false;
       s.tp_partial = true;
       s.value = 1.0f;
+      break;
+    case kSinks:
+      // One logit per query head, split with the heads; zeros at first, as Megatron-Core starts its
+      // learnable softmax offset.
+      s.full = Shape{c.heads};
+      s.tp_dim = 0;
+      s.decay = false;
       break;
     default:
       break;
@@ -207,7 +222,8 @@ std::int64_t parameters_with(const Config& c, std::int64_t experts_counted) {
       c.moe_layer_count() * (h * c.experts + (experts_counted * expert + shared) - dense_mlp);
   if (c.llama()) {
     const std::int64_t attention = h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() +
-                                   c.heads * c.head_dim() * h + (c.qk_layernorm ? 2 * c.head_dim() : 0);
+                                   c.heads * c.head_dim() * h + (c.qk_layernorm ? 2 * c.head_dim() : 0) +
+                                   (c.attention_sinks ? c.heads : 0);
     return c.layers * (attention + 3 * h * c.ffn() + 2 * h) + 2 * c.vocab * h + h + moe;
   }
   return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h + moe;
@@ -501,8 +517,7 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
         // A MoE layer's router comes before its (shared experts') MLP.
         if (c.moe_layer(layer) && q == (c.llama() ? int{kW2} : int{kFc2B}))
           out.push_back({kRouterKind, layer});
-        if (!c.has_dense_mlp(layer) && is_mlp_param(c, q)) continue;
-        out.push_back({q, layer});
+        if (has_block_param(c, layer, q)) out.push_back({q, layer});
       }
     }
     if (vs == 0) {  // the embedding
@@ -619,7 +634,7 @@ std::vector<Model::Named> Model::named_params() {
   for (Chunk& ch : chunks_) {
     for (Block& b : ch.blocks) {
       for (int k = 0; k < block_params(c_); ++k) {
-        if (c_.has_dense_mlp(b.layer) || !is_mlp_param(c_, k)) out.push_back({k, b.layer, &b.p[k], &dp_});
+        if (has_block_param(c_, b.layer, k)) out.push_back({k, b.layer, &b.p[k], &dp_});
       }
       if (!b.moe) continue;
       out.push_back({kRouterKind, b.layer, &b.router, &dp_});
@@ -645,7 +660,7 @@ std::vector<Model::Named> Model::named_params() {
 std::vector<Param*> Model::block_param_list(Block& b) const {
   std::vector<Param*> ps;
   for (int k = 0; k < block_params(c_); ++k) {
-    if (c_.has_dense_mlp(b.layer) || !is_mlp_param(c_, k)) ps.push_back(&b.p[k]);
+    if (has_block_param(c_, b.layer, k)) ps.push_back(&b.p[k]);
   }
   if (b.moe) ps.push_back(&b.router);
   return ps;
@@ -661,7 +676,7 @@ Model::GatheredBlock Model::gather(Block& b) {
   GatheredBlock g;
   g.dense = dp_.gather(block_param_list(b));
   g.moe = b.moe;
-  g.dense_mlp = c_.has_dense_mlp(b.layer);
+  g.layer = b.layer;
   if (b.moe) g.experts = expert_dp_->gather(expert_param_list(b));
   return g;
 }
@@ -673,7 +688,7 @@ Model::Weights Model::get(GatheredBlock& g) {
   std::size_t at = 0;
   const bool moe = g.moe;
   for (int k = 0; k < block_params(c_); ++k) {
-    if (g.dense_mlp || !is_mlp_param(c_, k)) w.dense[k] = got[at++];
+    if (has_block_param(c_, g.layer, k)) w.dense[k] = got[at++];
   }
   if (!moe) return w;
   w.router = got[at];
@@ -698,7 +713,7 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Rank::LayerNormOut ln1 = r.layernorm(x, w[kLn1G], w[kLn1B], kEps);
   fp8_linear(layer, kQkvW);
   Tensor qkv = tp_.column_linear(ln1.y, w[kQkvW], w[kQkvB], &k1);
-  Rank::AttentionOut att = attend(qkv);
+  Rank::AttentionOut att = attend(qkv, w, layer);
   fp8_linear(layer, kProjW);
   Tensor p = tp_.row_linear(att.out, w[kProjW], &kp);
   r.add_bias_(p, w[kProjB]);
@@ -730,7 +745,7 @@ Tensor Model::block_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
 
 void Model::rebuild(const Weights& w, BlockActs& a, int layer, int mb) {
   if (c_.recompute == Recompute::Selective) {
-    Rank::AttentionOut att = attend(a.qkv);
+    Rank::AttentionOut att = attend(a.qkv, w, layer);
     a.out = att.out, a.lse = att.lse, a.probs = att.probs;
   }
   if (c_.recompute != Recompute::Full) return;
@@ -780,7 +795,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   parallel::TensorParallel::Grads proj =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kProjW], dp, dp_.wgrad_into(b.p[kProjW]));
   dp_.add_grad(b.p[kProjW], proj.dw);
-  const Tensor dqkv = attend_backward(proj.dx, a);
+  const Tensor dqkv = attend_backward(b, w, proj.dx, a);
   fp8_linear(b.layer, kQkvW);
   parallel::TensorParallel::Grads qkv =
       tp_.column_linear_backward(a.y1, w[kQkvW], dqkv, /*bias=*/true, dp_.wgrad_into(b.p[kQkvW]));
@@ -842,28 +857,39 @@ void Model::keep_inputs(BlockActs& a, const parallel::TensorParallel::Kept& y1,
 
 // ---- the llama block --------------------------------------------------------------------------------------
 
-AttentionSpec Model::attention_spec() const {
-  return AttentionSpec{c_.micro_batch, c_.heads / c_.tp, c_.kv() / c_.tp, true, c_.attention};
+AttentionSpec Model::attention_spec(const Weights& w, int layer) const {
+  AttentionSpec spec{c_.micro_batch, c_.heads / c_.tp, c_.kv() / c_.tp, true, c_.attention};
+  spec.window = c_.window(layer);
+  if (c_.attention_sinks) spec.sinks = w[kSinks];
+  return spec;
 }
 
-Rank::AttentionOut Model::attend(const Tensor& qkv) {
-  return cp_ != nullptr ? cp_->attention(qkv, attention_spec()) : r_.attention(qkv, attention_spec());
+Rank::AttentionOut Model::attend(const Tensor& qkv, const Weights& w, int layer) {
+  const AttentionSpec spec = attention_spec(w, layer);
+  return cp_ != nullptr ? cp_->attention(qkv, spec) : r_.attention(qkv, spec);
 }
 
-Tensor Model::attend_backward(const Tensor& dout, const BlockActs& a) {
-  return cp_ != nullptr ? cp_->attention_backward(dout, a.qkv, a.out, a.lse, attention_spec())
-                        : r_.attention_backward(dout, a.qkv, a.out, a.lse, attention_spec());
+Tensor Model::attend_backward(Block& b, const Weights& w, const Tensor& dout, const BlockActs& a) {
+  const AttentionSpec spec = attention_spec(w, b.layer);
+  if (spec.sinks.defined()) {
+    // (The deliberate bug leaves the sinks where they started.)
+    if (c_.broken != "no-sinks-backward")
+      dp_.add_grad(b.p[kSinks], r_.attention_sinks_backward(dout, a.out, a.lse, spec));
+  }
+  return cp_ != nullptr ? cp_->attention_backward(dout, a.qkv, a.out, a.lse, spec)
+                        : r_.attention_backward(dout, a.qkv, a.out, a.lse, spec);
 }
 
 void Model::rotate(const Tensor& qkv, bool inverse) {
+  const AttentionSpec layout{c_.micro_batch, c_.heads / c_.tp, c_.kv() / c_.tp};  // qkv's heads
   if (cp_ == nullptr) {
-    r_.rope_(qkv, attention_spec(), 0, c_.rope_theta, inverse);
+    r_.rope_(qkv, layout, 0, c_.rope_theta, inverse);
     return;
   }
   // This rank's two chunks of the sequence, each rotated by its own positions.
   const std::int64_t chunk = c_.cp_chunk(), rows = chunk * c_.micro_batch, width = qkv.size(1);
   for (std::int64_t half : {0, 1}) {
-    r_.rope_(r_.view(qkv, half * rows * width, Shape{rows, width}), attention_spec(),
+    r_.rope_(r_.view(qkv, half * rows * width, Shape{rows, width}), layout,
              c_.cp_position(cp_rank_, half * chunk), c_.rope_theta, inverse);
   }
 }
@@ -881,7 +907,7 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor(), &k1);
   if (c_.qk_layernorm) qkv = qk_norm(qkv, w, a);
   rotate(qkv, false);
-  Rank::AttentionOut att = attend(qkv);
+  Rank::AttentionOut att = attend(qkv, w, layer);
   fp8_linear(layer, kWo);
   Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
@@ -974,7 +1000,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   parallel::TensorParallel::Grads wo =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
   dp_.add_grad(b.p[kWo], wo.dw);
-  const Tensor dqkv = attend_backward(wo.dx, a);
+  const Tensor dqkv = attend_backward(b, w, wo.dx, a);
   // (The deliberate bug forgets it: the gradient of q and k stays in the rotated frame.)
   if (c_.broken != "no-rope-backward") rotate(dqkv, true);
   const Tensor dmixed = c_.qk_layernorm ? qk_norm_backward(b, dqkv, w, a) : dqkv;

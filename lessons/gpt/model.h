@@ -56,10 +56,14 @@ enum BlockParam {
 // The llama block's parameters, in this order. wqkv's columns hold each key-value group's q heads, then
 // its k and v (Rank::attention's layout); w13's are the gate and up projections' columns in adjacent pairs
 // (Rank::swiglu's layout). Both keep a tensor-parallel rank's block of columns whole groups and pairs.
-// kQNorm and kKNorm: QK-norm's gains (--qk-layernorm), only with it.
-enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kQNorm, kKNorm, kLlamaParams };
+// kQNorm and kKNorm: QK-norm's gains (--qk-layernorm), only with it; kSinks: the attention sinks' logits
+// (--attention-sinks), only with them.
+enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kQNorm, kKNorm, kSinks, kLlamaParams };
 // The parameters of the configuration's block: kBlockParams or kLlamaParams.
 int block_params(const Config& c);
+// Whether layer `layer` has its block's parameter `which`: a MoE layer's dense MLP only with shared experts,
+// QK-norm's gains and the sinks only when asked for.
+bool has_block_param(const Config& c, int layer, int which);
 // A block parameter's initial values and how tensor parallelism splits them (`which` a BlockParam or a
 // LlamaParam, as the block is). The gpt block's qkv columns are per head (q, k, v of head 0, then of head
 // 1, ...), so a column block is whole heads. Unnamed (`named` false), it is the same but for its name: the
@@ -216,7 +220,8 @@ class Model {
   };
   struct GatheredBlock {
     parallel::DataParallel::GatheredUnit dense, experts;
-    bool moe = false, dense_mlp = true;  // a MoE layer; one with a dense MLP (or shared experts)
+    bool moe = false;  // a MoE layer
+    int layer = 0;
   };
 
   // `layer` and `mb` (this rank's micro-batch) place the block's dropout masks.
@@ -239,11 +244,13 @@ class Model {
   static void keep_inputs(BlockActs& a, const parallel::TensorParallel::Kept& y1,
                           const parallel::TensorParallel::Kept& out, const parallel::TensorParallel::Kept& y2,
                           const parallel::TensorParallel::Kept& g);
-  // The attention of this rank's heads: Rank::attention's spec.
-  AttentionSpec attention_spec() const;
-  // Attention of qkv's rows and its backward: one call, or context parallelism's exchange.
-  Rank::AttentionOut attend(const Tensor& qkv);
-  Tensor attend_backward(const Tensor& dout, const BlockActs& a);
+  // The attention of this rank's heads in layer `layer`: Rank::attention's spec, with the layer's window and
+  // its sinks (w's, with --attention-sinks).
+  AttentionSpec attention_spec(const Weights& w, int layer) const;
+  // Attention of qkv's rows and its backward: one call, or context parallelism's exchange. The backward
+  // adds the sinks' gradient.
+  Rank::AttentionOut attend(const Tensor& qkv, const Weights& w, int layer);
+  Tensor attend_backward(Block& b, const Weights& w, const Tensor& dout, const BlockActs& a);
   // QK-norm (--qk-layernorm): each head's query and key RMS-normalised over its features, before the
   // rotation; the backward adds the gains' gradients and returns qkv's.
   Tensor qk_norm(const Tensor& qkv, const Weights& w, BlockActs& a);

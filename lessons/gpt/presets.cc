@@ -39,8 +39,9 @@ const std::vector<Preset>& presets() {
   //   multi-head latent attention, an expert bias that balances the load without a loss, and a multi-token
   //   prediction head, none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and
   //   config.json): 128 experts, top 4, of width 2880; its attention has 64 heads of 64 features beside a
-  //   hidden size of 2880, learned attention sinks and a 128-token sliding window in every other layer, and
-  //   its SwiGLU is clamped: it refuses.
+  //   hidden size of 2880, learned attention sinks and a 128-token sliding window in every other layer
+  //   (both built: --attention-sinks, --sliding-window), but its SwiGLU is clamped and its linear layers
+  //   and router have biases, which are not built: it refuses.
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -79,8 +80,8 @@ const std::vector<Preset>& presets() {
        "multi-token prediction head are not built"},
       {"gpt-oss-120b", 36, 2880, 64, 4096, 201088, 1024, "gpt-oss-120b config.json; OpenAI 2025 model card",
        8, 2880, 150000, 128, 4,
-       "its attention (64 heads of 64 features beside a hidden size of 2880, learned attention sinks, a "
-       "128-token sliding window in every other layer) and its clamped SwiGLU are not built",
+       "its clamped SwiGLU (alpha 1.702, limit 7, the up projection offset by 1) and the biases of its "
+       "attention, router and experts are not built",
        64},
   };
   return all;

@@ -180,11 +180,12 @@ double gelu_grad(double u) {
 
 // What a block's forward keeps for its backward.
 struct BlockActs {
-  Norm ln1, ln2;           // the two norms' outputs and statistics
-  Norm qn, kn;             // QK-norm's, of every q head's and every group's k (rows of hd features)
-  Vec qkv, att;            // qkv's output (llama: rotated); attention's, the heads side by side
-  std::vector<Vec> probs;  // attention's probabilities per (sample, head): S x S, causal
-  Vec u, g;                // fc1's output and its gelu (llama: w13's and its swiglu)
+  Norm ln1, ln2;                // the two norms' outputs and statistics
+  Norm qn, kn;                  // QK-norm's, of every q head's and every group's k (rows of hd features)
+  Vec qkv, att;                 // qkv's output (llama: rotated); attention's, the heads side by side
+  std::vector<Vec> probs;       // attention's probabilities per (sample, head): S x S, causal
+  std::vector<Vec> sink_probs;  // with sinks: each query's sink probability per (sample, head)
+  Vec u, g;                     // fc1's output and its gelu (llama: w13's and its swiglu)
   // A MoE layer: each token's top-k experts and gates, and per route (token-major, k per token) the
   // expert's w_in output, its activation and the expert's output.
   std::vector<int> chosen;
@@ -245,8 +246,14 @@ class Training {
   // Where in qkv element k of the rows of hd features of part `part` lies (0: q, a row per token and head; 1:
   // k, per token and group), for every k: those rows out of qkv and back are a gather and a scatter.
   std::vector<std::int64_t> qk_rows(int part) const;
-  void attention(BlockActs& a) const;
-  void attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const;
+  // Layer `layer`'s attention: its window and its sinks.
+  void attention(BlockActs& a, int layer) const;
+  void attention_head(BlockActs& a, std::int64_t b, std::int64_t head, int layer) const;
+  // The first key query i sees in layer `layer`.
+  std::int64_t first_key(int layer, std::int64_t i) const {
+    const std::int64_t w = c_.window(layer);
+    return w > 0 && i >= w ? i - w + 1 : 0;
+  }
   // A MoE layer's MLP on y [n, h]: each token's top-k experts by the router's logits, their outputs weighted
   // by the softmax over the chosen logits; its backward adds the router's and the experts' gradients.
   Vec moe_forward(int layer, const Vec& y, BlockActs& a) const;
@@ -274,9 +281,9 @@ class Training {
   Vec head_backward(const Norm& lnf, const Vec& dlogits, std::vector<Vec>& g) const;
   Vec block_backward(int step, int layer, const BlockActs& a, const Vec& dx, std::vector<Vec>& g) const;
   Vec llama_backward(int step, int layer, const BlockActs& a, const Vec& dx, std::vector<Vec>& g) const;
-  Vec attention_backward(const BlockActs& a, const Vec& datt) const;
-  void attention_head_backward(const BlockActs& a, const Vec& datt, std::int64_t b, std::int64_t head,
-                               Vec& dqkv) const;
+  Vec attention_backward(const BlockActs& a, const Vec& datt, int layer, std::vector<Vec>& g) const;
+  void attention_head_backward(const BlockActs& a, const Vec& datt, int layer, std::vector<Vec>& g,
+                               std::int64_t b, std::int64_t head, Vec& dqkv) const;
   void embed_backward(const Vec& dx, std::vector<Vec>& g) const;
 
   // ---- the optimizer
@@ -336,7 +343,7 @@ Training::Training(const Config& c, const Reference::State* start, const Referen
   for (int l = 0; l < L; ++l) {
     // A MoE layer's MLP parameters stay empty; its router and experts have their own.
     for (int k = 0; k < nb_; ++k)
-      if (c_.has_dense_mlp(l) || !is_mlp_param(c_, k)) specs_[l * nb_ + k] = block_spec(c_, l, k);
+      if (has_block_param(c_, l, k)) specs_[l * nb_ + k] = block_spec(c_, l, k);
     if (!c_.moe_layer(l)) continue;
     for (int kind = kRouterKind; kind <= expert_kind(E_ - 1, 1); ++kind)
       specs_[moe_index(l, kind)] = param_spec(c_, {kind, l});
@@ -410,7 +417,7 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
   a.qkv = mm(a.ln1.y, W(kWqkv), n, h, qkv_cols_);
   if (c_.qk_layernorm) qk_norm(a, layer);
   rope(a.qkv, false);
-  attention(a);
+  attention(a, layer);
   Vec proj = mm(a.att, W(kWo), n, H * hd, h);
   drop(proj, step, layer, 0);
   Vec x1 = x;
@@ -464,7 +471,7 @@ Vec Training::block_forward(int step, int layer, const Vec& x, BlockActs& a) con
   a.ln1 = layernorm(x, W(kLn1G), W(kLn1B), n, h);
   a.qkv = mm(a.ln1.y, W(kQkvW), n, h, 3 * h);
   add_bias(a.qkv, W(kQkvB), n);
-  attention(a);
+  attention(a, layer);
   Vec proj = mm(a.att, W(kProjW), n, h, h);
   add_bias(proj, W(kProjB), n);
   drop(proj, step, layer, 0);
@@ -522,23 +529,28 @@ void Training::qk_norm_backward(const BlockActs& a, int layer, Vec& dqkv, std::v
   }
 }
 
-void Training::attention(BlockActs& a) const {
+void Training::attention(BlockActs& a, int layer) const {
   a.att.assign(n * H * hd, 0.0);
   a.probs.assign(B * H, Vec(S * S, 0.0));
+  if (c_.attention_sinks) a.sink_probs.assign(B * H, Vec(S, 0.0));
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t head = 0; head < H; ++head) attention_head(a, b, head);
+    for (std::int64_t head = 0; head < H; ++head) attention_head(a, b, head, layer);
 }
 
-// softmax(q k^T / sqrt(hd)) v over the positions up to each query's, for sample b's head `head`. qkv's
-// columns are per head: q, k, v of head 0, then of head 1, ...
-void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) const {
+// softmax(q k^T / sqrt(hd)) v over the positions up to each query's (from its window's start), for sample
+// b's head `head`; a sink is one more logit in the softmax, of no value. qkv's columns are per head: q, k,
+// v of head 0, then of head 1, ...
+void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head, int layer) const {
   Vec& p = a.probs[b * H + head];
   auto qkv = [&](std::int64_t s, int part, std::int64_t d) {
     return a.qkv[(b * S + s) * qkv_cols_ + col(head, part, d)];
   };
+  const bool sinks = c_.attention_sinks;
+  const double sink = sinks ? block_weight(layer, kSinks)[head] : 0.0;
   for (std::int64_t i = 0; i < S; ++i) {
-    double mx = -1e300;
-    for (std::int64_t j = 0; j <= i; ++j) {
+    const std::int64_t lo = first_key(layer, i);
+    double mx = sinks ? sink : -1e300;
+    for (std::int64_t j = lo; j <= i; ++j) {
       double sc = 0, magnitude = 0;
       for (std::int64_t d = 0; d < hd; ++d) {
         sc += qkv(i, 0, d) * qkv(j, 1, d);
@@ -548,12 +560,13 @@ void Training::attention_head(BlockActs& a, std::int64_t b, std::int64_t head) c
       p[i * S + j] = sc * scale_;
       mx = std::max(mx, p[i * S + j]);
     }
-    double sum = 0;
-    for (std::int64_t j = 0; j <= i; ++j) sum += (p[i * S + j] = std::exp(p[i * S + j] - mx));
-    for (std::int64_t j = 0; j <= i; ++j) p[i * S + j] /= sum;
+    double sum = sinks ? std::exp(sink - mx) : 0.0;
+    for (std::int64_t j = lo; j <= i; ++j) sum += (p[i * S + j] = std::exp(p[i * S + j] - mx));
+    for (std::int64_t j = lo; j <= i; ++j) p[i * S + j] /= sum;
+    if (sinks) a.sink_probs[b * H + head][i] = std::exp(sink - mx) / sum;
     for (std::int64_t d = 0; d < hd; ++d) {
       double o = 0;
-      for (std::int64_t j = 0; j <= i; ++j) o += p[i * S + j] * qkv(j, 2, d);
+      for (std::int64_t j = lo; j <= i; ++j) o += p[i * S + j] * qkv(j, 2, d);
       a.att[(b * S + i) * H * hd + head * hd + d] = o;
     }
   }
@@ -887,7 +900,7 @@ Vec Training::block_backward(int step, int layer, const BlockActs& a, const Vec&
   bias_backward(dproj, n, G(kProjB));
   Vec datt(n * h);
   mm_backward(a.att, W(kProjW), dproj, n, h, h, G(kProjW), &datt);
-  const Vec dqkv = attention_backward(a, datt);
+  const Vec dqkv = attention_backward(a, datt, layer, g);
   bias_backward(dqkv, n, G(kQkvB));
   Vec dy1(n * h);
   mm_backward(a.ln1.y, W(kQkvW), dqkv, n, h, 3 * h, G(kQkvW), &dy1);
@@ -920,7 +933,7 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   drop(dproj, step, layer, 0);
   Vec datt(n * H * hd);
   mm_backward(a.att, W(kWo), dproj, n, H * hd, h, Gr(kWo), &datt);
-  Vec dqkv = attention_backward(a, datt);
+  Vec dqkv = attention_backward(a, datt, layer, g);
   rope(dqkv, true);
   if (c_.qk_layernorm) qk_norm_backward(a, layer, dqkv, g);
   Vec dy1(n * h);
@@ -931,25 +944,27 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   return dx0;
 }
 
-Vec Training::attention_backward(const BlockActs& a, const Vec& datt) const {
+Vec Training::attention_backward(const BlockActs& a, const Vec& datt, int layer, std::vector<Vec>& g) const {
   Vec dqkv(n * qkv_cols_, 0.0);
   for (std::int64_t b = 0; b < B; ++b)
-    for (std::int64_t head = 0; head < H; ++head) attention_head_backward(a, datt, b, head, dqkv);
+    for (std::int64_t head = 0; head < H; ++head) attention_head_backward(a, datt, layer, g, b, head, dqkv);
   return dqkv;
 }
 
-// Through o = p v, then the softmax (ds = p (dp - sum_j p dp) / sqrt(hd)), then s = q k^T.
-void Training::attention_head_backward(const BlockActs& a, const Vec& datt, std::int64_t b, std::int64_t head,
-                                       Vec& dqkv) const {
+// Through o = p v, then the softmax (ds = p (dp - sum_j p dp) / sqrt(hd)), then s = q k^T. A sink's logit
+// gets -p_sink sum_j p dp: its softmax share against every key's, which carry the values.
+void Training::attention_head_backward(const BlockActs& a, const Vec& datt, int layer, std::vector<Vec>& g,
+                                       std::int64_t b, std::int64_t head, Vec& dqkv) const {
   const Vec& p = a.probs[b * H + head];
   auto col = [&](std::int64_t s, int part, std::int64_t d) {
     return (b * S + s) * qkv_cols_ + this->col(head, part, d);
   };
   for (std::int64_t i = 0; i < S; ++i) {
     const double* dout = &datt[(b * S + i) * H * hd + head * hd];
+    const std::int64_t lo = first_key(layer, i);
     Vec dp(i + 1);
     double dot = 0;
-    for (std::int64_t j = 0; j <= i; ++j) {
+    for (std::int64_t j = lo; j <= i; ++j) {
       double s = 0;
       for (std::int64_t d = 0; d < hd; ++d) {
         s += dout[d] * a.qkv[col(j, 2, d)];
@@ -958,7 +973,8 @@ void Training::attention_head_backward(const BlockActs& a, const Vec& datt, std:
       dp[j] = s;
       dot += p[i * S + j] * s;
     }
-    for (std::int64_t j = 0; j <= i; ++j) {
+    if (c_.attention_sinks) grad(g, layer * nb_ + kSinks).add(head, -a.sink_probs[b * H + head][i] * dot);
+    for (std::int64_t j = lo; j <= i; ++j) {
       const double ds = p[i * S + j] * (dp[j] - dot) * scale_;
       for (std::int64_t d = 0; d < hd; ++d) {
         dqkv[col(i, 0, d)] += ds * a.qkv[col(j, 1, d)];

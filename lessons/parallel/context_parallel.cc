@@ -16,26 +16,37 @@ Tensor ContextParallel::attention_backward(const Tensor& dout, const Tensor& qkv
 
 // ---- the ring ---------------------------------------------------------------------------------------------
 
+namespace {
+// The spec of the blocks: the sinks merge once, after them.
+AttentionSpec without_sinks(AttentionSpec spec) {
+  spec.sinks = Tensor();
+  return spec;
+}
+}  // namespace
+
 Rank::AttentionOut ContextParallel::ring_attention(const Tensor& qkv, const AttentionSpec& spec) {
   const std::int64_t chunk = qkv.size(0) / spec.batch / 2;
+  const AttentionSpec blocks = without_sinks(spec);
   Tensor keys = r.key_values(qkv, spec);  // step 0: this rank's own
   Rank::AttentionOut acc = empty_result(qkv, spec);
   for (int s = 0; s < size; ++s) {
-    // While this block's attention runs, the keys it uses travel on to the next rank.
+    // While this step's attention runs, the keys it uses travel on to the next rank.
     Tensor next;
     std::vector<Work> exchange;
     if (s + 1 < size) exchange = pass_on(keys, next);
-    const RingBlock b = ring_block((index - s + size) % size, chunk);
-    r.attention_block_(acc, qkv, block_keys(b, keys, chunk * spec.batch), spec, b.block);
+    for (const RingBlock& b : ring_blocks((index - s + size) % size, chunk, spec))
+      r.attention_block_(acc, qkv, block_keys(b, keys, chunk * spec.batch), blocks, b.block);
     for (Work& w : exchange) exposed.wait(Dim::Cp, w);
     if (s + 1 < size) keys = next;
   }
+  if (spec.sinks.defined()) r.attention_sinks_(acc, spec);
   return {r.cast(acc.out, qkv.dtype()), acc.lse};
 }
 
 Tensor ContextParallel::ring_attention_backward(const Tensor& dout, const Tensor& qkv, const Tensor& out,
                                                 const Tensor& lse, const AttentionSpec& spec) {
   const std::int64_t chunk = qkv.size(0) / spec.batch / 2;
+  const AttentionSpec blocks = without_sinks(spec);
   Tensor dqkv = zeros(r, phantom, qkv.shape(), qkv.dtype());
   Tensor keys = r.key_values(qkv, spec);
   Tensor dkeys_in;  // what the ranks before added to the gradient of `keys`
@@ -45,11 +56,12 @@ Tensor ContextParallel::ring_attention_backward(const Tensor& dout, const Tensor
     Tensor next;
     std::vector<Work> exchange;
     if (s + 1 < size) exchange = pass_on(keys, next);
-    const RingBlock b = ring_block((index - s + size) % size, chunk);
     Tensor dkeys = zeros(r, phantom, keys.shape(), keys.dtype());
     const std::int64_t chunk_rows = chunk * spec.batch;
-    r.attention_block_backward_(dqkv, block_keys(b, dkeys, chunk_rows), dout, qkv,
-                                block_keys(b, keys, chunk_rows), out, lse, spec, b.block);
+    for (const RingBlock& b : ring_blocks((index - s + size) % size, chunk, spec)) {
+      r.attention_block_backward_(dqkv, block_keys(b, dkeys, chunk_rows), dout, qkv,
+                                  block_keys(b, keys, chunk_rows), out, lse, blocks, b.block);
+    }
     if (s > 0) {
       for (Work& w : dkeys_exchange) exposed.wait(Dim::Cp, w);
       sending.clear();  // their sends are done
@@ -66,6 +78,24 @@ Tensor ContextParallel::ring_attention_backward(const Tensor& dout, const Tensor
   return dqkv;
 }
 
+std::vector<ContextParallel::RingBlock> ContextParallel::ring_blocks(int from, std::int64_t chunk,
+                                                                     const AttentionSpec& spec) const {
+  if (spec.window == 0) return {ring_block(from, chunk)};
+  std::vector<RingBlock> out;
+  for (int q_half : {0, 1}) {
+    for (int k_half : {0, 1}) {
+      const std::int64_t q = chunk_position(index, q_half, chunk), k = chunk_position(from, k_half, chunk);
+      // Every key after the chunk's last query, or before its first query's window: nothing to see.
+      if (k > q + chunk - 1 || k + chunk - 1 < q - spec.window + 1) continue;
+      RingBlock b;
+      b.block = Rank::AttentionBlock{q_half * chunk, chunk, true, q, k};
+      b.key_chunk = k_half;
+      out.push_back(b);
+    }
+  }
+  return out;
+}
+
 ContextParallel::RingBlock ContextParallel::ring_block(int from, std::int64_t chunk) const {
   RingBlock b;
   if (broken == "cp-mask-every-block") {
@@ -75,7 +105,7 @@ ContextParallel::RingBlock ContextParallel::ring_block(int from, std::int64_t ch
   if (from == index) {
     b.block.causal = true;  // this rank's own chunks: in order, so the mask is by local position
   } else if (from < index) {
-    b.first_half_of_keys = true;  // chunk `from` is before both of this rank's; chunk 2 cp - 1 - from after
+    b.key_chunk = 0;  // chunk `from` is before both of this rank's; chunk 2 cp - 1 - from after
   } else {
     b.block.q_first = chunk;  // only this rank's later chunk comes after chunks `from` and its mirror
     b.block.q_count = chunk;
@@ -84,7 +114,8 @@ ContextParallel::RingBlock ContextParallel::ring_block(int from, std::int64_t ch
 }
 
 Tensor ContextParallel::block_keys(const RingBlock& b, const Tensor& t, std::int64_t chunk_rows) {
-  return b.first_half_of_keys ? r.view(t, 0, t.shape().with_dim(0, chunk_rows)) : t;
+  if (b.key_chunk < 0) return t;
+  return r.view(t, b.key_chunk * chunk_rows * t.size(1), t.shape().with_dim(0, chunk_rows));
 }
 
 std::vector<Work> ContextParallel::pass_on(const Tensor& send, Tensor& receive) {
@@ -122,9 +153,10 @@ Rank::AttentionOut ContextParallel::gathered_attention(const Tensor& qkv, const 
   for (int half : {0, 1}) {
     const std::int64_t c = half == 0 ? index : 2 * size - 1 - index;
     const Rank::AttentionBlock block{half * chunk, chunk, true, c * chunk, 0};
-    r.attention_block_(acc, qkv, r.view(keys, 0, keys.shape().with_dim(0, (c + 1) * chunk_rows)), spec,
-                       block);
+    r.attention_block_(acc, qkv, r.view(keys, 0, keys.shape().with_dim(0, (c + 1) * chunk_rows)),
+                       without_sinks(spec), block);
   }
+  if (spec.sinks.defined()) r.attention_sinks_(acc, spec);
   return {r.cast(acc.out, qkv.dtype()), acc.lse};
 }
 
@@ -143,7 +175,7 @@ Tensor ContextParallel::gathered_attention_backward(const Tensor& dout, const Te
     const Rank::AttentionBlock block{half * chunk, chunk, true, c * chunk, 0};
     const Shape prefix = keys.shape().with_dim(0, (c + 1) * chunk_rows);
     r.attention_block_backward_(dqkv, r.view(dkeys, 0, prefix), dout, qkv, r.view(keys, 0, prefix), out, lse,
-                                spec, block);
+                                without_sinks(spec), block);
   }
   // Every rank's share of each rank's key gradients, summed at their owner.
   Tensor dmine = buffer(r, phantom, mine.shape(), mine.dtype());

@@ -19,6 +19,10 @@
 // and each of this rank's chunks attends to the prefix before it; the backward reduce-scatters their
 // gradients. Fewer, larger transfers, none hidden: Llama 3 chose it for its simpler masks (document masks)
 // at 128k tokens, where attention's compute dwarfs them.
+//
+// A sliding window (AttentionSpec::window) masks by true positions, so the ring's blocks are then split into
+// pairs of chunks, and the pairs whose keys all lie outside every query's window are skipped. Sinks join
+// once, after the blocks (Rank::attention_sinks_).
 #pragma once
 
 #include <string>
@@ -50,14 +54,21 @@ struct ContextParallel {
                             const AttentionSpec& spec);
 
  private:
-  // Which of this rank's queries, and which part of rank `from`'s keys, step `from` of the ring takes.
+  // Which of this rank's queries, and which part of rank `from`'s keys, a block of the ring's step takes.
   struct RingBlock {
     Rank::AttentionBlock block;
-    bool first_half_of_keys = false;
+    int key_chunk = -1;  // all of the keys (-1), or the first (0) or the second (1) of their chunks
   };
+  // Step `from`'s blocks: one, or under a sliding window (whose mask compares positions) one for each pair
+  // of a query chunk and a key chunk with any key in a query's window, at their positions.
+  std::vector<RingBlock> ring_blocks(int from, std::int64_t chunk, const AttentionSpec& spec) const;
   RingBlock ring_block(int from, std::int64_t chunk) const;
-  // The part of keys and values `t` (or of their gradient) a step's block takes: all, or the first chunk.
+  // The part of keys and values `t` (or of their gradient) a block takes.
   Tensor block_keys(const RingBlock& b, const Tensor& t, std::int64_t chunk_rows);
+  // Where chunk `half` (0 or 1) of rank `owner` starts in the sequence.
+  std::int64_t chunk_position(int owner, int half, std::int64_t chunk) const {
+    return (half == 0 ? owner : 2 * size - 1 - owner) * chunk;
+  }
   // Keys and values (or their gradients) sent to the next rank of the ring, and `receive`, a new buffer
   // like them, filled from the one before.
   std::vector<Work> pass_on(const Tensor& send, Tensor& receive);
