@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "common/glu.h"
 #include "common/profile.h"
 #include "common/random.h"
 #include "common/tensor.h"
@@ -331,12 +332,15 @@ class Rank {
                                         const Tensor& rstd) = 0;
 
   // SwiGLU (Shazeer 2020) of a [rows, 2 f] tensor whose columns 2j and 2j + 1 are the gate and the value
-  // of output column j: y[:, j] = silu(x[:, 2j]) * x[:, 2j + 1], silu(a) = a / (1 + exp(-a)). The pairs are
-  // adjacent so that any block of whole pairs, a tensor-parallel rank's columns of the fused gate-and-up
-  // projection, holds gates and values that belong together.
-  virtual Tensor swiglu(const Tensor& x) = 0;
+  // of output column j: y[:, j] = silu(x[:, 2j]) * x[:, 2j + 1], silu(a) = a / (1 + exp(-a)); `glu` gives
+  // the other forms published models use (common/glu.h: gpt-oss's clamped quick GELU with an offset). The
+  // pairs are adjacent so that any block of whole pairs, a tensor-parallel rank's columns of the fused
+  // gate-and-up projection, holds gates and values that belong together.
+  virtual Tensor swiglu(const Tensor& x, const GluSpec& glu) = 0;
   // d x ([rows, 2 f]) from d y.
-  virtual Tensor swiglu_backward(const Tensor& dy, const Tensor& x) = 0;
+  virtual Tensor swiglu_backward(const Tensor& dy, const Tensor& x, const GluSpec& glu) = 0;
+  Tensor swiglu(const Tensor& x) { return swiglu(x, GluSpec{}); }
+  Tensor swiglu_backward(const Tensor& dy, const Tensor& x) { return swiglu_backward(dy, x, GluSpec{}); }
 
   // GELU, tanh approximation as GPT-2 uses it: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
   virtual Tensor gelu(const Tensor& x) = 0;

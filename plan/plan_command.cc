@@ -68,19 +68,35 @@ const OptionTable<Request>& request_options() {
 }
 
 const std::vector<std::string>& shape_flags() {
-  static const std::vector<std::string> flags = {"model",           "block",
-                                                 "layers",          "hidden",
-                                                 "heads",           "kv-heads",
-                                                 "kv-channels",     "qk-layernorm",
-                                                 "sliding-window",  "sliding-window-layers",
-                                                 "attention-sinks", "ffn-hidden",
-                                                 "rope-theta",      "seq",
-                                                 "vocab",           "global-batch",
-                                                 "dtype",           "fp8-recipe",
-                                                 "experts",         "top-k",
-                                                 "moe-ffn-hidden",  "shared-experts",
-                                                 "moe-layers",      "moe-router-score-function",
-                                                 "capacity-factor", "moe-aux-loss-coeff"};
+  static const std::vector<std::string> flags = {"model",
+                                                 "block",
+                                                 "layers",
+                                                 "hidden",
+                                                 "heads",
+                                                 "kv-heads",
+                                                 "kv-channels",
+                                                 "qk-layernorm",
+                                                 "sliding-window",
+                                                 "sliding-window-layers",
+                                                 "attention-sinks",
+                                                 "quick-geglu",
+                                                 "activation-func-clamp-value",
+                                                 "glu-linear-offset",
+                                                 "ffn-hidden",
+                                                 "rope-theta",
+                                                 "seq",
+                                                 "vocab",
+                                                 "global-batch",
+                                                 "dtype",
+                                                 "fp8-recipe",
+                                                 "experts",
+                                                 "top-k",
+                                                 "moe-ffn-hidden",
+                                                 "shared-experts",
+                                                 "moe-layers",
+                                                 "moe-router-score-function",
+                                                 "capacity-factor",
+                                                 "moe-aux-loss-coeff"};
   return flags;
 }
 

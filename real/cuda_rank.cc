@@ -1049,18 +1049,18 @@ Rank::RmsNormGrads CudaRank::rmsnorm_backward(const Tensor& dy, const Tensor& x,
   return g;
 }
 
-Tensor CudaRank::swiglu(const Tensor& x) {
+Tensor CudaRank::swiglu(const Tensor& x, const GluSpec& glu) {
   const char* op = "swiglu";
   const void* px = require(x, op, "x");
   check_swiglu(rank_, x);
   Tensor y = allocate(Shape{x.size(0), x.size(1) / 2}, x.dtype(), x.phantom(), op);
   void* py = require(y, op, "y");
   before_kernel({&x}, op);
-  kernel(op, [&] { kernels::swiglu(py, px, x.dtype(), y.numel(), compute_); });
+  kernel(op, [&] { kernels::swiglu(py, px, x.dtype(), y.numel(), glu, compute_); });
   return y;
 }
 
-Tensor CudaRank::swiglu_backward(const Tensor& dy, const Tensor& x) {
+Tensor CudaRank::swiglu_backward(const Tensor& dy, const Tensor& x, const GluSpec& glu) {
   const char* op = "swiglu_backward";
   const void* pdy = require(dy, op, "dy");
   const void* px = require(x, op, "x");
@@ -1068,7 +1068,7 @@ Tensor CudaRank::swiglu_backward(const Tensor& dy, const Tensor& x) {
   Tensor dx = allocate(x.shape(), x.dtype(), x.phantom() || dy.phantom(), op);
   void* pdx = require(dx, op, "dx");
   before_kernel({&dy, &x}, op);
-  kernel(op, [&] { kernels::swiglu_backward(pdx, pdy, px, x.dtype(), dy.numel(), compute_); });
+  kernel(op, [&] { kernels::swiglu_backward(pdx, pdy, px, x.dtype(), dy.numel(), glu, compute_); });
   return dx;
 }
 

@@ -141,8 +141,10 @@ class CudaRank : public Rank {
   RmsNormOut rmsnorm(const Tensor& x, const Tensor& gamma, float eps) override;
   RmsNormGrads rmsnorm_backward(const Tensor& dy, const Tensor& x, const Tensor& gamma,
                                 const Tensor& rstd) override;
-  Tensor swiglu(const Tensor& x) override;
-  Tensor swiglu_backward(const Tensor& dy, const Tensor& x) override;
+  using Rank::swiglu;
+  using Rank::swiglu_backward;
+  Tensor swiglu(const Tensor& x, const GluSpec& glu) override;
+  Tensor swiglu_backward(const Tensor& dy, const Tensor& x, const GluSpec& glu) override;
   Tensor embedding(const Tensor& ids, const Tensor& table, std::int64_t vocab_start) override;
   void embedding_backward_(const Tensor& dtable, const Tensor& dy, const Tensor& ids,
                            std::int64_t vocab_start) override;

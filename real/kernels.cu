@@ -510,24 +510,20 @@ __global__ void rmsnorm_dgamma_kernel(float* dgamma, const T* dy, const T* x, co
   }
 }
 
-__device__ inline float sigmoidf(float a) {
-  return 1.0f / (1.0f + expf(-a));
+// The gated unit's arithmetic is common/glu.h's, which the simulator runs too.
+template <typename T>
+__global__ void swiglu_kernel(T* y, const T* x, std::int64_t n, GluSpec glu) {
+  for (std::int64_t i = first_index(); i < n; i += stride())
+    y[i] = from_f<T>(glu::forward(to_f(x[2 * i]), to_f(x[2 * i + 1]), glu));
 }
 
 template <typename T>
-__global__ void swiglu_kernel(T* y, const T* x, std::int64_t n) {
+__global__ void swiglu_backward_kernel(T* dx, const T* dy, const T* x, std::int64_t n, GluSpec glu) {
   for (std::int64_t i = first_index(); i < n; i += stride()) {
-    const float a = to_f(x[2 * i]), b = to_f(x[2 * i + 1]);
-    y[i] = from_f<T>(a * sigmoidf(a) * b);
-  }
-}
-
-template <typename T>
-__global__ void swiglu_backward_kernel(T* dx, const T* dy, const T* x, std::int64_t n) {
-  for (std::int64_t i = first_index(); i < n; i += stride()) {
-    const float a = to_f(x[2 * i]), b = to_f(x[2 * i + 1]), sa = sigmoidf(a), g = to_f(dy[i]);
-    dx[2 * i] = from_f<T>(g * b * sa * (1.0f + a * (1.0f - sa)));
-    dx[2 * i + 1] = from_f<T>(g * a * sa);
+    float da = 0, db = 0;
+    glu::backward(to_f(x[2 * i]), to_f(x[2 * i + 1]), to_f(dy[i]), glu, &da, &db);
+    dx[2 * i] = from_f<T>(da);
+    dx[2 * i + 1] = from_f<T>(db);
   }
 }
 
@@ -1271,21 +1267,22 @@ void rmsnorm_backward(void* dx, float* dgamma, const void* dy, const void* x, DT
   check_launch("rmsnorm_backward kernel launch");
 }
 
-void swiglu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+void swiglu(void* y, const void* x, DType t, std::int64_t n, const GluSpec& glu, cudaStream_t s) {
   if (n == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(y), static_cast<const T*>(x), n);
+    swiglu_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(static_cast<T*>(y), static_cast<const T*>(x), n, glu);
   });
   check_launch("swiglu kernel launch");
 }
 
-void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s) {
+void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, const GluSpec& glu,
+                     cudaStream_t s) {
   if (n == 0) return;
   dispatch(t, [&](auto tag) {
     using T = typename decltype(tag)::type;
     swiglu_backward_kernel<T><<<blocks_for(n), kThreads, 0, s>>>(
-        static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x), n);
+        static_cast<T*>(dx), static_cast<const T*>(dy), static_cast<const T*>(x), n, glu);
   });
   check_launch("swiglu_backward kernel launch");
 }

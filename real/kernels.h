@@ -10,6 +10,7 @@
 
 #include <cstdint>
 
+#include "common/glu.h"
 #include "common/tensor.h"
 
 namespace ranklab::kernels {
@@ -66,8 +67,9 @@ void rmsnorm(void* y, float* rstd, const void* x, DType t, const void* gamma, st
 void rmsnorm_backward(void* dx, float* dgamma, const void* dy, const void* x, DType t, const void* gamma,
                       const float* rstd, std::int64_t rows, std::int64_t cols, cudaStream_t s);
 // y[i] = silu(x[2i]) x[2i + 1] over n outputs, and its backward into dx (2n).
-void swiglu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
-void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
+void swiglu(void* y, const void* x, DType t, std::int64_t n, const GluSpec& glu, cudaStream_t s);
+void swiglu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, const GluSpec& glu,
+                     cudaStream_t s);
 void gelu(void* y, const void* x, DType t, std::int64_t n, cudaStream_t s);
 void gelu_backward(void* dx, const void* dy, const void* x, DType t, std::int64_t n, cudaStream_t s);
 // y = x * keep / (1 - p) over [rows, cols], keep = dropout_keeps(seed, global row of i, j, p): first_row + i

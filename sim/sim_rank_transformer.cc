@@ -460,13 +460,7 @@ Rank::RmsNormGrads SimRank::rmsnorm_backward(const Tensor& dy, const Tensor& x, 
   return g;
 }
 
-namespace {
-float sigmoid(float a) {
-  return 1.0f / (1.0f + std::exp(-a));
-}
-}  // namespace
-
-Tensor SimRank::swiglu(const Tensor& x) {
+Tensor SimRank::swiglu(const Tensor& x, const GluSpec& glu) {
   const char* op = "swiglu";
   require(x, op, "x");
   check_swiglu(rank_, x);
@@ -476,17 +470,14 @@ Tensor SimRank::swiglu(const Tensor& x) {
   if (!y.phantom()) {
     const float* X = cdata(x);
     float* Y = sim_data(y);
-    for (std::int64_t i = 0; i < rows * f; ++i) {
-      const float a = X[2 * i], b = X[2 * i + 1];
-      Y[i] = a * sigmoid(a) * b;
-    }
+    for (std::int64_t i = 0; i < rows * f; ++i) Y[i] = glu::forward(X[2 * i], X[2 * i + 1], glu);
     round_to_dtype(y);
   }
   launch_kernel_cost(kSwiglu, world_.compute().memory_cost(bytes_of(x) + bytes_of(y)));
   return y;
 }
 
-Tensor SimRank::swiglu_backward(const Tensor& dy, const Tensor& x) {
+Tensor SimRank::swiglu_backward(const Tensor& dy, const Tensor& x, const GluSpec& glu) {
   const char* op = "swiglu_backward";
   require(dy, op, "dy");
   require(x, op, "x");
@@ -496,11 +487,8 @@ Tensor SimRank::swiglu_backward(const Tensor& dy, const Tensor& x) {
   if (!dx.phantom()) {
     const float *X = cdata(x), *DY = cdata(dy);
     float* DX = sim_data(dx);
-    for (std::int64_t i = 0; i < dy.numel(); ++i) {
-      const float a = X[2 * i], b = X[2 * i + 1], sa = sigmoid(a);
-      DX[2 * i] = DY[i] * b * sa * (1.0f + a * (1.0f - sa));  // d silu(a) / da
-      DX[2 * i + 1] = DY[i] * a * sa;
-    }
+    for (std::int64_t i = 0; i < dy.numel(); ++i)
+      glu::backward(X[2 * i], X[2 * i + 1], DY[i], glu, &DX[2 * i], &DX[2 * i + 1]);
     round_to_dtype(dx);
   }
   launch_kernel_cost(kSwigluBackward,

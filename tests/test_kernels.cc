@@ -520,6 +520,32 @@ TEST(Kernels, SwiGluForwardAndBackward) {
   expect_near_all(got[1], fd_grad(swiglu_ref, to_doubles(x), w), 1e-5, "swiglu_backward");
 }
 
+// gpt-oss's gated unit (common/glu.h): quick GELU of the gate clamped to at most 0.5 (7 in the model; the
+// inputs here are of order 2, so both clamps hold some), times the value clamped to [-0.5, 0.5] plus 1. A
+// clamped input passes no gradient: the finite differences see it flat there.
+TEST(Kernels, ClampedQuickGegluWithAnOffsetForwardAndBackward) {
+  const GluSpec oss{1.702f, 0.5f, 1.0f};
+  auto ref = [](const Doubles& x) {
+    Doubles y(x.size() / 2);
+    for (std::size_t i = 0; i < y.size(); ++i) {
+      const double a = std::min(x[2 * i], 0.5), b = std::clamp(x[2 * i + 1], -0.5, 0.5);
+      y[i] = a / (1 + std::exp(-1.702 * a)) * (b + 1);
+    }
+    return y;
+  };
+  const Values x = random_values(48, 72, 2.0f), w = random_values(24, 73);
+  int clamped = 0;
+  for (float v : x) clamped += std::fabs(v) > 0.5f;
+  EXPECT_GT(clamped, 10);
+  auto got = on_one_rank<std::vector<Values>>([&](Rank& r) {
+    Tensor xt = r.from_host({4, 12}, x);
+    return std::vector<Values>{r.to_host(r.swiglu(xt, oss)),
+                               r.to_host(r.swiglu_backward(r.from_host({4, 6}, w), xt, oss))};
+  });
+  expect_near_all(got[0], ref(to_doubles(x)), 1e-6, "forward");
+  expect_near_all(got[1], fd_grad(ref, to_doubles(x), w), 1e-5, "backward");
+}
+
 TEST(Attention, EachHeadReadsItsOwnInterleavedQKV) {
   const int seq = 3, batch = 2, heads = 2, hd = 2, width = heads * 3 * hd, rows = seq * batch;
   Values qkv = random_values(rows * width, 40);

@@ -87,7 +87,31 @@ INSTANTIATE_TEST_SUITE_P(
               {"seq-parallel", "true"},
               {"zero", "1"},
               {"framework", "megatron-core"},
-              {"dropout", "0.1"}}}),
+              {"dropout", "0.1"}}},
+        // gpt-oss's gated unit, its clamps at 0.1 (7 in the model) so that the tiny model's activations
+        // (of order 0.16) meet them: in the dense MLP, and in experts split over ep and etp. In fp32: with
+        // so many inputs at a clamp, bf16's rounding moves some across it, where the derivative jumps (the
+        // etp layout's w13 gradient then reads 0.19 against bf16's 0.15; fp32 and an unclamped bf16 pass).
+        Case{"quick_geglu_clamped_offset_tp2_fp32",
+             {{"world", "2"},
+              {"tp", "2"},
+              {"quick-geglu", "true"},
+              {"activation-func-clamp-value", "0.1"},
+              {"glu-linear-offset", "1"},
+              {"dtype", "fp32"}}},
+        Case{"quick_geglu_experts_ep2_etp2",
+             {{"world", "4"},
+              {"tp", "2"},
+              {"seq-parallel", "true"},
+              {"experts", "4"},
+              {"top-k", "2"},
+              {"moe-ffn-hidden", "32"},
+              {"ep", "2"},
+              {"etp", "2"},
+              {"quick-geglu", "true"},
+              {"activation-func-clamp-value", "0.1"},
+              {"glu-linear-offset", "1"},
+              {"dtype", "fp32"}}}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::get<0>(info.param); });
 
 // Caught with grouped-query attention and with a key-value head per query head, in bf16: the fused
@@ -212,6 +236,12 @@ TEST(Llama, BadFlagsNameTheFlag) {
   o = testing::tiny_gpt();
   o["qk-layernorm"] = option_text(true);
   expect_usage_error(o, "--qk-layernorm: the gpt block's attention has no norm");
+  o = testing::tiny_gpt();
+  o["glu-linear-offset"] = option_text(1);
+  expect_usage_error(o, "the gpt block's MLP is GELU");
+  o = tiny_llama();
+  o["activation-func-clamp-value"] = option_text(-1);
+  expect_usage_error(o, "--activation-func-clamp-value");
   o = testing::tiny_gpt();
   o["kv-channels"] = option_text(24);
   expect_usage_error(o, "--kv-channels 24: the gpt block's heads split --hidden 64 into --heads 4");

@@ -917,6 +917,8 @@ TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
       keep(r.squared_norm({x, dy, r.randn({300}, 58, 1.0f, t)}));
       Tensor u = r.randn({6, 136}, 54, 1.0f, t);
       keep(r.swiglu(u)), keep(r.swiglu_backward(r.randn({6, 68}, 55, 1.0f, t), u));
+      const GluSpec oss{1.702f, 0.5f, 1.0f};  // gpt-oss's form, its clamps at 0.5 to hold some inputs
+      keep(r.swiglu(u, oss)), keep(r.swiglu_backward(r.randn({6, 68}, 59, 1.0f, t), u, oss));
       for (const AttentionSpec& spec : {AttentionSpec{2, 4, 2, true}, AttentionSpec{1, 3, 1, false}}) {
         const std::int64_t seq = spec.batch == 2 ? 70 : 140, hd = 130, rows = seq * spec.batch;
         Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 56, 1.0f, t);

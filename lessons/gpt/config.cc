@@ -103,7 +103,15 @@ std::string Config::shape() const {
                 "{}, vocab {}",
                 layers, hidden, heads, kv(),
                 kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab) +
-                (qk_layernorm ? ", QK-norm" : "") + (attention_sinks ? ", sinks" : "")
+                (qk_layernorm ? ", QK-norm" : "") + (attention_sinks ? ", sinks" : "") +
+                (plain_swiglu()
+                     ? ""
+                     : fmt::format(
+                           " ({}GLU{}{})", quick_geglu ? "quick GE" : "Swi",
+                           activation_func_clamp_value > 0
+                               ? fmt::format(" clamped to {}", activation_func_clamp_value)
+                               : "",
+                           glu_linear_offset != 0 ? fmt::format(", value offset {}", glu_linear_offset) : ""))
           : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
                         vocab);
   if (sliding_window > 0) s += fmt::format(", window {} in layers {}", sliding_window, sliding_window_layers);
@@ -198,6 +206,15 @@ const OptionTable<Config>& options_table() {
       {"attention-sinks", &O::attention_sinks,
        "llama: a learned logit per attention head that joins each query's softmax as a key of zero value, "
        "so the weights may sum to less than one (gpt-oss's sinks)"},
+      {"quick-geglu", &O::quick_geglu,
+       "llama: the MLP's gate through x sigmoid(1.702 x) (quick GELU) instead of SiLU (gpt-oss; Megatron's "
+       "flag)"},
+      Option<O>("activation-func-clamp-value", &O::activation_func_clamp_value,
+                "llama: the MLP's gate clamped to at most this and its value to within it before the product "
+                "(gpt-oss: 7; Megatron's flag; 0: not clamped)")
+          .at_least(0),
+      Option<O>("glu-linear-offset", &O::glu_linear_offset,
+                "llama: added to the MLP's value before the product (gpt-oss: 1; Megatron's flag)"),
       Option<O>("ffn-hidden", &O::ffn_hidden, "llama: the SwiGLU MLP's width (0: 4 x --hidden)").at_least(0),
       Option<O>("rope-theta", &O::rope_theta, "llama: the rotary embeddings' base").above(1),
       Option<O>("seq", &O::seq, "sequence length").at_least(1),
@@ -539,6 +556,11 @@ void resolve_block(const Config& c) {
       throw UsageError(
           "gpt: --attention-sinks: the gpt block's attention has no sinks; they are the llama block's "
           "(--block llama)");
+    }
+    if (!c.plain_swiglu()) {
+      throw UsageError(
+          "gpt: --quick-geglu, --activation-func-clamp-value and --glu-linear-offset shape a gated unit; the "
+          "gpt block's MLP is GELU (the llama block's is gated: --block llama)");
     }
     if (c.ffn_hidden > 0 && c.ffn_hidden != 4 * std::int64_t{c.hidden}) {
       throw UsageError(

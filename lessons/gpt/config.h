@@ -53,6 +53,12 @@ struct Config : LessonOptions {
   // llama: a learned logit per attention head that joins each query's softmax as a key whose value is zero
   // (gpt-oss's sinks; AttentionSpec::sinks).
   bool attention_sinks = false;
+  // llama: the gated unit's form (common/glu.h), as Megatron-Core names it: the gate's activation
+  // x sigmoid(1.702 x) instead of SiLU, its inputs clamped (0: not), the value offset. gpt-oss: all three,
+  // with 7 and 1.
+  bool quick_geglu = false;
+  double activation_func_clamp_value = 0;
+  double glu_linear_offset = 0;
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;
   int tp = 1, pp = 1, dp = 0;  // dp 0: world / (tp cp pp), which resolve() sets
   // Context parallelism: each sequence split into 2 cp chunks, rank i holding chunks i and 2 cp - 1 - i so
@@ -134,6 +140,13 @@ struct Config : LessonOptions {
   int kv() const { return kv_heads > 0 ? kv_heads : heads; }  // key-value heads
   std::int64_t ffn() const { return ffn_hidden > 0 ? ffn_hidden : 4 * std::int64_t{hidden}; }  // MLP width
   bool moe() const { return experts > 0; }
+  GluSpec glu() const {
+    return GluSpec{quick_geglu ? 1.702f : 1.0f, static_cast<float>(activation_func_clamp_value),
+                   static_cast<float>(glu_linear_offset)};
+  }
+  bool plain_swiglu() const {
+    return !quick_geglu && activation_func_clamp_value == 0 && glu_linear_offset == 0;
+  }
   // The sliding window of layer `layer`'s attention, 0 for none.
   std::int64_t window(int layer) const {
     return sliding_window > 0 && layer >= window_first && (layer - window_first) % window_every == 0

@@ -214,6 +214,7 @@ parallel::ExpertParallel expert_parallel(Rank& r, const Config& c, const paralle
   ep.routing_model = parallel::read_routing_model(c.routing, c.experts, c.top_k);
   ep.capacity_factor = c.capacity_factor;
   ep.score = c.router_score;
+  ep.glu = c.glu();
   // Each rank's micro-batch adds its term with the loss's 1 / m; the gradients' average over dp x cp and
   // sum over the tensor-parallel ranks' tokens (sequence parallelism) make it the mean over all the terms.
   ep.aux_loss_weight = c.aux_loss_coeff / static_cast<double>(c.micro_batches() * c.tp);

@@ -918,7 +918,7 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
     fp8_linear(layer, kW13);
     u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
     fp8_linear(layer, kW2);
-    o = tp_.row_linear(r.swiglu(u), w[kW2], &kg);
+    o = tp_.row_linear(r.swiglu(u, c_.glu()), w[kW2], &kg);
   }
   if (w.router.defined()) {  // a MoE layer's routed experts
     Tensor routed = moe_forward(w, n2.y, moe, layer, mb, !keep_all);
@@ -984,7 +984,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
     fp8_linear(b.layer, kW2);
     parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
     dp_.add_grad(b.p[kW2], w2.dw);
-    const Tensor du = r.swiglu_backward(w2.dx, a.u);
+    const Tensor du = r.swiglu_backward(w2.dx, a.u, c_.glu());
     fp8_linear(b.layer, kW13);
     parallel::TensorParallel::Grads w13 =
         tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));

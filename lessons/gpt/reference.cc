@@ -161,13 +161,12 @@ Vec rmsnorm_backward(const Norm& nm, const Vec& g, const Vec& dy, std::int64_t n
   return dx;
 }
 
-double silu(double a) {
-  return a / (1 + std::exp(-a));
-}
-double silu_grad(double a) {
-  const double s = 1 / (1 + std::exp(-a));
-  return s * (1 + a * (1 - s));
-}
+// The llama block's gated unit of gate a and value b: y = act(a') (b' + offset), act(x) = x sigmoid(alpha x),
+// with a' = min(a, limit) and b' = b clamped to [-limit, limit] where a limit is set; and dy/da, dy/db (zero
+// where a clamp holds its input).
+struct Glu {
+  double y, dgate, dvalue;
+};
 
 constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
 double gelu(double u) {
@@ -268,7 +267,15 @@ class Training {
   // The load-balancing loss's gradient by the logits (Config::aux_loss_coeff), added into `dlogits`.
   void add_load_balancing(const BlockActs& a, Vec& dlogits) const;
   std::int64_t routing_group(std::int64_t t) const;
-  // An expert's activation (gelu, or llama's swiglu of adjacent pairs) and its backward.
+  Glu glu(double a, double b) const {
+    const double alpha = c_.quick_geglu ? 1.702 : 1.0, limit = c_.activation_func_clamp_value;
+    const bool gate_free = !(limit > 0 && a > limit), value_free = !(limit > 0 && std::fabs(b) > limit);
+    const double g = gate_free ? a : limit,
+                 v = (value_free ? b : std::copysign(limit, b)) + c_.glu_linear_offset;
+    const double s = 1 / (1 + std::exp(-alpha * g));
+    return {g * s * v, gate_free ? v * s * (1 + alpha * g * (1 - s)) : 0.0, value_free ? g * s : 0.0};
+  }
+  // An expert's activation (gelu, or llama's gated unit of adjacent pairs) and its backward.
   Vec expert_act(const Vec& u) const;
   Vec expert_act_backward(const Vec& u, const Vec& dg) const;
   // The loss summed over the tokens; `dlogits` becomes the loss's gradient by the logits (of the mean).
@@ -621,7 +628,7 @@ Vec Training::expert_act(const Vec& u) const {
     return g;
   }
   Vec g(u.size() / 2);
-  for (std::size_t i = 0; i < g.size(); ++i) g[i] = silu(u[2 * i]) * u[2 * i + 1];
+  for (std::size_t i = 0; i < g.size(); ++i) g[i] = glu(u[2 * i], u[2 * i + 1]).y;
   return g;
 }
 
@@ -632,8 +639,9 @@ Vec Training::expert_act_backward(const Vec& u, const Vec& dg) const {
     return du;
   }
   for (std::size_t i = 0; i < dg.size(); ++i) {
-    du[2 * i] = dg[i] * u[2 * i + 1] * silu_grad(u[2 * i]);
-    du[2 * i + 1] = dg[i] * silu(u[2 * i]);
+    const Glu e = glu(u[2 * i], u[2 * i + 1]);
+    du[2 * i] = dg[i] * e.dgate;
+    du[2 * i + 1] = dg[i] * e.dvalue;
   }
   return du;
 }

@@ -35,7 +35,7 @@ Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std:
     if (k.expert_rows[le] == 0) continue;
     k.u[le] =
         linear(expert_rows(k.sorted, k, le), w_in[le], fp8_linear(layer, le, 0), fp8 ? &k.x8[le] : nullptr);
-    k.g[le] = swiglu ? r.swiglu(k.u[le]) : r.gelu(k.u[le]);
+    k.g[le] = swiglu ? r.swiglu(k.u[le], glu) : r.gelu(k.u[le]);
     linear(k.g[le], w_out[le], fp8_linear(layer, le, 1), fp8 ? &k.g8[le] : nullptr, expert_rows(out, k, le));
     if (fp8) k.g[le] = Tensor();  // the FP8 copy is what the weight gradient reads
   }
@@ -66,7 +66,7 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
     Tensor dw, dact = linear_backward(dye, w_out[le], fp8_linear(k.layer, le, 1),
                                       fp8 ? k.g8[le].along_rows : k.g[le], dw);
     g.dw_out.push_back(dw);
-    const Tensor du = swiglu ? r.swiglu_backward(dact, k.u[le]) : r.gelu_backward(dact, k.u[le]);
+    const Tensor du = swiglu ? r.swiglu_backward(dact, k.u[le], glu) : r.gelu_backward(dact, k.u[le]);
     linear_backward(du, w_in[le], fp8_linear(k.layer, le, 0),
                     fp8 ? k.x8[le].along_rows : expert_rows(k.sorted, k, le), dw,
                     expert_rows(dx_sorted, k, le));

@@ -132,6 +132,7 @@ struct ExpertParallel {
   RoutingModel routing_model{};  // a phantom run's routing
   double capacity_factor = 0;    // 0: dropless
   RouterScore score = RouterScore::Softmax;
+  GluSpec glu{};  // with SwiGLU: its form (common/glu.h)
   // The load-balancing loss's weight in the training loss, for this rank's tokens of one micro-batch
   // (--moe-aux-loss-coeff over the terms the gradients' averaging adds); 0: none.
   double aux_loss_weight = 0;
