@@ -79,6 +79,8 @@ const std::vector<std::string>& shape_flags() {
                                                  "sliding-window",
                                                  "sliding-window-layers",
                                                  "attention-sinks",
+                                                 "add-qkv-bias",
+                                                 "add-bias-linear",
                                                  "quick-geglu",
                                                  "activation-func-clamp-value",
                                                  "glu-linear-offset",

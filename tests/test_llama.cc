@@ -88,6 +88,42 @@ INSTANTIATE_TEST_SUITE_P(
               {"zero", "1"},
               {"framework", "megatron-core"},
               {"dropout", "0.1"}}},
+        // Biases: Qwen2's on wqkv alone, with sequence and context parallelism; on all four linear layers
+        // (gpt-oss's attention) with the pipeline, ZeRO 3 and full recomputation.
+        Case{"qkv_bias_tp2_sp_cp2",
+             {{"world", "4"}, {"add-qkv-bias", "true"}, {"tp", "2"}, {"seq-parallel", "true"}, {"cp", "2"}}},
+        Case{"linear_biases_tp2_sp_pp2_zero3_full",
+             {{"world", "4"},
+              {"add-bias-linear", "true"},
+              {"tp", "2"},
+              {"seq-parallel", "true"},
+              {"pp", "2"},
+              {"zero", "3"},
+              {"recompute", "full"}}},
+        Case{"linear_biases_fp32", {{"world", "2"}, {"add-bias-linear", "true"}, {"dtype", "fp32"}}},
+        // gpt-oss's MoE biases: the router's and each expert's two, with a shared expert's dense ones,
+        // experts over ep with capacity drops, and ZeRO 1 over the expert-data-parallel ranks.
+        Case{"linear_biases_experts_ep2_drops_zero1",
+             {{"world", "4"},
+              {"add-bias-linear", "true"},
+              {"tp", "2"},
+              {"seq-parallel", "true"},
+              {"experts", "4"},
+              {"top-k", "2"},
+              {"moe-ffn-hidden", "32"},
+              {"shared-experts", "1"},
+              {"capacity-factor", "1.0"},
+              {"ep", "2"},
+              {"zero", "1"}}},
+        Case{"linear_biases_experts_ep4_pp2_fp32",
+             {{"world", "8"},
+              {"add-bias-linear", "true"},
+              {"experts", "4"},
+              {"top-k", "1"},
+              {"moe-ffn-hidden", "32"},
+              {"ep", "4"},
+              {"pp", "2"},
+              {"dtype", "fp32"}}},
         // gpt-oss's gated unit, its clamps at 0.1 (7 in the model) so that the tiny model's activations
         // (of order 0.16) meet them: in the dense MLP, and in experts split over ep and etp. In fp32: with
         // so many inputs at a clamp, bf16's rounding moves some across it, where the derivative jumps (the
@@ -236,6 +272,18 @@ TEST(Llama, BadFlagsNameTheFlag) {
   o = testing::tiny_gpt();
   o["qk-layernorm"] = option_text(true);
   expect_usage_error(o, "--qk-layernorm: the gpt block's attention has no norm");
+  o = testing::tiny_gpt();
+  o["add-qkv-bias"] = option_text(true);
+  expect_usage_error(o, "the gpt block has them always");
+  o = tiny_llama();
+  o["world"] = option_text(2);
+  o["tp"] = option_text(2);
+  o["seq-parallel"] = option_text(true);
+  o["add-bias-linear"] = option_text(true);
+  o["experts"] = option_text(4);
+  o["etp"] = option_text(2);
+  expect_usage_error(
+      o, "--add-bias-linear with --etp 2: the biases of experts split over etp ranks are not built");
   o = testing::tiny_gpt();
   o["glu-linear-offset"] = option_text(1);
   expect_usage_error(o, "the gpt block's MLP is GELU");

@@ -140,13 +140,21 @@ parallel::DataParallel::Bytes expert_state_bytes(const Config& c, int stage) {
   // The experts of ep rank 0: every ep rank holds as many, of the same shapes. Every expert's input weight
   // has one size, and every output weight another: two specs stand for the thousands of a large MoE, each
   // split over etp.
-  const parallel::LocalSize input = parallel::local_size(param_spec(c, {expert_kind(0, 0), 0}, false), c.etp);
-  const parallel::LocalSize output =
-      parallel::local_size(param_spec(c, {expert_kind(0, 1), 0}, false), c.etp);
+  auto size_of = [&](int kind) { return parallel::local_size(param_spec(c, {kind, 0}, false), c.etp); };
+  const parallel::LocalSize input = size_of(expert_kind(0, 0)), output = size_of(expert_kind(0, 1));
+  parallel::LocalSize bias_in{}, bias_out{};
+  if (c.add_bias_linear)
+    bias_in = size_of(expert_bias_kind(c, 0, 0)), bias_out = size_of(expert_bias_kind(c, 0, 1));
   const std::vector<ParamId> ids = expert_backward_order(c, stage, 0);
   std::vector<parallel::LocalSize> sizes;
   sizes.reserve(ids.size());
-  for (ParamId id : ids) sizes.push_back(expert_weight(id.kind).which == 0 ? input : output);
+  for (ParamId id : ids) {
+    if (is_expert_bias_kind(c, id.kind)) {
+      sizes.push_back(expert_bias(c, id.kind).which == 0 ? bias_in : bias_out);
+    } else {
+      sizes.push_back(expert_weight(id.kind).which == 0 ? input : output);
+    }
+  }
   return parallel::DataParallel::bytes(sizes, expert_zero_config(c));
 }
 

@@ -104,6 +104,7 @@ std::string Config::shape() const {
                 layers, hidden, heads, kv(),
                 kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab) +
                 (qk_layernorm ? ", QK-norm" : "") + (attention_sinks ? ", sinks" : "") +
+                (add_bias_linear ? ", linear biases" : (add_qkv_bias ? ", qkv bias" : "")) +
                 (plain_swiglu()
                      ? ""
                      : fmt::format(
@@ -206,6 +207,10 @@ const OptionTable<Config>& options_table() {
       {"attention-sinks", &O::attention_sinks,
        "llama: a learned logit per attention head that joins each query's softmax as a key of zero value, "
        "so the weights may sum to less than one (gpt-oss's sinks)"},
+      {"add-qkv-bias", &O::add_qkv_bias,
+       "llama: a bias on the q, k and v projections (Qwen2; Megatron's flag)"},
+      {"add-bias-linear", &O::add_bias_linear,
+       "llama: a bias on every linear layer of the block: wqkv, wo, w13, w2 (Megatron's flag)"},
       {"quick-geglu", &O::quick_geglu,
        "llama: the MLP's gate through x sigmoid(1.702 x) (quick GELU) instead of SiLU (gpt-oss; Megatron's "
        "flag)"},
@@ -557,6 +562,11 @@ void resolve_block(const Config& c) {
           "gpt: --attention-sinks: the gpt block's attention has no sinks; they are the llama block's "
           "(--block llama)");
     }
+    if (c.add_qkv_bias || c.add_bias_linear) {
+      throw UsageError(
+          "gpt: --add-qkv-bias and --add-bias-linear give the llama block biases; the gpt block has them "
+          "always");
+    }
     if (!c.plain_swiglu()) {
       throw UsageError(
           "gpt: --quick-geglu, --activation-func-clamp-value and --glu-linear-offset shape a gated unit; the "
@@ -569,6 +579,13 @@ void resolve_block(const Config& c) {
                       c.ffn_hidden, 4 * std::int64_t{c.hidden}));
     }
     return;
+  }
+  if (c.add_bias_linear && c.moe() && c.etp > 1) {
+    throw UsageError(
+        fmt::format("gpt: --add-bias-linear with --etp {}: the biases of experts split over etp ranks are "
+                    "not built (each w2 bias would be added once, after the etp reduction), and ranklab "
+                    "refuses rather than leave them out; use --etp 1, as published recipes do",
+                    c.etp));
   }
   if (c.kv_heads > c.heads || c.heads % c.kv() != 0) {
     throw UsageError(

@@ -57,6 +57,9 @@ struct Config : LessonOptions {
   // x sigmoid(1.702 x) instead of SiLU, its inputs clamped (0: not), the value offset. gpt-oss: all three,
   // with 7 and 1.
   bool quick_geglu = false;
+  // llama: biases on wqkv (Qwen2's; Megatron's --add-qkv-bias), or on all four linear layers (gpt-oss's
+  // attention; Megatron's --add-bias-linear, whose default is on and which Llama recipes turn off).
+  bool add_qkv_bias = false, add_bias_linear = false;
   double activation_func_clamp_value = 0;
   double glu_linear_offset = 0;
   std::int64_t vocab = 128, global_batch = 8, micro_batch = 2;

@@ -56,17 +56,20 @@ int block_params(const Config& c) {
 }
 
 bool has_block_param(const Config& c, int layer, int which) {
-  if (is_mlp_param(c, which)) return c.has_dense_mlp(layer);
-  if (!c.llama()) return true;
-  if (which == kQNorm || which == kKNorm) return c.qk_layernorm;
-  if (which == kSinks) return c.attention_sinks;
-  return true;
+  if (c.llama()) {
+    if (which == kQNorm || which == kKNorm) return c.qk_layernorm;
+    if (which == kSinks) return c.attention_sinks;
+    if (which == kBqkv) return c.add_qkv_bias || c.add_bias_linear;
+    if ((which == kBo || which == kB13 || which == kB2) && !c.add_bias_linear) return false;
+  }
+  return !is_mlp_param(c, which) || c.has_dense_mlp(layer);
 }
 
 namespace {
 ParamSpec llama_spec(const Config& c, int layer, LlamaParam which, bool named) {
-  static const char* names[kLlamaParams] = {"norm1", "wqkv",   "wo",     "norm2", "w13",
-                                            "w2",    "q norm", "k norm", "sinks"};
+  static const char* names[kLlamaParams] = {"norm1",   "wqkv",     "wo",     "norm2", "w13",
+                                            "w2",      "q norm",   "k norm", "sinks", "wqkv bias",
+                                            "wo bias", "w13 bias", "w2 bias"};
   const std::int64_t h = c.hidden, hd = c.head_dim(), f = c.dense_ffn(layer);
   ParamSpec s;
   if (named) s.name = layer_name(layer, names[which]);
@@ -103,6 +106,16 @@ ParamSpec llama_spec(const Config& c, int layer, LlamaParam which, bool named) {
       s.full = Shape{c.heads};
       s.tp_dim = 0;
       s.decay = false;
+      break;
+    case kBqkv:
+      column_parallel_bias(s, (c.heads + 2 * std::int64_t{c.kv()}) * hd);
+      break;
+    case kB13:
+      column_parallel_bias(s, 2 * f);
+      break;
+    case kBo:
+    case kB2:
+      per_feature(s, c, 0.0f);
       break;
     default:
       break;
@@ -215,16 +228,22 @@ namespace {
 std::int64_t parameters_with(const Config& c, std::int64_t experts_counted) {
   const std::int64_t h = c.hidden;
   // A MoE layer's MLP: the router and the experts counted, in place of the dense MLP (with its biases).
-  const std::int64_t expert = (c.llama() ? 3 : 2) * h * c.moe_ffn();
-  const std::int64_t dense_mlp = c.llama() ? 3 * h * c.ffn() : 8 * h * h + 5 * h;
-  const std::int64_t shared = 3 * h * c.shared_experts * c.moe_ffn();
-  const std::int64_t moe =
-      c.moe_layer_count() * (h * c.experts + (experts_counted * expert + shared) - dense_mlp);
+  const std::int64_t expert =
+      (c.llama() ? 3 : 2) * h * c.moe_ffn() + (c.add_bias_linear ? (c.llama() ? 2 : 1) * c.moe_ffn() + h : 0);
+  const std::int64_t mlp_biases = c.add_bias_linear ? 2 * c.ffn() + h : 0;
+  const std::int64_t dense_mlp = c.llama() ? 3 * h * c.ffn() + mlp_biases : 8 * h * h + 5 * h;
+  const std::int64_t shared =
+      3 * h * c.shared_experts * c.moe_ffn() +
+      (c.add_bias_linear && c.shared_experts > 0 ? 2 * c.shared_experts * c.moe_ffn() + h : 0);
+  const std::int64_t moe = c.moe_layer_count() * ((h + (c.add_bias_linear ? 1 : 0)) * c.experts +
+                                                  (experts_counted * expert + shared) - dense_mlp);
   if (c.llama()) {
-    const std::int64_t attention = h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() +
-                                   c.heads * c.head_dim() * h + (c.qk_layernorm ? 2 * c.head_dim() : 0) +
-                                   (c.attention_sinks ? c.heads : 0);
-    return c.layers * (attention + 3 * h * c.ffn() + 2 * h) + 2 * c.vocab * h + h + moe;
+    const std::int64_t attention =
+        h * (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() + c.heads * c.head_dim() * h +
+        (c.qk_layernorm ? 2 * c.head_dim() : 0) + (c.attention_sinks ? c.heads : 0) +
+        (c.add_qkv_bias || c.add_bias_linear ? (c.heads + 2 * std::int64_t{c.kv()}) * c.head_dim() : 0) +
+        (c.add_bias_linear ? h : 0);
+    return c.layers * (attention + 3 * h * c.ffn() + mlp_biases + 2 * h) + 2 * c.vocab * h + h + moe;
   }
   return c.layers * (12 * h * h + 13 * h) + c.vocab * h + c.seq * h + 2 * h + moe;
 }
@@ -361,6 +380,7 @@ Model::Model(Rank& r, const Config& c, int tp_rank, int dp_rank, int pp_rank, pa
       b.layer = first + static_cast<int>(i);
       b.moe = c.moe_layer(b.layer);
       if (b.moe) b.experts.resize(2 * static_cast<std::size_t>(c.local_experts()));
+      if (b.moe && c.add_bias_linear) b.expert_biases.resize(b.experts.size());
     }
     chunks_.push_back(std::move(ch));
   }
@@ -497,7 +517,7 @@ std::vector<Param*> Model::params() {
 }
 
 std::vector<ParamId> backward_order(const Config& c, int stage) {
-  auto other = [](OtherParam which) { return ParamId{int{kBlockParams} + which, -1}; };
+  auto other = [](OtherParam which) { return ParamId{kMostBlockParams + which, -1}; };
   std::vector<ParamId> out;
   for (int k = c.v - 1; k >= 0; --k) {
     const int vs = k * c.pp + stage;
@@ -515,8 +535,10 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
     for (int layer = first + c.chunk_layers(vs) - 1; layer >= first; --layer) {
       for (int q = block_params(c) - 1; q >= 0; --q) {
         // A MoE layer's router comes before its (shared experts') MLP.
-        if (c.moe_layer(layer) && q == (c.llama() ? int{kW2} : int{kFc2B}))
+        if (c.moe_layer(layer) && q == (c.llama() ? int{kW2} : int{kFc2B})) {
           out.push_back({kRouterKind, layer});
+          if (c.add_bias_linear) out.push_back({router_bias_kind(c), layer});
+        }
         if (has_block_param(c, layer, q)) out.push_back({q, layer});
       }
     }
@@ -529,7 +551,7 @@ std::vector<ParamId> backward_order(const Config& c, int stage) {
 }
 
 bool is_mlp_param(const Config& c, int which) {
-  if (c.llama()) return which == kW13 || which == kW2;
+  if (c.llama()) return which == kW13 || which == kW2 || which == kB13 || which == kB2;
   return which == kFc1W || which == kFc1B || which == kFc2W || which == kFc2B;
 }
 
@@ -550,8 +572,23 @@ ParamSpec moe_spec(const Config& c, int layer, int kind, bool named) {
     s.sp_partial = true;
     return s;
   }
-  const auto [expert, which] = expert_weight(kind);
   const char* names[2][2] = {{"fc1", "fc2"}, {"w13", "w2"}};
+  if (kind >= router_bias_kind(c)) {  // zeros at first, as every bias
+    s.std = 0;
+    s.decay = false;
+    if (kind == router_bias_kind(c)) {
+      if (named) s.name = layer_name(layer, "router bias");
+      s.full = Shape{c.experts};
+      s.sp_partial = true;
+      return s;
+    }
+    const auto [expert, which] = expert_bias(c, kind);
+    if (named) s.name = fmt::format("layer {} expert {} {} bias", layer, expert, names[c.llama()][which]);
+    s.full = Shape{which == 0 ? (c.llama() ? 2 * f : f) : h};
+    s.tp_dim = which == 0 ? 0 : -1;
+    return s;
+  }
+  const auto [expert, which] = expert_weight(kind);
   if (named) s.name = fmt::format("layer {} expert {} {}", layer, expert, names[c.llama()][which]);
   if (which == 0) {
     s.full = Shape{h, c.llama() ? 2 * f : f};
@@ -576,6 +613,11 @@ std::vector<ParamId> expert_backward_order(const Config& c, int stage, int ep_in
         out.push_back({expert_kind(ep_index * per + le, 1), layer});
         out.push_back({expert_kind(ep_index * per + le, 0), layer});
       }
+      if (!c.add_bias_linear) continue;
+      for (int le = per - 1; le >= 0; --le) {
+        out.push_back({expert_bias_kind(c, ep_index * per + le, 1), layer});
+        out.push_back({expert_bias_kind(c, ep_index * per + le, 0), layer});
+      }
     }
   }
   return out;
@@ -583,24 +625,29 @@ std::vector<ParamId> expert_backward_order(const Config& c, int stage, int ep_in
 
 ParamSpec param_spec(const Config& c, ParamId id, bool named) {
   if (id.kind >= kRouterKind) return moe_spec(c, id.layer, id.kind, named);
-  return id.kind < kBlockParams ? block_spec(c, id.layer, id.kind, named)
-                                : other_spec(c, static_cast<OtherParam>(id.kind - kBlockParams));
+  return id.kind < kMostBlockParams ? block_spec(c, id.layer, id.kind, named)
+                                    : other_spec(c, static_cast<OtherParam>(id.kind - kMostBlockParams));
 }
 
 Param& Model::param(ParamId id) {
-  if (id.kind < kBlockParams || id.kind >= kRouterKind) {
+  if (id.kind < kMostBlockParams || id.kind >= kRouterKind) {
     for (Chunk& ch : chunks_) {
       const int first = ch.blocks.front().layer;
       if (id.layer < first || id.layer >= first + static_cast<int>(ch.blocks.size())) continue;
       Block& b = ch.blocks[id.layer - first];
-      if (id.kind < kBlockParams) return b.p[id.kind];
+      if (id.kind < kMostBlockParams) return b.p[id.kind];
       if (id.kind == kRouterKind) return b.router;
+      if (id.kind == router_bias_kind(c_)) return b.router_bias;
+      if (is_expert_bias_kind(c_, id.kind)) {
+        const auto [expert, which] = expert_bias(c_, id.kind);
+        return b.expert_biases[2 * (expert - ep_->index * c_.local_experts()) + which];
+      }
       const auto [expert, which] = expert_weight(id.kind);
       return b.experts[2 * (expert - ep_->index * c_.local_experts()) + which];
     }
     throw std::logic_error("gpt: layer " + std::to_string(id.layer) + " is not on this pipeline rank");
   }
-  switch (static_cast<OtherParam>(id.kind - kBlockParams)) {
+  switch (static_cast<OtherParam>(id.kind - kMostBlockParams)) {
     case kWte:
       return wte_;
     case kWpe:
@@ -624,7 +671,7 @@ std::vector<Param*> Model::expert_params() {
   std::vector<Param*> out;
   for (Chunk& ch : chunks_) {
     for (Block& b : ch.blocks)
-      for (Param& p : b.experts) out.push_back(&p);
+      for (Param* p : expert_param_list(b)) out.push_back(p);
   }
   return out;
 }
@@ -638,16 +685,21 @@ std::vector<Model::Named> Model::named_params() {
       }
       if (!b.moe) continue;
       out.push_back({kRouterKind, b.layer, &b.router, &dp_});
+      if (c_.add_bias_linear) out.push_back({router_bias_kind(c_), b.layer, &b.router_bias, &dp_});
       const int first_expert = ep_->index * c_.local_experts();
       for (std::size_t i = 0; i < b.experts.size(); ++i) {
-        const int kind = expert_kind(first_expert + static_cast<int>(i / 2), static_cast<int>(i % 2));
-        out.push_back({kind, b.layer, &b.experts[i], expert_dp_});
+        const int expert = first_expert + static_cast<int>(i / 2), which = static_cast<int>(i % 2);
+        out.push_back({expert_kind(expert, which), b.layer, &b.experts[i], expert_dp_});
+      }
+      for (std::size_t i = 0; i < b.expert_biases.size(); ++i) {
+        const int expert = first_expert + static_cast<int>(i / 2), which = static_cast<int>(i % 2);
+        out.push_back({expert_bias_kind(c_, expert, which), b.layer, &b.expert_biases[i], expert_dp_});
       }
     }
   }
   auto other = [&](OtherParam which, bool here) {
     if (here && has_other(c_, which))
-      out.push_back({int{kBlockParams} + which, -1, &param({int{kBlockParams} + which, -1}), &dp_});
+      out.push_back({kMostBlockParams + which, -1, &param({kMostBlockParams + which, -1}), &dp_});
   };
   other(kWte, embedding_ || (head_ && !c_.llama()));
   other(kWpe, embedding_);
@@ -663,12 +715,14 @@ std::vector<Param*> Model::block_param_list(Block& b) const {
     if (has_block_param(c_, b.layer, k)) ps.push_back(&b.p[k]);
   }
   if (b.moe) ps.push_back(&b.router);
+  if (b.moe && c_.add_bias_linear) ps.push_back(&b.router_bias);
   return ps;
 }
 
 std::vector<Param*> Model::expert_param_list(Block& b) {
   std::vector<Param*> ps;
   for (Param& p : b.experts) ps.push_back(&p);
+  for (Param& p : b.expert_biases) ps.push_back(&p);
   return ps;
 }
 
@@ -692,10 +746,15 @@ Model::Weights Model::get(GatheredBlock& g) {
   }
   if (!moe) return w;
   w.router = got[at];
+  if (c_.add_bias_linear) w.biases.router = got[at + 1];
+  // In expert_param_list's order: the weights in pairs, then the biases.
   std::vector<Tensor> experts = expert_dp_->get(g.experts);
+  const std::size_t weights = 2 * static_cast<std::size_t>(c_.local_experts());
   for (std::size_t i = 0; i < experts.size(); i += 2) {
-    w.w_in.push_back(experts[i]);
-    w.w_out.push_back(experts[i + 1]);
+    std::vector<Tensor>& in = i < weights ? w.w_in : w.biases.in;
+    std::vector<Tensor>& out = i < weights ? w.w_out : w.biases.out;
+    in.push_back(experts[i]);
+    out.push_back(experts[i + 1]);
   }
   return w;
 }
@@ -811,7 +870,7 @@ Tensor Model::block_backward(Block& b, const Weights& w, BlockActs& a, const Ten
 
 Tensor Model::moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertParallel::Kept& k, int layer,
                           int mb, bool record) {
-  Tensor y = ep_->forward(y2, w.router, w.w_in, w.w_out, k, layer);
+  Tensor y = ep_->forward(y2, w.router, w.w_in, w.w_out, k, layer, w.biases);
   const parallel::Routing& ro = k.routing;
   if (record) routed_ += ro.routes() + ro.dropped(), dropped_ += ro.dropped();
   if (!record || c_.phantom) return y;
@@ -837,12 +896,17 @@ Tensor Model::moe_forward(const Weights& w, const Tensor& y2, parallel::ExpertPa
 
 Tensor Model::moe_backward(Block& b, const Weights& w, BlockActs& a, const Tensor& dout) {
   const Tensor& x = a.router_x.defined() ? a.router_x : a.y2;
-  parallel::ExpertParallel::Grads g = ep_->backward(dout, x, w.router, w.w_in, w.w_out, a.moe);
+  parallel::ExpertParallel::Grads g = ep_->backward(dout, x, w.router, w.w_in, w.w_out, a.moe, w.biases);
   for (std::size_t le = 0; le < g.dw_in.size(); ++le) {
     expert_dp_->add_grad(b.experts[2 * le], g.dw_in[le]);
     expert_dp_->add_grad(b.experts[2 * le + 1], g.dw_out[le]);
   }
+  for (std::size_t le = 0; le < g.db_in.size(); ++le) {
+    expert_dp_->add_grad(b.expert_biases[2 * le], g.db_in[le]);
+    expert_dp_->add_grad(b.expert_biases[2 * le + 1], g.db_out[le]);
+  }
   dp_.add_grad(b.router, g.drouter);
+  if (g.drouter_bias.defined()) dp_.add_grad(b.router_bias, g.drouter_bias);
   return g.dx;
 }
 
@@ -904,21 +968,24 @@ Tensor Model::llama_forward(const Weights& w, const Tensor& x, BlockActs& a, boo
   parallel::TensorParallel::Kept k1, ko, k2, kg;  // the linear layers' inputs, as their backward takes them
   Rank::RmsNormOut n1 = r.rmsnorm(x, w[kNorm1], kEps);
   fp8_linear(layer, kWqkv);
-  Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], Tensor(), &k1);
+  Tensor qkv = tp_.column_linear(n1.y, w[kWqkv], w[kBqkv], &k1);
   if (c_.qk_layernorm) qkv = qk_norm(qkv, w, a);
   rotate(qkv, false);
   Rank::AttentionOut att = attend(qkv, w, layer);
   fp8_linear(layer, kWo);
-  Tensor x1 = r.add(x, residual_dropout(tp_.row_linear(att.out, w[kWo], &ko), layer, 0, mb));
+  Tensor proj = tp_.row_linear(att.out, w[kWo], &ko);
+  if (w[kBo].defined()) r.add_bias_(proj, w[kBo]);
+  Tensor x1 = r.add(x, residual_dropout(proj, layer, 0, mb));
   // MLP: the gate and up projections in one column-parallel GEMM, SwiGLU, and the row-parallel down one.
   Rank::RmsNormOut n2 = r.rmsnorm(x1, w[kNorm2], kEps);
   Tensor u, o, router_x;
   parallel::ExpertParallel::Kept moe;
   if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
     fp8_linear(layer, kW13);
-    u = tp_.column_linear(n2.y, w[kW13], Tensor(), &k2);
+    u = tp_.column_linear(n2.y, w[kW13], w[kB13], &k2);
     fp8_linear(layer, kW2);
     o = tp_.row_linear(r.swiglu(u, c_.glu()), w[kW2], &kg);
+    if (w[kB2].defined()) r.add_bias_(o, w[kB2]);
   }
   if (w.router.defined()) {  // a MoE layer's routed experts
     Tensor routed = moe_forward(w, n2.y, moe, layer, mb, !keep_all);
@@ -981,14 +1048,16 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   Tensor dy2;
   if (b.moe) dy2 = moe_backward(b, w, a, dout);
   if (w[kW13].defined()) {  // the dense MLP, or a MoE layer's shared experts
+    if (w[kB2].defined()) dp_.add_grad(b.p[kB2], r.sum_rows(dout));
     fp8_linear(b.layer, kW2);
     parallel::TensorParallel::Grads w2 = tp_.row_linear_backward(a.g, w[kW2], dout, dp_.wgrad_into(b.p[kW2]));
     dp_.add_grad(b.p[kW2], w2.dw);
     const Tensor du = r.swiglu_backward(w2.dx, a.u, c_.glu());
     fp8_linear(b.layer, kW13);
     parallel::TensorParallel::Grads w13 =
-        tp_.column_linear_backward(a.y2, w[kW13], du, /*bias=*/false, dp_.wgrad_into(b.p[kW13]));
+        tp_.column_linear_backward(a.y2, w[kW13], du, w[kB13].defined(), dp_.wgrad_into(b.p[kW13]));
     dp_.add_grad(b.p[kW13], w13.dw);
+    if (w[kB13].defined()) dp_.add_grad(b.p[kB13], w13.db);
     dy2 = dy2.defined() ? r.add(dy2, w13.dx) : w13.dx;
   }
   Rank::RmsNormGrads n2 = r.rmsnorm_backward(dy2, a.x1, w[kNorm2], a.rstd2);
@@ -996,6 +1065,7 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   const Tensor dx1 = r.add(dx2, n2.dx);
   // Attention backward: the rotation's backward is the rotation back.
   const Tensor dp = residual_dropout(dx1, b.layer, 0, mb);
+  if (w[kBo].defined()) dp_.add_grad(b.p[kBo], r.sum_rows(dp));
   fp8_linear(b.layer, kWo);
   parallel::TensorParallel::Grads wo =
       tp_.row_linear_backward(a.out8.defined() ? a.out8 : a.out, w[kWo], dp, dp_.wgrad_into(b.p[kWo]));
@@ -1006,8 +1076,9 @@ Tensor Model::llama_backward(Block& b, const Weights& w, BlockActs& a, const Ten
   const Tensor dmixed = c_.qk_layernorm ? qk_norm_backward(b, dqkv, w, a) : dqkv;
   fp8_linear(b.layer, kWqkv);
   parallel::TensorParallel::Grads wqkv =
-      tp_.column_linear_backward(a.y1, w[kWqkv], dmixed, /*bias=*/false, dp_.wgrad_into(b.p[kWqkv]));
+      tp_.column_linear_backward(a.y1, w[kWqkv], dmixed, w[kBqkv].defined(), dp_.wgrad_into(b.p[kWqkv]));
   dp_.add_grad(b.p[kWqkv], wqkv.dw);
+  if (w[kBqkv].defined()) dp_.add_grad(b.p[kBqkv], wqkv.db);
   Rank::RmsNormGrads n1 = r.rmsnorm_backward(wqkv.dx, a.x, w[kNorm1], a.rstd1);
   dp_.add_grad(b.p[kNorm1], n1.dgamma);
   return r.add(dx1, n1.dx);

@@ -57,8 +57,27 @@ enum BlockParam {
 // its k and v (Rank::attention's layout); w13's are the gate and up projections' columns in adjacent pairs
 // (Rank::swiglu's layout). Both keep a tensor-parallel rank's block of columns whole groups and pairs.
 // kQNorm and kKNorm: QK-norm's gains (--qk-layernorm), only with it; kSinks: the attention sinks' logits
-// (--attention-sinks), only with them.
-enum LlamaParam { kNorm1, kWqkv, kWo, kNorm2, kW13, kW2, kQNorm, kKNorm, kSinks, kLlamaParams };
+// (--attention-sinks), only with them; the linear layers' biases only with --add-qkv-bias (wqkv's) or
+// --add-bias-linear (all four).
+enum LlamaParam {
+  kNorm1,
+  kWqkv,
+  kWo,
+  kNorm2,
+  kW13,
+  kW2,
+  kQNorm,
+  kKNorm,
+  kSinks,
+  kBqkv,
+  kBo,
+  kB13,
+  kB2,
+  kLlamaParams
+};
+// The longer of the two blocks' lists.
+constexpr int kMostBlockParams =
+    int{kLlamaParams} > int{kBlockParams} ? int{kLlamaParams} : int{kBlockParams};
 // The parameters of the configuration's block: kBlockParams or kLlamaParams.
 int block_params(const Config& c);
 // Whether layer `layer` has its block's parameter `which`: a MoE layer's dense MLP only with shared experts,
@@ -80,7 +99,7 @@ bool has_other(const Config& c, OtherParam which);
 // llama block's w13 and w2); in their place its router [hidden, experts] and each expert's two weights
 // (fc1 [hidden, f] and fc2 [f, hidden], or w13 [hidden, 2 f] and w2 [f, hidden]; f the expert's width, no
 // biases), of the kinds below.
-constexpr int kRouterKind = int{kBlockParams} + int{kOtherParams};
+constexpr int kRouterKind = kMostBlockParams + int{kOtherParams};
 inline int expert_kind(int expert, int which) {  // which: 0 the input weight, 1 the output weight
   return kRouterKind + 1 + 2 * expert + which;
 }
@@ -91,10 +110,28 @@ struct ExpertWeight {
 inline ExpertWeight expert_weight(int kind) {
   return {(kind - kRouterKind - 1) / 2, (kind - kRouterKind - 1) % 2};
 }
+// With --add-bias-linear (gpt-oss) a MoE layer's router has a bias [experts] and each expert one on each
+// weight's output ([2 f] after w13, [hidden] after w2), of the kinds after the experts' weights.
+inline int router_bias_kind(const Config& c) {
+  return expert_kind(c.experts, 0);
+}
+inline int expert_bias_kind(const Config& c, int expert, int which) {
+  return router_bias_kind(c) + 1 + 2 * expert + which;
+}
+inline bool is_expert_bias_kind(const Config& c, int kind) {
+  return kind > router_bias_kind(c);
+}
+inline ExpertWeight expert_bias(const Config& c, int kind) {
+  return {(kind - router_bias_kind(c) - 1) / 2, (kind - router_bias_kind(c) - 1) % 2};
+}
+// The kinds of a MoE layer's parameters: the router, the experts' weights, and with biases theirs.
+inline int moe_kinds(const Config& c) {
+  return (1 + 2 * c.experts) * (c.add_bias_linear ? 2 : 1);
+}
 // Whether a block parameter is the MLP's, which a MoE layer replaces.
 bool is_mlp_param(const Config& c, int which);
-// A parameter of the model: its kind (a block's parameter, kBlockParams + an OtherParam, or a MoE layer's)
-// and its layer (-1 for the embeddings, the final norm and the output layer).
+// A parameter of the model: its kind (a block's parameter, kMostBlockParams + an OtherParam, or a MoE
+// layer's) and its layer (-1 for the embeddings, the final norm and the output layer).
 struct ParamId {
   int kind;
   int layer;
@@ -181,11 +218,11 @@ class Model {
  private:
   struct Block {
     int layer = 0;
-    std::array<parallel::Param, kBlockParams> p;
+    std::array<parallel::Param, kMostBlockParams> p;
     // A MoE layer's router and this rank's experts (expert le's input weight experts[2 le], output weight
-    // experts[2 le + 1]).
-    parallel::Param router;
-    std::vector<parallel::Param> experts;
+    // experts[2 le + 1]); with --add-bias-linear their biases, laid out alike.
+    parallel::Param router, router_bias;
+    std::vector<parallel::Param> experts, expert_biases;
     bool moe = false;
   };
   struct Chunk {
@@ -213,9 +250,10 @@ class Model {
   };
   // A block's weights as its GEMMs read them (zero 3: gathered).
   struct Weights {
-    std::array<Tensor, kBlockParams> dense;
+    std::array<Tensor, kMostBlockParams> dense;
     Tensor router;
-    std::vector<Tensor> w_in, w_out;  // a MoE layer's experts
+    std::vector<Tensor> w_in, w_out;          // a MoE layer's experts
+    parallel::ExpertParallel::Biases biases;  // with --add-bias-linear
     const Tensor& operator[](int k) const { return dense[k]; }
   };
   struct GatheredBlock {

@@ -221,8 +221,14 @@ class Training {
 
  private:
   const Vec& block_weight(int layer, int k) const { return w_[layer * nb_ + k]; }
+  bool has(int layer, int k) const { return has_block_param(c_, layer, k); }
   // A MoE layer's router (kind kRouterKind) or expert weight (expert_kind).
-  int moe_index(int layer, int kind) const { return moe_ + layer * (1 + 2 * E_) + (kind - kRouterKind); }
+  int moe_index(int layer, int kind) const { return moe_ + layer * moe_kinds(c_) + (kind - kRouterKind); }
+  // A MoE layer's bias, or none (an empty vector) without --add-bias-linear.
+  const Vec& moe_bias(int layer, int kind) const {
+    static const Vec none;
+    return c_.add_bias_linear ? w_[moe_index(layer, kind)] : none;
+  }
   const Vec& other_weight(OtherParam k) const { return w_[other_ + k]; }
   // Parameter `index`'s gradient in `g` with its magnitudes, for the backward to add into.
   GradSum grad(std::vector<Vec>& g, int index) const { return {g[index], magnitude_[index]}; }
@@ -339,7 +345,7 @@ Training::Training(const Config& c, const Reference::State* start, const Referen
       Fe_(c.moe_ffn()),
       other_(static_cast<int>(L * nb_)),
       moe_(other_ + kOtherParams),
-      count_(static_cast<int>(moe_ + (c.moe() ? L * (1 + 2 * E_) : 0))),
+      count_(static_cast<int>(moe_ + (c.moe() ? L * moe_kinds(c) : 0))),
       specs_(count_),
       w_(count_),
       m_(count_),
@@ -352,7 +358,7 @@ Training::Training(const Config& c, const Reference::State* start, const Referen
     for (int k = 0; k < nb_; ++k)
       if (has_block_param(c_, l, k)) specs_[l * nb_ + k] = block_spec(c_, l, k);
     if (!c_.moe_layer(l)) continue;
-    for (int kind = kRouterKind; kind <= expert_kind(E_ - 1, 1); ++kind)
+    for (int kind = kRouterKind; kind < kRouterKind + moe_kinds(c_); ++kind)
       specs_[moe_index(l, kind)] = param_spec(c_, {kind, l});
   }
   for (int k = 0; k < kOtherParams; ++k) {
@@ -422,10 +428,12 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
   auto W = [&](int k) -> const Vec& { return block_weight(layer, k); };
   a.ln1 = rmsnorm(x, W(kNorm1), n, h);
   a.qkv = mm(a.ln1.y, W(kWqkv), n, h, qkv_cols_);
+  if (has(layer, kBqkv)) add_bias(a.qkv, W(kBqkv), n);
   if (c_.qk_layernorm) qk_norm(a, layer);
   rope(a.qkv, false);
   attention(a, layer);
   Vec proj = mm(a.att, W(kWo), n, H * hd, h);
+  if (has(layer, kBo)) add_bias(proj, W(kBo), n);
   drop(proj, step, layer, 0);
   Vec x1 = x;
   for (std::int64_t i = 0; i < n * h; ++i) x1[i] += proj[i];
@@ -434,8 +442,10 @@ Vec Training::llama_forward(int step, int layer, const Vec& x, BlockActs& a) con
   const std::int64_t f = c_.dense_ffn(layer);  // the dense MLP's, or a MoE layer's shared experts'
   if (f > 0) {
     a.u = mm(a.ln2.y, W(kW13), n, h, 2 * f);
+    if (has(layer, kB13)) add_bias(a.u, W(kB13), n);
     a.g = expert_act(a.u);
     o = mm(a.g, W(kW2), n, f, h);
+    if (has(layer, kB2)) add_bias(o, W(kB2), n);
   }
   if (c_.moe_layer(layer)) {
     const Vec routed = moe_forward(layer, a.ln2.y, a);
@@ -647,7 +657,8 @@ Vec Training::expert_act_backward(const Vec& u, const Vec& dg) const {
 }
 
 Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
-  const Vec logits = mm(y, w_[moe_index(layer, kRouterKind)], n, h, E_);
+  Vec logits = mm(y, w_[moe_index(layer, kRouterKind)], n, h, E_);
+  if (c_.add_bias_linear) add_bias(logits, moe_bias(layer, router_bias_kind(c_)), n);
   const std::int64_t win = c_.llama() ? 2 * Fe_ : Fe_;
   a.chosen.assign(n * K_, 0);
   a.kept.assign(n * K_, 1);
@@ -700,8 +711,10 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
       if (sigmoid) a.slope[at] = 1 - s(e);
       if (!kept[j]) continue;  // over its expert's capacity: the token keeps the residual for it
       a.route_u[at] = mm(row, w_[moe_index(layer, expert_kind(e, 0))], 1, h, win);
+      if (c_.add_bias_linear) add_bias(a.route_u[at], moe_bias(layer, expert_bias_kind(c_, e, 0)), 1);
       a.route_g[at] = expert_act(a.route_u[at]);
       a.route_out[at] = mm(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], 1, Fe_, h);
+      if (c_.add_bias_linear) add_bias(a.route_out[at], moe_bias(layer, expert_bias_kind(c_, e, 1)), 1);
       for (std::int64_t d = 0; d < h; ++d) out[t * h + d] += a.gates[at] * a.route_out[at][d];
     }
   }
@@ -802,9 +815,12 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
       Vec dexpert(h);
       for (std::int64_t d = 0; d < h; ++d) dexpert[d] = a.gates[at] * dout_t[d];
       Vec dg(Fe_);
+      if (c_.add_bias_linear)
+        bias_backward(dexpert, 1, grad(g, moe_index(layer, expert_bias_kind(c_, e, 1))));
       mm_backward(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], dexpert, 1, Fe_, h,
                   grad(g, moe_index(layer, expert_kind(e, 1))), &dg);
       const Vec du = expert_act_backward(a.route_u[at], dg);
+      if (c_.add_bias_linear) bias_backward(du, 1, grad(g, moe_index(layer, expert_bias_kind(c_, e, 0))));
       Vec drow(h);
       mm_backward(row, w_[moe_index(layer, expert_kind(e, 0))], du, 1, h, win,
                   grad(g, moe_index(layer, expert_kind(e, 0))), &drow);
@@ -817,6 +833,7 @@ Vec Training::moe_backward(int layer, const Vec& y, const BlockActs& a, const Ve
     }
   }
   if (c_.aux_loss_coeff > 0) add_load_balancing(a, dlogits);
+  if (c_.add_bias_linear) bias_backward(dlogits, n, grad(g, moe_index(layer, router_bias_kind(c_))));
   Vec drouter_dy(n * h);
   mm_backward(y, w_[moe_index(layer, kRouterKind)], dlogits, n, h, E_, grad(g, moe_index(layer, kRouterKind)),
               &drouter_dy);
@@ -929,8 +946,10 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   if (c_.moe_layer(layer)) dy2 = moe_backward(layer, a.ln2.y, a, dout, g);
   if (const std::int64_t f = c_.dense_ffn(layer); f > 0) {
     Vec dg(n * f), dy_mlp(n * h);
+    if (has(layer, kB2)) bias_backward(dout, n, Gr(kB2));
     mm_backward(a.g, W(kW2), dout, n, f, h, Gr(kW2), &dg);
     const Vec du = expert_act_backward(a.u, dg);
+    if (has(layer, kB13)) bias_backward(du, n, Gr(kB13));
     mm_backward(a.ln2.y, W(kW13), du, n, h, 2 * f, Gr(kW13), &dy_mlp);
     for (std::int64_t i = 0; i < n * h; ++i) dy2[i] += dy_mlp[i];
   }
@@ -939,11 +958,13 @@ Vec Training::llama_backward(int step, int layer, const BlockActs& a, const Vec&
   // attention
   Vec dproj = dx1;
   drop(dproj, step, layer, 0);
+  if (has(layer, kBo)) bias_backward(dproj, n, Gr(kBo));
   Vec datt(n * H * hd);
   mm_backward(a.att, W(kWo), dproj, n, H * hd, h, Gr(kWo), &datt);
   Vec dqkv = attention_backward(a, datt, layer, g);
   rope(dqkv, true);
   if (c_.qk_layernorm) qk_norm_backward(a, layer, dqkv, g);
+  if (has(layer, kBqkv)) bias_backward(dqkv, n, Gr(kBqkv));
   Vec dy1(n * h);
   mm_backward(a.ln1.y, W(kWqkv), dqkv, n, h, qkv_cols_, Gr(kWqkv), &dy1);
   const Vec dxl = rmsnorm_backward(a.ln1, W(kNorm1), dy1, n, h, Gr(kNorm1));
@@ -1050,8 +1071,8 @@ void Reference::step(int step, const State* from, const Routes* routes) {
 int Reference::index(int kind, int layer) const {
   const int nb = block_params(c_);
   if (kind >= kRouterKind)
-    return c_.layers * nb + kOtherParams + layer * (1 + 2 * c_.experts) + (kind - kRouterKind);
-  return kind < kBlockParams ? layer * nb + kind : c_.layers * nb + (kind - kBlockParams);
+    return c_.layers * nb + kOtherParams + layer * moe_kinds(c_) + (kind - kRouterKind);
+  return kind < kMostBlockParams ? layer * nb + kind : c_.layers * nb + (kind - kMostBlockParams);
 }
 
 std::shared_ptr<Reference> Reference::get(const Config& c) {

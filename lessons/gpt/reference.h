@@ -57,8 +57,9 @@ class Reference {
   double softmax_shift() const { return softmax_shift_; }
   // The mean over the step's tokens, before its update, of every step so far.
   double loss(int step) const { return losses_[step - 1]; }
-  // Of the last step; kind: a BlockParam, or kBlockParams + an OtherParam (then layer is -1). Full tensors,
-  // row-major: the gradient, the values the step started from, and the values after its update.
+  // Of the last step; kind: a BlockParam or LlamaParam, or kMostBlockParams + an OtherParam (then layer is
+  // -1). Full tensors, row-major: the gradient, the values the step started from, and the values after its
+  // update.
   const std::vector<double>& grad(int kind, int layer) const { return grads_[index(kind, layer)]; }
   // Beside each gradient element, the sum of the magnitudes of the terms the backward added into it (over
   // tokens, experts' routes and micro-batches: sum_t |x_t dy_t| for dW = X^T dY, sum_t |dy_t xhat_t| for a

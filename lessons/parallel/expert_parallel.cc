@@ -15,10 +15,12 @@ namespace ranklab::parallel {
 // ---- the layer --------------------------------------------------------------------------------------------
 
 Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
-                               const std::vector<Tensor>& w_out, Kept& k, int layer) {
+                               const std::vector<Tensor>& w_out, Kept& k, int layer, const Biases& b) {
   // 1. Route: the router's GEMM on the device, each token's top-k on the host.
   k.layer = layer;
-  k.routing = route(r.matmul(x, router), layer);
+  Tensor logits = r.matmul(x, router);
+  if (b.router.defined()) r.add_bias_(logits, b.router);
+  k.routing = route(logits, layer);
   // 2-5. Permute the routed rows into dispatch order, exchange the counts, send each row to its expert's
   // rank, and sort what arrives by local expert.
   plan_exchange(k);
@@ -35,8 +37,10 @@ Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std:
     if (k.expert_rows[le] == 0) continue;
     k.u[le] =
         linear(expert_rows(k.sorted, k, le), w_in[le], fp8_linear(layer, le, 0), fp8 ? &k.x8[le] : nullptr);
+    if (!b.in.empty()) r.add_bias_(k.u[le], b.in[le]);
     k.g[le] = swiglu ? r.swiglu(k.u[le], glu) : r.gelu(k.u[le]);
     linear(k.g[le], w_out[le], fp8_linear(layer, le, 1), fp8 ? &k.g8[le] : nullptr, expert_rows(out, k, le));
+    if (!b.out.empty()) r.add_bias_(expert_rows(out, k, le), b.out[le]);
     if (fp8) k.g[le] = Tensor();  // the FP8 copy is what the weight gradient reads
   }
   if (fp8) k.sorted = Tensor();
@@ -48,7 +52,7 @@ Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std:
 
 ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x, const Tensor& router,
                                                const std::vector<Tensor>& w_in,
-                                               const std::vector<Tensor>& w_out, Kept& k) {
+                                               const std::vector<Tensor>& w_out, Kept& k, const Biases& b) {
   Grads g;
   // The combine's backward: each route's output gradient is its token's, times its gate; the gate's own
   // gradient is that token's gradient dotted with the route's output.
@@ -60,13 +64,19 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
     if (k.expert_rows[le] == 0) {
       g.dw_in.push_back(zeros(r, phantom, w_in[le].shape(), DType::Float32));
       g.dw_out.push_back(zeros(r, phantom, w_out[le].shape(), DType::Float32));
+      if (!b.in.empty()) {
+        g.db_in.push_back(zeros(r, phantom, b.in[le].shape(), DType::Float32));
+        g.db_out.push_back(zeros(r, phantom, b.out[le].shape(), DType::Float32));
+      }
       continue;
     }
     const Tensor dye = expert_rows(dsorted, k, le);
+    if (!b.out.empty()) g.db_out.push_back(r.sum_rows(dye));
     Tensor dw, dact = linear_backward(dye, w_out[le], fp8_linear(k.layer, le, 1),
                                       fp8 ? k.g8[le].along_rows : k.g[le], dw);
     g.dw_out.push_back(dw);
     const Tensor du = swiglu ? r.swiglu_backward(dact, k.u[le], glu) : r.gelu_backward(dact, k.u[le]);
+    if (!b.in.empty()) g.db_in.push_back(r.sum_rows(du));
     linear_backward(du, w_in[le], fp8_linear(k.layer, le, 0),
                     fp8 ? k.x8[le].along_rows : expert_rows(k.sorted, k, le), dw,
                     expert_rows(dx_sorted, k, le));
@@ -74,6 +84,9 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
   }
   for (std::size_t le = 0; le < g.dw_in.size(); ++le) {
     if (grad_scale != 1) r.scale_(g.dw_in[le], grad_scale), r.scale_(g.dw_out[le], grad_scale);
+  }
+  for (std::size_t le = 0; le < g.db_in.size(); ++le) {
+    if (grad_scale != 1) r.scale_(g.db_in[le], grad_scale), r.scale_(g.db_out[le], grad_scale);
   }
   // Back to the routes, and each token's routes summed: the input gradient through the experts.
   g.dx = r.scatter_add_rows(combine(dx_sorted, k), k.index, Tensor(), x.size(0));
@@ -89,6 +102,7 @@ ExpertParallel::Grads ExpertParallel::backward(const Tensor& dy, const Tensor& x
     dlogits = r.from_host(Shape{x.size(0), experts}, std::vector<float>(dl.begin(), dl.end()), x.dtype());
   }
   g.drouter = r.matmul(x, dlogits, Trans::Yes, Trans::No);
+  if (b.router.defined()) g.drouter_bias = r.sum_rows(dlogits);
   r.add_(g.dx, r.matmul(dlogits, router, Trans::No, Trans::Yes), 1.0f);
   return g;
 }

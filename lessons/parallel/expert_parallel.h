@@ -169,16 +169,24 @@ struct ExpertParallel {
       return n;
     }
   };
+  // gpt-oss's biases, where a layer has them: the router's [experts], added to its logits, and each local
+  // expert's on its w_in output ([2 f] or [f]) and on its w_out output ([h], inside the expert, so that the
+  // gate weighs it). Experts split over etp do not take them.
+  struct Biases {
+    Tensor router;
+    std::vector<Tensor> in, out;
+  };
   // y [tokens, h] (the MoE MLP's output, x's dtype) from x [tokens, h]; w_in and w_out hold this rank's
   // experts in order; `layer` seeds a phantom run's routing model.
   Tensor forward(const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
-                 const std::vector<Tensor>& w_out, Kept& kept, int layer = 0);
+                 const std::vector<Tensor>& w_out, Kept& kept, int layer = 0, const Biases& biases = {});
   struct Grads {
-    Tensor dx, drouter;
+    Tensor dx, drouter, drouter_bias;
     std::vector<Tensor> dw_in, dw_out;  // scaled by grad_scale
+    std::vector<Tensor> db_in, db_out;  // with biases; scaled by grad_scale
   };
   Grads backward(const Tensor& dy, const Tensor& x, const Tensor& router, const std::vector<Tensor>& w_in,
-                 const std::vector<Tensor>& w_out, Kept& kept);
+                 const std::vector<Tensor>& w_out, Kept& kept, const Biases& biases = {});
 
  private:
   Routing route(const Tensor& logits, int layer);
