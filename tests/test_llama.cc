@@ -230,6 +230,19 @@ TEST(Llama, QkNormGainsSummedOverTheTensorParallelHeads) {
   EXPECT_EQ(gpt::active_parameter_count(c), 3'353'032'704);
 }
 
+// Qwen2.5 as its configs count it: 7,615,616,512 and 72,706,203,648 parameters, the q, k and v biases among
+// them (7.62B and 72.7B; Qwen's model cards give 7.61B and 72.7B).
+TEST(Llama, Qwen25CountsItsQkvBiases) {
+  gpt::Config c = gpt::options_table().read(gpt::preset_settings("qwen2.5-7b"), "gpt");
+  EXPECT_TRUE(c.add_qkv_bias);
+  EXPECT_FALSE(c.add_bias_linear);
+  EXPECT_EQ(gpt::parameter_count(c), 7'615'616'512);
+  c = gpt::options_table().read(gpt::preset_settings("qwen2.5-72b"), "gpt");
+  EXPECT_EQ(gpt::parameter_count(c), 72'706'203'648);
+  c.add_qkv_bias = false;
+  EXPECT_EQ(gpt::parameter_count(c), 72'706'203'648 - 80 * (64 + 16) * 128);
+}
+
 TEST(Llama, ThePhantom8BStepRuns) {
   Settings o = gpt::preset_settings("llama3-8b");
   o["world"] = option_text(8);

@@ -27,6 +27,10 @@ const std::vector<Preset>& presets() {
   // Mistral NeMo 12B (huggingface.co/mistralai, Mistral-Nemo-Base-2407 config.json): the llama block with 32
   // heads of 128 features (head_dim) beside a hidden size of 5120, 8 key-value heads, rope_theta 1e6, no
   // sliding window; it publishes no training batch: 4096 tokens and 4M a batch are this preset's choice.
+  // Qwen2.5 7B and 72B (huggingface.co/Qwen, Qwen2.5-7B and Qwen2.5-72B config.json; Qwen2's modelling code
+  // puts a bias on the q, k and v projections alone): 28 heads over 4 key-value heads of 128 beside 3584, and
+  // 64 over 8 beside 8192, rope_theta 1e6, untied output layers. Qwen publishes no training batch: 4096
+  // tokens and 4M a batch are this preset's choice.
   // The mixtures of experts, from their config.json (num_local_experts, num_experts_per_tok,
   // intermediate_size of each expert) with every layer MoE:
   //   Mixtral 8x7B and 8x22B (Jiang et al. 2024, "Mixtral of Experts"; huggingface.co/mistralai
@@ -37,11 +41,19 @@ const std::vector<Preset>& presets() {
   //   keys (QK-norm: q_norm and k_norm in the model's code); no training batch published, so 4096 tokens
   //   and 4M a batch are this preset's choice. DeepSeek-V3 (DeepSeek-AI 2024, config.json):
   //   multi-head latent attention, an expert bias that balances the load without a loss, and a multi-token
-  //   prediction head, none built: it refuses too. gpt-oss-120b (OpenAI 2025, its model card and
-  //   config.json): 128 experts, top 4, of width 2880; its attention has 64 heads of 64 features beside a
-  //   hidden size of 2880, learned attention sinks and a 128-token sliding window in every other layer
-  //   (both built: --attention-sinks, --sliding-window), but its SwiGLU is clamped and its linear layers
-  //   and router have biases, which are not built: it refuses.
+  //   prediction head, none built: it refuses too.
+  //   gpt-oss-120b and gpt-oss-20b (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b Model Card", and their
+  //   config.json): 36 and 24 layers of 128 and 32 experts, top 4, each 2880 wide; attention of 64 heads
+  //   of 64 features over 8 key-value heads beside a hidden size of 2880, learned sinks, a 128-token
+  //   sliding window in every other layer from layer 0, biases on every linear layer, the router and the
+  //   experts; its gated unit clamped at 7 with quick GELU and the value offset by 1 (its model code's
+  //   swiglu); rope_theta 150000. Its YaRN scaling of the rotary frequencies (factor 32 from 4096 tokens)
+  //   changes the numbers, not the cost, and is left out. OpenAI publishes no training batch: 4096 tokens
+  //   and 4M a batch are this preset's choice.
+  static const Settings gpt_oss = {{"sliding-window", "128"},   {"sliding-window-layers", "every:2"},
+                                   {"attention-sinks", "true"}, {"add-bias-linear", "true"},
+                                   {"quick-geglu", "true"},     {"activation-func-clamp-value", "7"},
+                                   {"glu-linear-offset", "1"}};
   static const std::vector<Preset> all = {
       {"gpt3-125m", 12, 768, 12, 2048, 51200, 256, "Brown et al. 2020, Table 2.1 (GPT-3 Small, 0.5M tokens)"},
       {"gpt3-350m", 24, 1024, 16, 2048, 51200, 256,
@@ -64,6 +76,10 @@ const std::vector<Preset>& presets() {
        "Meta-Llama-3-70B config.json; Dubey et al. 2024, Table 3", 8, 28672, 500000},
       {"llama3.1-405b", 126, 16384, 128, 8192, 128256, 2048,
        "Meta-Llama-3.1-405B config.json; Dubey et al. 2024, Table 3 (16M tokens)", 8, 53248, 500000},
+      {"qwen2.5-7b", 28, 3584, 28, 4096, 152064, 1024,
+       "Qwen2.5-7B config.json (4M tokens: this preset's choice)", 4, 18944, 1e6, 0, 0, "", 0, false, true},
+      {"qwen2.5-72b", 80, 8192, 64, 4096, 152064, 1024,
+       "Qwen2.5-72B config.json (4M tokens: this preset's choice)", 8, 29568, 1e6, 0, 0, "", 0, false, true},
       {"mixtral-8x7b", 32, 4096, 32, 4096, 32000, 1024,
        "Mixtral-8x7B-v0.1 config.json; Jiang et al. 2024 (4M tokens: this preset's choice)", 8, 14336, 1e6, 8,
        2},
@@ -78,11 +94,12 @@ const std::vector<Preset>& presets() {
       {"deepseek-v3", 61, 7168, 128, 4096, 129280, 1024, "DeepSeek-V3 config.json", 128, 2048, 10000, 256, 8,
        "multi-head latent attention, the expert bias of its auxiliary-loss-free balancing and the "
        "multi-token prediction head are not built"},
-      {"gpt-oss-120b", 36, 2880, 64, 4096, 201088, 1024, "gpt-oss-120b config.json; OpenAI 2025 model card",
-       8, 2880, 150000, 128, 4,
-       "its clamped SwiGLU (alpha 1.702, limit 7, the up projection offset by 1) and the biases of its "
-       "attention, router and experts are not built",
-       64},
+      {"gpt-oss-120b", 36, 2880, 64, 4096, 201088, 1024,
+       "gpt-oss-120b config.json; OpenAI 2025 model card (4M tokens: this preset's choice)", 8, 2880, 150000,
+       128, 4, "", 64, false, false, gpt_oss},
+      {"gpt-oss-20b", 24, 2880, 64, 4096, 201088, 1024,
+       "gpt-oss-20b config.json; OpenAI 2025 model card (4M tokens: this preset's choice)", 8, 2880, 150000,
+       32, 4, "", 64, false, false, gpt_oss},
   };
   return all;
 }
@@ -119,11 +136,13 @@ Settings preset_settings(const std::string& name) {
     out["rope-theta"] = fmt::format("{}", p.rope_theta);
     if (p.kv_channels > 0) out["kv-channels"] = text(p.kv_channels);
     if (p.qk_layernorm) out["qk-layernorm"] = "true";
+    if (p.qkv_bias) out["add-qkv-bias"] = "true";
   }
   if (p.experts > 0) {
     out["experts"] = text(p.experts);
     out["top-k"] = text(p.top_k);
   }
+  for (const auto& [flag, value] : p.extra) out[flag] = value;
   return out;
 }
 

@@ -26,6 +26,8 @@ struct Preset {
   std::string missing = {};
   int kv_channels = 0;        // the llama block's features per head where they are not hidden / heads
   bool qk_layernorm = false;  // the llama block's QK-norm
+  bool qkv_bias = false;      // the llama block's bias on wqkv (Qwen2)
+  Settings extra = {};        // further flags, as the command line spells them (gpt-oss's attention and MLP)
 };
 const std::vector<Preset>& presets();
 // The preset called `name`, or UsageError listing them.

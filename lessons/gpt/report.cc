@@ -133,6 +133,10 @@ void print_plan(Rank& r, const Config& c, const parallel::Layout& layout,
     formula += fmt::format(" (in its {} MoE layers h E + {} k h f_e in place of {})", c.moe_layer_count(),
                            c.llama() ? 3 : 2, c.llama() ? "3 h f" : "8 h^2");
   }
+  if (c.sliding_window > 0) {
+    formula += fmt::format(" (in its {} windowed layers the window's {} keys in place of s)",
+                           c.windowed_layer_count(), std::min<std::int64_t>(c.sliding_window, c.seq));
+  }
   r.print(fmt::format("FLOPs per step: model {} = {:.4g} PFLOP; hardware (with recompute {}) {:.4g} PFLOP",
                       formula, flops.model / 1e15, recompute_name(c.recompute), flops.hardware / 1e15));
   r.print(fmt::format("memory per rank, estimated before allocating (device {}):",
