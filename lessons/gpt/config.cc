@@ -580,13 +580,6 @@ void resolve_block(const Config& c) {
     }
     return;
   }
-  if (c.add_bias_linear && c.moe() && c.etp > 1) {
-    throw UsageError(
-        fmt::format("gpt: --add-bias-linear with --etp {}: the biases of experts split over etp ranks are "
-                    "not built (each w2 bias would be added once, after the etp reduction), and ranklab "
-                    "refuses rather than leave them out; use --etp 1, as published recipes do",
-                    c.etp));
-  }
   if (c.kv_heads > c.heads || c.heads % c.kv() != 0) {
     throw UsageError(
         fmt::format("gpt: --kv-heads {} does not divide --heads {}: each key-value head serves a group of "

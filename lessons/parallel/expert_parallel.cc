@@ -40,7 +40,8 @@ Tensor ExpertParallel::forward(const Tensor& x, const Tensor& router, const std:
     if (!b.in.empty()) r.add_bias_(k.u[le], b.in[le]);
     k.g[le] = swiglu ? r.swiglu(k.u[le], glu) : r.gelu(k.u[le]);
     linear(k.g[le], w_out[le], fp8_linear(layer, le, 1), fp8 ? &k.g8[le] : nullptr, expert_rows(out, k, le));
-    if (!b.out.empty()) r.add_bias_(expert_rows(out, k, le), b.out[le]);
+    // The etp members' partial outputs are summed (combine): w2's bias joins one of them.
+    if (!b.out.empty() && etp_index == 0) r.add_bias_(expert_rows(out, k, le), b.out[le]);
     if (fp8) k.g[le] = Tensor();  // the FP8 copy is what the weight gradient reads
   }
   if (fp8) k.sorted = Tensor();

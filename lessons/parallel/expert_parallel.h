@@ -170,8 +170,10 @@ struct ExpertParallel {
     }
   };
   // gpt-oss's biases, where a layer has them: the router's [experts], added to its logits, and each local
-  // expert's on its w_in output ([2 f] or [f]) and on its w_out output ([h], inside the expert, so that the
-  // gate weighs it). Experts split over etp do not take them.
+  // expert's on its w_in output ([2 f] or [f]; with etp this member's columns) and on its w_out output ([h],
+  // inside the expert, so that the gate weighs it; with etp added by member 0 before the members' partial
+  // outputs are summed, and its gradient, from the output gradient every member holds whole, the same on
+  // each).
   struct Biases {
     Tensor router;
     std::vector<Tensor> in, out;
