@@ -391,9 +391,6 @@ TEST(SlidingWindow, BadFlagsNameTheFlag) {
   o["sliding-window-layers"] = "odd";
   expect_usage_error(o, "--sliding-window-layers odd: give all, every:N");
   o = tiny_gpt_oss();
-  o.erase("sliding-window");
-  expect_usage_error(o, "--sliding-window-layers names the windowed layers; it needs --sliding-window");
-  o = tiny_gpt_oss();
   o["attention"] = "unfused";
   expect_usage_error(o, "--sliding-window runs in the fused attention kernels");
   o = tiny_gpt_oss();

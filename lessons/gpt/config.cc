@@ -198,7 +198,7 @@ const OptionTable<Config>& options_table() {
        "llama: each head's queries and keys RMS-normalised over its features, with gains shared by the "
        "heads, before the rotary embeddings (Qwen3's q_norm and k_norm; Megatron's flag)"},
       Option<O>("sliding-window", &O::sliding_window,
-                "causal attention over the this many keys up to each query's position, in the layers "
+                "causal attention over this many keys up to each query's position, in the layers "
                 "--sliding-window-layers names (Mistral 7B, gpt-oss; 0: every earlier key)")
           .at_least(0),
       Option<O>("sliding-window-layers", &O::sliding_window_layers,
@@ -439,12 +439,10 @@ void read_moe_layers(Config& c) {
 }
 
 // --sliding-window-layers into window_first and window_every; the window against the attention it needs.
+// Without a window the layers name nothing, as --moe-layers without experts (so that --sliding-window 0
+// turns a preset's windows off).
 void resolve_window(Config& c) {
-  if (c.sliding_window == 0) {
-    if (c.sliding_window_layers != "all")
-      throw UsageError("gpt: --sliding-window-layers names the windowed layers; it needs --sliding-window");
-    return;
-  }
+  if (c.sliding_window == 0) return;
   const LayerSet s =
       read_layer_set("sliding-window-layers", c.sliding_window_layers, "; gpt-oss: every:2", "");
   c.window_first = s.first, c.window_every = s.every;
