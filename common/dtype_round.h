@@ -23,11 +23,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__CUDACC__)
-#define RANKLAB_HD __host__ __device__
-#else
-#define RANKLAB_HD
-#endif
+#include "common/host_device.h"
 
 namespace ranklab {
 

@@ -294,13 +294,9 @@ TEST(Plan, AnFp8QuestionBoundsEveryLayoutAndItsWinnerPassesTheCheck) {
   }
 }
 
-// A long sequence: layouts with context parallelism are enumerated (a chunk of at least kMinCpChunk
-// tokens) and named, none runs faster than its bound, and a simulated cp layout, with real numbers, trains
-// equal to one device.
-TEST(Plan, ContextParallelLayoutsAreBoundedAndTrainEqualToOneDevice) {
-#if defined(RANKLAB_SANITIZE)
-  GTEST_SKIP() << "a 4,096-token sequence with real numbers: the ordinary build runs it";
-#endif
+// Two llama layers of 32 features over a 4,096-token sequence, two sequences a step, one chunk a stage: a
+// question long enough for context parallelism.
+Request long_sequence_request() {
   Request r;
   r.shape["block"] = "llama";
   r.shape["layers"] = option_text(2);
@@ -310,7 +306,17 @@ TEST(Plan, ContextParallelLayoutsAreBoundedAndTrainEqualToOneDevice) {
   r.shape["vocab"] = option_text(128);
   r.shape["global-batch"] = option_text(2);
   r.max_interleave = 1;
-  const Question q = make_question(r);
+  return r;
+}
+
+// A long sequence: layouts with context parallelism are enumerated (a chunk of at least kMinCpChunk
+// tokens) and named, none runs faster than its bound, and a simulated cp layout, with real numbers, trains
+// equal to one device.
+TEST(Plan, ContextParallelLayoutsAreBoundedAndTrainEqualToOneDevice) {
+#if defined(RANKLAB_SANITIZE)
+  GTEST_SKIP() << "a 4,096-token sequence with real numbers: the ordinary build runs it";
+#endif
+  const Question q = make_question(long_sequence_request());
   SearchOptions all = quiet();
   all.prune = false;
   const Plan p = search(q, all);
@@ -348,18 +354,10 @@ TEST(Plan, SlidingWindowLayersAreBoundedByTheirWindowsPairs) {
 #if defined(RANKLAB_SANITIZE)
   GTEST_SKIP() << "every layout of a 4,096-token sequence simulated: the ordinary build runs it";
 #endif
-  Request r;
-  r.shape["block"] = "llama";
-  r.shape["layers"] = option_text(2);
-  r.shape["hidden"] = option_text(32);
-  r.shape["heads"] = option_text(2);
-  r.shape["seq"] = option_text(4096);
-  r.shape["vocab"] = option_text(128);
-  r.shape["global-batch"] = option_text(2);
+  Request r = long_sequence_request();
   r.shape["sliding-window"] = option_text(256);
   r.shape["sliding-window-layers"] = "every:2";
   r.shape["attention-sinks"] = option_text(true);
-  r.max_interleave = 1;
   const Question q = make_question(r);
   SearchOptions all = quiet();
   all.prune = false;
