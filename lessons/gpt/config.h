@@ -20,7 +20,7 @@ const char* recompute_name(Recompute r);
 // The transformer block. gpt: GPT-2/3's (Radford et al. 2019): layernorm, multi-head attention, a 4h GELU
 // MLP, biases, learned positions, the output layer tied to the embedding. llama: Llama's (Touvron et al.
 // 2023; Dubey et al. 2024): RMSNorm, grouped-query attention (--kv-heads) with rotary positions, a SwiGLU
-// MLP (--ffn-hidden), no biases, an output layer of its own.
+// MLP (--ffn-hidden), no biases (unless --add-qkv-bias or --add-bias-linear), an output layer of its own.
 enum class Block { Gpt, Llama };
 const char* block_name(Block b);
 

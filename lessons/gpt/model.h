@@ -14,7 +14,7 @@
 //   for each block:
 //     x = x + wo(attention(rope(wqkv(rmsnorm1(x)))))       grouped-query: kv heads shared by groups of q
 //     x = x + w2(swiglu(w13(rmsnorm2(x))))                 w13: the gate and up projections, fused
-//   logits = rmsnorm_f(x) @ output^T                       an output layer of its own; no biases anywhere
+//   logits = rmsnorm_f(x) @ output^T                       an output layer of its own; no biases (by default)
 //
 // Activations are [tokens, features] with tokens in sequence-major order (row = position * batch + sample).
 // Weights and activations are in the compute dtype (bf16 by default); layernorm statistics, the loss and
