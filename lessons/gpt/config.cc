@@ -96,25 +96,20 @@ double Config::lr_at(int step) const {
 }
 
 std::string Config::shape() const {
+  // The gated unit by its name (GEGLU with quick GELU, gpt-oss's) and its clamp and offset, where set.
+  const std::string glu = fmt::format(
+      "{} {}{}{}", quick_geglu ? "quick GEGLU" : "SwiGLU", ffn(),
+      activation_func_clamp_value > 0 ? fmt::format(" clamped to {}", activation_func_clamp_value) : "",
+      glu_linear_offset != 0 ? fmt::format(" value offset {}", glu_linear_offset) : "");
   std::string s =
-      llama()
-          ? fmt::format(
-                "llama block, {} layers, hidden {}, {} heads ({} key-value{}), SwiGLU {}, seq "
-                "{}, vocab {}",
-                layers, hidden, heads, kv(),
-                kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", ffn(), seq, vocab) +
-                (qk_layernorm ? ", QK-norm" : "") + (attention_sinks ? ", sinks" : "") +
-                (add_bias_linear ? ", linear biases" : (add_qkv_bias ? ", qkv bias" : "")) +
-                (plain_swiglu()
-                     ? ""
-                     : fmt::format(
-                           " ({}GLU{}{})", quick_geglu ? "quick GE" : "Swi",
-                           activation_func_clamp_value > 0
-                               ? fmt::format(" clamped to {}", activation_func_clamp_value)
-                               : "",
-                           glu_linear_offset != 0 ? fmt::format(", value offset {}", glu_linear_offset) : ""))
-          : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
-                        vocab);
+      llama() ? fmt::format(
+                    "llama block, {} layers, hidden {}, {} heads ({} key-value{}), {}, seq {}, vocab {}",
+                    layers, hidden, heads, kv(),
+                    kv_channels > 0 ? fmt::format(", {} channels each", kv_channels) : "", glu, seq, vocab) +
+                    (qk_layernorm ? ", QK-norm" : "") + (attention_sinks ? ", sinks" : "") +
+                    (add_bias_linear ? ", linear biases" : (add_qkv_bias ? ", qkv bias" : ""))
+              : fmt::format("{} layers, hidden {}, {} heads, seq {}, vocab {}", layers, hidden, heads, seq,
+                            vocab);
   if (sliding_window > 0) s += fmt::format(", window {} in layers {}", sliding_window, sliding_window_layers);
   if (moe()) {
     s += fmt::format(", {} experts of width {} (top {}{}) in layers {}", experts, moe_ffn(), top_k,
