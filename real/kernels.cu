@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "common/errors.h"
+#include "common/lse_merge.h"
 #include "common/random.h"
 #include "real/cuda_check.h"
 #include "real/kernels.h"
@@ -621,9 +622,9 @@ __device__ inline BlockQuery block_query(const AttentionBlockShape& k) {
 // scores, the tile's max, rescale what was accumulated by exp(old max - new max), add exp(score - max) v.
 // The whole attention writes out and lse; a context-parallel block (`merge`) merges its result into the
 // running ones by their log-sum-exps, out = e^(lse - total) out + e^(lse_block - total) out_block with
-// total = log(e^lse + e^lse_block), as the simulator merges (sim/sim_rank_context.cc). A sink (the whole
-// attention's; `sinks.p` null: none) is a key of logit sinks[h] whose value is zero: the online softmax
-// starts from it, m = sink and l = 1, with nothing accumulated.
+// total = log(e^lse + e^lse_block), in the arithmetic the simulator merges with (common/lse_merge.h). A sink
+// (the whole attention's; `sinks.p` null: none) is a key of logit sinks[h] whose value is zero: the online
+// softmax starts from it, m = sink and l = 1, with nothing accumulated.
 template <typename T, typename O>
 __global__ void attention_kernel(O* out, float* lse, const T* qkv, const T* keys, KeyValues kvs,
                                  AttentionBlockShape k, AnyIn sinks, float scale, bool merge) {
@@ -678,16 +679,13 @@ __global__ void attention_kernel(O* out, float* lse, const T* qkv, const T* keys
     if (tid == 0) lse[stat] = own_lse;
     return;
   }
-  const float old = lse[stat];
-  const float top = fmaxf(old, own_lse);
-  const float total = top + logf(expf(old - top) + expf(own_lse - top));
-  const float keep = old == -INFINITY ? 0.0f : expf(old - total), add = expf(own_lse - total);
+  const LseMerge merged = merge_lse(lse[stat], own_lse);
   for (int c = 0; c < kDimsPerThread; ++c) {
     const int d = tid + c * kAttnTile;
-    if (d < a.head_dim) orow[d] = from_f<O>(keep * to_f(orow[d]) + add * (acc[c] / l));
+    if (d < a.head_dim) orow[d] = from_f<O>(merged.keep * to_f(orow[d]) + merged.add * (acc[c] / l));
   }
   __syncthreads();  // every thread has read the old lse
-  if (tid == 0) lse[stat] = total;
+  if (tid == 0) lse[stat] = merged.total;
 }
 
 // Backward (Dao et al. 2022, Algorithm 4, without the tiling of queries): with P = exp(scale q.k - lse),
@@ -831,14 +829,11 @@ __global__ void attention_sinks_kernel(O* out, float* lse, AnyIn sinks, std::int
   for (std::int64_t w = first_index() / 32; w < queries; w += stride() / 32) {
     const std::int64_t i = w % seq, b = w / (seq * heads);
     const int h = static_cast<int>((w / seq) % heads);
-    const float old = lse[w], sink = sinks[h];
-    const float top = fmaxf(old, sink);
-    const float total = top + logf(expf(old - top) + expf(sink - top));
-    const float keep = old == -INFINITY ? 0.0f : expf(old - total);
+    const LseMerge m = merge_lse(lse[w], sinks[h]);
     O* row = out + (i * batch + b) * (heads * head_dim) + h * head_dim;
-    for (std::int64_t d = lane; d < head_dim; d += 32) row[d] = from_f<O>(keep * to_f(row[d]));
+    for (std::int64_t d = lane; d < head_dim; d += 32) row[d] = from_f<O>(m.keep * to_f(row[d]));
     __syncwarp();  // every lane has read the old lse
-    if (lane == 0) lse[w] = total;
+    if (lane == 0) lse[w] = m.total;
   }
 }
 

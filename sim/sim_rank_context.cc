@@ -9,6 +9,7 @@
 
 #include "common/compute_checks.h"
 #include "common/errors.h"
+#include "common/lse_merge.h"
 #include "sim/sim_rank.h"
 #include "sim/sim_rank_kernels.h"
 
@@ -141,7 +142,6 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
     float *OUT = sim_data(acc.out), *LSE = sim_data(acc.lse);
     const std::int64_t out_w = d.heads * d.head_dim;
     const float scale = 1.0f / std::sqrt(static_cast<float>(d.head_dim));
-    const float minus_inf = -std::numeric_limits<float>::infinity();
     std::vector<float> s(static_cast<size_t>(d.kv_seq)), o(static_cast<size_t>(d.head_dim));
     for (std::int64_t b = 0; b < d.batch; ++b) {
       for (std::int64_t h = 0; h < d.heads; ++h) {
@@ -156,13 +156,10 @@ void SimRank::attention_block_(AttentionOut& acc, const Tensor& qkv, const Tenso
               d.batch * d.kv_width, keys.count(), d.head_dim, scale, s.data(), o.data());
           // Merge with what earlier blocks gave this query: weights exp(lse_part - lse_total).
           float& lse = LSE[(b * d.heads + h) * d.seq + i];
-          const float top = std::max(lse, block_lse);
-          const float total = top + std::log(std::exp(lse - top) + std::exp(block_lse - top));
-          const float keep = lse == minus_inf ? 0.0f : std::exp(lse - total),
-                      add = std::exp(block_lse - total);
+          const LseMerge m = merge_lse(lse, block_lse);
           float* out = OUT + d.row(i, b) * out_w + h * d.head_dim;
-          for (std::int64_t e = 0; e < d.head_dim; ++e) out[e] = keep * out[e] + add * o[e];
-          lse = total;
+          for (std::int64_t e = 0; e < d.head_dim; ++e) out[e] = m.keep * out[e] + m.add * o[e];
+          lse = m.total;
         }
       }
     }
@@ -263,12 +260,10 @@ void SimRank::attention_sinks_(AttentionOut& acc, const AttentionSpec& spec) {
         for (std::int64_t i = 0; i < seq; ++i) {
           // The sink is a block of one key whose value is zero: it adds to the total, not to out.
           float& lse = LSE[(b * heads + h) * seq + i];
-          const float top = std::max(lse, SINKS[h]);
-          const float total = top + std::log(std::exp(lse - top) + std::exp(SINKS[h] - top));
-          const float keep = std::isinf(lse) ? 0.0f : std::exp(lse - total);
+          const LseMerge m = merge_lse(lse, SINKS[h]);
           float* out = OUT + (i * batch + b) * heads * head_dim + h * head_dim;
-          for (std::int64_t e = 0; e < head_dim; ++e) out[e] *= keep;
-          lse = total;
+          for (std::int64_t e = 0; e < head_dim; ++e) out[e] *= m.keep;
+          lse = m.total;
         }
       }
     }

@@ -246,6 +246,12 @@ struct AttnDims {
     return (part == 0 ? first + h % per_group : first + per_group + part - 1) * head_dim + d;
   }
   std::int64_t row(std::int64_t pos, std::int64_t b) const { return pos * batch + b; }
+  // The compute model's shape of the call.
+  AttentionShape shape(const AttentionSpec& spec) const {
+    AttentionShape s{batch, seq, heads, head_dim, spec.causal, 0.0f, spec.groups()};
+    s.window = spec.window;
+    return s;
+  }
 };
 }  // namespace
 
@@ -286,8 +292,7 @@ Rank::AttentionOut SimRank::attention(const Tensor& qkv, const AttentionSpec& sp
     }
     round_to_dtype(o.out);
   }
-  AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()};
-  shape.window = spec.window;
+  const AttentionShape shape = a.shape(spec);
   if (kernel == AttentionKernel::Unfused) {
     o.probs = allocate(Shape{batch * heads, a.seq, a.seq}, qkv.dtype(), /*phantom=*/true, op);
   }
@@ -344,9 +349,7 @@ Tensor SimRank::attention_backward(const Tensor& dout, const Tensor& qkv, const 
     }
     round_to_dtype(dqkv);
   }
-  AttentionShape shape{batch, a.seq, heads, a.head_dim, causal, 0.0f, spec.groups()};
-  shape.window = spec.window;
-  launch_attention(kAttentionBackward, shape, spec.kernel, true, qkv.dtype());
+  launch_attention(kAttentionBackward, a.shape(spec), spec.kernel, true, qkv.dtype());
   return dqkv;
 }
 
