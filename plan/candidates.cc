@@ -550,15 +550,13 @@ double StepBound::us(const gpt::Config& c) {
     for (bool windowed : {false, true})
       if (!windowed || c.sliding_window > 0) kinds[moe_layer][windowed] = layer_us(moe_layer, windowed);
   }
-  // The `count` layers from `first` on.
+  // The `count` layers from `first` on: how many of each kind, times the kind's.
   auto layers_us = [&](int first, int count, double LayerUs::*part) {
-    if (c.sliding_window == 0) {
-      const int moe_layers = c.moe_layer_count(first, count);
-      return (count - moe_layers) * (kinds[0][0].*part) + moe_layers * (kinds[1][0].*part);
-    }
+    int layers[2][2] = {};
+    for (int layer = first; layer < first + count; ++layer) ++layers[c.moe_layer(layer)][c.window(layer) > 0];
     double sum = 0;
-    for (int layer = first; layer < first + count; ++layer)
-      sum += kinds[c.moe_layer(layer)][c.window(layer) > 0].*part;
+    for (int moe_layer : {0, 1})
+      for (int windowed : {0, 1}) sum += layers[moe_layer][windowed] * (kinds[moe_layer][windowed].*part);
     return sum;
   };
   auto whole_us = [&](int first, int count) {
@@ -678,7 +676,7 @@ double StepBound::zero_stream_us(const gpt::Config& c, int stage) {
   // A block is one unit: one gather and one reduce-scatter of all its parameters.
   std::int64_t block_elements = 0;
   for (int q = 0; q < gpt::block_params(c); ++q) {
-    if (!gpt::is_mlp_param(c, q) && !gpt::has_block_param(c, 0, q)) continue;  // not asked for
+    if (!gpt::has_block_param(c, q)) continue;
     block_elements += padded(gpt::block_spec(c, 0, q, false));
   }
   const double block_gathers =

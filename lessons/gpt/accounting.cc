@@ -208,7 +208,7 @@ MemoryPlan memory_plan(const Config& c, int stage, const parallel::DataParallel:
   const std::int64_t dt = dtype_bytes(c.dtype), h = c.hidden, hl = h / c.tp;
   std::int64_t block_elements = 0;
   for (int q = 0; q < block_params(c); ++q) {
-    if (!is_mlp_param(c, q) && !has_block_param(c, 0, q)) continue;  // QK-norm's or the sinks, not asked for
+    if (!has_block_param(c, q)) continue;
     block_elements += parallel::local_shape(block_spec(c, 0, q, false), c.tp).numel();
   }
   // FP8: each linear layer's weight copies and its scaling state, for a layer with its dense MLP and for a

@@ -55,14 +55,17 @@ int block_params(const Config& c) {
   return c.llama() ? int{kLlamaParams} : int{kBlockParams};
 }
 
+bool has_block_param(const Config& c, int which) {
+  if (!c.llama()) return true;
+  if (which == kQNorm || which == kKNorm) return c.qk_layernorm;
+  if (which == kSinks) return c.attention_sinks;
+  if (which == kBqkv) return c.add_qkv_bias || c.add_bias_linear;
+  if (which == kBo || which == kB13 || which == kB2) return c.add_bias_linear;
+  return true;
+}
+
 bool has_block_param(const Config& c, int layer, int which) {
-  if (c.llama()) {
-    if (which == kQNorm || which == kKNorm) return c.qk_layernorm;
-    if (which == kSinks) return c.attention_sinks;
-    if (which == kBqkv) return c.add_qkv_bias || c.add_bias_linear;
-    if ((which == kBo || which == kB13 || which == kB2) && !c.add_bias_linear) return false;
-  }
-  return !is_mlp_param(c, which) || c.has_dense_mlp(layer);
+  return has_block_param(c, which) && (!is_mlp_param(c, which) || c.has_dense_mlp(layer));
 }
 
 namespace {
@@ -686,14 +689,15 @@ std::vector<Model::Named> Model::named_params() {
       if (!b.moe) continue;
       out.push_back({kRouterKind, b.layer, &b.router, &dp_});
       if (c_.add_bias_linear) out.push_back({router_bias_kind(c_), b.layer, &b.router_bias, &dp_});
+      // Each local expert's two weights, then its two biases, in pairs.
       const int first_expert = ep_->index * c_.local_experts();
-      for (std::size_t i = 0; i < b.experts.size(); ++i) {
-        const int expert = first_expert + static_cast<int>(i / 2), which = static_cast<int>(i % 2);
-        out.push_back({expert_kind(expert, which), b.layer, &b.experts[i], expert_dp_});
-      }
-      for (std::size_t i = 0; i < b.expert_biases.size(); ++i) {
-        const int expert = first_expert + static_cast<int>(i / 2), which = static_cast<int>(i % 2);
-        out.push_back({expert_bias_kind(c_, expert, which), b.layer, &b.expert_biases[i], expert_dp_});
+      for (bool biases : {false, true}) {
+        std::vector<Param>& pairs = biases ? b.expert_biases : b.experts;
+        for (std::size_t i = 0; i < pairs.size(); ++i) {
+          const int expert = first_expert + static_cast<int>(i / 2), which = static_cast<int>(i % 2);
+          const int kind = biases ? expert_bias_kind(c_, expert, which) : expert_kind(expert, which);
+          out.push_back({kind, b.layer, &pairs[i], expert_dp_});
+        }
       }
     }
   }

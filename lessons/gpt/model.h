@@ -81,8 +81,10 @@ constexpr int kMostBlockParams =
 // The parameters of the configuration's block: kBlockParams or kLlamaParams.
 int block_params(const Config& c);
 // Whether layer `layer` has its block's parameter `which`: a MoE layer's dense MLP only with shared experts,
-// QK-norm's gains and the sinks only when asked for.
+// QK-norm's gains, the sinks and the llama block's biases only when asked for. Without a layer: whether a
+// layer with its dense MLP has it.
 bool has_block_param(const Config& c, int layer, int which);
+bool has_block_param(const Config& c, int which);
 // A block parameter's initial values and how tensor parallelism splits them (`which` a BlockParam or a
 // LlamaParam, as the block is). The gpt block's qkv columns are per head (q, k, v of head 0, then of head
 // 1, ...), so a column block is whole heads. Unnamed (`named` false), it is the same but for its name: the

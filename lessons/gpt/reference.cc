@@ -224,11 +224,6 @@ class Training {
   bool has(int layer, int k) const { return has_block_param(c_, layer, k); }
   // A MoE layer's router (kind kRouterKind) or expert weight (expert_kind).
   int moe_index(int layer, int kind) const { return moe_ + layer * moe_kinds(c_) + (kind - kRouterKind); }
-  // A MoE layer's bias, or none (an empty vector) without --add-bias-linear.
-  const Vec& moe_bias(int layer, int kind) const {
-    static const Vec none;
-    return c_.add_bias_linear ? w_[moe_index(layer, kind)] : none;
-  }
   const Vec& other_weight(OtherParam k) const { return w_[other_ + k]; }
   // Parameter `index`'s gradient in `g` with its magnitudes, for the backward to add into.
   GradSum grad(std::vector<Vec>& g, int index) const { return {g[index], magnitude_[index]}; }
@@ -658,7 +653,7 @@ Vec Training::expert_act_backward(const Vec& u, const Vec& dg) const {
 
 Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
   Vec logits = mm(y, w_[moe_index(layer, kRouterKind)], n, h, E_);
-  if (c_.add_bias_linear) add_bias(logits, moe_bias(layer, router_bias_kind(c_)), n);
+  if (c_.add_bias_linear) add_bias(logits, w_[moe_index(layer, router_bias_kind(c_))], n);
   const std::int64_t win = c_.llama() ? 2 * Fe_ : Fe_;
   a.chosen.assign(n * K_, 0);
   a.kept.assign(n * K_, 1);
@@ -711,10 +706,10 @@ Vec Training::moe_forward(int layer, const Vec& y, BlockActs& a) const {
       if (sigmoid) a.slope[at] = 1 - s(e);
       if (!kept[j]) continue;  // over its expert's capacity: the token keeps the residual for it
       a.route_u[at] = mm(row, w_[moe_index(layer, expert_kind(e, 0))], 1, h, win);
-      if (c_.add_bias_linear) add_bias(a.route_u[at], moe_bias(layer, expert_bias_kind(c_, e, 0)), 1);
+      if (c_.add_bias_linear) add_bias(a.route_u[at], w_[moe_index(layer, expert_bias_kind(c_, e, 0))], 1);
       a.route_g[at] = expert_act(a.route_u[at]);
       a.route_out[at] = mm(a.route_g[at], w_[moe_index(layer, expert_kind(e, 1))], 1, Fe_, h);
-      if (c_.add_bias_linear) add_bias(a.route_out[at], moe_bias(layer, expert_bias_kind(c_, e, 1)), 1);
+      if (c_.add_bias_linear) add_bias(a.route_out[at], w_[moe_index(layer, expert_bias_kind(c_, e, 1))], 1);
       for (std::int64_t d = 0; d < h; ++d) out[t * h + d] += a.gates[at] * a.route_out[at][d];
     }
   }
