@@ -23,6 +23,15 @@ inline Settings tiny_gpt() {
   return o;
 }
 
+// The tiny model with the llama block: its 4 heads share 2 key-value heads, SwiGLU 96.
+inline Settings tiny_llama() {
+  Settings o = tiny_gpt();
+  o["block"] = "llama";
+  o["kv-heads"] = option_text(2);
+  o["ffn-hidden"] = option_text(96);
+  return o;
+}
+
 // The lesson's defaults on 4 ranks (dp 4) for `steps` steps: long enough to train the tiny model near its
 // minimum, where gradients cancel while their roundings do not shrink.
 inline Settings defaults_for_steps(int steps) {

@@ -22,15 +22,7 @@ namespace {
 
 using testing::expect_usage_error;
 using testing::run_gpt;
-
-// The tiny model with the llama block: its 4 heads share 2 key-value heads, SwiGLU 96.
-Settings tiny_llama() {
-  Settings o = testing::tiny_gpt();
-  o["block"] = "llama";
-  o["kv-heads"] = option_text(2);
-  o["ffn-hidden"] = option_text(96);
-  return o;
-}
+using testing::tiny_llama;
 
 // A layout's flags on top of the tiny model.
 using Case = std::tuple<std::string, Settings>;

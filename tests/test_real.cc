@@ -937,6 +937,33 @@ TEST(CudaBackend, LlamaKernelsMatchTheSimulator) {
   }
 }
 
+// Context parallelism's blocks, each of `own` (qkv's own keys, key_values) or `other` keys, merged into a
+// float32 accumulator from zeros and -infinity.
+using Blocks = std::vector<std::pair<Tensor, Rank::AttentionBlock>>;
+Rank::AttentionOut merge_blocks(Rank& r, const Tensor& qkv, const AttentionSpec& spec, const Blocks& blocks) {
+  const std::int64_t rows = qkv.size(0), hd = qkv.size(1) / (spec.heads + 2 * spec.groups());
+  Rank::AttentionOut acc{r.zeros({rows, spec.heads * hd}), r.full({spec.batch, spec.heads, rows / spec.batch},
+                                                                  -std::numeric_limits<float>::infinity())};
+  for (const auto& [keys, block] : blocks) r.attention_block_(acc, qkv, keys, spec, block);
+  return acc;
+}
+// Each block's backward from the final out and lse, the key gradients of `own` added back into d qkv;
+// keeps `other`'s key gradients, then d qkv.
+void blocks_backward(Rank& r, const Tensor& qkv, const Tensor& own, const Tensor& other, const Tensor& out,
+                     const Tensor& lse, const Tensor& dout, const AttentionSpec& spec, const Blocks& blocks,
+                     const std::function<void(const Tensor&)>& keep) {
+  const DType t = qkv.dtype();
+  const Tensor dqkv = r.zeros(qkv.shape(), t), down = r.zeros(own.shape(), t),
+               dother = r.zeros(other.shape(), t);
+  for (const auto& [keys, block] : blocks) {
+    r.attention_block_backward_(dqkv, keys.same_storage(own) ? down : dother, dout, qkv, keys, out, lse, spec,
+                                block);
+  }
+  keep(dother);
+  r.add_key_values_(dqkv, down, spec);
+  keep(dqkv);
+}
+
 TEST(CudaBackend, ContextParallelBlocksMatchTheSimulator) {
   REQUIRE_GPU();
   // Ring attention's kernels (lessons/parallel/context_parallel.cc): a rank's queries against blocks of keys
@@ -953,26 +980,16 @@ TEST(CudaBackend, ContextParallelBlocksMatchTheSimulator) {
       const Tensor own = r.key_values(qkv, spec);
       const Tensor other = r.randn({half * spec.batch, 2 * spec.groups() * hd}, 62, 1.0f, t);
       keep(own);
-      Rank::AttentionOut acc{r.zeros({rows, spec.heads * hd}),
-                             r.full({spec.batch, spec.heads, seq}, -std::numeric_limits<float>::infinity())};
-      const std::vector<std::pair<Tensor, Rank::AttentionBlock>> blocks = {
+      const Blocks blocks = {
           {own, {0, -1, true, 0, 0}},
           {other, {0, -1, false, 0, 0}},
           {other, {half, half, true, 100, 95}},
           {other, {0, 10, true, 0, 5}},  // queries 0 to 4 see none of it
       };
-      for (const auto& [keys, block] : blocks) r.attention_block_(acc, qkv, keys, spec, block);
+      const Rank::AttentionOut acc = merge_blocks(r, qkv, spec, blocks);
       keep(acc.out), keep(acc.lse);
       const Tensor out = r.cast(acc.out, t), dout = r.randn(out.shape(), 63, 1.0f, t);
-      const Tensor dqkv = r.zeros(qkv.shape(), t), down = r.zeros(own.shape(), t),
-                   dother = r.zeros(other.shape(), t);
-      for (const auto& [keys, block] : blocks) {
-        r.attention_block_backward_(dqkv, keys.same_storage(own) ? down : dother, dout, qkv, keys, out,
-                                    acc.lse, spec, block);
-      }
-      keep(dother);
-      r.add_key_values_(dqkv, down, spec);
-      keep(dqkv);
+      blocks_backward(r, qkv, own, other, out, acc.lse, dout, spec, blocks, keep);
       return all;
     });
     const double tol = t == DType::Float32 ? 1e-4 : 5e-2;
@@ -1018,9 +1035,7 @@ TEST(CudaBackend, SlidingWindowAndSinksMatchTheSimulator) {
       const Tensor qkv = r.randn({rows, (spec.heads + 2 * spec.groups()) * hd}, 74, 1.0f, t);
       const Tensor own = r.key_values(qkv, spec);
       const Tensor other = r.randn({half * spec.batch, 2 * spec.groups() * hd}, 75, 1.0f, t);
-      const float inf = std::numeric_limits<float>::infinity();
-      Rank::AttentionOut acc{r.zeros({rows, spec.heads * hd}), r.full({spec.batch, spec.heads, seq}, -inf)};
-      const std::vector<std::pair<Tensor, Rank::AttentionBlock>> blocks = {
+      const Blocks blocks = {
           {own, {0, -1, true, 0, 0}},
           // Query i (position 100 + i) sees positions 61 + i to 100 + i of the keys' 60 to 129: from query 30
           // on fewer than the window, from 69 on none.
@@ -1028,26 +1043,17 @@ TEST(CudaBackend, SlidingWindowAndSinksMatchTheSimulator) {
           {other, {0, 10, true, 0, 5}},          // queries 0 to 4 see none of it
           {other, {half, half, true, 300, 95}},  // every key is before every query's window
       };
-      for (const auto& [keys, block] : blocks) r.attention_block_(acc, qkv, keys, spec, block);
+      Rank::AttentionOut acc = merge_blocks(r, qkv, spec, blocks);
       EXPECT_THROW(r.attention_block_(acc, qkv, own, with_sinks, blocks[0].second), UsageError);
       r.attention_sinks_(acc, with_sinks);
       keep(acc.out), keep(acc.lse);
       // Queries that saw no key at all: the sink alone, out 0.
-      Rank::AttentionOut lone{r.zeros({rows, spec.heads * hd}), r.full({spec.batch, spec.heads, seq}, -inf)};
-      r.attention_block_(lone, qkv, other, spec, blocks[2].second);
+      Rank::AttentionOut lone = merge_blocks(r, qkv, spec, {blocks[2]});
       r.attention_sinks_(lone, with_sinks);
       keep(lone.out), keep(lone.lse);
 
       const Tensor out = r.cast(acc.out, t), dout = r.randn(out.shape(), 76, 1.0f, t);
-      const Tensor dqkv = r.zeros(qkv.shape(), t), down = r.zeros(own.shape(), t),
-                   dother = r.zeros(other.shape(), t);
-      for (const auto& [keys, block] : blocks) {
-        r.attention_block_backward_(dqkv, keys.same_storage(own) ? down : dother, dout, qkv, keys, out,
-                                    acc.lse, spec, block);
-      }
-      keep(dother);
-      r.add_key_values_(dqkv, down, spec);
-      keep(dqkv);
+      blocks_backward(r, qkv, own, other, out, acc.lse, dout, spec, blocks, keep);
       keep(r.attention_sinks_backward(dout, out, acc.lse, with_sinks));
       return all;
     });

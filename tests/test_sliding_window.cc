@@ -301,10 +301,7 @@ TEST(SlidingWindow, BadSpecsAreRefusedNamingWhatIsWrong) {
 // The tiny llama model with gpt-oss's attention: a window of 5 keys in layers 0 and 2, every earlier key
 // in layers 1 and 3, and sinks.
 Settings tiny_gpt_oss() {
-  Settings o = testing::tiny_gpt();
-  o["block"] = "llama";
-  o["kv-heads"] = option_text(2);
-  o["ffn-hidden"] = option_text(96);
+  Settings o = testing::tiny_llama();
   o["sliding-window"] = option_text(5);
   o["sliding-window-layers"] = "every:2";
   o["attention-sinks"] = option_text(true);
@@ -381,21 +378,20 @@ TEST(SlidingWindow, BadFlagsNameTheFlag) {
   o.erase("kv-heads");
   o.erase("ffn-hidden");
   expect_usage_error(o, "--attention-sinks: the gpt block's attention has no sinks");
-  o = tiny_gpt_oss();
-  o["sliding-window-layers"] = "every:0";
-  expect_usage_error(o, "--sliding-window-layers every:N needs N of 1 or more");
-  o = tiny_gpt_oss();
-  o["sliding-window-layers"] = "from:9";
-  expect_usage_error(o, "--sliding-window-layers from:9 windows none of the 4 layers");
-  o = tiny_gpt_oss();
-  o["sliding-window-layers"] = "odd";
-  expect_usage_error(o, "--sliding-window-layers odd: give all, every:N");
-  o = tiny_gpt_oss();
-  o["attention"] = "unfused";
-  expect_usage_error(o, "--sliding-window runs in the fused attention kernels");
-  o = tiny_gpt_oss();
-  o["sliding-window"] = "-1";
-  expect_usage_error(o, "--sliding-window");
+  // One flag changed from the tiny gpt-oss model, and what the error must say.
+  struct Case {
+    std::string flag, value, says;
+  };
+  for (const Case& k :
+       {Case{"sliding-window-layers", "every:0", "--sliding-window-layers every:N needs N of 1"},
+        Case{"sliding-window-layers", "from:9", "--sliding-window-layers from:9 windows none"},
+        Case{"sliding-window-layers", "odd", "--sliding-window-layers odd: give all, every:N"},
+        Case{"attention", "unfused", "--sliding-window runs in the fused attention kernels"},
+        Case{"sliding-window", "-1", "--sliding-window"}}) {
+    o = tiny_gpt_oss();
+    o[k.flag] = k.value;
+    expect_usage_error(o, k.says);
+  }
 }
 
 }  // namespace
