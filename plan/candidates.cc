@@ -401,7 +401,7 @@ double StepBound::comm_us(CommOp op, std::int64_t bytes, const std::vector<int>&
   return comm_[key] = t;
 }
 
-double StepBound::us(const gpt::Config& c) {
+double StepBound::us(const gpt::Config& c, std::span<const double> stage_kernels_us) {
   // The kernels each take what the simulator's compute model charges them (sim/compute_model.h), for the
   // shapes the model's code gives them (model.cc, parallel/tensor_parallel.cc): per layer, per micro-batch of
   // R = s b rows, on one tp rank, four GEMMs forward, the weight's and the input's gradient of each backward,
@@ -438,8 +438,10 @@ double StepBound::us(const gpt::Config& c) {
     attention_fwd[1] = k.attention_us(a, c.attention, false, d) / c.cp;
     attention_bwd[1] = k.attention_us(a, c.attention, true, d) / c.cp;
   }
+  // A layer's forward and backward, and of them what the compute stream waits for communication (the
+  // blocking collectives, at their time alone on the machine): the rest is its kernels.
   struct LayerUs {
-    double forward = 0, backward = 0;
+    double forward = 0, backward = 0, comm = 0;
   };
   // The routes each expert receives from each rank of its ep group, every expert getting its share
   // (parallel::route_balanced, the fewer where they do not divide) and no more than a capacity.
@@ -512,9 +514,10 @@ double StepBound::us(const gpt::Config& c) {
     u.backward += k.memory_us(mem.backward_bytes) + attention_bwd[windowed];
     if (c.recompute == gpt::Recompute::Selective) u.backward += attention_fwd[windowed];
     u.forward += attention_fwd[windowed];
+    double comm_forward = 0, comm_backward = 0;
     if (moe_layer) {
-      u.forward += ep_forward_us;
-      u.backward += 2 * ep_pieces_us + etp_us;
+      comm_forward += ep_forward_us;
+      comm_backward += 2 * ep_pieces_us + etp_us;
     }
     // The layer's blocking tensor-parallel collectives of [s b, h] activations (tensor_parallel.h), per
     // column-then-row pair (attention's, and the MLP's where the layer has one): without sequence
@@ -530,17 +533,23 @@ double StepBound::us(const gpt::Config& c) {
       if (c.seq_parallel) {
         const double gather = comm_us(CommOp::AllGather, act_bytes, tp_ranks),
                      scatter = comm_us(CommOp::ReduceScatter, act_bytes, tp_ranks);
-        u.forward += pairs * (gather + scatter);
-        u.backward += pairs * (c.async_tp_allreduce ? gather : 2 * gather + scatter);
+        comm_forward += pairs * (gather + scatter);
+        comm_backward += pairs * (c.async_tp_allreduce ? gather : 2 * gather + scatter);
       } else {
         const double reduce = comm_us(CommOp::AllReduce, act_bytes, tp_ranks);
-        u.forward += pairs * reduce;
-        if (!c.async_tp_allreduce) u.backward += pairs * reduce;
+        comm_forward += pairs * reduce;
+        if (!c.async_tp_allreduce) comm_backward += pairs * reduce;
       }
     }
+    u.forward += comm_forward;
+    u.backward += comm_backward;
+    u.comm = comm_forward + comm_backward;
     // Full recomputation runs the whole forward once more before the backward, the collectives its compute
     // waits for included (Model::rebuild: "the forward once more, its communication included").
-    if (c.recompute == gpt::Recompute::Full) u.backward += u.forward;
+    if (c.recompute == gpt::Recompute::Full) {
+      u.backward += u.forward;
+      u.comm += comm_forward;
+    }
     return u;
   };
   // By [MoE][windowed].
@@ -589,6 +598,16 @@ double StepBound::us(const gpt::Config& c) {
       per_micro_batch += whole_us(c.chunk_first_layer(vs), c.chunk_layers(vs));
     }
     if (stage == c.pp - 1) per_micro_batch += head_us;  // the head is on the last virtual stage
+    // A stage's kernels measured in a short run of the layout take at least what the model charges
+    // them; its blocking communication stays at its time alone.
+    if (!stage_kernels_us.empty()) {
+      double comm = 0;
+      for (int chunk = 0; chunk < c.v; ++chunk) {
+        const int vs = stage + chunk * c.pp;
+        comm += layers_us(c.chunk_first_layer(vs), c.chunk_layers(vs), &LayerUs::comm);
+      }
+      per_micro_batch = std::max(per_micro_batch, stage_kernels_us[stage] + comm);
+    }
     // ...after the first micro-batch's forward through the chunks ahead of it, and before the last one's
     // backward through them (a stage's last task is the last micro-batch's backward of its first chunk).
     bound = std::max(bound, m * per_micro_batch + ahead_us + optimizer_us);

@@ -25,12 +25,15 @@
 // which gathers and reduces the experts (the dense stream is then left out). Full recomputation adds the
 // forward again to each backward, its collectives included. The rest of the data-parallel communication
 // and the embedding's kernels are left out, so no simulated step can be faster; search.h uses the bound to
-// simulate the cheapest layouts first and to skip those that cannot beat the best found.
+// simulate the cheapest layouts first and to skip those that cannot beat the best found. Given each
+// stage's kernel time per micro-batch as a short run measured it (search.h, "Probing"), the bound takes
+// that, with the stage's blocking collectives at their time alone, where it exceeds the model's sum.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -127,6 +130,7 @@ struct Candidate {
   Status status = Status::Pending;
   std::string reason;               // why invalid or out of memory
   double bound_us = 0;              // lower bound on the step time
+  bool probed = false;              // bound_us counts the kernels a probe measured (search.h)
   std::int64_t planned_bytes = 0;   // the memory plan's largest stage total
   std::int64_t capacity_bytes = 0;  // the device's
 };
@@ -154,8 +158,10 @@ class StepBound {
   ~StepBound();
   StepBound(const StepBound&) = delete;
   StepBound& operator=(const StepBound&) = delete;
-  // For a valid configuration on the profile's nodes.
-  double us(const gpt::Config& c);
+  // For a valid configuration on the profile's nodes. With `stage_kernels_us` (one per pipeline stage),
+  // each stage's compute-stream kernels per micro-batch as a short run of the layout measured them, taken
+  // where they exceed the model's sum (see measure_stage_kernels in search.h).
+  double us(const gpt::Config& c, std::span<const double> stage_kernels_us = {});
   // The stage states the bound reads its optimizer's bytes from, for the memory plans to share.
   StageStates& states() { return states_; }
 

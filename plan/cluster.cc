@@ -53,6 +53,7 @@ std::string encode(const Message& m) {
     j["layout"] = m.layout;
     j["symmetry"] = m.symmetry;
     j["extrapolate"] = m.extrapolate;
+    if (m.cutoff) j["cutoff"] = {{"us", m.cutoff->us}, {"name", m.cutoff->name}};
   } else if (m.kind == Message::Kind::Error) {
     j["error"] = m.error;
     j["host"] = m.host;
@@ -63,6 +64,7 @@ std::string encode(const Message& m) {
                       {"status", static_cast<int>(k.status)},
                       {"reason", k.reason},
                       {"bound_us", k.bound_us},
+                      {"probed", k.probed},
                       {"planned_bytes", k.planned_bytes},
                       {"capacity_bytes", k.capacity_bytes}};
     if (r.run) j["run"] = simulated_json(*r.run);
@@ -86,6 +88,10 @@ Message decode(const std::string& text, int from) {
       m.layout = j.at("layout").get<std::string>();
       m.symmetry = j.at("symmetry").get<bool>();
       m.extrapolate = j.at("extrapolate").get<bool>();
+      if (j.contains("cutoff")) {
+        const json& c = j.at("cutoff");
+        m.cutoff = Cutoff{c.at("us").get<double>(), c.at("name").get<std::string>()};
+      }
     } else if (kind == "error") {
       m.kind = Message::Kind::Error;
       m.error = j.at("error").get<std::string>();
@@ -99,6 +105,7 @@ Message decode(const std::string& text, int from) {
       r.candidate.status = static_cast<Status>(k.at("status").get<int>());
       r.candidate.reason = k.at("reason").get<std::string>();
       r.candidate.bound_us = k.at("bound_us").get<double>();
+      r.candidate.probed = k.at("probed").get<bool>();
       r.candidate.planned_bytes = k.at("planned_bytes").get<std::int64_t>();
       r.candidate.capacity_bytes = k.at("capacity_bytes").get<std::int64_t>();
       if (j.contains("run")) r.run = simulated_from(j.at("run"), document);

@@ -40,6 +40,7 @@ struct Message {
   // Task: the layout and how to simulate it.
   std::string layout;
   bool symmetry = true, extrapolate = false;
+  std::optional<Cutoff> cutoff;
   // Result.
   std::optional<plan::Result> result;
   // Error: what the simulation threw, and where.

@@ -47,6 +47,9 @@ const OptionTable<Request>& request_options() {
       {"no-extrapolation", &O::no_extrapolation,
        "screen every layout over its whole step, not a step of m >= 12 p micro-batches from steps of 2 p and "
        "4 p (slower; for checking)"},
+      {"no-probe", &O::no_probe,
+       "screen every layout the model's bound leaves, without first bounding it again from the kernels of a "
+       "short run (slower; for checking)"},
       Option<O>(
           "jobs", &O::jobs,
           "simulations at once, each on a thread, at most one per core (0: one per core); the answer is "
@@ -213,6 +216,7 @@ int plan_command(const Request& r, Messenger* cluster) {
   options.max_candidates = r.max_candidates;
   options.symmetry = !r.no_symmetry;
   options.extrapolate = !r.no_extrapolation;
+  options.probe = !r.no_probe;
   options.progress = r.progress;
   options.jobs = jobs;
   options.cluster = cluster;

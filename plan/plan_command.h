@@ -30,6 +30,7 @@ struct Request {
   int max_candidates = 0;  // 0: no limit
   bool no_symmetry = false;
   bool no_extrapolation = false;
+  bool no_probe = false;
   int jobs = 0;     // simulations at once; 0: one per core
   int confirm = 1;  // see SearchOptions
   double confirm_margin = 0.01;

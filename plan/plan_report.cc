@@ -108,8 +108,12 @@ std::string format_counts(const Plan& p) {
   const int screened = p.simulated + p.rejected_by_run;
   out += fmt::format(
       "simulated {}: {} finished, {} ran out of memory in the simulation; {} pruned (their bound "
-      "cannot beat the best){}\n",
+      "cannot beat the best){}{}\n",
       screened, p.simulated, p.rejected_by_run, p.pruned,
+      p.probed > 0
+          ? fmt::format("; {} probed first with short steps, {} of them pruned by the kernels measured",
+                        p.probed, p.pruned_by_probe)
+          : "",
       p.unexplored > 0 ? fmt::format("; {} not simulated (--max-candidates)", p.unexplored) : "");
   if (p.symmetric) {
     out += fmt::format(
@@ -286,6 +290,7 @@ nlohmann::json result_json(const Result& r, int rank) {
                       {"order", l.order}};
   if (k.status != Status::Invalid) {
     j["step_time_lower_bound_us"] = k.bound_us;
+    if (k.probed) j["bound_probed"] = true;
     j["planned_peak_bytes"] = k.planned_bytes;
   }
   if (!k.reason.empty()) j["reason"] = k.reason;
@@ -353,6 +358,8 @@ std::string plan_to_json(const Plan& p) {
                  {"rejected_memory_by_plan", p.rejected_by_plan},
                  {"rejected_memory_by_simulation", p.rejected_by_run},
                  {"pruned_bound", p.pruned},
+                 {"probed", p.probed},
+                 {"pruned_by_probe", p.pruned_by_probe},
                  {"unexplored", p.unexplored},
                  {"simulated", p.simulated},
                  {"confirmed_full", p.confirmed},

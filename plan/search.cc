@@ -111,38 +111,97 @@ TrainingStats extrapolate(const TrainingStats& a, const TrainingStats& b, std::i
 
 namespace {
 
-// One run of the gpt lesson for layout `l`; nullopt with the simulator's message in `reason` when it ran out
-// of memory.
-std::optional<Simulated> run_step(const Question& q, const Layout& l, bool symmetry, std::string& reason) {
-  const gpt::Config c = lesson_config(q, l);
+// One run of the gpt lesson for layout `l`; OutOfMemoryError when it runs out of memory. The ranks' busy
+// times (RankSummary) are kept `with_totals` (they are the timeline's).
+RunReport run_lesson_step(const Question& q, const Layout& l, bool symmetry, bool with_totals = false) {
   SimConfig config;
   config.profile = q.profile;
   config.echo_output = false;
-  config.progress = false;       // the search shows its own
-  config.keep_timeline = false;  // it reads the training figures and the peaks only
+  config.progress = false;  // the search shows its own
+  config.keep_timeline = with_totals;
   if (symmetry) config.symmetry = symmetry_of(l);
   SimBackend backend(config);
+  RunReport rep = run_lesson(backend, "gpt", lesson_settings(q, l));
+  if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
+  return rep;
+}
+
+// The same, read as a Simulated; nullopt with the simulator's message in `reason` when it ran out of memory.
+std::optional<Simulated> run_step(const Question& q, const Layout& l, bool symmetry, std::string& reason) {
   try {
-    const RunReport rep = run_lesson(backend, "gpt", lesson_settings(q, l));
-    if (!rep.training) throw Error(fmt::format("gpt {}: the run reported no training figures", l.name()));
-    return read_run(rep, c);
+    return read_run(run_lesson_step(q, l, symmetry), lesson_config(q, l));
   } catch (const OutOfMemoryError& e) {
     reason = e.what();
     return std::nullopt;
   }
 }
 
+// The micro-batches a probe's two steps run: a multiple of p with interleaving (the schedule needs it).
+std::int64_t probe_unit(const Layout& l) {
+  return l.v > 1 ? l.pp : 1;
+}
+
+// Whether probing a layout costs at most a fifth of its screening: the probe's 5 units of micro-batches
+// against the screening's m (6 p where it is extended from two short steps).
+bool worth_probing(const gpt::Config& c, bool extrapolate_step) {
+  const std::int64_t m = c.micro_batches();
+  const std::int64_t screened = extrapolate_step && m >= 12 * c.pp ? 6 * c.pp : m;
+  return 5 * 5 * (c.v > 1 ? c.pp : 1) <= screened;
+}
+
 }  // namespace
 
-Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapolate_step) {
+std::optional<std::vector<double>> measure_stage_kernels(const Question& q, const Layout& l) {
+  const gpt::Config c = lesson_config(q, l);
+  const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
+  const std::int64_t unit = probe_unit(l);
+  // Each stage's kernel time: its ranks' compute-stream busy time less what communication kernels on the
+  // same GPU took from it, the most of the stage's ranks that ran.
+  auto kernels = [&](std::int64_t m) {
+    Question shorter = q;
+    shorter.global_batch = m * l.micro_batch * l.dp;
+    std::vector<double> us(c.pp, 0.0);
+    for (const RankSummary& r : run_lesson_step(shorter, l, true, true).ranks) {
+      if (r.mirror_of >= 0) continue;
+      double& stage = us[grid.coord(r.rank).pp];
+      stage = std::max(stage, r.compute_us - r.comm_slowed_compute_us);
+    }
+    return us;
+  };
+  try {
+    const std::vector<double> a = kernels(2 * unit), b = kernels(3 * unit);
+    std::vector<double> per_micro_batch(c.pp);
+    for (int s = 0; s < c.pp; ++s)
+      per_micro_batch[s] = std::max(0.0, (b[s] - a[s]) / static_cast<double>(unit));
+    return per_micro_batch;
+  } catch (const OutOfMemoryError&) {
+    return std::nullopt;  // the screening says so, with its own step
+  }
+}
+
+Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapolate_step,
+                const std::optional<Cutoff>& cutoff) {
   Result out;
   out.candidate.layout = l;
   out.candidate.name = l.name();
   out.candidate.capacity_bytes = q.profile.hbm_capacity_bytes();
   const gpt::Config c = lesson_config(q, l);  // UsageError for a layout the lesson refuses
-  out.candidate.bound_us = StepBound(q.profile).us(c);
+  StepBound bound(q.profile);
+  out.candidate.bound_us = bound.us(c);
   out.candidate.planned_bytes = planned_peak_bytes(c);
   const auto t0 = std::chrono::steady_clock::now();
+  if (cutoff && symmetry && worth_probing(c, extrapolate_step)) {
+    // An empty cutoff (nothing simulated yet) probes and screens.
+    if (const std::optional<std::vector<double>> kernels = measure_stage_kernels(q, l)) {
+      out.candidate.bound_us = std::max(out.candidate.bound_us, bound.us(c, *kernels));
+      out.candidate.probed = true;
+      if (!cutoff->beatable_by(out.candidate)) {
+        out.candidate.status = Status::PrunedBound;
+        out.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        return out;
+      }
+    }
+  }
   const std::int64_t m = c.micro_batches(), short_m = 2 * c.pp;
   std::optional<Simulated> run;
   if (symmetry && extrapolate_step && m >= 6 * short_m) {
@@ -189,6 +248,7 @@ namespace {
 struct Task {
   Layout layout;
   bool symmetry = true, extrapolate = false;
+  std::optional<Cutoff> cutoff;  // probe first, and screen only what may beat it
 };
 
 // Simulations at most `jobs` at once on threads of this process, and with a cluster `jobs` more on each of
@@ -232,6 +292,7 @@ class Pool {
       m.layout = name;
       m.symmetry = task.symmetry;
       m.extrapolate = task.extrapolate;
+      m.cutoff = task.cutoff;
       cluster_->send(on, encode(m));
       remote_[id] = Remote{name, on, std::nullopt};
       return;
@@ -242,7 +303,7 @@ class Pool {
       std::optional<Result> r;
       std::exception_ptr error;
       try {
-        r = simulate(q_, task.layout, task.symmetry, task.extrapolate);
+        r = simulate(q_, task.layout, task.symmetry, task.extrapolate, task.cutoff);
       } catch (const std::bad_alloc&) {
         // This host, not the simulated device, ran out: the layout is reported so, and the search goes on.
         r.emplace();
@@ -347,10 +408,7 @@ class Pool {
 };
 
 // The best simulated step so far; ties go to the earlier name.
-struct Best {
-  double us = 0;
-  std::string name;
-
+struct Best : Cutoff {
   void offer(const Result& r) {
     if (r.candidate.status != Status::Simulated) return;
     const double t = r.run->stats.step_time_us;
@@ -358,11 +416,6 @@ struct Best {
       us = t;
       name = r.candidate.name;
     }
-  }
-  // A layout can win only by a shorter step, or an equal one and an earlier name; its step is no shorter
-  // than its bound.
-  bool beatable_by(const Candidate& k) const {
-    return name.empty() || k.bound_us < us || (k.bound_us == us && k.name < name);
   }
 };
 
@@ -451,8 +504,14 @@ class Search {
         if (p < pos) b.offer(r);
       return b;
     };
+    // A layout not probed yet is probed first (where that is worth it), its screening skipped if the bound
+    // then cannot beat what is known before it: what is known at its turn can only be better (the best
+    // only falls), so such a layout is pruned at its turn whatever ran when.
     auto start = [&](std::size_t pos) {
-      pool_.start(pos, Task{pending_[order[pos]].candidate.layout, options_.symmetry, options_.extrapolate});
+      const Candidate& k = pending_[order[pos]].candidate;
+      std::optional<Cutoff> cutoff;
+      if (options_.probe && options_.prune && !k.probed) cutoff = known_before(pos);
+      pool_.start(pos, Task{k.layout, options_.symmetry, options_.extrapolate, cutoff});
     };
     auto drop = [&](std::size_t pos) {
       finished.erase(pos);
@@ -477,13 +536,29 @@ class Search {
         const std::size_t pos = commit;
         Result& slot = pending_[order[pos]];
         Candidate& k = slot.candidate;
+        const auto it = finished.find(pos);
+        // What a probe measured counts only for a layout the model's bound leaves, as it would had the
+        // layouts run one at a time.
+        const bool probed_now = options_.prune && best.beatable_by(k) && it != finished.end() &&
+                                it->second.candidate.probed && !k.probed;
+        if (probed_now) {
+          k.bound_us = std::max(k.bound_us, it->second.candidate.bound_us);
+          k.probed = true;
+          slot.wall_s += it->second.wall_s;
+          ++plan_.probed;
+        }
         if (options_.prune && !best.beatable_by(k)) {
           k.status = Status::PrunedBound;
           ++plan_.pruned;
+          plan_.pruned_by_probe += probed_now;
         } else if (most > 0 && attempted_ >= most) {
           k.status = Status::Unexplored;
           ++plan_.unexplored;
-        } else if (auto it = finished.find(pos); it != finished.end()) {
+        } else if (it != finished.end() && it->second.candidate.status == Status::PrunedBound) {
+          // Probed out against a best that the results before it did not lower after all: screened now.
+          finished.erase(it);
+          continue;
+        } else if (it != finished.end()) {
           accept(slot, std::move(it->second));
           finished.erase(it);
           best.offer(slot);
@@ -518,6 +593,7 @@ class Search {
     ++attempted_;
     // (A run the host's memory cut short knows only its layout: the bound stays the one it was tried by.)
     r.candidate.bound_us = slot.candidate.bound_us;
+    r.candidate.probed = slot.candidate.probed;
     r.candidate.planned_bytes = slot.candidate.planned_bytes;
     r.candidate.capacity_bytes = slot.candidate.capacity_bytes;
     r.candidate.status == Status::Simulated ? ++plan_.simulated : ++plan_.rejected_by_run;
@@ -549,7 +625,7 @@ class Search {
       while (done.size() < todo.size()) {
         while (pool_.has_room() && next < todo.size()) {
           const std::size_t i = todo[next++];
-          pool_.start(i, Task{pending_[i].candidate.layout, false, false});
+          pool_.start(i, Task{pending_[i].candidate.layout, false, false, std::nullopt});
         }
         show("confirming with every rank running");
         for (const std::size_t i : pool_.wait_done()) done.emplace(i, pool_.take(i));
@@ -659,7 +735,7 @@ void serve(const Question& q, Messenger& cluster, int jobs) {
         e.host = cluster.host();
         answer(e);
       } else {
-        pool.start(m.id, Task{parse_layout(m.layout), m.symmetry, m.extrapolate});
+        pool.start(m.id, Task{parse_layout(m.layout), m.symmetry, m.extrapolate, m.cutoff});
       }
     }
     for (const std::size_t id : pool.wait_done(std::chrono::milliseconds(2))) {

@@ -27,6 +27,15 @@
 // least 12 p, a screening runs steps of 2 p and 4 p micro-batches (6 p in all, half the step or less) and
 // extends the line through them to m (extrapolate()); a confirmation runs the whole step.
 //
+// Probing before screening. The model's bound (candidates.h) charges each kernel what the compute model
+// gives its shape, and the memory-bound ones their bytes at the HBM's bandwidth; the simulator charges more
+// where launches, small kernels and the ones the bound leaves out (permutations, ZeRO's per-micro-batch
+// copies) weigh, so on a mixture of experts a layout's bound may be half its step. Before screening a layout
+// whose step has at least 25 micro-batches (a multiple of p with interleaving: 25 p), the search probes it:
+// two symmetric steps of 2 and 3 micro-batches measure each stage's kernel time per micro-batch
+// (measure_stage_kernels), the bound is taken again with it, and a layout that bound cannot let win is
+// pruned without its screening. Probing costs a fifth of a screening or less.
+//
 // Simulations run `jobs` at a time, each on a thread of its own. The decisions are taken in the order of
 // the bound as a one-at-a-time search would take them, whatever order the runs finish in, so the answer
 // does not depend on `jobs`: a layout is simulated speculatively only when what is known could not prune
@@ -69,13 +78,26 @@ struct Result {
   double wall_s = 0;  // what simulating it took here, its runs together (0: not simulated)
 };
 
+// A step to beat: the best simulated so far, its time and its layout's name ("": none yet). A layout can
+// win only by a shorter step, or an equal one and an earlier name; its step is no shorter than its bound.
+struct Cutoff {
+  double us = 0;
+  std::string name;
+  bool beatable_by(const Candidate& k) const {
+    return name.empty() || k.bound_us < us || (k.bound_us == us && k.name < name);
+  }
+};
+
 struct SearchOptions {
   int max_candidates = 0;   // the most layouts screened; 0: no limit
   bool symmetry = true;     // screen with SimConfig::symmetry (false: every run has every rank running)
   bool extrapolate = true;  // screen long steps from two short ones (false: every run runs the whole step)
   bool progress = true;     // a progress line on stderr when it is a terminal
   bool prune = true;        // false: simulate every layout that fits the plan (to check the bound)
-  int jobs = 1;             // simulations at once, each on a thread
+  // Probe a layout before screening it (measure_stage_kernels), where that costs a fifth of the screening
+  // or less, and prune it if the bound with the kernels measured cannot beat the best so far.
+  bool probe = true;
+  int jobs = 1;  // simulations at once, each on a thread
   // After symmetric screening, the layouts simulated again with every rank running: the first `confirm`
   // of the ranking, and every one whose screened step is within `confirm_margin` (a fraction) of the best
   // step; none with confirm 0 (a world too large to run whole here). Unused without symmetry.
@@ -91,11 +113,13 @@ struct Plan {
   std::vector<Result> results;
   int enumerated = 0, invalid = 0, rejected_by_plan = 0, rejected_by_run = 0, pruned = 0, unexplored = 0,
       simulated = 0;
-  bool symmetric = true;  // screened with SimConfig::symmetry
-  int confirmed = 0;      // simulations again with every rank running, after screening
-  int jobs = 1;           // simulations at once on each process
-  int processes = 1;      // the processes of the job that ran it (cluster.h)
-  int screenings = 0;     // rounds of screening (more than one when a full run let a pruned layout back in)
+  int probed = 0;           // layouts probed before their screening (measure_stage_kernels)
+  int pruned_by_probe = 0;  // of the pruned, those whose bound counts what their probe measured
+  bool symmetric = true;    // screened with SimConfig::symmetry
+  int confirmed = 0;        // simulations again with every rank running, after screening
+  int jobs = 1;             // simulations at once on each process
+  int processes = 1;        // the processes of the job that ran it (cluster.h)
+  int screenings = 0;       // rounds of screening (more than one when a full run let a pruned layout back in)
   double wall_s = 0;
   std::vector<const Result*> ranked() const;  // the simulated ones, best first
 };
@@ -107,8 +131,21 @@ SimSymmetry symmetry_of(const Layout& l);
 // Simulates one layout; a Result of status Simulated, or RejectedMemory when the run ran out of memory.
 // With `symmetry`, one rank per pipeline stage runs (the result is a screening: `full` false); with
 // `extrapolate` as well, a step of at least 12 p micro-batches is extended from steps of 2 p and 4 p.
-// UsageError when the gpt lesson refuses the layout.
-Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapolate = false);
+// With a `cutoff` as well (its name empty when nothing is known to beat), a layout whose probe costs at
+// most a fifth of its screening is probed first (measure_stage_kernels) and its bound taken with the
+// kernels measured (Candidate::probed); if that bound cannot beat the cutoff, the result is PrunedBound
+// and the step is not simulated. UsageError when the gpt lesson refuses the layout.
+Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapolate = false,
+                const std::optional<Cutoff>& cutoff = std::nullopt);
+
+// A probe: each pipeline stage's compute-stream kernel time per micro-batch, from two symmetric steps of the
+// layout of 2 u and 3 u micro-batches (u = p with interleaving, else 1): the ranks' busy time less what
+// communication kernels took from it (RankSummary), the longer step's less the shorter's, over u. Every
+// micro-batch runs the same kernels and contention only slows them, so a step of m micro-batches keeps
+// each stage's compute stream busy at least m times as long: StepBound::us then bounds the step with what
+// the simulator charges, the kernels the model's sum leaves out (permutations, casts, copies, ZeRO's
+// per-micro-batch work) included. nullopt when a step runs out of memory.
+std::optional<std::vector<double>> measure_stage_kernels(const Question& q, const Layout& l);
 
 // The figures of a step of `m` micro-batches from those of steps of m_a and m_b > m_a of the same layout:
 // every time (the step, each dimension's communicated, exposed and hidden time, and the pipeline's idle

@@ -1,7 +1,7 @@
 // `ranklab plan`: the winner of a tiny question trains equal to one device; on a device made small, every
 // layout the planner accepts runs the gpt lesson without running out of memory and every layout it rejects
-// for memory runs out; no simulated step beats its lower bound; the same question gives the same ranking;
-// bad input is a clear UsageError; layout names read back.
+// for memory runs out; no simulated step beats its lower bound, nor the bound a probe's short steps sharpen;
+// the same question gives the same ranking; bad input is a clear UsageError; layout names read back.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -410,6 +410,123 @@ TEST(Plan, TheBoundHoldsAcrossNodesAndPruningKeepsTheWinner) {
   }
 }
 
+// A probe measures each stage's kernels per micro-batch from two short steps (measure_stage_kernels). With
+// them, every bound of a dense and a MoE question on two nodes stays below the layout's step, screened and
+// with every rank running, and is at least the model's own bound; it raises some of the dense layouts' and
+// most of the MoE ones'. A cutoff between the two bounds prunes a layout without its screening, and the
+// search finds the same winner with and without probing.
+TEST(Plan, AProbedBoundIsBelowTheStepAndPrunes) {
+  for (const bool moe : {false, true}) {
+    SCOPED_TRACE(moe ? "moe" : "dense");
+    Request r;
+    r.shape["block"] = "llama";
+    r.shape["layers"] = option_text(4);
+    r.shape["hidden"] = option_text(512);
+    r.shape["heads"] = option_text(8);
+    r.shape["kv-heads"] = option_text(4);
+    r.shape["ffn-hidden"] = option_text(1408);
+    r.shape["seq"] = option_text(512);
+    r.shape["vocab"] = option_text(4096);
+    r.shape["global-batch"] = option_text(64);
+    if (moe) {
+      r.shape["experts"] = option_text(8);
+      r.shape["top-k"] = option_text(2);
+      r.shape["moe-ffn-hidden"] = option_text(704);
+    }
+    r.nodes = 2;
+    r.max_interleave = 2;
+    const Question q = make_question(r);
+    StepBound bound(q.profile);
+    int pending = 0, checked = 0, raised = 0, pruned = 0;
+    for (const Candidate& k : enumerate(q)) {
+      if (k.status != Status::Pending || pending++ % 97 != 0) continue;  // every 97th layout
+#if defined(RANKLAB_SANITIZE)
+      if (checked == 1) break;  // ten times slower under the sanitizers
+#endif
+      SCOPED_TRACE(k.name);
+      const std::optional<std::vector<double>> kernels = measure_stage_kernels(q, k.layout);
+      ASSERT_TRUE(kernels.has_value());
+      ASSERT_EQ(static_cast<int>(kernels->size()), k.layout.pp);
+      const double probed_us = bound.us(lesson_config(q, k.layout), *kernels);
+      EXPECT_GE(probed_us, k.bound_us);
+      const Result screened = simulate(q, k.layout, true, false);
+      ASSERT_EQ(screened.candidate.status, Status::Simulated) << screened.candidate.reason;
+      EXPECT_FALSE(screened.candidate.probed);
+      EXPECT_LE(probed_us, screened.run->stats.step_time_us);
+      EXPECT_LE(probed_us, run_gpt(q, k.layout, true).training->step_time_us);
+      ++checked;
+      if (probed_us <= k.bound_us) continue;
+      ++raised;
+      // A step between the two bounds: the probe puts the layout out of its reach when it probes at all
+      // (a step of 25 micro-batches or more), and a step above both leaves it to the screening.
+      const Result against_between =
+          simulate(q, k.layout, true, false, Cutoff{(k.bound_us + probed_us) / 2, "a"});
+      const Result against_above = simulate(q, k.layout, true, false, Cutoff{2 * probed_us, "a"});
+      const bool probes =
+          lesson_config(q, k.layout).micro_batches() >= 25 * (k.layout.v > 1 ? k.layout.pp : 1);
+      EXPECT_EQ(against_between.candidate.probed, probes);
+      EXPECT_EQ(against_between.candidate.status, probes ? Status::PrunedBound : Status::Simulated);
+      EXPECT_EQ(against_between.candidate.bound_us, probes ? probed_us : k.bound_us);
+      EXPECT_FALSE(against_between.run.has_value() && probes);
+      EXPECT_EQ(against_above.candidate.status, Status::Simulated);
+      EXPECT_EQ(against_above.candidate.probed, probes);
+      pruned += probes;
+    }
+#if !defined(RANKLAB_SANITIZE)
+    EXPECT_GT(checked, 2);
+    EXPECT_GT(raised, 0);
+    if (moe) {
+      EXPECT_GT(2 * raised, checked);
+      EXPECT_GT(pruned, 0);
+    }
+#else
+    EXPECT_EQ(checked, 1);
+    static_cast<void>(raised + pruned);
+#endif
+  }
+}
+
+// A deep model on a device made small, so that its layouts run deep pipelines of 32 micro-batches: the
+// search probes some of them and prunes one by what it measured; it screens fewer than without probing
+// and finds the same winner, and the probes change nothing with more jobs.
+TEST(Plan, ProbingPrunesInTheSearchAndKeepsTheWinner) {
+#if defined(RANKLAB_SANITIZE)
+  GTEST_SKIP() << "three searches of a few dozen simulations: the ordinary build runs it";
+#endif
+  Request r;
+  r.shape["block"] = "llama";
+  r.shape["layers"] = option_text(16);
+  r.shape["hidden"] = option_text(512);
+  r.shape["heads"] = option_text(8);
+  r.shape["kv-heads"] = option_text(4);
+  r.shape["ffn-hidden"] = option_text(1408);
+  r.shape["seq"] = option_text(512);
+  r.shape["vocab"] = option_text(4096);
+  r.shape["global-batch"] = option_text(64);
+  r.nodes = 2;
+  r.max_interleave = 1;
+  Question q = make_question(r);
+  q.profile.gpu.hbm_capacity_gib = 0.1;
+  SearchOptions o = quiet(), plain = quiet(), two = quiet();
+  plain.probe = false;
+  two.jobs = 2;
+  const Plan probing = search(q, o), not_probing = search(q, plain);
+  EXPECT_GT(probing.probed, 0);
+  EXPECT_GT(probing.pruned_by_probe, 0);
+  EXPECT_EQ(not_probing.probed, 0);
+  EXPECT_LT(probing.simulated, not_probing.simulated);
+  ASSERT_FALSE(probing.ranked().empty());
+  EXPECT_EQ(probing.ranked()[0]->candidate.name, not_probing.ranked().at(0)->candidate.name);
+  for (const Result& res : probing.results) {
+    if (res.candidate.status != Status::Simulated) continue;
+    EXPECT_LE(res.candidate.bound_us, res.run->stats.step_time_us) << res.candidate.name;
+  }
+  const Plan in_two = search(q, two);
+  EXPECT_EQ(in_two.probed, probing.probed);
+  EXPECT_EQ(in_two.pruned_by_probe, probing.pruned_by_probe);
+  EXPECT_EQ(format_table(in_two, 10), format_table(probing, 10));
+}
+
 TEST(Plan, AcceptedLayoutsFitAndRejectedOnesRunOutOfMemory) {
   Question q = tiny();
   // 0.94 MiB: the tiny model's layouts need from 0.6 to 4 MiB by the memory plan, and the simulated peak is
@@ -600,6 +717,8 @@ TEST(Plan, JobsDoNotChangeTheAnswer) {
     }
     EXPECT_EQ(a.simulated, b.simulated);
     EXPECT_EQ(a.pruned, b.pruned);
+    EXPECT_EQ(a.probed, b.probed);
+    EXPECT_EQ(a.pruned_by_probe, b.pruned_by_probe);
     EXPECT_EQ(a.unexplored, b.unexplored);
     EXPECT_EQ(a.confirmed, b.confirmed);
     EXPECT_EQ(format_table(a, 10), format_table(b, 10));

@@ -1,7 +1,7 @@
 // `ranklab plan` across the processes of an MPI job (plan/cluster.h). CTest runs this file under
 // `mpirun -n 2` and `-n 3` (so the work does not split evenly): rank 0 plans a question alone, then with
-// the other ranks simulating for it, and the two plan.json agree field for field but for wall times and
-// the process counts. Alone, the tests skip.
+// the other ranks simulating (and probing) for it, and the two plan.json agree field for field but for
+// wall times and the process counts. Alone, the tests skip.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
@@ -43,6 +43,26 @@ plan::Question question(int nodes) {
   return plan::make_question(r);
 }
 
+// A deep model on a device made small: deep pipelines of 32 micro-batches, which the search probes before
+// screening (plan/search.h, "Probing"), on whichever rank runs the probe.
+plan::Question deep_question() {
+  plan::Request r;
+  r.shape["block"] = "llama";
+  r.shape["layers"] = option_text(16);
+  r.shape["hidden"] = option_text(512);
+  r.shape["heads"] = option_text(8);
+  r.shape["kv-heads"] = option_text(4);
+  r.shape["ffn-hidden"] = option_text(1408);
+  r.shape["seq"] = option_text(512);
+  r.shape["vocab"] = option_text(4096);
+  r.shape["global-batch"] = option_text(64);
+  r.nodes = 2;
+  r.max_interleave = 1;
+  plan::Question q = plan::make_question(r);
+  q.profile.gpu.hbm_capacity_gib = 0.1;
+  return q;
+}
+
 class PlanCluster : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -54,8 +74,7 @@ class PlanCluster : public ::testing::Test {
 TEST_F(PlanCluster, TheJobsPlanIsTheOneProcessPlan) {
   MpiMessenger cluster;
   ASSERT_GE(cluster.size(), 2);
-  for (int nodes : {1, 2}) {
-    const plan::Question q = question(nodes);
+  for (const plan::Question& q : {question(1), question(2), deep_question()}) {
     if (cluster.rank() > 0) {
       plan::serve(q, cluster, 1);
       continue;
@@ -67,8 +86,9 @@ TEST_F(PlanCluster, TheJobsPlanIsTheOneProcessPlan) {
     const plan::Plan together = plan::search(q, options);
     EXPECT_EQ(together.processes, cluster.size());
     EXPECT_GT(together.simulated, 10);
+    EXPECT_EQ(together.probed, alone.probed);
     EXPECT_EQ(comparable(plan::plan_to_json(together)), comparable(plan::plan_to_json(alone)))
-        << nodes << " node(s)";
+        << plan::describe_question(q);
   }
 }
 
