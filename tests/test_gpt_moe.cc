@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <string>
@@ -308,6 +309,26 @@ TEST(GptMoe, RoutingModelsSpreadEveryRouteAndCapEachExpertAtTheTokens) {
   EXPECT_EQ(counts[0], 500);  // twice the even share of 2000 / 8
   EXPECT_EQ(counts[1], 215);  // the other seven share the rest: 1500 / 7, 3 of them one more
   EXPECT_EQ(counts[7], 214);
+  // The others' extra routes spread over the expert ids: every ep rank's block of consecutive experts, the
+  // hottest expert's block aside, takes within one route of every other (DeepSeek-V3's 256 experts, top 8,
+  // of 4,096 tokens, in every layer).
+  for (int layer = 0; layer < 8; ++layer) {
+    const parallel::Routing wide =
+        parallel::route_modelled(4096, 256, 8, parallel::read_routing_model("skew:2", 256, 8), layer);
+    const auto hot =
+        std::max_element(wide.per_expert.begin(), wide.per_expert.end()) - wide.per_expert.begin();
+    for (const int ep : {8, 16, 32, 64, 128}) {
+      const int block = 256 / ep;
+      std::int64_t least = std::numeric_limits<std::int64_t>::max(), most = 0;
+      for (int r = 0; r < ep; ++r) {
+        if (hot / block == r) continue;
+        const std::int64_t sum = std::accumulate(wide.per_expert.begin() + r * block,
+                                                 wide.per_expert.begin() + (r + 1) * block, std::int64_t{0});
+        least = std::min(least, sum), most = std::max(most, sum);
+      }
+      EXPECT_LE(most - least, 1) << "layer " << layer << ", ep " << ep;
+    }
+  }
   // Zipf's law with a steep exponent puts more than all the tokens on the first expert: capped at them.
   const parallel::Routing zipf =
       parallel::route_modelled(tokens, 8, 2, parallel::read_routing_model("zipf:3", 8, 2), 3);

@@ -220,24 +220,37 @@ Routing route_shares(std::int64_t tokens, int experts, int top_k, const RoutingM
       if (!capped[i] && want[i] > cap) capped[i] = again = true;
     }
   }
-  // Whole routes by largest remainder, then given to the experts in the layer's seeded popularity order.
-  std::vector<std::int64_t> count(experts);
-  std::int64_t given = 0;
-  for (int i = 0; i < experts; ++i) given += count[i] = static_cast<std::int64_t>(std::floor(want[i]));
-  std::vector<int> by_remainder(experts);
-  std::iota(by_remainder.begin(), by_remainder.end(), 0);
-  std::stable_sort(by_remainder.begin(), by_remainder.end(), [&](int a, int b) {
-    return want[a] - std::floor(want[a]) > want[b] - std::floor(want[b]);
-  });
-  for (int j = 0; given < tokens * top_k; ++j) ++count[by_remainder[j % experts]], ++given;
+  // The shares go to the experts in the layer's seeded popularity order, then whole routes by largest
+  // remainder. Experts whose remainders tie (skew's others all do) take the routes left evenly spread over
+  // their ids, so that a rank's block of consecutive experts takes about as many as any other's: the skew
+  // is the hottest expert's alone, not a few routes more on some ranks by chance.
   std::vector<int> popularity(experts);
   std::iota(popularity.begin(), popularity.end(), 0);
   std::uint64_t state = 0x726f757465ull + static_cast<std::uint64_t>(layer);  // "route"
   for (int i = experts - 1; i > 0; --i) std::swap(popularity[i], popularity[mix64(state++) % (i + 1)]);
+  std::vector<double> remainder(experts);
   Routing ro;
   ro.tokens = tokens, ro.experts = experts, ro.top_k = top_k;
   ro.per_expert.assign(experts, 0);
-  for (int i = 0; i < experts; ++i) ro.per_expert[popularity[i]] = count[i];
+  std::int64_t left = tokens * top_k;
+  for (int i = 0; i < experts; ++i) {
+    const double whole = std::floor(want[i]);
+    ro.per_expert[popularity[i]] = static_cast<std::int64_t>(whole);
+    remainder[popularity[i]] = want[i] - whole;
+    left -= static_cast<std::int64_t>(whole);
+  }
+  std::vector<int> by_remainder(experts);
+  std::iota(by_remainder.begin(), by_remainder.end(), 0);
+  std::stable_sort(by_remainder.begin(), by_remainder.end(),
+                   [&](int a, int b) { return remainder[a] > remainder[b]; });
+  for (std::size_t first = 0; left > 0 && first < by_remainder.size();) {
+    std::size_t end = first;
+    while (end < by_remainder.size() && remainder[by_remainder[end]] == remainder[by_remainder[first]]) ++end;
+    const std::int64_t n = static_cast<std::int64_t>(end - first), take = std::min(left, n);
+    for (std::int64_t j = 0; j < take; ++j) ++ro.per_expert[by_remainder[first + j * n / take]];
+    left -= take;
+    first = end;
+  }
   return ro;
 }
 }  // namespace

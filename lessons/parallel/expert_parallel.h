@@ -93,6 +93,9 @@ Routing route_balanced(std::int64_t tokens, int experts, int top_k);
 // popularity rank i (from 0) takes a share proportional to 1 / (i + 1)^value. The experts' popularity
 // order is a permutation seeded by the layer, so that each layer has its own hot experts; no expert takes
 // more routes than there are tokens (each token's k experts are distinct), the excess going to the others.
+// Routes left over from whole shares go by largest remainder, and among equal remainders evenly over the
+// experts' ids, so that blocks of consecutive experts (an ep rank's) take as many as each other, give or
+// take one or two.
 struct RoutingModel {
   enum class Kind { Balanced, Skew, Zipf };
   Kind kind = Kind::Balanced;
