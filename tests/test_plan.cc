@@ -20,6 +20,7 @@
 #include "plan/plan_command.h"
 #include "plan/plan_report.h"
 #include "plan/search.h"
+#include "plan_fixture.h"
 #include "sim_fixture.h"
 
 namespace ranklab::plan {
@@ -418,22 +419,12 @@ TEST(Plan, TheBoundHoldsAcrossNodesAndPruningKeepsTheWinner) {
 TEST(Plan, AProbedBoundIsBelowTheStepAndPrunes) {
   for (const bool moe : {false, true}) {
     SCOPED_TRACE(moe ? "moe" : "dense");
-    Request r;
-    r.shape["block"] = "llama";
-    r.shape["layers"] = option_text(4);
-    r.shape["hidden"] = option_text(512);
-    r.shape["heads"] = option_text(8);
-    r.shape["kv-heads"] = option_text(4);
-    r.shape["ffn-hidden"] = option_text(1408);
-    r.shape["seq"] = option_text(512);
-    r.shape["vocab"] = option_text(4096);
-    r.shape["global-batch"] = option_text(64);
+    Request r = testing::llama512_request(4, 64);
     if (moe) {
       r.shape["experts"] = option_text(8);
       r.shape["top-k"] = option_text(2);
       r.shape["moe-ffn-hidden"] = option_text(704);
     }
-    r.nodes = 2;
     r.max_interleave = 2;
     const Question q = make_question(r);
     StepBound bound(q.profile);
@@ -486,27 +477,14 @@ TEST(Plan, AProbedBoundIsBelowTheStepAndPrunes) {
   }
 }
 
-// A deep model on a device made small, so that its layouts run deep pipelines of 32 micro-batches: the
+// A deep model on a device made small, so that its layouts run deep pipelines (deep_pipeline_question): the
 // search probes some of them and prunes one by what it measured; it screens fewer than without probing
 // and finds the same winner, and the probes change nothing with more jobs.
 TEST(Plan, ProbingPrunesInTheSearchAndKeepsTheWinner) {
 #if defined(RANKLAB_SANITIZE)
   GTEST_SKIP() << "three searches of a few dozen simulations: the ordinary build runs it";
 #endif
-  Request r;
-  r.shape["block"] = "llama";
-  r.shape["layers"] = option_text(16);
-  r.shape["hidden"] = option_text(512);
-  r.shape["heads"] = option_text(8);
-  r.shape["kv-heads"] = option_text(4);
-  r.shape["ffn-hidden"] = option_text(1408);
-  r.shape["seq"] = option_text(512);
-  r.shape["vocab"] = option_text(4096);
-  r.shape["global-batch"] = option_text(64);
-  r.nodes = 2;
-  r.max_interleave = 1;
-  Question q = make_question(r);
-  q.profile.gpu.hbm_capacity_gib = 0.1;
+  const Question q = testing::deep_pipeline_question();
   SearchOptions o = quiet(), plain = quiet(), two = quiet();
   plain.probe = false;
   two.jobs = 2;

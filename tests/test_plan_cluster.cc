@@ -12,6 +12,7 @@
 #include "plan/plan_command.h"
 #include "plan/plan_report.h"
 #include "plan/search.h"
+#include "plan_fixture.h"
 #include "real/launch_env.h"
 #include "tools/mpi_messenger.h"
 
@@ -43,26 +44,6 @@ plan::Question question(int nodes) {
   return plan::make_question(r);
 }
 
-// A deep model on a device made small: deep pipelines of 32 micro-batches, which the search probes before
-// screening (plan/search.h, "Probing"), on whichever rank runs the probe.
-plan::Question deep_question() {
-  plan::Request r;
-  r.shape["block"] = "llama";
-  r.shape["layers"] = option_text(16);
-  r.shape["hidden"] = option_text(512);
-  r.shape["heads"] = option_text(8);
-  r.shape["kv-heads"] = option_text(4);
-  r.shape["ffn-hidden"] = option_text(1408);
-  r.shape["seq"] = option_text(512);
-  r.shape["vocab"] = option_text(4096);
-  r.shape["global-batch"] = option_text(64);
-  r.nodes = 2;
-  r.max_interleave = 1;
-  plan::Question q = plan::make_question(r);
-  q.profile.gpu.hbm_capacity_gib = 0.1;
-  return q;
-}
-
 class PlanCluster : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -74,7 +55,7 @@ class PlanCluster : public ::testing::Test {
 TEST_F(PlanCluster, TheJobsPlanIsTheOneProcessPlan) {
   MpiMessenger cluster;
   ASSERT_GE(cluster.size(), 2);
-  for (const plan::Question& q : {question(1), question(2), deep_question()}) {
+  for (const plan::Question& q : {question(1), question(2), testing::deep_pipeline_question()}) {
     if (cluster.rank() > 0) {
       plan::serve(q, cluster, 1);
       continue;
