@@ -31,10 +31,11 @@
 // gives its shape, and the memory-bound ones their bytes at the HBM's bandwidth; the simulator charges more
 // where launches, small kernels and the ones the bound leaves out (permutations, ZeRO's per-micro-batch
 // copies) weigh, so on a mixture of experts a layout's bound may be half its step. Before screening a layout
-// whose step has at least 25 micro-batches (a multiple of p with interleaving: 25 p), the search probes it:
-// two symmetric steps of 2 and 3 micro-batches measure each stage's kernel time per micro-batch
-// (measure_stage_kernels), the bound is taken again with it, and a layout that bound cannot let win is
-// pruned without its screening. Probing costs a fifth of a screening or less.
+// whose screening runs at least 25 micro-batches (its m, or the 6 p of one extended from two short steps;
+// 25 p with interleaving), the search probes it: two symmetric steps of 2 and 3 micro-batches (2 p and 3 p)
+// measure each stage's kernel time per micro-batch (measure_stage_kernels), the bound is taken again with
+// it, and a layout that bound cannot let win is pruned without its screening. A probe so costs a fifth of
+// the screening or less.
 //
 // Simulations run `jobs` at a time, each on a thread of its own. The decisions are taken in the order of
 // the bound as a one-at-a-time search would take them, whatever order the runs finish in, so the answer
