@@ -145,7 +145,7 @@ Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapol
 // micro-batch runs the same kernels and contention only slows them, so a step of m micro-batches keeps
 // each stage's compute stream busy at least m times as long: StepBound::us then bounds the step with what
 // the simulator charges, the kernels the model's sum leaves out (permutations, casts, copies, ZeRO's
-// per-micro-batch work) included. nullopt when a step runs out of memory.
+// per-micro-batch work) included. nullopt when a short step runs out of memory or the lesson refuses it.
 std::optional<std::vector<double>> measure_stage_kernels(const Question& q, const Layout& l);
 
 // The figures of a step of `m` micro-batches from those of steps of m_a and m_b > m_a of the same layout:
