@@ -591,23 +591,20 @@ double StepBound::us(const gpt::Config& c, std::span<const double> stage_kernels
   // backward through the first chunk of every stage before it, with the sends between.
   std::vector<double> drain_us(c.pp, 0.0);
   for (int stage = 0; stage < c.pp; ++stage) {
-    // Every micro-batch through every chunk of this stage, one after another on its compute stream...
-    double per_micro_batch = 0;
+    // Every micro-batch through every chunk of this stage, one after another on its compute stream (and of
+    // it the blocking communication, where a probe measured the stage's kernels)...
+    double per_micro_batch = 0, comm = 0;
     for (int chunk = 0; chunk < c.v; ++chunk) {
       const int vs = stage + chunk * c.pp;
       per_micro_batch += whole_us(c.chunk_first_layer(vs), c.chunk_layers(vs));
+      if (!stage_kernels_us.empty())
+        comm += layers_us(c.chunk_first_layer(vs), c.chunk_layers(vs), &LayerUs::comm);
     }
     if (stage == c.pp - 1) per_micro_batch += head_us;  // the head is on the last virtual stage
     // A stage's kernels measured in a short run of the layout take at least what the model charges
     // them; its blocking communication stays at its time alone.
-    if (!stage_kernels_us.empty()) {
-      double comm = 0;
-      for (int chunk = 0; chunk < c.v; ++chunk) {
-        const int vs = stage + chunk * c.pp;
-        comm += layers_us(c.chunk_first_layer(vs), c.chunk_layers(vs), &LayerUs::comm);
-      }
+    if (!stage_kernels_us.empty())
       per_micro_batch = std::max(per_micro_batch, stage_kernels_us[stage] + comm);
-    }
     // ...after the first micro-batch's forward through the chunks ahead of it, and before the last one's
     // backward through them (a stage's last task is the last micro-batch's backward of its first chunk).
     bound = std::max(bound, m * per_micro_batch + ahead_us + optimizer_us);

@@ -136,9 +136,10 @@ std::optional<Simulated> run_step(const Question& q, const Layout& l, bool symme
   }
 }
 
-// The micro-batches a probe's two steps run: a multiple of p with interleaving (the schedule needs it).
-std::int64_t probe_unit(const Layout& l) {
-  return l.v > 1 ? l.pp : 1;
+// The micro-batches a probe's two steps run 2 and 3 of: p with interleaving (its m is a multiple of p),
+// else 1.
+std::int64_t probe_unit(const gpt::Config& c) {
+  return c.v > 1 ? c.pp : 1;
 }
 
 // Whether probing a layout costs at most a fifth of its screening: the probe's 5 units of micro-batches
@@ -146,7 +147,7 @@ std::int64_t probe_unit(const Layout& l) {
 bool worth_probing(const gpt::Config& c, bool extrapolate_step) {
   const std::int64_t m = c.micro_batches();
   const std::int64_t screened = extrapolate_step && m >= 12 * c.pp ? 6 * c.pp : m;
-  return 5 * 5 * (c.v > 1 ? c.pp : 1) <= screened;
+  return 5 * 5 * probe_unit(c) <= screened;
 }
 
 }  // namespace
@@ -154,7 +155,7 @@ bool worth_probing(const gpt::Config& c, bool extrapolate_step) {
 std::optional<std::vector<double>> measure_stage_kernels(const Question& q, const Layout& l) {
   const gpt::Config c = lesson_config(q, l);
   const parallel::Layout grid{c.tp, c.pp, c.dp, c.order, c.cp};
-  const std::int64_t unit = probe_unit(l);
+  const std::int64_t unit = probe_unit(c);
   // Each stage's kernel time: its ranks' compute-stream busy time less what communication kernels on the
   // same GPU took from it, the most of the stage's ranks that ran.
   auto kernels = [&](std::int64_t m) {
@@ -546,13 +547,15 @@ class Search {
         if (probed_now) {
           k.bound_us = std::max(k.bound_us, it->second.candidate.bound_us);
           k.probed = true;
-          slot.wall_s += it->second.wall_s;
           ++plan_.probed;
         }
         if (options_.prune && !best.beatable_by(k)) {
           k.status = Status::PrunedBound;
           ++plan_.pruned;
-          plan_.pruned_by_probe += probed_now;
+          if (probed_now) {
+            ++plan_.pruned_by_probe;
+            slot.wall_s = it->second.wall_s;  // the probe's (or the screening's that ran ahead of its turn)
+          }
         } else if (most > 0 && attempted_ >= most) {
           k.status = Status::Unexplored;
           ++plan_.unexplored;
