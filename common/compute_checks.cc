@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -119,6 +120,14 @@ void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor
                                    where(rank, op), in->str(), out.str()));
     }
   }
+}
+
+bool takes_float8(const char* op) {
+  for (const char* ok : {"matmul_", "matmul_add_", "matmul", "to_host", "view", "copy_", "all_gather",
+                         "all_to_all", "send", "recv", "broadcast"}) {
+    if (std::strcmp(op, ok) == 0) return true;
+  }
+  return false;
 }
 
 void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg) {

@@ -23,6 +23,9 @@ void check_matmul_out(int rank, const Tensor& out, const Tensor& a, const Tensor
                       bool accumulate);
 // Every kernel but matmul refuses an FP8 input (`arg` of `op`).
 void check_float8_use(int rank, const char* op, const Tensor& t, const char* arg);
+// Whether `op` takes FP8 tensors: matmul, copies, to_host, views, and the communication that moves values
+// without adding them up.
+bool takes_float8(const char* op);
 void check_quantize(int rank, const Tensor& x, DType format, const Rank::Fp8Scaling& scaling,
                     const Tensor& scale, const Tensor& record_amax);
 // Rank::fp8_delayed_update: one history, scale and amax per element of `reduced`, each float32 of its shape.

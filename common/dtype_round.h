@@ -117,4 +117,43 @@ RANKLAB_HD inline float round_to_float8_e5m2(float x) {
   return round_to_small_float(x, 2, -14, kFloat8E5M2Largest);
 }
 
+// The byte an 8-bit format stores for a value it holds (one its round_to_float8_* returned): the sign, the
+// exponent biased by `bias` (7 for e4m3, 15 for e5m2) and `mantissa_bits`, as OFP8 lays them out; subnormals
+// have exponent field 0. NaN is S.1111.111 in both formats. The CUDA backend's FP8 tensors hold these bytes.
+RANKLAB_HD inline std::uint8_t float8_code(float v, int mantissa_bits, int bias) {
+  const std::uint32_t u = float_bits(v);
+  const std::uint32_t sign = (u >> 24) & 0x80u;
+  const std::uint32_t abs_bits = u & 0x7FFFFFFFu;
+  if (abs_bits > 0x7F800000u) return static_cast<std::uint8_t>(sign | 0x7Fu);
+  if (abs_bits < 0x00800000u) return static_cast<std::uint8_t>(sign);  // zero
+  const int exponent = static_cast<int>(abs_bits >> 23) - 127;
+  if (exponent >= 1 - bias) {
+    const std::uint32_t mantissa = (abs_bits & 0x007FFFFFu) >> (23 - mantissa_bits);
+    return static_cast<std::uint8_t>(sign | (static_cast<std::uint32_t>(exponent + bias) << mantissa_bits) |
+                                     mantissa);
+  }
+  // Subnormal: v = q units of 2^(1 - bias - mantissa_bits), q below 2^mantissa_bits.
+  const std::uint32_t m = (abs_bits & 0x007FFFFFu) | 0x00800000u;
+  const int shift = (1 - bias - mantissa_bits) - (exponent - 23);
+  return static_cast<std::uint8_t>(sign | (m >> shift));
+}
+
+// The value of a stored byte (float8_code's inverse); NaN for the NaN codes (and e5m2's infinities).
+RANKLAB_HD inline float float8_value(std::uint8_t code, int mantissa_bits, int bias) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(code & 0x80u) << 24;
+  const int exponent_bits = 7 - mantissa_bits;
+  const std::uint32_t e = (code >> mantissa_bits) & ((1u << exponent_bits) - 1u);
+  const std::uint32_t m = code & ((1u << mantissa_bits) - 1u);
+  const bool e4m3 = mantissa_bits == 3;
+  if ((e4m3 && (code & 0x7Fu) == 0x7Fu) || (!e4m3 && e == (1u << exponent_bits) - 1u))
+    return bits_float(sign | 0x7FC00000u);
+  if (e == 0) {
+    float unit = 1.0f;  // 2^(1 - bias - mantissa_bits)
+    for (int k = 1 - bias - mantissa_bits; k < 0; ++k) unit *= 0.5f;
+    return bits_float(sign | float_bits(static_cast<float>(m) * unit));
+  }
+  const std::uint32_t biased = e - static_cast<std::uint32_t>(bias) + 127u;
+  return bits_float(sign | (biased << 23) | (m << (23 - mantissa_bits)));
+}
+
 }  // namespace ranklab

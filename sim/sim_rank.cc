@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <boost/fiber/operations.hpp>
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #include "common/comm_checks.h"
@@ -78,16 +77,6 @@ class SimWork : public WorkState {
 std::string SimRank::where(const char* op) const {
   return fmt::format("rank {}: {}", rank_, op);
 }
-
-namespace {
-bool takes_float8(const char* op) {
-  for (const char* ok : {"matmul_", "matmul_add_", "matmul", "to_host", "view", "copy_", "all_gather",
-                         "all_to_all", "send", "recv", "broadcast"}) {
-    if (std::strcmp(op, ok) == 0) return true;
-  }
-  return false;
-}
-}  // namespace
 
 void SimRank::require(const Tensor& t, const char* op, const char* arg) const {
   world_.scheduler().check_thread(rank_, op);

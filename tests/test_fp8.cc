@@ -64,6 +64,34 @@ TEST(Fp8Rounding, ValuesPastTheLargestSaturateAndNaNStays) {
   EXPECT_EQ(round_to_float8_e4m3(std::ldexp(1.0f, -11)), 0.0f);  // a quarter of the smallest subnormal
 }
 
+TEST(Fp8Rounding, EveryByteDecodesToItsValueAndEncodesBack) {
+  struct Format {
+    const char* name;
+    int mantissa_bits, bias;
+    std::vector<double> values;  // by code, the positive finite ones
+    float (*round)(float);
+  };
+  for (const Format& f : {Format{"e4m3", 3, 7, values_of(4, 3, true), round_to_float8_e4m3},
+                          Format{"e5m2", 2, 15, values_of(5, 2, false), round_to_float8_e5m2}}) {
+    for (int code = 0; code < 256; ++code) {
+      const auto c = static_cast<std::uint8_t>(code);
+      const float v = float8_value(c, f.mantissa_bits, f.bias);
+      const std::size_t magnitude = static_cast<std::size_t>(code & 0x7F);
+      if (magnitude >= f.values.size()) {
+        EXPECT_TRUE(std::isnan(v)) << f.name << " code " << code;
+        continue;
+      }
+      const double want = code & 0x80 ? -f.values[magnitude] : f.values[magnitude];
+      EXPECT_EQ(v, static_cast<float>(want)) << f.name << " code " << code;
+      EXPECT_EQ(float8_code(v, f.mantissa_bits, f.bias), c) << f.name << " value " << v;
+      EXPECT_EQ(f.round(v), v) << f.name << " value " << v;
+    }
+    EXPECT_TRUE(
+        std::isnan(float8_value(float8_code(std::numeric_limits<float>::quiet_NaN(), f.mantissa_bits, f.bias),
+                                f.mantissa_bits, f.bias)));
+  }
+}
+
 // One rank on the simulator of `profile`.
 template <typename Fn>
 void on_one_rank(const std::string& profile, Fn fn) {
