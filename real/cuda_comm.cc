@@ -35,7 +35,8 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-// NCCL's element type for a tensor's dtype: a 16-bit collective moves (and reduces) 16-bit values.
+// NCCL's element type for a tensor's dtype: a 16-bit collective moves (and reduces) 16-bit values, an FP8
+// one moves bytes.
 ncclDataType_t nccl_type(DType t) {
   switch (t) {
     case DType::BFloat16:
@@ -44,7 +45,7 @@ ncclDataType_t nccl_type(DType t) {
       return ncclFloat16;
     case DType::Float8E4M3:
     case DType::Float8E5M2:
-      throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(t)));
+      return ncclUint8;  // moved, never added up (CudaRank::validate)
     case DType::Float32:
       break;
   }
@@ -141,6 +142,16 @@ void CudaRank::validate(const CommCall& call) const {
     throw UsageError(fmt::format("{}: 'in' is {} but 'out' is {}; they must share a dtype",
                                  where(comm_op_name(call.op)), call.input.str(), call.output.str()));
   }
+  // An FP8 tensor's scales travel with it where the receiver learns them from its own input: all_gather and
+  // all_to_all, whose members all send (take_fp8_scales).
+  const Tensor& any = call.output.defined() ? call.output : call.input;
+  if (any.defined() && is_float8(any.dtype()) && call.op != CommOp::AllGather &&
+      call.op != CommOp::AllToAll) {
+    throw UsageError(
+        fmt::format("{}: {} is FP8; on GPUs FP8 tensors travel by all_gather and all_to_all, "
+                    "which carry their scales",
+                    where(comm_op_name(call.op)), any.str()));
+  }
   // NCCL's sends and receives of one group run at once: in place they would overwrite what is unsent.
   if (call.op == CommOp::AllToAll && call.group.size(world_) > 1 &&
       static_cast<CudaStorage*>(call.input.storage())
@@ -187,6 +198,36 @@ void CudaRank::settle(ncclResult_t r, ncclComm_t comm, const char* what) {
   if (r == ncclInProgress) watchdog_.settle(comm, what);
 }
 
+std::int64_t CudaRank::fp8_scale_row_bytes(const Tensor& t) const {
+  if (!t.defined() || !is_float8(t.dtype())) return 0;
+  const std::shared_ptr<Fp8Scales>& s = static_cast<CudaStorage*>(t.storage())->fp8_scales();
+  return s && !s->per_tensor() ? s->row_blocks() * s->scale_bytes() : 0;
+}
+
+void CudaRank::all_to_all_fp8_scales(const CommCall& call, const Resolved& r, const CommCall::Splits& sent,
+                                     const CommCall::Splits& received) {
+  std::int64_t row_bytes = 0;
+  if (fp8_scale_row_bytes(call.input) == 0) return;
+  char* in = fp8_row_scales(call.input, "all_to_all", "in", &row_bytes);
+  char* out = fp8_row_scales(call.output, "all_to_all", "out", &row_bytes);
+  std::int64_t send_at = 0, recv_at = 0;
+  RANKLAB_NCCL(ncclGroupStart(), r.comm);
+  for (int i = 0; i < r.size; ++i) {
+    const std::int64_t send_bytes = sent[i] * row_bytes, recv_bytes = received[i] * row_bytes;
+    if (send_bytes > 0) {
+      RANKLAB_NCCL(ncclSend(in + send_at, static_cast<size_t>(send_bytes), ncclUint8, i, r.comm, comm_),
+                   r.comm);
+    }
+    if (recv_bytes > 0) {
+      RANKLAB_NCCL(ncclRecv(out + recv_at, static_cast<size_t>(recv_bytes), ncclUint8, i, r.comm, comm_),
+                   r.comm);
+    }
+    send_at += send_bytes;
+    recv_at += recv_bytes;
+  }
+  settle(RANKLAB_NCCL(ncclGroupEnd(), r.comm), r.comm, "ncclGroupEnd (all_to_all, FP8 scales)");
+}
+
 void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
   ncclComm_t comm = r.comm;
   auto ptr = [](const Tensor& t) {
@@ -221,6 +262,17 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
     case CommOp::AllGather: {
       const auto count = static_cast<size_t>(call.input.numel());
       settle(RANKLAB_NCCL(ncclAllGather(in, out, count, type, comm, comm_), comm), comm, "ncclAllGather");
+      if (const std::int64_t row_bytes = fp8_scale_row_bytes(call.input); row_bytes > 0) {
+        // A block-scaled FP8 tensor's scales, row by row beside its bytes (TransformerEngine gathers an
+        // MXFP8 tensor's scale_inv with a second all-gather).
+        std::int64_t b = 0;
+        const auto scale_count = static_cast<size_t>(call.input.size(0) * row_bytes);
+        settle(RANKLAB_NCCL(ncclAllGather(fp8_row_scales(call.input, "all_gather", "in", &b),
+                                          fp8_row_scales(call.output, "all_gather", "out", &b), scale_count,
+                                          ncclUint8, comm, comm_),
+                            comm),
+               comm, "ncclAllGather (FP8 scales)");
+      }
       break;
     }
     case CommOp::ReduceScatter: {
@@ -273,6 +325,7 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
           recv_at += recv_count;
         }
         settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (all_to_all)");
+        all_to_all_fp8_scales(call, r, call.input_splits, call.output_splits);
         break;
       }
       const auto count = static_cast<size_t>(call.input.numel() / r.size);
@@ -283,6 +336,10 @@ void CudaRank::launch_nccl(const CommCall& call, const Resolved& r) {
                      comm);
       }
       settle(RANKLAB_NCCL(ncclGroupEnd(), comm), comm, "ncclGroupEnd (all_to_all)");
+      if (fp8_scale_row_bytes(call.input) > 0) {
+        const CommCall::Splits even(static_cast<std::size_t>(r.size), call.input.size(0) / r.size);
+        all_to_all_fp8_scales(call, r, even, even);
+      }
       break;
     }
     case CommOp::Send: {
@@ -359,6 +416,9 @@ Work CudaRank::communicate(const CommCall& call) {
   }
   const Resolved r = resolve(call);
   CommTiming timing = timing_of(call, r);
+  if (call.input.defined() && is_float8(call.input.dtype())) {
+    take_fp8_scales(call.output, call.input, comm_op_name(call.op), /*copy_rows=*/false);
+  }
 
   // The communication stream starts after every kernel issued so far on the compute stream.
   RANKLAB_CUDA(cudaEventRecord(issue_, compute_));

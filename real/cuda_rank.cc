@@ -74,6 +74,7 @@ void CudaRank::init() {
   cudaDeviceProp prop{};
   RANKLAB_CUDA(cudaGetDeviceProperties(&prop, device_));
   device_name_ = prop.name;
+  compute_capability_ = prop.major * 10 + prop.minor;
   // Non-blocking streams never synchronise with the legacy default stream, which other code may use.
   RANKLAB_CUDA(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking));
   RANKLAB_CUDA(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking));
@@ -82,6 +83,7 @@ void CudaRank::init() {
   RANKLAB_CUDA(cudaEventCreateWithFlags(&sync_comm_, cudaEventDisableTiming));
   RANKLAB_CUBLAS(cublasCreate(&cublas_));
   RANKLAB_CUBLAS(cublasSetStream(cublas_, compute_));
+  RANKLAB_CUBLAS(cublasLtCreate(&cublaslt_));
   // Plain float32 unless asked: with TF32 the products keep about 10 bits of mantissa, and the numbers
   // stop matching the simulator's.
   RANKLAB_CUBLAS(
@@ -119,6 +121,7 @@ void CudaRank::release() noexcept {
   if (sum_scratch_) cudaFreeAsync(sum_scratch_, compute_);
   if (account_) account_->close();
   if (cublas_) cublasDestroy(cublas_);
+  if (cublaslt_) cublasLtDestroy(cublaslt_);
   if (cublas_workspace_) cudaFreeAsync(cublas_workspace_, compute_);
   for (cudaEvent_t e : {issue_, sync_compute_, sync_comm_}) {
     if (e) cudaEventDestroy(e);
@@ -128,6 +131,7 @@ void CudaRank::release() noexcept {
   sum_scratch_ = nullptr;
   cublas_workspace_ = nullptr;
   cublas_ = nullptr;
+  cublaslt_ = nullptr;
   issue_ = sync_compute_ = sync_comm_ = nullptr;
   compute_ = comm_ = nullptr;
 }
@@ -197,6 +201,7 @@ void* CudaRank::require(const Tensor& t, const char* op, const char* arg) const 
     throw UsageError(fmt::format("{}: '{}' ({}) belongs to rank {}; a rank can only use tensors it made",
                                  where(op), arg, t.str(), t.owner_rank()));
   }
+  if (is_float8(t.dtype()) && !takes_float8(op)) check_float8_use(rank_, op, t, arg);
   return s->data();
 }
 
@@ -259,14 +264,6 @@ void CudaRank::require_shape(const Tensor& t, const Shape& s, const char* op, co
 Tensor CudaRank::allocate(const Shape& s, DType dtype, bool phantom, const char* op) {
   watchdog_.check_abort();
   return Tensor(s, dtype, std::make_shared<CudaStorage>(account_, s, dtype, phantom, op));
-}
-
-template <typename Launch>
-void CudaRank::kernel(const char* name, Launch&& launch) {
-  const int interval = timeline_.begin(compute_);
-  launch();
-  timeline_.end(interval, compute_);
-  if (interval >= 0) kernels_.push_back(TimedKernel{name, interval});
 }
 
 // ---- tensors -------------------------------------------------------------------------------------------
@@ -361,6 +358,7 @@ std::vector<float> CudaRank::to_host(const Tensor& t) {
                                  where("to_host"), t.str()));
   }
   before_kernel({&t}, "to_host");
+  if (is_float8(t.dtype())) return to_host(fp8_values(t, "to_host"));
   std::vector<unsigned char> bytes(static_cast<size_t>(t.bytes()));
   // Wait through the watchdog first, so a stuck collective upstream becomes an error, not a hang.
   RANKLAB_CUDA(cudaEventRecord(sync_compute_, compute_));
@@ -386,7 +384,7 @@ cudaDataType_t cublas_type(DType t) {
       return CUDA_R_16F;
     case DType::Float8E4M3:
     case DType::Float8E5M2:
-      throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(t)));
+      throw UsageError(fmt::format("{}: FP8 GEMMs run in fp8_gemm", dtype_name(t)));
     case DType::Float32:
       break;
   }
@@ -405,6 +403,10 @@ void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta,
   const DType dtype = a.dtype();
   before_kernel({&a, &b, &c}, op);
   if (m == 0 || n == 0) return;
+  if (is_float8(dtype) && k > 0) {
+    fp8_gemm(c, a, b, ta, tb, accumulate);
+    return;
+  }
   kernel(op, [&] {
     if (k == 0) {
       if (!accumulate) RANKLAB_CUDA(cudaMemsetAsync(pc, 0, static_cast<size_t>(c.bytes()), compute_));
@@ -436,7 +438,7 @@ Tensor CudaRank::matmul(const Tensor& a, const Tensor& b, Trans ta, Trans tb) {
   require(a, "matmul", "a");
   require(b, "matmul", "b");
   const Shape s = check_matmul(rank_, "matmul", a, b, ta, tb);
-  Tensor c = allocate(s, a.dtype(), a.phantom() || b.phantom(), "matmul");
+  Tensor c = allocate(s, gemm_output(a.dtype()), a.phantom() || b.phantom(), "matmul");
   gemm(c, a, b, ta, tb, "matmul");
   return c;
 }
@@ -506,7 +508,12 @@ void CudaRank::copy_(const Tensor& dst, const Tensor& src) {
     throw UsageError(fmt::format("{}: {} and {} differ in size", where("copy_"), dst.str(), src.str()));
   }
   require_same_kind(dst, src, "copy_");
+  if (is_float8(dst.dtype()) && src.dtype() != dst.dtype()) {
+    throw UsageError(fmt::format("{}: copies {} into {}: quantize scales a tensor into FP8", where("copy_"),
+                                 src.str(), dst.str()));
+  }
   before_kernel({&dst, &src}, "copy_");
+  if (is_float8(dst.dtype())) take_fp8_scales(dst, src, "copy_", /*copy_rows=*/true);
   kernel("copy", [&] {
     if (dst.dtype() != src.dtype()) {
       kernels::convert(pd, dst.dtype(), ps, src.dtype(), dst.numel(), compute_);
@@ -519,6 +526,10 @@ void CudaRank::copy_(const Tensor& dst, const Tensor& src) {
 
 Tensor CudaRank::cast(const Tensor& t, DType dtype) {
   const void* p = require(t, "cast", "t");
+  if (is_float8(dtype)) {
+    throw UsageError(fmt::format("{}: cast makes no {} tensor: quantize scales a tensor into FP8",
+                                 where("cast"), dtype_name(dtype)));
+  }
   Tensor out = allocate(t.shape(), dtype, t.phantom(), "cast");
   void* po = require(out, "cast", "out");
   before_kernel({&t}, "cast");
@@ -531,27 +542,6 @@ Tensor CudaRank::cast(const Tensor& t, DType dtype) {
     }
   });
   return out;
-}
-
-// FP8 runs on the simulator only: the CUDA backend has no FP8 tensors (its cuBLASLt FP8 GEMMs and cast
-// kernels are not built).
-Rank::Quantized CudaRank::quantize(const Tensor&, DType, const Fp8Scaling&, const Tensor&, bool,
-                                   const Tensor&) {
-  throw UsageError(
-      fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("quantize")));
-}
-Tensor CudaRank::amax(const Tensor&) {
-  throw UsageError(
-      fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("amax")));
-}
-Tensor CudaRank::fp8_scale(const Tensor&, DType) {
-  throw UsageError(
-      fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator", where("fp8_scale")));
-}
-void CudaRank::fp8_delayed_update(const Tensor&, const std::vector<Tensor>&, const std::vector<Tensor>&,
-                                  const std::vector<Tensor>&, DType, int) {
-  throw UsageError(fmt::format("{}: the CUDA backend does not run FP8; run it on the simulator",
-                               where("fp8_delayed_update")));
 }
 
 // Context parallelism's attention blocks (kernels.cu): the block's attention and its merge into the running

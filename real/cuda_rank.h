@@ -13,6 +13,7 @@
 // now() is the host's steady clock since the launch.
 #pragma once
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
@@ -189,6 +190,30 @@ class CudaRank : public Rank {
   // Rank::matmul_ (or matmul_add_ when `accumulate`): the arguments checked, then gemm.
   void matmul_into(const Tensor& out, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
                    bool accumulate) override;
+
+  // ---- FP8 (cuda_rank_fp8.cc) ----
+  // gemm of two FP8 inputs: cuBLASLt's FP8 GEMM where both are scaled per tensor and the GPU and shapes
+  // allow it, else the values they stand for multiplied in float32 (fp8_gemm_dequantized).
+  void fp8_gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb, bool accumulate);
+  bool fp8_gemm_cublaslt(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                         bool accumulate);
+  void fp8_gemm_dequantized(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta, Trans tb,
+                            bool accumulate);
+  // The float32 values an FP8 tensor stands for, [rows, cols] as it is (2-D, or one row).
+  Tensor fp8_values(const Tensor& t, const char* op);
+  // An FP8 tensor's scales, and its first row among its allocation's (checked: a block-scaled tensor is
+  // whole rows of its allocation).
+  const Fp8Scales& fp8_scales_of(const Tensor& t, const char* op, const char* arg,
+                                 std::int64_t* first_row) const;
+  // The device pointer to the block scales of `t`'s first row, and their bytes per row (1 x N blocks only:
+  // a UsageError otherwise, naming `arg` of `op`).
+  char* fp8_row_scales(const Tensor& t, const char* op, const char* arg, std::int64_t* bytes_per_row) const;
+  // `dst` (FP8) takes the scales of `src`, whose bytes are moved into it: per tensor it shares them; per
+  // 1 x N block its allocation gets block scales (made the first time), and with `copy_rows` src's rows of
+  // them are copied in on the compute stream (a collective moves them beside its bytes instead).
+  void take_fp8_scales(const Tensor& dst, const Tensor& src, const char* op, bool copy_rows);
+  // The GPU has FP8 tensor cores (and MX block scaling with `mx`); UsageError naming it otherwise.
+  void require_fp8_gpu(bool mx, const char* op) const;
   struct Resolved;  // a collective's communicator and ranks inside it (cuda_comm.cc)
 
   void init();
@@ -219,11 +244,21 @@ class CudaRank : public Rank {
                                            const AttentionBlock& block, const char* op) const;
   // Runs `launch` on the compute stream between a timed pair of events named `name`.
   template <typename Launch>
-  void kernel(const char* name, Launch&& launch);
+  void kernel(const char* name, Launch&& launch) {
+    const int interval = timeline_.begin(compute_);
+    launch();
+    timeline_.end(interval, compute_);
+    if (interval >= 0) kernels_.push_back(TimedKernel{name, interval});
+  }
 
   void validate(const CommCall& call) const;
   Resolved resolve(const CommCall& call) const;
   void launch_nccl(const CommCall& call, const Resolved& r);
+  // A block-scaled FP8 tensor's scale bytes per row (0 for any other tensor), and an all_to_all's scales
+  // moved row by row as its rows are (`sent` and `received` rows per member).
+  std::int64_t fp8_scale_row_bytes(const Tensor& t) const;
+  void all_to_all_fp8_scales(const CommCall& call, const Resolved& r, const CommCall::Splits& sent,
+                             const CommCall::Splits& received);
   CommTiming timing_of(const CommCall& call, const Resolved& r);
   // `started` and `done` are timing events around the call on the communication stream.
   Work async_work(const CommCall& call, const std::shared_ptr<CudaEvent>& started,
@@ -241,6 +276,8 @@ class CudaRank : public Rank {
   cudaStream_t compute_ = nullptr;
   cudaStream_t comm_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
+  cublasLtHandle_t cublaslt_ = nullptr;
+  int compute_capability_ = 0;   // major * 10 + minor: 90 for Hopper
   cudaEvent_t issue_ = nullptr;  // compute -> communication ordering, reused per call
   cudaEvent_t sync_compute_ = nullptr;
   cudaEvent_t sync_comm_ = nullptr;

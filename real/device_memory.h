@@ -64,6 +64,22 @@ struct AsyncOp {
   bool waited = false;
 };
 
+// What an FP8 tensor's bytes stand for (common/tensor.h: its elements read as the values the stored codes
+// times their scales give): per tensor, one float32 1 / scale; or per block of block_rows x block_cols over
+// the allocation's rows of `cols` elements, each block's 1 / scale as float32, or as an E8M0 byte with
+// `e8m0` (kernels::Fp8Blocks). Kept on the allocation, so its views read it; whatever writes FP8 bytes into
+// the allocation (quantize, copy_, the collectives that move FP8) sets it.
+struct Fp8Scales {
+  int block_rows = 0, block_cols = 0;  // 0 x 0: per tensor
+  bool e8m0 = false;
+  std::int64_t cols = 0;  // the allocation's row length in elements (per block only)
+  Tensor scale_inv;       // per tensor: float32 [1]; per block: the allocation's block scales
+  bool per_tensor() const { return block_rows == 0; }
+  // Blocks in one row of blocks, and a block scale's bytes.
+  std::int64_t row_blocks() const { return per_tensor() ? 0 : (cols + block_cols - 1) / block_cols; }
+  std::int64_t scale_bytes() const { return e8m0 ? 1 : 4; }
+};
+
 class CudaStorage : public Storage {
  public:
   CudaStorage(std::shared_ptr<DeviceAccount> account, const Shape& shape, DType dtype, bool phantom,
@@ -83,6 +99,12 @@ class CudaStorage : public Storage {
   const AsyncOp* unwaited();
   // Whether the two share any element.
   bool overlaps(const CudaStorage& o) const { return root_ == o.root_ && begin_ < o.end_ && o.begin_ < end_; }
+  // Its first element's place in the allocation, and the allocation's elements.
+  std::int64_t begin() const { return begin_; }
+  std::int64_t allocation_elements() const { return root_->end_; }
+  // An FP8 allocation's scales (null until FP8 bytes were written into it).
+  const std::shared_ptr<Fp8Scales>& fp8_scales() const { return root_->fp8_; }
+  void set_fp8_scales(std::shared_ptr<Fp8Scales> s) { root_->fp8_ = std::move(s); }
 
  private:
   struct Use {
@@ -96,6 +118,7 @@ class CudaStorage : public Storage {
   CudaStorage* root_ = this;          // the allocation: itself, or its base's root
   std::int64_t begin_ = 0, end_ = 0;  // its elements within root_
   std::vector<Use> pending_;          // the root's only
+  std::shared_ptr<Fp8Scales> fp8_;    // the root's only
 };
 
 }  // namespace ranklab

@@ -92,7 +92,8 @@ void encode_values(DType dtype, const float* in, std::int64_t n, void* out) {
     case DType::Float8E5M2:
       break;
   }
-  throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(dtype)));
+  throw UsageError(fmt::format("{} values are FP8 codes with scales: quantize makes them, to_host reads them",
+                               dtype_name(dtype)));
 }
 
 void decode_values(DType dtype, const void* in, std::int64_t n, float* out) {
@@ -114,7 +115,8 @@ void decode_values(DType dtype, const void* in, std::int64_t n, float* out) {
     case DType::Float8E5M2:
       break;
   }
-  throw UsageError(fmt::format("the CUDA backend holds no {} tensors", dtype_name(dtype)));
+  throw UsageError(fmt::format("{} values are FP8 codes with scales: quantize makes them, to_host reads them",
+                               dtype_name(dtype)));
 }
 
 }  // namespace ranklab

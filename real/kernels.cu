@@ -1,5 +1,5 @@
-// The real backend's elementwise, reduction, optimizer and transformer kernels. One file, so CI compiles
-// one translation unit per GPU architecture.
+// The real backend's elementwise, reduction, optimizer and transformer kernels (FP8's are in
+// fp8_kernels.cu). One file, so CI compiles one translation unit per GPU architecture for them.
 //
 // Elementwise kernels are grid-stride loops (each thread handles elements i, i + stride, ...), which keeps
 // the launch shape independent of the tensor's size and the indices in 64 bits. Row kernels (layer norm,
@@ -86,7 +86,7 @@ struct AnyIn {
         return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
       case DType::Float16:
         return __half2float(static_cast<const __half*>(p)[i]);
-      case DType::Float8E4M3:  // never made by this backend (dispatch refuses them)
+      case DType::Float8E4M3:  // codes with scales: only fp8_kernels.cu reads them (dispatch refuses them)
       case DType::Float8E5M2:
       case DType::Float32:
         break;
@@ -117,7 +117,8 @@ void dispatch(DType t, Fn&& fn) {
     case DType::Float8E5M2:
       break;
   }
-  throw UsageError(std::string("the CUDA backend holds no ") + dtype_name(t) + " tensors");
+  throw UsageError(std::string("no kernel but matmul reads ") + dtype_name(t) +
+                   " tensors: quantize makes them");
 }
 
 // Calls fn(Tag<T>{}, Tag<O>{}) with T the element type of `t` and O that of `o`.

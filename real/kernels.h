@@ -159,4 +159,43 @@ void scatter_add_rows(void* out, const void* src, DType t, const std::int64_t* o
 void row_dots(float* out, const void* a, const void* b, DType t, std::int64_t n, std::int64_t cols,
               cudaStream_t s);
 
+// ---- FP8 (real/fp8_kernels.cu) ---------------------------------------------------------------------------
+// An FP8 tensor's bytes are float8_code's (common/dtype_round.h); its scales say what they stand for. Per
+// tensor: one float32 scale_inv (1 / scale) on the device. Per block of block_rows x block_cols over a
+// [rows, cols] tensor, row-major over the blocks: a float32 1 / scale each, or with e8m0 one byte each, the
+// exponent of 1 / scale biased by 127 (the OCP Microscaling formats' E8M0).
+struct Fp8Format {
+  int mantissa_bits = 3;
+  int bias = 7;
+  float largest = 448.0f;
+};
+Fp8Format fp8_format(DType format);  // Float8E4M3 or Float8E5M2
+struct Fp8Blocks {
+  int rows = 0, cols = 0;  // 0 x 0: per tensor
+  bool e8m0 = false;
+  bool per_tensor() const { return rows == 0; }
+};
+// x [rows, cols] quantized into `out`: per tensor with *scale (1 when null), writing 1 / scale into
+// scale_inv and, when record_amax is given, raising it to x's largest magnitude (an atomic max); per block
+// with each block's own scale, written into `scales`. As the simulator's quantize (sim/sim_rank_fp8.cc).
+void fp8_quantize(std::uint8_t* out, const void* x, DType x_t, std::int64_t rows, std::int64_t cols,
+                  DType format, const Fp8Blocks& blocks, const float* scale, float* scale_inv, void* scales,
+                  float* record_amax, cudaStream_t s);
+// out [rows, cols] float32 = the values an FP8 tensor's codes stand for. Its rows are rows first_row on of
+// the tensor its scales cover (a view's), whose rows hold scale_row_blocks blocks each.
+void fp8_dequantize(float* out, const std::uint8_t* codes, std::int64_t rows, std::int64_t cols, DType format,
+                    const Fp8Blocks& blocks, const void* scales, std::int64_t first_row,
+                    std::int64_t scale_row_blocks, cudaStream_t s);
+// out [cols, rows] = in [rows, cols], one byte each: the k-major copy an FP8 GEMM reads.
+void transpose_bytes(std::uint8_t* out, const std::uint8_t* in, std::int64_t rows, std::int64_t cols,
+                     cudaStream_t s);
+// out [1] = the largest magnitude of x's n elements.
+void amax(float* out, const void* x, DType t, std::int64_t n, cudaStream_t s);
+// out [1] = largest / amax, or 1 where amax is 0 or not finite, at most the largest float.
+void fp8_scale(float* out, const float* amax, float largest, cudaStream_t s);
+// Delayed scaling's update of one tensor (Rank::fp8_delayed_update): `reduced` its amax of the pass,
+// history [len] the earlier ones, newest first; `largest` is the format's divided by 2^margin.
+void fp8_delayed_update(float* history, std::int64_t len, float* scale, float* amax, const float* reduced,
+                        float largest, cudaStream_t s);
+
 }  // namespace ranklab::kernels

@@ -711,6 +711,126 @@ TEST(CudaBackend, SixteenBitMatmulAccumulatesInFloat32) {
   });
 }
 
+// Whether the GPU takes FP8 (compute capability 8.9 on): the backend refuses it with a UsageError otherwise.
+bool gpu_takes_fp8() {
+  CudaBackend cuda(quiet_cuda());
+  try {
+    cuda.launch(1, [](Rank& r) {
+      r.quantize(r.zeros({16, 16}), DType::Float8E4M3, Rank::Fp8Scaling{}, Tensor(), false, Tensor());
+    });
+  } catch (const UsageError& e) {
+    return std::string(e.what()).find("no FP8 tensor cores") == std::string::npos;
+  }
+  return true;
+}
+
+// Values both backends start from bit for bit (randn's device logf may differ from the host's in the last
+// place, and one place is enough to move an FP8 code): `scale` times a fixed pattern, rounded to bfloat16.
+Tensor pattern(Rank& r, const Shape& s, float scale, int seed) {
+  std::vector<float> v(static_cast<size_t>(s.numel()));
+  for (size_t i = 0; i < v.size(); ++i) v[i] = scale * std::sin(0.37f * static_cast<float>(i) + seed);
+  return r.from_host(s, v, DType::BFloat16);
+}
+
+// FP8 on the GPU holds the simulator's numbers: the codes and scales of each recipe's casts, cuBLASLt's FP8
+// GEMM (every dimension a multiple of 16) and the float32 path (other shapes, block scales) giving its
+// products, delayed scaling's update, and the scales travelling with all_gather, all_to_all and copy_.
+TEST(CudaBackend, Fp8MatchesTheSimulator) {
+  REQUIRE_GPU();
+  if (!gpu_takes_fp8()) GTEST_SKIP() << "this GPU has no FP8 tensor cores";
+  const DType e4m3 = DType::Float8E4M3, e5m2 = DType::Float8E5M2;
+  const Program fn = [&](Rank& r) {
+    std::vector<float> out;
+    auto take = [&](const Tensor& t) {
+      auto v = r.to_host(t);
+      out.insert(out.end(), v.begin(), v.end());
+    };
+    const int n = r.world_size(), me = r.rank();
+    const Tensor x = pattern(r, {32, 256}, 3.0f, me), w = pattern(r, {256, 48}, 0.05f, 7);
+    // Current scaling, recording the amax as delayed scaling's casts do.
+    const Tensor recorded = r.zeros({1});
+    const Tensor sx = r.fp8_scale(r.amax(x), e4m3), sw = r.fp8_scale(r.amax(w), e4m3);
+    const Rank::Quantized qx = r.quantize(x, e4m3, {}, sx, true, recorded);
+    const Rank::Quantized qw = r.quantize(w, e4m3, {}, sw, true, Tensor());
+    for (const Tensor& t : {qx.data, qx.columnwise, recorded, sx, qw.data}) take(t);
+    take(r.matmul(qx.data, qw.data));
+    take(r.matmul(qx.data, qx.columnwise, Trans::No, Trans::Yes));
+    take(r.matmul(qx.data, qx.columnwise, Trans::Yes, Trans::No));
+    Tensor sum = r.full({32, 48}, 1.0f);
+    r.matmul_add_(sum, qx.data, qw.data, Trans::No, Trans::No);
+    take(sum);
+    take(r.matmul(r.view(qx.data, 0, Shape{30, 256}), qw.data));  // 30 rows: the float32 path
+    const Tensor dy = pattern(r, {32, 48}, 1e-3f, 11 + me);
+    const Rank::Quantized qdy = r.quantize(dy, e5m2, {}, r.fp8_scale(r.amax(dy), e5m2), false, Tensor());
+    take(qdy.data);
+    take(r.matmul(qdy.data, qw.data, Trans::No, Trans::Yes));
+    // Blockwise: 1 x 128 activations, 128 x 128 weights.
+    const Rank::Quantized bx = r.quantize(x, e4m3, {1, 128}, Tensor(), true, Tensor());
+    const Rank::Quantized bw = r.quantize(w, e4m3, {128, 128}, Tensor(), true, Tensor());
+    for (const Tensor& t : {bx.data, bx.columnwise, bw.data}) take(t);
+    take(r.matmul(bx.data, bw.columnwise));
+    // Scales that travel: one per tensor, shared by every rank (the amax reduced first), and 1 x 128 blocks.
+    const Tensor shared_amax = r.amax(x);
+    r.all_reduce(shared_amax, ReduceOp::Max);
+    const Rank::Quantized qs = r.quantize(x, e4m3, {}, r.fp8_scale(shared_amax, e4m3), false, Tensor());
+    for (const Tensor& piece : {qs.data, bx.data}) {
+      const Tensor gathered = r.empty({32 * n, 256}, e4m3);
+      r.all_gather(gathered, piece);
+      take(gathered);
+      // A shift around the ring, as tensor parallelism's overlapped GEMMs pass pieces on.
+      std::vector<std::int64_t> to(n, 0), from(n, 0);
+      to[(me + 1) % n] = 32;
+      from[(me + n - 1) % n] = 32;
+      const Tensor shifted = r.empty({32, 256}, e4m3);
+      r.all_to_all(shifted, piece, from, to);
+      take(shifted);
+      const Tensor buffer = r.empty({64, 256}, e4m3);
+      r.copy_(r.view(buffer, 32 * 256, Shape{32, 256}), piece);
+      r.copy_(r.view(buffer, 0, Shape{32, 256}), shifted);
+      take(buffer);
+      take(r.matmul(r.view(buffer, 0, Shape{32, 256}), piece, Trans::No, Trans::Yes));
+    }
+    // Delayed scaling's update: the pass's amax joins the history, the scale follows the largest.
+    const Tensor history = r.from_host({3}, {1.0f, 4.0f, 2.0f}), scale = r.full({1}, 1.0f);
+    const Tensor amax = r.full({1}, 3.0f), reduced = r.from_host({1}, {5.0f + me});
+    r.fp8_delayed_update(reduced, {history}, {scale}, {amax}, e4m3, 1);
+    for (const Tensor& t : {history, scale, amax}) take(t);
+    return out;
+  };
+  // Casts and moves give the same bytes; GEMMs sum in other orders and round once to bfloat16.
+  expect_close(run_both(gpu_world(2), fn), "fp8", 8e-3, 1e-4);
+}
+
+TEST(CudaBackend, Fp8MisuseIsAClearError) {
+  REQUIRE_GPU();
+  if (!gpu_takes_fp8()) GTEST_SKIP() << "this GPU has no FP8 tensor cores";
+  on_gpu([](Rank& r) {
+    const Tensor x = r.full({16, 16}, 1.0f, DType::BFloat16);
+    const Rank::Quantized q = r.quantize(x, DType::Float8E4M3, {}, Tensor(), false, Tensor());
+    auto message = [&](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const UsageError& e) {
+        return std::string(e.what());
+      }
+      return std::string("no error");
+    };
+    EXPECT_NE(message([&] { r.add(q.data, q.data); }).find("FP8 tensors go only into"), std::string::npos);
+    EXPECT_NE(message([&] { r.all_reduce(q.data, ReduceOp::Sum); }).find("FP8"), std::string::npos);
+    EXPECT_NE(message([&] { r.cast(x, DType::Float8E4M3); }).find("quantize scales"), std::string::npos);
+    // FP8 bytes nothing scaled: an empty tensor never written.
+    EXPECT_NE(message([&] {
+                r.to_host(r.empty({4, 4}, DType::Float8E4M3));
+              }).find("nothing scaled"),
+              std::string::npos);
+    const Rank::Quantized b = r.quantize(x, DType::Float8E4M3, {1, 8}, Tensor(), false, Tensor());
+    EXPECT_NE(message([&] {
+                r.to_host(r.view(b.data, 4, Shape{2, 6}));
+              }).find("not whole rows"),
+              std::string::npos);
+  });
+}
+
 TEST(CudaBackend, BiasLayerNormAndGeluMatchHostReferences) {
   REQUIRE_GPU();
   on_gpu([](Rank& r) {
