@@ -4,14 +4,16 @@
 #   2. runs every test (the GPU tests run one at a time, so their timings do not share the device);
 #   3. runs every lesson on the GPUs at the largest world this machine allows, and on the simulator with
 #      the profile matching the GPU, and writes both reports as JSON;
-#   4. runs the benchmark sweep on the GPUs with --report and compares it with the simulator
+#   4. runs the GPT lesson in FP8 on the GPUs, each recipe a Hopper GPU has;
+#   5. runs the benchmark sweep on the GPUs with --report and compares it with the simulator
 #      (`ranklab compare`: the same lesson simulated with the GPU's profile), text and compare.html.
 #
 #   scripts/gpu-check.sh OUT_DIR [BUILD_DIR]
 #
 # OUT_DIR receives tests.log, lessons.log, cuda.json and sim.json (one report per lesson, keyed by its
-# name), summary.txt (one line per lesson: status and makespan on each backend) and cli.log (the command
-# line's own `--backend cuda` run). Needs no network. JOBS sets the build's parallelism (default 16).
+# name), summary.txt (one line per lesson: status and makespan on each backend), cli.log (the command
+# line's own `--backend cuda` run) and fp8.log (the GPT lesson in FP8, per-tensor and blockwise). Needs no
+# network. JOBS sets the build's parallelism (default 16).
 set -uo pipefail
 
 out=${1:?usage: scripts/gpu-check.sh OUT_DIR [BUILD_DIR]}
@@ -55,6 +57,13 @@ gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$gpus" -ge 1 ] || gpus=1
 "$build/tools/ranklab" run collectives --backend cuda --world "$gpus" 2>&1 | tee "$out/cli.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE COMMAND LINE'S CUDA RUN FAILED"; status=1; }
+
+step "the GPT lesson in FP8 on the GPUs (it checks itself against one device)"
+for recipe in current delayed blockwise; do
+  "$build/tools/ranklab" run gpt --backend cuda --world "$gpus" --fp8-recipe "$recipe" 2>&1 |
+    tee -a "$out/fp8.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu-check: THE GPT LESSON IN FP8 ($recipe) FAILED"; status=1; }
+done
 
 step "the benchmark sweep on the GPUs, compared with the simulator"
 mkdir -p "$out/sweep"
