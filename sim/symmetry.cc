@@ -80,10 +80,14 @@ void Symmetry::check_group(const std::vector<int>& ranks) const {
 
 const std::vector<std::vector<int>>& Symmetry::images(const CommOpState& op) {
   const bool p2p = op.op == CommOp::Send;
-  auto [it, inserted] =
-      images_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1]) : std::make_pair(op.group_id, -1));
-  if (!inserted) return it->second;
+  if (!p2p) {
+    const auto id = static_cast<std::size_t>(op.group_id);
+    if (id < group_images_.size() && group_images_[id]) return *group_images_[id];
+  } else if (const auto known = pair_images_.find({op.ranks[0], op.ranks[1]}); known != pair_images_.end()) {
+    return known->second;
+  }
   const std::vector<int>& ranks = op.ranks;
+  std::vector<std::vector<int>> found;
   // A translation maps the group onto itself, onto another group, or onto ranks that are no group at
   // all: a group of ep consecutive ranks of a data-parallel dimension of size dp moved by one is not one
   // of the program's groups. A rank belongs to one group of each kind, so the images are the translations
@@ -103,24 +107,27 @@ const std::vector<std::vector<int>>& Symmetry::images(const CommOpState& op) {
       continue;
     }
     for (int r : image) covered[static_cast<std::size_t>(r)] = 1;
-    it->second.push_back(image);
+    found.push_back(image);
   }
   if (!tiled) {
     for (int t = 1; t < translations_; ++t) {
       for (int r : ranks) {
         if (covered[static_cast<std::size_t>(translate(r, t))] == 0) {
-          const std::vector<int> group = ranks;
-          images_.erase(it);
           throw UsageError(fmt::format(
               "symmetric run: the copies of group {{{}}} along the replicated dimensions overlap it without "
               "tiling the ranks (rank {} is in none): the program does not have the symmetry "
               "SimConfig::symmetry declares",
-              fmt::join(group, ", "), translate(r, t)));
+              fmt::join(ranks, ", "), translate(r, t)));
         }
       }
     }
   }
-  return it->second;
+  if (p2p)
+    return pair_images_.emplace(std::make_pair(op.ranks[0], op.ranks[1]), std::move(found)).first->second;
+  const auto id = static_cast<std::size_t>(op.group_id);
+  if (id >= group_images_.size()) group_images_.resize(id + 1);
+  group_images_[id] = std::make_unique<std::vector<std::vector<int>>>(std::move(found));
+  return *group_images_[id];
 }
 
 void Symmetry::note_spine(const CommPlan& plan, const Topology& topo) {

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -55,7 +56,10 @@ class Symmetry {
   std::vector<int> replicated_dims_;  // indices into dims_
   int translations_ = 1;              // the product of the replicated dimensions
   int running_ = 0;
-  std::map<std::pair<int, int>, std::vector<std::vector<int>>> images_;  // (group id, -1) or (src, dst)
+  // Each group's images by its id (null: not worked out yet), each pair's by (src, dst): every operation
+  // asks, so a group's answer is one index away.
+  std::vector<std::unique_ptr<std::vector<std::vector<int>>>> group_images_;
+  std::map<std::pair<int, int>, std::vector<std::vector<int>>> pair_images_;
   bool spine_crossed_ = false;
 };
 

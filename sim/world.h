@@ -363,9 +363,11 @@ class SimWorld {
   SpanName op_name(CommOp op);
   SpanName group_name(const CommOpState& op);
   SpanName plan_name(const CommPlan& plan);
-  std::map<int, SpanName> op_names_;
-  std::map<std::pair<int, int>, SpanName> group_names_;  // (group id, -1) or (src, dst)
-  std::map<std::pair<int, int>, SpanName> plan_names_;
+  // By operation, by group id (pairs by (src, dst)) and by algorithm and protocol; "" where not made yet.
+  std::vector<SpanName> op_names_;
+  std::vector<SpanName> group_names_;
+  std::map<std::pair<int, int>, SpanName> pair_names_;
+  std::vector<SpanName> plan_names_;
 
   // The ranks the engine must stop for (RankState::watched_end_us), by that kernel's end as far as known:
   // those waiting in settle_compute, which issue nothing before it, and those with deferred posts, which

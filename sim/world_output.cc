@@ -100,27 +100,31 @@ void SimWorld::print(const std::string& line) {
 }
 
 SpanName SimWorld::op_name(CommOp op) {
-  auto [it, inserted] = op_names_.try_emplace(static_cast<int>(op));
-  if (inserted) it->second = op == CommOp::Send ? "send/recv" : comm_op_name(op);
-  return it->second;
+  const auto at = static_cast<std::size_t>(op);
+  if (at >= op_names_.size()) op_names_.resize(at + 1);
+  if (op_names_[at].empty()) op_names_[at] = op == CommOp::Send ? "send/recv" : comm_op_name(op);
+  return op_names_[at];
 }
 
 SpanName SimWorld::group_name(const CommOpState& op) {
-  const bool p2p = op.op == CommOp::Send;
-  auto [it, inserted] = group_names_.try_emplace(p2p ? std::make_pair(op.ranks[0], op.ranks[1])
-                                                     : std::make_pair(op.group_id, -1));
-  if (inserted) {
-    it->second =
-        p2p ? fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]) : op.members[0].call.group.str();
+  if (op.op == CommOp::Send) {
+    auto [it, inserted] = pair_names_.try_emplace(std::make_pair(op.ranks[0], op.ranks[1]));
+    if (inserted) it->second = fmt::format("rank {} -> rank {}", op.ranks[0], op.ranks[1]);
+    return it->second;
   }
-  return it->second;
+  const auto at = static_cast<std::size_t>(op.group_id);
+  if (at >= group_names_.size()) group_names_.resize(at + 1);
+  if (group_names_[at].empty()) group_names_[at] = op.members[0].call.group.str();
+  return group_names_[at];
 }
 
 SpanName SimWorld::plan_name(const CommPlan& plan) {
-  auto [it, inserted] =
-      plan_names_.try_emplace({static_cast<int>(plan.algorithm), static_cast<int>(plan.protocol)});
-  if (inserted) it->second = plan.name();
-  return it->second;
+  constexpr std::size_t kProtocols = 3;  // LL, LL128, Simple
+  const std::size_t at =
+      static_cast<std::size_t>(plan.algorithm) * kProtocols + static_cast<std::size_t>(plan.protocol);
+  if (at >= plan_names_.size()) plan_names_.resize(at + 1);
+  if (plan_names_[at].empty()) plan_names_[at] = plan.name();
+  return plan_names_[at];
 }
 
 double SimWorld::timeline_watermark(const RankState& s) {
