@@ -75,23 +75,6 @@ class FlowHeap {
     }
     rebuild();
   }
-  // Takes out the entries of `flows` (each at most once): one by one when they are few against the heap,
-  // else in one pass and the heap built again (a large transfer's flows ending together).
-  void erase_all(const std::vector<std::uint32_t>& flows) {
-    if (flows.size() * 8 < heap_.size()) {
-      for (std::uint32_t f : flows) erase(f);
-      return;
-    }
-    for (std::uint32_t f : flows) {
-      if (contains(f)) where_[f] = kAbsent;
-    }
-    std::size_t kept = 0;
-    for (std::size_t i = 0; i < heap_.size(); ++i) {
-      if (where_[heap_[i].flow] != kAbsent) heap_[kept++] = heap_[i];
-    }
-    heap_.resize(kept);
-    rebuild();
-  }
   // Takes out every entry due at or before `now_us`, in no particular order, passing each to `fn`: in one
   // pass over the heap when many are due, else popping them one by one.
   template <typename Fn>

@@ -123,7 +123,6 @@ void TransferEngine::flush() {
   if (!unshared_) return;
   unshared_ = false;
   fresh_ends_.clear();
-  fresh_retires_.clear();
   // A transfer that starts alone on idle links gets the rates its plan's flows got the last time they did;
   // the first time, they are shared and kept.
   std::vector<double>* idle_rates =
@@ -149,42 +148,44 @@ void TransferEngine::flush() {
     if (!(r.rate_bytes_per_us > 0)) {
       r.end_us = kInf;
       ends_.erase(id);
-      retires_.erase(id);
       continue;
     }
     r.end_us = now_us_ + r.left_bytes / r.rate_bytes_per_us;
     // Done once within kDoneFraction of its bytes, or when the time left is below the clock's resolution
     // (otherwise `now + left / rate` rounds back to `now` and time stops moving).
-    const double done_us = std::min(r.end_us - r.done_bytes / r.rate_bytes_per_us,
-                                    r.end_us - kTimeResolution * std::max(1.0, r.end_us));
+    r.retire_us = std::min(r.end_us - r.done_bytes / r.rate_bytes_per_us,
+                           r.end_us - kTimeResolution * std::max(1.0, r.end_us));
+    retire_lead_us_ = std::max(retire_lead_us_, r.end_us - r.retire_us);
     fresh_ends_.push_back({r.end_us, id});
-    fresh_retires_.push_back({done_us, id});
   }
   ends_.set_all(fresh_ends_);
-  retires_.set_all(fresh_retires_);
 }
 
 void TransferEngine::retire_done_flows() {
   // The flows that count as done now, and those that looked close but are not (rounding): they are due
-  // again at their end.
+  // again at their end. A flow done now ends within the largest lead after now, so the end heap's entries
+  // up to twice that (rounding) hold every one; those not due go back as they were.
   std::vector<std::uint32_t>& done = done_;
   std::vector<FlowHeap::Entry>& again = again_;
   done.clear();
   again.clear();
-  retires_.take_due(now_us_, [&](const FlowHeap::Entry& d) {
-    const Running& r = running_[d.flow];
+  ends_.take_due(now_us_ + 2 * retire_lead_us_, [&](const FlowHeap::Entry& d) {
+    Running& r = running_[d.flow];
+    if (r.retire_us > now_us_) {
+      again.push_back(d);
+      return;
+    }
     const double left = left_now(r);
     const double left_us = r.rate_bytes_per_us > 0 ? left / r.rate_bytes_per_us : kInf;
     if (left <= r.done_bytes || left_us <= kTimeResolution * std::max(1.0, now_us_) || now_us_ >= r.end_us) {
       done.push_back(d.flow);
     } else {
-      again.push_back({r.end_us, d.flow});
+      r.retire_us = r.end_us;
+      again.push_back(d);
     }
   });
-  for (const FlowHeap::Entry& d : again) retires_.set(d.flow, d.at_us);
+  for (const FlowHeap::Entry& d : again) ends_.set(d.flow, d.at_us);
   if (done.empty()) return;
-  // Out of the end heap together (they left the retirement heap as they were found due).
-  ends_.erase_all(done);
   // Retire them in the order of the running list: lowest position first; the entry moved into a gap is
   // looked at next (it is then the lowest).
   std::vector<char>& is_done = retiring_;  // all zero between calls
@@ -204,6 +205,7 @@ void TransferEngine::retire_done_flows() {
   };
   if (done.size() * 8 >= order_.size()) {
     for (std::size_t at = 0; at < order_.size(); ++at) retire_at(at);
+    if (order_.empty()) retire_lead_us_ = 0;
     return;
   }
   std::vector<std::pair<std::size_t, std::uint32_t>>& pending = pending_;
@@ -214,6 +216,7 @@ void TransferEngine::retire_done_flows() {
   for (const auto& [at, id] : pending) {
     if (is_done[id] && position_[id] == at) retire_at(at);
   }
+  if (order_.empty()) retire_lead_us_ = 0;
 }
 
 double TransferEngine::next_flow_end_us() {

@@ -73,6 +73,9 @@ class TransferEngine {
     double rate_bytes_per_us = 0;
     double since_us = 0;
     double end_us = 0;  // when it ends at its current rate
+    // When it counts as done: within rounding of its end (see flush), or its end once it was found not done
+    // at that time.
+    double retire_us = 0;
     // What it may have left and count as done (a fraction of its plan's bytes), kept here so that sharing
     // again and retiring need not look into the transfer's plan.
     double done_bytes = 0;
@@ -84,8 +87,8 @@ class TransferEngine {
   static std::uint32_t copies(const Transfer& t, int flow) {
     return t.plan.copies.empty() ? 1 : t.plan.copies[flow];
   }
-  // Takes a flow out of the sharing network and the running list; retire_done_flows, its one caller,
-  // takes the flows it ends out of the heaps together.
+  // Takes a flow out of the sharing network and the running list; retire_done_flows, its one caller, has
+  // taken it out of the end heap.
   void end_flow(std::uint32_t id);
   // Marks the end of a batch of starts and ends at the present. The links are shared again (flush) only
   // when the engine next needs a flow's end, so that the transfers the simulator starts one by one at one
@@ -116,8 +119,8 @@ class TransferEngine {
   std::vector<std::uint32_t> done_;
   std::vector<FlowHeap::Entry> again_;
   std::vector<std::pair<std::size_t, std::uint32_t>> pending_;
-  std::vector<FlowHeap::Entry> fresh_ends_, fresh_retires_;  // scratch of flush
-  std::vector<std::unique_ptr<Transfer>> transfers_;         // owned; freed when they end
+  std::vector<FlowHeap::Entry> fresh_ends_;           // scratch of flush
+  std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   int in_flight_ = 0;
   bool unshared_ = false;  // batches wait for flush()
   // Since the last flush(): the transfer whose begin_flows added every flow added (null when none was,
@@ -125,8 +128,10 @@ class TransferEngine {
   Transfer* begun_ = nullptr;
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
-  // The running flows by when each ends, and by when it counts as done (within rounding).
-  FlowHeap ends_, retires_;
+  // The running flows by when each ends, and the most any of them counts as done before its end: a flow
+  // done at t ends before t + the lead.
+  FlowHeap ends_;
+  double retire_lead_us_ = 0;
   std::vector<EndedTransfer> ended_;  // finished but not yet handed out
   long late_starts_ = 0;
 };
