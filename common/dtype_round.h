@@ -117,6 +117,31 @@ RANKLAB_HD inline float round_to_float8_e5m2(float x) {
   return round_to_small_float(x, 2, -14, kFloat8E5M2Largest);
 }
 
+// FP8 scaling (common/rank.h, Rank::Fp8Scaling), one text for both backends' casts.
+//
+// The scale that maps `amax` onto the format's largest value: 1 where there is nothing to scale (0, NaN or
+// not finite), and at most the largest float where amax is so small that largest / amax overflows (as
+// TransformerEngine clamps it), so that a block of zeros stays zeros (0 x infinity would be NaN).
+inline constexpr float kLargestFloat = 3.40282347e38f;
+RANKLAB_HD inline float fp8_scale_for(float amax, float largest) {
+  if (!(amax > 0) || !(amax <= kLargestFloat)) return 1.0f;
+  const float s = largest / amax;
+  return s <= kLargestFloat ? s : kLargestFloat;
+}
+// The largest power of two not above s (positive, normal: every scale fp8_scale_for gives is, as amax is at
+// most the largest float): an E8M0 scale, which keeps every element of its block at or below the largest.
+RANKLAB_HD inline float power_of_two_below(float s) {
+  return bits_float(float_bits(s) & 0xFF800000u);
+}
+// The E8M0 byte (OCP Microscaling: a biased exponent, 2^(code - 127)) of 1 / s for s a power of two from
+// power_of_two_below, and the value a byte stands for.
+RANKLAB_HD inline std::uint8_t e8m0_code_of_inverse(float s) {
+  return static_cast<std::uint8_t>(254u - (float_bits(s) >> 23));
+}
+RANKLAB_HD inline float e8m0_value(std::uint8_t code) {
+  return code == 0 ? bits_float(0x00400000u) : bits_float(static_cast<std::uint32_t>(code) << 23);
+}
+
 // The byte an 8-bit format stores for a value it holds (one its round_to_float8_* returned): the sign, the
 // exponent biased by `bias` (7 for e4m3, 15 for e5m2) and `mantissa_bits`, as OFP8 lays them out; subnormals
 // have exponent field 0. NaN is S.1111.111 in both formats. The CUDA backend's FP8 tensors hold these bytes.

@@ -45,20 +45,6 @@ __device__ inline std::uint8_t encode(float x, const Fp8Format& f) {
                      f.bias);
 }
 
-// The scale that maps amax onto `largest` (the simulator's scale_for, sim/sim_rank_fp8.cc).
-__device__ inline float scale_for(float amax, float largest) {
-  if (!(amax > 0) || !isfinite(amax)) return 1.0f;
-  const float s = largest / amax;
-  return isfinite(s) ? s : 3.402823466e38f;
-}
-
-// The largest power of two not above s: an E8M0 scale.
-__device__ inline float power_of_two_below(float s) {
-  int exponent = 0;
-  frexpf(s, &exponent);
-  return ldexpf(1.0f, exponent - 1);
-}
-
 // A non-negative float's atomic max: their bits order as the values do.
 __device__ inline void atomic_max_nonnegative(float* at, float v) {
   atomicMax(reinterpret_cast<int*>(at), __float_as_int(v));
@@ -110,7 +96,7 @@ __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x
     most = fmaxf(most, fabsf(load(x, x_t, (r0 + t / width) * cols + c0 + t % width)));
   }
   most = block_max(most);
-  float s = scale_for(most, f.largest);
+  float s = fp8_scale_for(most, f.largest);
   if (blocks.e8m0) s = power_of_two_below(s);
   for (std::int64_t t = threadIdx.x; t < n; t += blockDim.x) {
     const std::int64_t i = (r0 + t / width) * cols + c0 + t % width;
@@ -118,9 +104,7 @@ __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x
   }
   if (threadIdx.x == 0) {
     if (blocks.e8m0) {
-      int exponent = 0;
-      frexpf(s, &exponent);  // s = 2^(exponent - 1): 1 / s = 2^(1 - exponent)
-      static_cast<std::uint8_t*>(scales)[b] = static_cast<std::uint8_t>(127 + 1 - exponent);
+      static_cast<std::uint8_t*>(scales)[b] = e8m0_code_of_inverse(s);
     } else {
       static_cast<float*>(scales)[b] = 1.0f / s;
     }
@@ -139,9 +123,8 @@ __global__ void dequantize_kernel(float* out, const std::uint8_t* codes, std::in
       inverse = static_cast<const float*>(scales)[0];
     } else {
       const std::int64_t b = ((first_row + i) / blocks.rows) * scale_row_blocks + j / blocks.cols;
-      inverse = blocks.e8m0
-                    ? ldexpf(1.0f, static_cast<int>(static_cast<const std::uint8_t*>(scales)[b]) - 127)
-                    : static_cast<const float*>(scales)[b];
+      inverse = blocks.e8m0 ? e8m0_value(static_cast<const std::uint8_t*>(scales)[b])
+                            : static_cast<const float*>(scales)[b];
     }
     out[idx] = float8_value(codes[idx], f.mantissa_bits, f.bias) * inverse;
   }
@@ -166,7 +149,7 @@ __global__ void amax_kernel(float* out, const void* x, DType t, std::int64_t n) 
 }
 
 __global__ void fp8_scale_kernel(float* out, const float* amax, float largest) {
-  *out = scale_for(*amax, largest);
+  *out = fp8_scale_for(*amax, largest);
 }
 
 __global__ void delayed_update_kernel(float* history, std::int64_t len, float* scale, float* amax,
@@ -175,7 +158,7 @@ __global__ void delayed_update_kernel(float* history, std::int64_t len, float* s
   float most = newest;
   for (std::int64_t j = 0; j < len; ++j) most = fmaxf(most, history[j]);
   // TransformerEngine keeps the scale where the amax is 0 (nothing seen yet) or not finite.
-  if (most > 0 && isfinite(most)) *scale = scale_for(most, largest);
+  if (most > 0 && isfinite(most)) *scale = fp8_scale_for(most, largest);
   for (std::int64_t j = len - 1; j > 0; --j) history[j] = history[j - 1];
   if (len > 0) history[0] = newest;
   *amax = 0;

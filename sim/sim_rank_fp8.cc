@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "common/compute_checks.h"
 #include "common/dtype_round.h"
@@ -27,23 +26,6 @@ float largest(DType format) {
 
 float round_to(DType format, float x) {
   return format == DType::Float8E4M3 ? round_to_float8_e4m3(x) : round_to_float8_e5m2(x);
-}
-
-// The scale that maps `amax` onto the format's largest value `big`: 1 where there is nothing to scale (0, or
-// not finite), and at most the largest float where amax is so small that big / amax overflows (as
-// TransformerEngine clamps it), so that a block of zeros stays zeros (0 x infinity would be NaN).
-float scale_for(float amax, float big) {
-  if (!(amax > 0) || !std::isfinite(amax)) return 1.0f;
-  const float s = big / amax;
-  return std::isfinite(s) ? s : std::numeric_limits<float>::max();
-}
-
-// The largest power of two not above s (s > 0 and finite): an E8M0 scale that keeps every element of its
-// block at or below the format's largest value.
-float power_of_two_below(float s) {
-  int exponent = 0;
-  std::frexp(s, &exponent);  // s = f * 2^exponent, f in [0.5, 1)
-  return std::ldexp(1.0f, exponent - 1);
 }
 
 // out = x quantized with `scale` per tensor, or per block of br x bc with the block's own scale.
@@ -70,7 +52,7 @@ void quantize_values(const Tensor& x, const Tensor& out, DType format, float ten
       float amax = 0;
       for (std::int64_t i = r0; i < r1; ++i)
         for (std::int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(in[i * cols + j]));
-      float s = scale_for(amax, big);
+      float s = fp8_scale_for(amax, big);
       if (e8m0) s = power_of_two_below(s);
       quantize_block(r0, r1, c0, c1, s);
     }
@@ -157,7 +139,7 @@ Tensor SimRank::fp8_scale(const Tensor& amax, DType format) {
   Tensor out = allocate(Shape{1}, DType::Float32, amax.phantom(), "fp8_scale");
   before_reading({&amax}, "fp8_scale");
   if (!out.phantom()) {
-    sim_data(out)[0] = scale_for(sim_data(amax)[0], largest(format));
+    sim_data(out)[0] = fp8_scale_for(sim_data(amax)[0], largest(format));
   }
   launch_kernel_cost(kFp8Scale, world_.compute().memory_cost(2 * kF));
   return out;
@@ -187,7 +169,7 @@ void SimRank::fp8_delayed_update(const Tensor& reduced, const std::vector<Tensor
     float most = newest;
     for (std::int64_t j = 0; j < len; ++j) most = std::max(most, h[j]);
     // TransformerEngine keeps the scale where the amax is 0 (nothing seen yet) or not finite.
-    if (most > 0 && std::isfinite(most)) sim_data(scales[i])[0] = scale_for(most, big);
+    if (most > 0 && std::isfinite(most)) sim_data(scales[i])[0] = fp8_scale_for(most, big);
     // Newest first: the oldest entry leaves, the pass's amax enters at the front.
     if (len > 0) {
       std::copy_backward(h, h + len - 1, h + len);

@@ -92,6 +92,27 @@ TEST(Fp8Rounding, EveryByteDecodesToItsValueAndEncodesBack) {
   }
 }
 
+TEST(Fp8Scaling, ScalesMapTheLargestMagnitudeAndE8M0BytesHoldPowersOfTwo) {
+  EXPECT_EQ(fp8_scale_for(2.0f, kFloat8E4M3Largest), 224.0f);
+  for (float nothing : {0.0f, -1.0f, std::numeric_limits<float>::infinity(), std::nanf("")})
+    EXPECT_EQ(fp8_scale_for(nothing, kFloat8E4M3Largest), 1.0f) << nothing;
+  EXPECT_EQ(fp8_scale_for(1e-45f, kFloat8E4M3Largest), std::numeric_limits<float>::max());  // clamped
+  // The largest power of two not above s, as frexp finds it, over the range scales take.
+  for (float s = 1.3e-36f; s < 3e38f; s *= 1.37f) {
+    int exponent = 0;
+    std::frexp(s, &exponent);
+    EXPECT_EQ(power_of_two_below(s), std::ldexp(1.0f, exponent - 1)) << s;
+  }
+  EXPECT_EQ(power_of_two_below(std::numeric_limits<float>::max()), std::ldexp(1.0f, 127));
+  // Every power-of-two scale's inverse round-trips through its E8M0 byte, 2^-127 (byte 0) included.
+  for (int k = -126; k <= 127; ++k) {
+    const float s = std::ldexp(1.0f, k);
+    const std::uint8_t code = e8m0_code_of_inverse(s);
+    EXPECT_EQ(code, 127 - k) << k;
+    EXPECT_EQ(e8m0_value(code), std::ldexp(1.0f, -k)) << k;
+  }
+}
+
 // One rank on the simulator of `profile`.
 template <typename Fn>
 void on_one_rank(const std::string& profile, Fn fn) {
