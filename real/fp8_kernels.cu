@@ -2,43 +2,18 @@
 // FP8 codes back as the values they stand for, the k-major copy cuBLASLt's FP8 GEMMs read, and the
 // per-tensor scale's small kernels. Every value is rounded by the simulator's own functions
 // (common/dtype_round.h, compiled for the device), so the two backends hold the same numbers.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cmath>
 #include <cstdint>
 
 #include "common/dtype_round.h"
 #include "common/errors.h"
 #include "real/cuda_check.h"
+#include "real/kernel_common.cuh"
 #include "real/kernels.h"
 
 namespace ranklab::kernels {
 
 namespace {
-
-constexpr int kThreads = 256;
-
-unsigned blocks_for(std::int64_t n) {
-  const std::int64_t wanted = (n + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(wanted < 65536 ? (wanted > 0 ? wanted : 1) : 65536);
-}
-
-void check_launch(const char* kernel) {
-  cuda_check(cudaGetLastError(), kernel);
-}
-
-__device__ inline float load(const void* p, DType t, std::int64_t i) {
-  switch (t) {
-    case DType::BFloat16:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-    case DType::Float16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      break;
-  }
-  return static_cast<const float*>(p)[i];
-}
 
 __device__ inline std::uint8_t encode(float x, const Fp8Format& f) {
   return float8_code(round_to_small_float(x, f.mantissa_bits, 1 - f.bias, f.largest), f.mantissa_bits,
@@ -50,35 +25,21 @@ __device__ inline void atomic_max_nonnegative(float* at, float v) {
   atomicMax(reinterpret_cast<int*>(at), __float_as_int(v));
 }
 
-// The largest of every thread's `v` in the block, in every thread.
-__device__ float block_max(float v) {
-  __shared__ float lanes[kThreads];
-  lanes[threadIdx.x] = v;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) lanes[threadIdx.x] = fmaxf(lanes[threadIdx.x], lanes[threadIdx.x + half]);
-    __syncthreads();
-  }
-  const float most = lanes[0];
-  __syncthreads();
-  return most;
-}
-
 __global__ void quantize_tensor_kernel(std::uint8_t* out, const void* x, DType x_t, std::int64_t n,
                                        Fp8Format f, const float* scale, float* scale_inv,
                                        float* record_amax) {
+  __shared__ float scratch[32];
   const float s = scale != nullptr ? *scale : 1.0f;
   if (blockIdx.x == 0 && threadIdx.x == 0 && scale_inv != nullptr) *scale_inv = 1.0f / s;
+  const AnyIn in{x, x_t};
   float most = 0;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
-    const float v = load(x, x_t, i);
+  for (std::int64_t i = first_index(); i < n; i += stride()) {
+    const float v = in[i];
     most = fmaxf(most, fabsf(v));
     out[i] = encode(v * s, f);
   }
   if (record_amax != nullptr) {
-    most = block_max(most);
+    most = block_max_f(most, scratch);
     if (threadIdx.x == 0) atomic_max_nonnegative(record_amax, most);
   }
 }
@@ -86,6 +47,8 @@ __global__ void quantize_tensor_kernel(std::uint8_t* out, const void* x, DType x
 // One thread block per scaling block (block b = row block b / per_row, column block b % per_row).
 __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x_t, std::int64_t rows,
                                        std::int64_t cols, Fp8Format f, Fp8Blocks blocks, void* scales) {
+  __shared__ float scratch[32];
+  const AnyIn in{x, x_t};
   const std::int64_t per_row = (cols + blocks.cols - 1) / blocks.cols;
   const std::int64_t b = blockIdx.x;
   const std::int64_t r0 = (b / per_row) * blocks.rows, c0 = (b % per_row) * blocks.cols;
@@ -93,14 +56,14 @@ __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x
   const std::int64_t width = c1 - c0, n = (r1 - r0) * width;
   float most = 0;
   for (std::int64_t t = threadIdx.x; t < n; t += blockDim.x) {
-    most = fmaxf(most, fabsf(load(x, x_t, (r0 + t / width) * cols + c0 + t % width)));
+    most = fmaxf(most, fabsf(in[(r0 + t / width) * cols + c0 + t % width]));
   }
-  most = block_max(most);
+  most = block_max_f(most, scratch);
   float s = fp8_scale_for(most, f.largest);
   if (blocks.e8m0) s = power_of_two_below(s);
   for (std::int64_t t = threadIdx.x; t < n; t += blockDim.x) {
     const std::int64_t i = (r0 + t / width) * cols + c0 + t % width;
-    out[i] = encode(load(x, x_t, i) * s, f);
+    out[i] = encode(in[i] * s, f);
   }
   if (threadIdx.x == 0) {
     if (blocks.e8m0) {
@@ -114,9 +77,8 @@ __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x
 __global__ void dequantize_kernel(float* out, const std::uint8_t* codes, std::int64_t rows, std::int64_t cols,
                                   Fp8Format f, Fp8Blocks blocks, const void* scales, std::int64_t first_row,
                                   std::int64_t scale_row_blocks) {
-  const std::int64_t n = rows * cols, stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += stride) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t idx = first_index(); idx < n; idx += stride()) {
     const std::int64_t i = idx / cols, j = idx % cols;
     float inverse = 0;
     if (blocks.rows == 0) {  // per tensor
@@ -132,19 +94,17 @@ __global__ void dequantize_kernel(float* out, const std::uint8_t* codes, std::in
 
 __global__ void transpose_bytes_kernel(std::uint8_t* out, const std::uint8_t* in, std::int64_t rows,
                                        std::int64_t cols) {
-  const std::int64_t n = rows * cols, stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t idx = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < n;
-       idx += stride) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t idx = first_index(); idx < n; idx += stride())
     out[(idx % cols) * rows + idx / cols] = in[idx];
-  }
 }
 
 __global__ void amax_kernel(float* out, const void* x, DType t, std::int64_t n) {
+  __shared__ float scratch[32];
+  const AnyIn in{x, t};
   float most = 0;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride)
-    most = fmaxf(most, fabsf(load(x, t, i)));
-  most = block_max(most);
+  for (std::int64_t i = first_index(); i < n; i += stride()) most = fmaxf(most, fabsf(in[i]));
+  most = block_max_f(most, scratch);
   if (threadIdx.x == 0) atomic_max_nonnegative(out, most);
 }
 

@@ -3,7 +3,8 @@
 //
 // Tensors travel as untyped pointers with their DType: each kernel is a template over the element type
 // (float, __nv_bfloat16, __half), instantiated in kernels.cu, and computes in float32 whatever it stores.
-// Plain declarations, so the C++ side of the backend needs no CUDA compiler: only kernels.cu does.
+// Plain declarations, so the C++ side of the backend needs no CUDA compiler: only the .cu files do
+// (kernels.cu, fp8_kernels.cu; what they share is in kernel_common.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
