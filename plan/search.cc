@@ -142,11 +142,17 @@ std::int64_t probe_unit(const gpt::Config& c) {
   return c.v > 1 ? c.pp : 1;
 }
 
+// The micro-batches of the shorter of the two steps a run extends its whole step from (2 p; the other runs
+// 4 p), or 0 where it runs the whole step: with symmetry and extrapolation, for a step of at least 12 p.
+std::int64_t extended_from(const gpt::Config& c, bool symmetry, bool extrapolate_step) {
+  const std::int64_t short_m = 2 * c.pp;
+  return symmetry && extrapolate_step && c.micro_batches() >= 6 * short_m ? short_m : 0;
+}
+
 // Whether probing a layout costs at most a fifth of its screening: the probe's 5 units of micro-batches
-// against the screening's m (6 p where it is extended from two short steps).
-bool worth_probing(const gpt::Config& c, bool extrapolate_step) {
-  const std::int64_t m = c.micro_batches();
-  const std::int64_t screened = extrapolate_step && m >= 12 * c.pp ? 6 * c.pp : m;
+// against the screening's m, or the 6 p of the two steps it is extended from (extended_from `short_m`).
+bool worth_probing(const gpt::Config& c, std::int64_t short_m) {
+  const std::int64_t screened = short_m > 0 ? 3 * short_m : c.micro_batches();
   return 5 * 5 * probe_unit(c) <= screened;
 }
 
@@ -192,8 +198,9 @@ Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapol
   StepBound bound(q.profile);
   out.candidate.bound_us = bound.us(c);
   out.candidate.planned_bytes = planned_peak_bytes(c);
+  const std::int64_t m = c.micro_batches(), short_m = extended_from(c, symmetry, extrapolate_step);
   const auto t0 = std::chrono::steady_clock::now();
-  if (cutoff && symmetry && worth_probing(c, extrapolate_step)) {
+  if (cutoff && symmetry && worth_probing(c, short_m)) {
     // An empty cutoff (nothing simulated yet) probes and screens.
     if (const std::optional<std::vector<double>> kernels = measure_stage_kernels(q, l)) {
       out.candidate.bound_us = std::max(out.candidate.bound_us, bound.us(c, *kernels));
@@ -205,9 +212,8 @@ Result simulate(const Question& q, const Layout& l, bool symmetry, bool extrapol
       }
     }
   }
-  const std::int64_t m = c.micro_batches(), short_m = 2 * c.pp;
   std::optional<Simulated> run;
-  if (symmetry && extrapolate_step && m >= 6 * short_m) {
+  if (short_m > 0) {
     Question shorter = q;
     shorter.global_batch = short_m * l.micro_batch * l.dp;
     std::optional<Simulated> a = run_step(shorter, l, symmetry, out.candidate.reason);
