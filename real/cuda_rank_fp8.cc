@@ -170,9 +170,10 @@ Rank::Quantized CudaRank::quantize(const Tensor& x, DType format, const Fp8Scali
   float* precord = record_amax.defined() ? require_f32(record_amax, op, "record_amax") : nullptr;
   check_quantize(rank_, x, format, scaling, scale, record_amax);
   require_fp8_gpu(scaling.e8m0, op);
-  if (scale.defined()) before_kernel({&x, &scale}, op);
-  if (record_amax.defined()) before_kernel({&x, &record_amax}, op);
   before_kernel({&x}, op);
+  for (const Tensor* t : {&scale, &record_amax}) {
+    if (t->defined()) before_kernel({t}, op);
+  }
   const std::int64_t rows = x.size(0), cols = x.size(1);
   // One layout: its bytes and its scales; only the first records the amax.
   auto quantized = [&](const Fp8Scaling& layout, float* record, Tensor* block_scales) {
