@@ -11,15 +11,11 @@ namespace ranklab::testing {
 // and a vocabulary of 4,096, on two dgx-h100 nodes.
 inline plan::Request llama512_request(int layers, int global_batch) {
   plan::Request r;
-  r.shape["block"] = "llama";
-  r.shape["layers"] = option_text(layers);
-  r.shape["hidden"] = option_text(512);
-  r.shape["heads"] = option_text(8);
-  r.shape["kv-heads"] = option_text(4);
-  r.shape["ffn-hidden"] = option_text(1408);
-  r.shape["seq"] = option_text(512);
-  r.shape["vocab"] = option_text(4096);
-  r.shape["global-batch"] = option_text(global_batch);
+  r.shape = {{"block", "llama"}, {"layers", option_text(layers)},
+             {"hidden", "512"},  {"heads", "8"},
+             {"kv-heads", "4"},  {"ffn-hidden", "1408"},
+             {"seq", "512"},     {"global-batch", option_text(global_batch)},
+             {"vocab", "4096"}};
   r.nodes = 2;
   return r;
 }

@@ -29,12 +29,8 @@ namespace {
 // 4 layers, hidden 64, 4 heads, seq 16, vocab 128, global batch 16 on one dgx-h100 node (8 ranks).
 Request tiny_request() {
   Request r;
-  r.shape["layers"] = option_text(4);
-  r.shape["hidden"] = option_text(64);
-  r.shape["heads"] = option_text(4);
-  r.shape["seq"] = option_text(16);
-  r.shape["vocab"] = option_text(128);
-  r.shape["global-batch"] = option_text(16);
+  r.shape = {{"layers", "4"}, {"hidden", "64"}, {"heads", "4"},
+             {"seq", "16"},   {"vocab", "128"}, {"global-batch", "16"}};
   return r;
 }
 Question tiny() {

@@ -31,14 +31,8 @@ json comparable(const std::string& plan_json) {
 
 plan::Question question(int nodes) {
   plan::Request r;
-  r.shape["block"] = "llama";
-  r.shape["layers"] = option_text(4);
-  r.shape["hidden"] = option_text(64);
-  r.shape["heads"] = option_text(4);
-  r.shape["kv-heads"] = option_text(2);
-  r.shape["seq"] = option_text(16);
-  r.shape["vocab"] = option_text(128);
-  r.shape["global-batch"] = option_text(16);
+  r.shape = {{"block", "llama"}, {"layers", "4"}, {"hidden", "64"}, {"heads", "4"},
+             {"kv-heads", "2"},  {"seq", "16"},   {"vocab", "128"}, {"global-batch", "16"}};
   r.nodes = nodes;
   r.max_interleave = 2;
   return plan::make_question(r);
