@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "common/host_device.h"
+#include "common/tensor.h"
 
 namespace ranklab {
 
@@ -110,11 +111,27 @@ RANKLAB_HD inline float round_to_small_float(float x, int mantissa_bits, int min
 inline constexpr float kFloat8E4M3Largest = 448.0f;
 inline constexpr float kFloat8E5M2Largest = 57344.0f;
 
+// An 8-bit format: its stored mantissa bits, its exponent bias (the smallest normal is 2^(1 - bias)) and its
+// largest finite value.
+struct Float8Format {
+  int mantissa_bits;
+  int bias;
+  float largest;
+};
+// Float8E4M3's or Float8E5M2's.
+RANKLAB_HD inline Float8Format float8_format(DType format) {
+  return format == DType::Float8E5M2 ? Float8Format{2, 15, kFloat8E5M2Largest}
+                                     : Float8Format{3, 7, kFloat8E4M3Largest};
+}
+
+RANKLAB_HD inline float round_to_float8(float x, const Float8Format& f) {
+  return round_to_small_float(x, f.mantissa_bits, 1 - f.bias, f.largest);
+}
 RANKLAB_HD inline float round_to_float8_e4m3(float x) {
-  return round_to_small_float(x, 3, -6, kFloat8E4M3Largest);
+  return round_to_float8(x, float8_format(DType::Float8E4M3));
 }
 RANKLAB_HD inline float round_to_float8_e5m2(float x) {
-  return round_to_small_float(x, 2, -14, kFloat8E5M2Largest);
+  return round_to_float8(x, float8_format(DType::Float8E5M2));
 }
 
 // FP8 scaling (common/rank.h, Rank::Fp8Scaling), one text for both backends' casts.
@@ -142,10 +159,11 @@ RANKLAB_HD inline float e8m0_value(std::uint8_t code) {
   return code == 0 ? bits_float(0x00400000u) : bits_float(static_cast<std::uint32_t>(code) << 23);
 }
 
-// The byte an 8-bit format stores for a value it holds (one its round_to_float8_* returned): the sign, the
-// exponent biased by `bias` (7 for e4m3, 15 for e5m2) and `mantissa_bits`, as OFP8 lays them out; subnormals
-// have exponent field 0. NaN is S.1111.111 in both formats. The CUDA backend's FP8 tensors hold these bytes.
-RANKLAB_HD inline std::uint8_t float8_code(float v, int mantissa_bits, int bias) {
+// The byte an 8-bit format stores for a value it holds (one round_to_float8 returned): the sign, the biased
+// exponent and the mantissa bits, as OFP8 lays them out; subnormals have exponent field 0. NaN is S.1111.111
+// in both formats. The CUDA backend's FP8 tensors hold these bytes.
+RANKLAB_HD inline std::uint8_t float8_code(float v, const Float8Format& f) {
+  const int mantissa_bits = f.mantissa_bits, bias = f.bias;
   const std::uint32_t u = float_bits(v);
   const std::uint32_t sign = (u >> 24) & 0x80u;
   const std::uint32_t abs_bits = u & 0x7FFFFFFFu;
@@ -164,7 +182,8 @@ RANKLAB_HD inline std::uint8_t float8_code(float v, int mantissa_bits, int bias)
 }
 
 // The value of a stored byte (float8_code's inverse); NaN for the NaN codes (and e5m2's infinities).
-RANKLAB_HD inline float float8_value(std::uint8_t code, int mantissa_bits, int bias) {
+RANKLAB_HD inline float float8_value(std::uint8_t code, const Float8Format& f) {
+  const int mantissa_bits = f.mantissa_bits, bias = f.bias;
   const std::uint32_t sign = static_cast<std::uint32_t>(code & 0x80u) << 24;
   const int exponent_bits = 7 - mantissa_bits;
   const std::uint32_t e = (code >> mantissa_bits) & ((1u << exponent_bits) - 1u);

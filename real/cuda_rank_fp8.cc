@@ -225,7 +225,7 @@ Tensor CudaRank::fp8_scale(const Tensor& amax, DType format) {
   Tensor out = allocate(Shape{1}, DType::Float32, amax.phantom(), "fp8_scale");
   float* po = require_f32(out, "fp8_scale", "out");
   before_kernel({&amax}, "fp8_scale");
-  kernel("fp8_scale", [&] { kernels::fp8_scale(po, pa, kernels::fp8_format(format).largest, compute_); });
+  kernel("fp8_scale", [&] { kernels::fp8_scale(po, pa, float8_format(format).largest, compute_); });
   return out;
 }
 
@@ -242,7 +242,7 @@ void CudaRank::fp8_delayed_update(const Tensor& reduced, const std::vector<Tenso
   for (const auto* list : {&histories, &scales, &amaxes}) {
     for (const Tensor& t : *list) before_kernel({&t}, op);
   }
-  const float largest = std::ldexp(kernels::fp8_format(format).largest, -margin);
+  const float largest = std::ldexp(float8_format(format).largest, -margin);
   // One small kernel per tensor (TransformerEngine's fused update is one kernel for all of them).
   kernel("fp8_delayed_update", [&] {
     for (std::size_t i = 0; i < histories.size(); ++i) {

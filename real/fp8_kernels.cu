@@ -15,9 +15,8 @@ namespace ranklab::kernels {
 
 namespace {
 
-__device__ inline std::uint8_t encode(float x, const Fp8Format& f) {
-  return float8_code(round_to_small_float(x, f.mantissa_bits, 1 - f.bias, f.largest), f.mantissa_bits,
-                     f.bias);
+__device__ inline std::uint8_t encode(float x, const Float8Format& f) {
+  return float8_code(round_to_float8(x, f), f);
 }
 
 // A non-negative float's atomic max: their bits order as the values do.
@@ -26,7 +25,7 @@ __device__ inline void atomic_max_nonnegative(float* at, float v) {
 }
 
 __global__ void quantize_tensor_kernel(std::uint8_t* out, const void* x, DType x_t, std::int64_t n,
-                                       Fp8Format f, const float* scale, float* scale_inv,
+                                       Float8Format f, const float* scale, float* scale_inv,
                                        float* record_amax) {
   __shared__ float scratch[32];
   const float s = scale != nullptr ? *scale : 1.0f;
@@ -46,7 +45,7 @@ __global__ void quantize_tensor_kernel(std::uint8_t* out, const void* x, DType x
 
 // One thread block per scaling block (block b = row block b / per_row, column block b % per_row).
 __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x_t, std::int64_t rows,
-                                       std::int64_t cols, Fp8Format f, Fp8Blocks blocks, void* scales) {
+                                       std::int64_t cols, Float8Format f, Fp8Blocks blocks, void* scales) {
   __shared__ float scratch[32];
   const AnyIn in{x, x_t};
   const std::int64_t per_row = (cols + blocks.cols - 1) / blocks.cols;
@@ -75,8 +74,8 @@ __global__ void quantize_blocks_kernel(std::uint8_t* out, const void* x, DType x
 }
 
 __global__ void dequantize_kernel(float* out, const std::uint8_t* codes, std::int64_t rows, std::int64_t cols,
-                                  Fp8Format f, Fp8Blocks blocks, const void* scales, std::int64_t first_row,
-                                  std::int64_t scale_row_blocks) {
+                                  Float8Format f, Fp8Blocks blocks, const void* scales,
+                                  std::int64_t first_row, std::int64_t scale_row_blocks) {
   const std::int64_t n = rows * cols;
   for (std::int64_t idx = first_index(); idx < n; idx += stride()) {
     const std::int64_t i = idx / cols, j = idx % cols;
@@ -88,7 +87,7 @@ __global__ void dequantize_kernel(float* out, const std::uint8_t* codes, std::in
       inverse = blocks.e8m0 ? e8m0_value(static_cast<const std::uint8_t*>(scales)[b])
                             : static_cast<const float*>(scales)[b];
     }
-    out[idx] = float8_value(codes[idx], f.mantissa_bits, f.bias) * inverse;
+    out[idx] = float8_value(codes[idx], f) * inverse;
   }
 }
 
@@ -126,17 +125,12 @@ __global__ void delayed_update_kernel(float* history, std::int64_t len, float* s
 
 }  // namespace
 
-Fp8Format fp8_format(DType format) {
-  if (format == DType::Float8E5M2) return Fp8Format{2, 15, kFloat8E5M2Largest};
-  return Fp8Format{3, 7, kFloat8E4M3Largest};
-}
-
 void fp8_quantize(std::uint8_t* out, const void* x, DType x_t, std::int64_t rows, std::int64_t cols,
                   DType format, const Fp8Blocks& blocks, const float* scale, float* scale_inv, void* scales,
                   float* record_amax, cudaStream_t s) {
   const std::int64_t n = rows * cols;
   if (n == 0) return;
-  const Fp8Format f = fp8_format(format);
+  const Float8Format f = float8_format(format);
   if (blocks.per_tensor()) {
     quantize_tensor_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, x, x_t, n, f, scale, scale_inv,
                                                               record_amax);
@@ -155,7 +149,7 @@ void fp8_dequantize(float* out, const std::uint8_t* codes, std::int64_t rows, st
                     std::int64_t scale_row_blocks, cudaStream_t s) {
   const std::int64_t n = rows * cols;
   if (n == 0) return;
-  dequantize_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, codes, rows, cols, fp8_format(format), blocks,
+  dequantize_kernel<<<blocks_for(n), kThreads, 0, s>>>(out, codes, rows, cols, float8_format(format), blocks,
                                                        scales, first_row, scale_row_blocks);
   check_launch("dequantize kernel launch");
 }

@@ -165,12 +165,6 @@ void row_dots(float* out, const void* a, const void* b, DType t, std::int64_t n,
 // tensor: one float32 scale_inv (1 / scale) on the device. Per block of block_rows x block_cols over a
 // [rows, cols] tensor, row-major over the blocks: a float32 1 / scale each, or with e8m0 one byte each, the
 // exponent of 1 / scale biased by 127 (the OCP Microscaling formats' E8M0).
-struct Fp8Format {
-  int mantissa_bits = 3;
-  int bias = 7;
-  float largest = 448.0f;
-};
-Fp8Format fp8_format(DType format);  // Float8E4M3 or Float8E5M2
 struct Fp8Blocks {
   int rows = 0, cols = 0;  // 0 x 0: per tensor
   bool e8m0 = false;

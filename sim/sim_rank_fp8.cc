@@ -20,26 +20,18 @@ using namespace kernels;
 
 namespace {
 
-float largest(DType format) {
-  return format == DType::Float8E4M3 ? kFloat8E4M3Largest : kFloat8E5M2Largest;
-}
-
-float round_to(DType format, float x) {
-  return format == DType::Float8E4M3 ? round_to_float8_e4m3(x) : round_to_float8_e5m2(x);
-}
-
 // out = x quantized with `scale` per tensor, or per block of br x bc with the block's own scale.
 void quantize_values(const Tensor& x, const Tensor& out, DType format, float tensor_scale, int br, int bc,
                      bool e8m0) {
   const std::int64_t rows = x.size(0), cols = x.size(1);
   const float* in = sim_data(x);
   float* o = sim_data(out);
-  const float big = largest(format);
+  const Float8Format f = float8_format(format);
   auto quantize_block = [&](std::int64_t r0, std::int64_t r1, std::int64_t c0, std::int64_t c1, float s) {
     const float inverse = 1.0f / s;
     for (std::int64_t i = r0; i < r1; ++i)
       for (std::int64_t j = c0; j < c1; ++j)
-        o[i * cols + j] = round_to(format, in[i * cols + j] * s) * inverse;
+        o[i * cols + j] = round_to_float8(in[i * cols + j] * s, f) * inverse;
   };
   if (br == 0) {
     quantize_block(0, rows, 0, cols, tensor_scale);
@@ -52,7 +44,7 @@ void quantize_values(const Tensor& x, const Tensor& out, DType format, float ten
       float amax = 0;
       for (std::int64_t i = r0; i < r1; ++i)
         for (std::int64_t j = c0; j < c1; ++j) amax = std::max(amax, std::fabs(in[i * cols + j]));
-      float s = fp8_scale_for(amax, big);
+      float s = fp8_scale_for(amax, f.largest);
       if (e8m0) s = power_of_two_below(s);
       quantize_block(r0, r1, c0, c1, s);
     }
@@ -139,7 +131,7 @@ Tensor SimRank::fp8_scale(const Tensor& amax, DType format) {
   Tensor out = allocate(Shape{1}, DType::Float32, amax.phantom(), "fp8_scale");
   before_reading({&amax}, "fp8_scale");
   if (!out.phantom()) {
-    sim_data(out)[0] = fp8_scale_for(sim_data(amax)[0], largest(format));
+    sim_data(out)[0] = fp8_scale_for(sim_data(amax)[0], float8_format(format).largest);
   }
   launch_kernel_cost(kFp8Scale, world_.compute().memory_cost(2 * kF));
   return out;
@@ -158,7 +150,7 @@ void SimRank::fp8_delayed_update(const Tensor& reduced, const std::vector<Tensor
     for (const Tensor& t : *list) before_kernel({&t}, "fp8_delayed_update");
   }
   double bytes = bytes_of(reduced);
-  const float big = std::ldexp(largest(format), -margin);
+  const float big = std::ldexp(float8_format(format).largest, -margin);
   for (std::size_t i = 0; i < histories.size(); ++i) {
     // The history read for its largest and written back one place on; the scale and the amax written.
     bytes += 2 * bytes_of(histories[i]) + 2 * kF;

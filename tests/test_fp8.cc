@@ -67,15 +67,16 @@ TEST(Fp8Rounding, ValuesPastTheLargestSaturateAndNaNStays) {
 TEST(Fp8Rounding, EveryByteDecodesToItsValueAndEncodesBack) {
   struct Format {
     const char* name;
-    int mantissa_bits, bias;
+    Float8Format format;
     std::vector<double> values;  // by code, the positive finite ones
     float (*round)(float);
   };
-  for (const Format& f : {Format{"e4m3", 3, 7, values_of(4, 3, true), round_to_float8_e4m3},
-                          Format{"e5m2", 2, 15, values_of(5, 2, false), round_to_float8_e5m2}}) {
+  for (const Format& f :
+       {Format{"e4m3", float8_format(DType::Float8E4M3), values_of(4, 3, true), round_to_float8_e4m3},
+        Format{"e5m2", float8_format(DType::Float8E5M2), values_of(5, 2, false), round_to_float8_e5m2}}) {
     for (int code = 0; code < 256; ++code) {
       const auto c = static_cast<std::uint8_t>(code);
-      const float v = float8_value(c, f.mantissa_bits, f.bias);
+      const float v = float8_value(c, f.format);
       const std::size_t magnitude = static_cast<std::size_t>(code & 0x7F);
       if (magnitude >= f.values.size()) {
         EXPECT_TRUE(std::isnan(v)) << f.name << " code " << code;
@@ -83,12 +84,11 @@ TEST(Fp8Rounding, EveryByteDecodesToItsValueAndEncodesBack) {
       }
       const double want = code & 0x80 ? -f.values[magnitude] : f.values[magnitude];
       EXPECT_EQ(v, static_cast<float>(want)) << f.name << " code " << code;
-      EXPECT_EQ(float8_code(v, f.mantissa_bits, f.bias), c) << f.name << " value " << v;
+      EXPECT_EQ(float8_code(v, f.format), c) << f.name << " value " << v;
       EXPECT_EQ(f.round(v), v) << f.name << " value " << v;
     }
-    EXPECT_TRUE(
-        std::isnan(float8_value(float8_code(std::numeric_limits<float>::quiet_NaN(), f.mantissa_bits, f.bias),
-                                f.mantissa_bits, f.bias)));
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_TRUE(std::isnan(float8_value(float8_code(nan, f.format), f.format)));
   }
 }
 
