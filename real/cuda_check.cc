@@ -28,6 +28,13 @@ std::string error_where() {
   return fmt::format("rank {} (GPU {})", t_rank, t_device);
 }
 
+int cublas_dim(std::int64_t n, const char* what) {
+  if (n > 2147483647) {
+    throw UsageError(fmt::format("matmul: {} = {} is beyond what cuBLAS takes (2^31 - 1)", what, n));
+  }
+  return static_cast<int>(n);
+}
+
 void throw_cuda_error(cudaError_t e, const char* call) {
   throw BackendError(fmt::format("{}: {} failed: {} ({})", error_where(), call_name(call),
                                  cudaGetErrorString(e), cudaGetErrorName(e)));

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -20,6 +21,9 @@ std::string error_where();
 [[noreturn]] void throw_cuda_error(cudaError_t e, const char* call);
 [[noreturn]] void throw_cublas_error(cublasStatus_t s, const char* call);
 [[noreturn]] void throw_nccl_error(ncclResult_t r, const char* call, ncclComm_t comm);
+
+// A GEMM's dimension or leading dimension as cuBLAS's int: a UsageError naming `what` past 2^31 - 1.
+int cublas_dim(std::int64_t n, const char* what);
 
 inline void cuda_check(cudaError_t e, const char* call) {
   if (e != cudaSuccess) throw_cuda_error(e, call);

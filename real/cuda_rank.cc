@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 
-#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -25,13 +24,6 @@ namespace {
 std::mutex& stdout_mutex() {
   static std::mutex m;
   return m;
-}
-
-int as_int(std::int64_t n, const char* what) {
-  if (n > INT_MAX) {
-    throw UsageError(fmt::format("matmul: {} = {} is beyond what cuBLAS takes (2^31 - 1)", what, n));
-  }
-  return static_cast<int>(n);
 }
 
 // Rows before `dim`, entries along it, and elements after it: a tensor seen as [outer, size, inner].
@@ -417,19 +409,21 @@ void CudaRank::gemm(const Tensor& c, const Tensor& a, const Tensor& b, Trans ta,
     const float one = 1.0f, zero = 0.0f;
     const float* beta = accumulate ? &one : &zero;
     const cublasOperation_t opb = bt ? CUBLAS_OP_T : CUBLAS_OP_N, opa = at ? CUBLAS_OP_T : CUBLAS_OP_N;
-    const int ldb = as_int(std::max<std::int64_t>(1, b.size(1)), "ldb");
-    const int lda = as_int(std::max<std::int64_t>(1, a.size(1)), "lda");
+    const int ldb = cublas_dim(std::max<std::int64_t>(1, b.size(1)), "ldb");
+    const int lda = cublas_dim(std::max<std::int64_t>(1, a.size(1)), "lda");
     if (dtype == DType::Float32) {
-      RANKLAB_CUBLAS(cublasSgemm(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one,
-                                 static_cast<const float*>(pb), ldb, static_cast<const float*>(pa), lda, beta,
-                                 static_cast<float*>(pc), as_int(n, "ldc")));
+      RANKLAB_CUBLAS(cublasSgemm(cublas_, opb, opa, cublas_dim(n, "n"), cublas_dim(m, "m"),
+                                 cublas_dim(k, "k"), &one, static_cast<const float*>(pb), ldb,
+                                 static_cast<const float*>(pa), lda, beta, static_cast<float*>(pc),
+                                 cublas_dim(n, "ldc")));
     } else {
       // 16-bit inputs on tensor cores, float32 accumulation and float scalars; the product is rounded once,
       // to the output's type (16-bit, or float32 where matmul_add_ sums into a float32 gradient).
       const cudaDataType_t type = cublas_type(dtype);
-      RANKLAB_CUBLAS(cublasGemmEx(cublas_, opb, opa, as_int(n, "n"), as_int(m, "m"), as_int(k, "k"), &one, pb,
-                                  type, ldb, pa, type, lda, beta, pc, cublas_type(c.dtype()),
-                                  as_int(n, "ldc"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+      RANKLAB_CUBLAS(cublasGemmEx(cublas_, opb, opa, cublas_dim(n, "n"), cublas_dim(m, "m"),
+                                  cublas_dim(k, "k"), &one, pb, type, ldb, pa, type, lda, beta, pc,
+                                  cublas_type(c.dtype()), cublas_dim(n, "ldc"), CUBLAS_COMPUTE_32F,
+                                  CUBLAS_GEMM_DEFAULT));
     }
   });
 }

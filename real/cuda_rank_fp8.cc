@@ -284,23 +284,11 @@ bool CudaRank::fp8_gemm_cublaslt(const Tensor& c, const Tensor& a, const Tensor&
   if (c.dtype() != DType::BFloat16 && c.dtype() != DType::Float32) return false;
   void* pc = storage_of(c).data();
   if (!aligned16(pc) || !aligned16(storage_of(a).data()) || !aligned16(storage_of(b).data())) return false;
-  // Both inputs k-major: a as [m, k], b as [n, k], transposed by a byte copy where they are not.
-  auto k_major = [&](const Tensor& t, bool already, std::int64_t outer) {
-    if (already) return t;
-    Tensor copy = allocate(Shape{outer, k}, t.dtype(), t.phantom(), "matmul");
-    kernel("transpose", [&] {
-      kernels::transpose_bytes(static_cast<std::uint8_t*>(storage_of(copy).data()),
-                               static_cast<const std::uint8_t*>(storage_of(t).data()), t.size(0), t.size(1),
-                               compute_);
-    });
-    storage_of(copy).set_fp8_scales(storage_of(t).fp8_scales());
-    return copy;
-  };
-  const Tensor ak = k_major(a, ta == Trans::No, m), bk = k_major(b, tb == Trans::Yes, n);
-  const void* scale_a = storage_of(storage_of(ak).fp8_scales()->scale_inv).data();
-  const void* scale_b = storage_of(storage_of(bk).fp8_scales()->scale_inv).data();
-  // Column-major, as cuBLAS sees our row-major buffers: C^T [n, m] = bk [n, k] times ak^T [k, m], cuBLASLt's
-  // A = bk read transposed (T) and B = ak (N).
+  // Column-major, as cuBLAS sees our row-major buffers: C^T [n, m] = b_k [n, k] times a_k^T [k, m], with a_k
+  // and b_k the inputs k-major (a as [m, k], b as [n, k]): cuBLASLt's A = b_k read transposed (T), B = a_k
+  // (N). Each input's 1 / scale is its own (a k-major copy shares it).
+  const void* scale_a = storage_of(storage_of(a).fp8_scales()->scale_inv).data();
+  const void* scale_b = storage_of(storage_of(b).fp8_scales()->scale_inv).data();
   LtDesc d;
   const cudaDataType_t out_type = c.dtype() == DType::BFloat16 ? CUDA_R_16BF : CUDA_R_32F;
   RANKLAB_CUBLAS(cublasLtMatmulDescCreate(&d.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -327,8 +315,20 @@ bool CudaRank::fp8_gemm_cublaslt(const Tensor& c, const Tensor& a, const Tensor&
   if (cublasLtMatmulAlgoGetHeuristic(cublaslt_, d.desc, d.a, d.b, d.c, d.c, d.pref, 1, &heuristic, &found) !=
           CUBLAS_STATUS_SUCCESS ||
       found == 0) {
-    return false;  // no FP8 kernel for this case: the float32 path below
+    return false;  // no FP8 kernel for this case: the float32 path
   }
+  // An input not k-major is transposed by a byte copy first.
+  auto k_major = [&](const Tensor& t, bool already, std::int64_t outer) {
+    if (already) return t;
+    Tensor copy = allocate(Shape{outer, k}, t.dtype(), t.phantom(), "matmul");
+    kernel("transpose", [&] {
+      kernels::transpose_bytes(static_cast<std::uint8_t*>(storage_of(copy).data()),
+                               static_cast<const std::uint8_t*>(storage_of(t).data()), t.size(0), t.size(1),
+                               compute_);
+    });
+    return copy;
+  };
+  const Tensor ak = k_major(a, ta == Trans::No, m), bk = k_major(b, tb == Trans::Yes, n);
   const float one = 1.0f, zero = 0.0f;
   kernel("matmul", [&] {
     RANKLAB_CUBLAS(cublasLtMatmul(cublaslt_, d.desc, &one, storage_of(bk).data(), d.a, storage_of(ak).data(),
@@ -352,10 +352,10 @@ void CudaRank::fp8_gemm_dequantized(const Tensor& c, const Tensor& a, const Tens
     const float* beta = direct && accumulate ? &one : &zero;
     // Strict float32 (no TF32): the values carry up to 24 bits of mantissa.
     RANKLAB_CUBLAS(cublasGemmEx(
-        cublas_, bt ? CUBLAS_OP_T : CUBLAS_OP_N, at ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(n),
-        static_cast<int>(m), static_cast<int>(k), &one, storage_of(bv).data(), CUDA_R_32F,
-        static_cast<int>(bv.size(1)), storage_of(av).data(), CUDA_R_32F, static_cast<int>(av.size(1)), beta,
-        pp, CUDA_R_32F, static_cast<int>(n), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
+        cublas_, bt ? CUBLAS_OP_T : CUBLAS_OP_N, at ? CUBLAS_OP_T : CUBLAS_OP_N, cublas_dim(n, "n"),
+        cublas_dim(m, "m"), cublas_dim(k, "k"), &one, storage_of(bv).data(), CUDA_R_32F,
+        cublas_dim(bv.size(1), "ldb"), storage_of(av).data(), CUDA_R_32F, cublas_dim(av.size(1), "lda"), beta,
+        pp, CUDA_R_32F, cublas_dim(n, "ldc"), CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT));
     if (direct) return;
     void* pc = storage_of(c).data();
     if (accumulate) {
