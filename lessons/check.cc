@@ -8,7 +8,8 @@
 namespace ranklab::check {
 
 void Agreement::merge(double difference, const std::string& at) {
-  if (!(difference <= worst)) {  // NaN wins
+  if (std::isnan(worst)) return;  // NaN wins, and stays
+  if (!(difference <= worst)) {
     worst = difference;
     where = at;
   }
@@ -40,8 +41,8 @@ void Agreement::merge(const Agreement& d) {
     loosest = d.loosest;
     loosest_where = d.loosest_where;
   }
-  // The worst element of either decides; the relative figure keeps the larger of the two.
-  if (d.worst > worst) {
+  // The worst element of either decides (NaN the worst of all); the relative figure keeps the larger.
+  if (!std::isnan(worst) && (std::isnan(d.worst) || d.worst > worst)) {
     worst = d.worst;
     where = d.where;
   }

@@ -174,6 +174,20 @@ TEST(LessonChecks, ABoundAsLargeAsTheValuesDecidesNothing) {
             std::string::npos);
 }
 
+TEST(LessonChecks, ANanStaysTheWorstDifference) {
+  // Through the elements after it, and through merges either way.
+  check::Agreement nan;
+  nan.add_relative({NAN, 0.5f}, {1.0, 0.5}, "g", 2);
+  EXPECT_TRUE(std::isnan(nan.worst));
+  check::Agreement fine;
+  fine.add_relative({1.0f}, {1.0}, "f", 1);
+  check::Agreement merged = fine;
+  merged.merge(nan);
+  merged.merge(fine);
+  EXPECT_TRUE(std::isnan(merged.worst));
+  EXPECT_FALSE(merged.ok());
+}
+
 TEST(LessonChecks, TrainingLessonsHoldAt1000Ranks) {
   for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
     SCOPED_TRACE(lesson);
