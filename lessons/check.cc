@@ -16,12 +16,14 @@ void Agreement::merge(double difference, const std::string& at) {
 }
 
 void Agreement::add_relative(const std::vector<float>& got, const std::vector<double>& want,
-                             const std::string& what, std::int64_t cols, double* largest_so_far) {
+                             const std::string& what, std::int64_t cols, double* largest_so_far,
+                             const std::vector<double>* allowance) {
   double scale_of_want = 1e-30;
   for (double w : want) scale_of_want = std::max(scale_of_want, std::abs(w));
   if (largest_so_far != nullptr) scale_of_want = *largest_so_far = std::max(*largest_so_far, scale_of_want);
   for (std::size_t i = 0; i < got.size(); ++i) {
-    const double rel = std::abs(got[i] - want[i]) / scale_of_want;
+    const double beyond = std::abs(got[i] - want[i]) - (allowance != nullptr ? (*allowance)[i] : 0.0);
+    const double rel = std::max(beyond, 0.0) / scale_of_want;
     if (!(rel <= worst)) {
       merge(rel,
             fmt::format("{} [{}, {}]: expected {:.9g}, got {:.9g}", what, static_cast<std::int64_t>(i) / cols,

@@ -37,8 +37,11 @@ struct Agreement {
   // numbers out as rows to name the element ("expert 2 W1 gradient [3, 7]"). With `largest_so_far`,
   // relative to the largest |want| the tensor has had over the steps, which this updates: near a minimum a
   // gradient cancels (or a saturated softmax's vanishes) while what rounds in it does not shrink with it.
+  // With `allowance`, each element may differ by that much more: what float32 can take it to where the
+  // reference cannot tell which way it goes (a relu input within rounding of zero).
   void add_relative(const std::vector<float>& got, const std::vector<double>& want, const std::string& what,
-                    std::int64_t cols, double* largest_so_far = nullptr);
+                    std::int64_t cols, double* largest_so_far = nullptr,
+                    const std::vector<double>* allowance = nullptr);
 
   // ---- against rounding bounds (within_bound)
   double max_abs = 0;  // the largest |got - want|, and the largest |want| of the same tensor: for the

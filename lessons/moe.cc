@@ -585,6 +585,15 @@ std::string step_line(int step, int steps, const LastStep& last) {
 // not summed over ranks are 1e-1 or more).
 constexpr double kTolerance = 1e-4;
 
+// Whether float32 may put a relu input on either side of zero: its exact value `acc` is a sum of `terms`
+// products whose magnitudes add to `magnitude`, which float32 computes within (terms + 2) units of
+// rounding of that magnitude (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 3.1: a dot
+// product of n terms within n u of the sum of magnitudes; two more for the float32 copies of x and W1).
+bool relu_undecided(double acc, double magnitude, std::int64_t terms) {
+  constexpr double kUnit = 0x1p-24;  // float32's unit roundoff
+  return std::fabs(acc) <= static_cast<double>(terms + 2) * kUnit * magnitude;
+}
+
 // The same layer over the whole batch, in double precision on the host: routing in groups of one rank's
 // tokens (GShard's groups: capacity is per group), then every expert on all of its tokens.
 class Reference {
@@ -601,6 +610,11 @@ class Reference {
   const std::vector<double>& w1(int e) const { return w1_[e]; }
   const std::vector<double>& w2(int e) const { return w2_[e]; }
   const std::vector<double>& dw1(int e) const { return dw1_[e]; }
+  // How far float32 may take each element of dw1 and of w1 (after the update) beyond its rounding: a relu
+  // input within float32's error of zero may fall on either side of it, and its unit's gradient is then
+  // taken or not (relu_undecided). Zero where every unit is decided.
+  const std::vector<double>& dw1_allowance(int e) const { return dw1_allow_[e]; }
+  const std::vector<double>& w1_allowance(int e) const { return w1_allow_[e]; }
   const std::vector<double>& dw2(int e) const { return dw2_[e]; }
   const std::vector<double>& wr() const { return wr_; }
   const std::vector<double>& dwr() const { return dwr_; }
@@ -610,11 +624,14 @@ class Reference {
   // gradients, and returns d loss / d gate of every route.
   std::vector<double> experts(const double* x, const Routing& ro, double dy);
   void update(std::vector<double>& p, const std::vector<double>& g, int slot);
+  // The update's spread over gradients within `allow` of `g`, element by element, before update(p, g).
+  std::vector<double> update_spread(const std::vector<double>& p, const std::vector<double>& g,
+                                    const std::vector<double>& allow, int slot) const;
 
   MoeShape s_;
   MoeOptions o_;
   std::vector<double> x_, wr_, dwr_;
-  std::vector<std::vector<double>> w1_, w2_, dw1_, dw2_, adam_m_, adam_v_;
+  std::vector<std::vector<double>> w1_, w2_, dw1_, dw2_, adam_m_, adam_v_, dw1_allow_, w1_allow_;
   double loss_ = 0;
   int t_ = 0;
 };
@@ -664,10 +681,11 @@ std::string StepCheck::after_step(int step, const Tensor& y_sum, const std::vect
   for (int le = 0; le < s_.experts_per_rank; ++le) {
     const int e = r_.rank() * s_.experts_per_rank + le;
     a.add_relative(r_.to_host(grads[2 * le]), ref_->dw1(e), fmt::format("expert {} W1 gradient", e), H,
-                   &largest_grad_[2 * le]);
+                   &largest_grad_[2 * le], &ref_->dw1_allowance(e));
     a.add_relative(r_.to_host(grads[2 * le + 1]), ref_->dw2(e), fmt::format("expert {} W2 gradient", e), D,
                    &largest_grad_[2 * le + 1]);
-    a.add_relative(r_.to_host(w.w1[le]), ref_->w1(e), fmt::format("expert {} W1", e), H);
+    a.add_relative(r_.to_host(w.w1[le]), ref_->w1(e), fmt::format("expert {} W1", e), H, nullptr,
+                   &ref_->w1_allowance(e));
     a.add_relative(r_.to_host(w.w2[le]), ref_->w2(e), fmt::format("expert {} W2", e), D);
   }
   a.add_relative(r_.to_host(grads.back()), ref_->dwr(), "router gradient", s_.experts,
@@ -757,7 +775,7 @@ Reference::Reference(const MoeShape& s, const MoeOptions& o) : s_(s), o_(o) {
     w1_.push_back(seeded(s.dim * s.hidden, kExpertSeed + 2 * e, w1_std(s.dim)));
     w2_.push_back(seeded(s.hidden * s.dim, kExpertSeed + 2 * e + 1, w2_std(s.hidden)));
   }
-  dw1_ = w1_, dw2_ = w2_;
+  dw1_ = w1_, dw2_ = w2_, dw1_allow_ = w1_, w1_allow_ = w1_;
   adam_m_.resize(2 * s.experts + 1);
   adam_v_.resize(2 * s.experts + 1);
 }
@@ -788,6 +806,7 @@ void Reference::start_from(const std::vector<float>& state) {
 void Reference::step() {
   const std::int64_t T = s_.tokens_per_rank, D = s_.dim, E = s_.experts;
   for (auto& g : dw1_) std::fill(g.begin(), g.end(), 0.0);
+  for (auto& g : dw1_allow_) std::fill(g.begin(), g.end(), 0.0);
   for (auto& g : dw2_) std::fill(g.begin(), g.end(), 0.0);
   dwr_.assign(static_cast<std::size_t>(D * E), 0.0);
   loss_ = 0;
@@ -816,6 +835,7 @@ void Reference::step() {
   }
   ++t_;
   for (int e = 0; e < s_.experts; ++e) {
+    w1_allow_[e] = update_spread(w1_[e], dw1_[e], dw1_allow_[e], 2 * e);
     update(w1_[e], dw1_[e], 2 * e);
     update(w2_[e], dw2_[e], 2 * e + 1);
   }
@@ -830,10 +850,15 @@ std::vector<double> Reference::experts(const double* x, const Routing& ro, doubl
     const double* xt = &x[r.token * D];
     const std::vector<double>&w1 = w1_[r.expert], &w2 = w2_[r.expert];
     std::vector<double> h(static_cast<std::size_t>(H)), out(static_cast<std::size_t>(D), 0.0);
+    std::vector<char> undecided(static_cast<std::size_t>(H), 0);
     for (std::int64_t j = 0; j < H; ++j) {
-      double acc = 0;
-      for (std::int64_t c = 0; c < D; ++c) acc += xt[c] * w1[c * H + j];
+      double acc = 0, magnitude = 0;
+      for (std::int64_t c = 0; c < D; ++c) {
+        acc += xt[c] * w1[c * H + j];
+        magnitude += std::fabs(xt[c] * w1[c * H + j]);
+      }
       h[j] = std::max(acc, 0.0);
+      undecided[j] = relu_undecided(acc, magnitude, D);
     }
     for (std::int64_t c = 0; c < D; ++c) {
       for (std::int64_t j = 0; j < H; ++j) out[c] += h[j] * w2[j * D + c];
@@ -848,15 +873,45 @@ std::vector<double> Reference::experts(const double* x, const Routing& ro, doubl
     std::vector<double> dh(static_cast<std::size_t>(H), 0.0);
     for (std::int64_t j = 0; j < H; ++j) {
       for (std::int64_t c = 0; c < D; ++c) dw2_[r.expert][j * D + c] += h[j] * dout;
-      if (h[j] > 0) {
+      if (h[j] > 0 || undecided[j]) {
         for (std::int64_t c = 0; c < D; ++c) dh[j] += dout * w2[j * D + c];
       }
     }
     for (std::int64_t c = 0; c < D; ++c) {
-      for (std::int64_t j = 0; j < H; ++j) dw1_[r.expert][c * H + j] += xt[c] * dh[j];
+      for (std::int64_t j = 0; j < H; ++j) {
+        if (undecided[j]) {
+          dw1_allow_[r.expert][c * H + j] += std::fabs(xt[c] * dh[j]);
+        } else {
+          dw1_[r.expert][c * H + j] += xt[c] * dh[j];
+        }
+      }
     }
   }
   return dgate;
+}
+
+std::vector<double> Reference::update_spread(const std::vector<double>& p, const std::vector<double>& g,
+                                             const std::vector<double>& allow, int slot) const {
+  std::vector<double> spread(p.size(), 0.0);
+  const AdamW h;
+  const auto [c1, c2] = check::adamw_corrections(h, t_);
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    if (allow[i] == 0) continue;
+    if (o_.optimizer != "adamw") {
+      spread[i] = static_cast<float>(o_.lr) * allow[i];
+      continue;
+    }
+    // Over so small an interval AdamW's step is close to linear in the gradient: its ends bound it.
+    auto step_with = [&](double gi) {
+      double m = adam_m_[slot].empty() ? 0 : adam_m_[slot][i],
+             v = adam_v_[slot].empty() ? 0 : adam_v_[slot][i];
+      return check::adamw_element(p[i], gi, m, v, static_cast<float>(o_.lr), h.weight_decay, h, c1, c2);
+    };
+    const double at = step_with(g[i]);
+    spread[i] =
+        std::max(std::fabs(step_with(g[i] - allow[i]) - at), std::fabs(step_with(g[i] + allow[i]) - at));
+  }
+  return spread;
 }
 
 // SGD or AdamW, as Rank::sgd_step and Rank::adamw_step compute them (a float32 learning rate).

@@ -188,6 +188,24 @@ TEST(LessonChecks, ANanStaysTheWorstDifference) {
   EXPECT_FALSE(merged.ok());
 }
 
+TEST(LessonChecks, AnAllowanceWidensOnlyItsOwnElement) {
+  // The moe check's W1 gradient where a relu input lies within rounding of zero: that element may be off by
+  // its allowance, relative to the tensor's largest value; the others keep the tolerance.
+  const std::vector<double> want{1.0, 0.5}, allowance{0.25, 0.0};
+  check::Agreement within;
+  within.add_relative({1.2f, 0.5f}, want, "g", 2, nullptr, &allowance);
+  EXPECT_EQ(within.worst, 0.0);
+  check::Agreement beyond;
+  beyond.add_relative({1.5f, 0.5f}, want, "g", 2, nullptr, &allowance);
+  EXPECT_DOUBLE_EQ(beyond.worst, 0.25);
+  check::Agreement other;
+  other.add_relative({1.0f, 0.75f}, want, "g", 2, nullptr, &allowance);
+  EXPECT_DOUBLE_EQ(other.worst, 0.25);
+  check::Agreement nan;
+  nan.add_relative({NAN, 0.5f}, want, "g", 2, nullptr, &allowance);
+  EXPECT_TRUE(std::isnan(nan.worst));
+}
+
 TEST(LessonChecks, TrainingLessonsHoldAt1000Ranks) {
   for (const char* lesson : {"data_parallel", "tensor_parallel", "pipeline_parallel"}) {
     SCOPED_TRACE(lesson);
