@@ -101,10 +101,10 @@ struct CommPlan {
   // NVLink hop side by side with the same bytes: max-min sharing gives such copies one rate, so the engine
   // shares them as one flow (sim/net/sharing.h): a large world's step has a third to a quarter as many.
   SharedVector<std::uint32_t> copies;
-  // Plans of one shape (NetworkModel) share this: the rates max-min sharing gives their flows when they
-  // start on links nothing else crosses, which depend on the paths and copies alone, not on the bytes. The
-  // transfer engine fills it the first time and takes the rates from it after (SharingNetwork::
-  // solve_idle_start). Null for plans built one by one.
+  // Plans of one shape (NetworkModel) share this, as do the copies of an uneven all-to-all's kept plan: the
+  // rates max-min sharing gives their flows when they start on links nothing else crosses, which depend on
+  // the paths and copies alone, not on the bytes. The transfer engine fills it the first time and takes the
+  // rates from it after (SharingNetwork::solve_idle_start). Null for plans built one by one.
   std::shared_ptr<std::vector<double>> idle_rates_gbps;
 
   std::span<const LinkId> path(const Flow& f) const { return {links.data() + f.first, f.length}; }

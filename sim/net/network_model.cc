@@ -261,6 +261,8 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   plan.channels =
       nccl_launch(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total))
           .channels;
+  // The rates its flows get on idle links, kept with it as with every plan of a group's shape.
+  plan.idle_rates_gbps = std::make_shared<std::vector<double>>();
   if (g.uneven.size() >= kUnevenPlansKept) g.uneven.clear();
   g.uneven.emplace(pair_bytes, plan);
   return plan;
