@@ -59,13 +59,20 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   reshare();
 }
 
-void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
+void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool begun) {
   path_.clear();
   if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
+  begun_apart_ = begun_apart_ && begun;
   for (LinkId link : t->plan.path(t->plan.flows[flow])) {
     std::uint32_t& id = link_ids_[link];
-    if (id == 0) id = net_.add_link(topo_.capacity_gbps(link)) + 1;
+    if (id == 0) {
+      id = net_.add_link(topo_.capacity_gbps(link)) + 1;
+      link_marks_.emplace_back();
+    }
     path_.push_back(id - 1);
+    LinkMark& mark = link_marks_[id - 1];
+    if (mark.flush == flushes_ && mark.by != t) begun_apart_ = false;
+    mark = {flushes_, t};
   }
   const std::uint32_t id = net_.add_flow(path_, copies(*t, flow));
   if (id >= running_.size()) running_.resize(id + 1);
@@ -78,7 +85,6 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
   r.end_us = kInf;
   r.done_bytes = t->plan.bytes(t->plan.flows[flow]) * kDoneFraction;
   ++t->flows_left;
-  begun_ = nullptr;  // begin_flows names its transfer when it added all of them
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
   // at the end and closed up by moving its last entry into the gap (see retire_done_flows).
   if (id >= position_.size()) position_.resize(id + 1);
@@ -87,16 +93,15 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes) {
 }
 
 void TransferEngine::begin_flows(Transfer* t) {
-  const bool first = net_.added_linked_flows() == 0;
   t->flows_left = 0;
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
     const Flow& flow = t->plan.flows[f];
     const double bytes = t->plan.bytes(flow);
     if (bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
     if (copies(*t, f) == 0) continue;              // moves with the flow it is a copy of
-    add_flow(t, f, bytes);                         // all of it is left to move when it starts
+    add_flow(t, f, bytes, /*begun=*/true);         // all of it is left to move when it starts
   }
-  if (first && t->flows_left > 0) begun_ = t;
+  if (t->flows_left > 0) begun_.emplace_back(t, t->flows_left);
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;
     tails_.emplace(now_us_ + t->plan.latency_us, t);
@@ -123,19 +128,35 @@ void TransferEngine::flush() {
   if (!unshared_) return;
   unshared_ = false;
   fresh_ends_.clear();
-  // A transfer that starts alone on idle links gets the rates its plan's flows got the last time they did;
-  // the first time, they are shared and kept.
-  std::vector<double>* idle_rates =
-      begun_ != nullptr && net_.idle_start() ? begun_->plan.idle_rates_gbps.get() : nullptr;
-  const bool known =
-      idle_rates != nullptr && idle_rates->size() == static_cast<std::size_t>(net_.added_linked_flows());
-  const std::vector<SharingNetwork::FlowId>& changed =
-      known ? net_.solve_idle_start(*idle_rates) : net_.solve();
-  if (idle_rates != nullptr && !known) {
-    idle_rates->clear();
-    for (SharingNetwork::FlowId id : changed) idle_rates->push_back(net_.rate_gbps(id));
+  // Transfers that start on idle links, no two over one link, get the rates their plans' flows got the
+  // last time they did; the first time, they are shared and kept.
+  const bool apart = begun_apart_ && !begun_.empty() && net_.idle_start();
+  bool known = apart;
+  begun_rates_.clear();
+  for (std::size_t i = 0; known && i < begun_.size(); ++i) {
+    const auto& [t, flows] = begun_[i];
+    const std::vector<double>* rates = t->plan.idle_rates_gbps.get();
+    known = rates != nullptr && rates->size() == static_cast<std::size_t>(flows);
+    if (known) begun_rates_.insert(begun_rates_.end(), rates->begin(), rates->end());
   }
-  begun_ = nullptr;
+  const std::vector<SharingNetwork::FlowId>& changed =
+      known ? net_.solve_idle_start(begun_rates_) : net_.solve();
+  std::size_t begun_flows = 0;
+  for (const auto& [t, flows] : begun_) begun_flows += static_cast<std::size_t>(flows);
+  if (apart && !known && changed.size() == begun_flows) {
+    // The flows come back in the order they were added: transfer by transfer.
+    std::size_t at = 0;
+    for (const auto& [t, flows] : begun_) {
+      if (std::vector<double>* rates = t->plan.idle_rates_gbps.get(); rates != nullptr) {
+        rates->clear();
+        for (int f = 0; f < flows; ++f) rates->push_back(net_.rate_gbps(changed[at + f]));
+      }
+      at += static_cast<std::size_t>(flows);
+    }
+  }
+  begun_.clear();
+  begun_apart_ = true;
+  ++flushes_;
   for (SharingNetwork::FlowId id : changed) {
     Running& r = running_[id];
     const double rate_bytes_per_us = net_.rate_gbps(id) * 1e3;  // GB/s -> B/us

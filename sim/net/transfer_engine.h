@@ -81,8 +81,9 @@ class TransferEngine {
     double done_bytes = 0;
   };
   void begin_flows(Transfer* t);
-  // Adds `flow` of `t` (and the copies it stands for: CommPlan::copies) with `left_bytes` each.
-  void add_flow(Transfer* t, int flow, double left_bytes);
+  // Adds `flow` of `t` (and the copies it stands for: CommPlan::copies) with `left_bytes` each; `begun`:
+  // from begin_flows, which notes the transfer in begun_.
+  void add_flow(Transfer* t, int flow, double left_bytes, bool begun = false);
   // How many flows of its plan `flow` stands for: 0 for a copy of another.
   static std::uint32_t copies(const Transfer& t, int flow) {
     return t.plan.copies.empty() ? 1 : t.plan.copies[flow];
@@ -123,9 +124,19 @@ class TransferEngine {
   std::vector<std::unique_ptr<Transfer>> transfers_;  // owned; freed when they end
   int in_flight_ = 0;
   bool unshared_ = false;  // batches wait for flush()
-  // Since the last flush(): the transfer whose begin_flows added every flow added (null when none was,
-  // or when others added some too), whose plan's idle rates may then serve (SharingNetwork::idle_start).
-  Transfer* begun_ = nullptr;
+  // Since the last flush(): the transfers whose begin_flows added flows, in that order, each with how many;
+  // and whether they added every flow added, no two over one link. Each is then a set of components of
+  // its own when they start on idle links (SharingNetwork::idle_start), and its plan's idle rates serve.
+  std::vector<std::pair<Transfer*, int>> begun_;
+  bool begun_apart_ = true;
+  // Per sharing network link: the flush() before which a begun transfer last crossed it, and which one.
+  struct LinkMark {
+    std::uint64_t flush = 0;
+    const Transfer* by = nullptr;
+  };
+  std::vector<LinkMark> link_marks_;
+  std::uint64_t flushes_ = 1;
+  std::vector<double> begun_rates_;          // scratch of flush
   std::multimap<double, Transfer*> starts_;  // future starts
   std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
   // The running flows by when each ends, and the most any of them counts as done before its end: a flow
