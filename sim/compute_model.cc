@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -49,6 +51,11 @@ double tile_flops_per_byte(std::int64_t tm, std::int64_t tn, double element_byte
 }
 }  // namespace
 
+namespace {
+// Models made so far, each numbered from 1 when its ceilings are known (ComputeModel::gemm_fastest).
+std::atomic<std::uint64_t> models_made{0};
+}  // namespace
+
 ComputeModel::ComputeModel(const GpuModel& gpu) : gpu_(gpu) {
   // The profile's tile and its transpose, and with the shape model cuBLAS's smaller kernels: every tile of
   // kTileSides no larger than the profile's.
@@ -75,6 +82,7 @@ ComputeModel::ComputeModel(const GpuModel& gpu) : gpu_(gpu) {
           : ceiling_16;
   gemm_ceiling_ = ceiling_16;
   gemm_ceiling_fp8_ = ceiling_8;
+  id_ = models_made.fetch_add(1) + 1;
 }
 
 double ComputeModel::solve_ceiling(double tflops, int m, int n, int k, DType dtype, const char* field) const {
@@ -189,6 +197,23 @@ void ComputeModel::each_gemm_candidate(std::int64_t m, std::int64_t n, std::int6
 
 GemmCandidate ComputeModel::gemm_fastest(std::int64_t m, std::int64_t n, std::int64_t k, DType dtype,
                                          std::int64_t batch) const {
+  // A step times the same few shapes millions of times: the answers are kept per thread, a slot per key,
+  // for the model that gave them (models_made: none while the constructor solves its ceilings).
+  struct Kept {
+    std::uint64_t model = 0;
+    std::int64_t m = 0, n = 0, k = 0, batch = 0;
+    DType dtype = DType::Float32;
+    GemmCandidate best;
+  };
+  constexpr std::size_t kSlots = 512;
+  thread_local std::array<Kept, kSlots> kept;
+  std::size_t hash = static_cast<std::size_t>(id_);
+  for (std::int64_t v : {m, n, k, batch, static_cast<std::int64_t>(dtype)})
+    hash = (hash ^ static_cast<std::size_t>(v)) * 0x100000001b3ULL;
+  Kept& slot = kept[(hash ^ (hash >> 29)) % kSlots];
+  if (id_ != 0 && slot.model == id_ && slot.m == m && slot.n == n && slot.k == k && slot.batch == batch &&
+      slot.dtype == dtype)
+    return slot.best;
   // cuBLAS's heuristics intend the fastest kernel; ties go to the first (the profile's tile, unsplit).
   GemmCandidate best;
   bool any = false;
@@ -196,6 +221,7 @@ GemmCandidate ComputeModel::gemm_fastest(std::int64_t m, std::int64_t n, std::in
     if (!any || c.us < best.us) best = c;
     any = true;
   });
+  if (id_ != 0) slot = {id_, m, n, k, batch, dtype, best};
   return best;
 }
 

@@ -155,6 +155,8 @@ class ComputeModel {
   double gemm_ceiling_ = 0;                                        // 16-bit GEMMs
   double gemm_ceiling_fp8_ = 0;                                    // FP8 GEMMs
   std::vector<std::pair<std::int64_t, std::int64_t>> gemm_tiles_;  // (m, n) of each tile considered
+  // Its number once its ceilings are solved, which names its answers in gemm_fastest's memory; 0 before.
+  std::uint64_t id_ = 0;
 };
 
 }  // namespace ranklab::sim
