@@ -28,7 +28,7 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   transfers_.push_back(std::move(t));
   ++in_flight_;
   if (start_us >= now_us_) {
-    starts_.emplace(start_us, raw);
+    starts_.add(start_us, raw);
     return;
   }
   // A late start: run its flows alone from its start to the present, then let it join the others.
@@ -46,7 +46,7 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   const Transfer& copy = *alone.transfers_.front();
   if (copy.flows_left == 0) {
     raw->flows_done_us = copy.flows_done_us;
-    tails_.emplace(copy.flows_done_us + raw->plan.latency_us, raw);
+    tails_.add(copy.flows_done_us + raw->plan.latency_us, raw);
     return;
   }
   std::vector<double> left(raw->plan.flows.size(), 0.0);
@@ -104,7 +104,7 @@ void TransferEngine::begin_flows(Transfer* t) {
   if (t->flows_left > 0) begun_.emplace_back(t, t->flows_left);
   if (t->flows_left == 0) {
     t->flows_done_us = now_us_;
-    tails_.emplace(now_us_ + t->plan.latency_us, t);
+    tails_.add(now_us_ + t->plan.latency_us, t);
   }
 }
 
@@ -220,7 +220,7 @@ void TransferEngine::retire_done_flows() {
       end_flow(id);
       if (--t->flows_left == 0) {
         t->flows_done_us = now_us_;
-        tails_.emplace(now_us_ + t->plan.latency_us, t);
+        tails_.add(now_us_ + t->plan.latency_us, t);
       }
     }
   };
@@ -248,8 +248,8 @@ double TransferEngine::next_flow_end_us() {
 double TransferEngine::next_event_us() {
   if (!ended_.empty()) return now_us_;
   double t = next_flow_end_us();
-  if (!starts_.empty()) t = std::min(t, starts_.begin()->first);
-  if (!tails_.empty()) t = std::min(t, tails_.begin()->first);
+  if (!starts_.empty()) t = std::min(t, starts_.first_us());
+  if (!tails_.empty()) t = std::min(t, tails_.first_us());
   return t;
 }
 
@@ -271,24 +271,22 @@ std::vector<EndedTransfer> TransferEngine::advance_to(double t_us, bool stop_at_
     // Moving to the present needs no sharing: flows end after it. (A flow whose time left is below the
     // clock's resolution after the sharing is then retired at the same time by the next move.)
     double event = unshared_ && t_us <= now_us_ ? kInf : next_flow_end_us();
-    if (!starts_.empty()) event = std::min(event, starts_.begin()->first);
-    if (!tails_.empty()) event = std::min(event, tails_.begin()->first);
+    if (!starts_.empty()) event = std::min(event, starts_.first_us());
+    if (!tails_.empty()) event = std::min(event, tails_.first_us());
     if (event > t_us || std::isinf(event)) break;  // nothing due before t_us, or nothing in flight
     now_us_ = std::max(now_us_, event);
     retire_done_flows();
     // Everything else due now, then one sharing for all of it.
     while (true) {
       bool any = false;
-      while (!tails_.empty() && tails_.begin()->first <= now_us_) {
-        Transfer* t = tails_.begin()->second;
-        tails_.erase(tails_.begin());
+      while (!tails_.empty() && tails_.first_us() <= now_us_) {
+        Transfer* t = tails_.take_first();
         ended.push_back({t->owner, now_us_});
         end_transfer(t);
         any = true;
       }
-      while (!starts_.empty() && starts_.begin()->first <= now_us_) {
-        Transfer* t = starts_.begin()->second;
-        starts_.erase(starts_.begin());
+      while (!starts_.empty() && starts_.first_us() <= now_us_) {
+        Transfer* t = starts_.take_first();
         begin_flows(t);
         any = true;
       }

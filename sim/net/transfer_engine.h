@@ -18,7 +18,8 @@
 // with transfers that already ended is not modelled. The engine counts such late starts.
 #pragma once
 
-#include <map>
+#include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -136,9 +137,39 @@ class TransferEngine {
   };
   std::vector<LinkMark> link_marks_;
   std::uint64_t flushes_ = 1;
-  std::vector<double> begun_rates_;          // scratch of flush
-  std::multimap<double, Transfer*> starts_;  // future starts
-  std::multimap<double, Transfer*> tails_;   // transfers whose flows are done: end time
+  std::vector<double> begun_rates_;  // scratch of flush
+  // Transfers by a time, earliest first and, at one time, in the order they were added (as a multimap
+  // keeps them), in a binary heap: a step adds and takes millions, and a tree's node each would be as
+  // many allocations.
+  class TimedQueue {
+   public:
+    bool empty() const { return heap_.empty(); }
+    double first_us() const { return heap_.front().at_us; }
+    void add(double at_us, Transfer* t) {
+      heap_.push_back({at_us, added_++, t});
+      std::push_heap(heap_.begin(), heap_.end(), Entry::later);
+    }
+    Transfer* take_first() {
+      std::pop_heap(heap_.begin(), heap_.end(), Entry::later);
+      Transfer* t = heap_.back().transfer;
+      heap_.pop_back();
+      return t;
+    }
+
+   private:
+    struct Entry {
+      double at_us;
+      std::uint64_t order;
+      Transfer* transfer;
+      static bool later(const Entry& a, const Entry& b) {
+        return a.at_us > b.at_us || (a.at_us == b.at_us && a.order > b.order);
+      }
+    };
+    std::vector<Entry> heap_;
+    std::uint64_t added_ = 0;
+  };
+  TimedQueue starts_;  // future starts
+  TimedQueue tails_;   // transfers whose flows are done: end time
   // The running flows by when each ends, and the most any of them counts as done before its end: a flow
   // done at t ends before t + the lead.
   FlowHeap ends_;
