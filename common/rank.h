@@ -85,6 +85,9 @@ class Group {
   int id() const;  // 0 for the world
   // The member ranks in order; for the world this needs its size.
   std::vector<int> ranks(int world_size) const;
+  // Whether the group lists exactly `ranks`, in that order, copying nothing; false for the world, which
+  // lists none.
+  bool lists(const std::vector<int>& ranks) const { return info_ != nullptr && info_->ranks == ranks; }
   int size(int world_size) const;
   // Position of `global_rank` inside the group, or -1 when it is not a member.
   int index_of(int global_rank) const;

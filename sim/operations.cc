@@ -57,7 +57,7 @@ const std::vector<int>& Operations::members(const Group& group) const {
 void Operations::check_group(int rank, const Group& group, const char* op) const {
   const int id = group.id();
   const bool known = id >= 0 && id < static_cast<int>(groups_.size());
-  if (known && (group.is_world() || group.ranks(world_size()) == groups_[id])) return;
+  if (known && (group.is_world() || group.lists(groups_[id]))) return;
   throw UsageError(fmt::format(
       "rank {}: {}: {} was not made by new_group in this run{}; use the Group new_group returns", rank, op,
       group.str(),
