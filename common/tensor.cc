@@ -8,20 +8,6 @@
 
 namespace ranklab {
 
-std::int64_t dtype_bytes(DType t) {
-  switch (t) {
-    case DType::Float32:
-      return 4;
-    case DType::BFloat16:
-    case DType::Float16:
-      return 2;
-    case DType::Float8E4M3:
-    case DType::Float8E5M2:
-      return 1;
-  }
-  return 4;
-}
-
 const char* dtype_name(DType t) {
   switch (t) {
     case DType::Float32:
@@ -86,17 +72,8 @@ Shape::Shape(const std::vector<std::int64_t>& dims) {
   check_element_count(dims_, ndim_, *this);
 }
 
-std::int64_t Shape::operator[](int i) const {
-  if (i < 0 || i >= ndim_) {
-    throw UsageError(fmt::format("dimension {} is out of range for shape {}", i, str()));
-  }
-  return dims_[i];
-}
-
-std::int64_t Shape::numel() const {
-  std::int64_t n = 1;
-  for (int i = 0; i < ndim_; ++i) n *= dims_[i];
-  return n;
+void Shape::out_of_range(int i) const {
+  throw UsageError(fmt::format("dimension {} is out of range for shape {}", i, str()));
 }
 
 Shape Shape::with_dim(int i, std::int64_t size) const {

@@ -28,7 +28,20 @@ namespace ranklab {
 // stand for (the stored number divided by its scale), and the one kernel that takes it is matmul.
 enum class DType { Float32, BFloat16, Float16, Float8E4M3, Float8E5M2 };
 
-std::int64_t dtype_bytes(DType t);
+// Inline, as the next few: every kernel and collective asks them several times.
+inline std::int64_t dtype_bytes(DType t) {
+  switch (t) {
+    case DType::Float32:
+      return 4;
+    case DType::BFloat16:
+    case DType::Float16:
+      return 2;
+    case DType::Float8E4M3:
+    case DType::Float8E5M2:
+      return 1;
+  }
+  return 4;
+}
 const char* dtype_name(DType t);
 inline bool is_float8(DType t) {
   return t == DType::Float8E4M3 || t == DType::Float8E5M2;
@@ -49,8 +62,15 @@ class Shape {
   explicit Shape(const std::vector<std::int64_t>& dims);
 
   int ndim() const { return ndim_; }
-  std::int64_t operator[](int i) const;
-  std::int64_t numel() const;
+  std::int64_t operator[](int i) const {
+    if (i < 0 || i >= ndim_) out_of_range(i);
+    return dims_[i];
+  }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (int i = 0; i < ndim_; ++i) n *= dims_[i];
+    return n;
+  }
   std::vector<std::int64_t> dims() const { return {dims_.begin(), dims_.begin() + ndim_}; }
   // Replaces dimension `i` (used by slicing and concatenation).
   Shape with_dim(int i, std::int64_t size) const;
@@ -60,6 +80,8 @@ class Shape {
   std::string str() const;  // "[4, 8]"
 
  private:
+  [[noreturn]] void out_of_range(int i) const;  // UsageError naming `i` and the shape
+
   std::array<std::int64_t, kMaxDims> dims_{};
   int ndim_ = 0;
 };
