@@ -38,6 +38,7 @@ CommMember& CommOpState::member_of(int global_rank) {
 Operations::Operations(int world_size) : calls_(world_size) {
   groups_.emplace_back(world_size);  // group 0 is the world
   for (int r = 0; r < world_size; ++r) groups_[0][r] = r;
+  one_runs_.push_back(0);
 }
 
 // ---- groups ----------------------------------------------------------------------------------------
@@ -88,6 +89,8 @@ Group Operations::new_group(int rank, const std::vector<int>& ranks, const Symme
   } else {
     symmetry.check_group(ranks);
     groups_.push_back(ranks);
+    one_runs_.push_back(std::count_if(ranks.begin(), ranks.end(), [&](int r) { return symmetry.runs(r); }) ==
+                        1);
   }
   return Group(id, ranks);
 }
@@ -175,8 +178,10 @@ std::shared_ptr<CommOpState> Operations::collective_op(int rank, const CommCall&
   const auto key = next_collective(rank, call.group);
   const auto [gid, seq] = key;
   calls_[rank].collective_seq[gid] = seq + 1;
-  auto it = open_collectives_.find(key);
-  if (it != open_collectives_.end()) return it->second;
+  if (!one_runs_[gid]) {
+    auto it = open_collectives_.find(key);
+    if (it != open_collectives_.end()) return it->second;
+  }
   auto op = std::make_shared<CommOpState>();
   op->op = call.op;
   op->group_id = gid;
@@ -184,7 +189,7 @@ std::shared_ptr<CommOpState> Operations::collective_op(int rank, const CommCall&
   op->ranks = members(call.group);
   op->members.resize(op->ranks.size());
   for (size_t i = 0; i < op->ranks.size(); ++i) op->members[i].rank = op->ranks[i];
-  open_collectives_.emplace(key, op);
+  if (!one_runs_[gid]) open_collectives_.emplace(key, op);
   return op;
 }
 
@@ -242,7 +247,7 @@ void Operations::agree(CommOpState& op, int rank) {
   check_agreement(op, rank);
   const CommCall& call = op.member_of(rank).call;
   if (call.op == CommOp::AllToAll && call.uneven()) check_splits_agree(op, rank);
-  if (op.all_arrived()) open_collectives_.erase({op.group_id, op.seq});
+  if (op.all_arrived() && !one_runs_[op.group_id]) open_collectives_.erase({op.group_id, op.seq});
 }
 
 // ---- order and completion --------------------------------------------------------------------------

@@ -101,6 +101,9 @@ class Operations {
   };
   std::vector<RankCalls> calls_;          // per rank
   std::vector<std::vector<int>> groups_;  // id -> members; id 0 is the world
+  // id -> whether one member alone runs and the others mirror it (a symmetric run's tensor-parallel group):
+  // its collectives are complete once that member posts, and no other member looks them up.
+  std::vector<char> one_runs_;
   std::map<std::pair<int, std::uint64_t>, std::shared_ptr<CommOpState>> open_collectives_;
   std::map<std::pair<int, int>, std::vector<std::shared_ptr<CommOpState>>> unmatched_p2p_;
   std::map<std::pair<int, int>, std::uint64_t> p2p_created_;  // per (src, dst)
