@@ -45,9 +45,9 @@ double SimWorld::contended_end_us(int rank, std::size_t kernel, double start_us,
 }
 
 void SimWorld::resettle_watched() {
-  while (!kernel_watches_.empty() && kernel_watches_.begin()->first <= engine_.now_us()) {
-    const int rank = kernel_watches_.begin()->second;
-    kernel_watches_.erase(kernel_watches_.begin());
+  while (!kernel_watches_.empty() && kernel_watches_.top().at_us <= engine_.now_us()) {
+    const int rank = static_cast<int>(kernel_watches_.top().flow);
+    kernel_watches_.pop();
     state(rank).watched_end_us = std::numeric_limits<double>::quiet_NaN();
     resettle(rank);
   }
@@ -58,13 +58,13 @@ void SimWorld::watch_kernel_end(int rank, double end_us) {
   if (s.watched_end_us == end_us) return;
   clear_kernel_watch(rank);
   s.watched_end_us = end_us;
-  kernel_watches_.emplace(end_us, rank);
+  kernel_watches_.set(static_cast<std::uint32_t>(rank), end_us);
 }
 
 void SimWorld::clear_kernel_watch(int rank) {
   RankState& s = state(rank);
   if (std::isnan(s.watched_end_us)) return;
-  kernel_watches_.erase({s.watched_end_us, rank});
+  kernel_watches_.erase(static_cast<std::uint32_t>(rank));
   s.watched_end_us = std::numeric_limits<double>::quiet_NaN();
 }
 

@@ -318,8 +318,8 @@ bool SimWorld::advance_engine(double t_us) {
 }
 
 bool SimWorld::advance_when_stalled() {
-  if (!kernel_watches_.empty() && kernel_watches_.begin()->first <= engine_.next_event_us()) {
-    advance_engine(kernel_watches_.begin()->first);
+  if (!kernel_watches_.empty() && kernel_watches_.top().at_us <= engine_.next_event_us()) {
+    advance_engine(kernel_watches_.top().at_us);
     resettle_watched();
     return true;
   }
@@ -351,7 +351,7 @@ void SimWorld::before_issue(int rank, const CommCall& call) {
     // A rank an ending woke joins the ready ranks with its clock: look again before going further. A rank
     // waiting to know its kernel's end issues nothing before that end: the engine stops there for it.
     double target_us = std::min(issue_us, earliest_other);
-    if (!kernel_watches_.empty()) target_us = std::min(target_us, kernel_watches_.begin()->first);
+    if (!kernel_watches_.empty()) target_us = std::min(target_us, kernel_watches_.top().at_us);
     if (advance_engine(target_us)) continue;
     resettle_watched();
     if (!sched || sched->min_ready_time_us() >= s.host_us || arrival_only(rank, call)) return;

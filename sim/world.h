@@ -29,7 +29,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -41,6 +40,7 @@
 #include "sim/compute_model.h"
 #include "sim/contention_model.h"
 #include "sim/front_queue.h"
+#include "sim/net/flow_heap.h"
 #include "sim/net/network_model.h"
 #include "sim/net/transfer_engine.h"
 #include "sim/operations.h"
@@ -371,8 +371,8 @@ class SimWorld {
 
   // The ranks the engine must stop for (RankState::watched_end_us), by that kernel's end as far as known:
   // those waiting in settle_compute, which issue nothing before it, and those with deferred posts, which
-  // start no earlier. The engine is not moved past the first.
-  std::set<std::pair<double, int>> kernel_watches_;
+  // start no earlier. The engine is not moved past the first. Ties go to the lower rank.
+  FlowHeap kernel_watches_;  // ids are ranks
   // The end of a kernel of `rank` from `start_us` under the communication its GPU has in flight
   // (ContentionModel::kernel_end_us over the operations that may overlap it). `kernel` is the kernel's
   // place in pending_kernels: deferred posts behind it cannot overlap it.

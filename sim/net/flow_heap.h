@@ -1,8 +1,9 @@
 // FlowHeap: the flows in flight ordered by a time each (when it ends, when it counts as done), earliest
-// first, ties by flow id. A flow has at most one entry, which moves when its time changes: the transfer
-// engine re-times thousands of flows whenever a sharing changes their rates, and a heap that took a new
-// entry for each would spend most of its time passing over the superseded ones (a skewed all_to_all's flows
-// end one by one, each end re-timing the rest).
+// first, ties by flow id. (Any ids by a time each: the simulator keeps the ranks it must stop the engine
+// for in one too, SimWorld::kernel_watches_.) A flow has at most one entry, which moves when its time
+// changes: the transfer engine re-times thousands of flows whenever a sharing changes their rates, and a heap
+// that took a new entry for each would spend most of its time passing over the superseded ones (a skewed
+// all_to_all's flows end one by one, each end re-timing the rest).
 #pragma once
 
 #include <cstddef>
