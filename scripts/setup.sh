@@ -7,7 +7,7 @@ packages=(
   build-essential cmake pkg-config ccache
   libeigen3-dev libboost-fiber-dev libopenblas-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libcli11-dev libfmt-dev nlohmann-json3-dev libtomlplusplus-dev
+  libcli11-dev libfmt-dev nlohmann-json3-dev libtomlplusplus-dev libgoogle-perftools-dev
   libopenmpi-dev openmpi-bin
 )
 # Extra packages a caller asks for (CI adds clang-format and chromium).

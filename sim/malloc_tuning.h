@@ -13,8 +13,9 @@ namespace ranklab::sim {
 //   the fast bins off, so such a block is merged once, when it is freed, while it is still in cache.
 // The settings can only be made from the environment at startup (GLIBC_TUNABLES), so this adds those
 // the variable does not name yet and executes the program again, once; it returns at once when the
-// variable names them all, when RANKLAB_MALLOC_TUNED is set, or where the C library is not glibc, and
-// carries on untuned if the program cannot be executed again.
+// variable names them all, when RANKLAB_MALLOC_TUNED is set, where the C library is not glibc or
+// another allocator (tcmalloc, which the simulating programs link where it is installed) serves malloc,
+// and carries on untuned if the program cannot be executed again.
 void tune_malloc(char** argv);
 
 }  // namespace ranklab::sim
