@@ -7,15 +7,18 @@
 #include <string>
 #include <string_view>
 
-// tcmalloc's own name for malloc: present when it, not glibc's allocator, serves the process (linked in,
-// as the simulating programs are where it is installed, or preloaded).
+// tcmalloc's own name for malloc: present when it serves the process.
 extern "C" void* tc_malloc(std::size_t) __attribute__((weak));
 
 namespace ranklab::sim {
 
+bool tcmalloc_serves_malloc() {
+  return tc_malloc != nullptr;
+}
+
 void tune_malloc(char** argv) {
 #if defined(__GLIBC__) && defined(__linux__)
-  if (tc_malloc != nullptr) return;
+  if (tcmalloc_serves_malloc()) return;
   if (std::getenv("RANKLAB_MALLOC_TUNED") != nullptr) return;
   const char* current = std::getenv("GLIBC_TUNABLES");
   std::string tunables = current ? current : "";

@@ -18,4 +18,9 @@ namespace ranklab::sim {
 // and carries on untuned if the program cannot be executed again.
 void tune_malloc(char** argv);
 
+// Whether tcmalloc, not glibc's allocator, serves malloc in this process (linked in, as the simulating
+// programs are where it is installed, or preloaded). glibc's own calls (malloc_trim) must not be made then:
+// its arenas were never set up, and trimming them faults when a thread exits.
+bool tcmalloc_serves_malloc();
+
 }  // namespace ranklab::sim

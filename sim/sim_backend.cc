@@ -12,6 +12,7 @@
 #include "common/errors.h"
 #include "sim/asan_fibers.h"
 #include "sim/host_memory.h"
+#include "sim/malloc_tuning.h"
 #include "sim/rank_faults.h"
 #include "sim/scheduler.h"
 #include "sim/sim_rank.h"
@@ -123,8 +124,9 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
   // report's files, about a third of the run's peak at 16,384 ranks) does not reuse: handed back to the
   // system, it does not add to the process's peak. (Under the sanitizers the allocator is
   // AddressSanitizer's: glibc's arenas hold nothing, and trimming them while a planner's worker thread
-  // exits faults inside glibc, in mtrim or __malloc_arena_thread_freeres.)
-  malloc_trim(0);
+  // exits faults inside glibc, in mtrim or __malloc_arena_thread_freeres. So with tcmalloc, whose central
+  // lists the caller's thread reuses anyway.)
+  if (!sim::tcmalloc_serves_malloc()) malloc_trim(0);
 #endif
   if (error) std::rethrow_exception(error);
   return report;
