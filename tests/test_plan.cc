@@ -136,41 +136,47 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
 // A mixture of experts in both blocks, every other layer MoE (the llama block's with a shared expert and
 // dropped routes, tried in bf16 and FP8): layouts with each expert-parallel size that divides the experts and
 // the stage's ranks, each expert whole or split over tp, are enumerated, none runs faster than its bound,
-// and the winner trains equal to one device.
-TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
-  for (const char* block : {"gpt", "llama"}) {
-    Request r = tiny_request();
-    r.shape["block"] = block;
-    r.shape["experts"] = option_text(8);
-    r.shape["top-k"] = option_text(2);
-    r.shape["moe-ffn-hidden"] = option_text(32);
-    r.shape["moe-layers"] = "every:2";
-    if (std::string(block) == "llama") {
-      r.shape["shared-experts"] = option_text(1);
-      r.shape["capacity-factor"] = option_text(0.75);
-      r.try_fp8 = "current";  // the experts' GEMMs in FP8 too
-    }
-    const Question q = make_question(r);
-    std::set<int> eps;
-    int split = 0;
-    for (const Candidate& k : enumerate(q)) {
-      if (k.status == Status::Invalid) continue;
-      eps.insert(k.layout.ep);
-      EXPECT_EQ(8 % k.layout.ep, 0) << k.name;
-      EXPECT_TRUE(k.layout.etp == 1 || k.layout.etp == k.layout.tp) << k.name;
-      if (k.layout.etp > 1) {
-        ++split;
-        EXPECT_NE(k.name.find(fmt::format("-etp{}", k.layout.etp)), std::string::npos) << k.name;
-        EXPECT_EQ(parse_layout(k.name).etp, k.layout.etp) << k.name;
-      }
-    }
-    EXPECT_EQ(eps, (std::set<int>{1, 2, 4, 8})) << block;
-    EXPECT_GT(split, 0) << block;
-    const Plan p = expect_bounds_hold_and_winner_passes(q);
-    int spread = 0;
-    for (const Result* res : p.ranked()) spread += res->candidate.layout.ep > 1;
-    EXPECT_GT(spread, 0) << block;
+// and the winner trains equal to one device. A test per block keeps each well within a test's time.
+void expect_expert_parallel_sizes_chosen(const char* block) {
+  Request r = tiny_request();
+  r.shape["block"] = block;
+  r.shape["experts"] = option_text(8);
+  r.shape["top-k"] = option_text(2);
+  r.shape["moe-ffn-hidden"] = option_text(32);
+  r.shape["moe-layers"] = "every:2";
+  if (std::string(block) == "llama") {
+    r.shape["shared-experts"] = option_text(1);
+    r.shape["capacity-factor"] = option_text(0.75);
+    r.try_fp8 = "current";  // the experts' GEMMs in FP8 too
   }
+  const Question q = make_question(r);
+  std::set<int> eps;
+  int split = 0;
+  for (const Candidate& k : enumerate(q)) {
+    if (k.status == Status::Invalid) continue;
+    eps.insert(k.layout.ep);
+    EXPECT_EQ(8 % k.layout.ep, 0) << k.name;
+    EXPECT_TRUE(k.layout.etp == 1 || k.layout.etp == k.layout.tp) << k.name;
+    if (k.layout.etp > 1) {
+      ++split;
+      EXPECT_NE(k.name.find(fmt::format("-etp{}", k.layout.etp)), std::string::npos) << k.name;
+      EXPECT_EQ(parse_layout(k.name).etp, k.layout.etp) << k.name;
+    }
+  }
+  EXPECT_EQ(eps, (std::set<int>{1, 2, 4, 8})) << block;
+  EXPECT_GT(split, 0) << block;
+  const Plan p = expect_bounds_hold_and_winner_passes(q);
+  int spread = 0;
+  for (const Result* res : p.ranked()) spread += res->candidate.layout.ep > 1;
+  EXPECT_GT(spread, 0) << block;
+}
+
+TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSize) {
+  expect_expert_parallel_sizes_chosen("gpt");
+}
+
+TEST(Plan, MixtureOfExpertsLayoutsChooseTheExpertParallelSizeWithTheLlamaBlock) {
+  expect_expert_parallel_sizes_chosen("llama");
 }
 
 // ZeRO 2 and 3 over experts far wider than the model (16,384 of hidden 64) on two nodes: the experts'
