@@ -141,12 +141,11 @@ void TransferEngine::flush() {
   }
   const std::vector<SharingNetwork::FlowId>& changed =
       known ? net_.solve_idle_start(begun_rates_) : net_.solve();
-  std::size_t begun_flows = 0;
-  for (const auto& [t, flows] : begun_) begun_flows += static_cast<std::size_t>(flows);
-  if (apart && !known && changed.size() == begun_flows) {
+  if (apart && !known) {
     // The flows come back in the order they were added: transfer by transfer.
     std::size_t at = 0;
     for (const auto& [t, flows] : begun_) {
+      if (at + static_cast<std::size_t>(flows) > changed.size()) break;
       if (std::vector<double>* rates = t->plan.idle_rates_gbps.get(); rates != nullptr) {
         rates->clear();
         for (int f = 0; f < flows; ++f) rates->push_back(net_.rate_gbps(changed[at + f]));
