@@ -894,7 +894,7 @@ std::vector<double> Reference::update_spread(const std::vector<double>& p, const
                                              const std::vector<double>& allow, int slot) const {
   std::vector<double> spread(p.size(), 0.0);
   const AdamW h;
-  const auto [c1, c2] = check::adamw_corrections(h, t_);
+  const check::AdamWCorrections c = check::adamw_corrections(h, t_);
   for (std::size_t i = 0; i < p.size(); ++i) {
     if (allow[i] == 0) continue;
     if (o_.optimizer != "adamw") {
@@ -905,7 +905,7 @@ std::vector<double> Reference::update_spread(const std::vector<double>& p, const
     auto step_with = [&](double gi) {
       double m = adam_m_[slot].empty() ? 0 : adam_m_[slot][i],
              v = adam_v_[slot].empty() ? 0 : adam_v_[slot][i];
-      return check::adamw_element(p[i], gi, m, v, static_cast<float>(o_.lr), h.weight_decay, h, c1, c2);
+      return check::adamw_element(p[i], gi, m, v, static_cast<float>(o_.lr), h.weight_decay, h, c.c1, c.c2);
     };
     const double at = step_with(g[i]);
     spread[i] =
