@@ -25,6 +25,12 @@ SimBackend::SimBackend(SimConfig config) : config_(std::move(config)) {}
 
 namespace {
 
+#if defined(__GLIBC__) && !defined(RANKLAB_SANITIZE)
+// Free bytes in glibc's arenas after a run above which they are handed back to the system (SimBackend::
+// launch): a large run's hundreds of megabytes, never a small run's few.
+constexpr std::size_t kTrimAboveBytes = std::size_t{64} << 20;
+#endif
+
 #if defined(RANKLAB_SANITIZE)
 // AddressSanitizer does not see fiber switches: a stack that is unmapped and mapped again keeps stale
 // poison. Heap stacks are unpoisoned by the sanitizer's own allocator each time, and the part an exception
@@ -125,8 +131,9 @@ RunReport SimBackend::launch(int world, const std::function<void(Rank&)>& fn) {
   // system, it does not add to the process's peak. (Under the sanitizers the allocator is
   // AddressSanitizer's: glibc's arenas hold nothing, and trimming them while a planner's worker thread
   // exits faults inside glibc, in mtrim or __malloc_arena_thread_freeres. So with tcmalloc, whose central
-  // lists the caller's thread reuses anyway.)
-  if (!sim::tcmalloc_serves_malloc()) malloc_trim(0);
+  // lists the caller's thread reuses anyway.) A small run's few megabytes stay: trimmed, the next run
+  // faults its pages in again, which took a third of a planner's thousands of small runs' time.
+  if (!sim::tcmalloc_serves_malloc() && mallinfo2().fordblks > kTrimAboveBytes) malloc_trim(0);
 #endif
   if (error) std::rethrow_exception(error);
   return report;
