@@ -133,10 +133,11 @@ TEST(Plan, TheLlamaBlocksBoundHoldsAndItsWinnerTrainsEqualToOneDevice) {
   expect_bounds_hold_and_winner_passes(q);
 }
 
-// A mixture of experts in both blocks, every other layer MoE (the llama block's with a shared expert and
-// dropped routes, tried in bf16 and FP8): layouts with each expert-parallel size that divides the experts and
-// the stage's ranks, each expert whole or split over tp, are enumerated, none runs faster than its bound,
-// and the winner trains equal to one device. A test per block keeps each well within a test's time.
+// A mixture of experts in both blocks, every other layer MoE (the llama block's with a shared expert,
+// dropped routes and its linear layers' GEMMs, the experts' among them, in FP8): layouts with each
+// expert-parallel size that divides the experts and the stage's ranks, each expert whole or split over tp,
+// are enumerated, none runs faster than its bound, and the winner trains equal to one device. A test per
+// block keeps each well within a test's time.
 void expect_expert_parallel_sizes_chosen(const char* block) {
   Request r = tiny_request();
   r.shape["block"] = block;
@@ -147,9 +148,12 @@ void expect_expert_parallel_sizes_chosen(const char* block) {
   if (std::string(block) == "llama") {
     r.shape["shared-experts"] = option_text(1);
     r.shape["capacity-factor"] = option_text(0.75);
-    r.try_fp8 = "current";  // the experts' GEMMs in FP8 too
+    r.shape["fp8-recipe"] = "current";
   }
   const Question q = make_question(r);
+  if (std::string(block) == "llama") {
+    EXPECT_EQ(q.fp8_recipe, "current");
+  }
   std::set<int> eps;
   int split = 0;
   for (const Candidate& k : enumerate(q)) {
