@@ -279,7 +279,8 @@ void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
       m.deps.clear();
       m.call.input = Tensor();
       m.call.output = Tensor();
-      if (m.call.async == Async::Yes && !m.waited && runs(m.rank)) forget_unwaited(m.rank, *op, false);
+      if (!runs(m.rank)) continue;  // a mirror waits for nothing and is never woken
+      if (m.call.async == Async::Yes && !m.waited) forget_unwaited(m.rank, *op, false);
       // A member waiting for another operation would only find it unfinished and block again.
       // One whose kernels this operation may have overlapped times them again (resettle), and is woken
       // only if it waited for them and they are timed.
@@ -300,6 +301,7 @@ void SimWorld::on_finished(const std::vector<EndedTransfer>& engine_ended) {
 void SimWorld::prefetch_state(const CommOpState& op, std::size_t member, bool with_fiber) const {
   if (member >= op.members.size()) return;
   const int rank = op.members[member].rank;
+  if (!runs(rank)) return;  // a mirror's state is not looked at
   const char* bytes = reinterpret_cast<const char*>(ranks_[rank].get());
   for (std::size_t offset = 0; offset < sizeof(RankState); offset += 64) __builtin_prefetch(bytes + offset);
   // Its suspended fiber's context, which waking it reads: the scheduler's entry that holds its address was
