@@ -77,8 +77,7 @@ std::size_t place_of(const std::string& order, const char* dim) {
 namespace {
 constexpr const char* kGridDimNames[] = {"tp", "cp", "dp", "pp"};
 
-// The strides of tp, cp, dp and pp: each the product of the sizes of the dimensions inside it. (No
-// allocation, and the order read once: every rank calls rank_of for every group of the world.)
+// The strides of tp, cp, dp and pp: each the product of the sizes of the dimensions inside it.
 std::array<int, 4> strides_of(const Layout& l) {
   std::array<std::size_t, 4> place{};
   for (int d = 0; d < 4; ++d) place[d] = place_of(l.order, kGridDimNames[d]);
@@ -149,12 +148,14 @@ void each_group(const Layout& l, const Layout::Coord& me, const std::vector<Grid
     }
     return false;
   };
+  // Layout::rank_of with the strides worked out once: every rank walks every group of the world.
+  const std::array<int, 4> stride = strides_of(l);
   std::array<int, kGridDims> c{};
   std::vector<int> ranks;
   do {
     ranks.clear();
     do {
-      ranks.push_back(l.rank_of(c[kTp], c[kCp], c[kDp], c[kPp]));
+      ranks.push_back(c[kTp] * stride[0] + c[kCp] * stride[1] + c[kDp] * stride[2] + c[kPp] * stride[3]);
     } while (advance(c, varying));
     bool is_mine = true;
     for (GridDim d : others) is_mine = is_mine && c[d] == mine[d];
