@@ -90,11 +90,15 @@ std::array<int, 4> strides_of(const Layout& l) {
   }
   return strides;
 }
+
+// The rank at those coordinates, with the strides strides_of gives.
+int rank_at(const std::array<int, 4>& stride, int tp_rank, int cp_rank, int dp_rank, int pp_rank) {
+  return tp_rank * stride[0] + cp_rank * stride[1] + dp_rank * stride[2] + pp_rank * stride[3];
+}
 }  // namespace
 
 int Layout::rank_of(int tp_rank, int cp_rank, int dp_rank, int pp_rank) const {
-  const std::array<int, 4> s = strides_of(*this);
-  return tp_rank * s[0] + cp_rank * s[1] + dp_rank * s[2] + pp_rank * s[3];
+  return rank_at(strides_of(*this), tp_rank, cp_rank, dp_rank, pp_rank);
 }
 
 Layout::Coord Layout::coord(int rank) const {
@@ -148,14 +152,14 @@ void each_group(const Layout& l, const Layout::Coord& me, const std::vector<Grid
     }
     return false;
   };
-  // Layout::rank_of with the strides worked out once: every rank walks every group of the world.
+  // The strides worked out once, not per member (Layout::rank_of): every rank walks every group of the world.
   const std::array<int, 4> stride = strides_of(l);
   std::array<int, kGridDims> c{};
   std::vector<int> ranks;
   do {
     ranks.clear();
     do {
-      ranks.push_back(c[kTp] * stride[0] + c[kCp] * stride[1] + c[kDp] * stride[2] + c[kPp] * stride[3]);
+      ranks.push_back(rank_at(stride, c[kTp], c[kCp], c[kDp], c[kPp]));
     } while (advance(c, varying));
     bool is_mine = true;
     for (GridDim d : others) is_mine = is_mine && c[d] == mine[d];
