@@ -64,12 +64,8 @@ class FlowHeap {
     const Entry last = heap_.back();
     heap_.pop_back();
     if (heap_.empty()) return;
-    const std::size_t n = heap_.size();
     std::size_t at = 0;
-    while (true) {
-      std::size_t child = 2 * at + 1;
-      if (child >= n) break;
-      if (child + 1 < n && heap_[child + 1].before(heap_[child])) ++child;
+    for (std::size_t child = earlier_child(at); child < heap_.size(); child = earlier_child(at)) {
       place(at, heap_[child]);
       at = child;
     }
@@ -139,13 +135,16 @@ class FlowHeap {
     }
     place(at, e);
   }
+  // The earlier of `at`'s children, or an index past the end when it has none.
+  std::size_t earlier_child(std::size_t at) const {
+    const std::size_t child = 2 * at + 1;
+    return child + 1 < heap_.size() && heap_[child + 1].before(heap_[child]) ? child + 1 : child;
+  }
   void down(std::size_t at) {
     const Entry e = heap_[at];
-    const std::size_t n = heap_.size();
     while (true) {
-      std::size_t child = 2 * at + 1;
-      if (child >= n) break;
-      if (child + 1 < n && heap_[child + 1].before(heap_[child])) ++child;
+      const std::size_t child = earlier_child(at);
+      if (child >= heap_.size()) break;
       if (!heap_[child].before(e)) break;
       place(at, heap_[child]);
       at = child;
