@@ -859,5 +859,87 @@ TEST(IdleRates, ATransferAloneOnIdleLinksRunsAtItsShapesKeptRates) {
   EXPECT_NEAR(ended[0].end_us - gather.latency_us, 2 * moving_us, 1e-9 * moving_us);
 }
 
+// ---- bundles: alike flows on disjoint paths the engine moves as one ------------------------------------
+
+// The pairs of a shift around `n` ranks: each sends `bytes` to the next (a tensor-parallel ring's step).
+std::vector<std::int64_t> shift_pairs(int n, std::int64_t bytes) {
+  std::vector<std::int64_t> pairs(static_cast<std::size_t>(n) * n, 0);
+  for (int i = 0; i < n; ++i) pairs[static_cast<std::size_t>(i) * n + (i + 1) % n] = bytes;
+  return pairs;
+}
+
+// A ring inside a node and a shift around it are bundles; an all_to_all whose flows share links, an
+// uneven one, and a ring whose steps cross nodes on other paths than inside them are not.
+TEST(Bundles, AreAlikeFlowsWithNoLinkInCommon) {
+  NetworkModel m(profile("dgx-h100", 2), NetworkOptions{"ring", "simple"});
+  EXPECT_TRUE(m.plan_collective(CommOp::AllReduce, 1 << 30, first(8), -1).bundle);
+  EXPECT_TRUE(m.plan_collective(CommOp::AllGather, 1 << 30, first(8), -1).bundle);
+  EXPECT_TRUE(m.plan_all_to_all(first(8), shift_pairs(8, 1 << 20)).bundle);
+  EXPECT_FALSE(m.plan_collective(CommOp::AllReduce, 1 << 30, first(16), -1).bundle);
+  EXPECT_FALSE(m.plan_collective(CommOp::AllToAll, 1 << 30, first(8), -1).bundle);
+  std::vector<std::int64_t> uneven = shift_pairs(8, 1 << 20);
+  uneven[1] = 2 << 20;
+  EXPECT_FALSE(m.plan_all_to_all(first(8), uneven).bundle);
+  EXPECT_FALSE(m.plan_p2p(0, 1, 1 << 20).bundle);
+}
+
+// The engine moving a bundle as one flow ends every transfer at the same time, to the bit, as moving each
+// of its flows on its own: rings and shifts alone, beside each other on disjoint links, and with a send,
+// another ring or a shift the other way coming onto their links while they run (the bundle then goes on as
+// its flows); and a bundle that starts in the engine's past.
+TEST(Bundles, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
+  NetworkModel m(profile("dgx-h100", 2), NetworkOptions{"ring", "simple"});
+  std::vector<int> second(8);
+  std::iota(second.begin(), second.end(), 8);
+  std::vector<std::int64_t> back(64, 0);  // a shift the other way: each to the previous
+  for (int i = 0; i < 8; ++i) back[i * 8 + (i + 7) % 8] = 64 << 20;
+  const CommPlan ring = m.plan_collective(CommOp::AllReduce, 1 << 30, first(8), -1);
+  const double ring_alone_us = end_times_us(m.topology(), {{ring, 0}})[0];
+  std::vector<std::pair<CommPlan, double>> plans;  // and when each starts
+  plans.emplace_back(ring, 0);
+  plans.emplace_back(m.plan_collective(CommOp::AllReduce, 1 << 30, second, -1), 0);
+  plans.emplace_back(m.plan_p2p(0, 1, 1 << 30), 100);
+  // When the first ring's flows that the send left alone are done, on the links of one of them.
+  plans.emplace_back(m.plan_p2p(4, 5, 64 << 20), 1.1 * ring_alone_us);
+  plans.emplace_back(m.plan_all_to_all(second, shift_pairs(8, 64 << 20)), 200);
+  plans.emplace_back(m.plan_all_to_all(second, back), 250);
+  plans.emplace_back(m.plan_collective(CommOp::AllGather, 96 << 20, first(8), -1), 2000);
+  plans.emplace_back(m.plan_all_to_all(first(8), shift_pairs(8, 32 << 20)), 3 * ring_alone_us);
+  plans.emplace_back(m.plan_all_to_all(second, shift_pairs(8, 32 << 20)), 3 * ring_alone_us);
+  std::vector<std::pair<CommPlan, double>> without = plans;
+  int bundles = 0;
+  for (auto& [plan, start_us] : without) {
+    bundles += plan.bundle;
+    plan.bundle = false;
+  }
+  ASSERT_GE(bundles, 6);
+  const std::vector<double> apart = end_times_us(m.topology(), without),
+                            bundled = end_times_us(m.topology(), plans);
+  for (std::size_t i = 0; i < plans.size(); ++i) {
+    EXPECT_GT(apart[i], plans[i].second) << "transfer " << i;
+    EXPECT_EQ(bundled[i], apart[i]) << "transfer " << i;
+  }
+  // The send slowed the first ring and the shifts the second: the test splits bundles.
+  EXPECT_GT(apart[0], 1.1 * ring_alone_us);
+  EXPECT_GT(apart[1], ring_alone_us);
+
+  // Started in the past: moved alone up to the present, then with the rest.
+  auto late = [&](bool bundle) {
+    TransferEngine engine(m.topology());
+    CommPlan ring = m.plan_collective(CommOp::AllReduce, 1 << 30, first(8), -1),
+             send = m.plan_p2p(2, 3, 1 << 30);
+    ring.bundle = bundle;
+    engine.schedule(std::make_shared<int>(0), send, 0);
+    engine.advance_to(1000);
+    engine.schedule(std::make_shared<int>(1), ring, 500);
+    EXPECT_EQ(engine.late_starts(), 1);
+    std::vector<double> ends;
+    for (const EndedTransfer& e : engine.advance_to(std::numeric_limits<double>::infinity()))
+      ends.push_back(e.end_us);
+    return ends;
+  };
+  EXPECT_EQ(late(true), late(false));
+}
+
 }  // namespace
 }  // namespace ranklab::sim

@@ -114,4 +114,30 @@ void count_copies(CommPlan& plan) {
   }
 }
 
+void find_bundle(CommPlan& plan, const Topology& topology) {
+  plan.bundle = false;
+  const Flow* first = nullptr;
+  std::vector<LinkId> links;
+  for (std::size_t f = 0; f < plan.flows.size(); ++f) {
+    if (!plan.copies.empty() && plan.copies[f] == 0) continue;
+    const Flow& flow = plan.flows[f];
+    if (first == nullptr) first = &flow;
+    const std::uint32_t copies = plan.copies.empty() ? 1 : plan.copies[f];
+    const std::uint32_t first_copies = plan.copies.empty() ? 1 : plan.copies[first - plan.flows.begin()];
+    if (flow.length == 0 || flow.length != first->length || flow.unscaled_bytes != first->unscaled_bytes ||
+        flow.unscaled_payload_bytes != first->unscaled_payload_bytes || copies != first_copies) {
+      return;
+    }
+    const std::span<const LinkId> path = plan.path(flow), first_path = plan.path(*first);
+    for (std::size_t i = 0; i < path.size(); ++i) {
+      if (topology.capacity_gbps(path[i]) != topology.capacity_gbps(first_path[i])) return;
+    }
+    links.insert(links.end(), path.begin(), path.end());
+    if (links.size() > kMaxBundleLinks) return;
+  }
+  if (first == nullptr || links.size() == first->length) return;  // one flow is no bundle
+  std::sort(links.begin(), links.end());
+  plan.bundle = std::adjacent_find(links.begin(), links.end()) == links.end();
+}
+
 }  // namespace ranklab::sim

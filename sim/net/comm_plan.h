@@ -106,6 +106,11 @@ struct CommPlan {
   // the paths and copies alone, not on the bytes. The transfer engine fills it the first time and takes the
   // rates from it after (SharingNetwork::solve_idle_start). Null for plans built one by one.
   std::shared_ptr<std::vector<double>> idle_rates_gbps;
+  // Whether its flows (those count_copies counts, when worked out) form a bundle (find_bundle): alike, over
+  // paths no two of which share a link and whose links have one capacity position by position. Started on
+  // idle links, such flows keep one rate for as long as nothing else crosses their links, so the transfer
+  // engine moves them as one flow until something does (TransferEngine::begin_flows).
+  bool bundle = false;
 
   std::span<const LinkId> path(const Flow& f) const { return {links.data() + f.first, f.length}; }
   double bytes(const Flow& f) const { return f.unscaled_bytes * bytes_scale; }
@@ -116,6 +121,12 @@ struct CommPlan {
 
 // Fills plan.copies: flows with the same path, bytes and payload are copies of the first of them.
 void count_copies(CommPlan& plan);
+// Sets plan.bundle (see there), after count_copies: whether its counted flows, two or more, have one
+// length, bytes, payload and copy count, one capacity at each position of their paths in `topology`, and no
+// link in common, in all at most kMaxBundleLinks links.
+void find_bundle(CommPlan& plan, const Topology& topology);
+// A bundle crosses its flows' links as one flow of the sharing network: a path it holds whole.
+inline constexpr std::size_t kMaxBundleLinks = 1024;
 
 // Latency plus transfer: how long the operation takes with the machine to itself.
 inline double duration_us(const CommPlan& plan) {

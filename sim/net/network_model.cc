@@ -86,6 +86,7 @@ const NetworkModel::Shape& NetworkModel::shape(GroupEntry& g, CommOp op, Algorit
   s.unit = unit_plan(topo_, g.layout, op, a, root);
   s.unit_us = transfer_us(topo_, s.unit);
   count_copies(s.unit);
+  find_bundle(s.unit, topo_);
   s.unit.idle_rates_gbps = std::make_shared<std::vector<double>>();
   return g.shapes.emplace(key, std::move(s)).first->second;
 }
@@ -161,6 +162,7 @@ CommPlan NetworkModel::scaled(const Shape& s, const Candidate& c, std::int64_t b
   plan.flows = s.unit.flows;
   plan.copies = s.unit.copies;
   plan.idle_rates_gbps = s.unit.idle_rates_gbps;
+  plan.bundle = s.unit.bundle;
   const double b = static_cast<double>(bytes);
   // Every flow's occupancy grows by the same factor, so the plan's time scales with it exactly. A unit
   // plan may already occupy some links for more than their payload (NVLSTree's NVLink flows).
@@ -261,6 +263,7 @@ CommPlan NetworkModel::plan_all_to_all(const std::vector<int>& ranks,
   plan.channels =
       nccl_launch(CommOp::AllToAll, Algorithm::Pairwise, plan.protocol, gs, static_cast<double>(total))
           .channels;
+  find_bundle(plan, topo_);
   // The rates its flows get on idle links, kept with it as with every plan of a group's shape.
   plan.idle_rates_gbps = std::make_shared<std::vector<double>>();
   if (g.uneven.size() >= kUnevenPlansKept) g.uneven.clear();

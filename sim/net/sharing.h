@@ -45,6 +45,10 @@ class SharingNetwork {
   void remove_flow(FlowId flow);
   // The flow's rate in GB/s as of the last solve().
   double rate_gbps(FlowId flow) const { return flows_[flow].rate_gbps; }
+  // The links the flow crosses, as add_flow took them.
+  std::span<const std::uint32_t> path(FlowId flow) const { return path(flows_[flow]); }
+  // Whether any flow crosses the link.
+  bool carries_flows(std::uint32_t link) const { return !links_[link].flows.empty(); }
   int flows() const { return live_flows_; }
 
   // Shares the links again where flows were added or removed since the last call. Returns the flows whose

@@ -51,7 +51,14 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   }
   std::vector<double> left(raw->plan.flows.size(), 0.0);
   for (const Running& r : alone.running_) {
-    if (r.transfer != nullptr) left[r.flow] = alone.left_now(r);
+    if (r.transfer == nullptr) continue;
+    if (r.flow != kBundle) {
+      left[r.flow] = alone.left_now(r);
+      continue;
+    }
+    for (int f = 0; f < static_cast<int>(left.size()); ++f) {
+      if (moves(*raw, f)) left[f] = alone.left_now(r);
+    }
   }
   for (int f = 0; f < static_cast<int>(left.size()); ++f) {
     if (left[f] > 0) add_flow(raw, f, left[f]);
@@ -59,11 +66,17 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   reshare();
 }
 
-void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool begun) {
-  path_.clear();
+std::uint32_t TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool begun) {
   if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
+  const std::span<const LinkId> links = t->plan.path(t->plan.flows[flow]);
+  // A bundle over any of these links no longer has them to itself: it goes on as its flows.
+  for (LinkId link : links) {
+    const std::uint32_t id = link_ids_[link];
+    if (id != 0 && link_marks_[id - 1].bundle != 0) split_bundle(link_marks_[id - 1].bundle - 1);
+  }
+  path_.clear();
   begun_apart_ = begun_apart_ && begun;
-  for (LinkId link : t->plan.path(t->plan.flows[flow])) {
+  for (LinkId link : links) {
     std::uint32_t& id = link_ids_[link];
     if (id == 0) {
       id = net_.add_link(topo_.capacity_gbps(link)) + 1;
@@ -72,9 +85,42 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool beg
     path_.push_back(id - 1);
     LinkMark& mark = link_marks_[id - 1];
     if (mark.flush == flushes_ && mark.by != t) begun_apart_ = false;
-    mark = {flushes_, t};
+    mark.flush = flushes_;
+    mark.by = t;
   }
-  const std::uint32_t id = net_.add_flow(path_, copies(*t, flow));
+  return start_flow(t, flow, t->plan.bytes(t->plan.flows[flow]), left_bytes, copies(*t, flow));
+}
+
+bool TransferEngine::begin_bundle(Transfer* t) {
+  if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
+  const CommPlan& plan = t->plan;
+  int first = -1;
+  path_.clear();
+  for (int f = 0; f < static_cast<int>(plan.flows.size()); ++f) {
+    if (!moves(*t, f)) continue;
+    if (first < 0) first = f;
+    for (LinkId link : plan.path(plan.flows[f])) {
+      std::uint32_t& id = link_ids_[link];
+      if (id == 0) {
+        id = net_.add_link(topo_.capacity_gbps(link)) + 1;
+        link_marks_.emplace_back();
+      }
+      if (net_.carries_flows(id - 1)) return false;
+      path_.push_back(id - 1);
+    }
+  }
+  if (first < 0) return false;
+  // Idle links: no other transfer crosses them, and none begun since the last sharing did (its flows would
+  // be there), so the marks need no look.
+  const double bytes = plan.bytes(plan.flows[first]);  // each flow's: they are alike (find_bundle)
+  const std::uint32_t id = start_flow(t, kBundle, bytes, bytes, copies(*t, first));
+  for (std::uint32_t link : path_) link_marks_[link] = {flushes_, t, id + 1};
+  return true;
+}
+
+std::uint32_t TransferEngine::start_flow(Transfer* t, int flow, double bytes, double left_bytes,
+                                         std::uint32_t copies) {
+  const std::uint32_t id = net_.add_flow(path_, copies);
   if (id >= running_.size()) running_.resize(id + 1);
   Running& r = running_[id];
   r.transfer = t;
@@ -83,23 +129,45 @@ void TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool beg
   r.rate_bytes_per_us = 0;
   r.since_us = now_us_;
   r.end_us = kInf;
-  r.done_bytes = t->plan.bytes(t->plan.flows[flow]) * kDoneFraction;
+  r.done_bytes = bytes * kDoneFraction;
   ++t->flows_left;
   // Flows retire in the order the engine has always used: that of a list of running flows, appended to
   // at the end and closed up by moving its last entry into the gap (see retire_done_flows).
   if (id >= position_.size()) position_.resize(id + 1);
   position_[id] = order_.size();
   order_.push_back(id);
+  return id;
+}
+
+void TransferEngine::split_bundle(std::uint32_t id) {
+  const Running was = running_[id];
+  Transfer* t = was.transfer;
+  ends_.erase(id);
+  end_flow(id);
+  --t->flows_left;
+  for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
+    if (!moves(*t, f)) continue;
+    const std::uint32_t flow = add_flow(t, f, was.left_bytes);
+    // Where the bundle was, so that a flow the newcomer leaves alone keeps its rate and its end exactly.
+    Running& r = running_[flow];
+    r.rate_bytes_per_us = was.rate_bytes_per_us;
+    r.since_us = was.since_us;
+    r.end_us = was.end_us;
+    r.retire_us = was.retire_us;
+    if (std::isfinite(r.end_us)) ends_.set(flow, r.end_us);
+  }
 }
 
 void TransferEngine::begin_flows(Transfer* t) {
   t->flows_left = 0;
+  if (t->plan.bundle && begin_bundle(t)) {
+    begun_.emplace_back(t, 1);
+    return;
+  }
   for (int f = 0; f < static_cast<int>(t->plan.flows.size()); ++f) {
-    const Flow& flow = t->plan.flows[f];
-    const double bytes = t->plan.bytes(flow);
-    if (bytes <= 0 || flow.length == 0) continue;  // nothing to move, or nothing to cross: done at once
-    if (copies(*t, f) == 0) continue;              // moves with the flow it is a copy of
-    add_flow(t, f, bytes, /*begun=*/true);         // all of it is left to move when it starts
+    // Nothing to move, or nothing to cross: done at once; or it moves with the flow it is a copy of.
+    if (!moves(*t, f)) continue;
+    add_flow(t, f, t->plan.bytes(t->plan.flows[f]), /*begun=*/true);  // all of it is left when it starts
   }
   if (t->flows_left > 0) begun_.emplace_back(t, t->flows_left);
   if (t->flows_left == 0) {
@@ -110,6 +178,9 @@ void TransferEngine::begin_flows(Transfer* t) {
 
 void TransferEngine::end_flow(std::uint32_t id) {
   Running& r = running_[id];
+  if (r.flow == kBundle) {
+    for (std::uint32_t link : net_.path(id)) link_marks_[link].bundle = 0;
+  }
   net_.remove_flow(id);
   r.transfer = nullptr;
   const std::size_t at = position_[id];
