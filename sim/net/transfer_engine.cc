@@ -66,6 +66,15 @@ void TransferEngine::schedule(TransferOwner owner, CommPlan plan, double start_u
   reshare();
 }
 
+std::uint32_t TransferEngine::net_link(LinkId link) {
+  std::uint32_t& id = link_ids_[link];
+  if (id == 0) {
+    id = net_.add_link(topo_.capacity_gbps(link)) + 1;
+    link_marks_.emplace_back();
+  }
+  return id - 1;
+}
+
 std::uint32_t TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool begun) {
   if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
   const std::span<const LinkId> links = t->plan.path(t->plan.flows[flow]);
@@ -77,13 +86,9 @@ std::uint32_t TransferEngine::add_flow(Transfer* t, int flow, double left_bytes,
   path_.clear();
   begun_apart_ = begun_apart_ && begun;
   for (LinkId link : links) {
-    std::uint32_t& id = link_ids_[link];
-    if (id == 0) {
-      id = net_.add_link(topo_.capacity_gbps(link)) + 1;
-      link_marks_.emplace_back();
-    }
-    path_.push_back(id - 1);
-    LinkMark& mark = link_marks_[id - 1];
+    const std::uint32_t id = net_link(link);
+    path_.push_back(id);
+    LinkMark& mark = link_marks_[id];
     if (mark.flush == flushes_ && mark.by != t) begun_apart_ = false;
     mark.flush = flushes_;
     mark.by = t;
@@ -100,13 +105,9 @@ bool TransferEngine::begin_bundle(Transfer* t) {
     if (!moves(*t, f)) continue;
     if (first < 0) first = f;
     for (LinkId link : plan.path(plan.flows[f])) {
-      std::uint32_t& id = link_ids_[link];
-      if (id == 0) {
-        id = net_.add_link(topo_.capacity_gbps(link)) + 1;
-        link_marks_.emplace_back();
-      }
-      if (net_.carries_flows(id - 1)) return false;
-      path_.push_back(id - 1);
+      const std::uint32_t id = net_link(link);
+      if (net_.carries_flows(id)) return false;
+      path_.push_back(id);
     }
   }
   if (first < 0) return false;

@@ -95,6 +95,8 @@ class TransferEngine {
   // its id; `begun`: from begin_flows, which notes the transfer in begun_. A bundle over any of its links
   // is split first.
   std::uint32_t add_flow(Transfer* t, int flow, double left_bytes, bool begun = false);
+  // The sharing network's id of topology link `link` (link_ids_ sized), added the first time it is met.
+  std::uint32_t net_link(LinkId link);
   // Adds `t`'s bundle as one flow when every link it crosses is idle; returns whether it did.
   bool begin_bundle(Transfer* t);
   // Adds flow `flow` of `t` (kBundle: its bundle) over path_ (sharing network links), standing for `copies`
