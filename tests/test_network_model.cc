@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -939,6 +940,50 @@ TEST(Bundles, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
     return ends;
   };
   EXPECT_EQ(late(true), late(false));
+}
+
+// The same on random schedules: rings, shifts either way and sends inside and across two nodes, of random
+// sizes at random times, bundled and apart. Bundles split and start on idle links many times over.
+TEST(Bundles, RandomSchedulesEndAsWithEveryFlowApart) {
+  NetworkModel m(profile("dgx-h100", 2), NetworkOptions{"ring", "simple"});
+  std::vector<int> second(8);
+  std::iota(second.begin(), second.end(), 8);
+  std::mt19937 rng(7);
+  auto pick = [&](int n) { return std::uniform_int_distribution<int>(0, n - 1)(rng); };
+  int bundled_plans = 0;
+  for (int schedule = 0; schedule < 40; ++schedule) {
+    std::vector<std::pair<CommPlan, double>> plans;
+    double start_us = 0;
+    for (int i = 0; i < 24; ++i) {
+      const std::int64_t bytes = std::int64_t{1} << (16 + pick(14));  // 64 KiB to 512 MiB
+      const std::vector<int>& group = pick(2) == 0 ? first(8) : second;
+      switch (pick(5)) {
+        case 0:
+          plans.emplace_back(
+              m.plan_collective(pick(2) ? CommOp::AllReduce : CommOp::AllGather, bytes, group, -1), start_us);
+          break;
+        case 1:
+        case 2: {
+          std::vector<std::int64_t> pairs(64, 0);
+          const int step = pick(2) ? 1 : 7;  // to the next, or to the previous
+          for (int k = 0; k < 8; ++k) pairs[k * 8 + (k + step) % 8] = bytes;
+          plans.emplace_back(m.plan_all_to_all(group, pairs), start_us);
+          break;
+        }
+        default: {
+          const int src = pick(16);
+          plans.emplace_back(m.plan_p2p(src, (src + 1 + pick(15)) % 16, bytes), start_us);
+        }
+      }
+      bundled_plans += plans.back().first.bundle;
+      start_us += pick(3) == 0 ? 0.0 : std::uniform_real_distribution<double>(0, 500)(rng);
+    }
+    std::vector<std::pair<CommPlan, double>> without = plans;
+    for (auto& [plan, at_us] : without) plan.bundle = false;
+    EXPECT_EQ(end_times_us(m.topology(), plans), end_times_us(m.topology(), without))
+        << "schedule " << schedule;
+  }
+  EXPECT_GT(bundled_plans, 300);
 }
 
 }  // namespace
