@@ -116,16 +116,19 @@ void count_copies(CommPlan& plan) {
 
 void find_bundle(CommPlan& plan, const Topology& topology) {
   plan.bundle = false;
+  auto copies = [&](std::size_t f) { return plan.copies.empty() ? 1u : plan.copies[f]; };
   const Flow* first = nullptr;
+  std::uint32_t first_copies = 0;
   std::vector<LinkId> links;
   for (std::size_t f = 0; f < plan.flows.size(); ++f) {
-    if (!plan.copies.empty() && plan.copies[f] == 0) continue;
+    if (copies(f) == 0) continue;
     const Flow& flow = plan.flows[f];
-    if (first == nullptr) first = &flow;
-    const std::uint32_t copies = plan.copies.empty() ? 1 : plan.copies[f];
-    const std::uint32_t first_copies = plan.copies.empty() ? 1 : plan.copies[first - plan.flows.begin()];
+    if (first == nullptr) {
+      first = &flow;
+      first_copies = copies(f);
+    }
     if (flow.length == 0 || flow.length != first->length || flow.unscaled_bytes != first->unscaled_bytes ||
-        flow.unscaled_payload_bytes != first->unscaled_payload_bytes || copies != first_copies) {
+        flow.unscaled_payload_bytes != first->unscaled_payload_bytes || copies(f) != first_copies) {
       return;
     }
     const std::span<const LinkId> path = plan.path(flow), first_path = plan.path(*first);

@@ -76,7 +76,6 @@ std::uint32_t TransferEngine::net_link(LinkId link) {
 }
 
 std::uint32_t TransferEngine::add_flow(Transfer* t, int flow, double left_bytes, bool begun) {
-  if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
   const std::span<const LinkId> links = t->plan.path(t->plan.flows[flow]);
   // A bundle over any of these links no longer has them to itself: it goes on as its flows.
   for (LinkId link : links) {
@@ -97,7 +96,6 @@ std::uint32_t TransferEngine::add_flow(Transfer* t, int flow, double left_bytes,
 }
 
 bool TransferEngine::begin_bundle(Transfer* t) {
-  if (link_ids_.empty()) link_ids_.assign(topo_.link_count(), 0);
   const CommPlan& plan = t->plan;
   int first = -1;
   path_.clear();

@@ -52,7 +52,7 @@ struct EndedTransfer {
 
 class TransferEngine {
  public:
-  explicit TransferEngine(const Topology& topology) : topo_(topology) {}
+  explicit TransferEngine(const Topology& topology) : topo_(topology), link_ids_(topology.link_count(), 0) {}
 
   double now_us() const { return now_us_; }
   // `owner` moves `plan` from `start_us` on.
@@ -95,7 +95,7 @@ class TransferEngine {
   // its id; `begun`: from begin_flows, which notes the transfer in begun_. A bundle over any of its links
   // is split first.
   std::uint32_t add_flow(Transfer* t, int flow, double left_bytes, bool begun = false);
-  // The sharing network's id of topology link `link` (link_ids_ sized), added the first time it is met.
+  // The sharing network's id of topology link `link`, added the first time it is met.
   std::uint32_t net_link(LinkId link);
   // Adds `t`'s bundle as one flow when every link it crosses is idle; returns whether it did.
   bool begin_bundle(Transfer* t);
@@ -133,7 +133,7 @@ class TransferEngine {
   const Topology& topo_;
   double now_us_ = 0;
   SharingNetwork net_;
-  // Topology link -> sharing network link + 1 (0: not added yet), sized to the topology's links on first use.
+  // Topology link -> sharing network link + 1 (0: not added yet), one per topology link.
   std::vector<std::uint32_t> link_ids_;
   std::vector<std::uint32_t> path_;  // scratch
   std::vector<Running> running_;
