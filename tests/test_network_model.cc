@@ -862,10 +862,11 @@ TEST(IdleRates, ATransferAloneOnIdleLinksRunsAtItsShapesKeptRates) {
 
 // ---- bundles: alike flows on disjoint paths the engine moves as one ------------------------------------
 
-// The pairs of a shift around `n` ranks: each sends `bytes` to the next (a tensor-parallel ring's step).
-std::vector<std::int64_t> shift_pairs(int n, std::int64_t bytes) {
+// The pairs of a shift around `n` ranks: each sends `bytes` to the one `step` places on (a tensor-parallel
+// ring's step: 1; the other way round: n - 1).
+std::vector<std::int64_t> shift_pairs(int n, std::int64_t bytes, int step = 1) {
   std::vector<std::int64_t> pairs(static_cast<std::size_t>(n) * n, 0);
-  for (int i = 0; i < n; ++i) pairs[static_cast<std::size_t>(i) * n + (i + 1) % n] = bytes;
+  for (int i = 0; i < n; ++i) pairs[static_cast<std::size_t>(i) * n + (i + step) % n] = bytes;
   return pairs;
 }
 
@@ -892,8 +893,6 @@ TEST(Bundles, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
   NetworkModel m(profile("dgx-h100", 2), NetworkOptions{"ring", "simple"});
   std::vector<int> second(8);
   std::iota(second.begin(), second.end(), 8);
-  std::vector<std::int64_t> back(64, 0);  // a shift the other way: each to the previous
-  for (int i = 0; i < 8; ++i) back[i * 8 + (i + 7) % 8] = 64 << 20;
   const CommPlan ring = m.plan_collective(CommOp::AllReduce, 1 << 30, first(8), -1);
   const double ring_alone_us = end_times_us(m.topology(), {{ring, 0}})[0];
   std::vector<std::pair<CommPlan, double>> plans;  // and when each starts
@@ -903,7 +902,7 @@ TEST(Bundles, TheEngineEndsTransfersExactlyAsWithEveryFlowApart) {
   // When the first ring's flows that the send left alone are done, on the links of one of them.
   plans.emplace_back(m.plan_p2p(4, 5, 64 << 20), 1.1 * ring_alone_us);
   plans.emplace_back(m.plan_all_to_all(second, shift_pairs(8, 64 << 20)), 200);
-  plans.emplace_back(m.plan_all_to_all(second, back), 250);
+  plans.emplace_back(m.plan_all_to_all(second, shift_pairs(8, 64 << 20, 7)), 250);
   plans.emplace_back(m.plan_collective(CommOp::AllGather, 96 << 20, first(8), -1), 2000);
   plans.emplace_back(m.plan_all_to_all(first(8), shift_pairs(8, 32 << 20)), 3 * ring_alone_us);
   plans.emplace_back(m.plan_all_to_all(second, shift_pairs(8, 32 << 20)), 3 * ring_alone_us);
@@ -964,10 +963,8 @@ TEST(Bundles, RandomSchedulesEndAsWithEveryFlowApart) {
           break;
         case 1:
         case 2: {
-          std::vector<std::int64_t> pairs(64, 0);
           const int step = pick(2) ? 1 : 7;  // to the next, or to the previous
-          for (int k = 0; k < 8; ++k) pairs[k * 8 + (k + step) % 8] = bytes;
-          plans.emplace_back(m.plan_all_to_all(group, pairs), start_us);
+          plans.emplace_back(m.plan_all_to_all(group, shift_pairs(8, bytes, step)), start_us);
           break;
         }
         default: {
